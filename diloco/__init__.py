@@ -1,0 +1,1 @@
+"""lowband.diloco: Streaming DiLoCo training (and a DDP baseline) over any Communicator."""

@@ -1,0 +1,1 @@
+"""lowband.edge: Llama-family inference on edge devices (tensor parallel, weight streaming)."""

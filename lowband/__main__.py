@@ -1,0 +1,5 @@
+import sys
+
+from lowband.cli import main
+
+sys.exit(main())

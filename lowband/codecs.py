@@ -1,0 +1,186 @@
+"""Wire codecs: how a float tensor is encoded for the network.
+
+The caller owns the codec and hands it to a collective (``comm.all_reduce(x, codec=...)``); the
+transport only moves the frames. Every codec decodes to float32 so reductions accumulate in
+float32 whatever the wire precision.
+
+Block-scaled codecs split the flattened tensor into blocks of ``block`` elements and store one
+float32 scale per block (the block's absolute maximum mapped to the top of the code range). The
+tail block is zero-padded. Bits per element on the wire = code bits + 32 / block.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from lowband.comm import Codec, Encoded
+from lowband.errors import ConfigError
+
+__all__ = [
+    "Fp32Codec", "Fp16Codec", "Bf16Codec", "Int8BlockCodec", "FourBitCodec",
+    "CODEBOOKS", "get_codec", "codec_names",
+]
+
+
+def _shape_meta(t: torch.Tensor) -> dict:
+    return {"shape": list(t.shape)}
+
+
+@dataclass(frozen=True)
+class _CastCodec:
+    """Sends the tensor cast to ``wire_dtype``; decodes back to float32."""
+
+    name: str
+    wire_dtype: torch.dtype
+
+    def encode(self, tensor: torch.Tensor) -> Encoded:
+        frame = tensor.detach().to(self.wire_dtype).contiguous()
+        return Encoded(frames=(frame,), meta=_shape_meta(tensor))
+
+    def decode(self, encoded: Encoded) -> torch.Tensor:
+        (frame,) = encoded.frames
+        return frame.to(torch.float32).reshape(encoded.meta["shape"])
+
+
+def Fp32Codec() -> Codec:  # noqa: N802 - reads like a class at call sites
+    return _CastCodec("fp32", torch.float32)
+
+
+def Fp16Codec() -> Codec:  # noqa: N802
+    return _CastCodec("fp16", torch.float16)
+
+
+def Bf16Codec() -> Codec:  # noqa: N802
+    return _CastCodec("bf16", torch.bfloat16)
+
+
+def _blocks(tensor: torch.Tensor, block: int) -> torch.Tensor:
+    """Flatten to float32 and zero-pad to a whole number of blocks: (n_blocks, block)."""
+    flat = tensor.detach().reshape(-1).to(torch.float32)
+    pad = (-flat.numel()) % block
+    if pad:
+        flat = torch.cat([flat, flat.new_zeros(pad)])
+    return flat.view(-1, block)
+
+
+def _absmax_scales(blocks: torch.Tensor, top: float) -> torch.Tensor:
+    """Per-block scale mapping the block's absmax onto ``top``; empty blocks get scale 1."""
+    amax = blocks.abs().amax(dim=1)
+    scale = amax / top
+    return torch.where(scale > 0, scale, torch.ones_like(scale))
+
+
+@dataclass(frozen=True)
+class Int8BlockCodec:
+    """Symmetric int8 with one float32 absmax scale per block (8 + 32/block bits per element)."""
+
+    block: int = 256
+    name: str = field(default="int8", init=False)
+
+    def __post_init__(self) -> None:
+        if self.block < 1:
+            raise ConfigError("block", f"must be >= 1, got {self.block}")
+
+    def encode(self, tensor: torch.Tensor) -> Encoded:
+        blocks = _blocks(tensor, self.block)
+        scale = _absmax_scales(blocks, 127.0)
+        q = torch.round(blocks / scale[:, None]).clamp_(-127, 127).to(torch.int8)
+        meta = {"shape": list(tensor.shape), "block": self.block}
+        return Encoded(frames=(q.reshape(-1), scale), meta=meta)
+
+    def decode(self, encoded: Encoded) -> torch.Tensor:
+        q, scale = encoded.frames
+        block = int(encoded.meta["block"])
+        shape = encoded.meta["shape"]
+        numel = 1
+        for s in shape:
+            numel *= int(s)
+        out = q.to(torch.float32).view(-1, block) * scale.to(torch.float32)[:, None]
+        return out.reshape(-1)[:numel].reshape(shape)
+
+
+# 4-bit code books, normalised so the largest magnitude is 1.0. Values are facts from the
+# formats' definitions: E2M1 is the OCP MX FP4 element type; NF4 is the QLoRA normal-float grid
+# (Dettmers et al., 2023); E3M0 is sign + 3-bit exponent, no mantissa (powers of two).
+_E2M1 = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]
+CODEBOOKS: dict[str, list[float]] = {
+    "e2m1": sorted({s * v / 6.0 for v in _E2M1 for s in (-1.0, 1.0)}),
+    "nf4": [
+        -1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453,
+        -0.28444138169288635, -0.18477343022823334, -0.09105003625154495, 0.0,
+        0.07958029955625534, 0.16093020141124725, 0.24611230194568634, 0.33791524171829224,
+        0.44070982933044434, 0.5626170039176941, 0.7229568362236023, 1.0,
+    ],
+    "e3m0": sorted({0.0} | {s * 2.0**-e for e in range(7) for s in (-1.0, 1.0)}),
+}
+
+
+@dataclass(frozen=True)
+class FourBitCodec:
+    """4-bit codes from a 16-entry code book, one float32 absmax scale per block.
+
+    Two codes are packed per byte (low nibble first). Rounding is to the nearest code-book value.
+    """
+
+    kind: str = "e2m1"
+    block: int = 128
+    name: str = field(default="", init=False)
+
+    def __post_init__(self) -> None:
+        if self.kind not in CODEBOOKS:
+            raise ConfigError("kind", f"unknown 4-bit format {self.kind!r}; one of {sorted(CODEBOOKS)}")
+        if self.block < 2 or self.block % 2:
+            raise ConfigError("block", f"must be an even number >= 2, got {self.block}")
+        object.__setattr__(self, "name", {"e2m1": "fp4", "nf4": "nf4", "e3m0": "e3m0"}[self.kind])
+
+    def _book(self) -> torch.Tensor:
+        return torch.tensor(CODEBOOKS[self.kind], dtype=torch.float32)
+
+    def encode(self, tensor: torch.Tensor) -> Encoded:
+        book = self._book()
+        blocks = _blocks(tensor, self.block)
+        scale = _absmax_scales(blocks, 1.0)
+        normed = (blocks / scale[:, None]).reshape(-1)
+        mids = (book[1:] + book[:-1]) / 2
+        idx = torch.bucketize(normed, mids).to(torch.uint8)
+        packed = idx[0::2] | (idx[1::2] << 4)
+        meta = {"shape": list(tensor.shape), "block": self.block, "kind": self.kind}
+        return Encoded(frames=(packed, scale), meta=meta)
+
+    def decode(self, encoded: Encoded) -> torch.Tensor:
+        packed, scale = encoded.frames
+        book = torch.tensor(CODEBOOKS[encoded.meta["kind"]], dtype=torch.float32)
+        block = int(encoded.meta["block"])
+        shape = encoded.meta["shape"]
+        numel = 1
+        for s in shape:
+            numel *= int(s)
+        idx = torch.stack([packed & 0x0F, packed >> 4], dim=1).reshape(-1).long()
+        vals = book[idx].view(-1, block) * scale.to(torch.float32)[:, None]
+        return vals.reshape(-1)[:numel].reshape(shape)
+
+
+_REGISTRY: dict[str, Callable[[], Codec]] = {
+    "fp32": Fp32Codec,
+    "fp16": Fp16Codec,
+    "bf16": Bf16Codec,
+    "int8": Int8BlockCodec,
+    "fp4": lambda: FourBitCodec("e2m1"),
+    "nf4": lambda: FourBitCodec("nf4"),
+    "e3m0": lambda: FourBitCodec("e3m0"),
+}
+
+
+def codec_names() -> list[str]:
+    return sorted(_REGISTRY)
+
+
+def get_codec(name: str) -> Codec:
+    """Codec by its CLI name (``fp32``, ``fp16``, ``bf16``, ``int8``, ``fp4``, ``nf4``, ``e3m0``)."""
+    try:
+        return _REGISTRY[name]()
+    except KeyError:
+        raise ConfigError("codec", f"unknown codec {name!r}; one of {codec_names()}") from None

@@ -1,0 +1,74 @@
+"""Shared fixtures. Multi-process tests use ``spawn_group`` so every child dies with the test."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+from pathlib import Path
+from typing import Callable, Iterator
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+SHAKESPEARE = REPO.parent / "shared" / "data" / "shakespeare.txt"
+
+
+def free_port() -> int:
+    """A TCP port that was free a moment ago (bind to port 0, read it back)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def spawn() -> Iterator[Callable[..., subprocess.Popen]]:
+    """Start children in their own process group; kill every group at teardown."""
+    procs: list[subprocess.Popen] = []
+
+    def start(args: list[str], **kw) -> subprocess.Popen:
+        env = dict(os.environ, PYTHONUNBUFFERED="1", **kw.pop("env", {}))
+        p = subprocess.Popen(args, start_new_session=True, env=env, cwd=kw.pop("cwd", REPO), **kw)
+        procs.append(p)
+        return p
+
+    yield start
+    for p in procs:
+        try:
+            os.killpg(p.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        try:
+            p.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            pass
+
+
+def run_ranks(fns: list[Callable[[], object]], timeout: float = 60.0) -> list[object]:
+    """Run one callable per rank in threads; return results by rank, re-raising the first error."""
+    results: list[object] = [None] * len(fns)
+    errors: list[BaseException | None] = [None] * len(fns)
+
+    def body(i: int) -> None:
+        try:
+            results[i] = fns[i]()
+        except BaseException as e:  # noqa: BLE001 - reported to the test below
+            errors[i] = e
+
+    threads = [threading.Thread(target=body, args=(i,), daemon=True) for i in range(len(fns))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout)
+        if t.is_alive():
+            raise TimeoutError(f"rank thread still running after {timeout}s")
+    for e in errors:
+        if e is not None:
+            raise e
+    return results
+
+
+PY = sys.executable
