@@ -31,6 +31,10 @@ class AuthError(LowbandError):
     """Authentication failed (bad token, unknown CURVE key)."""
 
 
+class IncompatiblePeer(LowbandError):
+    """A peer was refused at join: its run signature (model shapes, config) differs from the group's."""
+
+
 class TransportTimeout(LowbandError, TimeoutError):
     """An operation did not complete within its deadline. The peers may still be alive."""
 

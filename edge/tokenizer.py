@@ -1,0 +1,74 @@
+"""Tokenizers: lowband's byte tokenizer for models trained here, HF ``tokenizer.json`` otherwise.
+
+A checkpoint directory says which one it uses: ``tokenizer.json`` (HF ``tokenizers``) wins;
+otherwise ``lowband_tokenizer.json`` with ``{"type": "bytes"}`` selects :class:`ByteTokenizer`.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Protocol, Sequence
+
+from lowband.errors import ConfigError
+
+TOKENIZER_MARKER = "lowband_tokenizer.json"
+
+
+class Tokenizer(Protocol):
+    vocab_size: int
+    eos_token_id: int | None
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def decode(self, ids: Sequence[int]) -> str: ...
+
+
+class ByteTokenizer:
+    """UTF-8 bytes are the tokens (vocabulary 256). No special tokens; generation stops on
+    ``max_tokens`` or a stop sequence."""
+
+    vocab_size = 256
+    eos_token_id: int | None = None
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return bytes(int(i) & 0xFF for i in ids).decode("utf-8", errors="replace")
+
+    def save(self, model_dir: str | Path) -> None:
+        (Path(model_dir) / TOKENIZER_MARKER).write_text(json.dumps({"type": "bytes"}))
+
+
+class HFTokenizer:
+    """Wraps a HF ``tokenizers.Tokenizer`` loaded from ``tokenizer.json``."""
+
+    def __init__(self, path: Path, eos_token_id: int | None) -> None:
+        try:
+            from tokenizers import Tokenizer as _Tok
+        except ImportError:  # pragma: no cover - depends on the install
+            raise ConfigError("tokenizer", f"{path} needs the 'tokenizers' package: "
+                              "pip install tokenizers") from None
+        self._tok = _Tok.from_file(str(path))
+        self.vocab_size = self._tok.get_vocab_size()
+        self.eos_token_id = eos_token_id
+
+    def encode(self, text: str) -> list[int]:
+        return self._tok.encode(text).ids
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self._tok.decode(list(ids))
+
+
+def load_tokenizer(model_dir: str | Path, eos_token_id: int | None = None) -> Tokenizer:
+    d = Path(model_dir)
+    if (d / "tokenizer.json").exists():
+        return HFTokenizer(d / "tokenizer.json", eos_token_id)
+    marker = d / TOKENIZER_MARKER
+    if marker.exists():
+        kind = json.loads(marker.read_text()).get("type")
+        if kind == "bytes":
+            return ByteTokenizer()
+        raise ConfigError("tokenizer", f"{marker}: unknown tokenizer type {kind!r}")
+    raise ConfigError("tokenizer", f"{d} has neither tokenizer.json nor {TOKENIZER_MARKER}")
