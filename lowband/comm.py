@@ -128,9 +128,13 @@ class Communicator(Protocol):
     @property
     def membership(self) -> Membership: ...
 
-    def quorum(self, *, timeout: float | None = None) -> Membership:
-        """Agree on membership with every live peer (and admit newcomers). Blocks until all live
-        members have called it; returns the (possibly new) epoch. Cheap when nothing changed."""
+    def quorum(self, *, min_world: int = 1, timeout: float | None = None) -> Membership:
+        """Agree on membership with every live peer and admit registered newcomers.
+
+        Blocks until every live member and every registered newcomer has called it and the group
+        has at least ``min_world`` peers (the largest ``min_world`` any caller asked for); returns
+        the (possibly new) epoch. Cheap when nothing changed. Founding members of a run call
+        ``quorum(min_world=N)`` to wait for each other."""
         ...
 
     def all_reduce(

@@ -141,3 +141,19 @@ def test_many_threads_stress():
 
     outs = run_ranks([lambda c=c: body(c) for c in comms])
     assert torch.equal(outs[0], torch.full((16,), float(world * sum(range(50)))))
+
+
+def test_quorum_min_world_waits_for_newcomer():
+    group = LoopbackGroup(1, timeout=5)
+    (c0,) = group.comms()
+    results = {}
+    t = threading.Thread(target=lambda: results.setdefault("m", c0.quorum(min_world=2)))
+    t.start()
+    t.join(0.2)
+    assert t.is_alive()  # alone: waits for a second peer
+    new = group.join()
+    m_new = new.quorum()
+    t.join(5)
+    assert results["m"].world_size == 2 and m_new.rank == 1
+    with pytest.raises(TransportTimeout):
+        LoopbackGroup(1, timeout=0.2).comms()[0].quorum(min_world=2)

@@ -78,6 +78,7 @@ class LoopbackGroup:
         self._q_gen = 0
         self._q_arrived: dict[str, int] = {}  # peer -> arrival order
         self._joined: dict[str, int] = {}  # newcomer -> registration order
+        self._q_min_world: dict[str, int] = {}  # peer -> min_world it asked for
         self._q_results: dict[int, dict[str, Membership]] = {}
         self._comms: list[LoopbackComm] = []
         ids = tuple(self._new_id() for _ in range(world_size))
@@ -127,6 +128,7 @@ class LoopbackGroup:
                     rv.failed = error
                     doomed.extend((w, error) for w in rv.works.values())
             self._q_arrived.pop(pid, None)
+            self._q_min_world.pop(pid, None)
             self._try_complete_quorum()
             self._cv.notify_all()
         for work, err in doomed:
@@ -143,6 +145,8 @@ class LoopbackGroup:
         joiners = sorted((p for p in self._alive if p not in self._view), key=self._joined.__getitem__)
         if any(p not in self._q_arrived for p in required + joiners):
             return
+        if len(required) + len(joiners) < max(self._q_min_world.values(), default=1):
+            return
         new_view = tuple(required) + tuple(joiners)
         if new_view != self._view:
             self._epoch += 1
@@ -157,18 +161,23 @@ class LoopbackGroup:
         self._q_results[self._q_gen] = results
         self._q_gen += 1
         self._q_arrived = {}
+        self._q_min_world = {}
         self._cv.notify_all()
 
-    def _quorum(self, pid: str, timeout: float) -> Membership:
+    def _quorum(self, pid: str, min_world: int, timeout: float) -> Membership:
         with self._cv:
             self._check_alive(pid)
             gen = self._q_gen
             self._q_arrived.setdefault(pid, len(self._q_arrived))
+            self._q_min_world[pid] = min_world
             self._try_complete_quorum()
             ok = self._cv.wait_for(lambda: gen in self._q_results or pid not in self._alive, timeout)
             if not ok:
                 self._q_arrived.pop(pid, None)
-                raise TransportTimeout(f"quorum: not every live member arrived within {timeout:.1f}s")
+                self._q_min_world.pop(pid, None)
+                raise TransportTimeout(
+                    f"quorum: within {timeout:.1f}s not every live member arrived or the group "
+                    f"stayed below min_world={min_world}")
             self._check_alive(pid)
             return self._q_results[gen][pid]
 
@@ -353,8 +362,10 @@ class LoopbackComm:
     def membership(self) -> Membership:
         return self._membership
 
-    def quorum(self, *, timeout: float | None = None) -> Membership:
-        m = self._group._quorum(self.peer_id, self._timeout(timeout))
+    def quorum(self, *, min_world: int = 1, timeout: float | None = None) -> Membership:
+        if min_world < 1:
+            raise ConfigError("min_world", f"must be >= 1, got {min_world}")
+        m = self._group._quorum(self.peer_id, min_world, self._timeout(timeout))
         with self._lock:
             if m.epoch != self._membership.epoch:
                 self._seq = 0
