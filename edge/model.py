@@ -249,6 +249,7 @@ class LlamaForCausalLM(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
+        self._rope_table: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def forward(self, input_ids: torch.Tensor, *, cache: KVCache | None = None,
                 start: int | None = None) -> torch.Tensor:
@@ -256,15 +257,37 @@ class LlamaForCausalLM(nn.Module):
         advanced by T afterwards."""
         if start is None:
             start = cache.length if cache is not None else 0
-        x = self.model.embed_tokens(input_ids)
-        T = input_ids.shape[1]
-        pos = torch.arange(start, start + T, device=input_ids.device)
-        cos, sin = rope_cos_sin(self.inv_freq, pos, x.dtype)
+        x = self.forward_layers(self.embed(input_ids), cache=cache, start=start)
+        return self.head(x)
+
+    # The three pieces below let a tensor-parallel master run embed/head alone while every
+    # rank runs ``forward_layers`` on its shard (workers never hold the embedding or LM head).
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model.embed_tokens(input_ids)
+
+    def forward_layers(self, x: torch.Tensor, *, cache: KVCache | None, start: int) -> torch.Tensor:
+        """x: (B, T, H) hidden states at positions start..start+T-1."""
+        T = x.shape[1]
+        cos, sin = self.rope(start, T, x.dtype)
         for layer in self.model.layers:
             x = layer(x, cos, sin, cache, start)
         if cache is not None:
             cache.length = start + T
+        return x
+
+    def head(self, x: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self.model.norm(x))
+
+    def rope(self, start: int, T: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin (T, D) for positions start..start+T-1, sliced from a table that grows by
+        doubling, so a decode step does no trigonometry."""
+        end = start + T
+        table = self._rope_table
+        if table is None or table[0].shape[0] < end or table[0].dtype != dtype:
+            n = max(end, 2 * (table[0].shape[0] if table is not None else 256))
+            pos = torch.arange(n, device=self.inv_freq.device)
+            self._rope_table = table = rope_cos_sin(self.inv_freq, pos, dtype)
+        return table[0][start:end], table[1][start:end]
 
     def new_cache(self) -> KVCache:
         return KVCache(self.config.num_hidden_layers)
