@@ -1,0 +1,207 @@
+"""Tensor parallelism applied after construction: ``shard(model, plan, rank, world, reduce)``.
+
+Megatron-style split of every decoder layer (TPI-LLM §3.1): the attention block is split by
+whole KV groups (a group = one KV head and the query heads that read it), so each rank runs
+ordinary grouped-query attention on its heads and ``o_proj`` produces a partial sum; the
+SwiGLU FFN (and every Mixtral expert) is split by intermediate columns, so ``down_proj``/``w2``
+produce partial sums. Two all-reduces per layer combine them (the ``reduce`` hooks of
+``edge.model``). Norms and the MoE router are replicated; the embedding, final norm and LM head
+live on rank 0 only (the master embeds tokens and samples; workers see hidden states).
+
+Uneven splits: ``weights`` (device memory or speed) apportion KV groups and FFN columns by the
+largest-remainder method. A rank may get zero KV groups when there are more ranks than groups;
+it still takes part in the all-reduce with a zero contribution.
+
+:func:`slice_of` is the single source of truth for "which part of tensor ``name`` does rank r
+hold"; ``shard``, the checkpoint loader and ``lowband edge split`` all use it.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import torch
+from torch import nn
+
+from edge.config import ModelConfig
+from edge.model import LlamaForCausalLM
+from lowband.comm import Algorithm, Codec, Communicator
+from lowband.errors import ConfigError
+
+Reduce = Callable[[torch.Tensor], torch.Tensor]
+
+HEAD_KEYS = ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight")
+
+
+def apportion(total: int, weights: Sequence[float], unit: int = 1) -> list[int]:
+    """Split ``total`` (a multiple of ``unit`` except for the remainder given to the largest
+    share) into parts proportional to ``weights`` with the largest-remainder method."""
+    if total < 0:
+        raise ConfigError("total", f"must be >= 0, got {total}")
+    if not weights or any(w <= 0 for w in weights):
+        raise ConfigError("weights", f"need positive weights, got {list(weights)}")
+    units, rest = divmod(total, unit)
+    s = float(sum(weights))
+    exact = [units * w / s for w in weights]
+    parts = [int(e) for e in exact]
+    # Hand the remaining units to the largest fractional parts (ties: lower rank first).
+    order = sorted(range(len(weights)), key=lambda r: (-(exact[r] - parts[r]), r))
+    for r in order[: units - sum(parts)]:
+        parts[r] += 1
+    parts = [p * unit for p in parts]
+    parts[max(range(len(parts)), key=lambda r: (parts[r], -r))] += rest
+    return parts
+
+
+def _ranges(sizes: Sequence[int]) -> tuple[tuple[int, int], ...]:
+    out, start = [], 0
+    for n in sizes:
+        out.append((start, start + n))
+        start += n
+    return tuple(out)
+
+
+@dataclass(frozen=True, kw_only=True)
+class TPPlan:
+    """Which slice of each layer every rank holds.
+
+    ``kv[r]``: half-open range of KV heads of rank r (its query heads follow: ``kv * G``).
+    ``ffn[r]``: half-open range of intermediate (FFN / expert) columns of rank r.
+    """
+
+    world: int
+    weights: tuple[float, ...]
+    kv: tuple[tuple[int, int], ...]
+    ffn: tuple[tuple[int, int], ...]
+    group: int  # G: query heads per KV head
+    head_dim: int  # D
+
+    def __post_init__(self) -> None:
+        if self.world < 1:
+            raise ConfigError("world", f"must be >= 1, got {self.world}")
+        for name in ("weights", "kv", "ffn"):
+            if len(getattr(self, name)) != self.world:
+                raise ConfigError(name, f"needs {self.world} entries, got {len(getattr(self, name))}")
+
+    def q_heads(self, rank: int) -> tuple[int, int]:
+        a, b = self.kv[rank]
+        return a * self.group, b * self.group
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"world": self.world, "weights": list(self.weights), "kv": [list(r) for r in self.kv],
+                "ffn": [list(r) for r in self.ffn], "group": self.group, "head_dim": self.head_dim}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "TPPlan":
+        return cls(world=int(d["world"]), weights=tuple(float(w) for w in d["weights"]),
+                   kv=tuple((int(a), int(b)) for a, b in d["kv"]),
+                   ffn=tuple((int(a), int(b)) for a, b in d["ffn"]),
+                   group=int(d["group"]), head_dim=int(d["head_dim"]))
+
+
+def make_plan(cfg: ModelConfig, world: int, weights: Sequence[float] | None = None,
+              ffn_unit: int = 8) -> TPPlan:
+    """Plan a ``world``-way split. ``ffn_unit`` keeps column blocks SIMD-friendly."""
+    if world < 1:
+        raise ConfigError("devices", f"must be >= 1, got {world}")
+    w = tuple(float(x) for x in (weights or [1.0] * world))
+    if len(w) != world:
+        raise ConfigError("weights", f"{len(w)} weights given for {world} devices")
+    unit = ffn_unit if cfg.intermediate_size >= ffn_unit * world else 1
+    return TPPlan(world=world, weights=w,
+                  kv=_ranges(apportion(cfg.n_kv_heads, w)),
+                  ffn=_ranges(apportion(cfg.intermediate_size, w, unit)),
+                  group=cfg.num_attention_heads // cfg.n_kv_heads, head_dim=cfg.dim_per_head)
+
+
+_ATTN = re.compile(r"model\.layers\.\d+\.self_attn\.(q|k|v|o)_proj\.(weight|bias)$")
+_FFN = re.compile(r"model\.layers\.\d+\.(mlp\.(gate|up|down)_proj|block_sparse_moe\.experts\.\d+\.(w1|w2|w3))"
+                  r"\.weight$")
+
+
+def slice_of(name: str, plan: TPPlan, rank: int) -> tuple[int, int, int] | None | bool:
+    """How rank ``rank`` holds tensor ``name``: ``(dim, start, end)`` for a slice, ``True`` for
+    the whole tensor (replicated), ``False`` when the rank does not hold it at all."""
+    if name in HEAD_KEYS:
+        return rank == 0
+    m = _ATTN.search(name)
+    if m:
+        proj, D = m.group(1), plan.head_dim
+        if proj == "q":
+            a, b = plan.q_heads(rank)
+            return (0, a * D, b * D)
+        if proj in ("k", "v"):
+            a, b = plan.kv[rank]
+            return (0, a * D, b * D)
+        if m.group(2) == "bias":  # o_proj bias would be added once per rank: keep it on rank 0
+            return rank == 0
+        a, b = plan.q_heads(rank)
+        return (1, a * D, b * D)
+    m = _FFN.search(name)
+    if m:
+        a, b = plan.ffn[rank]
+        rows = m.group(2) in ("gate", "up") or m.group(3) in ("w1", "w3")
+        return (0, a, b) if rows else (1, a, b)
+    return True
+
+
+def take(t: torch.Tensor, spec: tuple[int, int, int] | bool) -> torch.Tensor | None:
+    """Apply a :func:`slice_of` answer to a full tensor (a meta tensor stays meta)."""
+    if spec is False:
+        return None
+    if spec is True:
+        return t
+    dim, a, b = spec
+    return t.narrow(dim, a, b - a)
+
+
+def shard(model: LlamaForCausalLM, plan: TPPlan, rank: int, world: int,
+          reduce: Reduce | None = None) -> LlamaForCausalLM:
+    """Slice ``model`` in place to rank ``rank``'s part and install ``reduce`` at the two
+    reduce points of every layer. Works on a materialised model (slices are copied so the full
+    tensors can be freed) and on a ``meta`` model (shapes change, load the slice afterwards).
+    Tensors a rank does not hold become empty meta tensors."""
+    if world != plan.world:
+        raise ConfigError("world", f"plan was made for {plan.world} devices, got world {world}")
+    if not 0 <= rank < world:
+        raise ConfigError("rank", f"{rank} is not in [0, {world})")
+    if world == 1:
+        return model
+    for name, param in list(model.named_parameters(remove_duplicate=False)):
+        spec = slice_of(name, plan, rank)
+        if spec is True:
+            continue
+        owner_name, _, pname = name.rpartition(".")
+        owner = model.get_submodule(owner_name)
+        part = take(param.data, spec)
+        if part is None:
+            new = torch.empty(0, device="meta", dtype=param.dtype)
+        elif part.is_meta:
+            new = torch.empty(part.shape, device="meta", dtype=param.dtype)
+        else:
+            new = part.contiguous().clone()
+        owner._parameters[pname] = nn.Parameter(new, requires_grad=False)
+    qa, qb = plan.q_heads(rank)
+    ka, kb = plan.kv[rank]
+    for layer in model.model.layers:
+        attn = layer.self_attn
+        attn.n_heads, attn.n_kv_heads = qb - qa, kb - ka
+        attn.reduce = reduce
+        layer.ffn.reduce = reduce
+    return model
+
+
+def make_reduce(comm: Communicator, *, codec: Codec | None = None,
+                algorithm: Algorithm = "star", timeout: float | None = None) -> Reduce:
+    """The all-reduce hook for :func:`shard`: sums partial outputs over ``comm``.
+
+    Untagged collectives are matched by call order, which is the same on every rank because
+    every rank runs the same layers in the same order; a failed forward moves everyone to a
+    new membership epoch (``quorum``), which restarts the numbering."""
+
+    def reduce(x: torch.Tensor) -> torch.Tensor:
+        return comm.all_reduce(x, "sum", codec=codec, algorithm=algorithm, timeout=timeout)
+
+    return reduce
