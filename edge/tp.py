@@ -178,6 +178,8 @@ def shard(model: LlamaForCausalLM, plan: TPPlan, rank: int, world: int,
         part = take(param.data, spec)
         if part is None:
             new = torch.empty(0, device="meta", dtype=param.dtype)
+        elif part.is_meta and part.numel() == 0:  # held but empty (no heads here): real
+            new = torch.empty(part.shape, dtype=param.dtype)
         elif part.is_meta:
             new = torch.empty(part.shape, device="meta", dtype=param.dtype)
         else:

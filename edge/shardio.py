@@ -1,0 +1,252 @@
+"""Per-device shard files (``lowband edge split``) and loading one rank's slice of a model.
+
+Split directory layout (``format`` 1)::
+
+    OUT/config.json                HF config of the whole model
+    OUT/lowband_split.json         {"format": 1, "dtype": ..., "plan": TPPlan.to_dict()}
+    OUT/tokenizer.json | lowband_tokenizer.json   copied from the checkpoint
+    OUT/rank{r}/head.safetensors   embedding, final norm, LM head (rank 0 only)
+    OUT/rank{r}/layer{i:05d}.safetensors   rank r's slice of layer i
+
+A device copies only ``OUT/rank{r}`` (plus the two json files). One file per layer is what lets
+the sliding window (``edge.window``) map, populate and evict a layer as one unit.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from edge.config import ModelConfig
+from edge.model import LlamaForCausalLM, rope_inv_freq
+from edge.tp import HEAD_KEYS, Reduce, TPPlan, make_plan, shard, slice_of
+from edge.weights import DTYPES, weight_files
+from edge.window import MappedFile, WindowScheduler, attach, window_for_budget
+from lowband.errors import ConfigError
+
+logger = logging.getLogger(__name__)
+
+SPLIT_MARKER = "lowband_split.json"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "lowband_tokenizer.json",
+                   "generation_config.json")
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+
+
+def layer_file(out: Path, rank: int, layer: int) -> Path:
+    return out / f"rank{rank}" / f"layer{layer:05d}.safetensors"
+
+
+def head_file(out: Path) -> Path:
+    return out / "rank0" / "head.safetensors"
+
+
+def is_split_dir(path: str | Path) -> bool:
+    return (Path(path) / SPLIT_MARKER).exists()
+
+
+def read_split_meta(path: str | Path) -> tuple[TPPlan, str]:
+    meta = json.loads((Path(path) / SPLIT_MARKER).read_text())
+    if meta.get("format") != 1:
+        raise ConfigError("model_dir", f"{path}: unknown split format {meta.get('format')}")
+    return TPPlan.from_dict(meta["plan"]), meta["dtype"]
+
+
+def _dtype(name: str) -> torch.dtype:
+    if name not in DTYPES:
+        raise ConfigError("dtype", f"unknown dtype {name!r}; one of {sorted(DTYPES)}")
+    return DTYPES[name]
+
+
+def split_checkpoint(model_dir: str | Path, out_dir: str | Path, devices: int,
+                     weights: Sequence[float] | None = None, dtype: str | None = None) -> Path:
+    """Write per-device, per-layer shard files for a ``devices``-way tensor-parallel split.
+    Reads the checkpoint one layer at a time through the safetensors memory map."""
+    src, out = Path(model_dir), Path(out_dir)
+    cfg = ModelConfig.from_json(src)
+    dname = dtype or cfg.torch_dtype
+    dt = _dtype(dname)
+    plan = make_plan(cfg, devices, weights)
+    by_layer: dict[int | None, list[tuple[Path, str]]] = {}
+    for f in weight_files(src):
+        with safe_open(str(f), framework="pt") as sf:
+            for key in sf.keys():
+                m = _LAYER.match(key)
+                by_layer.setdefault(int(m.group(1)) if m else None, []).append((f, key))
+    out.mkdir(parents=True, exist_ok=True)
+    for r in range(devices):
+        (out / f"rank{r}").mkdir(exist_ok=True)
+    for layer in [None, *range(cfg.num_hidden_layers)]:
+        full: dict[str, torch.Tensor] = {}
+        for f, key in by_layer.get(layer, []):
+            if key.endswith("rotary_emb.inv_freq"):
+                continue
+            with safe_open(str(f), framework="pt") as sf:
+                full[key] = sf.get_tensor(key)
+        if layer is not None and not full:
+            raise ConfigError("model_dir", f"{src} has no tensors for layer {layer}")
+        for r in range(devices):
+            part = {}
+            for key, t in full.items():
+                spec = slice_of(key, plan, r)
+                if spec is False:
+                    continue
+                part[key] = (t if spec is True else t.narrow(*spec)).to(dt).contiguous()
+            if layer is None:
+                if r == 0:
+                    save_file(part, str(head_file(out)), metadata={"format": "pt"})
+            else:
+                save_file(part, str(layer_file(out, r, layer)), metadata={"format": "pt"})
+    hf = json.loads((src / "config.json").read_text())
+    hf["torch_dtype"] = dname
+    (out / "config.json").write_text(json.dumps(hf, indent=2, sort_keys=True))
+    (out / SPLIT_MARKER).write_text(json.dumps(
+        {"format": 1, "dtype": dname, "plan": plan.to_dict()}, indent=2))
+    for name in TOKENIZER_FILES:
+        if (src / name).exists():
+            shutil.copy(src / name, out / name)
+    return out
+
+
+@dataclass(frozen=True, kw_only=True)
+class WindowConfig:
+    """Sliding window over layer blocks. Exactly one of ``window`` (W, blocks resident) or
+    ``memory_budget_mb`` (W is derived from it) is set."""
+
+    window: int | None = None
+    memory_budget_mb: float | None = None
+
+    def __post_init__(self) -> None:
+        if (self.window is None) == (self.memory_budget_mb is None):
+            raise ConfigError("window", "set exactly one of window or memory_budget_mb")
+        if self.window is not None and self.window < 1:
+            raise ConfigError("window", f"must be >= 1, got {self.window}")
+        if self.memory_budget_mb is not None and self.memory_budget_mb <= 0:
+            raise ConfigError("memory_budget_mb", f"must be > 0, got {self.memory_budget_mb}")
+
+
+@dataclass
+class LoadedShard:
+    """One rank's model slice; ``scheduler`` is set when weights stream through a window."""
+
+    model: LlamaForCausalLM
+    plan: TPPlan
+    rank: int
+    scheduler: WindowScheduler | None = None
+
+    def close(self) -> None:
+        if self.scheduler is not None:
+            self.scheduler.close()
+
+
+def load_shard(model_dir: str | Path, rank: int = 0, world: int = 1, *,
+               weights: Sequence[float] | None = None, dtype: str | None = None,
+               reduce: Reduce | None = None, window: WindowConfig | None = None) -> LoadedShard:
+    """Build rank ``rank``'s slice on the meta device and load only that slice.
+
+    ``model_dir`` is either a split directory (the plan comes from it) or a plain HF
+    checkpoint (the plan is made here from ``weights``; slices are read through the
+    safetensors memory map). The sliding window needs a split directory."""
+    d = Path(model_dir)
+    cfg = ModelConfig.from_json(d)
+    if is_split_dir(d):
+        plan, file_dtype = read_split_meta(d)
+        if plan.world != world:
+            raise ConfigError("devices", f"{d} was split for {plan.world} devices, not {world}")
+        if weights is not None and tuple(float(w) for w in weights) != plan.weights:
+            raise ConfigError("weights", f"{d} was split with weights {list(plan.weights)}")
+    else:
+        plan, file_dtype = make_plan(cfg, world, weights), cfg.torch_dtype
+        if window is not None:
+            raise ConfigError("window", f"the sliding window streams per-layer files: run "
+                              f"'lowband edge split {d} --devices {world} --out DIR' first")
+    dt = _dtype(dtype or file_dtype)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(cfg)
+    shard(model, plan, rank, world, reduce)
+    model.to(dtype=dt)
+    if is_split_dir(d):
+        sched = _load_split(model, d, rank, dt, file_dtype, window)
+    else:
+        _load_from_checkpoint(model, d, plan, rank, dt)
+        sched = None
+    model.inv_freq = rope_inv_freq(cfg)
+    if cfg.tie_word_embeddings and rank == 0:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    return LoadedShard(model=model.eval(), plan=plan, rank=rank, scheduler=sched)
+
+
+def _load_from_checkpoint(model: LlamaForCausalLM, d: Path, plan: TPPlan, rank: int,
+                          dt: torch.dtype) -> None:
+    wanted = dict(model.named_parameters(remove_duplicate=False))
+    tensors: dict[str, torch.Tensor] = {}
+    for f in weight_files(d):
+        with safe_open(str(f), framework="pt") as sf:
+            for key in sf.keys():
+                if key not in wanted:
+                    continue
+                spec = slice_of(key, plan, rank)
+                if spec is False:
+                    continue
+                if spec is True:
+                    t = sf.get_tensor(key)
+                else:  # read only this rank's rows/columns from the mapped file
+                    dim, a, b = spec
+                    sl = sf.get_slice(key)
+                    t = sl[a:b] if dim == 0 else sl[:, a:b]
+                tensors[key] = t.to(dt).contiguous()
+    _assign(model, tensors)
+
+
+def _load_split(model: LlamaForCausalLM, d: Path, rank: int, dt: torch.dtype, file_dtype: str,
+                window: WindowConfig | None) -> WindowScheduler | None:
+    tensors: dict[str, torch.Tensor] = {}
+    if rank == 0:
+        with safe_open(str(head_file(d)), framework="pt") as sf:
+            tensors.update({k: sf.get_tensor(k).to(dt) for k in sf.keys()})
+    n = model.config.num_hidden_layers
+    paths = [layer_file(d, rank, i) for i in range(n)]
+    for p in paths:
+        if not p.exists():
+            raise ConfigError("model_dir", f"missing shard file {p}: copy rank{rank}/ from the split")
+    if window is None:
+        for p in paths:
+            with safe_open(str(p), framework="pt") as sf:
+                tensors.update({k: sf.get_tensor(k).to(dt) for k in sf.keys()})
+        _assign(model, tensors)
+        return None
+    if dt != _dtype(file_dtype):
+        raise ConfigError("dtype", f"the sliding window maps weights as stored ({file_dtype}); "
+                          f"split again with --dtype to run in another dtype")
+    _assign(model, tensors, partial=True)
+    files = [MappedFile(p) for p in paths]
+    for i, (layer, f) in enumerate(zip(model.model.layers, files)):
+        attach(layer, f.tensors, f"model.layers.{i}.")
+    w = window.window
+    if w is None:
+        fixed = sum(t.numel() * t.element_size() for t in tensors.values())
+        w = window_for_budget(int(window.memory_budget_mb * 2**20), [f.size for f in files], fixed)
+    logger.info("sliding window: %d of %d layer blocks resident", min(w, n), n)
+    return WindowScheduler(list(model.model.layers), files, min(w, n))
+
+
+def _assign(model: LlamaForCausalLM, tensors: dict[str, torch.Tensor], partial: bool = False) -> None:
+    missing = {k for k, p in model.named_parameters(remove_duplicate=False)
+               if not p.is_meta or p.numel()} - tensors.keys()
+    if model.config.tie_word_embeddings:
+        missing.discard("lm_head.weight")
+    if not partial and missing:
+        raise ConfigError("weights", f"checkpoint lacks {len(missing)} tensors, e.g. {sorted(missing)[:3]}")
+    model.load_state_dict(tensors, strict=False, assign=True)
+
+
+__all__ = ["split_checkpoint", "load_shard", "LoadedShard", "WindowConfig", "is_split_dir",
+           "read_split_meta", "HEAD_KEYS"]

@@ -1,0 +1,260 @@
+"""Sliding-window weight scheduler: at most W layer blocks resident per device (TPI-LLM §3.3).
+
+Every layer's weights sit in their own safetensors file (``lowband edge split`` writes them).
+Each file is memory-mapped once and its tensors are zero-copy ``torch.frombuffer`` views, so
+the model's parameters *are* the mapping and always stay valid. Residency is then purely a
+page-table matter, driven by :func:`window_plan`:
+
+* load  = ``madvise(MADV_WILLNEED)`` (start disk read-ahead) + ``madvise(MADV_POPULATE_READ)``
+  (map every page) in a background thread; ctypes drops the GIL for the call, so the next
+  blocks stream in while the current one computes. Kernels older than 5.14 lack
+  POPULATE_READ; the thread then touches one byte per page, in torch, also without the GIL.
+* evict = ``madvise(MADV_DONTNEED)``: the pages leave this process (RSS really drops) and stay
+  in the page cache, from where the kernel may reclaim them under memory pressure.
+
+Correctness never depends on the scheduler: touching an evicted block just faults it back in.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import logging
+import mmap
+import os
+import queue
+import struct
+import threading
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+import torch
+from torch import nn
+
+from lowband.errors import ConfigError
+
+logger = logging.getLogger(__name__)
+
+MADV_WILLNEED = 3
+MADV_DONTNEED = 4
+MADV_POPULATE_READ = 22  # Linux >= 5.14
+PAGE = mmap.PAGESIZE
+
+_ST_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+              "I64": torch.int64, "I32": torch.int32, "I8": torch.int8, "U8": torch.uint8}
+
+
+# ---- the pure schedule ---------------------------------------------------------------------
+@dataclass(frozen=True)
+class WindowStep:
+    """What to do right after computing ``block``."""
+
+    block: int
+    evict: tuple[int, ...]
+    load: tuple[int, ...]
+
+
+def window_warmup(n_blocks: int, window: int) -> tuple[int, ...]:
+    """Blocks to load before the first forward pass: the first W."""
+    _check(n_blocks, window)
+    return tuple(range(min(window, n_blocks)))
+
+
+def window_plan(block: int, n_blocks: int, window: int) -> WindowStep:
+    """Residency change after computing ``block``.
+
+    Blocks run 0..L-1 and then wrap to 0 for the next token, so the schedule is cyclic. Before
+    block i runs, blocks i..i+W-1 (mod L) are resident or in flight. After i, evict i and only
+    then start loading i+W: evicting first is what keeps the count at W, never W+1. The load
+    of i+W overlaps the compute of i+1..i+W-1; with W=1 nothing overlaps (pure streaming).
+    With W >= L everything stays resident and nothing moves.
+    """
+    _check(n_blocks, window)
+    if not 0 <= block < n_blocks:
+        raise ConfigError("block", f"{block} is not in [0, {n_blocks})")
+    if window >= n_blocks:
+        return WindowStep(block, (), ())
+    return WindowStep(block, (block,), ((block + window) % n_blocks,))
+
+
+def window_for_budget(budget_bytes: int, block_bytes: Sequence[int], fixed_bytes: int = 0) -> int:
+    """Largest W such that ``fixed_bytes`` plus the W largest blocks fit in the budget."""
+    if not block_bytes:
+        raise ConfigError("memory_budget_mb", "the model has no layer blocks")
+    biggest = sorted(block_bytes, reverse=True)
+    room = budget_bytes - fixed_bytes
+    w, used = 0, 0
+    for b in biggest:
+        if used + b > room:
+            break
+        used += b
+        w += 1
+    if w == 0:
+        need = (fixed_bytes + biggest[0]) / 2**20
+        raise ConfigError("memory_budget_mb",
+                          f"{budget_bytes / 2**20:.0f} MB cannot hold even one layer block: "
+                          f"need at least {need:.0f} MB")
+    return w
+
+
+def _check(n_blocks: int, window: int) -> None:
+    if n_blocks < 1:
+        raise ConfigError("n_blocks", f"must be >= 1, got {n_blocks}")
+    if window < 1:
+        raise ConfigError("window", f"must be >= 1, got {window}")
+
+
+# ---- memory-mapped layer files -------------------------------------------------------------
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+_libc.madvise.restype = ctypes.c_int
+_populate_ok = True
+
+
+def _madvise(addr: int, length: int, advice: int) -> bool:
+    return _libc.madvise(ctypes.c_void_p(addr), ctypes.c_size_t(length), advice) == 0
+
+
+class MappedFile:
+    """One safetensors file mapped read-only; ``tensors`` are zero-copy views of it."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        with open(path, "rb") as f:
+            self.size = os.fstat(f.fileno()).st_size
+            self._mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        with warnings.catch_warnings():  # the mapping is read-only and nobody writes weights
+            warnings.simplefilter("ignore", UserWarning)
+            self._u8 = torch.frombuffer(self._mm, dtype=torch.uint8)
+        self.addr = self._u8.data_ptr()
+        (n,) = struct.unpack("<Q", self._mm[:8])
+        header = json.loads(self._mm[8:8 + n])
+        base = 8 + n
+        self.tensors: dict[str, torch.Tensor] = {}
+        for name, info in header.items():
+            if name == "__metadata__":
+                continue
+            dtype = _ST_DTYPES.get(info["dtype"])
+            if dtype is None:
+                raise ConfigError("weights", f"{path}: unsupported dtype {info['dtype']} of {name}")
+            a, b = info["data_offsets"]
+            raw = self._u8[base + a: base + b]
+            if (self.addr + base + a) % dtype.itemsize:  # unaligned: copy (never in our files)
+                raw = raw.clone()
+            self.tensors[name] = raw.view(dtype).view(info["shape"])
+
+    def populate(self) -> None:
+        """Map every page (reading from disk if needed)."""
+        global _populate_ok
+        _madvise(self.addr, self.size, MADV_WILLNEED)
+        if _populate_ok and _madvise(self.addr, self.size, MADV_POPULATE_READ):
+            return
+        if _populate_ok:
+            _populate_ok = False
+            logger.info("MADV_POPULATE_READ unavailable (errno %d); touching pages instead",
+                        ctypes.get_errno())
+        self._u8[::PAGE].sum()  # one read per page; runs in torch without the GIL
+
+    def evict(self) -> None:
+        _madvise(self.addr, self.size, MADV_DONTNEED)
+
+    def drop_page_cache(self) -> None:
+        """Ask the kernel to forget this file's cached pages (for cold-cache measurements)."""
+        fd = os.open(self.path, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def attach(module: nn.Module, tensors: dict[str, torch.Tensor], prefix: str) -> None:
+    """Make ``module``'s parameters the given tensors (keys are full names under ``prefix``)."""
+    for name, t in tensors.items():
+        if not name.startswith(prefix):
+            raise ConfigError("weights", f"tensor {name!r} does not belong under {prefix!r}")
+        owner_name, _, pname = name[len(prefix):].rpartition(".")
+        owner = module.get_submodule(owner_name) if owner_name else module
+        old = owner._parameters.get(pname)
+        if old is None or tuple(old.shape) != tuple(t.shape):
+            raise ConfigError("weights", f"{name}: file has shape {tuple(t.shape)}, model expects "
+                              f"{None if old is None else tuple(old.shape)} (wrong split?)")
+        owner._parameters[pname] = nn.Parameter(t, requires_grad=False)
+
+
+# ---- the scheduler ---------------------------------------------------------------------------
+class WindowScheduler:
+    """Keeps at most ``window`` of ``layers`` resident, prefetching ahead in a thread.
+
+    ``layers[i]`` runs block ``files[i]``. Hooks on each layer wait for its block before it
+    runs and apply :func:`window_plan` after it ran."""
+
+    def __init__(self, layers: Sequence[nn.Module], files: Sequence[MappedFile], window: int) -> None:
+        if len(layers) != len(files):
+            raise ConfigError("files", f"{len(files)} layer files for {len(layers)} layers")
+        _check(len(layers), window)
+        self.files = list(files)
+        self.window = window
+        self.n = len(files)
+        self._ready = [threading.Event() for _ in files]
+        self._queued = [False] * self.n
+        self._jobs: queue.SimpleQueue[int | None] = queue.SimpleQueue()
+        self._errors: list[BaseException] = []
+        self._thread = threading.Thread(target=self._run, name="edge-window-loader", daemon=True)
+        self._thread.start()
+        self._handles = []
+        for i, layer in enumerate(layers):
+            self._handles.append(layer.register_forward_pre_hook(self._pre_hook(i)))
+            self._handles.append(layer.register_forward_hook(self._post_hook(i)))
+        for b in window_warmup(self.n, window):
+            self._load(b)
+
+    def _run(self) -> None:
+        while True:
+            b = self._jobs.get()
+            if b is None:
+                return
+            try:
+                self.files[b].populate()
+            except BaseException as exc:  # noqa: BLE001 - surfaced on the compute thread
+                self._errors.append(exc)
+            self._ready[b].set()
+
+    def _load(self, b: int) -> None:
+        if not self._queued[b]:
+            self._queued[b] = True
+            self._jobs.put(b)
+
+    def _pre_hook(self, i: int):
+        def hook(module: nn.Module, args: tuple) -> None:
+            self._load(i)  # no-op unless the pass started out of order (e.g. after reset)
+            self._ready[i].wait()
+            if self._errors:
+                raise self._errors.pop()
+        return hook
+
+    def _post_hook(self, i: int):
+        def hook(module: nn.Module, args: tuple, out: torch.Tensor) -> None:
+            step = window_plan(i, self.n, self.window)
+            for e in step.evict:
+                self._ready[e].clear()
+                self._queued[e] = False
+                self.files[e].evict()
+            for b in step.load:
+                self._load(b)
+        return hook
+
+    def resident(self) -> list[int]:
+        return [i for i in range(self.n) if self._queued[i]]
+
+    def drop_page_cache(self) -> None:
+        for i, f in enumerate(self.files):
+            if not self._queued[i]:
+                f.drop_page_cache()
+
+    def close(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._jobs.put(None)
+        self._thread.join(timeout=10)
