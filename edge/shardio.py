@@ -28,7 +28,7 @@ from safetensors.torch import save_file
 
 from edge.config import ModelConfig
 from edge.model import LlamaForCausalLM, rope_inv_freq
-from edge.tp import HEAD_KEYS, Reduce, TPPlan, make_plan, shard, slice_of
+from edge.tp import HEAD_KEYS, Reduce, TPPlan, make_plan, shard, slice_of, take
 from edge.weights import DTYPES, weight_files
 from edge.window import MappedFile, WindowScheduler, attach, window_for_budget
 from lowband.errors import ConfigError
@@ -99,7 +99,7 @@ def split_checkpoint(model_dir: str | Path, out_dir: str | Path, devices: int,
                 spec = slice_of(key, plan, r)
                 if spec is False:
                     continue
-                part[key] = (t if spec is True else t.narrow(*spec)).to(dt).contiguous()
+                part[key] = take(t, spec).to(dt).contiguous()
             if layer is None:
                 if r == 0:
                     save_file(part, str(head_file(out)), metadata={"format": "pt"})
