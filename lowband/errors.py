@@ -49,3 +49,10 @@ class PeerLost(LowbandError):
 
 class CommClosed(LowbandError):
     """The communicator was closed (by this process) while the operation was pending."""
+
+
+class CorruptWeights(LowbandError):
+    """Weights on disk are damaged (bad checksum, truncated file) or do not match the model config.
+
+    Raised before serving starts (or before a damaged block is used), never after a wrong answer.
+    """
