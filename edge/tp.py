@@ -196,14 +196,17 @@ def shard(model: LlamaForCausalLM, plan: TPPlan, rank: int, world: int,
 
 
 def make_reduce(comm: Communicator, *, codec: Codec | None = None,
-                algorithm: Algorithm = "star", timeout: float | None = None) -> Reduce:
+                algorithm: Algorithm = "star", timeout: float | None = None,
+                tags: Callable[[], str] | None = None) -> Reduce:
     """The all-reduce hook for :func:`shard`: sums partial outputs over ``comm``.
 
-    Untagged collectives are matched by call order, which is the same on every rank because
-    every rank runs the same layers in the same order; a failed forward moves everyone to a
-    new membership epoch (``quorum``), which restarts the numbering."""
+    Without ``tags`` collectives are matched by call order, which is the same on every rank
+    because every rank runs the same layers in the same order. A runtime that may abort a
+    forward half-way passes ``tags`` (e.g. forward id + counter) so that a half-finished
+    forward can never be matched against the next one."""
 
     def reduce(x: torch.Tensor) -> torch.Tensor:
-        return comm.all_reduce(x, "sum", codec=codec, algorithm=algorithm, timeout=timeout)
+        return comm.all_reduce(x, "sum", codec=codec, algorithm=algorithm, timeout=timeout,
+                               tag=tags() if tags is not None else None)
 
     return reduce

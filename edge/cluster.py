@@ -1,0 +1,358 @@
+"""A tensor-parallel cluster over a :class:`lowband.comm.Communicator`: master and workers.
+
+The master (rank 0 of the first epoch) holds slot 0 of the plan (which includes embedding,
+final norm and LM head), tokenises, samples and serves HTTP. Workers hold slots 1..N-1 and
+only run decoder layers. Per forward pass the master sends the embedded tokens to every
+worker (star, ``send``/``recv`` on the ``edge.ctl`` tag) and all ranks run their layers with
+two all-reduces per layer (the ``reduce`` hooks installed by ``edge.tp.shard``).
+
+Slots are not comm ranks: a sum does not care who contributes what, so after a failure the
+survivors keep their slots and a returning worker is assigned the missing one.
+
+Control messages (msgpack meta, master -> worker unless noted)::
+
+    assign   {slot, world, weights, model_dir, dtype, codec, algorithm, window?, budget_mb?}
+    ready    worker -> master, {ok, slot, error?}
+    forward  {fid, start, epoch} + one tensor: embedded tokens (1, T, H)
+    reset    drop the KV cache
+    ping     {n, epoch}, followed by a barrier tagged ``ping{n}`` (idle health check)
+    regroup  {epoch}: call quorum to form the next epoch
+    shutdown leave
+
+Failure handling: a dead worker makes the master's all-reduce raise ``PeerLost`` (or a
+deadline raise ``TransportTimeout``); the request fails with :class:`ClusterUnavailable`, the
+master marks itself unhealthy and a recovery thread asks survivors to regroup and calls
+``quorum(min_world=N)`` until the group is whole again (a restarted worker joins it), then
+assigns the missing slot. All-reduces are tagged ``f{fid}.{k}`` so a half-finished forward of
+an old epoch can never be matched with a new one.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Sequence
+
+import torch
+
+from edge.engine import ClusterUnavailable
+from edge.shardio import LoadedShard, WindowConfig, load_shard
+from edge.tp import make_reduce
+from lowband.codecs import Int8BlockCodec, get_codec
+from lowband.comm import Codec, Communicator
+from lowband.errors import CommClosed, ConfigError, LowbandError, PeerLost, TransportTimeout
+
+logger = logging.getLogger(__name__)
+
+CTL = "edge.ctl"
+READY = "edge.ready"
+WIRE_CODECS = ("fp32", "fp16", "bf16", "int8")
+
+
+def wire_codec(name: str) -> Codec | None:
+    """Activation codec for the all-reduces; ``None`` sends fp32 as is. int8 uses blocks of 64
+    values: activations are short vectors, a 256 block would be mostly padding."""
+    if name not in WIRE_CODECS:
+        raise ConfigError("wire", f"unknown activation encoding {name!r}; one of {WIRE_CODECS}")
+    if name == "fp32":
+        return None
+    return Int8BlockCodec(block=64) if name == "int8" else get_codec(name)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ClusterConfig:
+    """How the master drives its workers."""
+
+    devices: int  # N: master + workers
+    weights: tuple[float, ...] | None = None  # relative device capacities (uneven split)
+    wire: str = "fp32"  # activation encoding on the wire
+    algorithm: str = "star"  # all-reduce schedule: star (latency-bound links) or ring
+    dtype: str | None = None
+    window: int | None = None  # sliding window (layer blocks resident) on every device
+    memory_budget_mb: float | None = None
+    op_timeout: float = 30.0  # seconds; a forward step slower than this counts as a failure
+    join_timeout: float = 600.0  # seconds to wait for all workers at start
+    heartbeat_s: float = 2.0  # idle health-check period
+    worker_model_dir: str | None = None  # path workers read; default: the master's path
+
+    def __post_init__(self) -> None:
+        if self.devices < 1:
+            raise ConfigError("devices", f"must be >= 1, got {self.devices}")
+        if self.weights is not None and len(self.weights) != self.devices:
+            raise ConfigError("weights", f"{len(self.weights)} weights for {self.devices} devices")
+        wire_codec(self.wire)
+        if self.algorithm not in ("star", "ring", "auto"):
+            raise ConfigError("algorithm", f"must be star, ring or auto, got {self.algorithm!r}")
+        if self.op_timeout <= 0 or self.join_timeout <= 0 or self.heartbeat_s <= 0:
+            raise ConfigError("op_timeout", "timeouts must be > 0")
+
+    def window_config(self) -> WindowConfig | None:
+        if self.window is None and self.memory_budget_mb is None:
+            return None
+        return WindowConfig(window=self.window, memory_budget_mb=self.memory_budget_mb)
+
+
+class _Tags:
+    """All-reduce tags ``f{fid}.{k}`` (see module docstring)."""
+
+    def __init__(self) -> None:
+        self.fid = 0
+        self.k = 0
+
+    def start(self, fid: int) -> None:
+        self.fid, self.k = fid, 0
+
+    def __call__(self) -> str:
+        self.k += 1
+        return f"f{self.fid}.{self.k}"
+
+
+def _load(model_dir: str, slot: int, world: int, weights, dtype, comm: Communicator, codec,
+          algorithm: str, timeout: float, window: WindowConfig | None, tags: _Tags) -> LoadedShard:
+    reduce = make_reduce(comm, codec=codec, algorithm=algorithm, timeout=timeout, tags=tags)
+    return load_shard(model_dir, slot, world, weights=weights, dtype=dtype, reduce=reduce,
+                      window=window)
+
+
+class MasterRunner:
+    """Runner (see ``edge.engine``) for the master of an N-device cluster."""
+
+    def __init__(self, comm: Communicator, model_dir: str | Path, cfg: ClusterConfig) -> None:
+        self.comm = comm
+        self.cfg = cfg
+        self.model_dir = str(model_dir)
+        self.codec = wire_codec(cfg.wire)
+        self.tags = _Tags()
+        self._fid = 0
+        self._lock = threading.RLock()  # one forward / ping / recovery at a time
+        self._healthy = False
+        self._status = "starting"
+        self._slots: dict[str, int] = {}  # peer id -> slot
+        self._closed = threading.Event()
+        self._recovery: threading.Thread | None = None
+        self._ping_n = 0
+        comm.quorum(min_world=cfg.devices, timeout=cfg.join_timeout)
+        if comm.rank != 0:
+            raise ConfigError("master", f"the master must be rank 0, got rank {comm.rank}")
+        self.shard = _load(self.model_dir, 0, cfg.devices, cfg.weights, cfg.dtype, comm,
+                           self.codec, cfg.algorithm, cfg.op_timeout, cfg.window_config(), self.tags)
+        self.model = self.shard.model
+        self.config = self.model.config
+        self.cache = self.model.new_cache()
+        self._slots[comm.membership.peer_id] = 0
+        self._assign(list(range(1, comm.world_size)), list(range(1, cfg.devices)))
+        self._healthy, self._status = True, "ok"
+        self._heartbeat = threading.Thread(target=self._heartbeat_loop, name="edge-heartbeat",
+                                           daemon=True)
+        self._heartbeat.start()
+
+    # ---- setup / recovery ----------------------------------------------------------------------
+    def _assign(self, ranks: Sequence[int], slots: Sequence[int]) -> None:
+        cfg = self.cfg
+        peers = self.comm.membership.peers
+        for r, s in zip(ranks, slots):
+            meta = {"op": "assign", "slot": s, "world": cfg.devices,
+                    "weights": list(cfg.weights) if cfg.weights else None,
+                    "model_dir": cfg.worker_model_dir or self.model_dir, "dtype": cfg.dtype,
+                    "wire": cfg.wire, "algorithm": cfg.algorithm, "op_timeout": cfg.op_timeout,
+                    "window": cfg.window, "memory_budget_mb": cfg.memory_budget_mb}
+            self.comm.send(r, [], meta, tag=CTL)
+        for r, s in zip(ranks, slots):
+            _, meta = self.comm.recv(r, tag=READY, timeout=cfg.join_timeout)
+            if not meta.get("ok"):
+                raise ConfigError("worker", f"worker rank {r} could not load slot {s}: "
+                                  f"{meta.get('error')}")
+            self._slots[peers[r]] = s
+
+    def _fail(self, exc: BaseException) -> ClusterUnavailable:
+        self._healthy = False
+        self._status = f"degraded: {exc}"
+        logger.warning("cluster degraded: %s; waiting for the worker to come back", exc)
+        if self._recovery is None or not self._recovery.is_alive():
+            self._recovery = threading.Thread(target=self._recover, name="edge-recover", daemon=True)
+            self._recovery.start()
+        return ClusterUnavailable(
+            f"a device of the cluster failed ({exc}); the request was aborted. The master keeps "
+            f"running and recovers when the worker reconnects (see /health)")
+
+    def _recover(self) -> None:
+        while not self._closed.is_set():
+            with self._lock:
+                try:
+                    self._regroup_once()
+                    self._healthy, self._status = True, "ok"
+                    logger.info("cluster whole again (epoch %d)", self.comm.membership.epoch)
+                    return
+                except (PeerLost, TransportTimeout) as exc:
+                    self._status = f"degraded: waiting for workers ({exc})"
+                except CommClosed:
+                    return
+            time.sleep(0.2)
+
+    def _regroup_once(self) -> None:
+        old = self.comm.membership
+        for r in range(1, old.world_size):
+            try:
+                self.comm.send(r, [], {"op": "regroup", "epoch": old.epoch}, tag=CTL)
+            except (PeerLost, TransportTimeout):
+                pass  # that one is gone; the quorum goes on without it
+        m = self.comm.quorum(min_world=self.cfg.devices, timeout=self.cfg.heartbeat_s * 5)
+        self._slots = {p: s for p, s in self._slots.items() if p in m.peers}
+        missing = sorted(set(range(self.cfg.devices)) - set(self._slots.values()))
+        new_ranks = [r for r, p in enumerate(m.peers) if p not in self._slots]
+        if len(new_ranks) < len(missing):
+            raise PeerLost(f"slots {missing} still unassigned")
+        self._assign(new_ranks[:len(missing)], missing)
+        for r in range(1, m.world_size):
+            self.comm.send(r, [], {"op": "reset"}, tag=CTL)
+        self.cache = self.model.new_cache()
+
+    def _heartbeat_loop(self) -> None:
+        while not self._closed.wait(self.cfg.heartbeat_s):
+            if not self._healthy or not self._lock.acquire(blocking=False):
+                continue
+            try:
+                self._ping_n += 1
+                m = self.comm.membership
+                for r in range(1, m.world_size):
+                    self.comm.send(r, [], {"op": "ping", "n": self._ping_n, "epoch": m.epoch},
+                                   tag=CTL)
+                self.comm.barrier(tag=f"ping{self._ping_n}", timeout=self.cfg.op_timeout)
+            except (PeerLost, TransportTimeout) as exc:
+                self._fail(exc)
+            except CommClosed:
+                return
+            finally:
+                self._lock.release()
+
+    # ---- Runner --------------------------------------------------------------------------------
+    def forward(self, ids: Sequence[int], start: int) -> torch.Tensor:
+        with self._lock:
+            if not self._healthy:
+                raise ClusterUnavailable(f"the cluster is not ready ({self._status}); retry later")
+            self._fid += 1
+            self.tags.start(self._fid)
+            x = self.model.embed(torch.tensor([list(ids)], dtype=torch.long))
+            try:
+                for r in range(1, self.comm.world_size):
+                    self.comm.send(r, [x], {"op": "forward", "fid": self._fid, "start": start,
+                                            "epoch": self.comm.membership.epoch}, tag=CTL)
+                with torch.inference_mode():
+                    h = self.model.forward_layers(x, cache=self.cache, start=start)
+                    return self.model.head(h[:, -1]).float()[0]
+            except (PeerLost, TransportTimeout) as exc:
+                raise self._fail(exc) from exc
+
+    def reset(self) -> None:
+        with self._lock:
+            self.cache = self.model.new_cache()
+            if not self._healthy:
+                return
+            try:
+                for r in range(1, self.comm.world_size):
+                    self.comm.send(r, [], {"op": "reset"}, tag=CTL)
+            except (PeerLost, TransportTimeout) as exc:
+                self._fail(exc)
+
+    def wire_bytes(self) -> int:
+        s = self.comm.stats()
+        return s.bytes_sent + s.bytes_received
+
+    def health(self) -> dict:
+        m = self.comm.membership
+        return {"healthy": self._healthy, "status": self._status, "devices": self.cfg.devices,
+                "connected": m.world_size, "epoch": m.epoch}
+
+    def close(self) -> None:
+        self._closed.set()
+        with self._lock:
+            for r in range(1, self.comm.world_size):
+                try:
+                    self.comm.send(r, [], {"op": "shutdown"}, tag=CTL)
+                except LowbandError:
+                    pass
+        self.shard.close()
+
+
+@dataclass(frozen=True, kw_only=True)
+class WorkerConfig:
+    """A worker device."""
+
+    model_dir: str | None = None  # local copy of the model / split dir; default: the master's path
+    join_timeout: float = 600.0
+    poll_s: float = 1.0  # how often an idle worker checks whether it should stop
+
+
+@dataclass
+class WorkerState:
+    shard: LoadedShard | None = None
+    cache: object = None
+    tags: _Tags = field(default_factory=_Tags)
+    forwards: int = 0
+
+
+def run_worker(comm: Communicator, cfg: WorkerConfig, stop: threading.Event | None = None) -> int:
+    """Serve the master until it says shutdown (returns 0) or disappears (raises PeerLost)."""
+    stop = stop or threading.Event()
+    comm.quorum(min_world=1, timeout=cfg.join_timeout)
+    st = WorkerState()
+    try:
+        while not stop.is_set():
+            try:
+                tensors, meta = comm.recv(0, tag=CTL, timeout=cfg.poll_s)
+            except TransportTimeout:
+                continue
+            op = meta.get("op")
+            if op == "shutdown":
+                return 0
+            try:
+                _handle(comm, cfg, st, op, tensors, meta)
+            except (PeerLost, TransportTimeout) as exc:
+                # A peer died mid-forward: form the next epoch with whoever is left.
+                logger.warning("worker: %s; regrouping", exc)
+                comm.quorum(min_world=1, timeout=cfg.join_timeout)
+                st.cache = st.shard.model.new_cache() if st.shard else None
+        return 0
+    finally:
+        if st.shard is not None:
+            st.shard.close()
+
+
+def _handle(comm: Communicator, cfg: WorkerConfig, st: WorkerState, op: str,
+            tensors: list[torch.Tensor], meta: dict) -> None:
+    if op in ("forward", "ping") and int(meta["epoch"]) != comm.membership.epoch:
+        return  # sent before a regroup this worker already went through: stale
+    if op == "forward":
+        if st.shard is None:
+            raise ConfigError("worker", "forward before assign")
+        st.tags.start(int(meta["fid"]))
+        with torch.inference_mode():
+            st.shard.model.forward_layers(tensors[0], cache=st.cache, start=int(meta["start"]))
+        st.forwards += 1
+    elif op == "assign":
+        try:
+            if st.shard is not None:
+                st.shard.close()
+            win = None
+            if meta.get("window") is not None or meta.get("memory_budget_mb") is not None:
+                win = WindowConfig(window=meta.get("window"), memory_budget_mb=meta.get("memory_budget_mb"))
+            st.shard = _load(cfg.model_dir or meta["model_dir"], int(meta["slot"]), int(meta["world"]),
+                             meta.get("weights"), meta.get("dtype"), comm, wire_codec(meta["wire"]),
+                             meta["algorithm"], float(meta["op_timeout"]), win, st.tags)
+            st.cache = st.shard.model.new_cache()
+            comm.send(0, [], {"ok": True, "slot": int(meta["slot"])}, tag=READY)
+        except (ConfigError, OSError, RuntimeError) as exc:
+            comm.send(0, [], {"ok": False, "error": str(exc)}, tag=READY)
+    elif op == "reset":
+        st.cache = st.shard.model.new_cache() if st.shard else None
+    elif op == "ping":
+        comm.barrier(tag=f"ping{meta['n']}", timeout=30.0)
+    elif op == "regroup":
+        if int(meta["epoch"]) >= comm.membership.epoch:  # ignore a stale request
+            comm.quorum(min_world=1, timeout=cfg.join_timeout)
+            st.cache = st.shard.model.new_cache() if st.shard else None
+    else:
+        logger.warning("worker: ignoring unknown op %r", op)
