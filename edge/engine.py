@@ -164,15 +164,23 @@ class Engine:
         assert logits is not None  # ids is never empty (checked by generate)
         return logits
 
-    def generate(self, prompt: str | Sequence[int], params: SamplingParams) -> Iterator[Event]:
-        """Stream a completion. Raises :class:`ConfigError` for a bad request and
-        :class:`EngineError` when the runtime fails mid-way."""
-        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+    def prepare(self, prompt: str | Sequence[int], params: SamplingParams) -> list[int]:
+        """Tokenise and check that the request fits the context; raises :class:`ConfigError`."""
+        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else [int(i) for i in prompt]
         if not ids:
             raise ConfigError("prompt", "is empty")
+        vocab = self.runner.config.vocab_size
+        if any(not 0 <= i < vocab for i in ids):
+            raise ConfigError("prompt", f"token ids must be in [0, {vocab})")
         if len(ids) + params.max_tokens > self.max_context:
             raise ConfigError("max_tokens", f"prompt ({len(ids)} tokens) + max_tokens "
                               f"({params.max_tokens}) exceeds the context of {self.max_context}")
+        return ids
+
+    def generate(self, prompt: str | Sequence[int], params: SamplingParams) -> Iterator[Event]:
+        """Stream a completion. Raises :class:`ConfigError` for a bad request and
+        :class:`EngineError` when the runtime fails mid-way."""
+        ids = self.prepare(prompt, params)
         with self.lock:
             yield from self._generate_locked(ids, params)
 

@@ -1,0 +1,315 @@
+"""OpenAI-compatible HTTP API (aiohttp) in front of an :class:`edge.engine.Engine`.
+
+``POST /v1/completions``, ``POST /v1/chat/completions`` (both with ``"stream": true`` SSE),
+``GET /v1/models``, ``GET /health`` (503 while the cluster is degraded), ``GET /metrics``.
+
+Concurrency: the engine decodes one sequence at a time on a single generation thread, so the
+event loop never blocks on the model. Requests beyond the one running wait in FIFO order;
+beyond ``max_queue`` waiting requests the server answers 429 instead of piling up memory. A
+streaming client that disconnects cancels its generation at the next token.
+
+Every error is a JSON body ``{"error": {"message", "type", "param", "code"}}`` as OpenAI's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import threading
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, AsyncIterator
+
+from aiohttp import web
+
+from edge.engine import ClusterUnavailable, Engine, EngineError, Event
+from edge.sampling import SamplingParams
+from lowband.errors import ConfigError
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 8000  # 0 picks a free port
+    max_queue: int = 64  # waiting requests beyond the running one; more get 429
+    max_tokens_limit: int = 4096  # largest max_tokens a request may ask for
+    default_max_tokens: int = 16
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port < 65536:
+            raise ConfigError("port", f"must be in [0, 65535], got {self.port}")
+        if self.max_queue < 0:
+            raise ConfigError("max_queue", f"must be >= 0, got {self.max_queue}")
+        if self.max_tokens_limit < 1 or self.default_max_tokens < 1:
+            raise ConfigError("max_tokens_limit", "must be >= 1")
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, *, param: str | None = None,
+                 code: str | None = None, kind: str = "invalid_request_error") -> None:
+        super().__init__(message)
+        self.status, self.param, self.code, self.kind = status, param, code, kind
+
+    def response(self) -> web.Response:
+        body = {"error": {"message": str(self), "type": self.kind, "param": self.param,
+                          "code": self.code}}
+        return web.json_response(body, status=self.status)
+
+
+_END = object()
+
+
+def chat_prompt(messages: Any) -> str:
+    """A plain role-tagged transcript ending with the assistant's turn. (HF Jinja chat templates
+    would need transformers on the device; this keeps the edge install small.)"""
+    if not isinstance(messages, list) or not messages:
+        raise ApiError(400, "'messages' must be a non-empty list", param="messages")
+    lines = []
+    for m in messages:
+        if not isinstance(m, dict) or not isinstance(m.get("content"), str) or \
+                m.get("role") not in ("system", "user", "assistant"):
+            raise ApiError(400, "each message needs a role (system/user/assistant) and string "
+                           "content", param="messages")
+        lines.append(f"{m['role']}: {m['content']}\n")
+    return "".join(lines) + "assistant:"
+
+
+class Server:
+    """Owns the aiohttp application and the generation thread."""
+
+    def __init__(self, engine: Engine, cfg: ServerConfig) -> None:
+        self.engine = engine
+        self.cfg = cfg
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="edge-gen")
+        self._pending = 0  # admitted requests not finished (running + waiting)
+        self.app = web.Application(client_max_size=4 * 2**20)
+        self.app.add_routes([
+            web.get("/v1/models", self.models), web.get("/health", self.health),
+            web.get("/metrics", self.metrics), web.post("/v1/completions", self.completions),
+            web.post("/v1/chat/completions", self.chat),
+        ])
+        self.app.middlewares.append(self._errors)
+        self.app.on_shutdown.append(self._shutdown)
+
+    # ---- plumbing ------------------------------------------------------------------------------
+    @web.middleware
+    async def _errors(self, request: web.Request, handler):
+        try:
+            return await handler(request)
+        except ApiError as exc:
+            return exc.response()
+        except web.HTTPException as exc:  # 404/405 from routing: still a JSON body
+            return ApiError(exc.status, exc.reason, kind="invalid_request_error").response()
+
+    async def _shutdown(self, app: web.Application) -> None:
+        self._executor.shutdown(wait=False, cancel_futures=True)
+
+    async def _body(self, request: web.Request) -> dict:
+        try:
+            body = await request.json()
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            raise ApiError(400, "the request body is not valid JSON") from None
+        if not isinstance(body, dict):
+            raise ApiError(400, "the request body must be a JSON object")
+        model = body.get("model", self.engine.model_name)
+        if model != self.engine.model_name:
+            raise ApiError(404, f"model {model!r} does not exist; this server has "
+                           f"{self.engine.model_name!r}", param="model", code="model_not_found")
+        return body
+
+    def _params(self, body: dict) -> SamplingParams:
+        mt = body.get("max_tokens", body.get("max_completion_tokens", self.cfg.default_max_tokens))
+        if not isinstance(mt, int) or isinstance(mt, bool) or not 1 <= mt <= self.cfg.max_tokens_limit:
+            raise ApiError(400, f"max_tokens must be an integer in [1, {self.cfg.max_tokens_limit}]",
+                           param="max_tokens")
+        stop = body.get("stop") or ()
+        stop = (stop,) if isinstance(stop, str) else stop
+        if not isinstance(stop, (list, tuple)) or len(stop) > 8 or \
+                not all(isinstance(x, str) for x in stop):
+            raise ApiError(400, "stop must be a string or a list of at most 8 strings", param="stop")
+        try:
+            return SamplingParams(
+                max_tokens=mt, temperature=float(body.get("temperature", 1.0)),
+                top_p=float(body.get("top_p", 1.0)), top_k=int(body.get("top_k", 0)),
+                seed=None if body.get("seed") is None else int(body["seed"]),
+                stop=tuple(stop))
+        except ConfigError as exc:
+            raise ApiError(400, str(exc), param=exc.field) from None
+        except (TypeError, ValueError) as exc:
+            raise ApiError(400, f"bad sampling parameter: {exc}") from None
+
+    def _prepare(self, prompt: Any, params: SamplingParams) -> list[int]:
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+            prompt = prompt[0]
+        if not (isinstance(prompt, str) or (isinstance(prompt, list) and all(
+                isinstance(i, int) and not isinstance(i, bool) for i in prompt))):
+            raise ApiError(400, "prompt must be a string or a list of token ids", param="prompt")
+        try:
+            return self.engine.prepare(prompt, params)
+        except ConfigError as exc:
+            code = "context_length_exceeded" if exc.field == "max_tokens" else None
+            raise ApiError(400, str(exc), param=exc.field, code=code) from None
+
+    async def _events(self, ids: list[int], params: SamplingParams) -> AsyncIterator[Event]:
+        """Run the generation on the engine thread, yielding its events here."""
+        if self._pending > self.cfg.max_queue:
+            raise ApiError(429, f"{self._pending} requests are queued; retry later",
+                           kind="rate_limit_error", code="queue_full")
+        health = self.engine.runner.health()
+        if not health.get("healthy"):
+            raise ApiError(503, f"the cluster is not ready: {health.get('status')}",
+                           kind="server_error", code="cluster_unavailable")
+        loop = asyncio.get_running_loop()
+        q: asyncio.Queue = asyncio.Queue()
+        cancel = threading.Event()
+
+        def put(item: Any) -> None:
+            loop.call_soon_threadsafe(q.put_nowait, item)
+
+        def work() -> None:
+            gen = self.engine.generate(ids, params)
+            try:
+                for ev in gen:
+                    if cancel.is_set():
+                        break
+                    put(ev)
+                put(_END)
+            except Exception as exc:  # noqa: BLE001 - handed to the request's coroutine
+                put(exc)
+            finally:
+                gen.close()  # releases the engine lock even when cancelled mid-way
+
+        self._pending += 1
+        fut = loop.run_in_executor(self._executor, work)
+        try:
+            while True:
+                item = await q.get()
+                if item is _END:
+                    return
+                if isinstance(item, ClusterUnavailable):
+                    raise ApiError(503, str(item), kind="server_error", code="cluster_unavailable")
+                if isinstance(item, (EngineError, ConfigError)):
+                    raise ApiError(500, str(item), kind="server_error")
+                if isinstance(item, BaseException):
+                    logger.exception("generation crashed", exc_info=item)
+                    raise ApiError(500, f"internal error: {item}", kind="server_error")
+                yield item
+        finally:
+            cancel.set()
+            self._pending -= 1
+            del fut
+
+    # ---- endpoints -----------------------------------------------------------------------------
+    async def models(self, request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [
+            {"id": self.engine.model_name, "object": "model", "created": 0, "owned_by": "lowband",
+             "context_length": self.engine.max_context}]})
+
+    async def health(self, request: web.Request) -> web.Response:
+        h = self.engine.runner.health()
+        body = {"status": "ok" if h.get("healthy") else "unavailable", **h,
+                "queue": self._pending}
+        return web.json_response(body, status=200 if h.get("healthy") else 503)
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        return web.json_response({**self.engine.metrics.snapshot(), "queue": self._pending,
+                                  "model": self.engine.model_name})
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        body = await self._body(request)
+        params = self._params(body)
+        ids = self._prepare(body.get("prompt"), params)
+        return await self._respond(request, body, ids, params, chat=False)
+
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        body = await self._body(request)
+        params = self._params(body)
+        ids = self._prepare(chat_prompt(body.get("messages")), params)
+        return await self._respond(request, body, ids, params, chat=True)
+
+    async def _respond(self, request: web.Request, body: dict, ids: list[int],
+                       params: SamplingParams, *, chat: bool) -> web.StreamResponse:
+        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+        created = int(time.time())
+        obj = "chat.completion" if chat else "text_completion"
+        events = self._events(ids, params)
+        if not body.get("stream"):
+            parts, reason, n = [], "length", 0
+            async for ev in events:
+                parts.append(ev.text)
+                n += ev.token is not None
+                reason = ev.finish_reason or reason
+            text = "".join(parts)
+            choice = ({"index": 0, "message": {"role": "assistant", "content": text},
+                       "finish_reason": reason} if chat else
+                      {"index": 0, "text": text, "logprobs": None, "finish_reason": reason})
+            return web.json_response({
+                "id": rid, "object": obj, "created": created, "model": self.engine.model_name,
+                "choices": [choice],
+                "usage": {"prompt_tokens": len(ids), "completion_tokens": n,
+                          "total_tokens": len(ids) + n}})
+        # Streaming: pull the first event before committing to a 200, so queue-full and
+        # cluster-down errors still arrive as proper HTTP statuses.
+        it = events.__aiter__()
+        try:
+            first = await it.__anext__()
+        except StopAsyncIteration:
+            first = Event("", None, "stop")
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
+                                           "Cache-Control": "no-cache"})
+        await resp.prepare(request)
+        obj_chunk = "chat.completion.chunk" if chat else "text_completion"
+
+        def chunk(ev: Event, first_chunk: bool) -> bytes:
+            if chat:
+                delta = {"content": ev.text}
+                if first_chunk:
+                    delta["role"] = "assistant"
+                choice = {"index": 0, "delta": delta, "finish_reason": ev.finish_reason}
+            else:
+                choice = {"index": 0, "text": ev.text, "logprobs": None,
+                          "finish_reason": ev.finish_reason}
+            data = {"id": rid, "object": obj_chunk, "created": created,
+                    "model": self.engine.model_name, "choices": [choice]}
+            return b"data: " + json.dumps(data).encode() + b"\n\n"
+
+        try:
+            await resp.write(chunk(first, True))
+            async for ev in it:
+                await resp.write(chunk(ev, False))
+        except ApiError as exc:  # failed mid-stream: the status is sent; report in-band
+            err = {"error": {"message": str(exc), "type": exc.kind, "code": exc.code}}
+            await resp.write(b"data: " + json.dumps(err).encode() + b"\n\n")
+        await resp.write(b"data: [DONE]\n\n")
+        await resp.write_eof()
+        return resp
+
+
+async def start(engine: Engine, cfg: ServerConfig) -> tuple[web.AppRunner, int]:
+    """Start serving in the running loop; returns the runner (for cleanup) and the port."""
+    server = Server(engine, cfg)
+    runner = web.AppRunner(server.app)
+    await runner.setup()
+    site = web.TCPSite(runner, cfg.host, cfg.port)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    return runner, port
+
+
+def serve_forever(engine: Engine, cfg: ServerConfig) -> None:
+    """Blocking entry point for the CLI."""
+
+    async def main() -> None:
+        runner, port = await start(engine, cfg)
+        print(f"lowband edge: serving {engine.model_name!r} on http://{cfg.host}:{port}", flush=True)
+        try:
+            await asyncio.Event().wait()
+        finally:
+            await runner.cleanup()
+
+    asyncio.run(main())
