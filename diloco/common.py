@@ -1,0 +1,135 @@
+"""Pieces shared by the DiLoCo and DDP workers: the inner optimization step, run signatures,
+state hashes and the per-worker result."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import struct
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable
+
+import torch
+from torch import nn
+
+from diloco.config import TrainConfig
+from diloco.task import Task
+
+GradHook = Callable[[list[torch.nn.Parameter]], None]
+
+
+class InnerLoop:
+    """Model + optimizer + learning-rate schedule: one call of :meth:`step` is one inner step.
+
+    ``grad_hook`` runs between backward and the optimizer step (DDP averages gradients there).
+    """
+
+    def __init__(self, cfg: TrainConfig, task: Task, model: nn.Module) -> None:
+        self.cfg = cfg
+        self.task = task
+        self.model = model
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.opt = cfg.inner.build(self.params)
+        self.base_lrs = [g["lr"] for g in self.opt.param_groups]
+        self.step = 0  # completed inner steps
+
+    def lr(self) -> float:
+        return self.base_lrs[0] * self.cfg.lr_schedule.factor(self.step, self.cfg.steps)
+
+    def run_step(self, slot: int, grad_hook: GradHook | None = None) -> float:
+        factor = self.cfg.lr_schedule.factor(self.step, self.cfg.steps)
+        for group, base in zip(self.opt.param_groups, self.base_lrs):
+            group["lr"] = base * factor
+        batch = self.task.train_batch(slot, self.step)
+        self.model.train()
+        loss = self.task.loss(self.model, batch)
+        self.opt.zero_grad(set_to_none=True)
+        loss.backward()
+        if grad_hook is not None:
+            grad_hook(self.params)
+        if self.cfg.grad_clip is not None:
+            torch.nn.utils.clip_grad_norm_(self.params, self.cfg.grad_clip)
+        self.opt.step()
+        self.step += 1
+        return float(loss.detach())
+
+
+def _signature_text(cfg: TrainConfig, model: nn.Module) -> str:
+    # Everything that must agree for workers to train one model together. The data source is
+    # left out on purpose: sites may train on their own data (only batch shapes must agree).
+    desc = {
+        "params": [[n, list(p.shape), str(p.dtype)] for n, p in model.named_parameters()],
+        "model": repr(cfg.model), "mode": repr(cfg.mode), "inner": repr(cfg.inner),
+        "lr_schedule": repr(cfg.lr_schedule), "steps": cfg.steps, "seed": cfg.seed,
+        "grad_clip": cfg.grad_clip, "seq_len": cfg.data.seq_len,
+        "batch_size": cfg.data.batch_size,
+    }
+    return json.dumps(desc, sort_keys=True)
+
+
+def run_signature(cfg: TrainConfig, model: nn.Module) -> bytes:
+    """16-byte digest of the parameter names/shapes and the configuration workers must share.
+    Passed to the transport at connect time (refused there if it differs) and compared again
+    by the trainer when a worker joins."""
+    return hashlib.blake2b(_signature_text(cfg, model).encode(), digest_size=16).digest()
+
+
+def signature_int(sig: bytes) -> int:
+    """The first 8 bytes of a signature as a signed int64 (fits a status tensor)."""
+    return int.from_bytes(sig[:8], "little", signed=True)
+
+
+def hash_state(tensors: Iterable[torch.Tensor], *counters: int) -> int:
+    """A signed int64 digest of tensors' exact bytes and some counters (bit-parity audits)."""
+    h = hashlib.blake2b(digest_size=8)
+    h.update(struct.pack(f"<{len(counters)}q", *counters))
+    for t in tensors:
+        flat = t.detach().contiguous().reshape(-1)
+        h.update(flat.view(torch.uint8).numpy() if flat.numel() else b"")
+    return int.from_bytes(h.digest(), "little", signed=True)
+
+
+def optimizer_tensors(opt: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """The optimizer's state tensors in a deterministic order (for hashing)."""
+    out = []
+    for group in opt.param_groups:
+        for p in group["params"]:
+            for key, value in sorted(opt.state.get(p, {}).items()):
+                if isinstance(value, torch.Tensor):
+                    out.append(value)
+    return out
+
+
+@dataclass
+class WorkerResult:
+    """What one worker reports at the end of a run (the bench and the tests read it)."""
+
+    peer_id: str
+    rank: int  # rank in the final membership epoch
+    mode: str  # "diloco" or "ddp"
+    start_step: int  # 0, or the step at which this worker joined / resumed
+    steps: int
+    losses: dict[int, float] = field(default_factory=dict)  # inner step -> local training loss
+    evals: list[dict[str, Any]] = field(default_factory=list)  # {"step", "loss", "bytes_sent"}
+    final_eval: float | None = None
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    peak_sync_bytes: int = 0  # most bytes this worker sent for one sync (fragment or gradient)
+    outer_syncs: int = 0  # syncs applied (DiLoCo) or gradient all-reduces (DDP)
+    retries: int = 0  # syncs redone with the survivors after a peer was lost
+    transfers: int = 0  # times this worker received the full state from a peer
+    compute_s: float = 0.0
+    sync_s: float = 0.0  # time blocked on the network (waits, quorum, recovery)
+    wall_s: float = 0.0
+    tokens: int = 0
+    state_hash: int = 0
+    fragment_bytes: dict[int, int] = field(default_factory=dict)  # fragment -> bytes sent
+
+    def summary(self) -> dict[str, Any]:
+        keys = ("peer_id", "rank", "mode", "start_step", "steps", "final_eval", "bytes_sent",
+                "bytes_received", "peak_sync_bytes", "outer_syncs", "retries", "transfers",
+                "compute_s", "sync_s", "wall_s", "tokens")
+        out = {k: getattr(self, k) for k in keys}
+        out["tokens_per_s"] = self.tokens / self.wall_s if self.wall_s > 0 else math.nan
+        return out

@@ -1,0 +1,272 @@
+"""Configuration of a training run: frozen dataclasses, validated on construction, plus presets.
+
+Every field that has a symbol in the papers names it: H (inner steps), P (fragments), τ (overlap
+delay), α (merge weight), M (workers). References: DiLoCo (Douillard et al. 2023, arXiv
+2311.08105) and Streaming DiLoCo (Douillard et al. 2025, arXiv 2501.18512).
+
+Invalid values raise :class:`lowband.errors.ConfigError` naming the field, so a bad command line
+fails before any process starts. Presets are plain functions returning a :class:`TrainConfig`;
+``dataclasses.replace`` derives variants.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Callable, Iterable, Literal
+
+import torch
+
+from edge.config import ModelConfig
+from lowband.codecs import codec_names
+from lowband.errors import ConfigError
+
+OptimizerFactory = Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimizer]
+
+OPTIMIZERS = ("adamw", "adam", "sgd")
+
+
+@dataclass(frozen=True, kw_only=True)
+class OptimizerConfig:
+    """A torch optimizer by name (``adamw``, ``adam``, ``sgd``) or built by ``factory``.
+
+    ``factory`` makes any ``torch.optim.Optimizer`` usable (it receives the parameters); the
+    named fields then only describe it for logs and the run signature. The learning rate is
+    scaled by the run's :class:`LrSchedule` where one applies (inner optimizer only).
+    """
+
+    name: str = "adamw"
+    lr: float = 1e-3
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: float = 1e-8
+    momentum: float = 0.0
+    nesterov: bool = False
+    factory: OptimizerFactory | None = field(default=None, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.factory is None and self.name not in OPTIMIZERS:
+            raise ConfigError("optimizer.name",
+                              f"unknown optimizer {self.name!r}; one of {OPTIMIZERS}, or pass factory=")
+        if not self.lr > 0:
+            raise ConfigError("optimizer.lr", f"must be > 0, got {self.lr}")
+        if self.weight_decay < 0:
+            raise ConfigError("optimizer.weight_decay", f"must be >= 0, got {self.weight_decay}")
+        if not 0 <= self.momentum < 1:
+            raise ConfigError("optimizer.momentum", f"must be in [0, 1), got {self.momentum}")
+        if self.nesterov and self.momentum == 0:
+            raise ConfigError("optimizer.nesterov", "Nesterov needs momentum > 0")
+
+    def build(self, params: Iterable[torch.nn.Parameter]) -> torch.optim.Optimizer:
+        if self.factory is not None:
+            return self.factory(params)
+        if self.name == "sgd":
+            return torch.optim.SGD(params, lr=self.lr, momentum=self.momentum,
+                                   nesterov=self.nesterov, weight_decay=self.weight_decay)
+        cls = torch.optim.AdamW if self.name == "adamw" else torch.optim.Adam
+        return cls(params, lr=self.lr, betas=self.betas, eps=self.eps,
+                   weight_decay=self.weight_decay)
+
+
+@dataclass(frozen=True, kw_only=True)
+class LrSchedule:
+    """Inner learning-rate multiplier: linear warmup, then cosine (or constant) decay."""
+
+    warmup_steps: int = 0
+    decay: Literal["cosine", "constant"] = "cosine"
+    min_ratio: float = 0.1  # final lr / peak lr for cosine
+
+    def __post_init__(self) -> None:
+        if self.warmup_steps < 0:
+            raise ConfigError("lr_schedule.warmup_steps", f"must be >= 0, got {self.warmup_steps}")
+        if self.decay not in ("cosine", "constant"):
+            raise ConfigError("lr_schedule.decay", f"must be 'cosine' or 'constant', got {self.decay!r}")
+        if not 0 <= self.min_ratio <= 1:
+            raise ConfigError("lr_schedule.min_ratio", f"must be in [0, 1], got {self.min_ratio}")
+
+    def factor(self, step: int, total: int) -> float:
+        """Multiplier for inner step ``step`` (0-based) of ``total``. Pure."""
+        if step < self.warmup_steps:
+            return (step + 1) / self.warmup_steps
+        if self.decay == "constant" or total <= self.warmup_steps:
+            return 1.0
+        progress = min(1.0, (step - self.warmup_steps) / max(1, total - self.warmup_steps))
+        return self.min_ratio + (1 - self.min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+DataKind = Literal["embedded", "text", "tokens"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class DataConfig:
+    """Where tokens come from and how batches are cut.
+
+    ``kind``: ``embedded`` (the Shakespeare sample shipped in the package), ``text`` (a UTF-8 file
+    or a directory of ``*.txt``, byte-tokenized) or ``tokens`` (a ``.bin`` file or directory of
+    ``*.bin`` little-endian uint16 token shards). The last ``eval_fraction`` of the tokens is held
+    out for evaluation.
+    """
+
+    kind: DataKind = "embedded"
+    path: str | None = None
+    seq_len: int = 64  # T: tokens per training sequence
+    batch_size: int = 8  # B: sequences per worker per inner step
+    eval_fraction: float = 0.1
+    eval_batches: int = 8  # fixed held-out batches of batch_size sequences
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("embedded", "text", "tokens"):
+            raise ConfigError("data.kind", f"must be embedded, text or tokens, got {self.kind!r}")
+        if self.kind == "embedded" and self.path is not None:
+            raise ConfigError("data.path", "the embedded corpus takes no path; use kind='text'")
+        if self.kind != "embedded" and not self.path:
+            raise ConfigError("data.path", f"kind={self.kind!r} needs a path")
+        if self.seq_len < 1:
+            raise ConfigError("data.seq_len", f"must be >= 1, got {self.seq_len}")
+        if self.batch_size < 1:
+            raise ConfigError("data.batch_size", f"must be >= 1, got {self.batch_size}")
+        if not 0 < self.eval_fraction < 1:
+            raise ConfigError("data.eval_fraction", f"must be in (0, 1), got {self.eval_fraction}")
+        if self.eval_batches < 1:
+            raise ConfigError("data.eval_batches", f"must be >= 1, got {self.eval_batches}")
+
+
+def _nesterov() -> OptimizerConfig:
+    return OptimizerConfig(name="sgd", lr=0.7, momentum=0.9, nesterov=True)
+
+
+@dataclass(frozen=True, kw_only=True)
+class DilocoConfig:
+    """Streaming DiLoCo. ``n_fragments=1, tau=0, alpha=0`` is plain DiLoCo."""
+
+    inner_steps: int = 50  # H: inner steps between two syncs of the same fragment
+    n_fragments: int = 1  # P: fragment p syncs at steps ≡ p·H/P (mod H)
+    tau: int = 0  # τ: a sync launched at step t is applied at t+τ (overlap); needs τ < H/P
+    alpha: float = 0.0  # α: θ_local ← α·θ_local + (1−α)·θ_global after an outer step
+    fragment_strategy: Literal["strided", "sequential"] = "strided"
+    codec: str = "fp32"  # wire format of the pseudo-gradient (lowband.codecs name)
+    error_feedback: bool = False  # carry each fragment's quantization residual to its next sync
+    outer: OptimizerConfig = field(default_factory=_nesterov)  # SGD Nesterov lr 0.7, μ 0.9
+
+    def __post_init__(self) -> None:
+        if self.inner_steps < 1:
+            raise ConfigError("inner_steps", f"H must be >= 1, got {self.inner_steps}")
+        if self.n_fragments < 1:
+            raise ConfigError("n_fragments", f"P must be >= 1, got {self.n_fragments}")
+        if self.inner_steps % self.n_fragments:
+            raise ConfigError("n_fragments", f"P={self.n_fragments} must divide "
+                              f"inner_steps H={self.inner_steps} (fragments sync every H/P steps)")
+        if not 0 <= self.tau < self.inner_steps // self.n_fragments:
+            raise ConfigError("tau", f"τ={self.tau} must be in [0, H/P) = "
+                              f"[0, {self.inner_steps // self.n_fragments}): at most one fragment "
+                              "sync may be in flight")
+        if not 0.0 <= self.alpha <= 1.0:
+            raise ConfigError("alpha", f"α must be in [0, 1], got {self.alpha}")
+        if self.fragment_strategy not in ("strided", "sequential"):
+            raise ConfigError("fragment_strategy",
+                              f"must be 'strided' or 'sequential', got {self.fragment_strategy!r}")
+        if self.codec not in codec_names():
+            raise ConfigError("codec", f"unknown codec {self.codec!r}; one of {codec_names()}")
+
+    @property
+    def stride(self) -> int:
+        """H/P: steps between two consecutive fragment syncs."""
+        return self.inner_steps // self.n_fragments
+
+
+@dataclass(frozen=True, kw_only=True)
+class DDPConfig:
+    """Data-parallel baseline: gradients all-reduced (averaged) after every step."""
+
+    codec: str = "fp32"  # wire format of the gradients
+
+    def __post_init__(self) -> None:
+        if self.codec not in codec_names():
+            raise ConfigError("codec", f"unknown codec {self.codec!r}; one of {codec_names()}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainConfig:
+    """One training run, identical on every worker."""
+
+    model: ModelConfig
+    data: DataConfig = field(default_factory=DataConfig)
+    mode: DilocoConfig | DDPConfig = field(default_factory=DilocoConfig)
+    inner: OptimizerConfig = field(default_factory=lambda: OptimizerConfig(
+        name="adamw", lr=3e-3, weight_decay=0.1, betas=(0.9, 0.95)))
+    lr_schedule: LrSchedule = field(default_factory=LrSchedule)
+    steps: int = 1000  # T: inner steps per worker (DDP: optimizer steps)
+    workers: int = 2  # M: workers the run waits for before starting
+    seed: int = 0
+    grad_clip: float | None = 1.0
+    eval_every: int = 100  # steps between evaluations of the global model (0: only at the end)
+    audit_every: int = 4  # outer syncs between state-hash audits across workers (0: never)
+    checkpoint_every: int = 0  # steps between checkpoints (0: only the final one)
+    log_every: int = 10  # steps between per-step JSONL records
+    sync_timeout: float = 300.0  # seconds one collective may take before TransportTimeout
+
+    def __post_init__(self) -> None:
+        if self.steps < 1:
+            raise ConfigError("steps", f"must be >= 1, got {self.steps}")
+        if self.workers < 1:
+            raise ConfigError("workers", f"M must be >= 1, got {self.workers}")
+        if self.model.vocab_size < 1:
+            raise ConfigError("model.vocab_size", "must be >= 1")
+        if self.grad_clip is not None and not self.grad_clip > 0:
+            raise ConfigError("grad_clip", f"must be > 0 or None, got {self.grad_clip}")
+        for name in ("eval_every", "audit_every", "checkpoint_every"):
+            if getattr(self, name) < 0:
+                raise ConfigError(name, f"must be >= 0, got {getattr(self, name)}")
+        if self.log_every < 1:
+            raise ConfigError("log_every", f"must be >= 1, got {self.log_every}")
+        if not self.sync_timeout > 0:
+            raise ConfigError("sync_timeout", f"must be > 0 seconds, got {self.sync_timeout}")
+        if self.data.seq_len > self.model.max_position_embeddings:
+            raise ConfigError("data.seq_len", f"{self.data.seq_len} exceeds the model's "
+                              f"max_position_embeddings {self.model.max_position_embeddings}")
+
+    @property
+    def is_diloco(self) -> bool:
+        return isinstance(self.mode, DilocoConfig)
+
+    def tokens_per_step(self) -> int:
+        """Tokens one worker consumes per inner step."""
+        return self.data.batch_size * self.data.seq_len
+
+
+# ---- presets -------------------------------------------------------------------------------
+def byte_llama(hidden: int, layers: int, heads: int, *, seq_len: int = 256) -> ModelConfig:
+    """A small Llama (SwiGLU, RMSNorm, RoPE) over the 256 byte vocabulary."""
+    inter = int(8 * hidden / 3 + 7) // 8 * 8
+    return ModelConfig(model_type="llama", vocab_size=256, hidden_size=hidden,
+                       intermediate_size=inter, num_hidden_layers=layers,
+                       num_attention_heads=heads, max_position_embeddings=seq_len,
+                       rms_norm_eps=1e-5, tie_word_embeddings=False)
+
+
+def tiny() -> TrainConfig:
+    """Seconds on a laptop: tests and smoke runs (~0.13 M parameters)."""
+    return TrainConfig(model=byte_llama(64, 2, 4), data=DataConfig(seq_len=64, batch_size=8),
+                       mode=DilocoConfig(inner_steps=10, n_fragments=2),
+                       lr_schedule=LrSchedule(warmup_steps=10), steps=60, eval_every=20)
+
+
+def shakespeare() -> TrainConfig:
+    """The default of ``lowband train``: Streaming DiLoCo on the embedded Shakespeare sample
+    (~0.4 M parameters, a few minutes on 2 CPU cores with 2 workers)."""
+    return TrainConfig(
+        model=byte_llama(96, 3, 4),
+        data=DataConfig(seq_len=64, batch_size=8),
+        mode=DilocoConfig(inner_steps=50, n_fragments=2, tau=5, alpha=0.5,
+                          codec="int8", error_feedback=True),
+        lr_schedule=LrSchedule(warmup_steps=50), steps=1000, eval_every=100)
+
+
+PRESETS: dict[str, Callable[[], TrainConfig]] = {"tiny": tiny, "shakespeare": shakespeare}
+
+
+def preset(name: str) -> TrainConfig:
+    try:
+        return PRESETS[name]()
+    except KeyError:
+        raise ConfigError("preset", f"unknown preset {name!r}; one of {sorted(PRESETS)}") from None

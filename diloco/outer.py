@@ -1,0 +1,92 @@
+"""One fragment's outer loop: pseudo-gradient, wire contribution, outer step, merge.
+
+Notation (DiLoCo, arXiv 2311.08105, Alg. 1; Streaming DiLoCo, arXiv 2501.18512, Alg. 1):
+θ_g is the global copy every worker agrees on, θ_m worker m's local copy after its inner steps.
+
+    Δ_m    = θ_g − θ_m                        pseudo-gradient of worker m
+    x_m    = Δ_m + e_m                        with error feedback e_m (else e_m = 0)
+    e_m   ← x_m − Q(x_m)                      Q = the codec's encode+decode
+    Δ̄      = Σ_m Q(x_m) / |valid|             the all-reduce (fp32 accumulation in the transport)
+    θ_g   ← OuterOpt(θ_g, grad = Δ̄)           SGD Nesterov, lr 0.7, μ 0.9 by default
+    θ_m   ← α·θ_m + (1 − α)·θ_g               merge (α = 0: restart from the global copy)
+
+A worker whose Δ_m is not finite sends zeros and a validity flag of 0 (the trainer all-reduces
+the flags), so a diverged worker never poisons θ_g; the average is over valid workers only.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Sequence
+
+import torch
+
+from lowband.comm import Codec
+
+logger = logging.getLogger(__name__)
+
+
+class FragmentSync:
+    """The state of fragment p on one worker: its parameters in the local and the global model,
+    its outer optimizer and its error-feedback residual."""
+
+    def __init__(self, index: int, names: Sequence[str], local: Sequence[torch.nn.Parameter],
+                 global_: Sequence[torch.nn.Parameter], outer_opt: torch.optim.Optimizer,
+                 codec: Codec | None, error_feedback: bool) -> None:
+        self.index = index
+        self.names = tuple(names)
+        self.local = list(local)
+        self.global_ = list(global_)
+        self.outer_opt = outer_opt
+        self.codec = codec
+        self.error_feedback = error_feedback and codec is not None
+        self.numel = sum(p.numel() for p in self.local)
+        self.residual: torch.Tensor | None = None  # e_m, flat float32, created lazily
+
+    # ---- the sending side ----------------------------------------------------------------------
+    @torch.no_grad()
+    def pseudo_gradient(self) -> torch.Tensor:
+        """Δ = θ_g − θ_local, flattened to float32 (numel,)."""
+        return torch.cat([(g.float() - m.float()).reshape(-1)
+                          for g, m in zip(self.global_, self.local)])
+
+    @torch.no_grad()
+    def contribution(self) -> tuple[torch.Tensor, bool]:
+        """What this worker puts on the wire for this sync, and whether it is valid."""
+        delta = self.pseudo_gradient()
+        if not bool(torch.isfinite(delta).all()):
+            logger.warning("fragment %d: non-finite pseudo-gradient; sending zeros, this "
+                           "worker's contribution is dropped from the average", self.index)
+            return torch.zeros_like(delta), False
+        codec = self.codec
+        if not self.error_feedback or codec is None:
+            return delta, True
+        x = delta if self.residual is None else delta + self.residual
+        self.residual = x - codec.decode(codec.encode(x)).reshape(-1)
+        return x, True
+
+    # ---- the receiving side --------------------------------------------------------------------
+    @torch.no_grad()
+    def outer_step(self, avg_delta: torch.Tensor) -> None:
+        """θ_g ← OuterOpt(θ_g, Δ̄): the averaged pseudo-gradient is the outer gradient."""
+        offset = 0
+        for g in self.global_:
+            n = g.numel()
+            g.grad = avg_delta[offset:offset + n].view_as(g).to(g.dtype)
+            offset += n
+        self.outer_opt.step()
+        self.outer_opt.zero_grad(set_to_none=True)
+
+    @torch.no_grad()
+    def merge(self, alpha: float) -> None:
+        """θ_local ← α·θ_local + (1 − α)·θ_g. A non-finite local copy restarts from θ_g."""
+        for g, m in zip(self.global_, self.local):
+            if alpha == 0.0 or not bool(torch.isfinite(m).all()):
+                m.copy_(g)
+            else:
+                m.mul_(alpha).add_(g, alpha=1.0 - alpha)
+
+    @torch.no_grad()
+    def reset_local(self) -> None:
+        for g, m in zip(self.global_, self.local):
+            m.copy_(g)

@@ -1,0 +1,70 @@
+"""What the trainers need from "a model and its data": the :class:`Task` Protocol.
+
+The trainers (``diloco.trainer``, ``diloco.ddp``) are written against this Protocol so that any
+``nn.Module`` can be trained; :class:`LMTask` is the default, a Llama-family byte-level language
+model from ``edge.model`` on a token corpus.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from diloco.config import TrainConfig
+from diloco.data import Corpus, eval_batches, train_batch
+from edge.model import LlamaForCausalLM, init_weights
+
+
+class Task(Protocol):
+    def build_model(self) -> nn.Module:
+        """A fresh model; identical (bit for bit) on every worker of a run."""
+        ...
+
+    def train_batch(self, slot: int, step: int) -> Any:
+        """The batch of data slot ``slot`` (a worker's rank) at inner step ``step``. Pure."""
+        ...
+
+    def loss(self, model: nn.Module, batch: Any) -> torch.Tensor:
+        """Scalar training loss (mean over the batch) with a graph for backward."""
+        ...
+
+    def evaluate(self, model: nn.Module) -> float:
+        """Held-out loss of ``model`` (no grad; deterministic)."""
+        ...
+
+    def tokens_per_batch(self) -> int: ...
+
+
+class LMTask:
+    """Next-token prediction with :class:`edge.model.LlamaForCausalLM` (HF parameter names)."""
+
+    def __init__(self, cfg: TrainConfig, corpus: Corpus) -> None:
+        self.cfg = cfg
+        self.corpus = corpus
+        d = cfg.data
+        self._eval = eval_batches(corpus.eval, d.seq_len, d.batch_size, d.eval_batches)
+
+    def build_model(self) -> LlamaForCausalLM:
+        model = LlamaForCausalLM(self.cfg.model)
+        init_weights(model, seed=self.cfg.seed)
+        return model
+
+    def train_batch(self, slot: int, step: int) -> torch.Tensor:
+        d = self.cfg.data
+        return train_batch(self.corpus.train, d.seq_len, d.batch_size, seed=self.cfg.seed,
+                           slot=slot, step=step)
+
+    def loss(self, model: nn.Module, batch: torch.Tensor) -> torch.Tensor:
+        logits = model(batch[:, :-1])  # (B, T, V)
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1))
+
+    @torch.no_grad()
+    def evaluate(self, model: nn.Module) -> float:
+        losses = [float(self.loss(model, b)) for b in self._eval]
+        return sum(losses) / len(losses)
+
+    def tokens_per_batch(self) -> int:
+        return self.cfg.data.batch_size * self.cfg.data.seq_len

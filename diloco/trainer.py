@@ -1,0 +1,442 @@
+"""The Streaming DiLoCo worker: inner steps, fragment syncs, and a self-healing group.
+
+One :class:`DilocoWorker` runs on each site over an injected :class:`lowband.comm.Communicator`
+(ZeroMQ across machines, the loopback group in tests). Its loop is the schedule of
+``diloco.schedule``: after every inner step it runs the SEND/APPLY actions of that step; the
+outer step itself is ``diloco.outer``.
+
+Membership, failures and joins
+------------------------------
+Right after every APPLY nothing is in flight (τ < H/P), so that is the *sync point* where every
+worker calls ``comm.quorum()``. When the epoch changed (a peer died or joined), or on the
+periodic audit, all members *reconcile*:
+
+1. all-gather a status row per worker: run signature, step, syncs applied, the sync it lost
+   (if any), hash of the global state;
+2. refuse workers whose signature differs from the majority (they raise IncompatiblePeer);
+3. if every most-advanced worker lost the same sync (a peer died while it was in flight),
+   redo it with the survivors — the average is over those who contributed;
+4. the lowest-ranked most-advanced worker holding the majority hash sends its full state to
+   every worker that is behind, new, or different (point-to-point, tensors + JSON metadata);
+5. all-gather the state hashes again: every worker must now be bit-identical in θ_g, outer
+   optimizer state, step and sync count, or the run stops with StateMismatch.
+
+A collective that fails inside this procedure (another peer lost) restarts it after a new quorum,
+so it terminates once the membership stops changing.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import time
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from diloco.checkpoint import (State, export_model, load_optimizer_state, load_state,
+                               optimizer_state, save_state)
+from diloco.common import (InnerLoop, WorkerResult, hash_state, optimizer_tensors,
+                           run_signature, signature_int)
+from diloco.config import DilocoConfig, TrainConfig
+from diloco.fragments import plan_fragments
+from diloco.metrics import MetricsLog, Progress
+from diloco.outer import FragmentSync
+from diloco.schedule import Action, Kind, drain_actions, fragment_actions
+from diloco.task import Task
+from lowband.codecs import get_codec
+from lowband.comm import Communicator, Work
+from lowband.errors import ConfigError, IncompatiblePeer, LowbandError, PeerLost, ProtocolError
+
+logger = logging.getLogger(__name__)
+
+# Columns of the status row all-gathered when workers reconcile (int64).
+SIG, INIT, STEP, APPLIED, LOST_FRAG, LOST_ROUND, HASH = range(7)
+
+
+class StateMismatch(LowbandError):
+    """Workers still disagree on the global state after a state transfer (a determinism bug)."""
+
+
+@dataclass
+class _Sync:
+    """One fragment sync from SEND to APPLY on this worker."""
+
+    fragment: int
+    round: int
+    x: torch.Tensor  # what this worker sent (Δ + residual, or zeros if invalid)
+    valid: bool
+    total: Work[torch.Tensor] | None = None  # Σ_m x_m
+    count: Work[torch.Tensor] | None = None  # Σ_m valid_m
+    error: PeerLost | None = None
+
+
+def _majority(values: list[int]) -> int:
+    """Most common value; ties go to the value seen first (the lowest rank)."""
+    counts = Counter(values)
+    best = max(counts.values())
+    return next(v for v in values if counts[v] == best)
+
+
+class DilocoWorker:
+    """One Streaming DiLoCo worker. ``run()`` trains to ``cfg.steps`` and returns a summary."""
+
+    def __init__(self, cfg: TrainConfig, comm: Communicator, task: Task, *,
+                 log: MetricsLog | None = None, progress: bool = False,
+                 out_dir: Path | None = None, resume: Path | None = None,
+                 byte_tokenizer: bool = True, on_step: Callable[[int], None] | None = None) -> None:
+        if not isinstance(cfg.mode, DilocoConfig):
+            raise ConfigError("mode", "DilocoWorker needs a DilocoConfig (use DDPWorker for DDP)")
+        self.cfg, self.mode, self.comm, self.task = cfg, cfg.mode, comm, task
+        self.log = log or MetricsLog(None)
+        self.out_dir, self.byte_tokenizer, self.on_step = out_dir, byte_tokenizer, on_step
+        self.model = task.build_model()
+        self.global_model = copy.deepcopy(self.model)  # θ_g: what the outer optimizers update
+        self.inner = InnerLoop(cfg, task, self.model)
+        self.signature = run_signature(cfg, self.model)
+        self.codec = None if self.mode.codec == "fp32" else get_codec(self.mode.codec)
+        local = dict(self.model.named_parameters())
+        glob = dict(self.global_model.named_parameters())
+        plan = plan_fragments(list(local.items()), self.mode.n_fragments,
+                              self.mode.fragment_strategy)
+        self.fragments = [
+            FragmentSync(p, names, [local[n] for n in names], [glob[n] for n in names],
+                         self.mode.outer.build([glob[n] for n in names]), self.codec,
+                         self.mode.error_feedback)
+            for p, names in enumerate(plan.names)]
+        self.applied = 0  # fragment syncs applied (identical on every worker)
+        self.initialized = False  # holds authoritative state (resumed, or agreed with the group)
+        self.inflight: _Sync | None = None
+        self.lost: _Sync | None = None  # a sync whose result never arrived here
+        self.result = WorkerResult(peer_id=comm.membership.peer_id, rank=comm.rank,
+                                   mode="diloco", start_step=0, steps=0)
+        self._rec_epoch: int | None = None
+        self._rec_count = 0
+        self._progress = Progress(cfg.steps, enabled=progress)
+        if resume is not None:
+            self._resume(resume)
+
+    @property
+    def step(self) -> int:
+        return self.inner.step
+
+    # ---- the loop ------------------------------------------------------------------------------
+    def run(self) -> WorkerResult:
+        t0 = time.perf_counter()
+        m = self.mode
+        self._timed(lambda: self.comm.quorum(min_world=self.cfg.workers,
+                                             timeout=self.cfg.sync_timeout))
+        self._timed(lambda: self._reconcile("start"))
+        self.result.start_step = self.step
+        while self.step < self.cfg.steps:
+            tc = time.perf_counter()
+            loss = self.inner.run_step(self.comm.rank)
+            self.result.compute_s += time.perf_counter() - tc
+            for action in fragment_actions(self.step, m.n_fragments, m.inner_steps, m.tau):
+                self._timed(lambda a=action: self._do(a))
+            self._after_step(loss)
+        for action in drain_actions(self.cfg.steps, m.n_fragments, m.inner_steps, m.tau):
+            if self.inflight is not None:
+                self._timed(lambda a=action: self._do(a))
+        self.result.wall_s = time.perf_counter() - t0
+        return self._finish()
+
+    def _timed(self, fn: Callable[[], object]) -> None:
+        t = time.perf_counter()
+        fn()
+        self.result.sync_s += time.perf_counter() - t
+
+    def _do(self, action: Action) -> None:
+        if action.kind is Kind.SEND:
+            self._send(action)
+        else:
+            self._apply(action)
+
+    # ---- SEND / APPLY --------------------------------------------------------------------------
+    def _send(self, action: Action) -> None:
+        x, valid = self.fragments[action.fragment].contribution()
+        sync = _Sync(action.fragment, action.round, x, valid)
+        self._launch(sync, f"frag/{action.fragment}/{action.round}")
+        self.inflight = sync
+
+    def _launch(self, sync: _Sync, tag: str) -> None:
+        flag = torch.tensor([1.0 if sync.valid else 0.0])
+        try:
+            sync.total = self.comm.all_reduce_async(sync.x, "sum", codec=self.codec,
+                                                    tag=tag + "/sum", timeout=self.cfg.sync_timeout)
+            sync.count = self.comm.all_reduce_async(flag, "sum", tag=tag + "/n",
+                                                    timeout=self.cfg.sync_timeout)
+        except PeerLost as exc:
+            sync.error = exc
+
+    def _apply(self, action: Action) -> None:
+        sync, self.inflight = self.inflight, None
+        if sync is None or (sync.fragment, sync.round) != (action.fragment, action.round):
+            raise ProtocolError(f"APPLY {action} without its SEND: schedule and state disagree")
+        t = time.perf_counter()
+        try:
+            total, count = self._wait(sync)
+        except PeerLost as exc:
+            logger.warning("sync of fragment %d round %d lost a peer (%s); recovering at the "
+                           "sync point", sync.fragment, sync.round, exc)
+            self.log.log("recovery", step=self.step, fragment=sync.fragment, error=str(exc))
+            self.lost = sync
+        else:
+            self._outer(sync.fragment, total, count)
+            self._record_sync(sync, time.perf_counter() - t)
+        self._sync_point()
+
+    @staticmethod
+    def _wait(sync: _Sync) -> tuple[torch.Tensor, torch.Tensor]:
+        if sync.error is not None:
+            raise sync.error
+        if sync.total is None or sync.count is None:
+            raise PeerLost(f"the sync of fragment {sync.fragment} was never launched")
+        return sync.total.wait(), sync.count.wait()
+
+    def _outer(self, p: int, total: torch.Tensor, count: torch.Tensor) -> None:
+        """Average over the valid contributions, outer step, merge (one fragment)."""
+        n = int(round(float(count.reshape(-1)[0])))
+        if n < self.comm.world_size:
+            logger.warning("fragment %d: %d of %d workers sent a valid pseudo-gradient; "
+                           "averaging over those", p, n, self.comm.world_size)
+        if n > 0:
+            self.fragments[p].outer_step(total.reshape(-1) / n)
+            self.fragments[p].merge(self.mode.alpha)
+        self.applied += 1
+
+    def _record_sync(self, sync: _Sync, wait_s: float) -> None:
+        works = [w for w in (sync.total, sync.count) if w is not None]
+        sent = sum(w.stats.bytes_sent for w in works)
+        received = sum(w.stats.bytes_received for w in works)
+        r = self.result
+        r.outer_syncs += 1
+        r.peak_sync_bytes = max(r.peak_sync_bytes, sent)
+        r.fragment_bytes[sync.fragment] = r.fragment_bytes.get(sync.fragment, 0) + sent
+        self.log.log("sync", step=self.step, fragment=sync.fragment, round=sync.round,
+                     bytes_sent=sent, bytes_received=received, wait_s=round(wait_s, 6),
+                     valid=sync.valid, world=self.comm.world_size)
+
+    # ---- membership ----------------------------------------------------------------------------
+    def _sync_point(self) -> None:
+        before = self.comm.membership.epoch
+        m = self.comm.quorum(timeout=self.cfg.sync_timeout)
+        stride = self.mode.stride
+        audit = bool(self.cfg.audit_every) and (self.step // stride) % self.cfg.audit_every == 0
+        if m.epoch != before:
+            self.log.log("membership", step=self.step, epoch=m.epoch, world=m.world_size,
+                         joined=list(m.joined), left=list(m.left))
+            self._reconcile("membership")
+        elif audit:
+            self._reconcile("audit")
+        elif self.lost is not None:
+            logger.warning("lost sync with an unchanged membership; the next audit heals it")
+
+    def _reconcile(self, reason: str) -> None:
+        while True:
+            try:
+                if self._reconcile_once(reason):
+                    return
+            except PeerLost as exc:
+                logger.warning("peer lost while reconciling (%s); new quorum", exc)
+                self.comm.quorum(timeout=self.cfg.sync_timeout)
+
+    def _status(self) -> torch.Tensor:
+        lost = self.lost
+        return torch.tensor([signature_int(self.signature), int(self.initialized), self.step,
+                             self.applied, lost.fragment if lost else -1,
+                             lost.round if lost else -1, self.state_hash()], dtype=torch.int64)
+
+    def _next_tag(self) -> str:
+        # Tags must be unique within an epoch and equal on every member, newcomers included:
+        # count reconciliations since the epoch began (every member runs the same ones).
+        epoch = self.comm.membership.epoch
+        if epoch != self._rec_epoch:
+            self._rec_epoch, self._rec_count = epoch, 0
+        self._rec_count += 1
+        return f"rec/{self._rec_count}"
+
+    def _reconcile_once(self, reason: str) -> bool:
+        comm, tag = self.comm, self._next_tag()
+        rows = [r.tolist() for r in comm.all_gather(self._status(), tag=tag + "/status",
+                                                    timeout=self.cfg.sync_timeout)]
+        if not self._check_signatures(rows):
+            return False
+        if not any(r[INIT] for r in rows):  # a fresh run: the seeded models are the state
+            for r in rows:
+                r[INIT] = 1
+        best = max((r[STEP], r[APPLIED]) for r in rows if r[INIT])
+        leaders = [i for i, r in enumerate(rows) if r[INIT] and (r[STEP], r[APPLIED]) == best]
+        lost = {(rows[i][LOST_FRAG], rows[i][LOST_ROUND]) for i in leaders}
+        if lost != {(-1, -1)}:
+            if len(lost) != 1:
+                raise ProtocolError(f"workers at the same progress lost different syncs: {lost}")
+            self._redo(*lost.pop(), leader=comm.rank in leaders, tag=tag)
+            return False  # progress changed: gather the status again
+        ref = _majority([rows[i][HASH] for i in leaders])
+        donor = min(i for i in leaders if rows[i][HASH] == ref)
+        stale = [i for i, r in enumerate(rows)
+                 if not (r[INIT] and (r[STEP], r[APPLIED]) == best and r[HASH] == ref)]
+        if stale:
+            self._transfer(donor, stale, tag)
+        self._verify(tag, reason, stale)
+        return True
+
+    def _check_signatures(self, rows: list[list[int]]) -> bool:
+        ref = _majority([r[SIG] for r in rows if r[INIT]] or [r[SIG] for r in rows])
+        bad = [i for i, r in enumerate(rows) if r[SIG] != ref]
+        if not bad:
+            return True
+        if self.comm.rank in bad:
+            self.comm.close()
+            raise IncompatiblePeer(
+                "this worker's model/config signature differs from the group's (parameter "
+                "shapes, H, P, τ, codec, optimizers, steps or seed): use the same preset and "
+                "overrides as the other workers")
+        logger.warning("refusing %d worker(s) with a different signature", len(bad))
+        self.comm.quorum(timeout=self.cfg.sync_timeout)  # they leave; continue without them
+        return False
+
+    def _redo(self, fragment: int, round_: int, *, leader: bool, tag: str) -> None:
+        """Redo a sync every most-advanced worker lost, with whoever is here now."""
+        if leader and self.lost is not None:
+            x, valid = self.lost.x, self.lost.valid
+        else:  # a newcomer or a worker that is behind: counted out of the average
+            x, valid = torch.zeros(self.fragments[fragment].numel), False
+        sync = _Sync(fragment, round_, x, valid)
+        self._launch(sync, f"{tag}/redo/{fragment}/{round_}")
+        total, count = self._wait(sync)
+        if leader:
+            self._outer(fragment, total, count)
+            self._record_sync(sync, 0.0)
+            self.lost = None
+            self.result.retries += 1
+            self.log.log("recovery", step=self.step, fragment=fragment, redone=True,
+                         world=self.comm.world_size)
+
+    def _transfer(self, donor: int, stale: list[int], tag: str) -> None:
+        comm = self.comm
+        if comm.rank == donor:
+            tensors, meta = self.state(residuals=False)
+            names = sorted(tensors)
+            for dst in stale:
+                comm.send(dst, [tensors[n] for n in names], {"names": names, "meta": meta},
+                          tag=f"{tag}/state", timeout=self.cfg.sync_timeout)
+        elif comm.rank in stale:
+            ts, msg = comm.recv(donor, tag=f"{tag}/state", timeout=self.cfg.sync_timeout)
+            self.load(dict(zip(msg["names"], ts)), msg["meta"], residuals=False)
+            self.result.transfers += 1
+            logger.info("received the full state from rank %d at step %d", donor, self.step)
+
+    def _verify(self, tag: str, reason: str, stale: list[int]) -> None:
+        mine = self.state_hash()
+        hashes = [int(h) for h in self.comm.all_gather(torch.tensor([mine], dtype=torch.int64),
+                                                       tag=tag + "/verify",
+                                                       timeout=self.cfg.sync_timeout)]
+        if len(set(hashes)) != 1:
+            raise StateMismatch(f"state hashes differ after reconciling ({reason}): {hashes}")
+        self.initialized = True
+        self.log.log("audit", step=self.step, reason=reason, world=self.comm.world_size,
+                     refreshed=stale, state_hash=mine)
+
+    # ---- state ---------------------------------------------------------------------------------
+    def state_hash(self) -> int:
+        """Digest of everything that must be identical across workers: θ_g, outer optimizer
+        states, step and syncs applied."""
+        tensors = [p for p in self.global_model.parameters()]
+        for f in self.fragments:
+            tensors += optimizer_tensors(f.outer_opt)
+        return hash_state(tensors, self.step, self.applied)
+
+    def state(self, *, residuals: bool) -> State:
+        tensors: dict[str, torch.Tensor] = {}
+        for name, p in self.model.named_parameters():
+            tensors["local." + name] = p.detach().clone()
+        for name, p in self.global_model.named_parameters():
+            tensors["global." + name] = p.detach().clone()
+        t, inner_meta = optimizer_state(self.inner.opt, "inner")
+        tensors.update(t)
+        outer_meta = []
+        for f in self.fragments:
+            t, meta = optimizer_state(f.outer_opt, f"outer{f.index}")
+            tensors.update(t)
+            outer_meta.append(meta)
+            if residuals and f.residual is not None:
+                tensors[f"residual.{f.index}"] = f.residual.clone()
+        meta = {"format": 1, "step": self.step, "applied": self.applied,
+                "inner": inner_meta, "outer": outer_meta}
+        return tensors, meta
+
+    @torch.no_grad()
+    def load(self, tensors: dict[str, torch.Tensor], meta: dict, *, residuals: bool) -> None:
+        for prefix, model in (("local.", self.model), ("global.", self.global_model)):
+            for name, p in model.named_parameters():
+                p.copy_(tensors[prefix + name])
+        load_optimizer_state(self.inner.opt, "inner", tensors, meta["inner"])
+        for f, m in zip(self.fragments, meta["outer"]):
+            load_optimizer_state(f.outer_opt, f"outer{f.index}", tensors, m)
+            key = f"residual.{f.index}"
+            f.residual = tensors[key].clone() if residuals and key in tensors else None
+        self.inner.step = int(meta["step"])
+        self.applied = int(meta["applied"])
+        self.lost = self.inflight = None
+        self.initialized = True
+
+    def _resume(self, directory: Path) -> None:
+        stem = directory / f"worker-{self.comm.rank}"
+        if not stem.with_name(stem.name + ".json").exists():
+            logger.warning("no %s in %s: this worker will take its state from a peer",
+                           stem.name, directory)
+            return
+        tensors, meta = load_state(stem)
+        self.load(tensors, meta, residuals=True)
+
+    # ---- bookkeeping ---------------------------------------------------------------------------
+    def _after_step(self, loss: float) -> None:
+        r, step = self.result, self.step
+        r.losses[step] = loss
+        r.tokens += self.task.tokens_per_batch()
+        if step % self.cfg.log_every == 0 or step == self.cfg.steps:
+            stats = self.comm.stats()
+            self.log.log("step", step=step, loss=loss, lr=self.inner.lr(), tokens=r.tokens,
+                         compute_s=round(r.compute_s, 4), sync_s=round(r.sync_s, 4),
+                         bytes_sent=stats.bytes_sent, bytes_received=stats.bytes_received)
+        if self.cfg.eval_every and step % self.cfg.eval_every == 0 and step < self.cfg.steps:
+            self._evaluate()
+        if (self.cfg.checkpoint_every and self.out_dir is not None and self.inflight is None
+                and step % self.cfg.checkpoint_every == 0):
+            self.checkpoint(self.out_dir / "checkpoints" / f"step-{step:06d}")
+        self._progress.update(step, loss=f"{loss:.3f}")
+        if self.on_step is not None:
+            self.on_step(step)
+
+    def _evaluate(self) -> float | None:
+        if self.comm.rank != 0:  # θ_g is identical everywhere: one worker evaluates it
+            return None
+        loss = self.task.evaluate(self.global_model)
+        sent = self.comm.stats().bytes_sent
+        self.result.evals.append({"step": self.step, "loss": loss, "bytes_sent": sent})
+        self.log.log("eval", step=self.step, loss=loss, bytes_sent=sent)
+        return loss
+
+    def checkpoint(self, directory: Path) -> None:
+        save_state(directory / f"worker-{self.comm.rank}", self.state(residuals=True))
+
+    def _finish(self) -> WorkerResult:
+        r = self.result
+        r.steps, r.rank = self.step, self.comm.rank
+        r.final_eval = self._evaluate()
+        stats = self.comm.stats()
+        r.bytes_sent, r.bytes_received = stats.bytes_sent, stats.bytes_received
+        r.state_hash = self.state_hash()
+        if self.out_dir is not None:
+            self.checkpoint(self.out_dir / "checkpoints" / "final")
+            if self.comm.rank == 0:
+                export_model(self.global_model, self.out_dir / "model",
+                             byte_tokenizer=self.byte_tokenizer)
+        self.log.log("final", **r.summary())
+        self._progress.close()
+        return r
