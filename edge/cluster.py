@@ -49,6 +49,17 @@ logger = logging.getLogger(__name__)
 
 CTL = "edge.ctl"
 READY = "edge.ready"
+MASTER_ID_PREFIX = "edge-master"  # peer id prefix of the master on a real transport
+IDLE_FOREVER = 1e7  # seconds: a worker waits for its master indefinitely (no polling: the
+# transport numbers uses of a tag, so an abandoned receive would shift every later match)
+
+
+def master_rank(peers: Sequence[str]) -> int:
+    """The master's rank: the peer whose id says so, else rank 0 (loopback groups)."""
+    for r, p in enumerate(peers):
+        if p.startswith(MASTER_ID_PREFIX):
+            return r
+    return 0
 WIRE_CODECS = ("fp32", "fp16", "bf16", "int8")
 
 
@@ -134,22 +145,25 @@ class MasterRunner:
         self._closed = threading.Event()
         self._recovery: threading.Thread | None = None
         self._ping_n = 0
-        comm.quorum(min_world=cfg.devices, timeout=cfg.join_timeout)
-        if comm.rank != 0:
-            raise ConfigError("master", f"the master must be rank 0, got rank {comm.rank}")
+        m = comm.quorum(min_world=cfg.devices, timeout=cfg.join_timeout)
+        if master_rank(m.peers) != comm.rank:
+            raise ConfigError("master", f"another peer ({m.peers[master_rank(m.peers)]}) is the master")
         self.shard = _load(self.model_dir, 0, cfg.devices, cfg.weights, cfg.dtype, comm,
                            self.codec, cfg.algorithm, cfg.op_timeout, cfg.window_config(), self.tags)
         self.model = self.shard.model
         self.config = self.model.config
         self.cache = self.model.new_cache()
         self._slots[comm.membership.peer_id] = 0
-        self._assign(list(range(1, comm.world_size)), list(range(1, cfg.devices)))
+        self._assign(self._others(), list(range(1, cfg.devices)))
         self._healthy, self._status = True, "ok"
         self._heartbeat = threading.Thread(target=self._heartbeat_loop, name="edge-heartbeat",
                                            daemon=True)
         self._heartbeat.start()
 
     # ---- setup / recovery ----------------------------------------------------------------------
+    def _others(self) -> list[int]:
+        return [r for r in range(self.comm.world_size) if r != self.comm.rank]
+
     def _assign(self, ranks: Sequence[int], slots: Sequence[int]) -> None:
         cfg = self.cfg
         peers = self.comm.membership.peers
@@ -194,7 +208,7 @@ class MasterRunner:
 
     def _regroup_once(self) -> None:
         old = self.comm.membership
-        for r in range(1, old.world_size):
+        for r in self._others():
             try:
                 self.comm.send(r, [], {"op": "regroup", "epoch": old.epoch}, tag=CTL)
             except (PeerLost, TransportTimeout):
@@ -206,7 +220,7 @@ class MasterRunner:
         if len(new_ranks) < len(missing):
             raise PeerLost(f"slots {missing} still unassigned")
         self._assign(new_ranks[:len(missing)], missing)
-        for r in range(1, m.world_size):
+        for r in self._others():
             self.comm.send(r, [], {"op": "reset"}, tag=CTL)
         self.cache = self.model.new_cache()
 
@@ -217,7 +231,7 @@ class MasterRunner:
             try:
                 self._ping_n += 1
                 m = self.comm.membership
-                for r in range(1, m.world_size):
+                for r in self._others():
                     self.comm.send(r, [], {"op": "ping", "n": self._ping_n, "epoch": m.epoch},
                                    tag=CTL)
                 self.comm.barrier(tag=f"ping{self._ping_n}", timeout=self.cfg.op_timeout)
@@ -237,7 +251,7 @@ class MasterRunner:
             self.tags.start(self._fid)
             x = self.model.embed(torch.tensor([list(ids)], dtype=torch.long))
             try:
-                for r in range(1, self.comm.world_size):
+                for r in self._others():
                     self.comm.send(r, [x], {"op": "forward", "fid": self._fid, "start": start,
                                             "epoch": self.comm.membership.epoch}, tag=CTL)
                 with torch.inference_mode():
@@ -252,7 +266,7 @@ class MasterRunner:
             if not self._healthy:
                 return
             try:
-                for r in range(1, self.comm.world_size):
+                for r in self._others():
                     self.comm.send(r, [], {"op": "reset"}, tag=CTL)
             except (PeerLost, TransportTimeout) as exc:
                 self._fail(exc)
@@ -269,7 +283,7 @@ class MasterRunner:
     def close(self) -> None:
         self._closed.set()
         with self._lock:
-            for r in range(1, self.comm.world_size):
+            for r in self._others():
                 try:
                     self.comm.send(r, [], {"op": "shutdown"}, tag=CTL)
                 except LowbandError:
@@ -283,7 +297,7 @@ class WorkerConfig:
 
     model_dir: str | None = None  # local copy of the model / split dir; default: the master's path
     join_timeout: float = 600.0
-    poll_s: float = 1.0  # how often an idle worker checks whether it should stop
+    idle_timeout: float = IDLE_FOREVER  # give up after this long without a word from the master
 
 
 @dataclass
@@ -294,17 +308,14 @@ class WorkerState:
     forwards: int = 0
 
 
-def run_worker(comm: Communicator, cfg: WorkerConfig, stop: threading.Event | None = None) -> int:
+def run_worker(comm: Communicator, cfg: WorkerConfig) -> int:
     """Serve the master until it says shutdown (returns 0) or disappears (raises PeerLost)."""
-    stop = stop or threading.Event()
     comm.quorum(min_world=1, timeout=cfg.join_timeout)
     st = WorkerState()
     try:
-        while not stop.is_set():
-            try:
-                tensors, meta = comm.recv(0, tag=CTL, timeout=cfg.poll_s)
-            except TransportTimeout:
-                continue
+        while True:
+            src = master_rank(comm.membership.peers)
+            tensors, meta = comm.recv(src, tag=CTL, timeout=cfg.idle_timeout)
             op = meta.get("op")
             if op == "shutdown":
                 return 0
@@ -315,7 +326,6 @@ def run_worker(comm: Communicator, cfg: WorkerConfig, stop: threading.Event | No
                 logger.warning("worker: %s; regrouping", exc)
                 comm.quorum(min_world=1, timeout=cfg.join_timeout)
                 st.cache = st.shard.model.new_cache() if st.shard else None
-        return 0
     finally:
         if st.shard is not None:
             st.shard.close()
@@ -343,9 +353,11 @@ def _handle(comm: Communicator, cfg: WorkerConfig, st: WorkerState, op: str,
                              meta.get("weights"), meta.get("dtype"), comm, wire_codec(meta["wire"]),
                              meta["algorithm"], float(meta["op_timeout"]), win, st.tags)
             st.cache = st.shard.model.new_cache()
-            comm.send(0, [], {"ok": True, "slot": int(meta["slot"])}, tag=READY)
+            comm.send(master_rank(comm.membership.peers), [], {"ok": True, "slot": int(meta["slot"])},
+                      tag=READY)
         except (ConfigError, OSError, RuntimeError) as exc:
-            comm.send(0, [], {"ok": False, "error": str(exc)}, tag=READY)
+            comm.send(master_rank(comm.membership.peers), [], {"ok": False, "error": str(exc)},
+                      tag=READY)
     elif op == "reset":
         st.cache = st.shard.model.new_cache() if st.shard else None
     elif op == "ping":

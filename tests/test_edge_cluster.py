@@ -69,7 +69,7 @@ def test_engine_generates_and_reuses_prefix(ckpt) -> None:
 
 def _start_cluster(path, world, group, weights=None, **kw):
     comms = group.comms()
-    workers = [_Thread(lambda c=c: run_worker(c, WorkerConfig(join_timeout=20, poll_s=0.2)))
+    workers = [_Thread(lambda c=c: run_worker(c, WorkerConfig(join_timeout=20)))
                for c in comms[1:]]
     for w in workers:
         w.start()
@@ -123,7 +123,7 @@ def test_worker_death_and_recovery(ckpt) -> None:
         with pytest.raises(ClusterUnavailable, match="not ready"):
             eng.complete("abc", p)
         newcomer = group.join()
-        back = _Thread(lambda: run_worker(newcomer, WorkerConfig(join_timeout=20, poll_s=0.2)))
+        back = _Thread(lambda: run_worker(newcomer, WorkerConfig(join_timeout=20)))
         back.start()
         workers.append(back)
         deadline = time.monotonic() + 20
