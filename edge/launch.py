@@ -1,0 +1,230 @@
+"""Composition roots of ``lowband edge``: wire the ZeroMQ transport to the edge runtime.
+
+``serve_main`` (master: coordinator + HTTP API), ``worker_main`` (a device), ``run_main``
+(a local N-process cluster), ``generate_main`` (one completion on this device). Each takes a
+frozen config the CLI parsed; nothing here reads the environment.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+import uuid
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+import torch
+
+from edge.cluster import MASTER_ID_PREFIX, ClusterConfig, MasterRunner, WorkerConfig, run_worker
+from edge.config import ModelConfig
+from edge.engine import Engine, LocalRunner
+from edge.sampling import SamplingParams
+from edge.server import ServerConfig, serve_forever
+from edge.shardio import WindowConfig, is_split_dir, load_shard
+from edge.tokenizer import ByteTokenizer, load_tokenizer
+from lowband.errors import ConfigError
+
+logger = logging.getLogger(__name__)
+
+SIGNATURE = "lowband-edge/1"  # workers learn the model at assign time, so all edge peers match
+
+
+@dataclass(frozen=True, kw_only=True)
+class DeviceConfig:
+    """How this process uses its CPU (the bench pins one core per simulated device)."""
+
+    threads: int | None = None  # torch intra-op threads; None: torch's default
+    cores: tuple[int, ...] | None = None  # CPU affinity
+
+    def __post_init__(self) -> None:
+        if self.threads is not None and self.threads < 1:
+            raise ConfigError("threads", f"must be >= 1, got {self.threads}")
+
+    def apply(self) -> None:
+        if self.cores:
+            os.sched_setaffinity(0, set(self.cores))
+        if self.threads is not None:
+            torch.set_num_threads(self.threads)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ServeConfig:
+    model_dir: str
+    name: str | None = None  # model id in the API; default: the directory name
+    bind: str = "tcp://0.0.0.0:29500"  # where the master's coordinator listens (devices > 1)
+    token: str | None = None  # shared secret every worker must present
+    cluster: ClusterConfig
+    server: ServerConfig = field(default_factory=ServerConfig)
+    device: DeviceConfig = field(default_factory=DeviceConfig)
+
+    def __post_init__(self) -> None:
+        if not Path(self.model_dir).is_dir():
+            raise ConfigError("model_dir", f"{self.model_dir} is not a directory")
+
+
+def _tokenizer(model_dir: str):
+    cfg = ModelConfig.from_json(model_dir)
+    try:
+        eos = cfg.eos_token_id if isinstance(cfg.eos_token_id, int) else None
+        return load_tokenizer(model_dir, eos)
+    except ConfigError:
+        if cfg.vocab_size == 256:
+            logger.warning("%s ships no tokenizer; using bytes (vocabulary 256)", model_dir)
+            return ByteTokenizer()
+        raise
+
+
+def _zmq_config(token: str | None, timeout: float):
+    from transport.zmq_comm import ZmqConfig
+    # Activations are a few KiB: one connection per pair, no striping needed.
+    return ZmqConfig(connections=1, timeout=timeout, token=token)
+
+
+def build_engine(cfg: ServeConfig, coord=None):
+    """The engine for ``cfg``; for a cluster also the coordinator (started here unless given)
+    and this process's communicator, both to be closed by the caller."""
+    cfg.device.apply()
+    name = cfg.name or Path(cfg.model_dir).resolve().name
+    tok = _tokenizer(cfg.model_dir)
+    cc = cfg.cluster
+    if cc.devices == 1:
+        shard = load_shard(cfg.model_dir, dtype=cc.dtype, window=cc.window_config())
+        return Engine(LocalRunner(shard.model, shard.close), tok, model_name=name), None, None
+    from transport.coordinator import Coordinator, CoordinatorConfig
+    from transport.zmq_comm import connect
+    if coord is None:
+        coord = Coordinator(CoordinatorConfig(bind=cfg.bind, token=cfg.token)).start()
+        print(f"lowband edge: waiting for {cc.devices - 1} worker(s): "
+              f"lowband edge worker --master {coord.address}", flush=True)
+    address = coord.address.replace("0.0.0.0", "127.0.0.1")
+    comm = connect(address, _zmq_config(cfg.token, cc.op_timeout), signature=SIGNATURE,
+                   peer_id=f"{MASTER_ID_PREFIX}-{uuid.uuid4().hex[:8]}")
+    try:
+        runner = MasterRunner(comm, cfg.model_dir, cc)
+    except BaseException:
+        comm.close()
+        coord.stop()
+        raise
+    return Engine(runner, tok, model_name=name), coord, comm
+
+
+def serve_main(cfg: ServeConfig, coord=None) -> int:
+    engine, coord, comm = build_engine(cfg, coord)
+    try:
+        serve_forever(engine, cfg.server)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        engine.runner.close()
+        if comm is not None:
+            comm.close()
+        if coord is not None:
+            coord.stop()
+    return 0
+
+
+@dataclass(frozen=True, kw_only=True)
+class WorkerMainConfig:
+    master: str  # the master's coordinator address, tcp://HOST:PORT
+    token: str | None = None
+    worker: WorkerConfig = field(default_factory=WorkerConfig)
+    device: DeviceConfig = field(default_factory=DeviceConfig)
+    op_timeout: float = 30.0
+
+    def __post_init__(self) -> None:
+        if not self.master.startswith("tcp://"):
+            raise ConfigError("master", f"must look like tcp://HOST:PORT, got {self.master!r}")
+
+
+def worker_main(cfg: WorkerMainConfig) -> int:
+    from transport.zmq_comm import connect
+    cfg.device.apply()
+    comm = connect(cfg.master, _zmq_config(cfg.token, cfg.op_timeout), signature=SIGNATURE)
+    try:
+        return run_worker(comm, cfg.worker)
+    finally:
+        comm.close()
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunConfig:
+    """A local cluster of ``serve.cluster.devices`` processes (one per simulated device)."""
+
+    serve: ServeConfig
+    pin_cores: bool = False  # pin device i to core i (mod the core count), one thread each
+
+
+def run_main(cfg: RunConfig) -> int:
+    """Start the master here and N-1 worker processes, each in its own process group, and
+    stop them all when the master exits."""
+    serve = cfg.serve
+    n = serve.cluster.devices
+    ncpu = os.cpu_count() or 1
+    procs: list[subprocess.Popen] = []
+    if cfg.pin_cores:
+        serve = replace(serve, device=DeviceConfig(threads=1, cores=(0,)))
+    if n > 1 and serve.bind == "tcp://0.0.0.0:29500":  # the default: keep a local run local
+        serve = replace(serve, bind="tcp://127.0.0.1:0")
+
+    def spawn_workers(address: str) -> None:
+        for i in range(1, n):
+            args = [sys.executable, "-m", "lowband", "edge", "worker", "--master", address]
+            if serve.token:
+                args += ["--token", serve.token]
+            if cfg.pin_cores:
+                args += ["--threads", "1", "--cores", str(i % ncpu)]
+            procs.append(subprocess.Popen(args, start_new_session=True))
+
+    try:
+        if n == 1:
+            return serve_main(serve)
+        from transport.coordinator import Coordinator, CoordinatorConfig
+        # Start the coordinator first so the workers have somewhere to connect.
+        coord = Coordinator(CoordinatorConfig(bind=serve.bind, token=serve.token)).start()
+        spawn_workers(coord.address)
+        return serve_main(serve, coord)
+    finally:
+        for p in procs:
+            try:
+                os.killpg(p.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+        for p in procs:
+            try:
+                p.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                os.killpg(p.pid, signal.SIGKILL)
+
+
+@dataclass(frozen=True, kw_only=True)
+class GenerateConfig:
+    model_dir: str
+    prompt: str
+    sampling: SamplingParams
+    dtype: str | None = None
+    window: WindowConfig | None = None
+    device: DeviceConfig = field(default_factory=DeviceConfig)
+
+
+def generate_main(cfg: GenerateConfig) -> int:
+    cfg.device.apply()
+    if cfg.window is not None and not is_split_dir(cfg.model_dir):
+        raise ConfigError("model_dir", "the sliding window needs a split directory "
+                          "(lowband edge split MODEL --devices 1 --out DIR)")
+    shard = load_shard(cfg.model_dir, dtype=cfg.dtype, window=cfg.window)
+    engine = Engine(LocalRunner(shard.model, shard.close), _tokenizer(cfg.model_dir),
+                    model_name=Path(cfg.model_dir).name)
+    try:
+        for ev in engine.generate(cfg.prompt, cfg.sampling):
+            sys.stdout.write(ev.text)
+            sys.stdout.flush()
+        sys.stdout.write("\n")
+        m = engine.metrics.snapshot()
+        print(f"[{m['completion_tokens_total']} tokens, TTFT {m['ttft_ms_mean']:.1f} ms, "
+              f"{m['decode_tokens_per_s'] or 0:.1f} tokens/s]", file=sys.stderr)
+    finally:
+        engine.runner.close()
+    return 0
