@@ -1,0 +1,155 @@
+"""Coordinator: pure quorum bookkeeping (tier 1) and membership over real sockets (tier 3)."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from lowband.errors import PeerLost, TransportTimeout
+from tests.conftest import run_ranks
+from transport.coordinator import Coordinator, CoordinatorConfig, MembershipBook
+from transport.launch import connect_all
+from transport.zmq_comm import ZmqConfig, connect
+
+pytestmark = pytest.mark.timeout(60)
+
+CFG = ZmqConfig(bind_host="127.0.0.1", connections=2, chunk_bytes=16 * 1024, timeout=20.0)
+
+
+# ---- tier 1: MembershipBook ----------------------------------------------------------------------
+def test_book_founding_members_wait_for_min_world():
+    book = MembershipBook()
+    for p in "abc":
+        book.register(p)
+    book.arrive("a", 3)
+    book.arrive("b", 3)
+    assert book.try_complete() is None  # c registered but has not arrived
+    book.arrive("c", 1)
+    views = book.try_complete()
+    assert views is not None and book.epoch == 0
+    assert [views[p].rank for p in "abc"] == [0, 1, 2]
+    assert all(v.joined == () and v.left == () for v in views.values())
+
+
+def test_book_min_world_blocks_until_enough_peers_registered():
+    book = MembershipBook()
+    book.register("a")
+    book.arrive("a", 2)
+    assert book.try_complete() is None
+    book.register("b")
+    assert book.try_complete() is None  # b registered: it must arrive too
+    book.arrive("b", 1)
+    assert book.try_complete()["b"].peers == ("a", "b")
+
+
+def test_book_epochs_change_only_with_the_view_and_report_joined_left():
+    book = MembershipBook()
+    for p in "ab":
+        book.register(p)
+        book.arrive(p, 1)
+    assert book.try_complete() is not None and book.epoch == 0
+    for p in "ab":
+        book.arrive(p, 1)
+    assert book.try_complete() is not None and book.epoch == 0  # same view, same epoch
+    book.register("c")
+    book.remove("a")
+    book.arrive("b", 1)
+    assert book.try_complete() is None  # newcomer c must be admitted in this round
+    book.arrive("c", 1)
+    views = book.try_complete()
+    assert book.epoch == 1
+    assert views["b"].peers == ("b", "c") and views["b"].rank == 0
+    assert views["b"].joined == ("c",) and views["b"].left == ("a",)
+    assert views["c"].joined == () and views["c"].left == ()  # first epoch of c
+
+
+def test_book_dead_peer_unblocks_a_waiting_round():
+    book = MembershipBook()
+    for p in "abc":
+        book.register(p)
+        book.arrive(p, 1)
+    book.try_complete()
+    book.arrive("a", 1)
+    book.arrive("b", 1)
+    assert book.try_complete() is None
+    book.remove("c")
+    assert book.try_complete()["a"].peers == ("a", "b")
+
+
+# ---- tier 3: real sockets ------------------------------------------------------------------------
+def test_join_leave_and_retry_in_the_next_epoch():
+    with Coordinator(CoordinatorConfig(bind="tcp://127.0.0.1:0", heartbeat_interval=0.3)) as coord:
+        a, b = connect_all(coord.address, 2, CFG)
+        try:
+            assert a.membership.epoch == 0
+            # A newcomer registers; the members' next quorum admits it.
+            c = connect(coord.address, CFG)
+            ms = run_ranks([lambda p=p: p.quorum() for p in (a, b, c)])
+            assert [m.epoch for m in ms] == [1, 1, 1]
+            assert ms[0].joined == (c.peer_id,) and ms[2].joined == ()
+            assert [m.rank for m in ms] == [0, 1, 2]
+            out = run_ranks([lambda p=p: p.all_reduce(torch.ones(4)) for p in (a, b, c)])
+            assert all(torch.equal(o, torch.full((4,), 3.0)) for o in out)
+
+            # a leaves: a pending collective on the others fails with PeerLost, not a hang.
+            pending = b.all_reduce_async(torch.ones(4), tag="x")
+            a.close()
+            with pytest.raises(PeerLost):
+                pending.wait(10)
+            with pytest.raises(PeerLost):  # and so does any later call in that epoch
+                c.all_reduce(torch.ones(4), tag="y", timeout=10)
+            ms = run_ranks([lambda p=p: p.quorum() for p in (b, c)])
+            assert [m.epoch for m in ms] == [2, 2] and ms[0].left == (a.peer_id,)
+            assert [m.rank for m in ms] == [0, 1]
+            out = run_ranks([lambda p=p: p.all_reduce(torch.ones(4), tag="x") for p in (b, c)])
+            assert all(torch.equal(o, torch.full((4,), 2.0)) for o in out)
+        finally:
+            for p in (a, b, c):
+                p.close()
+        assert coord.counters["left"] >= 1
+
+
+def test_quorum_times_out_when_a_member_does_not_come():
+    with Coordinator(CoordinatorConfig(bind="tcp://127.0.0.1:0", heartbeat_interval=0.3)) as coord:
+        a, b = connect_all(coord.address, 2, CFG)
+        try:
+            with pytest.raises(TransportTimeout, match="quorum"):
+                a.quorum(timeout=0.5)
+            # The cancelled arrival does not count: b alone cannot complete a round.
+            with pytest.raises(TransportTimeout):
+                b.quorum(timeout=0.5)
+            ms = run_ranks([lambda p=p: p.quorum(timeout=10) for p in (a, b)])
+            assert [m.epoch for m in ms] == [0, 0]
+        finally:
+            a.close()
+            b.close()
+
+
+def test_silent_peer_is_declared_lost_within_two_intervals():
+    interval = 0.3
+    with Coordinator(CoordinatorConfig(bind="tcp://127.0.0.1:0", heartbeat_interval=interval)) as coord:
+        a, b = connect_all(coord.address, 2, CFG)
+        try:
+            pending = a.all_reduce_async(torch.ones(2), tag="z")
+            # Freeze b's engine: no heartbeats, no data (what a hung or killed process looks like).
+            stall = threading.Event()
+            b._engine.call(lambda: stall.wait(30))
+            t0 = time.monotonic()
+            with pytest.raises(PeerLost) as info:
+                pending.wait(10)
+            elapsed = time.monotonic() - t0
+            assert b.peer_id in info.value.peers
+            assert elapsed < 2 * interval + 1.5  # bound, generous for a loaded machine
+            assert coord.alive == (a.peer_id,)
+            stall.set()
+            m = a.quorum(timeout=5)
+            assert (m.epoch, m.world_size) == (1, 1)
+            # The frozen peer finds out it was expelled as soon as it heartbeats again.
+            with pytest.raises(PeerLost, match="no longer a member"):
+                b.quorum(timeout=5)
+        finally:
+            a.close()
+            b.close()

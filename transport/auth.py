@@ -1,0 +1,189 @@
+"""Authentication: ZeroMQ CURVE keypairs, a shared-token check, and the ZAP handler enforcing them.
+
+Two independent mechanisms, configured on the coordinator and on every peer:
+
+* **Shared token** without CURVE: every socket uses ZeroMQ's PLAIN mechanism, the peer id as user
+  name and the token as password. The ZAP handler of the receiving socket compares the token in
+  constant time; a wrong token fails the ZeroMQ handshake, so not one message of that
+  connection reaches the application (neither on the coordinator nor on a peer's data socket).
+* **CURVE** (encryption + server authentication): the coordinator has a long-term keypair made by
+  ``lowband keygen``; peers are given its public key. Each peer's data socket is a CURVE server
+  with the peer's own keypair, and its ZAP handler admits only the public keys of peers the
+  coordinator has registered. A shared token, if also set, travels inside the encrypted REGISTER
+  message (PLAIN and CURVE cannot be combined on one socket) and the coordinator checks it there.
+  The coordinator may additionally restrict client keys to an allow-list.
+
+Failures are logged with the remote address and counted (``ZapHandler.rejected``).
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import zmq
+import zmq.auth
+
+from lowband.errors import AuthError, ConfigError
+
+logger = logging.getLogger(__name__)
+
+ZAP_ENDPOINT = "inproc://zeromq.zap.01"
+COORD_DOMAIN = "lowband-coordinator"
+DATA_DOMAIN = "lowband-data"
+
+
+@dataclass(frozen=True, kw_only=True)
+class CurveKeys:
+    """A CURVE keypair in Z85 text (40 characters each). ``secret`` is None for a public-only key."""
+
+    public: bytes
+    secret: bytes | None = None
+
+    def __post_init__(self) -> None:
+        for name, key in (("public", self.public), ("secret", self.secret)):
+            if key is not None and (not isinstance(key, bytes) or len(key) != 40):
+                raise ConfigError(f"curve.{name}", "must be a 40-character Z85 key")
+
+    @classmethod
+    def generate(cls) -> "CurveKeys":
+        public, secret = zmq.curve_keypair()
+        return cls(public=public, secret=secret)
+
+    @classmethod
+    def load(cls, path: str | Path) -> "CurveKeys":
+        """Read a key file written by ``lowband keygen`` (ZeroMQ certificate format)."""
+        try:
+            public, secret = zmq.auth.load_certificate(str(path))
+        except (OSError, ValueError) as exc:
+            raise ConfigError("curve", f"cannot read key file {path}: {exc}") from None
+        return cls(public=public, secret=secret)
+
+
+def keygen(directory: str | Path, name: str) -> tuple[Path, Path]:
+    """Write ``NAME.key`` (public) and ``NAME.key_secret`` (keep private) into ``directory``."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    public, secret = zmq.auth.create_certificates(str(directory), name)
+    Path(secret).chmod(0o600)
+    return Path(public), Path(secret)
+
+
+Decision = Callable[[str, str, list[bytes]], "str | None"]
+"""``(mechanism, address, credentials) -> user id`` to admit, or None to reject."""
+
+
+def token_policy(token: str) -> Decision:
+    """PLAIN: user name is the claimed peer id, password must equal the token."""
+    expected = token.encode()
+
+    def decide(mechanism: str, address: str, creds: list[bytes]) -> str | None:
+        if mechanism != "PLAIN" or len(creds) != 2:
+            return None
+        user, password = creds
+        if not hmac.compare_digest(password, expected):
+            return None
+        return user.decode(errors="replace")
+    return decide
+
+
+def curve_policy(allowed: Callable[[bytes], str | None]) -> Decision:
+    """CURVE: admit a client whose Z85 public key ``allowed`` maps to a user id."""
+
+    def decide(mechanism: str, address: str, creds: list[bytes]) -> str | None:
+        if mechanism != "CURVE" or len(creds) != 1 or len(creds[0]) != 32:
+            return None
+        return allowed(zmq.z85_encode(creds[0]))
+    return decide
+
+
+class ZapHandler:
+    """Answers ZeroMQ's ZAP requests for one context, with one policy per ZAP domain."""
+
+    def __init__(self, ctx: zmq.Context) -> None:
+        self._ctx = ctx
+        self._policies: dict[str, Decision] = {}
+        self._sock = ctx.socket(zmq.REP)
+        self._sock.linger = 0
+        self._sock.bind(ZAP_ENDPOINT)
+        self._stop = threading.Event()
+        self.rejected = 0
+        self.accepted = 0
+        self._thread = threading.Thread(target=self._run, name="lowband-zap", daemon=True)
+        self._thread.start()
+
+    def set_policy(self, domain: str, decide: Decision) -> None:
+        self._policies[domain] = decide
+
+    def _run(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._sock, zmq.POLLIN)
+        try:
+            while not self._stop.is_set():
+                if not poller.poll(100):
+                    continue
+                request = self._sock.recv_multipart()
+                self._sock.send_multipart(self._answer(request))
+        except zmq.ContextTerminated:
+            pass
+        finally:
+            self._sock.close(0)
+
+    def _answer(self, request: list[bytes]) -> list[bytes]:
+        if len(request) < 6:
+            logger.warning("malformed ZAP request with %d frames", len(request))
+            return [b"1.0", b"", b"500", b"malformed request", b"", b""]
+        version, request_id, domain, address, _identity, mechanism = request[:6]
+        creds = request[6:]
+        dom, mech, addr = domain.decode(errors="replace"), mechanism.decode(), address.decode()
+        policy = self._policies.get(dom)
+        user = None
+        if policy is not None:
+            try:
+                user = policy(mech, addr, creds)
+            except Exception:  # a policy bug must not kill the auth thread (rejects instead)
+                logger.exception("ZAP policy for %s failed", dom)
+        if user is None:
+            self.rejected += 1
+            logger.warning("rejected %s connection from %s on %s: bad credentials",
+                           mech, addr or "?", dom)
+            return [version, request_id, b"400", b"authentication failed", b"", b""]
+        self.accepted += 1
+        return [version, request_id, b"200", b"OK", user.encode(), b""]
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(2.0)
+
+
+def configure_server(sock: zmq.Socket, *, domain: str, token: str | None,
+                     curve: CurveKeys | None) -> None:
+    """Make ``sock`` (a bound socket) authenticate connecting clients through ZAP."""
+    if curve is not None:
+        if curve.secret is None:
+            raise ConfigError("curve", "a server socket needs a secret key")
+        sock.curve_server = True
+        sock.curve_secretkey = curve.secret
+        sock.curve_publickey = curve.public
+        sock.zap_domain = domain.encode()
+    elif token is not None:
+        sock.plain_server = True
+        sock.zap_domain = domain.encode()
+
+
+def configure_client(sock: zmq.Socket, *, user: str, token: str | None,
+                     curve: CurveKeys | None, server_key: bytes | None) -> None:
+    """Credentials for a connecting socket; ``server_key`` is the remote's CURVE public key."""
+    if server_key is not None:
+        if curve is None or curve.secret is None:
+            raise AuthError("CURVE is enabled but this peer has no keypair")
+        sock.curve_serverkey = server_key
+        sock.curve_publickey = curve.public
+        sock.curve_secretkey = curve.secret
+    elif token is not None:
+        sock.plain_username = user.encode()
+        sock.plain_password = token.encode()

@@ -1,0 +1,628 @@
+"""Collective operations as state machines driven by the engine thread.
+
+Each operation is created by a user thread, started on the engine thread, fed the messages whose
+``(epoch, op key)`` match it, and completes its :class:`~transport.work.FutureWork` exactly once.
+Every operation sends from and receives into buffers it owns or that the caller lent it; sends of
+caller-visible buffers are zero-copy and *tracked*, and the operation completes only after ZeroMQ
+released them (``Engine.done``), so callers may reuse a tensor as soon as the call returns.
+
+All-reduce algorithms (bytes each rank sends for a payload of P bytes over n ranks)
+-------------------------------------------------------------------------------------
+``ring``     pipelined ring reduce-scatter + all-gather, 2(n-1)/n·P. Every segment is cut into
+             chunks and each chunk moves on independently, so rank r adds chunk c of step s while
+             chunk c+1 is still on the wire. Partial sums are forwarded in the accumulation dtype,
+             so it is used when that equals the input dtype (float32, float64, int64) and no codec
+             is given; otherwise ``ring`` is served by ``scatter``.
+``scatter``  direct reduce-scatter to segment owners + all-gather from them, the same 2(n-1)/n·P.
+             Every contribution is encoded once by its author and decoded once by the owner, which
+             accumulates in float32: quantization error does not grow with the world size, unlike a
+             ring that would re-quantize partial sums at every hop.
+``star``     every rank sends to rank 0, rank 0 reduces and sends the result back: two hops, for
+             small latency-bound payloads.
+
+Bit-identical results: each element has exactly one owner that computes its final value; the
+owner sends those bytes (with a codec: the encoding of the final value, which the owner decodes
+itself too) and every rank, the owner included, ends with exactly that value.
+
+Why forwarding the ring's partial sums zero-copy is safe without tracking: a partial sum of
+segment g sent by rank r is consumed by rank r+1 before the final value of g can exist, and r
+overwrites that region only with g's final value. Only step-0 sends (the caller's input) and the
+owner's final values (the returned tensor) are tracked.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
+
+import torch
+
+from lowband.comm import Codec, Encoded, OpStats
+from lowband.errors import PeerLost, ProtocolError
+from transport import wire
+from transport.wire import MsgType
+from transport.work import FutureWork
+
+if TYPE_CHECKING:
+    from transport.engine import Engine, PeerTable
+
+
+class Mismatch(ProtocolError):
+    """Ranks disagree about an operation (shape, dtype, root...): the operation fails everywhere."""
+
+    fatal = True
+
+
+def acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    if dtype == torch.float64:
+        return torch.float64
+    if dtype.is_floating_point:
+        return torch.float32
+    return torch.int64
+
+
+def bounds(numel: int, parts: int) -> list[tuple[int, int]]:
+    """Split ``range(numel)`` into ``parts`` contiguous, nearly equal ranges."""
+    cuts = [(i * numel) // parts for i in range(parts + 1)]
+    return list(zip(cuts[:-1], cuts[1:]))
+
+
+def chunked(lo: int, hi: int, step: int) -> list[tuple[int, int]]:
+    return [(a, min(hi, a + step)) for a in range(lo, hi, step)]
+
+
+class Op:
+    """Base class: identity, bookkeeping, completion. Subclasses implement start/on_message."""
+
+    kind = "op"
+    involves_all = True
+
+    def __init__(self, table: "PeerTable", key: str, timeout: float, work: FutureWork) -> None:
+        m = table.membership
+        self.epoch = m.epoch
+        self.rank = m.rank
+        self.n = m.world_size
+        self.peers = m.peers
+        self._index = table.index
+        self.key = key
+        self.timeout = timeout
+        self.deadline = time.monotonic() + timeout
+        self.work = work
+        self.trackers: list[Any] = []
+        self.sent = 0
+        self.received = 0
+        self.finished = False
+        self._result: Any = None
+
+    # ---- identity ---------------------------------------------------------------------------
+    def describe(self) -> str:
+        return f"{self.kind} '{self.key}' (epoch {self.epoch}, rank {self.rank})"
+
+    def peers_involved(self) -> tuple[str, ...]:
+        return self.peers
+
+    def rank_of(self, peer: str) -> int | None:
+        return self._index.get(peer)
+
+    def meta(self, **fields: Any) -> dict[str, Any]:
+        return {"e": self.epoch, "o": self.key, "p": self.peers[self.rank], "k": self.kind, **fields}
+
+    # ---- io ------------------------------------------------------------------------------------
+    def send(self, eng: "Engine", dst: int, mtype: MsgType, meta: dict[str, Any],
+             payload: Sequence[Any] = (), *, stripe: int | None = None, track: bool = False) -> None:
+        self.trackers.extend(eng.send(self.peers[dst], mtype, meta, payload, stripe=stripe,
+                                      track=track))
+        self.sent += sum(memoryview(p).nbytes for p in payload)
+
+    def check_kind(self, msg: wire.Message) -> None:
+        if msg.meta.get("k") != self.kind:
+            raise Mismatch(f"ranks disagree on the operation '{self.key}': "
+                           f"{msg.meta.get('k')!r} vs {self.kind!r}")
+
+    # ---- completion -----------------------------------------------------------------------------
+    def finish(self, eng: "Engine", result: Any) -> None:
+        self._result = result
+        self.finished = True
+        eng.done(self)
+
+    def pending_trackers(self) -> bool:
+        self.trackers = [t for t in self.trackers if not t.done]
+        return bool(self.trackers)
+
+    def settle(self, eng: "Engine") -> None:
+        eng.count(self.sent, self.received)
+        self.work.set_result(self._result, OpStats(self.sent, self.received))
+
+    def fail(self, eng: "Engine", exc: BaseException) -> None:
+        self.finished = True
+        eng.forget(self)
+        if self.work.set_error(exc, OpStats(self.sent, self.received)):
+            eng.count(self.sent, self.received)
+
+    def start(self, eng: "Engine") -> None:
+        raise NotImplementedError
+
+    def on_message(self, eng: "Engine", src: int, msg: wire.Message) -> None:
+        raise NotImplementedError
+
+
+# ---- all-reduce ---------------------------------------------------------------------------------
+class _ReduceBase(Op):
+    kind = "all_reduce"
+
+    def __init__(self, table: "PeerTable", key: str, timeout: float, work: FutureWork, *,
+                 x: torch.Tensor, shape: tuple[int, ...], op: str, algorithm: str,
+                 chunk_bytes: int, codec: Codec | None = None) -> None:
+        super().__init__(table, key, timeout, work)
+        self.x = x  # flat, contiguous
+        self.shape = shape
+        self.op = op
+        self.algorithm = algorithm
+        self.codec = codec
+        self.numel = x.numel()
+        self.dtype = x.dtype
+        self.chunk = max(1, chunk_bytes // max(1, x.element_size()))
+        self.signature = {"n": self.numel, "d": wire.dtype_name(self.dtype), "r": op,
+                          "a": algorithm, "cn": codec.name if codec is not None else ""}
+
+    def check(self, msg: wire.Message) -> None:
+        self.check_kind(msg)
+        for k, mine in self.signature.items():
+            if msg.meta.get(k) != mine:
+                raise Mismatch(
+                    f"all_reduce '{self.key}': ranks disagree on {_FIELD_NAMES[k]}: "
+                    f"{msg.meta.get(k)!r} here {mine!r} (every rank must pass the same shape, "
+                    "dtype, op, algorithm and codec)")
+
+    def average(self, acc: torch.Tensor) -> torch.Tensor:
+        if self.op != "avg":
+            return acc
+        if acc.dtype.is_floating_point:
+            return acc.div_(self.n)
+        return acc.div_(self.n, rounding_mode="floor")  # in place: the ring sends from acc
+
+
+_FIELD_NAMES = {"n": "the number of elements", "d": "the dtype", "r": "the reduction",
+                "a": "the algorithm", "cn": "the codec"}
+
+
+class RingAllReduce(_ReduceBase):
+    """Pipelined ring; see the module docstring. Global step s in [0, 2n-3]: rank r sends
+    segment (r - s) mod n and receives segment (r - s - 1) mod n; steps < n-1 reduce, the rest
+    gather. Rank r owns segment (r + 1) mod n."""
+
+    def start(self, eng: "Engine") -> None:
+        n, r = self.n, self.rank
+        self.out = torch.empty_like(self.x)
+        self.segs = [chunked(lo, hi, self.chunk) for lo, hi in bounds(self.numel, n)]
+        self.next = (r + 1) % n
+        self.prev = (r - 1) % n
+        self.owned = (r + 1) % n
+        self.seen: set[tuple[int, int]] = set()
+        self.todo = sum(len(c) for c in self.segs) - len(self.segs[r])  # gathered chunks
+        self.todo += len(self.segs[self.owned])  # plus owned chunks to finalize
+        for c, (lo, hi) in enumerate(self.segs[r]):
+            self.send(eng, self.next, MsgType.CHUNK, self.meta(st=0, g=r, c=c, **self.signature),
+                      [wire.tensor_bytes(self.x[lo:hi])], stripe=c, track=True)
+        if self.todo == 0:
+            self.finish(eng, self.out.view(self.shape))
+
+    def on_message(self, eng: "Engine", src: int, msg: wire.Message) -> None:
+        self.check(msg)
+        n, r = self.n, self.rank
+        if src != self.prev:
+            raise ProtocolError(f"ring chunk from rank {src}, expected rank {self.prev}")
+        st = wire.int_field(msg.meta, "st", 0, 2 * n - 3)
+        g = wire.int_field(msg.meta, "g", 0, n - 1)
+        c = wire.int_field(msg.meta, "c", 0)
+        if g != (r - st - 1) % n or c >= len(self.segs[g]):
+            raise ProtocolError(f"ring chunk (step {st}, segment {g}, chunk {c}) is not expected here")
+        if (st, c) in self.seen:
+            raise ProtocolError(f"duplicate ring chunk (step {st}, chunk {c})")
+        lo, hi = self.segs[g][c]
+        if len(msg.payload) != 1 or len(msg.payload[0]) != (hi - lo) * self.x.element_size():
+            raise ProtocolError(f"ring chunk of {[len(p) for p in msg.payload]} bytes, "
+                                f"expected {(hi - lo) * self.x.element_size()}")
+        self.seen.add((st, c))
+        self.received += len(msg.payload[0])
+        incoming = wire.tensor_from(msg.payload[0], self.dtype, (hi - lo,))
+        dst = self.out[lo:hi]
+        if st < n - 1:  # reduce-scatter
+            torch.add(self.x[lo:hi], incoming, out=dst)
+            if st < n - 2:
+                self.send(eng, self.next, MsgType.CHUNK,
+                          self.meta(st=st + 1, g=g, c=c, **self.signature),
+                          [wire.tensor_bytes(dst)], stripe=c)
+            else:  # this rank owns segment g: finalize, then start its all-gather
+                self.average(dst)
+                self.send(eng, self.next, MsgType.CHUNK,
+                          self.meta(st=st + 1, g=g, c=c, **self.signature),
+                          [wire.tensor_bytes(dst)], stripe=c, track=True)
+                self.todo -= 1
+        else:  # all-gather: keep the owner's bytes, pass the received frame on untouched
+            dst.copy_(incoming)
+            if st < 2 * n - 3:
+                self.send(eng, self.next, MsgType.CHUNK,
+                          self.meta(st=st + 1, g=g, c=c, **self.signature),
+                          [msg.frames[1]], stripe=c)
+            self.todo -= 1
+        if self.todo == 0:
+            self.finish(eng, self.out.view(self.shape))
+
+
+class DirectAllReduce(_ReduceBase):
+    """``star`` (one segment, owner 0) or ``scatter`` (n segments, segment j owned by rank j).
+
+    Phase 0: each rank sends each chunk of every segment it does not own to that segment's
+    owner (encoded once if a codec is given). The owner decodes each contribution once and
+    accumulates in float32 in arrival order. Phase 1: once a chunk has all n contributions, the
+    owner finalizes it (average, encode) and sends the final bytes to every other rank."""
+
+    def start(self, eng: "Engine") -> None:
+        parts = 1 if self.algorithm == "star" else self.n
+        self.owner_of: list[int] = []
+        self.spans: list[tuple[int, int]] = []
+        for owner, (lo, hi) in enumerate(bounds(self.numel, parts)):
+            for span in chunked(lo, hi, self.chunk):
+                self.owner_of.append(owner)
+                self.spans.append(span)
+        self.out = torch.empty(self.numel, dtype=self.dtype)
+        self.acc: dict[int, torch.Tensor] = {}
+        self.contributors: dict[int, set[int]] = {}
+        self.todo = len(self.spans)
+        self.final_seen: set[int] = set()
+        for ci, (lo, hi) in enumerate(self.spans):
+            piece = self.x[lo:hi]
+            owner = self.owner_of[ci]
+            if owner == self.rank:
+                self._accumulate(eng, ci, self.rank, self._local(piece))
+            else:
+                payload, extra = self._encode(piece)
+                self.send(eng, owner, MsgType.CHUNK,
+                          self.meta(ph=0, ci=ci, **extra, **self.signature), payload,
+                          stripe=ci, track=self.codec is None)
+        if self.todo == 0:
+            self.finish(eng, self.out.view(self.shape))
+
+    def _local(self, piece: torch.Tensor) -> torch.Tensor:
+        if self.codec is None:
+            return piece
+        return self.codec.decode(self.codec.encode(piece))
+
+    def _encode(self, piece: torch.Tensor) -> tuple[list[memoryview], dict[str, Any]]:
+        if self.codec is None:
+            return [wire.tensor_bytes(piece)], {}
+        enc = self.codec.encode(piece)
+        return ([wire.tensor_bytes(f) for f in enc.frames],
+                {"cm": dict(enc.meta), "cf": [wire.describe(f) for f in enc.frames]})
+
+    def _decode(self, msg: wire.Message, length: int) -> torch.Tensor:
+        if self.codec is None:
+            if len(msg.payload) != 1 or len(msg.payload[0]) != length * self.x.element_size():
+                raise ProtocolError(f"chunk of {[len(p) for p in msg.payload]} bytes, expected "
+                                    f"{length * self.x.element_size()}")
+            return wire.tensor_from(msg.payload[0], self.dtype, (length,))
+        descs = wire.field(msg.meta, "cf", list)
+        cmeta = wire.field(msg.meta, "cm", dict)
+        if len(descs) != len(msg.payload):
+            raise ProtocolError("codec frame descriptors do not match the payload frames")
+        frames = []
+        for desc, buf in zip(descs, msg.payload):
+            dtype, shape, size = wire.parse_descriptor(desc, len(buf))
+            if size != len(buf):
+                raise ProtocolError(f"codec frame of {len(buf)} bytes, descriptor says {size}")
+            frames.append(wire.tensor_from(buf, dtype, shape))
+        try:
+            value = self.codec.decode(Encoded(frames=tuple(frames), meta=cmeta))
+        except Exception as exc:  # a codec fed bad bytes may raise anything
+            raise ProtocolError(f"codec {self.codec.name} could not decode a chunk: {exc}") from None
+        if value.shape != (length,):
+            raise ProtocolError(f"decoded chunk has shape {tuple(value.shape)}, expected ({length},)")
+        return value
+
+    def _accumulate(self, eng: "Engine", ci: int, src: int, value: torch.Tensor) -> None:
+        have = self.contributors.setdefault(ci, set())
+        if src in have:
+            raise ProtocolError(f"duplicate contribution of rank {src} to chunk {ci}")
+        have.add(src)
+        acc = self.acc.get(ci)
+        if acc is None:
+            self.acc[ci] = value.to(acc_dtype(self.dtype), copy=True)
+        else:
+            acc += value
+        if len(have) == self.n:
+            self._finalize(eng, ci)
+
+    def _finalize(self, eng: "Engine", ci: int) -> None:
+        acc = self.average(self.acc.pop(ci))
+        del self.contributors[ci]
+        lo, hi = self.spans[ci]
+        if self.codec is not None:
+            enc = self.codec.encode(acc)
+            final = self.codec.decode(enc).to(self.dtype)
+            payload = [wire.tensor_bytes(f) for f in enc.frames]
+            extra = {"cm": dict(enc.meta), "cf": [wire.describe(f) for f in enc.frames]}
+        else:
+            final = acc.to(self.dtype)
+            payload, extra = [wire.tensor_bytes(final)], {}
+        self.out[lo:hi] = final
+        for dst in range(self.n):
+            if dst != self.rank:
+                self.send(eng, dst, MsgType.CHUNK, self.meta(ph=1, ci=ci, **extra, **self.signature),
+                          payload, stripe=ci)
+        self.todo -= 1
+
+    def on_message(self, eng: "Engine", src: int, msg: wire.Message) -> None:
+        self.check(msg)
+        ph = wire.int_field(msg.meta, "ph", 0, 1)
+        ci = wire.int_field(msg.meta, "ci", 0, len(self.spans) - 1) if self.spans else -1
+        if ci < 0:
+            raise ProtocolError("chunk for an empty all_reduce")
+        lo, hi = self.spans[ci]
+        owner = self.owner_of[ci]
+        if ph == 0:
+            if owner != self.rank:
+                raise ProtocolError(f"contribution to chunk {ci} sent to rank {self.rank}, owner is {owner}")
+            value = self._decode(msg, hi - lo)
+            self.received += sum(len(p) for p in msg.payload)
+            self._accumulate(eng, ci, src, value)
+        else:
+            if src != owner or ci in self.final_seen:
+                raise ProtocolError(f"unexpected final value of chunk {ci} from rank {src}")
+            value = self._decode(msg, hi - lo)
+            self.final_seen.add(ci)
+            self.received += sum(len(p) for p in msg.payload)
+            self.out[lo:hi] = value
+            self.todo -= 1
+        if self.todo == 0:
+            self.finish(eng, self.out.view(self.shape))
+
+
+# ---- logical messages (broadcast, all-gather, barrier, send/recv) -----------------------------
+def post_message(op: Op, eng: "Engine", dst: int, tensors: Sequence[torch.Tensor],
+                 meta: Mapping[str, Any] | None, *, index: int = 0, chunk_bytes: int,
+                 track: bool = True, **extra: Any) -> None:
+    """Send tensors + metadata as one logical message: a MSG (descriptors, user metadata and the
+    first ≤ chunk_bytes of data) then MSG_PART chunks striped over the K connections."""
+    bufs = [wire.tensor_bytes(t) for t in tensors]
+    pieces = [(ti, off, min(chunk_bytes, len(b) - off))
+              for ti, b in enumerate(bufs) for off in range(0, len(b), chunk_bytes)]
+    parts: list[list[tuple[int, int, int]]] = [[]]
+    size = 0
+    for p in pieces:
+        if parts[-1] and size + p[2] > chunk_bytes:
+            parts.append([])
+            size = 0
+        parts[-1].append(p)
+        size += p[2]
+
+    def payload(part: list[tuple[int, int, int]]) -> list[memoryview]:
+        return [bufs[ti][off:off + ln] for ti, off, ln in part]
+    head = op.meta(i=index, t=[wire.describe(t) for t in tensors], m=dict(meta or {}),
+                   pc=[list(p) for p in parts[0]], np=len(parts) - 1, **extra)
+    op.send(eng, dst, MsgType.MSG, head, payload(parts[0]), stripe=0, track=track)
+    for j, part in enumerate(parts[1:]):
+        op.send(eng, dst, MsgType.MSG_PART, op.meta(i=index, j=j, pc=[list(p) for p in part]),
+                payload(part), stripe=j + 1, track=track)
+
+
+class _Partial:
+    def __init__(self) -> None:
+        self.tensors: list[torch.Tensor] | None = None
+        self.flat: list[torch.Tensor] = []
+        self.meta: dict[str, Any] = {}
+        self.extra: dict[str, Any] = {}
+        self.remaining = 0
+        self.parts_left = 0
+        self.seen: set[int] = set()
+        self.early: list[wire.Message] = []
+
+
+class Assembler:
+    """Reassembles logical messages from MSG / MSG_PART, keyed by (source rank, index)."""
+
+    def __init__(self, max_bytes: int) -> None:
+        self.max_bytes = max_bytes
+        self._partial: dict[tuple[int, int], _Partial] = {}
+
+    def feed(self, src: int, msg: wire.Message) -> tuple[int, list[torch.Tensor], dict, dict] | None:
+        """Returns (index, tensors, user meta, header meta) once a message is complete."""
+        index = wire.int_field(msg.meta, "i", 0, 1 << 30)
+        part = self._partial.setdefault((src, index), _Partial())
+        if msg.type == MsgType.MSG:
+            if part.tensors is not None:
+                raise ProtocolError(f"duplicate message header from rank {src}")
+            self._open(part, msg)
+            self._place(part, msg)
+            for early in part.early:
+                self._part(part, early)
+            part.early = []
+        elif part.tensors is None:
+            if len(part.early) > 1 << 16:
+                raise ProtocolError("too many message parts before their header")
+            part.early.append(msg)
+            return None
+        else:
+            self._part(part, msg)
+        if part.tensors is not None and part.remaining == 0 and part.parts_left == 0:
+            del self._partial[(src, index)]
+            return index, part.tensors, part.meta, part.extra
+        return None
+
+    def _open(self, part: _Partial, msg: wire.Message) -> None:
+        descs = wire.field(msg.meta, "t", list)
+        total = 0
+        tensors = []
+        for d in descs:
+            dtype, shape, size = wire.parse_descriptor(d, self.max_bytes)
+            total += size
+            if total > self.max_bytes:
+                raise ProtocolError(f"message of more than {self.max_bytes} bytes refused")
+            tensors.append(torch.empty(shape, dtype=dtype))
+        part.tensors = tensors
+        part.flat = [t.reshape(-1).view(torch.uint8) if t.numel() else t.reshape(-1) for t in tensors]
+        part.remaining = total
+        part.meta = wire.field(msg.meta, "m", dict)
+        part.extra = msg.meta
+        part.parts_left = wire.int_field(msg.meta, "np", 0, 1 << 30)
+
+    def _part(self, part: _Partial, msg: wire.Message) -> None:
+        j = wire.int_field(msg.meta, "j", 0, part.parts_left + len(part.seen))
+        if j in part.seen:
+            raise ProtocolError(f"duplicate message part {j}")
+        part.seen.add(j)
+        self._place(part, msg)
+        part.parts_left -= 1
+
+    def _place(self, part: _Partial, msg: wire.Message) -> None:
+        pieces = wire.field(msg.meta, "pc", list)
+        if len(pieces) != len(msg.payload):
+            raise ProtocolError("message piece list does not match its frames")
+        for piece, buf in zip(pieces, msg.payload):
+            if (not isinstance(piece, list) or len(piece) != 3
+                    or not all(isinstance(v, int) and not isinstance(v, bool) for v in piece)):
+                raise ProtocolError(f"bad message piece {piece!r}")
+            ti, off, ln = piece
+            if not 0 <= ti < len(part.flat) or off < 0 or ln != len(buf) \
+                    or off + ln > part.flat[ti].numel() or ln > part.remaining:
+                raise ProtocolError(f"message piece {piece!r} does not fit its tensor")
+            if ln:
+                part.flat[ti][off:off + ln].copy_(torch.frombuffer(buf, dtype=torch.uint8))
+            part.remaining -= ln
+
+
+class _MessageOp(Op):
+    def __init__(self, table: "PeerTable", key: str, timeout: float, work: FutureWork, *,
+                 chunk_bytes: int, max_bytes: int) -> None:
+        super().__init__(table, key, timeout, work)
+        self.chunk_bytes = chunk_bytes
+        self.assembler = Assembler(max_bytes)
+
+    def on_message(self, eng: "Engine", src: int, msg: wire.Message) -> None:
+        self.check_kind(msg)
+        done = self.assembler.feed(src, msg)
+        self.received += sum(len(p) for p in msg.payload)
+        if done is not None:
+            self.on_complete(eng, src, *done)
+
+    def on_complete(self, eng: "Engine", src: int, index: int, tensors: list[torch.Tensor],
+                    meta: dict, header: dict) -> None:
+        raise NotImplementedError
+
+
+class BroadcastOp(_MessageOp):
+    kind = "broadcast"
+
+    def __init__(self, *args: Any, root: int, tensors: list[torch.Tensor] | None,
+                 user_meta: Mapping[str, Any] | None, **kw: Any) -> None:
+        super().__init__(*args, **kw)
+        self.root = root
+        self.tensors = tensors
+        self.user_meta = dict(user_meta or {})
+
+    def start(self, eng: "Engine") -> None:
+        if self.rank != self.root:
+            return
+        assert self.tensors is not None
+        for dst in range(self.n):
+            if dst != self.root:
+                post_message(self, eng, dst, self.tensors, self.user_meta,
+                             chunk_bytes=self.chunk_bytes, root=self.root)
+        self.finish(eng, ([t.clone() for t in self.tensors], dict(self.user_meta)))
+
+    def on_complete(self, eng: "Engine", src: int, index: int, tensors: list[torch.Tensor],
+                    meta: dict, header: dict) -> None:
+        if header.get("root") != self.root or src != self.root:
+            raise Mismatch(f"broadcast '{self.key}': ranks disagree on the root "
+                           f"({header.get('root')!r} vs {self.root})")
+        self.finish(eng, (tensors, meta))
+
+
+class AllGatherOp(_MessageOp):
+    kind = "all_gather"
+
+    def __init__(self, *args: Any, tensor: torch.Tensor, **kw: Any) -> None:
+        super().__init__(*args, **kw)
+        self.tensor = tensor
+        self.results: list[torch.Tensor | None] = []
+
+    def start(self, eng: "Engine") -> None:
+        self.results = [None] * self.n
+        self.results[self.rank] = self.tensor.clone()
+        for dst in range(self.n):
+            if dst != self.rank:
+                post_message(self, eng, dst, [self.tensor], None, chunk_bytes=self.chunk_bytes)
+        self._maybe_done(eng)
+
+    def on_complete(self, eng: "Engine", src: int, index: int, tensors: list[torch.Tensor],
+                    meta: dict, header: dict) -> None:
+        if len(tensors) != 1 or self.results[src] is not None:
+            raise ProtocolError(f"unexpected all_gather message from rank {src}")
+        self.results[src] = tensors[0]
+        self._maybe_done(eng)
+
+    def _maybe_done(self, eng: "Engine") -> None:
+        if all(r is not None for r in self.results):
+            self.finish(eng, list(self.results))
+
+
+class BarrierOp(_MessageOp):
+    kind = "barrier"
+
+    def start(self, eng: "Engine") -> None:
+        self.arrived = {self.rank}
+        for dst in range(self.n):
+            if dst != self.rank:
+                post_message(self, eng, dst, [], None, chunk_bytes=self.chunk_bytes, track=False)
+        if len(self.arrived) == self.n:
+            self.finish(eng, None)
+
+    def on_complete(self, eng: "Engine", src: int, index: int, tensors: list[torch.Tensor],
+                    meta: dict, header: dict) -> None:
+        self.arrived.add(src)
+        if len(self.arrived) == self.n:
+            self.finish(eng, None)
+
+
+class SendOp(_MessageOp):
+    kind = "p2p"
+    involves_all = False
+
+    def __init__(self, *args: Any, dst: int, tensors: list[torch.Tensor],
+                 user_meta: Mapping[str, Any] | None, **kw: Any) -> None:
+        super().__init__(*args, **kw)
+        self.dst = dst
+        self.tensors = tensors
+        self.user_meta = user_meta
+
+    def peers_involved(self) -> tuple[str, ...]:
+        return (self.peers[self.dst],)
+
+    def start(self, eng: "Engine") -> None:
+        post_message(self, eng, self.dst, self.tensors, self.user_meta, chunk_bytes=self.chunk_bytes)
+        self.finish(eng, None)
+
+
+class RecvOp(_MessageOp):
+    kind = "p2p"
+    involves_all = False
+
+    def __init__(self, *args: Any, src: int, **kw: Any) -> None:
+        super().__init__(*args, **kw)
+        self.src = src
+
+    def peers_involved(self) -> tuple[str, ...]:
+        return (self.peers[self.src],)
+
+    def start(self, eng: "Engine") -> None:
+        pass
+
+    def on_complete(self, eng: "Engine", src: int, index: int, tensors: list[torch.Tensor],
+                    meta: dict, header: dict) -> None:
+        if src != self.src:
+            raise ProtocolError(f"message for a receive from rank {self.src} came from rank {src}")
+        self.finish(eng, (tensors, meta))
+
+
+def lost_error(op: Op, peers: Sequence[str]) -> PeerLost:
+    return PeerLost(f"{op.describe()}: peer(s) {', '.join(peers)} lost", peers=tuple(peers))

@@ -1,0 +1,428 @@
+"""The coordinator: registration, heartbeats, membership epochs, failure detection.
+
+It carries no tensor data. Peers connect a DEALER socket (routing id = peer id) to the
+coordinator's ROUTER socket and speak the control messages of :mod:`transport.wire`:
+
+    peer -> coordinator   REGISTER, HEARTBEAT, QUORUM, QUORUM_CANCEL, LEAVE, SUSPECT
+    coordinator -> peer   REGISTERED / REFUSED, HEARTBEAT_ACK, MEMBERSHIP, PEER_LOST
+
+Quorum semantics are those of :class:`transport.loopback.LoopbackGroup` and live in the pure
+class :class:`MembershipBook` (unit-tested without sockets): a quorum completes once every live
+member of the current view and every live registered newcomer has asked for it and the group has
+at least the largest ``min_world`` asked; the epoch increments only when the view changes.
+
+Failure detection: peers send a heartbeat every ``heartbeat_interval / 3``; a peer silent for
+``dead_after`` (default two intervals) is declared lost, as is one that reports leaving. Every
+remaining peer then gets PEER_LOST and fails its pending collectives of that epoch. A peer that
+saw a data connection drop sends SUSPECT; a suspected peer is declared lost after one silent
+interval instead of two, so a crash (kill -9) is usually caught faster than the deadline.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import zmq
+
+from lowband.errors import ConfigError, ProtocolError, VersionMismatch
+from transport import wire
+from transport.auth import COORD_DOMAIN, CurveKeys, ZapHandler, configure_server, curve_policy, token_policy
+from transport.wire import MsgType
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, kw_only=True)
+class CoordinatorConfig:
+    """Where the coordinator listens and how it judges peers."""
+
+    bind: str = "tcp://0.0.0.0:29500"
+    """ZeroMQ endpoint to bind; port 0 picks a free port (read it back from ``address``)."""
+    heartbeat_interval: float = 1.0
+    """Seconds. Peers heartbeat three times per interval; silence for ``dead_after`` is death."""
+    dead_after: float | None = None
+    """Seconds of silence after which a peer is declared lost; default 2 × heartbeat_interval."""
+    token: str | None = None
+    """Shared secret every peer must present (ZeroMQ PLAIN, or inside REGISTER under CURVE)."""
+    curve: CurveKeys | None = None
+    """The coordinator's CURVE keypair; enables encryption of all control traffic."""
+    curve_authorized: tuple[bytes, ...] = ()
+    """Z85 public keys allowed to connect under CURVE; empty admits any key (then use a token)."""
+    max_message_bytes: int = 1 << 20
+    """Largest control message accepted (enforced by ZMQ_MAXMSGSIZE and the header check)."""
+
+    def __post_init__(self) -> None:
+        if not self.bind.startswith(("tcp://", "ipc://", "inproc://")):
+            raise ConfigError("bind", f"must be a ZeroMQ endpoint like tcp://0.0.0.0:29500, got {self.bind!r}")
+        if not 0.01 <= self.heartbeat_interval <= 3600:
+            raise ConfigError("heartbeat_interval", f"must be in [0.01, 3600] s, got {self.heartbeat_interval}")
+        if self.dead_after is not None and self.dead_after <= self.heartbeat_interval / 3:
+            raise ConfigError("dead_after", "must exceed the heartbeat period (heartbeat_interval / 3)")
+        if self.token is not None and not self.token:
+            raise ConfigError("token", "must be non-empty when given")
+        if self.curve is not None and self.curve.secret is None:
+            raise ConfigError("curve", "the coordinator needs its secret key")
+        if self.curve_authorized and self.curve is None:
+            raise ConfigError("curve_authorized", "needs curve (the coordinator's keypair)")
+        if self.max_message_bytes < 4096:
+            raise ConfigError("max_message_bytes", "must be >= 4096")
+
+    @property
+    def silence_limit(self) -> float:
+        return self.dead_after if self.dead_after is not None else 2 * self.heartbeat_interval
+
+
+# ---- pure quorum logic ----------------------------------------------------------------------------
+@dataclass(frozen=True)
+class View:
+    """What one peer learns when a quorum completes (cf. :class:`lowband.comm.Membership`)."""
+
+    epoch: int
+    rank: int
+    peers: tuple[str, ...]
+    joined: tuple[str, ...]
+    left: tuple[str, ...]
+
+
+@dataclass
+class MembershipBook:
+    """Membership epochs and quorum rounds, independent of any socket."""
+
+    epoch: int = -1
+    view: tuple[str, ...] = ()
+    alive: dict[str, int] = field(default_factory=dict)  # peer -> registration order
+    arrived: dict[str, int] = field(default_factory=dict)  # peer -> min_world it asked for
+    _order: int = 0
+
+    def register(self, pid: str) -> None:
+        self.alive[pid] = self._order
+        self._order += 1
+
+    def remove(self, pid: str) -> bool:
+        """Forget a dead or departed peer; True if it was alive."""
+        self.arrived.pop(pid, None)
+        return self.alive.pop(pid, None) is not None
+
+    def arrive(self, pid: str, min_world: int) -> None:
+        if pid in self.alive:
+            self.arrived[pid] = min_world
+
+    def cancel(self, pid: str) -> None:
+        self.arrived.pop(pid, None)
+
+    def try_complete(self) -> dict[str, View] | None:
+        """Complete the round if everyone required is there; returns each participant's view.
+
+        Waiting for every *registered* newcomer (not just those who happen to have arrived)
+        makes admission deterministic: a newcomer is in the first quorum after it registered."""
+        if not self.arrived:
+            return None
+        required = [p for p in self.view if p in self.alive]
+        joiners = sorted((p for p in self.alive if p not in self.view), key=self.alive.__getitem__)
+        members = required + joiners
+        if any(p not in self.arrived for p in members):
+            return None
+        if len(members) < max(self.arrived.values(), default=1):
+            return None
+        new_view = tuple(members)
+        if new_view != self.view:
+            self.epoch += 1
+        old = set(self.view)
+        result: dict[str, View] = {}
+        for rank, pid in enumerate(new_view):
+            first = pid not in old
+            joined = () if first else tuple(p for p in new_view if p not in old)
+            left = () if first else tuple(p for p in self.view if p not in new_view)
+            result[pid] = View(self.epoch, rank, new_view, joined, left)
+        self.view = new_view
+        self.arrived = {}
+        return result
+
+
+# ---- the server -------------------------------------------------------------------------------------
+@dataclass
+class _Peer:
+    addr: str
+    key: bytes | None
+    meta: dict[str, Any]
+    last_seen: float
+    suspected_at: float | None = None
+
+
+class Coordinator:
+    """Runs the control plane in a background thread. Also a context manager."""
+
+    def __init__(self, config: CoordinatorConfig) -> None:
+        self.config = config
+        self._ctx: zmq.Context | None = None
+        self._sock: zmq.Socket | None = None
+        self._zap: ZapHandler | None = None
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._book = MembershipBook()
+        self._peers: dict[str, _Peer] = {}
+        self._signature: str | None = None
+        self.address = ""
+        self.counters = {"refused": 0, "bad_messages": 0, "lost": 0, "left": 0, "registered": 0}
+
+    # ---- lifecycle ------------------------------------------------------------------------------
+    def start(self) -> "Coordinator":
+        cfg = self.config
+        self._ctx = zmq.Context()
+        if cfg.token is not None or cfg.curve is not None:
+            self._zap = ZapHandler(self._ctx)
+            if cfg.curve is not None:
+                allowed = set(cfg.curve_authorized)
+                self._zap.set_policy(COORD_DOMAIN, curve_policy(
+                    lambda key: key.decode() if not allowed or key in allowed else None))
+            else:
+                assert cfg.token is not None
+                self._zap.set_policy(COORD_DOMAIN, token_policy(cfg.token))
+        sock = self._ctx.socket(zmq.ROUTER)
+        sock.linger = 0
+        sock.maxmsgsize = cfg.max_message_bytes
+        sock.router_handover = False
+        configure_server(sock, domain=COORD_DOMAIN, token=cfg.token, curve=cfg.curve)
+        try:
+            sock.bind(cfg.bind)
+        except zmq.ZMQError as exc:
+            sock.close(0)
+            self._shutdown_ctx()
+            raise ConfigError("bind", f"cannot bind {cfg.bind}: {exc}") from None
+        self.address = sock.last_endpoint.decode()
+        self._sock = sock
+        self._thread = threading.Thread(target=self._run, name="lowband-coordinator", daemon=True)
+        self._thread.start()
+        logger.info("coordinator listening on %s (heartbeat %.2fs, auth: %s)", self.address,
+                    cfg.heartbeat_interval,
+                    "curve" if cfg.curve else ("token" if cfg.token else "none"))
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(5.0)
+            self._thread = None
+        self._shutdown_ctx()
+
+    def _shutdown_ctx(self) -> None:
+        if self._zap is not None:
+            self._zap.close()
+            self._zap = None
+        if self._ctx is not None:
+            self._ctx.term()
+            self._ctx = None
+
+    def __enter__(self) -> "Coordinator":
+        return self.start() if self._thread is None else self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def wait(self) -> None:
+        """Block until stopped (for the CLI)."""
+        while self._thread is not None and self._thread.is_alive():
+            self._thread.join(0.5)
+
+    # ---- introspection (tests, CLI) ----------------------------------------------------------
+    @property
+    def epoch(self) -> int:
+        with self._lock:
+            return self._book.epoch
+
+    @property
+    def members(self) -> tuple[str, ...]:
+        with self._lock:
+            return self._book.view
+
+    @property
+    def alive(self) -> tuple[str, ...]:
+        with self._lock:
+            return tuple(self._book.alive)
+
+    @property
+    def auth_rejections(self) -> int:
+        return self._zap.rejected if self._zap is not None else 0
+
+    # ---- loop -----------------------------------------------------------------------------------
+    def _run(self) -> None:
+        assert self._sock is not None
+        sock = self._sock
+        poller = zmq.Poller()
+        poller.register(sock, zmq.POLLIN)
+        tick = self.config.heartbeat_interval / 6
+        next_check = time.monotonic() + tick
+        try:
+            while not self._stop.is_set():
+                if poller.poll(max(1, int(1000 * (next_check - time.monotonic())))):
+                    for _ in range(256):
+                        try:
+                            frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                        except zmq.Again:
+                            break
+                        self._on_frames(frames)
+                now = time.monotonic()
+                if now >= next_check:
+                    self._expire(now)
+                    next_check = now + tick
+        except zmq.ContextTerminated:
+            pass
+        finally:
+            sock.close(0)
+
+    def _send(self, pid: str, mtype: MsgType, meta: dict[str, Any]) -> None:
+        assert self._sock is not None
+        self._sock.send_multipart([pid.encode(), *wire.pack(mtype, meta)])
+
+    def _on_frames(self, frames: list[zmq.Frame]) -> None:
+        ident = frames[0].bytes
+        pid = ident.decode(errors="replace")
+        try:
+            msg = wire.unpack(frames[1:], max_payload_bytes=0,
+                              max_meta_bytes=self.config.max_message_bytes)
+        except VersionMismatch as exc:
+            self.counters["refused"] += 1
+            logger.warning("refused %s: %s", pid, exc)
+            self._send(pid, MsgType.REFUSED, {"kind": "version", "reason": str(exc)})
+            return
+        except ProtocolError as exc:
+            self.counters["bad_messages"] += 1
+            logger.warning("dropped a malformed message from %r (%s): %s", pid,
+                           _peer_address(frames[-1]), exc)
+            return
+        try:
+            self._dispatch(pid, msg, frames[-1])
+        except ProtocolError as exc:
+            self.counters["bad_messages"] += 1
+            logger.warning("dropped a %s from %r: %s", msg.type.name, pid, exc)
+
+    def _dispatch(self, pid: str, msg: wire.Message, frame: zmq.Frame) -> None:
+        now = time.monotonic()
+        if msg.type == MsgType.REGISTER:
+            self._register(pid, msg.meta, frame, now)
+            return
+        with self._lock:
+            peer = self._peers.get(pid)
+        if peer is None:
+            if msg.type in (MsgType.HEARTBEAT, MsgType.QUORUM):
+                self._send(pid, MsgType.REFUSED, {
+                    "kind": "expelled",
+                    "reason": "this peer is not registered (declared lost or never registered)"})
+            else:
+                logger.debug("ignored %s from unregistered %r", msg.type.name, pid)
+            return
+        peer.last_seen = now
+        peer.suspected_at = None
+        if msg.type == MsgType.HEARTBEAT:
+            self._send(pid, MsgType.HEARTBEAT_ACK, {})
+        elif msg.type == MsgType.QUORUM:
+            min_world = wire.int_field(msg.meta, "min_world", 1, 1 << 20)
+            with self._lock:
+                self._book.arrive(pid, min_world)
+            self._complete_quorum()
+        elif msg.type == MsgType.QUORUM_CANCEL:
+            with self._lock:
+                self._book.cancel(pid)
+            self._send(pid, MsgType.QUORUM_CANCEL, {})  # acknowledged: the peer may now give up
+        elif msg.type == MsgType.LEAVE:
+            self._remove(pid, "left", left=True)
+        elif msg.type == MsgType.SUSPECT:
+            suspect = wire.field(msg.meta, "peer", str)
+            with self._lock:
+                other = self._peers.get(suspect)
+                if other is not None and other.suspected_at is None:
+                    other.suspected_at = now
+        else:
+            raise ProtocolError(f"unexpected {msg.type.name} on the control channel")
+
+    def _register(self, pid: str, meta: dict[str, Any], frame: zmq.Frame, now: float) -> None:
+        cfg = self.config
+        addr = wire.field(meta, "addr", str)
+        signature = wire.field(meta, "signature", str)
+        key = meta.get("key")
+        peer_meta = meta.get("meta", {})
+        if key is not None and (not isinstance(key, str) or len(key) != 40):
+            raise ProtocolError("field 'key' must be a 40-character Z85 key")
+        if not isinstance(peer_meta, dict):
+            raise ProtocolError("field 'meta' must be a map")
+        refusal = None
+        with self._lock:
+            if cfg.token is not None and not hmac.compare_digest(
+                    str(meta.get("token", "")).encode(), cfg.token.encode()):
+                refusal = ("auth", "wrong or missing token")
+            elif pid in self._peers:
+                refusal = ("duplicate", f"peer id {pid!r} is already registered")
+            elif self._signature is not None and signature != self._signature:
+                refusal = ("incompatible",
+                           f"run signature {signature[:16]!r}… differs from the group's "
+                           f"{self._signature[:16]!r}… (different model shapes or config)")
+            if refusal is None:
+                if self._signature is None:
+                    self._signature = signature
+                if "://*:" in addr:  # the peer asked us to fill in the host we see it from
+                    addr = addr.replace("*", _peer_address(frame) or "127.0.0.1", 1)
+                self._peers[pid] = _Peer(addr, key.encode() if key else None, peer_meta, now)
+                self._book.register(pid)
+        if refusal is not None:
+            self.counters["refused"] += 1
+            logger.warning("refused registration of %r from %s: %s", pid, _peer_address(frame),
+                           refusal[1])
+            self._send(pid, MsgType.REFUSED, {"kind": refusal[0], "reason": refusal[1]})
+            return
+        self.counters["registered"] += 1
+        logger.info("registered %s (data %s, meta %s)", pid, addr, peer_meta)
+        self._send(pid, MsgType.REGISTERED, {"heartbeat_interval": cfg.heartbeat_interval})
+        self._complete_quorum()  # a newcomer can unblock nothing, but a dead peer's slot may
+
+    def _complete_quorum(self) -> None:
+        with self._lock:
+            views = self._book.try_complete()
+            if views is None:
+                return
+            peers = {p: self._peers[p] for p in views}
+        order = next(iter(views.values())).peers
+        addrs = [peers[p].addr for p in order]
+        keys = [peers[p].key.decode() if peers[p].key else None for p in order]
+        for pid, view in views.items():
+            self._send(pid, MsgType.MEMBERSHIP, {
+                "epoch": view.epoch, "rank": view.rank, "peers": list(view.peers),
+                "addrs": addrs, "keys": keys, "joined": list(view.joined), "left": list(view.left),
+            })
+        logger.info("quorum: epoch %d, %d peers", view.epoch, len(order))
+
+    def _remove(self, pid: str, reason: str, *, left: bool = False) -> None:
+        with self._lock:
+            if not self._book.remove(pid):
+                return
+            self._peers.pop(pid, None)
+            epoch = self._book.epoch
+            others = list(self._peers)
+        self.counters["left" if left else "lost"] += 1
+        log = logger.info if left else logger.warning
+        log("peer %s %s; notifying %d peers", pid, reason, len(others))
+        for other in others:
+            self._send(other, MsgType.PEER_LOST, {"peers": [pid], "epoch": epoch, "reason": reason})
+        self._complete_quorum()
+
+    def _expire(self, now: float) -> None:
+        limit = self.config.silence_limit
+        interval = self.config.heartbeat_interval
+        with self._lock:
+            dead = [p for p, peer in self._peers.items()
+                    if now - peer.last_seen > limit
+                    or (peer.suspected_at is not None and now - peer.last_seen > interval)]
+        for pid in dead:
+            self._remove(pid, f"is silent (no heartbeat for > {limit:.2f}s)")
+
+
+def _peer_address(frame: zmq.Frame) -> str:
+    try:
+        return frame.get("Peer-Address")
+    except (zmq.ZMQError, AttributeError):
+        return ""

@@ -1,0 +1,547 @@
+"""The peer engine: one thread that owns every ZeroMQ socket of a peer.
+
+ZeroMQ sockets are not thread-safe, so user threads never touch them: they hand operations
+(:class:`transport.collectives.Op`) to the engine through a queue and an eventfd wake-up, and
+wait on the operation's :class:`~transport.work.FutureWork`. The engine thread
+
+* receives every data message on one PULL socket (bound, authenticated through ZAP) and routes it
+  to the operation it belongs to, keyed by ``(epoch, op key)``; messages for operations this peer
+  has not started yet are kept (zero-copy frames) until it does;
+* sends through K PUSH sockets (K TCP connections) per remote peer, never blocking: a socket at its
+  high-water mark gets a backlog and POLLOUT interest, so a slow receiver cannot deadlock the
+  thread that must also keep receiving;
+* talks to the coordinator on a DEALER socket: heartbeats, quorum rounds, peer-lost notices;
+* enforces deadlines and completes operations once their zero-copy sends of caller-visible
+  buffers are released by ZeroMQ (so a caller may reuse a tensor as soon as the call returns).
+
+Reductions run on this thread too: while it adds one chunk, ZeroMQ's I/O thread keeps reading the
+next ones from the kernel, which is what overlaps receive with reduction.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable, Sequence
+
+import zmq
+
+from lowband.comm import Membership, OpStats
+from lowband.errors import CommClosed, PeerLost, ProtocolError, TransportTimeout
+from transport import wire
+from transport.auth import CurveKeys, configure_client
+from transport.wire import MsgType
+
+if TYPE_CHECKING:
+    from transport.collectives import Op
+    from transport.zmq_comm import ZmqConfig
+
+logger = logging.getLogger(__name__)
+
+Key = tuple[int, str]  # (epoch, op key)
+
+
+@dataclass
+class PeerTable:
+    """Addresses and CURVE keys of the peers of one epoch, as the coordinator announced them."""
+
+    membership: Membership
+    addrs: tuple[str, ...]
+    keys: tuple[str | None, ...]
+    index: dict[str, int] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.index = {p: r for r, p in enumerate(self.membership.peers)}
+
+
+class _Out:
+    """The K connections to one remote peer, each with a backlog used only under back-pressure."""
+
+    def __init__(self, sockets: list[zmq.Socket]) -> None:
+        self.sockets = sockets
+        self.backlog: list[deque] = [deque() for _ in sockets]
+        self.next = 0
+
+
+class Engine:
+    """Owns the sockets; see the module docstring. Created and started by ``zmq_comm.connect``."""
+
+    def __init__(self, *, ctx: zmq.Context, config: "ZmqConfig", peer_id: str, data: zmq.Socket,
+                 control: zmq.Socket, keys: CurveKeys | None, heartbeat_interval: float) -> None:
+        self.ctx = ctx
+        self.cfg = config
+        self.peer_id = peer_id
+        self.keys = keys
+        self._data = data
+        self._control = control
+        self._hb_period = heartbeat_interval / 3
+        self._coord_silence = max(5 * heartbeat_interval, 2.0)
+        self._wake_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        self._cmds: deque[Callable[[], None]] = deque()
+        self._poller = zmq.Poller()
+        self._poller.register(data, zmq.POLLIN)
+        self._poller.register(control, zmq.POLLIN)
+        self._poller.register(self._wake_fd, zmq.POLLIN)
+        self._out: dict[str, _Out] = {}
+        self._by_socket: dict[zmq.Socket, tuple[_Out, int]] = {}
+        self._ops: dict[Key, "Op"] = {}
+        self._early: dict[Key, list[wire.Message]] = {}
+        self._early_bytes = 0
+        self._finishing: list["Op"] = []
+        self._done_keys: set[Key] = set()  # finished here: late messages for them are dropped
+        self._table: PeerTable | None = None
+        self._broken: dict[int, PeerLost] = {}  # epoch -> why its collectives fail
+        self._lost: set[str] = set()
+        self._quorum_waiters: list[Any] = []
+        self._cancelling: list[Any] = []
+        self._expelled: BaseException | None = None
+        self._closed = False
+        self._coord_seen = time.monotonic()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"lowband-engine-{peer_id}",
+                                        daemon=True)
+        self.stats_lock = threading.Lock()
+        self.sent = 0
+        self.received = 0
+        self.bad_messages = 0
+        self.on_membership: Callable[[PeerTable], None] | None = None
+
+    # ---- called from user threads ---------------------------------------------------------------
+    def start(self) -> None:
+        self._thread.start()
+
+    def call(self, fn: Callable[[], None]) -> None:
+        """Run ``fn`` on the engine thread (soon, in submission order)."""
+        if self._stop.is_set():
+            raise CommClosed("this communicator is closed")
+        self._cmds.append(fn)
+        os.eventfd_write(self._wake_fd, 1)
+
+    def submit(self, op: "Op") -> None:
+        self.call(lambda: self._start_op(op))
+
+    def close(self, leave: bool, timeout: float = 5.0) -> None:
+        if self._stop.is_set():
+            return
+        done = threading.Event()
+
+        def shutdown() -> None:
+            if leave and self._expelled is None:
+                self._send_control(MsgType.LEAVE, {})
+            self._fail_all(CommClosed("the communicator was closed while this operation was pending"))
+            self._stop.set()
+            done.set()
+        try:
+            self.call(shutdown)
+        except CommClosed:
+            return
+        done.wait(timeout)
+        self._stop.set()
+        self._thread.join(timeout)
+        os.close(self._wake_fd)
+
+    # ---- sending (engine thread) ------------------------------------------------------------
+    def send(self, peer: str, mtype: MsgType, meta: dict[str, Any], payload: Sequence[Any] = (),
+             *, stripe: int | None = None, track: bool = False) -> list[zmq.MessageTracker]:
+        """Queue one message to ``peer`` on connection ``stripe`` (round robin if None).
+
+        With ``track`` the payload is sent zero-copy and the returned trackers report when
+        ZeroMQ no longer references the caller's buffers."""
+        out = self._out.get(peer)
+        if out is None:
+            raise PeerLost(f"no connection to peer {peer}", peers=(peer,))
+        k = len(out.sockets)
+        if stripe is None:
+            stripe = out.next
+            out.next = (out.next + 1) % k
+        i = stripe % k
+        frames = wire.pack(mtype, meta, payload)
+        trackers: list[zmq.MessageTracker] = []
+        if track and payload:
+            frames = [zmq.Frame(f, track=True) if j > 0 and not isinstance(f, zmq.Frame) else f
+                      for j, f in enumerate(frames)]
+            trackers = [f.tracker for f in frames[1:] if isinstance(f, zmq.Frame) and f.tracker]
+        backlog = out.backlog[i]
+        if backlog:
+            backlog.append(frames)
+            return trackers
+        try:
+            out.sockets[i].send_multipart(frames, zmq.NOBLOCK, copy=False)
+        except zmq.Again:
+            backlog.append(frames)
+            self._poller.register(out.sockets[i], zmq.POLLIN | zmq.POLLOUT)
+        return trackers
+
+    def _flush(self, sock: zmq.Socket) -> None:
+        out, i = self._by_socket[sock]
+        backlog = out.backlog[i]
+        while backlog:
+            try:
+                sock.send_multipart(backlog[0], zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            backlog.popleft()
+        self._poller.unregister(sock)
+
+    def _send_control(self, mtype: MsgType, meta: dict[str, Any]) -> None:
+        try:
+            self._control.send_multipart(wire.pack(mtype, meta), zmq.NOBLOCK)
+        except zmq.Again:
+            logger.warning("coordinator link is congested; dropped a %s", mtype.name)
+
+    def count(self, sent: int = 0, received: int = 0) -> None:
+        with self.stats_lock:
+            self.sent += sent
+            self.received += received
+
+    # ---- membership ---------------------------------------------------------------------------
+    @property
+    def table(self) -> PeerTable | None:
+        return self._table
+
+    def broken(self, epoch: int) -> PeerLost | None:
+        return self._broken.get(epoch)
+
+    def is_lost(self, peer: str) -> bool:
+        return peer in self._lost
+
+    def request_quorum(self, min_world: int, waiter: Any) -> None:
+        if self._expelled is not None:
+            waiter.set_error(self._expelled)
+            return
+        self._quorum_waiters.append(waiter)
+        self._send_control(MsgType.QUORUM, {"min_world": min_world})
+
+    def cancel_quorum(self, waiter: Any) -> None:
+        """Withdraw from the quorum round. The coordinator acknowledges, and only then does the
+        waiter fail: if the round completes first, the waiter gets the new membership instead,
+        so a timed-out quorum() never leaves this peer half in a new epoch."""
+        if waiter in self._quorum_waiters:
+            self._cancelling.append(waiter)
+            self._send_control(MsgType.QUORUM_CANCEL, {})
+
+    def _apply_membership(self, meta: dict[str, Any]) -> None:
+        peers = tuple(wire.str_list(meta, "peers"))
+        epoch = wire.int_field(meta, "epoch", 0)
+        rank = wire.int_field(meta, "rank", 0, len(peers) - 1)
+        addrs = tuple(wire.str_list(meta, "addrs"))
+        keys = tuple(wire.field(meta, "keys", list))
+        if len(addrs) != len(peers) or len(keys) != len(peers) or peers[rank] != self.peer_id:
+            raise ProtocolError("inconsistent MEMBERSHIP message")
+        m = Membership(epoch, rank, len(peers), peers, tuple(wire.str_list(meta, "joined")),
+                       tuple(wire.str_list(meta, "left")))
+        table = PeerTable(m, addrs, keys)
+        old = self._table
+        self._table = table
+        for pid in list(self._out):
+            if pid not in table.index:
+                self._disconnect(pid)
+        for pid, addr, key in zip(peers, addrs, keys):
+            if pid != self.peer_id and pid not in self._out:
+                self._connect(pid, addr, key)
+        if old is None or old.membership.epoch != epoch:
+            self._early = {k: v for k, v in self._early.items() if k[0] >= epoch}
+            self._done_keys = {k for k in self._done_keys if k[0] >= epoch}
+            self._early_bytes = sum(_msg_bytes(m) for v in self._early.values() for m in v)
+        if self.on_membership is not None:
+            self.on_membership(table)
+        waiters, self._quorum_waiters, self._cancelling = self._quorum_waiters, [], []
+        for w in waiters:
+            w.set_result(m)
+
+    def _connect(self, pid: str, addr: str, key: str | None) -> None:
+        cfg = self.cfg
+        sockets = []
+        for _ in range(cfg.connections):
+            s = self.ctx.socket(zmq.PUSH)
+            s.linger = int(cfg.linger * 1000)
+            s.sndhwm = cfg.send_hwm
+            if cfg.socket_buffer_bytes:
+                s.sndbuf = cfg.socket_buffer_bytes
+            configure_client(s, user=self.peer_id, token=cfg.token, curve=self.keys,
+                             server_key=key.encode() if (key and cfg.curve_server_key) else None)
+            s.connect(addr)
+            sockets.append(s)
+        out = _Out(sockets)
+        self._out[pid] = out
+        for i, s in enumerate(sockets):
+            self._by_socket[s] = (out, i)
+
+    def _disconnect(self, pid: str) -> None:
+        out = self._out.pop(pid, None)
+        if out is None:
+            return
+        for s in out.sockets:
+            self._by_socket.pop(s, None)
+            if s in self._poller:
+                self._poller.unregister(s)
+            s.close(0)
+
+    # ---- operations -----------------------------------------------------------------------------
+    def _start_op(self, op: "Op") -> None:
+        if self._expelled is not None:
+            op.fail(self, self._expelled)
+            return
+        key = (op.epoch, op.key)
+        if key in self._ops:
+            op.fail(self, ProtocolError(f"two operations with key '{op.key}' in flight"))
+            return
+        broken = self._broken.get(op.epoch)
+        if broken is not None and op.involves_all:
+            op.fail(self, broken)
+            return
+        lost = [p for p in op.peers_involved() if p in self._lost]
+        if lost:
+            op.fail(self, PeerLost(f"{op.describe()}: peer(s) {', '.join(lost)} lost",
+                                   peers=tuple(lost)))
+            return
+        self._ops[key] = op
+        try:
+            op.start(self)
+            for msg in self._early.pop(key, ()):
+                self._early_bytes -= _msg_bytes(msg)
+                if op.finished:
+                    break
+                self._deliver(op, msg)
+        except Exception as exc:  # a bug or bad input must fail the op, not kill the engine
+            logger.exception("%s failed", op.describe())
+            op.fail(self, exc if isinstance(exc, (ProtocolError, PeerLost)) else ProtocolError(str(exc)))
+
+    def done(self, op: "Op") -> None:
+        """Called by an op once its result is final; completes it when its sends are released."""
+        if op.pending_trackers():
+            self._finishing.append(op)
+        else:
+            op.settle(self)
+        self._ops.pop((op.epoch, op.key), None)
+        self._done_keys.add((op.epoch, op.key))
+
+    def forget(self, op: "Op") -> None:
+        self._ops.pop((op.epoch, op.key), None)
+        self._done_keys.add((op.epoch, op.key))
+        if op in self._finishing:
+            self._finishing.remove(op)
+
+    def _deliver(self, op: "Op", msg: wire.Message) -> None:
+        src_peer = msg.meta["p"]
+        src = op.rank_of(src_peer)
+        if src is None:
+            self._bad(f"{msg.type.name} for {op.describe()} from {src_peer}, not a member")
+            return
+        if msg.type == MsgType.ABORT:
+            op.fail(self, ProtocolError(f"{op.describe()} was aborted by rank {src}: "
+                                        f"{msg.meta.get('reason', '?')}"))
+            return
+        try:
+            op.on_message(self, src, msg)
+        except ProtocolError as exc:
+            if getattr(exc, "fatal", False):
+                op.fail(self, exc)
+                self._abort(op, str(exc))
+            else:
+                self._bad(f"{op.describe()}: {exc}")
+
+    def _abort(self, op: "Op", reason: str) -> None:
+        """Tell the other participants an operation cannot succeed, so they fail now rather
+        than at their deadline."""
+        for peer in op.peers_involved():
+            if peer != self.peer_id and peer in self._out:
+                self.send(peer, MsgType.ABORT, op.meta(reason=reason[:2000]))
+
+    def _fail_all(self, exc: BaseException, epoch: int | None = None,
+                  only: Callable[["Op"], bool] | None = None) -> None:
+        for op in list(self._ops.values()) + list(self._finishing):
+            if (epoch is None or op.epoch == epoch) and (only is None or only(op)):
+                op.fail(self, exc)
+        if epoch is None:
+            for w in self._quorum_waiters:
+                w.set_error(exc)
+            self._quorum_waiters = []
+
+    # ---- receiving ------------------------------------------------------------------------------
+    def _on_data(self, frames: list[zmq.Frame]) -> None:
+        try:
+            msg = wire.unpack(frames, max_payload_bytes=self.cfg.max_message_bytes)
+            if msg.type < MsgType.CHUNK:
+                raise ProtocolError(f"control message {msg.type.name} on the data socket")
+            epoch = wire.int_field(msg.meta, "e", 0)
+            key = wire.field(msg.meta, "o", str)
+            sender = wire.field(msg.meta, "p", str)
+        except ProtocolError as exc:
+            self._bad(f"dropped a data message: {exc}")
+            return
+        if self.cfg.token is not None or self.cfg.curve_server_key is not None:
+            user = _user_id(frames[0])
+            if user != sender:
+                self._bad(f"dropped a message claiming to be from {sender!r} on a connection "
+                          f"authenticated as {user!r}")
+                return
+        n = sum(len(p) for p in msg.payload)
+        op = self._ops.get((epoch, key))
+        if op is not None:
+            self._deliver(op, msg)
+            return
+        if (epoch, key) in self._done_keys:
+            return  # a late or duplicate message for an operation that already ended here
+        current = self._table.membership.epoch if self._table else -1
+        if epoch < current:
+            return  # a straggler of a finished or abandoned epoch
+        if self._early_bytes + n > self.cfg.max_pending_bytes:
+            self._bad(f"dropped a message for '{key}' (epoch {epoch}): more than "
+                      f"{self.cfg.max_pending_bytes} bytes wait for operations not started here")
+            return
+        self._early.setdefault((epoch, key), []).append(msg)
+        self._early_bytes += n
+
+    def _bad(self, what: str) -> None:
+        self.bad_messages += 1
+        if self.bad_messages <= 20 or self.bad_messages % 1000 == 0:
+            logger.warning("%s (bad messages so far: %d)", what, self.bad_messages)
+
+    def _on_control(self, frames: list[bytes]) -> None:
+        self._coord_seen = time.monotonic()
+        try:
+            msg = wire.unpack(frames, max_payload_bytes=0)
+            if msg.type == MsgType.MEMBERSHIP:
+                self._apply_membership(msg.meta)
+            elif msg.type == MsgType.PEER_LOST:
+                self._peer_lost(wire.str_list(msg.meta, "peers"),
+                                str(msg.meta.get("reason", "lost")))
+            elif msg.type == MsgType.QUORUM_CANCEL:  # the coordinator's acknowledgement
+                for w in self._cancelling:
+                    if w in self._quorum_waiters:
+                        self._quorum_waiters.remove(w)
+                    w.set_error(TransportTimeout("quorum cancelled"))
+                self._cancelling = []
+            elif msg.type == MsgType.REFUSED:
+                self._expel(str(msg.meta.get("reason", "refused")))
+            elif msg.type != MsgType.HEARTBEAT_ACK:
+                raise ProtocolError(f"unexpected {msg.type.name} from the coordinator")
+        except ProtocolError as exc:
+            self._bad(f"bad message from the coordinator: {exc}")
+
+    def _peer_lost(self, peers: list[str], reason: str) -> None:
+        table = self._table
+        for pid in peers:
+            if pid == self.peer_id:
+                self._expel(f"the coordinator declared this peer lost ({reason})")
+                continue
+            self._lost.add(pid)
+            self._disconnect(pid)
+            err = PeerLost(f"peer {pid} {reason}", peers=(pid,))
+            if table is not None and pid in table.index:
+                epoch = table.membership.epoch
+                self._broken.setdefault(epoch, err)
+                self._fail_all(err, epoch, only=lambda op: op.involves_all)
+            self._fail_all(err, only=lambda op, pid=pid: pid in op.peers_involved())
+
+    def _expel(self, reason: str) -> None:
+        err = PeerLost(f"{self.peer_id} is no longer a member: {reason}; connect again to rejoin",
+                       peers=(self.peer_id,))
+        if self._expelled is None:
+            logger.error("%s", err)
+        self._expelled = err
+        self._fail_all(err)
+
+    # ---- the loop ---------------------------------------------------------------------------
+    def _run(self) -> None:
+        next_hb = 0.0
+        next_sweep = 0.0
+        try:
+            while not self._stop.is_set():
+                wait_ms = 1 if self._finishing else 50
+                for sock, ev in self._poller.poll(wait_ms):
+                    if sock is self._data:
+                        self._drain(self._data, self._on_data, copy=False)
+                    elif sock is self._control:
+                        self._drain(self._control, self._on_control, copy=True)
+                    elif sock == self._wake_fd:
+                        self._run_commands()
+                    elif ev & zmq.POLLOUT:
+                        self._flush(sock)
+                if self._finishing:
+                    self._settle_finished()
+                now = time.monotonic()
+                if now >= next_hb:
+                    self._send_control(MsgType.HEARTBEAT, {})
+                    next_hb = now + self._hb_period
+                if now >= next_sweep:
+                    self._sweep(now)
+                    next_sweep = now + 0.05
+        except zmq.ContextTerminated:
+            pass
+        except Exception:  # keep the process alive; fail every caller loudly instead
+            logger.exception("lowband engine crashed")
+            self._fail_all(CommClosed("the transport engine crashed; see the log"))
+        finally:
+            self._stop.set()
+            for pid in list(self._out):
+                self._disconnect_flush(pid)
+            self._data.close(0)
+            self._control.close(0)
+
+    def _disconnect_flush(self, pid: str) -> None:
+        out = self._out.pop(pid)
+        for s in out.sockets:
+            s.close()  # uses the socket's linger so queued messages still leave
+
+    def _drain(self, sock: zmq.Socket, handle: Callable[[Any], None], copy: bool) -> None:
+        for _ in range(64):
+            try:
+                frames = sock.recv_multipart(zmq.NOBLOCK, copy=copy)
+            except zmq.Again:
+                return
+            handle(frames)
+
+    def _run_commands(self) -> None:
+        try:
+            os.eventfd_read(self._wake_fd)
+        except BlockingIOError:
+            pass
+        while self._cmds:
+            fn = self._cmds.popleft()
+            try:
+                fn()
+            except Exception:
+                logger.exception("engine command failed")
+
+    def _settle_finished(self) -> None:
+        still = []
+        for op in self._finishing:
+            if op.pending_trackers():
+                still.append(op)
+            else:
+                op.settle(self)
+        self._finishing = still
+
+    def _sweep(self, now: float) -> None:
+        for op in list(self._ops.values()) + self._finishing:
+            if now > op.deadline:
+                op.fail(self, TransportTimeout(
+                    f"{op.describe()} did not complete within {op.timeout:.1f}s; a peer may be "
+                    "slow or partitioned (raise the timeout, or check the peers' logs)"))
+        if now - self._coord_seen > self._coord_silence and self._quorum_waiters:
+            err = PeerLost(f"the coordinator has been silent for {now - self._coord_seen:.1f}s",
+                           peers=())
+            for w in self._quorum_waiters:
+                w.set_error(err)
+            self._quorum_waiters = []
+
+    def stats(self) -> OpStats:
+        with self.stats_lock:
+            return OpStats(self.sent, self.received)
+
+
+def _msg_bytes(msg: wire.Message) -> int:
+    return sum(len(p) for p in msg.payload)
+
+
+def _user_id(frame: zmq.Frame) -> str | None:
+    try:
+        return frame.get("User-Id")
+    except zmq.ZMQError:
+        return None

@@ -1,0 +1,461 @@
+"""ZeroMQ communicator: K striped TCP connections per peer pair, coordinator-managed membership.
+
+Usage (see also ``lowband coordinator``)::
+
+    comm = connect("tcp://coord:29500", ZmqConfig(connections=4), signature=model_signature)
+    comm.quorum(min_world=3)               # founding members wait for each other
+    avg = comm.all_reduce(grad, "avg", codec=Int8BlockCodec())
+
+``connect`` binds this peer's data socket, registers with the coordinator (refused with
+:class:`~lowband.errors.IncompatiblePeer` if the run signature differs, with
+:class:`~lowband.errors.AuthError` if credentials are wrong) and returns a
+:class:`ZmqCommunicator`, which satisfies :class:`lowband.comm.Communicator`. Its epoch is -1 until
+its first :meth:`~ZmqCommunicator.quorum`; collectives before that raise ``PeerLost``.
+
+Threading: all sockets live on the engine thread (:mod:`transport.engine`); the methods here build
+an operation (:mod:`transport.collectives`), hand it over and return its handle. Any number of
+user threads may call them concurrently.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence
+
+import torch
+import zmq
+
+from lowband.comm import Algorithm, Codec, Membership, OpStats, ReduceOp
+from lowband.errors import (AuthError, CommClosed, ConfigError, IncompatiblePeer, PeerLost,
+                            ProtocolError, TransportTimeout, VersionMismatch)
+from transport import wire
+from transport.auth import (DATA_DOMAIN, CurveKeys, ZapHandler, configure_client,
+                            configure_server, curve_policy, token_policy)
+from transport.collectives import (AllGatherOp, BarrierOp, BroadcastOp, DirectAllReduce, RecvOp,
+                                   RingAllReduce, SendOp, acc_dtype)
+from transport.engine import Engine, PeerTable
+from transport.wire import MsgType
+from transport.work import FutureWork
+
+logger = logging.getLogger(__name__)
+
+MiB = 1 << 20
+
+
+@dataclass(frozen=True, kw_only=True)
+class ZmqConfig:
+    """How one peer talks to the others."""
+
+    connections: int = 4
+    """K: TCP connections per peer pair. Chunks are striped across them, so a WAN path whose
+    single flow is capped by window/RTT carries up to K times more."""
+    chunk_bytes: int = 4 * MiB
+    """Large buffers move in chunks of this size (the unit of striping and pipelining)."""
+    timeout: float = 60.0
+    """Default per-operation deadline in seconds (every call can override it)."""
+    register_timeout: float = 30.0
+    """Seconds to wait for the coordinator to answer the registration."""
+    bind_host: str = "0.0.0.0"
+    """Interface the data socket listens on."""
+    data_port: int = 0
+    """Port of the data socket; 0 picks a free one."""
+    advertise_host: str | None = None
+    """Host other peers should connect to; None: the bind host, or, for a wildcard bind,
+    the address the coordinator sees this peer's control connection come from."""
+    advertise_port: int | None = None
+    """Port other peers should connect to, when it differs (e.g. a relay/emulator in front)."""
+    star_threshold_bytes: int = 256 * 1024
+    """``algorithm="auto"`` uses star below this payload size, ring at or above it."""
+    max_message_bytes: int = 64 * MiB
+    """Largest payload of one received message; larger frames are refused (ZMQ_MAXMSGSIZE)."""
+    max_pending_bytes: int = 2 << 30
+    """Bytes kept for operations another peer started before this one did."""
+    max_tensor_bytes: int = 1 << 36
+    """Largest logical message (e.g. a broadcast state dict) this peer will allocate for."""
+    send_hwm: int = 1000
+    """Messages queued per connection before the engine holds further sends in its backlog."""
+    socket_buffer_bytes: int = 0
+    """SO_SNDBUF / SO_RCVBUF; 0 keeps the kernel's auto-tuning."""
+    linger: float = 2.0
+    """Seconds close() waits for queued messages to leave."""
+    io_threads: int = 1
+    """ZeroMQ I/O threads of this peer's context."""
+    token: str | None = None
+    """Shared secret (ZeroMQ PLAIN without CURVE; inside REGISTER with CURVE)."""
+    curve_server_key: bytes | None = None
+    """The coordinator's CURVE public key (Z85). Setting it enables CURVE on every socket."""
+    curve: CurveKeys | None = None
+    """This peer's CURVE keypair; None generates a fresh one per connect()."""
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.connections <= 64:
+            raise ConfigError("connections", f"must be in [1, 64], got {self.connections}")
+        if not 4096 <= self.chunk_bytes <= 1 << 30:
+            raise ConfigError("chunk_bytes", f"must be in [4 KiB, 1 GiB], got {self.chunk_bytes}")
+        for name in ("timeout", "register_timeout"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(name, f"must be > 0 seconds, got {getattr(self, name)}")
+        if not 0 <= self.data_port < 65536:
+            raise ConfigError("data_port", f"must be a port number, got {self.data_port}")
+        if self.advertise_port is not None and not 0 < self.advertise_port < 65536:
+            raise ConfigError("advertise_port", f"must be a port number, got {self.advertise_port}")
+        if self.star_threshold_bytes < 0:
+            raise ConfigError("star_threshold_bytes", "must be >= 0")
+        if self.max_message_bytes < self.chunk_bytes + 65536:
+            raise ConfigError("max_message_bytes",
+                              f"must be >= chunk_bytes + 64 KiB ({self.chunk_bytes + 65536})")
+        if self.max_pending_bytes < self.max_message_bytes:
+            raise ConfigError("max_pending_bytes", "must be >= max_message_bytes")
+        if self.send_hwm < 1 or self.io_threads < 1 or self.linger < 0:
+            raise ConfigError("send_hwm/io_threads/linger", "must be positive")
+        if self.token is not None and not self.token:
+            raise ConfigError("token", "must be non-empty when given")
+        if self.curve_server_key is not None and len(self.curve_server_key) != 40:
+            raise ConfigError("curve_server_key", "must be a 40-character Z85 public key")
+        if self.curve is not None and self.curve.secret is None:
+            raise ConfigError("curve", "this peer's keypair needs its secret key")
+
+
+def connect(coordinator: str, config: ZmqConfig | None = None, *, signature: str = "",
+            meta: Mapping[str, Any] | None = None, peer_id: str | None = None) -> "ZmqCommunicator":
+    """Register with the coordinator at ``coordinator`` and return this peer's communicator."""
+    cfg = config or ZmqConfig()
+    pid = peer_id or uuid.uuid4().hex[:12]
+    ctx = zmq.Context(io_threads=cfg.io_threads)
+    zap: ZapHandler | None = None
+    sockets: list[zmq.Socket] = []
+    try:
+        keys = None
+        if cfg.curve_server_key is not None:
+            keys = cfg.curve or CurveKeys.generate()
+        # Members' CURVE keys -> peer ids. The engine swaps in a new dict per epoch (never mutates
+        # one), because the ZAP thread reads it concurrently.
+        allowed: list[dict[bytes, str]] = [{}]
+        if cfg.token is not None or keys is not None:
+            zap = ZapHandler(ctx)
+            zap.set_policy(DATA_DOMAIN, curve_policy(lambda k: allowed[0].get(k)) if keys is not None
+                           else token_policy(cfg.token or ""))
+        data = ctx.socket(zmq.PULL)
+        sockets.append(data)
+        data.linger = 0
+        data.maxmsgsize = cfg.max_message_bytes + wire.DEFAULT_MAX_META_BYTES + wire.HEADER_SIZE
+        data.rcvhwm = cfg.send_hwm
+        if cfg.socket_buffer_bytes:
+            data.rcvbuf = cfg.socket_buffer_bytes
+        configure_server(data, domain=DATA_DOMAIN, token=cfg.token, curve=keys)
+        data.bind(f"tcp://{cfg.bind_host}:{cfg.data_port}")
+        port = int(data.last_endpoint.decode().rsplit(":", 1)[1])
+        host = cfg.advertise_host or (cfg.bind_host if cfg.bind_host not in ("0.0.0.0", "*", "::")
+                                      else "*")
+        addr = f"tcp://{host}:{cfg.advertise_port or port}"
+        control = ctx.socket(zmq.DEALER)
+        sockets.append(control)
+        control.linger = int(cfg.linger * 1000)
+        control.routing_id = pid.encode()
+        control.maxmsgsize = wire.DEFAULT_MAX_META_BYTES + wire.HEADER_SIZE
+        configure_client(control, user=pid, token=cfg.token, curve=keys,
+                         server_key=cfg.curve_server_key)
+        interval = _register(control, coordinator, cfg, {
+            "addr": addr, "signature": signature, "meta": dict(meta or {}),
+            "key": keys.public.decode() if keys else None, "token": cfg.token or "",
+        })
+        engine = Engine(ctx=ctx, config=cfg, peer_id=pid, data=data, control=control, keys=keys,
+                        heartbeat_interval=interval)
+        if keys is not None:
+            def allow(table: PeerTable) -> None:
+                allowed[0] = {k.encode(): p for p, k in zip(table.membership.peers, table.keys) if k}
+            engine.on_membership = allow
+        engine.start()
+        return ZmqCommunicator(engine, ctx, zap, cfg, pid, addr)
+    except BaseException:
+        for s in sockets:
+            s.close(0)
+        if zap is not None:
+            zap.close()
+        ctx.term()
+        raise
+
+
+def _register(control: zmq.Socket, coordinator: str, cfg: ZmqConfig, meta: dict[str, Any]) -> float:
+    """Connect, send REGISTER, wait for the answer; returns the coordinator's heartbeat interval."""
+    monitor = control.get_monitor_socket(
+        zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+        | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
+    try:
+        control.connect(coordinator)
+        control.send_multipart(wire.pack(MsgType.REGISTER, meta))
+        poller = zmq.Poller()
+        poller.register(control, zmq.POLLIN)
+        poller.register(monitor, zmq.POLLIN)
+        deadline = time.monotonic() + cfg.register_timeout
+        while (left := deadline - time.monotonic()) > 0:
+            ready = dict(poller.poll(int(left * 1000) + 1))
+            if monitor in ready:
+                event = zmq.utils.monitor.recv_monitor_message(monitor)
+                raise AuthError(
+                    f"the coordinator at {coordinator} rejected this peer's credentials "
+                    f"(ZeroMQ event {event['event']!s}): check the token / CURVE keys")
+            if control in ready:
+                msg = wire.unpack(control.recv_multipart(), max_payload_bytes=0)
+                if msg.type == MsgType.REGISTERED:
+                    return float(wire.field(msg.meta, "heartbeat_interval", (int, float)))
+                if msg.type == MsgType.REFUSED:
+                    kind = msg.meta.get("kind")
+                    reason = f"coordinator refused this peer: {msg.meta.get('reason', kind)}"
+                    raise {"incompatible": IncompatiblePeer, "auth": AuthError,
+                           "version": VersionMismatch}.get(kind, ProtocolError)(reason)
+                raise ProtocolError(f"unexpected {msg.type.name} while registering")
+        raise TransportTimeout(f"no answer from the coordinator at {coordinator} within "
+                               f"{cfg.register_timeout:.1f}s (is it running and reachable?)")
+    finally:
+        control.disable_monitor()
+        monitor.close(0)
+
+
+class ZmqCommunicator:
+    """One peer's communicator. Satisfies :class:`lowband.comm.Communicator`."""
+
+    def __init__(self, engine: Engine, ctx: zmq.Context, zap: ZapHandler | None, cfg: ZmqConfig,
+                 peer_id: str, address: str) -> None:
+        self._engine = engine
+        self._ctx = ctx
+        self._zap = zap
+        self.config = cfg
+        self.peer_id = peer_id
+        self.address = address
+        self._lock = threading.Lock()
+        self._epoch_seen = -1
+        self._seq = 0
+        self._uses: dict[str, int] = {}
+        self._closed = False
+
+    # ---- membership ---------------------------------------------------------------------------
+    @property
+    def membership(self) -> Membership:
+        table = self._engine.table
+        return table.membership if table else Membership(-1, 0, 1, (self.peer_id,))
+
+    @property
+    def rank(self) -> int:
+        return self.membership.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.membership.world_size
+
+    def quorum(self, *, min_world: int = 1, timeout: float | None = None) -> Membership:
+        if min_world < 1:
+            raise ConfigError("min_world", f"must be >= 1, got {min_world}")
+        limit = self._timeout(timeout)
+        waiter: FutureWork[Membership] = FutureWork(f"quorum(min_world={min_world})", limit)
+        self._engine.call(lambda: self._engine.request_quorum(min_world, waiter))
+        try:
+            m = waiter.wait(limit)
+        except TransportTimeout:
+            self._engine.call(lambda: self._engine.cancel_quorum(waiter))
+            try:  # the round may still complete before the coordinator sees the cancellation
+                m = waiter.wait(max(5.0, limit))
+            except TransportTimeout:
+                raise TransportTimeout(
+                    f"quorum: within {limit:.1f}s not every live member arrived or the group "
+                    f"stayed below min_world={min_world}") from None
+        with self._lock:
+            if m.epoch != self._epoch_seen:
+                self._epoch_seen = m.epoch
+                self._seq = 0
+                self._uses = {}
+        return m
+
+    # ---- helpers -------------------------------------------------------------------------------
+    def _timeout(self, timeout: float | None) -> float:
+        return self.config.timeout if timeout is None else timeout
+
+    def _table(self) -> PeerTable:
+        if self._closed:
+            raise CommClosed("this communicator is closed")
+        table = self._engine.table
+        if table is None:
+            raise PeerLost(f"{self.peer_id} has not joined yet: call quorum() first")
+        return table
+
+    def _key(self, table: PeerTable, tag: str | None, scope: str = "") -> str:
+        with self._lock:
+            if table.membership.epoch != self._epoch_seen:
+                self._epoch_seen = table.membership.epoch
+                self._seq = 0
+                self._uses = {}
+            if tag is None:
+                self._seq += 1
+                return f"auto:{self._seq}"
+            name = f"{scope}{tag}"
+            n = self._uses.get(name, 0)
+            self._uses[name] = n + 1
+            return f"{name}#{n}"
+
+    def _common(self, table: PeerTable, key: str, timeout: float | None, what: str) -> dict:
+        limit = self._timeout(timeout)
+        return {"table": table, "key": key, "timeout": limit,
+                "work": FutureWork(f"{what} '{key}' on rank {table.membership.rank}", limit)}
+
+    def choose_algorithm(self, tensor: torch.Tensor, codec: Codec | None = None,
+                         algorithm: Algorithm = "auto", world_size: int | None = None) -> str:
+        """The schedule ``all_reduce`` will run for these arguments: ring, scatter or star."""
+        n = self.world_size if world_size is None else world_size
+        if n <= 1:
+            return "star"
+        if algorithm == "auto":
+            algorithm = "star" if wire.nbytes(tensor) < self.config.star_threshold_bytes else "ring"
+        if algorithm == "ring" and (codec is not None or acc_dtype(tensor.dtype) != tensor.dtype):
+            return "scatter"
+        return algorithm
+
+    # ---- collectives ---------------------------------------------------------------------------
+    def all_reduce_async(self, tensor: torch.Tensor, op: ReduceOp = "sum", *,
+                         codec: Codec | None = None, algorithm: Algorithm = "auto",
+                         tag: str | None = None, timeout: float | None = None) -> FutureWork:
+        if op not in ("sum", "avg"):
+            raise ConfigError("op", f"unknown reduction {op!r}; use 'sum' or 'avg'")
+        if algorithm not in ("auto", "ring", "star"):
+            raise ConfigError("algorithm", f"unknown algorithm {algorithm!r}; auto, ring or star")
+        table = self._table()
+        algo = self.choose_algorithm(tensor, codec, algorithm, table.membership.world_size)
+        cls = RingAllReduce if algo == "ring" else DirectAllReduce
+        common = self._common(table, self._key(table, tag), timeout, "all_reduce")
+        x = tensor.detach().contiguous().reshape(-1)
+        o = cls(**common, x=x, shape=tuple(tensor.shape), op=op, algorithm=algo,
+                chunk_bytes=self.config.chunk_bytes, codec=codec)
+        self._engine.submit(o)
+        return o.work
+
+    def all_reduce(self, tensor: torch.Tensor, op: ReduceOp = "sum", *,
+                   codec: Codec | None = None, algorithm: Algorithm = "auto",
+                   tag: str | None = None, timeout: float | None = None) -> torch.Tensor:
+        return self.all_reduce_async(tensor, op, codec=codec, algorithm=algorithm, tag=tag,
+                                     timeout=timeout).wait()
+
+    def _broadcast_async(self, tensors: Sequence[torch.Tensor] | None, meta: Mapping | None,
+                         root: int, tag: str | None, timeout: float | None) -> FutureWork:
+        table = self._table()
+        n = table.membership.world_size
+        if not 0 <= root < n:
+            raise ConfigError("root", f"rank {root} is not in a world of {n}")
+        mine = None
+        if table.membership.rank == root:
+            if tensors is None:
+                raise ConfigError("tensor", "the root of a broadcast must pass a tensor")
+            mine = [t.detach().contiguous() for t in tensors]
+        o = BroadcastOp(**self._common(table, self._key(table, tag), timeout, "broadcast"),
+                        root=root, tensors=mine, user_meta=meta,
+                        chunk_bytes=self.config.chunk_bytes, max_bytes=self.config.max_tensor_bytes)
+        self._engine.submit(o)
+        return o.work
+
+    def broadcast_async(self, tensor: torch.Tensor | None, root: int = 0, *,
+                        tag: str | None = None, timeout: float | None = None) -> FutureWork:
+        inner = self._broadcast_async(None if tensor is None else [tensor], None, root, tag, timeout)
+        outer: FutureWork = FutureWork(f"broadcast on rank {self.rank}", self._timeout(timeout))
+
+        def unwrap(w: FutureWork) -> None:
+            err = w.exception()
+            if err is not None:
+                outer.set_error(err, w.stats)
+            else:
+                tensors, _ = w.wait(0)
+                if len(tensors) != 1:
+                    outer.set_error(ProtocolError(f"broadcast carried {len(tensors)} tensors, expected 1"))
+                else:
+                    outer.set_result(tensors[0], w.stats)
+        inner.add_done_callback(unwrap)
+        return outer
+
+    def broadcast(self, tensor: torch.Tensor | None, root: int = 0, *, tag: str | None = None,
+                  timeout: float | None = None) -> torch.Tensor:
+        return self.broadcast_async(tensor, root, tag=tag, timeout=timeout).wait()
+
+    def broadcast_message(self, tensors: Sequence[torch.Tensor] | None,
+                          meta: Mapping[str, Any] | None, root: int = 0, *,
+                          tag: str | None = None,
+                          timeout: float | None = None) -> tuple[list[torch.Tensor], dict[str, Any]]:
+        if self.rank == root and tensors is None:
+            tensors = []
+        return self._broadcast_async(tensors, meta, root, tag, timeout).wait()
+
+    def all_gather_async(self, tensor: torch.Tensor, *, tag: str | None = None,
+                         timeout: float | None = None) -> FutureWork:
+        table = self._table()
+        o = AllGatherOp(**self._common(table, self._key(table, tag), timeout, "all_gather"),
+                        tensor=tensor.detach().contiguous(), chunk_bytes=self.config.chunk_bytes,
+                        max_bytes=self.config.max_tensor_bytes)
+        self._engine.submit(o)
+        return o.work
+
+    def all_gather(self, tensor: torch.Tensor, *, tag: str | None = None,
+                   timeout: float | None = None) -> list[torch.Tensor]:
+        return self.all_gather_async(tensor, tag=tag, timeout=timeout).wait()
+
+    def barrier(self, *, tag: str | None = None, timeout: float | None = None) -> None:
+        table = self._table()
+        o = BarrierOp(**self._common(table, self._key(table, tag), timeout, "barrier"),
+                      chunk_bytes=self.config.chunk_bytes, max_bytes=0)
+        self._engine.submit(o)
+        o.work.wait()
+
+    # ---- point to point ------------------------------------------------------------------------
+    def _p2p_table(self, peer: int, name: str) -> PeerTable:
+        table = self._table()
+        n = table.membership.world_size
+        if not 0 <= peer < n:
+            raise ConfigError(name, f"rank {peer} is not in a world of {n}")
+        return table
+
+    def send(self, dst: int, tensors: Sequence[torch.Tensor], meta: Mapping[str, Any] | None = None,
+             *, tag: str, timeout: float | None = None) -> None:
+        table = self._p2p_table(dst, "dst")
+        key = self._key(table, tag, scope=f"p2p:{table.membership.rank}>{dst}:")
+        o = SendOp(**self._common(table, key, timeout, "send"), dst=dst,
+                   tensors=[t.detach().contiguous() for t in tensors], user_meta=meta,
+                   chunk_bytes=self.config.chunk_bytes, max_bytes=0)
+        self._engine.submit(o)
+        o.work.wait()
+
+    def recv(self, src: int, *, tag: str,
+             timeout: float | None = None) -> tuple[list[torch.Tensor], dict[str, Any]]:
+        table = self._p2p_table(src, "src")
+        key = self._key(table, tag, scope=f"p2p:{src}>{table.membership.rank}:")
+        o = RecvOp(**self._common(table, key, timeout, "recv"), src=src,
+                   chunk_bytes=self.config.chunk_bytes, max_bytes=self.config.max_tensor_bytes)
+        self._engine.submit(o)
+        return o.work.wait()
+
+    # ---- bookkeeping ---------------------------------------------------------------------------
+    def stats(self) -> OpStats:
+        return self._engine.stats()
+
+    @property
+    def bad_messages(self) -> int:
+        """Malformed or unexpected data messages dropped so far (each one was logged)."""
+        return self._engine.bad_messages
+
+    @property
+    def auth_rejections(self) -> int:
+        return self._zap.rejected if self._zap is not None else 0
+
+    def close(self) -> None:
+        """Leave the group (peers get PEER_LOST at once) and release every socket."""
+        if self._closed:
+            return
+        self._closed = True
+        self._engine.close(leave=True, timeout=max(5.0, self.config.linger + 1))
+        if self._zap is not None:
+            self._zap.close()
+        self._ctx.term()
+
+    def __enter__(self) -> "ZmqCommunicator":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
