@@ -187,9 +187,13 @@ class DDPConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class TrainConfig:
-    """One training run, identical on every worker."""
+    """One training run, identical on every worker.
 
-    model: ModelConfig
+    ``model`` is the shape of the default task's Llama-family model; a custom
+    :class:`diloco.task.Task` brings its own ``nn.Module`` and may leave it ``None``.
+    """
+
+    model: ModelConfig | None = None
     data: DataConfig = field(default_factory=DataConfig)
     mode: DilocoConfig | DDPConfig = field(default_factory=DilocoConfig)
     inner: OptimizerConfig = field(default_factory=lambda: OptimizerConfig(
@@ -210,8 +214,6 @@ class TrainConfig:
             raise ConfigError("steps", f"must be >= 1, got {self.steps}")
         if self.workers < 1:
             raise ConfigError("workers", f"M must be >= 1, got {self.workers}")
-        if self.model.vocab_size < 1:
-            raise ConfigError("model.vocab_size", "must be >= 1")
         if self.grad_clip is not None and not self.grad_clip > 0:
             raise ConfigError("grad_clip", f"must be > 0 or None, got {self.grad_clip}")
         for name in ("eval_every", "audit_every", "checkpoint_every"):
@@ -221,7 +223,7 @@ class TrainConfig:
             raise ConfigError("log_every", f"must be >= 1, got {self.log_every}")
         if not self.sync_timeout > 0:
             raise ConfigError("sync_timeout", f"must be > 0 seconds, got {self.sync_timeout}")
-        if self.data.seq_len > self.model.max_position_embeddings:
+        if self.model is not None and self.data.seq_len > self.model.max_position_embeddings:
             raise ConfigError("data.seq_len", f"{self.data.seq_len} exceeds the model's "
                               f"max_position_embeddings {self.model.max_position_embeddings}")
 

@@ -20,6 +20,7 @@ from diloco.metrics import MetricsLog
 from diloco.task import LMTask, Task
 from diloco.trainer import DilocoWorker
 from lowband.comm import Communicator
+from lowband.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 
@@ -28,6 +29,8 @@ Worker = DilocoWorker | DDPWorker
 
 def lm_task(cfg: TrainConfig) -> LMTask:
     """The default task: the configured corpus (ConfigError if missing or empty) and model."""
+    if cfg.model is None:
+        raise ConfigError("model", "the language-model task needs a ModelConfig (use a preset)")
     return LMTask(cfg, load_corpus(cfg.data, cfg.model.vocab_size))
 
 

@@ -78,15 +78,17 @@ class FragmentSync:
         self.outer_opt.zero_grad(set_to_none=True)
 
     @torch.no_grad()
-    def merge(self, alpha: float) -> None:
-        """θ_local ← α·θ_local + (1 − α)·θ_g. A non-finite local copy restarts from θ_g."""
+    def merge(self, alpha: float) -> list[torch.nn.Parameter]:
+        """θ_local ← α·θ_local + (1 − α)·θ_g. A non-finite local tensor restarts from θ_g;
+        those are returned so the caller can drop their (equally poisoned) inner optimizer
+        state."""
+        reset = []
         for g, m in zip(self.global_, self.local):
-            if alpha == 0.0 or not bool(torch.isfinite(m).all()):
+            if not bool(torch.isfinite(m).all()):
+                m.copy_(g)
+                reset.append(m)
+            elif alpha == 0.0:
                 m.copy_(g)
             else:
                 m.mul_(alpha).add_(g, alpha=1.0 - alpha)
-
-    @torch.no_grad()
-    def reset_local(self) -> None:
-        for g, m in zip(self.global_, self.local):
-            m.copy_(g)
+        return reset

@@ -16,6 +16,7 @@ from torch import nn
 from diloco.config import TrainConfig
 from diloco.data import Corpus, eval_batches, train_batch
 from edge.model import LlamaForCausalLM, init_weights
+from lowband.errors import ConfigError
 
 
 class Task(Protocol):
@@ -42,13 +43,16 @@ class LMTask:
     """Next-token prediction with :class:`edge.model.LlamaForCausalLM` (HF parameter names)."""
 
     def __init__(self, cfg: TrainConfig, corpus: Corpus) -> None:
+        if cfg.model is None:
+            raise ConfigError("model", "the language-model task needs a ModelConfig")
+        self.model_cfg = cfg.model
         self.cfg = cfg
         self.corpus = corpus
         d = cfg.data
         self._eval = eval_batches(corpus.eval, d.seq_len, d.batch_size, d.eval_batches)
 
     def build_model(self) -> LlamaForCausalLM:
-        model = LlamaForCausalLM(self.cfg.model)
+        model = LlamaForCausalLM(self.model_cfg)
         init_weights(model, seed=self.cfg.seed)
         return model
 

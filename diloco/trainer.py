@@ -115,6 +115,7 @@ class DilocoWorker:
                                    mode="diloco", start_step=0, steps=0)
         self._rec_epoch: int | None = None
         self._rec_count = 0
+        self._checkpoint_due = False
         self._progress = Progress(cfg.steps, enabled=progress)
         if resume is not None:
             self._resume(resume)
@@ -205,7 +206,8 @@ class DilocoWorker:
                            "averaging over those", p, n, self.comm.world_size)
         if n > 0:
             self.fragments[p].outer_step(total.reshape(-1) / n)
-            self.fragments[p].merge(self.mode.alpha)
+            for param in self.fragments[p].merge(self.mode.alpha):
+                self.inner.opt.state.pop(param, None)  # restart its moments with the tensor
         self.applied += 1
 
     def _record_sync(self, sync: _Sync, wait_s: float) -> None:
@@ -406,9 +408,13 @@ class DilocoWorker:
                          bytes_sent=stats.bytes_sent, bytes_received=stats.bytes_received)
         if self.cfg.eval_every and step % self.cfg.eval_every == 0 and step < self.cfg.steps:
             self._evaluate()
-        if (self.cfg.checkpoint_every and self.out_dir is not None and self.inflight is None
-                and step % self.cfg.checkpoint_every == 0):
+        if self.cfg.checkpoint_every and step % self.cfg.checkpoint_every == 0:
+            self._checkpoint_due = True
+        # Only a quiet step (no sync in flight) has a complete state; a due checkpoint waits
+        # for the next one (at most τ steps).
+        if self._checkpoint_due and self.out_dir is not None and self.inflight is None:
             self.checkpoint(self.out_dir / "checkpoints" / f"step-{step:06d}")
+            self._checkpoint_due = False
         self._progress.update(step, loss=f"{loss:.3f}")
         if self.on_step is not None:
             self.on_step(step)
