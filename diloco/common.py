@@ -129,7 +129,7 @@ class WorkerResult:
     def summary(self) -> dict[str, Any]:
         keys = ("peer_id", "rank", "mode", "start_step", "steps", "final_eval", "bytes_sent",
                 "bytes_received", "peak_sync_bytes", "outer_syncs", "retries", "transfers",
-                "compute_s", "sync_s", "wall_s", "tokens")
+                "compute_s", "sync_s", "wall_s", "tokens", "state_hash")
         out = {k: getattr(self, k) for k in keys}
         out["tokens_per_s"] = self.tokens / self.wall_s if self.wall_s > 0 else math.nan
         return out

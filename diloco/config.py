@@ -12,7 +12,7 @@ fails before any process starts. Presets are plain functions returning a :class:
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Callable, Iterable, Literal
 
 import torch
@@ -234,6 +234,62 @@ class TrainConfig:
     def tokens_per_step(self) -> int:
         """Tokens one worker consumes per inner step."""
         return self.data.batch_size * self.data.seq_len
+
+
+# ---- JSON: how the launcher hands one configuration to every worker process -----------------
+def _plain(obj: object) -> dict:
+    out = {}
+    for f in fields(obj):  # type: ignore[arg-type]
+        if f.name == "factory":
+            if getattr(obj, "factory") is not None:
+                raise ConfigError("optimizer.factory", "a factory callable cannot be written to "
+                                  "JSON; build the workers in Python to use one")
+            continue
+        value = getattr(obj, f.name)
+        out[f.name] = list(value) if isinstance(value, tuple) else value
+    return out
+
+
+def config_to_dict(cfg: TrainConfig) -> dict:
+    """A JSON-able description of ``cfg`` (inverse: :func:`config_from_dict`)."""
+    mode = cfg.mode
+    mode_d = ({"kind": "diloco", **_plain(mode), "outer": _plain(mode.outer)}
+              if isinstance(mode, DilocoConfig) else {"kind": "ddp", **_plain(mode)})
+    return {
+        "model": _plain(cfg.model) if cfg.model is not None else None,
+        "data": _plain(cfg.data), "mode": mode_d, "inner": _plain(cfg.inner),
+        "lr_schedule": _plain(cfg.lr_schedule),
+        **{f.name: getattr(cfg, f.name) for f in fields(cfg)
+           if f.name not in ("model", "data", "mode", "inner", "lr_schedule")},
+    }
+
+
+def _optim(d: dict) -> OptimizerConfig:
+    d = dict(d)
+    if "betas" in d:
+        d["betas"] = tuple(d["betas"])
+    return OptimizerConfig(**d)
+
+
+def config_from_dict(d: dict) -> TrainConfig:
+    try:
+        mode_d = dict(d["mode"])
+        kind = mode_d.pop("kind")
+        if kind == "diloco":
+            mode: DilocoConfig | DDPConfig = DilocoConfig(
+                **{**mode_d, "outer": _optim(mode_d["outer"])})
+        elif kind == "ddp":
+            mode = DDPConfig(**mode_d)
+        else:
+            raise ConfigError("mode.kind", f"must be 'diloco' or 'ddp', got {kind!r}")
+        rest = {k: v for k, v in d.items()
+                if k not in ("model", "data", "mode", "inner", "lr_schedule")}
+        return TrainConfig(
+            model=ModelConfig(**d["model"]) if d.get("model") else None,
+            data=DataConfig(**d["data"]), mode=mode, inner=_optim(d["inner"]),
+            lr_schedule=LrSchedule(**d["lr_schedule"]), **rest)
+    except (KeyError, TypeError) as exc:
+        raise ConfigError("config", f"not a lowband training configuration: {exc}") from None
 
 
 # ---- presets -------------------------------------------------------------------------------

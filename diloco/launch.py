@@ -34,14 +34,17 @@ def lm_task(cfg: TrainConfig) -> LMTask:
     return LMTask(cfg, load_corpus(cfg.data, cfg.model.vocab_size))
 
 
-def make_worker(cfg: TrainConfig, comm: Communicator, task: Task, *, name: str = "",
+def make_worker(cfg: TrainConfig, comm: Communicator, task: Task, *, worker_id: str,
                 out_dir: Path | None = None, resume: Path | None = None,
                 progress: bool = False, on_step: Callable[[int], None] | None = None) -> Worker:
-    log = MetricsLog(out_dir / f"metrics-{name}.jsonl" if out_dir and name else None, worker=name)
+    """A DiLoCo or DDP worker logging to ``out_dir/metrics-worker{worker_id}.jsonl``."""
+    name = f"worker{worker_id}"
+    log = MetricsLog(out_dir / f"metrics-{name}.jsonl" if out_dir else None, worker=name)
     byte_tok = cfg.data.kind != "tokens"
     if isinstance(cfg.mode, DilocoConfig):
         return DilocoWorker(cfg, comm, task, log=log, progress=progress, out_dir=out_dir,
-                            resume=resume, byte_tokenizer=byte_tok, on_step=on_step)
+                            resume=resume, worker_id=worker_id, byte_tokenizer=byte_tok,
+                            on_step=on_step)
     if resume is not None:
         logger.warning("the DDP baseline does not resume; starting from step 0")
     return DDPWorker(cfg, comm, task, log=log, progress=progress, out_dir=out_dir,
@@ -57,7 +60,7 @@ def run_threads(cfg: TrainConfig, *, task: Task | None = None, out_dir: Path | N
     task = task or lm_task(cfg)
     group = LoopbackGroup(cfg.workers, timeout=cfg.sync_timeout)
     comms = group.comms()
-    workers = [make_worker(cfg, c, task, name=f"worker{r}", out_dir=out_dir, resume=resume,
+    workers = [make_worker(cfg, c, task, worker_id=str(r), out_dir=out_dir, resume=resume,
                            progress=progress and r == 0) for r, c in enumerate(comms)]
     results: list[WorkerResult | None] = [None] * len(workers)
     errors: list[BaseException | None] = [None] * len(workers)

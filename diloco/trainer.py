@@ -54,7 +54,7 @@ from lowband.errors import ConfigError, IncompatiblePeer, LowbandError, PeerLost
 logger = logging.getLogger(__name__)
 
 # Columns of the status row all-gathered when workers reconcile (int64).
-SIG, INIT, STEP, APPLIED, LOST_FRAG, LOST_ROUND, HASH = range(7)
+SIG, INIT, STEP, APPLIED, LOST_FRAG, LOST_ROUND, HASH, SLOT = range(8)
 
 
 class StateMismatch(LowbandError):
@@ -87,7 +87,8 @@ class DilocoWorker:
     def __init__(self, cfg: TrainConfig, comm: Communicator, task: Task, *,
                  log: MetricsLog | None = None, progress: bool = False,
                  out_dir: Path | None = None, resume: Path | None = None,
-                 byte_tokenizer: bool = True, on_step: Callable[[int], None] | None = None) -> None:
+                 worker_id: str | None = None, byte_tokenizer: bool = True,
+                 on_step: Callable[[int], None] | None = None) -> None:
         if not isinstance(cfg.mode, DilocoConfig):
             raise ConfigError("mode", "DilocoWorker needs a DilocoConfig (use DDPWorker for DDP)")
         self.cfg, self.mode, self.comm, self.task = cfg, cfg.mode, comm, task
@@ -109,6 +110,9 @@ class DilocoWorker:
             for p, names in enumerate(plan.names)]
         self.applied = 0  # fragment syncs applied (identical on every worker)
         self.initialized = False  # holds authoritative state (resumed, or agreed with the group)
+        self.slot = -1  # data slot: which stream of batches this worker draws (stable for life)
+        self.worker_id = worker_id  # names this worker's checkpoint files; default: first rank
+        self._resume_dir = resume
         self.inflight: _Sync | None = None
         self.lost: _Sync | None = None  # a sync whose result never arrived here
         self.result = WorkerResult(peer_id=comm.membership.peer_id, rank=comm.rank,
@@ -117,8 +121,6 @@ class DilocoWorker:
         self._rec_count = 0
         self._checkpoint_due = False
         self._progress = Progress(cfg.steps, enabled=progress)
-        if resume is not None:
-            self._resume(resume)
 
     @property
     def step(self) -> int:
@@ -130,11 +132,16 @@ class DilocoWorker:
         m = self.mode
         self._timed(lambda: self.comm.quorum(min_world=self.cfg.workers,
                                              timeout=self.cfg.sync_timeout))
+        if self.worker_id is None:
+            self.worker_id = str(self.comm.rank)
+        self.result.peer_id = self.comm.membership.peer_id
+        if self._resume_dir is not None:
+            self._resume(self._resume_dir)
         self._timed(lambda: self._reconcile("start"))
         self.result.start_step = self.step
         while self.step < self.cfg.steps:
             tc = time.perf_counter()
-            loss = self.inner.run_step(self.comm.rank)
+            loss = self.inner.run_step(self.slot)
             self.result.compute_s += time.perf_counter() - tc
             for action in fragment_actions(self.step, m.n_fragments, m.inner_steps, m.tau):
                 self._timed(lambda a=action: self._do(a))
@@ -250,7 +257,8 @@ class DilocoWorker:
         lost = self.lost
         return torch.tensor([signature_int(self.signature), int(self.initialized), self.step,
                              self.applied, lost.fragment if lost else -1,
-                             lost.round if lost else -1, self.state_hash()], dtype=torch.int64)
+                             lost.round if lost else -1, self.state_hash(), self.slot],
+                            dtype=torch.int64)
 
     def _next_tag(self) -> str:
         # Tags must be unique within an epoch and equal on every member, newcomers included:
@@ -270,6 +278,7 @@ class DilocoWorker:
         if not any(r[INIT] for r in rows):  # a fresh run: the seeded models are the state
             for r in rows:
                 r[INIT] = 1
+        self._assign_slot(rows)
         best = max((r[STEP], r[APPLIED]) for r in rows if r[INIT])
         leaders = [i for i, r in enumerate(rows) if r[INIT] and (r[STEP], r[APPLIED]) == best]
         lost = {(rows[i][LOST_FRAG], rows[i][LOST_ROUND]) for i in leaders}
@@ -286,6 +295,15 @@ class DilocoWorker:
             self._transfer(donor, stale, tag)
         self._verify(tag, reason, stale)
         return True
+
+    def _assign_slot(self, rows: list[list[int]]) -> None:
+        """Workers keep their data slot for life; newcomers take fresh ones, in rank order."""
+        taken = {r[SLOT] for r in rows if r[SLOT] >= 0}
+        fresh = max(taken, default=-1) + 1
+        for r in rows:
+            if r[SLOT] < 0:
+                r[SLOT], fresh = fresh, fresh + 1
+        self.slot = rows[self.comm.rank][SLOT]
 
     def _check_signatures(self, rows: list[list[int]]) -> bool:
         ref = _majority([r[SIG] for r in rows if r[INIT]] or [r[SIG] for r in rows])
@@ -322,14 +340,14 @@ class DilocoWorker:
     def _transfer(self, donor: int, stale: list[int], tag: str) -> None:
         comm = self.comm
         if comm.rank == donor:
-            tensors, meta = self.state(residuals=False)
+            tensors, meta = self.state(own=False)
             names = sorted(tensors)
             for dst in stale:
                 comm.send(dst, [tensors[n] for n in names], {"names": names, "meta": meta},
                           tag=f"{tag}/state", timeout=self.cfg.sync_timeout)
         elif comm.rank in stale:
             ts, msg = comm.recv(donor, tag=f"{tag}/state", timeout=self.cfg.sync_timeout)
-            self.load(dict(zip(msg["names"], ts)), msg["meta"], residuals=False)
+            self.load(dict(zip(msg["names"], ts)), msg["meta"], own=False)
             self.result.transfers += 1
             logger.info("received the full state from rank %d at step %d", donor, self.step)
 
@@ -353,7 +371,9 @@ class DilocoWorker:
             tensors += optimizer_tensors(f.outer_opt)
         return hash_state(tensors, self.step, self.applied)
 
-    def state(self, *, residuals: bool) -> State:
+    def state(self, *, own: bool) -> State:
+        """The full worker state. ``own=True`` (checkpoints) adds what belongs to this worker
+        only: error-feedback residuals and the data slot; a state handed to a peer omits them."""
         tensors: dict[str, torch.Tensor] = {}
         for name, p in self.model.named_parameters():
             tensors["local." + name] = p.detach().clone()
@@ -366,14 +386,14 @@ class DilocoWorker:
             t, meta = optimizer_state(f.outer_opt, f"outer{f.index}")
             tensors.update(t)
             outer_meta.append(meta)
-            if residuals and f.residual is not None:
+            if own and f.residual is not None:
                 tensors[f"residual.{f.index}"] = f.residual.clone()
         meta = {"format": 1, "step": self.step, "applied": self.applied,
-                "inner": inner_meta, "outer": outer_meta}
+                "inner": inner_meta, "outer": outer_meta, "slot": self.slot if own else -1}
         return tensors, meta
 
     @torch.no_grad()
-    def load(self, tensors: dict[str, torch.Tensor], meta: dict, *, residuals: bool) -> None:
+    def load(self, tensors: dict[str, torch.Tensor], meta: dict, *, own: bool) -> None:
         for prefix, model in (("local.", self.model), ("global.", self.global_model)):
             for name, p in model.named_parameters():
                 p.copy_(tensors[prefix + name])
@@ -381,20 +401,22 @@ class DilocoWorker:
         for f, m in zip(self.fragments, meta["outer"]):
             load_optimizer_state(f.outer_opt, f"outer{f.index}", tensors, m)
             key = f"residual.{f.index}"
-            f.residual = tensors[key].clone() if residuals and key in tensors else None
+            f.residual = tensors[key].clone() if own and key in tensors else None
         self.inner.step = int(meta["step"])
         self.applied = int(meta["applied"])
         self.lost = self.inflight = None
         self.initialized = True
+        if own:
+            self.slot = int(meta.get("slot", -1))
 
     def _resume(self, directory: Path) -> None:
-        stem = directory / f"worker-{self.comm.rank}"
+        stem = directory / f"worker-{self.worker_id}"
         if not stem.with_name(stem.name + ".json").exists():
             logger.warning("no %s in %s: this worker will take its state from a peer",
                            stem.name, directory)
             return
         tensors, meta = load_state(stem)
-        self.load(tensors, meta, residuals=True)
+        self.load(tensors, meta, own=True)
 
     # ---- bookkeeping ---------------------------------------------------------------------------
     def _after_step(self, loss: float) -> None:
@@ -429,7 +451,7 @@ class DilocoWorker:
         return loss
 
     def checkpoint(self, directory: Path) -> None:
-        save_state(directory / f"worker-{self.comm.rank}", self.state(residuals=True))
+        save_state(directory / f"worker-{self.worker_id or self.comm.rank}", self.state(own=True))
 
     def _finish(self) -> WorkerResult:
         r = self.result

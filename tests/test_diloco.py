@@ -17,6 +17,7 @@ import pytest
 import torch
 from torch import nn
 
+from diloco.checkpoint import load_state
 from diloco.common import InnerLoop
 from diloco.config import DDPConfig, DilocoConfig, LrSchedule, OptimizerConfig, TrainConfig, tiny
 from diloco.ddp import DDPWorker
@@ -378,8 +379,8 @@ def test_export_loads_in_edge(tmp_path):
     assert isinstance(load_tokenizer(tmp_path / "model"), ByteTokenizer)
     ids = torch.tensor([list(b"To be, or not")])
     task = lm_task(cfg)
-    w = DilocoWorker(cfg, LoopbackGroup(1).comms()[0], task,
-                     resume=tmp_path / "checkpoints" / "final")
+    w = DilocoWorker(cfg, LoopbackGroup(1).comms()[0], task)
+    w.load(*load_state(tmp_path / "checkpoints" / "final" / "worker-0"), own=True)
     with torch.no_grad():
         torch.testing.assert_close(model(ids), w.global_model(ids), rtol=0, atol=0)
     events = [json.loads(line)["event"] for line in
