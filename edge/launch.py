@@ -38,12 +38,17 @@ class DeviceConfig:
 
     threads: int | None = None  # torch intra-op threads; None: torch's default
     cores: tuple[int, ...] | None = None  # CPU affinity
+    switch_interval_s: float = 2e-4  # Python GIL switch interval (see apply)
 
     def __post_init__(self) -> None:
         if self.threads is not None and self.threads < 1:
             raise ConfigError("threads", f"must be >= 1, got {self.threads}")
 
     def apply(self) -> None:
+        # The transport's engine thread must get the GIL back quickly between layers; the
+        # default 5 ms switch interval would add up to 5 ms to every all-reduce when the
+        # compute thread holds the GIL (measured: 2-12 ms per all-reduce vs ~0.4 ms).
+        sys.setswitchinterval(self.switch_interval_s)
         if self.cores:
             os.sched_setaffinity(0, set(self.cores))
         if self.threads is not None:
