@@ -123,6 +123,7 @@ class WindowConfig:
 
     window: int | None = None
     memory_budget_mb: float | None = None
+    loader_cores: tuple[int, ...] | None = None  # CPU cores of the prefetch thread (None: inherit)
 
     def __post_init__(self) -> None:
         if (self.window is None) == (self.memory_budget_mb is None):
@@ -235,7 +236,7 @@ def _load_split(model: LlamaForCausalLM, d: Path, rank: int, dt: torch.dtype, fi
         fixed = sum(t.numel() * t.element_size() for t in tensors.values())
         w = window_for_budget(int(window.memory_budget_mb * 2**20), [f.size for f in files], fixed)
     logger.info("sliding window: %d of %d layer blocks resident", min(w, n), n)
-    return WindowScheduler(list(model.model.layers), files, min(w, n))
+    return WindowScheduler(list(model.model.layers), files, min(w, n), window.loader_cores)
 
 
 def _assign(model: LlamaForCausalLM, tensors: dict[str, torch.Tensor], partial: bool = False) -> None:

@@ -190,7 +190,8 @@ class WindowScheduler:
     ``layers[i]`` runs block ``files[i]``. Hooks on each layer wait for its block before it
     runs and apply :func:`window_plan` after it ran."""
 
-    def __init__(self, layers: Sequence[nn.Module], files: Sequence[MappedFile], window: int) -> None:
+    def __init__(self, layers: Sequence[nn.Module], files: Sequence[MappedFile], window: int,
+                 loader_cores: Sequence[int] | None = None) -> None:
         if len(layers) != len(files):
             raise ConfigError("files", f"{len(files)} layer files for {len(layers)} layers")
         _check(len(layers), window)
@@ -199,7 +200,10 @@ class WindowScheduler:
         self.n = len(files)
         self._ready = [threading.Event() for _ in files]
         self._queued = [False] * self.n
-        self._jobs: queue.SimpleQueue[int | None] = queue.SimpleQueue()
+        self._loader_cores = tuple(loader_cores) if loader_cores else None
+        # Jobs run in order: ("evict", b) before the ("load", b') queued after it, so the
+        # resident count never exceeds W even though the compute thread does neither.
+        self._jobs: queue.SimpleQueue[tuple[str, int] | None] = queue.SimpleQueue()
         self._errors: list[BaseException] = []
         self._thread = threading.Thread(target=self._run, name="edge-window-loader", daemon=True)
         self._thread.start()
@@ -211,11 +215,17 @@ class WindowScheduler:
             self._load(b)
 
     def _run(self) -> None:
+        if self._loader_cores:  # Linux: pid 0 is this thread only
+            os.sched_setaffinity(0, set(self._loader_cores))
         while True:
-            b = self._jobs.get()
-            if b is None:
+            job = self._jobs.get()
+            if job is None:
                 return
+            kind, b = job
             try:
+                if kind == "evict":
+                    self.files[b].evict()
+                    continue
                 self.files[b].populate()
             except BaseException as exc:  # noqa: BLE001 - surfaced on the compute thread
                 self._errors.append(exc)
@@ -224,7 +234,7 @@ class WindowScheduler:
     def _load(self, b: int) -> None:
         if not self._queued[b]:
             self._queued[b] = True
-            self._jobs.put(b)
+            self._jobs.put(("load", b))
 
     def _pre_hook(self, i: int):
         def hook(module: nn.Module, args: tuple) -> None:
@@ -240,7 +250,7 @@ class WindowScheduler:
             for e in step.evict:
                 self._ready[e].clear()
                 self._queued[e] = False
-                self.files[e].evict()
+                self._jobs.put(("evict", e))
             for b in step.load:
                 self._load(b)
         return hook
