@@ -283,9 +283,16 @@ class MasterRunner:
     def close(self) -> None:
         self._closed.set()
         with self._lock:
+            told = []
             for r in self._others():
                 try:
                     self.comm.send(r, [], {"op": "shutdown"}, tag=CTL)
+                    told.append(r)
+                except LowbandError:
+                    pass
+            for r in told:  # wait for the goodbyes, so closing our socket cannot overtake them
+                try:
+                    self.comm.recv(r, tag=READY, timeout=5.0)
                 except LowbandError:
                     pass
         self.shard.close()
@@ -318,6 +325,7 @@ def run_worker(comm: Communicator, cfg: WorkerConfig) -> int:
             tensors, meta = comm.recv(src, tag=CTL, timeout=cfg.idle_timeout)
             op = meta.get("op")
             if op == "shutdown":
+                comm.send(src, [], {"op": "bye"}, tag=READY)
                 return 0
             try:
                 _handle(comm, cfg, st, op, tensors, meta)

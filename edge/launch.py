@@ -25,7 +25,7 @@ from edge.sampling import SamplingParams
 from edge.server import ServerConfig, serve_forever
 from edge.shardio import WindowConfig, is_split_dir, load_shard
 from edge.tokenizer import ByteTokenizer, load_tokenizer
-from lowband.errors import ConfigError
+from lowband.errors import ConfigError, PeerLost
 
 logger = logging.getLogger(__name__)
 
@@ -150,6 +150,9 @@ def worker_main(cfg: WorkerMainConfig) -> int:
     comm = connect(cfg.master, _zmq_config(cfg.token, cfg.op_timeout), signature=SIGNATURE)
     try:
         return run_worker(comm, cfg.worker)
+    except PeerLost as exc:
+        print(f"lowband edge worker: the master is gone ({exc}); exiting", file=sys.stderr)
+        return 1
     finally:
         comm.close()
 
