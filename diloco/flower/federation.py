@@ -1,0 +1,367 @@
+"""Flower app directories, and a local federation: SuperLink + SuperNodes + ``flwr run``.
+
+:func:`write_app` writes the app directory ``flwr run`` submits: a pyproject with
+``[tool.flwr.app]`` and the run config (every key of
+:data:`~diloco.flower.config.APP_CONFIG_DEFAULTS`), and a two-module package whose ``app``
+objects come from :mod:`diloco.flower`. ``examples/flower_diloco`` is exactly its output.
+
+:class:`LocalFederation` runs a real deployment on loopback, the way it would run across sites:
+``flower-superlink --insecure`` with an in-memory database, N ``flower-supernode`` processes
+(each with ``partition-id=i``) and ``flwr run APP local --stream`` with ``FLWR_HOME`` in a
+private directory. Every Flower process starts in its own process group, and the whole group is
+killed at exit: a SuperNode's ``flower-superexec`` children outlive their parent otherwise.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any, Callable, Mapping, Sequence
+
+from diloco.flower.config import APP_CONFIG, APP_CONFIG_DEFAULTS, from_run_config
+from lowband.errors import ConfigError, LowbandError, TransportTimeout
+
+logger = logging.getLogger(__name__)
+
+APP_PACKAGE = "flower_diloco"
+DEPLOYMENT = "local-deployment"  # the SuperLink connection's name in FLWR_HOME/config.toml
+
+# A process starter: (argv, env additions, stdout) -> Popen. The default starts a new session
+# (own process group); tests pass their own that also kills the group at teardown.
+Starter = Callable[..., subprocess.Popen]
+
+
+def toml_value(value: Any) -> str:
+    """A TOML scalar (bool, int, float, str) — JSON string escapes are valid TOML."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, str):
+        return json.dumps(value)
+    raise ConfigError("run-config", f"{value!r} is not a TOML scalar")
+
+
+def app_pyproject(config: Mapping[str, Any] | None = None, *, name: str = "lowband-flower-diloco"
+                  ) -> str:
+    """The app's pyproject.toml; ``config`` overrides defaults of the run config."""
+    values = dict(APP_CONFIG_DEFAULTS)
+    for k, v in (config or {}).items():
+        if k not in values:
+            raise ConfigError("run-config", f"unknown key {k!r}; known: {sorted(values)}")
+        values[k] = v
+    lines = [
+        "[build-system]",
+        'requires = ["hatchling"]',
+        'build-backend = "hatchling.build"',
+        "",
+        "[project]",
+        f"name = {json.dumps(name)}",
+        'version = "1.0.0"',
+        'description = "Streaming DiLoCo on Flower: one round = one outer step of one fragment, '
+        'pseudo-gradients encoded with lowband codecs"',
+        'license = "Apache-2.0"',
+        'dependencies = ["flwr>=1.20", "lowband[flower]"]',
+        "",
+        "[tool.hatch.build.targets.wheel]",
+        'packages = ["."]',
+        "",
+        "[tool.flwr.app]",
+        'publisher = "lowband"',
+        "",
+        "[tool.flwr.app.components]",
+        f'serverapp = "{APP_PACKAGE}.server_app:app"',
+        f'clientapp = "{APP_PACKAGE}.client_app:app"',
+        "",
+        "[tool.flwr.app.config]",
+    ]
+    for k, v in values.items():
+        lines += [f"# {APP_CONFIG[k][1]}", f"{k} = {toml_value(v)}"]
+    return "\n".join(lines) + "\n"
+
+
+APP_MODULES = {
+    "__init__.py": '"""Flower DiLoCo app: the ServerApp and ClientApp of lowband (diloco.flower)."""\n',
+    "server_app.py": (
+        '"""ServerApp: DiLoCoStrategy rounds, server-side evaluation, metrics and checkpoints."""\n'
+        "\nfrom diloco.flower.server import make_server_app\n\napp = make_server_app()\n"),
+    "client_app.py": (
+        '"""ClientApp: H/P inner steps per round, codec-encoded pseudo-gradient replies."""\n'
+        "\nfrom diloco.flower.client import make_client_app\n\napp = make_client_app()\n"),
+}
+
+
+def write_app(directory: Path, config: Mapping[str, Any] | None = None) -> Path:
+    """Write (or overwrite) a runnable Flower app directory; returns it."""
+    pkg = directory / APP_PACKAGE
+    pkg.mkdir(parents=True, exist_ok=True)
+    (directory / "pyproject.toml").write_text(app_pyproject(config))
+    for name, text in APP_MODULES.items():
+        (pkg / name).write_text(text)
+    return directory
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _executable(name: str) -> str:
+    """A Flower console script from this interpreter's environment, else from PATH."""
+    local = Path(sys.executable).parent / name
+    if local.exists():
+        return str(local)
+    found = shutil.which(name)
+    if found is None:
+        raise ConfigError("flower", f"{name} not found: pip install 'lowband[flower]'")
+    return found
+
+
+def _default_starter(args: list[str], *, env: Mapping[str, str], stdout: IO[bytes] | int,
+                     stderr: IO[bytes] | int) -> subprocess.Popen:
+    return subprocess.Popen(args, env={**os.environ, **env}, stdout=stdout, stderr=stderr,
+                            start_new_session=True)
+
+
+class FlowerRunFailed(LowbandError):
+    """``flwr run`` exited with an error or the run did not finish in time."""
+
+
+class LocalFederation:
+    """SuperLink + ``n_nodes`` SuperNodes on 127.0.0.1 (use as a context manager)."""
+
+    def __init__(self, n_nodes: int, *, workdir: Path | None = None,
+                 node_configs: Sequence[Mapping[str, Any]] | None = None,
+                 starter: Starter | None = None, start_timeout: float = 60.0) -> None:
+        if n_nodes < 1:
+            raise ConfigError("supernodes", f"must be >= 1, got {n_nodes}")
+        if node_configs is not None and len(node_configs) != n_nodes:
+            raise ConfigError("node_configs", f"{len(node_configs)} configs for {n_nodes} nodes")
+        self.n_nodes = n_nodes
+        self.node_configs = [dict(c) for c in (node_configs or [{}] * n_nodes)]
+        self.starter = starter or _default_starter
+        self.start_timeout = start_timeout
+        self._tmp = None if workdir else tempfile.TemporaryDirectory(prefix="lowband-flower-")
+        self.workdir = Path(workdir or self._tmp.name)  # type: ignore[union-attr]
+        self.flwr_home = self.workdir / "flwr-home"
+        self.port = 0
+        self.procs: list[subprocess.Popen] = []
+        self._logs: list[IO[bytes]] = []
+
+    # ---- lifecycle -----------------------------------------------------------------------------
+    def __enter__(self) -> "LocalFederation":
+        try:
+            self.start()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def start(self) -> None:
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.port = free_port()
+        self.flwr_home.mkdir(parents=True, exist_ok=True)
+        (self.flwr_home / "config.toml").write_text(
+            f'[superlink]\ndefault = "{DEPLOYMENT}"\n\n[superlink.{DEPLOYMENT}]\n'
+            f'address = "127.0.0.1:{self.port}"\ninsecure = true\n')
+        self._start("superlink", [_executable("flower-superlink"), "--insecure",
+                                  "--database", ":flwr-in-memory:", "--host", "127.0.0.1",
+                                  "--port", str(self.port),
+                                  "--disable-runtime-dependency-installation"])
+        self._wait_port(self.port)
+        for i, extra in enumerate(self.node_configs):
+            cfg = {"partition-id": i, "num-partitions": self.n_nodes, **extra}
+            self._start(f"supernode-{i}", [
+                _executable("flower-supernode"), "--insecure",
+                "--superlink", f"127.0.0.1:{self.port}", "--port", str(free_port()),
+                "--node-config", " ".join(f"{k}={toml_value(v)}" for k, v in cfg.items())])
+
+    def stop(self) -> None:
+        """Kill every Flower process group (SIGTERM, then SIGKILL) and close the logs."""
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            for p in self.procs:
+                try:
+                    os.killpg(p.pid, sig)
+                except (ProcessLookupError, PermissionError):
+                    pass
+            deadline = time.monotonic() + 5.0
+            for p in self.procs:
+                try:
+                    p.wait(timeout=max(0.0, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    pass
+        self.procs.clear()
+        for f in self._logs:
+            f.close()
+        self._logs.clear()
+        if self._tmp is not None:
+            self._tmp.cleanup()
+            self._tmp = None
+
+    # ---- running an app ------------------------------------------------------------------------
+    def run(self, app_dir: Path, run_config: Mapping[str, Any] | None = None, *,
+            timeout: float = 600.0, echo: IO[str] | None = None) -> str:
+        """``flwr run APP --stream`` until the run ends; returns its output.
+
+        Raises :class:`FlowerRunFailed` if ``flwr run`` fails or exceeds ``timeout`` seconds.
+        """
+        args = [_executable("flwr"), "run", str(app_dir), DEPLOYMENT, "--stream"]
+        if run_config:
+            override = self.workdir / "run-config.toml"
+            override.write_text("".join(f"{k} = {toml_value(v)}\n" for k, v in run_config.items()))
+            args += ["--run-config", str(override)]
+        out_path = self.workdir / "flwr-run.log"
+        with out_path.open("wb") as out:
+            proc = self.starter(args, env=self._env(), stdout=out, stderr=subprocess.STDOUT)
+            self.procs.append(proc)
+            rc = self._wait(proc, timeout, out_path, echo)
+        text = out_path.read_text(errors="replace")
+        if rc != 0:
+            raise FlowerRunFailed(f"flwr run exited with {rc}; last output:\n{text[-3000:]}")
+        return text
+
+    def logs(self) -> dict[str, str]:
+        """Each Flower process's output so far (for error reports)."""
+        return {p.name: p.read_text(errors="replace") for p in sorted(self.workdir.glob("*.log"))}
+
+    # ---- helpers -------------------------------------------------------------------------------
+    def _env(self) -> dict[str, str]:
+        # FLWR_HOME: the connection config and Flower's app cache stay in this federation's
+        # directory. PYTHONUNBUFFERED: logs arrive while the run is going.
+        return {"FLWR_HOME": str(self.flwr_home), "PYTHONUNBUFFERED": "1"}
+
+    def _start(self, name: str, args: list[str]) -> subprocess.Popen:
+        log = (self.workdir / f"{name}.log").open("wb")
+        self._logs.append(log)
+        proc = self.starter(args, env=self._env(), stdout=log, stderr=subprocess.STDOUT)
+        self.procs.append(proc)
+        logger.info("started %s (pid %d): %s", name, proc.pid, " ".join(args))
+        return proc
+
+    def _wait_port(self, port: int) -> None:
+        deadline = time.monotonic() + self.start_timeout
+        while time.monotonic() < deadline:
+            if self.procs[0].poll() is not None:
+                raise FlowerRunFailed("flower-superlink exited at start:\n"
+                                      + self.logs().get("superlink.log", "")[-3000:])
+            try:
+                with socket.create_connection(("127.0.0.1", port), timeout=1.0):
+                    return
+            except OSError:
+                time.sleep(0.1)
+        raise TransportTimeout(f"flower-superlink did not listen on port {port} within "
+                               f"{self.start_timeout}s")
+
+    @staticmethod
+    def _wait(proc: subprocess.Popen, timeout: float, out_path: Path,
+              echo: IO[str] | None) -> int:
+        deadline = time.monotonic() + timeout
+        pos = 0
+        while True:
+            try:
+                rc = proc.wait(timeout=0.5)
+            except subprocess.TimeoutExpired:
+                rc = None
+            if echo is not None:
+                with out_path.open("rb") as f:
+                    f.seek(pos)
+                    chunk = f.read()
+                pos += len(chunk)
+                echo.write(chunk.decode(errors="replace"))
+                echo.flush()
+            if rc is not None:
+                return rc
+            if time.monotonic() > deadline:
+                raise FlowerRunFailed(f"the Flower run did not finish within {timeout}s:\n"
+                                      + out_path.read_text(errors="replace")[-3000:])
+
+
+# ---- one call: app + federation + run + summary (``lowband flower local``) ---------------------
+@dataclass(frozen=True, kw_only=True)
+class LocalRunConfig:
+    """A local federation run: N SuperNodes, the app's run-config overrides, where results go."""
+
+    supernodes: int = 2
+    run_config: Mapping[str, Any] = field(default_factory=dict)  # overrides of the app defaults
+    out_dir: str = "flower-run"  # the ServerApp writes metrics.jsonl, summary.json, checkpoint/
+    app_dir: str | None = None  # None: write the built-in app to a temporary directory
+    node_configs: tuple[Mapping[str, Any], ...] = ()  # extra --node-config per SuperNode
+    timeout: float = 3600.0  # seconds for the whole run
+
+    def __post_init__(self) -> None:
+        if self.supernodes < 1:
+            raise ConfigError("supernodes", f"must be >= 1, got {self.supernodes}")
+        if self.node_configs and len(self.node_configs) != self.supernodes:
+            raise ConfigError("node_configs", f"{len(self.node_configs)} for {self.supernodes} nodes")
+        if not self.timeout > 0:
+            raise ConfigError("timeout", f"must be > 0, got {self.timeout}")
+        if self.app_dir is not None and not (Path(self.app_dir) / "pyproject.toml").exists():
+            raise ConfigError("app", f"{self.app_dir} has no pyproject.toml (lowband flower new DIR)")
+        from_run_config(self.effective_run_config())  # every value checked before any process
+
+    def effective_run_config(self) -> dict[str, Any]:
+        # Wait for every local SuperNode before round 1; the server writes under an absolute
+        # out-dir because its working directory is Flower's, not ours.
+        rc = {"min-available-nodes": self.supernodes, **self.run_config}
+        rc["out-dir"] = str(Path(self.out_dir).resolve())
+        return rc
+
+
+def run_local(cfg: LocalRunConfig, *, starter: Starter | None = None,
+              echo: IO[str] | None = None) -> dict[str, Any]:
+    """Write the app (unless given), start the federation, run it, tear it down; the summary."""
+    rc = cfg.effective_run_config()
+    out = Path(rc["out-dir"])
+    out.mkdir(parents=True, exist_ok=True)
+    stale = out / "summary.json"
+    if stale.exists():
+        stale.unlink()  # never report a previous run's result as this one's
+    with tempfile.TemporaryDirectory(prefix="lowband-flower-app-") as tmp:
+        app = Path(cfg.app_dir) if cfg.app_dir else write_app(Path(tmp) / "app")
+        with LocalFederation(cfg.supernodes, node_configs=cfg.node_configs or None,
+                             starter=starter) as fed:
+            try:
+                fed.run(app, rc, timeout=cfg.timeout, echo=echo)
+            except FlowerRunFailed:
+                for name, text in fed.logs().items():
+                    logger.error("%s (last lines):\n%s", name, text[-2000:])
+                raise
+    if not stale.exists():
+        raise FlowerRunFailed(f"the run ended without writing {stale}; see the output above")
+    return json.loads(stale.read_text())
+
+
+def summary_table(out_dir: Path) -> str:
+    """Per-round table (fragment, replies, failures, losses, bytes) from ``metrics.jsonl``."""
+    rounds, evals = {}, {}
+    for line in (out_dir / "metrics.jsonl").read_text().splitlines():
+        rec = json.loads(line)
+        if rec["event"] == "round":
+            rounds[rec["round"]] = rec
+        elif rec["event"] == "eval":
+            evals[rec["round"]] = rec
+    head = (f"{'round':>5} {'frag':>4} {'ok':>3} {'fail':>4} {'train':>7} {'eval':>7} "
+            f"{'up KiB':>9} {'fp32 KiB':>9} {'down KiB':>9}")
+    lines = [head, f"{0:>5} {'':>4} {'':>3} {'':>4} {'':>7} {evals.get(0, {}).get('loss', float('nan')):>7.3f}"]
+    for r in sorted(rounds):
+        rec, ev = rounds[r], evals.get(r, {})
+        lines.append(
+            f"{r:>5} {rec['fragment']:>4} {rec['replies']:>3} {rec['failures']:>4} "
+            f"{rec['train_loss'] if rec['train_loss'] is not None else float('nan'):>7.3f} "
+            f"{ev.get('loss', float('nan')):>7.3f} {rec['bytes_up'] / 1024:>9.1f} "
+            f"{rec['bytes_up_fp32'] / 1024:>9.1f} {rec['bytes_down'] / 1024:>9.1f}")
+    return "\n".join(lines)

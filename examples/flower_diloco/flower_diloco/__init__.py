@@ -1,0 +1,1 @@
+"""Flower DiLoCo app: the ServerApp and ClientApp of lowband (diloco.flower)."""
