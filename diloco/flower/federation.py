@@ -130,8 +130,27 @@ def _executable(name: str) -> str:
 
 def _default_starter(args: list[str], *, env: Mapping[str, str], stdout: IO[bytes] | int,
                      stderr: IO[bytes] | int) -> subprocess.Popen:
-    return subprocess.Popen(args, env={**os.environ, **env}, stdout=stdout, stderr=stderr,
-                            start_new_session=True)
+    # PYTHONUNBUFFERED: the logs fill while the run is going, not when a process exits.
+    return subprocess.Popen(args, env={**os.environ, "PYTHONUNBUFFERED": "1", **env},
+                            stdout=stdout, stderr=stderr, start_new_session=True)
+
+
+def _signal_group(pgid: int, sig: int) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _group_alive(pgid: int) -> bool:
+    """Whether any process (zombies awaiting their reaper included) is left in the group."""
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 class FlowerRunFailed(LowbandError):
@@ -191,19 +210,21 @@ class LocalFederation:
                 "--node-config", " ".join(f"{k}={toml_value(v)}" for k, v in cfg.items())])
 
     def stop(self) -> None:
-        """Kill every Flower process group (SIGTERM, then SIGKILL) and close the logs."""
+        """Kill every Flower process group (SIGTERM, then SIGKILL) and close the logs.
+
+        Returns once no member of any group is left, superexec children included (bounded).
+        """
         for sig in (signal.SIGTERM, signal.SIGKILL):
             for p in self.procs:
-                try:
-                    os.killpg(p.pid, sig)
-                except (ProcessLookupError, PermissionError):
-                    pass
+                _signal_group(p.pid, sig)
             deadline = time.monotonic() + 5.0
             for p in self.procs:
                 try:
                     p.wait(timeout=max(0.0, deadline - time.monotonic()))
                 except subprocess.TimeoutExpired:
                     pass
+            while time.monotonic() < deadline and any(_group_alive(p.pid) for p in self.procs):
+                time.sleep(0.05)
         self.procs.clear()
         for f in self._logs:
             f.close()
@@ -240,9 +261,8 @@ class LocalFederation:
 
     # ---- helpers -------------------------------------------------------------------------------
     def _env(self) -> dict[str, str]:
-        # FLWR_HOME: the connection config and Flower's app cache stay in this federation's
-        # directory. PYTHONUNBUFFERED: logs arrive while the run is going.
-        return {"FLWR_HOME": str(self.flwr_home), "PYTHONUNBUFFERED": "1"}
+        # The connection config and Flower's app cache stay in this federation's directory.
+        return {"FLWR_HOME": str(self.flwr_home)}
 
     def _start(self, name: str, args: list[str]) -> subprocess.Popen:
         log = (self.workdir / f"{name}.log").open("wb")
