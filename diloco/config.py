@@ -12,7 +12,7 @@ fails before any process starts. Presets are plain functions returning a :class:
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from typing import Callable, Iterable, Literal
 
 import torch
@@ -290,6 +290,51 @@ def config_from_dict(d: dict) -> TrainConfig:
             lr_schedule=LrSchedule(**d["lr_schedule"]), **rest)
     except (KeyError, TypeError) as exc:
         raise ConfigError("config", f"not a lowband training configuration: {exc}") from None
+
+
+# ---- overrides: the command line's flat names onto the nested configuration ----------------
+_MODE_KEYS = {"inner_steps", "n_fragments", "tau", "alpha", "codec", "error_feedback",
+              "fragment_strategy"}
+_TOP_KEYS = {"steps", "workers", "seed", "eval_every", "checkpoint_every", "audit_every",
+             "log_every", "sync_timeout", "grad_clip"}
+_DATA_KEYS = {"batch_size", "seq_len", "eval_batches"}
+
+
+def with_overrides(cfg: TrainConfig, **changes: object) -> TrainConfig:
+    """``cfg`` with flat overrides applied (None values are ignored). Keys: the fields of
+    TrainConfig listed in ``_TOP_KEYS``, DilocoConfig's fields, DataConfig's batch fields, and
+    ``mode`` ("diloco"/"ddp"), ``outer_lr``, ``outer_momentum``, ``inner_lr``, ``warmup_steps``,
+    ``data_kind``, ``data_path``. Every result is validated like any config."""
+    ch = {k: v for k, v in changes.items() if v is not None}
+    unknown = set(ch) - _MODE_KEYS - _TOP_KEYS - _DATA_KEYS - {
+        "mode", "outer_lr", "outer_momentum", "inner_lr", "warmup_steps", "data_kind", "data_path"}
+    if unknown:
+        raise ConfigError(sorted(unknown)[0], "unknown override")
+    mode = cfg.mode
+    if ch.get("mode") == "ddp":
+        mode = DDPConfig(codec=str(ch.get("codec", "fp32")))
+    elif ch.get("mode") == "diloco" and not isinstance(mode, DilocoConfig):
+        mode = DilocoConfig()
+    elif ch.get("mode") not in (None, "diloco", "ddp"):
+        raise ConfigError("mode", f"must be 'diloco' or 'ddp', got {ch['mode']!r}")
+    if isinstance(mode, DilocoConfig):
+        outer = mode.outer
+        if "outer_lr" in ch or "outer_momentum" in ch:
+            momentum = float(ch.get("outer_momentum", outer.momentum))  # type: ignore[arg-type]
+            outer = replace(outer, lr=float(ch.get("outer_lr", outer.lr)),  # type: ignore[arg-type]
+                            momentum=momentum, nesterov=outer.nesterov and momentum > 0)
+        mode = replace(mode, outer=outer, **{k: ch[k] for k in _MODE_KEYS if k in ch})
+    elif "codec" in ch:
+        mode = DDPConfig(codec=str(ch["codec"]))
+    data = cfg.data
+    if "data_kind" in ch or "data_path" in ch:
+        data = replace(data, kind=ch.get("data_kind", "text"), path=ch.get("data_path"))
+    data = replace(data, **{k: ch[k] for k in _DATA_KEYS if k in ch})
+    inner = replace(cfg.inner, lr=float(ch["inner_lr"])) if "inner_lr" in ch else cfg.inner  # type: ignore[arg-type]
+    sched = (replace(cfg.lr_schedule, warmup_steps=int(ch["warmup_steps"]))  # type: ignore[arg-type]
+             if "warmup_steps" in ch else cfg.lr_schedule)
+    return replace(cfg, mode=mode, data=data, inner=inner, lr_schedule=sched,
+                   **{k: ch[k] for k in _TOP_KEYS if k in ch})
 
 
 # ---- presets -------------------------------------------------------------------------------

@@ -1,22 +1,31 @@
 """Composition roots: build the task, the communicator and the workers, and run them.
 
-``run_threads`` runs M workers as threads over the in-process loopback group (tests, the bench,
-``lowband train --loopback``). ``run_worker`` runs one worker over any communicator (the
-``lowband worker`` process). The multi-process launcher lives in ``lowband.cmd_train``.
+* ``run_threads``: M workers as threads over the in-process loopback group (tests, the bench,
+  ``lowband train --loopback``).
+* ``worker_main``: one worker process over the ZeroMQ transport (``lowband worker``).
+* ``train_main``: a coordinator plus M worker processes on this machine (``lowband train``),
+  then a summary, the eval-loss-vs-bytes plot and the final model for ``edge``.
 """
 
 from __future__ import annotations
 
+import json
 import logging
+import os
+import signal
+import subprocess
+import sys
 import threading
+import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
 from diloco.common import WorkerResult
-from diloco.config import DilocoConfig, TrainConfig
+from diloco.config import DDPConfig, DilocoConfig, TrainConfig, config_to_dict
 from diloco.data import load_corpus
 from diloco.ddp import DDPWorker
-from diloco.metrics import MetricsLog
+from diloco.metrics import MetricsLog, plot_runs, read_jsonl
 from diloco.task import LMTask, Task
 from diloco.trainer import DilocoWorker
 from lowband.comm import Communicator
@@ -86,3 +95,146 @@ def run_threads(cfg: TrainConfig, *, task: Task | None = None, out_dir: Path | N
         if exc is not None:
             raise exc
     return [r for r in results if r is not None]
+
+
+# ---- processes: a coordinator and M worker processes over the ZeroMQ transport -------------
+@dataclass(frozen=True, kw_only=True)
+class WorkerLaunch:
+    """One worker process joining a run (``lowband worker``)."""
+
+    train: TrainConfig
+    coordinator: str  # tcp://HOST:PORT of the run's coordinator
+    worker_id: str | None = None  # names metrics/checkpoint files; default: the transport peer id
+    out_dir: Path | None = None
+    resume: Path | None = None
+    threads: int | None = None  # torch intra-op threads of this process
+    progress: bool = False
+    bind_host: str = "0.0.0.0"
+    advertise_host: str | None = None
+    connections: int = 4
+    token: str | None = None
+
+    def __post_init__(self) -> None:
+        if not self.coordinator.startswith(("tcp://", "ipc://")):
+            raise ConfigError("coordinator", f"must look like tcp://HOST:PORT, got {self.coordinator!r}")
+        if self.threads is not None and self.threads < 1:
+            raise ConfigError("threads", f"must be >= 1, got {self.threads}")
+
+
+def worker_main(cfg: WorkerLaunch) -> WorkerResult:
+    """Connect to the coordinator (refused there if the run signature differs) and train."""
+    import torch
+
+    from diloco.common import run_signature
+    from transport.zmq_comm import ZmqConfig, connect
+
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    task = lm_task(cfg.train)
+    signature = run_signature(cfg.train, task.build_model()).hex()
+    zcfg = ZmqConfig(bind_host=cfg.bind_host, advertise_host=cfg.advertise_host,
+                     connections=cfg.connections, timeout=cfg.train.sync_timeout, token=cfg.token)
+    comm = connect(cfg.coordinator, zcfg, signature=signature,
+                   meta={"worker_id": cfg.worker_id or ""})
+    try:
+        worker = make_worker(cfg.train, comm, task, worker_id=cfg.worker_id or comm.peer_id,
+                             out_dir=cfg.out_dir, resume=cfg.resume, progress=cfg.progress)
+        try:
+            return worker.run()
+        finally:
+            worker.log.close()
+    finally:
+        comm.close()
+
+
+@dataclass(frozen=True, kw_only=True)
+class LocalLaunch:
+    """``lowband train``: a coordinator and ``train.workers`` worker processes on this machine."""
+
+    train: TrainConfig
+    out_dir: Path
+    resume: Path | None = None
+    loopback: bool = False  # threads over the in-process loopback group instead of processes
+    bind: str = "tcp://127.0.0.1:0"  # the coordinator's endpoint (port 0: a free one)
+    threads: int = 1  # torch threads per worker process
+    heartbeat: float = 2.0  # coordinator heartbeat interval (failure detection ≈ 2×)
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        if self.threads < 1:
+            raise ConfigError("threads", f"must be >= 1, got {self.threads}")
+        if self.resume is not None and not self.resume.is_dir():
+            raise ConfigError("resume", f"{self.resume} is not a checkpoint directory")
+
+
+def train_main(cfg: LocalLaunch) -> dict:
+    """Run the job; returns the summary also written to ``out_dir/summary.json``."""
+    lm_task(cfg.train)  # a missing/empty corpus fails here, before any process starts
+    cfg.out_dir.mkdir(parents=True, exist_ok=True)
+    config_file = cfg.out_dir / "config.json"
+    config_file.write_text(json.dumps(config_to_dict(cfg.train), indent=2))
+    t0 = time.time()
+    if cfg.loopback:
+        run_threads(cfg.train, out_dir=cfg.out_dir, resume=cfg.resume, progress=cfg.progress)
+        codes: dict[int, int] = {i: 0 for i in range(cfg.train.workers)}
+    else:
+        codes = _run_processes(cfg, config_file)
+    return _summarize(cfg, codes, time.time() - t0)
+
+
+def _run_processes(cfg: LocalLaunch, config_file: Path) -> dict[int, int]:
+    from transport.coordinator import Coordinator, CoordinatorConfig
+
+    coord = Coordinator(CoordinatorConfig(bind=cfg.bind, heartbeat_interval=cfg.heartbeat)).start()
+    procs: dict[int, subprocess.Popen] = {}
+    try:
+        for i in range(cfg.train.workers):
+            args = [sys.executable, "-m", "lowband", "worker", "--coordinator", coord.address,
+                    "--config", str(config_file), "--id", str(i), "--out", str(cfg.out_dir),
+                    "--threads", str(cfg.threads), "--bind-host", "127.0.0.1"]
+            if cfg.resume is not None:
+                args += ["--resume", str(cfg.resume)]
+            show = cfg.progress and i == 0
+            if show:
+                args.append("--progress")
+            log = (cfg.out_dir / f"worker{i}.log").open("w")
+            # Own session: the whole worker (and anything it starts) can be killed as a group.
+            procs[i] = subprocess.Popen(args, stdout=log, stderr=None if show else log,
+                                        start_new_session=True)
+        (cfg.out_dir / "workers.json").write_text(json.dumps(
+            {"coordinator": coord.address, "pids": {i: p.pid for i, p in procs.items()}}))
+        return {i: p.wait() for i, p in procs.items()}
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+        coord.stop()
+
+
+def _summarize(cfg: LocalLaunch, codes: dict[int, int], wall_s: float) -> dict:
+    finals, records = {}, {}
+    for path in sorted(cfg.out_dir.glob("metrics-worker*.jsonl")):
+        recs = read_jsonl(path)
+        records[path.stem] = recs
+        done = [r for r in recs if r["event"] == "final"]
+        if done:
+            finals[path.stem] = done[-1]
+    evals = [r for recs in records.values() for r in recs if r["event"] == "eval"]
+    label = "DDP" if isinstance(cfg.train.mode, DDPConfig) else "Streaming DiLoCo"
+    plot = None
+    if evals:
+        plot = str(plot_runs({label: sorted(evals, key=lambda r: r["step"])},
+                             cfg.out_dir / "eval_vs_bytes.png", title=f"{label}, "
+                             f"{cfg.train.workers} workers"))
+    hashes = {f["state_hash"] for f in finals.values()}
+    summary = {
+        "workers": cfg.train.workers, "exit_codes": codes, "finished": sorted(finals),
+        "consistent": len(hashes) == 1, "wall_s": round(wall_s, 2),
+        "final_eval": next((f["final_eval"] for f in finals.values()
+                            if f["final_eval"] is not None), None),
+        "bytes_sent_per_worker": {k: f["bytes_sent"] for k, f in finals.items()},
+        "model": str(cfg.out_dir / "model"), "plot": plot,
+    }
+    (cfg.out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    return summary

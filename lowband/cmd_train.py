@@ -1,0 +1,148 @@
+"""``lowband train`` (a coordinator + N local worker processes) and ``lowband worker`` (join a run).
+
+Thin: parse into :class:`diloco.launch.LocalLaunch` / :class:`diloco.launch.WorkerLaunch` (a
+preset plus flat overrides, validated by the config dataclasses before any process starts) and
+call ``train_main`` / ``worker_main``. Heavy imports happen inside the handlers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+
+def _add_run_options(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("configuration (a preset plus overrides; workers of one run must agree)")
+    g.add_argument("--preset", default="shakespeare", help="tiny | shakespeare (default)")
+    g.add_argument("--config", type=Path, help="a config.json written by `lowband train` "
+                   "(instead of --preset; overrides still apply)")
+    g.add_argument("--mode", choices=["diloco", "ddp"], help="Streaming DiLoCo or the DDP baseline")
+    g.add_argument("--steps", type=int, help="T: inner steps per worker")
+    g.add_argument("-H", "--inner-steps", type=int, dest="inner_steps",
+                   help="H: inner steps between two syncs of a fragment")
+    g.add_argument("-P", "--fragments", type=int, dest="n_fragments", help="P: fragments")
+    g.add_argument("--tau", type=int, help="τ: overlap, steps between launching and applying a sync")
+    g.add_argument("--alpha", type=float, help="α: merge weight of the local parameters")
+    g.add_argument("--codec", help="wire format: fp32 fp16 bf16 int8 fp4 nf4 e3m0")
+    g.add_argument("--error-feedback", action=argparse.BooleanOptionalAction, default=None,
+                   help="carry quantization residuals to the next sync")
+    g.add_argument("--fragment-strategy", choices=["strided", "sequential"])
+    g.add_argument("--outer-lr", type=float, help="outer Nesterov learning rate (default 0.7)")
+    g.add_argument("--outer-momentum", type=float, help="outer momentum μ (default 0.9)")
+    g.add_argument("--inner-lr", type=float, help="peak AdamW learning rate")
+    g.add_argument("--warmup-steps", type=int)
+    g.add_argument("--batch-size", type=int, help="B: sequences per worker per step")
+    g.add_argument("--seq-len", type=int, help="T: tokens per sequence")
+    g.add_argument("--data", type=Path, dest="data_path",
+                   help="a UTF-8 text file/dir (or token shards with --data-kind tokens); "
+                        "default: the embedded Shakespeare sample")
+    g.add_argument("--data-kind", choices=["text", "tokens"])
+    g.add_argument("--seed", type=int)
+    g.add_argument("--eval-every", type=int)
+    g.add_argument("--checkpoint-every", type=int)
+    g.add_argument("--audit-every", type=int, help="syncs between state-hash audits")
+    g.add_argument("--sync-timeout", type=float, help="seconds a collective may take")
+
+
+def _train_config(args: argparse.Namespace, **extra: object):
+    from diloco.config import config_from_dict, preset, with_overrides
+
+    base = (config_from_dict(json.loads(args.config.read_text())) if args.config
+            else preset(args.preset))
+    return with_overrides(
+        base, mode=args.mode, steps=args.steps, inner_steps=args.inner_steps,
+        n_fragments=args.n_fragments, tau=args.tau, alpha=args.alpha, codec=args.codec,
+        error_feedback=args.error_feedback, fragment_strategy=args.fragment_strategy,
+        outer_lr=args.outer_lr, outer_momentum=args.outer_momentum, inner_lr=args.inner_lr,
+        warmup_steps=args.warmup_steps, batch_size=args.batch_size, seq_len=args.seq_len,
+        data_path=str(args.data_path) if args.data_path else None, data_kind=args.data_kind,
+        seed=args.seed, eval_every=args.eval_every, checkpoint_every=args.checkpoint_every,
+        audit_every=args.audit_every, sync_timeout=args.sync_timeout, **extra)
+
+
+def _fail(exc: Exception) -> int:
+    print(f"lowband: error: {exc}", file=sys.stderr)
+    return 2
+
+
+def _train(args: argparse.Namespace) -> int:
+    from lowband.errors import ConfigError
+
+    try:
+        return _train_checked(args)
+    except ConfigError as exc:  # bad flags or data: one line, before any process starts
+        return _fail(exc)
+
+
+def _train_checked(args: argparse.Namespace) -> int:
+    from diloco.launch import LocalLaunch, train_main
+
+    cfg = LocalLaunch(train=_train_config(args, workers=args.workers), out_dir=args.out,
+                      resume=args.resume, loopback=args.loopback, bind=args.bind,
+                      threads=args.threads, progress=not args.no_progress)
+    summary = train_main(cfg)
+    print(json.dumps(summary))
+    return 0 if summary["finished"] else 1
+
+
+def _worker(args: argparse.Namespace) -> int:
+    from lowband.errors import ConfigError, IncompatiblePeer
+
+    try:
+        return _worker_checked(args)
+    except (ConfigError, IncompatiblePeer) as exc:
+        return _fail(exc)
+
+
+def _worker_checked(args: argparse.Namespace) -> int:
+    from diloco.launch import WorkerLaunch, worker_main
+
+    cfg = WorkerLaunch(train=_train_config(args), coordinator=args.coordinator,
+                       worker_id=args.id, out_dir=args.out, resume=args.resume,
+                       threads=args.threads, progress=args.progress, bind_host=args.bind_host,
+                       advertise_host=args.advertise_host, token=args.token)
+    result = worker_main(cfg)
+    print(json.dumps(result.summary()))
+    return 0
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("train", help="train with Streaming DiLoCo (or DDP) on this machine",
+                       description="Start a coordinator and N worker processes on this machine "
+                       "and train the preset model (default: a small Llama on the embedded "
+                       "Shakespeare sample). Writes metrics-*.jsonl, summary.json, "
+                       "eval_vs_bytes.png, checkpoints/ and model/ (loadable by `lowband edge`).")
+    p.add_argument("--workers", type=int, default=2, help="M: worker processes (default 2)")
+    p.add_argument("--out", type=Path, default=Path("lowband-run"), help="run directory")
+    p.add_argument("--resume", type=Path, help="a checkpoints/step-* directory to continue from")
+    p.add_argument("--loopback", action="store_true",
+                   help="workers as threads of this process (no sockets)")
+    p.add_argument("--bind", default="tcp://127.0.0.1:0", help="coordinator endpoint")
+    p.add_argument("--threads", type=int, default=1, help="torch threads per worker (default 1)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    _add_run_options(p)
+    p.set_defaults(func=_train)
+
+    p = sub.add_parser("worker", help="join a training run as one worker",
+                       description="Connect to a run's coordinator and train as one worker. "
+                       "Use the same preset/overrides (or --config) as the other workers: a "
+                       "different model or configuration is refused at join.")
+    p.add_argument("--coordinator", required=True, help="tcp://HOST:PORT of the coordinator")
+    p.add_argument("--id", help="worker id for file names (default: the transport peer id)")
+    p.add_argument("--out", type=Path, help="directory for metrics and checkpoints")
+    p.add_argument("--resume", type=Path, help="a checkpoints/step-* directory to continue from")
+    p.add_argument("--threads", type=int, help="torch intra-op threads")
+    p.add_argument("--progress", action="store_true", help="show a progress bar")
+    p.add_argument("--bind-host", default="0.0.0.0", help="interface for the data socket")
+    p.add_argument("--advertise-host", help="address other workers should connect to")
+    p.add_argument("--token", help="shared secret of the run")
+    _add_run_options(p)
+    p.set_defaults(func=_worker)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    from lowband.cli import main
+
+    sys.exit(main(["train", *sys.argv[1:]]))
