@@ -1,0 +1,603 @@
+"""Bit-nested ("matryoshka") int8 expert weights, stored as bit-planes most significant first.
+
+Quantization (MWQ, D²MoE §4; MatQuant, Nair et al. 2025)
+---------------------------------------------------------
+Each expert matrix W (out, in) is quantized asymmetrically per group of ``g`` consecutive input
+weights: ``W ≈ lo + step * q`` with ``q ∈ [0, 255]``, ``lo`` the group minimum and ``step`` its
+range / 255, both stored as float16 (``lo`` rounded down and ``step`` rounded up so the grid
+still covers the group after rounding). A b-bit model is the top b bits of the same codes,
+``q_b = q >> (8 - b)``: lower precisions are nested inside the higher ones and a b-bit slice is a
+prefix of the 8 bit-planes.
+
+Correction. MatQuant slices with rounding, ``round(q / 2^(8-b))``, which needs a carry from the
+dropped bits and so is not a prefix. We keep the prefix (floor) and instead reconstruct at the
+*middle* of the range of int8 codes that share the prefix:
+``W_b = lo + step * (k * q_b + (k - 1) / 2)`` with ``k = 2^(8-b)``. The error bound is the same
+as rounding's (half a b-bit step) and the grid is centred in the group's range, which for
+bell-shaped weights is closer to the optimal grid than the min/max grid of a natively
+quantized b-bit model (see ``tests/test_nested.py`` for the measured comparison).
+
+Bit-planes
+----------
+Plane ``j`` (j = 0 is the most significant) holds bit ``7 - j`` of every code, 8 weights per
+byte, weight ``8 i + t`` in bit ``t`` of byte ``i``. Reading b bits reads planes ``0..b-1``;
+raising a resident expert from b to b' bits reads only planes ``b..b'-1``.
+
+File format (one file per expert, little-endian)
+------------------------------------------------
+``[magic "LBNQ"][u16 version][u16 flags][u32 meta_len][u32 crc32(meta)]`` then msgpack metadata
+(layer, expert, group size, tensors with shapes, and for the scales block and each of the 8
+planes: offset, length, crc32), then the scales block (per tensor: ``lo`` then ``step``, float16,
+shape (out, in/g)), then planes 0..7, each the concatenation of that plane of every tensor.
+Planes ``0..b-1`` are therefore one contiguous read. Every block is checked against its crc32
+when read; a bad length or checksum raises :class:`CorruptWeights`.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import mmap
+import shutil
+import struct
+import sys
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator, Mapping, Sequence
+
+import msgpack
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from edge.config import ModelConfig
+from edge.model import LlamaForCausalLM, rope_inv_freq
+from edge.weights import weight_files
+from lowband.errors import ConfigError, CorruptWeights
+
+WIDTHS = (8, 4, 3, 2)        # the precisions a nested expert can be served at, high to low
+MAGIC = b"LBNQ"
+VERSION = 1
+_HEADER = struct.Struct("<4sHHII")
+_ALIGN = 64
+EXPERT_TENSORS = ("w1", "w2", "w3")
+
+
+@dataclass(frozen=True, kw_only=True)
+class NestedQuantConfig:
+    """How expert weights are quantized. ``group_size`` is g, weights per (lo, step) pair."""
+
+    group_size: int = 64
+
+    def __post_init__(self) -> None:
+        if self.group_size < 8 or self.group_size % 8:
+            raise ConfigError("group_size", f"must be a multiple of 8 (>= 8), got {self.group_size}")
+
+
+@dataclass(frozen=True)
+class QuantizedMatrix:
+    """int8 codes of one matrix: ``codes`` (out, in) uint8; ``lo``/``step`` (out, in/g) float16."""
+
+    codes: torch.Tensor
+    lo: torch.Tensor
+    step: torch.Tensor
+
+    @property
+    def group_size(self) -> int:
+        return self.codes.shape[1] // self.lo.shape[1]
+
+
+def _fp16_down(x: torch.Tensor) -> torch.Tensor:
+    h = x.half()
+    return torch.where(h.float() > x, torch.nextafter(h, torch.full_like(h, -torch.inf)), h)
+
+
+def _fp16_up(x: torch.Tensor) -> torch.Tensor:
+    h = x.half()
+    return torch.where(h.float() < x, torch.nextafter(h, torch.full_like(h, torch.inf)), h)
+
+
+def _groups(w: torch.Tensor, group_size: int) -> torch.Tensor:
+    if w.dim() != 2 or w.shape[1] % group_size:
+        raise ConfigError("group_size", f"{group_size} does not divide the input dim of a "
+                          f"{tuple(w.shape)} matrix")
+    return w.detach().float().reshape(w.shape[0], w.shape[1] // group_size, group_size)
+
+
+def _minmax_grid(w: torch.Tensor, group_size: int, levels: int
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Asymmetric min/max grid with ``levels`` codes: (codes (out, G, g), lo16, step16)."""
+    wg = _groups(w, group_size)
+    lo = _fp16_down(wg.amin(-1))
+    # 2^-24 is the smallest float16 step: a constant group still gets a valid grid.
+    step = _fp16_up(((wg.amax(-1) - lo.float()) / (levels - 1)).clamp_min(2.0 ** -24))
+    q = torch.round((wg - lo.float()[..., None]) / step.float()[..., None])
+    return q.clamp_(0, levels - 1).to(torch.uint8), lo, step
+
+
+def quantize_int8(w: torch.Tensor, group_size: int) -> QuantizedMatrix:
+    """Per-group asymmetric int8 codes of a 2-D weight."""
+    q, lo, step = _minmax_grid(w, group_size, 256)
+    return QuantizedMatrix(codes=q.reshape(w.shape), lo=lo, step=step)
+
+
+def slice_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """The b-bit nested codes: the top ``bits`` bits of the int8 codes."""
+    _check_bits(bits)
+    return codes >> (8 - bits)
+
+
+def slice_affine(lo: torch.Tensor, step: torch.Tensor, bits: int
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-group float32 (scale, offset) with ``W_b = offset + scale * q_b`` (mid-range correction)."""
+    k = 2 ** (8 - bits)
+    s = step.float()
+    return s * k, lo.float() + s * ((k - 1) / 2)
+
+
+def dequantize(codes_b: torch.Tensor, lo: torch.Tensor, step: torch.Tensor, bits: int) -> torch.Tensor:
+    """Float32 weight (out, in) from b-bit nested codes (out, in) and the int8 group parameters."""
+    scale, offset = slice_affine(lo, step, bits)
+    out, groups = lo.shape
+    q = codes_b.reshape(out, groups, -1).float()
+    return q.mul_(scale[..., None]).add_(offset[..., None]).reshape(out, -1)
+
+
+def quantize_independent(w: torch.Tensor, bits: int, group_size: int) -> torch.Tensor:
+    """Baseline: a natively quantized b-bit min/max model (same g, same float16 lo/step), dequantized."""
+    _check_bits(bits)
+    q, lo, step = _minmax_grid(w, group_size, 2 ** bits)
+    return (lo.float()[..., None] + step.float()[..., None] * q.float()).reshape(w.shape)
+
+
+def _check_bits(bits: int) -> None:
+    if not 1 <= bits <= 8:
+        raise ConfigError("bits", f"must be in 1..8, got {bits}")
+
+
+# ---- bit-planes ----------------------------------------------------------------------------------
+@functools.cache
+def _spread_lut(bits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Lookup for decoding ``bits`` planes: (table (bits*256,) int64, row offsets (bits, 1)).
+
+    ``table[256 j + v]`` is an int64 whose byte t is bit t of plane byte v, already shifted to
+    code bit ``bits - 1 - j``: one gather spreads a plane byte over 8 code bytes.
+    """
+    if sys.byteorder != "little":  # the int64 -> uint8 view in planes_to_codes relies on it
+        raise RuntimeError("bit-plane decoding assumes a little-endian host")
+    v = torch.arange(256, dtype=torch.int64)
+    spread = sum(((v >> t) & 1) << (8 * t) for t in range(8))
+    table = torch.cat([spread << (bits - 1 - j) for j in range(bits)])
+    return table, (torch.arange(bits, dtype=torch.int64) * 256).view(bits, 1)
+
+
+def to_planes(codes: torch.Tensor) -> torch.Tensor:
+    """(8, N/8) uint8 bit-planes, MSB first, of int8 codes with N a multiple of 8."""
+    c = codes.reshape(-1, 8)                                                  # (M, 8)
+    shifts = torch.arange(7, -1, -1, dtype=torch.uint8).view(8, 1, 1)
+    bits = (c.unsqueeze(0) >> shifts) & 1                                     # (8, M, 8)
+    place = torch.arange(8, dtype=torch.uint8)
+    return (bits << place).sum(-1, dtype=torch.int32).to(torch.uint8)          # (8, M)
+
+
+def planes_to_codes(planes: torch.Tensor | Sequence[torch.Tensor]) -> torch.Tensor:
+    """(N,) uint8 b-bit codes from the top b planes ((b, N/8) or b tensors of N/8 bytes).
+
+    One gather over b*N/8 words and one sum: bytes never carry into each other because every
+    code is < 256. (Measured here: ~3x faster than unpacking bits one plane at a time.)
+    """
+    idx = (planes if isinstance(planes, torch.Tensor) else torch.stack(list(planes))).long()
+    b, m = idx.shape
+    table, offsets = _spread_lut(b)
+    idx += offsets
+    return table.index_select(0, idx.view(-1)).view(b, m).sum(0).view(torch.uint8)
+
+
+# ---- file format ---------------------------------------------------------------------------------
+def _pad(n: int) -> int:
+    return -n % _ALIGN
+
+
+def write_expert_file(path: Path, *, layer: int, expert: int,
+                      tensors: Mapping[str, QuantizedMatrix]) -> int:
+    """Write one expert's planes; returns the file size."""
+    names = list(tensors)
+    group = {tensors[n].group_size for n in names}
+    if len(group) != 1:
+        raise ConfigError("group_size", f"tensors of one expert use different group sizes {group}")
+    gsize = next(iter(group))
+    scales = b"".join(t.lo.contiguous().numpy().tobytes() + t.step.contiguous().numpy().tobytes()
+                      for t in tensors.values())
+    planes_of = {n: to_planes(tensors[n].codes) for n in names}
+    planes = [b"".join(planes_of[n][j].numpy().tobytes() for n in names) for j in range(8)]
+    blocks = [scales, *planes]
+
+    def meta_for(start: int) -> bytes:
+        spans, off = [], start
+        for blk in blocks:
+            spans.append([off, len(blk), zlib.crc32(blk)])
+            off += len(blk) + _pad(len(blk)) if blk is scales else len(blk)
+        meta = {"layer": layer, "expert": expert, "group_size": gsize,
+                "tensors": [{"name": n, "shape": list(tensors[n].codes.shape)} for n in names],
+                "scales": spans[0], "planes": spans[1:], "file_size": off}
+        return msgpack.packb(meta)
+
+    # The metadata holds offsets that depend on its own length: size it once with a guess.
+    guess = len(meta_for(0)) + 32
+    start = _HEADER.size + guess + _pad(_HEADER.size + guess)
+    meta = meta_for(start)
+    if len(meta) > guess:
+        raise AssertionError("metadata grew past its reserved size")
+    meta = meta.ljust(guess, b"\0")
+    with open(path, "wb") as f:
+        f.write(_HEADER.pack(MAGIC, VERSION, 0, len(meta), zlib.crc32(meta)))
+        f.write(meta)
+        f.write(b"\0" * (start - _HEADER.size - len(meta)))
+        f.write(scales)
+        f.write(b"\0" * _pad(len(scales)))
+        for p in planes:
+            f.write(p)
+        return f.tell()
+
+
+@dataclass(frozen=True)
+class TensorLayout:
+    name: str
+    shape: tuple[int, int]
+    group_size: int
+
+    @property
+    def numel(self) -> int:
+        return self.shape[0] * self.shape[1]
+
+    @property
+    def n_groups(self) -> int:
+        return self.numel // self.group_size
+
+
+class ExpertFile:
+    """Read access to one expert file through mmap. Opening checks structure, not checksums;
+    every read checks the crc32 of the blocks it returns (``verify()`` checks them all)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = Path(path)
+        try:
+            self._f = open(self.path, "rb")
+        except FileNotFoundError:
+            raise CorruptWeights(f"{self.path}: expert file is missing") from None
+        size = self.path.stat().st_size
+        if size < _HEADER.size:
+            self.close()
+            raise CorruptWeights(f"{self.path}: truncated ({size} bytes, no header)")
+        self._mm = mmap.mmap(self._f.fileno(), 0, access=mmap.ACCESS_READ)
+        try:
+            self._parse(size)
+        except CorruptWeights:
+            self.close()
+            raise
+
+    def _parse(self, size: int) -> None:
+        magic, version, _flags, meta_len, meta_crc = _HEADER.unpack_from(self._mm, 0)
+        if magic != MAGIC:
+            raise CorruptWeights(f"{self.path}: not a lowband nested expert file (magic {magic!r})")
+        if version != VERSION:
+            raise CorruptWeights(f"{self.path}: format version {version}, this build reads {VERSION}")
+        raw = bytes(self._mm[_HEADER.size:_HEADER.size + meta_len])
+        if len(raw) != meta_len or zlib.crc32(raw) != meta_crc:
+            raise CorruptWeights(f"{self.path}: metadata checksum mismatch (file damaged)")
+        try:
+            meta = msgpack.unpackb(raw.rstrip(b"\0"))
+            self.layer, self.expert = int(meta["layer"]), int(meta["expert"])
+            self.group_size = int(meta["group_size"])
+            self.tensors = tuple(TensorLayout(t["name"], tuple(t["shape"]), self.group_size)
+                                 for t in meta["tensors"])
+            self._scales = tuple(meta["scales"])
+            self._planes = tuple(tuple(p) for p in meta["planes"])
+            expect_size = int(meta["file_size"])
+        except (KeyError, TypeError, ValueError, msgpack.UnpackException) as exc:
+            raise CorruptWeights(f"{self.path}: unreadable metadata ({exc})") from None
+        if size != expect_size:
+            raise CorruptWeights(f"{self.path}: {size} bytes on disk, header says {expect_size} "
+                                 "(truncated or padded file)")
+        plane_len = sum(t.numel // 8 for t in self.tensors)
+        scale_len = sum(4 * t.n_groups for t in self.tensors)
+        if len(self._planes) != 8 or any(p[1] != plane_len for p in self._planes) \
+                or self._scales[1] != scale_len:
+            raise CorruptWeights(f"{self.path}: block sizes disagree with the tensor shapes")
+        for j in range(7):  # planes must be back to back for one-read prefixes
+            if self._planes[j][0] + plane_len != self._planes[j + 1][0]:
+                raise CorruptWeights(f"{self.path}: planes are not contiguous")
+
+    @property
+    def plane_bytes(self) -> int:
+        return self._planes[0][1]
+
+    @property
+    def scale_bytes(self) -> int:
+        return self._scales[1]
+
+    def nbytes(self, bits: int) -> int:
+        """Bytes of the scales plus the top ``bits`` planes: what serving at ``bits`` holds."""
+        return self.scale_bytes + bits * self.plane_bytes
+
+    def _block(self, off: int, length: int) -> memoryview:
+        return memoryview(self._mm)[off:off + length]
+
+    def _checked(self, span: Sequence[int], what: str) -> bytes:
+        off, length, crc = span
+        data = bytes(self._block(off, length))
+        self.release(off, length)
+        if zlib.crc32(data) != crc:
+            raise CorruptWeights(f"{self.path}: checksum mismatch in {what} (file damaged)")
+        return data
+
+    def read_scales(self) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """{tensor: (lo, step)} float16 tensors of shape (out, in/g)."""
+        data = self._checked(self._scales, "scales")
+        out, pos = {}, 0
+        for t in self.tensors:
+            rows, groups = t.shape[0], t.shape[1] // self.group_size
+            n = rows * groups * 2
+            lo = torch.frombuffer(bytearray(data[pos:pos + n]), dtype=torch.float16).view(rows, groups)
+            step = torch.frombuffer(bytearray(data[pos + n:pos + 2 * n]),
+                                    dtype=torch.float16).view(rows, groups)
+            out[t.name] = (lo, step)
+            pos += 2 * n
+        return out
+
+    def read_planes(self, first: int, last: int) -> list[torch.Tensor]:
+        """Planes ``first..last-1``, each a (plane_bytes,) uint8 tensor with its own buffer (so a
+        resident expert can drop planes and free them). The planes are one contiguous region of
+        the file; ``split_plane`` cuts a plane into its tensors."""
+        if not 0 <= first < last <= 8:
+            raise ConfigError("planes", f"need 0 <= first < last <= 8, got {first}..{last}")
+        out = []
+        for j in range(first, last):
+            off, length, crc = self._planes[j]
+            buf = bytearray(self._block(off, length))
+            if zlib.crc32(buf) != crc:
+                raise CorruptWeights(f"{self.path}: checksum mismatch in bit-plane {j} (file damaged)")
+            out.append(torch.frombuffer(buf, dtype=torch.uint8))
+        self.release(self._planes[first][0], (last - first) * self.plane_bytes)
+        return out
+
+    def split_plane(self, plane: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Cut one plane (plane_bytes,) into {tensor: (numel/8,)} views."""
+        out, pos = {}, 0
+        for t in self.tensors:
+            out[t.name] = plane[pos:pos + t.numel // 8]
+            pos += t.numel // 8
+        return out
+
+    def release(self, off: int, length: int) -> None:
+        """Drop mapped pages of a block from this process's resident set (the page cache keeps
+        them): bytes we copied out must not be counted twice against the memory budget."""
+        start = off - off % mmap.PAGESIZE
+        self._mm.madvise(mmap.MADV_DONTNEED, start, min(len(self._mm) - start,
+                                                        length + (off - start)))
+
+    def verify(self) -> None:
+        """Check every block's checksum (reads the whole file once)."""
+        self._checked(self._scales, "scales")
+        for j in range(8):
+            self._checked(self._planes[j], f"bit-plane {j}")
+        self.release(0, len(self._mm))
+
+    def close(self) -> None:
+        mm = getattr(self, "_mm", None)
+        if mm is not None:
+            mm.close()
+        self._f.close()
+
+    def __enter__(self) -> "ExpertFile":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def is_expert_key(key: str) -> bool:
+    return any(True for _ in iter_expert_keys([key]))
+
+
+def iter_expert_keys(names: Sequence[str]) -> Iterator[tuple[int, int, str, str]]:
+    """(layer, expert, tensor, key) for every Mixtral expert weight key among ``names``."""
+    for key in names:
+        parts = key.split(".")
+        # model.layers.{L}.block_sparse_moe.experts.{E}.{w1|w2|w3}.weight
+        if len(parts) == 8 and parts[0] == "model" and parts[1] == "layers" \
+                and parts[3] == "block_sparse_moe" and parts[4] == "experts" \
+                and parts[6] in EXPERT_TENSORS and parts[7] == "weight":
+            yield int(parts[2]), int(parts[5]), parts[6], key
+
+
+# ---- checkpoint directories ----------------------------------------------------------------------
+MANIFEST = "nested.json"
+_COPIED = ("config.json", "tokenizer.json", "tokenizer_config.json", "generation_config.json",
+           "lowband_tokenizer.json")
+
+
+def _err2(w: torch.Tensor, w_hat: torch.Tensor) -> float:
+    return float((w.float() - w_hat).pow(2).sum())
+
+
+def quantize_checkpoint(model_dir: str | Path, out_dir: str | Path,
+                        cfg: NestedQuantConfig = NestedQuantConfig()) -> Path:
+    """Convert a Mixtral-style checkpoint: experts to nested plane files, the rest copied as is.
+
+    ``out_dir`` gets ``config.json`` (and tokenizer files), ``model.safetensors`` with every
+    non-expert tensor unchanged, ``experts/L{l}_E{e}.lbn`` and the manifest ``nested.json``,
+    which also records each expert's squared weight error at every width, nested and
+    independently quantized, for the quality report.
+    """
+    src, out = Path(model_dir), Path(out_dir)
+    mcfg = ModelConfig.from_json(src)
+    if not mcfg.is_moe:
+        raise ConfigError("model_dir", f"{src} is not a mixture-of-experts model (no num_local_experts)")
+    (out / "experts").mkdir(parents=True, exist_ok=True)
+    handles = [safe_open(str(f), framework="pt") for f in weight_files(src)]
+    where: dict[tuple[int, int], dict[str, tuple[int, str]]] = {}
+    rest: dict[str, torch.Tensor] = {}
+    for i, h in enumerate(handles):
+        keys = list(h.keys())
+        expert_keys = set()
+        for layer, expert, name, key in iter_expert_keys(keys):
+            where.setdefault((layer, expert), {})[name] = (i, key)
+            expert_keys.add(key)
+        rest.update({k: h.get_tensor(k) for k in keys if k not in expert_keys})
+    wanted = {(l, e) for l in range(mcfg.num_hidden_layers) for e in range(mcfg.num_local_experts)}
+    bad = sorted(k for k in wanted if len(where.get(k, {})) != 3) or sorted(set(where) - wanted)
+    if bad:
+        raise ConfigError("model_dir", f"{src}: expert tensors do not match config.json, e.g. "
+                          f"layer/expert {bad[0]}")
+    entries = []
+    for layer, expert in sorted(wanted):
+        ws = {n: handles[i].get_tensor(k).float() for n, (i, k) in sorted(where[(layer, expert)].items())}
+        qs = {n: quantize_int8(w, cfg.group_size) for n, w in ws.items()}
+        rel = f"experts/L{layer:03d}_E{expert:03d}.lbn"
+        write_expert_file(out / rel, layer=layer, expert=expert, tensors=qs)
+        nested = {b: sum(_err2(ws[n], dequantize(slice_codes(q.codes, b), q.lo, q.step, b))
+                         for n, q in qs.items()) for b in WIDTHS}
+        indep = {b: sum(_err2(w, quantize_independent(w, b, cfg.group_size)) for w in ws.values())
+                 for b in WIDTHS}
+        with ExpertFile(out / rel) as ef:
+            sizes = {b: ef.nbytes(b) for b in WIDTHS}
+        entries.append({"layer": layer, "expert": expert, "file": rel,
+                        "bytes": {str(b): n for b, n in sizes.items()},
+                        "norm2": sum(float(w.pow(2).sum()) for w in ws.values()),
+                        "err2": {"nested": {str(b): v for b, v in nested.items()},
+                                 "independent": {str(b): v for b, v in indep.items()}}})
+    save_file({k: v.contiguous() for k, v in rest.items()}, str(out / "model.safetensors"),
+              metadata={"format": "pt"})
+    for name in _COPIED:
+        if (src / name).exists():
+            shutil.copyfile(src / name, out / name)
+    manifest = {"format": "lowband-nested", "version": VERSION, "group_size": cfg.group_size,
+                "widths": list(WIDTHS), "model": _shape_signature(mcfg), "experts": entries}
+    (out / MANIFEST).write_text(json.dumps(manifest, indent=1))
+    return out
+
+
+def _shape_signature(mcfg: ModelConfig) -> dict[str, int]:
+    return {"num_hidden_layers": mcfg.num_hidden_layers, "num_local_experts": mcfg.num_local_experts,
+            "hidden_size": mcfg.hidden_size, "intermediate_size": mcfg.intermediate_size}
+
+
+ExpertKey = tuple[int, int]  # (layer, expert)
+
+
+class NestedCheckpoint:
+    """An opened nested checkpoint directory, restricted to ``experts`` (default: all).
+
+    Opening checks, before anything is served: the manifest format, that its shapes match
+    ``config.json``, that every file exists with the size and tensor shapes its header promises
+    and, with ``verify=True``, every checksum. Tensor-parallel or placed serving opens only its
+    own subset of experts.
+    """
+
+    def __init__(self, root: str | Path, *, experts: Sequence[ExpertKey] | None = None,
+                 verify: bool = True) -> None:
+        self.root = Path(root)
+        try:
+            manifest = json.loads((self.root / MANIFEST).read_text())
+        except FileNotFoundError:
+            raise ConfigError("model_dir", f"{self.root} has no {MANIFEST}: convert it with "
+                              "`lowband edge quantize MODEL_DIR --nested --out DIR`") from None
+        except json.JSONDecodeError as exc:
+            raise CorruptWeights(f"{self.root / MANIFEST}: not valid JSON ({exc})") from None
+        if manifest.get("format") != "lowband-nested" or manifest.get("version") != VERSION:
+            raise CorruptWeights(f"{self.root / MANIFEST}: unknown format/version "
+                                 f"{manifest.get('format')!r}/{manifest.get('version')!r}")
+        self.config = ModelConfig.from_json(self.root)
+        if manifest.get("model") != _shape_signature(self.config):
+            raise CorruptWeights(f"{self.root}: config.json {_shape_signature(self.config)} does not "
+                                 f"match the expert planes {manifest.get('model')}")
+        self.group_size = int(manifest["group_size"])
+        self.entries = {(int(e["layer"]), int(e["expert"])): e for e in manifest["experts"]}
+        keys = sorted(self.entries) if experts is None else list(experts)
+        missing = [k for k in keys if k not in self.entries]
+        if missing:
+            raise ConfigError("experts", f"{self.root} has no expert (layer, expert) {missing[0]}")
+        self.files: dict[ExpertKey, ExpertFile] = {}
+        try:
+            for k in keys:
+                self.files[k] = self._open(k, verify)
+        except BaseException:
+            self.close()
+            raise
+
+    def _open(self, key: ExpertKey, verify: bool) -> ExpertFile:
+        ef = ExpertFile(self.root / self.entries[key]["file"])
+        h, i = self.config.hidden_size, self.config.intermediate_size
+        want = {"w1": (i, h), "w2": (h, i), "w3": (i, h)}
+        got = {t.name: t.shape for t in ef.tensors}
+        if (ef.layer, ef.expert) != key or got != want or ef.group_size != self.group_size:
+            ef.close()
+            raise CorruptWeights(f"{ef.path}: holds layer/expert {(ef.layer, ef.expert)} shapes {got} "
+                                 f"g={ef.group_size}; config.json expects {key} {want} g={self.group_size}")
+        if verify:
+            try:
+                ef.verify()
+            except CorruptWeights:
+                ef.close()
+                raise
+        return ef
+
+    @property
+    def keys(self) -> list[ExpertKey]:
+        return list(self.files)
+
+    def sizes(self) -> dict[ExpertKey, dict[int, int]]:
+        """{expert: {bits: bytes resident at that width}} for every width in WIDTHS."""
+        return {k: {b: f.nbytes(b) for b in WIDTHS} for k, f in self.files.items()}
+
+    def read_matrices(self, key: ExpertKey, bits: int) -> dict[str, torch.Tensor]:
+        """Float32 weights of one expert served at ``bits`` (reads the top ``bits`` planes)."""
+        f = self.files[key]
+        scales = f.read_scales()
+        planes = [f.split_plane(p) for p in f.read_planes(0, bits)]
+        return {t.name: dequantize(planes_to_codes(torch.stack([p[t.name] for p in planes])),
+                                   *scales[t.name], bits) for t in f.tensors}
+
+    def close(self) -> None:
+        for f in self.files.values():
+            f.close()
+        self.files = {}
+
+
+def load_backbone(root: str | Path, *, dtype: torch.dtype = torch.float32) -> LlamaForCausalLM:
+    """The model with every non-expert weight loaded and the experts left on the ``meta`` device
+    (no memory): serving routes them through an expert store via ``SparseMoE.expert_fn``."""
+    root = Path(root)
+    cfg = ModelConfig.from_json(root)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(cfg)
+    expected = {k for k in model.state_dict()
+                if not is_expert_key(k) and not (cfg.tie_word_embeddings and k == "lm_head.weight")}
+    with safe_open(str(root / "model.safetensors"), framework="pt") as sf:
+        got = {k: sf.get_tensor(k).to(dtype) for k in sf.keys() if k in expected}
+    if expected - got.keys():
+        raise CorruptWeights(f"{root}/model.safetensors lacks {sorted(expected - got.keys())[:3]}")
+    model.load_state_dict(got, strict=False, assign=True)
+    model.inv_freq = rope_inv_freq(cfg)
+    if cfg.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    return model.eval()
+
+
+def load_dense(root: str | Path, bits: int | Mapping[ExpertKey, int] = 8) -> LlamaForCausalLM:
+    """The model with every expert dequantized to float32 at ``bits`` (one width or per expert):
+    the reference that serving through the store must reproduce, and the quality evaluation."""
+    model = load_backbone(root)
+    ckpt = NestedCheckpoint(root, verify=False)
+    try:
+        for (layer, e) in ckpt.keys:
+            b = bits if isinstance(bits, int) else bits[(layer, e)]
+            mats = ckpt.read_matrices((layer, e), b)
+            expert = model.model.layers[layer].block_sparse_moe.experts[e]
+            for name, w in mats.items():
+                getattr(expert, name).weight = torch.nn.Parameter(w, requires_grad=False)
+    finally:
+        ckpt.close()
+    return model
