@@ -1,0 +1,613 @@
+"""Serving Mixtral-style experts from bit-nested plane files under a memory budget.
+
+An :class:`ExpertCache` owns the resident experts of one process (all of a model's experts, or
+the subset a tensor-parallel rank or a placement gives it) and a byte budget. It plugs into the
+model through ``SparseMoE.expert_fn`` / ``on_route`` (:func:`attach`), so the model's code never
+knows where expert weights live. Two policies:
+
+* ``LRUConfig`` — the baseline of on-device MoE runtimes: experts at one fixed width (int8), the
+  least recently used one is evicted when a miss needs room.
+* ``HEBFConfig`` — hottest-expert-bit-first (D²MoE): router counts, exponentially decayed, give
+  each expert a hotness; every ``replan_every`` tokens :func:`edge.hebf.hebf_plan` picks a width
+  per expert within the budget, the cache drops planes at once (downgrade is free: the b-bit
+  slice is a prefix) and reads the missing planes in the background (upgrade reads only planes
+  ``b..b'-1``). A miss loads the narrowest width, so the stall is as short as possible, and asks
+  for the planned width in the background.
+
+Both can prefetch: when layer ``l`` routes, the router of layer ``l+1`` is applied to layer
+``l``'s input (the residual stream changes little between layers) and the experts it ranks
+highest are read by the I/O thread while layer ``l`` computes.
+
+Memory accounting is exact: the budget counts the bytes of every resident plane/code buffer
+and its float16 group parameters, plus bytes reserved for reads in flight, and it is never
+exceeded (``stats.peak_bytes``). Pages read through mmap are dropped from the process's
+resident set after the copy (``ExpertFile.release``).
+
+Concurrency. One lock (a Condition) guards the tables; reads happen outside it on a single I/O
+thread or on the caller's thread, serialised by :class:`StorageDevice` like requests to one
+flash chip. The I/O thread never waits for the decoding thread, so a decoding thread that waits
+for a read in flight always wakes up: no deadlock.
+"""
+
+from __future__ import annotations
+
+import functools
+import heapq
+import logging
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Iterable, Union
+
+import torch
+import torch.nn.functional as F
+
+from edge.hebf import hebf_plan
+from edge.model import LlamaForCausalLM
+from edge.nested import (WIDTHS, ExpertKey, NestedCheckpoint, dequantize, load_backbone,
+                         planes_to_codes, to_planes)
+from lowband.errors import ConfigError
+
+logger = logging.getLogger(__name__)
+
+
+# ---- configuration -------------------------------------------------------------------------------
+@dataclass(frozen=True, kw_only=True)
+class LRUConfig:
+    """Fixed-width experts, least-recently-used eviction."""
+
+    bits: int = 8
+
+    def __post_init__(self) -> None:
+        if self.bits not in WIDTHS:
+            raise ConfigError("lru.bits", f"must be one of {WIDTHS}, got {self.bits}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class HEBFConfig:
+    """Hottest-expert-bit-first. ``decay`` is γ: hotness ← γ·hotness + routed count, per token."""
+
+    min_bits: int = 2
+    decay: float = 0.95
+    replan_every: int = 4          # tokens between plans
+
+    def __post_init__(self) -> None:
+        if self.min_bits not in WIDTHS:
+            raise ConfigError("hebf.min_bits", f"must be one of {WIDTHS}, got {self.min_bits}")
+        if not 0.0 < self.decay <= 1.0:
+            raise ConfigError("hebf.decay", f"must be in (0, 1], got {self.decay}")
+        if self.replan_every < 1:
+            raise ConfigError("hebf.replan_every", f"must be >= 1, got {self.replan_every}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class PrefetchConfig:
+    """Read the ``top`` experts the next layer's router ranks highest on this layer's input."""
+
+    top: int = 2
+
+    def __post_init__(self) -> None:
+        if self.top < 1:
+            raise ConfigError("prefetch.top", f"must be >= 1, got {self.top}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ExpertStoreConfig:
+    """``budget_bytes`` (M): bytes of expert weights that may be resident at once.
+
+    ``read_mb_per_s`` (B_io) models the device's storage: every read takes at least
+    bytes / B_io seconds (None: as fast as the local file system and page cache).
+    """
+
+    budget_bytes: int
+    policy: Union[LRUConfig, HEBFConfig] = field(default_factory=HEBFConfig)
+    prefetch: PrefetchConfig | None = None
+    read_mb_per_s: float | None = None
+    verify_on_open: bool = True
+
+    def __post_init__(self) -> None:
+        if self.budget_bytes < 1:
+            raise ConfigError("budget_bytes", f"must be >= 1, got {self.budget_bytes}")
+        if self.read_mb_per_s is not None and self.read_mb_per_s <= 0:
+            raise ConfigError("read_mb_per_s", f"must be > 0 or None, got {self.read_mb_per_s}")
+
+    @property
+    def floor_bits(self) -> int:
+        return self.policy.bits if isinstance(self.policy, LRUConfig) else self.policy.min_bits
+
+
+# ---- storage and resident experts ----------------------------------------------------------------
+class StorageDevice:
+    """Serialises reads like one storage device; optionally paces them to ``bytes_per_s``.
+
+    A read costs max(its real time, bytes / bytes_per_s): the page cache of a 24 GB build
+    machine must not make a phone's flash look free.
+    """
+
+    def __init__(self, bytes_per_s: float | None) -> None:
+        self.bytes_per_s = bytes_per_s
+        self._lock = threading.Lock()
+        self.bytes_read = 0
+        self.busy_s = 0.0
+
+    def read(self, fn: Callable[[], object], nbytes: int) -> object:
+        with self._lock:
+            t0 = time.perf_counter()
+            out = fn()
+            if self.bytes_per_s:
+                rest = t0 + nbytes / self.bytes_per_s - time.perf_counter()
+                if rest > 0:
+                    time.sleep(rest)
+            self.bytes_read += nbytes
+            self.busy_s += time.perf_counter() - t0
+            return out
+
+
+@dataclass
+class Resident:
+    """One expert in memory: group parameters and, per tensor, the top ``bits`` of its codes
+    (a list of plane buffers below 8 bits, so dropping planes frees them; a uint8 code matrix
+    at 8 bits, the natural int8 layout)."""
+
+    bits: int
+    scales: dict[str, tuple[torch.Tensor, torch.Tensor]]
+    planes: list[dict[str, torch.Tensor]]      # planes[j][tensor], j < bits; empty at 8 bits
+    codes: dict[str, torch.Tensor] | None      # 8 bits only
+    nbytes: int
+    shapes: dict[str, tuple[int, int]]
+
+    def weight(self, name: str) -> torch.Tensor:
+        """Float32 (out, in) weight of tensor ``name`` at this expert's width."""
+        lo, step = self.scales[name]
+        if self.codes is not None:
+            codes = self.codes[name]
+        else:
+            codes = planes_to_codes([p[name] for p in self.planes])
+        return dequantize(codes.view(self.shapes[name]), lo, step, self.bits)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Mixtral expert on (N, H) rows: w2(silu(w1 x) * w3 x)."""
+        return F.linear(F.silu(F.linear(x, self.weight("w1"))) * F.linear(x, self.weight("w3")),
+                        self.weight("w2"))
+
+
+@dataclass
+class CacheStats:
+    hits: int = 0
+    misses: int = 0
+    waits: int = 0                   # needed while its read was in flight (prefetch too late)
+    prefetched: int = 0
+    upgrades: int = 0
+    downgrades: int = 0
+    evictions: int = 0
+    stall_s: float = 0.0             # decoding thread blocked on reads
+    peak_bytes: int = 0
+    calls_by_bits: dict[int, int] = field(default_factory=dict)
+
+    def as_dict(self) -> dict[str, object]:
+        calls = sum(self.calls_by_bits.values())
+        mean = sum(b * n for b, n in self.calls_by_bits.items()) / calls if calls else 0.0
+        return {"hits": self.hits, "misses": self.misses, "waits": self.waits,
+                "prefetched": self.prefetched, "upgrades": self.upgrades,
+                "downgrades": self.downgrades, "evictions": self.evictions,
+                "hit_rate": self.hits / max(1, self.hits + self.misses),
+                "stall_s": round(self.stall_s, 4), "peak_bytes": self.peak_bytes,
+                "mean_bits_per_call": round(mean, 3),
+                "calls_by_bits": {str(k): v for k, v in sorted(self.calls_by_bits.items())}}
+
+
+# ---- the cache -----------------------------------------------------------------------------------
+@dataclass(order=True)
+class _Job:
+    priority: int                    # 0: prefetch for the next layer, 1: planned upgrade
+    seq: int
+    key: ExpertKey = field(compare=False)
+    bits: int = field(compare=False)
+    token: int = field(compare=False)  # prefetches go stale once their layer has routed
+
+
+class ExpertCache:
+    """Resident experts of one process under ``cfg.budget_bytes`` (see the module docstring)."""
+
+    def __init__(self, ckpt: NestedCheckpoint, cfg: ExpertStoreConfig) -> None:
+        self.ckpt, self.cfg = ckpt, cfg
+        self.sizes = ckpt.sizes()
+        if not self.sizes:
+            raise ConfigError("experts", "the expert store was given no experts")
+        self.floor = cfg.floor_bits
+        biggest = max(s[self.floor] for s in self.sizes.values())
+        if biggest > cfg.budget_bytes:
+            raise ConfigError("budget_bytes", f"{cfg.budget_bytes} bytes cannot hold one expert at "
+                              f"{self.floor} bits ({biggest} bytes); raise the budget")
+        self.hebf = cfg.policy if isinstance(cfg.policy, HEBFConfig) else None
+        self.device = StorageDevice(cfg.read_mb_per_s * 1e6 if cfg.read_mb_per_s else None)
+        self.stats = CacheStats()
+        self.hotness = {k: 0.0 for k in self.sizes}
+        self.plan: dict[ExpertKey, int] = {}
+        self._shapes = {t.name: t.shape for t in next(iter(ckpt.files.values())).tensors}
+        self._layers = sorted({k[0] for k in self.sizes})
+        self._by_layer = {l: [k for k in self.sizes if k[0] == l] for l in self._layers}
+        self._cv = threading.Condition()
+        self._res: OrderedDict[ExpertKey, Resident] = OrderedDict()  # LRU order, oldest first
+        self._pending: set[ExpertKey] = set()
+        self._pins: dict[ExpertKey, int] = {}
+        self._protected: set[ExpertKey] = set()
+        self._used = self._reserved = 0
+        self._tokens = self._seq = 0
+        self._routed: dict[int, int] = {}       # layer -> token count when it last routed
+        self._jobs: list[_Job] = []
+        self._gates: dict[int, torch.nn.Linear] = {}
+        self._inputs: dict[int, torch.Tensor] = {}
+        self._closed = False
+        self._worker = threading.Thread(target=self._work, name="expert-io", daemon=True)
+        self._worker.start()
+
+    # -- public API ---------------------------------------------------------------------------------
+    @property
+    def keys(self) -> list[ExpertKey]:
+        return list(self.sizes)
+
+    @property
+    def resident_bytes(self) -> int:
+        return self._used
+
+    def resident_bits(self) -> dict[ExpertKey, int]:
+        with self._cv:
+            return {k: r.bits for k, r in self._res.items()}
+
+    def forward(self, layer: int, expert: int, x: torch.Tensor) -> torch.Tensor:
+        """``SparseMoE.expert_fn``: expert ``(layer, expert)`` applied to rows x (N, H)."""
+        key = (layer, expert)
+        res = self._acquire(key)
+        try:
+            return res.forward(x)
+        finally:
+            with self._cv:
+                self._pins[key] -= 1
+                if not self._pins[key]:
+                    del self._pins[key]
+
+    def on_route(self, layer: int, chosen: torch.Tensor) -> None:
+        """``SparseMoE.on_route``: chosen (N, k) expert ids of layer ``layer``."""
+        if layer not in self._by_layer:
+            return
+        ids, counts = torch.unique(chosen, return_counts=True)
+        n_tok = chosen.shape[0]
+        with self._cv:
+            if layer == self._layers[0]:
+                self._tokens += n_tok
+            self._routed[layer] = self._tokens
+            self._protected = {(layer, e) for e in ids.tolist()}
+            if self.hebf is not None:
+                g = self.hebf.decay ** n_tok
+                for k in self._by_layer[layer]:
+                    self.hotness[k] *= g
+                for e, c in zip(ids.tolist(), counts.tolist()):
+                    if (layer, e) in self.hotness:
+                        self.hotness[(layer, e)] += c
+                if layer == self._layers[-1] and self._tokens >= self._next_plan():
+                    self._replan()
+        if self.cfg.prefetch is not None:
+            self._prefetch_after(layer)
+
+    def warm(self) -> None:
+        """Fill the budget before serving: HEBF loads its plan for uniform hotness, LRU loads
+        experts in (layer, expert) order. Synchronous; not counted in the statistics."""
+        if self.hebf is not None:
+            target = hebf_plan({k: 1.0 for k in self.sizes}, self.sizes, self.cfg.budget_bytes,
+                               min_bits=self.floor)
+            self.plan = target
+        else:
+            target, left = {}, self.cfg.budget_bytes
+            for k in self.sizes:
+                if self.sizes[k][self.floor] <= left:
+                    target[k], left = self.floor, left - self.sizes[k][self.floor]
+        for k, b in target.items():
+            if b > 0:
+                with self._cv:
+                    if not self._reserve(k, b, mode="warm"):
+                        continue
+                self._load(k, b)
+        self.stats = CacheStats(peak_bytes=self.stats.peak_bytes)
+        self.device.bytes_read, self.device.busy_s = 0, 0.0
+
+    def set_gates(self, gates: dict[int, torch.nn.Linear]) -> None:
+        self._gates = dict(gates)
+
+    def observe(self, layer: int, x: torch.Tensor) -> None:
+        """Input (B, T, H) of layer ``layer``'s MoE block, for predicting the next layer."""
+        self._inputs[layer] = x.detach()
+
+    def drain(self, timeout: float = 30.0) -> None:
+        """Wait until no background read is queued or in flight (tests, benchmarks)."""
+        with self._cv:
+            if not self._cv.wait_for(lambda: not self._jobs and not self._pending, timeout):
+                raise TimeoutError(f"expert reads still pending after {timeout}s")
+
+    def close(self) -> None:
+        with self._cv:
+            self._closed = True
+            self._cv.notify_all()
+        self._worker.join(timeout=10)
+        self.ckpt.close()
+
+    def report(self) -> dict[str, object]:
+        out = self.stats.as_dict()
+        out.update(bytes_read=self.device.bytes_read, io_busy_s=round(self.device.busy_s, 4),
+                   resident_bytes=self._used, budget_bytes=self.cfg.budget_bytes)
+        return out
+
+    # -- demand path ----------------------------------------------------------------------------------
+    def _acquire(self, key: ExpertKey) -> Resident:
+        if key not in self.sizes:
+            raise ConfigError("expert", f"layer/expert {key} is not held by this expert store")
+        t0 = time.perf_counter()
+        with self._cv:
+            if key in self._res:
+                self.stats.hits += 1
+            elif key in self._pending:
+                self.stats.waits += 1
+            else:
+                self.stats.misses += 1
+            load = False
+            while key not in self._res:
+                if key not in self._pending and self._reserve(key, self.floor, mode="demand"):
+                    load = True
+                    break
+                # Every evictable byte is promised to reads in flight (or our read is in
+                # flight): those reads finish without us, then we retry.
+                self._cv.wait()
+            if not load:
+                res = self._pin(key)
+        if load:
+            res = self._load(key, self.floor, pin=True)
+            if self.plan.get(key, 0) > self.floor:
+                with self._cv:
+                    self._push(_Job(1, self._next_seq(), key, self.plan[key], self._tokens))
+        if load or time.perf_counter() - t0 > 1e-3:
+            self.stats.stall_s += time.perf_counter() - t0
+        return res
+
+    def _pin(self, key: ExpertKey) -> Resident:
+        res = self._res[key]
+        self._res.move_to_end(key)
+        self._pins[key] = self._pins.get(key, 0) + 1
+        self.stats.calls_by_bits[res.bits] = self.stats.calls_by_bits.get(res.bits, 0) + 1
+        return res
+
+    # -- budget ---------------------------------------------------------------------------------------
+    def _reserve(self, key: ExpertKey, bits: int, *, mode: str) -> bool:
+        """Under the lock: make room for ``key`` at ``bits`` and reserve it (marks it pending).
+
+        ``mode`` says whom we may take bytes from: ``demand`` (a routed expert is missing: any
+        unpinned expert, coldest / least recent first), ``prefetch`` (not the experts the current
+        layer routed to), ``plan`` (only bytes the current plan does not want), ``warm`` (none).
+        """
+        cur = self._res.get(key)
+        need = self.sizes[key][bits] - (cur.nbytes if cur is not None else 0)
+        if need <= 0 or key in self._pending:
+            return False
+        if not self._make_room(need, key, mode):
+            return False
+        self._reserved += need
+        self._pending.add(key)
+        return True
+
+    def _victims(self, exclude: ExpertKey, mode: str) -> list[tuple[ExpertKey, int]]:
+        """(expert, width to shrink it to) in the order bytes are taken."""
+        if mode == "warm":
+            return []
+        if self.hebf is None:
+            order = list(self._res)                                   # least recently used first
+        else:
+            order = sorted(self._res, key=lambda k: (self.hotness[k], k))  # coldest first
+        out = []
+        for k in order:
+            if k == exclude or k in self._pins or k in self._pending:
+                continue
+            if mode != "demand" and k in self._protected:
+                continue
+            bits = self._res[k].bits
+            if mode == "plan":
+                if bits > self.plan.get(k, 0):
+                    out.append((k, self.plan.get(k, 0)))
+            elif self.hebf is not None and bits > self.floor:
+                out.append((k, self.floor))      # drop its extra planes before anyone's expert
+                out.append((k, 0))
+            else:
+                out.append((k, 0))
+        return out
+
+    def _make_room(self, need: int, key: ExpertKey, mode: str) -> bool:
+        free = self.cfg.budget_bytes - self._used - self._reserved
+        if free >= need:
+            return True
+        plan, bits_now = [], {}
+        for k, to in self._victims(key, mode):       # dry run: take nothing unless enough
+            was = bits_now.get(k, self._res[k].bits)
+            if to >= was:
+                continue
+            free += self.sizes[k][was] - (self.sizes[k][to] if to else 0)
+            bits_now[k] = to
+            plan.append((k, to))
+            if free >= need:
+                break
+        if free < need:
+            return False
+        for k, to in plan:
+            self._shrink(k, to)
+        return True
+
+    def _shrink(self, key: ExpertKey, bits: int) -> None:
+        res = self._res[key]
+        if bits == 0:
+            del self._res[key]
+            self._used -= res.nbytes
+            self.stats.evictions += 1
+            return
+        if res.codes is not None:   # 8 bits held as codes: recompute the top planes
+            per = {n: to_planes(c) for n, c in res.codes.items()}
+            planes = [{n: per[n][j].clone() for n in per} for j in range(bits)]
+        else:
+            planes = res.planes[:bits]
+        new = Resident(bits=bits, scales=res.scales, planes=planes, codes=None,
+                       nbytes=self.sizes[key][bits], shapes=res.shapes)
+        self._res[key] = new
+        self._used -= res.nbytes - new.nbytes
+        self.stats.downgrades += 1
+
+    # -- reads ----------------------------------------------------------------------------------------
+    def _load(self, key: ExpertKey, bits: int, *, pin: bool = False) -> Resident:
+        """Read planes ``cur..bits-1`` of a reserved, pending expert and install it."""
+        f = self.ckpt.files[key]
+        with self._cv:
+            cur = self._res.get(key)
+        first = cur.bits if cur is not None else 0
+        reserved = self.sizes[key][bits] - (cur.nbytes if cur is not None else 0)
+        nbytes = (bits - first) * f.plane_bytes + (f.scale_bytes if cur is None else 0)
+
+        def read() -> tuple[dict | None, list[dict[str, torch.Tensor]]]:
+            scales = f.read_scales() if cur is None else None
+            return scales, [f.split_plane(p) for p in f.read_planes(first, bits)]
+
+        try:
+            scales, planes = self.device.read(read, nbytes)
+            new = self._merge(key, cur, bits, scales, planes)
+        except BaseException:
+            with self._cv:
+                self._reserved -= reserved
+                self._pending.discard(key)
+                self._cv.notify_all()
+            raise
+        with self._cv:
+            self._reserved -= reserved
+            self._pending.discard(key)
+            self._res[key] = new
+            self._used += new.nbytes - (cur.nbytes if cur is not None else 0)
+            self.stats.peak_bytes = max(self.stats.peak_bytes, self._used + self._reserved)
+            if cur is not None:
+                self.stats.upgrades += 1
+            out = self._pin(key) if pin else new
+            self._cv.notify_all()
+        return out
+
+    def _merge(self, key: ExpertKey, cur: Resident | None, bits: int,
+               scales: dict | None, planes: list[dict[str, torch.Tensor]]) -> Resident:
+        planes = (cur.planes if cur is not None else []) + planes
+        codes = None
+        if bits == 8:   # int8: keep one code matrix, the layout the int8 kernels use
+            codes = {n: planes_to_codes([p[n] for p in planes]) for n in self._shapes}
+            planes = []
+        return Resident(bits=bits, scales=scales if cur is None else cur.scales, planes=planes,
+                        codes=codes, nbytes=self.sizes[key][bits], shapes=self._shapes)
+
+    # -- background work ------------------------------------------------------------------------------
+    def _next_seq(self) -> int:
+        self._seq += 1
+        return self._seq
+
+    def _push(self, job: _Job) -> None:
+        heapq.heappush(self._jobs, job)
+        self._cv.notify_all()
+
+    def _wanted(self, job: _Job) -> bool:
+        cur = self._res.get(job.key)
+        if job.key in self._pending:
+            return False
+        if job.priority == 0:     # prefetch: useless once its layer has routed this token
+            return cur is None and self._routed.get(job.key[0], -1) < job.token
+        return self.plan.get(job.key, 0) >= job.bits > (cur.bits if cur is not None else 0)
+
+    def _work(self) -> None:
+        while True:
+            with self._cv:
+                while not self._closed and not self._jobs:
+                    self._cv.wait()
+                if self._closed:
+                    return
+                job = heapq.heappop(self._jobs)
+                mode = "prefetch" if job.priority == 0 else "plan"
+                go = self._wanted(job) and self._reserve(job.key, job.bits, mode=mode)
+            if go:
+                try:
+                    self._load(job.key, job.bits)
+                except Exception:   # the demand path re-reads and raises to the caller
+                    logger.exception("background read of expert %s failed", job.key)
+
+    def _prefetch_after(self, layer: int) -> None:
+        later = [l for l in self._layers if l > layer]
+        x = self._inputs.pop(layer, None)
+        if not later or x is None or later[0] != layer + 1 or later[0] not in self._gates:
+            return
+        nxt = later[0]
+        with torch.no_grad():
+            logits = self._gates[nxt](x.reshape(-1, x.shape[-1]))
+            probs = torch.softmax(logits.float(), dim=-1).mean(0)
+        top = probs.topk(min(self.cfg.prefetch.top, probs.numel())).indices.tolist()
+        with self._cv:
+            for e in top:
+                key = (nxt, e)
+                if key in self.sizes and key not in self._res and key not in self._pending:
+                    self.stats.prefetched += 1
+                    self._push(_Job(0, self._next_seq(), key, self.floor, self._tokens))
+
+    # -- HEBF planning --------------------------------------------------------------------------------
+    def _next_plan(self) -> int:
+        return getattr(self, "_plan_at", 0) + self.hebf.replan_every
+
+    def _replan(self) -> None:
+        """Under the lock: new plan; drop planes it no longer wants, queue reads it wants."""
+        self._plan_at = self._tokens
+        self.plan = hebf_plan(self.hotness, self.sizes, self.cfg.budget_bytes, min_bits=self.floor)
+        for k in list(self._res):
+            to = self.plan.get(k, 0)
+            if self._res[k].bits > to and k not in self._pins and k not in self._pending \
+                    and k not in self._protected:
+                self._shrink(k, to)
+        self._jobs = [j for j in self._jobs if j.priority == 0]
+        heapq.heapify(self._jobs)
+        for k in sorted(self.plan, key=lambda k: -self.hotness[k]):
+            cur = self._res.get(k)
+            if self.plan[k] > (cur.bits if cur is not None else 0):
+                self._push(_Job(1, self._next_seq(), k, self.plan[k], self._tokens))
+
+
+def attach(model: LlamaForCausalLM, cache: ExpertCache) -> None:
+    """Route the model's experts through ``cache`` (layers it holds no expert of are left alone)."""
+    layers = model.model.layers
+    held = {k[0] for k in cache.keys}
+    gates = {}
+    for l, layer in enumerate(layers):
+        moe = getattr(layer, "block_sparse_moe", None)
+        if moe is None or l not in held:
+            continue
+        moe.expert_fn = functools.partial(cache.forward, l)
+        moe.on_route = functools.partial(cache.on_route, l)
+        gates[l] = moe.gate
+        if cache.cfg.prefetch is not None:
+            moe.register_forward_pre_hook(lambda _m, args, l=l: cache.observe(l, args[0]))
+    cache.set_gates(gates)
+
+
+def open_store(root: str | Path, cfg: ExpertStoreConfig, *,
+               experts: Iterable[ExpertKey] | None = None, warm: bool = True
+               ) -> tuple[LlamaForCausalLM, ExpertCache]:
+    """Load a nested checkpoint for serving: backbone in memory, experts through a cache.
+
+    Every check (manifest, shapes against config.json, file sizes, checksums when
+    ``cfg.verify_on_open``, the budget against one expert) runs here, before the first token.
+    """
+    ckpt = NestedCheckpoint(root, experts=list(experts) if experts is not None else None,
+                            verify=cfg.verify_on_open)
+    try:
+        cache = ExpertCache(ckpt, cfg)
+    except BaseException:
+        ckpt.close()
+        raise
+    model = load_backbone(root)
+    attach(model, cache)
+    if warm:
+        cache.warm()
+    return model, cache
