@@ -76,6 +76,18 @@ def register(sub: argparse._SubParsersAction) -> None:
     _add_set(local)
     local.set_defaults(func=_local)
 
+    run = fsub.add_parser("run", help="run the app on a running SuperLink (`flwr run` without "
+                          "writing FLWR_HOME by hand)")
+    run.add_argument("--superlink", required=True, help="HOST:PORT of the SuperLink")
+    run.add_argument("--app", type=Path, help="an app directory (default: the built-in app)")
+    run.add_argument("--out", help="out-dir on the SuperLink's machine (ServerApp writes "
+                     "metrics, summary, checkpoint there); printed here when visible")
+    run.add_argument("--root-certificates", help="CA bundle of a TLS SuperLink (default: insecure)")
+    run.add_argument("--timeout", type=float, default=24 * 3600.0, help="seconds")
+    run.add_argument("--quiet", action="store_true", help="do not stream the Flower run log")
+    _add_set(run)
+    run.set_defaults(func=_run)
+
 
 def _fail(exc: Exception) -> int:
     print(f"lowband: error: {exc}", file=sys.stderr)
@@ -84,7 +96,7 @@ def _fail(exc: Exception) -> int:
 
 def _new(args: argparse.Namespace) -> int:
     from diloco.flower.config import APP_CONFIG_DEFAULTS, from_run_config
-    from diloco.flower.federation import write_app
+    from diloco.flower.app import write_app
     from lowband.errors import ConfigError
 
     try:
@@ -99,7 +111,7 @@ def _new(args: argparse.Namespace) -> int:
 
 def _keys(args: argparse.Namespace) -> int:
     from diloco.flower.config import APP_CONFIG
-    from diloco.flower.federation import toml_value
+    from diloco.flower.app import toml_value
 
     for k, (v, doc) in APP_CONFIG.items():
         print(f"{k:<20} {toml_value(v):<12} {doc}")
@@ -137,4 +149,30 @@ def _local(args: argparse.Namespace) -> int:
           f"{summary['bytes_up'] / 2**20:.2f} MiB ({summary['codec']}"
           + (f", {red:.2f}x less than fp32" if red else "") + f"); downlink "
           f"{summary['bytes_down'] / 2**20:.2f} MiB; results in {args.out}")
+    return 0
+
+
+def submit_config(args: argparse.Namespace):
+    """The parsed command line as a :class:`diloco.flower.federation.SubmitConfig`."""
+    from diloco.flower.federation import SubmitConfig
+
+    rc = _settings(args.set)
+    if args.out:
+        rc["out-dir"] = args.out
+    return SubmitConfig(superlink=args.superlink, run_config=rc,
+                        app_dir=str(args.app) if args.app else None,
+                        root_certificates=args.root_certificates, timeout=args.timeout)
+
+
+def _run(args: argparse.Namespace) -> int:
+    from diloco.flower.federation import FlowerRunFailed, submit, summary_table
+    from lowband.errors import ConfigError
+
+    try:
+        cfg = submit_config(args)
+        submit(cfg, echo=None if args.quiet else sys.stdout)
+    except (ConfigError, FlowerRunFailed) as exc:
+        return _fail(exc)
+    if args.out and (Path(args.out) / "metrics.jsonl").exists():
+        print(summary_table(Path(args.out)))
     return 0

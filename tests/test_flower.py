@@ -319,3 +319,56 @@ def test_flower_rounds_equal_the_lowband_trainer(tmp_path):
     assert s["rounds_applied"] == 4
     assert torch.allclose(flower_theta, trainer_theta, atol=1e-6), \
         (flower_theta - trainer_theta).abs().max()
+
+
+# ---- app directory and the `lowband flower` command line ------------------------------------
+def test_example_app_is_the_generated_app_and_flower_accepts_it(tmp_path):
+    from pathlib import Path
+
+    from flwr.common.config import validate_config
+    import tomllib
+
+    from diloco.flower.app import write_app
+    from lowband.cli import main
+
+    example = Path(__file__).resolve().parents[1] / "examples" / "flower_diloco"
+    gen = write_app(tmp_path / "app")
+    files = sorted(p.relative_to(gen) for p in gen.rglob("*") if p.is_file())
+    assert files == sorted(p.relative_to(example) for p in example.rglob("*")
+                           if p.is_file() and p.suffix in (".py", ".toml"))
+    for f in files:  # the example must be regenerated when the defaults change
+        assert (example / f).read_text() == (gen / f).read_text(), f
+    config = tomllib.loads((gen / "pyproject.toml").read_text())
+    ok, errors, _ = validate_config(config, check_module=False)
+    assert ok, errors
+    assert config["tool"]["flwr"]["app"]["config"] == APP_CONFIG_DEFAULTS
+
+    assert main(["flower", "new", str(tmp_path / "nf4"), "--set", "codec=nf4",
+                 "--set", "alpha=0.5"]) == 0
+    cfg = tomllib.loads((tmp_path / "nf4" / "pyproject.toml").read_text())["tool"]["flwr"]
+    assert cfg["app"]["config"]["codec"] == "nf4" and cfg["app"]["config"]["alpha"] == 0.5
+    assert main(["flower", "new", str(tmp_path / "bad"), "--set", "codec=int3"]) == 2
+
+
+def test_flower_cli_parses_into_validated_configs(capsys):
+    from lowband.cli import build_parser, main
+    from lowband.cmd_flower import local_config, submit_config
+
+    args = build_parser().parse_args(["flower", "local", "--supernodes", "3", "--rounds", "2",
+                                      "-P", "2", "-H", "8", "--codec", "fp4", "--set",
+                                      "alpha=0.25", "--set", "error-feedback=true"])
+    cfg = local_config(args)
+    rc = cfg.effective_run_config()
+    assert cfg.supernodes == 3 and rc["min-available-nodes"] == 3
+    assert (rc["num-server-rounds"], rc["fragments"], rc["inner-steps"], rc["codec"]) == (2, 2, 8, "fp4")
+    assert rc["alpha"] == 0.25 and rc["error-feedback"] is True
+    assert from_run_config(rc).mode.error_feedback
+    sub = submit_config(build_parser().parse_args(
+        ["flower", "run", "--superlink", "superlink:9093", "--out", "/runs/flower"]))
+    assert sub.superlink == "superlink:9093" and sub.run_config["out-dir"] == "/runs/flower"
+    assert main(["flower", "local", "--rounds", "0"]) == 2
+    assert "num-server-rounds" in capsys.readouterr().err
+    assert main(["flower", "run", "--superlink", "no-port"]) == 2
+    assert main(["flower", "keys"]) == 0
+    out = capsys.readouterr().out
+    assert all(k in out for k in APP_CONFIG_DEFAULTS)

@@ -44,7 +44,8 @@ APP_CONFIG: dict[str, tuple[Any, str]] = {
     "min-train-replies": (1, "aggregate a round only with at least this many valid replies"),
     "fraction-train": (1.0, "share of connected nodes sampled per round"),
     "accept-failures": (True, "false: any failed reply skips the round"),
-    "evaluate-every": (1, "federated evaluation every N rounds (0: never)"),
+    "evaluate-every": (0, "federated evaluation every N rounds (0: never; the server "
+                          "evaluates θ_g every round anyway)"),
     "round-timeout": (600.0, "seconds the server waits for replies of one round"),
     "out-dir": ("", "server: metrics.jsonl, summary.json, checkpoint/ (empty: none)"),
     "checkpoint-every": (0, "rounds between checkpoints (0: only after the last round)"),
@@ -62,7 +63,7 @@ class FederationConfig:
     min_train_replies: int = 1
     fraction_train: float = 1.0
     accept_failures: bool = True
-    evaluate_every: int = 1
+    evaluate_every: int = 0
     round_timeout: float = 600.0
     checkpoint_every: int = 0
 

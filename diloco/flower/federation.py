@@ -1,9 +1,4 @@
-"""Flower app directories, and a local federation: SuperLink + SuperNodes + ``flwr run``.
-
-:func:`write_app` writes the app directory ``flwr run`` submits: a pyproject with
-``[tool.flwr.app]`` and the run config (every key of
-:data:`~diloco.flower.config.APP_CONFIG_DEFAULTS`), and a two-module package whose ``app``
-objects come from :mod:`diloco.flower`. ``examples/flower_diloco`` is exactly its output.
+"""Flower processes: a local federation (SuperLink + SuperNodes) and ``flwr run`` submission.
 
 :class:`LocalFederation` runs a real deployment on loopback, the way it would run across sites:
 ``flower-superlink --insecure`` with an in-memory database, N ``flower-supernode`` processes
@@ -28,87 +23,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any, Callable, Mapping, Sequence
 
-from diloco.flower.config import APP_CONFIG, APP_CONFIG_DEFAULTS, from_run_config
+from diloco.flower.app import toml_value, write_app
+from diloco.flower.config import from_run_config
 from lowband.errors import ConfigError, LowbandError, TransportTimeout
 
 logger = logging.getLogger(__name__)
 
-APP_PACKAGE = "flower_diloco"
 DEPLOYMENT = "local-deployment"  # the SuperLink connection's name in FLWR_HOME/config.toml
 
 # A process starter: (argv, env additions, stdout) -> Popen. The default starts a new session
 # (own process group); tests pass their own that also kills the group at teardown.
 Starter = Callable[..., subprocess.Popen]
-
-
-def toml_value(value: Any) -> str:
-    """A TOML scalar (bool, int, float, str) — JSON string escapes are valid TOML."""
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, (int, float)):
-        return repr(value)
-    if isinstance(value, str):
-        return json.dumps(value)
-    raise ConfigError("run-config", f"{value!r} is not a TOML scalar")
-
-
-def app_pyproject(config: Mapping[str, Any] | None = None, *, name: str = "lowband-flower-diloco"
-                  ) -> str:
-    """The app's pyproject.toml; ``config`` overrides defaults of the run config."""
-    values = dict(APP_CONFIG_DEFAULTS)
-    for k, v in (config or {}).items():
-        if k not in values:
-            raise ConfigError("run-config", f"unknown key {k!r}; known: {sorted(values)}")
-        values[k] = v
-    lines = [
-        "[build-system]",
-        'requires = ["hatchling"]',
-        'build-backend = "hatchling.build"',
-        "",
-        "[project]",
-        f"name = {json.dumps(name)}",
-        'version = "1.0.0"',
-        'description = "Streaming DiLoCo on Flower: one round = one outer step of one fragment, '
-        'pseudo-gradients encoded with lowband codecs"',
-        'license = "Apache-2.0"',
-        'dependencies = ["flwr>=1.20", "lowband[flower]"]',
-        "",
-        "[tool.hatch.build.targets.wheel]",
-        'packages = ["."]',
-        "",
-        "[tool.flwr.app]",
-        'publisher = "lowband"',
-        "",
-        "[tool.flwr.app.components]",
-        f'serverapp = "{APP_PACKAGE}.server_app:app"',
-        f'clientapp = "{APP_PACKAGE}.client_app:app"',
-        "",
-        "[tool.flwr.app.config]",
-    ]
-    for k, v in values.items():
-        lines += [f"# {APP_CONFIG[k][1]}", f"{k} = {toml_value(v)}"]
-    return "\n".join(lines) + "\n"
-
-
-APP_MODULES = {
-    "__init__.py": '"""Flower DiLoCo app: the ServerApp and ClientApp of lowband (diloco.flower)."""\n',
-    "server_app.py": (
-        '"""ServerApp: DiLoCoStrategy rounds, server-side evaluation, metrics and checkpoints."""\n'
-        "\nfrom diloco.flower.server import make_server_app\n\napp = make_server_app()\n"),
-    "client_app.py": (
-        '"""ClientApp: H/P inner steps per round, codec-encoded pseudo-gradient replies."""\n'
-        "\nfrom diloco.flower.client import make_client_app\n\napp = make_client_app()\n"),
-}
-
-
-def write_app(directory: Path, config: Mapping[str, Any] | None = None) -> Path:
-    """Write (or overwrite) a runnable Flower app directory; returns it."""
-    pkg = directory / APP_PACKAGE
-    pkg.mkdir(parents=True, exist_ok=True)
-    (directory / "pyproject.toml").write_text(app_pyproject(config))
-    for name, text in APP_MODULES.items():
-        (pkg / name).write_text(text)
-    return directory
 
 
 def free_port() -> int:
@@ -157,6 +82,77 @@ class FlowerRunFailed(LowbandError):
     """``flwr run`` exited with an error or the run did not finish in time."""
 
 
+def _flwr_env(flwr_home: Path) -> dict[str, str]:
+    # Flower's connection config and app cache stay in our directory, never in ~/.flwr.
+    return {"FLWR_HOME": str(flwr_home)}
+
+
+def write_flwr_home(home: Path, address: str, *, root_certificates: str | None = None) -> Path:
+    """A FLWR_HOME whose config.toml names one SuperLink (``DEPLOYMENT``) at ``address``."""
+    home.mkdir(parents=True, exist_ok=True)
+    tls = (f"root-certificates = {toml_value(root_certificates)}\n" if root_certificates
+           else "insecure = true\n")
+    (home / "config.toml").write_text(
+        f'[superlink]\ndefault = "{DEPLOYMENT}"\n\n[superlink.{DEPLOYMENT}]\n'
+        f"address = {toml_value(address)}\n{tls}")
+    return home
+
+
+def flwr_run(app_dir: Path, flwr_home: Path, run_config: Mapping[str, Any] | None,
+             workdir: Path, *, starter: Starter | None = None, timeout: float = 600.0,
+             echo: IO[str] | None = None, track: list[subprocess.Popen] | None = None) -> str:
+    """``flwr run APP DEPLOYMENT --stream`` until the run ends; returns its output.
+
+    ``--stream`` keeps ``flwr run`` attached until the ServerApp finishes, so its exit is the
+    run's end. Raises :class:`FlowerRunFailed` if it fails or exceeds ``timeout`` seconds (its
+    process group is killed then; the run itself may go on on the SuperLink).
+    """
+    args = [_executable("flwr"), "run", str(app_dir), DEPLOYMENT, "--stream"]
+    if run_config:
+        override = workdir / "run-config.toml"
+        override.write_text("".join(f"{k} = {toml_value(v)}\n" for k, v in run_config.items()))
+        args += ["--run-config", str(override)]
+    out_path = workdir / "flwr-run.log"
+    with out_path.open("wb") as out:
+        proc = (starter or _default_starter)(args, env=_flwr_env(flwr_home), stdout=out,
+                                             stderr=subprocess.STDOUT)
+        if track is not None:
+            track.append(proc)
+        try:
+            rc = _wait(proc, timeout, out_path, echo)
+        finally:
+            if proc.poll() is None:
+                _signal_group(proc.pid, signal.SIGKILL)
+                proc.wait(timeout=10)
+    text = out_path.read_text(errors="replace")
+    if rc != 0:
+        raise FlowerRunFailed(f"flwr run exited with {rc}; last output:\n{text[-3000:]}")
+    return text
+
+
+def _wait(proc: subprocess.Popen, timeout: float, out_path: Path,
+          echo: IO[str] | None) -> int:
+    deadline = time.monotonic() + timeout
+    pos = 0
+    while True:
+        try:
+            rc = proc.wait(timeout=0.5)
+        except subprocess.TimeoutExpired:
+            rc = None
+        if echo is not None:
+            with out_path.open("rb") as f:
+                f.seek(pos)
+                chunk = f.read()
+            pos += len(chunk)
+            echo.write(chunk.decode(errors="replace"))
+            echo.flush()
+        if rc is not None:
+            return rc
+        if time.monotonic() > deadline:
+            raise FlowerRunFailed(f"the Flower run did not finish within {timeout}s:\n"
+                                  + out_path.read_text(errors="replace")[-3000:])
+
+
 class LocalFederation:
     """SuperLink + ``n_nodes`` SuperNodes on 127.0.0.1 (use as a context manager)."""
 
@@ -193,10 +189,7 @@ class LocalFederation:
     def start(self) -> None:
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.port = free_port()
-        self.flwr_home.mkdir(parents=True, exist_ok=True)
-        (self.flwr_home / "config.toml").write_text(
-            f'[superlink]\ndefault = "{DEPLOYMENT}"\n\n[superlink.{DEPLOYMENT}]\n'
-            f'address = "127.0.0.1:{self.port}"\ninsecure = true\n')
+        write_flwr_home(self.flwr_home, f"127.0.0.1:{self.port}")
         self._start("superlink", [_executable("flower-superlink"), "--insecure",
                                   "--database", ":flwr-in-memory:", "--host", "127.0.0.1",
                                   "--port", str(self.port),
@@ -236,38 +229,20 @@ class LocalFederation:
     # ---- running an app ------------------------------------------------------------------------
     def run(self, app_dir: Path, run_config: Mapping[str, Any] | None = None, *,
             timeout: float = 600.0, echo: IO[str] | None = None) -> str:
-        """``flwr run APP --stream`` until the run ends; returns its output.
-
-        Raises :class:`FlowerRunFailed` if ``flwr run`` fails or exceeds ``timeout`` seconds.
-        """
-        args = [_executable("flwr"), "run", str(app_dir), DEPLOYMENT, "--stream"]
-        if run_config:
-            override = self.workdir / "run-config.toml"
-            override.write_text("".join(f"{k} = {toml_value(v)}\n" for k, v in run_config.items()))
-            args += ["--run-config", str(override)]
-        out_path = self.workdir / "flwr-run.log"
-        with out_path.open("wb") as out:
-            proc = self.starter(args, env=self._env(), stdout=out, stderr=subprocess.STDOUT)
-            self.procs.append(proc)
-            rc = self._wait(proc, timeout, out_path, echo)
-        text = out_path.read_text(errors="replace")
-        if rc != 0:
-            raise FlowerRunFailed(f"flwr run exited with {rc}; last output:\n{text[-3000:]}")
-        return text
+        """``flwr run APP --stream`` against this federation; see :func:`flwr_run`."""
+        return flwr_run(app_dir, self.flwr_home, run_config, self.workdir, starter=self.starter,
+                        timeout=timeout, echo=echo, track=self.procs)
 
     def logs(self) -> dict[str, str]:
         """Each Flower process's output so far (for error reports)."""
         return {p.name: p.read_text(errors="replace") for p in sorted(self.workdir.glob("*.log"))}
 
     # ---- helpers -------------------------------------------------------------------------------
-    def _env(self) -> dict[str, str]:
-        # The connection config and Flower's app cache stay in this federation's directory.
-        return {"FLWR_HOME": str(self.flwr_home)}
-
     def _start(self, name: str, args: list[str]) -> subprocess.Popen:
         log = (self.workdir / f"{name}.log").open("wb")
         self._logs.append(log)
-        proc = self.starter(args, env=self._env(), stdout=log, stderr=subprocess.STDOUT)
+        proc = self.starter(args, env=_flwr_env(self.flwr_home), stdout=log,
+                            stderr=subprocess.STDOUT)
         self.procs.append(proc)
         logger.info("started %s (pid %d): %s", name, proc.pid, " ".join(args))
         return proc
@@ -285,29 +260,6 @@ class LocalFederation:
                 time.sleep(0.1)
         raise TransportTimeout(f"flower-superlink did not listen on port {port} within "
                                f"{self.start_timeout}s")
-
-    @staticmethod
-    def _wait(proc: subprocess.Popen, timeout: float, out_path: Path,
-              echo: IO[str] | None) -> int:
-        deadline = time.monotonic() + timeout
-        pos = 0
-        while True:
-            try:
-                rc = proc.wait(timeout=0.5)
-            except subprocess.TimeoutExpired:
-                rc = None
-            if echo is not None:
-                with out_path.open("rb") as f:
-                    f.seek(pos)
-                    chunk = f.read()
-                pos += len(chunk)
-                echo.write(chunk.decode(errors="replace"))
-                echo.flush()
-            if rc is not None:
-                return rc
-            if time.monotonic() > deadline:
-                raise FlowerRunFailed(f"the Flower run did not finish within {timeout}s:\n"
-                                      + out_path.read_text(errors="replace")[-3000:])
 
 
 # ---- one call: app + federation + run + summary (``lowband flower local``) ---------------------
@@ -365,23 +317,65 @@ def run_local(cfg: LocalRunConfig, *, starter: Starter | None = None,
     return json.loads(stale.read_text())
 
 
+@dataclass(frozen=True, kw_only=True)
+class SubmitConfig:
+    """Submit the app to a running SuperLink (``lowband flower run``): Flower's ``flwr run``
+    without hand-writing a FLWR_HOME config."""
+
+    superlink: str  # HOST:PORT of the SuperLink's API
+    run_config: Mapping[str, Any] = field(default_factory=dict)
+    app_dir: str | None = None  # None: the built-in app
+    root_certificates: str | None = None  # CA bundle for a TLS SuperLink; None: --insecure
+    timeout: float = 24 * 3600.0
+
+    def __post_init__(self) -> None:
+        host, sep, port = self.superlink.rpartition(":")
+        if not sep or not host or not port.isdigit():
+            raise ConfigError("superlink", f"expected HOST:PORT, got {self.superlink!r}")
+        if not self.timeout > 0:
+            raise ConfigError("timeout", f"must be > 0, got {self.timeout}")
+        if self.app_dir is not None and not (Path(self.app_dir) / "pyproject.toml").exists():
+            raise ConfigError("app", f"{self.app_dir} has no pyproject.toml (lowband flower new DIR)")
+        from_run_config(self.run_config)
+
+
+def submit(cfg: SubmitConfig, *, starter: Starter | None = None,
+           echo: IO[str] | None = None) -> str:
+    """Run the app on ``cfg.superlink`` until it finishes; returns ``flwr run``'s output."""
+    with tempfile.TemporaryDirectory(prefix="lowband-flower-") as tmp:
+        work = Path(tmp)
+        app = Path(cfg.app_dir) if cfg.app_dir else write_app(work / "app")
+        home = write_flwr_home(work / "flwr-home", cfg.superlink,
+                               root_certificates=cfg.root_certificates)
+        return flwr_run(app, home, cfg.run_config, work, starter=starter, timeout=cfg.timeout,
+                        echo=echo)
+
+
 def summary_table(out_dir: Path) -> str:
     """Per-round table (fragment, replies, failures, losses, bytes) from ``metrics.jsonl``."""
-    rounds, evals = {}, {}
+    rounds: dict[int, dict[str, Any]] = {}
+    evals: dict[int, dict[str, Any]] = {}
+    eval_down: dict[int, int] = {}  # federated evaluation messages also carry θ_g fragments
     for line in (out_dir / "metrics.jsonl").read_text().splitlines():
         rec = json.loads(line)
         if rec["event"] == "round":
             rounds[rec["round"]] = rec
         elif rec["event"] == "eval":
             evals[rec["round"]] = rec
-    head = (f"{'round':>5} {'frag':>4} {'ok':>3} {'fail':>4} {'train':>7} {'eval':>7} "
-            f"{'up KiB':>9} {'fp32 KiB':>9} {'down KiB':>9}")
-    lines = [head, f"{0:>5} {'':>4} {'':>3} {'':>4} {'':>7} {evals.get(0, {}).get('loss', float('nan')):>7.3f}"]
+        elif rec["event"] == "fed_eval":
+            eval_down[rec["round"]] = rec["bytes_down"]
+    def num(x: Any) -> float:
+        return float("nan") if x is None else float(x)
+
+    lines = [f"{'round':>5} {'frag':>4} {'ok':>3} {'fail':>4} {'train':>7} {'eval':>7} "
+             f"{'up KiB':>9} {'fp32 KiB':>9} {'down KiB':>9}",
+             f"{0:>5} {'':>21} {num(evals.get(0, {}).get('loss')):>7.3f}"]
     for r in sorted(rounds):
-        rec, ev = rounds[r], evals.get(r, {})
+        rec = rounds[r]
+        down = rec["bytes_down"] + eval_down.get(r, 0)
         lines.append(
             f"{r:>5} {rec['fragment']:>4} {rec['replies']:>3} {rec['failures']:>4} "
-            f"{rec['train_loss'] if rec['train_loss'] is not None else float('nan'):>7.3f} "
-            f"{ev.get('loss', float('nan')):>7.3f} {rec['bytes_up'] / 1024:>9.1f} "
-            f"{rec['bytes_up_fp32'] / 1024:>9.1f} {rec['bytes_down'] / 1024:>9.1f}")
+            f"{num(rec['train_loss']):>7.3f} {num(evals.get(r, {}).get('loss')):>7.3f} "
+            f"{rec['bytes_up'] / 1024:>9.1f} {rec['bytes_up_fp32'] / 1024:>9.1f} "
+            f"{down / 1024:>9.1f}")
     return "\n".join(lines)
