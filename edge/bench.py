@@ -243,13 +243,15 @@ def main_bench(a) -> dict:
     del model
     parity = _parity(ckpt, cfg) if not a.skip_parity else None
     split1 = split_checkpoint(ckpt, work / "split1", devices=1)
+    split2 = split_checkpoint(ckpt, work / "split2", devices=2)  # each device reads its slice
+    load_before = os.getloadavg()[0]
     common = ["--tokens", str(a.tokens), "--warmup", str(a.warmup), "--prompt-len", str(a.prompt_len)]
     # 1 and 2 devices alternate so drifting background load hits both alike.
     singles, tps = [], []
     for _ in range(a.repeats):
         singles.append(_run_role(["--role", "single", "--model", str(split1), "--core", "0",
                                   *(["--profile"] if not singles else []), *common], a.timeout))
-        tps.append(_run_tp(str(ckpt), a))
+        tps.append(_run_tp(str(split2), a))
     single = min(singles, key=lambda r: r["decode_ms_per_token"])
     tp = min(tps, key=lambda r: r["decode_ms_per_token"])
     tp_parity = max(abs(x - y) for x, y in zip(single["prefill_logits"], tp["prefill_logits"]))
@@ -291,6 +293,8 @@ def main_bench(a) -> dict:
         "full": {"peak_rss_mb": round(single["peak_rss_mb"], 1)},
         "tp_master_peak_rss_mb": round(tp["peak_rss_mb"], 1),
         "bench_seconds": round(time.perf_counter() - t_start, 1),
+        "loadavg_1m": [round(load_before, 2), round(os.getloadavg()[0], 2)],
+        "cpus": os.cpu_count(),
     }
     if not a.keep:
         import shutil

@@ -5,12 +5,19 @@ Each file is memory-mapped once and its tensors are zero-copy ``torch.frombuffer
 the model's parameters *are* the mapping and always stay valid. Residency is then purely a
 page-table matter, driven by :func:`window_plan`:
 
-* load  = ``madvise(MADV_WILLNEED)`` (start disk read-ahead) + ``madvise(MADV_POPULATE_READ)``
-  (map every page) in a background thread; ctypes drops the GIL for the call, so the next
-  blocks stream in while the current one computes. Kernels older than 5.14 lack
-  POPULATE_READ; the thread then touches one byte per page, in torch, also without the GIL.
+* load  = ``madvise(MADV_POPULATE_READ)`` in a background thread (ctypes drops the GIL): reads
+  from disk if needed and maps every page, while the current block computes. Kernels older
+  than 5.14 lack POPULATE_READ; the thread then touches one byte per page (torch, no GIL).
 * evict = ``madvise(MADV_DONTNEED)``: the pages leave this process (RSS really drops) and stay
   in the page cache, from where the kernel may reclaim them under memory pressure.
+
+Huge pages are what make this cheap. Measured here on 43 MB layer files: with 4 KiB page-cache
+folios, POPULATE_READ costs ~1.6 µs per page (~18 ms per layer, ~450 ms per token for 700 MB:
+slower than copying the bytes). With ``madvise(MADV_HUGEPAGE)`` on the mapping, pages read
+through it land in 2 MiB folios and re-mapping a cached layer takes ~0.12 ms; a cold read runs
+at ~860 MB/s. So the mapping asks for huge pages and the scheduler first drops the files'
+small-folio cache (left by ``edge split`` writing them) so the first read rebuilds it huge.
+(On kernels without file THP it still works, at the 4 KiB cost.)
 
 Correctness never depends on the scheduler: touching an evicted block just faults it back in.
 """
@@ -39,6 +46,7 @@ logger = logging.getLogger(__name__)
 
 MADV_WILLNEED = 3
 MADV_DONTNEED = 4
+MADV_HUGEPAGE = 14
 MADV_POPULATE_READ = 22  # Linux >= 5.14
 PAGE = mmap.PAGESIZE
 
@@ -129,6 +137,7 @@ class MappedFile:
             warnings.simplefilter("ignore", UserWarning)
             self._u8 = torch.frombuffer(self._mm, dtype=torch.uint8)
         self.addr = self._u8.data_ptr()
+        _madvise(self.addr, self.size, MADV_HUGEPAGE)  # see the module docstring
         (n,) = struct.unpack("<Q", self._mm[:8])
         header = json.loads(self._mm[8:8 + n])
         base = 8 + n
@@ -148,7 +157,6 @@ class MappedFile:
     def populate(self) -> None:
         """Map every page (reading from disk if needed)."""
         global _populate_ok
-        _madvise(self.addr, self.size, MADV_WILLNEED)
         if _populate_ok and _madvise(self.addr, self.size, MADV_POPULATE_READ):
             return
         if _populate_ok:
@@ -191,7 +199,7 @@ class WindowScheduler:
     runs and apply :func:`window_plan` after it ran."""
 
     def __init__(self, layers: Sequence[nn.Module], files: Sequence[MappedFile], window: int,
-                 loader_cores: Sequence[int] | None = None) -> None:
+                 loader_cores: Sequence[int] | None = None, recache: bool = True) -> None:
         if len(layers) != len(files):
             raise ConfigError("files", f"{len(files)} layer files for {len(layers)} layers")
         _check(len(layers), window)
@@ -211,6 +219,10 @@ class WindowScheduler:
         for i, layer in enumerate(layers):
             self._handles.append(layer.register_forward_pre_hook(self._pre_hook(i)))
             self._handles.append(layer.register_forward_hook(self._post_hook(i)))
+        if recache:  # rebuild the page cache in huge folios (module docstring)
+            for f in self.files:
+                f.evict()
+                f.drop_page_cache()
         for b in window_warmup(self.n, window):
             self._load(b)
 
@@ -259,6 +271,7 @@ class WindowScheduler:
         return [i for i in range(self.n) if self._queued[i]]
 
     def drop_page_cache(self) -> None:
+        """Drop the non-resident blocks from the page cache (cold-cache measurements)."""
         for i, f in enumerate(self.files):
             if not self._queued[i]:
                 f.drop_page_cache()
