@@ -9,10 +9,11 @@ knows where expert weights live. Two policies:
   least recently used one is evicted when a miss needs room.
 * ``HEBFConfig`` — hottest-expert-bit-first (D²MoE): router counts, exponentially decayed, give
   each expert a hotness; every ``replan_every`` tokens :func:`edge.hebf.hebf_plan` picks a width
-  per expert within the budget, the cache drops planes at once (downgrade is free: the b-bit
-  slice is a prefix) and reads the missing planes in the background (upgrade reads only planes
-  ``b..b'-1``). A miss loads the narrowest width, so the stall is as short as possible, and asks
-  for the planned width in the background.
+  per expert within the budget, and the cache reads the missing planes in the background
+  (an upgrade reads only planes ``b..b'-1``), taking bytes from experts the plan wants narrower
+  (a downgrade is free: the b-bit slice is a prefix, planes are just dropped). A miss loads the
+  narrowest width, so the stall is as short as possible, and asks for the planned width in the
+  background.
 
 Both can prefetch: when layer ``l`` routes, the router of layer ``l+1`` is applied to layer
 ``l``'s input (the residual stream changes little between layers) and the experts it ranks
@@ -147,30 +148,35 @@ class StorageDevice:
 
 @dataclass
 class Resident:
-    """One expert in memory: group parameters and, per tensor, the top ``bits`` of its codes
-    (a list of plane buffers below 8 bits, so dropping planes frees them; a uint8 code matrix
-    at 8 bits, the natural int8 layout)."""
+    """One expert in memory: float16 group parameters and, per tensor, the top ``bits`` of its
+    codes: a (bits, numel/8) plane matrix below 8 bits, a (numel,) code vector at 8 bits (the
+    layout int8 kernels use). ``nbytes`` is what the budget charges for it."""
 
     bits: int
     scales: dict[str, tuple[torch.Tensor, torch.Tensor]]
-    planes: list[dict[str, torch.Tensor]]      # planes[j][tensor], j < bits; empty at 8 bits
-    codes: dict[str, torch.Tensor] | None      # 8 bits only
+    data: dict[str, torch.Tensor]
     nbytes: int
     shapes: dict[str, tuple[int, int]]
 
     def weight(self, name: str) -> torch.Tensor:
         """Float32 (out, in) weight of tensor ``name`` at this expert's width."""
         lo, step = self.scales[name]
-        if self.codes is not None:
-            codes = self.codes[name]
-        else:
-            codes = planes_to_codes([p[name] for p in self.planes])
-        return dequantize(codes.view(self.shapes[name]), lo, step, self.bits)
+        d = self.data[name]
+        codes = d if self.bits == 8 else planes_to_codes(d)
+        return dequantize(codes, lo, step, self.bits)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Mixtral expert on (N, H) rows: w2(silu(w1 x) * w3 x)."""
         return F.linear(F.silu(F.linear(x, self.weight("w1"))) * F.linear(x, self.weight("w3")),
                         self.weight("w2"))
+
+    def narrowed(self, bits: int, nbytes: int) -> "Resident":
+        """This expert at fewer bits: a prefix of its planes, copied so the rest is freed."""
+        if self.bits == 8:
+            data = {n: to_planes(c)[:bits].clone() for n, c in self.data.items()}
+        else:
+            data = {n: p[:bits].clone() for n, p in self.data.items()}
+        return Resident(bits=bits, scales=self.scales, data=data, nbytes=nbytes, shapes=self.shapes)
 
 
 @dataclass
@@ -217,11 +223,16 @@ class ExpertCache:
         if not self.sizes:
             raise ConfigError("experts", "the expert store was given no experts")
         self.floor = cfg.floor_bits
+        self.hebf = cfg.policy if isinstance(cfg.policy, HEBFConfig) else None
+        need = set(WIDTHS) if self.hebf is not None else {self.floor}
+        if any(not need <= set(s) for s in self.sizes.values()):
+            raise ConfigError("policy", f"{ckpt.root} holds plain int8 experts; serving "
+                              f"{type(cfg.policy).__name__} at {sorted(need)} bits needs a bit-nested "
+                              "conversion (lowband edge quantize --nested)")
         biggest = max(s[self.floor] for s in self.sizes.values())
         if biggest > cfg.budget_bytes:
             raise ConfigError("budget_bytes", f"{cfg.budget_bytes} bytes cannot hold one expert at "
                               f"{self.floor} bits ({biggest} bytes); raise the budget")
-        self.hebf = cfg.policy if isinstance(cfg.policy, HEBFConfig) else None
         self.device = StorageDevice(cfg.read_mb_per_s * 1e6 if cfg.read_mb_per_s else None)
         self.stats = CacheStats()
         self.hotness = {k: 0.0 for k in self.sizes}
@@ -447,20 +458,15 @@ class ExpertCache:
             self._used -= res.nbytes
             self.stats.evictions += 1
             return
-        if res.codes is not None:   # 8 bits held as codes: recompute the top planes
-            per = {n: to_planes(c) for n, c in res.codes.items()}
-            planes = [{n: per[n][j].clone() for n in per} for j in range(bits)]
-        else:
-            planes = res.planes[:bits]
-        new = Resident(bits=bits, scales=res.scales, planes=planes, codes=None,
-                       nbytes=self.sizes[key][bits], shapes=res.shapes)
+        new = res.narrowed(bits, self.sizes[key][bits])
         self._res[key] = new
         self._used -= res.nbytes - new.nbytes
         self.stats.downgrades += 1
 
     # -- reads ----------------------------------------------------------------------------------------
     def _load(self, key: ExpertKey, bits: int, *, pin: bool = False) -> Resident:
-        """Read planes ``cur..bits-1`` of a reserved, pending expert and install it."""
+        """Read planes ``cur..bits-1`` (or the int8 codes) of a reserved, pending expert and
+        install it."""
         f = self.ckpt.files[key]
         with self._cv:
             cur = self._res.get(key)
@@ -468,13 +474,16 @@ class ExpertCache:
         reserved = self.sizes[key][bits] - (cur.nbytes if cur is not None else 0)
         nbytes = (bits - first) * f.plane_bytes + (f.scale_bytes if cur is None else 0)
 
-        def read() -> tuple[dict | None, list[dict[str, torch.Tensor]]]:
+        def read() -> tuple[dict | None, dict[str, torch.Tensor]]:
             scales = f.read_scales() if cur is None else None
-            return scales, [f.split_plane(p) for p in f.read_planes(first, bits)]
+            if f.layout == "bytes":
+                return scales, f.read_codes()
+            planes = [f.split_plane(p) for p in f.read_planes(first, bits)]
+            return scales, {n: torch.stack([p[n] for p in planes]) for n in self._shapes}
 
         try:
-            scales, planes = self.device.read(read, nbytes)
-            new = self._merge(key, cur, bits, scales, planes)
+            scales, data = self.device.read(read, nbytes)
+            new = self._merge(key, cur, bits, scales, data, f.layout)
         except BaseException:
             with self._cv:
                 self._reserved -= reserved
@@ -493,15 +502,15 @@ class ExpertCache:
             self._cv.notify_all()
         return out
 
-    def _merge(self, key: ExpertKey, cur: Resident | None, bits: int,
-               scales: dict | None, planes: list[dict[str, torch.Tensor]]) -> Resident:
-        planes = (cur.planes if cur is not None else []) + planes
-        codes = None
-        if bits == 8:   # int8: keep one code matrix, the layout the int8 kernels use
-            codes = {n: planes_to_codes([p[n] for p in planes]) for n in self._shapes}
-            planes = []
-        return Resident(bits=bits, scales=scales if cur is None else cur.scales, planes=planes,
-                        codes=codes, nbytes=self.sizes[key][bits], shapes=self._shapes)
+    def _merge(self, key: ExpertKey, cur: Resident | None, bits: int, scales: dict | None,
+               data: dict[str, torch.Tensor], layout: str) -> Resident:
+        if layout == "planes":
+            if cur is not None:
+                data = {n: torch.cat([cur.data[n], data[n]]) for n in data}
+            if bits == 8:   # int8: keep one code vector, the layout int8 kernels use
+                data = {n: planes_to_codes(p) for n, p in data.items()}
+        return Resident(bits=bits, scales=scales if cur is None else cur.scales, data=data,
+                        nbytes=self.sizes[key][bits], shapes=self._shapes)
 
     # -- background work ------------------------------------------------------------------------------
     def _next_seq(self) -> int:
@@ -558,14 +567,14 @@ class ExpertCache:
         return getattr(self, "_plan_at", 0) + self.hebf.replan_every
 
     def _replan(self) -> None:
-        """Under the lock: new plan; drop planes it no longer wants, queue reads it wants."""
+        """Under the lock: new plan; queue the reads it wants, hottest first.
+
+        Planes the plan no longer wants are dropped lazily, when a planned read needs their
+        bytes (``_victims(mode="plan")``): an expert whose hotness hovers at a boundary keeps its
+        planes instead of being dropped and re-read every few tokens.
+        """
         self._plan_at = self._tokens
         self.plan = hebf_plan(self.hotness, self.sizes, self.cfg.budget_bytes, min_bits=self.floor)
-        for k in list(self._res):
-            to = self.plan.get(k, 0)
-            if self._res[k].bits > to and k not in self._pins and k not in self._pending \
-                    and k not in self._protected:
-                self._shrink(k, to)
         self._jobs = [j for j in self._jobs if j.priority == 0]
         heapq.heapify(self._jobs)
         for k in sorted(self.plan, key=lambda k: -self.hotness[k]):

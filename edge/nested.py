@@ -69,10 +69,13 @@ class NestedQuantConfig:
     """How expert weights are quantized. ``group_size`` is g, weights per (lo, step) pair."""
 
     group_size: int = 64
+    layout: str = "planes"   # "bytes": plain int8 codes, for a conventional int8 baseline
 
     def __post_init__(self) -> None:
         if self.group_size < 8 or self.group_size % 8:
             raise ConfigError("group_size", f"must be a multiple of 8 (>= 8), got {self.group_size}")
+        if self.layout not in ("planes", "bytes"):
+            raise ConfigError("layout", f"must be 'planes' or 'bytes', got {self.layout!r}")
 
 
 @dataclass(frozen=True)
@@ -199,28 +202,41 @@ def _pad(n: int) -> int:
     return -n % _ALIGN
 
 
+LAYOUTS = ("planes", "bytes")
+
+
 def write_expert_file(path: Path, *, layer: int, expert: int,
-                      tensors: Mapping[str, QuantizedMatrix]) -> int:
-    """Write one expert's planes; returns the file size."""
+                      tensors: Mapping[str, QuantizedMatrix], layout: str = "planes") -> int:
+    """Write one expert; returns the file size.
+
+    ``layout="planes"`` is the nested format. ``"bytes"`` stores the same int8 codes as plain
+    bytes (one code per weight): the layout of a conventional int8 runtime, which the int8
+    baseline reads so that it does not pay for decoding planes.
+    """
+    if layout not in LAYOUTS:
+        raise ConfigError("layout", f"must be one of {LAYOUTS}, got {layout!r}")
     names = list(tensors)
     group = {tensors[n].group_size for n in names}
     if len(group) != 1:
         raise ConfigError("group_size", f"tensors of one expert use different group sizes {group}")
-    gsize = next(iter(group))
     scales = b"".join(t.lo.contiguous().numpy().tobytes() + t.step.contiguous().numpy().tobytes()
                       for t in tensors.values())
-    planes_of = {n: to_planes(tensors[n].codes) for n in names}
-    planes = [b"".join(planes_of[n][j].numpy().tobytes() for n in names) for j in range(8)]
-    blocks = [scales, *planes]
+    if layout == "planes":
+        planes_of = {n: to_planes(tensors[n].codes) for n in names}
+        body = [b"".join(planes_of[n][j].numpy().tobytes() for n in names) for j in range(8)]
+    else:
+        body = [b"".join(tensors[n].codes.contiguous().numpy().tobytes() for n in names)]
 
     def meta_for(start: int) -> bytes:
-        spans, off = [], start
-        for blk in blocks:
+        off = start + len(scales) + _pad(len(scales))
+        spans = []
+        for blk in body:
             spans.append([off, len(blk), zlib.crc32(blk)])
-            off += len(blk) + _pad(len(blk)) if blk is scales else len(blk)
-        meta = {"layer": layer, "expert": expert, "group_size": gsize,
+            off += len(blk)
+        meta = {"layer": layer, "expert": expert, "group_size": next(iter(group)), "layout": layout,
                 "tensors": [{"name": n, "shape": list(tensors[n].codes.shape)} for n in names],
-                "scales": spans[0], "planes": spans[1:], "file_size": off}
+                "scales": [start, len(scales), zlib.crc32(scales)], "file_size": off,
+                ("planes" if layout == "planes" else "codes"): spans if layout == "planes" else spans[0]}
         return msgpack.packb(meta)
 
     # The metadata holds offsets that depend on its own length: size it once with a guess.
@@ -236,8 +252,8 @@ def write_expert_file(path: Path, *, layer: int, expert: int,
         f.write(b"\0" * (start - _HEADER.size - len(meta)))
         f.write(scales)
         f.write(b"\0" * _pad(len(scales)))
-        for p in planes:
-            f.write(p)
+        for blk in body:
+            f.write(blk)
         return f.tell()
 
 
@@ -292,8 +308,15 @@ class ExpertFile:
             self.group_size = int(meta["group_size"])
             self.tensors = tuple(TensorLayout(t["name"], tuple(t["shape"]), self.group_size)
                                  for t in meta["tensors"])
+            self.layout = meta.get("layout", "planes")
             self._scales = tuple(meta["scales"])
-            self._planes = tuple(tuple(p) for p in meta["planes"])
+            if self.layout == "planes":
+                self._planes = tuple(tuple(p) for p in meta["planes"])
+                self._codes = None
+            elif self.layout == "bytes":
+                self._planes, self._codes = (), tuple(meta["codes"])
+            else:
+                raise ValueError(f"unknown layout {self.layout!r}")
             expect_size = int(meta["file_size"])
         except (KeyError, TypeError, ValueError, msgpack.UnpackException) as exc:
             raise CorruptWeights(f"{self.path}: unreadable metadata ({exc})") from None
@@ -302,16 +325,27 @@ class ExpertFile:
                                  "(truncated or padded file)")
         plane_len = sum(t.numel // 8 for t in self.tensors)
         scale_len = sum(4 * t.n_groups for t in self.tensors)
-        if len(self._planes) != 8 or any(p[1] != plane_len for p in self._planes) \
-                or self._scales[1] != scale_len:
+        bad = self._scales[1] != scale_len
+        if self._codes is not None:
+            bad |= self._codes[1] != 8 * plane_len
+        else:
+            bad |= len(self._planes) != 8 or any(p[1] != plane_len for p in self._planes)
+        if bad:
             raise CorruptWeights(f"{self.path}: block sizes disagree with the tensor shapes")
-        for j in range(7):  # planes must be back to back for one-read prefixes
+        for j in range(len(self._planes) - 1):  # back to back: a b-bit prefix is one read
             if self._planes[j][0] + plane_len != self._planes[j + 1][0]:
                 raise CorruptWeights(f"{self.path}: planes are not contiguous")
+        self._plane_len = plane_len
 
     @property
     def plane_bytes(self) -> int:
-        return self._planes[0][1]
+        """Bytes of one bit-plane of all tensors (N/8); the bytes layout holds 8 of these."""
+        return self._plane_len
+
+    @property
+    def widths(self) -> tuple[int, ...]:
+        """Widths this file can serve: every nested width, or only 8 for the bytes layout."""
+        return WIDTHS if self.layout == "planes" else (8,)
 
     @property
     def scale_bytes(self) -> int:
@@ -319,6 +353,8 @@ class ExpertFile:
 
     def nbytes(self, bits: int) -> int:
         """Bytes of the scales plus the top ``bits`` planes: what serving at ``bits`` holds."""
+        if bits not in self.widths:
+            raise ConfigError("bits", f"{self.path.name} ({self.layout} layout) cannot serve {bits} bits")
         return self.scale_bytes + bits * self.plane_bytes
 
     def _block(self, off: int, length: int) -> memoryview:
@@ -352,6 +388,8 @@ class ExpertFile:
         the file; ``split_plane`` cuts a plane into its tensors."""
         if not 0 <= first < last <= 8:
             raise ConfigError("planes", f"need 0 <= first < last <= 8, got {first}..{last}")
+        if self.layout != "planes":
+            raise ConfigError("layout", f"{self.path.name} stores plain int8 codes, not bit-planes")
         out = []
         for j in range(first, last):
             off, length, crc = self._planes[j]
@@ -360,6 +398,22 @@ class ExpertFile:
                 raise CorruptWeights(f"{self.path}: checksum mismatch in bit-plane {j} (file damaged)")
             out.append(torch.frombuffer(buf, dtype=torch.uint8))
         self.release(self._planes[first][0], (last - first) * self.plane_bytes)
+        return out
+
+    def read_codes(self) -> dict[str, torch.Tensor]:
+        """Bytes layout: {tensor: (numel,) uint8 int8 codes}, views of one buffer."""
+        if self._codes is None:
+            raise ConfigError("layout", f"{self.path.name} stores bit-planes, not plain codes")
+        off, length, crc = self._codes
+        buf = bytearray(self._block(off, length))
+        if zlib.crc32(buf) != crc:
+            raise CorruptWeights(f"{self.path}: checksum mismatch in the int8 codes (file damaged)")
+        self.release(off, length)
+        flat = torch.frombuffer(buf, dtype=torch.uint8)
+        out, pos = {}, 0
+        for t in self.tensors:
+            out[t.name] = flat[pos:pos + t.numel]
+            pos += t.numel
         return out
 
     def split_plane(self, plane: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -380,8 +434,10 @@ class ExpertFile:
     def verify(self) -> None:
         """Check every block's checksum (reads the whole file once)."""
         self._checked(self._scales, "scales")
-        for j in range(8):
-            self._checked(self._planes[j], f"bit-plane {j}")
+        for j, span in enumerate(self._planes):
+            self._checked(span, f"bit-plane {j}")
+        if self._codes is not None:
+            self._checked(self._codes, "the int8 codes")
         self.release(0, len(self._mm))
 
     def close(self) -> None:
@@ -456,13 +512,13 @@ def quantize_checkpoint(model_dir: str | Path, out_dir: str | Path,
         ws = {n: handles[i].get_tensor(k).float() for n, (i, k) in sorted(where[(layer, expert)].items())}
         qs = {n: quantize_int8(w, cfg.group_size) for n, w in ws.items()}
         rel = f"experts/L{layer:03d}_E{expert:03d}.lbn"
-        write_expert_file(out / rel, layer=layer, expert=expert, tensors=qs)
+        write_expert_file(out / rel, layer=layer, expert=expert, tensors=qs, layout=cfg.layout)
         nested = {b: sum(_err2(ws[n], dequantize(slice_codes(q.codes, b), q.lo, q.step, b))
                          for n, q in qs.items()) for b in WIDTHS}
         indep = {b: sum(_err2(w, quantize_independent(w, b, cfg.group_size)) for w in ws.values())
                  for b in WIDTHS}
         with ExpertFile(out / rel) as ef:
-            sizes = {b: ef.nbytes(b) for b in WIDTHS}
+            sizes = {b: ef.nbytes(b) for b in ef.widths}
         entries.append({"layer": layer, "expert": expert, "file": rel,
                         "bytes": {str(b): n for b, n in sizes.items()},
                         "norm2": sum(float(w.pow(2).sum()) for w in ws.values()),
@@ -474,7 +530,7 @@ def quantize_checkpoint(model_dir: str | Path, out_dir: str | Path,
         if (src / name).exists():
             shutil.copyfile(src / name, out / name)
     manifest = {"format": "lowband-nested", "version": VERSION, "group_size": cfg.group_size,
-                "widths": list(WIDTHS), "model": _shape_signature(mcfg), "experts": entries}
+                "layout": cfg.layout, "model": _shape_signature(mcfg), "experts": entries}
     (out / MANIFEST).write_text(json.dumps(manifest, indent=1))
     return out
 
@@ -549,13 +605,17 @@ class NestedCheckpoint:
         return list(self.files)
 
     def sizes(self) -> dict[ExpertKey, dict[int, int]]:
-        """{expert: {bits: bytes resident at that width}} for every width in WIDTHS."""
-        return {k: {b: f.nbytes(b) for b in WIDTHS} for k, f in self.files.items()}
+        """{expert: {bits: bytes resident at that width}} for every width its file serves."""
+        return {k: {b: f.nbytes(b) for b in f.widths} for k, f in self.files.items()}
 
     def read_matrices(self, key: ExpertKey, bits: int) -> dict[str, torch.Tensor]:
         """Float32 weights of one expert served at ``bits`` (reads the top ``bits`` planes)."""
         f = self.files[key]
         scales = f.read_scales()
+        if f.layout == "bytes":
+            f.nbytes(bits)  # raises unless bits == 8
+            return {t.name: dequantize(c, *scales[t.name], 8) for t, c in
+                    zip(f.tensors, f.read_codes().values())}
         planes = [f.split_plane(p) for p in f.read_planes(0, bits)]
         return {t.name: dequantize(planes_to_codes(torch.stack([p[t.name] for p in planes])),
                                    *scales[t.name], bits) for t in f.tensors}

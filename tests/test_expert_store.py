@@ -212,3 +212,22 @@ def test_store_serves_a_subset_of_experts(nested_dir: Path, sizes: dict) -> None
             cache.forward(1, 0, x)
     finally:
         cache.close()
+
+
+def test_plain_int8_layout_serves_lru_only(nested_dir: Path, tmp_path: Path) -> None:
+    src = nested_dir.parent / "src"
+    plain = quantize_checkpoint(src, tmp_path / "int8", NestedQuantConfig(group_size=32, layout="bytes"))
+    dense = load_dense(nested_dir, 8)
+    with pytest.raises(ConfigError, match="bit-nested"):
+        open_store(plain, ExpertStoreConfig(budget_bytes=10**7, policy=HEBFConfig()))
+    ck = NestedCheckpoint(plain)
+    one = ck.sizes()[(0, 0)][8]
+    ck.close()
+    model, cache = open_store(plain, ExpertStoreConfig(budget_bytes=3 * one, policy=LRUConfig(bits=8)))
+    try:
+        got, _ = decode(model, PROMPT, 8)
+        assert cache.report()["misses"] > 0
+    finally:
+        cache.close()
+    want, _ = decode(dense, PROMPT, 8)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-5)   # same codes, same model

@@ -265,3 +265,26 @@ def test_converter_refuses_dense_models(tmp_path: Path) -> None:
     src = save_pretrained(model, tmp_path / "dense")
     with pytest.raises(ConfigError, match="not a mixture-of-experts"):
         quantize_checkpoint(src, tmp_path / "out")
+
+
+def test_bytes_layout_holds_the_same_int8_codes(tmp_path: Path) -> None:
+    torch.manual_seed(4)
+    qs = {"w1": quantize_int8(torch.randn(64, 32), 32), "w2": quantize_int8(torch.randn(32, 64), 32),
+          "w3": quantize_int8(torch.randn(64, 32), 32)}
+    write_expert_file(tmp_path / "p.lbn", layer=0, expert=0, tensors=qs)
+    write_expert_file(tmp_path / "b.lbn", layer=0, expert=0, tensors=qs, layout="bytes")
+    with ExpertFile(tmp_path / "p.lbn") as p, ExpertFile(tmp_path / "b.lbn") as b:
+        assert b.layout == "bytes" and b.widths == (8,) and p.widths == WIDTHS
+        assert b.nbytes(8) == p.nbytes(8)
+        codes = b.read_codes()
+        for name, q in qs.items():
+            assert torch.equal(codes[name].view(q.codes.shape), q.codes)
+        with pytest.raises(ConfigError):
+            b.nbytes(4)
+        with pytest.raises(ConfigError):
+            b.read_planes(0, 2)
+        b.verify()
+    flip_byte(tmp_path / "b.lbn", (tmp_path / "b.lbn").stat().st_size - 1)
+    with ExpertFile(tmp_path / "b.lbn") as b:
+        with pytest.raises(CorruptWeights, match="int8 codes"):
+            b.read_codes()
