@@ -39,11 +39,13 @@ from typing import Sequence
 import torch
 
 from edge.engine import ClusterUnavailable
+from edge.link import StarHub, StarSpoke
 from edge.shardio import LoadedShard, WindowConfig, load_shard
 from edge.tp import make_reduce
 from lowband.codecs import Int8BlockCodec, get_codec
 from lowband.comm import Codec, Communicator
-from lowband.errors import CommClosed, ConfigError, LowbandError, PeerLost, TransportTimeout
+from lowband.errors import (CommClosed, ConfigError, LowbandError, PeerLost, ProtocolError,
+                            TransportTimeout)
 
 logger = logging.getLogger(__name__)
 
@@ -88,6 +90,8 @@ class ClusterConfig:
     join_timeout: float = 600.0  # seconds to wait for all workers at start
     heartbeat_s: float = 2.0  # idle health-check period
     worker_model_dir: str | None = None  # path workers read; default: the master's path
+    link: str = "direct"  # activations: "direct" (edge.link star over TCP) or "comm"
+    link_host: str = "0.0.0.0"  # where the master's link listens (workers dial the master host)
 
     def __post_init__(self) -> None:
         if self.devices < 1:
@@ -97,6 +101,8 @@ class ClusterConfig:
         wire_codec(self.wire)
         if self.algorithm not in ("star", "ring", "auto"):
             raise ConfigError("algorithm", f"must be star, ring or auto, got {self.algorithm!r}")
+        if self.link not in ("direct", "comm"):
+            raise ConfigError("link", f"must be 'direct' or 'comm', got {self.link!r}")
         if self.op_timeout <= 0 or self.join_timeout <= 0 or self.heartbeat_s <= 0:
             raise ConfigError("op_timeout", "timeouts must be > 0")
 
@@ -121,9 +127,10 @@ class _Tags:
         return f"f{self.fid}.{self.k}"
 
 
-def _load(model_dir: str, slot: int, world: int, weights, dtype, comm: Communicator, codec,
+def _load(model_dir: str, slot: int, world: int, weights, dtype, net, codec,
           algorithm: str, timeout: float, window: WindowConfig | None, tags: _Tags) -> LoadedShard:
-    reduce = make_reduce(comm, codec=codec, algorithm=algorithm, timeout=timeout, tags=tags)
+    """``net``: whatever carries the all-reduces (the communicator or a star link)."""
+    reduce = make_reduce(net, codec=codec, algorithm=algorithm, timeout=timeout, tags=tags)
     return load_shard(model_dir, slot, world, weights=weights, dtype=dtype, reduce=reduce,
                       window=window)
 
@@ -148,7 +155,8 @@ class MasterRunner:
         m = comm.quorum(min_world=cfg.devices, timeout=cfg.join_timeout)
         if master_rank(m.peers) != comm.rank:
             raise ConfigError("master", f"another peer ({m.peers[master_rank(m.peers)]}) is the master")
-        self.shard = _load(self.model_dir, 0, cfg.devices, cfg.weights, cfg.dtype, comm,
+        self.hub = StarHub(cfg.link_host) if cfg.link == "direct" and cfg.devices > 1 else None
+        self.shard = _load(self.model_dir, 0, cfg.devices, cfg.weights, cfg.dtype, self.hub or comm,
                            self.codec, cfg.algorithm, cfg.op_timeout, cfg.window_config(), self.tags)
         self.model = self.shard.model
         self.config = self.model.config
@@ -172,16 +180,21 @@ class MasterRunner:
                     "weights": list(cfg.weights) if cfg.weights else None,
                     "model_dir": cfg.worker_model_dir or self.model_dir, "dtype": cfg.dtype,
                     "wire": cfg.wire, "algorithm": cfg.algorithm, "op_timeout": cfg.op_timeout,
-                    "window": cfg.window, "memory_budget_mb": cfg.memory_budget_mb}
+                    "window": cfg.window, "memory_budget_mb": cfg.memory_budget_mb,
+                    "link_port": self.hub.port if self.hub else None}
             self.comm.send(r, [], meta, tag=CTL)
         for r, s in zip(ranks, slots):
             _, meta = self.comm.recv(r, tag=READY, timeout=cfg.join_timeout)
             if not meta.get("ok"):
                 raise ConfigError("worker", f"worker rank {r} could not load slot {s}: "
                                   f"{meta.get('error')}")
+            if self.hub is not None:  # the worker dialled the link before saying ready
+                self.hub.accept(s, timeout=cfg.op_timeout)
             self._slots[peers[r]] = s
 
     def _fail(self, exc: BaseException) -> ClusterUnavailable:
+        if self.hub is not None:
+            self.hub.abort()
         self._healthy = False
         self._status = f"degraded: {exc}"
         logger.warning("cluster degraded: %s; waiting for the worker to come back", exc)
@@ -200,7 +213,7 @@ class MasterRunner:
                     self._healthy, self._status = True, "ok"
                     logger.info("cluster whole again (epoch %d)", self.comm.membership.epoch)
                     return
-                except (PeerLost, TransportTimeout) as exc:
+                except (PeerLost, TransportTimeout, ProtocolError) as exc:
                     self._status = f"degraded: waiting for workers ({exc})"
                 except CommClosed:
                     return
@@ -216,12 +229,19 @@ class MasterRunner:
         m = self.comm.quorum(min_world=self.cfg.devices, timeout=self.cfg.heartbeat_s * 5)
         self._slots = {p: s for p, s in self._slots.items() if p in m.peers}
         missing = sorted(set(range(self.cfg.devices)) - set(self._slots.values()))
+        if self.hub is not None:
+            for s in missing:
+                self.hub.drop(s)
         new_ranks = [r for r, p in enumerate(m.peers) if p not in self._slots]
         if len(new_ranks) < len(missing):
             raise PeerLost(f"slots {missing} still unassigned")
         self._assign(new_ranks[:len(missing)], missing)
+        if self.hub is not None:
+            self.hub.sync_send(timeout=self.cfg.op_timeout)
         for r in self._others():
-            self.comm.send(r, [], {"op": "reset"}, tag=CTL)
+            self.comm.send(r, [], {"op": "reset", "sync": self.hub is not None}, tag=CTL)
+        if self.hub is not None:
+            self.hub.sync_wait(timeout=self.cfg.op_timeout)
         self.cache = self.model.new_cache()
 
     def _heartbeat_loop(self) -> None:
@@ -257,7 +277,7 @@ class MasterRunner:
                 with torch.inference_mode():
                     h = self.model.forward_layers(x, cache=self.cache, start=start)
                     return self.model.head(h[:, -1]).float()[0]
-            except (PeerLost, TransportTimeout) as exc:
+            except (PeerLost, TransportTimeout, ProtocolError) as exc:
                 raise self._fail(exc) from exc
 
     def reset(self) -> None:
@@ -273,7 +293,8 @@ class MasterRunner:
 
     def wire_bytes(self) -> int:
         s = self.comm.stats()
-        return s.bytes_sent + s.bytes_received
+        h = self.hub.stats() if self.hub is not None else s.__class__()
+        return s.bytes_sent + s.bytes_received + h.bytes_sent + h.bytes_received
 
     def health(self) -> dict:
         m = self.comm.membership
@@ -295,6 +316,8 @@ class MasterRunner:
                     self.comm.recv(r, tag=READY, timeout=5.0)
                 except LowbandError:
                     pass
+        if self.hub is not None:
+            self.hub.close()
         self.shard.close()
 
 
@@ -304,12 +327,14 @@ class WorkerConfig:
 
     model_dir: str | None = None  # local copy of the model / split dir; default: the master's path
     join_timeout: float = 600.0
+    master_host: str = "127.0.0.1"  # where the master's star link is (its --master host)
     idle_timeout: float = IDLE_FOREVER  # give up after this long without a word from the master
 
 
 @dataclass
 class WorkerState:
     shard: LoadedShard | None = None
+    link: StarSpoke | None = None
     cache: object = None
     tags: _Tags = field(default_factory=_Tags)
     forwards: int = 0
@@ -329,7 +354,7 @@ def run_worker(comm: Communicator, cfg: WorkerConfig) -> int:
                 return 0
             try:
                 _handle(comm, cfg, st, op, tensors, meta)
-            except (PeerLost, TransportTimeout) as exc:
+            except (PeerLost, TransportTimeout, ProtocolError) as exc:
                 # A peer died mid-forward: form the next epoch with whoever is left.
                 logger.warning("worker: %s; regrouping", exc)
                 comm.quorum(min_world=1, timeout=cfg.join_timeout)
@@ -337,6 +362,8 @@ def run_worker(comm: Communicator, cfg: WorkerConfig) -> int:
     finally:
         if st.shard is not None:
             st.shard.close()
+        if st.link is not None:
+            st.link.close()
 
 
 def _handle(comm: Communicator, cfg: WorkerConfig, st: WorkerState, op: str,
@@ -357,17 +384,25 @@ def _handle(comm: Communicator, cfg: WorkerConfig, st: WorkerState, op: str,
             win = None
             if meta.get("window") is not None or meta.get("memory_budget_mb") is not None:
                 win = WindowConfig(window=meta.get("window"), memory_budget_mb=meta.get("memory_budget_mb"))
+            if st.link is not None:
+                st.link.close()
+                st.link = None
+            timeout = float(meta["op_timeout"])
+            if meta.get("link_port") is not None:
+                st.link = StarSpoke(cfg.master_host, int(meta["link_port"]), int(meta["slot"]), timeout)
             st.shard = _load(cfg.model_dir or meta["model_dir"], int(meta["slot"]), int(meta["world"]),
-                             meta.get("weights"), meta.get("dtype"), comm, wire_codec(meta["wire"]),
-                             meta["algorithm"], float(meta["op_timeout"]), win, st.tags)
+                             meta.get("weights"), meta.get("dtype"), st.link or comm,
+                             wire_codec(meta["wire"]), meta["algorithm"], timeout, win, st.tags)
             st.cache = st.shard.model.new_cache()
             comm.send(master_rank(comm.membership.peers), [], {"ok": True, "slot": int(meta["slot"])},
                       tag=READY)
-        except (ConfigError, OSError, RuntimeError) as exc:
+        except (ConfigError, OSError, RuntimeError, PeerLost) as exc:
             comm.send(master_rank(comm.membership.peers), [], {"ok": False, "error": str(exc)},
                       tag=READY)
     elif op == "reset":
         st.cache = st.shard.model.new_cache() if st.shard else None
+        if meta.get("sync") and st.link is not None:
+            st.link.resync(timeout=30.0)
     elif op == "ping":
         comm.barrier(tag=f"ping{meta['n']}", timeout=30.0)
     elif op == "regroup":

@@ -148,8 +148,9 @@ def worker_main(cfg: WorkerMainConfig) -> int:
     from transport.zmq_comm import connect
     cfg.device.apply()
     comm = connect(cfg.master, _zmq_config(cfg.token, cfg.op_timeout), signature=SIGNATURE)
-    try:
-        return run_worker(comm, cfg.worker)
+    host = cfg.master[len("tcp://"):].rsplit(":", 1)[0].strip("[]")
+    try:  # the master's star link listens on the same host as its coordinator
+        return run_worker(comm, replace(cfg.worker, master_host=host))
     except PeerLost as exc:
         print(f"lowband edge worker: the master is gone ({exc}); exiting", file=sys.stderr)
         return 1

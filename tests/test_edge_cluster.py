@@ -79,13 +79,15 @@ def _start_cluster(path, world, group, weights=None, **kw):
     return runner, workers
 
 
-@pytest.mark.parametrize("world,weights,split,wire", [
-    (2, None, False, "fp32"), (3, (2.0, 1.0, 1.0), True, "fp32"), (3, None, False, "int8")])
-def test_cluster_matches_single_device(ckpt, tmp_path, world, weights, split, wire) -> None:
+@pytest.mark.parametrize("world,weights,split,wire,link", [
+    (2, None, False, "fp32", "direct"), (2, None, False, "fp32", "comm"),
+    (3, (2.0, 1.0, 1.0), True, "fp32", "direct"), (3, None, False, "int8", "direct"),
+    (3, None, False, "int8", "comm")])
+def test_cluster_matches_single_device(ckpt, tmp_path, world, weights, split, wire, link) -> None:
     path = split_checkpoint(ckpt, tmp_path / "s", world, weights) if split else ckpt
     ref, _, _ = _local_engine(ckpt).complete("The quick brown", SamplingParams(max_tokens=10))
     group = LoopbackGroup(world, timeout=20)
-    runner, workers = _start_cluster(path, world, group, weights, wire=wire,
+    runner, workers = _start_cluster(path, world, group, weights, wire=wire, link=link,
                                      window=2 if split else None)
     try:
         eng = Engine(runner, ByteTokenizer(), model_name="m")

@@ -1,0 +1,92 @@
+"""The TP star link on real sockets (127.0.0.1): sums, codecs, failure and resync."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from edge.link import StarHub, StarSpoke
+from lowband.codecs import Int8BlockCodec
+from lowband.errors import PeerLost, ProtocolError
+from tests.conftest import run_ranks
+
+
+def _group(n: int):
+    hub = StarHub("127.0.0.1")
+    spokes = [StarSpoke("127.0.0.1", hub.port, s, timeout=10) for s in range(1, n)]
+    for s in range(1, n):
+        hub.accept(s, timeout=10)
+    return hub, spokes
+
+
+@pytest.mark.parametrize("codec", [None, Int8BlockCodec(block=64)])
+def test_sum_is_bit_identical_everywhere(codec) -> None:
+    hub, spokes = _group(3)
+    xs = [torch.randn(1, 3, 100, generator=torch.Generator().manual_seed(r)) for r in range(3)]
+    nets = [hub, *spokes]
+    try:
+        outs = run_ranks([lambda r=r: [nets[r].all_reduce(xs[r] * (k + 1), codec=codec, timeout=10)
+                                       for k in range(4)] for r in range(3)])
+    finally:
+        for s in spokes:
+            s.close()
+        hub.close()
+    for k in range(4):
+        ref = sum(x * (k + 1) for x in xs)
+        assert torch.equal(outs[0][k], outs[1][k]) and torch.equal(outs[0][k], outs[2][k])
+        tol = 1e-6 if codec is None else 0.05 * ref.abs().max().item()
+        assert (outs[0][k] - ref).abs().max().item() <= tol
+    payload = 3 * 100 * 4
+    if codec is None:
+        assert spokes[0].stats().bytes_sent == 4 * payload
+        assert hub.stats().bytes_received == 2 * 4 * payload
+
+
+def test_dead_worker_abort_and_resync() -> None:
+    hub, (a, b) = _group(3)
+    x = torch.ones(4)
+    try:
+        b.close()  # a device dies
+        def master():
+            with pytest.raises(PeerLost):
+                hub.all_reduce(x, timeout=10)
+            hub.abort()
+            hub.drop(2)
+            b2 = StarSpoke("127.0.0.1", hub.port, 2, timeout=10)  # it comes back
+            hub.accept(2, timeout=10)
+            hub.sync_send(timeout=10)
+            return b2
+        def survivor():
+            with pytest.raises(PeerLost, match="aborted"):
+                a.all_reduce(x, timeout=10)
+        b2, _ = run_ranks([master, survivor])
+        def resynced(net, sync=None):
+            def run():
+                if sync is not None:
+                    sync()
+                return net.all_reduce(x * 2, timeout=10)
+            return run
+        out = run_ranks([lambda: (hub.sync_wait(timeout=10), hub.all_reduce(x, timeout=10))[1],
+                         resynced(a, lambda: a.resync(timeout=10)),
+                         resynced(b2, lambda: b2.resync(timeout=10))])
+        assert torch.equal(out[0], torch.full((4,), 5.0)) and torch.equal(out[1], out[0])
+    finally:
+        for s in (a, b):
+            s.close()
+        hub.close()
+
+
+def test_out_of_step_is_a_protocol_error() -> None:
+    hub, (a,) = _group(2)
+    try:
+        a._seq = 7  # a desynchronised worker
+        def worker():
+            with pytest.raises((ProtocolError, PeerLost)):
+                a.all_reduce(torch.ones(2), timeout=5)
+        def master():
+            with pytest.raises(ProtocolError, match="out of step"):
+                hub.all_reduce(torch.ones(2), timeout=5)
+            hub.close()
+        run_ranks([master, worker])
+    finally:
+        a.close()
