@@ -211,6 +211,9 @@ def test_incompatible_signature_is_refused():
             with pytest.raises(IncompatiblePeer, match="signature"):
                 connect(coord.address, SMALL, signature="llama-7B")
             assert coord.counters["refused"] == 1
+            with pytest.raises(IncompatiblePeer, match="chunk_bytes"):
+                connect(coord.address, ZmqConfig(bind_host="127.0.0.1", chunk_bytes=1 << 20),
+                        signature="llama-124M")
         finally:
             first.close()
 

@@ -27,6 +27,8 @@ from typing import Callable
 
 import zmq
 import zmq.auth
+from zmq.utils import z85
+from zmq.utils.monitor import recv_monitor_message
 
 from lowband.errors import AuthError, ConfigError
 
@@ -97,7 +99,7 @@ def curve_policy(allowed: Callable[[bytes], str | None]) -> Decision:
     def decide(mechanism: str, address: str, creds: list[bytes]) -> str | None:
         if mechanism != "CURVE" or len(creds) != 1 or len(creds[0]) != 32:
             return None
-        return allowed(zmq.z85_encode(creds[0]))
+        return allowed(z85.encode(creds[0]))
     return decide
 
 
@@ -187,3 +189,33 @@ def configure_client(sock: zmq.Socket, *, user: str, token: str | None,
     elif token is not None:
         sock.plain_username = user.encode()
         sock.plain_password = token.encode()
+
+
+_HANDSHAKE_FAILURES = (zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+                       | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
+
+
+class HandshakeWatch:
+    """Counts and logs failed handshakes on a bound socket (wrong mechanism, bad credentials,
+    a peer speaking something that is not ZMTP). Poll ``socket`` and call ``drain`` on POLLIN;
+    both belong to the thread that owns the watched socket."""
+
+    def __init__(self, sock: zmq.Socket, what: str) -> None:
+        self.socket = sock.get_monitor_socket(_HANDSHAKE_FAILURES)
+        self.what = what
+        self.failures = 0
+
+    def drain(self) -> None:
+        while True:
+            try:
+                event = recv_monitor_message(self.socket, zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            self.failures += 1
+            name = zmq.Event(event["event"]).name
+            if event["event"] != zmq.EVENT_HANDSHAKE_FAILED_AUTH:  # ZAP already logged those
+                logger.warning("refused a connection to %s: %s (errno %s)", self.what, name,
+                               event["value"])
+
+    def close(self) -> None:
+        self.socket.close(0)

@@ -75,7 +75,6 @@ class Op:
     """Base class: identity, bookkeeping, completion. Subclasses implement start/on_message."""
 
     kind = "op"
-    involves_all = True
 
     def __init__(self, table: "PeerTable", key: str, timeout: float, work: FutureWork) -> None:
         m = table.membership
@@ -100,6 +99,13 @@ class Op:
 
     def peers_involved(self) -> tuple[str, ...]:
         return self.peers
+
+    def needs(self, peer: str) -> bool:
+        """Whether this op still waits for data that only ``peer`` can send (or forward).
+
+        A lost peer fails exactly the ops that still need it: one that finished its part and
+        left does not fail collectives it already contributed to."""
+        return not self.finished
 
     def rank_of(self, peer: str) -> int | None:
         return self._index.get(peer)
@@ -163,7 +169,8 @@ class _ReduceBase(Op):
         self.dtype = x.dtype
         self.chunk = max(1, chunk_bytes // max(1, x.element_size()))
         self.signature = {"n": self.numel, "d": wire.dtype_name(self.dtype), "r": op,
-                          "a": algorithm, "cn": codec.name if codec is not None else ""}
+                          "a": algorithm, "cn": codec.name if codec is not None else "",
+                          "ch": self.chunk}
 
     def check(self, msg: wire.Message) -> None:
         self.check_kind(msg)
@@ -183,7 +190,7 @@ class _ReduceBase(Op):
 
 
 _FIELD_NAMES = {"n": "the number of elements", "d": "the dtype", "r": "the reduction",
-                "a": "the algorithm", "cn": "the codec"}
+                "a": "the algorithm", "cn": "the codec", "ch": "the chunk size"}
 
 
 class RingAllReduce(_ReduceBase):
@@ -271,6 +278,7 @@ class DirectAllReduce(_ReduceBase):
         self.contributors: dict[int, set[int]] = {}
         self.todo = len(self.spans)
         self.final_seen: set[int] = set()
+        self.pending_owned = {ci for ci, o in enumerate(self.owner_of) if o == self.rank}
         for ci, (lo, hi) in enumerate(self.spans):
             piece = self.x[lo:hi]
             owner = self.owner_of[ci]
@@ -283,6 +291,16 @@ class DirectAllReduce(_ReduceBase):
                           stripe=ci, track=self.codec is None)
         if self.todo == 0:
             self.finish(eng, self.out.view(self.shape))
+
+    def needs(self, peer: str) -> bool:
+        if self.finished:
+            return False
+        r = self.rank_of(peer)
+        if any(self.owner_of[ci] == self.rank and r not in self.contributors.get(ci, ())
+               for ci in self.pending_owned):
+            return True  # a contribution of ``peer`` to a chunk this rank owns is missing
+        return any(self.owner_of[ci] == r and ci not in self.final_seen
+                   for ci in range(len(self.spans)))
 
     def _local(self, piece: torch.Tensor) -> torch.Tensor:
         if self.codec is None:
@@ -336,6 +354,7 @@ class DirectAllReduce(_ReduceBase):
     def _finalize(self, eng: "Engine", ci: int) -> None:
         acc = self.average(self.acc.pop(ci))
         del self.contributors[ci]
+        self.pending_owned.discard(ci)
         lo, hi = self.spans[ci]
         if self.codec is not None:
             enc = self.codec.encode(acc)
@@ -520,6 +539,9 @@ class BroadcastOp(_MessageOp):
         self.tensors = tensors
         self.user_meta = dict(user_meta or {})
 
+    def needs(self, peer: str) -> bool:
+        return not self.finished and self.rank_of(peer) == self.root
+
     def start(self, eng: "Engine") -> None:
         if self.rank != self.root:
             return
@@ -546,6 +568,10 @@ class AllGatherOp(_MessageOp):
         self.tensor = tensor
         self.results: list[torch.Tensor | None] = []
 
+    def needs(self, peer: str) -> bool:
+        r = self.rank_of(peer)
+        return not self.finished and r is not None and self.results[r] is None
+
     def start(self, eng: "Engine") -> None:
         self.results = [None] * self.n
         self.results[self.rank] = self.tensor.clone()
@@ -569,6 +595,9 @@ class AllGatherOp(_MessageOp):
 class BarrierOp(_MessageOp):
     kind = "barrier"
 
+    def needs(self, peer: str) -> bool:
+        return not self.finished and self.rank_of(peer) not in self.arrived
+
     def start(self, eng: "Engine") -> None:
         self.arrived = {self.rank}
         for dst in range(self.n):
@@ -586,7 +615,6 @@ class BarrierOp(_MessageOp):
 
 class SendOp(_MessageOp):
     kind = "p2p"
-    involves_all = False
 
     def __init__(self, *args: Any, dst: int, tensors: list[torch.Tensor],
                  user_meta: Mapping[str, Any] | None, **kw: Any) -> None:
@@ -598,6 +626,9 @@ class SendOp(_MessageOp):
     def peers_involved(self) -> tuple[str, ...]:
         return (self.peers[self.dst],)
 
+    def needs(self, peer: str) -> bool:
+        return False
+
     def start(self, eng: "Engine") -> None:
         post_message(self, eng, self.dst, self.tensors, self.user_meta, chunk_bytes=self.chunk_bytes)
         self.finish(eng, None)
@@ -605,7 +636,6 @@ class SendOp(_MessageOp):
 
 class RecvOp(_MessageOp):
     kind = "p2p"
-    involves_all = False
 
     def __init__(self, *args: Any, src: int, **kw: Any) -> None:
         super().__init__(*args, **kw)
@@ -613,6 +643,9 @@ class RecvOp(_MessageOp):
 
     def peers_involved(self) -> tuple[str, ...]:
         return (self.peers[self.src],)
+
+    def needs(self, peer: str) -> bool:
+        return not self.finished and self.rank_of(peer) == self.src
 
     def start(self, eng: "Engine") -> None:
         pass

@@ -31,7 +31,8 @@ import zmq
 
 from lowband.errors import ConfigError, ProtocolError, VersionMismatch
 from transport import wire
-from transport.auth import COORD_DOMAIN, CurveKeys, ZapHandler, configure_server, curve_policy, token_policy
+from transport.auth import (COORD_DOMAIN, CurveKeys, HandshakeWatch, ZapHandler, configure_server,
+                            curve_policy, token_policy)
 from transport.wire import MsgType
 
 logger = logging.getLogger(__name__)
@@ -151,6 +152,7 @@ class _Peer:
     key: bytes | None
     meta: dict[str, Any]
     last_seen: float
+    local: list[str] | None = None  # [host key, ipc endpoint] for same-host peers
     suspected_at: float | None = None
 
 
@@ -163,11 +165,13 @@ class Coordinator:
         self._sock: zmq.Socket | None = None
         self._zap: ZapHandler | None = None
         self._thread: threading.Thread | None = None
+        self._watch: HandshakeWatch | None = None
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self._book = MembershipBook()
         self._peers: dict[str, _Peer] = {}
         self._signature: str | None = None
+        self._chunk: int | None = None
         self.address = ""
         self.counters = {"refused": 0, "bad_messages": 0, "lost": 0, "left": 0, "registered": 0}
 
@@ -248,7 +252,9 @@ class Coordinator:
 
     @property
     def auth_rejections(self) -> int:
-        return self._zap.rejected if self._zap is not None else 0
+        """Connections refused at the ZeroMQ handshake (bad credentials or wrong mechanism)."""
+        watch = self._watch
+        return watch.failures if watch is not None else 0
 
     # ---- loop -----------------------------------------------------------------------------------
     def _run(self) -> None:
@@ -256,11 +262,17 @@ class Coordinator:
         sock = self._sock
         poller = zmq.Poller()
         poller.register(sock, zmq.POLLIN)
+        watch = HandshakeWatch(sock, "the coordinator")
+        self._watch = watch
+        poller.register(watch.socket, zmq.POLLIN)
         tick = self.config.heartbeat_interval / 6
         next_check = time.monotonic() + tick
         try:
             while not self._stop.is_set():
-                if poller.poll(max(1, int(1000 * (next_check - time.monotonic())))):
+                ready = dict(poller.poll(max(1, int(1000 * (next_check - time.monotonic())))))
+                if watch.socket in ready:
+                    watch.drain()
+                if sock in ready:
                     for _ in range(256):
                         try:
                             frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
@@ -274,6 +286,8 @@ class Coordinator:
         except zmq.ContextTerminated:
             pass
         finally:
+            sock.disable_monitor()
+            watch.close()
             sock.close(0)
 
     def _send(self, pid: str, mtype: MsgType, meta: dict[str, Any]) -> None:
@@ -288,19 +302,26 @@ class Coordinator:
                               max_meta_bytes=self.config.max_message_bytes)
         except VersionMismatch as exc:
             self.counters["refused"] += 1
-            logger.warning("refused %s: %s", pid, exc)
+            self._bad(f"refused {pid!r}: {exc}")
             self._send(pid, MsgType.REFUSED, {"kind": "version", "reason": str(exc)})
             return
         except ProtocolError as exc:
-            self.counters["bad_messages"] += 1
-            logger.warning("dropped a malformed message from %r (%s): %s", pid,
-                           _peer_address(frames[-1]), exc)
+            self._bad(f"dropped a malformed message from {pid!r} ({_peer_address(frames[-1])}): {exc}")
             return
         try:
             self._dispatch(pid, msg, frames[-1])
         except ProtocolError as exc:
-            self.counters["bad_messages"] += 1
-            logger.warning("dropped a %s from %r: %s", msg.type.name, pid, exc)
+            self._bad(f"dropped a {msg.type.name} from {pid!r}: {exc}")
+        except Exception as exc:  # never let one message take the coordinator down
+            logger.debug("unexpected error handling a message", exc_info=True)
+            self._bad(f"dropped a {msg.type.name} from {pid!r} that raised "
+                      f"{type(exc).__name__}: {exc}")
+
+    def _bad(self, what: str) -> None:
+        self.counters["bad_messages"] += 1
+        n = self.counters["bad_messages"]
+        if n <= 20 or n % 1000 == 0:  # a flood must not flood the log too
+            logger.warning("%s (bad messages so far: %d)", what, n)
 
     def _dispatch(self, pid: str, msg: wire.Message, frame: zmq.Frame) -> None:
         now = time.monotonic()
@@ -345,12 +366,17 @@ class Coordinator:
         cfg = self.config
         addr = wire.field(meta, "addr", str)
         signature = wire.field(meta, "signature", str)
+        chunk = wire.int_field(meta, "chunk", 1, 1 << 40)
         key = meta.get("key")
         peer_meta = meta.get("meta", {})
         if key is not None and (not isinstance(key, str) or len(key) != 40):
             raise ProtocolError("field 'key' must be a 40-character Z85 key")
         if not isinstance(peer_meta, dict):
             raise ProtocolError("field 'meta' must be a map")
+        local = meta.get("local")
+        if local is not None and not (isinstance(local, list) and len(local) == 2
+                                      and all(isinstance(v, str) for v in local)):
+            raise ProtocolError("field 'local' must be [host key, endpoint]")
         refusal = None
         with self._lock:
             if cfg.token is not None and not hmac.compare_digest(
@@ -362,12 +388,18 @@ class Coordinator:
                 refusal = ("incompatible",
                            f"run signature {signature[:16]!r}… differs from the group's "
                            f"{self._signature[:16]!r}… (different model shapes or config)")
+            elif self._chunk is not None and chunk != self._chunk:
+                # Reductions are matched chunk by chunk: every peer must cut buffers alike.
+                refusal = ("incompatible", f"chunk_bytes={chunk} differs from the group's "
+                           f"{self._chunk}; give every peer the same ZmqConfig.chunk_bytes")
             if refusal is None:
                 if self._signature is None:
                     self._signature = signature
+                    self._chunk = chunk
                 if "://*:" in addr:  # the peer asked us to fill in the host we see it from
                     addr = addr.replace("*", _peer_address(frame) or "127.0.0.1", 1)
-                self._peers[pid] = _Peer(addr, key.encode() if key else None, peer_meta, now)
+                self._peers[pid] = _Peer(addr, key.encode() if key else None, peer_meta, now,
+                                         local)
                 self._book.register(pid)
         if refusal is not None:
             self.counters["refused"] += 1
@@ -392,7 +424,8 @@ class Coordinator:
         for pid, view in views.items():
             self._send(pid, MsgType.MEMBERSHIP, {
                 "epoch": view.epoch, "rank": view.rank, "peers": list(view.peers),
-                "addrs": addrs, "keys": keys, "joined": list(view.joined), "left": list(view.left),
+                "addrs": addrs, "keys": keys, "locals": [peers[p].local for p in order],
+                "joined": list(view.joined), "left": list(view.left),
             })
         logger.info("quorum: epoch %d, %d peers", view.epoch, len(order))
 
@@ -407,7 +440,8 @@ class Coordinator:
         log = logger.info if left else logger.warning
         log("peer %s %s; notifying %d peers", pid, reason, len(others))
         for other in others:
-            self._send(other, MsgType.PEER_LOST, {"peers": [pid], "epoch": epoch, "reason": reason})
+            self._send(other, MsgType.PEER_LOST,
+                       {"peers": [pid], "epoch": epoch, "reason": reason, "left": left})
         self._complete_quorum()
 
     def _expire(self, now: float) -> None:

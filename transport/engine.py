@@ -29,11 +29,12 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from lowband.comm import Membership, OpStats
 from lowband.errors import CommClosed, PeerLost, ProtocolError, TransportTimeout
 from transport import wire
-from transport.auth import CurveKeys, configure_client
+from transport.auth import CurveKeys, HandshakeWatch, configure_client
 from transport.wire import MsgType
 
 if TYPE_CHECKING:
@@ -52,6 +53,7 @@ class PeerTable:
     membership: Membership
     addrs: tuple[str, ...]
     keys: tuple[str | None, ...]
+    locals: tuple[list[str] | None, ...] = ()
     index: dict[str, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -65,6 +67,7 @@ class _Out:
         self.sockets = sockets
         self.backlog: list[deque] = [deque() for _ in sockets]
         self.next = 0
+        self.monitor: zmq.Socket | None = None
 
 
 class Engine:
@@ -80,22 +83,28 @@ class Engine:
         self._control = control
         self._hb_period = heartbeat_interval / 3
         self._coord_silence = max(5 * heartbeat_interval, 2.0)
+        self._bye_grace = max(2.0, 2 * heartbeat_interval)
         self._wake_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         self._cmds: deque[Callable[[], None]] = deque()
         self._poller = zmq.Poller()
         self._poller.register(data, zmq.POLLIN)
         self._poller.register(control, zmq.POLLIN)
         self._poller.register(self._wake_fd, zmq.POLLIN)
+        self.watch = HandshakeWatch(data, f"the data socket of {peer_id}")
+        self._poller.register(self.watch.socket, zmq.POLLIN)
         self._out: dict[str, _Out] = {}
         self._by_socket: dict[zmq.Socket, tuple[_Out, int]] = {}
+        self._monitors: dict[zmq.Socket, str] = {}
         self._ops: dict[Key, "Op"] = {}
         self._early: dict[Key, list[wire.Message]] = {}
         self._early_bytes = 0
         self._finishing: list["Op"] = []
         self._done_keys: set[Key] = set()  # finished here: late messages for them are dropped
         self._table: PeerTable | None = None
-        self._broken: dict[int, PeerLost] = {}  # epoch -> why its collectives fail
         self._lost: set[str] = set()
+        self._byes: dict[str, int] = {}  # peer -> BYE messages received (one per connection)
+        self._bye_expected: dict[str, int] = {}
+        self._departing: dict[str, tuple[float, str]] = {}  # left, BYEs pending: deadline, why
         self._quorum_waiters: list[Any] = []
         self._cancelling: list[Any] = []
         self._expelled: BaseException | None = None
@@ -109,6 +118,7 @@ class Engine:
         self.received = 0
         self.bad_messages = 0
         self.on_membership: Callable[[PeerTable], None] | None = None
+        self.local: list[str] | None = None  # [host key, ipc endpoint] when same_host_ipc
 
     # ---- called from user threads ---------------------------------------------------------------
     def start(self) -> None:
@@ -131,6 +141,13 @@ class Engine:
 
         def shutdown() -> None:
             if leave and self._expelled is None:
+                # BYE goes last on every connection, after all data: a peer that sees our
+                # departure (PEER_LOST, on another channel) first waits for these, so data we
+                # already sent for a collective it still runs is not thrown away.
+                for pid, out in self._out.items():
+                    for i in range(len(out.sockets)):
+                        self.send(pid, MsgType.BYE, {"e": 0, "o": "", "p": self.peer_id,
+                                                     "n": len(out.sockets)}, stripe=i)
                 self._send_control(MsgType.LEAVE, {})
             self._fail_all(CommClosed("the communicator was closed while this operation was pending"))
             self._stop.set()
@@ -153,7 +170,9 @@ class Engine:
         ZeroMQ no longer references the caller's buffers."""
         out = self._out.get(peer)
         if out is None:
-            raise PeerLost(f"no connection to peer {peer}", peers=(peer,))
+            # The peer is gone. Whatever needs data from it fails through PEER_LOST; what only
+            # sends to it may still complete, so the message is dropped rather than raised.
+            return []
         k = len(out.sockets)
         if stripe is None:
             stripe = out.next
@@ -203,9 +222,6 @@ class Engine:
     def table(self) -> PeerTable | None:
         return self._table
 
-    def broken(self, epoch: int) -> PeerLost | None:
-        return self._broken.get(epoch)
-
     def is_lost(self, peer: str) -> bool:
         return peer in self._lost
 
@@ -234,14 +250,20 @@ class Engine:
             raise ProtocolError("inconsistent MEMBERSHIP message")
         m = Membership(epoch, rank, len(peers), peers, tuple(wire.str_list(meta, "joined")),
                        tuple(wire.str_list(meta, "left")))
-        table = PeerTable(m, addrs, keys)
+        locals_ = tuple(meta.get("locals") or [None] * len(peers))
+        if len(locals_) != len(peers):
+            raise ProtocolError("inconsistent MEMBERSHIP message")
+        table = PeerTable(m, addrs, keys, locals_)
         old = self._table
         self._table = table
         for pid in list(self._out):
             if pid not in table.index:
                 self._disconnect(pid)
-        for pid, addr, key in zip(peers, addrs, keys):
+        for pid, addr, key, local in zip(peers, addrs, keys, locals_):
             if pid != self.peer_id and pid not in self._out:
+                if (self.local is not None and isinstance(local, list) and len(local) == 2
+                        and local[0] == self.local[0]):
+                    addr = local[1]  # same host (and network namespace): Unix socket
                 self._connect(pid, addr, key)
         if old is None or old.membership.epoch != epoch:
             self._early = {k: v for k, v in self._early.items() if k[0] >= epoch}
@@ -267,6 +289,12 @@ class Engine:
             s.connect(addr)
             sockets.append(s)
         out = _Out(sockets)
+        # Watch one connection for a drop: a crashed peer's kernel closes its sockets at once,
+        # and telling the coordinator (SUSPECT) gets it declared lost after one silent
+        # heartbeat interval instead of two.
+        out.monitor = sockets[0].get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        self._monitors[out.monitor] = pid
+        self._poller.register(out.monitor, zmq.POLLIN)
         self._out[pid] = out
         for i, s in enumerate(sockets):
             self._by_socket[s] = (out, i)
@@ -275,11 +303,32 @@ class Engine:
         out = self._out.pop(pid, None)
         if out is None:
             return
+        self._drop_monitor(out)
         for s in out.sockets:
             self._by_socket.pop(s, None)
             if s in self._poller:
                 self._poller.unregister(s)
             s.close(0)
+
+    def _drop_monitor(self, out: "_Out") -> None:
+        if out.monitor is None:
+            return
+        self._monitors.pop(out.monitor, None)
+        self._poller.unregister(out.monitor)
+        out.sockets[0].disable_monitor()
+        out.monitor.close(0)
+        out.monitor = None
+
+    def _on_monitor(self, mon: zmq.Socket) -> None:
+        pid = self._monitors.get(mon)
+        while True:
+            try:
+                event = recv_monitor_message(mon, zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            if pid is not None and event["event"] == zmq.EVENT_DISCONNECTED:
+                logger.info("connection to %s dropped; reporting it to the coordinator", pid)
+                self._send_control(MsgType.SUSPECT, {"peer": pid})
 
     # ---- operations -----------------------------------------------------------------------------
     def _start_op(self, op: "Op") -> None:
@@ -290,15 +339,6 @@ class Engine:
         if key in self._ops:
             op.fail(self, ProtocolError(f"two operations with key '{op.key}' in flight"))
             return
-        broken = self._broken.get(op.epoch)
-        if broken is not None and op.involves_all:
-            op.fail(self, broken)
-            return
-        lost = [p for p in op.peers_involved() if p in self._lost]
-        if lost:
-            op.fail(self, PeerLost(f"{op.describe()}: peer(s) {', '.join(lost)} lost",
-                                   peers=tuple(lost)))
-            return
         self._ops[key] = op
         try:
             op.start(self)
@@ -307,6 +347,12 @@ class Engine:
                 if op.finished:
                     break
                 self._deliver(op, msg)
+            # A lost peer may have sent everything this op needs before it went (a peer that
+            # finished and left, typically): fail only if the op still needs something from it.
+            lost = [p for p in op.peers_involved() if p in self._lost and op.needs(p)]
+            if lost and not op.finished:
+                op.fail(self, PeerLost(f"{op.describe()}: peer(s) {', '.join(lost)} lost",
+                                       peers=tuple(lost)))
         except Exception as exc:  # a bug or bad input must fail the op, not kill the engine
             logger.exception("%s failed", op.describe())
             op.fail(self, exc if isinstance(exc, (ProtocolError, PeerLost)) else ProtocolError(str(exc)))
@@ -344,6 +390,9 @@ class Engine:
                 self._abort(op, str(exc))
             else:
                 self._bad(f"{op.describe()}: {exc}")
+        except Exception as exc:  # a message we did not anticipate: drop it, keep serving
+            logger.debug("unexpected error handling a message", exc_info=True)
+            self._bad(f"{op.describe()}: dropped a message that raised {type(exc).__name__}: {exc}")
 
     def _abort(self, op: "Op", reason: str) -> None:
         """Tell the other participants an operation cannot succeed, so they fail now rather
@@ -371,6 +420,8 @@ class Engine:
             epoch = wire.int_field(msg.meta, "e", 0)
             key = wire.field(msg.meta, "o", str)
             sender = wire.field(msg.meta, "p", str)
+            if msg.type == MsgType.BYE:
+                expected = wire.int_field(msg.meta, "n", 1, 64)
         except ProtocolError as exc:
             self._bad(f"dropped a data message: {exc}")
             return
@@ -380,6 +431,9 @@ class Engine:
                 self._bad(f"dropped a message claiming to be from {sender!r} on a connection "
                           f"authenticated as {user!r}")
                 return
+        if msg.type == MsgType.BYE:
+            self._on_bye(sender, expected)
+            return
         n = sum(len(p) for p in msg.payload)
         op = self._ops.get((epoch, key))
         if op is not None:
@@ -410,7 +464,7 @@ class Engine:
                 self._apply_membership(msg.meta)
             elif msg.type == MsgType.PEER_LOST:
                 self._peer_lost(wire.str_list(msg.meta, "peers"),
-                                str(msg.meta.get("reason", "lost")))
+                                str(msg.meta.get("reason", "lost")), msg.meta.get("left") is True)
             elif msg.type == MsgType.QUORUM_CANCEL:  # the coordinator's acknowledgement
                 for w in self._cancelling:
                     if w in self._quorum_waiters:
@@ -424,20 +478,28 @@ class Engine:
         except ProtocolError as exc:
             self._bad(f"bad message from the coordinator: {exc}")
 
-    def _peer_lost(self, peers: list[str], reason: str) -> None:
-        table = self._table
+    def _on_bye(self, pid: str, expected: int) -> None:
+        self._byes[pid] = self._byes.get(pid, 0) + 1
+        self._bye_expected[pid] = expected
+        if pid in self._departing and self._byes[pid] >= expected:
+            _, reason = self._departing.pop(pid)
+            self._peer_lost([pid], reason)
+
+    def _peer_lost(self, peers: list[str], reason: str, left: bool = False) -> None:
         for pid in peers:
             if pid == self.peer_id:
                 self._expel(f"the coordinator declared this peer lost ({reason})")
                 continue
+            if left and self._byes.get(pid, 0) < self._bye_expected.get(pid, 1):
+                # Its last data may still be in flight on the data connections: wait for its
+                # BYEs (bounded), then fail what still needs it.
+                self._departing[pid] = (time.monotonic() + self._bye_grace, reason)
+                continue
+            self._departing.pop(pid, None)
             self._lost.add(pid)
             self._disconnect(pid)
             err = PeerLost(f"peer {pid} {reason}", peers=(pid,))
-            if table is not None and pid in table.index:
-                epoch = table.membership.epoch
-                self._broken.setdefault(epoch, err)
-                self._fail_all(err, epoch, only=lambda op: op.involves_all)
-            self._fail_all(err, only=lambda op, pid=pid: pid in op.peers_involved())
+            self._fail_all(err, only=lambda op, pid=pid: op.needs(pid))
 
     def _expel(self, reason: str) -> None:
         err = PeerLost(f"{self.peer_id} is no longer a member: {reason}; connect again to rejoin",
@@ -461,6 +523,10 @@ class Engine:
                         self._drain(self._control, self._on_control, copy=True)
                     elif sock == self._wake_fd:
                         self._run_commands()
+                    elif sock is self.watch.socket:
+                        self.watch.drain()
+                    elif sock in self._monitors:
+                        self._on_monitor(sock)
                     elif ev & zmq.POLLOUT:
                         self._flush(sock)
                 if self._finishing:
@@ -481,11 +547,14 @@ class Engine:
             self._stop.set()
             for pid in list(self._out):
                 self._disconnect_flush(pid)
+            self._data.disable_monitor()
+            self.watch.close()
             self._data.close(0)
             self._control.close(0)
 
     def _disconnect_flush(self, pid: str) -> None:
         out = self._out.pop(pid)
+        self._drop_monitor(out)
         for s in out.sockets:
             s.close()  # uses the socket's linger so queued messages still leave
 
@@ -519,6 +588,10 @@ class Engine:
         self._finishing = still
 
     def _sweep(self, now: float) -> None:
+        for pid, (deadline, reason) in list(self._departing.items()):
+            if now > deadline:
+                del self._departing[pid]
+                self._peer_lost([pid], reason)
         for op in list(self._ops.values()) + self._finishing:
             if now > op.deadline:
                 op.fail(self, TransportTimeout(

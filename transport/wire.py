@@ -64,6 +64,7 @@ class MsgType(enum.IntEnum):
     MSG = 17        # a logical message: descriptor, plus its bytes when it fits one frame set
     MSG_PART = 18   # a later chunk of a logical message, placed by (message id, tensor, offset)
     ABORT = 19      # the sender found the operation cannot succeed (ranks disagree): fail it
+    BYE = 20        # last message on one connection of a peer that is leaving gracefully
 
 
 _TYPES = frozenset(int(t) for t in MsgType)
@@ -129,6 +130,8 @@ def tensor_from(buf: memoryview | bytes, dtype: torch.dtype, shape: Sequence[int
     """A tensor viewing ``buf`` (no copy). The caller keeps ``buf`` alive while it is used."""
     if len(buf) == 0:
         return torch.empty(tuple(shape), dtype=dtype)
+    if memoryview(buf).readonly:  # bytes (tests, control messages): torch wants writable memory
+        buf = bytearray(buf)
     return torch.frombuffer(buf, dtype=torch.uint8).view(dtype).reshape(tuple(shape))
 
 
