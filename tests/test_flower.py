@@ -4,6 +4,7 @@ multi-round federations through an in-process Grid, checked against the lowband 
 from __future__ import annotations
 
 import copy
+import json
 import dataclasses
 import math
 
@@ -372,3 +373,16 @@ def test_flower_cli_parses_into_validated_configs(capsys):
     assert main(["flower", "keys"]) == 0
     out = capsys.readouterr().out
     assert all(k in out for k in APP_CONFIG_DEFAULTS)
+
+
+def test_bench_smoke(capsys):
+    from diloco.flower import bench
+
+    assert bench.main(["--rounds", "1", "--inner-steps", "2", "--warmup", "0", "--variants",
+                       "diloco-fp32,diloco-int8,streaming-p2-int8"]) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    r = {x["variant"]: x for x in out["results"]}
+    assert r["diloco-int8"]["bytes_up"] * 3.9 < r["diloco-fp32"]["bytes_up"]
+    # streaming: the same steps and about the same bytes, half of them per round
+    assert r["streaming-p2-int8"]["steps"] == r["diloco-int8"]["steps"] == 2
+    assert r["streaming-p2-int8"]["peak_round_up"] < 0.6 * r["diloco-int8"]["peak_round_up"]

@@ -16,7 +16,6 @@ from flwr.app import Context, Error, Message, RecordDict
 from flwr.common.constant import ErrorCode
 from flwr.serverapp import Grid
 from flwr.supercore.run import Run
-from flwr.supercore.task_identity import TaskIdentity
 
 logger = logging.getLogger(__name__)
 
@@ -24,8 +23,13 @@ Handler = Callable[[Message, Context], Message]
 
 
 def ensure_task_identity(run_id: int = 1) -> None:
-    """Flower stamps new Messages with the current task's identity, which only a running
-    ServerApp sets; give this process one so that a strategy can build messages here."""
+    """Flower (>= 1.4x) stamps new Messages with the current task's identity, which only a
+    running ServerApp sets; give this process one so that a strategy can build messages here.
+    Older Flower has no such identity and needs nothing."""
+    try:
+        from flwr.supercore.task_identity import TaskIdentity
+    except ImportError:
+        return
     if TaskIdentity._run_id is None:  # noqa: SLF001 - Flower exposes no "is set" query
         TaskIdentity.run_id = run_id
         TaskIdentity.node_id = 0
