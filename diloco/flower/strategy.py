@@ -30,15 +30,16 @@ clients all count as failures.
 
 from __future__ import annotations
 
-import logging
 import random
 import time
+from logging import INFO, WARNING
 from pathlib import Path
 from typing import Any, Iterable
 
 import torch
 from flwr.app import (Array, ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord,
                       RecordDict)
+from flwr.common.logger import log as flwr_log
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
 from flwr.serverapp.strategy.strategy_utils import sample_nodes
@@ -53,8 +54,6 @@ from diloco.metrics import MetricsLog
 from diloco.outer import FragmentSync
 from lowband.codecs import get_codec
 from lowband.errors import ProtocolError
-
-logger = logging.getLogger(__name__)
 
 # Record keys shared with diloco.flower.client.
 GLOBAL, CONFIG, DELTA, REPLY, METRICS = "global", "config", "delta", "lowband", "metrics"
@@ -99,13 +98,14 @@ class DiLoCoStrategy(Strategy):
     # ---- Flower Strategy API -------------------------------------------------------------------
     def summary(self) -> None:
         m, f = self.mode, self.fed
-        logger.info("DiLoCoStrategy: H=%d P=%d (%d inner steps per round) alpha=%s codec=%s "
-                    "error_feedback=%s outer=%s lr=%s momentum=%s nesterov=%s",
-                    m.inner_steps, m.n_fragments, m.stride, m.alpha, m.codec, m.error_feedback,
-                    m.outer.name, m.outer.lr, m.outer.momentum, m.outer.nesterov)
-        logger.info("  rounds=%d min_available_nodes=%d min_train_replies=%d fraction_train=%s "
-                    "accept_failures=%s evaluate_every=%d", f.rounds, f.min_available_nodes,
-                    f.min_train_replies, f.fraction_train, f.accept_failures, f.evaluate_every)
+        flwr_log(INFO, "DiLoCoStrategy: H=%d P=%d (%d inner steps per round) alpha=%s "
+                 "codec=%s error_feedback=%s outer=%s lr=%s momentum=%s nesterov=%s",
+                 m.inner_steps, m.n_fragments, m.stride, m.alpha, m.codec, m.error_feedback,
+                 m.outer.name, m.outer.lr, m.outer.momentum, m.outer.nesterov)
+        flwr_log(INFO, "  rounds=%d min_available_nodes=%d min_train_replies=%d "
+                 "fraction_train=%s accept_failures=%s evaluate_every=%d", f.rounds,
+                 f.min_available_nodes, f.min_train_replies, f.fraction_train,
+                 f.accept_failures, f.evaluate_every)
 
     def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
                         grid: Grid) -> Iterable[Message]:
@@ -132,16 +132,16 @@ class DiLoCoStrategy(Strategy):
             except ProtocolError as exc:
                 failures.append(f"node {msg.metadata.src_node_id}: {exc}")
         for reason in failures:
-            logger.warning("round %d: failed reply from %s", server_round, reason)
+            flwr_log(WARNING, "round %d: failed reply from %s", server_round, reason)
         applied = len(valid) >= self.fed.min_train_replies and (
             self.fed.accept_failures or not failures)
         update_norm = 0.0
         if applied:
             update_norm = self._outer_step(p, valid, server_round)
         else:
-            logger.warning("round %d skipped: %d valid replies (need %d), %d failures%s",
-                           server_round, len(valid), self.fed.min_train_replies, len(failures),
-                           "" if self.fed.accept_failures else " (accept_failures is off)")
+            flwr_log(WARNING, "round %d skipped: %d valid replies (need %d), %d failures%s",
+                     server_round, len(valid), self.fed.min_train_replies, len(failures),
+                     "" if self.fed.accept_failures else " (accept_failures is off)")
         rec = self._round_record(server_round, p, valid, len(failures), stale, applied,
                                  update_norm)
         every = self.fed.checkpoint_every  # the final checkpoint is the ServerApp's
@@ -164,8 +164,8 @@ class DiLoCoStrategy(Strategy):
         values: dict[str, list[float]] = {"eval-loss": [], "local-eval-loss": []}
         for msg in replies:
             if msg.has_error():
-                logger.warning("round %d: evaluation failed on node %d: %s", server_round,
-                               msg.metadata.src_node_id, msg.error.reason)
+                flwr_log(WARNING, "round %d: evaluation failed on node %d: %s", server_round,
+                         msg.metadata.src_node_id, msg.error.reason)
                 continue
             try:
                 status = self._read_status(msg)
@@ -173,13 +173,15 @@ class DiLoCoStrategy(Strategy):
                 n = float(metrics["num-examples"])  # type: ignore[arg-type]
                 row = {k: float(metrics[k]) for k in values}  # type: ignore[arg-type]
             except (KeyError, TypeError, ValueError, ProtocolError) as exc:
-                logger.warning("round %d: bad evaluation reply: %s", server_round, exc)
+                flwr_log(WARNING, "round %d: bad evaluation reply: %s", server_round, exc)
                 continue
             if status != "ok" or n <= 0:
                 continue
             weights.append(n)
             for k, v in row.items():
                 values[k].append(v)
+        sent = self._down.get((MessageType.EVALUATE, server_round), 0)
+        self.totals["bytes_down"] += sent
         if not weights:
             return None
         total = sum(weights)
@@ -187,8 +189,7 @@ class DiLoCoStrategy(Strategy):
             k: sum(w * v for w, v in zip(weights, vs)) / total for k, vs in values.items()}
         out["num-examples"] = int(total)
         out["replies"] = len(weights)
-        out["bytes-down"] = self._down.get((MessageType.EVALUATE, server_round), 0)
-        self.totals["bytes_down"] += int(out["bytes-down"])
+        out["bytes-down"] = sent
         self.log.log("fed_eval", round=server_round, **{k.replace("-", "_"): v
                                                          for k, v in out.items()})
         return MetricRecord(out)
@@ -223,7 +224,7 @@ class DiLoCoStrategy(Strategy):
         meta = {"format": 1, "round": server_round, "versions": list(self.versions),
                 "fragments": [list(f.names) for f in self.fragments], "outer": outer_meta}
         save_state(directory / "outer", (tensors, meta))
-        logger.info("round %d: checkpoint written to %s", server_round, directory)
+        flwr_log(INFO, "round %d: checkpoint written to %s", server_round, directory)
         return directory
 
     # ---- helpers -------------------------------------------------------------------------------
