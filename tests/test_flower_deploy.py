@@ -49,6 +49,28 @@ def test_superlink_and_supernodes_run_federated_diloco(spawn, tmp_path):
     assert (out / "checkpoint" / "model.safetensors").exists()
     assert "eval" in summary_table(out)
 
+    # Flower's transport and the SuperNodes' Context.state change nothing: the same rounds run
+    # in this process give the same model, bit for bit
+    torch = pytest.importorskip("torch")
+    from diloco.flower.client import handle
+    from diloco.flower.config import from_run_config
+    from diloco.flower.inprocess import InProcessGrid
+    from diloco.flower.server import run_server
+    from edge.weights import load_pretrained
+
+    rc = {**cfg.effective_run_config(), "out-dir": str(tmp_path / "inprocess")}
+    nodes = {10 + i: {"partition-id": i, "num-partitions": 3, **extra}
+             for i, extra in enumerate(cfg.node_configs)}
+    threads = torch.get_num_threads()
+    try:
+        local = run_server(InProcessGrid(handle, rc, nodes), from_run_config(rc))
+    finally:
+        torch.set_num_threads(threads)
+    assert local["final_eval"] == summary["final_eval"]
+    deployed = load_pretrained(out / "checkpoint").state_dict()
+    for name, t in load_pretrained(tmp_path / "inprocess" / "checkpoint").state_dict().items():
+        assert torch.equal(t, deployed[name]), name
+
     # every Flower process and its superexec children are gone (whole process groups)
     assert len(procs) == 5 and all(p.poll() is not None for p in procs)
     for p in procs:
