@@ -232,7 +232,7 @@ def test_fragments_rotate_and_only_changed_fragments_go_down():
     msgs = list(s.configure_train(3, s.global_record(), ConfigRecord(), grid))
     _, metrics = s.aggregate_train(3, [reply(msgs[0], torch.ones(s.fragments[0].numel), 1,
                                              base=0)])
-    assert metrics["applied"] == 0 and metrics["failures"] == 1
+    assert metrics["applied"] == 0 and metrics["failures"] == 2  # refused + node 2 silent
 
 
 def test_checkpoint_is_hf_format_plus_outer_state(tmp_path):
@@ -386,3 +386,24 @@ def test_bench_smoke(capsys):
     # streaming: the same steps and about the same bytes, half of them per round
     assert r["streaming-p2-int8"]["steps"] == r["diloco-int8"]["steps"] == 2
     assert r["streaming-p2-int8"]["peak_round_up"] < 0.6 * r["diloco-int8"]["peak_round_up"]
+
+
+def test_a_lost_reply_is_a_timeout_and_the_node_catches_up(tmp_path):
+    """Node 11 trains in round 1 but its reply never arrives (a round timeout): the round
+    aggregates node 10 alone, and round 2 re-sends node 11 everything it may lack."""
+    rc = run_cfg(**{"fragments": 2, "inner-steps": 4, "num-server-rounds": 3,
+                    "out-dir": str(tmp_path)})
+    grid, cfg = federation(rc)
+    inner = grid.handler
+
+    def lossy(msg, ctx):
+        grid.silent = {11} if msg.content.config_records[CONFIG]["server-round"] == 1 else set()
+        return inner(msg, ctx)
+
+    grid.handler = lossy
+    s = run_server(grid, cfg)
+    rounds = [r for r in read_jsonl(tmp_path / "metrics.jsonl") if r["event"] == "round"]
+    assert [(r["replies"], r["failures"]) for r in rounds] == [(1, 1), (2, 0), (2, 0)]
+    to_11 = [m.content.config_records[CONFIG] for m in grid.sent if m.metadata.dst_node_id == 11]
+    assert [list(c["sent-fragments"]) for c in to_11] == [[0, 1], [0, 1], [1]]
+    assert s["rounds_applied"] == 3

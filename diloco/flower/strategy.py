@@ -24,8 +24,8 @@ the gap. Δ_m is accepted only if computed against the current θ_g[p].
 A round aggregates the valid replies if there are at least ``min_train_replies`` of them (and,
 with ``accept_failures=False``, no failures); otherwise it is skipped: θ_g, the outer momentum
 and the versions stay as they were, so a bad round can never corrupt the state. Error replies,
-replies that never came (Flower's round timeout), malformed or non-finite payloads and stale
-clients all count as failures.
+replies that never came (Flower's round timeout; a late reply is dropped by Flower), malformed
+or non-finite payloads and stale clients all count as failures.
 """
 
 from __future__ import annotations
@@ -93,6 +93,7 @@ class DiLoCoStrategy(Strategy):
         self._initialized = False
         self._arrays: dict[str, tuple[int, Array]] = {}  # name -> (version, serialized)
         self._down: dict[tuple[str, int], int] = {}  # (message type, round) -> bytes sent
+        self._expected: dict[int, set[int]] = {}  # round -> nodes asked to train
         self._t0 = time.perf_counter()
 
     # ---- Flower Strategy API -------------------------------------------------------------------
@@ -112,6 +113,7 @@ class DiLoCoStrategy(Strategy):
         if not self._initialized:
             self.load_arrays(arrays)
         nodes = self._sample(grid, server_round)
+        self._expected[server_round] = set(nodes)
         return [self._instruction(n, server_round, config, MessageType.TRAIN) for n in nodes]
 
     def aggregate_train(self, server_round: int, replies: Iterable[Message]
@@ -120,6 +122,11 @@ class DiLoCoStrategy(Strategy):
         valid: list[tuple[float, torch.Tensor, MetricRecord]] = []
         failures: list[str] = []
         stale = 0
+        replies = list(replies)
+        # A node that was asked and did not answer within the round's timeout failed too.
+        missing = self._expected.pop(server_round, set()) - {
+            m.metadata.src_node_id for m in replies}
+        failures += [f"node {n}: no reply within the round timeout" for n in sorted(missing)]
         for msg in replies:
             if msg.has_error():
                 failures.append(f"node {msg.metadata.src_node_id}: {msg.error.reason}")
