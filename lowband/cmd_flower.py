@@ -10,6 +10,7 @@ processes yourself (see examples/flower_diloco/README.md).
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 from pathlib import Path
 from typing import Any
@@ -139,6 +140,9 @@ def _local(args: argparse.Namespace) -> int:
         cfg = local_config(args)
     except ConfigError as exc:
         return _fail(exc)
+    # The Flower processes live in their own process groups (so that one kill reaches their
+    # children); turn SIGTERM into an exception so that the teardown still runs.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     try:
         summary = run_local(cfg, echo=None if args.quiet else sys.stdout)
     except FlowerRunFailed as exc:
