@@ -245,7 +245,6 @@ def write_expert_file(path: Path, *, layer: int, expert: int,
     meta = meta_for(start)
     if len(meta) > guess:
         raise AssertionError("metadata grew past its reserved size")
-    meta = meta.ljust(guess, b"\0")
     with open(path, "wb") as f:
         f.write(_HEADER.pack(MAGIC, VERSION, 0, len(meta), zlib.crc32(meta)))
         f.write(meta)
@@ -303,7 +302,7 @@ class ExpertFile:
         if len(raw) != meta_len or zlib.crc32(raw) != meta_crc:
             raise CorruptWeights(f"{self.path}: metadata checksum mismatch (file damaged)")
         try:
-            meta = msgpack.unpackb(raw.rstrip(b"\0"))
+            meta = msgpack.unpackb(raw)
             self.layer, self.expert = int(meta["layer"]), int(meta["expert"])
             self.group_size = int(meta["group_size"])
             self.tensors = tuple(TensorLayout(t["name"], tuple(t["shape"]), self.group_size)

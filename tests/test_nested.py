@@ -288,3 +288,18 @@ def test_bytes_layout_holds_the_same_int8_codes(tmp_path: Path) -> None:
     with ExpertFile(tmp_path / "b.lbn") as b:
         with pytest.raises(CorruptWeights, match="int8 codes"):
             b.read_codes()
+
+
+def test_metadata_ending_in_a_zero_byte_parses(tmp_path: Path) -> None:
+    """Regression: trailing zero bytes of the msgpack metadata are data, not padding."""
+    import zlib
+    for seed in range(5000):
+        g = torch.Generator().manual_seed(seed)
+        qs = {n: quantize_int8(torch.randn(8, 8, generator=g), 8) for n in ("w1", "w2", "w3")}
+        codes = b"".join(q.codes.numpy().tobytes() for q in qs.values())
+        if zlib.crc32(codes) & 0xFF == 0:     # the last byte of the metadata is this crc's
+            break
+    write_expert_file(tmp_path / "z.lbn", layer=0, expert=0, tensors=qs, layout="bytes")
+    with ExpertFile(tmp_path / "z.lbn") as f:
+        f.verify()
+        assert torch.equal(f.read_codes()["w3"].view(8, 8), qs["w3"].codes)
