@@ -340,6 +340,20 @@ class WorkerState:
     forwards: int = 0
 
 
+def _regroup(comm: Communicator, cfg: WorkerConfig) -> None:
+    """Join the next epoch. A quorum can itself fail while the group is changing (e.g. a peer
+    lost notice arrives during it), so retry until ``join_timeout``."""
+    deadline = time.monotonic() + cfg.join_timeout
+    while True:
+        try:
+            comm.quorum(min_world=1, timeout=min(10.0, max(0.1, deadline - time.monotonic())))
+            return
+        except (PeerLost, TransportTimeout) as exc:
+            if time.monotonic() >= deadline:
+                raise
+            logger.info("worker: quorum not complete yet (%s); retrying", exc)
+
+
 def run_worker(comm: Communicator, cfg: WorkerConfig) -> int:
     """Serve the master until it says shutdown (returns 0) or disappears (raises PeerLost)."""
     comm.quorum(min_world=1, timeout=cfg.join_timeout)
@@ -357,7 +371,7 @@ def run_worker(comm: Communicator, cfg: WorkerConfig) -> int:
             except (PeerLost, TransportTimeout, ProtocolError) as exc:
                 # A peer died mid-forward: form the next epoch with whoever is left.
                 logger.warning("worker: %s; regrouping", exc)
-                comm.quorum(min_world=1, timeout=cfg.join_timeout)
+                _regroup(comm, cfg)
                 st.cache = st.shard.model.new_cache() if st.shard else None
     finally:
         if st.shard is not None:
@@ -407,7 +421,7 @@ def _handle(comm: Communicator, cfg: WorkerConfig, st: WorkerState, op: str,
         comm.barrier(tag=f"ping{meta['n']}", timeout=30.0)
     elif op == "regroup":
         if int(meta["epoch"]) >= comm.membership.epoch:  # ignore a stale request
-            comm.quorum(min_world=1, timeout=cfg.join_timeout)
+            _regroup(comm, cfg)
             st.cache = st.shard.model.new_cache() if st.shard else None
     else:
         logger.warning("worker: ignoring unknown op %r", op)

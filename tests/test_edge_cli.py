@@ -117,9 +117,9 @@ def test_worker_kill_and_return(ckpt, spawn) -> None:
     d, expected = ckpt
     port, cport = free_port(), free_port()
     bind = f"tcp://127.0.0.1:{cport}"
-    master = spawn([PY, "-m", "lowband", "edge", "serve", str(d), "--workers", "2", "--bind", bind,
+    master = spawn([PY, "-m", "lowband", "-v", "edge", "serve", str(d), "--workers", "2", "--bind", bind,
                     "--port", str(port), "--op-timeout", "10"])
-    worker = [PY, "-m", "lowband", "edge", "worker", "--master", bind, "--threads", "1"]
+    worker = [PY, "-m", "lowband", "-v", "edge", "worker", "--master", bind, "--threads", "1"]
     w1, w2 = spawn(worker), spawn(worker)
     _wait_health(port, master)
     status, out = _complete(port)
