@@ -12,7 +12,8 @@ import pytest
 
 pytest.importorskip("flwr")
 
-from diloco.flower.federation import LocalRunConfig, run_local, summary_table  # noqa: E402
+from diloco.flower.federation import (LocalRunConfig, run_local, summary_table,  # noqa: E402
+                                      tagged_pids)
 from diloco.metrics import read_jsonl  # noqa: E402
 
 
@@ -35,7 +36,7 @@ def test_superlink_and_supernodes_run_federated_diloco(spawn, tmp_path):
                     "round-timeout": 180.0},
         # the third site points at data it does not have: its ClientApp raises every round
         node_configs=({}, {}, {"data-kind": "text", "data-path": str(tmp_path / "missing.txt")}),
-        out_dir=str(out), timeout=360.0)
+        out_dir=str(out), timeout=360.0, workdir=str(tmp_path / "federation"))
     summary = run_local(cfg, starter=starter)
 
     assert summary["rounds_applied"] == 2
@@ -76,3 +77,5 @@ def test_superlink_and_supernodes_run_federated_diloco(spawn, tmp_path):
     for p in procs:
         with pytest.raises(ProcessLookupError):
             os.killpg(p.pid, 0)
+    # ... and so are the ServerApp/ClientApp processes Flower starts in groups of their own
+    assert tagged_pids("FLWR_HOME", str(tmp_path / "federation" / "flwr-home")) == []

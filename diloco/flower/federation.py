@@ -67,6 +67,34 @@ def _signal_group(pgid: int, sig: int) -> None:
         pass
 
 
+def _signal_pid(pid: int, sig: int) -> None:
+    try:
+        os.kill(pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def tagged_pids(key: str, value: str) -> list[int]:
+    """Live processes whose environment holds ``key=value`` (Linux ``/proc``; else none).
+
+    Environment variables are inherited, so this finds every descendant of a process started
+    with a unique value, even after it was re-parented or moved to another process group.
+    """
+    needle = f"{key}={value}".encode()
+    proc = Path("/proc")
+    found = []
+    for d in proc.iterdir() if proc.is_dir() else ():
+        if not d.name.isdigit() or int(d.name) == os.getpid():
+            continue
+        try:
+            environ = (d / "environ").read_bytes()  # empty for zombies: they are not counted
+        except OSError:
+            continue
+        if needle in environ.split(b"\0"):
+            found.append(int(d.name))
+    return found
+
+
 def _group_alive(pgid: int) -> bool:
     """Whether any process (zombies awaiting their reaper included) is left in the group."""
     try:
@@ -203,20 +231,27 @@ class LocalFederation:
                 "--node-config", " ".join(f"{k}={toml_value(v)}" for k, v in cfg.items())])
 
     def stop(self) -> None:
-        """Kill every Flower process group (SIGTERM, then SIGKILL) and close the logs.
+        """Kill every Flower process (SIGTERM, then SIGKILL) and close the logs.
 
-        Returns once no member of any group is left, superexec children included (bounded).
+        Each process we started leads its own group, which reaches the superexec children that
+        stay in it. Flower's superexec starts the ServerApp/ClientApp processes in groups of
+        their own, so on Linux every process that inherited this federation's FLWR_HOME is
+        signalled as well. Returns once none is left (bounded by a few seconds per signal).
         """
+        marker = ("FLWR_HOME", str(self.flwr_home))
         for sig in (signal.SIGTERM, signal.SIGKILL):
             for p in self.procs:
                 _signal_group(p.pid, sig)
+            for pid in tagged_pids(*marker):
+                _signal_pid(pid, sig)
             deadline = time.monotonic() + 5.0
             for p in self.procs:
                 try:
                     p.wait(timeout=max(0.0, deadline - time.monotonic()))
                 except subprocess.TimeoutExpired:
                     pass
-            while time.monotonic() < deadline and any(_group_alive(p.pid) for p in self.procs):
+            while time.monotonic() < deadline and (
+                    any(_group_alive(p.pid) for p in self.procs) or tagged_pids(*marker)):
                 time.sleep(0.05)
         self.procs.clear()
         for f in self._logs:
@@ -273,6 +308,7 @@ class LocalRunConfig:
     app_dir: str | None = None  # None: write the built-in app to a temporary directory
     node_configs: tuple[Mapping[str, Any], ...] = ()  # extra --node-config per SuperNode
     timeout: float = 3600.0  # seconds for the whole run
+    workdir: str | None = None  # logs, FLWR_HOME, run config (None: a temporary directory)
 
     def __post_init__(self) -> None:
         if self.supernodes < 1:
@@ -305,7 +341,8 @@ def run_local(cfg: LocalRunConfig, *, starter: Starter | None = None,
     with tempfile.TemporaryDirectory(prefix="lowband-flower-app-") as tmp:
         app = Path(cfg.app_dir) if cfg.app_dir else write_app(Path(tmp) / "app")
         with LocalFederation(cfg.supernodes, node_configs=cfg.node_configs or None,
-                             starter=starter) as fed:
+                             starter=starter,
+                             workdir=Path(cfg.workdir) if cfg.workdir else None) as fed:
             try:
                 fed.run(app, rc, timeout=cfg.timeout, echo=echo)
             except FlowerRunFailed:
