@@ -68,7 +68,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     local.add_argument("-P", "--fragments", type=int, help="P: fragments (one synced per round)")
     local.add_argument("--codec", help="uplink codec: fp32 fp16 bf16 int8 fp4 nf4 e3m0")
     local.add_argument("--preset", help="model/data preset: tiny (default) | shakespeare")
-    local.add_argument("--threads", type=int, help="torch threads per app process")
+    local.add_argument("--threads", type=int, default=1,
+                       help="torch threads per ServerApp/ClientApp process (default 1: the "
+                            "processes share this machine's cores)")
     local.add_argument("--app", type=Path, help="an app directory (default: the built-in app)")
     local.add_argument("--out", type=Path, default=Path("flower-run"),
                        help="metrics.jsonl, summary.json, checkpoint/ (default ./flower-run)")
