@@ -147,6 +147,7 @@ class DilocoConfig:
     codec: str = "fp32"  # wire format of the pseudo-gradient (lowband.codecs name)
     error_feedback: bool = False  # carry each fragment's quantization residual to its next sync
     outer: OptimizerConfig = field(default_factory=_nesterov)  # SGD Nesterov lr 0.7, μ 0.9
+    algorithm: Literal["auto", "ring", "star"] = "auto"  # all-reduce schedule of the syncs
 
     def __post_init__(self) -> None:
         if self.inner_steps < 1:
@@ -167,6 +168,8 @@ class DilocoConfig:
                               f"must be 'strided' or 'sequential', got {self.fragment_strategy!r}")
         if self.codec not in codec_names():
             raise ConfigError("codec", f"unknown codec {self.codec!r}; one of {codec_names()}")
+        if self.algorithm not in ("auto", "ring", "star"):
+            raise ConfigError("algorithm", f"must be auto, ring or star, got {self.algorithm!r}")
 
     @property
     def stride(self) -> int:
@@ -294,7 +297,7 @@ def config_from_dict(d: dict) -> TrainConfig:
 
 # ---- overrides: the command line's flat names onto the nested configuration ----------------
 _MODE_KEYS = {"inner_steps", "n_fragments", "tau", "alpha", "codec", "error_feedback",
-              "fragment_strategy"}
+              "fragment_strategy", "algorithm"}
 _TOP_KEYS = {"steps", "workers", "seed", "eval_every", "checkpoint_every", "audit_every",
              "log_every", "sync_timeout", "grad_clip"}
 _DATA_KEYS = {"batch_size", "seq_len", "eval_batches"}

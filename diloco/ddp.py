@@ -46,9 +46,10 @@ class DDPWorker:
         self.result = WorkerResult(peer_id=comm.membership.peer_id, rank=comm.rank, mode="ddp",
                                    start_step=0, steps=0)
         self._progress = Progress(cfg.steps, enabled=progress, desc="ddp")
+        self._t0 = time.perf_counter()
 
     def run(self) -> WorkerResult:
-        t0 = time.perf_counter()
+        t0 = self._t0 = time.perf_counter()
         self.comm.quorum(min_world=self.cfg.workers, timeout=self.cfg.sync_timeout)
         self._check_start()
         r = self.result
@@ -96,6 +97,7 @@ class DDPWorker:
         if step % self.cfg.log_every == 0 or step == self.cfg.steps:
             stats = self.comm.stats()
             self.log.log("step", step=step, loss=loss, lr=self.inner.lr(), tokens=r.tokens,
+                         tokens_per_s=round(r.tokens / max(time.perf_counter() - self._t0, 1e-9), 1),
                          compute_s=round(r.compute_s, 4), sync_s=round(r.sync_s, 4),
                          bytes_sent=stats.bytes_sent, bytes_received=stats.bytes_received)
         if self.cfg.eval_every and step % self.cfg.eval_every == 0 and step < self.cfg.steps:

@@ -49,7 +49,14 @@ from diloco.schedule import Action, Kind, drain_actions, fragment_actions
 from diloco.task import Task
 from lowband.codecs import get_codec
 from lowband.comm import Communicator, Work
-from lowband.errors import ConfigError, IncompatiblePeer, LowbandError, PeerLost, ProtocolError
+from lowband.errors import (ConfigError, IncompatiblePeer, LowbandError, PeerLost, ProtocolError,
+                            TransportTimeout)
+
+# A transport may fail a collective on some survivors only (those that needed data from the dead
+# peer directly) and leave the others waiting until their deadline. A worker that saw the failure
+# then waits in quorum() for those: the quorum deadline must outlast a collective's.
+QUORUM_TIMEOUT_FACTOR = 3.0
+MAX_CONSECUTIVE_TIMEOUTS = 3
 
 logger = logging.getLogger(__name__)
 
@@ -120,6 +127,7 @@ class DilocoWorker:
         self._rec_epoch: int | None = None
         self._rec_count = 0
         self._checkpoint_due = False
+        self._t0 = time.perf_counter()
         self._progress = Progress(cfg.steps, enabled=progress)
 
     @property
@@ -128,10 +136,10 @@ class DilocoWorker:
 
     # ---- the loop ------------------------------------------------------------------------------
     def run(self) -> WorkerResult:
-        t0 = time.perf_counter()
+        t0 = self._t0 = time.perf_counter()
         m = self.mode
         self._timed(lambda: self.comm.quorum(min_world=self.cfg.workers,
-                                             timeout=self.cfg.sync_timeout))
+                                             timeout=self._quorum_timeout))
         if self.worker_id is None:
             self.worker_id = str(self.comm.rank)
         self.result.peer_id = self.comm.membership.peer_id
@@ -174,6 +182,7 @@ class DilocoWorker:
         flag = torch.tensor([1.0 if sync.valid else 0.0])
         try:
             sync.total = self.comm.all_reduce_async(sync.x, "sum", codec=self.codec,
+                                                    algorithm=self.mode.algorithm,
                                                     tag=tag + "/sum", timeout=self.cfg.sync_timeout)
             sync.count = self.comm.all_reduce_async(flag, "sum", tag=tag + "/n",
                                                     timeout=self.cfg.sync_timeout)
@@ -187,8 +196,8 @@ class DilocoWorker:
         t = time.perf_counter()
         try:
             total, count = self._wait(sync)
-        except PeerLost as exc:
-            logger.warning("sync of fragment %d round %d lost a peer (%s); recovering at the "
+        except (PeerLost, TransportTimeout) as exc:
+            logger.warning("sync of fragment %d round %d failed (%s); recovering at the "
                            "sync point", sync.fragment, sync.round, exc)
             self.log.log("recovery", step=self.step, fragment=sync.fragment, error=str(exc))
             self.lost = sync
@@ -205,12 +214,15 @@ class DilocoWorker:
             raise PeerLost(f"the sync of fragment {sync.fragment} was never launched")
         return sync.total.wait(), sync.count.wait()
 
-    def _outer(self, p: int, total: torch.Tensor, count: torch.Tensor) -> None:
-        """Average over the valid contributions, outer step, merge (one fragment)."""
+    def _outer(self, p: int, total: torch.Tensor, count: torch.Tensor,
+               expected: int | None = None) -> None:
+        """Average over the valid contributions, outer step, merge (one fragment).
+        ``expected``: how many workers had a contribution (default: all of them)."""
         n = int(round(float(count.reshape(-1)[0])))
-        if n < self.comm.world_size:
+        expected = self.comm.world_size if expected is None else expected
+        if n < expected:
             logger.warning("fragment %d: %d of %d workers sent a valid pseudo-gradient; "
-                           "averaging over those", p, n, self.comm.world_size)
+                           "averaging over those", p, n, expected)
         if n > 0:
             self.fragments[p].outer_step(total.reshape(-1) / n)
             for param in self.fragments[p].merge(self.mode.alpha):
@@ -232,7 +244,7 @@ class DilocoWorker:
     # ---- membership ----------------------------------------------------------------------------
     def _sync_point(self) -> None:
         before = self.comm.membership.epoch
-        m = self.comm.quorum(timeout=self.cfg.sync_timeout)
+        m = self.comm.quorum(timeout=self._quorum_timeout)
         stride = self.mode.stride
         audit = bool(self.cfg.audit_every) and (self.step // stride) % self.cfg.audit_every == 0
         if m.epoch != before:
@@ -244,14 +256,22 @@ class DilocoWorker:
         elif self.lost is not None:
             logger.warning("lost sync with an unchanged membership; the next audit heals it")
 
+    @property
+    def _quorum_timeout(self) -> float:
+        return QUORUM_TIMEOUT_FACTOR * self.cfg.sync_timeout
+
     def _reconcile(self, reason: str) -> None:
+        timeouts = 0
         while True:
             try:
                 if self._reconcile_once(reason):
                     return
-            except PeerLost as exc:
-                logger.warning("peer lost while reconciling (%s); new quorum", exc)
-                self.comm.quorum(timeout=self.cfg.sync_timeout)
+            except (PeerLost, TransportTimeout) as exc:
+                timeouts = timeouts + 1 if isinstance(exc, TransportTimeout) else 0
+                if timeouts >= MAX_CONSECUTIVE_TIMEOUTS:
+                    raise
+                logger.warning("reconciling failed (%s); new quorum", exc)
+                self.comm.quorum(timeout=self._quorum_timeout)
 
     def _status(self) -> torch.Tensor:
         lost = self.lost
@@ -285,7 +305,7 @@ class DilocoWorker:
         if lost != {(-1, -1)}:
             if len(lost) != 1:
                 raise ProtocolError(f"workers at the same progress lost different syncs: {lost}")
-            self._redo(*lost.pop(), leader=comm.rank in leaders, tag=tag)
+            self._redo(*lost.pop(), leaders=leaders, tag=tag)
             return False  # progress changed: gather the status again
         ref = _majority([rows[i][HASH] for i in leaders])
         donor = min(i for i in leaders if rows[i][HASH] == ref)
@@ -317,11 +337,12 @@ class DilocoWorker:
                 "shapes, H, P, τ, codec, optimizers, steps or seed): use the same preset and "
                 "overrides as the other workers")
         logger.warning("refusing %d worker(s) with a different signature", len(bad))
-        self.comm.quorum(timeout=self.cfg.sync_timeout)  # they leave; continue without them
+        self.comm.quorum(timeout=self._quorum_timeout)  # they leave; continue without them
         return False
 
-    def _redo(self, fragment: int, round_: int, *, leader: bool, tag: str) -> None:
+    def _redo(self, fragment: int, round_: int, *, leaders: list[int], tag: str) -> None:
         """Redo a sync every most-advanced worker lost, with whoever is here now."""
+        leader = self.comm.rank in leaders
         if leader and self.lost is not None:
             x, valid = self.lost.x, self.lost.valid
         else:  # a newcomer or a worker that is behind: counted out of the average
@@ -330,7 +351,7 @@ class DilocoWorker:
         self._launch(sync, f"{tag}/redo/{fragment}/{round_}")
         total, count = self._wait(sync)
         if leader:
-            self._outer(fragment, total, count)
+            self._outer(fragment, total, count, expected=len(leaders))
             self._record_sync(sync, 0.0)
             self.lost = None
             self.result.retries += 1
@@ -426,6 +447,7 @@ class DilocoWorker:
         if step % self.cfg.log_every == 0 or step == self.cfg.steps:
             stats = self.comm.stats()
             self.log.log("step", step=step, loss=loss, lr=self.inner.lr(), tokens=r.tokens,
+                         tokens_per_s=round(r.tokens / max(time.perf_counter() - self._t0, 1e-9), 1),
                          compute_s=round(r.compute_s, 4), sync_s=round(r.sync_s, 4),
                          bytes_sent=stats.bytes_sent, bytes_received=stats.bytes_received)
         if self.cfg.eval_every and step % self.cfg.eval_every == 0 and step < self.cfg.steps:

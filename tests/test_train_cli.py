@@ -29,7 +29,7 @@ def small_cfg(**over):
     kw = dict(model=model, workers=3, steps=160, eval_every=0, log_every=5,
               data=dataclasses.replace(base.data, seq_len=16, batch_size=4, eval_batches=2),
               mode=DilocoConfig(inner_steps=8, n_fragments=2, tau=1, codec="int8",
-                                error_feedback=True), sync_timeout=60.0)
+                                error_feedback=True), sync_timeout=10.0)
     return dataclasses.replace(base, **{**kw, **over})
 
 
@@ -49,30 +49,59 @@ def _last_step(path: Path) -> int:
     return max(steps, default=0)
 
 
-def test_real_processes_survive_kill_9(tmp_path, spawn):
+def test_real_processes_survive_kill_9_and_admit_a_newcomer(tmp_path, spawn):
+    """Three `lowband worker` processes; one is killed with SIGKILL mid-run, a fourth joins
+    later. The survivors and the newcomer must all finish bit-identical in the global state."""
     from transport.coordinator import Coordinator, CoordinatorConfig
 
-    cfg = small_cfg()
+    cfg = small_cfg(steps=300)
     (tmp_path / "config.json").write_text(json.dumps(config_to_dict(cfg)))
+
+    def worker(i):
+        log = (tmp_path / f"out{i}.txt").open("w")
+        return spawn([PY, "-m", "lowband", "worker", "--coordinator", coord.address,
+                      "--config", str(tmp_path / "config.json"), "--id", str(i),
+                      "--out", str(tmp_path), "--threads", "1", "--bind-host", "127.0.0.1"],
+                     stdout=log, stderr=subprocess.STDOUT)
+
     with Coordinator(CoordinatorConfig(bind="tcp://127.0.0.1:0", heartbeat_interval=2.0)) as coord:
-        procs = [spawn([PY, "-m", "lowband", "worker", "--coordinator", coord.address,
-                        "--config", str(tmp_path / "config.json"), "--id", str(i),
-                        "--out", str(tmp_path), "--threads", "1", "--bind-host", "127.0.0.1"],
-                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-                 for i in range(3)]
+        procs = [worker(i) for i in range(3)]
         victim = tmp_path / "metrics-worker2.jsonl"
         _wait_for(lambda: _last_step(victim) >= 20, 120, "worker 2 to train 20 steps")
         os.killpg(procs[2].pid, signal.SIGKILL)
-        outs = [p.communicate(timeout=150)[0].decode() for p in procs[:2]]
-        assert [p.returncode for p in procs[:2]] == [0, 0], outs
+        procs.append(worker(3))  # joins the running group at its next sync point
+        codes = [procs[i].wait(timeout=150) for i in (0, 1, 3)]
+        outs = {i: (tmp_path / f"out{i}.txt").read_text() for i in (0, 1, 3)}
+        assert codes == [0, 0, 0], outs
     assert procs[2].wait(10) == -signal.SIGKILL
-    finals = [json.loads(o.strip().splitlines()[-1]) for o in outs]
-    assert [f["steps"] for f in finals] == [160, 160]
-    assert finals[0]["state_hash"] == finals[1]["state_hash"]  # bit-identical survivors
+    finals = {i: json.loads(o.strip().splitlines()[-1]) for i, o in outs.items()}
+    assert {f["steps"] for f in finals.values()} == {300}
+    assert len({f["state_hash"] for f in finals.values()}) == 1  # bit-identical global state
+    assert finals[3]["start_step"] > 20 and finals[3]["transfers"] == 1
     events = read_jsonl(tmp_path / "metrics-worker0.jsonl")
     changes = [e for e in events if e["event"] == "membership"]
-    assert changes and changes[-1]["world"] == 2 and len(changes[-1]["left"]) == 1
-    assert _last_step(victim) < 160
+    assert any(len(e["left"]) == 1 for e in changes) and any(e["joined"] for e in changes)
+    assert _last_step(victim) < 300
+
+
+def test_different_model_is_refused_by_the_coordinator(tmp_path):
+    from diloco.common import run_signature
+    from diloco.launch import WorkerLaunch, lm_task, worker_main
+    from lowband.errors import IncompatiblePeer
+    from transport.coordinator import Coordinator, CoordinatorConfig
+    from transport.zmq_comm import ZmqConfig, connect
+
+    cfg = small_cfg(workers=2)
+    other = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, num_hidden_layers=3))
+    with Coordinator(CoordinatorConfig(bind="tcp://127.0.0.1:0")) as coord:
+        sig = run_signature(cfg, lm_task(cfg).build_model()).hex()
+        first = connect(coord.address, ZmqConfig(bind_host="127.0.0.1"), signature=sig)
+        try:
+            with pytest.raises(IncompatiblePeer):
+                worker_main(WorkerLaunch(train=other, coordinator=coord.address,
+                                         bind_host="127.0.0.1"))
+        finally:
+            first.close()
 
 
 def test_cli_train_loopback_writes_a_model_edge_loads(tmp_path, capsys):
