@@ -327,7 +327,7 @@ def test_example_app_is_the_generated_app_and_flower_accepts_it(tmp_path):
     from pathlib import Path
 
     from flwr.common.config import validate_config
-    import tomllib
+    tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
 
     from diloco.flower.app import write_app
     from lowband.cli import main
