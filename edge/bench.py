@@ -275,7 +275,7 @@ def main_bench(a) -> dict:
         "prompt_len": a.prompt_len,
         "bytes_per_token_wire": tp["bytes_per_token_wire"], "wire": a.wire,
         "allreduce_ms_per_token": round(tp["allreduce_ms_per_token"], 2),
-        "profile_1dev": single.get("profile"),
+        "profile_1dev": singles[0].get("profile"),
         "window": {"blocks": win.get("window_blocks"), "of": n_layers,
                    "peak_rss_mb": round(win["peak_rss_mb"], 1),
                    "decode_ms_per_token": round(win["decode_ms_per_token"], 2),
