@@ -54,8 +54,11 @@ def _add_serve(p: argparse.ArgumentParser) -> None:
     p.add_argument("--weights", help="relative device capacities for an uneven split, e.g. 2,1,1")
     p.add_argument("--wire", default="fp32", choices=["fp32", "fp16", "bf16", "int8"],
                    help="activation encoding on the wire (default fp32)")
+    p.add_argument("--link", default="direct", choices=["direct", "comm"],
+                   help="activation path: direct star link (default, lowest latency) or the "
+                        "general communicator (then --algorithm applies)")
     p.add_argument("--algorithm", default="star", choices=["star", "ring", "auto"],
-                   help="all-reduce schedule (default star: latency-bound links)")
+                   help="all-reduce schedule with --link comm (default star)")
     p.add_argument("--token", help="shared secret workers must present")
     p.add_argument("--max-queue", type=int, default=64, help="waiting requests before 429")
     p.add_argument("--op-timeout", type=float, default=30.0,
@@ -170,7 +173,8 @@ def _serve_config(args, devices: int):
         device=_device(args),
         server=ServerConfig(host=args.host, port=args.port, max_queue=args.max_queue),
         cluster=ClusterConfig(devices=devices, weights=_weights(args.weights), wire=args.wire,
-                              algorithm=args.algorithm, dtype=args.dtype, window=args.window,
+                              algorithm=args.algorithm, link=args.link, dtype=args.dtype,
+                              window=args.window,
                               memory_budget_mb=args.memory_budget_mb, op_timeout=args.op_timeout))
 
 
