@@ -32,6 +32,8 @@ from pathlib import Path
 
 import torch
 
+from lowband.errors import PeerLost as PeerLostError
+
 PRESETS = {
     # ~360M params, 1.45 GB fp32: big enough that torch's own ~200 MB RSS does not dominate.
     "default": dict(vocab_size=256, hidden_size=1024, intermediate_size=2816, num_hidden_layers=32,
@@ -170,6 +172,78 @@ def role_master(a) -> dict:
     return res
 
 
+def role_shard(a) -> dict:
+    """One TP slice computing alone (all-reduce replaced by identity): the per-device compute
+    time a board of its own would see, free of the other simulated device's memory traffic."""
+    from edge.engine import LocalRunner
+    from edge.shardio import load_shard
+    _pin(a.core)
+    shard = load_shard(a.model, a.rank, a.devices, reduce=lambda x: x)
+    m = shard.model
+    times = []
+    if a.rank == 0:
+        runner = LocalRunner(m)
+        res = _decode(runner, list(range(1, a.prompt_len + 1)), a.tokens, a.warmup)
+    else:
+        cache = m.new_cache()
+        h = torch.randn(1, a.prompt_len, m.config.hidden_size)
+        with torch.inference_mode():
+            m.forward_layers(h, cache=cache, start=0)
+            for i in range(a.warmup + a.tokens):
+                t = time.perf_counter()
+                m.forward_layers(h[:, :1], cache=cache, start=a.prompt_len + i)
+                if i >= a.warmup:
+                    times.append(time.perf_counter() - t)
+        res = {"decode_ms_per_token": 1e3 * statistics.median(times)}
+    shard.close()
+    return {"decode_ms_per_token": res["decode_ms_per_token"], "peak_rss_mb": _peak_rss_mb()}
+
+
+def role_link(a) -> dict:
+    """Star all-reduce latency of one activation vector (1, 1, H) between two pinned processes."""
+    from edge.link import StarHub, StarSpoke
+    _pin(a.core)
+    x = torch.randn(1, 1, a.hidden)
+    if a.rank == 0:
+        hub = StarHub("127.0.0.1", a.port)
+        hub.accept(1, timeout=60)
+        net = hub
+    else:
+        net = None
+        deadline = time.monotonic() + 60
+        while net is None:
+            try:
+                net = StarSpoke("127.0.0.1", a.port, 1, timeout=10)
+            except PeerLostError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.05)
+    times = []
+    for i in range(200 + a.link_iters):
+        t = time.perf_counter()
+        net.all_reduce(x, timeout=30)
+        if i >= 200:
+            times.append(time.perf_counter() - t)
+    net.close()
+    times.sort()
+    return {"median_us": 1e6 * times[len(times) // 2], "p90_us": 1e6 * times[int(0.9 * len(times))]}
+
+
+def _link_latency(a, hidden: int) -> dict:
+    port = _free_port()
+    common = ["--role", "link", "--port", str(port), "--hidden", str(hidden)]
+    spoke = subprocess.Popen([sys.executable, "-m", "edge.bench", *common, "--rank", "1", "--core", "1"],
+                             start_new_session=True, stdout=subprocess.DEVNULL)
+    try:
+        return _run_role([*common, "--rank", "0", "--core", "0"], a.timeout)
+    finally:
+        try:
+            spoke.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(spoke.pid, signal.SIGKILL)
+            spoke.wait(timeout=10)
+
+
 def _prefill_bytes(runner, a) -> int:
     """Payload the prefill put on the master's wire (T positions instead of 1)."""
     cfg = runner.config
@@ -252,10 +326,14 @@ def main_bench(a) -> dict:
         singles.append(_run_role(["--role", "single", "--model", str(split1), "--core", "0",
                                   *(["--profile"] if not singles else []), *common], a.timeout))
         tps.append(_run_tp(str(split2), a))
+    n_layers = cfg["num_hidden_layers"]
+    # Decomposition: each TP slice computing alone, and the link's all-reduce latency.
+    alone = [_run_role(["--role", "shard", "--model", str(split2), "--rank", str(r), "--devices", "2",
+                        "--core", "0", *common], a.timeout) for r in range(2)]
+    lat = _link_latency(a, cfg["hidden_size"])
     single = min(singles, key=lambda r: r["decode_ms_per_token"])
     tp = min(tps, key=lambda r: r["decode_ms_per_token"])
     tp_parity = max(abs(x - y) for x, y in zip(single["prefill_logits"], tp["prefill_logits"]))
-    n_layers = cfg["num_hidden_layers"]
     win = _run_role(["--role", "single", "--model", str(split1), "--core", "0",
                      "--win", str(a.window), *common], a.timeout)
     # The same with the prefetch thread on a second core (a board's spare core does the I/O).
@@ -275,6 +353,17 @@ def main_bench(a) -> dict:
         "prompt_len": a.prompt_len,
         "bytes_per_token_wire": tp["bytes_per_token_wire"], "wire": a.wire,
         "allreduce_ms_per_token": round(tp["allreduce_ms_per_token"], 2),
+        "tp_decomposition": {
+            # per-device compute of each half alone (as on separate boards), the link's
+            # all-reduce latency, and the projection max(compute) + 2L x latency
+            "slice_alone_ms": [round(r["decode_ms_per_token"], 2) for r in alone],
+            "link_allreduce_us": {k: round(v, 1) for k, v in lat.items()},
+            "projected_2dev_ms": round(max(r["decode_ms_per_token"] for r in alone)
+                                       + 2 * n_layers * lat["median_us"] / 1e3, 2),
+            "projected_tp_speedup": round(single["decode_ms_per_token"] / (
+                max(r["decode_ms_per_token"] for r in alone)
+                + 2 * n_layers * lat["median_us"] / 1e3), 3),
+        },
         "profile_1dev": singles[0].get("profile"),
         "window": {"blocks": win.get("window_blocks"), "of": n_layers,
                    "peak_rss_mb": round(win["peak_rss_mb"], 1),
@@ -317,7 +406,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--workdir", default=None, help="where to write the checkpoint (a real disk)")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds per child process")
     # internal: one measurement in this process
-    p.add_argument("--role", choices=["single", "master"], help=argparse.SUPPRESS)
+    p.add_argument("--role", choices=["single", "master", "shard", "link"], help=argparse.SUPPRESS)
+    p.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
+    p.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
+    p.add_argument("--hidden", type=int, default=1024, help=argparse.SUPPRESS)
+    p.add_argument("--link-iters", type=int, default=1000, help=argparse.SUPPRESS)
     p.add_argument("--model", help=argparse.SUPPRESS)
     p.add_argument("--core", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--bind", help=argparse.SUPPRESS)
@@ -331,6 +424,12 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if a.role == "master":
         print(json.dumps(role_master(a)))
+        return 0
+    if a.role == "shard":
+        print(json.dumps(role_shard(a)))
+        return 0
+    if a.role == "link":
+        print(json.dumps(role_link(a)))
         return 0
     res = main_bench(a)
     if not a.json:
