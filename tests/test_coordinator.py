@@ -153,3 +153,23 @@ def test_silent_peer_is_declared_lost_within_two_intervals():
         finally:
             a.close()
             b.close()
+
+
+def test_pending_quorum_completes_without_a_peer_that_dies_meanwhile():
+    with Coordinator(CoordinatorConfig(bind="tcp://127.0.0.1:0", heartbeat_interval=0.3)) as coord:
+        a, b, c = connect_all(coord.address, 3, CFG)
+        try:
+            results = []
+            waiting = []
+            for p in (a, b):
+                t = threading.Thread(target=lambda p=p: results.append(p.quorum(timeout=10)))
+                t.start()
+                waiting.append(t)
+            time.sleep(0.2)  # both are inside quorum(), waiting for c
+            c.close()
+            for t in waiting:
+                t.join(15)
+            assert sorted((m.epoch, m.world_size) for m in results) == [(1, 2), (1, 2)]
+        finally:
+            for p in (a, b, c):
+                p.close()

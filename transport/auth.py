@@ -21,6 +21,7 @@ from __future__ import annotations
 import hmac
 import logging
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -93,25 +94,40 @@ def token_policy(token: str) -> Decision:
     return decide
 
 
-def curve_policy(allowed: Callable[[bytes], str | None]) -> Decision:
-    """CURVE: admit a client whose Z85 public key ``allowed`` maps to a user id."""
+DEFER = "\0defer"
+"""Returned by a policy that cannot decide yet: the handler asks again shortly (bounded)."""
+
+
+def curve_policy(allowed: Callable[[bytes], str | None], *, defer_unknown: bool = False) -> Decision:
+    """CURVE: admit a client whose Z85 public key ``allowed`` maps to a user id.
+
+    With ``defer_unknown`` an unknown key is not refused at once: on a peer's data socket, a
+    new member may connect a moment before this peer has processed the membership that
+    lists its key; the handler holds the handshake until the key appears or time runs out."""
 
     def decide(mechanism: str, address: str, creds: list[bytes]) -> str | None:
         if mechanism != "CURVE" or len(creds) != 1 or len(creds[0]) != 32:
             return None
-        return allowed(z85.encode(creds[0]))
+        user = allowed(z85.encode(creds[0]))
+        return DEFER if user is None and defer_unknown else user
     return decide
 
 
 class ZapHandler:
-    """Answers ZeroMQ's ZAP requests for one context, with one policy per ZAP domain."""
+    """Answers ZeroMQ's ZAP requests for one context, with one policy per ZAP domain.
 
-    def __init__(self, ctx: zmq.Context) -> None:
+    A ROUTER socket (rather than the usual REP) lets it hold a request whose policy said
+    ``DEFER`` while answering others; held requests are re-decided every 50 ms for up to
+    ``defer_seconds`` and then refused."""
+
+    def __init__(self, ctx: zmq.Context, defer_seconds: float = 3.0) -> None:
         self._ctx = ctx
         self._policies: dict[str, Decision] = {}
-        self._sock = ctx.socket(zmq.REP)
+        self._sock = ctx.socket(zmq.ROUTER)
         self._sock.linger = 0
         self._sock.bind(ZAP_ENDPOINT)
+        self._defer = defer_seconds
+        self._held: list[tuple[float, list[bytes]]] = []
         self._stop = threading.Event()
         self.rejected = 0
         self.accepted = 0
@@ -126,19 +142,35 @@ class ZapHandler:
         poller.register(self._sock, zmq.POLLIN)
         try:
             while not self._stop.is_set():
-                if not poller.poll(100):
-                    continue
-                request = self._sock.recv_multipart()
-                self._sock.send_multipart(self._answer(request))
+                if poller.poll(50 if self._held else 100):
+                    while True:
+                        try:
+                            frames = self._sock.recv_multipart(zmq.NOBLOCK)
+                        except zmq.Again:
+                            break
+                        self._handle(time.monotonic() + self._defer, frames)
+                held, self._held = self._held, []
+                for deadline, frames in held:
+                    self._handle(deadline, frames)
         except zmq.ContextTerminated:
             pass
         finally:
             self._sock.close(0)
 
-    def _answer(self, request: list[bytes]) -> list[bytes]:
-        if len(request) < 6:
-            logger.warning("malformed ZAP request with %d frames", len(request))
-            return [b"1.0", b"", b"500", b"malformed request", b"", b""]
+    def _handle(self, deadline: float, frames: list[bytes]) -> None:
+        # [routing id, empty delimiter, version, request id, domain, address, identity,
+        #  mechanism, credentials...]
+        if len(frames) < 8 or frames[1] != b"":
+            logger.warning("malformed ZAP request with %d frames", len(frames))
+            return
+        envelope, request = frames[:2], frames[2:]
+        reply = self._answer(request, final=time.monotonic() >= deadline)
+        if reply is None:
+            self._held.append((deadline, frames))
+        else:
+            self._sock.send_multipart(envelope + reply)
+
+    def _answer(self, request: list[bytes], final: bool) -> list[bytes] | None:
         version, request_id, domain, address, _identity, mechanism = request[:6]
         creds = request[6:]
         dom, mech, addr = domain.decode(errors="replace"), mechanism.decode(), address.decode()
@@ -149,6 +181,10 @@ class ZapHandler:
                 user = policy(mech, addr, creds)
             except Exception:  # a policy bug must not kill the auth thread (rejects instead)
                 logger.exception("ZAP policy for %s failed", dom)
+        if user == DEFER:
+            if not final:
+                return None
+            user = None
         if user is None:
             self.rejected += 1
             logger.warning("rejected %s connection from %s on %s: bad credentials",

@@ -1,15 +1,23 @@
 """Transport benchmarks. Each mode prints one JSON line, the last line of its output.
 
     python -m transport.bench allreduce --world 4 --size-mb 64 --connections 4 --vs-gloo --json
-    python -m transport.bench emulator --size-mb 8 --bandwidth-mbit 200 --delay-ms 50 --window-kb 256
-    python -m transport.bench netns --size-mb 50 --rate-mbit 100          # needs root + iproute2
+    python -m transport.bench emulator --size-mb 8 --rate-mbit 400 --delay-ms 50 --window-kb 256
+    python -m transport.bench netns --size-mb 25 --rate-mbit 100        # needs root + iproute2
 
-``allreduce`` runs ``world`` separate processes on this machine (real TCP on 127.0.0.1) and, with
-``--vs-gloo``, the same all-reduce with torch.distributed's Gloo backend in the same run, so the
-ratio is meaningful on a shared, noisy machine. Timing per iteration: a barrier, then the
-all-reduce; the iteration's time is the slowest rank's; the reported time is the median over
-iterations. algbw = bytes / seconds; busbw = algbw · 2(n-1)/n (the nccl-tests convention: the
-bytes each rank must move, so it is comparable across world sizes).
+``allreduce`` starts ``world`` processes on this machine. Each joins a lowband group (TCP on
+127.0.0.1, or ``--transport ipc`` for lowband's same-host Unix-socket path) and, with
+``--vs-gloo``, a torch.distributed Gloo group over TCP on 127.0.0.1. Iterations alternate
+between the two (barrier, then the timed all-reduce), so a load spike on this shared machine
+hits both alike. An iteration's time is its slowest rank's; reported times are medians.
+algbw = bytes / seconds; busbw = algbw · 2(n-1)/n (the nccl-tests convention). CPU seconds per
+operation (all threads of all ranks, ZeroMQ's I/O threads included) are reported as well: on a
+busy machine they show efficiency better than wall time.
+
+``emulator`` moves ``size_mb`` between two peers whose data ports sit behind the user-space link
+emulator (bandwidth, one-way delay, per-connection window) for each K in ``--connections``.
+
+``netns`` moves ``size_mb`` between two network namespaces joined by a veth pair shaped with
+``tc tbf`` and reports goodput as a fraction of the shaped rate.
 """
 
 from __future__ import annotations
@@ -17,19 +25,21 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass
-from typing import Any, Sequence
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
 
 from lowband.errors import ConfigError
 
 MiB = 1 << 20
 
 
+# ---- allreduce ---------------------------------------------------------------------------------------
 @dataclass(frozen=True, kw_only=True)
 class AllReduceBench:
     world: int = 4
@@ -38,14 +48,17 @@ class AllReduceBench:
     chunk_mb: float = 4.0
     algorithm: str = "auto"
     codec: str = "none"
-    iters: int = 5
+    iters: int = 7
     warmup: int = 2
     vs_gloo: bool = False
     threads: int = 1
-    """torch intra-op threads per rank, for lowband and Gloo alike (ranks share the cores)."""
+    """torch intra-op threads per rank, for lowband and Gloo alike (the ranks share the cores)."""
     transport: str = "tcp"
     """tcp: TCP over 127.0.0.1 like Gloo; ipc: lowband's same-host Unix-socket path."""
     socket_buffer_kb: int = 0
+    gc_freeze: bool = False
+    """Call gc.freeze() in each rank after start-up (applies to the Gloo runs in the same
+    processes too): full collections then skip torch's ~10^5 import-time objects."""
     timeout: float = 120.0
 
     def __post_init__(self) -> None:
@@ -65,122 +78,78 @@ class AllReduceBench:
         return int(self.size_mb * MiB) // 4 * 4
 
 
-def _bandwidths(nbytes: int, seconds: float, world: int) -> tuple[float, float]:
+def bus_bandwidth(nbytes: int, seconds: float, world: int) -> tuple[float, float]:
+    """(algbw, busbw) in GB/s."""
     algbw = nbytes / seconds / 1e9
-    return algbw, algbw * 2 * (world - 1) / world if world > 1 else algbw
+    return algbw, (algbw * 2 * (world - 1) / world if world > 1 else algbw)
 
 
-# ---- worker processes ---------------------------------------------------------------------------
 def _cpu_seconds() -> float:
-    import resource
-    ru = resource.getrusage(resource.RUSAGE_SELF)  # all threads, ZeroMQ's I/O threads included
+    ru = resource.getrusage(resource.RUSAGE_SELF)  # every thread of this process
     return ru.ru_utime + ru.ru_stime
 
 
-def _time_iterations(run, barrier, gather_max, iters: int, warmup: int) -> tuple[list[float], float]:
-    """Per-iteration times (slowest rank) and this rank's CPU seconds per iteration."""
-    times = []
-    cpu = 0.0
-    for i in range(warmup + iters):
-        barrier()
-        c0 = _cpu_seconds()
-        t0 = time.perf_counter()
-        run()
-        dt = time.perf_counter() - t0
-        if i >= warmup:
-            cpu += _cpu_seconds() - c0
-            times.append(gather_max(dt))
-    return times, cpu / iters
+def _timed(run: Callable[[], Any], barrier: Callable[[], Any]) -> tuple[float, float]:
+    barrier()
+    c0, t0 = _cpu_seconds(), time.perf_counter()
+    run()
+    return time.perf_counter() - t0, _cpu_seconds() - c0
 
 
-def _lowband_worker(args: argparse.Namespace) -> dict[str, Any]:
+def _allreduce_worker(args: argparse.Namespace) -> dict[str, Any]:
     import torch
+    import torch.distributed as dist
 
     from lowband.codecs import get_codec
     from transport.zmq_comm import ZmqConfig, connect
 
     torch.set_num_threads(args.threads)
-    cfg = ZmqConfig(connections=args.connections, chunk_bytes=int(args.chunk_mb * MiB),
-                    timeout=args.timeout, bind_host="127.0.0.1",
-                    same_host_ipc=args.transport == "ipc",
+    chunk = int(args.chunk_mb * MiB)
+    cfg = ZmqConfig(connections=args.connections, chunk_bytes=chunk, timeout=args.timeout,
+                    bind_host="127.0.0.1", same_host_ipc=args.transport == "ipc",
                     socket_buffer_bytes=args.socket_buffer_kb * 1024,
-                    max_message_bytes=max(64 * MiB, int(args.chunk_mb * MiB) + MiB))
+                    max_message_bytes=max(64 * MiB, chunk + MiB))
     comm = connect(args.coord, cfg, signature="bench")
+    gloo = bool(args.gloo)
     try:
-        comm.quorum(min_world=args.world, timeout=args.timeout)
+        m = comm.quorum(min_world=args.world, timeout=args.timeout)
+        if gloo:
+            dist.init_process_group("gloo", init_method=args.gloo, rank=m.rank,
+                                    world_size=args.world)
         x = torch.randn(args.nbytes // 4)
         codec = None if args.codec == "none" else get_codec(args.codec)
-        algo = comm.choose_algorithm(x, codec, args.algorithm)
 
-        def gather_max(dt: float) -> float:
-            return max(t.item() for t in comm.all_gather(torch.tensor([dt], dtype=torch.float64)))
+        def ours() -> None:
+            comm.all_reduce(x, "sum", codec=codec, algorithm=args.algorithm)
 
-        before = comm.stats()
-        times, cpu = _time_iterations(
-            lambda: comm.all_reduce(x, "sum", codec=codec, algorithm=args.algorithm),
-            comm.barrier, gather_max, args.iters, args.warmup)
-        after = comm.stats()
-        return {"rank": comm.rank, "times": times, "cpu": cpu, "algorithm": algo,
-                "bytes_sent": after.bytes_sent - before.bytes_sent}
-    finally:
-        comm.close()
+        y = torch.empty_like(x)
 
-
-def _gloo_worker(args: argparse.Namespace) -> dict[str, Any]:
-    import torch
-    import torch.distributed as dist
-
-    torch.set_num_threads(args.threads)
-    dist.init_process_group("gloo", init_method=args.coord, rank=args.rank, world_size=args.world)
-    try:
-        x = torch.randn(args.nbytes // 4)
-
-        def run() -> None:
-            y = x.clone()  # all_reduce is in place; lowband returns a new tensor, so both allocate
+        def theirs() -> None:
+            # Gloo at its best: in place on a persistent buffer (as DDP does), refilled with
+            # the input each time. lowband returns a new tensor (from its result pool).
+            y.copy_(x)
             dist.all_reduce(y)
 
-        def gather_max(dt: float) -> float:
-            t = torch.tensor([dt], dtype=torch.float64)
-            dist.all_reduce(t, op=dist.ReduceOp.MAX)
-            return t.item()
-
-        times, cpu = _time_iterations(run, dist.barrier, gather_max, args.iters, args.warmup)
-        return {"rank": args.rank, "times": times, "cpu": cpu}
+        if args.gc_freeze:
+            import gc
+            gc.freeze()  # move start-up objects (torch's) out of the collector's way
+        rows: dict[str, list[tuple[float, float]]] = {"lowband": [], "gloo": []}
+        sent0 = comm.stats().bytes_sent
+        for i in range(args.warmup + args.iters):
+            a = _timed(ours, comm.barrier)
+            b = _timed(theirs, dist.barrier) if gloo else None
+            if i >= args.warmup:
+                rows["lowband"].append(a)
+                if b:
+                    rows["gloo"].append(b)
+            if i == 0:
+                sent = comm.stats().bytes_sent - sent0  # one all-reduce (plus a barrier)
+        return {"rank": m.rank, "rows": rows, "bytes_sent": sent,
+                "algorithm": comm.choose_algorithm(x, codec, args.algorithm)}
     finally:
-        dist.destroy_process_group()
-
-
-def _spawn(kind: str, cfg: AllReduceBench, coord: str) -> list[dict[str, Any]]:
-    procs = []
-    common = ["--world", str(cfg.world), "--nbytes", str(cfg.nbytes), "--iters", str(cfg.iters),
-              "--warmup", str(cfg.warmup), "--threads", str(cfg.threads), "--coord", coord,
-              "--connections", str(cfg.connections), "--chunk-mb", str(cfg.chunk_mb),
-              "--algorithm", cfg.algorithm, "--codec", cfg.codec, "--timeout", str(cfg.timeout),
-              "--transport", cfg.transport, "--socket-buffer-kb", str(cfg.socket_buffer_kb)]
-    with tempfile.TemporaryDirectory() as tmp:
-        outs = []
-        for rank in range(cfg.world):
-            path = os.path.join(tmp, f"{kind}-{rank}.json")
-            outs.append(path)
-            procs.append(subprocess.Popen(
-                [sys.executable, "-m", "transport.bench", "_worker", kind, "--rank", str(rank),
-                 "--out", path, *common], start_new_session=True))
-        try:
-            for p in procs:
-                p.wait(timeout=cfg.timeout * 3)
-        finally:
-            for p in procs:
-                if p.poll() is None:
-                    os.killpg(p.pid, 9)
-                    p.wait()
-        bad = [p.returncode for p in procs if p.returncode != 0]
-        if bad:
-            raise RuntimeError(f"{kind} benchmark workers failed with exit codes {bad}")
-        results = []
-        for path in outs:
-            with open(path) as f:
-                results.append(json.load(f))
-    return results
+        if gloo and dist.is_initialized():
+            dist.destroy_process_group()
+        comm.close()
 
 
 def _free_port() -> int:
@@ -190,35 +159,187 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _spawn_workers(mode: str, world: int, extra: list[str], timeout: float) -> list[dict[str, Any]]:
+    """Run ``world`` worker processes (own process groups, killed on failure); their JSON."""
+    with tempfile.TemporaryDirectory() as tmp:
+        outs = [os.path.join(tmp, f"{mode}-{i}.json") for i in range(world)]
+        procs = [subprocess.Popen([sys.executable, "-m", "transport.bench", "_worker", mode,
+                                   "--out", out, *extra], start_new_session=True)
+                 for out in outs]
+        try:
+            for p in procs:
+                p.wait(timeout=timeout)
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    os.killpg(p.pid, 9)
+                    p.wait()
+        bad = [p.returncode for p in procs if p.returncode != 0]
+        if bad:
+            raise RuntimeError(f"{mode} benchmark workers failed with exit codes {bad}")
+        results = []
+        for out in outs:
+            with open(out) as f:
+                results.append(json.load(f))
+    return results
+
+
 def allreduce(cfg: AllReduceBench) -> dict[str, Any]:
     from transport.coordinator import Coordinator, CoordinatorConfig
 
+    extra = ["--world", str(cfg.world), "--nbytes", str(cfg.nbytes), "--iters", str(cfg.iters),
+             "--warmup", str(cfg.warmup), "--threads", str(cfg.threads),
+             "--connections", str(cfg.connections), "--chunk-mb", str(cfg.chunk_mb),
+             "--algorithm", cfg.algorithm, "--codec", cfg.codec, "--timeout", str(cfg.timeout),
+             "--transport", cfg.transport, "--socket-buffer-kb", str(cfg.socket_buffer_kb),
+             "--gloo", f"tcp://127.0.0.1:{_free_port()}" if cfg.vs_gloo else "",
+             "--gc-freeze", str(int(cfg.gc_freeze))]
     with Coordinator(CoordinatorConfig(bind="tcp://127.0.0.1:0", heartbeat_interval=2.0)) as coord:
-        ours = _spawn("lowband", cfg, coord.address)
-    seconds = statistics.median(max(r["times"][i] for r in ours) for i in range(cfg.iters))
-    algbw, busbw = _bandwidths(cfg.nbytes, seconds, cfg.world)
+        ranks = _spawn_workers("allreduce", cfg.world, ["--coord", coord.address, *extra],
+                               cfg.timeout * 4)
+
+    def summary(kind: str) -> tuple[float, float]:
+        per_iter = [max(r["rows"][kind][i][0] for r in ranks) for i in range(cfg.iters)]
+        cpu = [sum(r["rows"][kind][i][1] for r in ranks) for i in range(cfg.iters)]
+        return statistics.median(per_iter), statistics.median(cpu)
+
+    seconds, cpu = summary("lowband")
+    algbw, busbw = bus_bandwidth(cfg.nbytes, seconds, cfg.world)
     result: dict[str, Any] = {
         "mode": "allreduce", "transport": cfg.transport, "world": cfg.world, "bytes": cfg.nbytes,
         "dtype": "float32", "connections": cfg.connections, "chunk_bytes": int(cfg.chunk_mb * MiB),
-        "algorithm": ours[0]["algorithm"], "codec": cfg.codec, "iters": cfg.iters,
+        "algorithm": ranks[0]["algorithm"], "codec": cfg.codec, "iters": cfg.iters,
         "threads_per_rank": cfg.threads, "seconds": round(seconds, 5),
         "algbw_GBps": round(algbw, 4), "busbw_GBps": round(busbw, 4),
-        "bytes_sent_per_rank": ours[0]["bytes_sent"] // (cfg.iters + cfg.warmup),
-        "cpu_seconds_per_op": round(sum(r["cpu"] for r in ours), 4),
+        "bytes_sent_per_rank": ranks[0]["bytes_sent"], "cpu_seconds_per_op": round(cpu, 4),
+        "gc_freeze": cfg.gc_freeze,
     }
     if cfg.vs_gloo:
-        gloo = _spawn("gloo", cfg, f"tcp://127.0.0.1:{_free_port()}")
-        gsec = statistics.median(max(r["times"][i] for r in gloo) for i in range(cfg.iters))
-        galg, gbus = _bandwidths(cfg.nbytes, gsec, cfg.world)
+        gsec, gcpu = summary("gloo")
+        galg, gbus = bus_bandwidth(cfg.nbytes, gsec, cfg.world)
+        ratios = [max(r["rows"]["gloo"][i][0] for r in ranks)
+                  / max(r["rows"]["lowband"][i][0] for r in ranks) for i in range(cfg.iters)]
         result.update({"gloo_seconds": round(gsec, 5), "gloo_algbw_GBps": round(galg, 4),
                        "gloo_busbw_GBps": round(gbus, 4), "ratio_vs_gloo": round(busbw / gbus, 3),
-                       "gloo_cpu_seconds_per_op": round(sum(r["cpu"] for r in gloo), 4)})
+                       "ratio_vs_gloo_per_iter_median": round(statistics.median(ratios), 3),
+                       "gloo_cpu_seconds_per_op": round(gcpu, 4),
+                       "gloo_mode": "in place on a persistent buffer (copy_ of the input, then all_reduce)"})
     return result
 
 
+# ---- emulator -------------------------------------------------------------------------------------
+@dataclass(frozen=True, kw_only=True)
+class EmulatorBench:
+    size_mb: float = 8.0
+    rate_mbit: float = 400.0
+    delay_ms: float = 50.0
+    window_kb: int = 256
+    connections: tuple[int, ...] = (1, 2, 4, 8)
+    chunk_kb: int = 256
+    repeats: int = 2
+
+    def __post_init__(self) -> None:
+        if self.size_mb <= 0 or self.repeats < 1 or not self.connections:
+            raise ConfigError("size_mb", "need size_mb > 0, repeats >= 1 and some connections")
+
+
+def emulator(cfg: EmulatorBench) -> dict[str, Any]:
+    import threading
+
+    import torch
+
+    from transport.coordinator import Coordinator, CoordinatorConfig
+    from transport.emulator import LinkConfig, emulated_config
+    from transport.zmq_comm import ZmqConfig, connect
+
+    link = LinkConfig(rate_mbit=cfg.rate_mbit, delay_ms=cfg.delay_ms,
+                      window_bytes=cfg.window_kb * 1024)
+    x = torch.zeros(int(cfg.size_mb * MiB) // 4)
+    rows = []
+    for k in cfg.connections:
+        base = ZmqConfig(bind_host="127.0.0.1", connections=k, chunk_bytes=cfg.chunk_kb * 1024,
+                         timeout=600.0)
+        made = [emulated_config(base, link) for _ in range(2)]
+        comms: list[Any] = []
+        try:
+            with Coordinator(CoordinatorConfig(bind="tcp://127.0.0.1:0")) as coord:
+                comms = [connect(coord.address, c) for c, _ in made]
+                threads = [threading.Thread(target=c.quorum, kwargs={"min_world": 2}) for c in comms]
+                for t in threads:
+                    t.start()
+                for t in threads:
+                    t.join(60)
+                comms.sort(key=lambda c: c.rank)
+                times = []
+                for _ in range(cfg.repeats + 1):  # the first round opens the connections
+                    t0 = time.perf_counter()
+                    recv = threading.Thread(target=lambda: comms[1].recv(0, tag="bulk"))
+                    recv.start()
+                    comms[0].send(1, [x], tag="bulk")
+                    recv.join(600)
+                    times.append(time.perf_counter() - t0)
+                best = min(times[1:])
+                rows.append({"connections": k, "seconds": round(best, 4),
+                             "goodput_mbit": round(x.numel() * 4 * 8 / best / 1e6, 2)})
+        finally:
+            for c in comms:
+                c.close()
+            for _, emu in made:
+                emu.stop()
+    base_rate = rows[0]["goodput_mbit"]
+    return {"mode": "emulator", "rate_mbit": cfg.rate_mbit, "delay_ms": cfg.delay_ms,
+            "window_bytes": link.window_bytes, "flow_cap_mbit": round(link.flow_cap_mbit(), 2),
+            "bytes": x.numel() * 4, "results": rows,
+            "best_speedup_vs_first": round(max(r["goodput_mbit"] for r in rows) / base_rate, 2)}
+
+
+# ---- netns ----------------------------------------------------------------------------------------
+def netns(size_mb: float, rate_mbit: float, connections: int, repeats: int) -> dict[str, Any]:
+    from transport.netns import NetnsConfig, NetnsLink, TransferConfig, available, measure_transfer
+
+    reason = available()
+    if reason:
+        raise SystemExit(f"netns benchmark unavailable: {reason}")
+    with NetnsLink(NetnsConfig(rate_mbit=rate_mbit)) as link:
+        return measure_transfer(link, TransferConfig(size_mb=size_mb, connections=connections,
+                                                     repeats=repeats))
+
+
 # ---- command line ---------------------------------------------------------------------------------
-def add_allreduce_arguments(p: argparse.ArgumentParser) -> None:
+def _print(result: dict[str, Any], json_only: bool) -> None:
+    if not json_only:
+        for k, v in result.items():
+            print(f"{k:>30}: {v}")
+    print(json.dumps(result), flush=True)
+
+
+def _run_allreduce(args: argparse.Namespace) -> int:
+    cfg = AllReduceBench(world=args.world, size_mb=args.size_mb, connections=args.connections,
+                         chunk_mb=args.chunk_mb, algorithm=args.algorithm, codec=args.codec,
+                         iters=args.iters, warmup=args.warmup, vs_gloo=args.vs_gloo,
+                         threads=args.threads, transport=args.transport,
+                         socket_buffer_kb=args.socket_buffer_kb, gc_freeze=args.gc_freeze)
+    _print(allreduce(cfg), args.json)
+    return 0
+
+
+def _run_emulator(args: argparse.Namespace) -> int:
+    cfg = EmulatorBench(size_mb=args.size_mb, rate_mbit=args.rate_mbit, delay_ms=args.delay_ms,
+                        window_kb=args.window_kb, connections=tuple(args.connections),
+                        chunk_kb=args.chunk_kb, repeats=args.repeats)
+    _print(emulator(cfg), args.json)
+    return 0
+
+
+def _run_netns(args: argparse.Namespace) -> int:
+    _print(netns(args.size_mb, args.rate_mbit, args.connections, args.repeats), args.json)
+    return 0
+
+
+def add_modes(sub: argparse._SubParsersAction) -> None:
+    """The benchmark modes, shared by ``python -m transport.bench`` and ``lowband bench``."""
     d = AllReduceBench()
+    p = sub.add_parser("allreduce", help="all-reduce across local processes, optionally vs Gloo")
     p.add_argument("--world", type=int, default=d.world, help="ranks (processes)")
     p.add_argument("--size-mb", type=float, default=d.size_mb, help="float32 payload, MiB")
     p.add_argument("--connections", type=int, default=d.connections, help="K connections per pair")
@@ -233,51 +354,62 @@ def add_allreduce_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--socket-buffer-kb", type=int, default=d.socket_buffer_kb,
                    help="SO_SNDBUF/SO_RCVBUF in KiB (0: kernel auto-tuning)")
     p.add_argument("--vs-gloo", action="store_true", help="also measure torch.distributed Gloo")
+    p.add_argument("--gc-freeze", action="store_true",
+                   help="gc.freeze() in every rank after start-up (Gloo runs there too)")
     p.add_argument("--json", action="store_true", help="print only the JSON line")
+    p.set_defaults(run=_run_allreduce)
+
+    e = EmulatorBench()
+    p = sub.add_parser("emulator", help="throughput vs K connections through the link emulator")
+    p.add_argument("--size-mb", type=float, default=e.size_mb)
+    p.add_argument("--rate-mbit", type=float, default=e.rate_mbit)
+    p.add_argument("--delay-ms", type=float, default=e.delay_ms, help="one-way delay")
+    p.add_argument("--window-kb", type=int, default=e.window_kb, help="per-connection window")
+    p.add_argument("--connections", type=int, nargs="+", default=list(e.connections))
+    p.add_argument("--chunk-kb", type=int, default=e.chunk_kb)
+    p.add_argument("--repeats", type=int, default=e.repeats)
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(run=_run_emulator)
+
+    p = sub.add_parser("netns", help="goodput on a tbf-shaped veth link between namespaces (root)")
+    p.add_argument("--size-mb", type=float, default=25.0)
+    p.add_argument("--rate-mbit", type=float, default=100.0)
+    p.add_argument("--connections", type=int, default=4)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(run=_run_netns)
 
 
-def allreduce_config(args: argparse.Namespace) -> AllReduceBench:
-    return AllReduceBench(world=args.world, size_mb=args.size_mb, connections=args.connections,
-                          chunk_mb=args.chunk_mb, algorithm=args.algorithm, codec=args.codec,
-                          iters=args.iters, warmup=args.warmup, vs_gloo=args.vs_gloo,
-                          threads=args.threads, transport=args.transport,
-                          socket_buffer_kb=args.socket_buffer_kb)
-
-
-def print_result(result: dict[str, Any], json_only: bool) -> None:
-    if not json_only:
-        for k, v in result.items():
-            print(f"{k:>24}: {v}")
-    print(json.dumps(result), flush=True)
-
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m transport.bench", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = parser.add_subparsers(dest="mode", required=True)
-    add_allreduce_arguments(sub.add_parser("allreduce", help="all-reduce vs Gloo"))
+def _worker_parser(sub: argparse._SubParsersAction) -> None:
     w = sub.add_parser("_worker", help=argparse.SUPPRESS)
-    w.add_argument("kind", choices=["lowband", "gloo"])
-    for name, typ in (("--rank", int), ("--world", int), ("--nbytes", int), ("--iters", int),
-                      ("--warmup", int), ("--threads", int), ("--connections", int),
-                      ("--chunk-mb", float), ("--timeout", float), ("--socket-buffer-kb", int)):
+    w.add_argument("kind", choices=["allreduce"])
+    w.add_argument("--out", required=True)
+    w.add_argument("--coord", required=True)
+    w.add_argument("--gloo", default="")
+    w.add_argument("--gc-freeze", type=int, default=0)
+    for name, typ in (("--world", int), ("--nbytes", int), ("--iters", int), ("--warmup", int),
+                      ("--threads", int), ("--connections", int), ("--chunk-mb", float),
+                      ("--timeout", float), ("--socket-buffer-kb", int)):
         w.add_argument(name, type=typ, required=True)
-    for name in ("--coord", "--out", "--algorithm", "--codec", "--transport"):
+    for name in ("--algorithm", "--codec", "--transport"):
         w.add_argument(name, required=True)
-    return parser
 
-
-def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    if args.mode == "_worker":
-        fn = _lowband_worker if args.kind == "lowband" else _gloo_worker
-        result = fn(args)
+    def run(args: argparse.Namespace) -> int:
+        result = _allreduce_worker(args)
         with open(args.out, "w") as f:
             json.dump(result, f)
         return 0
-    if args.mode == "allreduce":
-        print_result(allreduce(allreduce_config(args)), args.json)
-    return 0
+    w.set_defaults(run=run)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m transport.bench", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="mode", required=True)
+    add_modes(sub)
+    _worker_parser(sub)
+    args = parser.parse_args(argv)
+    return int(args.run(args) or 0)
 
 
 if __name__ == "__main__":

@@ -40,10 +40,12 @@ import torch
 from lowband.comm import Codec, Encoded, OpStats
 from lowband.errors import PeerLost, ProtocolError
 from transport import wire
+from transport.engine import still_sending
 from transport.wire import MsgType
 from transport.work import FutureWork
 
 if TYPE_CHECKING:
+    from transport.buffers import BufferPool
     from transport.engine import Engine, PeerTable
 
 
@@ -132,7 +134,7 @@ class Op:
         eng.done(self)
 
     def pending_trackers(self) -> bool:
-        self.trackers = [t for t in self.trackers if not t.done]
+        self.trackers = still_sending(self.trackers)
         return bool(self.trackers)
 
     def settle(self, eng: "Engine") -> None:
@@ -200,7 +202,7 @@ class RingAllReduce(_ReduceBase):
 
     def start(self, eng: "Engine") -> None:
         n, r = self.n, self.rank
-        self.out = torch.empty_like(self.x)
+        self.out = eng.pool.empty(self.numel, self.dtype)
         self.segs = [chunked(lo, hi, self.chunk) for lo, hi in bounds(self.numel, n)]
         self.next = (r + 1) % n
         self.prev = (r - 1) % n
@@ -273,7 +275,7 @@ class DirectAllReduce(_ReduceBase):
             for span in chunked(lo, hi, self.chunk):
                 self.owner_of.append(owner)
                 self.spans.append(span)
-        self.out = torch.empty(self.numel, dtype=self.dtype)
+        self.out = eng.pool.empty(self.numel, self.dtype)
         self.acc: dict[int, torch.Tensor] = {}
         self.contributors: dict[int, set[int]] = {}
         self.todo = len(self.spans)
@@ -444,14 +446,15 @@ class Assembler:
         self.max_bytes = max_bytes
         self._partial: dict[tuple[int, int], _Partial] = {}
 
-    def feed(self, src: int, msg: wire.Message) -> tuple[int, list[torch.Tensor], dict, dict] | None:
+    def feed(self, src: int, msg: wire.Message,
+             pool: "BufferPool") -> tuple[int, list[torch.Tensor], dict, dict] | None:
         """Returns (index, tensors, user meta, header meta) once a message is complete."""
         index = wire.int_field(msg.meta, "i", 0, 1 << 30)
         part = self._partial.setdefault((src, index), _Partial())
         if msg.type == MsgType.MSG:
             if part.tensors is not None:
                 raise ProtocolError(f"duplicate message header from rank {src}")
-            self._open(part, msg)
+            self._open(part, msg, pool)
             self._place(part, msg)
             for early in part.early:
                 self._part(part, early)
@@ -468,7 +471,7 @@ class Assembler:
             return index, part.tensors, part.meta, part.extra
         return None
 
-    def _open(self, part: _Partial, msg: wire.Message) -> None:
+    def _open(self, part: _Partial, msg: wire.Message, pool: "BufferPool") -> None:
         descs = wire.field(msg.meta, "t", list)
         total = 0
         tensors = []
@@ -477,7 +480,7 @@ class Assembler:
             total += size
             if total > self.max_bytes:
                 raise ProtocolError(f"message of more than {self.max_bytes} bytes refused")
-            tensors.append(torch.empty(shape, dtype=dtype))
+            tensors.append(pool.empty(shape, dtype))
         part.tensors = tensors
         part.flat = [t.reshape(-1).view(torch.uint8) if t.numel() else t.reshape(-1) for t in tensors]
         part.remaining = total
@@ -519,7 +522,7 @@ class _MessageOp(Op):
 
     def on_message(self, eng: "Engine", src: int, msg: wire.Message) -> None:
         self.check_kind(msg)
-        done = self.assembler.feed(src, msg)
+        done = self.assembler.feed(src, msg, eng.pool)
         self.received += sum(len(p) for p in msg.payload)
         if done is not None:
             self.on_complete(eng, src, *done)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import threading
 import time
 from collections import deque
@@ -35,6 +36,7 @@ from lowband.comm import Membership, OpStats
 from lowband.errors import CommClosed, PeerLost, ProtocolError, TransportTimeout
 from transport import wire
 from transport.auth import CurveKeys, HandshakeWatch, configure_client
+from transport.buffers import BufferPool
 from transport.wire import MsgType
 
 if TYPE_CHECKING:
@@ -118,6 +120,7 @@ class Engine:
         self.received = 0
         self.bad_messages = 0
         self.on_membership: Callable[[PeerTable], None] | None = None
+        self.pool = BufferPool(config.result_pool_bytes)
         self.local: list[str] | None = None  # [host key, ipc endpoint] when same_host_ipc
 
     # ---- called from user threads ---------------------------------------------------------------
@@ -163,11 +166,11 @@ class Engine:
 
     # ---- sending (engine thread) ------------------------------------------------------------
     def send(self, peer: str, mtype: MsgType, meta: dict[str, Any], payload: Sequence[Any] = (),
-             *, stripe: int | None = None, track: bool = False) -> list[zmq.MessageTracker]:
+             *, stripe: int | None = None, track: bool = False) -> list[Any]:
         """Queue one message to ``peer`` on connection ``stripe`` (round robin if None).
 
-        With ``track`` the payload is sent zero-copy and the returned trackers report when
-        ZeroMQ no longer references the caller's buffers."""
+        Payload buffers are sent zero-copy. With ``track`` the returned list holds them: pass
+        it to :func:`still_sending` to learn when ZeroMQ has released them."""
         out = self._out.get(peer)
         if out is None:
             # The peer is gone. Whatever needs data from it fails through PEER_LOST; what only
@@ -179,11 +182,7 @@ class Engine:
             out.next = (out.next + 1) % k
         i = stripe % k
         frames = wire.pack(mtype, meta, payload)
-        trackers: list[zmq.MessageTracker] = []
-        if track and payload:
-            frames = [zmq.Frame(f, track=True) if j > 0 and not isinstance(f, zmq.Frame) else f
-                      for j, f in enumerate(frames)]
-            trackers = [f.tracker for f in frames[1:] if isinstance(f, zmq.Frame) and f.tracker]
+        trackers = list(payload) if track else []
         backlog = out.backlog[i]
         if backlog:
             backlog.append(frames)
@@ -401,12 +400,14 @@ class Engine:
             if peer != self.peer_id and peer in self._out:
                 self.send(peer, MsgType.ABORT, op.meta(reason=reason[:2000]))
 
-    def _fail_all(self, exc: BaseException, epoch: int | None = None,
-                  only: Callable[["Op"], bool] | None = None) -> None:
+    def _fail_all(self, exc: BaseException, only: Callable[["Op"], bool] | None = None) -> None:
+        """Fail the ops ``only`` selects; with no selection (closing, expelled, crashed) fail
+        every op and any pending quorum too. A lost peer never fails a quorum: the coordinator
+        drops it from the round, which then completes with the survivors."""
         for op in list(self._ops.values()) + list(self._finishing):
-            if (epoch is None or op.epoch == epoch) and (only is None or only(op)):
+            if only is None or only(op):
                 op.fail(self, exc)
-        if epoch is None:
+        if only is None:
             for w in self._quorum_waiters:
                 w.set_error(exc)
             self._quorum_waiters = []
@@ -607,6 +608,17 @@ class Engine:
     def stats(self) -> OpStats:
         with self.stats_lock:
             return OpStats(self.sent, self.received)
+
+
+_HELD = 3  # references to a released buffer inside still_sending: the list, the loop, the call
+
+
+def still_sending(buffers: list[Any]) -> list[Any]:
+    """The buffers ZeroMQ still references. pyzmq keeps a reference to every zero-copy
+    payload object until libzmq has written it out (and copies small ones at once), so a
+    refcount above the baseline means "in flight": no MessageTracker (whose threading.Event
+    per message cost more than the send itself) is needed."""
+    return [b for b in buffers if sys.getrefcount(b) > _HELD]
 
 
 def _msg_bytes(msg: wire.Message) -> int:

@@ -87,6 +87,10 @@ class ZmqConfig:
     """Seconds close() waits for queued messages to leave."""
     io_threads: int = 1
     """ZeroMQ I/O threads of this peer's context."""
+    result_pool_bytes: int = 512 * MiB
+    """Results of >= 1 MiB come from a pool of buffers reused once the caller dropped them
+    (:mod:`transport.buffers`): no page faults for the same-sized reduction every step. The
+    pool keeps up to this many bytes mapped; 0 disables it."""
     same_host_ipc: bool = False
     """Also listen on a Unix socket and use it for peers on the same host and network
     namespace (several times faster than TCP over loopback). Off by default so that local
@@ -119,6 +123,8 @@ class ZmqConfig:
                               f"must be >= chunk_bytes + 64 KiB ({self.chunk_bytes + 65536})")
         if self.max_pending_bytes < self.max_message_bytes:
             raise ConfigError("max_pending_bytes", "must be >= max_message_bytes")
+        if self.result_pool_bytes < 0:
+            raise ConfigError("result_pool_bytes", "must be >= 0")
         if self.send_hwm < 1 or self.io_threads < 1 or self.linger < 0:
             raise ConfigError("send_hwm/io_threads/linger", "must be positive")
         if self.token is not None and not self.token:
@@ -146,7 +152,8 @@ def connect(coordinator: str, config: ZmqConfig | None = None, *, signature: str
         allowed: list[dict[bytes, str]] = [{}]
         if cfg.token is not None or keys is not None:
             zap = ZapHandler(ctx)
-            zap.set_policy(DATA_DOMAIN, curve_policy(lambda k: allowed[0].get(k)) if keys is not None
+            zap.set_policy(DATA_DOMAIN, curve_policy(lambda k: allowed[0].get(k), defer_unknown=True)
+                           if keys is not None
                            else token_policy(cfg.token or ""))
         data = ctx.socket(zmq.PULL)
         sockets.append(data)

@@ -1,0 +1,38 @@
+"""Smoke runs of the transport benchmarks at tiny sizes: they must print their JSON line."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+
+import pytest
+
+from tests.conftest import PY
+
+pytestmark = pytest.mark.timeout(180)
+
+
+def _last_json(args: list[str]) -> dict:
+    out = subprocess.run([PY, "-m", *args], capture_output=True, text=True, timeout=170)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_allreduce_bench_vs_gloo_prints_its_json():
+    r = _last_json(["transport.bench", "allreduce", "--world", "2", "--size-mb", "1",
+                    "--iters", "2", "--warmup", "1", "--chunk-mb", "0.25", "--vs-gloo", "--json"])
+    for key in ("world", "bytes", "connections", "algorithm", "seconds", "algbw_GBps",
+                "busbw_GBps", "gloo_busbw_GBps", "ratio_vs_gloo", "transport"):
+        assert key in r
+    assert r["world"] == 2 and r["bytes"] == 1 << 20 and r["algorithm"] == "ring"
+    assert r["bytes_sent_per_rank"] == 1 << 20  # ring: 2(n-1)/n of the payload for n = 2
+    assert r["busbw_GBps"] == pytest.approx(r["algbw_GBps"], rel=0.01)  # 2(n-1)/n = 1
+
+
+def test_emulator_bench_through_the_cli():
+    r = _last_json(["lowband", "bench", "emulator", "--size-mb", "0.5", "--rate-mbit", "100",
+                    "--delay-ms", "10", "--window-kb", "64", "--connections", "1", "4",
+                    "--repeats", "1", "--json"])
+    assert [row["connections"] for row in r["results"]] == [1, 4]
+    assert all(row["goodput_mbit"] > 0 for row in r["results"])
+    assert r["flow_cap_mbit"] == pytest.approx(64 * 1024 * 8 / 0.02 / 1e6, rel=1e-3)
