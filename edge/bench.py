@@ -244,6 +244,22 @@ def _link_latency(a, hidden: int) -> dict:
             spoke.wait(timeout=10)
 
 
+def _concurrent(role_args: list[list[str]], a) -> list[dict]:
+    """Run several roles at the same time (e.g. both TP slices, no communication) to measure
+    how much the simulated devices slow each other down through shared memory bandwidth."""
+    procs = [subprocess.Popen([sys.executable, "-m", "edge.bench", *args], stdout=subprocess.PIPE,
+                              stderr=subprocess.DEVNULL, text=True, start_new_session=True)
+             for args in role_args]
+    try:
+        outs = [p.communicate(timeout=a.timeout)[0] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait(timeout=10)
+    return [json.loads(o.strip().splitlines()[-1]) for o in outs]
+
+
 def _prefill_bytes(runner, a) -> int:
     """Payload the prefill put on the master's wire (T positions instead of 1)."""
     cfg = runner.config
@@ -328,8 +344,10 @@ def main_bench(a) -> dict:
         tps.append(_run_tp(str(split2), a))
     n_layers = cfg["num_hidden_layers"]
     # Decomposition: each TP slice computing alone, and the link's all-reduce latency.
-    alone = [_run_role(["--role", "shard", "--model", str(split2), "--rank", str(r), "--devices", "2",
-                        "--core", "0", *common], a.timeout) for r in range(2)]
+    shard_args = ["--role", "shard", "--model", str(split2), "--devices", "2", *common]
+    alone = [min((_run_role([*shard_args, "--rank", str(r), "--core", "0"], a.timeout)
+                  for _ in range(2)), key=lambda x: x["decode_ms_per_token"]) for r in range(2)]
+    together = _concurrent([[*shard_args, "--rank", str(r), "--core", str(r)] for r in range(2)], a)
     lat = _link_latency(a, cfg["hidden_size"])
     single = min(singles, key=lambda r: r["decode_ms_per_token"])
     tp = min(tps, key=lambda r: r["decode_ms_per_token"])
@@ -357,6 +375,9 @@ def main_bench(a) -> dict:
             # per-device compute of each half alone (as on separate boards), the link's
             # all-reduce latency, and the projection max(compute) + 2L x latency
             "slice_alone_ms": [round(r["decode_ms_per_token"], 2) for r in alone],
+            # the same two slices computing at the same time on cores 0 and 1, no network:
+            # the slowdown is this machine's shared memory bandwidth, not the runtime
+            "slices_concurrent_ms": [round(r["decode_ms_per_token"], 2) for r in together],
             "link_allreduce_us": {k: round(v, 1) for k, v in lat.items()},
             "projected_2dev_ms": round(max(r["decode_ms_per_token"] for r in alone)
                                        + 2 * n_layers * lat["median_us"] / 1e3, 2),
