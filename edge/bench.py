@@ -337,11 +337,13 @@ def main_bench(a) -> dict:
     load_before = os.getloadavg()[0]
     common = ["--tokens", str(a.tokens), "--warmup", str(a.warmup), "--prompt-len", str(a.prompt_len)]
     # 1 and 2 devices alternate so drifting background load hits both alike.
-    singles, tps = [], []
-    for _ in range(a.repeats):
+    singles, tps, wins = [], [], []
+    for _ in range(a.repeats):  # 1 device, 2 devices, window, interleaved; best of each kept
         singles.append(_run_role(["--role", "single", "--model", str(split1), "--core", "0",
                                   *(["--profile"] if not singles else []), *common], a.timeout))
         tps.append(_run_tp(str(split2), a))
+        wins.append(_run_role(["--role", "single", "--model", str(split1), "--core", "0",
+                               "--win", str(a.window), *common], a.timeout))
     n_layers = cfg["num_hidden_layers"]
     # Decomposition: each TP slice computing alone, and the link's all-reduce latency.
     shard_args = ["--role", "shard", "--model", str(split2), "--devices", "2", *common]
@@ -352,11 +354,7 @@ def main_bench(a) -> dict:
     single = min(singles, key=lambda r: r["decode_ms_per_token"])
     tp = min(tps, key=lambda r: r["decode_ms_per_token"])
     tp_parity = max(abs(x - y) for x, y in zip(single["prefill_logits"], tp["prefill_logits"]))
-    win = _run_role(["--role", "single", "--model", str(split1), "--core", "0",
-                     "--win", str(a.window), *common], a.timeout)
-    # The same with the prefetch thread on a second core (a board's spare core does the I/O).
-    win_io = _run_role(["--role", "single", "--model", str(split1), "--core", "0",
-                        "--win", str(a.window), "--loader-core", "1", *common], a.timeout)
+    win = min(wins, key=lambda r: r["decode_ms_per_token"])
     same_tokens = win["tokens"] == single["tokens"] and tp["tokens"] == single["tokens"]
     result = {
         "bench": "edge", "preset": a.preset, "params": n_params,
@@ -394,12 +392,8 @@ def main_bench(a) -> dict:
                    "latency_ratio": round(win["decode_ms_per_token"] / single["decode_ms_per_token"], 3),
                    "cold_latency_ratio": round(win["cold_decode_ms_per_token"]
                                                / single["decode_ms_per_token"], 3),
-                   "loader_on_core1": {
-                       "peak_rss_mb": round(win_io["peak_rss_mb"], 1),
-                       "decode_ms_per_token": round(win_io["decode_ms_per_token"], 2),
-                       "cold_decode_ms_per_token": round(win_io["cold_decode_ms_per_token"], 2),
-                       "latency_ratio": round(win_io["decode_ms_per_token"]
-                                              / single["decode_ms_per_token"], 3)}},
+                   "decode_ms_per_token_all_runs": [round(r["decode_ms_per_token"], 2)
+                                                    for r in wins]},
         "full": {"peak_rss_mb": round(single["peak_rss_mb"], 1)},
         "tp_master_peak_rss_mb": round(tp["peak_rss_mb"], 1),
         "bench_seconds": round(time.perf_counter() - t_start, 1),
@@ -419,7 +413,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tokens", type=int, default=16, help="timed decode tokens per run")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--prompt-len", type=int, default=32)
-    p.add_argument("--repeats", type=int, default=2, help="alternating 1-/2-device runs")
+    p.add_argument("--repeats", type=int, default=3,
+                   help="interleaved rounds of 1-device, 2-device and window runs (best kept)")
     p.add_argument("--window", type=int, default=2, help="W: layer blocks resident")
     p.add_argument("--wire", default="fp32", choices=["fp32", "fp16", "bf16", "int8"])
     p.add_argument("--skip-parity", action="store_true")
