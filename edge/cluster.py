@@ -43,7 +43,7 @@ from edge.link import StarHub, StarSpoke
 from edge.shardio import LoadedShard, WindowConfig, load_shard
 from edge.tp import make_reduce
 from lowband.codecs import Int8BlockCodec, get_codec
-from lowband.comm import Codec, Communicator
+from lowband.comm import Codec, Communicator, OpStats
 from lowband.errors import (CommClosed, ConfigError, LowbandError, PeerLost, ProtocolError,
                             TransportTimeout)
 
@@ -293,7 +293,7 @@ class MasterRunner:
 
     def wire_bytes(self) -> int:
         s = self.comm.stats()
-        h = self.hub.stats() if self.hub is not None else s.__class__()
+        h = self.hub.stats() if self.hub is not None else OpStats()
         return s.bytes_sent + s.bytes_received + h.bytes_sent + h.bytes_received
 
     def health(self) -> dict:
