@@ -54,7 +54,7 @@ class AllReduceBench:
     threads: int = 1
     """torch intra-op threads per rank, for lowband and Gloo alike (the ranks share the cores)."""
     transport: str = "tcp"
-    """tcp: TCP over 127.0.0.1 like Gloo; ipc: lowband's same-host Unix-socket path."""
+    """tcp: TCP over 127.0.0.1 like Gloo; ipc / shm: lowband's same-host paths."""
     socket_buffer_kb: int = 0
     gc_freeze: bool = False
     """Call gc.freeze() in each rank after start-up (applies to the Gloo runs in the same
@@ -68,8 +68,8 @@ class AllReduceBench:
             raise ConfigError("size_mb", "sizes must be > 0")
         if self.iters < 1 or self.warmup < 0:
             raise ConfigError("iters", "need iters >= 1 and warmup >= 0")
-        if self.transport not in ("tcp", "ipc"):
-            raise ConfigError("transport", f"tcp or ipc, got {self.transport!r}")
+        if self.transport not in ("tcp", "ipc", "shm"):
+            raise ConfigError("transport", f"tcp, ipc or shm, got {self.transport!r}")
         if self.algorithm not in ("auto", "ring", "star"):
             raise ConfigError("algorithm", f"unknown algorithm {self.algorithm!r}")
 
@@ -107,6 +107,7 @@ def _allreduce_worker(args: argparse.Namespace) -> dict[str, Any]:
     chunk = int(args.chunk_mb * MiB)
     cfg = ZmqConfig(connections=args.connections, chunk_bytes=chunk, timeout=args.timeout,
                     bind_host="127.0.0.1", same_host_ipc=args.transport == "ipc",
+                    same_host_shm=args.transport == "shm",
                     socket_buffer_bytes=args.socket_buffer_kb * 1024,
                     max_message_bytes=max(64 * MiB, chunk + MiB))
     comm = connect(args.coord, cfg, signature="bench")
@@ -130,9 +131,17 @@ def _allreduce_worker(args: argparse.Namespace) -> dict[str, Any]:
             y.copy_(x)
             dist.all_reduce(y)
 
+        import gc
         if args.gc_freeze:
-            import gc
             gc.freeze()  # move start-up objects (torch's) out of the collector's way
+        gc_time = [0.0, 0.0]
+
+        def gc_clock(phase: str, info: dict) -> None:
+            if phase == "start":
+                gc_time[1] = time.perf_counter()
+            else:
+                gc_time[0] += time.perf_counter() - gc_time[1]
+        gc.callbacks.append(gc_clock)
         rows: dict[str, list[tuple[float, float]]] = {"lowband": [], "gloo": []}
         sent0 = comm.stats().bytes_sent
         for i in range(args.warmup + args.iters):
@@ -144,7 +153,10 @@ def _allreduce_worker(args: argparse.Namespace) -> dict[str, Any]:
                     rows["gloo"].append(b)
             if i == 0:
                 sent = comm.stats().bytes_sent - sent0  # one all-reduce (plus a barrier)
-        return {"rank": m.rank, "rows": rows, "bytes_sent": sent,
+            if i == args.warmup - 1:
+                gc_time[0] = 0.0
+        gc.callbacks.remove(gc_clock)
+        return {"rank": m.rank, "rows": rows, "bytes_sent": sent, "gc_seconds": gc_time[0],
                 "algorithm": comm.choose_algorithm(x, codec, args.algorithm)}
     finally:
         if gloo and dist.is_initialized():
@@ -213,6 +225,8 @@ def allreduce(cfg: AllReduceBench) -> dict[str, Any]:
         "algbw_GBps": round(algbw, 4), "busbw_GBps": round(busbw, 4),
         "bytes_sent_per_rank": ranks[0]["bytes_sent"], "cpu_seconds_per_op": round(cpu, 4),
         "gc_freeze": cfg.gc_freeze,
+        "gc_seconds_per_iter_all_ranks": round(sum(r["gc_seconds"] for r in ranks)
+                                               / (cfg.iters * (2 if cfg.vs_gloo else 1)), 4),
     }
     if cfg.vs_gloo:
         gsec, gcpu = summary("gloo")
@@ -273,7 +287,7 @@ def emulator(cfg: EmulatorBench) -> dict[str, Any]:
                 times = []
                 for _ in range(cfg.repeats + 1):  # the first round opens the connections
                     t0 = time.perf_counter()
-                    recv = threading.Thread(target=lambda: comms[1].recv(0, tag="bulk"))
+                    recv = threading.Thread(target=comms[1].recv, args=(0,), kwargs={"tag": "bulk"})
                     recv.start()
                     comms[0].send(1, [x], tag="bulk")
                     recv.join(600)
@@ -349,8 +363,9 @@ def add_modes(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--iters", type=int, default=d.iters)
     p.add_argument("--warmup", type=int, default=d.warmup)
     p.add_argument("--threads", type=int, default=d.threads, help="torch threads per rank")
-    p.add_argument("--transport", default=d.transport, choices=["tcp", "ipc"],
-                   help="tcp (as Gloo) or ipc (lowband's same-host Unix-socket path)")
+    p.add_argument("--transport", default=d.transport, choices=["tcp", "ipc", "shm"],
+                   help="tcp (as Gloo), or lowband's same-host paths: ipc (Unix sockets) or "
+                        "shm (shared memory)")
     p.add_argument("--socket-buffer-kb", type=int, default=d.socket_buffer_kb,
                    help="SO_SNDBUF/SO_RCVBUF in KiB (0: kernel auto-tuning)")
     p.add_argument("--vs-gloo", action="store_true", help="also measure torch.distributed Gloo")

@@ -374,9 +374,9 @@ class Coordinator:
         if not isinstance(peer_meta, dict):
             raise ProtocolError("field 'meta' must be a map")
         local = meta.get("local")
-        if local is not None and not (isinstance(local, list) and len(local) == 2
+        if local is not None and not (isinstance(local, list) and 2 <= len(local) <= 3
                                       and all(isinstance(v, str) for v in local)):
-            raise ProtocolError("field 'local' must be [host key, endpoint]")
+            raise ProtocolError("field 'local' must be [host key, ipc endpoint, shm flag]")
         refusal = None
         with self._lock:
             if cfg.token is not None and not hmac.compare_digest(

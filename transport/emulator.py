@@ -174,9 +174,9 @@ class LinkEmulator:
                 at, data = item
                 if (wait := at - loop.time()) > 0:
                     await asyncio.sleep(wait)
+                self.bytes[direction] += len(data)  # counted before the peer can see them
                 writer.write(data)
                 await writer.drain()
-                self.bytes[direction] += len(data)
             if writer.can_write_eof():
                 try:
                     writer.write_eof()

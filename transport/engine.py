@@ -1,7 +1,7 @@
 """The peer engine: one thread that owns every ZeroMQ socket of a peer.
 
 ZeroMQ sockets are not thread-safe, so user threads never touch them: they hand operations
-(:class:`transport.collectives.Op`) to the engine through a queue and an eventfd wake-up, and
+(:class:`transport.ops.Op`) to the engine through a queue and an eventfd wake-up, and
 wait on the operation's :class:`~transport.work.FutureWork`. The engine thread
 
 * receives every data message on one PULL socket (bound, authenticated through ZAP) and routes it
@@ -40,7 +40,7 @@ from transport.buffers import BufferPool
 from transport.wire import MsgType
 
 if TYPE_CHECKING:
-    from transport.collectives import Op
+    from transport.ops import Op
     from transport.zmq_comm import ZmqConfig
 
 logger = logging.getLogger(__name__)
@@ -121,7 +121,9 @@ class Engine:
         self.bad_messages = 0
         self.on_membership: Callable[[PeerTable], None] | None = None
         self.pool = BufferPool(config.result_pool_bytes)
-        self.local: list[str] | None = None  # [host key, ipc endpoint] when same_host_ipc
+        self._slabs: Any = None
+        self._peer_slabs: Any = None
+        self.local: list[str] | None = None  # [host key, ipc endpoint or "", "shm" or ""]
 
     # ---- called from user threads ---------------------------------------------------------------
     def start(self) -> None:
@@ -260,8 +262,8 @@ class Engine:
                 self._disconnect(pid)
         for pid, addr, key, local in zip(peers, addrs, keys, locals_):
             if pid != self.peer_id and pid not in self._out:
-                if (self.local is not None and isinstance(local, list) and len(local) == 2
-                        and local[0] == self.local[0]):
+                if (self.local is not None and isinstance(local, list) and len(local) >= 2
+                        and local[0] == self.local[0] and local[1]):
                     addr = local[1]  # same host (and network namespace): Unix socket
                 self._connect(pid, addr, key)
         if old is None or old.membership.epoch != epoch:
@@ -328,6 +330,27 @@ class Engine:
             if pid is not None and event["event"] == zmq.EVENT_DISCONNECTED:
                 logger.info("connection to %s dropped; reporting it to the coordinator", pid)
                 self._send_control(MsgType.SUSPECT, {"peer": pid})
+
+    def shm_slabs(self) -> Any:
+        """This peer's shared-memory slabs (created on first use; see transport.shm)."""
+        if self._slabs is None:
+            from transport.shm import SlabPool
+            self._slabs = SlabPool(self.cfg.result_pool_bytes * 2 or (1 << 30))
+        return self._slabs
+
+    def shm_peers(self) -> Any:
+        if self._peer_slabs is None:
+            from transport.shm import PeerSlabs
+            self._peer_slabs = PeerSlabs()
+        return self._peer_slabs
+
+    def same_host_shm(self, table: PeerTable) -> bool:
+        """Whether every member of ``table`` (this peer included) offers the shared-memory
+        path on this host. Computed from the coordinator's table, so all ranks agree."""
+        if self.local is None:
+            return False
+        return all(isinstance(loc, list) and len(loc) >= 3 and loc[0] == self.local[0]
+                   and loc[2] == "shm" for loc in table.locals)
 
     # ---- operations -----------------------------------------------------------------------------
     def _start_op(self, op: "Op") -> None:
@@ -548,6 +571,8 @@ class Engine:
             self._stop.set()
             for pid in list(self._out):
                 self._disconnect_flush(pid)
+            if self._slabs is not None:
+                self._slabs.close()
             self._data.disable_monitor()
             self.watch.close()
             self._data.close(0)

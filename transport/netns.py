@@ -182,7 +182,7 @@ def _peer(args: argparse.Namespace) -> int:
         comm.quorum(min_world=2, timeout=args.timeout)
         x = torch.zeros(int(args.size_mb * (1 << 20)) // 4)
         times = []
-        for i in range(args.repeats):
+        for _ in range(args.repeats):
             comm.barrier(timeout=args.timeout)
             t0 = time.perf_counter()
             if comm.rank == 1:

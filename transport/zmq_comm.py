@@ -13,7 +13,7 @@ Usage (see also ``lowband coordinator``)::
 its first :meth:`~ZmqCommunicator.quorum`; collectives before that raise ``PeerLost``.
 
 Threading: all sockets live on the engine thread (:mod:`transport.engine`); the methods here build
-an operation (:mod:`transport.collectives`), hand it over and return its handle. Any number of
+an operation (:mod:`transport.ops`), hand it over and return its handle. Any number of
 user threads may call them concurrently.
 """
 
@@ -38,9 +38,11 @@ from lowband.errors import (AuthError, CommClosed, ConfigError, IncompatiblePeer
 from transport import wire
 from transport.auth import (DATA_DOMAIN, CurveKeys, ZapHandler, configure_client,
                             configure_server, curve_policy, token_policy)
-from transport.collectives import (AllGatherOp, BarrierOp, BroadcastOp, DirectAllReduce, RecvOp,
-                                   RingAllReduce, SendOp, acc_dtype)
+from transport.allreduce import DirectAllReduce, RingAllReduce
+from transport.messages import AllGatherOp, BarrierOp, BroadcastOp, RecvOp, SendOp
+from transport.ops import acc_dtype
 from transport.engine import Engine, PeerTable
+from transport.shm import ShmAllReduce
 from transport.wire import MsgType
 from transport.work import FutureWork
 
@@ -97,6 +99,10 @@ class ZmqConfig:
     tests and emulated links exercise TCP; benchmarks report which one ran."""
     ipc_dir: str = "/tmp"
     """Directory for the Unix socket files of ``same_host_ipc``."""
+    same_host_shm: bool = False
+    """When every member of an epoch runs on this host (and enabled this too), large
+    all-reduces without a codec go through shared memory (:mod:`transport.shm`) instead of
+    sockets. Peers must run as the same user."""
     token: str | None = None
     """Shared secret (ZeroMQ PLAIN without CURVE; inside REGISTER with CURVE)."""
     curve_server_key: bytes | None = None
@@ -169,10 +175,12 @@ def connect(coordinator: str, config: ZmqConfig | None = None, *, signature: str
                                       else "*")
         addr = f"tcp://{host}:{cfg.advertise_port or port}"
         local = None
-        if cfg.same_host_ipc:
-            ipc = f"ipc://{os.path.join(cfg.ipc_dir, f'lowband-{pid}.sock')}"
-            data.bind(ipc)
-            local = [host_key(), ipc]
+        if cfg.same_host_ipc or cfg.same_host_shm:
+            ipc = ""
+            if cfg.same_host_ipc:
+                ipc = f"ipc://{os.path.join(cfg.ipc_dir, f'lowband-{pid}.sock')}"
+                data.bind(ipc)
+            local = [host_key(), ipc, "shm" if cfg.same_host_shm else ""]
         control = ctx.socket(zmq.DEALER)
         sockets.append(control)
         control.linger = int(cfg.linger * 1000)
@@ -338,12 +346,17 @@ class ZmqCommunicator:
 
     def choose_algorithm(self, tensor: torch.Tensor, codec: Codec | None = None,
                          algorithm: Algorithm = "auto", world_size: int | None = None) -> str:
-        """The schedule ``all_reduce`` will run for these arguments: ring, scatter or star."""
-        n = self.world_size if world_size is None else world_size
+        """The schedule ``all_reduce`` will run: ring, scatter, star or shm (same host)."""
+        table = self._engine.table
+        n = world_size if world_size is not None else (
+            table.membership.world_size if table else 1)
         if n <= 1:
             return "star"
         if algorithm == "auto":
             algorithm = "star" if wire.nbytes(tensor) < self.config.star_threshold_bytes else "ring"
+        if (algorithm == "ring" and codec is None and table is not None
+                and self._engine.same_host_shm(table)):
+            return "shm"
         if algorithm == "ring" and (codec is not None or acc_dtype(tensor.dtype) != tensor.dtype):
             return "scatter"
         return algorithm
@@ -358,7 +371,7 @@ class ZmqCommunicator:
             raise ConfigError("algorithm", f"unknown algorithm {algorithm!r}; auto, ring or star")
         table = self._table()
         algo = self.choose_algorithm(tensor, codec, algorithm, table.membership.world_size)
-        cls = RingAllReduce if algo == "ring" else DirectAllReduce
+        cls = {"ring": RingAllReduce, "shm": ShmAllReduce}.get(algo, DirectAllReduce)
         common = self._common(table, self._key(table, tag), timeout, "all_reduce")
         x = tensor.detach().contiguous().reshape(-1)
         o = cls(**common, x=x, shape=tuple(tensor.shape), op=op, algorithm=algo,

@@ -1,0 +1,291 @@
+"""All-reduce schedules, as operations driven by the engine thread (see :mod:`transport.ops`).
+
+Each operation is created by a user thread, started on the engine thread, fed the messages whose
+``(epoch, op key)`` match it, and completes its :class:`~transport.work.FutureWork` exactly once.
+Every operation sends from and receives into buffers it owns or that the caller lent it; sends of
+caller-visible buffers are zero-copy and *tracked*, and the operation completes only after ZeroMQ
+released them (``Engine.done``), so callers may reuse a tensor as soon as the call returns.
+
+All-reduce algorithms (bytes each rank sends for a payload of P bytes over n ranks)
+-------------------------------------------------------------------------------------
+``ring``     pipelined ring reduce-scatter + all-gather, 2(n-1)/n·P. Every segment is cut into
+             chunks and each chunk moves on independently, so rank r adds chunk c of step s while
+             chunk c+1 is still on the wire. Partial sums are forwarded in the accumulation dtype,
+             so it is used when that equals the input dtype (float32, float64, int64) and no codec
+             is given; otherwise ``ring`` is served by ``scatter``.
+``scatter``  direct reduce-scatter to segment owners + all-gather from them, the same 2(n-1)/n·P.
+             Every contribution is encoded once by its author and decoded once by the owner, which
+             accumulates in float32: quantization error does not grow with the world size, unlike a
+             ring that would re-quantize partial sums at every hop.
+``star``     every rank sends to rank 0, rank 0 reduces and sends the result back: two hops, for
+             small latency-bound payloads.
+
+Bit-identical results: each element has exactly one owner that computes its final value; the
+owner sends those bytes (with a codec: the encoding of the final value, which the owner decodes
+itself too) and every rank, the owner included, ends with exactly that value.
+
+Why forwarding the ring's partial sums zero-copy is safe without tracking: a partial sum of
+segment g sent by rank r is consumed by rank r+1 before the final value of g can exist, and r
+overwrites that region only with g's final value. Only step-0 sends (the caller's input) and the
+owner's final values (the returned tensor) are tracked.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from lowband.comm import Codec, Encoded
+from lowband.errors import ProtocolError
+from transport import wire
+from transport.ops import Mismatch, Op, acc_dtype, bounds, chunked
+from transport.wire import MsgType
+from transport.work import FutureWork
+
+if TYPE_CHECKING:
+    from transport.engine import Engine, PeerTable
+
+
+class _ReduceBase(Op):
+    kind = "all_reduce"
+
+    def __init__(self, table: "PeerTable", key: str, timeout: float, work: FutureWork, *,
+                 x: torch.Tensor, shape: tuple[int, ...], op: str, algorithm: str,
+                 chunk_bytes: int, codec: Codec | None = None) -> None:
+        super().__init__(table, key, timeout, work)
+        self.x = x  # flat, contiguous
+        self.shape = shape
+        self.op = op
+        self.algorithm = algorithm
+        self.codec = codec
+        self.numel = x.numel()
+        self.dtype = x.dtype
+        self.chunk = max(1, chunk_bytes // max(1, x.element_size()))
+        self.signature = {"n": self.numel, "d": wire.dtype_name(self.dtype), "r": op,
+                          "a": algorithm, "cn": codec.name if codec is not None else "",
+                          "ch": self.chunk}
+
+    def check(self, msg: wire.Message) -> None:
+        self.check_kind(msg)
+        for k, mine in self.signature.items():
+            if msg.meta.get(k) != mine:
+                raise Mismatch(
+                    f"all_reduce '{self.key}': ranks disagree on {_FIELD_NAMES[k]}: "
+                    f"{msg.meta.get(k)!r} here {mine!r} (every rank must pass the same shape, "
+                    "dtype, op, algorithm and codec)")
+
+    def average(self, acc: torch.Tensor) -> torch.Tensor:
+        if self.op != "avg":
+            return acc
+        if acc.dtype.is_floating_point:
+            return acc.div_(self.n)
+        return acc.div_(self.n, rounding_mode="floor")  # in place: the ring sends from acc
+
+
+_FIELD_NAMES = {"n": "the number of elements", "d": "the dtype", "r": "the reduction",
+                "a": "the algorithm", "cn": "the codec", "ch": "the chunk size"}
+
+
+class RingAllReduce(_ReduceBase):
+    """Pipelined ring; see the module docstring. Global step s in [0, 2n-3]: rank r sends
+    segment (r - s) mod n and receives segment (r - s - 1) mod n; steps < n-1 reduce, the rest
+    gather. Rank r owns segment (r + 1) mod n."""
+
+    def start(self, eng: "Engine") -> None:
+        n, r = self.n, self.rank
+        self.out = eng.pool.empty(self.numel, self.dtype)
+        self.segs = [chunked(lo, hi, self.chunk) for lo, hi in bounds(self.numel, n)]
+        self.next = (r + 1) % n
+        self.prev = (r - 1) % n
+        self.owned = (r + 1) % n
+        self.seen: set[tuple[int, int]] = set()
+        self.todo = sum(len(c) for c in self.segs) - len(self.segs[r])  # gathered chunks
+        self.todo += len(self.segs[self.owned])  # plus owned chunks to finalize
+        for c, (lo, hi) in enumerate(self.segs[r]):
+            self.send(eng, self.next, MsgType.CHUNK, self.meta(st=0, g=r, c=c, **self.signature),
+                      [wire.tensor_bytes(self.x[lo:hi])], stripe=c, track=True)
+        if self.todo == 0:
+            self.finish(eng, self.out.view(self.shape))
+
+    def on_message(self, eng: "Engine", src: int, msg: wire.Message) -> None:
+        self.check(msg)
+        n, r = self.n, self.rank
+        if src != self.prev:
+            raise ProtocolError(f"ring chunk from rank {src}, expected rank {self.prev}")
+        st = wire.int_field(msg.meta, "st", 0, 2 * n - 3)
+        g = wire.int_field(msg.meta, "g", 0, n - 1)
+        c = wire.int_field(msg.meta, "c", 0)
+        if g != (r - st - 1) % n or c >= len(self.segs[g]):
+            raise ProtocolError(f"ring chunk (step {st}, segment {g}, chunk {c}) is not expected here")
+        if (st, c) in self.seen:
+            raise ProtocolError(f"duplicate ring chunk (step {st}, chunk {c})")
+        lo, hi = self.segs[g][c]
+        if len(msg.payload) != 1 or len(msg.payload[0]) != (hi - lo) * self.x.element_size():
+            raise ProtocolError(f"ring chunk of {[len(p) for p in msg.payload]} bytes, "
+                                f"expected {(hi - lo) * self.x.element_size()}")
+        self.seen.add((st, c))
+        self.received += len(msg.payload[0])
+        incoming = wire.tensor_from(msg.payload[0], self.dtype, (hi - lo,))
+        dst = self.out[lo:hi]
+        if st < n - 1:  # reduce-scatter
+            torch.add(self.x[lo:hi], incoming, out=dst)
+            if st < n - 2:
+                self.send(eng, self.next, MsgType.CHUNK,
+                          self.meta(st=st + 1, g=g, c=c, **self.signature),
+                          [wire.tensor_bytes(dst)], stripe=c)
+            else:  # this rank owns segment g: finalize, then start its all-gather
+                self.average(dst)
+                self.send(eng, self.next, MsgType.CHUNK,
+                          self.meta(st=st + 1, g=g, c=c, **self.signature),
+                          [wire.tensor_bytes(dst)], stripe=c, track=True)
+                self.todo -= 1
+        else:  # all-gather: keep the owner's bytes, pass the received frame on untouched
+            dst.copy_(incoming)
+            if st < 2 * n - 3:
+                self.send(eng, self.next, MsgType.CHUNK,
+                          self.meta(st=st + 1, g=g, c=c, **self.signature),
+                          [msg.frames[1]], stripe=c)
+            self.todo -= 1
+        if self.todo == 0:
+            self.finish(eng, self.out.view(self.shape))
+
+
+class DirectAllReduce(_ReduceBase):
+    """``star`` (one segment, owner 0) or ``scatter`` (n segments, segment j owned by rank j).
+
+    Phase 0: each rank sends each chunk of every segment it does not own to that segment's
+    owner (encoded once if a codec is given). The owner decodes each contribution once and
+    accumulates in float32 in arrival order. Phase 1: once a chunk has all n contributions, the
+    owner finalizes it (average, encode) and sends the final bytes to every other rank."""
+
+    def start(self, eng: "Engine") -> None:
+        parts = 1 if self.algorithm == "star" else self.n
+        self.owner_of: list[int] = []
+        self.spans: list[tuple[int, int]] = []
+        for owner, (lo, hi) in enumerate(bounds(self.numel, parts)):
+            for span in chunked(lo, hi, self.chunk):
+                self.owner_of.append(owner)
+                self.spans.append(span)
+        self.out = eng.pool.empty(self.numel, self.dtype)
+        self.acc: dict[int, torch.Tensor] = {}
+        self.contributors: dict[int, set[int]] = {}
+        self.todo = len(self.spans)
+        self.final_seen: set[int] = set()
+        self.pending_owned = {ci for ci, o in enumerate(self.owner_of) if o == self.rank}
+        for ci, (lo, hi) in enumerate(self.spans):
+            piece = self.x[lo:hi]
+            owner = self.owner_of[ci]
+            if owner == self.rank:
+                self._accumulate(eng, ci, self.rank, self._local(piece))
+            else:
+                payload, extra = self._encode(piece)
+                self.send(eng, owner, MsgType.CHUNK,
+                          self.meta(ph=0, ci=ci, **extra, **self.signature), payload,
+                          stripe=ci, track=self.codec is None)
+        if self.todo == 0:
+            self.finish(eng, self.out.view(self.shape))
+
+    def needs(self, peer: str) -> bool:
+        if self.finished:
+            return False
+        r = self.rank_of(peer)
+        if any(self.owner_of[ci] == self.rank and r not in self.contributors.get(ci, ())
+               for ci in self.pending_owned):
+            return True  # a contribution of ``peer`` to a chunk this rank owns is missing
+        return any(self.owner_of[ci] == r and ci not in self.final_seen
+                   for ci in range(len(self.spans)))
+
+    def _local(self, piece: torch.Tensor) -> torch.Tensor:
+        if self.codec is None:
+            return piece
+        return self.codec.decode(self.codec.encode(piece))
+
+    def _encode(self, piece: torch.Tensor) -> tuple[list[memoryview], dict[str, Any]]:
+        if self.codec is None:
+            return [wire.tensor_bytes(piece)], {}
+        enc = self.codec.encode(piece)
+        return ([wire.tensor_bytes(f) for f in enc.frames],
+                {"cm": dict(enc.meta), "cf": [wire.describe(f) for f in enc.frames]})
+
+    def _decode(self, msg: wire.Message, length: int) -> torch.Tensor:
+        if self.codec is None:
+            if len(msg.payload) != 1 or len(msg.payload[0]) != length * self.x.element_size():
+                raise ProtocolError(f"chunk of {[len(p) for p in msg.payload]} bytes, expected "
+                                    f"{length * self.x.element_size()}")
+            return wire.tensor_from(msg.payload[0], self.dtype, (length,))
+        descs = wire.field(msg.meta, "cf", list)
+        cmeta = wire.field(msg.meta, "cm", dict)
+        if len(descs) != len(msg.payload):
+            raise ProtocolError("codec frame descriptors do not match the payload frames")
+        frames = []
+        for desc, buf in zip(descs, msg.payload):
+            dtype, shape, size = wire.parse_descriptor(desc, len(buf))
+            if size != len(buf):
+                raise ProtocolError(f"codec frame of {len(buf)} bytes, descriptor says {size}")
+            frames.append(wire.tensor_from(buf, dtype, shape))
+        try:
+            value = self.codec.decode(Encoded(frames=tuple(frames), meta=cmeta))
+        except Exception as exc:  # a codec fed bad bytes may raise anything
+            raise ProtocolError(f"codec {self.codec.name} could not decode a chunk: {exc}") from None
+        if value.shape != (length,):
+            raise ProtocolError(f"decoded chunk has shape {tuple(value.shape)}, expected ({length},)")
+        return value
+
+    def _accumulate(self, eng: "Engine", ci: int, src: int, value: torch.Tensor) -> None:
+        have = self.contributors.setdefault(ci, set())
+        if src in have:
+            raise ProtocolError(f"duplicate contribution of rank {src} to chunk {ci}")
+        have.add(src)
+        acc = self.acc.get(ci)
+        if acc is None:
+            self.acc[ci] = value.to(acc_dtype(self.dtype), copy=True)
+        else:
+            acc += value
+        if len(have) == self.n:
+            self._finalize(eng, ci)
+
+    def _finalize(self, eng: "Engine", ci: int) -> None:
+        acc = self.average(self.acc.pop(ci))
+        del self.contributors[ci]
+        self.pending_owned.discard(ci)
+        lo, hi = self.spans[ci]
+        if self.codec is not None:
+            enc = self.codec.encode(acc)
+            final = self.codec.decode(enc).to(self.dtype)
+            payload = [wire.tensor_bytes(f) for f in enc.frames]
+            extra = {"cm": dict(enc.meta), "cf": [wire.describe(f) for f in enc.frames]}
+        else:
+            final = acc.to(self.dtype)
+            payload, extra = [wire.tensor_bytes(final)], {}
+        self.out[lo:hi] = final
+        for dst in range(self.n):
+            if dst != self.rank:
+                self.send(eng, dst, MsgType.CHUNK, self.meta(ph=1, ci=ci, **extra, **self.signature),
+                          payload, stripe=ci)
+        self.todo -= 1
+
+    def on_message(self, eng: "Engine", src: int, msg: wire.Message) -> None:
+        self.check(msg)
+        ph = wire.int_field(msg.meta, "ph", 0, 1)
+        ci = wire.int_field(msg.meta, "ci", 0, len(self.spans) - 1) if self.spans else -1
+        if ci < 0:
+            raise ProtocolError("chunk for an empty all_reduce")
+        lo, hi = self.spans[ci]
+        owner = self.owner_of[ci]
+        if ph == 0:
+            if owner != self.rank:
+                raise ProtocolError(f"contribution to chunk {ci} sent to rank {self.rank}, owner is {owner}")
+            value = self._decode(msg, hi - lo)
+            self.received += sum(len(p) for p in msg.payload)
+            self._accumulate(eng, ci, src, value)
+        else:
+            if src != owner or ci in self.final_seen:
+                raise ProtocolError(f"unexpected final value of chunk {ci} from rank {src}")
+            value = self._decode(msg, hi - lo)
+            self.final_seen.add(ci)
+            self.received += sum(len(p) for p in msg.payload)
+            self.out[lo:hi] = value
+            self.todo -= 1
+        if self.todo == 0:
+            self.finish(eng, self.out.view(self.shape))

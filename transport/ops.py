@@ -1,0 +1,134 @@
+"""Operations driven by the engine thread: the base class and shared helpers.
+
+Each operation is created by a user thread, started on the engine thread, fed the messages whose
+``(epoch, op key)`` match it, and completes its :class:`~transport.work.FutureWork` exactly once.
+Every operation sends from and receives into buffers it owns or that the caller lent it; sends of
+caller-visible buffers are zero-copy and *tracked*, and the operation completes only after ZeroMQ
+released them (``Engine.done``), so callers may reuse a tensor as soon as the call returns.
+
+The concrete operations live in :mod:`transport.allreduce` (reductions),
+:mod:`transport.messages` (broadcast, all-gather, barrier, send/recv) and :mod:`transport.shm`
+(same-host shared memory).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Any, Sequence
+
+import torch
+
+from lowband.comm import OpStats
+from lowband.errors import ProtocolError
+from transport import wire
+from transport.engine import still_sending
+from transport.wire import MsgType
+from transport.work import FutureWork
+
+if TYPE_CHECKING:
+    from transport.engine import Engine, PeerTable
+
+
+class Mismatch(ProtocolError):
+    """Ranks disagree about an operation (shape, dtype, root...): the operation fails everywhere."""
+
+    fatal = True
+
+
+def acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    if dtype == torch.float64:
+        return torch.float64
+    if dtype.is_floating_point:
+        return torch.float32
+    return torch.int64
+
+
+def bounds(numel: int, parts: int) -> list[tuple[int, int]]:
+    """Split ``range(numel)`` into ``parts`` contiguous, nearly equal ranges."""
+    cuts = [(i * numel) // parts for i in range(parts + 1)]
+    return list(zip(cuts[:-1], cuts[1:]))
+
+
+def chunked(lo: int, hi: int, step: int) -> list[tuple[int, int]]:
+    return [(a, min(hi, a + step)) for a in range(lo, hi, step)]
+
+
+class Op:
+    """Base class: identity, bookkeeping, completion. Subclasses implement start/on_message."""
+
+    kind = "op"
+
+    def __init__(self, table: "PeerTable", key: str, timeout: float, work: FutureWork) -> None:
+        m = table.membership
+        self.epoch = m.epoch
+        self.rank = m.rank
+        self.n = m.world_size
+        self.peers = m.peers
+        self._index = table.index
+        self.key = key
+        self.timeout = timeout
+        self.deadline = time.monotonic() + timeout
+        self.work = work
+        self.trackers: list[Any] = []
+        self.sent = 0
+        self.received = 0
+        self.finished = False
+        self._result: Any = None
+
+    # ---- identity ---------------------------------------------------------------------------
+    def describe(self) -> str:
+        return f"{self.kind} '{self.key}' (epoch {self.epoch}, rank {self.rank})"
+
+    def peers_involved(self) -> tuple[str, ...]:
+        return self.peers
+
+    def needs(self, peer: str) -> bool:
+        """Whether this op still waits for data that only ``peer`` can send (or forward).
+
+        A lost peer fails exactly the ops that still need it: one that finished its part and
+        left does not fail collectives it already contributed to."""
+        return not self.finished
+
+    def rank_of(self, peer: str) -> int | None:
+        return self._index.get(peer)
+
+    def meta(self, **fields: Any) -> dict[str, Any]:
+        return {"e": self.epoch, "o": self.key, "p": self.peers[self.rank], "k": self.kind, **fields}
+
+    # ---- io ------------------------------------------------------------------------------------
+    def send(self, eng: "Engine", dst: int, mtype: MsgType, meta: dict[str, Any],
+             payload: Sequence[Any] = (), *, stripe: int | None = None, track: bool = False) -> None:
+        self.trackers.extend(eng.send(self.peers[dst], mtype, meta, payload, stripe=stripe,
+                                      track=track))
+        self.sent += sum(memoryview(p).nbytes for p in payload)
+
+    def check_kind(self, msg: wire.Message) -> None:
+        if msg.meta.get("k") != self.kind:
+            raise Mismatch(f"ranks disagree on the operation '{self.key}': "
+                           f"{msg.meta.get('k')!r} vs {self.kind!r}")
+
+    # ---- completion -----------------------------------------------------------------------------
+    def finish(self, eng: "Engine", result: Any) -> None:
+        self._result = result
+        self.finished = True
+        eng.done(self)
+
+    def pending_trackers(self) -> bool:
+        self.trackers = still_sending(self.trackers)
+        return bool(self.trackers)
+
+    def settle(self, eng: "Engine") -> None:
+        eng.count(self.sent, self.received)
+        self.work.set_result(self._result, OpStats(self.sent, self.received))
+
+    def fail(self, eng: "Engine", exc: BaseException) -> None:
+        self.finished = True
+        eng.forget(self)
+        if self.work.set_error(exc, OpStats(self.sent, self.received)):
+            eng.count(self.sent, self.received)
+
+    def start(self, eng: "Engine") -> None:
+        raise NotImplementedError
+
+    def on_message(self, eng: "Engine", src: int, msg: wire.Message) -> None:
+        raise NotImplementedError
