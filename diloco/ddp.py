@@ -49,9 +49,9 @@ class DDPWorker:
         self._t0 = time.perf_counter()
 
     def run(self) -> WorkerResult:
-        t0 = self._t0 = time.perf_counter()
-        self.comm.quorum(min_world=self.cfg.workers, timeout=self.cfg.sync_timeout)
+        self.comm.quorum(min_world=self.cfg.workers, timeout=3 * self.cfg.sync_timeout)
         self._check_start()
+        t0 = self._t0 = time.perf_counter()  # wall time counts once the group has formed
         r = self.result
         while self.inner.step < self.cfg.steps:
             tc, s0 = time.perf_counter(), r.sync_s

@@ -136,7 +136,6 @@ class DilocoWorker:
 
     # ---- the loop ------------------------------------------------------------------------------
     def run(self) -> WorkerResult:
-        t0 = self._t0 = time.perf_counter()
         m = self.mode
         self._timed(lambda: self.comm.quorum(min_world=self.cfg.workers,
                                              timeout=self._quorum_timeout))
@@ -146,6 +145,9 @@ class DilocoWorker:
         if self._resume_dir is not None:
             self._resume(self._resume_dir)
         self._timed(lambda: self._reconcile("start"))
+        # Wall time and tokens/s count from here: after the group formed and agreed on a state.
+        t0 = self._t0 = time.perf_counter()
+        self.result.sync_s = 0.0
         self.result.start_step = self.step
         while self.step < self.cfg.steps:
             tc = time.perf_counter()
