@@ -48,7 +48,7 @@ import torch.nn.functional as F
 from edge.hebf import hebf_plan
 from edge.model import LlamaForCausalLM
 from edge.nested import (WIDTHS, ExpertKey, NestedCheckpoint, dequantize, load_backbone,
-                         planes_to_codes, to_planes)
+                         page_buffer, planes_to_codes, to_planes)
 from lowband.errors import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -71,8 +71,8 @@ class HEBFConfig:
     """Hottest-expert-bit-first. ``decay`` is γ: hotness ← γ·hotness + routed count, per token."""
 
     min_bits: int = 2
-    decay: float = 0.95
-    replan_every: int = 4          # tokens between plans
+    decay: float = 0.98            # half-life ~34 tokens: follows a request, not every token
+    replan_every: int = 8          # tokens between plans
 
     def __post_init__(self) -> None:
         if self.min_bits not in WIDTHS:
@@ -146,6 +146,21 @@ class StorageDevice:
             return out
 
 
+def _paged(t: torch.Tensor) -> torch.Tensor:
+    """Copy of a uint8 tensor on its own pages (see ``edge.nested.page_buffer``)."""
+    out = page_buffer(t.numel()).view(t.shape)
+    out.copy_(t)
+    return out
+
+
+def _paged_rows(top: torch.Tensor, rest: torch.Tensor) -> torch.Tensor:
+    """Planes ``top`` followed by ``rest`` in one fresh page buffer."""
+    out = page_buffer((top.shape[0] + rest.shape[0]) * top.shape[1]).view(-1, top.shape[1])
+    out[:top.shape[0]].copy_(top)
+    out[top.shape[0]:].copy_(rest)
+    return out
+
+
 @dataclass
 class Resident:
     """One expert in memory: float16 group parameters and, per tensor, the top ``bits`` of its
@@ -158,24 +173,27 @@ class Resident:
     nbytes: int
     shapes: dict[str, tuple[int, int]]
 
-    def weight(self, name: str) -> torch.Tensor:
-        """Float32 (out, in) weight of tensor ``name`` at this expert's width."""
+    def weight(self, name: str, *, scratch: bool = False) -> torch.Tensor:
+        """Float32 (out, in) weight of tensor ``name`` at this expert's width. With ``scratch``
+        it lives in this thread's reusable buffer until the next scratch call."""
         lo, step = self.scales[name]
         d = self.data[name]
-        codes = d if self.bits == 8 else planes_to_codes(d)
-        return dequantize(codes, lo, step, self.bits)
+        codes = d if self.bits == 8 else planes_to_codes(d, scratch=scratch)
+        return dequantize(codes, lo, step, self.bits, scratch=scratch)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Mixtral expert on (N, H) rows: w2(silu(w1 x) * w3 x)."""
-        return F.linear(F.silu(F.linear(x, self.weight("w1"))) * F.linear(x, self.weight("w3")),
-                        self.weight("w2"))
+        """Mixtral expert on (N, H) rows: w2(silu(w1 x) * w3 x). Each weight is consumed by its
+        matmul before the next is decoded into the same scratch buffer."""
+        h1 = F.linear(x, self.weight("w1", scratch=True))
+        h3 = F.linear(x, self.weight("w3", scratch=True))
+        return F.linear(F.silu(h1) * h3, self.weight("w2", scratch=True))
 
     def narrowed(self, bits: int, nbytes: int) -> "Resident":
         """This expert at fewer bits: a prefix of its planes, copied so the rest is freed."""
         if self.bits == 8:
-            data = {n: to_planes(c)[:bits].clone() for n, c in self.data.items()}
+            data = {n: _paged(to_planes(c)[:bits]) for n, c in self.data.items()}
         else:
-            data = {n: p[:bits].clone() for n, p in self.data.items()}
+            data = {n: _paged(p[:bits]) for n, p in self.data.items()}
         return Resident(bits=bits, scales=self.scales, data=data, nbytes=nbytes, shapes=self.shapes)
 
 
@@ -476,10 +494,7 @@ class ExpertCache:
 
         def read() -> tuple[dict | None, dict[str, torch.Tensor]]:
             scales = f.read_scales() if cur is None else None
-            if f.layout == "bytes":
-                return scales, f.read_codes()
-            planes = [f.split_plane(p) for p in f.read_planes(first, bits)]
-            return scales, {n: torch.stack([p[n] for p in planes]) for n in self._shapes}
+            return scales, f.read_codes() if f.layout == "bytes" else f.read_planes(first, bits)
 
         try:
             scales, data = self.device.read(read, nbytes)
@@ -506,9 +521,9 @@ class ExpertCache:
                data: dict[str, torch.Tensor], layout: str) -> Resident:
         if layout == "planes":
             if cur is not None:
-                data = {n: torch.cat([cur.data[n], data[n]]) for n in data}
+                data = {n: _paged_rows(cur.data[n], data[n]) for n in data}
             if bits == 8:   # int8: keep one code vector, the layout int8 kernels use
-                data = {n: planes_to_codes(p) for n, p in data.items()}
+                data = {n: _paged(planes_to_codes(p)) for n, p in data.items()}
         return Resident(bits=bits, scales=scales if cur is None else cur.scales, data=data,
                         nbytes=self.sizes[key][bits], shapes=self._shapes)
 

@@ -85,26 +85,29 @@ def _train_cfg(cfg: BenchConfig, out: Path) -> MoETrainConfig:
     return (tiny_preset if cfg.tiny else bench_preset)(out)
 
 
+def _digest(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()[:12]
+
+
 def prepare(cfg: BenchConfig) -> tuple[Path, Path, Path, MoETrainConfig]:
     """(trained checkpoint, nested conversion, plain int8 conversion), reusing the cache when
     the recipe matches. The int8 baselines read plain int8 codes, as a conventional int8 runtime
     would, so they pay no plane decoding on a miss."""
     tcfg = _train_cfg(cfg, Path("."))
-    recipe = json.dumps({"train": {k: str(v) for k, v in asdict(tcfg).items() if k != "out_dir"},
-                         "group_size": cfg.group_size}, sort_keys=True)
-    tag = ("tiny-" if cfg.tiny else "bench-") + hashlib.sha256(recipe.encode()).hexdigest()[:12]
-    root = cfg.cache_dir / tag
-    model_dir, nested_dir = root / "model", root / f"nested-g{cfg.group_size}"
-    int8_dir = root / f"int8-g{cfg.group_size}"
+    recipe = json.dumps({k: str(v) for k, v in asdict(tcfg).items() if k != "out_dir"}, sort_keys=True)
+    root = cfg.cache_dir / (("tiny-" if cfg.tiny else "bench-") + _digest(recipe))
+    qcfg = NestedQuantConfig(group_size=cfg.group_size)
+    model_dir = root / "model"
+    nested_dir = root / f"nested-{_digest(repr(qcfg))}"
+    int8_dir = root / f"int8-{_digest(repr(replace(qcfg, layout='bytes')))}"
     tcfg = replace(tcfg, out_dir=model_dir)
     if not (model_dir / TRAIN_LOG).exists():
         logger.info("training the benchmark MoE into %s", model_dir)
         train(tcfg)
     if not (nested_dir / "nested.json").exists():
-        quantize_checkpoint(model_dir, nested_dir, NestedQuantConfig(group_size=cfg.group_size))
+        quantize_checkpoint(model_dir, nested_dir, qcfg)
     if not (int8_dir / "nested.json").exists():
-        quantize_checkpoint(model_dir, int8_dir,
-                            NestedQuantConfig(group_size=cfg.group_size, layout="bytes"))
+        quantize_checkpoint(model_dir, int8_dir, replace(qcfg, layout="bytes"))
     return model_dir, nested_dir, int8_dir, tcfg
 
 

@@ -70,19 +70,35 @@ def test_sliced_error_bound_is_half_a_b_bit_step(bits: int) -> None:
     assert torch.all((wb - w).abs() <= step * (0.5 + (k - 1) / 2) + 1e-6)
 
 
-def test_nested_slices_are_no_worse_than_native_b_bit() -> None:
+@pytest.mark.parametrize("bits", [2, 3, 4])
+def test_range_extension_makes_the_slice_the_native_quantizer(bits: int) -> None:
+    """With e = 2^b / (2^b - 1) the b-bit slice has the native min/max quantizer's bins and
+    levels: the same reconstruction except where float16 rounding moves a bin edge."""
+    torch.manual_seed(2)
+    w = torch.randn(128, 256) * 0.02
+    ext = 2 ** bits / (2 ** bits - 1)
+    q = quantize_int8(w, 64, range_ext=ext)
+    nested = dequantize(slice_codes(q.codes, bits), q.lo, q.step, bits)
+    native = quantize_independent(w, bits, 64)
+    step = (w.view(128, 4, 64).amax(-1) - w.view(128, 4, 64).amin(-1)) / (2 ** bits - 1)
+    close = (nested - native).abs() <= step.repeat_interleave(64, dim=1) * 0.05
+    assert close.float().mean() > 0.99
+    assert abs(rel_err(w, nested) - rel_err(w, native)) < 0.01 * rel_err(w, native)
+
+
+def test_default_grid_is_close_to_native_at_every_width() -> None:
     torch.manual_seed(2)
     # Bell-shaped weights with a few outliers, like trained matrices.
     w = torch.randn(256, 256) * 0.02
     w[torch.rand_like(w) < 0.001] *= 8
     q = quantize_int8(w, 64)
-    for bits in WIDTHS:
-        nested = rel_err(w, dequantize(slice_codes(q.codes, bits), q.lo, q.step, bits))
+    errs = {b: rel_err(w, dequantize(slice_codes(q.codes, b), q.lo, q.step, b)) for b in WIDTHS}
+    for bits in (2, 3, 4):
         native = rel_err(w, quantize_independent(w, bits, 64))
-        assert nested <= native * 1.05, (bits, nested, native)
+        assert errs[bits] <= native * 1.15, (bits, errs[bits], native)
+    assert errs[8] < 0.01    # the 8/7 wider grid costs 14% at 8 bits, where it does not matter
     # Each extra bit helps (the slices are real precisions, not copies of one another).
-    errs = [rel_err(w, dequantize(slice_codes(q.codes, b), q.lo, q.step, b)) for b in (2, 3, 4, 8)]
-    assert errs == sorted(errs, reverse=True) and errs[0] > 3 * errs[2]
+    assert errs[2] > errs[3] > errs[4] > errs[8] and errs[2] > 3 * errs[4]
 
 
 def test_constant_group_is_exact() -> None:
@@ -127,18 +143,17 @@ def test_expert_file_round_trip_bit_exact(tmp_path: Path) -> None:
     with ExpertFile(tmp_path / "e.lbn") as f:
         assert (f.layer, f.expert, f.group_size) == (1, 5, 32)
         scales = f.read_scales()
-        planes = [f.split_plane(p) for p in f.read_planes(0, 8)]
+        planes = f.read_planes(0, 8)
         for name, q in qs.items():
             assert torch.equal(scales[name][0], q.lo) and torch.equal(scales[name][1], q.step)
-            codes = planes_to_codes(torch.stack([p[name] for p in planes]))
-            assert torch.equal(codes.view(q.codes.shape), q.codes)
+            assert torch.equal(planes[name], to_planes(q.codes))
+            assert torch.equal(planes_to_codes(planes[name]).view(q.codes.shape), q.codes)
         # The b-bit read is a prefix, and an upgrade read of the remaining planes completes it.
-        top3 = [f.split_plane(p) for p in f.read_planes(0, 3)]
-        rest = [f.split_plane(p) for p in f.read_planes(3, 8)]
+        top3, rest = f.read_planes(0, 3), f.read_planes(3, 8)
         for name, q in qs.items():
-            sl = planes_to_codes(torch.stack([p[name] for p in top3])).view(q.codes.shape)
+            sl = planes_to_codes(top3[name]).view(q.codes.shape)
             assert torch.equal(sl, slice_codes(q.codes, 3))
-            full = planes_to_codes(torch.stack([p[name] for p in top3 + rest])).view(q.codes.shape)
+            full = planes_to_codes(torch.cat([top3[name], rest[name]])).view(q.codes.shape)
             assert torch.equal(full, q.codes)
         assert f.nbytes(4) - f.nbytes(3) == f.plane_bytes == (3 * 64 * 32) // 8
         f.verify()
@@ -209,7 +224,8 @@ def test_converter_layout_and_copies(tiny_ckpt: tuple[Path, Path]) -> None:
     e = manifest["experts"][0]
     assert e["bytes"]["8"] > e["bytes"]["4"] > e["bytes"]["3"] > e["bytes"]["2"]
     for b in ("2", "3", "4"):
-        assert e["err2"]["nested"][b] <= e["err2"]["independent"][b] * 1.1
+        # squared errors, small random groups: the 8/7 grid trades some MSE for perplexity
+        assert e["err2"]["nested"][b] <= e["err2"]["independent"][b] * 1.5
 
 
 def test_dense_8_bit_model_matches_the_original(tiny_ckpt: tuple[Path, Path]) -> None:
