@@ -225,3 +225,26 @@ def test_config_is_validated():
         ZmqConfig(chunk_bytes=8 << 20, max_message_bytes=8 << 20)
     with pytest.raises(ConfigError, match="bind"):
         CoordinatorConfig(bind="localhost:1234")
+
+
+@pytest.mark.parametrize("algorithm", ["ring", "star"])
+def test_all_reduce_of_empty_and_zero_dim_tensors(algorithm):
+    with local_group(3, SMALL) as (_, comms):
+        def body(c):
+            e = c.all_reduce(torch.empty(0, 4), algorithm=algorithm)
+            s = c.all_reduce(torch.tensor(float(c.rank)), "avg", algorithm=algorithm)
+            t = c.all_reduce(torch.arange(2.0), algorithm=algorithm)  # fewer elements than ranks
+            return e, s, t
+        for e, s, t in each(comms, body):
+            assert e.shape == (0, 4)
+            assert s.shape == () and s.item() == 1.0
+            assert torch.equal(t, torch.tensor([0.0, 3.0]))
+
+
+@pytest.mark.parametrize("numel", [24_578, 8_191])  # segments of 2, 3, 3 chunks / all one chunk
+def test_ring_with_unequal_chunk_counts_per_segment(numel):
+    xs = [torch.randn(numel) for _ in range(3)]
+    with local_group(3, SMALL) as (_, comms):  # 16 KiB chunks: 4096 float32 per chunk
+        outs = each(comms, lambda c: c.all_reduce(xs[c.rank], algorithm="ring"))
+    assert all(torch.equal(o, outs[0]) for o in outs)
+    assert torch.allclose(outs[0], xs[0] + xs[1] + xs[2], atol=1e-5)

@@ -3,7 +3,14 @@
 Implementations of :class:`lowband.comm.Communicator`:
 
 * :mod:`transport.loopback` – ranks as threads in one process (tests, docs, algorithm work).
-* :mod:`transport.zmq_comm` – ZeroMQ over TCP with K striped connections per peer pair.
+* :mod:`transport.zmq_comm` – ZeroMQ over TCP with K striped connections per peer pair
+  (``connect``, ``ZmqConfig``), managed by :mod:`transport.coordinator`.
+
+Inside the ZeroMQ communicator: :mod:`transport.wire` (message format), :mod:`transport.engine`
+(the socket thread), :mod:`transport.ops`, :mod:`transport.allreduce`, :mod:`transport.messages`
+and :mod:`transport.shm` (collectives), :mod:`transport.auth` (CURVE / token),
+:mod:`transport.buffers` (result pool). Tools: :mod:`transport.emulator` (user-space WAN link),
+:mod:`transport.netns` (tbf-shaped namespaces), :mod:`transport.bench`, :mod:`transport.launch`.
 
 Importing this package is cheap; submodules are imported on demand.
 """

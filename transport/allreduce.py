@@ -100,8 +100,10 @@ class RingAllReduce(_ReduceBase):
         self.prev = (r - 1) % n
         self.owned = (r + 1) % n
         self.seen: set[tuple[int, int]] = set()
-        self.todo = sum(len(c) for c in self.segs) - len(self.segs[r])  # gathered chunks
-        self.todo += len(self.segs[self.owned])  # plus owned chunks to finalize
+        # Every chunk completes here exactly once: the owned segment's chunks when this rank
+        # finalizes them, every other segment's (its own input segment included) when the
+        # all-gather brings the owner's value.
+        self.todo = sum(len(c) for c in self.segs)
         for c, (lo, hi) in enumerate(self.segs[r]):
             self.send(eng, self.next, MsgType.CHUNK, self.meta(st=0, g=r, c=c, **self.signature),
                       [wire.tensor_bytes(self.x[lo:hi])], stripe=c, track=True)
@@ -174,6 +176,7 @@ class DirectAllReduce(_ReduceBase):
         self.final_seen: set[int] = set()
         self.pending_owned = {ci for ci, o in enumerate(self.owner_of) if o == self.rank}
         for ci, (lo, hi) in enumerate(self.spans):
+            eng.tick()  # encoding many chunks may take a while
             piece = self.x[lo:hi]
             owner = self.owner_of[ci]
             if owner == self.rank:

@@ -84,6 +84,7 @@ class Engine:
         self._data = data
         self._control = control
         self._hb_period = heartbeat_interval / 3
+        self._next_hb = 0.0
         self._coord_silence = max(5 * heartbeat_interval, 2.0)
         self._bye_grace = max(2.0, 2 * heartbeat_interval)
         self._wake_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
@@ -164,6 +165,10 @@ class Engine:
         done.wait(timeout)
         self._stop.set()
         self._thread.join(timeout)
+
+    @property
+    def running(self) -> bool:
+        return self._thread.is_alive()
         os.close(self._wake_fd)
 
     # ---- sending (engine thread) ------------------------------------------------------------
@@ -534,8 +539,16 @@ class Engine:
         self._fail_all(err)
 
     # ---- the loop ---------------------------------------------------------------------------
+    def tick(self) -> None:
+        """Heartbeat if one is due. Long-running work on this thread (a big shared-memory
+        reduction, encoding many chunks) calls this between pieces, so the coordinator never
+        mistakes a busy peer for a dead one."""
+        now = time.monotonic()
+        if now >= self._next_hb:
+            self._send_control(MsgType.HEARTBEAT, {})
+            self._next_hb = now + self._hb_period
+
     def _run(self) -> None:
-        next_hb = 0.0
         next_sweep = 0.0
         try:
             while not self._stop.is_set():
@@ -555,10 +568,8 @@ class Engine:
                         self._flush(sock)
                 if self._finishing:
                     self._settle_finished()
+                self.tick()
                 now = time.monotonic()
-                if now >= next_hb:
-                    self._send_control(MsgType.HEARTBEAT, {})
-                    next_hb = now + self._hb_period
                 if now >= next_sweep:
                     self._sweep(now)
                     next_sweep = now + 0.05

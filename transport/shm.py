@@ -42,6 +42,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 _ALIGN = 4096
+_PIECE = 1 << 22  # elements reduced per step
 
 
 def _align(n: int) -> int:
@@ -215,18 +216,23 @@ class ShmAllReduce(_ReduceBase):
             return
         lo, hi = self.segs[self.rank]
         final = self.slab.view(self.f_off, hi - lo, self.dtype)
-        parts = [self.inputs[k][lo:hi] for k in range(self.n)]  # rank order: deterministic
-        if acc_dtype(self.dtype) == self.dtype:
-            torch.add(parts[0], parts[1], out=final)
-            for p in parts[2:]:
-                final.add_(p)
-            self.average(final)
-        else:
-            acc = parts[0].to(acc_dtype(self.dtype))
-            for p in parts[1:]:
-                acc += p
-            final.copy_(self.average(acc))
-        self.out[lo:hi].copy_(final)
+        # Piece by piece (4M elements, cache-sized work, heartbeats in between), each summed
+        # in rank order: deterministic.
+        for a in range(0, hi - lo, _PIECE):
+            b = min(hi - lo, a + _PIECE)
+            parts = [self.inputs[k][lo + a:lo + b] for k in range(self.n)]
+            if acc_dtype(self.dtype) == self.dtype:
+                torch.add(parts[0], parts[1], out=final[a:b])
+                for p in parts[2:]:
+                    final[a:b].add_(p)
+                self.average(final[a:b])
+            else:
+                acc = parts[0].to(acc_dtype(self.dtype))
+                for p in parts[1:]:
+                    acc += p
+                final[a:b].copy_(self.average(acc))
+            self.out[lo + a:lo + b].copy_(final[a:b])
+            eng.tick()
         self.reduced = True
         self.gathered.add(self.rank)
         self._announce(eng, 1)

@@ -501,6 +501,11 @@ class ZmqCommunicator:
         self._engine.close(leave=True, timeout=max(5.0, self.config.linger + 1))
         if self._zap is not None:
             self._zap.close()
+        if self._engine.running:
+            # Its sockets are still open: terminating the context would block forever.
+            logger.error("the transport engine of %s did not stop; leaving its sockets open",
+                         self.peer_id)
+            return
         self._ctx.term()
 
     def __enter__(self) -> "ZmqCommunicator":
