@@ -244,6 +244,25 @@ def _link_latency(a, hidden: int) -> dict:
             spoke.wait(timeout=10)
 
 
+def _decompose(a, split2: Path, cfg: dict, common: list[str], single: dict) -> dict:
+    """Per-device compute of each half alone (as on separate boards), both halves at once on
+    cores 0 and 1 without any network (the slowdown is this machine's shared memory
+    bandwidth, not the runtime), the link's all-reduce latency, and the projection
+    max(compute alone) + 2L x latency."""
+    shard_args = ["--role", "shard", "--model", str(split2), "--devices", "2", *common]
+    alone = [min((_run_role([*shard_args, "--rank", str(r), "--core", "0"], a.timeout)
+                  for _ in range(2)), key=lambda x: x["decode_ms_per_token"]) for r in range(2)]
+    together = _concurrent([[*shard_args, "--rank", str(r), "--core", str(r)] for r in range(2)], a)
+    lat = _link_latency(a, cfg["hidden_size"])
+    projected = (max(r["decode_ms_per_token"] for r in alone)
+                 + 2 * cfg["num_hidden_layers"] * lat["median_us"] / 1e3)
+    return {"slice_alone_ms": [round(r["decode_ms_per_token"], 2) for r in alone],
+            "slices_concurrent_ms": [round(r["decode_ms_per_token"], 2) for r in together],
+            "link_allreduce_us": {k: round(v, 1) for k, v in lat.items()},
+            "projected_2dev_ms": round(projected, 2),
+            "projected_tp_speedup": round(single["decode_ms_per_token"] / projected, 3)}
+
+
 def _concurrent(role_args: list[list[str]], a) -> list[dict]:
     """Run several roles at the same time (e.g. both TP slices, no communication) to measure
     how much the simulated devices slow each other down through shared memory bandwidth."""
@@ -346,12 +365,8 @@ def main_bench(a) -> dict:
                                "--win", str(a.window), *common], a.timeout))
     n_layers = cfg["num_hidden_layers"]
     # Decomposition: each TP slice computing alone, and the link's all-reduce latency.
-    shard_args = ["--role", "shard", "--model", str(split2), "--devices", "2", *common]
-    alone = [min((_run_role([*shard_args, "--rank", str(r), "--core", "0"], a.timeout)
-                  for _ in range(2)), key=lambda x: x["decode_ms_per_token"]) for r in range(2)]
-    together = _concurrent([[*shard_args, "--rank", str(r), "--core", str(r)] for r in range(2)], a)
-    lat = _link_latency(a, cfg["hidden_size"])
     single = min(singles, key=lambda r: r["decode_ms_per_token"])
+    decomposition = None if a.no_decomposition else _decompose(a, split2, cfg, common, single)
     tp = min(tps, key=lambda r: r["decode_ms_per_token"])
     tp_parity = max(abs(x - y) for x, y in zip(single["prefill_logits"], tp["prefill_logits"]))
     win = min(wins, key=lambda r: r["decode_ms_per_token"])
@@ -369,20 +384,7 @@ def main_bench(a) -> dict:
         "prompt_len": a.prompt_len,
         "bytes_per_token_wire": tp["bytes_per_token_wire"], "wire": a.wire,
         "allreduce_ms_per_token": round(tp["allreduce_ms_per_token"], 2),
-        "tp_decomposition": {
-            # per-device compute of each half alone (as on separate boards), the link's
-            # all-reduce latency, and the projection max(compute) + 2L x latency
-            "slice_alone_ms": [round(r["decode_ms_per_token"], 2) for r in alone],
-            # the same two slices computing at the same time on cores 0 and 1, no network:
-            # the slowdown is this machine's shared memory bandwidth, not the runtime
-            "slices_concurrent_ms": [round(r["decode_ms_per_token"], 2) for r in together],
-            "link_allreduce_us": {k: round(v, 1) for k, v in lat.items()},
-            "projected_2dev_ms": round(max(r["decode_ms_per_token"] for r in alone)
-                                       + 2 * n_layers * lat["median_us"] / 1e3, 2),
-            "projected_tp_speedup": round(single["decode_ms_per_token"] / (
-                max(r["decode_ms_per_token"] for r in alone)
-                + 2 * n_layers * lat["median_us"] / 1e3), 3),
-        },
+        "tp_decomposition": decomposition,
         "profile_1dev": singles[0].get("profile"),
         "window": {"blocks": win.get("window_blocks"), "of": n_layers,
                    "peak_rss_mb": round(win["peak_rss_mb"], 1),
@@ -418,6 +420,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--window", type=int, default=2, help="W: layer blocks resident")
     p.add_argument("--wire", default="fp32", choices=["fp32", "fp16", "bf16", "int8"])
     p.add_argument("--skip-parity", action="store_true")
+    p.add_argument("--no-decomposition", action="store_true",
+                   help="skip the TP decomposition runs (slices alone/concurrent, link latency)")
     p.add_argument("--keep", action="store_true", help="keep the generated checkpoint")
     p.add_argument("--workdir", default=None, help="where to write the checkpoint (a real disk)")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds per child process")

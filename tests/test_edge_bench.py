@@ -14,7 +14,8 @@ pytest.importorskip("transport.zmq_comm")
 @pytest.mark.slow
 def test_bench_tiny(spawn, tmp_path) -> None:
     p = spawn([PY, "-m", "edge.bench", "--preset", "tiny", "--tokens", "2", "--warmup", "1",
-               "--repeats", "1", "--prompt-len", "8", "--workdir", str(tmp_path), "--json"],
+               "--repeats", "1", "--prompt-len", "8", "--no-decomposition", "--workdir",
+               str(tmp_path), "--json"],
               stdout=-1)
     out, _ = p.communicate(timeout=280)
     assert p.returncode == 0
