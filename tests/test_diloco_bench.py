@@ -12,7 +12,7 @@ pytestmark = pytest.mark.timeout(180)
 def test_bench_tiny_prints_its_json_line(capsys, tmp_path):
     from diloco.bench import main
 
-    assert main(["--json", "--tiny", "--plot", str(tmp_path / "p.png")]) == 0
+    assert main(["--json", "--tiny", "--seeds", "2", "--plot", str(tmp_path / "p.png")]) == 0
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     cfg = out["config"]
     for key in ("workers", "H", "P", "tau", "alpha", "codec", "steps", "tokens"):
@@ -25,6 +25,9 @@ def test_bench_tiny_prints_its_json_line(capsys, tmp_path):
     assert out["bytes_ratio"] == pytest.approx(ddp["bytes_per_worker"] / dl["bytes_per_worker"])
     assert out["bytes_ratio"] > 20
     assert out["loss_gap"] == pytest.approx((dl["eval_loss"] - ddp["eval_loss"]) / ddp["eval_loss"])
+    seeds = out["seeds"]
+    assert [s["seed"] for s in seeds] == [0, 1] and seeds[0]["ddp_eval"] != seeds[1]["ddp_eval"]
+    assert dl["eval_loss"] == pytest.approx((seeds[0]["diloco_eval"] + seeds[1]["diloco_eval"]) / 2)
     assert 0 < dl["peak_sync_bytes"] < ddp["peak_sync_bytes"]
     wc = out["wallclock"]
     assert wc["link"].startswith("MODELLED")
