@@ -173,3 +173,17 @@ def test_pending_quorum_completes_without_a_peer_that_dies_meanwhile():
         finally:
             for p in (a, b, c):
                 p.close()
+
+
+def test_collectives_survive_a_dead_coordinator_and_quorum_says_so():
+    coord = Coordinator(CoordinatorConfig(bind="tcp://127.0.0.1:0", heartbeat_interval=0.3)).start()
+    a, b = connect_all(coord.address, 2, CFG)
+    try:
+        coord.stop()
+        outs = run_ranks([lambda p=p: p.all_reduce(torch.ones(3)) for p in (a, b)])
+        assert all(torch.equal(o, torch.full((3,), 2.0)) for o in outs)
+        with pytest.raises(PeerLost, match="coordinator"):
+            a.quorum(timeout=15)
+    finally:
+        a.close()
+        b.close()

@@ -248,3 +248,20 @@ def test_ring_with_unequal_chunk_counts_per_segment(numel):
         outs = each(comms, lambda c: c.all_reduce(xs[c.rank], algorithm="ring"))
     assert all(torch.equal(o, outs[0]) for o in outs)
     assert torch.allclose(outs[0], xs[0] + xs[1] + xs[2], atol=1e-5)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_random_shapes_algorithms_and_codecs_against_exact_sums(world):
+    import random
+    from lowband.codecs import Fp16Codec
+    rng = random.Random(world)
+    cases = [(rng.choice([0, 1, 3, 4095, 4097, 9000, 33_333]), rng.choice(["ring", "star"]),
+              rng.choice([None, Fp16Codec()])) for _ in range(8)]
+    with local_group(world, SMALL) as (_, comms):
+        for numel, algorithm, codec in cases:
+            xs = [torch.randn(numel) for _ in range(world)]
+            outs = each(comms, lambda c: c.all_reduce(xs[c.rank], "avg", algorithm=algorithm,
+                                                      codec=codec))
+            assert all(torch.equal(o, outs[0]) for o in outs), (numel, algorithm, codec)
+            tol = 1e-5 if codec is None else 2e-2
+            assert torch.allclose(outs[0], sum(xs) / world, atol=tol), (numel, algorithm, codec)

@@ -85,6 +85,7 @@ class Engine:
         self._control = control
         self._hb_period = heartbeat_interval / 3
         self._next_hb = 0.0
+        self._control_warned = 0.0
         self._coord_silence = max(5 * heartbeat_interval, 2.0)
         self._bye_grace = max(2.0, 2 * heartbeat_interval)
         self._wake_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
@@ -215,8 +216,12 @@ class Engine:
     def _send_control(self, mtype: MsgType, meta: dict[str, Any]) -> None:
         try:
             self._control.send_multipart(wire.pack(mtype, meta), zmq.NOBLOCK)
-        except zmq.Again:
-            logger.warning("coordinator link is congested; dropped a %s", mtype.name)
+        except zmq.Again:  # the coordinator is unreachable and the queue is full
+            now = time.monotonic()
+            if now - self._control_warned > 10:
+                self._control_warned = now
+                logger.warning("cannot reach the coordinator; dropped a %s (and maybe more)",
+                               mtype.name)
 
     def count(self, sent: int = 0, received: int = 0) -> None:
         with self.stats_lock:

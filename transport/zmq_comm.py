@@ -183,7 +183,8 @@ def connect(coordinator: str, config: ZmqConfig | None = None, *, signature: str
             local = [host_key(), ipc, "shm" if cfg.same_host_shm else ""]
         control = ctx.socket(zmq.DEALER)
         sockets.append(control)
-        control.linger = int(cfg.linger * 1000)
+        # LEAVE is tiny, and a dead coordinator must not stall close() for long.
+        control.linger = int(min(cfg.linger, 1.0) * 1000)
         control.routing_id = pid.encode()
         control.maxmsgsize = wire.DEFAULT_MAX_META_BYTES + wire.HEADER_SIZE
         configure_client(control, user=pid, token=cfg.token, curve=keys,
