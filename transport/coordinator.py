@@ -59,9 +59,11 @@ class CoordinatorConfig:
 
     def __post_init__(self) -> None:
         if not self.bind.startswith(("tcp://", "ipc://", "inproc://")):
-            raise ConfigError("bind", f"must be a ZeroMQ endpoint like tcp://0.0.0.0:29500, got {self.bind!r}")
+            raise ConfigError("bind", "must be a ZeroMQ endpoint like tcp://0.0.0.0:29500, "
+                              f"got {self.bind!r}")
         if not 0.01 <= self.heartbeat_interval <= 3600:
-            raise ConfigError("heartbeat_interval", f"must be in [0.01, 3600] s, got {self.heartbeat_interval}")
+            raise ConfigError("heartbeat_interval",
+                              f"must be in [0.01, 3600] s, got {self.heartbeat_interval}")
         if self.dead_after is not None and self.dead_after <= self.heartbeat_interval / 3:
             raise ConfigError("dead_after", "must exceed the heartbeat period (heartbeat_interval / 3)")
         if self.token is not None and not self.token:

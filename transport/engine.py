@@ -112,7 +112,6 @@ class Engine:
         self._quorum_waiters: list[Any] = []
         self._cancelling: list[Any] = []
         self._expelled: BaseException | None = None
-        self._closed = False
         self._coord_seen = time.monotonic()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"lowband-engine-{peer_id}",
@@ -166,11 +165,12 @@ class Engine:
         done.wait(timeout)
         self._stop.set()
         self._thread.join(timeout)
+        if not self._thread.is_alive():
+            os.close(self._wake_fd)
 
     @property
     def running(self) -> bool:
         return self._thread.is_alive()
-        os.close(self._wake_fd)
 
     # ---- sending (engine thread) ------------------------------------------------------------
     def send(self, peer: str, mtype: MsgType, meta: dict[str, Any], payload: Sequence[Any] = (),
@@ -232,9 +232,6 @@ class Engine:
     @property
     def table(self) -> PeerTable | None:
         return self._table
-
-    def is_lost(self, peer: str) -> bool:
-        return peer in self._lost
 
     def request_quorum(self, min_world: int, waiter: Any) -> None:
         if self._expelled is not None:
@@ -374,8 +371,9 @@ class Engine:
         self._ops[key] = op
         try:
             op.start(self)
-            for msg in self._early.pop(key, ()):
-                self._early_bytes -= _msg_bytes(msg)
+            early = self._early.pop(key, [])
+            self._early_bytes -= sum(_msg_bytes(m) for m in early)
+            for msg in early:
                 if op.finished:
                     break
                 self._deliver(op, msg)
