@@ -15,7 +15,7 @@ from pathlib import Path
 
 def _add_run_options(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("configuration (a preset plus overrides; workers of one run must agree)")
-    g.add_argument("--preset", default="shakespeare", help="tiny | shakespeare (default)")
+    g.add_argument("--preset", default="shakespeare", help="tiny | shakespeare (default) | wide")
     g.add_argument("--config", type=Path, help="a config.json written by `lowband train` "
                    "(instead of --preset; overrides still apply)")
     g.add_argument("--mode", choices=["diloco", "ddp"], help="Streaming DiLoCo or the DDP baseline")
