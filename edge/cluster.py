@@ -40,7 +40,7 @@ import torch
 
 from edge.engine import ClusterUnavailable
 from edge.link import StarHub, StarSpoke
-from edge.shardio import LoadedShard, WindowConfig, load_shard
+from edge.shardio import LoadedShard, WindowConfig, is_split_dir, load_shard
 from edge.tp import make_reduce
 from lowband.codecs import Int8BlockCodec, get_codec
 from lowband.comm import Codec, Communicator, OpStats
@@ -92,6 +92,10 @@ class ClusterConfig:
     worker_model_dir: str | None = None  # path workers read; default: the master's path
     link: str = "direct"  # activations: "direct" (edge.link star over TCP) or "comm"
     link_host: str = "0.0.0.0"  # where the master's link listens (workers dial the master host)
+    # After this many seconds without the lost worker, re-plan the split onto the devices that
+    # are left (each then holds a bigger slice). Needs a plain checkpoint (a split directory is
+    # cut for one device count). None: wait for the worker to come back.
+    replan_after_s: float | None = None
 
     def __post_init__(self) -> None:
         if self.devices < 1:
@@ -103,6 +107,8 @@ class ClusterConfig:
             raise ConfigError("algorithm", f"must be star, ring or auto, got {self.algorithm!r}")
         if self.link not in ("direct", "comm"):
             raise ConfigError("link", f"must be 'direct' or 'comm', got {self.link!r}")
+        if self.replan_after_s is not None and self.replan_after_s < 0:
+            raise ConfigError("replan_after_s", f"must be >= 0, got {self.replan_after_s}")
         if self.op_timeout <= 0 or self.join_timeout <= 0 or self.heartbeat_s <= 0:
             raise ConfigError("op_timeout", "timeouts must be > 0")
 
@@ -152,6 +158,8 @@ class MasterRunner:
         self._closed = threading.Event()
         self._recovery: threading.Thread | None = None
         self._ping_n = 0
+        self.devices = cfg.devices  # the current plan (changes when re-planned onto survivors)
+        self.weights = cfg.weights
         m = comm.quorum(min_world=cfg.devices, timeout=cfg.join_timeout)
         if master_rank(m.peers) != comm.rank:
             raise ConfigError("master", f"another peer ({m.peers[master_rank(m.peers)]}) is the master")
@@ -176,8 +184,8 @@ class MasterRunner:
         cfg = self.cfg
         peers = self.comm.membership.peers
         for r, s in zip(ranks, slots):
-            meta = {"op": "assign", "slot": s, "world": cfg.devices,
-                    "weights": list(cfg.weights) if cfg.weights else None,
+            meta = {"op": "assign", "slot": s, "world": self.devices,
+                    "weights": list(self.weights) if self.weights else None,
                     "model_dir": cfg.worker_model_dir or self.model_dir, "dtype": cfg.dtype,
                     "wire": cfg.wire, "algorithm": cfg.algorithm, "op_timeout": cfg.op_timeout,
                     "window": cfg.window, "memory_budget_mb": cfg.memory_budget_mb,
@@ -206,10 +214,15 @@ class MasterRunner:
             f"running and recovers when the worker reconnects (see /health)")
 
     def _recover(self) -> None:
+        since = time.monotonic()
+        can_replan = self.cfg.replan_after_s is not None and not is_split_dir(self.model_dir)
         while not self._closed.is_set():
             with self._lock:
                 try:
-                    self._regroup_once()
+                    if can_replan and time.monotonic() - since >= self.cfg.replan_after_s:
+                        self._replan()
+                    else:
+                        self._regroup_once()
                     self._healthy, self._status = True, "ok"
                     logger.info("cluster whole again (epoch %d)", self.comm.membership.epoch)
                     return
@@ -226,9 +239,9 @@ class MasterRunner:
                 self.comm.send(r, [], {"op": "regroup", "epoch": old.epoch}, tag=CTL)
             except (PeerLost, TransportTimeout):
                 pass  # that one is gone; the quorum goes on without it
-        m = self.comm.quorum(min_world=self.cfg.devices, timeout=self.cfg.heartbeat_s * 5)
+        m = self.comm.quorum(min_world=self.devices, timeout=self.cfg.heartbeat_s * 5)
         self._slots = {p: s for p, s in self._slots.items() if p in m.peers}
-        missing = sorted(set(range(self.cfg.devices)) - set(self._slots.values()))
+        missing = sorted(set(range(self.devices)) - set(self._slots.values()))
         if self.hub is not None:
             for s in missing:
                 self.hub.drop(s)
@@ -236,6 +249,38 @@ class MasterRunner:
         if len(new_ranks) < len(missing):
             raise PeerLost(f"slots {missing} still unassigned")
         self._assign(new_ranks[:len(missing)], missing)
+        self._sync_all()
+
+    def _replan(self) -> None:
+        """Re-split the model over whoever is connected now (survivors and newcomers)."""
+        old = self.comm.membership
+        for r in self._others():
+            try:
+                self.comm.send(r, [], {"op": "regroup", "epoch": old.epoch}, tag=CTL)
+            except (PeerLost, TransportTimeout):
+                pass
+        m = self.comm.quorum(min_world=1, timeout=self.cfg.heartbeat_s * 5)
+        others = self._others()
+        w = self.cfg.weights
+        weights = None if w is None else tuple(
+            [w[0]] + [w[self._slots[m.peers[r]]] if m.peers[r] in self._slots else 1.0 for r in others])
+        logger.warning("re-planning onto %d device(s) (was %d)", m.world_size, self.devices)
+        self.devices, self.weights = m.world_size, weights
+        if self.hub is not None:
+            for s in self.hub.slots():
+                self.hub.drop(s)
+        self.shard.close()
+        self.shard = self.model = None
+        net = self.hub if (self.hub is not None and self.devices > 1) else self.comm
+        self.shard = _load(self.model_dir, 0, self.devices, weights, self.cfg.dtype, net, self.codec,
+                           self.cfg.algorithm, self.cfg.op_timeout, self.cfg.window_config(), self.tags)
+        self.model = self.shard.model
+        self._slots = {m.peer_id: 0}
+        self._assign(others, list(range(1, self.devices)))
+        self._sync_all()
+
+    def _sync_all(self) -> None:
+        """Restart every link's sequence and every worker's cache after a regroup."""
         if self.hub is not None:
             self.hub.sync_send(timeout=self.cfg.op_timeout)
         for r in self._others():
@@ -298,7 +343,7 @@ class MasterRunner:
 
     def health(self) -> dict:
         m = self.comm.membership
-        return {"healthy": self._healthy, "status": self._status, "devices": self.cfg.devices,
+        return {"healthy": self._healthy, "status": self._status, "devices": self.devices,
                 "connected": m.world_size, "epoch": m.epoch}
 
     def close(self) -> None:

@@ -63,6 +63,9 @@ def _add_serve(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-queue", type=int, default=64, help="waiting requests before 429")
     p.add_argument("--op-timeout", type=float, default=30.0,
                    help="seconds a forward step may take before the worker counts as failed")
+    p.add_argument("--replan-after-s", type=float,
+                   help="after a worker has been gone this long, re-split the model over the "
+                        "devices left (plain checkpoints only; default: wait for it)")
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -175,7 +178,8 @@ def _serve_config(args, devices: int):
         cluster=ClusterConfig(devices=devices, weights=_weights(args.weights), wire=args.wire,
                               algorithm=args.algorithm, link=args.link, dtype=args.dtype,
                               window=args.window,
-                              memory_budget_mb=args.memory_budget_mb, op_timeout=args.op_timeout))
+                              memory_budget_mb=args.memory_budget_mb, op_timeout=args.op_timeout,
+                              replan_after_s=args.replan_after_s))
 
 
 def _serve(args) -> int:

@@ -153,3 +153,29 @@ def test_idle_worker_death_is_detected(ckpt) -> None:
         assert runner.health()["healthy"] is False  # the heartbeat noticed, no request needed
     finally:
         runner.close()
+
+
+def test_replan_onto_survivors(ckpt) -> None:
+    """With replan_after_s the master stops waiting and re-splits over the two devices left."""
+    ref, _, _ = _local_engine(ckpt).complete("abc", SamplingParams(max_tokens=6))
+    group = LoopbackGroup(3, timeout=20)
+    runner, workers = _start_cluster(ckpt, 3, group, (1.0, 2.0, 1.0), replan_after_s=0.2)
+    eng = Engine(runner, ByteTokenizer(), model_name="m")
+    p = SamplingParams(max_tokens=6)
+    try:
+        assert eng.complete("abc", p)[0] == ref
+        group.kill(2)
+        with pytest.raises(ClusterUnavailable):
+            eng.complete("abcd", p)
+        deadline = time.monotonic() + 20
+        while not runner.health()["healthy"] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        h = runner.health()
+        assert h["healthy"] and h["devices"] == 2 and runner.weights == (1.0, 2.0)
+        assert eng.complete("abc", p)[0] == ref
+        # worker 1 now holds the bigger slice of a 2-way plan
+        assert runner.model.model.layers[0].mlp.up_proj.weight.shape[0] < CFG["intermediate_size"]
+    finally:
+        runner.close()
+        for w in workers:
+            w.join(10)
