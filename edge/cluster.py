@@ -52,8 +52,6 @@ logger = logging.getLogger(__name__)
 CTL = "edge.ctl"
 READY = "edge.ready"
 MASTER_ID_PREFIX = "edge-master"  # peer id prefix of the master on a real transport
-IDLE_FOREVER = 1e7  # seconds: a worker waits for its master indefinitely (no polling: the
-# transport numbers uses of a tag, so an abandoned receive would shift every later match)
 
 
 def master_rank(peers: Sequence[str]) -> int:
@@ -189,7 +187,9 @@ class MasterRunner:
                     "model_dir": cfg.worker_model_dir or self.model_dir, "dtype": cfg.dtype,
                     "wire": cfg.wire, "algorithm": cfg.algorithm, "op_timeout": cfg.op_timeout,
                     "window": cfg.window, "memory_budget_mb": cfg.memory_budget_mb,
-                    "link_port": self.hub.port if self.hub else None}
+                    "link_port": self.hub.port if self.hub else None,
+                    # an idle master pings every heartbeat_s: this much silence means it is gone
+                    "silence_s": max(30.0, 10 * cfg.heartbeat_s) + cfg.op_timeout}
             self.comm.send(r, [], meta, tag=CTL)
         for r, s in zip(ranks, slots):
             _, meta = self.comm.recv(r, tag=READY, timeout=cfg.join_timeout)
@@ -373,13 +373,13 @@ class WorkerConfig:
     model_dir: str | None = None  # local copy of the model / split dir; default: the master's path
     join_timeout: float = 600.0
     master_host: str = "127.0.0.1"  # where the master's star link is (its --master host)
-    idle_timeout: float = IDLE_FOREVER  # give up after this long without a word from the master
 
 
 @dataclass
 class WorkerState:
     shard: LoadedShard | None = None
     link: StarSpoke | None = None
+    silence_s: float | None = None  # from the master's assign message
     cache: object = None
     tags: _Tags = field(default_factory=_Tags)
     forwards: int = 0
@@ -406,7 +406,14 @@ def run_worker(comm: Communicator, cfg: WorkerConfig) -> int:
     try:
         while True:
             src = master_rank(comm.membership.peers)
-            tensors, meta = comm.recv(src, tag=CTL, timeout=cfg.idle_timeout)
+            # One receive per message, never re-posted after a timeout: the transport numbers
+            # the uses of a tag, so an abandoned receive would shift every later match. A
+            # timeout therefore ends the worker.
+            wait = st.silence_s or cfg.join_timeout
+            try:
+                tensors, meta = comm.recv(src, tag=CTL, timeout=wait)
+            except TransportTimeout:
+                raise PeerLost(f"no word from the master for {wait:.0f}s: it is gone or stuck") from None
             op = meta.get("op")
             if op == "shutdown":
                 comm.send(src, [], {"op": "bye"}, tag=READY)
@@ -453,6 +460,7 @@ def _handle(comm: Communicator, cfg: WorkerConfig, st: WorkerState, op: str,
                              meta.get("weights"), meta.get("dtype"), st.link or comm,
                              wire_codec(meta["wire"]), meta["algorithm"], timeout, win, st.tags)
             st.cache = st.shard.model.new_cache()
+            st.silence_s = float(meta.get("silence_s") or cfg.join_timeout)
             comm.send(master_rank(comm.membership.peers), [], {"ok": True, "slot": int(meta["slot"])},
                       tag=READY)
         except (ConfigError, OSError, RuntimeError, PeerLost) as exc:

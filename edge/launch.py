@@ -116,7 +116,14 @@ def build_engine(cfg: ServeConfig, coord=None):
     return Engine(runner, tok, model_name=name), coord, comm
 
 
+def _exit_on_sigterm() -> None:
+    """SIGTERM (systemd stop, timeout, kill) unwinds like Ctrl-C, so the finally blocks tell the
+    workers to leave instead of orphaning them."""
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(0))
+
+
 def serve_main(cfg: ServeConfig, coord=None) -> int:
+    _exit_on_sigterm()
     engine, coord, comm = build_engine(cfg, coord)
     try:
         serve_forever(engine, cfg.server)
@@ -146,6 +153,7 @@ class WorkerMainConfig:
 
 def worker_main(cfg: WorkerMainConfig) -> int:
     from transport.zmq_comm import connect
+    _exit_on_sigterm()
     cfg.device.apply()
     comm = connect(cfg.master, _zmq_config(cfg.token, cfg.op_timeout), signature=SIGNATURE)
     host = cfg.master[len("tcp://"):].rsplit(":", 1)[0].strip("[]")
@@ -169,6 +177,7 @@ class RunConfig:
 def run_main(cfg: RunConfig) -> int:
     """Start the master here and N-1 worker processes, each in its own process group, and
     stop them all when the master exits."""
+    _exit_on_sigterm()
     serve = cfg.serve
     n = serve.cluster.devices
     ncpu = os.cpu_count() or 1

@@ -16,6 +16,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+import psutil
 import pytest
 
 
@@ -108,8 +109,12 @@ def test_run_three_devices_uneven_matches_single_device(ckpt, spawn) -> None:
     # star all-reduce of fp32 activations: 2 workers x (embedding + 2 per layer out and back)
     H, L = CFG["hidden_size"], CFG["num_hidden_layers"]
     assert metrics["wire_bytes_per_token"] == 2 * (H * 4 + 2 * L * 2 * H * 4)
-    master.send_signal(signal.SIGINT)
+    workers = psutil.Process(master.pid).children(recursive=True)
+    assert len(workers) >= 2
+    master.send_signal(signal.SIGTERM)  # like systemd/timeout: must not orphan the workers
     assert master.wait(timeout=30) == 0
+    _, alive = psutil.wait_procs(workers, timeout=20)
+    assert not alive
 
 
 @pytest.mark.slow
