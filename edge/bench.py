@@ -206,6 +206,7 @@ def role_link(a) -> dict:
     x = torch.randn(1, 1, a.hidden)
     if a.rank == 0:
         hub = StarHub("127.0.0.1", a.port)
+        hub.secret = a.secret  # both ends were given it on the command line
         hub.accept(1, timeout=60)
         net = hub
     else:
@@ -213,7 +214,7 @@ def role_link(a) -> dict:
         deadline = time.monotonic() + 60
         while net is None:
             try:
-                net = StarSpoke("127.0.0.1", a.port, 1, timeout=10)
+                net = StarSpoke("127.0.0.1", a.port, 1, timeout=10, secret=a.secret)
             except PeerLostError:
                 if time.monotonic() > deadline:
                     raise
@@ -231,7 +232,8 @@ def role_link(a) -> dict:
 
 def _link_latency(a, hidden: int) -> dict:
     port = _free_port()
-    common = ["--role", "link", "--port", str(port), "--hidden", str(hidden)]
+    common = ["--role", "link", "--port", str(port), "--hidden", str(hidden),
+              "--secret", os.urandom(8).hex()]
     spoke = subprocess.Popen([sys.executable, "-m", "edge.bench", *common, "--rank", "1", "--core", "1"],
                              start_new_session=True, stdout=subprocess.DEVNULL)
     try:
@@ -431,6 +433,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--hidden", type=int, default=1024, help=argparse.SUPPRESS)
     p.add_argument("--link-iters", type=int, default=1000, help=argparse.SUPPRESS)
+    p.add_argument("--secret", default="", help=argparse.SUPPRESS)
     p.add_argument("--model", help=argparse.SUPPRESS)
     p.add_argument("--core", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--bind", help=argparse.SUPPRESS)

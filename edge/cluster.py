@@ -188,6 +188,7 @@ class MasterRunner:
                     "wire": cfg.wire, "algorithm": cfg.algorithm, "op_timeout": cfg.op_timeout,
                     "window": cfg.window, "memory_budget_mb": cfg.memory_budget_mb,
                     "link_port": self.hub.port if self.hub else None,
+                    "link_secret": self.hub.secret if self.hub else None,
                     # an idle master pings every heartbeat_s: this much silence means it is gone
                     "silence_s": max(30.0, 10 * cfg.heartbeat_s) + cfg.op_timeout}
             self.comm.send(r, [], meta, tag=CTL)
@@ -455,7 +456,8 @@ def _handle(comm: Communicator, cfg: WorkerConfig, st: WorkerState, op: str,
                 st.link = None
             timeout = float(meta["op_timeout"])
             if meta.get("link_port") is not None:
-                st.link = StarSpoke(cfg.master_host, int(meta["link_port"]), int(meta["slot"]), timeout)
+                st.link = StarSpoke(cfg.master_host, int(meta["link_port"]), int(meta["slot"]), timeout,
+                                    secret=str(meta.get("link_secret") or ""))
             st.shard = _load(cfg.model_dir or meta["model_dir"], int(meta["slot"]), int(meta["world"]),
                              meta.get("weights"), meta.get("dtype"), st.link or comm,
                              wire_codec(meta["wire"]), meta["algorithm"], timeout, win, st.tags)

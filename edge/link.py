@@ -21,6 +21,8 @@ Both classes provide the ``all_reduce``/``stats`` subset of the Communicator pro
 
 from __future__ import annotations
 
+import hmac
+import secrets
 import socket
 import struct
 import threading
@@ -125,6 +127,10 @@ class StarHub:
     def __init__(self, host: str = "127.0.0.1", port: int = 0) -> None:
         self._srv = socket.create_server((host, port))
         self.port = self._srv.getsockname()[1]
+        # Handed to workers over the (authenticated) communicator; a connection that does not
+        # present it is dropped, so a stranger on the LAN cannot take a slot. (No encryption:
+        # activations travel in the clear, like TPI-LLM's and distributed-llama's.)
+        self.secret = secrets.token_hex(16)
         self._conns: dict[int, _Conn] = {}  # slot -> connection
         self._pending: dict[int, _Conn] = {}
         self._seq = 0
@@ -140,8 +146,12 @@ class StarHub:
                 raise TransportTimeout(f"worker for slot {slot} did not connect its link within "
                                        f"{timeout}s") from None
             conn = _Conn(sock, f"{addr[0]}:{addr[1]}")
-            kind, _, _, meta = conn.recv(timeout)
-            if kind != HELLO:
+            try:
+                kind, _, _, meta = conn.recv(timeout)
+            except (PeerLost, TransportTimeout, ProtocolError):
+                conn.close()
+                continue
+            if kind != HELLO or not hmac.compare_digest(str(meta.get("secret", "")), self.secret):
                 conn.close()
                 continue
             self._pending[int(meta["slot"])] = conn
@@ -214,13 +224,13 @@ class StarHub:
 class StarSpoke:
     """A worker's end: sends its partial output, receives the sum."""
 
-    def __init__(self, host: str, port: int, slot: int, timeout: float) -> None:
+    def __init__(self, host: str, port: int, slot: int, timeout: float, secret: str = "") -> None:
         try:
             sock = socket.create_connection((host, port), timeout=timeout)
         except OSError as exc:
             raise PeerLost(f"cannot open the link to the master at {host}:{port}: {exc}") from None
         self._conn = _Conn(sock, f"master {host}:{port}")
-        self._conn.send(HELLO, 0, meta={"slot": slot}, timeout=timeout)
+        self._conn.send(HELLO, 0, meta={"slot": slot, "secret": secret}, timeout=timeout)
         self._seq = 0
 
     def all_reduce(self, x: torch.Tensor, op: str = "sum", *, codec: Codec | None = None,

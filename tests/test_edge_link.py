@@ -13,7 +13,7 @@ from tests.conftest import run_ranks
 
 def _group(n: int):
     hub = StarHub("127.0.0.1")
-    spokes = [StarSpoke("127.0.0.1", hub.port, s, timeout=10) for s in range(1, n)]
+    spokes = [StarSpoke("127.0.0.1", hub.port, s, timeout=10, secret=hub.secret) for s in range(1, n)]
     for s in range(1, n):
         hub.accept(s, timeout=10)
     return hub, spokes
@@ -52,7 +52,7 @@ def test_dead_worker_abort_and_resync() -> None:
                 hub.all_reduce(x, timeout=10)
             hub.abort()
             hub.drop(2)
-            b2 = StarSpoke("127.0.0.1", hub.port, 2, timeout=10)  # it comes back
+            b2 = StarSpoke("127.0.0.1", hub.port, 2, timeout=10, secret=hub.secret)  # it comes back
             hub.accept(2, timeout=10)
             hub.sync_send(timeout=10)
             return b2
@@ -90,3 +90,20 @@ def test_out_of_step_is_a_protocol_error() -> None:
         run_ranks([master, worker])
     finally:
         a.close()
+
+
+def test_link_refuses_a_stranger() -> None:
+    hub = StarHub("127.0.0.1")
+    stranger = StarSpoke("127.0.0.1", hub.port, 1, timeout=5, secret="guess")
+    friend = StarSpoke("127.0.0.1", hub.port, 1, timeout=5, secret=hub.secret)
+    try:
+        hub.accept(1, timeout=10)  # skips the stranger, takes the friend
+        out = run_ranks([lambda: hub.all_reduce(torch.ones(3), timeout=5),
+                         lambda: friend.all_reduce(torch.ones(3), timeout=5)])
+        assert torch.equal(out[0], torch.full((3,), 2.0))
+        with pytest.raises(PeerLost):
+            stranger.all_reduce(torch.ones(3), timeout=5)
+    finally:
+        for s in (stranger, friend):
+            s.close()
+        hub.close()
