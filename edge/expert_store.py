@@ -47,8 +47,8 @@ import torch.nn.functional as F
 
 from edge.hebf import hebf_plan
 from edge.model import LlamaForCausalLM
-from edge.nested import (WIDTHS, ExpertKey, NestedCheckpoint, dequantize, load_backbone,
-                         page_buffer, planes_to_codes, to_planes)
+from edge.nested import WIDTHS, ExpertFile, apply_affine, page_buffer, planes_to_codes, to_planes
+from edge.nested_checkpoint import ExpertKey, NestedCheckpoint, load_backbone
 from lowband.errors import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -163,38 +163,49 @@ def _paged_rows(top: torch.Tensor, rest: torch.Tensor) -> torch.Tensor:
 
 @dataclass
 class Resident:
-    """One expert in memory: float16 group parameters and, per tensor, the top ``bits`` of its
+    """One expert in memory: its float16 scales block and, per tensor, the top ``bits`` of its
     codes: a (bits, numel/8) plane matrix below 8 bits, a (numel,) code vector at 8 bits (the
     layout int8 kernels use). ``nbytes`` is what the budget charges for it."""
 
     bits: int
-    scales: dict[str, tuple[torch.Tensor, torch.Tensor]]
+    scales: torch.Tensor                                   # float16 block, see ExpertFile
+    index: dict[str, tuple[int, int, tuple[int, int]]]     # ExpertFile.scale_index
     data: dict[str, torch.Tensor]
     nbytes: int
-    shapes: dict[str, tuple[int, int]]
 
-    def weight(self, name: str, *, scratch: bool = False) -> torch.Tensor:
+    def affines(self) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """Float32 (scale, offset) per tensor at this width, from one conversion of the block."""
+        k = 2 ** (8 - self.bits)
+        f = self.scales.float()
+        out = {}
+        for name, (pos, n, shape) in self.index.items():
+            lo, step = f[pos:pos + n].view(shape), f[pos + n:pos + 2 * n].view(shape)
+            out[name] = (step * k, torch.add(lo, step, alpha=(k - 1) / 2))
+        return out
+
+    def weight(self, name: str, affine: tuple[torch.Tensor, torch.Tensor] | None = None, *,
+               scratch: bool = False) -> torch.Tensor:
         """Float32 (out, in) weight of tensor ``name`` at this expert's width. With ``scratch``
         it lives in this thread's reusable buffer until the next scratch call."""
-        lo, step = self.scales[name]
         d = self.data[name]
         codes = d if self.bits == 8 else planes_to_codes(d, scratch=scratch)
-        return dequantize(codes, lo, step, self.bits, scratch=scratch)
+        return apply_affine(codes, *(affine or self.affines()[name]), scratch=scratch)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Mixtral expert on (N, H) rows: w2(silu(w1 x) * w3 x). Each weight is consumed by its
         matmul before the next is decoded into the same scratch buffer."""
-        h1 = F.linear(x, self.weight("w1", scratch=True))
-        h3 = F.linear(x, self.weight("w3", scratch=True))
-        return F.linear(F.silu(h1) * h3, self.weight("w2", scratch=True))
+        aff = self.affines()
+        h1 = F.linear(x, self.weight("w1", aff["w1"], scratch=True))
+        h3 = F.linear(x, self.weight("w3", aff["w3"], scratch=True))
+        return F.linear(F.silu(h1) * h3, self.weight("w2", aff["w2"], scratch=True))
 
-    def narrowed(self, bits: int, nbytes: int) -> "Resident":
+    def narrowed(self, bits: int, nbytes: int) -> Resident:
         """This expert at fewer bits: a prefix of its planes, copied so the rest is freed."""
         if self.bits == 8:
             data = {n: _paged(to_planes(c)[:bits]) for n, c in self.data.items()}
         else:
             data = {n: _paged(p[:bits]) for n, p in self.data.items()}
-        return Resident(bits=bits, scales=self.scales, data=data, nbytes=nbytes, shapes=self.shapes)
+        return Resident(bits=bits, scales=self.scales, index=self.index, data=data, nbytes=nbytes)
 
 
 @dataclass
@@ -255,16 +266,15 @@ class ExpertCache:
         self.stats = CacheStats()
         self.hotness = {k: 0.0 for k in self.sizes}
         self.plan: dict[ExpertKey, int] = {}
-        self._shapes = {t.name: t.shape for t in next(iter(ckpt.files.values())).tensors}
         self._layers = sorted({k[0] for k in self.sizes})
-        self._by_layer = {l: [k for k in self.sizes if k[0] == l] for l in self._layers}
+        self._by_layer = {i: [k for k in self.sizes if k[0] == i] for i in self._layers}
         self._cv = threading.Condition()
         self._res: OrderedDict[ExpertKey, Resident] = OrderedDict()  # LRU order, oldest first
         self._pending: set[ExpertKey] = set()
         self._pins: dict[ExpertKey, int] = {}
         self._protected: set[ExpertKey] = set()
         self._used = self._reserved = 0
-        self._tokens = self._seq = 0
+        self._tokens = self._seq = self._plan_at = 0
         self._routed: dict[int, int] = {}       # layer -> token count when it last routed
         self._jobs: list[_Job] = []
         self._gates: dict[int, torch.nn.Linear] = {}
@@ -297,26 +307,30 @@ class ExpertCache:
                 self._pins[key] -= 1
                 if not self._pins[key]:
                     del self._pins[key]
+                    self._cv.notify_all()   # a reader may be waiting for these bytes
 
     def on_route(self, layer: int, chosen: torch.Tensor) -> None:
         """``SparseMoE.on_route``: chosen (N, k) expert ids of layer ``layer``."""
         if layer not in self._by_layer:
             return
-        ids, counts = torch.unique(chosen, return_counts=True)
+        counts: dict[ExpertKey, int] = {}
+        for e in chosen.reshape(-1).tolist():
+            counts[(layer, e)] = counts.get((layer, e), 0) + 1
         n_tok = chosen.shape[0]
         with self._cv:
             if layer == self._layers[0]:
                 self._tokens += n_tok
             self._routed[layer] = self._tokens
-            self._protected = {(layer, e) for e in ids.tolist()}
+            self._protected = set(counts)
             if self.hebf is not None:
                 g = self.hebf.decay ** n_tok
+                heat = self.hotness
                 for k in self._by_layer[layer]:
-                    self.hotness[k] *= g
-                for e, c in zip(ids.tolist(), counts.tolist()):
-                    if (layer, e) in self.hotness:
-                        self.hotness[(layer, e)] += c
-                if layer == self._layers[-1] and self._tokens >= self._next_plan():
+                    heat[k] *= g
+                for k, c in counts.items():
+                    if k in heat:
+                        heat[k] += c
+                if layer == self._layers[-1] and self._tokens >= self._plan_at + self.hebf.replan_every:
                     self._replan()
         if self.cfg.prefetch is not None:
             self._prefetch_after(layer)
@@ -380,7 +394,7 @@ class ExpertCache:
                 self.stats.waits += 1
             else:
                 self.stats.misses += 1
-            load = False
+            load, blocked = False, key not in self._res
             while key not in self._res:
                 if key not in self._pending and self._reserve(key, self.floor, mode="demand"):
                     load = True
@@ -395,7 +409,7 @@ class ExpertCache:
             if self.plan.get(key, 0) > self.floor:
                 with self._cv:
                     self._push(_Job(1, self._next_seq(), key, self.plan[key], self._tokens))
-        if load or time.perf_counter() - t0 > 1e-3:
+        if blocked:
             self.stats.stall_s += time.perf_counter() - t0
         return res
 
@@ -492,13 +506,13 @@ class ExpertCache:
         reserved = self.sizes[key][bits] - (cur.nbytes if cur is not None else 0)
         nbytes = (bits - first) * f.plane_bytes + (f.scale_bytes if cur is None else 0)
 
-        def read() -> tuple[dict | None, dict[str, torch.Tensor]]:
-            scales = f.read_scales() if cur is None else None
+        def read() -> tuple[torch.Tensor | None, dict[str, torch.Tensor]]:
+            scales = f.read_scale_block() if cur is None else None
             return scales, f.read_codes() if f.layout == "bytes" else f.read_planes(first, bits)
 
         try:
             scales, data = self.device.read(read, nbytes)
-            new = self._merge(key, cur, bits, scales, data, f.layout)
+            new = self._merge(key, cur, bits, scales, data, f)
         except BaseException:
             with self._cv:
                 self._reserved -= reserved
@@ -517,15 +531,15 @@ class ExpertCache:
             self._cv.notify_all()
         return out
 
-    def _merge(self, key: ExpertKey, cur: Resident | None, bits: int, scales: dict | None,
-               data: dict[str, torch.Tensor], layout: str) -> Resident:
-        if layout == "planes":
+    def _merge(self, key: ExpertKey, cur: Resident | None, bits: int, scales: torch.Tensor | None,
+               data: dict[str, torch.Tensor], f: ExpertFile) -> Resident:
+        if f.layout == "planes":
             if cur is not None:
                 data = {n: _paged_rows(cur.data[n], data[n]) for n in data}
             if bits == 8:   # int8: keep one code vector, the layout int8 kernels use
                 data = {n: _paged(planes_to_codes(p)) for n, p in data.items()}
-        return Resident(bits=bits, scales=scales if cur is None else cur.scales, data=data,
-                        nbytes=self.sizes[key][bits], shapes=self._shapes)
+        return Resident(bits=bits, scales=scales if cur is None else cur.scales,
+                        index=f.scale_index, data=data, nbytes=self.sizes[key][bits])
 
     # -- background work ------------------------------------------------------------------------------
     def _next_seq(self) -> int:
@@ -561,11 +575,13 @@ class ExpertCache:
                     logger.exception("background read of expert %s failed", job.key)
 
     def _prefetch_after(self, layer: int) -> None:
-        later = [l for l in self._layers if l > layer]
+        later = [i for i in self._layers if i > layer]
         x = self._inputs.pop(layer, None)
         if not later or x is None or later[0] != layer + 1 or later[0] not in self._gates:
             return
         nxt = later[0]
+        if all(k in self._res for k in self._by_layer.get(nxt, ())):
+            return   # nothing to fetch (HEBF at a budget that covers every expert)
         with torch.no_grad():
             logits = self._gates[nxt](x.reshape(-1, x.shape[-1]))
             probs = torch.softmax(logits.float(), dim=-1).mean(0)
@@ -578,9 +594,6 @@ class ExpertCache:
                     self._push(_Job(0, self._next_seq(), key, self.floor, self._tokens))
 
     # -- HEBF planning --------------------------------------------------------------------------------
-    def _next_plan(self) -> int:
-        return getattr(self, "_plan_at", 0) + self.hebf.replan_every
-
     def _replan(self) -> None:
         """Under the lock: new plan; queue the reads it wants, hottest first.
 
@@ -603,15 +616,15 @@ def attach(model: LlamaForCausalLM, cache: ExpertCache) -> None:
     layers = model.model.layers
     held = {k[0] for k in cache.keys}
     gates = {}
-    for l, layer in enumerate(layers):
+    for i, layer in enumerate(layers):
         moe = getattr(layer, "block_sparse_moe", None)
-        if moe is None or l not in held:
+        if moe is None or i not in held:
             continue
-        moe.expert_fn = functools.partial(cache.forward, l)
-        moe.on_route = functools.partial(cache.on_route, l)
-        gates[l] = moe.gate
+        moe.expert_fn = functools.partial(cache.forward, i)
+        moe.on_route = functools.partial(cache.on_route, i)
+        gates[i] = moe.gate
         if cache.cfg.prefetch is not None:
-            moe.register_forward_pre_hook(lambda _m, args, l=l: cache.observe(l, args[0]))
+            moe.register_forward_pre_hook(lambda _m, args, i=i: cache.observe(i, args[0]))
     cache.set_gates(gates)
 
 

@@ -31,7 +31,6 @@ import hashlib
 import json
 import logging
 import math
-import os
 import statistics
 import subprocess
 import sys
@@ -45,8 +44,8 @@ import torch
 
 from edge.moe_train import (TRAIN_LOG, MoETrainConfig, bench_preset, heldout_ppl, load_splits,
                             tiny_preset, train)
-from edge.nested import (WIDTHS, NestedQuantConfig, load_dense, quantize_checkpoint,
-                         quantize_independent)
+from edge.nested import WIDTHS, NestedQuantConfig, quantize_independent
+from edge.nested_checkpoint import load_dense, quantize_checkpoint
 
 logger = logging.getLogger(__name__)
 
@@ -270,11 +269,11 @@ def serving(cfg: BenchConfig, nested_dir: Path, int8_dir: Path, tcfg: MoETrainCo
     out["memory_ratio"] = out["hebf.model_rss_mb"] / out["int8_resident.model_rss_mb"]
     out["memory_ratio_abs"] = out["hebf.peak_rss_mb"] / out["int8_resident.peak_rss_mb"]
     for rate in cfg.sweep_mb_per_s:
-        h, l = runs[("hebf", rate)], runs[("lru_int8", rate)]
+        h, lru = runs[("hebf", rate)], runs[("lru_int8", rate)]
         tag = f"sweep.{rate:g}"
         out[f"{tag}.hebf.tokens_per_s"] = med(h, "tokens_per_s")
-        out[f"{tag}.lru_int8.tokens_per_s"] = med(l, "tokens_per_s")
-        out[f"{tag}.throughput_ratio"] = med(h, "tokens_per_s") / med(l, "tokens_per_s")
+        out[f"{tag}.lru_int8.tokens_per_s"] = med(lru, "tokens_per_s")
+        out[f"{tag}.throughput_ratio"] = med(h, "tokens_per_s") / med(lru, "tokens_per_s")
     return out
 
 

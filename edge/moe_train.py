@@ -62,7 +62,8 @@ class MoETrainConfig:
         if not self.model.is_moe:
             raise ConfigError("model", "num_local_experts must be > 0: this trainer is for MoE models")
         if self.model.vocab_size != 256:
-            raise ConfigError("model.vocab_size", f"must be 256 (byte tokenizer), got {self.model.vocab_size}")
+            raise ConfigError("model.vocab_size",
+                              f"must be 256 (byte tokenizer), got {self.model.vocab_size}")
         for name in ("steps", "batch_size", "seq_len"):
             if getattr(self, name) < 1:
                 raise ConfigError(name, f"must be >= 1, got {getattr(self, name)}")

@@ -43,9 +43,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import json
 import mmap
-import shutil
 import struct
 import sys
 import threading
@@ -56,12 +54,7 @@ from typing import Iterator, Mapping, Sequence
 
 import msgpack
 import torch
-from safetensors import safe_open
-from safetensors.torch import save_file
 
-from edge.config import ModelConfig
-from edge.model import LlamaForCausalLM, rope_inv_freq
-from edge.weights import weight_files
 from lowband.errors import ConfigError, CorruptWeights
 
 WIDTHS = (8, 4, 3, 2)        # the precisions a nested expert can be served at, high to low
@@ -179,8 +172,13 @@ def dequantize(codes_b: torch.Tensor, lo: torch.Tensor, step: torch.Tensor, bits
 
     ``scratch=True``: into this thread's reusable buffer (see ``planes_to_codes``).
     """
-    scale, offset = slice_affine(lo, step, bits)
-    out, groups = lo.shape
+    return apply_affine(codes_b, *slice_affine(lo, step, bits), scratch=scratch)
+
+
+def apply_affine(codes_b: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, *,
+                 scratch: bool = False) -> torch.Tensor:
+    """``offset + scale * codes`` per group: float32 (out, in) from codes and (out, in/g) pairs."""
+    out, groups = scale.shape
     q = _work("weight", codes_b.numel(), torch.float32, scratch).view(out, groups, -1)
     q.copy_(codes_b.reshape(out, groups, -1))
     return q.mul_(scale[..., None]).add_(offset[..., None]).view(out, -1)
@@ -254,7 +252,10 @@ def _work(name: str, numel: int, dtype: torch.dtype, reuse: bool) -> torch.Tenso
     bufs = _scratch.__dict__.setdefault("bufs", {})
     buf = bufs.get(name)
     if buf is None or buf.numel() < numel or buf.dtype != dtype:
-        buf = bufs[name] = torch.empty(numel, dtype=dtype)
+        # A normal tensor even when first needed under torch.inference_mode: it is written in
+        # place later, maybe outside inference mode, which inference tensors do not allow.
+        with torch.inference_mode(False):
+            buf = bufs[name] = torch.empty(numel, dtype=dtype)
     return buf[:numel]
 
 
@@ -265,7 +266,8 @@ def page_buffer(nbytes: int) -> torch.Tensor:
     every size, and on the heap their holes keep the process's memory far above the budget
     (measured: +20 MB on a 10.7 MB budget). Pages are returned to the OS on release.
     """
-    return torch.frombuffer(mmap.mmap(-1, max(nbytes, 1)), dtype=torch.uint8, count=nbytes)
+    with torch.inference_mode(False):   # see _work: resident buffers outlive any mode
+        return torch.frombuffer(mmap.mmap(-1, max(nbytes, 1)), dtype=torch.uint8, count=nbytes)
 
 
 # ---- file format ---------------------------------------------------------------------------------
@@ -441,20 +443,29 @@ class ExpertFile:
                 raise CorruptWeights(f"{self.path}: checksum mismatch in {what} (file damaged)")
             yield view
 
-    def read_scales(self) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-        """{tensor: (lo, step)} float16 tensors of shape (out, in/g), in one page buffer."""
+    @property
+    def scale_index(self) -> dict[str, tuple[int, int, tuple[int, int]]]:
+        """{tensor: (first element, groups, (out, in/g))} of its ``lo`` in the float16 scales
+        block; its ``step`` follows at first + groups."""
+        out, pos = {}, 0
+        for t in self.tensors:
+            out[t.name] = (pos, t.n_groups, (t.shape[0], t.shape[1] // self.group_size))
+            pos += 2 * t.n_groups
+        return out
+
+    def read_scale_block(self) -> torch.Tensor:
+        """The whole scales block as one float16 tensor in a page buffer (see ``scale_index``)."""
         with self._view(self._scales, "scales") as view:
             buf = page_buffer(len(view))
             buf.numpy()[:] = view
         self.release()
-        out, pos = {}, 0
-        for t in self.tensors:
-            n = t.n_groups * 2
-            shape = (t.shape[0], t.shape[1] // self.group_size)
-            out[t.name] = (buf[pos:pos + n].view(torch.float16).view(shape),
-                           buf[pos + n:pos + 2 * n].view(torch.float16).view(shape))
-            pos += 2 * n
-        return out
+        return buf.view(torch.float16)
+
+    def read_scales(self) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """{tensor: (lo, step)} float16 tensors of shape (out, in/g)."""
+        block = self.read_scale_block()
+        return {name: (block[pos:pos + n].view(shape), block[pos + n:pos + 2 * n].view(shape))
+                for name, (pos, n, shape) in self.scale_index.items()}
 
     def read_planes(self, first: int, last: int) -> dict[str, torch.Tensor]:
         """Planes ``first..last-1`` of every tensor: {tensor: (last - first, numel/8) uint8},
@@ -511,7 +522,7 @@ class ExpertFile:
             mm.close()
         self._f.close()
 
-    def __enter__(self) -> "ExpertFile":
+    def __enter__(self) -> ExpertFile:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -531,198 +542,3 @@ def iter_expert_keys(names: Sequence[str]) -> Iterator[tuple[int, int, str, str]
                 and parts[3] == "block_sparse_moe" and parts[4] == "experts" \
                 and parts[6] in EXPERT_TENSORS and parts[7] == "weight":
             yield int(parts[2]), int(parts[5]), parts[6], key
-
-
-# ---- checkpoint directories ----------------------------------------------------------------------
-MANIFEST = "nested.json"
-_COPIED = ("config.json", "tokenizer.json", "tokenizer_config.json", "generation_config.json",
-           "lowband_tokenizer.json")
-
-
-def _err2(w: torch.Tensor, w_hat: torch.Tensor) -> float:
-    return float((w.float() - w_hat).pow(2).sum())
-
-
-def quantize_checkpoint(model_dir: str | Path, out_dir: str | Path,
-                        cfg: NestedQuantConfig = NestedQuantConfig()) -> Path:
-    """Convert a Mixtral-style checkpoint: experts to nested plane files, the rest copied as is.
-
-    ``out_dir`` gets ``config.json`` (and tokenizer files), ``model.safetensors`` with every
-    non-expert tensor unchanged, ``experts/L{l}_E{e}.lbn`` and the manifest ``nested.json``,
-    which also records each expert's squared weight error at every width, nested and
-    independently quantized, for the quality report.
-    """
-    src, out = Path(model_dir), Path(out_dir)
-    mcfg = ModelConfig.from_json(src)
-    if not mcfg.is_moe:
-        raise ConfigError("model_dir", f"{src} is not a mixture-of-experts model (no num_local_experts)")
-    (out / "experts").mkdir(parents=True, exist_ok=True)
-    handles = [safe_open(str(f), framework="pt") for f in weight_files(src)]
-    where: dict[tuple[int, int], dict[str, tuple[int, str]]] = {}
-    rest: dict[str, torch.Tensor] = {}
-    for i, h in enumerate(handles):
-        keys = list(h.keys())
-        expert_keys = set()
-        for layer, expert, name, key in iter_expert_keys(keys):
-            where.setdefault((layer, expert), {})[name] = (i, key)
-            expert_keys.add(key)
-        rest.update({k: h.get_tensor(k) for k in keys if k not in expert_keys})
-    wanted = {(l, e) for l in range(mcfg.num_hidden_layers) for e in range(mcfg.num_local_experts)}
-    bad = sorted(k for k in wanted if len(where.get(k, {})) != 3) or sorted(set(where) - wanted)
-    if bad:
-        raise ConfigError("model_dir", f"{src}: expert tensors do not match config.json, e.g. "
-                          f"layer/expert {bad[0]}")
-    entries = []
-    for layer, expert in sorted(wanted):
-        ws = {n: handles[i].get_tensor(k).float() for n, (i, k) in sorted(where[(layer, expert)].items())}
-        qs = {n: quantize_int8(w, cfg.group_size, cfg.range_ext) for n, w in ws.items()}
-        rel = f"experts/L{layer:03d}_E{expert:03d}.lbn"
-        write_expert_file(out / rel, layer=layer, expert=expert, tensors=qs, layout=cfg.layout)
-        nested = {b: sum(_err2(ws[n], dequantize(slice_codes(q.codes, b), q.lo, q.step, b))
-                         for n, q in qs.items()) for b in WIDTHS}
-        indep = {b: sum(_err2(w, quantize_independent(w, b, cfg.group_size)) for w in ws.values())
-                 for b in WIDTHS}
-        with ExpertFile(out / rel) as ef:
-            sizes = {b: ef.nbytes(b) for b in ef.widths}
-        entries.append({"layer": layer, "expert": expert, "file": rel,
-                        "bytes": {str(b): n for b, n in sizes.items()},
-                        "norm2": sum(float(w.pow(2).sum()) for w in ws.values()),
-                        "err2": {"nested": {str(b): v for b, v in nested.items()},
-                                 "independent": {str(b): v for b, v in indep.items()}}})
-    save_file({k: v.contiguous() for k, v in rest.items()}, str(out / "model.safetensors"),
-              metadata={"format": "pt"})
-    for name in _COPIED:
-        if (src / name).exists():
-            shutil.copyfile(src / name, out / name)
-    manifest = {"format": "lowband-nested", "version": VERSION, "group_size": cfg.group_size,
-                "range_ext": cfg.range_ext, "layout": cfg.layout, "model": _shape_signature(mcfg), "experts": entries}
-    (out / MANIFEST).write_text(json.dumps(manifest, indent=1))
-    return out
-
-
-def _shape_signature(mcfg: ModelConfig) -> dict[str, int]:
-    return {"num_hidden_layers": mcfg.num_hidden_layers, "num_local_experts": mcfg.num_local_experts,
-            "hidden_size": mcfg.hidden_size, "intermediate_size": mcfg.intermediate_size}
-
-
-ExpertKey = tuple[int, int]  # (layer, expert)
-
-
-class NestedCheckpoint:
-    """An opened nested checkpoint directory, restricted to ``experts`` (default: all).
-
-    Opening checks, before anything is served: the manifest format, that its shapes match
-    ``config.json``, that every file exists with the size and tensor shapes its header promises
-    and, with ``verify=True``, every checksum. Tensor-parallel or placed serving opens only its
-    own subset of experts.
-    """
-
-    def __init__(self, root: str | Path, *, experts: Sequence[ExpertKey] | None = None,
-                 verify: bool = True) -> None:
-        self.root = Path(root)
-        try:
-            manifest = json.loads((self.root / MANIFEST).read_text())
-        except FileNotFoundError:
-            raise ConfigError("model_dir", f"{self.root} has no {MANIFEST}: convert it with "
-                              "`lowband edge quantize MODEL_DIR --nested --out DIR`") from None
-        except json.JSONDecodeError as exc:
-            raise CorruptWeights(f"{self.root / MANIFEST}: not valid JSON ({exc})") from None
-        if manifest.get("format") != "lowband-nested" or manifest.get("version") != VERSION:
-            raise CorruptWeights(f"{self.root / MANIFEST}: unknown format/version "
-                                 f"{manifest.get('format')!r}/{manifest.get('version')!r}")
-        self.config = ModelConfig.from_json(self.root)
-        if manifest.get("model") != _shape_signature(self.config):
-            raise CorruptWeights(f"{self.root}: config.json {_shape_signature(self.config)} does not "
-                                 f"match the expert planes {manifest.get('model')}")
-        self.group_size = int(manifest["group_size"])
-        self.entries = {(int(e["layer"]), int(e["expert"])): e for e in manifest["experts"]}
-        keys = sorted(self.entries) if experts is None else list(experts)
-        missing = [k for k in keys if k not in self.entries]
-        if missing:
-            raise ConfigError("experts", f"{self.root} has no expert (layer, expert) {missing[0]}")
-        self.files: dict[ExpertKey, ExpertFile] = {}
-        try:
-            for k in keys:
-                self.files[k] = self._open(k, verify)
-        except BaseException:
-            self.close()
-            raise
-
-    def _open(self, key: ExpertKey, verify: bool) -> ExpertFile:
-        ef = ExpertFile(self.root / self.entries[key]["file"])
-        h, i = self.config.hidden_size, self.config.intermediate_size
-        want = {"w1": (i, h), "w2": (h, i), "w3": (i, h)}
-        got = {t.name: t.shape for t in ef.tensors}
-        if (ef.layer, ef.expert) != key or got != want or ef.group_size != self.group_size:
-            ef.close()
-            raise CorruptWeights(f"{ef.path}: holds layer/expert {(ef.layer, ef.expert)} shapes {got} "
-                                 f"g={ef.group_size}; config.json expects {key} {want} g={self.group_size}")
-        if verify:
-            try:
-                ef.verify()
-            except CorruptWeights:
-                ef.close()
-                raise
-        return ef
-
-    @property
-    def keys(self) -> list[ExpertKey]:
-        return list(self.files)
-
-    def sizes(self) -> dict[ExpertKey, dict[int, int]]:
-        """{expert: {bits: bytes resident at that width}} for every width its file serves."""
-        return {k: {b: f.nbytes(b) for b in f.widths} for k, f in self.files.items()}
-
-    def read_matrices(self, key: ExpertKey, bits: int) -> dict[str, torch.Tensor]:
-        """Float32 weights of one expert served at ``bits`` (reads the top ``bits`` planes)."""
-        f = self.files[key]
-        scales = f.read_scales()
-        if f.layout == "bytes":
-            f.nbytes(bits)  # raises unless bits == 8
-            return {t.name: dequantize(c, *scales[t.name], 8) for t, c in
-                    zip(f.tensors, f.read_codes().values())}
-        planes = f.read_planes(0, bits)
-        return {t.name: dequantize(planes_to_codes(planes[t.name]), *scales[t.name], bits)
-                for t in f.tensors}
-
-    def close(self) -> None:
-        for f in self.files.values():
-            f.close()
-        self.files = {}
-
-
-def load_backbone(root: str | Path, *, dtype: torch.dtype = torch.float32) -> LlamaForCausalLM:
-    """The model with every non-expert weight loaded and the experts left on the ``meta`` device
-    (no memory): serving routes them through an expert store via ``SparseMoE.expert_fn``."""
-    root = Path(root)
-    cfg = ModelConfig.from_json(root)
-    with torch.device("meta"):
-        model = LlamaForCausalLM(cfg)
-    expected = {k for k in model.state_dict()
-                if not is_expert_key(k) and not (cfg.tie_word_embeddings and k == "lm_head.weight")}
-    with safe_open(str(root / "model.safetensors"), framework="pt") as sf:
-        got = {k: sf.get_tensor(k).to(dtype) for k in sf.keys() if k in expected}
-    if expected - got.keys():
-        raise CorruptWeights(f"{root}/model.safetensors lacks {sorted(expected - got.keys())[:3]}")
-    model.load_state_dict(got, strict=False, assign=True)
-    model.inv_freq = rope_inv_freq(cfg)
-    if cfg.tie_word_embeddings:
-        model.lm_head.weight = model.model.embed_tokens.weight
-    return model.eval()
-
-
-def load_dense(root: str | Path, bits: int | Mapping[ExpertKey, int] = 8) -> LlamaForCausalLM:
-    """The model with every expert dequantized to float32 at ``bits`` (one width or per expert):
-    the reference that serving through the store must reproduce, and the quality evaluation."""
-    model = load_backbone(root)
-    ckpt = NestedCheckpoint(root, verify=False)
-    try:
-        for (layer, e) in ckpt.keys:
-            b = bits if isinstance(bits, int) else bits[(layer, e)]
-            mats = ckpt.read_matrices((layer, e), b)
-            expert = model.model.layers[layer].block_sparse_moe.experts[e]
-            for name, w in mats.items():
-                getattr(expert, name).weight = torch.nn.Parameter(w, requires_grad=False)
-    finally:
-        ckpt.close()
-    return model

@@ -46,7 +46,8 @@ def register(edge_sub: argparse._SubParsersAction) -> None:
 
 
 def _quantize(args: argparse.Namespace) -> int:
-    from edge.nested import NestedQuantConfig, quantize_checkpoint
+    from edge.nested import NestedQuantConfig
+    from edge.nested_checkpoint import quantize_checkpoint
 
     try:
         cfg = NestedQuantConfig(group_size=args.group_size)
@@ -89,9 +90,10 @@ def _moe_generate(args: argparse.Namespace) -> int:
         dt = time.perf_counter() - t0
         print(text)
         rep = cache.report()
-        print(json.dumps({"tokens": n, "tokens_per_s": round(n / dt, 2), "hit_rate": round(rep["hit_rate"], 3),
-                          "mean_bits": rep["mean_bits_per_call"], "peak_expert_mb": rep["peak_bytes"] / 1e6,
-                          "budget_mb": args.budget_mb}), file=sys.stderr)
+        stats = {"tokens": n, "tokens_per_s": round(n / dt, 2), "hit_rate": round(rep["hit_rate"], 3),
+                 "mean_bits": rep["mean_bits_per_call"], "peak_expert_mb": rep["peak_bytes"] / 1e6,
+                 "budget_mb": args.budget_mb}
+        print(json.dumps(stats), file=sys.stderr)
     finally:
         cache.close()
     return 0

@@ -12,7 +12,8 @@ import torch
 from edge.expert_store import (ExpertCache, ExpertStoreConfig, HEBFConfig, LRUConfig,
                                PrefetchConfig, open_store)
 from edge.model import LlamaForCausalLM, init_weights
-from edge.nested import NestedCheckpoint, NestedQuantConfig, load_dense, quantize_checkpoint
+from edge.nested import NestedQuantConfig
+from edge.nested_checkpoint import NestedCheckpoint, load_dense, quantize_checkpoint
 from edge.weights import save_pretrained
 from lowband.errors import ConfigError, CorruptWeights
 from tests.test_nested import tiny_moe_config
@@ -231,3 +232,22 @@ def test_plain_int8_layout_serves_lru_only(nested_dir: Path, tmp_path: Path) -> 
         cache.close()
     want, _ = decode(dense, PROMPT, 8)
     torch.testing.assert_close(got, want, rtol=0, atol=1e-5)   # same codes, same model
+
+
+def test_store_works_across_inference_mode_and_no_grad(nested_dir: Path, sizes: dict) -> None:
+    """Buffers first made under torch.inference_mode (the edge engine) are reused under
+    no_grad later, and the other way round."""
+    import edge.nested
+    edge.nested._scratch.__dict__.clear()       # this thread's decode buffers start afresh
+    cfg = ExpertStoreConfig(budget_bytes=int(0.3 * int8_total(sizes)), policy=HEBFConfig())
+    model, cache = open_store(nested_dir, cfg, warm=False)
+    try:
+        with torch.inference_mode():
+            a = model(PROMPT[:, :6])
+        with torch.no_grad():
+            b = model(PROMPT[:, :6])
+        with torch.inference_mode():
+            c = model(PROMPT[:, :6])
+    finally:
+        cache.close()
+    assert a.shape == b.shape == c.shape and torch.isfinite(b).all()

@@ -95,7 +95,7 @@ def test_random_plans_respect_budget_monotonicity_and_maximality() -> None:
 
 def test_mixed_sizes_budget_and_floor() -> None:
     rng = random.Random(7)
-    for trial in range(200):
+    for _ in range(200):
         n = rng.randint(2, 20)
         sizes = {}
         for i in range(n):

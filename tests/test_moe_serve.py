@@ -16,7 +16,8 @@ import torch.nn.functional as F
 from edge.engine import Engine, LocalRunner
 from edge.expert_store import ExpertStoreConfig, HEBFConfig, LRUConfig, PrefetchConfig, open_store
 from edge.moe_train import TRAIN_LOG, tiny_preset, train
-from edge.nested import NestedCheckpoint, NestedQuantConfig, load_dense, quantize_checkpoint
+from edge.nested import NestedQuantConfig
+from edge.nested_checkpoint import NestedCheckpoint, load_dense, quantize_checkpoint
 from edge.sampling import SamplingParams
 from edge.tokenizer import ByteTokenizer
 from tests.conftest import PY

@@ -12,10 +12,10 @@ import torch
 
 from edge.config import ModelConfig
 from edge.model import LlamaForCausalLM, init_weights
-from edge.nested import (WIDTHS, ExpertFile, NestedCheckpoint, NestedQuantConfig, dequantize,
-                         load_backbone, load_dense, planes_to_codes, quantize_checkpoint,
+from edge.nested import (WIDTHS, ExpertFile, NestedQuantConfig, dequantize, planes_to_codes,
                          quantize_independent, quantize_int8, slice_codes, to_planes,
                          write_expert_file)
+from edge.nested_checkpoint import NestedCheckpoint, load_backbone, load_dense, quantize_checkpoint
 from edge.tokenizer import ByteTokenizer
 from edge.weights import save_pretrained
 from lowband.errors import ConfigError, CorruptWeights
