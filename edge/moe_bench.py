@@ -16,12 +16,15 @@
 
 Storage. Each read costs at least bytes / ``--read-mb-per-s`` (``StorageDevice``): this build
 machine's page cache would otherwise serve "flash" reads at memory speed. The default, 100 MB/s,
-is microSD-class storage (a Raspberry Pi); ``sweep.<MB/s>.*`` repeats the two cached policies at
-other speeds (``0`` = unpaced: page-cache speed) so the dependence on the device is visible.
+is microSD-class storage (a Raspberry Pi). ``sweep_io.<MB/s>.*`` repeats HEBF and the int8 LRU
+at other speeds (``0`` = unpaced: page-cache speed) and ``sweep_budget.<fraction>.*`` at other
+budgets, so the dependence on the device and the budget is visible.
 
-Every serving configuration runs in its own subprocess (clean peak RSS), alternating
-configurations over ``--repeats`` rounds; the median tokens/s is reported. The trained model
-and its nested conversion are cached under ``--cache-dir`` (trained from scratch if absent).
+Every serving configuration runs in its own subprocess (clean peak RSS), alternating the order
+over ``--repeats`` rounds; medians are reported, with every run's tokens/s and the decoding
+thread's CPU seconds (``decode_cpu_s``: compute, without waiting for reads or for the CPU on a
+busy machine). The trained model and its conversions are cached under ``--cache-dir`` (trained
+from scratch if absent).
 """
 
 from __future__ import annotations
@@ -59,9 +62,10 @@ class BenchConfig:
     budget_frac: float = 0.4        # expert budget / bytes of every expert at int8
     read_mb_per_s: float = 100.0    # B_io of the modelled device (0 = unpaced)
     sweep_mb_per_s: tuple[float, ...] = (0.0, 1000.0, 300.0)
+    sweep_budget_frac: tuple[float, ...] = (0.3, 0.5)
     tokens: int = 256               # timed decode steps per run
     warmup: int = 48                # untimed decode steps first (hotness and caches settle)
-    repeats: int = 2
+    repeats: int = 3
     eval_tokens: int = 16384        # held-out tokens per quality perplexity
     group_size: int = 64
     threads: int = 1
@@ -76,7 +80,7 @@ class BenchConfig:
 def tiny_bench(cache_dir: Path) -> BenchConfig:
     """Seconds-scale run for the test-suite: tiny model, few tokens, no sweep."""
     return BenchConfig(cache_dir=cache_dir, tiny=True, tokens=16, warmup=4, repeats=1,
-                       eval_tokens=1024, group_size=32, sweep_mb_per_s=())
+                       eval_tokens=1024, group_size=32, sweep_mb_per_s=(), sweep_budget_frac=())
 
 
 # ---- model preparation ---------------------------------------------------------------------------
@@ -206,16 +210,17 @@ def serve_worker(args: ServeRun) -> dict:
             if t == 16 + args.warmup:   # statistics cover the timed tokens only
                 cache.stats = type(cache.stats)(peak_bytes=cache.stats.peak_bytes)
                 cache.device.bytes_read, cache.device.busy_s = 0, 0.0
-                start = time.perf_counter()
+                start, cpu0 = time.perf_counter(), time.thread_time()
             if t >= 16 + args.warmup:
                 nll += float(F.cross_entropy(logits[None].float(), ids[t:t + 1]))
                 n += 1
             logits = model(ids[None, t:t + 1], cache=kv)[0, -1]
-    elapsed = time.perf_counter() - start
+    elapsed, cpu = time.perf_counter() - start, time.thread_time() - cpu0
     rep = cache.report()
     cache.close()
     peak_kb = _status_kb("VmHWM")
-    return {"tokens_per_s": n / elapsed, "ppl": math.exp(nll / n), "load_s": round(load_s, 3),
+    return {"tokens_per_s": n / elapsed, "decode_cpu_s": cpu, "wall_s": elapsed,
+            "ppl": math.exp(nll / n), "load_s": round(load_s, 3),
             "peak_rss_mb": peak_kb / 1024, "base_rss_mb": base_kb / 1024,
             "model_rss_mb": (peak_kb - base_kb) / 1024, "hit_rate": rep["hit_rate"],
             "mean_bits": rep["mean_bits_per_call"], "stall_s": rep["stall_s"],
@@ -239,41 +244,55 @@ def run_config(cfg: BenchConfig, nested_dir: Path, text: Path, policy: str, budg
 def serving(cfg: BenchConfig, nested_dir: Path, int8_dir: Path, tcfg: MoETrainConfig) -> dict:
     manifest = json.loads((nested_dir / "nested.json").read_text())
     int8_bytes = sum(e["bytes"]["8"] for e in manifest["experts"])
-    budget = int(cfg.budget_frac * int8_bytes)
     _, heldout = load_splits(tcfg.data, tcfg.heldout_frac)
     text = nested_dir / "bench_text.json"
     text.write_text(json.dumps(heldout[: 16 + cfg.warmup + cfg.tokens + 1].tolist()))
-    runs: dict[tuple[str, float], list[dict]] = {}
-    plan = [(p, cfg.read_mb_per_s) for p in POLICIES]
-    plan += [(p, r) for r in cfg.sweep_mb_per_s for p in ("lru_int8", "hebf")]
-    for rnd in range(cfg.repeats):
-        for policy, rate in (plan if rnd % 2 == 0 else plan[::-1]):
-            b = int8_bytes + 1 if policy == "int8_resident" else budget
+    # Cases: (policy, storage MB/s, budget fraction). The headline set, then the sweeps.
+    head = [(p, cfg.read_mb_per_s, cfg.budget_frac) for p in POLICIES]
+    sweep = [(p, r, cfg.budget_frac) for r in cfg.sweep_mb_per_s for p in ("lru_int8", "hebf")]
+    sweep += [(p, cfg.read_mb_per_s, f) for f in cfg.sweep_budget_frac for p in ("lru_int8", "hebf")]
+    runs: dict[tuple[str, float, float], list[dict]] = {}
+    for rnd in range(cfg.repeats):    # alternate the order: drifting machine load hits all alike
+        for case in (head + sweep if rnd % 2 == 0 else (head + sweep)[::-1]):
+            policy, rate, frac = case
+            b = int8_bytes + 1 if policy == "int8_resident" else int(frac * int8_bytes)
             src = nested_dir if policy == "hebf" else int8_dir
-            runs.setdefault((policy, rate), []).append(run_config(cfg, src, text, policy, b, rate))
-    out: dict[str, object] = {"budget_frac": cfg.budget_frac, "budget_mb": budget / 1e6,
-                              "int8_experts_mb": int8_bytes / 1e6, "read_mb_per_s": cfg.read_mb_per_s}
+            runs.setdefault(case, []).append(run_config(cfg, src, text, policy, b, rate))
+            logger.info("%s at %g MB/s, budget %.2f: %.1f tokens/s", policy, rate, frac,
+                        runs[case][-1]["tokens_per_s"])
+    out: dict[str, object] = {"budget_frac": cfg.budget_frac,
+                              "budget_mb": int(cfg.budget_frac * int8_bytes) / 1e6,
+                              "int8_experts_mb": int8_bytes / 1e6, "read_mb_per_s": cfg.read_mb_per_s,
+                              "tokens": cfg.tokens, "repeats": cfg.repeats}
 
-    def med(rs: list[dict], key: str) -> float:
-        return statistics.median(r[key] for r in rs)
+    def med(case: tuple[str, float, float], key: str) -> float:
+        return statistics.median(r[key] for r in runs[case])
 
-    for policy in POLICIES:
-        rs = runs[(policy, cfg.read_mb_per_s)]
-        for key in ("tokens_per_s", "peak_rss_mb", "model_rss_mb", "ppl", "hit_rate",
-                    "mean_bits", "stall_s", "read_mb"):
-            out[f"{policy}.{key}"] = med(rs, key)
-        out[f"{policy}.tokens_per_s_runs"] = [round(r["tokens_per_s"], 2) for r in rs]
+    for case in head:
+        for key in ("tokens_per_s", "peak_rss_mb", "model_rss_mb", "ppl", "hit_rate", "mean_bits",
+                    "stall_s", "read_mb", "decode_cpu_s"):
+            out[f"{case[0]}.{key}"] = med(case, key)
+        out[f"{case[0]}.tokens_per_s_runs"] = [round(r["tokens_per_s"], 2) for r in runs[case]]
     out["throughput_ratio"] = out["hebf.tokens_per_s"] / out["lru_int8.tokens_per_s"]
     out["throughput_ratio_vs_lru_prefetch"] = (out["hebf.tokens_per_s"]
                                                / out["lru_int8_prefetch.tokens_per_s"])
     out["memory_ratio"] = out["hebf.model_rss_mb"] / out["int8_resident.model_rss_mb"]
     out["memory_ratio_abs"] = out["hebf.peak_rss_mb"] / out["int8_resident.peak_rss_mb"]
     for rate in cfg.sweep_mb_per_s:
-        h, lru = runs[("hebf", rate)], runs[("lru_int8", rate)]
-        tag = f"sweep.{rate:g}"
+        h, lru = ("hebf", rate, cfg.budget_frac), ("lru_int8", rate, cfg.budget_frac)
+        tag = f"sweep_io.{rate:g}"
         out[f"{tag}.hebf.tokens_per_s"] = med(h, "tokens_per_s")
         out[f"{tag}.lru_int8.tokens_per_s"] = med(lru, "tokens_per_s")
         out[f"{tag}.throughput_ratio"] = med(h, "tokens_per_s") / med(lru, "tokens_per_s")
+    for frac in cfg.sweep_budget_frac:
+        h, lru = ("hebf", cfg.read_mb_per_s, frac), ("lru_int8", cfg.read_mb_per_s, frac)
+        tag = f"sweep_budget.{frac:g}"
+        for key in ("tokens_per_s", "model_rss_mb", "ppl", "mean_bits", "hit_rate"):
+            out[f"{tag}.hebf.{key}"] = med(h, key)
+            out[f"{tag}.lru_int8.{key}"] = med(lru, key)
+        out[f"{tag}.throughput_ratio"] = med(h, "tokens_per_s") / med(lru, "tokens_per_s")
+        out[f"{tag}.memory_ratio"] = (med(h, "model_rss_mb")
+                                      / out["int8_resident.model_rss_mb"])
     return out
 
 
@@ -283,7 +302,9 @@ def main(cfg: BenchConfig) -> dict:
     log = json.loads((model_dir / TRAIN_LOG).read_text())
     result: dict[str, object] = {"model_dir": str(model_dir), "train_tokens": log["tokens"],
                                  "train_s": log["train_s"]}
+    logger.info("quality evaluation (%.0fs so far)", time.perf_counter() - t0)
     result.update(quality(cfg, model_dir, nested_dir, tcfg))
+    logger.info("serving runs (%.0fs so far)", time.perf_counter() - t0)
     result.update(serving(cfg, nested_dir, int8_dir, tcfg))
     result["bench_s"] = round(time.perf_counter() - t0, 1)
     return result
