@@ -47,7 +47,7 @@ import torch.nn.functional as F
 
 from edge.hebf import hebf_plan
 from edge.model import LlamaForCausalLM
-from edge.nested import WIDTHS, ExpertFile, apply_affine, page_buffer, planes_to_codes, to_planes
+from edge.nested import WIDTHS, ExpertFile, apply_affine, page_buffer, planes_to_codes
 from edge.nested_checkpoint import ExpertKey, NestedCheckpoint, load_backbone
 from lowband.errors import ConfigError
 
@@ -164,14 +164,19 @@ def _paged_rows(top: torch.Tensor, rest: torch.Tensor) -> torch.Tensor:
 @dataclass
 class Resident:
     """One expert in memory: its float16 scales block and, per tensor, the top ``bits`` of its
-    codes: a (bits, numel/8) plane matrix below 8 bits, a (numel,) code vector at 8 bits (the
-    layout int8 kernels use). ``nbytes`` is what the budget charges for it."""
+    codes: a (bits, numel/8) plane matrix read from a nested file, or a (numel,) int8 code
+    vector read from a plain int8 file (``codes``). ``nbytes`` is what the budget charges.
+
+    Nested experts stay planes even at 8 bits: converting to and from code vectors on every
+    8-bit upgrade/downgrade made ~1 MB transients in the reader thread that its malloc arena
+    never gave back (measured: +80 MB at a 50% budget)."""
 
     bits: int
     scales: torch.Tensor                                   # float16 block, see ExpertFile
     index: dict[str, tuple[int, int, tuple[int, int]]]     # ExpertFile.scale_index
     data: dict[str, torch.Tensor]
     nbytes: int
+    codes: bool = False
 
     def affines(self) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
         """Float32 (scale, offset) per tensor at this width, from one conversion of the block."""
@@ -188,7 +193,7 @@ class Resident:
         """Float32 (out, in) weight of tensor ``name`` at this expert's width. With ``scratch``
         it lives in this thread's reusable buffer until the next scratch call."""
         d = self.data[name]
-        codes = d if self.bits == 8 else planes_to_codes(d, scratch=scratch)
+        codes = d if self.codes else planes_to_codes(d, scratch=scratch)
         return apply_affine(codes, *(affine or self.affines()[name]), scratch=scratch)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -201,10 +206,9 @@ class Resident:
 
     def narrowed(self, bits: int, nbytes: int) -> Resident:
         """This expert at fewer bits: a prefix of its planes, copied so the rest is freed."""
-        if self.bits == 8:
-            data = {n: _paged(to_planes(c)[:bits]) for n, c in self.data.items()}
-        else:
-            data = {n: _paged(p[:bits]) for n, p in self.data.items()}
+        if self.codes:
+            raise ConfigError("bits", "an expert read from a plain int8 file cannot be narrowed")
+        data = {n: _paged(p[:bits]) for n, p in self.data.items()}
         return Resident(bits=bits, scales=self.scales, index=self.index, data=data, nbytes=nbytes)
 
 
@@ -457,7 +461,7 @@ class ExpertCache:
                 if bits > self.plan.get(k, 0):
                     out.append((k, self.plan.get(k, 0)))
             elif self.hebf is not None and bits > self.floor:
-                out.append((k, self.floor))      # drop its extra planes before anyone's expert
+                out.append((k, self.floor))      # coldest first: its extra planes, then itself
                 out.append((k, 0))
             else:
                 out.append((k, 0))
@@ -533,13 +537,11 @@ class ExpertCache:
 
     def _merge(self, key: ExpertKey, cur: Resident | None, bits: int, scales: torch.Tensor | None,
                data: dict[str, torch.Tensor], f: ExpertFile) -> Resident:
-        if f.layout == "planes":
-            if cur is not None:
-                data = {n: _paged_rows(cur.data[n], data[n]) for n in data}
-            if bits == 8:   # int8: keep one code vector, the layout int8 kernels use
-                data = {n: _paged(planes_to_codes(p)) for n, p in data.items()}
+        if cur is not None:
+            data = {n: _paged_rows(cur.data[n], data[n]) for n in data}
         return Resident(bits=bits, scales=scales if cur is None else cur.scales,
-                        index=f.scale_index, data=data, nbytes=self.sizes[key][bits])
+                        index=f.scale_index, data=data, nbytes=self.sizes[key][bits],
+                        codes=f.layout == "bytes")
 
     # -- background work ------------------------------------------------------------------------------
     def _next_seq(self) -> int:
