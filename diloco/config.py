@@ -210,7 +210,7 @@ class TrainConfig:
     audit_every: int = 4  # outer syncs between state-hash audits across workers (0: never)
     checkpoint_every: int = 0  # steps between checkpoints (0: only the final one)
     log_every: int = 10  # steps between per-step JSONL records
-    sync_timeout: float = 300.0  # seconds one collective may take before TransportTimeout
+    sync_timeout: float = 60.0  # seconds one collective may take before TransportTimeout
 
     def __post_init__(self) -> None:
         if self.steps < 1:

@@ -29,7 +29,7 @@ from diloco.metrics import MetricsLog, plot_runs, read_jsonl
 from diloco.task import LMTask, Task
 from diloco.trainer import DilocoWorker
 from lowband.comm import Communicator
-from lowband.errors import ConfigError
+from lowband.errors import ConfigError, PeerLost, TransportTimeout
 
 logger = logging.getLogger(__name__)
 
@@ -140,9 +140,16 @@ def worker_main(cfg: WorkerLaunch) -> WorkerResult:
         worker = make_worker(cfg.train, comm, task, worker_id=cfg.worker_id or comm.peer_id,
                              out_dir=cfg.out_dir, resume=cfg.resume, progress=cfg.progress)
         try:
-            return worker.run()
+            result = worker.run()
         finally:
             worker.log.close()
+        # Leave only once every worker is done: a peer that closes while another still waits
+        # for its last chunks makes that one fail with PeerLost. Failing here changes nothing.
+        try:
+            comm.barrier(tag="diloco/finished", timeout=cfg.train.sync_timeout)
+        except (PeerLost, TransportTimeout) as exc:
+            logger.info("final barrier: %s", exc)
+        return result
     finally:
         comm.close()
 

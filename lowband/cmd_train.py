@@ -99,7 +99,8 @@ def _worker(args: argparse.Namespace) -> int:
 def _worker_checked(args: argparse.Namespace) -> int:
     from diloco.launch import WorkerLaunch, worker_main
 
-    cfg = WorkerLaunch(train=_train_config(args), coordinator=args.coordinator,
+    cfg = WorkerLaunch(train=_train_config(args, workers=args.workers),
+                       coordinator=args.coordinator,
                        worker_id=args.id, out_dir=args.out, resume=args.resume,
                        threads=args.threads, progress=args.progress, bind_host=args.bind_host,
                        advertise_host=args.advertise_host, token=args.token)
@@ -130,6 +131,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                        "Use the same preset/overrides (or --config) as the other workers: a "
                        "different model or configuration is refused at join.")
     p.add_argument("--coordinator", required=True, help="tcp://HOST:PORT of the coordinator")
+    p.add_argument("--workers", type=int,
+                   help="M: founding workers to wait for before starting (default: the preset's)")
     p.add_argument("--id", help="worker id for file names (default: the transport peer id)")
     p.add_argument("--out", type=Path, help="directory for metrics and checkpoints")
     p.add_argument("--resume", type=Path, help="a checkpoints/step-* directory to continue from")
