@@ -163,53 +163,45 @@ def _paged_rows(top: torch.Tensor, rest: torch.Tensor) -> torch.Tensor:
 
 @dataclass
 class Resident:
-    """One expert in memory: its float16 scales block and, per tensor, the top ``bits`` of its
-    codes: a (bits, numel/8) plane matrix read from a nested file, or a (numel,) int8 code
-    vector read from a plain int8 file (``codes``). ``nbytes`` is what the budget charges.
+    """One expert in memory: its float16 scales block (every group's lo, then every step) and
+    the top ``bits`` of its codes, all tensors back to back: a (bits, plane_bytes) plane matrix
+    read from a nested file, or an (N,) int8 code vector read from a plain int8 file (``codes``).
+    ``nbytes`` is what the budget charges for it.
 
     Nested experts stay planes even at 8 bits: converting to and from code vectors on every
     8-bit upgrade/downgrade made ~1 MB transients in the reader thread that its malloc arena
     never gave back (measured: +80 MB at a 50% budget)."""
 
     bits: int
-    scales: torch.Tensor                                   # float16 block, see ExpertFile
-    index: dict[str, tuple[int, int, tuple[int, int]]]     # ExpertFile.scale_index
-    data: dict[str, torch.Tensor]
+    scales: torch.Tensor
+    index: dict[str, tuple[int, int, tuple[int, int]]]     # ExpertFile.index
+    data: torch.Tensor
     nbytes: int
     codes: bool = False
 
-    def affines(self) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-        """Float32 (scale, offset) per tensor at this width, from one conversion of the block."""
+    def weights(self, *, scratch: bool = False) -> dict[str, torch.Tensor]:
+        """Float32 (out, in) weights of every tensor at this expert's width, decoded in one go
+        (one gather, one affine for the whole expert). With ``scratch`` they live in this
+        thread's reusable buffer until its next scratch call."""
+        groups = self.scales.numel() // 2
         k = 2 ** (8 - self.bits)
         f = self.scales.float()
-        out = {}
-        for name, (pos, n, shape) in self.index.items():
-            lo, step = f[pos:pos + n].view(shape), f[pos + n:pos + 2 * n].view(shape)
-            out[name] = (step * k, torch.add(lo, step, alpha=(k - 1) / 2))
-        return out
-
-    def weight(self, name: str, affine: tuple[torch.Tensor, torch.Tensor] | None = None, *,
-               scratch: bool = False) -> torch.Tensor:
-        """Float32 (out, in) weight of tensor ``name`` at this expert's width. With ``scratch``
-        it lives in this thread's reusable buffer until the next scratch call."""
-        d = self.data[name]
-        codes = d if self.codes else planes_to_codes(d, scratch=scratch)
-        return apply_affine(codes, *(affine or self.affines()[name]), scratch=scratch)
+        lo, step = f[:groups], f[groups:]
+        codes = self.data if self.codes else planes_to_codes(self.data, scratch=scratch)
+        flat = apply_affine(codes, step * k, torch.add(lo, step, alpha=(k - 1) / 2), scratch=scratch)
+        return {name: flat[pos:pos + n].view(shape) for name, (pos, n, shape) in self.index.items()}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Mixtral expert on (N, H) rows: w2(silu(w1 x) * w3 x). Each weight is consumed by its
-        matmul before the next is decoded into the same scratch buffer."""
-        aff = self.affines()
-        h1 = F.linear(x, self.weight("w1", aff["w1"], scratch=True))
-        h3 = F.linear(x, self.weight("w3", aff["w3"], scratch=True))
-        return F.linear(F.silu(h1) * h3, self.weight("w2", aff["w2"], scratch=True))
+        """Mixtral expert on (N, H) rows: w2(silu(w1 x) * w3 x)."""
+        w = self.weights(scratch=True)
+        return F.linear(F.silu(F.linear(x, w["w1"])) * F.linear(x, w["w3"]), w["w2"])
 
     def narrowed(self, bits: int, nbytes: int) -> Resident:
         """This expert at fewer bits: a prefix of its planes, copied so the rest is freed."""
         if self.codes:
             raise ConfigError("bits", "an expert read from a plain int8 file cannot be narrowed")
-        data = {n: _paged(p[:bits]) for n, p in self.data.items()}
-        return Resident(bits=bits, scales=self.scales, index=self.index, data=data, nbytes=nbytes)
+        return Resident(bits=bits, scales=self.scales, index=self.index,
+                        data=_paged(self.data[:bits]), nbytes=nbytes)
 
 
 @dataclass
@@ -510,7 +502,7 @@ class ExpertCache:
         reserved = self.sizes[key][bits] - (cur.nbytes if cur is not None else 0)
         nbytes = (bits - first) * f.plane_bytes + (f.scale_bytes if cur is None else 0)
 
-        def read() -> tuple[torch.Tensor | None, dict[str, torch.Tensor]]:
+        def read() -> tuple[torch.Tensor | None, torch.Tensor]:
             scales = f.read_scale_block() if cur is None else None
             return scales, f.read_codes() if f.layout == "bytes" else f.read_planes(first, bits)
 
@@ -536,12 +528,11 @@ class ExpertCache:
         return out
 
     def _merge(self, key: ExpertKey, cur: Resident | None, bits: int, scales: torch.Tensor | None,
-               data: dict[str, torch.Tensor], f: ExpertFile) -> Resident:
+               data: torch.Tensor, f: ExpertFile) -> Resident:
         if cur is not None:
-            data = {n: _paged_rows(cur.data[n], data[n]) for n in data}
-        return Resident(bits=bits, scales=scales if cur is None else cur.scales,
-                        index=f.scale_index, data=data, nbytes=self.sizes[key][bits],
-                        codes=f.layout == "bytes")
+            data = _paged_rows(cur.data, data)
+        return Resident(bits=bits, scales=scales if cur is None else cur.scales, index=f.index,
+                        data=data, nbytes=self.sizes[key][bits], codes=f.layout == "bytes")
 
     # -- background work ------------------------------------------------------------------------------
     def _next_seq(self) -> int:

@@ -47,7 +47,7 @@ import torch
 
 from edge.moe_train import (TRAIN_LOG, MoETrainConfig, bench_preset, heldout_ppl, load_splits,
                             tiny_preset, train)
-from edge.nested import WIDTHS, NestedQuantConfig, quantize_independent
+from edge.nested import VERSION, WIDTHS, NestedQuantConfig, quantize_independent
 from edge.nested_checkpoint import load_dense, quantize_checkpoint
 
 logger = logging.getLogger(__name__)
@@ -101,8 +101,8 @@ def prepare(cfg: BenchConfig) -> tuple[Path, Path, Path, MoETrainConfig]:
     root = cfg.cache_dir / (("tiny-" if cfg.tiny else "bench-") + _digest(recipe))
     qcfg = NestedQuantConfig(group_size=cfg.group_size)
     model_dir = root / "model"
-    nested_dir = root / f"nested-{_digest(repr(qcfg))}"
-    int8_dir = root / f"int8-{_digest(repr(replace(qcfg, layout='bytes')))}"
+    nested_dir = root / f"nested-v{VERSION}-{_digest(repr(qcfg))}"
+    int8_dir = root / f"int8-v{VERSION}-{_digest(repr(replace(qcfg, layout='bytes')))}"
     tcfg = replace(tcfg, out_dir=model_dir)
     if not (model_dir / TRAIN_LOG).exists():
         logger.info("training the benchmark MoE into %s", model_dir)

@@ -61,7 +61,7 @@ from lowband.errors import ConfigError, CorruptWeights
 WIDTHS = (8, 4, 3, 2)        # the precisions a nested expert can be served at, high to low
 DEFAULT_RANGE_EXT = 8 / 7    # e: int8 grid span / group range; 8/7 makes the 3-bit slice native
 MAGIC = b"LBNQ"
-VERSION = 1
+VERSION = 2               # 2: scales block holds every lo, then every step
 _HEADER = struct.Struct("<4sHHII")
 _ALIGN = 64
 EXPERT_TENSORS = ("w1", "w2", "w3")
@@ -178,11 +178,13 @@ def dequantize(codes_b: torch.Tensor, lo: torch.Tensor, step: torch.Tensor, bits
 
 def apply_affine(codes_b: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, *,
                  scratch: bool = False) -> torch.Tensor:
-    """``offset + scale * codes`` per group: float32 (out, in) from codes and (out, in/g) pairs."""
-    out, groups = scale.shape
-    q = _work("weight", codes_b.numel(), torch.float32, scratch).view(out, groups, -1)
-    q.copy_(codes_b.reshape(out, groups, -1))
-    return q.mul_(scale[..., None]).add_(offset[..., None]).view(out, -1)
+    """``offset + scale * codes`` per group of consecutive codes: float32 shaped like ``codes_b``
+    ((out, in) with (out, in/g) parameters, or flat (N,) with (N/g,) parameters: a whole expert's
+    tensors back to back, their groups in the same order)."""
+    groups = scale.numel()
+    q = _work("weight", codes_b.numel(), torch.float32, scratch).view(groups, -1)
+    q.copy_(codes_b.reshape(groups, -1))
+    return q.mul_(scale.reshape(groups, 1)).add_(offset.reshape(groups, 1)).view(codes_b.shape)
 
 
 def quantize_independent(w: torch.Tensor, bits: int, group_size: int) -> torch.Tensor:
@@ -293,8 +295,9 @@ def write_expert_file(path: Path, *, layer: int, expert: int,
     group = {tensors[n].group_size for n in names}
     if len(group) != 1:
         raise ConfigError("group_size", f"tensors of one expert use different group sizes {group}")
-    scales = b"".join(t.lo.contiguous().numpy().tobytes() + t.step.contiguous().numpy().tobytes()
-                      for t in tensors.values())
+    # All tensors' lo, then all their steps: one expert's (scale, offset) are two vectors.
+    scales = b"".join(t.lo.contiguous().numpy().tobytes() for t in tensors.values()) + \
+        b"".join(t.step.contiguous().numpy().tobytes() for t in tensors.values())
     if layout == "planes":
         planes_of = {n: to_planes(tensors[n].codes) for n in names}
         body = [b"".join(planes_of[n][j].numpy().tobytes() for n in names) for j in range(8)]
@@ -445,17 +448,22 @@ class ExpertFile:
             yield view
 
     @property
-    def scale_index(self) -> dict[str, tuple[int, int, tuple[int, int]]]:
-        """{tensor: (first element, groups, (out, in/g))} of its ``lo`` in the float16 scales
-        block; its ``step`` follows at first + groups."""
+    def n_groups(self) -> int:
+        """Groups of all tensors together (G): the scales block holds G lo values, then G steps."""
+        return sum(t.n_groups for t in self.tensors)
+
+    @property
+    def index(self) -> dict[str, tuple[int, int, tuple[int, int]]]:
+        """{tensor: (first code, numel, shape)}: tensors back to back in code order (the order
+        of a plane's bytes x 8, of the bytes layout, and of the groups in the scales block)."""
         out, pos = {}, 0
         for t in self.tensors:
-            out[t.name] = (pos, t.n_groups, (t.shape[0], t.shape[1] // self.group_size))
-            pos += 2 * t.n_groups
+            out[t.name] = (pos, t.numel, t.shape)
+            pos += t.numel
         return out
 
     def read_scale_block(self) -> torch.Tensor:
-        """The whole scales block as one float16 tensor in a page buffer (see ``scale_index``)."""
+        """(2G,) float16 in a page buffer: every group's lo, then every group's step."""
         with self._view(self._scales, "scales") as view:
             buf = page_buffer(len(view))
             buf.numpy()[:] = view
@@ -464,42 +472,42 @@ class ExpertFile:
 
     def read_scales(self) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
         """{tensor: (lo, step)} float16 tensors of shape (out, in/g)."""
-        block = self.read_scale_block()
-        return {name: (block[pos:pos + n].view(shape), block[pos + n:pos + 2 * n].view(shape))
-                for name, (pos, n, shape) in self.scale_index.items()}
+        block, groups = self.read_scale_block(), self.n_groups
+        out = {}
+        for name, (pos, numel, (rows, cols)) in self.index.items():
+            g0, n = pos // self.group_size, numel // self.group_size
+            shape = (rows, cols // self.group_size)
+            out[name] = (block[g0:g0 + n].view(shape), block[groups + g0:groups + g0 + n].view(shape))
+        return out
 
-    def read_planes(self, first: int, last: int) -> dict[str, torch.Tensor]:
-        """Planes ``first..last-1`` of every tensor: {tensor: (last - first, numel/8) uint8},
-        each in its own page buffer. The planes are one contiguous region of the file."""
+    def read_planes(self, first: int, last: int) -> torch.Tensor:
+        """Planes ``first..last-1`` of all tensors as (last - first, plane_bytes) uint8 in one page
+        buffer: one contiguous region of the file, each plane checked against its crc32."""
         if not 0 <= first < last <= 8:
             raise ConfigError("planes", f"need 0 <= first < last <= 8, got {first}..{last}")
         if self.layout != "planes":
             raise ConfigError("layout", f"{self.path.name} stores plain int8 codes, not bit-planes")
-        out = {t.name: page_buffer((last - first) * (t.numel // 8)).view(last - first, t.numel // 8)
-               for t in self.tensors}
+        out = page_buffer((last - first) * self.plane_bytes).view(last - first, self.plane_bytes)
+        dst = out.numpy()
         for i, j in enumerate(range(first, last)):
             with self._view(self._planes[j], f"bit-plane {j}") as view:
-                pos = 0
-                for t in self.tensors:
-                    m = t.numel // 8
-                    out[t.name].numpy()[i] = view[pos:pos + m]
-                    pos += m
+                dst[i] = view
         self.release()
         return out
 
-    def read_codes(self) -> dict[str, torch.Tensor]:
-        """Bytes layout: {tensor: (numel,) uint8 int8 codes}, views of one page buffer."""
+    def read_codes(self) -> torch.Tensor:
+        """Bytes layout: the (N,) uint8 int8 codes of all tensors, in one page buffer."""
         if self._codes is None:
             raise ConfigError("layout", f"{self.path.name} stores bit-planes, not plain codes")
         with self._view(self._codes, "the int8 codes") as view:
             flat = page_buffer(len(view))
             flat.numpy()[:] = view
         self.release()
-        out, pos = {}, 0
-        for t in self.tensors:
-            out[t.name] = flat[pos:pos + t.numel]
-            pos += t.numel
-        return out
+        return flat
+
+    def split(self, codes: torch.Tensor) -> dict[str, torch.Tensor]:
+        """{tensor: (out, in) view} of an (N,) code or weight vector in ``index`` order."""
+        return {name: codes[pos:pos + n].view(shape) for name, (pos, n, shape) in self.index.items()}
 
     def release(self) -> None:
         """Drop every mapped page of the file from this process's resident set (the page cache

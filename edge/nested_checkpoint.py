@@ -176,14 +176,11 @@ class NestedCheckpoint:
     def read_matrices(self, key: ExpertKey, bits: int) -> dict[str, torch.Tensor]:
         """Float32 weights of one expert served at ``bits`` (reads the top ``bits`` planes)."""
         f = self.files[key]
-        scales = f.read_scales()
-        if f.layout == "bytes":
-            f.nbytes(bits)  # raises unless bits == 8
-            codes = f.read_codes()
-            return {t.name: dequantize(codes[t.name], *scales[t.name], 8) for t in f.tensors}
-        planes = f.read_planes(0, bits)
-        return {t.name: dequantize(planes_to_codes(planes[t.name]), *scales[t.name], bits)
-                for t in f.tensors}
+        f.nbytes(bits)  # raises for a width the file cannot serve
+        block, groups = f.read_scale_block(), f.n_groups
+        codes = f.read_codes() if f.layout == "bytes" else planes_to_codes(f.read_planes(0, bits))
+        weights = dequantize(codes, block[:groups], block[groups:], bits)
+        return {name: w.clone() for name, w in f.split(weights).items()}
 
     def close(self) -> None:
         for f in self.files.values():

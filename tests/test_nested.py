@@ -144,17 +144,20 @@ def test_expert_file_round_trip_bit_exact(tmp_path: Path) -> None:
         assert (f.layer, f.expert, f.group_size) == (1, 5, 32)
         scales = f.read_scales()
         planes = f.read_planes(0, 8)
+        assert planes.shape == (8, f.plane_bytes)
+        codes = f.split(planes_to_codes(planes))
         for name, q in qs.items():
             assert torch.equal(scales[name][0], q.lo) and torch.equal(scales[name][1], q.step)
-            assert torch.equal(planes[name], to_planes(q.codes))
-            assert torch.equal(planes_to_codes(planes[name]).view(q.codes.shape), q.codes)
+            assert torch.equal(codes[name], q.codes)
         # The b-bit read is a prefix, and an upgrade read of the remaining planes completes it.
         top3, rest = f.read_planes(0, 3), f.read_planes(3, 8)
+        sliced = f.split(planes_to_codes(top3))
+        full = f.split(planes_to_codes(torch.cat([top3, rest])))
         for name, q in qs.items():
-            sl = planes_to_codes(top3[name]).view(q.codes.shape)
-            assert torch.equal(sl, slice_codes(q.codes, 3))
-            full = planes_to_codes(torch.cat([top3[name], rest[name]])).view(q.codes.shape)
-            assert torch.equal(full, q.codes)
+            assert torch.equal(sliced[name], slice_codes(q.codes, 3))
+            assert torch.equal(full[name], q.codes)
+        # One plane is the concatenation of the tensors' planes.
+        assert torch.equal(planes[1], torch.cat([to_planes(q.codes)[1] for q in qs.values()]))
         assert f.nbytes(4) - f.nbytes(3) == f.plane_bytes == (3 * 64 * 32) // 8
         f.verify()
 
@@ -292,9 +295,9 @@ def test_bytes_layout_holds_the_same_int8_codes(tmp_path: Path) -> None:
     with ExpertFile(tmp_path / "p.lbn") as p, ExpertFile(tmp_path / "b.lbn") as b:
         assert b.layout == "bytes" and b.widths == (8,) and p.widths == WIDTHS
         assert b.nbytes(8) == p.nbytes(8)
-        codes = b.read_codes()
+        codes = b.split(b.read_codes())
         for name, q in qs.items():
-            assert torch.equal(codes[name].view(q.codes.shape), q.codes)
+            assert torch.equal(codes[name], q.codes)
         with pytest.raises(ConfigError):
             b.nbytes(4)
         with pytest.raises(ConfigError):
@@ -318,4 +321,15 @@ def test_metadata_ending_in_a_zero_byte_parses(tmp_path: Path) -> None:
     write_expert_file(tmp_path / "z.lbn", layer=0, expert=0, tensors=qs, layout="bytes")
     with ExpertFile(tmp_path / "z.lbn") as f:
         f.verify()
-        assert torch.equal(f.read_codes()["w3"].view(8, 8), qs["w3"].codes)
+        assert torch.equal(f.split(f.read_codes())["w3"], qs["w3"].codes)
+
+
+def test_older_format_version_is_refused(tmp_path: Path) -> None:
+    import struct
+    write_one(tmp_path / "e.lbn")
+    data = bytearray((tmp_path / "e.lbn").read_bytes())
+    magic, version, flags, meta_len, crc = struct.unpack_from("<4sHHII", data, 0)
+    struct.pack_into("<4sHHII", data, 0, magic, version - 1, flags, meta_len, crc)
+    (tmp_path / "e.lbn").write_bytes(bytes(data))
+    with pytest.raises(CorruptWeights, match="format version"):
+        ExpertFile(tmp_path / "e.lbn")
