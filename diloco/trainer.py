@@ -52,9 +52,11 @@ from lowband.comm import Communicator, Work
 from lowband.errors import (ConfigError, IncompatiblePeer, LowbandError, PeerLost, ProtocolError,
                             TransportTimeout)
 
-# A transport may fail a collective on some survivors only (those that needed data from the dead
-# peer directly) and leave the others waiting until their deadline. A worker that saw the failure
-# then waits in quorum() for those: the quorum deadline must outlast a collective's.
+# A lost peer makes every survivor's pending collectives raise PeerLost promptly (the contract of
+# lowband.comm; the ZeroMQ transport has the first rank that fails tell the others). A deadline
+# (TransportTimeout) is still handled as a lost sync, as a safety net for a live but partitioned
+# peer: then a worker that timed out waits in quorum() for those still inside their collective,
+# so the quorum deadline must outlast a collective's.
 QUORUM_TIMEOUT_FACTOR = 3.0
 MAX_CONSECUTIVE_TIMEOUTS = 3
 

@@ -82,6 +82,10 @@ def test_real_processes_survive_kill_9_and_admit_a_newcomer(tmp_path, spawn):
     changes = [e for e in events if e["event"] == "membership"]
     assert any(len(e["left"]) == 1 for e in changes) and any(e["joined"] for e in changes)
     assert _last_step(victim) < 300
+    # Syncs in flight at the kill failed with PeerLost on the survivors, not at their deadline.
+    recoveries = [e for i in (0, 1) for e in read_jsonl(tmp_path / f"metrics-worker{i}.jsonl")
+                  if e["event"] == "recovery"]
+    assert not [e for e in recoveries if "did not complete within" in e.get("error", "")], recoveries
 
 
 def test_different_model_is_refused_by_the_coordinator(tmp_path):

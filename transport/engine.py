@@ -16,6 +16,23 @@ wait on the operation's :class:`~transport.work.FutureWork`. The engine thread
 
 Reductions run on this thread too: while it adds one chunk, ZeroMQ's I/O thread keeps reading the
 next ones from the kernel, which is what overlaps receive with reduction.
+
+Lost peers (the PeerLost contract of :mod:`lowband.comm`)
+-----------------------------------------------------------
+The coordinator tells every survivor about a lost peer. A *crashed* peer fails every unfinished
+op it takes part in, and every one started later in that epoch. A peer that *left* (its BYEs
+follow all its data on every connection) fails only the ops that still need data from it, so a
+peer that contributed and then left does not fail what it completed. Either way a survivor can
+also be stuck *behind another survivor*: the crashed peer's ring neighbour stops forwarding, a
+star root whose contributor left never answers. So a rank that fails an op for a lost peer sends
+ABORT (with the lost peers) to the op's other live participants, which fail it with PeerLost
+too; an ABORT for an op not started yet is kept and fails it the moment it starts. By induction
+along who-waits-on-whom, every survivor raises PeerLost, none waits for its deadline. A lost
+peer never fails a pending quorum: the coordinator drops it from the round.
+
+Point-to-point receives are numbered here, in the order they start, per (source, tag); one that
+ends before a byte of its message arrived gives its number back, so an abandoned receive never
+shifts which message a later receive gets.
 """
 
 from __future__ import annotations
@@ -104,8 +121,12 @@ class Engine:
         self._early_bytes = 0
         self._finishing: list["Op"] = []
         self._done_keys: set[Key] = set()  # finished here: late messages for them are dropped
+        self._aborted: dict[Key, wire.Message] = {}  # ABORTs for ops not started here yet
+        self._rx_next: dict[tuple[int, str], int] = {}  # receive side of p2p: next message number
+        self._recvs: dict[tuple[int, str], list["Op"]] = {}  # bound, unfinished receives, in order
         self._table: PeerTable | None = None
         self._lost: set[str] = set()
+        self._crashed: set[str] = set()  # lost without a goodbye (a subset of _lost)
         self._byes: dict[str, int] = {}  # peer -> BYE messages received (one per connection)
         self._bye_expected: dict[str, int] = {}
         self._departing: dict[str, tuple[float, str]] = {}  # left, BYEs pending: deadline, why
@@ -276,6 +297,8 @@ class Engine:
         if old is None or old.membership.epoch != epoch:
             self._early = {k: v for k, v in self._early.items() if k[0] >= epoch}
             self._done_keys = {k for k in self._done_keys if k[0] >= epoch}
+            self._aborted = {k: v for k, v in self._aborted.items() if k[0] >= epoch}
+            self._rx_next = {k: v for k, v in self._rx_next.items() if k[0] >= epoch}
             self._early_bytes = sum(_msg_bytes(m) for v in self._early.values() for m in v)
         if self.on_membership is not None:
             self.on_membership(table)
@@ -364,28 +387,86 @@ class Engine:
         if self._expelled is not None:
             op.fail(self, self._expelled)
             return
+        if op.p2p_recv:
+            self._bind_recv(op)
         key = (op.epoch, op.key)
         if key in self._ops:
             op.fail(self, ProtocolError(f"two operations with key '{op.key}' in flight"))
             return
         self._ops[key] = op
         try:
+            abort = self._aborted.pop(key, None)
+            if abort is not None:  # another participant already gave this operation up
+                self._drop_early(key)
+                self._deliver(op, abort)
+                return
+            crashed = [p for p in op.peers_involved() if p in self._crashed]
+            if crashed:
+                self._drop_early(key)
+                self._fail_lost(op, crashed, "crashed")
+                return
             op.start(self)
-            early = self._early.pop(key, [])
-            self._early_bytes -= sum(_msg_bytes(m) for m in early)
+            early = self._drop_early(key)
             for msg in early:
                 if op.finished:
                     break
                 self._deliver(op, msg)
-            # A lost peer may have sent everything this op needs before it went (a peer that
-            # finished and left, typically): fail only if the op still needs something from it.
+            # A peer that left gracefully may have sent everything this op needs before it
+            # went: fail only if the op still needs something from it.
             lost = [p for p in op.peers_involved() if p in self._lost and op.needs(p)]
             if lost and not op.finished:
-                op.fail(self, PeerLost(f"{op.describe()}: peer(s) {', '.join(lost)} lost",
-                                       peers=tuple(lost)))
+                self._fail_lost(op, lost, "left")
         except Exception as exc:  # a bug or bad input must fail the op, not kill the engine
             logger.exception("%s failed", op.describe())
             op.fail(self, exc if isinstance(exc, (ProtocolError, PeerLost)) else ProtocolError(str(exc)))
+
+    def _drop_early(self, key: Key) -> list[wire.Message]:
+        early = self._early.pop(key, [])
+        self._early_bytes -= sum(_msg_bytes(m) for m in early)
+        return early
+
+    def _bind_recv(self, op: "Op") -> None:
+        """Give a receive the number of the next message from its source with its tag.
+
+        Numbers are handed out here, on the engine thread, in the order receives start; a
+        receive that ends without a byte of its message gives its number back (see
+        :meth:`_unbind_recv`), so an abandoned receive never shifts later pairings."""
+        name = (op.epoch, op.key)
+        n = self._rx_next.get(name, 0)
+        self._rx_next[name] = n + 1
+        self._recvs.setdefault(name, []).append(op)
+        op.p2p_name, op.key = op.key, f"{op.key}#{n}"
+
+    def _unbind_recv(self, op: "Op") -> bool:
+        """Called when a receive fails. True if its number went back: later receives of the
+        same source and tag (none of which has seen a byte yet) move one number down."""
+        name = (op.epoch, op.p2p_name)
+        queue = self._recvs.get(name, [])
+        if op not in queue:
+            return False
+        i = queue.index(op)
+        queue.pop(i)
+        later = queue[i:]
+        if op.received or any(o.received or o.assembler.busy for o in later) \
+                or op.assembler.busy:
+            return False  # part of its message is here already: the number stays used
+        for o in reversed(later):  # renumber n+1 -> n, n+2 -> n+1, ...
+            old = (o.epoch, o.key)
+            base, num = o.key.rsplit("#", 1)
+            o.key = f"{base}#{int(num) - 1}"
+            self._ops[(o.epoch, o.key)] = self._ops.pop(old)
+        self._rx_next[name] -= 1
+        if not queue:
+            self._recvs.pop(name, None)
+        return True
+
+    def _fail_lost(self, op: "Op", lost: Sequence[str], how: str) -> None:
+        """Fail ``op`` because peers are gone, and tell its other live participants: they may
+        wait on data this rank will now never send (the lost peer's ring neighbour stops
+        forwarding, a star root stops answering), which no lost-peer notice of theirs covers."""
+        names = ", ".join(lost)
+        op.fail(self, PeerLost(f"{op.describe()}: peer(s) {names} {how}", peers=tuple(lost)))
+        self._abort(op, f"peer(s) {names} {how}", lost=list(lost))
 
     def done(self, op: "Op") -> None:
         """Called by an op once its result is final; completes it when its sends are released."""
@@ -395,9 +476,15 @@ class Engine:
             op.settle(self)
         self._ops.pop((op.epoch, op.key), None)
         self._done_keys.add((op.epoch, op.key))
+        if op.p2p_recv:
+            queue = self._recvs.get((op.epoch, op.p2p_name), [])
+            if op in queue:
+                queue.remove(op)
 
     def forget(self, op: "Op") -> None:
         self._ops.pop((op.epoch, op.key), None)
+        if op.p2p_recv and self._unbind_recv(op):
+            return  # the number went back: its message, when it comes, is the next receive's
         self._done_keys.add((op.epoch, op.key))
         if op in self._finishing:
             self._finishing.remove(op)
@@ -409,8 +496,13 @@ class Engine:
             self._bad(f"{msg.type.name} for {op.describe()} from {src_peer}, not a member")
             return
         if msg.type == MsgType.ABORT:
-            op.fail(self, ProtocolError(f"{op.describe()} was aborted by rank {src}: "
-                                        f"{msg.meta.get('reason', '?')}"))
+            reason = str(msg.meta.get("reason", "?"))[:2000]
+            lost = msg.meta.get("lost")
+            if isinstance(lost, list) and lost and all(isinstance(p, str) for p in lost):
+                op.fail(self, PeerLost(f"{op.describe()}: rank {src} gave it up: {reason}",
+                                       peers=tuple(lost[:64])))
+            else:
+                op.fail(self, ProtocolError(f"{op.describe()} was aborted by rank {src}: {reason}"))
             return
         try:
             op.on_message(self, src, msg)
@@ -424,24 +516,21 @@ class Engine:
             logger.debug("unexpected error handling a message", exc_info=True)
             self._bad(f"{op.describe()}: dropped a message that raised {type(exc).__name__}: {exc}")
 
-    def _abort(self, op: "Op", reason: str) -> None:
+    def _abort(self, op: "Op", reason: str, lost: list[str] | None = None) -> None:
         """Tell the other participants an operation cannot succeed, so they fail now rather
-        than at their deadline."""
+        than at their deadline (with PeerLost when ``lost`` names the peers that are gone)."""
+        extra = {"lost": lost} if lost else {}
         for peer in op.peers_involved():
             if peer != self.peer_id and peer in self._out:
-                self.send(peer, MsgType.ABORT, op.meta(reason=reason[:2000]))
+                self.send(peer, MsgType.ABORT, op.meta(reason=reason[:2000], **extra))
 
-    def _fail_all(self, exc: BaseException, only: Callable[["Op"], bool] | None = None) -> None:
-        """Fail the ops ``only`` selects; with no selection (closing, expelled, crashed) fail
-        every op and any pending quorum too. A lost peer never fails a quorum: the coordinator
-        drops it from the round, which then completes with the survivors."""
+    def _fail_all(self, exc: BaseException) -> None:
+        """Fail every op and any pending quorum (closing, expelled, engine crashed)."""
         for op in list(self._ops.values()) + list(self._finishing):
-            if only is None or only(op):
-                op.fail(self, exc)
-        if only is None:
-            for w in self._quorum_waiters:
-                w.set_error(exc)
-            self._quorum_waiters = []
+            op.fail(self, exc)
+        for w in self._quorum_waiters:
+            w.set_error(exc)
+        self._quorum_waiters = []
 
     # ---- receiving ------------------------------------------------------------------------------
     def _on_data(self, frames: list[zmq.Frame]) -> None:
@@ -476,6 +565,14 @@ class Engine:
         current = self._table.membership.epoch if self._table else -1
         if epoch < current:
             return  # a straggler of a finished or abandoned epoch
+        if msg.type == MsgType.ABORT:
+            # Kept apart from early data (and capped): when this peer starts the operation,
+            # it fails at once instead of waiting for data that will never come.
+            if len(self._aborted) >= _MAX_ABORTED:
+                self._bad(f"dropped an ABORT for '{key}': {_MAX_ABORTED} are pending already")
+            else:
+                self._aborted[(epoch, key)] = msg
+            return
         if self._early_bytes + n > self.cfg.max_pending_bytes:
             self._bad(f"dropped a message for '{key}' (epoch {epoch}): more than "
                       f"{self.cfg.max_pending_bytes} bytes wait for operations not started here")
@@ -515,23 +612,38 @@ class Engine:
         self._bye_expected[pid] = expected
         if pid in self._departing and self._byes[pid] >= expected:
             _, reason = self._departing.pop(pid)
-            self._peer_lost([pid], reason)
+            self._declare_lost(pid, reason, left=True)
 
     def _peer_lost(self, peers: list[str], reason: str, left: bool = False) -> None:
+        """The coordinator declared ``peers`` lost (``left``: they said goodbye)."""
         for pid in peers:
             if pid == self.peer_id:
                 self._expel(f"the coordinator declared this peer lost ({reason})")
-                continue
-            if left and self._byes.get(pid, 0) < self._bye_expected.get(pid, 1):
+            elif left and self._byes.get(pid, 0) < self._bye_expected.get(pid, 1):
                 # Its last data may still be in flight on the data connections: wait for its
                 # BYEs (bounded), then fail what still needs it.
                 self._departing[pid] = (time.monotonic() + self._bye_grace, reason)
+            else:
+                self._declare_lost(pid, reason, left)
+
+    def _declare_lost(self, pid: str, reason: str, left: bool) -> None:
+        """Fail what a lost peer leaves unfinishable, here and (by ABORT) on the others.
+
+        Crashed peer: every unfinished op it takes part in fails, now and when started later
+        in this epoch (the contract; an op that happens to hold all its data already fails too,
+        which keeps the survivors' outcomes alike). Peer that left: its BYEs came after all its
+        data, so only ops that still need something from it fail; an op it completed its part
+        of finishes normally on the others."""
+        self._departing.pop(pid, None)
+        self._lost.add(pid)
+        if not left:
+            self._crashed.add(pid)
+        self._disconnect(pid)
+        for op in list(self._ops.values()):
+            if op.finished or pid not in op.peers_involved():
                 continue
-            self._departing.pop(pid, None)
-            self._lost.add(pid)
-            self._disconnect(pid)
-            err = PeerLost(f"peer {pid} {reason}", peers=(pid,))
-            self._fail_all(err, only=lambda op, pid=pid: op.needs(pid))
+            if not left or op.needs(pid):
+                self._fail_lost(op, [pid], reason)
 
     def _expel(self, reason: str) -> None:
         err = PeerLost(f"{self.peer_id} is no longer a member: {reason}; connect again to rejoin",
@@ -631,7 +743,7 @@ class Engine:
         for pid, (deadline, reason) in list(self._departing.items()):
             if now > deadline:
                 del self._departing[pid]
-                self._peer_lost([pid], reason)
+                self._declare_lost(pid, reason, left=True)
         for op in list(self._ops.values()) + self._finishing:
             if now > op.deadline:
                 op.fail(self, TransportTimeout(
@@ -648,6 +760,8 @@ class Engine:
         with self.stats_lock:
             return OpStats(self.sent, self.received)
 
+
+_MAX_ABORTED = 10_000  # ABORTs kept for operations not started here (each a few hundred bytes)
 
 _HELD = 3  # references to a released buffer inside still_sending: the list, the loop, the call
 

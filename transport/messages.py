@@ -69,6 +69,11 @@ class Assembler:
         self.max_bytes = max_bytes
         self._partial: dict[tuple[int, int], _Partial] = {}
 
+    @property
+    def busy(self) -> bool:
+        """Some message is partly here."""
+        return bool(self._partial)
+
     def feed(self, src: int, msg: wire.Message,
              pool: "BufferPool") -> tuple[int, list[torch.Tensor], dict, dict] | None:
         """Returns (index, tensors, user meta, header meta) once a message is complete."""
@@ -262,6 +267,7 @@ class SendOp(_MessageOp):
 
 class RecvOp(_MessageOp):
     kind = "p2p"
+    p2p_recv = True
 
     def __init__(self, *args: Any, src: int, **kw: Any) -> None:
         super().__init__(*args, **kw)

@@ -57,6 +57,8 @@ class Op:
     """Base class: identity, bookkeeping, completion. Subclasses implement start/on_message."""
 
     kind = "op"
+    p2p_recv = False
+    """A point-to-point receive: the engine numbers it when it starts (``Engine._bind_recv``)."""
 
     def __init__(self, table: "PeerTable", key: str, timeout: float, work: FutureWork) -> None:
         m = table.membership
@@ -74,6 +76,7 @@ class Op:
         self.received = 0
         self.finished = False
         self._result: Any = None
+        self.p2p_name = ""
 
     # ---- identity ---------------------------------------------------------------------------
     def describe(self) -> str:

@@ -474,11 +474,22 @@ class ZmqCommunicator:
     def recv(self, src: int, *, tag: str,
              timeout: float | None = None) -> tuple[list[torch.Tensor], dict[str, Any]]:
         table = self._p2p_table(src, "src")
-        key = self._key(table, tag, scope=f"p2p:{src}>{table.membership.rank}:")
+        # Numbered by the engine when it starts (in call order), not here: a receive that times
+        # out before its message came gives the number back, so the message goes to the next
+        # receive of this tag instead of shifting every later pairing by one.
+        key = f"p2p:{src}>{table.membership.rank}:{tag}"
         o = RecvOp(**self._common(table, key, timeout, "recv"), src=src,
                    chunk_bytes=self.config.chunk_bytes, max_bytes=self.config.max_tensor_bytes)
         self._engine.submit(o)
-        return o.work.wait()
+        try:
+            return o.work.wait()
+        except TransportTimeout as exc:
+            # Withdraw it on the engine thread before giving up: a message that arrives in
+            # between must either complete this receive (and be returned) or stay for the next.
+            settled = threading.Event()
+            self._engine.call(lambda: (o.finished or o.fail(self._engine, exc), settled.set()))
+            settled.wait(5.0)
+            return o.work.wait(0)
 
     # ---- bookkeeping ---------------------------------------------------------------------------
     def stats(self) -> OpStats:
