@@ -16,7 +16,8 @@ from transport.zmq_comm import ZmqConfig, connect
 
 pytestmark = pytest.mark.timeout(60)
 
-CFG = ZmqConfig(bind_host="127.0.0.1", connections=2, chunk_bytes=16 * 1024, timeout=20.0)
+CFG = ZmqConfig(bind_host="127.0.0.1", connections=2, chunk_bytes=16 * 1024, timeout=20.0,
+                same_host="off")
 
 
 # ---- tier 1: MembershipBook ----------------------------------------------------------------------

@@ -151,7 +151,7 @@ def _raw_tcp_abuse(endpoint: str) -> list[socket.socket]:
 
 def test_live_peer_and_coordinator_survive_10000_fuzzed_frames():
     cfg = ZmqConfig(bind_host="127.0.0.1", connections=2, chunk_bytes=16 * 1024, timeout=20.0,
-                    max_message_bytes=1 << 20)
+                    max_message_bytes=1 << 20, same_host="off")
     with local_group(2, cfg) as (coord, comms):
         victim = comms[0]
         m = victim.membership

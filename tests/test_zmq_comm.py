@@ -15,7 +15,8 @@ from transport.zmq_comm import ZmqConfig, connect
 
 pytestmark = pytest.mark.timeout(60)
 
-SMALL = ZmqConfig(bind_host="127.0.0.1", connections=3, chunk_bytes=16 * 1024, timeout=20.0)
+SMALL = ZmqConfig(bind_host="127.0.0.1", connections=3, chunk_bytes=16 * 1024, timeout=20.0,
+                  same_host="off")  # these test the socket paths
 
 
 def each(comms, fn):

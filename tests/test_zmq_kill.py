@@ -1,4 +1,8 @@
-"""kill -9 of a peer process in the middle of collectives (tier 3, a real child process)."""
+"""kill -9 of a peer process in the middle of collectives (tier 3, a real child process).
+
+Every peer runs on this host with the default ``same_host="auto"``, so these all-reduces take
+the shared-memory path: a survivor may be reading the dead peer's slab when it dies. (The
+socket paths under SIGKILL are in test_zmq_peerlost.py.)"""
 
 from __future__ import annotations
 
@@ -74,6 +78,7 @@ def test_kill_9_raises_peer_lost_on_survivors_then_they_continue(spawn):
             for t in runners:
                 t.join(60)
             assert len(results) == 2, "a survivor hung"
+            assert survivors[0].choose_algorithm(torch.ones(200_000)) == "shm"
             for rounds, lost_at, exc, m, after in results.values():
                 assert rounds >= 1
                 assert lost_at - killed_at[0] < 2 * interval + 2.0  # ~2 intervals, plus slack

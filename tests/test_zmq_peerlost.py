@@ -24,7 +24,8 @@ from transport.zmq_comm import ZmqConfig, connect
 
 pytestmark = pytest.mark.timeout(90)
 
-CFG = ZmqConfig(bind_host="127.0.0.1", connections=2, chunk_bytes=64 * 1024, timeout=120.0)
+CFG = ZmqConfig(bind_host="127.0.0.1", connections=2, chunk_bytes=64 * 1024, timeout=120.0,
+                same_host="off")
 WAIT = 60.0  # well under the op timeout: PeerLost must come from the failure, not the deadline
 N_RING = 200_000  # 800 KB: four segments of several 64 KiB chunks
 
@@ -194,7 +195,8 @@ def _until(cond, timeout: float) -> None:
 
 
 # ---- graceful departures, the ABORT path (threads of this process) ---------------------------
-SMALL = ZmqConfig(bind_host="127.0.0.1", connections=2, chunk_bytes=16 * 1024, timeout=120.0)
+SMALL = ZmqConfig(bind_host="127.0.0.1", connections=2, chunk_bytes=16 * 1024, timeout=120.0,
+                  same_host="off")
 
 
 def test_a_peer_leaving_before_a_star_fails_every_survivor_through_abort():

@@ -1,4 +1,4 @@
-"""Same-host fast paths (tier 3): Unix sockets (same_host_ipc) and shared memory (same_host_shm)."""
+"""Same-host fast paths (tier 3): ``ZmqConfig.same_host`` = auto (default) / shm / ipc / off."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ def test_shm_all_reduce_exact_bit_identical_and_reuses_its_slab(dtype):
     gen = torch.Generator().manual_seed(7)
     xs = [(torch.randn(300_001, generator=gen) * 100).to(dtype) for _ in range(3)]
     exact = sum(x.to(torch.float64) for x in xs)
-    with local_group(3, ZmqConfig(**BASE, same_host_shm=True)) as (_, comms):
+    with local_group(3, ZmqConfig(**BASE)) as (_, comms):  # the default: auto
         assert comms[0].choose_algorithm(xs[0]) == "shm"
         outs = [each(comms, lambda c: (c.all_reduce(xs[c.rank]), c.all_reduce(xs[c.rank], "avg")))
                 for _ in range(3)]
@@ -46,7 +46,7 @@ def test_shm_all_reduce_exact_bit_identical_and_reuses_its_slab(dtype):
 
 
 def test_shm_handles_concurrent_tagged_operations():
-    with local_group(2, ZmqConfig(**BASE, same_host_shm=True)) as (_, comms):
+    with local_group(2, ZmqConfig(**BASE, same_host="shm")) as (_, comms):
         def body(c):
             a = c.all_reduce_async(torch.full((200_000,), 1.0 + c.rank), tag="a")
             b = c.all_reduce_async(torch.full((300_000,), 10.0 * (c.rank + 1)), tag="b")
@@ -56,12 +56,17 @@ def test_shm_handles_concurrent_tagged_operations():
             assert torch.equal(b, torch.full((300_000,), 30.0))
 
 
-def test_shm_is_used_only_when_every_member_offers_it():
+@pytest.mark.parametrize("other", ["off", "foreign"])
+def test_shm_is_used_only_when_every_member_can_use_it(other, monkeypatch):
+    """A mixed group (one member with same_host="off", or one that could not open the others'
+    slabs: another user or PID namespace, faked here through its key) runs on sockets."""
+    import transport.zmq_comm as zc
     with Coordinator(CoordinatorConfig(bind="tcp://127.0.0.1:0")) as coord:
-        comms = connect_all(coord.address, 1, ZmqConfig(**BASE, same_host_shm=True))
-        from transport.zmq_comm import connect
-        plain = connect(coord.address, ZmqConfig(**BASE))
-        comms.append(plain)
+        comms = connect_all(coord.address, 1, ZmqConfig(**BASE))
+        if other == "foreign":
+            monkeypatch.setattr(zc, "shm_key", lambda: "shm:12345:999")
+        comms.append(zc.connect(coord.address, ZmqConfig(**BASE, same_host="off" if other == "off"
+                                                          else "auto")))
         try:
             run_ranks([lambda c=c: c.quorum() for c in comms])
             x = torch.ones(100_000)
@@ -69,16 +74,35 @@ def test_shm_is_used_only_when_every_member_offers_it():
             assert comms[0].choose_algorithm(x, codec=Int8BlockCodec()) == "scatter"
             outs = each(comms, lambda c: c.all_reduce(x))
             assert all(torch.equal(o, torch.full_like(x, 2.0)) for o in outs)
+            assert comms[0].stats().bytes_sent >= 200_000  # half the payload crossed TCP
         finally:
             for c in comms:
                 c.close()
 
 
-def test_ipc_connects_same_host_peers_over_unix_sockets():
-    with local_group(2, ZmqConfig(**BASE, same_host_ipc=True)) as (_, comms):
+def test_off_keeps_everything_on_tcp():
+    with local_group(2, ZmqConfig(**BASE, same_host="off")) as (_, comms):
+        x = torch.ones(100_000)
+        assert comms[0].choose_algorithm(x) == "ring"
+        out = comms[0]._engine._out[comms[1].peer_id].sockets[0]
+        assert out.last_endpoint.decode().startswith("tcp://")
+
+
+@pytest.mark.parametrize("mode", ["ipc", "shm"])
+def test_ipc_connects_same_host_peers_over_unix_sockets(mode):
+    with local_group(2, ZmqConfig(**BASE, same_host=mode)) as (_, comms):
         out = comms[0]._engine._out[comms[1].peer_id].sockets[0]
         assert out.last_endpoint.decode().startswith("ipc://")
         xs = [torch.randn(500_000) for _ in comms]
+        assert comms[0].choose_algorithm(xs[0]) == ("ring" if mode == "ipc" else "shm")
         outs = each(comms, lambda c: c.all_reduce(xs[c.rank], algorithm="ring"))
         assert all(torch.equal(o, outs[0]) for o in outs)
         assert torch.allclose(outs[0], xs[0] + xs[1])
+        msg = each(comms, lambda c: c.broadcast(xs[0] if c.rank == 0 else None))
+        assert all(torch.equal(m, xs[0]) for m in msg)
+
+
+def test_config_rejects_unknown_same_host_mode():
+    from lowband.errors import ConfigError
+    with pytest.raises(ConfigError, match="same_host"):
+        ZmqConfig(same_host="yes")

@@ -4,11 +4,16 @@
     python -m transport.bench emulator --size-mb 8 --rate-mbit 400 --delay-ms 50 --window-kb 256
     python -m transport.bench netns --size-mb 25 --rate-mbit 100        # needs root + iproute2
 
-``allreduce`` starts ``world`` processes on this machine. Each joins a lowband group (TCP on
-127.0.0.1, or ``--transport ipc`` for lowband's same-host Unix-socket path) and, with
-``--vs-gloo``, a torch.distributed Gloo group over TCP on 127.0.0.1. Iterations alternate
-between the two (barrier, then the timed all-reduce), so a load spike on this shared machine
-hits both alike. An iteration's time is its slowest rank's; reported times are medians.
+``allreduce`` starts ``world`` processes on this machine. Each joins a lowband group with the
+requested ``--transport``: ``auto`` (the default, and the library's: shared memory when every
+rank is on this host, as here), or forced ``tcp`` (127.0.0.1, like Gloo), ``ipc`` (Unix sockets)
+or ``shm``. ``transport`` in the output is the path that actually ran. Unless that is TCP, every
+rank also joins a second, TCP-only lowband group, and the same run reports it as ``tcp_*``
+(``tcp_ratio_vs_gloo``: sockets against sockets) so the two are never mistaken for each other.
+With ``--vs-gloo`` each rank also joins a torch.distributed Gloo group over TCP on 127.0.0.1.
+Iterations rotate through the groups (barrier, then the timed all-reduce), so a load spike on
+this shared machine hits all alike. An iteration's time is its slowest rank's; reported times
+are medians.
 algbw = bytes / seconds; busbw = algbw · 2(n-1)/n (the nccl-tests convention). CPU seconds per
 operation (all threads of all ranks, ZeroMQ's I/O threads included) are reported as well: on a
 busy machine they show efficiency better than wall time.
@@ -37,6 +42,8 @@ from typing import Any, Callable, Sequence
 from lowband.errors import ConfigError
 
 MiB = 1 << 20
+TRANSPORTS = ("auto", "tcp", "ipc", "shm")
+_SAME_HOST = {"auto": "auto", "tcp": "off", "ipc": "ipc", "shm": "shm"}
 
 
 # ---- allreduce ---------------------------------------------------------------------------------------
@@ -53,8 +60,9 @@ class AllReduceBench:
     vs_gloo: bool = False
     threads: int = 1
     """torch intra-op threads per rank, for lowband and Gloo alike (the ranks share the cores)."""
-    transport: str = "tcp"
-    """tcp: TCP over 127.0.0.1 like Gloo; ipc / shm: lowband's same-host paths."""
+    transport: str = "auto"
+    """auto: the library default (ZmqConfig.same_host="auto"); tcp: TCP over 127.0.0.1 like
+    Gloo; ipc / shm: the other same-host settings. Unless tcp, TCP is measured as well."""
     socket_buffer_kb: int = 0
     gc_freeze: bool = False
     """Call gc.freeze() in each rank after start-up (applies to the Gloo runs in the same
@@ -68,8 +76,8 @@ class AllReduceBench:
             raise ConfigError("size_mb", "sizes must be > 0")
         if self.iters < 1 or self.warmup < 0:
             raise ConfigError("iters", "need iters >= 1 and warmup >= 0")
-        if self.transport not in ("tcp", "ipc", "shm"):
-            raise ConfigError("transport", f"tcp, ipc or shm, got {self.transport!r}")
+        if self.transport not in TRANSPORTS:
+            raise ConfigError("transport", f"one of {', '.join(TRANSPORTS)}, got {self.transport!r}")
         if self.algorithm not in ("auto", "ring", "star"):
             raise ConfigError("algorithm", f"unknown algorithm {self.algorithm!r}")
 
@@ -97,6 +105,8 @@ def _timed(run: Callable[[], Any], barrier: Callable[[], Any]) -> tuple[float, f
 
 
 def _allreduce_worker(args: argparse.Namespace) -> dict[str, Any]:
+    import gc
+
     import torch
     import torch.distributed as dist
 
@@ -105,24 +115,26 @@ def _allreduce_worker(args: argparse.Namespace) -> dict[str, Any]:
 
     torch.set_num_threads(args.threads)
     chunk = int(args.chunk_mb * MiB)
-    cfg = ZmqConfig(connections=args.connections, chunk_bytes=chunk, timeout=args.timeout,
-                    bind_host="127.0.0.1", same_host_ipc=args.transport == "ipc",
-                    same_host_shm=args.transport == "shm",
-                    socket_buffer_bytes=args.socket_buffer_kb * 1024,
-                    max_message_bytes=max(64 * MiB, chunk + MiB))
-    comm = connect(args.coord, cfg, signature="bench")
+
+    def join(coord: str, same_host: str):
+        cfg = ZmqConfig(connections=args.connections, chunk_bytes=chunk, timeout=args.timeout,
+                        bind_host="127.0.0.1", same_host=same_host,
+                        socket_buffer_bytes=args.socket_buffer_kb * 1024,
+                        max_message_bytes=max(64 * MiB, chunk + MiB))
+        return connect(coord, cfg, signature="bench")
+
+    comms = {"lowband": join(args.coord, _SAME_HOST[args.transport])}
+    if args.tcp_coord:
+        comms["tcp"] = join(args.tcp_coord, "off")
     gloo = bool(args.gloo)
     try:
-        m = comm.quorum(min_world=args.world, timeout=args.timeout)
+        for comm in comms.values():
+            m = comm.quorum(min_world=args.world, timeout=args.timeout)
         if gloo:
             dist.init_process_group("gloo", init_method=args.gloo, rank=m.rank,
                                     world_size=args.world)
         x = torch.randn(args.nbytes // 4)
         codec = None if args.codec == "none" else get_codec(args.codec)
-
-        def ours() -> None:
-            comm.all_reduce(x, "sum", codec=codec, algorithm=args.algorithm)
-
         y = torch.empty_like(x)
 
         def theirs() -> None:
@@ -131,7 +143,11 @@ def _allreduce_worker(args: argparse.Namespace) -> dict[str, Any]:
             y.copy_(x)
             dist.all_reduce(y)
 
-        import gc
+        runs: dict[str, tuple[Callable[[], Any], Callable[[], Any]]] = {
+            name: ((lambda c=c: c.all_reduce(x, "sum", codec=codec, algorithm=args.algorithm)),
+                   c.barrier) for name, c in comms.items()}
+        if gloo:
+            runs["gloo"] = (theirs, dist.barrier)
         if args.gc_freeze:
             gc.freeze()  # move start-up objects (torch's) out of the collector's way
         gc_time = [0.0, 0.0]
@@ -142,26 +158,27 @@ def _allreduce_worker(args: argparse.Namespace) -> dict[str, Any]:
             else:
                 gc_time[0] += time.perf_counter() - gc_time[1]
         gc.callbacks.append(gc_clock)
-        rows: dict[str, list[tuple[float, float]]] = {"lowband": [], "gloo": []}
-        sent0 = comm.stats().bytes_sent
+        rows: dict[str, list[tuple[float, float]]] = {name: [] for name in runs}
+        sent0 = comms["lowband"].stats().bytes_sent
         for i in range(args.warmup + args.iters):
-            a = _timed(ours, comm.barrier)
-            b = _timed(theirs, dist.barrier) if gloo else None
-            if i >= args.warmup:
-                rows["lowband"].append(a)
-                if b:
-                    rows["gloo"].append(b)
+            for name, (run, barrier) in runs.items():
+                row = _timed(run, barrier)
+                if i >= args.warmup:
+                    rows[name].append(row)
             if i == 0:
-                sent = comm.stats().bytes_sent - sent0  # one all-reduce (plus a barrier)
+                sent = comms["lowband"].stats().bytes_sent - sent0  # one all-reduce (+ barrier)
             if i == args.warmup - 1:
                 gc_time[0] = 0.0
         gc.callbacks.remove(gc_clock)
         return {"rank": m.rank, "rows": rows, "bytes_sent": sent, "gc_seconds": gc_time[0],
-                "algorithm": comm.choose_algorithm(x, codec, args.algorithm)}
+                "algorithm": {n: c.choose_algorithm(x, codec, args.algorithm)
+                              for n, c in comms.items()},
+                "route": {n: c.route(x, codec, args.algorithm) for n, c in comms.items()}}
     finally:
         if gloo and dist.is_initialized():
             dist.destroy_process_group()
-        comm.close()
+        for comm in comms.values():
+            comm.close()
 
 
 def _free_port() -> int:
@@ -197,7 +214,12 @@ def _spawn_workers(mode: str, world: int, extra: list[str], timeout: float) -> l
 
 
 def allreduce(cfg: AllReduceBench) -> dict[str, Any]:
+    import contextlib
+
     from transport.coordinator import Coordinator, CoordinatorConfig
+
+    def coordinator() -> Coordinator:
+        return Coordinator(CoordinatorConfig(bind="tcp://127.0.0.1:0", heartbeat_interval=2.0))
 
     extra = ["--world", str(cfg.world), "--nbytes", str(cfg.nbytes), "--iters", str(cfg.iters),
              "--warmup", str(cfg.warmup), "--threads", str(cfg.threads),
@@ -206,38 +228,58 @@ def allreduce(cfg: AllReduceBench) -> dict[str, Any]:
              "--transport", cfg.transport, "--socket-buffer-kb", str(cfg.socket_buffer_kb),
              "--gloo", f"tcp://127.0.0.1:{_free_port()}" if cfg.vs_gloo else "",
              "--gc-freeze", str(int(cfg.gc_freeze))]
-    with Coordinator(CoordinatorConfig(bind="tcp://127.0.0.1:0", heartbeat_interval=2.0)) as coord:
+    with contextlib.ExitStack() as stack:
+        coord = stack.enter_context(coordinator())
+        tcp_coord = stack.enter_context(coordinator()) if cfg.transport != "tcp" else None
+        extra += ["--tcp-coord", tcp_coord.address if tcp_coord else ""]
         ranks = _spawn_workers("allreduce", cfg.world, ["--coord", coord.address, *extra],
                                cfg.timeout * 4)
 
-    def summary(kind: str) -> tuple[float, float]:
+    def summary(kind: str) -> tuple[float, float, float]:
+        """Median seconds (slowest rank), median CPU seconds (all ranks), busbw GB/s."""
         per_iter = [max(r["rows"][kind][i][0] for r in ranks) for i in range(cfg.iters)]
         cpu = [sum(r["rows"][kind][i][1] for r in ranks) for i in range(cfg.iters)]
-        return statistics.median(per_iter), statistics.median(cpu)
+        seconds = statistics.median(per_iter)
+        return seconds, statistics.median(cpu), bus_bandwidth(cfg.nbytes, seconds, cfg.world)[1]
 
-    seconds, cpu = summary("lowband")
-    algbw, busbw = bus_bandwidth(cfg.nbytes, seconds, cfg.world)
+    def per_iter_ratio(kind: str) -> float:
+        return statistics.median(max(r["rows"]["gloo"][i][0] for r in ranks)
+                                 / max(r["rows"][kind][i][0] for r in ranks)
+                                 for i in range(cfg.iters))
+
+    seconds, cpu, busbw = summary("lowband")
+    algbw = bus_bandwidth(cfg.nbytes, seconds, cfg.world)[0]
+    kinds = ["lowband"] + (["tcp"] if tcp_coord else []) + (["gloo"] if cfg.vs_gloo else [])
     result: dict[str, Any] = {
-        "mode": "allreduce", "transport": cfg.transport, "world": cfg.world, "bytes": cfg.nbytes,
+        "mode": "allreduce", "transport": ranks[0]["route"]["lowband"],
+        "transport_requested": cfg.transport, "world": cfg.world, "bytes": cfg.nbytes,
         "dtype": "float32", "connections": cfg.connections, "chunk_bytes": int(cfg.chunk_mb * MiB),
-        "algorithm": ranks[0]["algorithm"], "codec": cfg.codec, "iters": cfg.iters,
+        "algorithm": ranks[0]["algorithm"]["lowband"], "codec": cfg.codec, "iters": cfg.iters,
         "threads_per_rank": cfg.threads, "seconds": round(seconds, 5),
         "algbw_GBps": round(algbw, 4), "busbw_GBps": round(busbw, 4),
         "bytes_sent_per_rank": ranks[0]["bytes_sent"], "cpu_seconds_per_op": round(cpu, 4),
         "gc_freeze": cfg.gc_freeze,
         "gc_seconds_per_iter_all_ranks": round(sum(r["gc_seconds"] for r in ranks)
-                                               / (cfg.iters * (2 if cfg.vs_gloo else 1)), 4),
+                                               / (cfg.iters * len(kinds)), 4),
     }
+    if tcp_coord:
+        tsec, tcpu, tbus = summary("tcp")
+        result.update({"tcp_transport": ranks[0]["route"]["tcp"],
+                       "tcp_algorithm": ranks[0]["algorithm"]["tcp"],
+                       "tcp_seconds": round(tsec, 5),
+                       "tcp_algbw_GBps": round(bus_bandwidth(cfg.nbytes, tsec, cfg.world)[0], 4),
+                       "tcp_busbw_GBps": round(tbus, 4), "tcp_cpu_seconds_per_op": round(tcpu, 4)})
     if cfg.vs_gloo:
-        gsec, gcpu = summary("gloo")
-        galg, gbus = bus_bandwidth(cfg.nbytes, gsec, cfg.world)
-        ratios = [max(r["rows"]["gloo"][i][0] for r in ranks)
-                  / max(r["rows"]["lowband"][i][0] for r in ranks) for i in range(cfg.iters)]
-        result.update({"gloo_seconds": round(gsec, 5), "gloo_algbw_GBps": round(galg, 4),
+        gsec, gcpu, gbus = summary("gloo")
+        result.update({"gloo_seconds": round(gsec, 5),
+                       "gloo_algbw_GBps": round(bus_bandwidth(cfg.nbytes, gsec, cfg.world)[0], 4),
                        "gloo_busbw_GBps": round(gbus, 4), "ratio_vs_gloo": round(busbw / gbus, 3),
-                       "ratio_vs_gloo_per_iter_median": round(statistics.median(ratios), 3),
+                       "ratio_vs_gloo_per_iter_median": round(per_iter_ratio("lowband"), 3),
                        "gloo_cpu_seconds_per_op": round(gcpu, 4),
                        "gloo_mode": "in place on a persistent buffer (copy_ of the input, then all_reduce)"})
+        if tcp_coord:
+            result.update({"tcp_ratio_vs_gloo": round(result["tcp_busbw_GBps"] / gbus, 3),
+                           "tcp_ratio_vs_gloo_per_iter_median": round(per_iter_ratio("tcp"), 3)})
     return result
 
 
@@ -363,9 +405,10 @@ def add_modes(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--iters", type=int, default=d.iters)
     p.add_argument("--warmup", type=int, default=d.warmup)
     p.add_argument("--threads", type=int, default=d.threads, help="torch threads per rank")
-    p.add_argument("--transport", default=d.transport, choices=["tcp", "ipc", "shm"],
-                   help="tcp (as Gloo), or lowband's same-host paths: ipc (Unix sockets) or "
-                        "shm (shared memory)")
+    p.add_argument("--transport", default=d.transport, choices=list(TRANSPORTS),
+                   help="auto (default: what the library does, shared memory for an all-local "
+                        "group; TCP is then measured too), or force tcp (as Gloo), ipc (Unix "
+                        "sockets) or shm")
     p.add_argument("--socket-buffer-kb", type=int, default=d.socket_buffer_kb,
                    help="SO_SNDBUF/SO_RCVBUF in KiB (0: kernel auto-tuning)")
     p.add_argument("--vs-gloo", action="store_true", help="also measure torch.distributed Gloo")
@@ -401,6 +444,7 @@ def _worker_parser(sub: argparse._SubParsersAction) -> None:
     w.add_argument("--out", required=True)
     w.add_argument("--coord", required=True)
     w.add_argument("--gloo", default="")
+    w.add_argument("--tcp-coord", default="")
     w.add_argument("--gc-freeze", type=int, default=0)
     for name, typ in (("--world", int), ("--nbytes", int), ("--iters", int), ("--warmup", int),
                       ("--threads", int), ("--connections", int), ("--chunk-mb", float),

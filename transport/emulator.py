@@ -214,5 +214,6 @@ def emulated_config(base: Any, link: LinkConfig) -> tuple[Any, LinkEmulator]:
         s.bind((base.bind_host if base.bind_host not in ("0.0.0.0", "*") else "127.0.0.1", 0))
         port = s.getsockname()[1]
     emu = front(port, link)
+    # same_host="off": a same-host shortcut (shared memory, Unix sockets) would bypass the link.
     return dataclasses.replace(base, data_port=port, advertise_port=emu.port,
-                               advertise_host="127.0.0.1"), emu
+                               advertise_host="127.0.0.1", same_host="off"), emu

@@ -145,7 +145,8 @@ class Engine:
         self.pool = BufferPool(config.result_pool_bytes)
         self._slabs: Any = None
         self._peer_slabs: Any = None
-        self.local: list[str] | None = None  # [host key, ipc endpoint or "", "shm" or ""]
+        self.shm_pids: dict[str, int] = {}  # peer id -> OS pid whose slabs this peer maps
+        self.local: list[str] | None = None  # [host key, ipc endpoint or "", shm key or ""]
 
     # ---- called from user threads ---------------------------------------------------------------
     def start(self) -> None:
@@ -290,10 +291,7 @@ class Engine:
                 self._disconnect(pid)
         for pid, addr, key, local in zip(peers, addrs, keys, locals_):
             if pid != self.peer_id and pid not in self._out:
-                if (self.local is not None and isinstance(local, list) and len(local) >= 2
-                        and local[0] == self.local[0] and local[1]):
-                    addr = local[1]  # same host (and network namespace): Unix socket
-                self._connect(pid, addr, key)
+                self._connect(pid, data_address(self.local, addr, local), key)
         if old is None or old.membership.epoch != epoch:
             self._early = {k: v for k, v in self._early.items() if k[0] >= epoch}
             self._done_keys = {k for k in self._done_keys if k[0] >= epoch}
@@ -376,11 +374,14 @@ class Engine:
 
     def same_host_shm(self, table: PeerTable) -> bool:
         """Whether every member of ``table`` (this peer included) offers the shared-memory
-        path on this host. Computed from the coordinator's table, so all ranks agree."""
-        if self.local is None:
+        path with this peer's key: same host and network namespace, same user and PID
+        namespace (slabs are opened through ``/proc/<pid>/fd``). Computed from the
+        coordinator's table, so all ranks agree."""
+        mine = self.local
+        if mine is None or len(mine) < 3 or not mine[2]:
             return False
-        return all(isinstance(loc, list) and len(loc) >= 3 and loc[0] == self.local[0]
-                   and loc[2] == "shm" for loc in table.locals)
+        return all(isinstance(loc, list) and len(loc) >= 3 and loc[0] == mine[0]
+                   and loc[2] == mine[2] for loc in table.locals)
 
     # ---- operations -----------------------------------------------------------------------------
     def _start_op(self, op: "Op") -> None:
@@ -644,6 +645,9 @@ class Engine:
                 continue
             if not left or op.needs(pid):
                 self._fail_lost(op, [pid], reason)
+        os_pid = self.shm_pids.pop(pid, None)
+        if os_pid is not None and self._peer_slabs is not None:
+            self._peer_slabs.forget(os_pid)  # its memory goes once no view of ours remains
 
     def _expel(self, reason: str) -> None:
         err = PeerLost(f"{self.peer_id} is no longer a member: {reason}; connect again to rejoin",
@@ -772,6 +776,15 @@ def still_sending(buffers: list[Any]) -> list[Any]:
     refcount above the baseline means "in flight": no MessageTracker (whose threading.Event
     per message cost more than the send itself) is needed."""
     return [b for b in buffers if sys.getrefcount(b) > _HELD]
+
+
+def data_address(mine: list[str] | None, addr: str, theirs: Any) -> str:
+    """Where to send to a peer: its Unix socket when it offers one on this host (and network
+    namespace), else its TCP address."""
+    if (mine is not None and isinstance(theirs, list) and len(theirs) >= 2
+            and theirs[0] == mine[0] and theirs[1]):
+        return theirs[1]
+    return addr
 
 
 def _msg_bytes(msg: wire.Message) -> int:

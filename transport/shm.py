@@ -1,4 +1,4 @@
-"""Same-host all-reduce through shared memory (``ZmqConfig.same_host_shm``).
+"""Same-host all-reduce through shared memory (``ZmqConfig.same_host``: ``auto``, the default).
 
 When every rank of an epoch runs on one host, sockets only add copies: each byte would be
 copied into the kernel and out again, and ZeroMQ allocates a fresh buffer for every message.
@@ -128,23 +128,57 @@ class PeerSlabs:
         try:
             handle = os.open(path, os.O_RDWR)
         except OSError as exc:
-            raise Mismatch(f"cannot map a peer's shared memory ({path}: {exc.strerror}); peers "
-                           "sharing a host must run as the same user, or disable "
-                           "ZmqConfig.same_host_shm") from None
+            raise Mismatch(f"cannot map a peer's shared memory ({path}: {exc.strerror}); "
+                           "set ZmqConfig.same_host='off' if the peers cannot share memory") from None
         try:
+            # The fd number may have been reused for something else (a restarted peer with a
+            # recycled pid): map it only if it is the very slab announced.
+            if f"memfd:lowband-{slab_id} " not in os.readlink(path) + " ":
+                raise Mismatch(f"{path} is not the announced slab {slab_id}")
             if os.fstat(handle).st_size < size:
                 raise Mismatch(f"peer slab {slab_id} is smaller than announced")
             mm = mmap.mmap(handle, size)
         finally:
             os.close(handle)
         self._maps[key] = mm
-        while len(self._maps) > self._max:
-            _, old = self._maps.popitem(last=False)
-            try:
-                old.close()
-            except BufferError:
-                pass
+        self._close_over(self._max)
         return mm
+
+    def forget(self, pid: int) -> None:
+        """Unmap every slab of process ``pid`` (it died or left: its memory can go)."""
+        for key in [k for k in self._maps if k[0] == pid]:
+            _close(self._maps.pop(key))
+
+    def _close_over(self, limit: int) -> None:
+        while len(self._maps) > limit:
+            _, old = self._maps.popitem(last=False)
+            _close(old)
+
+
+def _close(mm: mmap.mmap) -> None:
+    try:
+        mm.close()
+    except BufferError:
+        pass  # a view is still alive somewhere; the mapping goes when it does
+
+
+def shm_key() -> str:
+    """What this process offers for shared memory: ``""`` if it cannot, else a key that is
+    equal exactly for processes able to open each other's slabs through ``/proc/<pid>/fd``
+    (same user, same PID namespace; containers of one pod share a network namespace but
+    usually not their PIDs). The host itself is compared separately (the host key)."""
+    if not hasattr(os, "memfd_create"):
+        return ""
+    try:
+        pidns = os.stat("/proc/self/ns/pid").st_ino
+        fd = os.memfd_create("lowband-probe", os.MFD_CLOEXEC)
+        try:
+            os.close(os.open(f"/proc/{os.getpid()}/fd/{fd}", os.O_RDWR))
+        finally:
+            os.close(fd)
+    except OSError:
+        return ""
+    return f"shm:{os.getuid()}:{pidns}"
 
 
 def _view(mm: mmap.mmap, offset: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
@@ -196,6 +230,7 @@ class ShmAllReduce(_ReduceBase):
             if size < self.f_off + max(hi - lo for lo, hi in self.segs) * es:
                 raise Mismatch(f"rank {src} announced a slab too small for this all_reduce")
             mm = eng.shm_peers().map(int(pid), int(fd), str(sid), int(size))
+            eng.shm_pids[self.peers[src]] = int(pid)
             self.inputs[src] = _view(mm, 0, self.numel, self.dtype)
             lo, hi = self.segs[src]
             self.finals[src] = _view(mm, self.f_off, hi - lo, self.dtype)

@@ -41,14 +41,15 @@ from transport.auth import (DATA_DOMAIN, CurveKeys, ZapHandler, configure_client
 from transport.allreduce import DirectAllReduce, RingAllReduce
 from transport.messages import AllGatherOp, BarrierOp, BroadcastOp, RecvOp, SendOp
 from transport.ops import acc_dtype
-from transport.engine import Engine, PeerTable
-from transport.shm import ShmAllReduce
+from transport.engine import Engine, PeerTable, data_address
+from transport.shm import ShmAllReduce, shm_key
 from transport.wire import MsgType
 from transport.work import FutureWork
 
 logger = logging.getLogger(__name__)
 
 MiB = 1 << 20
+SAME_HOST_MODES = ("auto", "shm", "ipc", "off")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -93,16 +94,23 @@ class ZmqConfig:
     """Results of >= 1 MiB come from a pool of buffers reused once the caller dropped them
     (:mod:`transport.buffers`): no page faults for the same-sized reduction every step. The
     pool keeps up to this many bytes mapped; 0 disables it."""
-    same_host_ipc: bool = False
-    """Also listen on a Unix socket and use it for peers on the same host and network
-    namespace (several times faster than TCP over loopback). Off by default so that local
-    tests and emulated links exercise TCP; benchmarks report which one ran."""
+    same_host: str = "auto"
+    """How this peer reaches peers on the same host (same boot, network namespace, user and
+    PID namespace):
+
+    * ``auto`` — all-reduces without a codec go through shared memory (:mod:`transport.shm`)
+      whenever *every* member of the epoch is such a peer, as NCCL's SHM transport does inside
+      a node; everything else, and every group with a remote member, uses TCP. Nothing is left
+      on disk, even after a crash.
+    * ``shm`` — ``auto`` plus Unix sockets instead of TCP to same-host peers (socket files in
+      ``ipc_dir``).
+    * ``ipc`` — Unix sockets to same-host peers, no shared memory.
+    * ``off`` — TCP only: what link emulators and shaped-link tests need, since any same-host
+      shortcut would bypass the link they measure.
+
+    Every rank of an epoch decides from the same coordinator table, so all agree."""
     ipc_dir: str = "/tmp"
-    """Directory for the Unix socket files of ``same_host_ipc``."""
-    same_host_shm: bool = False
-    """When every member of an epoch runs on this host (and enabled this too), large
-    all-reduces without a codec go through shared memory (:mod:`transport.shm`) instead of
-    sockets. Peers must run as the same user."""
+    """Directory for the Unix socket files of ``same_host`` = ``ipc`` or ``shm``."""
     token: str | None = None
     """Shared secret (ZeroMQ PLAIN without CURVE; inside REGISTER with CURVE)."""
     curve_server_key: bytes | None = None
@@ -139,6 +147,17 @@ class ZmqConfig:
             raise ConfigError("curve_server_key", "must be a 40-character Z85 public key")
         if self.curve is not None and self.curve.secret is None:
             raise ConfigError("curve", "this peer's keypair needs its secret key")
+        if self.same_host not in SAME_HOST_MODES:
+            raise ConfigError("same_host", f"one of {', '.join(SAME_HOST_MODES)}, "
+                              f"got {self.same_host!r}")
+
+    @property
+    def offers_ipc(self) -> bool:
+        return self.same_host in ("ipc", "shm")
+
+    @property
+    def offers_shm(self) -> bool:
+        return self.same_host in ("auto", "shm")
 
 
 def connect(coordinator: str, config: ZmqConfig | None = None, *, signature: str = "",
@@ -175,12 +194,13 @@ def connect(coordinator: str, config: ZmqConfig | None = None, *, signature: str
                                       else "*")
         addr = f"tcp://{host}:{cfg.advertise_port or port}"
         local = None
-        if cfg.same_host_ipc or cfg.same_host_shm:
+        if cfg.same_host != "off":
             ipc = ""
-            if cfg.same_host_ipc:
+            if cfg.offers_ipc:
                 ipc = f"ipc://{os.path.join(cfg.ipc_dir, f'lowband-{pid}.sock')}"
                 data.bind(ipc)
-            local = [host_key(), ipc, "shm" if cfg.same_host_shm else ""]
+            # [host key, Unix socket or "", shared-memory key or ""]: see Engine.same_host_shm
+            local = [host_key(), ipc, shm_key() if cfg.offers_shm else ""]
         control = ctx.socket(zmq.DEALER)
         sockets.append(control)
         # LEAVE is tiny, and a dead coordinator must not stall close() for long.
@@ -361,6 +381,20 @@ class ZmqCommunicator:
         if algorithm == "ring" and (codec is not None or acc_dtype(tensor.dtype) != tensor.dtype):
             return "scatter"
         return algorithm
+
+    def route(self, tensor: torch.Tensor, codec: Codec | None = None,
+              algorithm: Algorithm = "auto") -> str:
+        """How an ``all_reduce`` of ``tensor`` travels in the current epoch: ``shm`` (shared
+        memory), ``ipc`` (Unix sockets), ``tcp``, or ``ipc+tcp`` for a mixed group."""
+        if self.choose_algorithm(tensor, codec, algorithm) == "shm":
+            return "shm"
+        table = self._engine.table
+        if table is None or table.membership.world_size <= 1:
+            return "local"
+        kinds = {data_address(self._engine.local, addr, loc).split("://", 1)[0]
+                 for pid, addr, loc in zip(table.membership.peers, table.addrs, table.locals)
+                 if pid != self.peer_id}
+        return "+".join(sorted(kinds))
 
     # ---- collectives ---------------------------------------------------------------------------
     def all_reduce_async(self, tensor: torch.Tensor, op: ReduceOp = "sum", *,
