@@ -212,7 +212,7 @@ def _spread_lut(bits: int) -> tuple[torch.Tensor, torch.Tensor]:
     v = torch.arange(256, dtype=torch.int64)
     spread = sum(((v >> t) & 1) << (8 * t) for t in range(8))
     table = torch.cat([spread << (bits - 1 - j) for j in range(bits)])
-    return table, (torch.arange(bits, dtype=torch.int64) * 256).view(bits, 1)
+    return table, (torch.arange(bits, dtype=torch.int32) * 256).view(bits, 1)
 
 
 def to_planes(codes: torch.Tensor) -> torch.Tensor:
@@ -235,7 +235,7 @@ def planes_to_codes(planes: torch.Tensor, *, scratch: bool = False) -> torch.Ten
     """
     b, m = planes.shape
     table, offsets = _spread_lut(b)
-    idx = _work("idx", b * m, torch.int64, scratch).view(b, m)
+    idx = _work("idx", b * m, torch.int32, scratch).view(b, m)   # int32: half the scratch
     idx.copy_(planes)
     idx += offsets
     gathered = _work("gather", b * m, torch.int64, scratch)
