@@ -19,10 +19,13 @@ Both can prefetch: when layer ``l`` routes, the router of layer ``l+1`` is appli
 ``l``'s input (the residual stream changes little between layers) and the experts it ranks
 highest are read by the I/O thread while layer ``l`` computes.
 
-Memory accounting is exact: the budget counts the bytes of every resident plane/code buffer
-and its float16 group parameters, plus bytes reserved for reads in flight, and it is never
-exceeded (``stats.peak_bytes``). Pages read through mmap are dropped from the process's
-resident set after the copy (``ExpertFile.release``).
+Memory accounting: the budget counts the bytes of every resident plane/code buffer and its
+float16 group parameters, plus bytes reserved for reads in flight, and it is never exceeded
+(``stats.peak_bytes``). Resident buffers live on their own pages (``page_buffer``), so freeing
+them returns memory to the OS; pages read through mmap are dropped from the process's resident
+set after the copy (``ExpertFile.release``). Not counted: for the moment an upgrade copies an
+expert's old planes next to the new ones, both copies exist (at most one expert's planes), and
+the decoding thread's scratch buffers (one expert's codes and float weights, fixed size).
 
 Concurrency. One lock (a Condition) guards the tables; reads happen outside it on a single I/O
 thread or on the caller's thread, serialised by :class:`StorageDevice` like requests to one

@@ -62,7 +62,9 @@ def test_token_admits_the_right_token_and_rejects_others(caplog):
                 connect(coord.address, ZmqConfig(**BASE, token="wrong"))
             with pytest.raises(AuthError):
                 connect(coord.address, ZmqConfig(**BASE))  # no token at all
-            assert coord.auth_rejections >= 2 and "rejected" in caplog.text
+            # The wrong token reaches the ZAP handler and is counted; a client with no token at all
+            # speaks the NULL mechanism, which ZeroMQ drops in the handshake before ZAP is asked.
+            assert coord.auth_rejections >= 1 and "rejected" in caplog.text
             assert len(coord.alive) == 2
 
             # A forged data message from a client without the token never reaches the peer.
