@@ -201,7 +201,7 @@ def role_shard(a) -> dict:
 
 def role_link(a) -> dict:
     """Star all-reduce latency of one activation vector (1, 1, H) between two pinned processes."""
-    from edge.link import StarHub, StarSpoke
+    from transport.starlink import StarHub, StarSpoke
     _pin(a.core)
     x = torch.randn(1, 1, a.hidden)
     if a.rank == 0:

@@ -39,7 +39,7 @@ from typing import Sequence
 import torch
 
 from edge.engine import ClusterUnavailable
-from edge.link import StarHub, StarSpoke
+from transport.starlink import StarHub, StarSpoke
 from edge.shardio import LoadedShard, WindowConfig, is_split_dir, load_shard
 from edge.tp import make_reduce
 from lowband.codecs import Int8BlockCodec, get_codec
@@ -88,7 +88,7 @@ class ClusterConfig:
     join_timeout: float = 600.0  # seconds to wait for all workers at start
     heartbeat_s: float = 2.0  # idle health-check period
     worker_model_dir: str | None = None  # path workers read; default: the master's path
-    link: str = "direct"  # activations: "direct" (edge.link star over TCP) or "comm"
+    link: str = "direct"  # activations: "direct" (transport.starlink star over TCP) or "comm"
     link_host: str = "0.0.0.0"  # where the master's link listens (workers dial the master host)
     # After this many seconds without the lost worker, re-plan the split onto the devices that
     # are left (each then holds a bigger slice). Needs a plain checkpoint (a split directory is

@@ -9,7 +9,8 @@ Implementations of :class:`lowband.comm.Communicator`:
 Inside the ZeroMQ communicator: :mod:`transport.wire` (message format), :mod:`transport.engine`
 (the socket thread), :mod:`transport.ops`, :mod:`transport.allreduce`, :mod:`transport.messages`
 and :mod:`transport.shm` (collectives), :mod:`transport.auth` (CURVE / token),
-:mod:`transport.buffers` (result pool). Tools: :mod:`transport.emulator` (user-space WAN link),
+:mod:`transport.buffers` (result pool). :mod:`transport.starlink` is a latency-first star
+all-reduce for tensor-parallel decoding (edge). Tools: :mod:`transport.emulator` (user-space WAN link),
 :mod:`transport.netns` (tbf-shaped namespaces), :mod:`transport.bench`, :mod:`transport.launch`.
 
 Importing this package is cheap; submodules are imported on demand.

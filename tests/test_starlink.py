@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from edge.link import StarHub, StarSpoke
+from transport.starlink import StarHub, StarSpoke
 from lowband.codecs import Int8BlockCodec
 from lowband.errors import PeerLost, ProtocolError
 from tests.conftest import run_ranks
