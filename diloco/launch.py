@@ -113,6 +113,9 @@ class WorkerLaunch:
     advertise_host: str | None = None
     connections: int = 4
     token: str | None = None
+    data_port: int = 0  # port of the data socket (0: a free one)
+    advertise_port: int | None = None  # port others dial when a relay sits in front (emulator)
+    same_host: str = "auto"  # ZmqConfig.same_host: "off" when a shaped link must carry the bytes
 
     def __post_init__(self) -> None:
         if not self.coordinator.startswith(("tcp://", "ipc://")):
@@ -133,7 +136,9 @@ def worker_main(cfg: WorkerLaunch) -> WorkerResult:
     task = lm_task(cfg.train)
     signature = run_signature(cfg.train, task.build_model()).hex()
     zcfg = ZmqConfig(bind_host=cfg.bind_host, advertise_host=cfg.advertise_host,
-                     connections=cfg.connections, timeout=cfg.train.sync_timeout, token=cfg.token)
+                     connections=cfg.connections, timeout=cfg.train.sync_timeout, token=cfg.token,
+                     data_port=cfg.data_port, advertise_port=cfg.advertise_port,
+                     same_host=cfg.same_host)
     comm = connect(cfg.coordinator, zcfg, signature=signature,
                    meta={"worker_id": cfg.worker_id or ""})
     try:

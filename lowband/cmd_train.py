@@ -46,11 +46,15 @@ def _add_run_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--sync-timeout", type=float, help="seconds a collective may take")
 
 
-def _train_config(args: argparse.Namespace, **extra: object):
+def _train_config(args: argparse.Namespace, base=None, **extra: object):
+    """``--config`` or ``--preset`` (or ``base`` when the caller has its own default and neither
+    was given) with the flat overrides applied; validated like any TrainConfig."""
     from diloco.config import config_from_dict, preset, with_overrides
 
-    base = (config_from_dict(json.loads(args.config.read_text())) if args.config
-            else preset(args.preset))
+    if args.config:
+        base = config_from_dict(json.loads(args.config.read_text()))
+    elif base is None or args.preset is not None:
+        base = preset(args.preset)
     return with_overrides(
         base, mode=args.mode, steps=args.steps, inner_steps=args.inner_steps,
         n_fragments=args.n_fragments, tau=args.tau, alpha=args.alpha, codec=args.codec,
@@ -103,7 +107,9 @@ def _worker_checked(args: argparse.Namespace) -> int:
                        coordinator=args.coordinator,
                        worker_id=args.id, out_dir=args.out, resume=args.resume,
                        threads=args.threads, progress=args.progress, bind_host=args.bind_host,
-                       advertise_host=args.advertise_host, token=args.token)
+                       advertise_host=args.advertise_host, token=args.token,
+                       data_port=args.data_port, advertise_port=args.advertise_port,
+                       same_host=args.same_host)
     result = worker_main(cfg)
     print(json.dumps(result.summary()))
     return 0
@@ -141,6 +147,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--bind-host", default="0.0.0.0", help="interface for the data socket")
     p.add_argument("--advertise-host", help="address other workers should connect to")
     p.add_argument("--token", help="shared secret of the run")
+    p.add_argument("--data-port", type=int, default=0, help="data socket port (default: a free one)")
+    p.add_argument("--advertise-port", type=int,
+                   help="port other workers should dial, when a relay sits in front of this one")
+    p.add_argument("--same-host", default="auto", choices=["auto", "shm", "ipc", "off"],
+                   help="shortcuts to workers on this host (off: TCP only, for shaped links)")
     _add_run_options(p)
     p.set_defaults(func=_worker)
 
