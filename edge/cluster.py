@@ -11,11 +11,14 @@ survivors keep their slots and a returning worker is assigned the missing one.
 
 Control messages (msgpack meta, master -> worker unless noted)::
 
-    assign   {slot, world, weights, model_dir, dtype, codec, algorithm, window?, budget_mb?}
+    assign   {slot, world, weights, model_dir, dtype, codec, algorithm, window?, budget_mb?,
+              experts?}   (experts: edge.moe_serve.ExpertServeConfig.to_dict of a nested MoE)
     ready    worker -> master, {ok, slot, error?}
     forward  {fid, start, epoch} + one tensor: embedded tokens (1, T, H)
     reset    drop the KV cache
     ping     {n, epoch}, followed by a barrier tagged ``ping{n}`` (idle health check)
+    stats    {n}: the worker answers its expert store's report on tag ``edge.stats{n}`` (a
+             fresh tag per request, so a late answer can never match another request)
     regroup  {epoch}: call quorum to form the next epoch
     shutdown leave
 
@@ -39,13 +42,14 @@ from typing import Sequence
 import torch
 
 from edge.engine import ClusterUnavailable
+from edge.moe_serve import ExpertServeConfig, is_nested_dir, load_nested_shard
 from transport.starlink import StarHub, StarSpoke
 from edge.shardio import LoadedShard, WindowConfig, is_split_dir, load_shard
 from edge.tp import make_reduce
 from lowband.codecs import Int8BlockCodec, get_codec
 from lowband.comm import Codec, Communicator, OpStats
-from lowband.errors import (CommClosed, ConfigError, LowbandError, PeerLost, ProtocolError,
-                            TransportTimeout)
+from lowband.errors import (CommClosed, ConfigError, CorruptWeights, LowbandError, PeerLost,
+                            ProtocolError, TransportTimeout)
 
 logger = logging.getLogger(__name__)
 
@@ -94,6 +98,9 @@ class ClusterConfig:
     # are left (each then holds a bigger slice). Needs a plain checkpoint (a split directory is
     # cut for one device count). None: wait for the worker to come back.
     replan_after_s: float | None = None
+    # A bit-nested MoE (``edge quantize --nested``): experts placed whole on the devices, each
+    # serving its share of this budget from its own expert store. Required for such a dir.
+    experts: ExpertServeConfig | None = None
 
     def __post_init__(self) -> None:
         if self.devices < 1:
@@ -131,10 +138,26 @@ class _Tags:
         return f"f{self.fid}.{self.k}"
 
 
+def check_experts(model_dir: str | Path, experts: ExpertServeConfig | None) -> bool:
+    """Whether ``model_dir`` is a nested MoE; refuses a missing or a pointless expert budget."""
+    nested = is_nested_dir(model_dir)
+    if nested and experts is None:
+        raise ConfigError("expert_budget_mb", f"{model_dir} is a bit-nested MoE: give the memory "
+                          "its experts may use (--expert-budget-mb)")
+    if not nested and experts is not None:
+        raise ConfigError("expert_budget_mb", f"{model_dir} is not a bit-nested MoE directory "
+                          "(convert with 'lowband edge quantize MODEL --nested --out DIR')")
+    return nested
+
+
 def _load(model_dir: str, slot: int, world: int, weights, dtype, net, codec,
-          algorithm: str, timeout: float, window: WindowConfig | None, tags: _Tags) -> LoadedShard:
+          algorithm: str, timeout: float, window: WindowConfig | None, tags: _Tags,
+          experts: ExpertServeConfig | None = None) -> LoadedShard:
     """``net``: whatever carries the all-reduces (the communicator or a star link)."""
     reduce = make_reduce(net, codec=codec, algorithm=algorithm, timeout=timeout, tags=tags)
+    if check_experts(model_dir, experts):
+        return load_nested_shard(model_dir, slot, world, experts=experts, weights=weights,
+                                 reduce=reduce, window=window, dtype=dtype)
     return load_shard(model_dir, slot, world, weights=weights, dtype=dtype, reduce=reduce,
                       window=window)
 
@@ -163,7 +186,8 @@ class MasterRunner:
             raise ConfigError("master", f"another peer ({m.peers[master_rank(m.peers)]}) is the master")
         self.hub = StarHub(cfg.link_host) if cfg.link == "direct" and cfg.devices > 1 else None
         self.shard = _load(self.model_dir, 0, cfg.devices, cfg.weights, cfg.dtype, self.hub or comm,
-                           self.codec, cfg.algorithm, cfg.op_timeout, cfg.window_config(), self.tags)
+                           self.codec, cfg.algorithm, cfg.op_timeout, cfg.window_config(), self.tags,
+                           cfg.experts)
         self.model = self.shard.model
         self.config = self.model.config
         self.cache = self.model.new_cache()
@@ -187,6 +211,7 @@ class MasterRunner:
                     "model_dir": cfg.worker_model_dir or self.model_dir, "dtype": cfg.dtype,
                     "wire": cfg.wire, "algorithm": cfg.algorithm, "op_timeout": cfg.op_timeout,
                     "window": cfg.window, "memory_budget_mb": cfg.memory_budget_mb,
+                    "experts": cfg.experts.to_dict() if cfg.experts else None,
                     "link_port": self.hub.port if self.hub else None,
                     "link_secret": self.hub.secret if self.hub else None,
                     # an idle master pings every heartbeat_s: this much silence means it is gone
@@ -274,7 +299,8 @@ class MasterRunner:
         self.shard = self.model = None
         net = self.hub if (self.hub is not None and self.devices > 1) else self.comm
         self.shard = _load(self.model_dir, 0, self.devices, weights, self.cfg.dtype, net, self.codec,
-                           self.cfg.algorithm, self.cfg.op_timeout, self.cfg.window_config(), self.tags)
+                           self.cfg.algorithm, self.cfg.op_timeout, self.cfg.window_config(), self.tags,
+                           self.cfg.experts)
         self.model = self.shard.model
         self._slots = {m.peer_id: 0}
         self._assign(others, list(range(1, self.devices)))
@@ -341,6 +367,30 @@ class MasterRunner:
         s = self.comm.stats()
         h = self.hub.stats() if self.hub is not None else OpStats()
         return s.bytes_sent + s.bytes_received + h.bytes_sent + h.bytes_received
+
+    def store_report(self) -> dict | None:
+        """Expert-store statistics of every device, summed (None for a dense model)."""
+        from edge.moe_serve import merge_reports
+        with self._lock:
+            own = self.shard.store_report() if self.shard is not None else None
+            if own is None and self.cfg.experts is None:
+                return None
+            if not self._healthy:
+                return merge_reports([own] if own else [])
+            self._ping_n += 1
+            tag = f"edge.stats{self._ping_n}"
+            reports = [own] if own else []
+            try:
+                for r in self._others():
+                    self.comm.send(r, [], {"op": "stats", "n": self._ping_n}, tag=CTL)
+                for r in self._others():
+                    _, meta = self.comm.recv(r, tag=tag, timeout=self.cfg.op_timeout)
+                    if meta.get("report"):
+                        reports.append(meta["report"])
+            except (PeerLost, TransportTimeout, ProtocolError) as exc:
+                self._fail(exc)
+                return merge_reports(reports[:1])
+            return merge_reports(reports)
 
     def health(self) -> dict:
         m = self.comm.membership
@@ -460,12 +510,13 @@ def _handle(comm: Communicator, cfg: WorkerConfig, st: WorkerState, op: str,
                                     secret=str(meta.get("link_secret") or ""))
             st.shard = _load(cfg.model_dir or meta["model_dir"], int(meta["slot"]), int(meta["world"]),
                              meta.get("weights"), meta.get("dtype"), st.link or comm,
-                             wire_codec(meta["wire"]), meta["algorithm"], timeout, win, st.tags)
+                             wire_codec(meta["wire"]), meta["algorithm"], timeout, win, st.tags,
+                             ExpertServeConfig.from_dict(meta["experts"]) if meta.get("experts") else None)
             st.cache = st.shard.model.new_cache()
             st.silence_s = float(meta.get("silence_s") or cfg.join_timeout)
             comm.send(master_rank(comm.membership.peers), [], {"ok": True, "slot": int(meta["slot"])},
                       tag=READY)
-        except (ConfigError, OSError, RuntimeError, PeerLost) as exc:
+        except (ConfigError, CorruptWeights, OSError, RuntimeError, PeerLost) as exc:
             comm.send(master_rank(comm.membership.peers), [], {"ok": False, "error": str(exc)},
                       tag=READY)
     elif op == "reset":
@@ -474,6 +525,10 @@ def _handle(comm: Communicator, cfg: WorkerConfig, st: WorkerState, op: str,
             st.link.resync(timeout=30.0)
     elif op == "ping":
         comm.barrier(tag=f"ping{meta['n']}", timeout=30.0)
+    elif op == "stats":
+        report = st.shard.store_report() if st.shard is not None else None
+        comm.send(master_rank(comm.membership.peers), [], {"report": report},
+                  tag=f"edge.stats{meta['n']}")
     elif op == "regroup":
         if int(meta["epoch"]) >= comm.membership.epoch:  # ignore a stale request
             _regroup(comm, cfg)

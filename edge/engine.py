@@ -53,17 +53,22 @@ class Runner(Protocol):
         """``{"healthy": bool, ...}``."""
         ...
 
+    def store_report(self) -> dict | None:
+        """Expert-store statistics of a nested MoE (``ExpertCache.report``), None otherwise."""
+        ...
+
     def close(self) -> None: ...
 
 
 class LocalRunner:
     """Everything on this device (optionally streaming weights through a sliding window)."""
 
-    def __init__(self, model: LlamaForCausalLM, on_close=None) -> None:
+    def __init__(self, model: LlamaForCausalLM, on_close=None, report=None) -> None:
         self.model = model
         self.config = model.config
         self.cache: KVCache = model.new_cache()
         self._on_close = on_close
+        self._report = report
 
     def forward(self, ids: Sequence[int], start: int) -> torch.Tensor:
         x = torch.tensor([list(ids)], dtype=torch.long)
@@ -79,6 +84,9 @@ class LocalRunner:
 
     def health(self) -> dict:
         return {"healthy": True, "devices": 1}
+
+    def store_report(self) -> dict | None:
+        return self._report() if self._report is not None else None
 
     def close(self) -> None:
         if self._on_close is not None:

@@ -607,16 +607,34 @@ class ExpertCache:
                 self._push(_Job(1, self._next_seq(), k, self.plan[k], self._tokens))
 
 
-def attach(model: LlamaForCausalLM, cache: ExpertCache) -> None:
-    """Route the model's experts through ``cache`` (layers it holds no expert of are left alone)."""
+def _zeros(layer: int, expert: int, x: torch.Tensor) -> torch.Tensor:
+    return torch.zeros_like(x)
+
+
+def attach(model: LlamaForCausalLM, cache: ExpertCache, *, placed: bool = False) -> None:
+    """Route the model's experts through ``cache`` (layers it holds no expert of are left alone).
+
+    ``placed``: the cache holds this rank's share of a tensor-parallel placement; an expert it
+    does not hold (in any MoE layer) contributes zero, because another rank computes it and the
+    post-MoE all-reduce adds it in. Without ``placed`` such a call raises instead: one device
+    must never silently drop an expert."""
     layers = model.model.layers
     held = {k[0] for k in cache.keys}
+    keys = set(cache.keys)
     gates = {}
     for i, layer in enumerate(layers):
         moe = getattr(layer, "block_sparse_moe", None)
-        if moe is None or i not in held:
+        if moe is None:
             continue
-        moe.expert_fn = functools.partial(cache.forward, i)
+        if i not in held:
+            if placed:
+                moe.expert_fn = functools.partial(_zeros, i)
+            continue
+        if placed:
+            moe.expert_fn = functools.partial(
+                lambda i, e, x: cache.forward(i, e, x) if (i, e) in keys else _zeros(i, e, x), i)
+        else:
+            moe.expert_fn = functools.partial(cache.forward, i)
         moe.on_route = functools.partial(cache.on_route, i)
         gates[i] = moe.gate
         if cache.cfg.prefetch is not None:

@@ -18,9 +18,11 @@ from pathlib import Path
 
 import torch
 
-from edge.cluster import MASTER_ID_PREFIX, ClusterConfig, MasterRunner, WorkerConfig, run_worker
+from edge.cluster import (MASTER_ID_PREFIX, ClusterConfig, MasterRunner, WorkerConfig,
+                          check_experts, run_worker)
 from edge.config import ModelConfig
 from edge.engine import Engine, LocalRunner
+from edge.moe_serve import ExpertServeConfig, load_nested_shard, plan_ranks
 from edge.sampling import SamplingParams
 from edge.server import ServerConfig, serve_forever
 from edge.shardio import WindowConfig, is_split_dir, load_shard
@@ -95,9 +97,11 @@ def build_engine(cfg: ServeConfig, coord=None):
     name = cfg.name or Path(cfg.model_dir).resolve().name
     tok = _tokenizer(cfg.model_dir)
     cc = cfg.cluster
+    check_model(cfg.model_dir, cc)
     if cc.devices == 1:
-        shard = load_shard(cfg.model_dir, dtype=cc.dtype, window=cc.window_config())
-        return Engine(LocalRunner(shard.model, shard.close), tok, model_name=name), None, None
+        shard = _load_local(cfg.model_dir, cc.dtype, cc.window_config(), cc.experts)
+        runner = LocalRunner(shard.model, shard.close, report=shard.store_report)
+        return Engine(runner, tok, model_name=name), None, None
     from transport.coordinator import Coordinator, CoordinatorConfig
     from transport.zmq_comm import connect
     if coord is None:
@@ -114,6 +118,27 @@ def build_engine(cfg: ServeConfig, coord=None):
         coord.stop()
         raise
     return Engine(runner, tok, model_name=name), coord, comm
+
+
+def check_model(model_dir: str, cc: ClusterConfig) -> None:
+    """Refuse what cannot be served before any process or socket starts: for a nested MoE the
+    expert budget of every device (a share smaller than its largest expert at the narrowest
+    width) and the window across devices."""
+    if check_experts(model_dir, cc.experts):
+        if cc.window_config() is not None and cc.devices > 1:
+            raise ConfigError("window", "the sliding window over a nested MoE's backbone runs on "
+                              "one device; with --devices > 1 use --expert-budget-mb alone")
+        plan_ranks(model_dir, cc.devices, cc.weights, cc.experts)
+
+
+def _load_local(model_dir: str, dtype: str | None, window: WindowConfig | None,
+                experts: ExpertServeConfig | None):
+    if check_experts(model_dir, experts):
+        return load_nested_shard(model_dir, experts=experts, window=window, dtype=dtype)
+    if window is not None and not is_split_dir(model_dir):
+        raise ConfigError("model_dir", "the sliding window needs a split directory "
+                          "(lowband edge split MODEL --devices 1 --out DIR)")
+    return load_shard(model_dir, dtype=dtype, window=window)
 
 
 def _exit_on_sigterm() -> None:
@@ -196,6 +221,7 @@ def run_main(cfg: RunConfig) -> int:
                 args += ["--threads", "1", "--cores", str(i % ncpu)]
             procs.append(subprocess.Popen(args, start_new_session=True))
 
+    check_model(serve.model_dir, serve.cluster)  # before any worker process starts
     try:
         if n == 1:
             return serve_main(serve)
@@ -224,15 +250,13 @@ class GenerateConfig:
     sampling: SamplingParams
     dtype: str | None = None
     window: WindowConfig | None = None
+    experts: ExpertServeConfig | None = None  # required for a nested MoE directory
     device: DeviceConfig = field(default_factory=DeviceConfig)
 
 
 def generate_main(cfg: GenerateConfig) -> int:
     cfg.device.apply()
-    if cfg.window is not None and not is_split_dir(cfg.model_dir):
-        raise ConfigError("model_dir", "the sliding window needs a split directory "
-                          "(lowband edge split MODEL --devices 1 --out DIR)")
-    shard = load_shard(cfg.model_dir, dtype=cfg.dtype, window=cfg.window)
+    shard = _load_local(cfg.model_dir, cfg.dtype, cfg.window, cfg.experts)
     engine = Engine(LocalRunner(shard.model, shard.close), _tokenizer(cfg.model_dir),
                     model_name=Path(cfg.model_dir).name)
     try:

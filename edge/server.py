@@ -1,7 +1,8 @@
 """OpenAI-compatible HTTP API (aiohttp) in front of an :class:`edge.engine.Engine`.
 
 ``POST /v1/completions``, ``POST /v1/chat/completions`` (both with ``"stream": true`` SSE),
-``GET /v1/models``, ``GET /health`` (503 while the cluster is degraded), ``GET /metrics``.
+``GET /v1/models``, ``GET /health`` (503 while the cluster is degraded), ``GET /metrics`` (with
+``expert_store``: hit rate, mean bits, bytes read, stall seconds, when serving a nested MoE).
 
 Concurrency: the engine decodes one sequence at a time on a single generation thread, so the
 event loop never blocks on the model. Requests beyond the one running wait in FIFO order;
@@ -217,8 +218,16 @@ class Server:
         return web.json_response(body, status=200 if h.get("healthy") else 503)
 
     async def metrics(self, request: web.Request) -> web.Response:
-        return web.json_response({**self.engine.metrics.snapshot(), "queue": self._pending,
-                                  "model": self.engine.model_name})
+        body = {**self.engine.metrics.snapshot(), "queue": self._pending,
+                "model": self.engine.model_name}
+        report = getattr(self.engine.runner, "store_report", None)
+        if report is not None:
+            # A cluster asks its workers: off the event loop (and off the generation thread,
+            # so the figures arrive between two tokens, not after the running request).
+            store = await asyncio.get_running_loop().run_in_executor(None, report)
+            if store is not None:
+                body["expert_store"] = store
+        return web.json_response(body)
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         body = await self._body(request)

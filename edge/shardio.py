@@ -20,7 +20,7 @@ import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 from safetensors import safe_open
@@ -142,10 +142,17 @@ class LoadedShard:
     plan: TPPlan
     rank: int
     scheduler: WindowScheduler | None = None
+    store: Any = None  # edge.expert_store.ExpertCache of a nested MoE (its experts live there)
 
     def close(self) -> None:
         if self.scheduler is not None:
             self.scheduler.close()
+        if self.store is not None:
+            self.store.close()
+
+    def store_report(self) -> dict | None:
+        """The expert store's statistics (None for a dense model)."""
+        return {**self.store.report(), "devices_reporting": 1} if self.store is not None else None
 
 
 def load_shard(model_dir: str | Path, rank: int = 0, world: int = 1, *,

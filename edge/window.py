@@ -177,6 +177,52 @@ class MappedFile:
             os.close(fd)
 
 
+class MappedRegion:
+    """Some tensors of a :class:`MappedFile` taken as one window block: their pages are
+    populated and evicted together. The tensors must lie back to back in the file (a decoder
+    layer's tensors do in a safetensors file: it orders same-dtype tensors by name, and
+    ``model.layers.1.`` sorts before ``model.layers.10.``). The span is widened to whole pages,
+    so an edge page may be shared with the neighbouring block: evicting it only costs the
+    neighbour a page fault, never a wrong value."""
+
+    def __init__(self, file: MappedFile, names: Sequence[str]) -> None:
+        if not names:
+            raise ConfigError("weights", f"{file.path}: an empty block")
+        self.file, self.path = file, file.path
+        self.tensors = {n: file.tensors[n] for n in names}
+        spans = sorted((t.data_ptr() - file.addr, t.data_ptr() - file.addr + t.numel() * t.element_size())
+                       for t in self.tensors.values())
+        lo, hi = spans[0][0], spans[-1][1]
+        inside = [n for n, t in file.tensors.items() if n not in self.tensors
+                  and lo <= t.data_ptr() - file.addr < hi and t.numel()]
+        if inside:
+            raise ConfigError("weights", f"{file.path}: the tensors of one block are not contiguous "
+                              f"({inside[0]!r} lies between them); re-save the file")
+        self.offset = lo // PAGE * PAGE
+        self.size = min(file.size, -(-hi // PAGE) * PAGE) - self.offset
+        self.addr = file.addr + self.offset
+
+    def populate(self) -> None:
+        global _populate_ok
+        if _populate_ok and _madvise(self.addr, self.size, MADV_POPULATE_READ):
+            return
+        if _populate_ok:
+            _populate_ok = False
+            logger.info("MADV_POPULATE_READ unavailable (errno %d); touching pages instead",
+                        ctypes.get_errno())
+        self.file._u8[self.offset:self.offset + self.size:PAGE].sum()
+
+    def evict(self) -> None:
+        _madvise(self.addr, self.size, MADV_DONTNEED)
+
+    def drop_page_cache(self) -> None:
+        fd = os.open(self.path, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, self.offset, self.size, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
 def attach(module: nn.Module, tensors: dict[str, torch.Tensor], prefix: str) -> None:
     """Make ``module``'s parameters the given tensors (keys are full names under ``prefix``)."""
     for name, t in tensors.items():
@@ -198,7 +244,8 @@ class WindowScheduler:
     ``layers[i]`` runs block ``files[i]``. Hooks on each layer wait for its block before it
     runs and apply :func:`window_plan` after it ran."""
 
-    def __init__(self, layers: Sequence[nn.Module], files: Sequence[MappedFile], window: int,
+    def __init__(self, layers: Sequence[nn.Module], files: Sequence[MappedFile | MappedRegion],
+                 window: int,
                  loader_cores: Sequence[int] | None = None, recache: bool = True) -> None:
         if len(layers) != len(files):
             raise ConfigError("files", f"{len(files)} layer files for {len(layers)} layers")

@@ -10,7 +10,7 @@ import argparse
 import importlib
 import sys
 
-from lowband.errors import ConfigError
+from lowband.errors import ConfigError, CorruptWeights
 
 
 def _weights(text: str | None) -> tuple[float, ...] | None:
@@ -45,8 +45,45 @@ def _add_model(p: argparse.ArgumentParser) -> None:
                    help="sliding window sized to fit this many MB of weights per device")
 
 
+def _add_experts(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("bit-nested MoE (a directory from 'lowband edge quantize --nested')")
+    g.add_argument("--expert-budget-mb", type=float,
+                   help="MB of expert weights kept in memory (over all devices; each device gets "
+                        "the share its experts take at int8). Required for a nested directory")
+    g.add_argument("--expert-policy", choices=("hebf", "lru"),
+                   help="hebf: hot experts get more bits (default); lru: one width, LRU eviction")
+    g.add_argument("--expert-lru-bits", type=int, choices=(8, 4, 3, 2),
+                   help="width of every expert with --expert-policy lru (default 8)")
+    g.add_argument("--expert-min-bits", type=int, choices=(4, 3, 2),
+                   help="narrowest width HEBF serves (default 2)")
+    g.add_argument("--expert-prefetch", type=int,
+                   help="experts of the next layer to prefetch per layer (0: off; default 2)")
+    g.add_argument("--expert-read-mb-per-s", type=float,
+                   help="model a storage device this fast (default: the real file system)")
+    g.add_argument("--expert-no-verify", action="store_true",
+                   help="skip checksumming every expert file when opening (faster start)")
+
+
+_EXPERT_KNOBS = ("expert_policy", "expert_lru_bits", "expert_min_bits", "expert_prefetch",
+                 "expert_read_mb_per_s", "expert_no_verify")
+
+
+def _experts(args):
+    from edge.moe_serve import ExpertServeConfig
+    if args.expert_budget_mb is None:
+        given = [k for k in _EXPERT_KNOBS if getattr(args, k) not in (None, False)]
+        if given:
+            raise ConfigError(given[0], "needs --expert-budget-mb (and a nested MoE directory)")
+        return None
+    kw = {k: v for k, v in (("policy", args.expert_policy), ("lru_bits", args.expert_lru_bits),
+                            ("min_bits", args.expert_min_bits), ("prefetch", args.expert_prefetch),
+                            ("read_mb_per_s", args.expert_read_mb_per_s)) if v is not None}
+    return ExpertServeConfig(budget_mb=args.expert_budget_mb, verify=not args.expert_no_verify, **kw)
+
+
 def _add_serve(p: argparse.ArgumentParser) -> None:
     _add_model(p)
+    _add_experts(p)
     _add_device(p)
     p.add_argument("--host", default="127.0.0.1", help="HTTP listen address (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="HTTP port (default 8000)")
@@ -91,6 +128,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int)
     p.add_argument("--stop", action="append", default=[])
     _add_model(p)
+    _add_experts(p)
     _add_device(p)
     p.set_defaults(func=_generate)
 
@@ -127,7 +165,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     edge.set_defaults(func=lambda args: (edge.print_help(), 2)[1])
 
 
-def _fail(exc: ConfigError) -> int:
+def _fail(exc: ConfigError | CorruptWeights) -> int:
     print(f"lowband edge: {exc}", file=sys.stderr)
     return 2
 
@@ -158,12 +196,12 @@ def _generate(args) -> int:
             win = WindowConfig(window=args.window, memory_budget_mb=args.memory_budget_mb)
         cfg = GenerateConfig(
             model_dir=args.model_dir, prompt=args.prompt, dtype=args.dtype, window=win,
-            device=_device(args),
+            experts=_experts(args), device=_device(args),
             sampling=SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                                     top_k=args.top_k, top_p=args.top_p, seed=args.seed,
                                     stop=tuple(args.stop)))
         return generate_main(cfg)
-    except ConfigError as exc:
+    except (ConfigError, CorruptWeights) as exc:
         return _fail(exc)
 
 
@@ -179,14 +217,14 @@ def _serve_config(args, devices: int):
                               algorithm=args.algorithm, link=args.link, dtype=args.dtype,
                               window=args.window,
                               memory_budget_mb=args.memory_budget_mb, op_timeout=args.op_timeout,
-                              replan_after_s=args.replan_after_s))
+                              replan_after_s=args.replan_after_s, experts=_experts(args)))
 
 
 def _serve(args) -> int:
     from edge.launch import serve_main
     try:
         return serve_main(_serve_config(args, args.workers + 1))
-    except ConfigError as exc:
+    except (ConfigError, CorruptWeights) as exc:
         return _fail(exc)
 
 
@@ -205,5 +243,5 @@ def _run(args) -> int:
     from edge.launch import RunConfig, run_main
     try:
         return run_main(RunConfig(serve=_serve_config(args, args.devices), pin_cores=args.pin_cores))
-    except ConfigError as exc:
+    except (ConfigError, CorruptWeights) as exc:
         return _fail(exc)
