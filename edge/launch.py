@@ -265,8 +265,12 @@ def generate_main(cfg: GenerateConfig) -> int:
             sys.stdout.flush()
         sys.stdout.write("\n")
         m = engine.metrics.snapshot()
+        store = shard.store_report()
+        extra = "" if store is None else (
+            f", experts: hit rate {store['hit_rate']:.2f}, {store['mean_bits_per_call']} bits/call, "
+            f"{store['bytes_read'] / 1e6:.1f} MB read, {store['stall_s']:.3f} s stalled")
         print(f"[{m['completion_tokens_total']} tokens, TTFT {m['ttft_ms_mean']:.1f} ms, "
-              f"{m['decode_tokens_per_s'] or 0:.1f} tokens/s]", file=sys.stderr)
+              f"{m['decode_tokens_per_s'] or 0:.1f} tokens/s{extra}]", file=sys.stderr)
     finally:
         engine.runner.close()
     return 0

@@ -327,6 +327,7 @@ def _load_backbone_window(model: LlamaForCausalLM, d: Path, window: WindowConfig
     n = model.config.num_hidden_layers
     head = {k: mapped.tensors[k].clone() for k in wanted if not k.startswith("model.layers.")}
     _assign(model, head, partial=True)
+    mapped.evict()   # the copy above mapped the head's pages; from here only blocks are mapped
     regions = []
     for i in range(n):
         prefix = f"model.layers.{i}."
