@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import signal
 import subprocess
 import sys
 import time
@@ -75,10 +77,17 @@ def run_local(sites: int, tiny: bool) -> list[dict]:
                                   stdout=subprocess.PIPE, text=True, start_new_session=True)
                  for _ in range(sites)]
         try:
-            outs = [p.communicate(timeout=900)[0] for p in procs]
+            deadline = time.monotonic() + 900
+            while any(p.poll() is None for p in procs):  # a failed site ends the run at once
+                if any(p.poll() for p in procs) or time.monotonic() > deadline:
+                    raise SystemExit(f"a site failed: exit codes {[p.poll() for p in procs]}")
+                time.sleep(0.2)
+            outs = [p.stdout.read() for p in procs]
         finally:
             for p in procs:
-                p.kill()
+                if p.poll() is None:
+                    os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
     if any(p.returncode for p in procs):
         raise SystemExit(f"a site failed: exit codes {[p.returncode for p in procs]}")
     return sorted((json.loads(o.strip().splitlines()[-1]) for o in outs), key=lambda r: r["rank"])
