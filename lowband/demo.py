@@ -32,9 +32,10 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, Literal, Protocol, Sequence
+from typing import Any, Literal, Protocol
 
 from diloco.config import DilocoConfig, TrainConfig, config_to_dict, shakespeare, with_overrides
 from lowband.errors import ConfigError, LowbandError
@@ -258,7 +259,8 @@ class NetnsNetwork:
 
 def _free_net() -> int:
     """A 10.<net>.0.0/24 no interface of this namespace uses (two demos can run at once)."""
-    used = subprocess.run(["ip", "-o", "-4", "addr"], capture_output=True, text=True).stdout
+    used = subprocess.run(["ip", "-o", "-4", "addr"], capture_output=True, text=True,
+                          check=False).stdout
     for net in range(190, 250):
         if f" 10.{net}." not in used:
             return net
@@ -397,8 +399,8 @@ def summary_table(summary: dict[str, Any]) -> str:
     def fmt(v: Any, spec: str) -> str:
         return "-" if v is None else format(v, spec)
 
-    rows = [f"{'run':<17} {'eval loss':>9} {'MiB sent/worker':>15} {'wall s':>7} "
-            f"{'steps/s':>8} {'sync s':>7}"]
+    rows = [(f"{'run':<17} {'eval loss':>9} {'MiB sent/worker':>15} {'wall s':>7} "
+             f"{'steps/s':>8} {'sync s':>7}")]
     for name, key in (("DDP", "ddp"), ("Streaming DiLoCo", "diloco")):
         r = summary[key]
         rows.append(f"{name:<17} {fmt(r['final_eval'], '.4f'):>9} "
@@ -434,8 +436,8 @@ def _plot(summary: dict[str, Any], path: Path) -> Path:
     runs = {name: [{"event": "eval", "step": s, "loss": l, "bytes_sent": b}
                    for s, l, b in summary[key]["curve"]]
             for name, key in (("DDP (fp32 gradients)", "ddp"),
-                              (f"Streaming DiLoCo ({mode['codec']}, H={mode['H']}, "
-                               f"P={mode['P']})", "diloco"))}
+                              (f"Streaming DiLoCo ({mode['codec']}, H={mode['H']}, P={mode['P']})",
+                               "diloco"))}
     return plot_runs(runs, path, title=f"{summary['sites']} sites, "
                      f"{summary['link']['kind']} link {summary['rate_mbit']:g} Mbit/s, "
                      f"{summary['delay_ms']:g} ms")

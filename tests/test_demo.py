@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import PY
 from diloco.config import DDPConfig, DilocoConfig
 from lowband.demo import DemoConfig, demo_train_config, resolve_link, summary_table
 from lowband.errors import ConfigError
+from tests.conftest import PY
 
 # A small run: 2 sites, 24 steps of 4 x 32 tokens, two fragments, evals at 12 and 24.
 TINY = ["--sites", "2", "--steps", "24", "-H", "8", "-P", "2", "--tau", "1", "--eval-every", "12",
@@ -149,7 +149,8 @@ def test_demo_runs_in_shaped_namespaces(spawn, tmp_path):
 
 
 def _namespaces(pid: int) -> list[str]:
-    names = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    names = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True,
+                           check=False).stdout
     return [line.split()[0] for line in names.splitlines()
             if line.startswith(f"dl{pid % 100000}n")]
 
