@@ -31,7 +31,7 @@ def _demo(args: argparse.Namespace) -> int:
         return _fail(exc)
     # SIGTERM unwinds like Ctrl-C: the library's finally blocks kill the sites and delete the
     # namespaces instead of leaving them behind.
-    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(143))
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(143))
     try:
         summary = main(cfg)
     except ConfigError as exc:
@@ -39,6 +39,8 @@ def _demo(args: argparse.Namespace) -> int:
     except DemoFailed as exc:
         print(f"lowband demo: {exc}", file=sys.stderr)
         return 1
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     print(summary_table(summary))
     print(f"plot: {summary['plot']}\nsummary: {cfg.out_dir / 'summary.json'}")
     if args.json:

@@ -84,6 +84,12 @@ def test_cli_rejects_bad_input_before_starting(tmp_path, capsys):
         assert main(["demo", "--out", str(out), "--quiet", *args]) == 2
         assert f"{field}:" in capsys.readouterr().err
         assert not out.exists()  # nothing was started or written
+    # a corpus that does not exist: refused before any network or process is set up
+    out = tmp_path / "nodata"
+    assert main(["demo", "--out", str(out), "--quiet", "--link", "none",
+                 "--data", str(tmp_path / "missing.txt")]) == 2
+    assert "missing.txt" in capsys.readouterr().err
+    assert not out.exists()
 
 
 def test_summary_table_lists_both_runs():
