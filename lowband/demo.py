@@ -54,8 +54,8 @@ class DemoFailed(LowbandError):
 
 def demo_train_config(sites: int) -> TrainConfig:
     """The default run: the bench-tuned ``shakespeare`` settings (NF4 + error feedback, α = 0.5,
-    outer Nesterov lr 1.0) shortened to 300 steps so that both runs take ~1-2 minutes on two
-    cores; H = 30, P = 3 gives ten outer rounds per fragment in that budget."""
+    outer Nesterov lr 1.0) shortened to 300 steps so that both runs take ~2 minutes on two
+    cores (50 Mbit/s, 40 ms, 3 sites); H = 30, P = 3 gives ten outer rounds per fragment in that budget."""
     base = shakespeare()
     return with_overrides(base, steps=300, inner_steps=30, eval_every=50, warmup_steps=30,
                           workers=sites)
@@ -76,6 +76,7 @@ class DemoConfig:
     """One-way delay, ms, added in front of every site (and of the coordinator): a byte from
     one site to another arrives ``delay_ms`` later, and its acknowledgement takes as long back."""
     link: LinkKind = "auto"
+    """netns (root: namespaces + tbf), emulator (user-space relays), none, or auto."""
     ddp_inner_lr: float | None = None
     """Peak AdamW lr of the DDP baseline; None: the same as the DiLoCo inner lr."""
     threads: int = 1
