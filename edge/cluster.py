@@ -363,6 +363,9 @@ class MasterRunner:
             except (PeerLost, TransportTimeout) as exc:
                 self._fail(exc)
 
+    def cached_tokens(self) -> int:
+        return self.cache.length
+
     def wire_bytes(self) -> int:
         s = self.comm.stats()
         h = self.hub.stats() if self.hub is not None else OpStats()

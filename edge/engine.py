@@ -45,6 +45,11 @@ class Runner(Protocol):
 
     def reset(self) -> None: ...
 
+    def cached_tokens(self) -> int:
+        """Positions held by the KV cache now (0 after the runner dropped it, e.g. a cluster
+        that regrouped between two requests)."""
+        ...
+
     def wire_bytes(self) -> int:
         """Cumulative bytes this device put on and took off the network."""
         ...
@@ -78,6 +83,9 @@ class LocalRunner:
 
     def reset(self) -> None:
         self.cache = self.model.new_cache()
+
+    def cached_tokens(self) -> int:
+        return self.cache.length
 
     def wire_bytes(self) -> int:
         return 0
@@ -158,7 +166,11 @@ class Engine:
         self._cached: list[int] = []  # tokens whose K/V are in the runner's cache
 
     def _prefill(self, ids: list[int]) -> torch.Tensor:
-        # Reuse the longest cached prefix, but recompute at least the last prompt token.
+        # Reuse the longest cached prefix, but recompute at least the last prompt token. The
+        # runner may have dropped its cache since (a cluster regrouped or re-planned while
+        # idle): then nothing is cached, whatever this engine remembers.
+        if self.runner.cached_tokens() != len(self._cached):
+            self._cached = []
         p = 0
         limit = min(len(self._cached), len(ids) - 1)
         while p < limit and self._cached[p] == ids[p]:

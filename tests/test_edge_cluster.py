@@ -67,6 +67,17 @@ def test_engine_generates_and_reuses_prefix(ckpt) -> None:
     assert m["requests_total"] == 2 and m["completion_tokens_total"] == 24 and cut
 
 
+def test_engine_notices_a_dropped_cache(ckpt) -> None:
+    """A runner may drop its KV cache between requests (a cluster that regrouped while idle):
+    the next request must not reuse a prefix the cache no longer holds."""
+    p = SamplingParams(max_tokens=8)
+    want = _local_engine(ckpt).complete("Hello there, friend", p)[0]
+    eng = _local_engine(ckpt)
+    eng.complete("Hello there", p)
+    eng.runner.reset()
+    assert eng.complete("Hello there, friend", p)[0] == want
+
+
 def _start_cluster(path, world, group, weights=None, **kw):
     comms = group.comms()
     workers = [_Thread(lambda c=c: run_worker(c, WorkerConfig(join_timeout=20)))

@@ -339,3 +339,35 @@ def test_serve_bench_local_case_smoke(nested: Path) -> None:
         torch.set_num_threads(threads)
     assert res["tokens"] == 4 and res["tokens_per_s"] > 0
     assert 2.0 <= res["mean_bits"] < 8.0 and res["peak_rss_mb"] >= res["model_rss_mb"]
+
+
+def test_replan_onto_survivor_replaces_experts(nested: Path, reference: dict) -> None:
+    """A 3-device nested cluster loses a worker; with replan_after_s the master re-places every
+    expert over the 2 devices left (each re-opens its new share) and serves the same text."""
+    cfg = lru8(nested, 1.0)
+    group = LoopbackGroup(3, timeout=20)
+    comms = group.comms()
+    workers = [run_ranks_async(lambda c=c: run_worker(c, WorkerConfig(join_timeout=20)))
+               for c in comms[1:]]
+    runner = MasterRunner(comms[0], nested, ClusterConfig(
+        devices=3, op_timeout=5.0, join_timeout=20, heartbeat_s=0.3, replan_after_s=0.2,
+        experts=cfg))
+    eng = Engine(runner, ByteTokenizer(), model_name="m")
+    p = SamplingParams(max_tokens=N_TOK)
+    try:
+        assert eng.complete(PROMPT, p)[0] == reference["completion"]
+        assert len(runner.shard.store.keys) == 8          # 24 experts / 3 devices
+        group.kill(2)
+        deadline = time.monotonic() + 20
+        while runner.health()["healthy"] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        while not runner.health()["healthy"] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert runner.health()["devices"] == 2
+        assert len(runner.shard.store.keys) == 12         # re-placed over 2 devices
+        assert eng.complete(PROMPT, p)[0] == reference["completion"]
+        assert runner.store_report()["devices_reporting"] == 2
+    finally:
+        runner.close()
+        for w in workers:
+            w.join(10)
