@@ -40,7 +40,7 @@ from edge.model import LlamaForCausalLM, rope_inv_freq
 from edge.nested import WIDTHS, is_expert_key
 from edge.nested_checkpoint import MANIFEST, ExpertKey, NestedCheckpoint
 from edge.shardio import LoadedShard, WindowConfig, _assign
-from edge.tp import Reduce, make_plan, shard, slice_of, take
+from edge.tp import Reduce, make_plan, shard, slice_of
 from edge.window import MappedFile, MappedRegion, WindowScheduler, window_for_budget
 from lowband.errors import ConfigError, CorruptWeights
 
