@@ -144,6 +144,7 @@ def role_master(a) -> dict:
     comm = connect(coord.address, _zmq_config(None, 120.0), signature=SIGNATURE,
                    peer_id=f"{MASTER_ID_PREFIX}-bench")
     runner = MasterRunner(comm, a.model, ClusterConfig(devices=a.devices, wire=a.wire,
+                                                       link_spin_us=a.link_spin_us,
                                                        op_timeout=120.0, join_timeout=300.0,
                                                        heartbeat_s=3600.0))
     spent = [0.0]
@@ -205,7 +206,7 @@ def role_link(a) -> dict:
     _pin(a.core)
     x = torch.randn(1, 1, a.hidden)
     if a.rank == 0:
-        hub = StarHub("127.0.0.1", a.port)
+        hub = StarHub("127.0.0.1", a.port, spin_s=a.link_spin_us * 1e-6)
         hub.secret = a.secret  # both ends were given it on the command line
         hub.accept(1, timeout=60)
         net = hub
@@ -214,7 +215,8 @@ def role_link(a) -> dict:
         deadline = time.monotonic() + 60
         while net is None:
             try:
-                net = StarSpoke("127.0.0.1", a.port, 1, timeout=10, secret=a.secret)
+                net = StarSpoke("127.0.0.1", a.port, 1, timeout=10, secret=a.secret,
+                                spin_s=a.link_spin_us * 1e-6)
             except PeerLostError:
                 if time.monotonic() > deadline:
                     raise
@@ -233,6 +235,7 @@ def role_link(a) -> dict:
 def _link_latency(a, hidden: int) -> dict:
     port = _free_port()
     common = ["--role", "link", "--port", str(port), "--hidden", str(hidden),
+              "--link-spin-us", str(a.link_spin_us),
               "--secret", os.urandom(8).hex()]
     spoke = subprocess.Popen([sys.executable, "-m", "edge.bench", *common, "--rank", "1", "--core", "1"],
                              start_new_session=True, stdout=subprocess.DEVNULL)
@@ -315,7 +318,7 @@ def _run_tp(model: str, a, devices: int = 2) -> dict:
                for i in range(1, devices)]
     try:
         return _run_role(["--role", "master", "--bind", bind, "--devices", str(devices), "--core", "0",
-                          "--wire", a.wire, *common], a.timeout)
+                          "--wire", a.wire, "--link-spin-us", str(a.link_spin_us), *common], a.timeout)
     finally:
         for w in workers:
             try:
@@ -385,6 +388,7 @@ def main_bench(a) -> dict:
         "ttft_ms": {"1": round(single["ttft_ms"], 1), "2": round(tp["ttft_ms"], 1)},
         "prompt_len": a.prompt_len,
         "bytes_per_token_wire": tp["bytes_per_token_wire"], "wire": a.wire,
+        "link_spin_us": a.link_spin_us,
         "allreduce_ms_per_token": round(tp["allreduce_ms_per_token"], 2),
         "tp_decomposition": decomposition,
         "profile_1dev": singles[0].get("profile"),
@@ -421,6 +425,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="interleaved rounds of 1-device, 2-device and window runs (best kept)")
     p.add_argument("--window", type=int, default=2, help="W: layer blocks resident")
     p.add_argument("--wire", default="fp32", choices=["fp32", "fp16", "bf16", "int8"])
+    p.add_argument("--link-spin-us", type=float, default=1000.0,
+                   help="poll the TP link this long before sleeping (0: sleep at once)")
     p.add_argument("--skip-parity", action="store_true")
     p.add_argument("--no-decomposition", action="store_true",
                    help="skip the TP decomposition runs (slices alone/concurrent, link latency)")

@@ -94,6 +94,10 @@ class ClusterConfig:
     worker_model_dir: str | None = None  # path workers read; default: the master's path
     link: str = "direct"  # activations: "direct" (transport.starlink star over TCP) or "comm"
     link_host: str = "0.0.0.0"  # where the master's link listens (workers dial the master host)
+    # Microseconds each end of the direct link polls for an all-reduce answer before sleeping
+    # in the kernel (transport.starlink._Conn): saves the wake-up of an idle core per
+    # all-reduce, costs power while waiting. 0: always sleep.
+    link_spin_us: float = 1000.0
     # After this many seconds without the lost worker, re-plan the split onto the devices that
     # are left (each then holds a bigger slice). Needs a plain checkpoint (a split directory is
     # cut for one device count). None: wait for the worker to come back.
@@ -116,6 +120,8 @@ class ClusterConfig:
             raise ConfigError("replan_after_s", f"must be >= 0, got {self.replan_after_s}")
         if self.op_timeout <= 0 or self.join_timeout <= 0 or self.heartbeat_s <= 0:
             raise ConfigError("op_timeout", "timeouts must be > 0")
+        if not 0 <= self.link_spin_us <= 1e6:
+            raise ConfigError("link_spin_us", f"must be in [0, 1e6], got {self.link_spin_us}")
 
     def window_config(self) -> WindowConfig | None:
         if self.window is None and self.memory_budget_mb is None:
@@ -184,7 +190,8 @@ class MasterRunner:
         m = comm.quorum(min_world=cfg.devices, timeout=cfg.join_timeout)
         if master_rank(m.peers) != comm.rank:
             raise ConfigError("master", f"another peer ({m.peers[master_rank(m.peers)]}) is the master")
-        self.hub = StarHub(cfg.link_host) if cfg.link == "direct" and cfg.devices > 1 else None
+        self.hub = (StarHub(cfg.link_host, spin_s=cfg.link_spin_us * 1e-6)
+                    if cfg.link == "direct" and cfg.devices > 1 else None)
         self.shard = _load(self.model_dir, 0, cfg.devices, cfg.weights, cfg.dtype, self.hub or comm,
                            self.codec, cfg.algorithm, cfg.op_timeout, cfg.window_config(), self.tags,
                            cfg.experts)
@@ -213,6 +220,7 @@ class MasterRunner:
                     "window": cfg.window, "memory_budget_mb": cfg.memory_budget_mb,
                     "experts": cfg.experts.to_dict() if cfg.experts else None,
                     "link_port": self.hub.port if self.hub else None,
+                    "link_spin_us": self.cfg.link_spin_us,
                     "link_secret": self.hub.secret if self.hub else None,
                     # an idle master pings every heartbeat_s: this much silence means it is gone
                     "silence_s": max(30.0, 10 * cfg.heartbeat_s) + cfg.op_timeout}
@@ -510,7 +518,8 @@ def _handle(comm: Communicator, cfg: WorkerConfig, st: WorkerState, op: str,
             timeout = float(meta["op_timeout"])
             if meta.get("link_port") is not None:
                 st.link = StarSpoke(cfg.master_host, int(meta["link_port"]), int(meta["slot"]), timeout,
-                                    secret=str(meta.get("link_secret") or ""))
+                                    secret=str(meta.get("link_secret") or ""),
+                                    spin_s=float(meta.get("link_spin_us") or 0.0) * 1e-6)
             st.shard = _load(cfg.model_dir or meta["model_dir"], int(meta["slot"]), int(meta["world"]),
                              meta.get("weights"), meta.get("dtype"), st.link or comm,
                              wire_codec(meta["wire"]), meta["algorithm"], timeout, win, st.tags,

@@ -96,6 +96,9 @@ def _add_serve(p: argparse.ArgumentParser) -> None:
                         "general communicator (then --algorithm applies)")
     p.add_argument("--algorithm", default="star", choices=["star", "ring", "auto"],
                    help="all-reduce schedule with --link comm (default star)")
+    p.add_argument("--link-spin-us", type=float, default=1000.0,
+                   help="microseconds each device polls the direct link for an all-reduce "
+                        "answer before sleeping (default 1000; 0 saves power, adds latency)")
     p.add_argument("--token", help="shared secret workers must present")
     p.add_argument("--max-queue", type=int, default=64, help="waiting requests before 429")
     p.add_argument("--op-timeout", type=float, default=30.0,
@@ -215,6 +218,7 @@ def _serve_config(args, devices: int):
         server=ServerConfig(host=args.host, port=args.port, max_queue=args.max_queue),
         cluster=ClusterConfig(devices=devices, weights=_weights(args.weights), wire=args.wire,
                               algorithm=args.algorithm, link=args.link, dtype=args.dtype,
+                              link_spin_us=args.link_spin_us,
                               window=args.window,
                               memory_budget_mb=args.memory_budget_mb, op_timeout=args.op_timeout,
                               replan_after_s=args.replan_after_s, experts=_experts(args)))

@@ -11,17 +11,19 @@ from lowband.errors import PeerLost, ProtocolError
 from tests.conftest import run_ranks
 
 
-def _group(n: int):
-    hub = StarHub("127.0.0.1")
-    spokes = [StarSpoke("127.0.0.1", hub.port, s, timeout=10, secret=hub.secret) for s in range(1, n)]
+def _group(n: int, spin_s: float = 0.0):
+    hub = StarHub("127.0.0.1", spin_s=spin_s)
+    spokes = [StarSpoke("127.0.0.1", hub.port, s, timeout=10, secret=hub.secret, spin_s=spin_s)
+              for s in range(1, n)]
     for s in range(1, n):
         hub.accept(s, timeout=10)
     return hub, spokes
 
 
+@pytest.mark.parametrize("spin_s", [0.0, 0.002])
 @pytest.mark.parametrize("codec", [None, Int8BlockCodec(block=64)])
-def test_sum_is_bit_identical_everywhere(codec) -> None:
-    hub, spokes = _group(3)
+def test_sum_is_bit_identical_everywhere(codec, spin_s) -> None:
+    hub, spokes = _group(3, spin_s)
     xs = [torch.randn(1, 3, 100, generator=torch.Generator().manual_seed(r)) for r in range(3)]
     nets = [hub, *spokes]
     try:
@@ -42,8 +44,9 @@ def test_sum_is_bit_identical_everywhere(codec) -> None:
         assert hub.stats().bytes_received == 2 * 4 * payload
 
 
-def test_dead_worker_abort_and_resync() -> None:
-    hub, (a, b) = _group(3)
+@pytest.mark.parametrize("spin_s", [0.0, 0.002])
+def test_dead_worker_abort_and_resync(spin_s) -> None:
+    hub, (a, b) = _group(3, spin_s)
     x = torch.ones(4)
     try:
         b.close()  # a device dies
@@ -106,4 +109,16 @@ def test_link_refuses_a_stranger() -> None:
     finally:
         for s in (stranger, friend):
             s.close()
+        hub.close()
+
+
+def test_polling_receive_still_honours_the_timeout() -> None:
+    """A spinning receive that gets nothing falls back to the blocking read and its deadline."""
+    from lowband.errors import TransportTimeout
+    hub, (a,) = _group(2, spin_s=0.01)
+    try:
+        with pytest.raises(TransportTimeout):
+            hub.all_reduce(torch.ones(3), timeout=0.3)  # the worker never sends its part
+    finally:
+        a.close()
         hub.close()

@@ -22,10 +22,12 @@ Both classes provide the ``all_reduce``/``stats`` subset of the Communicator pro
 from __future__ import annotations
 
 import hmac
+import os
 import secrets
 import socket
 import struct
 import threading
+import time
 import msgpack
 import torch
 
@@ -56,11 +58,19 @@ def _decode(frames: list[torch.Tensor], meta: dict, codec: Codec | None) -> torc
 
 
 class _Conn:
-    """One framed TCP connection; every error becomes PeerLost / TransportTimeout."""
+    """One framed TCP connection; every error becomes PeerLost / TransportTimeout.
 
-    def __init__(self, sock: socket.socket, who: str) -> None:
+    ``spin_s``: before blocking in the kernel, poll the socket for up to this long (yielding
+    the core on every miss, so a core shared with another process is not starved). A decode
+    step's all-reduce answer usually arrives within a millisecond; a thread that went to sleep
+    in ``recv`` pays the wake-up of an idle core on top (tens to hundreds of µs on a VM), 64
+    times per token. A device spends that time waiting anyway, so polling costs it no work,
+    only power; 0 turns it off.
+    """
+
+    def __init__(self, sock: socket.socket, who: str, spin_s: float = 0.0) -> None:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        self.sock, self.who = sock, who
+        self.sock, self.who, self.spin_s = sock, who, spin_s
         self.sent = self.received = 0
 
     def send(self, kind: int, seq: int, frames: list[torch.Tensor] = (), meta: dict | None = None,
@@ -80,9 +90,26 @@ class _Conn:
             raise PeerLost(f"link to {self.who} broke: {exc}", peers=(self.who,)) from None
         self.sent += sum(f.numel() * f.element_size() for f in frames)  # tensor payload only
 
-    def _read(self, n: int) -> bytearray:
+    def _read(self, n: int, timeout: float | None) -> bytearray:
         buf = bytearray(n)
         view, got = memoryview(buf), 0
+        if self.spin_s > 0 and n:
+            self.sock.setblocking(False)
+            end = time.perf_counter() + self.spin_s
+            try:
+                while got < n:
+                    try:
+                        k = self.sock.recv_into(view[got:])
+                    except BlockingIOError:
+                        if time.perf_counter() > end:
+                            break
+                        os.sched_yield()
+                        continue
+                    if k == 0:
+                        raise PeerLost(f"{self.who} closed the link", peers=(self.who,))
+                    got += k
+            finally:
+                self.sock.settimeout(timeout)
         while got < n:
             k = self.sock.recv_into(view[got:])
             if k == 0:
@@ -93,10 +120,10 @@ class _Conn:
     def recv(self, timeout: float | None) -> tuple[int, int, list[torch.Tensor], dict]:
         try:
             self.sock.settimeout(timeout)
-            magic, ver, kind, _, seq, n = HEADER.unpack(self._read(HEADER.size))
+            magic, ver, kind, _, seq, n = HEADER.unpack(self._read(HEADER.size, timeout))
             if magic != MAGIC or ver != VERSION or n > MAX_PAYLOAD:
                 raise ProtocolError(f"bad link header from {self.who} (magic {magic!r}, v{ver})")
-            payload = self._read(n)
+            payload = self._read(n, timeout)
         except socket.timeout:
             raise TransportTimeout(f"no message from {self.who} within {timeout}s") from None
         except OSError as exc:
@@ -124,8 +151,9 @@ class _Conn:
 class StarHub:
     """The master's end: sums the workers' partial outputs and sends back the result."""
 
-    def __init__(self, host: str = "127.0.0.1", port: int = 0) -> None:
+    def __init__(self, host: str = "127.0.0.1", port: int = 0, *, spin_s: float = 0.0) -> None:
         self._srv = socket.create_server((host, port))
+        self.spin_s = spin_s
         self.port = self._srv.getsockname()[1]
         # Handed to workers over the (authenticated) communicator; a connection that does not
         # present it is dropped, so a stranger on the LAN cannot take a slot. (No encryption:
@@ -159,6 +187,7 @@ class StarHub:
         if old is not None:
             old.close()
         self._conns[slot] = self._pending.pop(slot)
+        self._conns[slot].spin_s = self.spin_s
         self._conns[slot].who = f"worker slot {slot}"
 
     def drop(self, slot: int) -> None:
@@ -224,13 +253,15 @@ class StarHub:
 class StarSpoke:
     """A worker's end: sends its partial output, receives the sum."""
 
-    def __init__(self, host: str, port: int, slot: int, timeout: float, secret: str = "") -> None:
+    def __init__(self, host: str, port: int, slot: int, timeout: float, secret: str = "", *,
+                 spin_s: float = 0.0) -> None:
         try:
             sock = socket.create_connection((host, port), timeout=timeout)
         except OSError as exc:
             raise PeerLost(f"cannot open the link to the master at {host}:{port}: {exc}") from None
         self._conn = _Conn(sock, f"master {host}:{port}")
         self._conn.send(HELLO, 0, meta={"slot": slot, "secret": secret}, timeout=timeout)
+        self._conn.spin_s = spin_s
         self._seq = 0
 
     def all_reduce(self, x: torch.Tensor, op: str = "sum", *, codec: Codec | None = None,
