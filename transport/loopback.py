@@ -27,6 +27,7 @@ import torch
 
 from lowband.comm import Algorithm, Codec, Encoded, Membership, OpStats, ReduceOp, ring_bytes
 from lowband.errors import CommClosed, ConfigError, PeerLost, ProtocolError, TransportTimeout
+from transport.blocking import BlockingCollectives
 from transport.work import FutureWork
 
 logger = logging.getLogger(__name__)
@@ -336,7 +337,7 @@ _COMPLETERS = {
 }
 
 
-class LoopbackComm:
+class LoopbackComm(BlockingCollectives):
     """One rank's handle on a :class:`LoopbackGroup`. Satisfies :class:`lowband.comm.Communicator`."""
 
     def __init__(self, group: LoopbackGroup, peer_id: str, membership: Membership) -> None:
@@ -415,12 +416,6 @@ class LoopbackComm:
         value = (data, tuple(tensor.shape), tensor.dtype, op, codec, algorithm)
         return self._submit("all_reduce", tag, value, timeout)
 
-    def all_reduce(self, tensor: torch.Tensor, op: ReduceOp = "sum", *,
-                   codec: Codec | None = None, algorithm: Algorithm = "auto",
-                   tag: str | None = None, timeout: float | None = None) -> torch.Tensor:
-        return self.all_reduce_async(tensor, op, codec=codec, algorithm=algorithm, tag=tag,
-                                     timeout=timeout).wait()
-
     def _broadcast_async(self, tensors: Sequence[torch.Tensor] | None, meta: Mapping | None,
                          root: int, tag: str | None, timeout: float | None) -> FutureWork:
         mine = None
@@ -442,25 +437,9 @@ class LoopbackComm:
         inner.add_done_callback(unwrap)
         return outer
 
-    def broadcast(self, tensor: torch.Tensor | None, root: int = 0, *, tag: str | None = None,
-                  timeout: float | None = None) -> torch.Tensor:
-        return self.broadcast_async(tensor, root, tag=tag, timeout=timeout).wait()
-
-    def broadcast_message(self, tensors: Sequence[torch.Tensor] | None,
-                          meta: Mapping[str, Any] | None, root: int = 0, *,
-                          tag: str | None = None,
-                          timeout: float | None = None) -> tuple[list[torch.Tensor], dict[str, Any]]:
-        if self.rank == root and tensors is None:
-            tensors = []
-        return self._broadcast_async(tensors, meta, root, tag, timeout).wait()
-
     def all_gather_async(self, tensor: torch.Tensor, *, tag: str | None = None,
                          timeout: float | None = None) -> FutureWork:
         return self._submit("all_gather", tag, tensor.detach().clone(), timeout)
-
-    def all_gather(self, tensor: torch.Tensor, *, tag: str | None = None,
-                   timeout: float | None = None) -> list[torch.Tensor]:
-        return self.all_gather_async(tensor, tag=tag, timeout=timeout).wait()
 
     def barrier(self, *, tag: str | None = None, timeout: float | None = None) -> None:
         self._submit("barrier", tag, None, timeout).wait()

@@ -44,6 +44,7 @@ from transport.ops import acc_dtype
 from transport.engine import Engine, PeerTable, data_address
 from transport.shm import ShmAllReduce, shm_key
 from transport.wire import MsgType
+from transport.blocking import BlockingCollectives
 from transport.work import FutureWork
 
 logger = logging.getLogger(__name__)
@@ -280,7 +281,7 @@ def _register(control: zmq.Socket, coordinator: str, cfg: ZmqConfig, meta: dict[
         monitor.close(0)
 
 
-class ZmqCommunicator:
+class ZmqCommunicator(BlockingCollectives):
     """One peer's communicator. Satisfies :class:`lowband.comm.Communicator`."""
 
     def __init__(self, engine: Engine, ctx: zmq.Context, zap: ZapHandler | None, cfg: ZmqConfig,
@@ -414,12 +415,6 @@ class ZmqCommunicator:
         self._engine.submit(o)
         return o.work
 
-    def all_reduce(self, tensor: torch.Tensor, op: ReduceOp = "sum", *,
-                   codec: Codec | None = None, algorithm: Algorithm = "auto",
-                   tag: str | None = None, timeout: float | None = None) -> torch.Tensor:
-        return self.all_reduce_async(tensor, op, codec=codec, algorithm=algorithm, tag=tag,
-                                     timeout=timeout).wait()
-
     def _broadcast_async(self, tensors: Sequence[torch.Tensor] | None, meta: Mapping | None,
                          root: int, tag: str | None, timeout: float | None) -> FutureWork:
         table = self._table()
@@ -455,18 +450,6 @@ class ZmqCommunicator:
         inner.add_done_callback(unwrap)
         return outer
 
-    def broadcast(self, tensor: torch.Tensor | None, root: int = 0, *, tag: str | None = None,
-                  timeout: float | None = None) -> torch.Tensor:
-        return self.broadcast_async(tensor, root, tag=tag, timeout=timeout).wait()
-
-    def broadcast_message(self, tensors: Sequence[torch.Tensor] | None,
-                          meta: Mapping[str, Any] | None, root: int = 0, *,
-                          tag: str | None = None,
-                          timeout: float | None = None) -> tuple[list[torch.Tensor], dict[str, Any]]:
-        if self.rank == root and tensors is None:
-            tensors = []
-        return self._broadcast_async(tensors, meta, root, tag, timeout).wait()
-
     def all_gather_async(self, tensor: torch.Tensor, *, tag: str | None = None,
                          timeout: float | None = None) -> FutureWork:
         table = self._table()
@@ -475,10 +458,6 @@ class ZmqCommunicator:
                         max_bytes=self.config.max_tensor_bytes)
         self._engine.submit(o)
         return o.work
-
-    def all_gather(self, tensor: torch.Tensor, *, tag: str | None = None,
-                   timeout: float | None = None) -> list[torch.Tensor]:
-        return self.all_gather_async(tensor, tag=tag, timeout=timeout).wait()
 
     def barrier(self, *, tag: str | None = None, timeout: float | None = None) -> None:
         table = self._table()
@@ -521,7 +500,7 @@ class ZmqCommunicator:
             # Withdraw it on the engine thread before giving up: a message that arrives in
             # between must either complete this receive (and be returned) or stay for the next.
             settled = threading.Event()
-            self._engine.call(lambda: (o.finished or o.fail(self._engine, exc), settled.set()))
+            self._engine.call(lambda e=exc: (o.finished or o.fail(self._engine, e), settled.set()))
             settled.wait(5.0)
             return o.work.wait(0)
 

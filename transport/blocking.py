@@ -1,0 +1,40 @@
+"""The blocking collectives of a communicator, written once over its async ones.
+
+Both communicators (:mod:`transport.loopback`, :mod:`transport.zmq_comm`) implement the async
+variants and ``_broadcast_async(tensors, meta, root, tag, timeout)``; a blocking call is the
+async call waited on, so the two cannot drift apart in argument handling.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping, Sequence
+
+import torch
+
+from lowband.comm import Algorithm, Codec, ReduceOp
+
+
+class BlockingCollectives:
+    """Mixin: ``all_reduce``, ``broadcast``, ``broadcast_message``, ``all_gather``."""
+
+    def all_reduce(self, tensor: torch.Tensor, op: ReduceOp = "sum", *,
+                   codec: Codec | None = None, algorithm: Algorithm = "auto",
+                   tag: str | None = None, timeout: float | None = None) -> torch.Tensor:
+        return self.all_reduce_async(tensor, op, codec=codec, algorithm=algorithm, tag=tag,
+                                     timeout=timeout).wait()
+
+    def broadcast(self, tensor: torch.Tensor | None, root: int = 0, *, tag: str | None = None,
+                  timeout: float | None = None) -> torch.Tensor:
+        return self.broadcast_async(tensor, root, tag=tag, timeout=timeout).wait()
+
+    def broadcast_message(self, tensors: Sequence[torch.Tensor] | None,
+                          meta: Mapping[str, Any] | None, root: int = 0, *,
+                          tag: str | None = None,
+                          timeout: float | None = None) -> tuple[list[torch.Tensor], dict[str, Any]]:
+        if self.rank == root and tensors is None:
+            tensors = []
+        return self._broadcast_async(tensors, meta, root, tag, timeout).wait()
+
+    def all_gather(self, tensor: torch.Tensor, *, tag: str | None = None,
+                   timeout: float | None = None) -> list[torch.Tensor]:
+        return self.all_gather_async(tensor, tag=tag, timeout=timeout).wait()
