@@ -133,3 +133,15 @@ class WorkerResult:
         out = {k: getattr(self, k) for k in keys}
         out["tokens_per_s"] = self.tokens / self.wall_s if self.wall_s > 0 else math.nan
         return out
+
+    def record_step(self, step: int, loss: float, tokens: int) -> None:
+        self.losses[step] = loss
+        self.tokens += tokens
+
+    def step_record(self, step: int, loss: float, lr: float, elapsed_s: float,
+                    bytes_sent: int, bytes_received: int) -> dict[str, Any]:
+        """The fields of a ``step`` line of the metrics log (DiLoCo and DDP log the same)."""
+        return dict(step=step, loss=loss, lr=lr, tokens=self.tokens,
+                    tokens_per_s=round(self.tokens / max(elapsed_s, 1e-9), 1),
+                    compute_s=round(self.compute_s, 4), sync_s=round(self.sync_s, 4),
+                    bytes_sent=bytes_sent, bytes_received=bytes_received)

@@ -446,14 +446,12 @@ class DilocoWorker:
     # ---- bookkeeping ---------------------------------------------------------------------------
     def _after_step(self, loss: float) -> None:
         r, step = self.result, self.step
-        r.losses[step] = loss
-        r.tokens += self.task.tokens_per_batch()
+        r.record_step(step, loss, self.task.tokens_per_batch())
         if step % self.cfg.log_every == 0 or step == self.cfg.steps:
             stats = self.comm.stats()
-            self.log.log("step", step=step, loss=loss, lr=self.inner.lr(), tokens=r.tokens,
-                         tokens_per_s=round(r.tokens / max(time.perf_counter() - self._t0, 1e-9), 1),
-                         compute_s=round(r.compute_s, 4), sync_s=round(r.sync_s, 4),
-                         bytes_sent=stats.bytes_sent, bytes_received=stats.bytes_received)
+            self.log.log("step", **r.step_record(step, loss, self.inner.lr(),
+                                                 time.perf_counter() - self._t0,
+                                                 stats.bytes_sent, stats.bytes_received))
         if self.cfg.eval_every and step % self.cfg.eval_every == 0 and step < self.cfg.steps:
             self._evaluate()
         if self.cfg.checkpoint_every and step % self.cfg.checkpoint_every == 0:
