@@ -169,6 +169,12 @@ def _alive(pid: int) -> bool:
     return "State:\tZ" not in state
 
 
+def _ctrl_c_reaches_child() -> None:
+    # A shell starts background jobs with SIGINT ignored and children inherit that; the demo
+    # must see the Ctrl-C this test sends however the suite itself was started.
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_ctrl_c_leaves_no_site_or_namespace_behind(spawn, tmp_path):
@@ -176,7 +182,7 @@ def test_ctrl_c_leaves_no_site_or_namespace_behind(spawn, tmp_path):
     out = tmp_path / "out"
     p = spawn([PY, "-m", "lowband", "demo", *TINY, "--steps", "4000", "--link", link,
                "--out", str(out), "--quiet"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-              text=True)
+              text=True, preexec_fn=_ctrl_c_reaches_child, env={"PYTHONFAULTHANDLER": "1"})
     sites = out / "diloco" / "sites.json"
     deadline = time.monotonic() + 60
     while not sites.exists():  # the sites are up once the demo wrote their pids
@@ -187,7 +193,11 @@ def test_ctrl_c_leaves_no_site_or_namespace_behind(spawn, tmp_path):
     if link == "netns":
         assert len(_namespaces(p.pid)) == 2
     os.kill(p.pid, signal.SIGINT)
-    p.communicate(timeout=30)
+    try:
+        p.communicate(timeout=60)
+    except subprocess.TimeoutExpired:  # say where it hangs: faulthandler dumps every thread
+        os.kill(p.pid, signal.SIGABRT)
+        pytest.fail("the demo did not exit within 60 s of Ctrl-C:\n" + p.communicate(timeout=20)[0][-6000:])
     assert p.returncode != 0
     assert not any(_alive(pid) for pid in pids)
     assert _namespaces(p.pid) == []
