@@ -30,6 +30,7 @@ from diloco.task import LMTask, Task
 from diloco.trainer import DilocoWorker
 from lowband.comm import Communicator
 from lowband.errors import ConfigError, PeerLost, TransportTimeout
+from lowband.proc import die_with_parent
 
 logger = logging.getLogger(__name__)
 
@@ -212,7 +213,7 @@ def _run_processes(cfg: LocalLaunch, config_file: Path) -> dict[int, int]:
             log = (cfg.out_dir / f"worker{i}.log").open("w")
             # Own session: the whole worker (and anything it starts) can be killed as a group.
             procs[i] = subprocess.Popen(args, stdout=log, stderr=None if show else log,
-                                        start_new_session=True)
+                                        start_new_session=True, preexec_fn=die_with_parent)
         (cfg.out_dir / "workers.json").write_text(json.dumps(
             {"coordinator": coord.address, "pids": {i: p.pid for i, p in procs.items()}}))
         return {i: p.wait() for i, p in procs.items()}

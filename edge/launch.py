@@ -28,6 +28,7 @@ from edge.server import ServerConfig, serve_forever
 from edge.shardio import WindowConfig, is_split_dir, load_shard
 from edge.tokenizer import ByteTokenizer, load_tokenizer
 from lowband.errors import ConfigError, PeerLost
+from lowband.proc import die_with_parent
 
 logger = logging.getLogger(__name__)
 
@@ -219,7 +220,7 @@ def run_main(cfg: RunConfig) -> int:
                 args += ["--token", serve.token]
             if cfg.pin_cores:
                 args += ["--threads", "1", "--cores", str(i % ncpu)]
-            procs.append(subprocess.Popen(args, start_new_session=True))
+            procs.append(subprocess.Popen(args, start_new_session=True, preexec_fn=die_with_parent))
 
     check_model(serve.model_dir, serve.cluster)  # before any worker process starts
     try:

@@ -39,6 +39,7 @@ from typing import Any, Literal, Protocol
 
 from diloco.config import DilocoConfig, TrainConfig, config_to_dict, shakespeare, with_overrides
 from lowband.errors import ConfigError, LowbandError
+from lowband.proc import die_with_parent
 
 logger = logging.getLogger(__name__)
 
@@ -329,7 +330,7 @@ def run_sites(cfg: DemoConfig, net: Network, train: TrainConfig, run_dir: Path,
                     # Own session: the site and anything it starts die together (killpg).
                     procs.append(subprocess.Popen(
                         args, stdout=log, stderr=None if show else subprocess.STDOUT,
-                        start_new_session=True))
+                        start_new_session=True, preexec_fn=die_with_parent))
             (run_dir / "sites.json").write_text(json.dumps(
                 {"coordinator": coord.address, "pids": [p.pid for p in procs]}))
             _say(cfg, f"{label}: {len(procs)} sites started")
