@@ -125,6 +125,19 @@ def _madvise(addr: int, length: int, advice: int) -> bool:
     return _libc.madvise(ctypes.c_void_p(addr), ctypes.c_size_t(length), advice) == 0
 
 
+def _populate(addr: int, size: int, pages: torch.Tensor) -> None:
+    """Fault in [addr, addr + size) (``pages`` is the same memory as bytes): one madvise where
+    the kernel has MADV_POPULATE_READ, else one read per page (in torch, without the GIL)."""
+    global _populate_ok
+    if _populate_ok and _madvise(addr, size, MADV_POPULATE_READ):
+        return
+    if _populate_ok:
+        _populate_ok = False
+        logger.info("MADV_POPULATE_READ unavailable (errno %d); touching pages instead",
+                    ctypes.get_errno())
+    pages[::PAGE].sum()
+
+
 class MappedFile:
     """One safetensors file mapped read-only; ``tensors`` are zero-copy views of it."""
 
@@ -156,14 +169,7 @@ class MappedFile:
 
     def populate(self) -> None:
         """Map every page (reading from disk if needed)."""
-        global _populate_ok
-        if _populate_ok and _madvise(self.addr, self.size, MADV_POPULATE_READ):
-            return
-        if _populate_ok:
-            _populate_ok = False
-            logger.info("MADV_POPULATE_READ unavailable (errno %d); touching pages instead",
-                        ctypes.get_errno())
-        self._u8[::PAGE].sum()  # one read per page; runs in torch without the GIL
+        _populate(self.addr, self.size, self._u8)
 
     def evict(self) -> None:
         _madvise(self.addr, self.size, MADV_DONTNEED)
@@ -203,14 +209,7 @@ class MappedRegion:
         self.addr = file.addr + self.offset
 
     def populate(self) -> None:
-        global _populate_ok
-        if _populate_ok and _madvise(self.addr, self.size, MADV_POPULATE_READ):
-            return
-        if _populate_ok:
-            _populate_ok = False
-            logger.info("MADV_POPULATE_READ unavailable (errno %d); touching pages instead",
-                        ctypes.get_errno())
-        self.file._u8[self.offset:self.offset + self.size:PAGE].sum()
+        _populate(self.addr, self.size, self.file._u8[self.offset:self.offset + self.size])
 
     def evict(self) -> None:
         _madvise(self.addr, self.size, MADV_DONTNEED)
