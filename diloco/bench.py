@@ -223,6 +223,11 @@ def _wallclock(b: BenchConfig, task: Task) -> dict[str, Any]:
                            f"{b.link_latency_ms} ms one way, per worker; compute is real"}
     for name, cfg in runs.items():
         out[name] = _run_shaped(cfg, task, bw, lat)
+    return with_speedups(out)
+
+
+def with_speedups(out: dict[str, Any]) -> dict[str, Any]:
+    """Add the overlap and DDP speedups (steps/s ratios) to a three-run wall-clock result."""
     out["speedup_overlap_vs_no_overlap"] = (out["streaming_overlap"]["steps_per_s"]
                                             / out["diloco_no_overlap"]["steps_per_s"])
     out["speedup_streaming_vs_ddp"] = (out["streaming_overlap"]["steps_per_s"]

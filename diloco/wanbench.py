@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from diloco.bench import BenchConfig
+from diloco.bench import BenchConfig, with_speedups
 from diloco.config import DDPConfig, TrainConfig, config_to_dict
 from lowband.errors import ConfigError
 
@@ -154,11 +154,7 @@ def run_wanbench(w: WanBench, b: BenchConfig) -> dict[str, Any]:
         for name, cfg in variants.items():
             cfg = dataclasses.replace(cfg, eval_every=0, audit_every=0, sync_timeout=300.0)
             out[name] = _run(bed, cfg, Path(tmp) / name, w.timeout)
-    out["speedup_overlap_vs_no_overlap"] = (out["streaming_overlap"]["steps_per_s"]
-                                            / out["diloco_no_overlap"]["steps_per_s"])
-    out["speedup_streaming_vs_ddp"] = (out["streaming_overlap"]["steps_per_s"]
-                                       / out["ddp"]["steps_per_s"])
-    return out
+    return with_speedups(out)
 
 
 def main(argv: list[str] | None = None) -> int:
