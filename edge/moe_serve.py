@@ -41,7 +41,7 @@ from edge.nested import WIDTHS, is_expert_key
 from edge.nested_checkpoint import MANIFEST, ExpertKey, NestedCheckpoint
 from edge.shardio import LoadedShard, WindowConfig, _assign
 from edge.tp import Reduce, make_plan, shard, slice_of
-from edge.window import MappedFile, MappedRegion, WindowScheduler, window_for_budget
+from edge.window import MappedFile, MappedRegion, WindowScheduler
 from lowband.errors import ConfigError, CorruptWeights
 
 logger = logging.getLogger(__name__)
@@ -336,9 +336,7 @@ def _load_backbone_window(model: LlamaForCausalLM, d: Path, window: WindowConfig
     from edge.window import attach as attach_tensors
     for i, (layer, reg) in enumerate(zip(model.model.layers, regions)):
         attach_tensors(layer, reg.tensors, f"model.layers.{i}.")
-    w = window.window
-    if w is None:
-        fixed = sum(t.numel() * t.element_size() for t in head.values())
-        w = window_for_budget(int(window.memory_budget_mb * 2**20), [r.size for r in regions], fixed)
-    logger.info("sliding window: %d of %d backbone blocks resident", min(w, n), n)
-    return WindowScheduler(list(model.model.layers), regions, min(w, n), window.loader_cores)
+    fixed = sum(t.numel() * t.element_size() for t in head.values())
+    w = window.blocks([r.size for r in regions], fixed)
+    logger.info("sliding window: %d of %d backbone blocks resident", w, n)
+    return WindowScheduler(list(model.model.layers), regions, w, window.loader_cores)

@@ -133,6 +133,14 @@ class WindowConfig:
         if self.memory_budget_mb is not None and self.memory_budget_mb <= 0:
             raise ConfigError("memory_budget_mb", f"must be > 0, got {self.memory_budget_mb}")
 
+    def blocks(self, block_bytes: Sequence[int], fixed_bytes: int) -> int:
+        """W for blocks of these sizes: the set window, or as many as the budget holds next to
+        ``fixed_bytes`` of always-resident weights; never more than there are blocks."""
+        w = self.window
+        if w is None:
+            w = window_for_budget(int(self.memory_budget_mb * 2**20), block_bytes, fixed_bytes)
+        return min(w, len(block_bytes))
+
 
 @dataclass
 class LoadedShard:
@@ -242,12 +250,10 @@ def _load_split(model: LlamaForCausalLM, d: Path, rank: int, dt: torch.dtype, fi
         # Fully resident, zero-copy: the same huge-page mapping as the window, all populated
         # once, never evicted (faster to load and to run than a 4 KiB anonymous copy).
         return WindowScheduler(list(model.model.layers), files, n)
-    w = window.window
-    if w is None:
-        fixed = sum(t.numel() * t.element_size() for t in tensors.values())
-        w = window_for_budget(int(window.memory_budget_mb * 2**20), [f.size for f in files], fixed)
-    logger.info("sliding window: %d of %d layer blocks resident", min(w, n), n)
-    return WindowScheduler(list(model.model.layers), files, min(w, n), window.loader_cores)
+    fixed = sum(t.numel() * t.element_size() for t in tensors.values())
+    w = window.blocks([f.size for f in files], fixed)
+    logger.info("sliding window: %d of %d layer blocks resident", w, n)
+    return WindowScheduler(list(model.model.layers), files, w, window.loader_cores)
 
 
 def _assign(model: LlamaForCausalLM, tensors: dict[str, torch.Tensor], partial: bool = False) -> None:
