@@ -266,13 +266,17 @@ class MasterRunner:
                     return
             time.sleep(0.2)
 
-    def _regroup_once(self) -> None:
-        old = self.comm.membership
+    def _announce_regroup(self) -> None:
+        """Tell every other peer to join the next quorum (see ``_regroup`` on the workers)."""
+        epoch = self.comm.membership.epoch
         for r in self._others():
             try:
-                self.comm.send(r, [], {"op": "regroup", "epoch": old.epoch}, tag=CTL)
+                self.comm.send(r, [], {"op": "regroup", "epoch": epoch}, tag=CTL)
             except (PeerLost, TransportTimeout):
                 pass  # that one is gone; the quorum goes on without it
+
+    def _regroup_once(self) -> None:
+        self._announce_regroup()
         m = self.comm.quorum(min_world=self.devices, timeout=self.cfg.heartbeat_s * 5)
         self._slots = {p: s for p, s in self._slots.items() if p in m.peers}
         missing = sorted(set(range(self.devices)) - set(self._slots.values()))
@@ -287,12 +291,7 @@ class MasterRunner:
 
     def _replan(self) -> None:
         """Re-split the model over whoever is connected now (survivors and newcomers)."""
-        old = self.comm.membership
-        for r in self._others():
-            try:
-                self.comm.send(r, [], {"op": "regroup", "epoch": old.epoch}, tag=CTL)
-            except (PeerLost, TransportTimeout):
-                pass
+        self._announce_regroup()
         m = self.comm.quorum(min_world=1, timeout=self.cfg.heartbeat_s * 5)
         others = self._others()
         w = self.cfg.weights
