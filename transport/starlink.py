@@ -93,28 +93,27 @@ class _Conn:
     def _read(self, n: int, timeout: float | None) -> bytearray:
         buf = bytearray(n)
         view, got = memoryview(buf), 0
-        if self.spin_s > 0 and n:
+        spinning = self.spin_s > 0 and n > 0
+        if spinning:
             self.sock.setblocking(False)
             end = time.perf_counter() + self.spin_s
-            try:
-                while got < n:
-                    try:
-                        k = self.sock.recv_into(view[got:])
-                    except BlockingIOError:
-                        if time.perf_counter() > end:
-                            break
+        try:
+            while got < n:
+                try:
+                    k = self.sock.recv_into(view[got:])
+                except BlockingIOError:  # only while spinning: the socket is non-blocking
+                    if time.perf_counter() <= end:
                         os.sched_yield()
-                        continue
-                    if k == 0:
-                        raise PeerLost(f"{self.who} closed the link", peers=(self.who,))
-                    got += k
-            finally:
+                    else:  # spun long enough: sleep in the kernel, under the deadline
+                        self.sock.settimeout(timeout)
+                        spinning = False
+                    continue
+                if k == 0:
+                    raise PeerLost(f"{self.who} closed the link", peers=(self.who,))
+                got += k
+        finally:
+            if spinning:
                 self.sock.settimeout(timeout)
-        while got < n:
-            k = self.sock.recv_into(view[got:])
-            if k == 0:
-                raise PeerLost(f"{self.who} closed the link", peers=(self.who,))
-            got += k
         return buf
 
     def recv(self, timeout: float | None) -> tuple[int, int, list[torch.Tensor], dict]:
