@@ -80,12 +80,12 @@ def export_model(model: torch.nn.Module, out_dir: Path, *, byte_tokenizer: bool)
     """Save the model in the format ``edge`` loads: HF ``config.json`` + ``model.safetensors``
     (+ the byte-tokenizer marker when the run trained on bytes) for the Llama family, a bare
     safetensors file otherwise."""
-    from edge.model import LlamaForCausalLM
+    from lowband.models.llama import LlamaForCausalLM
 
     out_dir.mkdir(parents=True, exist_ok=True)
     if isinstance(model, LlamaForCausalLM):
-        from edge.tokenizer import ByteTokenizer
-        from edge.weights import save_pretrained
+        from lowband.models.tokenizer import ByteTokenizer
+        from lowband.models.weights import save_pretrained
 
         save_pretrained(model, out_dir)
         if byte_tokenizer:

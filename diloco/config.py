@@ -17,7 +17,7 @@ from typing import Callable, Iterable, Literal
 
 import torch
 
-from edge.config import ModelConfig
+from lowband.models.config import ModelConfig
 from lowband.codecs import codec_names
 from lowband.errors import ConfigError
 
@@ -230,10 +230,6 @@ class TrainConfig:
             raise ConfigError("data.seq_len", f"{self.data.seq_len} exceeds the model's "
                               f"max_position_embeddings {self.model.max_position_embeddings}")
 
-    @property
-    def is_diloco(self) -> bool:
-        return isinstance(self.mode, DilocoConfig)
-
     def tokens_per_step(self) -> int:
         """Tokens one worker consumes per inner step."""
         return self.data.batch_size * self.data.seq_len
@@ -359,7 +355,7 @@ def tiny() -> TrainConfig:
 
 def shakespeare() -> TrainConfig:
     """The default of ``lowband train``: Streaming DiLoCo on the embedded Shakespeare sample with
-    the settings tuned by ``diloco.bench`` (2 workers, H=60, P=3, τ=5, α=0.5, NF4 + error
+    the settings tuned by ``benchmarks.diloco`` (2 workers, H=60, P=3, τ=5, α=0.5, NF4 + error
     feedback, outer Nesterov lr 1.0): ~0.13 M parameters, a few minutes on 2 CPU cores."""
     return TrainConfig(
         model=byte_llama(64, 2, 4),

@@ -19,8 +19,9 @@ import torch
 
 from diloco.config import DataConfig
 from lowband.errors import ConfigError
+from lowband import SAMPLE_TEXT
 
-EMBEDDED = Path(__file__).resolve().parent / "data" / "shakespeare_sample.txt"
+EMBEDDED = SAMPLE_TEXT
 
 
 @dataclass(frozen=True)

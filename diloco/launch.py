@@ -23,10 +23,9 @@ from typing import Callable
 
 from diloco.common import WorkerResult
 from diloco.config import DDPConfig, DilocoConfig, TrainConfig, config_to_dict
-from diloco.data import load_corpus
 from diloco.ddp import DDPWorker
 from diloco.metrics import MetricsLog, plot_runs, read_jsonl
-from diloco.task import LMTask, Task
+from diloco.task import Task, lm_task
 from diloco.trainer import DilocoWorker
 from lowband.comm import Communicator
 from lowband.errors import ConfigError, PeerLost, TransportTimeout
@@ -35,13 +34,6 @@ from lowband.proc import die_with_parent
 logger = logging.getLogger(__name__)
 
 Worker = DilocoWorker | DDPWorker
-
-
-def lm_task(cfg: TrainConfig) -> LMTask:
-    """The default task: the configured corpus (ConfigError if missing or empty) and model."""
-    if cfg.model is None:
-        raise ConfigError("model", "the language-model task needs a ModelConfig (use a preset)")
-    return LMTask(cfg, load_corpus(cfg.data, cfg.model.vocab_size))
 
 
 def make_worker(cfg: TrainConfig, comm: Communicator, task: Task, *, worker_id: str,

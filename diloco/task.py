@@ -2,7 +2,7 @@
 
 The trainers (``diloco.trainer``, ``diloco.ddp``) are written against this Protocol so that any
 ``nn.Module`` can be trained; :class:`LMTask` is the default, a Llama-family byte-level language
-model from ``edge.model`` on a token corpus.
+model from ``lowband.models.llama`` on a token corpus.
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from diloco.config import TrainConfig
-from diloco.data import Corpus, eval_batches, train_batch
-from edge.model import LlamaForCausalLM, init_weights
+from diloco.data import Corpus, eval_batches, load_corpus, train_batch
+from lowband.models.llama import LlamaForCausalLM, init_weights
 from lowband.errors import ConfigError
 
 
@@ -40,7 +40,7 @@ class Task(Protocol):
 
 
 class LMTask:
-    """Next-token prediction with :class:`edge.model.LlamaForCausalLM` (HF parameter names)."""
+    """Next-token prediction with :class:`lowband.models.llama.LlamaForCausalLM` (HF parameter names)."""
 
     def __init__(self, cfg: TrainConfig, corpus: Corpus) -> None:
         if cfg.model is None:
@@ -72,3 +72,10 @@ class LMTask:
 
     def tokens_per_batch(self) -> int:
         return self.cfg.data.batch_size * self.cfg.data.seq_len
+
+
+def lm_task(cfg: TrainConfig) -> LMTask:
+    """The default task: the configured corpus (ConfigError if missing or empty) and model."""
+    if cfg.model is None:
+        raise ConfigError("model", "the language-model task needs a ModelConfig (use a preset)")
+    return LMTask(cfg, load_corpus(cfg.data, cfg.model.vocab_size))

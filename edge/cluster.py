@@ -12,7 +12,7 @@ survivors keep their slots and a returning worker is assigned the missing one.
 Control messages (msgpack meta, master -> worker unless noted)::
 
     assign   {slot, world, weights, model_dir, dtype, codec, algorithm, window?, budget_mb?,
-              experts?}   (experts: edge.moe_serve.ExpertServeConfig.to_dict of a nested MoE)
+              experts?}   (experts: edge.moe.serve.ExpertServeConfig.to_dict of a nested MoE)
     ready    worker -> master, {ok, slot, error?}
     forward  {fid, start, epoch} + one tensor: embedded tokens (1, T, H)
     reset    drop the KV cache
@@ -42,7 +42,7 @@ from typing import Sequence
 import torch
 
 from edge.engine import ClusterUnavailable
-from edge.moe_serve import ExpertServeConfig, is_nested_dir, load_nested_shard
+from edge.moe.serve import ExpertServeConfig, is_nested_dir, load_nested_shard
 from transport.starlink import StarHub, StarSpoke
 from edge.shardio import LoadedShard, WindowConfig, is_split_dir, load_shard
 from edge.tp import make_reduce
@@ -380,7 +380,7 @@ class MasterRunner:
 
     def store_report(self) -> dict | None:
         """Expert-store statistics of every device, summed (None for a dense model)."""
-        from edge.moe_serve import merge_reports
+        from edge.moe.serve import merge_reports
         with self._lock:
             own = self.shard.store_report() if self.shard is not None else None
             if own is None and self.cfg.experts is None:

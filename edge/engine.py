@@ -17,10 +17,10 @@ from typing import Iterator, Protocol, Sequence
 
 import torch
 
-from edge.config import ModelConfig
-from edge.model import KVCache, LlamaForCausalLM
+from lowband.models.config import ModelConfig
+from lowband.models.llama import KVCache, LlamaForCausalLM
 from edge.sampling import Sampler, SamplingParams, StopMatcher
-from edge.tokenizer import Tokenizer
+from lowband.models.tokenizer import Tokenizer
 from lowband.errors import ConfigError, LowbandError
 
 logger = logging.getLogger(__name__)

@@ -20,13 +20,13 @@ import torch
 
 from edge.cluster import (MASTER_ID_PREFIX, ClusterConfig, MasterRunner, WorkerConfig,
                           check_experts, run_worker)
-from edge.config import ModelConfig
+from lowband.models.config import ModelConfig
 from edge.engine import Engine, LocalRunner
-from edge.moe_serve import ExpertServeConfig, load_nested_shard, plan_ranks
+from edge.moe.serve import ExpertServeConfig, load_nested_shard, plan_ranks
 from edge.sampling import SamplingParams
 from edge.server import ServerConfig, serve_forever
 from edge.shardio import WindowConfig, is_split_dir, load_shard
-from edge.tokenizer import ByteTokenizer, load_tokenizer
+from lowband.models.tokenizer import ByteTokenizer, load_tokenizer
 from lowband.errors import ConfigError, PeerLost
 from lowband.proc import die_with_parent
 

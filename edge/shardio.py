@@ -26,10 +26,10 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from edge.config import ModelConfig
-from edge.model import LlamaForCausalLM, rope_inv_freq
+from lowband.models.config import ModelConfig
+from lowband.models.llama import LlamaForCausalLM, rope_inv_freq
 from edge.tp import HEAD_KEYS, Reduce, TPPlan, make_plan, shard, slice_of, take
-from edge.weights import DTYPES, weight_files
+from lowband.models.weights import DTYPES, weight_files
 from edge.window import MappedFile, WindowScheduler, attach, window_for_budget
 from lowband.errors import ConfigError
 
@@ -150,7 +150,7 @@ class LoadedShard:
     plan: TPPlan
     rank: int
     scheduler: WindowScheduler | None = None
-    store: Any = None  # edge.expert_store.ExpertCache of a nested MoE (its experts live there)
+    store: Any = None  # edge.moe.store.ExpertCache of a nested MoE (its experts live there)
 
     def close(self) -> None:
         if self.scheduler is not None:

@@ -5,7 +5,7 @@ whole KV groups (a group = one KV head and the query heads that read it), so eac
 ordinary grouped-query attention on its heads and ``o_proj`` produces a partial sum; the
 SwiGLU FFN (and every Mixtral expert) is split by intermediate columns, so ``down_proj``/``w2``
 produce partial sums. Two all-reduces per layer combine them (the ``reduce`` hooks of
-``edge.model``). Norms and the MoE router are replicated; the embedding, final norm and LM head
+``lowband.models.llama``). Norms and the MoE router are replicated; the embedding, final norm and LM head
 live on rank 0 only (the master embeds tokens and samples; workers see hidden states).
 
 Uneven splits: ``weights`` (device memory or speed) apportion KV groups and FFN columns by the
@@ -25,8 +25,8 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import nn
 
-from edge.config import ModelConfig
-from edge.model import LlamaForCausalLM
+from lowband.models.config import ModelConfig
+from lowband.models.llama import LlamaForCausalLM
 from lowband.comm import Algorithm, Codec, Communicator
 from lowband.errors import ConfigError
 

@@ -1,12 +1,18 @@
 """lowband: train and serve language models where the network is the bottleneck.
 
-The distribution ships four packages:
+The distribution ships four packages, each a layer (ARCHITECTURE.md):
 
-* ``lowband``   – the shared kernel: typed errors, the communicator Protocols that algorithms
-                  program against, wire codecs, and the ``lowband`` command line (composition root).
-* ``transport`` – ZeroMQ WAN transport, coordinator, link emulator, in-process loopback communicator.
+* ``lowband``   – the core: typed errors, the Communicator Protocol that algorithms program
+                  against, wire codecs, process helpers; ``lowband.models`` (the Llama family,
+                  shared by training and inference); ``lowband.cli`` (the command line, on top).
+* ``transport`` – ZeroMQ WAN transport, coordinator, slow-link testbeds, in-process loopback group.
 * ``diloco``    – Streaming DiLoCo trainer and DDP baseline.
 * ``edge``      – Llama-family inference runtime with tensor parallelism and weight streaming.
 """
 
+from pathlib import Path
+
 __version__ = "0.1.0"
+
+SAMPLE_TEXT = Path(__file__).resolve().parent / "data" / "shakespeare_sample.txt"
+"""The ~1 MB public-domain Shakespeare sample shipped with the package (see data/README.md)."""

@@ -6,12 +6,12 @@ Implementations of :class:`lowband.comm.Communicator`:
 * :mod:`transport.zmq_comm` – ZeroMQ over TCP with K striped connections per peer pair
   (``connect``, ``ZmqConfig``), managed by :mod:`transport.coordinator`.
 
-Inside the ZeroMQ communicator: :mod:`transport.wire` (message format), :mod:`transport.engine`
+Inside the ZeroMQ communicator: :mod:`transport.wire` (message format), :mod:`transport.reactor`
 (the socket thread), :mod:`transport.ops`, :mod:`transport.allreduce`, :mod:`transport.messages`
 and :mod:`transport.shm` (collectives), :mod:`transport.auth` (CURVE / token),
 :mod:`transport.buffers` (result pool). :mod:`transport.starlink` is a latency-first star
-all-reduce for tensor-parallel decoding (edge). Tools: :mod:`transport.emulator` (user-space WAN link),
-:mod:`transport.netns` (tbf-shaped namespaces), :mod:`transport.bench`, :mod:`transport.launch`.
+all-reduce for tensor-parallel decoding (edge). Tools: :mod:`transport.links.emulator` (user-space WAN link),
+:mod:`transport.links.netns` (tbf-shaped namespaces), :mod:`benchmarks.transport`, :mod:`transport.launch`.
 
 Importing this package is cheap; submodules are imported on demand.
 """

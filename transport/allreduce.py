@@ -4,7 +4,7 @@ Each operation is created by a user thread, started on the engine thread, fed th
 ``(epoch, op key)`` match it, and completes its :class:`~transport.work.FutureWork` exactly once.
 Every operation sends from and receives into buffers it owns or that the caller lent it; sends of
 caller-visible buffers are zero-copy and *tracked*, and the operation completes only after ZeroMQ
-released them (``Engine.done``), so callers may reuse a tensor as soon as the call returns.
+released them (``Reactor.done``), so callers may reuse a tensor as soon as the call returns.
 
 All-reduce algorithms (bytes each rank sends for a payload of P bytes over n ranks)
 -------------------------------------------------------------------------------------
@@ -36,63 +36,22 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from lowband.comm import Codec, Encoded
+from lowband.comm import Encoded
 from lowband.errors import ProtocolError
 from transport import wire
-from transport.ops import Mismatch, Op, acc_dtype, bounds, chunked
+from transport.ops import Host, ReduceBase, acc_dtype, bounds, chunked
 from transport.wire import MsgType
-from transport.work import FutureWork
 
 if TYPE_CHECKING:
-    from transport.engine import Engine, PeerTable
+    pass
 
 
-class _ReduceBase(Op):
-    kind = "all_reduce"
-
-    def __init__(self, table: "PeerTable", key: str, timeout: float, work: FutureWork, *,
-                 x: torch.Tensor, shape: tuple[int, ...], op: str, algorithm: str,
-                 chunk_bytes: int, codec: Codec | None = None) -> None:
-        super().__init__(table, key, timeout, work)
-        self.x = x  # flat, contiguous
-        self.shape = shape
-        self.op = op
-        self.algorithm = algorithm
-        self.codec = codec
-        self.numel = x.numel()
-        self.dtype = x.dtype
-        self.chunk = max(1, chunk_bytes // max(1, x.element_size()))
-        self.signature = {"n": self.numel, "d": wire.dtype_name(self.dtype), "r": op,
-                          "a": algorithm, "cn": codec.name if codec is not None else "",
-                          "ch": self.chunk}
-
-    def check(self, msg: wire.Message) -> None:
-        self.check_kind(msg)
-        for k, mine in self.signature.items():
-            if msg.meta.get(k) != mine:
-                raise Mismatch(
-                    f"all_reduce '{self.key}': ranks disagree on {_FIELD_NAMES[k]}: "
-                    f"{msg.meta.get(k)!r} here {mine!r} (every rank must pass the same shape, "
-                    "dtype, op, algorithm and codec)")
-
-    def average(self, acc: torch.Tensor) -> torch.Tensor:
-        if self.op != "avg":
-            return acc
-        if acc.dtype.is_floating_point:
-            return acc.div_(self.n)
-        return acc.div_(self.n, rounding_mode="floor")  # in place: the ring sends from acc
-
-
-_FIELD_NAMES = {"n": "the number of elements", "d": "the dtype", "r": "the reduction",
-                "a": "the algorithm", "cn": "the codec", "ch": "the chunk size"}
-
-
-class RingAllReduce(_ReduceBase):
+class RingAllReduce(ReduceBase):
     """Pipelined ring; see the module docstring. Global step s in [0, 2n-3]: rank r sends
     segment (r - s) mod n and receives segment (r - s - 1) mod n; steps < n-1 reduce, the rest
     gather. Rank r owns segment (r + 1) mod n."""
 
-    def start(self, eng: "Engine") -> None:
+    def start(self, eng: "Host") -> None:
         n, r = self.n, self.rank
         self.out = eng.pool.empty(self.numel, self.dtype)
         self.segs = [chunked(lo, hi, self.chunk) for lo, hi in bounds(self.numel, n)]
@@ -110,7 +69,7 @@ class RingAllReduce(_ReduceBase):
         if self.todo == 0:
             self.finish(eng, self.out.view(self.shape))
 
-    def on_message(self, eng: "Engine", src: int, msg: wire.Message) -> None:
+    def on_message(self, eng: "Host", src: int, msg: wire.Message) -> None:
         self.check(msg)
         n, r = self.n, self.rank
         if src != self.prev:
@@ -153,7 +112,7 @@ class RingAllReduce(_ReduceBase):
             self.finish(eng, self.out.view(self.shape))
 
 
-class DirectAllReduce(_ReduceBase):
+class DirectAllReduce(ReduceBase):
     """``star`` (one segment, owner 0) or ``scatter`` (n segments, segment j owned by rank j).
 
     Phase 0: each rank sends each chunk of every segment it does not own to that segment's
@@ -161,7 +120,7 @@ class DirectAllReduce(_ReduceBase):
     accumulates in float32 in arrival order. Phase 1: once a chunk has all n contributions, the
     owner finalizes it (average, encode) and sends the final bytes to every other rank."""
 
-    def start(self, eng: "Engine") -> None:
+    def start(self, eng: "Host") -> None:
         parts = 1 if self.algorithm == "star" else self.n
         self.owner_of: list[int] = []
         self.spans: list[tuple[int, int]] = []
@@ -235,7 +194,7 @@ class DirectAllReduce(_ReduceBase):
             raise ProtocolError(f"decoded chunk has shape {tuple(value.shape)}, expected ({length},)")
         return value
 
-    def _accumulate(self, eng: "Engine", ci: int, src: int, value: torch.Tensor) -> None:
+    def _accumulate(self, eng: "Host", ci: int, src: int, value: torch.Tensor) -> None:
         have = self.contributors.setdefault(ci, set())
         if src in have:
             raise ProtocolError(f"duplicate contribution of rank {src} to chunk {ci}")
@@ -248,7 +207,7 @@ class DirectAllReduce(_ReduceBase):
         if len(have) == self.n:
             self._finalize(eng, ci)
 
-    def _finalize(self, eng: "Engine", ci: int) -> None:
+    def _finalize(self, eng: "Host", ci: int) -> None:
         acc = self.average(self.acc.pop(ci))
         del self.contributors[ci]
         self.pending_owned.discard(ci)
@@ -268,7 +227,7 @@ class DirectAllReduce(_ReduceBase):
                           payload, stripe=ci)
         self.todo -= 1
 
-    def on_message(self, eng: "Engine", src: int, msg: wire.Message) -> None:
+    def on_message(self, eng: "Host", src: int, msg: wire.Message) -> None:
         self.check(msg)
         ph = wire.int_field(msg.meta, "ph", 0, 1)
         ci = wire.int_field(msg.meta, "ci", 0, len(self.spans) - 1) if self.spans else -1

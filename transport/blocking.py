@@ -2,7 +2,8 @@
 
 Both communicators (:mod:`transport.loopback`, :mod:`transport.zmq_comm`) implement the async
 variants and ``_broadcast_async(tensors, meta, root, tag, timeout)``; a blocking call is the
-async call waited on, so the two cannot drift apart in argument handling.
+async call waited on, and the one-tensor ``broadcast_async`` is written here once, so the two
+cannot drift apart in argument handling or result unwrapping.
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ from typing import Any, Mapping, Sequence
 import torch
 
 from lowband.comm import Algorithm, Codec, ReduceOp
+from lowband.errors import ProtocolError
+from transport.work import FutureWork
 
 
 class BlockingCollectives:
@@ -34,6 +37,25 @@ class BlockingCollectives:
         if self.rank == root and tensors is None:
             tensors = []
         return self._broadcast_async(tensors, meta, root, tag, timeout).wait()
+
+    def broadcast_async(self, tensor: torch.Tensor | None, root: int = 0, *,
+                        tag: str | None = None, timeout: float | None = None) -> FutureWork:
+        """One tensor from ``root``: a one-tensor ``_broadcast_async`` whose result is unwrapped."""
+        inner = self._broadcast_async(None if tensor is None else [tensor], None, root, tag, timeout)
+        outer: FutureWork = FutureWork(f"broadcast on rank {self.rank}", self._timeout(timeout))
+
+        def unwrap(w: FutureWork) -> None:
+            err = w.exception()
+            if err is not None:
+                outer.set_error(err, w.stats)
+                return
+            tensors, _ = w.wait(0)
+            if len(tensors) != 1:
+                outer.set_error(ProtocolError(f"broadcast carried {len(tensors)} tensors, expected 1"))
+            else:
+                outer.set_result(tensors[0], w.stats)
+        inner.add_done_callback(unwrap)
+        return outer
 
     def all_gather(self, tensor: torch.Tensor, *, tag: str | None = None,
                    timeout: float | None = None) -> list[torch.Tensor]:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import mmap
 import sys
+from typing import Any
 import threading
 
 import torch
@@ -88,3 +89,14 @@ class BufferPool:
         """Forget every buffer; those still used by callers stay valid until they are dropped."""
         with self._lock:
             self._bufs = []
+
+
+_HELD = 3  # references to a released buffer inside still_sending: the list, the loop, the call
+
+
+def still_sending(buffers: list[Any]) -> list[Any]:
+    """The buffers ZeroMQ still references. pyzmq keeps a reference to every zero-copy
+    payload object until libzmq has written it out (and copies small ones at once), so a
+    refcount above the baseline means "in flight": no MessageTracker (whose threading.Event
+    per message cost more than the send itself) is needed."""
+    return [b for b in buffers if sys.getrefcount(b) > _HELD]

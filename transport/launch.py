@@ -1,7 +1,7 @@
 """Start a local coordinator and N ZeroMQ peers in one process (tests, examples, docs).
 
 Real sockets on 127.0.0.1, one thread per rank for the quorum; the communicators are then used
-from whatever threads the caller likes. For separate processes, see :mod:`transport.bench`.
+from whatever threads the caller likes. For separate processes, see :mod:`benchmarks.transport`.
 """
 
 from __future__ import annotations

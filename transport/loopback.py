@@ -28,6 +28,7 @@ import torch
 from lowband.comm import Algorithm, Codec, Encoded, Membership, OpStats, ReduceOp, ring_bytes
 from lowband.errors import CommClosed, ConfigError, PeerLost, ProtocolError, TransportTimeout
 from transport.blocking import BlockingCollectives
+from transport.ops import acc_dtype
 from transport.work import FutureWork
 
 logger = logging.getLogger(__name__)
@@ -38,14 +39,6 @@ STAR_THRESHOLD_BYTES = 256 * 1024
 
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
-
-
-def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
-    if dtype == torch.float64:
-        return torch.float64
-    if dtype.is_floating_point:
-        return torch.float32
-    return torch.int64
 
 
 @dataclass
@@ -269,7 +262,7 @@ def _complete_all_reduce(group: LoopbackGroup, rv: _Rendezvous) -> Outcomes:
         values = [codec.decode(c[0]) for c in contribs]
         payload = contribs[0][0].nbytes
     else:
-        values = [c[0].to(_acc_dtype(dtype)) for c in contribs]
+        values = [c[0].to(acc_dtype(dtype)) for c in contribs]
         payload = _nbytes(contribs[0][0])
     acc = values[0].clone()
     for v in values[1:]:
@@ -422,20 +415,6 @@ class LoopbackComm(BlockingCollectives):
         if self.rank == root and tensors is not None:
             mine = [t.detach().clone() for t in tensors]
         return self._submit("broadcast", tag, ((mine, dict(meta or {})), root), timeout)
-
-    def broadcast_async(self, tensor: torch.Tensor | None, root: int = 0, *,
-                        tag: str | None = None, timeout: float | None = None) -> FutureWork:
-        inner = self._broadcast_async(None if tensor is None else [tensor], None, root, tag, timeout)
-        outer: FutureWork = FutureWork(f"broadcast on rank {self.rank}", self._timeout(timeout))
-
-        def unwrap(w: FutureWork) -> None:
-            err = w.exception()
-            if err is not None:
-                outer.set_error(err, w.stats)
-            else:
-                outer.set_result(w.wait(0)[0][0], w.stats)
-        inner.add_done_callback(unwrap)
-        return outer
 
     def all_gather_async(self, tensor: torch.Tensor, *, tag: str | None = None,
                          timeout: float | None = None) -> FutureWork:

@@ -14,16 +14,16 @@ import torch
 
 from lowband.errors import ProtocolError
 from transport import wire
-from transport.ops import Mismatch, Op
+from transport.ops import Host, Mismatch, Op
 from transport.wire import MsgType
 from transport.work import FutureWork
 
 if TYPE_CHECKING:
     from transport.buffers import BufferPool
-    from transport.engine import Engine, PeerTable
+    from transport.peers import PeerTable
 
 
-def post_message(op: Op, eng: "Engine", dst: int, tensors: Sequence[torch.Tensor],
+def post_message(op: Op, eng: "Host", dst: int, tensors: Sequence[torch.Tensor],
                  meta: Mapping[str, Any] | None, *, index: int = 0, chunk_bytes: int,
                  track: bool = True, **extra: Any) -> None:
     """Send tensors + metadata as one logical message: a MSG (descriptors, user metadata and the
@@ -148,14 +148,14 @@ class _MessageOp(Op):
         self.chunk_bytes = chunk_bytes
         self.assembler = Assembler(max_bytes)
 
-    def on_message(self, eng: "Engine", src: int, msg: wire.Message) -> None:
+    def on_message(self, eng: "Host", src: int, msg: wire.Message) -> None:
         self.check_kind(msg)
         done = self.assembler.feed(src, msg, eng.pool)
         self.received += sum(len(p) for p in msg.payload)
         if done is not None:
             self.on_complete(eng, src, *done)
 
-    def on_complete(self, eng: "Engine", src: int, index: int, tensors: list[torch.Tensor],
+    def on_complete(self, eng: "Host", src: int, index: int, tensors: list[torch.Tensor],
                     meta: dict, header: dict) -> None:
         raise NotImplementedError
 
@@ -173,7 +173,7 @@ class BroadcastOp(_MessageOp):
     def needs(self, peer: str) -> bool:
         return not self.finished and self.rank_of(peer) == self.root
 
-    def start(self, eng: "Engine") -> None:
+    def start(self, eng: "Host") -> None:
         if self.rank != self.root:
             return
         assert self.tensors is not None
@@ -183,7 +183,7 @@ class BroadcastOp(_MessageOp):
                              chunk_bytes=self.chunk_bytes, root=self.root)
         self.finish(eng, ([t.clone() for t in self.tensors], dict(self.user_meta)))
 
-    def on_complete(self, eng: "Engine", src: int, index: int, tensors: list[torch.Tensor],
+    def on_complete(self, eng: "Host", src: int, index: int, tensors: list[torch.Tensor],
                     meta: dict, header: dict) -> None:
         if header.get("root") != self.root or src != self.root:
             raise Mismatch(f"broadcast '{self.key}': ranks disagree on the root "
@@ -203,7 +203,7 @@ class AllGatherOp(_MessageOp):
         r = self.rank_of(peer)
         return not self.finished and r is not None and self.results[r] is None
 
-    def start(self, eng: "Engine") -> None:
+    def start(self, eng: "Host") -> None:
         self.results = [None] * self.n
         self.results[self.rank] = self.tensor.clone()
         for dst in range(self.n):
@@ -211,14 +211,14 @@ class AllGatherOp(_MessageOp):
                 post_message(self, eng, dst, [self.tensor], None, chunk_bytes=self.chunk_bytes)
         self._maybe_done(eng)
 
-    def on_complete(self, eng: "Engine", src: int, index: int, tensors: list[torch.Tensor],
+    def on_complete(self, eng: "Host", src: int, index: int, tensors: list[torch.Tensor],
                     meta: dict, header: dict) -> None:
         if len(tensors) != 1 or self.results[src] is not None:
             raise ProtocolError(f"unexpected all_gather message from rank {src}")
         self.results[src] = tensors[0]
         self._maybe_done(eng)
 
-    def _maybe_done(self, eng: "Engine") -> None:
+    def _maybe_done(self, eng: "Host") -> None:
         if all(r is not None for r in self.results):
             self.finish(eng, list(self.results))
 
@@ -229,7 +229,7 @@ class BarrierOp(_MessageOp):
     def needs(self, peer: str) -> bool:
         return not self.finished and self.rank_of(peer) not in self.arrived
 
-    def start(self, eng: "Engine") -> None:
+    def start(self, eng: "Host") -> None:
         self.arrived = {self.rank}
         for dst in range(self.n):
             if dst != self.rank:
@@ -237,7 +237,7 @@ class BarrierOp(_MessageOp):
         if len(self.arrived) == self.n:
             self.finish(eng, None)
 
-    def on_complete(self, eng: "Engine", src: int, index: int, tensors: list[torch.Tensor],
+    def on_complete(self, eng: "Host", src: int, index: int, tensors: list[torch.Tensor],
                     meta: dict, header: dict) -> None:
         self.arrived.add(src)
         if len(self.arrived) == self.n:
@@ -260,7 +260,7 @@ class SendOp(_MessageOp):
     def needs(self, peer: str) -> bool:
         return False
 
-    def start(self, eng: "Engine") -> None:
+    def start(self, eng: "Host") -> None:
         post_message(self, eng, self.dst, self.tensors, self.user_meta, chunk_bytes=self.chunk_bytes)
         self.finish(eng, None)
 
@@ -279,10 +279,10 @@ class RecvOp(_MessageOp):
     def needs(self, peer: str) -> bool:
         return not self.finished and self.rank_of(peer) == self.src
 
-    def start(self, eng: "Engine") -> None:
+    def start(self, eng: "Host") -> None:
         pass
 
-    def on_complete(self, eng: "Engine", src: int, index: int, tensors: list[torch.Tensor],
+    def on_complete(self, eng: "Host", src: int, index: int, tensors: list[torch.Tensor],
                     meta: dict, header: dict) -> None:
         if src != self.src:
             raise ProtocolError(f"message for a receive from rank {self.src} came from rank {src}")

@@ -4,7 +4,7 @@ Each operation is created by a user thread, started on the engine thread, fed th
 ``(epoch, op key)`` match it, and completes its :class:`~transport.work.FutureWork` exactly once.
 Every operation sends from and receives into buffers it owns or that the caller lent it; sends of
 caller-visible buffers are zero-copy and *tracked*, and the operation completes only after ZeroMQ
-released them (``Engine.done``), so callers may reuse a tensor as soon as the call returns.
+released them (``Reactor.done``), so callers may reuse a tensor as soon as the call returns.
 
 The concrete operations live in :mod:`transport.allreduce` (reductions),
 :mod:`transport.messages` (broadcast, all-gather, barrier, send/recv) and :mod:`transport.shm`
@@ -14,19 +14,43 @@ The concrete operations live in :mod:`transport.allreduce` (reductions),
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any, Protocol, Sequence
 
 import torch
 
 from lowband.comm import OpStats
 from lowband.errors import ProtocolError
 from transport import wire
-from transport.engine import still_sending
+from transport.buffers import still_sending
 from transport.wire import MsgType
 from transport.work import FutureWork
 
 if TYPE_CHECKING:
-    from transport.engine import Engine, PeerTable
+    from lowband.comm import Codec
+    from transport.buffers import BufferPool
+    from transport.peers import PeerTable
+
+
+class Host(Protocol):
+    """What an operation needs from the reactor that drives it (``transport.reactor.Reactor``)."""
+
+    pool: "BufferPool"
+    shm_pids: dict[str, int]
+
+    def send(self, peer: str, mtype: MsgType, meta: dict[str, Any], payload: Sequence[Any] = (),
+             *, stripe: int | None = None, track: bool = False) -> list[Any]: ...
+
+    def count(self, sent: int = 0, received: int = 0) -> None: ...
+
+    def done(self, op: "Op") -> None: ...
+
+    def forget(self, op: "Op") -> None: ...
+
+    def tick(self) -> None: ...
+
+    def shm_slabs(self) -> Any: ...
+
+    def shm_peers(self) -> Any: ...
 
 
 class Mismatch(ProtocolError):
@@ -58,7 +82,7 @@ class Op:
 
     kind = "op"
     p2p_recv = False
-    """A point-to-point receive: the engine numbers it when it starts (``Engine._bind_recv``)."""
+    """A point-to-point receive: the engine numbers it when it starts (``Reactor._bind_recv``)."""
 
     def __init__(self, table: "PeerTable", key: str, timeout: float, work: FutureWork) -> None:
         m = table.membership
@@ -99,7 +123,7 @@ class Op:
         return {"e": self.epoch, "o": self.key, "p": self.peers[self.rank], "k": self.kind, **fields}
 
     # ---- io ------------------------------------------------------------------------------------
-    def send(self, eng: "Engine", dst: int, mtype: MsgType, meta: dict[str, Any],
+    def send(self, eng: "Host", dst: int, mtype: MsgType, meta: dict[str, Any],
              payload: Sequence[Any] = (), *, stripe: int | None = None, track: bool = False) -> None:
         self.trackers.extend(eng.send(self.peers[dst], mtype, meta, payload, stripe=stripe,
                                       track=track))
@@ -111,7 +135,7 @@ class Op:
                            f"{msg.meta.get('k')!r} vs {self.kind!r}")
 
     # ---- completion -----------------------------------------------------------------------------
-    def finish(self, eng: "Engine", result: Any) -> None:
+    def finish(self, eng: "Host", result: Any) -> None:
         self._result = result
         self.finished = True
         eng.done(self)
@@ -120,18 +144,60 @@ class Op:
         self.trackers = still_sending(self.trackers)
         return bool(self.trackers)
 
-    def settle(self, eng: "Engine") -> None:
+    def settle(self, eng: "Host") -> None:
         eng.count(self.sent, self.received)
         self.work.set_result(self._result, OpStats(self.sent, self.received))
 
-    def fail(self, eng: "Engine", exc: BaseException) -> None:
+    def fail(self, eng: "Host", exc: BaseException) -> None:
         self.finished = True
         eng.forget(self)
         if self.work.set_error(exc, OpStats(self.sent, self.received)):
             eng.count(self.sent, self.received)
 
-    def start(self, eng: "Engine") -> None:
+    def start(self, eng: "Host") -> None:
         raise NotImplementedError
 
-    def on_message(self, eng: "Engine", src: int, msg: wire.Message) -> None:
+    def on_message(self, eng: "Host", src: int, msg: wire.Message) -> None:
         raise NotImplementedError
+
+
+class ReduceBase(Op):
+    """What every all-reduce shares: the signature all ranks must agree on, and averaging."""
+
+    kind = "all_reduce"
+
+    def __init__(self, table: "PeerTable", key: str, timeout: float, work: FutureWork, *,
+                 x: torch.Tensor, shape: tuple[int, ...], op: str, algorithm: str,
+                 chunk_bytes: int, codec: Codec | None = None) -> None:
+        super().__init__(table, key, timeout, work)
+        self.x = x  # flat, contiguous
+        self.shape = shape
+        self.op = op
+        self.algorithm = algorithm
+        self.codec = codec
+        self.numel = x.numel()
+        self.dtype = x.dtype
+        self.chunk = max(1, chunk_bytes // max(1, x.element_size()))
+        self.signature = {"n": self.numel, "d": wire.dtype_name(self.dtype), "r": op,
+                          "a": algorithm, "cn": codec.name if codec is not None else "",
+                          "ch": self.chunk}
+
+    def check(self, msg: wire.Message) -> None:
+        self.check_kind(msg)
+        for k, mine in self.signature.items():
+            if msg.meta.get(k) != mine:
+                raise Mismatch(
+                    f"all_reduce '{self.key}': ranks disagree on {_FIELD_NAMES[k]}: "
+                    f"{msg.meta.get(k)!r} here {mine!r} (every rank must pass the same shape, "
+                    "dtype, op, algorithm and codec)")
+
+    def average(self, acc: torch.Tensor) -> torch.Tensor:
+        if self.op != "avg":
+            return acc
+        if acc.dtype.is_floating_point:
+            return acc.div_(self.n)
+        return acc.div_(self.n, rounding_mode="floor")  # in place: the ring sends from acc
+
+
+_FIELD_NAMES = {"n": "the number of elements", "d": "the dtype", "r": "the reduction",
+                "a": "the algorithm", "cn": "the codec", "ch": "the chunk size"}

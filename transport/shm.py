@@ -26,18 +26,14 @@ import mmap
 import os
 import uuid
 from collections import OrderedDict
-from typing import TYPE_CHECKING
 
 import torch
 
 from lowband.errors import ProtocolError
 from transport import wire
-from transport.allreduce import _ReduceBase
-from transport.ops import Mismatch, acc_dtype, bounds
+from transport.ops import Host, Mismatch, ReduceBase, acc_dtype, bounds
 from transport.wire import MsgType
 
-if TYPE_CHECKING:
-    from transport.engine import Engine
 
 logger = logging.getLogger(__name__)
 
@@ -188,10 +184,10 @@ def _view(mm: mmap.mmap, offset: int, numel: int, dtype: torch.dtype) -> torch.T
     return torch.frombuffer(mm, dtype=torch.uint8, count=size, offset=offset).view(dtype)
 
 
-class ShmAllReduce(_ReduceBase):
+class ShmAllReduce(ReduceBase):
     """The three-phase shared-memory all-reduce described in the module docstring."""
 
-    def start(self, eng: "Engine") -> None:
+    def start(self, eng: "Host") -> None:
         n, numel, dtype = self.n, self.numel, self.dtype
         self.segs = bounds(numel, n)
         es = self.x.element_size()
@@ -210,13 +206,13 @@ class ShmAllReduce(_ReduceBase):
         self._announce(eng, 0, slab=[os.getpid(), self.slab.fd, self.slab.id, self.slab.size])
         self._reduce(eng)
 
-    def _announce(self, eng: "Engine", phase: int, **extra: object) -> None:
+    def _announce(self, eng: "Host", phase: int, **extra: object) -> None:
         for dst in range(self.n):
             if dst != self.rank:
                 self.send(eng, dst, MsgType.CHUNK, self.meta(ph=phase, **extra, **self.signature),
                           stripe=0)
 
-    def on_message(self, eng: "Engine", src: int, msg: wire.Message) -> None:
+    def on_message(self, eng: "Host", src: int, msg: wire.Message) -> None:
         self.check(msg)
         phase = wire.int_field(msg.meta, "ph", 0, 2)
         if phase == 0:
@@ -246,7 +242,7 @@ class ShmAllReduce(_ReduceBase):
             self.released.add(src)
             self._finish(eng)
 
-    def _reduce(self, eng: "Engine") -> None:
+    def _reduce(self, eng: "Host") -> None:
         if self.reduced or len(self.inputs) < self.n:
             return
         lo, hi = self.segs[self.rank]
@@ -273,20 +269,20 @@ class ShmAllReduce(_ReduceBase):
         self._announce(eng, 1)
         self._gathered(eng)
 
-    def _gathered(self, eng: "Engine") -> None:
+    def _gathered(self, eng: "Host") -> None:
         if self.said_done or len(self.gathered) < self.n:
             return
         self.said_done = True  # (stats stay 0: no payload byte crossed a network)
         self._announce(eng, 2)
         self._finish(eng)
 
-    def _finish(self, eng: "Engine") -> None:
+    def _finish(self, eng: "Host") -> None:
         if self.said_done and len(self.released) == self.n - 1 and not self.finished:
             eng.shm_slabs().give(self.slab)
             self.inputs, self.finals = {}, {}
             self.finish(eng, self.out.view(self.shape))
 
-    def fail(self, eng: "Engine", exc: BaseException) -> None:
+    def fail(self, eng: "Host", exc: BaseException) -> None:
         if not self.finished and hasattr(self, "slab"):
             self.inputs, self.finals = {}, {}
             eng.shm_slabs().drop(self.slab)  # a slow peer may still read it: never reuse

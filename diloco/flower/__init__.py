@@ -9,7 +9,7 @@ outer step of one fragment.
 * :mod:`diloco.flower.app` — the app directory ``flwr run`` submits (``lowband flower new``);
 * :mod:`diloco.flower.federation` — a local SuperLink + SuperNodes launcher, ``flwr run``;
 * :mod:`diloco.flower.inprocess` — a Grid that runs the ClientApp in this process (tests);
-* :mod:`diloco.flower.bench` — FedAvg vs DiLoCo, codecs and fragments, measured.
+* :mod:`benchmarks.flower` — FedAvg vs DiLoCo, codecs and fragments, measured.
 
 Needs the ``flower`` extra (``pip install lowband[flower]``). Nothing is imported here so that
 ``import diloco`` never needs flwr.

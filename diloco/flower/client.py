@@ -33,7 +33,7 @@ from diloco.flower.records import (config_ints, encoded_to_records, params_to_re
                                    payload_bytes, record_to_params)
 from diloco.flower.strategy import CONFIG, DELTA, GLOBAL, METRICS, REPLY
 from diloco.fragments import plan_fragments
-from diloco.launch import lm_task
+from diloco.task import lm_task
 from diloco.outer import FragmentSync
 from diloco.task import Task
 from lowband.codecs import get_codec

@@ -24,7 +24,7 @@ from flwr.serverapp import Grid, ServerApp
 
 from diloco.flower.config import FlowerConfig, from_run_config
 from diloco.flower.strategy import DiLoCoStrategy
-from diloco.launch import lm_task
+from diloco.task import lm_task
 from diloco.metrics import MetricsLog
 from diloco.task import Task
 

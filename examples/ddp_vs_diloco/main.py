@@ -21,7 +21,8 @@ import torch
 
 from diloco.config import (DataConfig, DDPConfig, DilocoConfig, LrSchedule, OptimizerConfig,
                            TrainConfig, byte_llama)
-from diloco.launch import lm_task, run_threads
+from diloco.launch import run_threads
+from diloco.task import lm_task
 
 
 def base_config(tiny: bool, workers: int) -> TrainConfig:
@@ -35,7 +36,7 @@ def base_config(tiny: bool, workers: int) -> TrainConfig:
 
 
 def streaming_diloco(tiny: bool) -> DilocoConfig:
-    """Settings tuned by ``python -m diloco.bench`` (see diloco/README.md)."""
+    """Settings tuned by ``python -m benchmarks.diloco`` (see diloco/README.md)."""
     return DilocoConfig(inner_steps=10 if tiny else 60, n_fragments=2 if tiny else 3,
                         tau=1 if tiny else 5, alpha=0.5, codec="nf4", error_feedback=True,
                         outer=OptimizerConfig(name="sgd", lr=1.0, momentum=0.9, nesterov=True))

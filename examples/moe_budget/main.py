@@ -3,9 +3,9 @@
     python examples/moe_budget/main.py --out moe-run           # ~1-2 minutes on 2 cores
     python examples/moe_budget/main.py --out moe-run --tiny    # seconds (the smoke test)
 
-1. train a small MoE (8 experts, top-2) on Shakespeare bytes (``edge.moe_train``), saved as an
+1. train a small MoE (8 experts, top-2) on Shakespeare bytes (``edge.moe.train``), saved as an
    HF checkpoint;
-2. convert it once to bit-nested experts (``edge.nested_checkpoint.quantize_checkpoint``): every
+2. convert it once to bit-nested experts (``edge.moe.checkpoint.quantize_checkpoint``): every
    expert is per-group int8 stored as 8 bit-planes, so reading a prefix of its file gives the
    same expert at 4, 3 or 2 bits;
 3. serve it with only a fraction of the int8 experts' bytes resident (``open_store``):
@@ -31,13 +31,13 @@ from pathlib import Path
 import torch
 
 from edge.engine import Engine, LocalRunner
-from edge.expert_store import (ExpertStoreConfig, HEBFConfig, LRUConfig, PrefetchConfig,
+from edge.moe.store import (ExpertStoreConfig, HEBFConfig, LRUConfig, PrefetchConfig,
                                open_store)
-from edge.moe_train import heldout_ppl, load_splits, tiny_preset, train
-from edge.nested import NestedQuantConfig
-from edge.nested_checkpoint import NestedCheckpoint, quantize_checkpoint
+from edge.moe.train import heldout_ppl, load_splits, tiny_preset, train
+from edge.moe.quant import NestedQuantConfig
+from edge.moe.checkpoint import NestedCheckpoint, quantize_checkpoint
 from edge.sampling import SamplingParams
-from edge.tokenizer import ByteTokenizer
+from lowband.models.tokenizer import ByteTokenizer
 
 
 def int8_expert_bytes(nested: Path) -> int:

@@ -26,7 +26,7 @@ import time
 from diloco.common import run_signature
 from diloco.config import (DataConfig, DilocoConfig, LrSchedule, OptimizerConfig, TrainConfig,
                            byte_llama)
-from diloco.launch import lm_task
+from diloco.task import lm_task
 from diloco.trainer import DilocoWorker
 from transport.coordinator import Coordinator, CoordinatorConfig
 from transport.zmq_comm import ZmqConfig, connect

@@ -8,7 +8,7 @@ Steps:
 1. two DiLoCo workers (loopback threads) train a byte-level Llama on the embedded Shakespeare
    sample; worker 0 exports the global model to ``OUT/model``: ``config.json`` +
    ``model.safetensors`` (HF names, loadable by ``transformers``) + the byte-tokenizer marker;
-2. the export is loaded back (``edge.weights.load_pretrained``) and must score the same held-out
+2. the export is loaded back (``lowband.models.weights.load_pretrained``) and must score the same held-out
    loss as the trainer's final evaluation;
 3. a coordinator and one ``lowband edge worker`` process (device 2) are started; this process is
    the master (device 1) and runs the engine: every layer's attention heads and MLP columns are
@@ -33,13 +33,14 @@ import torch
 
 from diloco.config import (DataConfig, DilocoConfig, LrSchedule, OptimizerConfig, TrainConfig,
                            byte_llama)
-from diloco.launch import lm_task, run_threads
+from diloco.launch import run_threads
+from diloco.task import lm_task
 from edge.cluster import ClusterConfig
 from edge.engine import Engine, LocalRunner
 from edge.launch import ServeConfig, build_engine
 from edge.sampling import SamplingParams
-from edge.tokenizer import ByteTokenizer
-from edge.weights import load_pretrained
+from lowband.models.tokenizer import ByteTokenizer
+from lowband.models.weights import load_pretrained
 from transport.coordinator import Coordinator, CoordinatorConfig
 
 

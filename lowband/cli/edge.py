@@ -1,0 +1,251 @@
+"""``lowband edge ...``: split, generate, serve, worker, run (and the MoE engineer's commands).
+
+Thin: parse into config dataclasses and call ``edge.launch``/``edge.shardio``. Heavy imports
+happen inside the handlers so ``lowband --help`` stays fast on a Raspberry Pi.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from lowband.errors import ConfigError, CorruptWeights
+
+
+def _weights(text: str | None) -> tuple[float, ...] | None:
+    if not text:
+        return None
+    try:
+        return tuple(float(x) for x in text.split(","))
+    except ValueError:
+        raise ConfigError("weights", f"expected comma-separated numbers like 2,1,1, got {text!r}") from None
+
+
+def _cores(text: str | None) -> tuple[int, ...] | None:
+    if not text:
+        return None
+    try:
+        return tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise ConfigError("cores", f"expected comma-separated core ids, got {text!r}") from None
+
+
+def _add_device(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--threads", type=int, help="torch threads on this device")
+    p.add_argument("--cores", help="pin this process to these CPU cores, e.g. 0 or 0,1")
+
+
+def _add_model(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
+                   help="compute dtype (default: the checkpoint's)")
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--window", type=int, help="sliding window: layer blocks kept resident")
+    g.add_argument("--memory-budget-mb", type=float,
+                   help="sliding window sized to fit this many MB of weights per device")
+
+
+def _add_experts(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("bit-nested MoE (a directory from 'lowband edge quantize --nested')")
+    g.add_argument("--expert-budget-mb", type=float,
+                   help="MB of expert weights kept in memory (over all devices; each device gets "
+                        "the share its experts take at int8). Required for a nested directory")
+    g.add_argument("--expert-policy", choices=("hebf", "lru"),
+                   help="hebf: hot experts get more bits (default); lru: one width, LRU eviction")
+    g.add_argument("--expert-lru-bits", type=int, choices=(8, 4, 3, 2),
+                   help="width of every expert with --expert-policy lru (default 8)")
+    g.add_argument("--expert-min-bits", type=int, choices=(4, 3, 2),
+                   help="narrowest width HEBF serves (default 2)")
+    g.add_argument("--expert-prefetch", type=int,
+                   help="experts of the next layer to prefetch per layer (0: off; default 2)")
+    g.add_argument("--expert-read-mb-per-s", type=float,
+                   help="model a storage device this fast (default: the real file system)")
+    g.add_argument("--expert-no-verify", action="store_true",
+                   help="skip checksumming every expert file when opening (faster start)")
+
+
+_EXPERT_KNOBS = ("expert_policy", "expert_lru_bits", "expert_min_bits", "expert_prefetch",
+                 "expert_read_mb_per_s", "expert_no_verify")
+
+
+def _experts(args):
+    from edge.moe.serve import ExpertServeConfig
+    if args.expert_budget_mb is None:
+        given = [k for k in _EXPERT_KNOBS if getattr(args, k) not in (None, False)]
+        if given:
+            raise ConfigError(given[0], "needs --expert-budget-mb (and a nested MoE directory)")
+        return None
+    kw = {k: v for k, v in (("policy", args.expert_policy), ("lru_bits", args.expert_lru_bits),
+                            ("min_bits", args.expert_min_bits), ("prefetch", args.expert_prefetch),
+                            ("read_mb_per_s", args.expert_read_mb_per_s)) if v is not None}
+    return ExpertServeConfig(budget_mb=args.expert_budget_mb, verify=not args.expert_no_verify, **kw)
+
+
+def _add_serve(p: argparse.ArgumentParser) -> None:
+    _add_model(p)
+    _add_experts(p)
+    _add_device(p)
+    p.add_argument("--host", default="127.0.0.1", help="HTTP listen address (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000, help="HTTP port (default 8000)")
+    p.add_argument("--name", help="model id in the API (default: directory name)")
+    p.add_argument("--weights", help="relative device capacities for an uneven split, e.g. 2,1,1")
+    p.add_argument("--wire", default="fp32", choices=["fp32", "fp16", "bf16", "int8"],
+                   help="activation encoding on the wire (default fp32)")
+    p.add_argument("--link", default="direct", choices=["direct", "comm"],
+                   help="activation path: direct star link (default, lowest latency) or the "
+                        "general communicator (then --algorithm applies)")
+    p.add_argument("--algorithm", default="star", choices=["star", "ring", "auto"],
+                   help="all-reduce schedule with --link comm (default star)")
+    p.add_argument("--link-spin-us", type=float, default=1000.0,
+                   help="microseconds each device polls the direct link for an all-reduce "
+                        "answer before sleeping (default 1000; 0 saves power, adds latency)")
+    p.add_argument("--token", help="shared secret workers must present")
+    p.add_argument("--max-queue", type=int, default=64, help="waiting requests before 429")
+    p.add_argument("--op-timeout", type=float, default=30.0,
+                   help="seconds a forward step may take before the worker counts as failed")
+    p.add_argument("--replan-after-s", type=float,
+                   help="after a worker has been gone this long, re-split the model over the "
+                        "devices left (plain checkpoints only; default: wait for it)")
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    edge = sub.add_parser("edge", help="tensor-parallel inference on edge devices",
+                          description="Run Llama-family models across phones / Raspberry Pis.")
+    es = edge.add_subparsers(dest="edge_command", metavar="EDGE_COMMAND")
+
+    p = es.add_parser("split", help="write per-device, per-layer shard files")
+    p.add_argument("model", help="HF checkpoint directory (config.json + *.safetensors)")
+    p.add_argument("--devices", type=int, required=True)
+    p.add_argument("--weights", help="relative device capacities, e.g. 2,1,1")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--out", required=True)
+    p.set_defaults(func=_split)
+
+    p = es.add_parser("generate", help="one completion on this device")
+    p.add_argument("model_dir")
+    p.add_argument("--prompt", required=True)
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int)
+    p.add_argument("--stop", action="append", default=[])
+    _add_model(p)
+    _add_experts(p)
+    _add_device(p)
+    p.set_defaults(func=_generate)
+
+    p = es.add_parser("serve", help="the master: OpenAI-compatible HTTP API (+ coordinator)")
+    p.add_argument("model_dir", help="checkpoint or split directory")
+    p.add_argument("--workers", type=int, default=0, help="number of worker devices to wait for")
+    p.add_argument("--bind", default="tcp://0.0.0.0:29500", help="coordinator address for workers")
+    _add_serve(p)
+    p.set_defaults(func=_serve)
+
+    p = es.add_parser("worker", help="a device serving one shard for a master")
+    p.add_argument("--master", required=True, help="tcp://HOST:PORT printed by 'edge serve'")
+    p.add_argument("--model-dir", help="local copy of the model/split dir (default: master's path)")
+    p.add_argument("--token")
+    p.add_argument("--op-timeout", type=float, default=30.0)
+    _add_device(p)
+    p.set_defaults(func=_worker)
+
+    p = es.add_parser("run", help="a local N-process cluster with the HTTP API")
+    p.add_argument("model_dir")
+    p.add_argument("--devices", type=int, default=2)
+    p.add_argument("--pin-cores", action="store_true", help="one core and one thread per device")
+    p.add_argument("--bind", default="tcp://0.0.0.0:29500")
+    _add_serve(p)
+    p.set_defaults(func=_run)
+
+    try:  # the bit-nested MoE commands (another module, optional in a build)
+        moe = importlib.import_module("lowband.cli.edge_moe")
+    except ModuleNotFoundError as exc:
+        if exc.name != "lowband.cli.edge_moe":
+            raise
+    else:
+        moe.register(es)
+    edge.set_defaults(func=lambda args: (edge.print_help(), 2)[1])
+
+
+def _fail(exc: ConfigError | CorruptWeights) -> int:
+    print(f"lowband edge: {exc}", file=sys.stderr)
+    return 2
+
+
+def _device(args):
+    from edge.launch import DeviceConfig
+    return DeviceConfig(threads=args.threads, cores=_cores(args.cores))
+
+
+def _split(args) -> int:
+    from edge.shardio import split_checkpoint
+    try:
+        out = split_checkpoint(args.model, args.out, args.devices, _weights(args.weights), args.dtype)
+    except ConfigError as exc:
+        return _fail(exc)
+    print(f"wrote {args.devices} device shard(s) to {out}; copy {out}/rankN plus the json files "
+          f"to device N")
+    return 0
+
+
+def _generate(args) -> int:
+    from edge.launch import GenerateConfig, generate_main
+    from edge.sampling import SamplingParams
+    from edge.shardio import WindowConfig
+    try:
+        win = None
+        if args.window is not None or args.memory_budget_mb is not None:
+            win = WindowConfig(window=args.window, memory_budget_mb=args.memory_budget_mb)
+        cfg = GenerateConfig(
+            model_dir=args.model_dir, prompt=args.prompt, dtype=args.dtype, window=win,
+            experts=_experts(args), device=_device(args),
+            sampling=SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
+                                    top_k=args.top_k, top_p=args.top_p, seed=args.seed,
+                                    stop=tuple(args.stop)))
+        return generate_main(cfg)
+    except (ConfigError, CorruptWeights) as exc:
+        return _fail(exc)
+
+
+def _serve_config(args, devices: int):
+    from edge.cluster import ClusterConfig
+    from edge.launch import ServeConfig
+    from edge.server import ServerConfig
+    return ServeConfig(
+        model_dir=args.model_dir, name=args.name, bind=args.bind, token=args.token,
+        device=_device(args),
+        server=ServerConfig(host=args.host, port=args.port, max_queue=args.max_queue),
+        cluster=ClusterConfig(devices=devices, weights=_weights(args.weights), wire=args.wire,
+                              algorithm=args.algorithm, link=args.link, dtype=args.dtype,
+                              link_spin_us=args.link_spin_us,
+                              window=args.window,
+                              memory_budget_mb=args.memory_budget_mb, op_timeout=args.op_timeout,
+                              replan_after_s=args.replan_after_s, experts=_experts(args)))
+
+
+def _serve(args) -> int:
+    from edge.launch import serve_main
+    try:
+        return serve_main(_serve_config(args, args.workers + 1))
+    except (ConfigError, CorruptWeights) as exc:
+        return _fail(exc)
+
+
+def _worker(args) -> int:
+    from edge.cluster import WorkerConfig
+    from edge.launch import WorkerMainConfig, worker_main
+    try:
+        return worker_main(WorkerMainConfig(master=args.master, token=args.token,
+                                            worker=WorkerConfig(model_dir=args.model_dir),
+                                            device=_device(args), op_timeout=args.op_timeout))
+    except ConfigError as exc:
+        return _fail(exc)
+
+
+def _run(args) -> int:
+    from edge.launch import RunConfig, run_main
+    try:
+        return run_main(RunConfig(serve=_serve_config(args, args.devices), pin_cores=args.pin_cores))
+    except (ConfigError, CorruptWeights) as exc:
+        return _fail(exc)

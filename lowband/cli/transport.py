@@ -1,0 +1,91 @@
+"""``lowband coordinator`` and ``lowband keygen`` (benchmarks: ``python -m benchmarks.transport``).
+
+Thin: parse into config dataclasses and call :mod:`transport`. Heavy imports happen inside the
+handlers so ``lowband --help`` stays fast on a Raspberry Pi.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+from pathlib import Path
+
+from lowband.errors import ConfigError
+
+
+def _token(args: argparse.Namespace) -> str | None:
+    if args.token and args.token_file:
+        raise ConfigError("token", "give --token or --token-file, not both")
+    if args.token_file:
+        text = Path(args.token_file).read_text().strip()
+        if not text:
+            raise ConfigError("token-file", f"{args.token_file} is empty")
+        return text
+    return args.token
+
+
+def _authorized(paths: list[str]) -> tuple[bytes, ...]:
+    """Public keys from key files and/or directories of ``*.key`` files."""
+    from transport.auth import CurveKeys
+    keys: list[bytes] = []
+    for p in map(Path, paths):
+        files = sorted(p.glob("*.key")) if p.is_dir() else [p]
+        if not files:
+            raise ConfigError("curve-authorized", f"no *.key files in {p}")
+        keys.extend(CurveKeys.load(f).public for f in files)
+    return tuple(keys)
+
+
+def _coordinator(args: argparse.Namespace) -> int:
+    from transport.auth import CurveKeys
+    from transport.coordinator import Coordinator, CoordinatorConfig
+
+    curve = CurveKeys.load(args.curve_secret) if args.curve_secret else None
+    if curve is not None and curve.secret is None:
+        raise ConfigError("curve-secret", f"{args.curve_secret} holds no secret key "
+                          "(pass the NAME.key_secret file written by lowband keygen)")
+    cfg = CoordinatorConfig(bind=args.bind, heartbeat_interval=args.heartbeat,
+                            dead_after=args.dead_after, token=_token(args), curve=curve,
+                            curve_authorized=_authorized(args.curve_authorized or []))
+    coord = Coordinator(cfg).start()
+    print(f"lowband coordinator listening on {coord.address}", flush=True)
+    if curve is not None:
+        print(f"CURVE public key (give it to peers): {curve.public.decode()}", flush=True)
+
+    def stop(signum: int, frame: object) -> None:
+        coord.stop()
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    coord.wait()
+    return 0
+
+
+def _keygen(args: argparse.Namespace) -> int:
+    from transport.auth import CurveKeys, keygen
+
+    public, secret = keygen(args.out, args.name)
+    print(f"public key file: {public}")
+    print(f"secret key file: {secret}  (keep it private)")
+    print(f"public key: {CurveKeys.load(public).public.decode()}")
+    return 0
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("coordinator", help="run the membership coordinator of a lowband group")
+    p.add_argument("--bind", default="tcp://0.0.0.0:29500",
+                   help="ZeroMQ endpoint to listen on (default tcp://0.0.0.0:29500)")
+    p.add_argument("--heartbeat", type=float, default=1.0,
+                   help="heartbeat interval in seconds; a peer silent for two is lost")
+    p.add_argument("--dead-after", type=float, help="seconds of silence before a peer is lost")
+    p.add_argument("--token", help="shared secret every peer must present")
+    p.add_argument("--token-file", help="read the shared secret from this file")
+    p.add_argument("--curve-secret", help="coordinator key file (NAME.key_secret from keygen)")
+    p.add_argument("--curve-authorized", nargs="*",
+                   help="only admit these peer public keys (key files or directories)")
+    p.set_defaults(func=_coordinator)
+
+    p = sub.add_parser("keygen", help="write a CURVE keypair (NAME.key, NAME.key_secret)")
+    p.add_argument("--out", required=True, help="directory for the key files")
+    p.add_argument("--name", default="lowband", help="file name stem (default lowband)")
+    p.set_defaults(func=_keygen)
+

@@ -1,0 +1,1 @@
+"""lowband.models."""

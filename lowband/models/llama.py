@@ -1,0 +1,306 @@
+"""A Llama-family decoder in plain single-device PyTorch, with Hugging Face parameter names.
+
+Covers Llama / Mistral / Qwen2 (attention bias) / Mixtral (top-k routed experts): RMSNorm,
+rotary embeddings (default, linear and llama3 scaling), grouped-query attention, SwiGLU, tied
+embeddings. The module tree mirrors the HF checkpoints so ``state_dict()`` keys are the
+safetensors keys. Tensor parallelism is applied afterwards by ``edge.tp.shard``, which changes
+the per-module head/column counts stored on the modules (``n_heads``, ``n_kv_heads``) and sets a
+``reduce`` hook where partial sums must be combined; this file never knows about the network.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lowband.models.config import ModelConfig
+
+Reduce = Callable[[torch.Tensor], torch.Tensor]
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in float32 and cast back, as the reference implementation does.
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
+    """Inverse frequencies (D/2,) including the configured rope scaling."""
+    d = cfg.dim_per_head
+    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+    sc = cfg.rope_scaling or {}
+    kind = sc.get("rope_type", sc.get("type", "default"))
+    if kind == "linear":
+        inv = inv / float(sc["factor"])
+    elif kind == "llama3":
+        # Llama 3.1: leave high frequencies, divide low ones by `factor`, blend in between.
+        factor, lo, hi = float(sc["factor"]), float(sc["low_freq_factor"]), float(sc["high_freq_factor"])
+        old_ctx = float(sc["original_max_position_embeddings"])
+        wavelen = 2 * math.pi / inv
+        smooth = (old_ctx / wavelen - lo) / (hi - lo)
+        scaled = torch.where(wavelen > old_ctx / lo, inv / factor, inv)
+        mid = (wavelen <= old_ctx / lo) & (wavelen >= old_ctx / hi)
+        inv = torch.where(mid, (1 - smooth) * inv / factor + smooth * inv, scaled)
+    elif kind != "default":
+        raise NotImplementedError(f"rope scaling {kind!r} is not supported")
+    return inv
+
+
+def rope_cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin of shape (T, D) for integer positions (T,)."""
+    freqs = positions.float()[:, None] * inv_freq[None, :]
+    emb = torch.cat([freqs, freqs], dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    h = x.shape[-1] // 2
+    return torch.cat([-x[..., h:], x[..., :h]], dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: (B, H, T, D); cos/sin: (T, D)."""
+    return x * cos + _rotate_half(x) * sin
+
+
+class KVCache:
+    """Per-layer key/value cache with preallocated storage: (B, n_kv, max_len, D)."""
+
+    def __init__(self, n_layers: int) -> None:
+        self.k: list[torch.Tensor | None] = [None] * n_layers
+        self.v: list[torch.Tensor | None] = [None] * n_layers
+        self.length = 0
+
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor, start: int
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        t = k.shape[2]
+        end = start + t
+        buf_k = self.k[layer]
+        if buf_k is None or buf_k.shape[2] < end:
+            cap = max(end, 2 * (buf_k.shape[2] if buf_k is not None else 64))
+            new_k = k.new_zeros(k.shape[0], k.shape[1], cap, k.shape[3])
+            new_v = v.new_zeros(v.shape[0], v.shape[1], cap, v.shape[3])
+            if buf_k is not None:
+                new_k[:, :, :start] = buf_k[:, :, :start]
+                new_v[:, :, :start] = self.v[layer][:, :, :start]  # type: ignore[index]
+            self.k[layer], self.v[layer] = new_k, new_v
+        self.k[layer][:, :, start:end] = k  # type: ignore[index]
+        self.v[layer][:, :, start:end] = v  # type: ignore[index]
+        return self.k[layer][:, :, :end], self.v[layer][:, :, :end]  # type: ignore[index]
+
+    def reset(self) -> None:
+        self.k = [None] * len(self.k)
+        self.v = [None] * len(self.v)
+        self.length = 0
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.n_heads = cfg.num_attention_heads
+        self.n_kv_heads = cfg.n_kv_heads
+        self.head_dim = cfg.dim_per_head
+        h, d = cfg.hidden_size, cfg.dim_per_head
+        self.q_proj = nn.Linear(h, self.n_heads * d, bias=cfg.attention_bias)
+        self.k_proj = nn.Linear(h, self.n_kv_heads * d, bias=cfg.attention_bias)
+        self.v_proj = nn.Linear(h, self.n_kv_heads * d, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(self.n_heads * d, h, bias=False)
+        self.reduce: Reduce | None = None  # set by tensor parallelism: sums partial o_proj outputs
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                cache: KVCache | None, start: int) -> torch.Tensor:
+        B, T, _ = x.shape
+        q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if cache is not None:
+            k, v = cache.update(self.layer_idx, k, v, start)
+        # (B, H, T, D) attention; GQA via enable_gqa avoids materialising repeated K/V.
+        if T == 1:
+            out = F.scaled_dot_product_attention(q, k, v, enable_gqa=self.n_kv_heads != self.n_heads)
+        elif start == 0:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                                 enable_gqa=self.n_kv_heads != self.n_heads)
+        else:  # chunk appended after a prefix: causal within the chunk, full to the prefix
+            S = k.shape[2]
+            mask = torch.ones(T, S, dtype=torch.bool, device=x.device).tril(S - T)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask,
+                                                 enable_gqa=self.n_kv_heads != self.n_heads)
+        out = self.o_proj(out.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))
+        return self.reduce(out) if self.reduce is not None else out
+
+
+class MLP(nn.Module):
+    """SwiGLU feed-forward: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, hidden: int, inter: int) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, inter, bias=False)
+        self.up_proj = nn.Linear(hidden, inter, bias=False)
+        self.down_proj = nn.Linear(inter, hidden, bias=False)
+        self.reduce: Reduce | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.reduce(out) if self.reduce is not None else out
+
+
+class Expert(nn.Module):
+    """One Mixtral expert, HF names: w2(silu(w1 x) * w3 x)."""
+
+    def __init__(self, hidden: int, inter: int) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(hidden, inter, bias=False)
+        self.w2 = nn.Linear(inter, hidden, bias=False)
+        self.w3 = nn.Linear(hidden, inter, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class SparseMoE(nn.Module):
+    """Mixtral-style top-k routed experts (HF name ``block_sparse_moe``).
+
+    Routing: softmax over all experts in float32, keep the top k, renormalise them to sum to 1.
+    ``expert_fn``, when set (by the expert store of the bit-nested runtime), replaces the call of
+    ``experts[e]`` so weights can live outside the module; ``on_route`` receives the chosen
+    expert ids, which feeds hotness statistics.
+    """
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.top_k = cfg.num_experts_per_tok
+        self.num_experts = cfg.num_local_experts
+        self.gate = nn.Linear(cfg.hidden_size, cfg.num_local_experts, bias=False)
+        self.experts = nn.ModuleList(
+            Expert(cfg.hidden_size, cfg.intermediate_size) for _ in range(cfg.num_local_experts))
+        self.reduce: Reduce | None = None
+        self.expert_fn: Callable[[int, torch.Tensor], torch.Tensor] | None = None
+        self.on_route: Callable[[torch.Tensor], None] | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, H = x.shape
+        flat = x.reshape(-1, H)
+        probs = F.softmax(self.gate(flat), dim=-1, dtype=torch.float32)
+        weights, chosen = torch.topk(probs, self.top_k, dim=-1)
+        weights = (weights / weights.sum(dim=-1, keepdim=True)).to(x.dtype)
+        if self.on_route is not None:
+            self.on_route(chosen)
+        out = torch.zeros_like(flat)
+        for e in torch.unique(chosen).tolist():
+            rows, slot = torch.nonzero(chosen == e, as_tuple=True)
+            y = self.expert_fn(e, flat[rows]) if self.expert_fn else self.experts[e](flat[rows])
+            out.index_add_(0, rows, y * weights[rows, slot, None])
+        out = out.view(B, T, H)
+        return self.reduce(out) if self.reduce is not None else out
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, idx: int) -> None:
+        super().__init__()
+        self.self_attn = Attention(cfg, idx)
+        if cfg.is_moe:
+            self.block_sparse_moe = SparseMoE(cfg)
+        else:
+            self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    @property
+    def ffn(self) -> nn.Module:
+        return self.block_sparse_moe if hasattr(self, "block_sparse_moe") else self.mlp
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                cache: KVCache | None, start: int) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, start)
+        return x + self.ffn(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class LlamaForCausalLM(nn.Module):
+    """Decoder with an LM head. ``forward(ids) -> logits (B, T, V)``."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.config = cfg
+        self.model = LlamaModel(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
+        self._rope_table: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def forward(self, input_ids: torch.Tensor, *, cache: KVCache | None = None,
+                start: int | None = None) -> torch.Tensor:
+        """input_ids: (B, T). With a cache, ``start`` defaults to ``cache.length``, which is
+        advanced by T afterwards."""
+        if start is None:
+            start = cache.length if cache is not None else 0
+        x = self.forward_layers(self.embed(input_ids), cache=cache, start=start)
+        return self.head(x)
+
+    # The three pieces below let a tensor-parallel master run embed/head alone while every
+    # rank runs ``forward_layers`` on its shard (workers never hold the embedding or LM head).
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model.embed_tokens(input_ids)
+
+    def forward_layers(self, x: torch.Tensor, *, cache: KVCache | None, start: int) -> torch.Tensor:
+        """x: (B, T, H) hidden states at positions start..start+T-1."""
+        T = x.shape[1]
+        cos, sin = self.rope(start, T, x.dtype)
+        for layer in self.model.layers:
+            x = layer(x, cos, sin, cache, start)
+        if cache is not None:
+            cache.length = start + T
+        return x
+
+    def head(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.model.norm(x))
+
+    def rope(self, start: int, T: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin (T, D) for positions start..start+T-1, sliced from a table that grows by
+        doubling, so a decode step does no trigonometry."""
+        end = start + T
+        table = self._rope_table
+        if table is None or table[0].shape[0] < end or table[0].dtype != dtype:
+            n = max(end, 2 * (table[0].shape[0] if table is not None else 256))
+            pos = torch.arange(n, device=self.inv_freq.device)
+            self._rope_table = table = rope_cos_sin(self.inv_freq, pos, dtype)
+        return table[0][start:end], table[1][start:end]
+
+    def new_cache(self) -> KVCache:
+        return KVCache(self.config.num_hidden_layers)
+
+
+def init_weights(model: LlamaForCausalLM, std: float = 0.02, seed: int | None = None) -> None:
+    """GPT-style init: normal(0, std) for matrices, scaled by 1/sqrt(2L) on residual outputs."""
+    gen = torch.Generator().manual_seed(seed) if seed is not None else None
+    n_layers = model.config.num_hidden_layers
+    for name, p in model.named_parameters():
+        if p.dim() < 2:
+            continue
+        s = std / math.sqrt(2 * n_layers) if name.endswith(("o_proj.weight", "down_proj.weight",
+                                                            "w2.weight")) else std
+        with torch.no_grad():
+            p.copy_(torch.randn(p.shape, generator=gen) * s)

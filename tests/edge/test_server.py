@@ -1,0 +1,169 @@
+"""The HTTP API with a real aiohttp client on 127.0.0.1: OpenAI shapes, SSE streaming, bad
+requests (4xx with a JSON body, server keeps serving), 16 concurrent streams, cluster down."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import aiohttp
+import pytest
+
+from lowband.models.config import ModelConfig
+from edge.engine import Engine, LocalRunner
+from lowband.models.llama import LlamaForCausalLM, init_weights
+from edge.sampling import SamplingParams
+from edge.server import ServerConfig, start
+from lowband.models.tokenizer import ByteTokenizer
+
+CFG = dict(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+           num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+
+
+def _engine() -> Engine:
+    m = LlamaForCausalLM(ModelConfig(**CFG)).eval()
+    init_weights(m, std=0.3, seed=1)
+    return Engine(LocalRunner(m), ByteTokenizer(), model_name="tiny")
+
+
+async def _with_server(fn, engine=None, **cfg):
+    engine = engine or _engine()
+    runner, port = await start(engine, ServerConfig(host="127.0.0.1", port=0, **cfg))
+    try:
+        async with aiohttp.ClientSession(f"http://127.0.0.1:{port}",
+                                         timeout=aiohttp.ClientTimeout(total=60)) as s:
+            return await fn(s, engine)
+    finally:
+        await runner.cleanup()
+
+
+async def _sse(resp) -> list:
+    events = []
+    async for raw in resp.content:
+        line = raw.decode().strip()
+        if line.startswith("data: "):
+            data = line[6:]
+            events.append(data if data == "[DONE]" else json.loads(data))
+    return events
+
+
+def run(coro):
+    return asyncio.run(asyncio.wait_for(coro, 120))
+
+
+def test_completions_models_health_metrics() -> None:
+    async def body(s, engine):
+        r = await s.get("/v1/models")
+        assert r.status == 200 and (await r.json())["data"][0]["id"] == "tiny"
+        r = await s.get("/health")
+        assert r.status == 200 and (await r.json())["healthy"] is True
+        req = {"model": "tiny", "prompt": "Hi there", "max_tokens": 8, "temperature": 0}
+        r = await s.post("/v1/completions", json=req)
+        out = await r.json()
+        assert r.status == 200, out
+        expected, _, _ = engine.complete("Hi there", SamplingParams(max_tokens=8))
+        assert out["choices"][0]["text"] == expected
+        assert out["usage"] == {"prompt_tokens": 8, "completion_tokens": 8, "total_tokens": 16}
+        # the same request streamed gives the same text, then [DONE]
+        r = await s.post("/v1/completions", json={**req, "stream": True})
+        assert r.status == 200 and r.headers["Content-Type"].startswith("text/event-stream")
+        ev = await _sse(r)
+        assert ev[-1] == "[DONE]"
+        assert "".join(e["choices"][0]["text"] for e in ev[:-1]) == expected
+        assert ev[-2]["choices"][0]["finish_reason"] == "length"
+        # chat, streamed
+        r = await s.post("/v1/chat/completions", json={
+            "messages": [{"role": "user", "content": "hello"}], "max_tokens": 5,
+            "temperature": 0.8, "seed": 3, "stream": True})
+        ev = await _sse(r)
+        assert ev[0]["object"] == "chat.completion.chunk"
+        assert ev[0]["choices"][0]["delta"]["role"] == "assistant"
+        r = await s.post("/v1/chat/completions", json={
+            "messages": [{"role": "user", "content": "hello"}], "max_tokens": 5,
+            "temperature": 0.8, "seed": 3})
+        chat = await r.json()
+        assert chat["choices"][0]["message"]["content"] == "".join(
+            e["choices"][0]["delta"]["content"] for e in ev[:-1])
+        m = await (await s.get("/metrics")).json()
+        assert m["requests_total"] == 5 and m["completion_tokens_total"] == 34  # 4 via HTTP + 1 direct
+        assert m["ttft_ms_mean"] > 0 and m["decode_tokens_per_s"] > 0
+    run(_with_server(body))
+
+
+@pytest.mark.parametrize("payload,status,param", [
+    (b"{not json", 400, None),
+    (b"[1, 2]", 400, None),
+    (json.dumps({"model": "gpt-9", "prompt": "x"}).encode(), 404, "model"),
+    (json.dumps({"prompt": "x", "max_tokens": 0}).encode(), 400, "max_tokens"),
+    (json.dumps({"prompt": "x", "max_tokens": -5}).encode(), 400, "max_tokens"),
+    (json.dumps({"prompt": "x", "max_tokens": 10**9}).encode(), 400, "max_tokens"),
+    (json.dumps({"prompt": "x" * 200, "max_tokens": 4}).encode(), 400, "max_tokens"),
+    (json.dumps({"prompt": 12}).encode(), 400, "prompt"),
+    (json.dumps({"prompt": [1, 999]}).encode(), 400, "prompt"),
+    (json.dumps({"prompt": "x", "top_p": 0}).encode(), 400, "top_p"),
+    (json.dumps({"prompt": "x", "stop": 5}).encode(), 400, "stop"),
+])
+def test_bad_requests_get_json_4xx_and_server_survives(payload, status, param) -> None:
+    async def body(s, engine):
+        r = await s.post("/v1/completions", data=payload,
+                         headers={"Content-Type": "application/json"})
+        err = await r.json()
+        assert r.status == status and "message" in err["error"]
+        assert err["error"]["param"] == param
+        ok = await s.post("/v1/completions", json={"prompt": "ok", "max_tokens": 2})
+        assert ok.status == 200
+    run(_with_server(body))
+
+
+def test_bad_chat_and_unknown_route() -> None:
+    async def body(s, engine):
+        r = await s.post("/v1/chat/completions", json={"messages": "hi"})
+        assert r.status == 400 and (await r.json())["error"]["param"] == "messages"
+        r = await s.get("/v1/nothing")
+        assert r.status == 404 and "error" in await r.json()
+    run(_with_server(body))
+
+
+def test_sixteen_concurrent_streams() -> None:
+    async def body(s, engine):
+        async def one(i):
+            r = await s.post("/v1/completions", json={
+                "prompt": f"client {i}", "max_tokens": 6, "temperature": 0, "stream": True})
+            assert r.status == 200
+            ev = await _sse(r)
+            return "".join(e["choices"][0]["text"] for e in ev[:-1])
+        texts = await asyncio.gather(*(one(i) for i in range(16)))
+        for i, t in enumerate(texts):  # each stream got its own, correct completion
+            assert t == engine.complete(f"client {i}", SamplingParams(max_tokens=6))[0]
+        assert (await (await s.get("/health")).json())["queue"] == 0
+    run(_with_server(body))
+
+
+def test_queue_limit_answers_429() -> None:
+    async def body(s, engine):
+        async def one(i):
+            r = await s.post("/v1/completions", json={"prompt": f"q{i}", "max_tokens": 40})
+            return r.status
+        statuses = await asyncio.gather(*(one(i) for i in range(12)))
+        assert statuses.count(200) >= 2 and statuses.count(429) >= 1
+        assert set(statuses) <= {200, 429}
+        r = await s.post("/v1/completions", json={"prompt": "after", "max_tokens": 2})
+        assert r.status == 200
+    run(_with_server(body, max_queue=1))
+
+
+class _DownRunner(LocalRunner):
+    def health(self) -> dict:
+        return {"healthy": False, "status": "degraded: worker lost"}
+
+
+def test_cluster_down_is_503() -> None:
+    m = LlamaForCausalLM(ModelConfig(**CFG)).eval()
+    engine = Engine(_DownRunner(m), ByteTokenizer(), model_name="tiny")
+
+    async def body(s, engine):
+        r = await s.get("/health")
+        assert r.status == 503 and (await r.json())["healthy"] is False
+        r = await s.post("/v1/completions", json={"prompt": "x", "stream": True})
+        assert r.status == 503 and (await r.json())["error"]["code"] == "cluster_unavailable"
+    run(_with_server(body, engine=engine))

@@ -1,0 +1,139 @@
+"""Tensor parallelism: sharded == unsharded on the loopback communicator."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from lowband.models.config import ModelConfig
+from lowband.models.llama import LlamaForCausalLM, init_weights
+from edge.tp import TPPlan, apportion, make_plan, make_reduce, shard, slice_of
+from lowband.codecs import Int8BlockCodec
+from lowband.errors import ConfigError
+from tests.conftest import run_ranks
+from transport.loopback import LoopbackGroup
+
+BASE = dict(vocab_size=61, hidden_size=64, intermediate_size=80, num_hidden_layers=3,
+            num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=128)
+
+
+def _model(**over) -> LlamaForCausalLM:
+    cfg = ModelConfig(**{**BASE, **over})
+    m = LlamaForCausalLM(cfg).eval()
+    init_weights(m, seed=5)
+    with torch.no_grad():
+        for n, p in m.named_parameters():
+            if n.endswith("bias"):
+                p.normal_(0, 0.1)
+    return m
+
+
+def test_apportion() -> None:
+    assert apportion(10, [1, 1]) == [5, 5]
+    assert apportion(10, [1, 1, 1]) == [4, 3, 3]
+    assert apportion(100, [3, 1], unit=8) == [76, 24]  # 12 units -> 9/3, remainder 4 to largest
+    assert sum(apportion(4, [1, 1, 1, 1, 1])) == 4
+    assert apportion(7, [2, 1, 1]) == [3, 2, 2]
+    with pytest.raises(ConfigError):
+        apportion(4, [1, 0])
+    for total in range(0, 40):
+        for ws in ([1], [1, 2], [5, 1, 1], [1, 1, 1, 1, 1, 1, 1]):
+            parts = apportion(total, ws)
+            assert sum(parts) == total and min(parts) >= 0
+
+
+def test_plan_covers_everything_once() -> None:
+    cfg = ModelConfig(**BASE)
+    plan = make_plan(cfg, 3, [2, 1, 1])
+    assert plan.kv[0][0] == 0 and plan.kv[-1][1] == cfg.n_kv_heads
+    assert plan.ffn[0][0] == 0 and plan.ffn[-1][1] == cfg.intermediate_size
+    for r in range(2):
+        assert plan.kv[r][1] == plan.kv[r + 1][0] and plan.ffn[r][1] == plan.ffn[r + 1][0]
+    assert TPPlan.from_dict(plan.to_dict()) == plan
+    assert slice_of("model.layers.0.self_attn.q_proj.weight", plan, 0) == (0, 0, 2 * 2 * 8)
+    assert slice_of("model.layers.2.mlp.down_proj.weight", plan, 2)[0] == 1
+    assert slice_of("lm_head.weight", plan, 1) is False
+    assert slice_of("model.layers.1.input_layernorm.weight", plan, 1) is True
+    with pytest.raises(ConfigError):
+        make_plan(cfg, 2, [1, 1, 1])
+
+
+def _tp_logits(full: LlamaForCausalLM, world: int, weights, ids: torch.Tensor, codec=None,
+               algorithm="star") -> tuple[torch.Tensor, list]:
+    """Prefill ids[:, :-3] then decode the last 3 tokens one by one on a TP group; returns
+    rank 0's logits for every position and each rank's communicator stats."""
+    plan = make_plan(full.config, world, weights)
+    group = LoopbackGroup(world, timeout=30)
+    comms = group.comms()
+    x_all = full.embed(ids).detach()
+
+    def rank_fn(r: int):
+        def body():
+            m = shard(copy.deepcopy(full), plan, r, world,
+                      make_reduce(comms[r], codec=codec, algorithm=algorithm))
+            cache = m.new_cache()
+            outs = []
+            with torch.no_grad():
+                T = ids.shape[1]
+                chunks = [(0, T - 3)] + [(t, t + 1) for t in range(T - 3, T)]
+                for a, b in chunks:
+                    h = m.forward_layers(x_all[:, a:b], cache=cache, start=a)
+                    if r == 0:
+                        outs.append(m.head(h))
+            return (torch.cat(outs, 1) if outs else None), comms[r].stats()
+        return body
+
+    res = run_ranks([rank_fn(r) for r in range(world)], timeout=60)
+    return res[0][0], [s for _, s in res]
+
+
+@pytest.mark.parametrize("world,weights,over", [
+    (2, None, {}),
+    (3, None, {}),
+    (3, [3, 1, 1], {"model_type": "qwen2", "attention_bias": True}),
+    (4, [1, 2, 3, 4], {"tie_word_embeddings": True}),
+    (5, None, {}),  # more ranks than KV groups: one rank holds no attention heads
+    (3, [1, 1, 2], {"model_type": "mixtral", "num_local_experts": 4, "num_experts_per_tok": 2}),
+])
+def test_sharded_equals_unsharded(world, weights, over) -> None:
+    full = _model(**over)
+    ids = torch.randint(0, 61, (1, 12), generator=torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        ref = full(ids)
+    got, stats = _tp_logits(full, world, weights, ids)
+    assert got.shape == ref.shape
+    assert (got - ref).abs().max().item() <= 1e-4
+    # Star all-reduce: every worker sends each partial sum once, 2 per layer per forward.
+    H, L = full.config.hidden_size, full.config.num_hidden_layers
+    per_pos = 2 * L * H * 4
+    assert stats[1].bytes_sent == per_pos * 12
+
+
+def test_int8_wire_is_close_and_smaller() -> None:
+    full = _model()
+    ids = torch.randint(0, 61, (1, 10), generator=torch.Generator().manual_seed(8))
+    with torch.no_grad():
+        ref = full(ids)
+    got, stats = _tp_logits(full, 2, None, ids, codec=Int8BlockCodec(block=64))
+    fp32_bytes = 2 * 3 * 64 * 4 * 10
+    assert stats[1].bytes_sent < fp32_bytes / 3
+    err = (got - ref).abs().max().item()
+    assert 0 < err < 0.05 * ref.abs().max().item()
+
+
+def test_shard_meta_model_shapes() -> None:
+    cfg = ModelConfig(**BASE)
+    with torch.device("meta"):
+        m = LlamaForCausalLM(cfg)
+    plan = make_plan(cfg, 3, [2, 1, 1])
+    shard(m, plan, 1, 3)
+    attn = m.model.layers[0].self_attn
+    a, b = plan.kv[1]
+    assert attn.k_proj.weight.shape == ((b - a) * 8, 64)
+    assert attn.q_proj.weight.shape == ((b - a) * 2 * 8, 64)
+    assert m.model.layers[0].mlp.down_proj.weight.shape == (64, plan.ffn[1][1] - plan.ffn[1][0])
+    assert m.lm_head.weight.numel() == 0
+    with pytest.raises(ConfigError):
+        shard(m, plan, 0, 2)
