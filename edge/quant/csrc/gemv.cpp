@@ -1,0 +1,77 @@
+// Torch binding for the quantized GEMV kernels in gemv_kernels.h (built JIT by edge/quant/kernel.py).
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <vector>
+
+#include "gemv_kernels.h"
+
+namespace {
+
+torch::Tensor gemv(const torch::Tensor& x, const torch::Tensor& qweight, const torch::Tensor& scales,
+                   int64_t bits, int64_t group, const c10::optional<torch::Tensor>& bias) {
+  TORCH_CHECK(bits == 4 || bits == 8, "bits must be 4 or 8, got ", bits);
+  TORCH_CHECK(group == 32 || group == 64 || group == 128, "group must be 32, 64 or 128, got ", group);
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous() && x.device().is_cpu(),
+              "x must be a contiguous 2-D float32 CPU tensor");
+  TORCH_CHECK(qweight.dim() == 2 && qweight.is_contiguous(), "qweight must be a contiguous 2-D tensor");
+  TORCH_CHECK(scales.dim() == 2 && scales.is_contiguous() && scales.scalar_type() == at::kHalf,
+              "scales must be a contiguous 2-D float16 tensor");
+  const int64_t M = x.size(0), K = x.size(1), N = qweight.size(0);
+  TORCH_CHECK(K % group == 0, "K=", K, " is not a multiple of group=", group);
+  const int64_t nb = K / group;
+  if (bits == 8) {
+    TORCH_CHECK(qweight.scalar_type() == at::kChar && qweight.size(1) == K, "Q8 qweight must be int8 [N, K]");
+  } else {
+    TORCH_CHECK(qweight.scalar_type() == at::kByte && qweight.size(1) == K / 2, "Q4 qweight must be uint8 [N, K/2]");
+  }
+  TORCH_CHECK(scales.size(0) == N && scales.size(1) == nb, "scales must be [N, K/group]");
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == N && bias->scalar_type() == at::kFloat && bias->is_contiguous(),
+                "bias must be a contiguous float32 [N] tensor");
+  }
+
+  auto y = torch::empty({M, N}, x.options());
+  if (M == 0 || N == 0) return y;
+  if (K == 0) {
+    y.zero_();
+  } else {
+    // Quantize the activations once (one block scale per weight group).
+    std::vector<int8_t> xq(static_cast<size_t>(M * K));
+    std::vector<float> xd(static_cast<size_t>(M * nb));
+    std::vector<int32_t> xs(static_cast<size_t>(M * nb));
+    const float* xp = x.data_ptr<float>();
+    for (int64_t m = 0; m < M; ++m)
+      lbq::quantize_act_row(xp + m * K, K, static_cast<int>(group), xq.data() + m * K, xd.data() + m * nb,
+                            xs.data() + m * nb);
+    lbq::prepare_act(bits == 4, static_cast<int>(group), xq.data(), M, K);
+    const lbq::Act a{xq.data(), xd.data(), xs.data(), M, K, nb};
+    const lbq::Wt w{reinterpret_cast<const uint8_t*>(qweight.data_ptr()),
+                    reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>()), N, K, nb,
+                    bits == 8 ? K : K / 2};
+    float* yp = y.data_ptr<float>();
+    const bool q4 = bits == 4;
+    const int G = static_cast<int>(group);
+    // ~64k weights per task; at one thread parallel_for runs inline.
+    const int64_t grain = std::max<int64_t>(8, (int64_t{1} << 16) / std::max<int64_t>(K, 1));
+    at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) { lbq::gemv_rows(q4, G, w, a, n0, n1, yp); });
+  }
+  if (bias.has_value()) {
+    const float* bp = bias->data_ptr<float>();
+    float* yp = y.data_ptr<float>();
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t n = 0; n < N; ++n) yp[m * N + n] += bp[n];
+  }
+  return y;
+}
+
+std::string isa() { return lbq::isa_name(); }
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("gemv", &gemv, "y[M,N] = x[M,K] @ dequant(W)^T (+ bias) for Q8/Q4 packed weights",
+        py::arg("x"), py::arg("qweight"), py::arg("scales"), py::arg("bits"), py::arg("group"),
+        py::arg("bias") = py::none());
+  m.def("isa", &isa, "SIMD path compiled in");
+}

@@ -1,0 +1,203 @@
+"""``QuantLinear``: an inference-only ``nn.Linear`` with Q8/Q4 packed weights.
+
+The packed tensors are registered buffers (``qweight``, ``scales``, optional ``bias``), so
+``state_dict()`` / ``load_state_dict()`` and safetensors work as for any module.  A model-wide
+dtype cast (``model.half()``) leaves ``qweight`` and the fp16 ``scales`` untouched.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from typing import Iterable
+
+import torch
+import torch.nn as nn
+
+from . import kernel
+from .formats import (
+    GroupBoundaryError,
+    PackedWeight,
+    QuantShapeError,
+    QuantSpec,
+    dequantize,
+    narrow,
+    quantize,
+)
+
+__all__ = ["QuantLinear", "quantize_modules", "DEFAULT_MAX_KERNEL_ROWS"]
+
+# Rows (tokens) up to which forward() uses the GEMV kernel; above it, blockwise dequantize +
+# F.linear (a BLAS GEMM).  Measured with ``benchmarks/quant_gemv.py --prefill`` at 1 thread
+# (AVX2+VNNI): the kernel beat dequantize+matmul at every M in 1..128 (2-50x) and still matched
+# or beat even a plain fp32 GEMM at M=512 (2048x5632: Q8 107 ms vs 109-117 ms, Q4 76 ms vs
+# 110-122 ms), so the switch only matters for long prompts.
+DEFAULT_MAX_KERNEL_ROWS = 256
+
+
+class QuantLinear(nn.Module):
+    """``y = x @ dequant(W)^T + b`` with ``W`` stored as Q8 or Q4 groups (see ``formats``).
+
+    Args:
+        in_features, out_features, bias: as ``nn.Linear``.
+        bits: 8 or 4.  group: 32, 64 or 128 (``in_features`` must be a multiple).
+        max_kernel_rows: inputs with at most this many rows (product of leading dims) use the
+            C++ GEMV kernel; larger ones dequantize per call and use ``F.linear``.
+        use_kernel: ``False`` forces the PyTorch path for this module.
+    """
+
+    qweight: torch.Tensor
+    scales: torch.Tensor
+    bias: torch.Tensor | None
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        bits: int = 8,
+        group: int = 32,
+        *,
+        max_kernel_rows: int = DEFAULT_MAX_KERNEL_ROWS,
+        use_kernel: bool = True,
+    ) -> None:
+        super().__init__()
+        self.spec = QuantSpec(bits, group, (out_features, in_features))
+        self.in_features = in_features
+        self.out_features = out_features
+        self.bits = bits
+        self.group = group
+        self.max_kernel_rows = int(max_kernel_rows)
+        self.use_kernel = bool(use_kernel)
+        self.register_buffer("qweight", torch.zeros(self.spec.qweight_shape, dtype=self.spec.qweight_dtype))
+        self.register_buffer("scales", torch.zeros(self.spec.scales_shape, dtype=torch.float16))
+        self.register_buffer("bias", torch.zeros(out_features) if bias else None)
+
+    # -- construction ------------------------------------------------------------------------
+    @classmethod
+    def from_packed(
+        cls, packed: PackedWeight, bias: torch.Tensor | None = None, **kwargs
+    ) -> "QuantLinear":
+        """Wrap an already packed weight (no requantization)."""
+        n, k = packed.spec.shape
+        m = cls(k, n, bias is not None, packed.spec.bits, packed.spec.group, **kwargs)
+        m.qweight = packed.qweight.contiguous()
+        m.scales = packed.scales.contiguous()
+        if bias is not None:
+            if tuple(bias.shape) != (n,):
+                raise QuantShapeError(f"bias must have shape ({n},), got {tuple(bias.shape)}")
+            m.bias = bias.detach().to(torch.float32).contiguous()
+        return m
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, bits: int = 8, group: int = 32, **kwargs) -> "QuantLinear":
+        """Quantize an ``nn.Linear`` (its weight is not modified)."""
+        packed = quantize(linear.weight, bits, group)
+        return cls.from_packed(packed, linear.bias, **kwargs)
+
+    @property
+    def packed(self) -> PackedWeight:
+        return PackedWeight(
+            QuantSpec(self.bits, self.group, (self.out_features, self.in_features)),
+            self.qweight,
+            self.scales,
+        )
+
+    def dequantize_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The ``[out_features, in_features]`` weight this module represents."""
+        return dequantize(self.packed, dtype=dtype)
+
+    # -- forward -----------------------------------------------------------------------------
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lead = x.shape[:-1]
+        if x.shape[-1] != self.in_features:
+            raise QuantShapeError(f"expected last dim {self.in_features}, got {tuple(x.shape)}")
+        x2 = x.reshape(-1, self.in_features)
+        use = self.use_kernel and x2.shape[0] <= self.max_kernel_rows
+        y = kernel.gemv(x2, self.qweight, self.scales, self.bits, self.group, self.bias, force_fallback=not use)
+        return y.to(x.dtype).reshape(*lead, self.out_features)
+
+    # -- sharding ----------------------------------------------------------------------------
+    def _like(self, packed: PackedWeight, bias: torch.Tensor | None) -> "QuantLinear":
+        return QuantLinear.from_packed(
+            packed, bias, max_kernel_rows=self.max_kernel_rows, use_kernel=self.use_kernel
+        )
+
+    def narrow_out(self, start: int, length: int) -> "QuantLinear":
+        """Output rows ``start:start+length`` (column-parallel shard), bias sliced alike."""
+        p = narrow(self.packed, 0, start, length)
+        b = None if self.bias is None else self.bias[start : start + length].contiguous()
+        return self._like(p, b)
+
+    def narrow_in(self, start: int, length: int, keep_bias: bool = False) -> "QuantLinear":
+        """Input columns ``start:start+length`` (row-parallel shard), in whole groups.
+
+        Raises ``GroupBoundaryError`` unless ``start`` and ``length`` are multiples of ``group``.
+        The shard's outputs are partial sums, so the bias is dropped unless ``keep_bias`` (add it
+        once, after summing the shards).
+        """
+        if start % self.group or length % self.group:
+            raise GroupBoundaryError(
+                f"narrow_in({start}, {length}): column splits of a {self.bits}-bit weight must be "
+                f"multiples of its group size {self.group}"
+            )
+        p = narrow(self.packed, 1, start, length)
+        return self._like(p, self.bias.clone() if (keep_bias and self.bias is not None) else None)
+
+    # -- housekeeping ------------------------------------------------------------------------
+    def _apply(self, fn, recurse: bool = True):  # type: ignore[override]
+        # Module.half()/.to(dtype) cast every floating buffer; the fp16 scales are part of the
+        # packed format, so keep their dtype (device moves still apply).
+        scales = self.scales
+        out = super()._apply(fn, recurse)
+        if self.scales.dtype != torch.float16:
+            self.scales = scales.to(device=self.scales.device)
+        return out
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, "
+            f"bias={self.bias is not None}, bits={self.bits}, group={self.group}"
+        )
+
+
+def _matches(name: str, patterns: Iterable[str]) -> bool:
+    last = name.rsplit(".", 1)[-1]
+    return any(fnmatch.fnmatchcase(name, p) or fnmatch.fnmatchcase(last, p) for p in patterns)
+
+
+def quantize_modules(
+    model: nn.Module,
+    bits: int = 8,
+    group: int = 32,
+    skip: Iterable[str] = (),
+    **kwargs,
+) -> nn.Module:
+    """Replace every ``nn.Linear`` in ``model`` (in place) by a ``QuantLinear``; returns ``model``.
+
+    ``skip``: fnmatch patterns matched against each Linear's qualified name (``"model.layers.0.mlp"``
+    style) and its last component, e.g. ``skip=("lm_head",)`` or ``("*.down_proj",)``.
+    A Linear whose ``in_features`` is not a multiple of ``group`` raises ``QuantShapeError``
+    (skip it by name).  ``kwargs`` go to ``QuantLinear`` (``max_kernel_rows``, ``use_kernel``).
+    """
+    skip = tuple(skip)
+    if type(model) is nn.Linear:
+        raise TypeError("quantize_modules replaces children; wrap a bare nn.Linear with QuantLinear.from_linear")
+    targets = [
+        (name, mod)
+        for name, mod in model.named_modules(remove_duplicate=False)
+        if type(mod) is nn.Linear and not _matches(name, skip)
+    ]
+    for name, mod in targets:
+        if mod.in_features % group:
+            raise QuantShapeError(
+                f"{name}: in_features={mod.in_features} is not a multiple of group={group}; "
+                f"add it to skip="
+            )
+    done: dict[int, QuantLinear] = {}  # a Linear shared under several names is quantized once
+    for name, mod in targets:
+        q = done.get(id(mod))
+        if q is None:
+            q = done[id(mod)] = QuantLinear.from_linear(mod, bits, group, **kwargs)
+        parent_name, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent_name) if parent_name else model, child, q)
+    return model
