@@ -264,7 +264,7 @@ class Reactor:
             self._quorum_waiters.append(waiter)
             self._held_quorum = max(self._held_quorum or 1, min_world)
             return
-        if self._expelled is not None:
+        if self._expelled is not None and self._register_meta is None:
             waiter.set_error(self._expelled)
             return
         self._quorum_waiters.append(waiter)
@@ -296,6 +296,8 @@ class Reactor:
             raise ProtocolError("inconsistent MEMBERSHIP message")
         table = PeerTable(m, addrs, keys, locals_)
         old = self._table
+        if self._register_meta is not None and not self._rejoining:
+            self._expelled = None  # rejoined: a member again
         # A member that was lost earlier has rejoined under its old id: it is a fresh peer now.
         for pid in peers:
             self._lost.discard(pid)
@@ -701,7 +703,9 @@ class Reactor:
         if not self._rejoining:
             return
         out_s = time.monotonic() - (self._expelled_at or time.monotonic())
-        self._rejoining, self._expelled = False, None
+        # Still not a member of any epoch: operations keep failing with PeerLost (their
+        # epoch is gone) until the next MEMBERSHIP; quorum requests go out from now on.
+        self._rejoining = False
         self.rejoins += 1
         logger.warning("rejoined: %s is registered again (%.1fs after it learned it was lost); "
                        "it joins the next epoch as a newcomer", self.peer_id, out_s)

@@ -169,10 +169,19 @@ def test_hung_peer_is_declared_lost_then_rejoins_by_itself():
             assert elapsed < 3 * interval + 2.0  # bound, generous for a loaded machine
             assert coord.alive == (a.peer_id,)
             stall.set()
+            deadline = time.monotonic() + 10
+            while b.peer_id not in coord.alive and time.monotonic() < deadline:
+                time.sleep(0.02)  # b heartbeats, is refused, registers again by itself
+            assert b.peer_id in coord.alive
             # b learns it was expelled at its next heartbeat, registers again and is admitted
             # as a newcomer; the survivor forgets it was lost.
             mb: list = []
-            t = threading.Thread(target=lambda: mb.append(b.quorum(timeout=10)))
+            def join_b():
+                try:
+                    mb.append(b.quorum(timeout=10))
+                except Exception as exc:  # noqa: BLE001 - shown by the assertion
+                    mb.append(exc)
+            t = threading.Thread(target=join_b)
             t.start()
             ma = a.quorum(timeout=10)
             t.join(15)
