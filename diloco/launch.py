@@ -232,10 +232,21 @@ def _summarize(cfg: LocalLaunch, codes: dict[int, int], wall_s: float) -> dict:
         plot = str(plot_runs({label: sorted(evals, key=lambda r: r["step"])},
                              cfg.out_dir / "eval_vs_bytes.png", title=f"{label}, "
                              f"{cfg.train.workers} workers"))
-    hashes = {f["state_hash"] for f in finals.values()}
+    names = {stem: stem.removeprefix("metrics-") for stem in records}
+    together = [names[k] for k, f in sorted(finals.items()) if f["steps"] == cfg.train.steps
+                and codes.get(int(names[k].removeprefix("worker")), 0) == 0]
+    hashes = {f["state_hash"] for k, f in finals.items() if names[k] in together}
     summary = {
         "workers": cfg.train.workers, "exit_codes": codes, "finished": sorted(finals),
-        "consistent": len(hashes) == 1, "wall_s": round(wall_s, 2),
+        # Only workers that reached the last step together (exit 0) are compared: a worker
+        # that died or left early has an older state, and must not make the run look healthy.
+        "finished_together": together,
+        "consistent": len(hashes) == 1 and len(together) == cfg.train.workers,
+        "died": [{"worker": f"worker{i}", "exit_code": c} for i, c in sorted(codes.items()) if c],
+        "rejoined": _outages(records, finals, names),
+        "syncs_redone": max((f["retries"] for f in finals.values()), default=0),
+        "transfers": {names[k]: f["transfers"] for k, f in sorted(finals.items())},
+        "wall_s": round(wall_s, 2),
         "final_eval": next((f["final_eval"] for f in finals.values()
                             if f["final_eval"] is not None), None),
         "bytes_sent_per_worker": {k: f["bytes_sent"] for k, f in finals.items()},
@@ -243,3 +254,27 @@ def _summarize(cfg: LocalLaunch, codes: dict[int, int], wall_s: float) -> dict:
     }
     (cfg.out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     return summary
+
+
+def _outages(records: dict[str, list[dict]], finals: dict[str, dict],
+             names: dict[str, str]) -> list[dict]:
+    """Workers that were declared lost and came back, with how long they were out, as one
+    survivor saw it: from the membership change without them to the one with them again (one
+    clock). 0 when it was back before the survivors' next quorum noticed it gone."""
+    by_peer = {f["peer_id"]: names[k] for k, f in finals.items()}
+    seen: dict[str, dict] = {}
+    for recs in records.values():
+        gone: dict[str, float] = {}
+        for r in recs:
+            if r.get("event") != "membership":
+                continue
+            for pid in r.get("left", []):
+                gone.setdefault(pid, r["time"])
+            for pid in r.get("joined", []):
+                if pid in gone and pid in by_peer:
+                    out = round(r["time"] - gone.pop(pid), 2)
+                    best = seen.get(pid)
+                    if best is None or out > best["out_s"]:
+                        seen[pid] = {"worker": by_peer[pid], "peer_id": pid, "out_s": out,
+                                     "back_at_step": r["step"]}
+    return sorted(seen.values(), key=lambda d: d["worker"])

@@ -475,6 +475,25 @@ def run_worker(comm: Communicator, cfg: WorkerConfig) -> int:
                 tensors, meta = comm.recv(src, tag=CTL, timeout=wait)
             except TransportTimeout:
                 raise PeerLost(f"no word from the master for {wait:.0f}s: it is gone or stuck") from None
+            except PeerLost as exc:
+                # This worker was declared lost (it was paused) and is rejoining, or the master
+                # was (and is rejoining): either way the group re-forms at the next quorum,
+                # where the master re-assigns or regroups (bounded by join_timeout).
+                logger.warning("worker: %s; rejoining the group", exc)
+                had_master = any(p.startswith(MASTER_ID_PREFIX) for p in comm.membership.peers)
+                _regroup(comm, cfg)
+                # Without its master the group is useless: wait in quorum rounds until the
+                # master (rejoining too) is a member again.
+                deadline = time.monotonic() + cfg.join_timeout
+                while had_master and not any(p.startswith(MASTER_ID_PREFIX)
+                                             for p in comm.membership.peers):
+                    if time.monotonic() > deadline:
+                        raise PeerLost(f"the master did not come back within {cfg.join_timeout:.0f}s")
+                    time.sleep(0.2)
+                    _regroup(comm, cfg)
+                logger.warning("worker: rejoined the group (epoch %d)", comm.membership.epoch)
+                st.cache = st.shard.model.new_cache() if st.shard else None
+                continue
             op = meta.get("op")
             if op == "shutdown":
                 comm.send(src, [], {"op": "bye"}, tag=READY)

@@ -40,6 +40,12 @@ class ServerConfig:
     max_queue: int = 64  # waiting requests beyond the running one; more get 429
     max_tokens_limit: int = 4096  # largest max_tokens a request may ask for
     default_max_tokens: int = 16
+    max_body_bytes: int = 4 * 2**20
+    """Largest request body; a larger one gets 413 with a JSON error, before it is read."""
+    max_chars_per_token: float = 16.0
+    """A string prompt longer than context × this many characters is refused (400) before
+    tokenizing: no tokenizer's tokens are that long on average, and tokenizing megabytes just
+    to count them would occupy the server for seconds."""
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
@@ -48,6 +54,10 @@ class ServerConfig:
             raise ConfigError("max_queue", f"must be >= 0, got {self.max_queue}")
         if self.max_tokens_limit < 1 or self.default_max_tokens < 1:
             raise ConfigError("max_tokens_limit", "must be >= 1")
+        if self.max_body_bytes < 1024:
+            raise ConfigError("max_body_bytes", f"must be >= 1024, got {self.max_body_bytes}")
+        if self.max_chars_per_token < 1:
+            raise ConfigError("max_chars_per_token", f"must be >= 1, got {self.max_chars_per_token}")
 
 
 class ApiError(Exception):
@@ -88,7 +98,10 @@ class Server:
         self.cfg = cfg
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="edge-gen")
         self._pending = 0  # admitted requests not finished (running + waiting)
-        self.app = web.Application(client_max_size=4 * 2**20)
+        # Parsing and tokenizing big bodies runs here, off the event loop (which must keep
+        # answering /health) and off the generation thread.
+        self._prep = ThreadPoolExecutor(max_workers=2, thread_name_prefix="edge-prep")
+        self.app = web.Application(client_max_size=cfg.max_body_bytes)
         self.app.add_routes([
             web.get("/v1/models", self.models), web.get("/health", self.health),
             web.get("/metrics", self.metrics), web.post("/v1/completions", self.completions),
@@ -109,10 +122,24 @@ class Server:
 
     async def _shutdown(self, app: web.Application) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
+        self._prep.shutdown(wait=False, cancel_futures=True)
+
+    def _too_large(self) -> ApiError:
+        return ApiError(413, f"the request body exceeds {self.cfg.max_body_bytes} bytes "
+                        "(ServerConfig.max_body_bytes)", code="request_too_large")
+
+    async def _off_loop(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self._prep, fn, *args)
 
     async def _body(self, request: web.Request) -> dict:
+        if request.content_length is not None and request.content_length > self.cfg.max_body_bytes:
+            raise self._too_large()  # refused before a byte of it is read
         try:
-            body = await request.json()
+            raw = await request.read()
+        except web.HTTPRequestEntityTooLarge:
+            raise self._too_large() from None
+        try:
+            body = await self._off_loop(json.loads, raw) if len(raw) > 65536 else json.loads(raw)
         except (json.JSONDecodeError, UnicodeDecodeError):
             raise ApiError(400, "the request body is not valid JSON") from None
         if not isinstance(body, dict):
@@ -144,14 +171,21 @@ class Server:
         except (TypeError, ValueError) as exc:
             raise ApiError(400, f"bad sampling parameter: {exc}") from None
 
-    def _prepare(self, prompt: Any, params: SamplingParams) -> list[int]:
+    async def _prepare(self, prompt: Any, params: SamplingParams) -> list[int]:
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
             prompt = prompt[0]
+        context = self.engine.max_context
+        # Cheap bounds first: the length of a list, the characters of a string.
+        if isinstance(prompt, (list, str)) and len(prompt) > context * (
+                self.cfg.max_chars_per_token if isinstance(prompt, str) else 1):
+            raise ApiError(400, f"the prompt ({len(prompt)} {'characters' if isinstance(prompt, str) else 'tokens'}) "
+                           f"cannot fit the context of {context} tokens", param="prompt",
+                           code="context_length_exceeded")
         if not (isinstance(prompt, str) or (isinstance(prompt, list) and all(
                 isinstance(i, int) and not isinstance(i, bool) for i in prompt))):
             raise ApiError(400, "prompt must be a string or a list of token ids", param="prompt")
         try:
-            return self.engine.prepare(prompt, params)
+            return await self._off_loop(self.engine.prepare, prompt, params)
         except ConfigError as exc:
             code = "context_length_exceeded" if exc.field == "max_tokens" else None
             raise ApiError(400, str(exc), param=exc.field, code=code) from None
@@ -232,13 +266,13 @@ class Server:
     async def completions(self, request: web.Request) -> web.StreamResponse:
         body = await self._body(request)
         params = self._params(body)
-        ids = self._prepare(body.get("prompt"), params)
+        ids = await self._prepare(body.get("prompt"), params)
         return await self._respond(request, body, ids, params, chat=False)
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
         body = await self._body(request)
         params = self._params(body)
-        ids = self._prepare(chat_prompt(body.get("messages")), params)
+        ids = await self._prepare(chat_prompt(body.get("messages")), params)
         return await self._respond(request, body, ids, params, chat=True)
 
     async def _respond(self, request: web.Request, body: dict, ids: list[int],

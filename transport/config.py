@@ -76,6 +76,10 @@ class ZmqConfig:
     """The coordinator's CURVE public key (Z85). Setting it enables CURVE on every socket."""
     curve: CurveKeys | None = None
     """This peer's CURVE keypair; None generates a fresh one per connect()."""
+    rejoin: bool = True
+    """Re-register by itself after the coordinator declared this peer lost (it was paused past
+    the deadline) or restarted: pending operations still fail with PeerLost, the next quorum
+    admits the peer as a newcomer. False: stay out (the caller must connect again)."""
 
     def __post_init__(self) -> None:
         if not 1 <= self.connections <= 64:

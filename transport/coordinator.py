@@ -12,10 +12,22 @@ member of the current view and every live registered newcomer has asked for it a
 at least the largest ``min_world`` asked; the epoch increments only when the view changes.
 
 Failure detection: peers send a heartbeat every ``heartbeat_interval / 3``; a peer silent for
-``dead_after`` (default two intervals) is declared lost, as is one that reports leaving. Every
-remaining peer then gets PEER_LOST and fails its pending collectives of that epoch. A peer that
-saw a data connection drop sends SUSPECT; a suspected peer is declared lost after one silent
-interval instead of two, so a crash (kill -9) is usually caught faster than the deadline.
+``dead_after`` (default two intervals) is *suspected*. The application heartbeat comes from a
+Python thread, which a long GIL-holding call (tokenizing a 3 MB prompt, a training step) can
+starve, so silence alone is not death: the coordinator's ROUTER socket also runs ZeroMQ's own
+ZMTP heartbeats (``ZMQ_HEARTBEAT_IVL/TIMEOUT``), which the peer's libzmq I/O thread answers
+without the GIL. A suspected peer is probed (ROUTER_MANDATORY send): while its connection is
+alive it stays a member, until ``unresponsive_after`` (a hung process); once the connection is
+gone (SIGSTOP: nobody answers the pings; kill -9: the kernel closed it) it is declared lost. A
+peer that reports leaving is removed at once. Every remaining peer then gets PEER_LOST and fails
+its pending collectives of that epoch. A peer that saw a data connection drop sends SUSPECT; a
+suspected peer is probed after one silent interval instead of two.
+
+A peer declared lost is not banned: its next message is answered REFUSED "expelled", and the
+peer re-registers under the same id and joins the next quorum as a newcomer
+(:mod:`transport.reactor`). A restarted coordinator starts empty; every peer's heartbeat is
+then refused the same way and the group re-forms, at an epoch above the highest one the
+re-registering peers report.
 """
 
 from __future__ import annotations
@@ -56,6 +68,10 @@ class CoordinatorConfig:
     """Z85 public keys allowed to connect under CURVE; empty admits any key (then use a token)."""
     max_message_bytes: int = 1 << 20
     """Largest control message accepted (enforced by ZMQ_MAXMSGSIZE and the header check)."""
+    unresponsive_after: float = 60.0
+    """Seconds a peer whose connection still answers ZMTP pings (its process runs, its Python
+    threads may be starved) may stay silent before it is declared lost anyway (a hung peer).
+    A WAN or a phone deployment may raise ``heartbeat_interval``; this bounds a livelock."""
 
     def __post_init__(self) -> None:
         if not self.bind.startswith(("tcp://", "ipc://", "inproc://")):
@@ -74,6 +90,9 @@ class CoordinatorConfig:
             raise ConfigError("curve_authorized", "needs curve (the coordinator's keypair)")
         if self.max_message_bytes < 4096:
             raise ConfigError("max_message_bytes", "must be >= 4096")
+        if self.unresponsive_after < (self.dead_after or 2 * self.heartbeat_interval):
+            raise ConfigError("unresponsive_after", "must be >= dead_after "
+                              f"({self.dead_after or 2 * self.heartbeat_interval} s)")
 
     @property
     def silence_limit(self) -> float:
@@ -100,6 +119,7 @@ class MembershipBook:
     view: tuple[str, ...] = ()
     alive: dict[str, int] = field(default_factory=dict)  # peer -> registration order
     arrived: dict[str, int] = field(default_factory=dict)  # peer -> min_world it asked for
+    departed: set[str] = field(default_factory=set)  # view members removed since the view formed
     _order: int = 0
 
     def register(self, pid: str) -> None:
@@ -109,6 +129,10 @@ class MembershipBook:
     def remove(self, pid: str) -> bool:
         """Forget a dead or departed peer; True if it was alive."""
         self.arrived.pop(pid, None)
+        if pid in self.view:
+            # Remembered even if it registers again before the next round: a peer that was
+            # lost and came back is a newcomer (new epoch, state transfer), not a member.
+            self.departed.add(pid)
         return self.alive.pop(pid, None) is not None
 
     def arrive(self, pid: str, min_world: int) -> None:
@@ -125,25 +149,26 @@ class MembershipBook:
         makes admission deterministic: a newcomer is in the first quorum after it registered."""
         if not self.arrived:
             return None
-        required = [p for p in self.view if p in self.alive]
-        joiners = sorted((p for p in self.alive if p not in self.view), key=self.alive.__getitem__)
+        old = set(self.view) - self.departed
+        required = [p for p in self.view if p in old and p in self.alive]
+        joiners = sorted((p for p in self.alive if p not in old), key=self.alive.__getitem__)
         members = required + joiners
         if any(p not in self.arrived for p in members):
             return None
         if len(members) < max(self.arrived.values(), default=1):
             return None
         new_view = tuple(members)
-        if new_view != self.view:
+        if new_view != self.view or self.departed:
             self.epoch += 1
-        old = set(self.view)
         result: dict[str, View] = {}
         for rank, pid in enumerate(new_view):
             first = pid not in old
             joined = () if first else tuple(p for p in new_view if p not in old)
-            left = () if first else tuple(p for p in self.view if p not in new_view)
+            left = () if first else tuple(p for p in self.view if p not in old or p not in new_view)
             result[pid] = View(self.epoch, rank, new_view, joined, left)
         self.view = new_view
         self.arrived = {}
+        self.departed = set()
         return result
 
 
@@ -176,6 +201,7 @@ class Coordinator:
         self._chunk: int | None = None
         self.address = ""
         self.counters = {"refused": 0, "bad_messages": 0, "lost": 0, "left": 0, "registered": 0}
+        self._suspected: set[str] = set()  # silent but connected: logged once per silence
 
     # ---- lifecycle ------------------------------------------------------------------------------
     def start(self) -> "Coordinator":
@@ -194,6 +220,13 @@ class Coordinator:
         sock.linger = 0
         sock.maxmsgsize = cfg.max_message_bytes
         sock.router_handover = False
+        # Sends to a routing id without a connection raise EHOSTUNREACH: that is the probe.
+        sock.router_mandatory = True
+        # ZMTP heartbeats: libzmq's I/O threads ping and answer, no Python thread involved, so a
+        # peer whose interpreter is busy keeps its connection while a stopped or dead one loses it.
+        sock.heartbeat_ivl = max(10, int(1000 * cfg.heartbeat_interval / 3))
+        sock.heartbeat_timeout = max(20, int(1000 * cfg.silence_limit))
+        sock.heartbeat_ttl = max(100, int(1000 * cfg.silence_limit))
         configure_server(sock, domain=COORD_DOMAIN, token=cfg.token, curve=cfg.curve)
         try:
             sock.bind(cfg.bind)
@@ -292,9 +325,18 @@ class Coordinator:
             watch.close()
             sock.close(0)
 
-    def _send(self, pid: str, mtype: MsgType, meta: dict[str, Any]) -> None:
+    def _send(self, pid: str, mtype: MsgType, meta: dict[str, Any]) -> bool:
+        """Send to ``pid``; False when it has no live connection (or its queue is full)."""
         assert self._sock is not None
-        self._sock.send_multipart([pid.encode(), *wire.pack(mtype, meta)])
+        try:
+            self._sock.send_multipart([pid.encode(), *wire.pack(mtype, meta)], zmq.NOBLOCK)
+            return True
+        except zmq.Again:
+            return True  # connected but its queue is full: alive, just slow
+        except zmq.ZMQError as exc:
+            if exc.errno == zmq.EHOSTUNREACH:
+                return False
+            raise
 
     def _on_frames(self, frames: list[zmq.Frame]) -> None:
         ident = frames[0].bytes
@@ -375,6 +417,9 @@ class Coordinator:
             raise ProtocolError("field 'key' must be a 40-character Z85 key")
         if not isinstance(peer_meta, dict):
             raise ProtocolError("field 'meta' must be a map")
+        last_epoch = meta.get("last_epoch", -1)
+        if not isinstance(last_epoch, int) or isinstance(last_epoch, bool):
+            raise ProtocolError("field 'last_epoch' must be an integer")
         local = meta.get("local")
         if local is not None and not (isinstance(local, list) and 2 <= len(local) <= 3
                                       and all(isinstance(v, str) for v in local)):
@@ -403,6 +448,10 @@ class Coordinator:
                 self._peers[pid] = _Peer(addr, key.encode() if key else None, peer_meta, now,
                                          local)
                 self._book.register(pid)
+                if not self._book.view and last_epoch > self._book.epoch:
+                    # A restarted coordinator: go on above the epochs the group has used, so a
+                    # straggler message of an old epoch can never match a new operation.
+                    self._book.epoch = last_epoch
         if refusal is not None:
             self.counters["refused"] += 1
             logger.warning("refused registration of %r from %s: %s", pid, _peer_address(frame),
@@ -410,7 +459,9 @@ class Coordinator:
             self._send(pid, MsgType.REFUSED, {"kind": refusal[0], "reason": refusal[1]})
             return
         self.counters["registered"] += 1
-        logger.info("registered %s (data %s, meta %s)", pid, addr, peer_meta)
+        self._suspected.discard(pid)
+        logger.info("registered %s (data %s, meta %s%s)", pid, addr, peer_meta,
+                    ", rejoining" if last_epoch >= 0 else "")
         self._send(pid, MsgType.REGISTERED, {"heartbeat_interval": cfg.heartbeat_interval})
         self._complete_quorum()  # a newcomer can unblock nothing, but a dead peer's slot may
 
@@ -447,14 +498,29 @@ class Coordinator:
         self._complete_quorum()
 
     def _expire(self, now: float) -> None:
-        limit = self.config.silence_limit
-        interval = self.config.heartbeat_interval
+        cfg = self.config
+        limit, interval = cfg.silence_limit, cfg.heartbeat_interval
         with self._lock:
-            dead = [p for p, peer in self._peers.items()
-                    if now - peer.last_seen > limit
-                    or (peer.suspected_at is not None and now - peer.last_seen > interval)]
-        for pid in dead:
-            self._remove(pid, f"is silent (no heartbeat for > {limit:.2f}s)")
+            silent = {p: now - peer.last_seen for p, peer in self._peers.items()
+                      if now - peer.last_seen > limit
+                      or (peer.suspected_at is not None and now - peer.last_seen > interval)}
+        for pid, quiet in silent.items():
+            if quiet > cfg.unresponsive_after:
+                self._suspected.discard(pid)
+                self._remove(pid, f"is unresponsive (connected, but no heartbeat for "
+                             f"{quiet:.1f}s > unresponsive_after)")
+            elif not self._send(pid, MsgType.HEARTBEAT_ACK, {}):
+                self._suspected.discard(pid)
+                self._remove(pid, f"is lost (no heartbeat for {quiet:.1f}s and its connection "
+                             "stopped answering ZMTP pings)")
+            elif pid not in self._suspected:
+                self._suspected.add(pid)
+                logger.warning("peer %s suspected: no heartbeat for %.1fs, but its connection "
+                               "is alive (a busy interpreter?); keeping it", pid, quiet)
+        for pid in list(self._suspected):
+            if pid not in silent:
+                self._suspected.discard(pid)
+                logger.info("peer %s is heartbeating again", pid)
 
 
 def _peer_address(frame: zmq.Frame) -> str:

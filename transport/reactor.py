@@ -30,6 +30,17 @@ too; an ABORT for an op not started yet is kept and fails it the moment it start
 along who-waits-on-whom, every survivor raises PeerLost, none waits for its deadline. A lost
 peer never fails a pending quorum: the coordinator drops it from the round.
 
+Expelled peers rejoin by themselves
+----------------------------------
+A peer the coordinator declared lost (it was paused longer than the deadline: SIGSTOP, a laptop
+lid, swap) learns it from the REFUSED "expelled" answer to its next heartbeat, or a restarted
+coordinator answers the same. Its pending operations fail with PeerLost as before, but with
+``ZmqConfig.rejoin`` the engine sends REGISTER again right away (same id, same data address):
+until REGISTERED comes back new operations fail fast and quorum requests are held, then the
+held requests go out and the peer enters the next epoch as a newcomer. What the application
+does with a newcomer (a state transfer, a re-assigned slot) is its business. Survivors forget
+that a peer id was lost once it is a member again.
+
 Point-to-point receives are numbered here, in the order they start, per (source, tag); one that
 ends before a byte of its message arrived gives its number back, so an abandoned receive never
 shifts which message a later receive gets.
@@ -79,7 +90,8 @@ class Reactor:
     """Owns the sockets; see the module docstring. Created and started by ``zmq_comm.connect``."""
 
     def __init__(self, *, ctx: zmq.Context, config: ZmqConfig, peer_id: str, data: zmq.Socket,
-                 control: zmq.Socket, keys: CurveKeys | None, heartbeat_interval: float) -> None:
+                 control: zmq.Socket, keys: CurveKeys | None, heartbeat_interval: float,
+                 register_meta: dict[str, Any] | None = None) -> None:
         self.ctx = ctx
         self.cfg = config
         self.peer_id = peer_id
@@ -119,6 +131,12 @@ class Reactor:
         self._quorum_waiters: list[Any] = []
         self._cancelling: list[Any] = []
         self._expelled: BaseException | None = None
+        # REGISTER of connect(); None disables rejoining (ZmqConfig.rejoin=False)
+        self._register_meta = register_meta
+        self._rejoining = False
+        self._held_quorum: int | None = None  # largest min_world asked while rejoining
+        self._expelled_at: float | None = None
+        self.rejoins = 0
         self._coord_seen = time.monotonic()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"lowband-engine-{peer_id}",
@@ -242,7 +260,11 @@ class Reactor:
         return self._table
 
     def request_quorum(self, min_world: int, waiter: Any) -> None:
-        if self._expelled is not None:
+        if self._rejoining:  # asked once REGISTERED comes back
+            self._quorum_waiters.append(waiter)
+            self._held_quorum = max(self._held_quorum or 1, min_world)
+            return
+        if self._expelled is not None and self._register_meta is None:
             waiter.set_error(self._expelled)
             return
         self._quorum_waiters.append(waiter)
@@ -252,7 +274,10 @@ class Reactor:
         """Withdraw from the quorum round. The coordinator acknowledges, and only then does the
         waiter fail: if the round completes first, the waiter gets the new membership instead,
         so a timed-out quorum() never leaves this peer half in a new epoch."""
-        if waiter in self._quorum_waiters:
+        if waiter in self._quorum_waiters and self._rejoining:  # never sent: nothing to ack
+            self._quorum_waiters.remove(waiter)
+            waiter.set_error(TransportTimeout("quorum cancelled while rejoining"))
+        elif waiter in self._quorum_waiters:
             self._cancelling.append(waiter)
             self._send_control(MsgType.QUORUM_CANCEL, {})
 
@@ -271,6 +296,15 @@ class Reactor:
             raise ProtocolError("inconsistent MEMBERSHIP message")
         table = PeerTable(m, addrs, keys, locals_)
         old = self._table
+        if self._register_meta is not None and not self._rejoining:
+            self._expelled = None  # rejoined: a member again
+        # A member that was lost earlier has rejoined under its old id: it is a fresh peer now.
+        for pid in peers:
+            self._lost.discard(pid)
+            self._crashed.discard(pid)
+            self._byes.pop(pid, None)
+            self._bye_expected.pop(pid, None)
+            self._departing.pop(pid, None)
         self._table = table
         for pid in list(self._out):
             if pid not in table.index:
@@ -586,7 +620,14 @@ class Reactor:
                     w.set_error(TransportTimeout("quorum cancelled"))
                 self._cancelling = []
             elif msg.type == MsgType.REFUSED:
+                if self._rejoining and msg.meta.get("kind") == "expelled":
+                    return  # the answer to a heartbeat sent before our new REGISTER
+                if self._rejoining:  # the coordinator will not take us back: final
+                    self._rejoining = False
+                    self._register_meta = None
                 self._expel(str(msg.meta.get("reason", "refused")))
+            elif msg.type == MsgType.REGISTERED:
+                self._rejoined()
             elif msg.type != MsgType.HEARTBEAT_ACK:
                 raise ProtocolError(f"unexpected {msg.type.name} from the coordinator")
         except ProtocolError as exc:
@@ -634,12 +675,44 @@ class Reactor:
             self._peer_slabs.forget(os_pid)  # its memory goes once no view of ours remains
 
     def _expel(self, reason: str) -> None:
-        err = PeerLost(f"{self.peer_id} is no longer a member: {reason}; connect again to rejoin",
-                       peers=(self.peer_id,))
-        if self._expelled is None:
-            logger.error("%s", err)
-        self._expelled = err
+        if self._register_meta is None:
+            err = PeerLost(f"{self.peer_id} is no longer a member: {reason}; connect again to "
+                           "rejoin", peers=(self.peer_id,))
+            if self._expelled is None:
+                logger.error("%s", err)
+            self._expelled = err
+            self._fail_all(err)
+            return
+        err = PeerLost(f"{self.peer_id} is no longer a member: {reason}; rejoining as a "
+                       "newcomer", peers=(self.peer_id,))
+        if self._rejoining:
+            return
+        logger.warning("lost: %s", err)
+        self._expelled, self._expelled_at, self._rejoining = err, time.monotonic(), True
+        waiters, self._quorum_waiters = self._quorum_waiters, []
         self._fail_all(err)
+        # Quorum requests in flight died with our membership: re-ask them after registering.
+        self._quorum_waiters = [w for w in waiters if not w.done()] if waiters else []
+        if self._quorum_waiters:
+            self._held_quorum = 1
+        last = self._table.membership.epoch if self._table is not None else -1
+        logger.info("rejoining: registering again with the coordinator as %s", self.peer_id)
+        self._send_control(MsgType.REGISTER, {**self._register_meta, "last_epoch": last})
+
+    def _rejoined(self) -> None:
+        if not self._rejoining:
+            return
+        out_s = time.monotonic() - (self._expelled_at or time.monotonic())
+        # Still not a member of any epoch: operations keep failing with PeerLost (their
+        # epoch is gone) until the next MEMBERSHIP; quorum requests go out from now on.
+        self._rejoining = False
+        self.rejoins += 1
+        logger.warning("rejoined: %s is registered again (%.1fs after it learned it was lost); "
+                       "it joins the next epoch as a newcomer", self.peer_id, out_s)
+        self._coord_seen = time.monotonic()
+        if self._held_quorum is not None:
+            self._send_control(MsgType.QUORUM, {"min_world": self._held_quorum})
+            self._held_quorum = None
 
     # ---- the loop ---------------------------------------------------------------------------
     def tick(self) -> None:
@@ -647,7 +720,7 @@ class Reactor:
         reduction, encoding many chunks) calls this between pieces, so the coordinator never
         mistakes a busy peer for a dead one."""
         now = time.monotonic()
-        if now >= self._next_hb:
+        if now >= self._next_hb and not self._rejoining:
             self._send_control(MsgType.HEARTBEAT, {})
             self._next_hb = now + self._hb_period
 

@@ -99,13 +99,19 @@ def connect(coordinator: str, config: ZmqConfig | None = None, *, signature: str
         control.maxmsgsize = wire.DEFAULT_MAX_META_BYTES + wire.HEADER_SIZE
         configure_client(control, user=pid, token=cfg.token, curve=keys,
                          server_key=cfg.curve_server_key)
-        interval = _register(control, coordinator, cfg, {
+        register = {
             "addr": addr, "signature": signature, "meta": dict(meta or {}),
             "key": keys.public.decode() if keys else None, "token": cfg.token or "",
             "local": local, "chunk": cfg.chunk_bytes,
-        })
+        }
+        interval = _register(control, coordinator, cfg, register)
+        # ZMTP heartbeats from this side too: a dead coordinator connection (the coordinator
+        # was killed, a link went down) is noticed by libzmq, which then reconnects by itself.
+        control.heartbeat_ivl = max(10, int(1000 * interval / 3))
+        control.heartbeat_timeout = max(20, int(1000 * max(2 * interval, 2.0)))
         engine = Reactor(ctx=ctx, config=cfg, peer_id=pid, data=data, control=control, keys=keys,
-                        heartbeat_interval=interval)
+                         heartbeat_interval=interval,
+                         register_meta=register if cfg.rejoin else None)
         engine.local = local
         if keys is not None:
             def allow(table: PeerTable) -> None:

@@ -167,3 +167,41 @@ def test_cluster_down_is_503() -> None:
         r = await s.post("/v1/completions", json={"prompt": "x", "stream": True})
         assert r.status == 503 and (await r.json())["error"]["code"] == "cluster_unavailable"
     run(_with_server(body, engine=engine))
+
+
+def test_body_over_the_limit_is_413_json_and_server_survives() -> None:
+    async def body(s, engine):
+        big = {"prompt": "x" * 5000, "max_tokens": 1}
+        r = await s.post("/v1/completions", json=big)
+        out = await r.json()
+        assert r.status == 413 and out["error"]["code"] == "request_too_large"
+        r = await s.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2})
+        assert r.status == 200
+    run(_with_server(body, max_body_bytes=4096))
+
+
+def test_huge_prompt_is_refused_before_tokenizing() -> None:
+    class Counting(ByteTokenizer):
+        calls = 0
+
+        def encode(self, text):
+            Counting.calls += 1
+            return super().encode(text)
+
+    m = LlamaForCausalLM(ModelConfig(**CFG)).eval()
+    init_weights(m, std=0.3, seed=1)
+    engine = Engine(LocalRunner(m), Counting(), model_name="tiny")
+
+    async def body(s, engine):
+        # 3 MB of text against a 128-token context: 400 without a tokenizer call, and
+        # /health answers while the body is parsed (off the event loop).
+        r, h = await asyncio.gather(
+            s.post("/v1/completions", json={"prompt": "a" * (3 << 20), "max_tokens": 1}),
+            s.get("/health"))
+        out = await r.json()
+        assert r.status == 400 and out["error"]["code"] == "context_length_exceeded"
+        assert h.status == 200
+        assert Counting.calls == 0
+        r = await s.post("/v1/completions", json={"prompt": list(range(200)), "max_tokens": 1})
+        assert r.status == 400 and (await r.json())["error"]["param"] == "prompt"
+    run(_with_server(body, engine=engine, max_body_bytes=8 << 20))
