@@ -135,7 +135,7 @@ def scale_bench() -> BenchConfig:
                        codec="int8", error_feedback=True, outer_lr=0.9, inner_lr=2e-3,
                        ddp_lr=2e-3, warmup_steps=30, hidden=256, layers=6, heads=8,
                        seq_len=128, batch_size=8, eval_batches=16, tokenizer="bpe:4096",
-                       vocab_size=4096, slices=4, test_fraction=0.2, wall_steps=0, threads=2)
+                       vocab_size=4096, slices=4, test_fraction=0.21, wall_steps=0, threads=2)
 
 
 def _summarize(results: list[WorkerResult]) -> dict[str, Any]:

@@ -140,14 +140,13 @@ class HostStaging:
     def to_host(self, x: torch.Tensor, key: object) -> torch.Tensor:
         """A host copy of ``x`` that is complete when this returns (the transport reads it from
         its own thread). CPU: ``x`` itself, no copy."""
-        if not self.cuda:
+        stream = self._stream
+        if stream is None:
             return x
         buf = self._buffers.get(key)
         if buf is None or buf.numel() != x.numel() or buf.dtype != x.dtype:
             buf = torch.empty(x.shape, dtype=x.dtype, pin_memory=True)
             self._buffers[key] = buf
-        stream = self._stream
-        assert stream is not None  # cuda implies a stream (constructor)
         stream.wait_stream(torch.cuda.current_stream(self.device))  # x is computed
         with torch.cuda.stream(stream):
             buf.copy_(x, non_blocking=True)
@@ -161,10 +160,9 @@ class HostStaging:
 
     def to_device(self, host: torch.Tensor) -> torch.Tensor:
         """The averaged pseudo-gradient back on the device, ordered before the outer step."""
-        if not self.cuda:
-            return host
         stream = self._stream
-        assert stream is not None
+        if stream is None:
+            return host
         with torch.cuda.stream(stream):
             dev = host.pin_memory().to(self.device, non_blocking=True)
         torch.cuda.current_stream(self.device).wait_stream(stream)
