@@ -34,8 +34,8 @@ from typing import Any
 import torch
 
 from diloco.common import WorkerResult
-from diloco.config import (DataConfig, DDPConfig, DilocoConfig, LrSchedule, OptimizerConfig,
-                           TrainConfig, byte_llama)
+from diloco.config import (ComputeConfig, DataConfig, DDPConfig, DilocoConfig, LrSchedule,
+                           OptimizerConfig, TrainConfig, byte_llama)
 from diloco.launch import make_worker, run_threads
 from diloco.task import lm_task
 from diloco.task import Task
@@ -73,6 +73,15 @@ class BenchConfig:
     link_mbit: float = 5.0  # modelled per-worker link bandwidth, Mbit/s
     link_latency_ms: float = 50.0  # modelled one-way latency
     threads: int = 1  # torch intra-op threads (the workers are threads of one process)
+    corpus: str | None = None  # a UTF-8 text file (default: the embedded sample)
+    tokenizer: str | None = None  # tokenizer.json or bpe:N (default: bytes)
+    vocab_size: int = 256  # of the model (the tokenizer's size when one is given)
+    eval_fraction: float = 0.1  # validation: what the settings were tuned on
+    test_fraction: float = 0.1  # test: what the reported losses are measured on
+    eval_split: str = "test"  # the split the final losses report (validation: for tuning)
+    slices: int = 0  # disjoint training slices per worker (0: shared)
+    device: str = "auto"
+    precision: str = "fp32"
     plot: Path | None = None
 
     def __post_init__(self) -> None:
@@ -87,9 +96,15 @@ class BenchConfig:
         lr = self.ddp_lr if isinstance(mode, DDPConfig) else self.inner_lr
         steps = steps or self.steps
         return TrainConfig(
-            model=byte_llama(self.hidden, self.layers, self.heads, seq_len=self.seq_len),
-            data=DataConfig(seq_len=self.seq_len, batch_size=self.batch_size,
-                            eval_batches=self.eval_batches),
+            model=byte_llama(self.hidden, self.layers, self.heads, seq_len=self.seq_len,
+                             vocab_size=self.vocab_size),
+            data=DataConfig(kind="text" if self.corpus else "embedded", path=self.corpus,
+                            tokenizer=self.tokenizer, seq_len=self.seq_len,
+                            batch_size=self.batch_size, eval_batches=self.eval_batches,
+                            eval_fraction=self.eval_fraction, test_fraction=self.test_fraction,
+                            eval_split=self.eval_split,  # type: ignore[arg-type]
+                            slices=self.slices),
+            compute=ComputeConfig(device=self.device, precision=self.precision),  # type: ignore[arg-type]
             mode=mode, inner=OptimizerConfig(name="adamw", lr=lr, weight_decay=0.1),
             lr_schedule=LrSchedule(warmup_steps=min(self.warmup_steps, steps // 2)),
             steps=steps, workers=self.workers, seed=self.seed,
@@ -111,6 +126,16 @@ def tiny_bench() -> BenchConfig:
                        layers=2, heads=2, seq_len=16, batch_size=4, eval_batches=2,
                        warmup_steps=4, wall_steps=12, wall_ddp_steps=4, link_mbit=50.0,
                        link_latency_ms=5.0)
+
+
+def scale_bench() -> BenchConfig:
+    """The ``scale`` training preset as a comparison: BPE 4096, 6.8 M parameters, M = 4,
+    disjoint slices, int8 + error feedback (see ``diloco.config.scale``)."""
+    return BenchConfig(workers=4, steps=360, inner_steps=60, n_fragments=3, tau=5, alpha=0.5,
+                       codec="int8", error_feedback=True, outer_lr=0.9, inner_lr=2e-3,
+                       ddp_lr=2e-3, warmup_steps=30, hidden=256, layers=6, heads=8,
+                       seq_len=128, batch_size=8, eval_batches=16, tokenizer="bpe:4096",
+                       vocab_size=4096, slices=4, test_fraction=0.21, wall_steps=0, threads=2)
 
 
 def _summarize(results: list[WorkerResult]) -> dict[str, Any]:
@@ -181,6 +206,8 @@ def run_bench(b: BenchConfig, seeds: int = 1) -> dict[str, Any]:
         ddp["eval_loss"] = statistics.mean(p[1] for p in per_seed)
         dl["eval_loss"] = statistics.mean(p[2] for p in per_seed)
     tokens = b.workers * b.steps * b.batch_size * b.seq_len
+    if b.eval_split == "test" and task.corpus.eval.size < 65536:
+        logger.warning("the test split has only %d tokens (< 64 k): noisy", task.corpus.eval.size)
     out: dict[str, Any] = {
         "config": {"workers": b.workers, "H": b.inner_steps, "P": b.n_fragments, "tau": b.tau,
                    "alpha": b.alpha, "codec": b.codec, "error_feedback": b.error_feedback,
@@ -195,6 +222,10 @@ def run_bench(b: BenchConfig, seeds: int = 1) -> dict[str, Any]:
         "loss_gap": (dl["eval_loss"] - ddp["eval_loss"]) / ddp["eval_loss"],
         "seeds": [{"seed": sd, "ddp_eval": d, "diloco_eval": l, "loss_gap": (l - d) / d}
                   for sd, d, l in per_seed],
+        "loss_gap_sd": (statistics.stdev((l - d) / d for _, d, l in per_seed)
+                        if len(per_seed) > 1 else 0.0),
+        "eval": {"corpus": b.corpus or "embedded", "split": b.eval_split,
+                 "tokens": int(task.corpus.eval.size), "tokenizer": b.tokenizer or "bytes"},
         "quality_wall_s": timing,
     }
     if b.wall_steps:
@@ -241,6 +272,8 @@ def main(argv: list[str] | None = None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--json", action="store_true", help="print the result as one JSON line")
     p.add_argument("--tiny", action="store_true", help="smoke-test size (seconds)")
+    p.add_argument("--scale", action="store_true",
+                   help="the scale preset: BPE 4096, 6.8 M parameters, M = 4 (about 30 min)")
     p.add_argument("--plot", type=Path, help="write eval loss vs bytes (PNG)")
     p.add_argument("--seeds", type=int, default=1,
                    help="repeat the quality comparison over this many seeds (means reported)")
@@ -251,11 +284,11 @@ def main(argv: list[str] | None = None) -> int:
         if f.type in ("bool",):
             p.add_argument(flag, action=argparse.BooleanOptionalAction, default=None)
         else:
-            kind = {"int": int, "float": float, "str": str}[str(f.type)]
+            kind = {"int": int, "float": float, "str": str, "str | None": str}[str(f.type)]
             p.add_argument(flag, type=kind, default=None)
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    base = tiny_bench() if args.tiny else BenchConfig()
+    base = tiny_bench() if args.tiny else scale_bench() if args.scale else BenchConfig()
     over = {f.name: getattr(args, f.name) for f in dataclasses.fields(BenchConfig)
             if f.name != "plot" and getattr(args, f.name) is not None}
     cfg = dataclasses.replace(base, plot=args.plot, **over)

@@ -28,7 +28,7 @@ def optimizer_state(opt: torch.optim.Optimizer, prefix: str) -> State:
     for pid, entry in sd["state"].items():
         for key, value in entry.items():
             if isinstance(value, torch.Tensor):
-                tensors[f"{prefix}.{pid}.{key}"] = value.detach().clone().contiguous()
+                tensors[f"{prefix}.{pid}.{key}"] = value.detach().to("cpu", copy=True).contiguous()
             else:
                 scalars.setdefault(str(pid), {})[key] = value
     groups = [{k: (list(v) if isinstance(v, tuple) else v) for k, v in g.items()}
@@ -83,6 +83,10 @@ def export_model(model: torch.nn.Module, out_dir: Path, *, byte_tokenizer: bool)
     from lowband.models.llama import LlamaForCausalLM
 
     out_dir.mkdir(parents=True, exist_ok=True)
+    if hasattr(model, "save_pretrained"):  # a Hugging Face model: its own format
+        from diloco.hf import export_hf
+
+        return export_hf(model, out_dir)
     if isinstance(model, LlamaForCausalLM):
         from lowband.models.tokenizer import ByteTokenizer
         from lowband.models.weights import save_pretrained

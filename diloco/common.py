@@ -22,15 +22,30 @@ GradHook = Callable[[list[torch.nn.Parameter]], None]
 class InnerLoop:
     """Model + optimizer + learning-rate schedule: one call of :meth:`step` is one inner step.
 
-    ``grad_hook`` runs between backward and the optimizer step (DDP averages gradients there).
+    The model must already be on ``device`` (the trainer moves θ_m and θ_g together). One step:
+    ``compute.micro_batches`` forward/backward passes under autocast (gradients accumulate,
+    each micro-loss scaled by 1/n so the sum is the batch mean), the fp16 loss scaler if any,
+    ``grad_hook`` (DDP averages gradients there), clipping, the optimizer.
     """
 
-    def __init__(self, cfg: TrainConfig, task: Task, model: nn.Module) -> None:
+    def __init__(self, cfg: TrainConfig, task: Task, model: nn.Module,
+                 device: torch.device | None = None) -> None:
+        from diloco import device as dev
+
         self.cfg = cfg
         self.task = task
         self.model = model
+        self.device = device or dev.model_device(model)
+        c = cfg.compute
+        if c.activation_checkpointing:
+            dev.enable_checkpointing(model)
+        # The compiled module shares the parameters; names and export keep using ``model``.
+        self.forward_model: nn.Module = torch.compile(model) if c.compile else model  # type: ignore[assignment]
         self.params = [p for p in model.parameters() if p.requires_grad]
-        self.opt = cfg.inner.build(self.params)
+        self.opt = cfg.inner.build(self.params, dev.optimizer_kernels(cfg.inner.name,
+                                                                      self.device,
+                                                                      c.optimizer_impl))
+        self.scaler = dev.grad_scaler(self.device, c.precision)
         self.base_lrs = [g["lr"] for g in self.opt.param_groups]
         self.step = 0  # completed inner steps
 
@@ -41,18 +56,32 @@ class InnerLoop:
         factor = self.cfg.lr_schedule.factor(self.step, self.cfg.steps)
         for group, base in zip(self.opt.param_groups, self.base_lrs):
             group["lr"] = base * factor
-        batch = self.task.train_batch(slot, self.step)
+        from diloco.device import autocast, to_device
+
+        batch = to_device(self.task.train_batch(slot, self.step), self.device)
         self.model.train()
-        loss = self.task.loss(self.model, batch)
         self.opt.zero_grad(set_to_none=True)
-        loss.backward()
+        n = self.cfg.compute.micro_batches
+        total = torch.zeros((), device=self.device)
+        for micro in (batch.chunk(n) if n > 1 else (batch,)):
+            with autocast(self.device, self.cfg.compute.precision):
+                loss = self.task.loss(self.forward_model, micro)
+            scaled = loss / n if n > 1 else loss
+            (self.scaler.scale(scaled) if self.scaler is not None else scaled).backward()
+            total += scaled.detach().float()
+        if self.scaler is not None:
+            self.scaler.unscale_(self.opt)  # clip and all-reduce true gradients
         if grad_hook is not None:
             grad_hook(self.params)
         if self.cfg.grad_clip is not None:
             torch.nn.utils.clip_grad_norm_(self.params, self.cfg.grad_clip)
-        self.opt.step()
+        if self.scaler is not None:
+            self.scaler.step(self.opt)  # skipped if the scaled gradients overflowed
+            self.scaler.update()
+        else:
+            self.opt.step()
         self.step += 1
-        return float(loss.detach())
+        return float(total)
 
 
 def _signature_text(cfg: TrainConfig, model: nn.Module) -> str:
@@ -85,7 +114,7 @@ def hash_state(tensors: Iterable[torch.Tensor], *counters: int) -> int:
     h = hashlib.blake2b(digest_size=8)
     h.update(struct.pack(f"<{len(counters)}q", *counters))
     for t in tensors:
-        flat = t.detach().contiguous().reshape(-1)
+        flat = t.detach().cpu().contiguous().reshape(-1)
         h.update(flat.view(torch.uint8).numpy() if flat.numel() else b"")
     return int.from_bytes(h.digest(), "little", signed=True)
 

@@ -57,15 +57,18 @@ class OptimizerConfig:
         if self.nesterov and self.momentum == 0:
             raise ConfigError("optimizer.nesterov", "Nesterov needs momentum > 0")
 
-    def build(self, params: Iterable[torch.nn.Parameter]) -> torch.optim.Optimizer:
+    def build(self, params: Iterable[torch.nn.Parameter],
+              kernels: dict[str, bool] | None = None) -> torch.optim.Optimizer:
+        """``kernels``: torch's ``fused=`` / ``foreach=`` switch (``diloco.device``)."""
         if self.factory is not None:
             return self.factory(params)
+        kw = kernels or {}
         if self.name == "sgd":
             return torch.optim.SGD(params, lr=self.lr, momentum=self.momentum,
-                                   nesterov=self.nesterov, weight_decay=self.weight_decay)
+                                   nesterov=self.nesterov, weight_decay=self.weight_decay, **kw)
         cls = torch.optim.AdamW if self.name == "adamw" else torch.optim.Adam
         return cls(params, lr=self.lr, betas=self.betas, eps=self.eps,
-                   weight_decay=self.weight_decay)
+                   weight_decay=self.weight_decay, **kw)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -94,7 +97,8 @@ class LrSchedule:
         return self.min_ratio + (1 - self.min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
-DataKind = Literal["embedded", "text", "tokens"]
+DataKind = Literal["embedded", "text", "jsonl", "tokens"]
+TOKEN_DTYPES = ("uint16", "uint32")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -102,21 +106,52 @@ class DataConfig:
     """Where tokens come from and how batches are cut.
 
     ``kind``: ``embedded`` (the Shakespeare sample shipped in the package), ``text`` (a UTF-8 file
-    or a directory of ``*.txt``, byte-tokenized) or ``tokens`` (a ``.bin`` file or directory of
-    ``*.bin`` little-endian uint16 token shards). The last ``eval_fraction`` of the tokens is held
-    out for evaluation.
+    or a directory of ``*.txt``), ``jsonl`` (a file or directory of ``*.jsonl``, one JSON object
+    with a ``"text"`` field per line) or ``tokens`` (pre-tokenized shards as nanoGPT/torchtitan
+    write them: ``*.bin`` raw little-endian ``token_dtype`` or ``*.npy`` arrays, memory-mapped).
+    Text is byte-tokenized unless ``tokenizer`` names a Hugging Face ``tokenizer.json`` (or
+    ``bpe:N``: a byte-level BPE of N tokens trained on the embedded sample's training split).
+
+    Splits, in corpus order: ``[train | validation | test]``; the test split is the last
+    ``test_fraction`` (0: none, as before), validation the ``eval_fraction`` before it.
+    ``eval_split`` picks which one the run's evaluations report: tune on ``validation``, report
+    on ``test``. ``slices`` > 0 gives data slot s its own disjoint part of the training split
+    (slice s mod ``slices``), as sites that each hold their own data.
     """
 
     kind: DataKind = "embedded"
     path: str | None = None
+    tokenizer: str | None = None  # tokenizer.json path or "bpe:N"; None: bytes (vocabulary 256)
+    token_dtype: Literal["uint16", "uint32"] = "uint16"  # of *.bin shards
     seq_len: int = 64  # T: tokens per training sequence
     batch_size: int = 8  # B: sequences per worker per inner step
-    eval_fraction: float = 0.1
+    eval_fraction: float = 0.1  # validation share of the corpus
+    test_fraction: float = 0.0  # test share (the end of the corpus)
+    eval_split: Literal["validation", "test"] = "validation"
     eval_batches: int = 8  # fixed held-out batches of batch_size sequences
+    slices: int = 0  # disjoint training slices over the data slots (0: all share everything)
 
     def __post_init__(self) -> None:
-        if self.kind not in ("embedded", "text", "tokens"):
-            raise ConfigError("data.kind", f"must be embedded, text or tokens, got {self.kind!r}")
+        if self.kind not in ("embedded", "text", "jsonl", "tokens"):
+            raise ConfigError("data.kind",
+                              f"must be embedded, text, jsonl or tokens, got {self.kind!r}")
+        if self.token_dtype not in TOKEN_DTYPES:
+            raise ConfigError("data.token_dtype", f"one of {TOKEN_DTYPES}, got {self.token_dtype!r}")
+        if self.kind == "tokens" and self.tokenizer is not None:
+            raise ConfigError("data.tokenizer", "pre-tokenized shards take no tokenizer")
+        if self.tokenizer is not None and self.tokenizer.startswith("bpe:"):
+            n = self.tokenizer[4:]
+            if not n.isdigit() or not 256 < int(n) <= 65536:
+                raise ConfigError("data.tokenizer", f"bpe:N needs 256 < N <= 65536, got {n!r}")
+        if not 0 <= self.test_fraction < 1 or self.eval_fraction + self.test_fraction >= 1:
+            raise ConfigError("data.test_fraction", f"must be in [0, 1) with eval_fraction + "
+                              f"test_fraction < 1, got {self.test_fraction}")
+        if self.eval_split not in ("validation", "test"):
+            raise ConfigError("data.eval_split", f"validation or test, got {self.eval_split!r}")
+        if self.eval_split == "test" and self.test_fraction == 0:
+            raise ConfigError("data.eval_split", "eval_split='test' needs test_fraction > 0")
+        if self.slices < 0:
+            raise ConfigError("data.slices", f"must be >= 0, got {self.slices}")
         if self.kind == "embedded" and self.path is not None:
             raise ConfigError("data.path", "the embedded corpus takes no path; use kind='text'")
         if self.kind != "embedded" and not self.path:
@@ -129,6 +164,40 @@ class DataConfig:
             raise ConfigError("data.eval_fraction", f"must be in (0, 1), got {self.eval_fraction}")
         if self.eval_batches < 1:
             raise ConfigError("data.eval_batches", f"must be >= 1, got {self.eval_batches}")
+
+
+PRECISIONS = ("fp32", "bf16", "fp16")
+OPTIMIZER_IMPLS = ("auto", "fused", "foreach", "loop")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ComputeConfig:
+    """Where and how one worker computes (``diloco.device``). Sites of one run may differ here
+    (a GPU site next to a CPU site): none of it enters the run signature.
+
+    Master weights, inner moments, θ_g and the outer optimizer state are always float32;
+    ``precision`` only sets the autocast dtype of forward and backward.
+    """
+
+    device: str = "auto"  # auto | cpu | cuda | cuda:N (auto: the first GPU if any)
+    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
+    micro_batches: int = 1  # gradient accumulation: B is split into this many micro-batches
+    compile: bool = False  # torch.compile the model's forward
+    activation_checkpointing: bool = False  # recompute block activations in backward
+    optimizer_impl: Literal["auto", "fused", "foreach", "loop"] = "auto"  # torch kernels
+
+    def __post_init__(self) -> None:
+        dev = self.device
+        if not (dev in ("auto", "cpu", "cuda") or (dev.startswith("cuda:")
+                                                     and dev[5:].isdigit())):
+            raise ConfigError("compute.device", f"must be auto, cpu, cuda or cuda:N, got {dev!r}")
+        if self.precision not in PRECISIONS:
+            raise ConfigError("compute.precision", f"one of {PRECISIONS}, got {self.precision!r}")
+        if self.micro_batches < 1:
+            raise ConfigError("compute.micro_batches", f"must be >= 1, got {self.micro_batches}")
+        if self.optimizer_impl not in OPTIMIZER_IMPLS:
+            raise ConfigError("compute.optimizer_impl",
+                              f"one of {OPTIMIZER_IMPLS}, got {self.optimizer_impl!r}")
 
 
 def _nesterov() -> OptimizerConfig:
@@ -197,7 +266,9 @@ class TrainConfig:
     """
 
     model: ModelConfig | None = None
+    hf_model: str | None = None  # a Hugging Face config.json or checkpoint dir (instead of model)
     data: DataConfig = field(default_factory=DataConfig)
+    compute: ComputeConfig = field(default_factory=ComputeConfig)
     mode: DilocoConfig | DDPConfig = field(default_factory=DilocoConfig)
     inner: OptimizerConfig = field(default_factory=lambda: OptimizerConfig(
         name="adamw", lr=3e-3, weight_decay=0.1, betas=(0.9, 0.95)))
@@ -226,6 +297,12 @@ class TrainConfig:
             raise ConfigError("log_every", f"must be >= 1, got {self.log_every}")
         if not self.sync_timeout > 0:
             raise ConfigError("sync_timeout", f"must be > 0 seconds, got {self.sync_timeout}")
+        if self.data.batch_size % self.compute.micro_batches:
+            raise ConfigError("compute.micro_batches", f"{self.compute.micro_batches} must "
+                              f"divide data.batch_size {self.data.batch_size}")
+        if self.hf_model is not None and self.model is not None:
+            raise ConfigError("hf_model", "give either a lowband ModelConfig or a Hugging Face "
+                              "model, not both")
         if self.model is not None and self.data.seq_len > self.model.max_position_embeddings:
             raise ConfigError("data.seq_len", f"{self.data.seq_len} exceeds the model's "
                               f"max_position_embeddings {self.model.max_position_embeddings}")
@@ -249,6 +326,9 @@ def _plain(obj: object) -> dict:
     return out
 
 
+_NESTED = ("model", "data", "mode", "inner", "lr_schedule", "compute")
+
+
 def config_to_dict(cfg: TrainConfig) -> dict:
     """A JSON-able description of ``cfg`` (inverse: :func:`config_from_dict`)."""
     mode = cfg.mode
@@ -257,9 +337,8 @@ def config_to_dict(cfg: TrainConfig) -> dict:
     return {
         "model": _plain(cfg.model) if cfg.model is not None else None,
         "data": _plain(cfg.data), "mode": mode_d, "inner": _plain(cfg.inner),
-        "lr_schedule": _plain(cfg.lr_schedule),
-        **{f.name: getattr(cfg, f.name) for f in fields(cfg)
-           if f.name not in ("model", "data", "mode", "inner", "lr_schedule")},
+        "lr_schedule": _plain(cfg.lr_schedule), "compute": _plain(cfg.compute),
+        **{f.name: getattr(cfg, f.name) for f in fields(cfg) if f.name not in _NESTED},
     }
 
 
@@ -281,12 +360,12 @@ def config_from_dict(d: dict) -> TrainConfig:
             mode = DDPConfig(**mode_d)
         else:
             raise ConfigError("mode.kind", f"must be 'diloco' or 'ddp', got {kind!r}")
-        rest = {k: v for k, v in d.items()
-                if k not in ("model", "data", "mode", "inner", "lr_schedule")}
+        rest = {k: v for k, v in d.items() if k not in _NESTED}
         return TrainConfig(
             model=ModelConfig(**d["model"]) if d.get("model") else None,
             data=DataConfig(**d["data"]), mode=mode, inner=_optim(d["inner"]),
-            lr_schedule=LrSchedule(**d["lr_schedule"]), **rest)
+            lr_schedule=LrSchedule(**d["lr_schedule"]),
+            compute=ComputeConfig(**d.get("compute", {})), **rest)
     except (KeyError, TypeError) as exc:
         raise ConfigError("config", f"not a lowband training configuration: {exc}") from None
 
@@ -296,17 +375,23 @@ _MODE_KEYS = {"inner_steps", "n_fragments", "tau", "alpha", "codec", "error_feed
               "fragment_strategy", "algorithm"}
 _TOP_KEYS = {"steps", "workers", "seed", "eval_every", "checkpoint_every", "audit_every",
              "log_every", "sync_timeout", "grad_clip"}
-_DATA_KEYS = {"batch_size", "seq_len", "eval_batches"}
+_DATA_KEYS = {"batch_size", "seq_len", "eval_batches", "tokenizer", "token_dtype",
+              "test_fraction", "eval_split", "slices"}
+_COMPUTE_KEYS = {"device", "precision", "micro_batches", "compile", "activation_checkpointing",
+                 "optimizer_impl"}
 
 
 def with_overrides(cfg: TrainConfig, **changes: object) -> TrainConfig:
     """``cfg`` with flat overrides applied (None values are ignored). Keys: the fields of
     TrainConfig listed in ``_TOP_KEYS``, DilocoConfig's fields, DataConfig's batch fields, and
     ``mode`` ("diloco"/"ddp"), ``outer_lr``, ``outer_momentum``, ``inner_lr``, ``warmup_steps``,
-    ``data_kind``, ``data_path``. Every result is validated like any config."""
+    ``data_kind``, ``data_path``, ComputeConfig's fields and ``hf_model`` (a path: the run
+    trains that Hugging Face model instead of the preset's). Every result is validated like any
+    config."""
     ch = {k: v for k, v in changes.items() if v is not None}
-    unknown = set(ch) - _MODE_KEYS - _TOP_KEYS - _DATA_KEYS - {
-        "mode", "outer_lr", "outer_momentum", "inner_lr", "warmup_steps", "data_kind", "data_path"}
+    unknown = set(ch) - _MODE_KEYS - _TOP_KEYS - _DATA_KEYS - _COMPUTE_KEYS - {
+        "mode", "outer_lr", "outer_momentum", "inner_lr", "warmup_steps", "data_kind", "data_path",
+        "hf_model"}
     if unknown:
         raise ConfigError(sorted(unknown)[0], "unknown override")
     mode = cfg.mode
@@ -332,15 +417,21 @@ def with_overrides(cfg: TrainConfig, **changes: object) -> TrainConfig:
     inner = replace(cfg.inner, lr=float(ch["inner_lr"])) if "inner_lr" in ch else cfg.inner  # type: ignore[arg-type]
     sched = (replace(cfg.lr_schedule, warmup_steps=int(ch["warmup_steps"]))  # type: ignore[arg-type]
              if "warmup_steps" in ch else cfg.lr_schedule)
-    return replace(cfg, mode=mode, data=data, inner=inner, lr_schedule=sched,
-                   **{k: ch[k] for k in _TOP_KEYS if k in ch})
+    compute = replace(cfg.compute, **{k: ch[k] for k in _COMPUTE_KEYS if k in ch})
+    model = cfg.model
+    hf = cfg.hf_model
+    if "hf_model" in ch:
+        model, hf = None, str(ch["hf_model"])
+    return replace(cfg, mode=mode, data=data, inner=inner, lr_schedule=sched, compute=compute,
+                   model=model, hf_model=hf, **{k: ch[k] for k in _TOP_KEYS if k in ch})
 
 
 # ---- presets -------------------------------------------------------------------------------
-def byte_llama(hidden: int, layers: int, heads: int, *, seq_len: int = 256) -> ModelConfig:
-    """A small Llama (SwiGLU, RMSNorm, RoPE) over the 256 byte vocabulary."""
+def byte_llama(hidden: int, layers: int, heads: int, *, seq_len: int = 256,
+               vocab_size: int = 256) -> ModelConfig:
+    """A small Llama (SwiGLU, RMSNorm, RoPE), by default over the 256 byte vocabulary."""
     inter = int(8 * hidden / 3 + 7) // 8 * 8
-    return ModelConfig(model_type="llama", vocab_size=256, hidden_size=hidden,
+    return ModelConfig(model_type="llama", vocab_size=vocab_size, hidden_size=hidden,
                        intermediate_size=inter, num_hidden_layers=layers,
                        num_attention_heads=heads, max_position_embeddings=seq_len,
                        rms_norm_eps=1e-5, tie_word_embeddings=False)
@@ -373,8 +464,27 @@ def wide() -> TrainConfig:
                    inner=OptimizerConfig(name="adamw", lr=3e-3, weight_decay=0.1))
 
 
+SCALE_VOCAB = 4096
+
+
+def scale() -> TrainConfig:
+    """A real experiment on 2 CPU cores in about half an hour (DDP and DiLoCo together): a
+    byte-level BPE of 4096 tokens trained here on the embedded sample, a 6.8 M-parameter Llama
+    (hidden 256, 6 layers), M = 4 workers on disjoint slices, int8 + error feedback, H = 60,
+    P = 3, τ = 5. Splits train / validation (tuning) / test (reporting, 10 %)."""
+    return TrainConfig(
+        model=byte_llama(256, 6, 8, seq_len=128, vocab_size=SCALE_VOCAB),
+        data=DataConfig(tokenizer=f"bpe:{SCALE_VOCAB}", seq_len=128, batch_size=8,
+                        eval_fraction=0.1, test_fraction=0.1, eval_batches=16, slices=4),
+        mode=DilocoConfig(inner_steps=60, n_fragments=3, tau=5, alpha=0.5, codec="int8",
+                          error_feedback=True,
+                          outer=OptimizerConfig(name="sgd", lr=0.9, momentum=0.9, nesterov=True)),
+        inner=OptimizerConfig(name="adamw", lr=2e-3, weight_decay=0.1),
+        lr_schedule=LrSchedule(warmup_steps=30), steps=360, workers=4, eval_every=120)
+
+
 PRESETS: dict[str, Callable[[], TrainConfig]] = {"tiny": tiny, "shakespeare": shakespeare,
-                                                 "wide": wide}
+                                                 "wide": wide, "scale": scale}
 
 
 def preset(name: str) -> TrainConfig:

@@ -20,6 +20,7 @@ import torch
 from diloco.checkpoint import export_model
 from diloco.common import InnerLoop, WorkerResult, hash_state, run_signature, signature_int
 from diloco.config import DDPConfig, TrainConfig
+from diloco.device import HostStaging, resolve_device
 from diloco.metrics import MetricsLog, Progress
 from diloco.task import Task
 from lowband.codecs import get_codec
@@ -39,8 +40,10 @@ class DDPWorker:
         self.cfg, self.comm, self.task = cfg, comm, task
         self.log = log or MetricsLog(None)
         self.out_dir, self.byte_tokenizer, self.on_step = out_dir, byte_tokenizer, on_step
-        self.model = task.build_model()
-        self.inner = InnerLoop(cfg, task, self.model)
+        self.device = resolve_device(cfg.compute.device)
+        self.staging = HostStaging(self.device)
+        self.model = task.build_model().to(self.device)
+        self.inner = InnerLoop(cfg, task, self.model, self.device)
         self.signature = run_signature(cfg, self.model)
         self.codec = None if cfg.mode.codec == "fp32" else get_codec(cfg.mode.codec)
         self.result = WorkerResult(peer_id=comm.membership.peer_id, rank=comm.rank, mode="ddp",
@@ -72,11 +75,11 @@ class DDPWorker:
     def _average_gradients(self, params: list[torch.nn.Parameter]) -> None:
         t = time.perf_counter()
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-        flat = torch.cat([g.reshape(-1).float() for g in grads])
+        flat = self.staging.to_host(torch.cat([g.reshape(-1).float() for g in grads]), "grad")
         work = self.comm.all_reduce_async(flat, "avg", codec=self.codec,
                                           tag=f"grad/{self.inner.step}",
                                           timeout=self.cfg.sync_timeout)
-        avg = work.wait()
+        avg = self.staging.to_device(work.wait())
         offset = 0
         for p in params:
             n = p.numel()

@@ -42,7 +42,7 @@ def make_worker(cfg: TrainConfig, comm: Communicator, task: Task, *, worker_id: 
     """A DiLoCo or DDP worker logging to ``out_dir/metrics-worker{worker_id}.jsonl``."""
     name = f"worker{worker_id}"
     log = MetricsLog(out_dir / f"metrics-{name}.jsonl" if out_dir else None, worker=name)
-    byte_tok = cfg.data.kind != "tokens"
+    byte_tok = cfg.data.kind != "tokens" and cfg.data.tokenizer is None
     if isinstance(cfg.mode, DilocoConfig):
         return DilocoWorker(cfg, comm, task, log=log, progress=progress, out_dir=out_dir,
                             resume=resume, worker_id=worker_id, byte_tokenizer=byte_tok,

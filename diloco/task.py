@@ -14,7 +14,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from diloco.config import TrainConfig
-from diloco.data import Corpus, eval_batches, load_corpus, train_batch
+from diloco.data import Corpus, eval_batches, load_corpus, slot_slice, train_batch
+from diloco.device import model_device
 from lowband.models.llama import LlamaForCausalLM, init_weights
 from lowband.errors import ConfigError
 
@@ -58,24 +59,35 @@ class LMTask:
 
     def train_batch(self, slot: int, step: int) -> torch.Tensor:
         d = self.cfg.data
-        return train_batch(self.corpus.train, d.seq_len, d.batch_size, seed=self.cfg.seed,
-                           slot=slot, step=step)
+        return train_batch(slot_slice(self.corpus.train, slot, d.slices), d.seq_len,
+                           d.batch_size, seed=self.cfg.seed, slot=slot, step=step)
 
     def loss(self, model: nn.Module, batch: torch.Tensor) -> torch.Tensor:
         logits = model(batch[:, :-1])  # (B, T, V)
-        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1))
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(),
+                               batch[:, 1:].reshape(-1))
 
     @torch.no_grad()
     def evaluate(self, model: nn.Module) -> float:
-        losses = [float(self.loss(model, b)) for b in self._eval]
+        """Mean loss over the fixed held-out batches, in fp32 on the model's device."""
+        device = model_device(model)
+        was_training = model.training
+        model.eval()
+        losses = [float(self.loss(model, b.to(device))) for b in self._eval]
+        model.train(was_training)
         return sum(losses) / len(losses)
 
     def tokens_per_batch(self) -> int:
         return self.cfg.data.batch_size * self.cfg.data.seq_len
 
 
-def lm_task(cfg: TrainConfig) -> LMTask:
-    """The default task: the configured corpus (ConfigError if missing or empty) and model."""
+def lm_task(cfg: TrainConfig) -> Task:
+    """The default task: the configured corpus (ConfigError if missing or empty) and model —
+    lowband's Llama, or a Hugging Face causal LM when ``cfg.hf_model`` is set."""
+    if cfg.hf_model is not None:
+        from diloco.hf import hf_task
+
+        return hf_task(cfg)
     if cfg.model is None:
         raise ConfigError("model", "the language-model task needs a ModelConfig (use a preset)")
     return LMTask(cfg, load_corpus(cfg.data, cfg.model.vocab_size))

@@ -42,6 +42,7 @@ from diloco.checkpoint import (State, export_model, load_optimizer_state, load_s
 from diloco.common import (InnerLoop, WorkerResult, hash_state, optimizer_tensors,
                            run_signature, signature_int)
 from diloco.config import DilocoConfig, TrainConfig
+from diloco.device import HostStaging, optimizer_kernels, resolve_device
 from diloco.fragments import plan_fragments
 from diloco.metrics import MetricsLog, Progress
 from diloco.outer import FragmentSync
@@ -103,18 +104,24 @@ class DilocoWorker:
         self.cfg, self.mode, self.comm, self.task = cfg, cfg.mode, comm, task
         self.log = log or MetricsLog(None)
         self.out_dir, self.byte_tokenizer, self.on_step = out_dir, byte_tokenizer, on_step
-        self.model = task.build_model()
+        # θ_m and θ_g (fp32 master copies) and every optimizer state live on the device.
+        self.device = resolve_device(cfg.compute.device)
+        self.staging = HostStaging(self.device)
+        self.model = task.build_model().to(self.device)
         self.global_model = copy.deepcopy(self.model)  # θ_g: what the outer optimizers update
-        self.inner = InnerLoop(cfg, task, self.model)
+        self.inner = InnerLoop(cfg, task, self.model, self.device)
         self.signature = run_signature(cfg, self.model)
         self.codec = None if self.mode.codec == "fp32" else get_codec(self.mode.codec)
+        outer_kernels = optimizer_kernels(self.mode.outer.name, self.device,
+                                          cfg.compute.optimizer_impl)
         local = dict(self.model.named_parameters())
         glob = dict(self.global_model.named_parameters())
         plan = plan_fragments(list(local.items()), self.mode.n_fragments,
                               self.mode.fragment_strategy)
         self.fragments = [
             FragmentSync(p, names, [local[n] for n in names], [glob[n] for n in names],
-                         self.mode.outer.build([glob[n] for n in names]), self.codec,
+                         self.mode.outer.build([glob[n] for n in names], outer_kernels),
+                         self.codec,
                          self.mode.error_feedback)
             for p, names in enumerate(plan.names)]
         self.applied = 0  # fragment syncs applied (identical on every worker)
@@ -178,6 +185,7 @@ class DilocoWorker:
     # ---- SEND / APPLY --------------------------------------------------------------------------
     def _send(self, action: Action) -> None:
         x, valid = self.fragments[action.fragment].contribution()
+        x = self.staging.to_host(x, key=action.fragment)  # identity on the CPU
         sync = _Sync(action.fragment, action.round, x, valid)
         self._launch(sync, f"frag/{action.fragment}/{action.round}")
         self.inflight = sync
@@ -228,7 +236,7 @@ class DilocoWorker:
             logger.warning("fragment %d: %d of %d workers sent a valid pseudo-gradient; "
                            "averaging over those", p, n, expected)
         if n > 0:
-            self.fragments[p].outer_step(total.reshape(-1) / n)
+            self.fragments[p].outer_step(self.staging.to_device(total).reshape(-1) / n)
             for param in self.fragments[p].merge(self.mode.alpha):
                 self.inner.opt.state.pop(param, None)  # restart its moments with the tensor
         self.applied += 1
@@ -401,9 +409,9 @@ class DilocoWorker:
         only: error-feedback residuals and the data slot; a state handed to a peer omits them."""
         tensors: dict[str, torch.Tensor] = {}
         for name, p in self.model.named_parameters():
-            tensors["local." + name] = p.detach().clone()
+            tensors["local." + name] = p.detach().to("cpu", copy=True)
         for name, p in self.global_model.named_parameters():
-            tensors["global." + name] = p.detach().clone()
+            tensors["global." + name] = p.detach().to("cpu", copy=True)
         t, inner_meta = optimizer_state(self.inner.opt, "inner")
         tensors.update(t)
         outer_meta = []
@@ -412,7 +420,7 @@ class DilocoWorker:
             tensors.update(t)
             outer_meta.append(meta)
             if own and f.residual is not None:
-                tensors[f"residual.{f.index}"] = f.residual.clone()
+                tensors[f"residual.{f.index}"] = f.residual.to("cpu", copy=True)
         meta = {"format": 1, "step": self.step, "applied": self.applied,
                 "inner": inner_meta, "outer": outer_meta, "slot": self.slot if own else -1}
         return tensors, meta
@@ -426,7 +434,8 @@ class DilocoWorker:
         for f, m in zip(self.fragments, meta["outer"]):
             load_optimizer_state(f.outer_opt, f"outer{f.index}", tensors, m)
             key = f"residual.{f.index}"
-            f.residual = tensors[key].clone() if own and key in tensors else None
+            f.residual = (tensors[key].to(self.device, copy=True) if own and key in tensors
+                          else None)
         self.inner.step = int(meta["step"])
         self.applied = int(meta["applied"])
         self.lost = self.inflight = None

@@ -15,7 +15,8 @@ from pathlib import Path
 
 def _add_run_options(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("configuration (a preset plus overrides; workers of one run must agree)")
-    g.add_argument("--preset", default="shakespeare", help="tiny | shakespeare (default) | wide")
+    g.add_argument("--preset", default="shakespeare",
+                   help="tiny | shakespeare (default) | wide | scale (BPE, ~6.5 M params, M=4)")
     g.add_argument("--config", type=Path, help="a config.json written by `lowband train` "
                    "(instead of --preset; overrides still apply)")
     g.add_argument("--mode", choices=["diloco", "ddp"], help="Streaming DiLoCo or the DDP baseline")
@@ -38,7 +39,34 @@ def _add_run_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--data", type=Path, dest="data_path",
                    help="a UTF-8 text file/dir (or token shards with --data-kind tokens); "
                         "default: the embedded Shakespeare sample")
-    g.add_argument("--data-kind", choices=["text", "tokens"])
+    g.add_argument("--corpus", type=Path, dest="corpus",
+                   help="a UTF-8 text file to train on (same as --data PATH --data-kind text)")
+    g.add_argument("--data-kind", choices=["text", "jsonl", "tokens"])
+    g.add_argument("--tokenizer", help="a Hugging Face tokenizer.json (or its directory), or "
+                   "bpe:N (a byte-level BPE of N tokens trained on the embedded sample); "
+                   "default: bytes")
+    g.add_argument("--token-dtype", choices=["uint16", "uint32"], help="of *.bin token shards")
+    g.add_argument("--test-fraction", type=float, help="share of the corpus held out as the "
+                   "test split (reported, never tuned on)")
+    g.add_argument("--eval-split", choices=["validation", "test"],
+                   help="which held-out split evaluations report")
+    g.add_argument("--slices", type=int, help="give each data slot its own disjoint slice of "
+                   "the training split (0: all share it)")
+    g.add_argument("--model", dest="model_spec", help="hf:PATH trains a Hugging Face causal LM "
+                   "(a config.json for a random init, or a checkpoint directory); default: the "
+                   "preset's lowband Llama")
+    c = p.add_argument_group("compute (per site; may differ between workers)")
+    c.add_argument("--device", help="auto (default) | cpu | cuda | cuda:N")
+    c.add_argument("--precision", choices=["fp32", "bf16", "fp16"],
+                   help="autocast dtype (master weights stay fp32)")
+    c.add_argument("--micro-batches", type=int, help="gradient accumulation: split B into this "
+                   "many micro-batches")
+    c.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
+                   help="torch.compile the model")
+    c.add_argument("--activation-checkpointing", action=argparse.BooleanOptionalAction,
+                   default=None, help="recompute block activations in backward")
+    c.add_argument("--optimizer-impl", choices=["auto", "fused", "foreach", "loop"],
+                   help="torch optimizer kernels (auto: fused on CUDA)")
     g.add_argument("--seed", type=int)
     g.add_argument("--eval-every", type=int)
     g.add_argument("--checkpoint-every", type=int)
@@ -51,17 +79,34 @@ def _train_config(args: argparse.Namespace, base=None, **extra: object):
     was given) with the flat overrides applied; validated like any TrainConfig."""
     from diloco.config import config_from_dict, preset, with_overrides
 
+    from lowband.errors import ConfigError
+
     if args.config:
         base = config_from_dict(json.loads(args.config.read_text()))
     elif base is None or args.preset is not None:
         base = preset(args.preset)
+    hf_model = None
+    if args.model_spec is not None:
+        if not args.model_spec.startswith("hf:"):
+            raise ConfigError("model", f"--model takes hf:PATH, got {args.model_spec!r}")
+        hf_model = args.model_spec[3:]
+    data_path, data_kind = args.data_path, args.data_kind
+    if args.corpus is not None:
+        if data_path is not None:
+            raise ConfigError("corpus", "give --corpus or --data, not both")
+        data_path, data_kind = args.corpus, data_kind or "text"
     return with_overrides(
-        base, mode=args.mode, steps=args.steps, inner_steps=args.inner_steps,
+        base, hf_model=hf_model, device=args.device, precision=args.precision,
+        micro_batches=args.micro_batches, compile=args.compile,
+        activation_checkpointing=args.activation_checkpointing,
+        optimizer_impl=args.optimizer_impl, tokenizer=args.tokenizer,
+        token_dtype=args.token_dtype, test_fraction=args.test_fraction,
+        eval_split=args.eval_split, slices=args.slices, mode=args.mode, steps=args.steps, inner_steps=args.inner_steps,
         n_fragments=args.n_fragments, tau=args.tau, alpha=args.alpha, codec=args.codec,
         error_feedback=args.error_feedback, fragment_strategy=args.fragment_strategy,
         outer_lr=args.outer_lr, outer_momentum=args.outer_momentum, inner_lr=args.inner_lr,
         warmup_steps=args.warmup_steps, batch_size=args.batch_size, seq_len=args.seq_len,
-        data_path=str(args.data_path) if args.data_path else None, data_kind=args.data_kind,
+        data_path=str(data_path) if data_path else None, data_kind=data_kind,
         seed=args.seed, eval_every=args.eval_every, checkpoint_every=args.checkpoint_every,
         audit_every=args.audit_every, sync_timeout=args.sync_timeout, **extra)
 

@@ -33,3 +33,35 @@ def test_bench_tiny_prints_its_json_line(capsys, tmp_path):
     assert wc["link"].startswith("MODELLED")
     assert {"ddp", "diloco_no_overlap", "streaming_overlap"} <= set(wc)
     assert (tmp_path / "p.png").stat().st_size > 1000
+    assert out["eval"]["split"] == "test" and out["eval"]["tokens"] >= 65536
+    assert out["loss_gap_sd"] >= 0
+
+
+def test_bench_reports_on_another_corpus(capsys, tmp_path):
+    from benchmarks.diloco import main
+    from lowband import SAMPLE_TEXT
+
+    corpus = tmp_path / "other.txt"
+    corpus.write_bytes(SAMPLE_TEXT.read_bytes()[-200_000:])
+    assert main(["--json", "--tiny", "--wall-steps", "0", "--corpus", str(corpus),
+                 "--eval-split", "validation"]) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert out["eval"] == {"corpus": str(corpus), "split": "validation", "tokens": 20000,
+                           "tokenizer": "bytes"}
+    assert "wallclock" not in out
+
+
+def test_overhead_bench_tiny_prints_its_json_line(capsys):
+    from benchmarks.diloco_overhead import main
+
+    assert main(["--json", "--tiny"]) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    for key in ("device", "params", "dtype", "tokens_per_s_plain", "tokens_per_s_diloco",
+                "overhead", "outer_step_ms"):
+        assert key in out
+    assert out["device"] == "cpu" or "mfu" in out
+    assert out["overhead"] == pytest.approx(
+        1 - out["tokens_per_s_diloco"] / out["tokens_per_s_plain"])
+    assert out["tokens_per_s_plain"] > 0 and out["tokens_per_s_diloco"] > 0
+    assert out["outer_syncs_per_run"] >= 2 and out["outer_step_ms"] > 0
+    assert len(out["pairs_overhead"]) == out["repeats"]

@@ -1,0 +1,174 @@
+"""Where and how a worker computes: device, autocast, optimizer kernels, staging to the host.
+
+The trainers stay device-agnostic: they ask this module for the resolved ``torch.device``, an
+autocast context, an optimizer built with fused/foreach kernels, and a :class:`HostStaging` that
+moves an outer-step payload between the device and the host buffers the transport reads.
+
+Precision (``ComputeConfig.precision``): parameters, inner optimizer moments, θ_g and the outer
+optimizer state are float32 ("master weights"); only the forward/backward runs under
+``torch.autocast`` in bf16 or fp16. fp16 adds a gradient scaler (its range is too small for raw
+gradients); bf16 has fp32's range and needs none.
+
+CUDA path (``device.type == "cuda"``): the pseudo-gradient is computed (and, with error feedback,
+quantized) on the device, copied into a pinned host buffer on a side stream and handed to the
+transport once that copy's event completes; inner steps keep running on the main stream while
+the transport sends (the τ overlap). The averaged result comes back the same way, and the main
+stream waits on the side stream's event before the outer step reads it. On the CPU every one of
+these is the identity: the tensor already lives where the transport reads it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from typing import ContextManager, Iterable
+
+import torch
+from torch import nn
+
+from lowband.errors import ConfigError
+
+logger = logging.getLogger(__name__)
+
+AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def resolve_device(spec: str) -> torch.device:
+    """``auto`` → the first CUDA device if there is one, else the CPU; ``cuda:N`` must exist."""
+    if spec == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(spec)
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ConfigError("compute.device", f"{spec!r} asked for, but torch sees no CUDA "
+                              "device (a CPU build of torch, or no GPU): use --device cpu")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise ConfigError("compute.device", f"{spec!r}: only {torch.cuda.device_count()} "
+                              "CUDA device(s)")
+    elif dev.type != "cpu":
+        raise ConfigError("compute.device", f"must be auto, cpu, cuda or cuda:N, got {spec!r}")
+    return dev
+
+
+def autocast(device: torch.device, precision: str) -> ContextManager:
+    """The forward/backward context: ``torch.autocast`` for bf16/fp16, nothing for fp32."""
+    if precision == "fp32":
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=device.type, dtype=AUTOCAST_DTYPES[precision])
+
+
+def grad_scaler(device: torch.device, precision: str) -> torch.amp.GradScaler | None:
+    """A loss scaler for fp16 only (bf16 and fp32 gradients do not underflow)."""
+    if precision != "fp16":
+        return None
+    return torch.amp.GradScaler(device.type)
+
+
+def optimizer_kernels(name: str, device: torch.device, impl: str) -> dict[str, bool]:
+    """Keyword arguments selecting torch's optimizer implementation.
+
+    ``auto``: fused on CUDA (one kernel for all parameters), torch's own default on the CPU
+    (where it is the per-parameter loop; the plain-loop baseline of the overhead bench uses the
+    same), ``fused`` / ``foreach`` / ``loop`` force one."""
+    if name not in ("adamw", "adam", "sgd"):
+        return {}
+    if impl == "auto":
+        return {"fused": True} if device.type == "cuda" else {}
+    if impl == "fused":
+        return {"fused": True}
+    if impl == "foreach":
+        return {"foreach": True}
+    return {"foreach": False}
+
+
+def enable_checkpointing(model: nn.Module) -> None:
+    """Recompute each decoder block's activations in backward instead of storing them.
+
+    Hugging Face models have their own switch; lowband's Llama (and any model with a
+    ``layers`` ModuleList of blocks) gets each block's forward wrapped in
+    ``torch.utils.checkpoint`` (non-reentrant, so keyword arguments and no-grad inputs work).
+    """
+    if hasattr(model, "gradient_checkpointing_enable"):
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        return
+    blocks = [m for name, m in model.named_modules()
+              if isinstance(m, nn.ModuleList) and name.split(".")[-1] == "layers"]
+    if not blocks:
+        raise ConfigError("compute.activation_checkpointing",
+                          f"{type(model).__name__} has no `layers` ModuleList of blocks to wrap")
+    for block in blocks[0]:
+        block.forward = _checkpointed(block.forward)  # type: ignore[method-assign]
+
+
+def _checkpointed(forward):  # type: ignore[no-untyped-def]
+    from torch.utils.checkpoint import checkpoint
+
+    def run(*args, **kwargs):  # type: ignore[no-untyped-def]
+        if not torch.is_grad_enabled():  # eval / generation: nothing to save memory on
+            return forward(*args, **kwargs)
+        return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+    return run
+
+
+def to_device(batch: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host batch onto the device; asynchronous from pinned memory on CUDA."""
+    if device.type != "cuda":
+        return batch if batch.device == device else batch.to(device)
+    return batch.pin_memory().to(device, non_blocking=True)
+
+
+def model_device(model: nn.Module) -> torch.device:
+    for p in model.parameters():
+        return p.device
+    return torch.device("cpu")
+
+
+class HostStaging:
+    """Moves outer-step payloads between the device and host buffers (see the module doc).
+
+    One pinned buffer per key (a fragment): at most one sync is in flight (τ < H/P) and a
+    fragment's next SEND comes after its APPLY, so a buffer is never overwritten while the
+    transport may still read it.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.cuda = device.type == "cuda"
+        self._buffers: dict[object, torch.Tensor] = {}
+        self._stream = torch.cuda.Stream(device) if self.cuda else None
+
+    def to_host(self, x: torch.Tensor, key: object) -> torch.Tensor:
+        """A host copy of ``x`` that is complete when this returns (the transport reads it from
+        its own thread). CPU: ``x`` itself, no copy."""
+        stream = self._stream
+        if stream is None:
+            return x
+        buf = self._buffers.get(key)
+        if buf is None or buf.numel() != x.numel() or buf.dtype != x.dtype:
+            buf = torch.empty(x.shape, dtype=x.dtype, pin_memory=True)
+            self._buffers[key] = buf
+        stream.wait_stream(torch.cuda.current_stream(self.device))  # x is computed
+        with torch.cuda.stream(stream):
+            buf.copy_(x, non_blocking=True)
+            x.record_stream(stream)  # keep x's memory alive until the copy ran
+            done = torch.cuda.Event()
+            done.record(stream)
+        # The one host sync of a SEND: only this copy (and the work queued before it), not the
+        # inner steps queued after; the schedule needs the bytes before the transport can send.
+        done.synchronize()
+        return buf
+
+    def to_device(self, host: torch.Tensor) -> torch.Tensor:
+        """The averaged pseudo-gradient back on the device, ordered before the outer step."""
+        stream = self._stream
+        if stream is None:
+            return host
+        with torch.cuda.stream(stream):
+            dev = host.pin_memory().to(self.device, non_blocking=True)
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        dev.record_stream(torch.cuda.current_stream(self.device))
+        return dev
+
+
+def count_parameters(params: Iterable[torch.Tensor]) -> int:
+    return sum(p.numel() for p in params)
