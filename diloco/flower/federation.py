@@ -112,7 +112,20 @@ class FlowerRunFailed(LowbandError):
 
 def _flwr_env(flwr_home: Path) -> dict[str, str]:
     # Flower's connection config and app cache stay in our directory, never in ~/.flwr.
-    return {"FLWR_HOME": str(flwr_home)}
+    return {"FLWR_HOME": str(flwr_home), "PATH": _path_with_own_bin()}
+
+
+def _path_with_own_bin(path: str | None = None) -> str:
+    """PATH with this interpreter's scripts directory first.
+
+    A SuperLink or SuperNode starts ``flower-superexec`` (and that the app processes) by a PATH
+    lookup, so ``/venv/bin/lowband flower local`` from a shell whose venv is not activated found
+    no ``flower-superexec``. The directory is ``sys.executable``'s own (not resolved: a venv's
+    python is a symlink to the base interpreter, whose directory holds no Flower scripts)."""
+    own = str(Path(sys.executable).parent)
+    rest = [d for d in (os.environ.get("PATH", "") if path is None else path).split(os.pathsep)
+            if d and d != own]
+    return os.pathsep.join([own, *rest])
 
 
 def write_flwr_home(home: Path, address: str, *, root_certificates: str | None = None) -> Path:

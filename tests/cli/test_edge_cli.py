@@ -28,7 +28,7 @@ from lowband.models.tokenizer import ByteTokenizer
 from lowband.models.weights import save_pretrained
 from tests.conftest import PY, free_port
 
-pytest.importorskip("transport.zmq_comm")
+import transport.zmq_comm  # noqa: F401 - the project's own module: never a skip
 
 CFG = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)

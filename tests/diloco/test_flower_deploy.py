@@ -6,11 +6,14 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
-pytest.importorskip("flwr")
+import flwr  # noqa: F401 - required (the dev extra): a broken install fails, not skips
 
 from diloco.flower.federation import (LocalRunConfig, run_local, summary_table,  # noqa: E402
                                       tagged_pids)
@@ -19,7 +22,11 @@ from diloco.metrics import read_jsonl  # noqa: E402
 
 @pytest.mark.slow
 @pytest.mark.timeout(420)
-def test_superlink_and_supernodes_run_federated_diloco(spawn, tmp_path):
+def test_superlink_and_supernodes_run_federated_diloco(spawn, tmp_path, monkeypatch):
+    # as from `/venv/bin/lowband flower local` in a shell whose venv is not activated: Flower's
+    # executables (flower-superexec included, which the SuperNodes look up) must still be found
+    monkeypatch.setenv("PATH", os.pathsep.join(["/usr/sbin", "/usr/bin", "/sbin", "/bin"]))
+    assert shutil.which("flower-superexec") is None
     procs: list[subprocess.Popen] = []
 
     def starter(args, **kw):  # the spawn fixture kills every group even if the test fails
@@ -52,7 +59,7 @@ def test_superlink_and_supernodes_run_federated_diloco(spawn, tmp_path):
 
     # Flower's transport and the SuperNodes' Context.state change nothing: the same rounds run
     # in this process give the same model, bit for bit
-    torch = pytest.importorskip("torch")
+    import torch
     from diloco.flower.client import handle
     from diloco.flower.config import from_run_config
     from diloco.flower.inprocess import InProcessGrid
@@ -79,3 +86,13 @@ def test_superlink_and_supernodes_run_federated_diloco(spawn, tmp_path):
             os.killpg(p.pid, 0)
     # ... and so are the ServerApp/ClientApp processes Flower starts in groups of their own
     assert tagged_pids("FLWR_HOME", str(tmp_path / "federation" / "flwr-home")) == []
+
+
+def test_flower_children_find_scripts_of_this_interpreter_first():
+    from diloco.flower.federation import _flwr_env, _path_with_own_bin
+
+    own = str(Path(sys.executable).parent)
+    assert _path_with_own_bin("/usr/bin:/bin") == os.pathsep.join([own, "/usr/bin", "/bin"])
+    assert _path_with_own_bin(f"/bin:{own}:") == os.pathsep.join([own, "/bin"])  # once, first
+    env = _flwr_env(Path("/tmp/h"))
+    assert env["FLWR_HOME"] == "/tmp/h" and env["PATH"].split(os.pathsep)[0] == own

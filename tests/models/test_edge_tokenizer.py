@@ -10,7 +10,7 @@ from lowband.models.llama import LlamaForCausalLM, init_weights
 from edge.sampling import SamplingParams
 from lowband.models.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
 
-tokenizers = pytest.importorskip("tokenizers")
+import tokenizers
 
 
 def test_hf_tokenizer_json_roundtrip_and_generation(tmp_path) -> None:
