@@ -127,3 +127,64 @@ def test_invalid_inputs_name_the_field() -> None:
                       num_attention_heads=4, num_local_experts=4)
     with pytest.raises(ConfigError, match="model"):
         plan_split(moe, [dev("a")])
+
+
+# ---- wired into the cluster: profile, plan, dismiss, serve (loopback communicator) -------------
+def test_auto_split_cluster_matches_one_device(tmp_path) -> None:
+    import threading
+
+    import torch
+
+    from edge.cluster import ClusterConfig, MasterRunner, WorkerConfig, run_worker
+    from edge.engine import Engine, LocalRunner
+    from edge.sampling import SamplingParams
+    from edge.shardio import load_shard
+    from lowband.models.llama import LlamaForCausalLM, init_weights
+    from lowband.models.tokenizer import ByteTokenizer
+    from lowband.models.weights import save_pretrained
+    from transport.loopback import LoopbackGroup
+
+    cfg = ModelConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    m = LlamaForCausalLM(cfg).eval()
+    init_weights(m, std=0.2, seed=11)
+    save_pretrained(m, tmp_path)
+    ByteTokenizer().save(tmp_path)
+    p = SamplingParams(max_tokens=8)
+    ref = Engine(LocalRunner(load_shard(tmp_path).model), ByteTokenizer(), model_name="m"
+                 ).complete("The quick", p)[0]
+    comms = LoopbackGroup(3, timeout=20).comms()
+    errors: list[BaseException] = []
+
+    def worker(c) -> None:
+        try:
+            run_worker(c, WorkerConfig(join_timeout=20))
+        except BaseException as exc:  # noqa: BLE001 - reported by the assertion below
+            errors.append(exc)
+        finally:
+            c.close()  # as edge.launch.worker_main does: a dismissed device leaves the group
+
+    threads = [threading.Thread(target=worker, args=(c,), daemon=True) for c in comms[1:]]
+    for t in threads:
+        t.start()
+    torch.manual_seed(0)
+    runner = MasterRunner(comms[0], tmp_path, ClusterConfig(
+        devices=3, auto_split=True, op_timeout=10.0, join_timeout=30, heartbeat_s=0.3))
+    try:
+        split = runner.health()["split"]
+        assert len(split["devices"]) + len(split["left_out"]) == 3
+        assert runner.devices == len(split["devices"]) and "predicted" in split["explanation"]
+        assert runner.health()["connected"] == runner.devices  # the dismissed ones are gone
+        eng = Engine(runner, ByteTokenizer(), model_name="m")
+        assert eng.complete("The quick", p)[0] == ref
+    finally:
+        runner.close()
+        for t in threads:
+            t.join(10)
+    assert not errors
+
+
+def test_auto_split_excludes_weights() -> None:
+    from edge.cluster import ClusterConfig
+    with pytest.raises(ConfigError, match="auto_split"):
+        ClusterConfig(devices=2, weights=(1.0, 2.0), auto_split=True)
