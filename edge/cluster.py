@@ -105,8 +105,13 @@ class ClusterConfig:
     # A bit-nested MoE (``edge quantize --nested``): experts placed whole on the devices, each
     # serving its share of this budget from its own expert store. Required for such a dir.
     experts: ExpertServeConfig | None = None
+    # Profile every device and let edge.planner choose the weights (and leave out devices
+    # that would slow the cluster down); also used when re-planning. Excludes ``weights``.
+    auto_split: bool = False
 
     def __post_init__(self) -> None:
+        if self.auto_split and self.weights is not None:
+            raise ConfigError("auto_split", "give either --weights or --auto-split, not both")
         if self.devices < 1:
             raise ConfigError("devices", f"must be >= 1, got {self.devices}")
         if self.weights is not None and len(self.weights) != self.devices:
@@ -190,22 +195,47 @@ class MasterRunner:
         m = comm.quorum(min_world=cfg.devices, timeout=cfg.join_timeout)
         if master_rank(m.peers) != comm.rank:
             raise ConfigError("master", f"another peer ({m.peers[master_rank(m.peers)]}) is the master")
+        self.split = None  # edge.planner.SplitPlan when cfg.auto_split
+        if cfg.auto_split and cfg.devices > 1:
+            self._auto_split()
         self.hub = (StarHub(cfg.link_host, spin_s=cfg.link_spin_us * 1e-6)
-                    if cfg.link == "direct" and cfg.devices > 1 else None)
-        self.shard = _load(self.model_dir, 0, cfg.devices, cfg.weights, cfg.dtype, self.hub or comm,
+                    if cfg.link == "direct" and self.devices > 1 else None)
+        self.shard = _load(self.model_dir, 0, self.devices, self.weights, cfg.dtype, self.hub or comm,
                            self.codec, cfg.algorithm, cfg.op_timeout, cfg.window_config(), self.tags,
                            cfg.experts)
         self.model = self.shard.model
         self.config = self.model.config
         self.cache = self.model.new_cache()
         self._slots[comm.membership.peer_id] = 0
-        self._assign(self._others(), list(range(1, cfg.devices)))
+        self._assign(self._others(), list(range(1, self.devices)))
         self._healthy, self._status = True, "ok"
         self._heartbeat = threading.Thread(target=self._heartbeat_loop, name="edge-heartbeat",
                                            daemon=True)
         self._heartbeat.start()
 
     # ---- setup / recovery ----------------------------------------------------------------------
+    def _auto_split(self) -> None:
+        """Profile, plan (edge.profile / edge.planner), and dismiss the devices left out."""
+        from edge.profile import auto_split
+        self._ping_n += 1
+        plan, used = auto_split(self.comm, self._others(), self.model_dir, dtype=self.cfg.dtype,
+                                timeout=self.cfg.join_timeout, start_n=self._ping_n * 1000,
+                                worker_model_dir=self.cfg.worker_model_dir or self.model_dir)
+        dropped = [r for r in self._others() if r not in used]
+        for r in dropped:
+            why = plan.left_out.get(self.comm.membership.peers[r], "")
+            self.comm.send(r, [], {"op": "shutdown", "reason": f"left out by the planner: {why}"},
+                           tag=CTL)
+        for r in dropped:
+            self.comm.recv(r, tag=READY, timeout=self.cfg.op_timeout)
+        if dropped:  # the next epoch is formed by the devices that stay
+            for r in used:
+                self.comm.send(r, [], {"op": "regroup", "epoch": self.comm.membership.epoch},
+                               tag=CTL)
+            self.comm.quorum(min_world=len(plan.devices), timeout=self.cfg.join_timeout)
+        self.split, self.devices, self.weights = plan, len(plan.devices), plan.weights
+        print(f"lowband edge: {plan.explain()}", flush=True)
+
     def _others(self) -> list[int]:
         return [r for r in range(self.comm.world_size) if r != self.comm.rank]
 
@@ -293,12 +323,17 @@ class MasterRunner:
         """Re-split the model over whoever is connected now (survivors and newcomers)."""
         self._announce_regroup()
         m = self.comm.quorum(min_world=1, timeout=self.cfg.heartbeat_s * 5)
-        others = self._others()
-        w = self.cfg.weights
-        weights = None if w is None else tuple(
-            [w[0]] + [w[self._slots[m.peers[r]]] if m.peers[r] in self._slots else 1.0 for r in others])
         logger.warning("re-planning onto %d device(s) (was %d)", m.world_size, self.devices)
-        self.devices, self.weights = m.world_size, weights
+        if self.cfg.auto_split and m.world_size > 1:  # profile the new group and plan again
+            self._auto_split()
+            m, others, weights = self.comm.membership, self._others(), self.weights
+        else:
+            others = self._others()
+            w = self.cfg.weights
+            weights = None if w is None else tuple(
+                [w[0]] + [w[self._slots[m.peers[r]]] if m.peers[r] in self._slots else 1.0
+                          for r in others])
+            self.devices, self.weights = m.world_size, weights
         if self.hub is not None:
             for s in self.hub.slots():
                 self.hub.drop(s)
@@ -404,8 +439,11 @@ class MasterRunner:
 
     def health(self) -> dict:
         m = self.comm.membership
-        return {"healthy": self._healthy, "status": self._status, "devices": self.devices,
-                "connected": m.world_size, "epoch": m.epoch}
+        out = {"healthy": self._healthy, "status": self._status, "devices": self.devices,
+               "connected": m.world_size, "epoch": m.epoch}
+        if self.split is not None:
+            out["split"] = self.split.to_dict()
+        return out
 
     def close(self) -> None:
         self._closed.set()
@@ -496,6 +534,8 @@ def run_worker(comm: Communicator, cfg: WorkerConfig) -> int:
                 continue
             op = meta.get("op")
             if op == "shutdown":
+                if meta.get("reason"):
+                    print(f"lowband edge worker: {meta['reason']}", flush=True)
                 comm.send(src, [], {"op": "bye"}, tag=READY)
                 return 0
             try:
@@ -559,6 +599,9 @@ def _handle(comm: Communicator, cfg: WorkerConfig, st: WorkerState, op: str,
         report = st.shard.store_report() if st.shard is not None else None
         comm.send(master_rank(comm.membership.peers), [], {"report": report},
                   tag=f"edge.stats{meta['n']}")
+    elif op in ("echo", "profile"):  # the automatic split (edge.profile)
+        from edge.profile import answer
+        answer(comm, master_rank(comm.membership.peers), meta, cfg.model_dir or meta.get("model_dir"))
     elif op == "regroup":
         if int(meta["epoch"]) >= comm.membership.epoch:  # ignore a stale request
             _regroup(comm, cfg)

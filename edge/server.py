@@ -20,6 +20,7 @@ import logging
 import threading
 import time
 import uuid
+from importlib import resources
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, AsyncIterator
@@ -103,6 +104,7 @@ class Server:
         self._prep = ThreadPoolExecutor(max_workers=2, thread_name_prefix="edge-prep")
         self.app = web.Application(client_max_size=cfg.max_body_bytes)
         self.app.add_routes([
+            web.get("/", self.chat_page),
             web.get("/v1/models", self.models), web.get("/health", self.health),
             web.get("/metrics", self.metrics), web.post("/v1/completions", self.completions),
             web.post("/v1/chat/completions", self.chat),
@@ -240,6 +242,11 @@ class Server:
             del fut
 
     # ---- endpoints -----------------------------------------------------------------------------
+    async def chat_page(self, request: web.Request) -> web.Response:
+        """The self-contained web chat (edge/static/chat.html, package data)."""
+        page = resources.files("edge").joinpath("static/chat.html").read_text(encoding="utf-8")
+        return web.Response(text=page, content_type="text/html")
+
     async def models(self, request: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": [
             {"id": self.engine.model_name, "object": "model", "created": 0, "owned_by": "lowband",

@@ -89,6 +89,8 @@ def _add_serve(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int, default=8000, help="HTTP port (default 8000)")
     p.add_argument("--name", help="model id in the API (default: directory name)")
     p.add_argument("--weights", help="relative device capacities for an uneven split, e.g. 2,1,1")
+    p.add_argument("--auto-split", action="store_true",
+                   help="profile every device and choose the split automatically (see /health)")
     p.add_argument("--wire", default="fp32", choices=["fp32", "fp16", "bf16", "int8"],
                    help="activation encoding on the wire (default fp32)")
     p.add_argument("--link", default="direct", choices=["direct", "comm"],
@@ -221,7 +223,8 @@ def _serve_config(args, devices: int):
                               link_spin_us=args.link_spin_us,
                               window=args.window,
                               memory_budget_mb=args.memory_budget_mb, op_timeout=args.op_timeout,
-                              replan_after_s=args.replan_after_s, experts=_experts(args)))
+                              replan_after_s=args.replan_after_s, experts=_experts(args),
+                              auto_split=args.auto_split))
 
 
 def _serve(args) -> int:
