@@ -23,7 +23,7 @@
 # Environment: LOWBAND_COMPOSE_CACHE (default ~/.cache/lowband/compose), BASE (skip the base
 # image logic), CA_BUNDLE (default /etc/ssl/certs/ca-certificates.crt), COMPOSE (the compose
 # command; default `docker compose` when it exists, else docker-compose).
-# Prints `compose_demo: {...}` (build/run seconds and the report) as its last line.
+# Prints `compose_demo: {...}` (build/run seconds and the report) on stdout before the teardown.
 set -euo pipefail
 
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"

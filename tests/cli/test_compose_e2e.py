@@ -79,9 +79,10 @@ def test_compose_demo_runs_checks_and_tears_down(tmp_path):
     assert proc.returncode == 0, log[-6000:]
     assert not leftover, f"the script left dockerd {leftover} running"
 
-    last = log.strip().splitlines()[-1]
-    assert last.startswith("compose_demo: "), log[-3000:]
-    result = json.loads(last.removeprefix("compose_demo: "))
+    # its result line, followed only by teardown messages
+    (line,) = [l for l in log.splitlines() if l.startswith("compose_demo: {")] or [None]
+    assert line is not None, log[-3000:]
+    result = json.loads(line.removeprefix("compose_demo: "))
     report = result["report"]
     ddp, diloco = report["runs"]["DDP"], report["runs"]["Streaming DiLoCo"]
     for run in (ddp, diloco):
