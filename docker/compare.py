@@ -35,8 +35,13 @@ def load_run(directory: Path) -> dict[str, Any]:
         raise MissingRun(f"no finished worker in {directory} (metrics-*.jsonl with a final record)")
     losses = [r["final_eval"] for r in finals if r.get("final_eval") is not None]
     wall = max(r["wall_s"] for r in finals)
+    steps = max(r.get("steps", 0) for r in finals)
     return {
         "workers": len(finals),
+        "steps": steps,
+        "steps_per_s": steps / wall if wall > 0 and steps else None,
+        # every worker of a run ends with the same parameters; a mismatch is a broken run
+        "consistent": len({r.get("state_hash") for r in finals}) == 1,
         "final_eval": losses[0] if losses else None,
         "bytes_per_worker": sum(r["bytes_sent"] for r in finals) / len(finals),
         "peak_sync_bytes": max(r.get("peak_sync_bytes", 0) for r in finals),
@@ -55,7 +60,7 @@ def compare(diloco: dict[str, Any], ddp: dict[str, Any]) -> dict[str, Any]:
     if diloco["final_eval"] is not None and ddp["final_eval"]:
         out["loss_gap"] = (diloco["final_eval"] - ddp["final_eval"]) / ddp["final_eval"]
     if diloco["wall_s"] > 0:
-        out["speedup"] = ddp["wall_s"] / diloco["wall_s"]
+        out["speedup"] = ddp["wall_s"] / diloco["wall_s"]  # same steps: the steps/s ratio
     return out
 
 
@@ -64,10 +69,11 @@ def table(runs: dict[str, dict[str, Any]]) -> str:
         return "-" if v is None else format(v, spec)
 
     lines = [f"{'run':<18} {'workers':>7} {'eval loss':>9} {'MiB/worker':>11} {'wall s':>8} "
-             f"{'sync s':>8} {'tok/s':>9}"]
+             f"{'steps/s':>8} {'sync s':>8} {'tok/s':>9}"]
     for name, r in runs.items():
         lines.append(f"{name:<18} {r['workers']:>7} {fmt(r['final_eval'], '.4f'):>9} "
                      f"{r['bytes_per_worker'] / 2**20:>11.2f} {r['wall_s']:>8.1f} "
+                     f"{fmt(r['steps_per_s'], '.2f'):>8} "
                      f"{r['sync_s']:>8.1f} {fmt(r['tokens_per_s'], '.0f'):>9}")
     return "\n".join(lines)
 
@@ -77,6 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--diloco", type=Path, required=True, help="the Streaming DiLoCo run directory")
     ap.add_argument("--ddp", type=Path, required=True, help="the DDP run directory")
     ap.add_argument("--plot", type=Path, help="write eval loss vs bytes (PNG) here")
+    ap.add_argument("--json", type=Path, help="also write the final JSON line to this file")
     args = ap.parse_args(argv)
     try:
         runs = {"DDP": load_run(args.ddp), "Streaming DiLoCo": load_run(args.diloco)}
@@ -94,7 +101,10 @@ def main(argv: list[str] | None = None) -> int:
                   title="DDP vs Streaming DiLoCo on shaped links")
         result["plot"] = str(args.plot)
     summary = {k: {kk: vv for kk, vv in v.items() if kk != "evals"} for k, v in runs.items()}
-    print(json.dumps({"runs": summary, **result}))
+    line = json.dumps({"runs": summary, **result})
+    if args.json is not None:
+        args.json.write_text(line + "\n")
+    print(line)
     return 0
 
 
