@@ -146,6 +146,8 @@ def _worker(args: argparse.Namespace) -> int:
 
 
 def _worker_checked(args: argparse.Namespace) -> int:
+    if args.site is not None:
+        return _site_rank(args)
     from diloco.launch import WorkerLaunch, worker_main
 
     cfg = WorkerLaunch(train=_train_config(args, workers=args.workers),
@@ -156,6 +158,30 @@ def _worker_checked(args: argparse.Namespace) -> int:
                        data_port=args.data_port, advertise_port=args.advertise_port,
                        same_host=args.same_host)
     result = worker_main(cfg)
+    print(json.dumps(result.summary()))
+    return 0
+
+
+def _site_rank(args: argparse.Namespace) -> int:
+    """One rank of a multi-rank site: torchrun's environment names the rank and rendezvous."""
+    import os
+
+    from diloco.site_launch import SiteLaunch, site_main
+    from lowband.errors import ConfigError
+
+    env = {k: os.environ.get(k) for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    missing = [k for k, v in env.items() if v is None]
+    if missing:
+        raise ConfigError("site", f"--site runs under torchrun (missing {', '.join(missing)})")
+    cfg = SiteLaunch(train=_train_config(args, workers=args.workers),
+                     coordinators=tuple(args.coordinator.split(",")),
+                     rank=int(env["RANK"]), size=int(env["WORLD_SIZE"]),  # type: ignore[arg-type]
+                     master=f"{env['MASTER_ADDR']}:{env['MASTER_PORT']}", engine=args.site,
+                     backend=args.site_backend, site_id=args.id or "site", out_dir=args.out,
+                     threads=args.threads, bind_host=args.bind_host,
+                     advertise_host=args.advertise_host, token=args.token,
+                     same_host=args.same_host)
+    result = site_main(cfg)
     print(json.dumps(result.summary()))
     return 0
 
@@ -181,7 +207,13 @@ def register(sub: argparse._SubParsersAction) -> None:
                        description="Connect to a run's coordinator and train as one worker. "
                        "Use the same preset/overrides (or --config) as the other workers: a "
                        "different model or configuration is refused at join.")
-    p.add_argument("--coordinator", required=True, help="tcp://HOST:PORT of the coordinator")
+    p.add_argument("--coordinator", required=True, help="tcp://HOST:PORT of the coordinator "
+                   "(with --site: one per site rank r, comma-separated, rank r joins the r-th)")
+    p.add_argument("--site", choices=["fsdp2", "ddp"],
+                   help="this process is one rank of a multi-rank site started by torchrun: "
+                   "FSDP2 or DDP inside the site, sharded outer sync across sites")
+    p.add_argument("--site-backend", default="gloo", choices=["gloo", "nccl"],
+                   help="torch.distributed backend inside the site (default gloo)")
     p.add_argument("--workers", type=int,
                    help="M: founding workers to wait for before starting (default: the preset's)")
     p.add_argument("--id", help="worker id for file names (default: the transport peer id)")

@@ -1,0 +1,265 @@
+"""A site of several ranks: torch.distributed (FSDP2 or DDP) inside, lowband across sites.
+
+:class:`SiteWorker` is the Streaming DiLoCo worker (``diloco.trainer.DilocoWorker``) of one rank
+r of a site of N ranks. The model is built plain and parallelised after construction over the
+site's process group (``fully_shard`` per decoder block + root for FSDP2, or
+``DistributedDataParallel``); the inner loop then is ordinary torch.distributed training on
+B/N sequences per rank. The outer sync is sharded (``diloco.sharding``): rank r syncs only its
+dim-0 chunk of every parameter, over its own lowband group made of rank r of every site, and
+keeps that chunk's global copy, outer optimizer state and error-feedback residual.
+
+Intra-site agreement. The N lowband groups of a site run independently (their own epochs,
+reconciliations, redone syncs), and that is safe because the outer maths is elementwise: a
+shard's state depends only on its own group. What must agree across the site is *when* the ranks
+enter a code path that issues torch.distributed collectives, or they deadlock. Those paths are:
+inner steps (every step), evaluation/export (fixed steps), re-replication under DDP and the data
+slot broadcast (after each sync point). The decision "reconcile at this sync point" is therefore
+taken site-wide by an all-reduce(MAX) of each rank's own reason (its group changed or lost a
+sync), so every rank of every surviving site reconciles at the same sync point.
+
+Site-granular membership: a rank that dies takes its site down (torchrun tears down the other
+ranks; without torchrun the survivors' next collective fails and they exit), so a site is never
+half in a lowband group. A restarted site joins every group r as a newcomer and receives shard r
+of the state from a peer; the state hash verified per group is a hash per shard.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import re
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from diloco.checkpoint import State, export_model, load_optimizer_state, optimizer_state
+from diloco.common import InnerLoop, WorkerResult, hash_state, optimizer_tensors
+from diloco.config import TrainConfig
+from diloco.sharding import ShardFragment, ShardLayout, batch_rows, gather_rows, local_shard
+from diloco.task import Task
+from diloco.trainer import DilocoWorker
+from lowband.comm import Communicator
+
+logger = logging.getLogger(__name__)
+
+BLOCK_MODULE = re.compile(r"(?:^|\.)layers\.\d+$")
+"""FSDP2 wraps each decoder block (``model.layers.3``) as one unit, then the root."""
+
+
+class SiteTask:
+    """The site's task as rank r sees it: rows ``batch_rows(B, N, r)`` of the batch the whole
+    site draws for its data slot; the rest (model, loss, evaluation) is the wrapped task's."""
+
+    def __init__(self, task: Task, layout: ShardLayout, batch_size: int) -> None:
+        self.task, self.rows = task, batch_rows(batch_size, layout.size, layout.rank)
+        self.size = layout.size
+
+    def build_model(self) -> nn.Module:
+        return self.task.build_model()
+
+    def train_batch(self, slot: int, step: int) -> Any:
+        return self.task.train_batch(slot, step)[self.rows]
+
+    def loss(self, model: nn.Module, batch: Any) -> torch.Tensor:
+        return self.task.loss(model, batch)
+
+    def evaluate(self, model: nn.Module) -> float:
+        return self.task.evaluate(model)
+
+    def tokens_per_batch(self) -> int:
+        return self.task.tokens_per_batch() // self.size
+
+
+def site_signature(signature: bytes, layout: ShardLayout) -> bytes:
+    """The run signature of a site rank: the model/config signature plus the shard layout, so a
+    site whose shards do not map onto the group's is refused when it connects."""
+    text = signature + f"|shards={layout.size}".encode()
+    return hashlib.blake2b(text, digest_size=16).digest()
+
+
+def parallelize(model: nn.Module, layout: ShardLayout, group: Any = None) -> nn.Module:
+    """FSDP2 (every decoder block, then the root) or DDP over the site's process group."""
+    if layout.engine == "ddp":
+        return nn.parallel.DistributedDataParallel(model, process_group=group)
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = DeviceMesh.from_group(group or dist.group.WORLD, "cpu")
+    for name, module in model.named_modules():
+        if BLOCK_MODULE.search(name):
+            fully_shard(module, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+class SiteWorker(DilocoWorker):
+    """Rank ``layout.rank`` of a site; ``comm`` is its lowband group (rank r of every site)."""
+
+    def __init__(self, cfg: TrainConfig, comm: Communicator, task: Task, *,
+                 layout: ShardLayout, group: Any = None, **kwargs: Any) -> None:
+        super().__init__(cfg, comm, SiteTask(task, layout, cfg.data.batch_size), **kwargs)
+        self.layout, self.group = layout, group
+        self.signature = site_signature(self.signature, layout)
+        plain = self.model
+        self.model = parallelize(plain, layout, group)
+        self.inner = InnerLoop(cfg, self.task, self.model)  # over the sharded/wrapped params
+        params = dict(plain.named_parameters())
+        self._params = params
+        self.fragments = [
+            ShardFragment(f.index, f.names, [params[n] for n in f.names], layout,
+                          self.mode.outer.build, self.codec, self.mode.error_feedback)
+            for f in self.fragments]
+        # self.global_model (plain, full size) is only an assembly buffer for evaluation and
+        # export now: the authoritative θ_g is the fragments' global shards.
+
+    # ---- site collectives (every rank of the site calls them at the same point) -----------------
+    def _site_max(self, value: int) -> int:
+        t = torch.tensor([value], dtype=torch.int64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+        return int(t[0])
+
+    def _all_gather(self, out: list[torch.Tensor], t: torch.Tensor) -> None:
+        dist.all_gather(out, t, group=self.group)
+
+    @torch.no_grad()
+    def _assemble_global(self) -> None:
+        """θ_g in full into ``self.global_model`` (all-gather of every rank's global shards)."""
+        full = dict(self.global_model.named_parameters())
+        for f in self.fragments:
+            for name, g in zip(f.names, f.global_):
+                rows = full[name].shape[0]
+                full[name].copy_(gather_rows(g.detach(), rows, self.layout.size,
+                                             self._all_gather).view_as(full[name]))
+
+    @torch.no_grad()
+    def _replicate(self) -> None:
+        """DDP: every rank updated only its rows of the replica in merge; share them."""
+        if self.layout.engine != "ddp":
+            return
+        for p in self._params.values():
+            p.copy_(gather_rows(local_shard(p, self.layout), p.shape[0], self.layout.size,
+                                self._all_gather).view_as(p))
+
+    # ---- membership: decided per site ---------------------------------------------------------
+    def _sync_point(self) -> None:
+        before = self.comm.membership.epoch
+        m = self.comm.quorum(timeout=self._quorum_timeout)
+        changed = m.epoch != before
+        if changed:
+            self.log.log("membership", step=self.step, epoch=m.epoch, world=m.world_size,
+                         joined=list(m.joined), left=list(m.left))
+        audit = bool(self.cfg.audit_every) and (
+            self.step // self.mode.stride) % self.cfg.audit_every == 0
+        if self._site_max(int(changed or self.lost is not None or audit)):
+            self._reconcile("membership" if changed else "audit")
+        else:
+            self._replicate()
+
+    def _reconcile(self, reason: str) -> None:
+        super()._reconcile(reason)
+        # The data slot was assigned per lowband group; the site draws one stream: rank 0's.
+        slot = torch.tensor([self.slot], dtype=torch.int64)
+        dist.broadcast(slot, src=dist.get_global_rank(self.group, 0) if self.group else 0,
+                       group=self.group)
+        self.slot = int(slot[0])
+        self._replicate()
+
+    # ---- state: this rank's shard ---------------------------------------------------------------
+    def state_hash(self) -> int:
+        """Digest of this shard of θ_g, its outer optimizer state, step and syncs applied: what
+        rank r must share with rank r of every other site."""
+        tensors = [g for f in self.fragments for g in f.global_]
+        for f in self.fragments:
+            tensors += optimizer_tensors(f.outer_opt)
+        return hash_state(tensors, self.step, self.applied)
+
+    def state(self, *, own: bool) -> State:
+        tensors: dict[str, torch.Tensor] = {}
+        for name, p in self._params.items():
+            tensors["local." + name] = local_shard(p, self.layout).clone()
+        for f in self.fragments:
+            for name, g in zip(f.names, f.global_):
+                tensors["global." + name] = g.detach().clone()
+        t, inner_meta = optimizer_state(self.inner.opt, "inner")
+        tensors.update({k: _plain(v) for k, v in t.items()})
+        outer_meta = []
+        for f in self.fragments:
+            t, meta = optimizer_state(f.outer_opt, f"outer{f.index}")
+            tensors.update(t)
+            outer_meta.append(meta)
+            if own and f.residual is not None:
+                tensors[f"residual.{f.index}"] = f.residual.clone()
+        meta = {"format": 1, "step": self.step, "applied": self.applied, "inner": inner_meta,
+                "outer": outer_meta, "slot": self.slot if own else -1,
+                "shard": [self.layout.rank, self.layout.size]}
+        return tensors, meta
+
+    @torch.no_grad()
+    def load(self, tensors: dict[str, torch.Tensor], meta: dict, *, own: bool) -> None:
+        for name, p in self._params.items():
+            local_shard(p, self.layout).copy_(tensors["local." + name])
+        for f, m in zip(self.fragments, meta["outer"]):
+            for name, g in zip(f.names, f.global_):
+                g.copy_(tensors["global." + name])
+            load_optimizer_state(f.outer_opt, f"outer{f.index}", tensors, m)
+            key = f"residual.{f.index}"
+            f.residual = tensors[key].clone() if own and key in tensors else None
+        load_optimizer_state(self.inner.opt, "inner", tensors, meta["inner"])
+        _redistribute(self.inner.opt)
+        self.inner.step = int(meta["step"])
+        self.applied = int(meta["applied"])
+        self.lost = self.inflight = None
+        self.initialized = True
+        if own:
+            self.slot = int(meta.get("slot", -1))
+
+    # ---- evaluation and export: θ_g assembled on every rank, used by one -------------------------
+    def _evaluate(self) -> float | None:
+        self._assemble_global()
+        if self.layout.rank != 0:
+            return None
+        return super()._evaluate()
+
+    def _finish(self) -> WorkerResult:
+        out_dir = self.out_dir
+        if self.layout.rank != 0:
+            self.out_dir = None  # one rank of the site exports the model
+        try:
+            result = super()._finish()
+        finally:
+            self.out_dir = out_dir
+        if out_dir is not None and self.layout.rank != 0:
+            self.checkpoint(out_dir / "checkpoints" / "final")
+        return result
+
+    def export(self, directory: Any) -> None:
+        """The full model of a sharded run as a Hugging Face directory (every rank calls it)."""
+        self._assemble_global()
+        if self.layout.rank == 0:
+            export_model(self.global_model, directory, byte_tokenizer=self.byte_tokenizer)
+
+
+def _plain(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor optimizer state (FSDP2) as its local shard: what travels and is saved."""
+    to_local = getattr(t, "to_local", None)
+    return to_local().detach().clone() if to_local is not None else t
+
+
+@torch.no_grad()
+def _redistribute(opt: torch.optim.Optimizer) -> None:
+    """After ``load_state_dict`` with local tensors: wrap the states of DTensor parameters back
+    into DTensors laid out like their parameter (AdamW cannot mix the two)."""
+    from torch.distributed.tensor import DTensor
+
+    for group in opt.param_groups:
+        for p in group["params"]:
+            if not isinstance(p, DTensor):
+                continue
+            for key, value in opt.state.get(p, {}).items():
+                if isinstance(value, torch.Tensor) and not isinstance(value, DTensor) \
+                        and value.shape == p.to_local().shape and value.dim() > 0:
+                    opt.state[p][key] = DTensor.from_local(
+                        value, p.device_mesh, p.placements, shape=p.shape, stride=p.stride())
