@@ -28,7 +28,6 @@ from __future__ import annotations
 import hashlib
 import logging
 import re
-from dataclasses import dataclass
 from typing import Any
 
 import torch

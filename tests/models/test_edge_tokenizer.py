@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import pytest
 
 from lowband.models.config import ModelConfig
 from edge.engine import Engine, LocalRunner
