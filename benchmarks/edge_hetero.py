@@ -78,9 +78,9 @@ def role_master(a) -> dict:
     coord = Coordinator(CoordinatorConfig(bind=a.bind)).start()
     comm = connect(coord.address, _zmq_config(None, 120.0), signature=SIGNATURE,
                    peer_id=f"{MASTER_ID_PREFIX}-bench")
-    weights = None if a.weights in ("auto", "even") else (float(a.weights), 1.0)
+    weights = None if a.weights in ("auto", "even", "one") else (float(a.weights), 1.0)
     runner = MasterRunner(comm, a.model, ClusterConfig(
-        devices=2, weights=weights, auto_split=a.weights == "auto", op_timeout=120.0,
+        devices=1 if a.weights == "one" else 2, weights=weights, auto_split=a.weights == "auto", op_timeout=120.0,
         join_timeout=300.0, heartbeat_s=3600.0))
     try:
         prompt = list(range(1, a.prompt_len + 1))
@@ -88,7 +88,7 @@ def role_master(a) -> dict:
         runner.reset()
         res = _decode(runner, prompt, a.tokens, a.warmup)
         out = {"decode_ms_per_token": res["decode_ms_per_token"], "devices": runner.devices,
-               "weights": list(runner.weights) if runner.weights else [1.0, 1.0]}
+               "weights": list(runner.weights) if runner.weights else [1.0] * runner.devices}
         if runner.split is not None:
             out["predicted_ms"] = runner.split.predicted_ms
             out["explanation"] = runner.split.explain()
@@ -101,13 +101,13 @@ def role_master(a) -> dict:
 
 def _run(model: str, weights: str, a, add) -> dict:
     bind = f"tcp://127.0.0.1:{_free_port()}"
-    worker = subprocess.Popen([sys.executable, "-m", "lowband", "edge", "worker", "--master", bind,
-                               "--threads", "1", "--cores", str(1 % (os.cpu_count() or 1)),
-                               "--op-timeout", "120"],
-                              start_new_session=True, stdout=subprocess.DEVNULL,
-                              preexec_fn=die_with_parent)
+    worker = None if weights == "one" else subprocess.Popen(
+        [sys.executable, "-m", "lowband", "edge", "worker", "--master", bind, "--threads", "1",
+         "--cores", str(1 % (os.cpu_count() or 1)), "--op-timeout", "120"],
+        start_new_session=True, stdout=subprocess.DEVNULL, preexec_fn=die_with_parent)
     try:
-        add(worker.pid)
+        if worker is not None:
+            add(worker.pid)
         out = subprocess.run([sys.executable, "-m", "benchmarks.edge_hetero", "--role", "master",
                               "--bind", bind, "--model", model, "--weights", weights,
                               "--tokens", str(a.tokens), "--warmup", str(a.warmup),
@@ -117,11 +117,12 @@ def _run(model: str, weights: str, a, add) -> dict:
             raise RuntimeError(f"master ({weights}) failed:\n{out.stderr[-3000:]}")
         return json.loads(out.stdout.strip().splitlines()[-1])
     finally:
-        try:
-            worker.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            os.killpg(worker.pid, signal.SIGKILL)
-            worker.wait(timeout=10)
+        if worker is not None:
+            try:
+                worker.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                os.killpg(worker.pid, signal.SIGKILL)
+                worker.wait(timeout=10)
 
 
 def _stats(xs: list[float]) -> dict:
@@ -141,10 +142,11 @@ def main_bench(a) -> dict:
         save_pretrained(model, tmp)
         del model
         torch.set_num_threads(1)
-        configs = ["auto", "even", *[str(w) for w in a.hand]]
+        # "one": the master alone, the hand-picked choice of not using the slow device at all
+        configs = ["auto", "even", *[str(w) for w in a.hand], *(["one"] if a.one else [])]
         times: dict[str, list[float]] = {c: [] for c in configs}
         auto_runs = []
-        with throttle(a.quota) as (add, how):
+        with throttle(a.quota, a.period_us) as (add, how):
             for rep in range(a.repeats):
                 order = configs if rep % 2 == 0 else configs[::-1]  # alternate the order too
                 for c in order:
@@ -155,13 +157,14 @@ def main_bench(a) -> dict:
                     print(f"rep {rep} {c}: {r['decode_ms_per_token']:.1f} ms/token "
                           f"weights {r['weights']}", file=sys.stderr, flush=True)
     ms = {c: _stats(v) for c, v in times.items()}
-    hand = {c: ms[c] for c in configs[2:]}
+    hand = {c: ms[c] for c in configs[2:]}  # hand-picked: w:1 splits and the master alone
     best = min(hand, key=lambda c: hand[c]["median"]) if hand else "even"
     auto_med = ms["auto"]["median"]
     return {"bench": "edge_hetero", "preset": a.preset, "throttle": how, "tokens": a.tokens,
-            "repeats": a.repeats, "ms_per_token": {("hand " + c if c in hand else c): v
-                                                   for c, v in ms.items()},
-            "best_hand": f"{best}:1",
+            "repeats": a.repeats, "ms_per_token": {
+                ("master alone" if c == "one" else "hand " + c if c in hand else c): v
+                for c, v in ms.items()},
+            "best_hand": "master alone" if best == "one" else f"{best}:1",
             "auto_over_best_hand": round(auto_med / ms[best]["median"], 3),
             "even_over_auto": round(ms["even"]["median"] / auto_med, 3),
             "auto_weights": [r["weights"] for r in auto_runs],
@@ -177,6 +180,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quota", type=float, default=0.5, help="the slow device's share of a core")
     p.add_argument("--hand", type=float, nargs="*", default=[1.5, 2.0, 3.0],
                    help="hand-picked weights w (split w:1 between master and worker)")
+    p.add_argument("--period-us", type=int, default=10000,
+                   help="cgroup CPU quota period: shorter spreads the throttling more finely")
+    p.add_argument("--no-one", dest="one", action="store_false",
+                   help="leave out the master-alone baseline")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--tokens", type=int, default=24)
     p.add_argument("--warmup", type=int, default=4)
