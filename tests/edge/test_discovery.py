@@ -31,6 +31,13 @@ def test_advertise_then_discover_by_cluster_name() -> None:
     assert (found.auth, found.signature) == ("token", "lowband-edge/1")  # never the secret
 
 
+def test_nearest_address_is_on_our_subnet(monkeypatch) -> None:
+    from edge import discovery
+    monkeypatch.setattr(discovery, "local_ipv4", lambda: ["10.237.0.2", "172.17.0.1"])
+    assert discovery._nearest(["192.0.2.2", "10.237.0.1", "10.1.0.1"]) == "10.237.0.1"
+    assert discovery._nearest(["172.17.0.9"]) == "172.17.0.9"
+
+
 def test_discover_times_out_with_an_actionable_message() -> None:
     with pytest.raises(ConfigError, match="--master"):
         discover(cluster=f"nobody{os.getpid()}", timeout=1.0)
