@@ -40,6 +40,7 @@ CGROUP = Path("/sys/fs/cgroup/cpu")
 def throttle(quota: float, period_us: int = 10000):
     """Yield ``add(pid)`` putting a process under ``quota`` of one core, and a description."""
     group = CGROUP / f"lowband-hetero-{os.getpid()}"
+    period_us = max(period_us, int(1000 / quota) + 1)  # the kernel's smallest quota is 1 ms
     try:
         group.mkdir()
         (group / "cpu.cfs_period_us").write_text(str(period_us))
@@ -181,7 +182,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--hand", type=float, nargs="*", default=[1.5, 2.0, 3.0],
                    help="hand-picked weights w (split w:1 between master and worker)")
     p.add_argument("--period-us", type=int, default=10000,
-                   help="cgroup CPU quota period: shorter spreads the throttling more finely")
+                   help="cgroup CPU quota period: shorter spreads the throttling more finely "
+                        "(raised so that the quota is at least 1 ms)")
     p.add_argument("--no-one", dest="one", action="store_false",
                    help="leave out the master-alone baseline")
     p.add_argument("--repeats", type=int, default=5)
