@@ -65,6 +65,7 @@ class ServeConfig:
     bind: str = "tcp://0.0.0.0:29500"  # where the master's coordinator listens (devices > 1)
     token: str | None = None  # shared secret every worker must present
     cluster: ClusterConfig
+    discover: str | None = None  # advertise the coordinator on the LAN under this cluster name
     server: ServerConfig = field(default_factory=ServerConfig)
     device: DeviceConfig = field(default_factory=DeviceConfig)
 
@@ -91,7 +92,7 @@ def _zmq_config(token: str | None, timeout: float):
     return ZmqConfig(connections=1, timeout=timeout, token=token)
 
 
-def build_engine(cfg: ServeConfig, coord=None):
+def build_engine(cfg: ServeConfig, coord=None, master_host: str = "127.0.0.1"):
     """The engine for ``cfg``; for a cluster also the coordinator (started here unless given)
     and this process's communicator, both to be closed by the caller."""
     cfg.device.apply()
@@ -109,7 +110,9 @@ def build_engine(cfg: ServeConfig, coord=None):
         coord = Coordinator(CoordinatorConfig(bind=cfg.bind, token=cfg.token)).start()
         print(f"lowband edge: waiting for {cc.devices - 1} worker(s): "
               f"lowband edge worker --master {coord.address}", flush=True)
-    address = coord.address.replace("0.0.0.0", "127.0.0.1")
+    # The coordinator tells the workers to reach the master at the address this connection
+    # comes from: over 127.0.0.1 that is only reachable on this host (master_host: a LAN IP).
+    address = coord.address.replace("0.0.0.0", master_host)
     comm = connect(address, _zmq_config(cfg.token, cc.op_timeout), signature=SIGNATURE,
                    peer_id=f"{MASTER_ID_PREFIX}-{uuid.uuid4().hex[:8]}")
     try:
@@ -150,12 +153,29 @@ def _exit_on_sigterm() -> None:
 
 def serve_main(cfg: ServeConfig, coord=None) -> int:
     _exit_on_sigterm()
-    engine, coord, comm = build_engine(cfg, coord)
+    advert = None
+    if cfg.discover is not None and cfg.cluster.devices > 1:  # edge.discovery: mDNS / DNS-SD
+        from edge.discovery import Advertisement
+        from transport.coordinator import Coordinator, CoordinatorConfig
+        if coord is None:
+            coord = Coordinator(CoordinatorConfig(bind=cfg.bind, token=cfg.token)).start()
+        advert = Advertisement(coord.address, cluster=cfg.discover, signature=SIGNATURE,
+                               auth="token" if cfg.token else "none")
+        print(f"lowband edge: advertising cluster {cfg.discover!r}: "
+              f"lowband edge worker --discover {cfg.discover}", flush=True)
+    try:
+        engine, coord, comm = build_engine(cfg, coord, *(advert.hosts[:1] if advert else ()))
+    except BaseException:
+        if advert is not None:
+            advert.close()
+        raise
     try:
         serve_forever(engine, cfg.server)
     except KeyboardInterrupt:
         pass
     finally:
+        if advert is not None:
+            advert.close()
         engine.runner.close()
         if comm is not None:
             comm.close()

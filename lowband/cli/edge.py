@@ -102,6 +102,9 @@ def _add_serve(p: argparse.ArgumentParser) -> None:
                    help="microseconds each device polls the direct link for an all-reduce "
                         "answer before sleeping (default 1000; 0 saves power, adds latency)")
     p.add_argument("--token", help="shared secret workers must present")
+    p.add_argument("--discover", nargs="?", const="lowband", metavar="CLUSTER",
+                   help="advertise this master on the LAN (mDNS) so 'edge worker --discover' "
+                        "finds it; the token is still required to join (default name: lowband)")
     p.add_argument("--max-queue", type=int, default=64, help="waiting requests before 429")
     p.add_argument("--op-timeout", type=float, default=30.0,
                    help="seconds a forward step may take before the worker counts as failed")
@@ -145,7 +148,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_serve)
 
     p = es.add_parser("worker", help="a device serving one shard for a master")
-    p.add_argument("--master", required=True, help="tcp://HOST:PORT printed by 'edge serve'")
+    p.add_argument("--master", help="tcp://HOST:PORT printed by 'edge serve'")
+    p.add_argument("--discover", nargs="?", const="lowband", metavar="CLUSTER",
+                   help="find the master on the LAN (mDNS) instead of --master; CLUSTER as "
+                        "given to 'edge serve --discover' (default: lowband)")
+    p.add_argument("--discover-timeout", type=float, default=60.0,
+                   help="seconds to look for the master (default 60)")
     p.add_argument("--model-dir", help="local copy of the model/split dir (default: master's path)")
     p.add_argument("--token")
     p.add_argument("--op-timeout", type=float, default=30.0)
@@ -216,6 +224,7 @@ def _serve_config(args, devices: int):
     from edge.server import ServerConfig
     return ServeConfig(
         model_dir=args.model_dir, name=args.name, bind=args.bind, token=args.token,
+        discover=args.discover,
         device=_device(args),
         server=ServerConfig(host=args.host, port=args.port, max_queue=args.max_queue),
         cluster=ClusterConfig(devices=devices, weights=_weights(args.weights), wire=args.wire,
@@ -239,7 +248,16 @@ def _worker(args) -> int:
     from edge.cluster import WorkerConfig
     from edge.launch import WorkerMainConfig, worker_main
     try:
-        return worker_main(WorkerMainConfig(master=args.master, token=args.token,
+        if (args.master is None) == (args.discover is None):
+            raise ConfigError("master", "give either --master tcp://HOST:PORT or --discover")
+        master = args.master
+        if args.discover is not None:
+            from edge.discovery import discover
+            found = discover(cluster=args.discover, timeout=args.discover_timeout)
+            print(f"lowband edge worker: found master {found.address} (cluster "
+                  f"{found.cluster!r}, auth {found.auth})", flush=True)
+            master = found.address
+        return worker_main(WorkerMainConfig(master=master, token=args.token,
                                             worker=WorkerConfig(model_dir=args.model_dir),
                                             device=_device(args), op_timeout=args.op_timeout))
     except ConfigError as exc:
