@@ -176,7 +176,7 @@ logs() { "${COMPOSE[@]}" --profile flower logs --no-color --tail 40 >&2 || true;
 t_run=$(date +%s.%N)
 say "compose up: coordinators, sites (STEPS=$STEPS RATE=$RATE DELAY=$DELAY), report"
 COMPOSE_UP=1
-"${COMPOSE[@]}" up -d --no-build report >&2
+"${COMPOSE[@]}" up -d --no-build report >&2 || { logs; die "compose up failed (logs above)"; }
 code="$(wait_exit report)"
 run_s=$(since "$t_run")
 "${COMPOSE[@]}" logs --no-color report >&2
@@ -204,7 +204,8 @@ flower_s=null
 if [ "$FLOWER" = 1 ]; then
     t_flower=$(date +%s.%N)
     say "compose --profile flower up: SuperLink, 3 SuperNodes, flower-run (ROUNDS=$ROUNDS)"
-    "${COMPOSE[@]}" --profile flower up -d --no-build flower-run >&2
+    "${COMPOSE[@]}" --profile flower up -d --no-build flower-run >&2 \
+        || { logs; die "compose --profile flower up failed (logs above)"; }
     code="$(wait_exit flower-run)"
     flower_s=$(since "$t_flower")
     "${COMPOSE[@]}" --profile flower logs --no-color --tail 30 flower-run >&2
