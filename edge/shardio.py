@@ -23,11 +23,14 @@ from pathlib import Path
 from typing import Any, Sequence
 
 import torch
+from torch import nn
 from safetensors import safe_open
 from safetensors.torch import save_file
 
 from lowband.models.config import ModelConfig
-from lowband.models.llama import LlamaForCausalLM, rope_inv_freq
+from lowband.models.llama import LlamaForCausalLM, fuse_projections, rope_inv_freq
+from edge.formats.quantized import (QuantLayout, apply_quant_layout, fuse_quant_rows,
+                                    is_quant_tensor, quant_slice, read_layout)
 from edge.tp import HEAD_KEYS, Reduce, TPPlan, make_plan, shard, slice_of, take
 from lowband.models.weights import DTYPES, weight_files
 from edge.window import MappedFile, WindowScheduler, attach, window_for_budget
@@ -60,6 +63,25 @@ def read_split_meta(path: str | Path) -> tuple[TPPlan, str]:
     return TPPlan.from_dict(meta["plan"]), meta["dtype"]
 
 
+def _plan(cfg: ModelConfig, world: int, weights: Sequence[float] | None,
+          layout: QuantLayout | None) -> TPPlan:
+    # A packed down_proj is split on whole quantization groups.
+    return make_plan(cfg, world, weights, ffn_unit=max(8, layout.group) if layout else 8)
+
+
+def _spec(key: str, plan: TPPlan, rank: int, layout: QuantLayout | None):
+    """:func:`slice_of` for any stored tensor, packed ones included."""
+    if layout is not None and is_quant_tensor(key):
+        base = key.rpartition(".")[0] + ".weight"
+        return quant_slice(key, slice_of(base, plan, rank), layout)
+    return slice_of(key, plan, rank)
+
+
+def _cast(key: str, t: torch.Tensor, dt: torch.dtype) -> torch.Tensor:
+    """Floating tensors to the run dtype; packed weights and their fp16 scales stay as stored."""
+    return t if is_quant_tensor(key) or not t.is_floating_point() else t.to(dt)
+
+
 def _dtype(name: str) -> torch.dtype:
     if name not in DTYPES:
         raise ConfigError("dtype", f"unknown dtype {name!r}; one of {sorted(DTYPES)}")
@@ -74,7 +96,8 @@ def split_checkpoint(model_dir: str | Path, out_dir: str | Path, devices: int,
     cfg = ModelConfig.from_json(src)
     dname = dtype or cfg.torch_dtype
     dt = _dtype(dname)
-    plan = make_plan(cfg, devices, weights)
+    layout = read_layout(cfg)
+    plan = _plan(cfg, devices, weights, layout)
     by_layer: dict[int | None, list[tuple[Path, str]]] = {}
     for f in weight_files(src):
         with safe_open(str(f), framework="pt") as sf:
@@ -96,10 +119,10 @@ def split_checkpoint(model_dir: str | Path, out_dir: str | Path, devices: int,
         for r in range(devices):
             part = {}
             for key, t in full.items():
-                spec = slice_of(key, plan, r)
+                spec = _spec(key, plan, r, layout)
                 if spec is False:
                     continue
-                part[key] = take(t, spec).to(dt).contiguous()
+                part[key] = _cast(key, take(t, spec), dt).contiguous()
             if layer is None:
                 if r == 0:
                     save_file(part, str(head_file(out)), metadata={"format": "pt"})
@@ -165,14 +188,26 @@ class LoadedShard:
 
 def load_shard(model_dir: str | Path, rank: int = 0, world: int = 1, *,
                weights: Sequence[float] | None = None, dtype: str | None = None,
-               reduce: Reduce | None = None, window: WindowConfig | None = None) -> LoadedShard:
+               reduce: Reduce | None = None, window: WindowConfig | None = None,
+               fuse: bool = True) -> LoadedShard:
     """Build rank ``rank``'s slice on the meta device and load only that slice.
 
     ``model_dir`` is either a split directory (the plan comes from it) or a plain HF
     checkpoint (the plan is made here from ``weights``; slices are read through the
     safetensors memory map). The sliding window needs a split directory."""
     d = Path(model_dir)
+    if d.suffix == ".gguf":
+        if window is not None:
+            raise ConfigError("window", "the sliding window needs a split directory; run "
+                              "'lowband edge split' on the output of 'lowband edge convert'")
+        from edge.formats.gguf import load_gguf_shard
+        model, plan = load_gguf_shard(d, rank, world, weights=weights, reduce=reduce,
+                                      dtype=_dtype(dtype) if dtype else None)
+        if fuse:
+            fuse_projections(model, fuse_quant_rows)
+        return LoadedShard(model=model.eval(), plan=plan, rank=rank)
     cfg = ModelConfig.from_json(d)
+    layout = read_layout(cfg)
     if is_split_dir(d):
         plan, file_dtype = read_split_meta(d)
         if plan.world != world:
@@ -180,36 +215,52 @@ def load_shard(model_dir: str | Path, rank: int = 0, world: int = 1, *,
         if weights is not None and tuple(float(w) for w in weights) != plan.weights:
             raise ConfigError("weights", f"{d} was split with weights {list(plan.weights)}")
     else:
-        plan, file_dtype = make_plan(cfg, world, weights), cfg.torch_dtype
+        plan, file_dtype = _plan(cfg, world, weights, layout), cfg.torch_dtype
         if window is not None:
             raise ConfigError("window", f"the sliding window streams per-layer files: run "
                               f"'lowband edge split {d} --devices {world} --out DIR' first")
     dt = _dtype(dtype or file_dtype)
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg)
+    if layout is not None:
+        apply_quant_layout(model, layout)
     shard(model, plan, rank, world, reduce)
     model.to(dtype=dt)
     if is_split_dir(d):
-        sched = _load_split(model, d, rank, dt, file_dtype, window)
+        sched = _load_split(model, d, rank, dt, file_dtype, window, layout)
     else:
-        _load_from_checkpoint(model, d, plan, rank, dt)
+        _load_from_checkpoint(model, d, plan, rank, dt, layout)
         sched = None
     model.inv_freq = rope_inv_freq(cfg)
     if cfg.tie_word_embeddings and rank == 0:
         model.lm_head.weight = model.model.embed_tokens.weight
+    if fuse and sched is None:
+        # Lean decode: one GEMV for q/k/v and one for gate/up. Only for weights in anonymous
+        # memory; mapped (window / zero-copy resident) weights would be copied.
+        fuse_projections(model, fuse_quant_rows)
     return LoadedShard(model=model.eval(), plan=plan, rank=rank, scheduler=sched)
 
 
+def _wanted(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Every tensor a checkpoint fills: parameters and persistent buffers (packed weights)."""
+    out = dict(model.named_parameters(remove_duplicate=False))
+    for mname, mod in model.named_modules(remove_duplicate=False):
+        for bname, b in mod._buffers.items():
+            if b is not None and bname not in mod._non_persistent_buffers_set:
+                out[f"{mname}.{bname}" if mname else bname] = b
+    return out
+
+
 def _load_from_checkpoint(model: LlamaForCausalLM, d: Path, plan: TPPlan, rank: int,
-                          dt: torch.dtype) -> None:
-    wanted = dict(model.named_parameters(remove_duplicate=False))
+                          dt: torch.dtype, layout: QuantLayout | None = None) -> None:
+    wanted = _wanted(model)
     tensors: dict[str, torch.Tensor] = {}
     for f in weight_files(d):
         with safe_open(str(f), framework="pt") as sf:
             for key in sf.keys():
                 if key not in wanted:
                     continue
-                spec = slice_of(key, plan, rank)
+                spec = _spec(key, plan, rank, layout)
                 if spec is False:
                     continue
                 if spec is True:
@@ -218,16 +269,17 @@ def _load_from_checkpoint(model: LlamaForCausalLM, d: Path, plan: TPPlan, rank: 
                     dim, a, b = spec
                     sl = sf.get_slice(key)
                     t = sl[a:b] if dim == 0 else sl[:, a:b]
-                tensors[key] = t.to(dt).contiguous()
+                tensors[key] = _cast(key, t, dt).contiguous()
     _assign(model, tensors)
 
 
 def _load_split(model: LlamaForCausalLM, d: Path, rank: int, dt: torch.dtype, file_dtype: str,
-                window: WindowConfig | None) -> WindowScheduler | None:
+                window: WindowConfig | None, layout: QuantLayout | None = None
+                ) -> WindowScheduler | None:
     tensors: dict[str, torch.Tensor] = {}
     if rank == 0:
         with safe_open(str(head_file(d)), framework="pt") as sf:
-            tensors.update({k: sf.get_tensor(k).to(dt) for k in sf.keys()})
+            tensors.update({k: _cast(k, sf.get_tensor(k), dt) for k in sf.keys()})
     n = model.config.num_hidden_layers
     paths = [layer_file(d, rank, i) for i in range(n)]
     for p in paths:
@@ -239,7 +291,7 @@ def _load_split(model: LlamaForCausalLM, d: Path, rank: int, dt: torch.dtype, fi
                               f"split again with --dtype to run in another dtype")
         for p in paths:  # converting: copy into memory
             with safe_open(str(p), framework="pt") as sf:
-                tensors.update({k: sf.get_tensor(k).to(dt) for k in sf.keys()})
+                tensors.update({k: _cast(k, sf.get_tensor(k), dt) for k in sf.keys()})
         _assign(model, tensors)
         return None
     _assign(model, tensors, partial=True)
@@ -257,7 +309,7 @@ def _load_split(model: LlamaForCausalLM, d: Path, rank: int, dt: torch.dtype, fi
 
 
 def _assign(model: LlamaForCausalLM, tensors: dict[str, torch.Tensor], partial: bool = False) -> None:
-    missing = {k for k, p in model.named_parameters(remove_duplicate=False)
+    missing = {k for k, p in _wanted(model).items()
                if not p.is_meta or p.numel()} - tensors.keys()
     if model.config.tie_word_embeddings:
         missing.discard("lm_head.weight")

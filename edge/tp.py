@@ -26,7 +26,8 @@ import torch
 from torch import nn
 
 from lowband.models.config import ModelConfig
-from lowband.models.llama import LlamaForCausalLM
+from lowband.models.llama import LlamaForCausalLM, unfuse_projections
+from edge.quant import QuantLinear
 from lowband.comm import Algorithm, Codec, Communicator
 from lowband.errors import ConfigError
 
@@ -103,7 +104,8 @@ class TPPlan:
 
 def make_plan(cfg: ModelConfig, world: int, weights: Sequence[float] | None = None,
               ffn_unit: int = 8) -> TPPlan:
-    """Plan a ``world``-way split. ``ffn_unit`` keeps column blocks SIMD-friendly."""
+    """Plan a ``world``-way split. ``ffn_unit`` keeps column blocks SIMD-friendly (a quantized
+    model passes its group size, so ``down_proj`` splits on whole groups)."""
     if world < 1:
         raise ConfigError("devices", f"must be >= 1, got {world}")
     w = tuple(float(x) for x in (weights or [1.0] * world))
@@ -169,6 +171,8 @@ def shard(model: LlamaForCausalLM, plan: TPPlan, rank: int, world: int,
         raise ConfigError("rank", f"{rank} is not in [0, {world})")
     if world == 1:
         return model
+    unfuse_projections(model)
+    _shard_quantized(model, plan, rank)
     for name, param in list(model.named_parameters(remove_duplicate=False)):
         spec = slice_of(name, plan, rank)
         if spec is True:
@@ -193,6 +197,29 @@ def shard(model: LlamaForCausalLM, plan: TPPlan, rank: int, world: int,
         attn.reduce = reduce
         layer.ffn.reduce = reduce
     return model
+
+
+def _shard_quantized(model: nn.Module, plan: TPPlan, rank: int) -> None:
+    """Packed linears keep their packing: rows and whole groups of columns are sliced out of
+    the packed buffers (``QuantLinear.narrow_out`` / ``narrow_in``), never requantized."""
+    for name, mod in list(model.named_modules()):
+        if not isinstance(mod, QuantLinear):
+            continue
+        spec = slice_of(name + ".weight", plan, rank)
+        if spec is True:
+            continue
+        parent, _, child = name.rpartition(".")
+        if spec is False:  # e.g. the LM head on a worker: never called there
+            new: nn.Module = nn.Linear(0, 0, bias=False, device="meta")
+        else:
+            dim, a, b = spec
+            if dim == 1 and (a % mod.group or b % mod.group):
+                raise ConfigError("devices", f"{name}: columns [{a}, {b}) of rank {rank} cut a "
+                                  f"quantization group of {mod.group}; use fewer devices or a "
+                                  f"smaller group")
+            new = mod.narrow_out(a, b - a) if dim == 0 else mod.narrow_in(
+                a, b - a, keep_bias=rank == 0)
+        setattr(model.get_submodule(parent) if parent else model, child, new)
 
 
 def make_reduce(comm: Communicator, *, codec: Codec | None = None,

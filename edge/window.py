@@ -229,11 +229,15 @@ def attach(module: nn.Module, tensors: dict[str, torch.Tensor], prefix: str) -> 
             raise ConfigError("weights", f"tensor {name!r} does not belong under {prefix!r}")
         owner_name, _, pname = name[len(prefix):].rpartition(".")
         owner = module.get_submodule(owner_name) if owner_name else module
-        old = owner._parameters.get(pname)
+        is_buffer = pname in owner._buffers  # packed quantized weights are buffers
+        old = owner._buffers.get(pname) if is_buffer else owner._parameters.get(pname)
         if old is None or tuple(old.shape) != tuple(t.shape):
             raise ConfigError("weights", f"{name}: file has shape {tuple(t.shape)}, model expects "
                               f"{None if old is None else tuple(old.shape)} (wrong split?)")
-        owner._parameters[pname] = nn.Parameter(t, requires_grad=False)
+        if is_buffer:
+            owner._buffers[pname] = t
+        else:
+            owner._parameters[pname] = nn.Parameter(t, requires_grad=False)
 
 
 # ---- the scheduler ---------------------------------------------------------------------------

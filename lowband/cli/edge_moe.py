@@ -16,15 +16,22 @@ from lowband.errors import ConfigError, CorruptWeights
 
 def register(edge_sub: argparse._SubParsersAction) -> None:
     p = edge_sub.add_parser(
-        "quantize", help="convert a Mixtral-style checkpoint to bit-nested expert planes",
-        description="Quantize every expert to per-group int8 stored as bit-planes (MSB first), "
-                    "so it can be served at 8, 4, 3 or 2 bits by reading a prefix of its file. "
-                    "Non-expert weights are copied unchanged.")
+        "quantize", help="weight-only int8/4-bit linears (--bits), or bit-nested MoE experts (--nested)",
+        description="--bits 8|4: quantize every dense linear to Q8_0/Q4_0-style groups (served by "
+                    "the edge runtime's GEMV kernel). --nested: quantize every expert to per-group "
+                    "int8 stored as bit-planes (MSB first), so it can be served at 8, 4, 3 or 2 bits "
+                    "by reading a prefix of its file; non-expert weights are copied unchanged.")
     p.add_argument("model_dir", metavar="MODEL_DIR", help="HF checkpoint (config.json + *.safetensors)")
-    p.add_argument("--nested", action="store_true", required=True,
-                   help="bit-nested (matryoshka) expert planes (the only format this command writes)")
+    mode = p.add_mutually_exclusive_group(required=True)
+    mode.add_argument("--bits", type=int, choices=(8, 4), help="dense weight-only quantization")
+    mode.add_argument("--nested", action="store_true",
+                      help="bit-nested (matryoshka) expert planes of a mixture of experts")
+    p.add_argument("--group", type=int, default=64, choices=(32, 64, 128),
+                   help="--bits: weights per fp16 scale (32 = llama.cpp's Q8_0/Q4_0)")
+    p.add_argument("--skip", action="append", default=[],
+                   help="--bits: leave linears matching this pattern in float (e.g. lm_head)")
     p.add_argument("--out", required=True, help="output directory")
-    p.add_argument("--group-size", type=int, default=64, help="weights per scale/offset pair (g)")
+    p.add_argument("--group-size", type=int, default=64, help="--nested: weights per scale/offset pair (g)")
     p.set_defaults(func=_quantize)
 
     p = edge_sub.add_parser(
@@ -45,7 +52,24 @@ def register(edge_sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_moe_generate)
 
 
+def _quantize_dense(args: argparse.Namespace) -> int:
+    from edge.formats.quantized import QuantConfig, quantize_checkpoint
+    try:
+        t0 = time.perf_counter()
+        out = quantize_checkpoint(args.model_dir, args.out, QuantConfig(
+            bits=args.bits, group=args.group, skip=tuple(args.skip)))
+    except (ConfigError, CorruptWeights) as exc:
+        print(f"lowband edge quantize: {exc}", file=sys.stderr)
+        return 2
+    mb = sum(f.stat().st_size for f in out.glob("*.safetensors")) / 1e6
+    print(f"wrote {args.bits}-bit (group {args.group}) checkpoint to {out} ({mb:.1f} MB) "
+          f"in {time.perf_counter() - t0:.1f}s")
+    return 0
+
+
 def _quantize(args: argparse.Namespace) -> int:
+    if not args.nested:
+        return _quantize_dense(args)
     from edge.moe.quant import NestedQuantConfig
     from edge.moe.checkpoint import quantize_checkpoint
 

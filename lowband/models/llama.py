@@ -30,6 +30,8 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Normalise in float32 and cast back, as the reference implementation does.
+        if x.dtype == torch.float32:  # decode fast path: no casts, one fused scale
+            return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps))
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * xf.to(x.dtype)
@@ -119,13 +121,21 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(h, self.n_kv_heads * d, bias=cfg.attention_bias)
         self.o_proj = nn.Linear(self.n_heads * d, h, bias=False)
         self.reduce: Reduce | None = None  # set by tensor parallelism: sums partial o_proj outputs
+        # q/k/v as one matmul (set by ``fuse_projections``); kept out of the module tree so the
+        # state dict keeps its HF names. q/k/v_proj then hold views into it.
+        self.__dict__["qkv"] = None
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 cache: KVCache | None, start: int) -> torch.Tensor:
         B, T, _ = x.shape
-        q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        v = self.v_proj(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        nq, nkv = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
+        if self.qkv is not None:
+            q, k, v = self.qkv(x).split((nq, nkv, nkv), dim=-1)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q = q.view(B, T, self.n_heads, self.head_dim).transpose(1, 2)
+        k = k.view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        v = v.view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if cache is not None:
             k, v = cache.update(self.layer_idx, k, v, start)
@@ -153,9 +163,14 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(hidden, inter, bias=False)
         self.down_proj = nn.Linear(inter, hidden, bias=False)
         self.reduce: Reduce | None = None
+        self.__dict__["gate_up"] = None  # gate and up as one matmul (``fuse_projections``)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        if self.gate_up is not None:
+            g, u = self.gate_up(x).chunk(2, dim=-1)
+            out = self.down_proj(F.silu(g) * u)
+        else:
+            out = self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
         return self.reduce(out) if self.reduce is not None else out
 
 
@@ -291,6 +306,59 @@ class LlamaForCausalLM(nn.Module):
 
     def new_cache(self) -> KVCache:
         return KVCache(self.config.num_hidden_layers)
+
+
+Fuser = Callable[[list[nn.Module]], "nn.Module | None"]
+
+
+def _fuse_rows(mods: list[nn.Module], other: Fuser | None) -> nn.Module | None:
+    """One module computing ``cat([m(x) for m in mods], -1)``; the originals are re-pointed at
+    row views of its storage, so memory is not doubled and ``state_dict`` is unchanged. Works
+    for ``nn.Linear``; ``other`` fuses other kinds (quantized linears live above this layer).
+    None when the weights cannot be fused (meta, mixed kinds)."""
+    if all(type(m) is nn.Linear for m in mods):
+        ws = [m.weight for m in mods]
+        if any(w.is_meta for w in ws) or len({w.dtype for w in ws}) != 1:
+            return None
+        has_bias = [m.bias is not None for m in mods]
+        fused = nn.Linear(ws[0].shape[1], sum(w.shape[0] for w in ws), bias=any(has_bias),
+                          device="meta")
+        fused.weight = nn.Parameter(torch.cat([w.detach() for w in ws]), requires_grad=False)
+        if any(has_bias):
+            fused.bias = nn.Parameter(torch.cat([
+                m.bias.detach() if m.bias is not None else ws[i].new_zeros(ws[i].shape[0])
+                for i, m in enumerate(mods)]), requires_grad=False)
+        a = 0
+        for m in mods:  # re-point the originals at views: the old tensors can be freed
+            n = m.weight.shape[0]
+            m.weight = nn.Parameter(fused.weight[a:a + n], requires_grad=False)
+            if m.bias is not None:
+                m.bias = nn.Parameter(fused.bias[a:a + n], requires_grad=False)
+            a += n
+        return fused
+    return other(mods) if other is not None else None
+
+
+def fuse_projections(model: LlamaForCausalLM, other: Fuser | None = None) -> LlamaForCausalLM:
+    """Lean decode: q/k/v and gate/up each become one matmul (fewer, larger GEMVs and fewer
+    interpreter round trips per layer). Call after loading (and after ``edge.tp.shard``);
+    weights must be materialised in memory: a sliding window streams per-tensor mappings,
+    which this would copy, so windowed models are left unfused."""
+    with torch.no_grad():
+        for layer in model.model.layers:
+            attn = layer.self_attn
+            attn.__dict__["qkv"] = _fuse_rows([attn.q_proj, attn.k_proj, attn.v_proj], other)
+            if hasattr(layer, "mlp"):
+                layer.mlp.__dict__["gate_up"] = _fuse_rows([layer.mlp.gate_proj, layer.mlp.up_proj], other)
+    return model
+
+
+def unfuse_projections(model: LlamaForCausalLM) -> None:
+    """Drop the fused modules (before re-slicing or re-loading weights)."""
+    for layer in model.model.layers:
+        layer.self_attn.__dict__["qkv"] = None
+        if hasattr(layer, "mlp"):
+            layer.mlp.__dict__["gate_up"] = None
 
 
 def init_weights(model: LlamaForCausalLM, std: float = 0.02, seed: int | None = None) -> None:
