@@ -484,16 +484,20 @@ class WorkerState:
     forwards: int = 0
 
 
-def _regroup(comm: Communicator, cfg: WorkerConfig) -> None:
+def _regroup(comm: Communicator, cfg: WorkerConfig, *, rejoining: bool = False) -> None:
     """Join the next epoch. A quorum can itself fail while the group is changing (e.g. a peer
-    lost notice arrives during it), so retry until ``join_timeout``."""
+    lost notice arrives during it), so retry until ``join_timeout``. ``rejoining``: a quorum
+    that fails naming this very peer means it cannot come back (a communicator that rejoins
+    holds the quorum until it is registered again instead): give up at once."""
     deadline = time.monotonic() + cfg.join_timeout
     while True:
         try:
             comm.quorum(min_world=1, timeout=min(10.0, max(0.1, deadline - time.monotonic())))
             return
         except (PeerLost, TransportTimeout) as exc:
-            if time.monotonic() >= deadline:
+            if time.monotonic() >= deadline or (
+                    rejoining and isinstance(exc, PeerLost)
+                    and comm.membership.peer_id in exc.peers):
                 raise
             logger.info("worker: quorum not complete yet (%s); retrying", exc)
 
@@ -519,7 +523,7 @@ def run_worker(comm: Communicator, cfg: WorkerConfig) -> int:
                 # where the master re-assigns or regroups (bounded by join_timeout).
                 logger.warning("worker: %s; rejoining the group", exc)
                 had_master = any(p.startswith(MASTER_ID_PREFIX) for p in comm.membership.peers)
-                _regroup(comm, cfg)
+                _regroup(comm, cfg, rejoining=True)
                 # Without its master the group is useless: wait in quorum rounds until the
                 # master (rejoining too) is a member again.
                 deadline = time.monotonic() + cfg.join_timeout
@@ -528,7 +532,7 @@ def run_worker(comm: Communicator, cfg: WorkerConfig) -> int:
                     if time.monotonic() > deadline:
                         raise PeerLost(f"the master did not come back within {cfg.join_timeout:.0f}s")
                     time.sleep(0.2)
-                    _regroup(comm, cfg)
+                    _regroup(comm, cfg, rejoining=True)
                 logger.warning("worker: rejoined the group (epoch %d)", comm.membership.epoch)
                 st.cache = st.shard.model.new_cache() if st.shard else None
                 continue

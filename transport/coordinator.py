@@ -219,7 +219,9 @@ class Coordinator:
         sock = self._ctx.socket(zmq.ROUTER)
         sock.linger = 0
         sock.maxmsgsize = cfg.max_message_bytes
-        sock.router_handover = False
+        # A peer that reconnects (its connection timed out while it was paused) takes its
+        # routing id over from the dead pipe; refusing it would leave the peer unreachable.
+        sock.router_handover = True
         # Sends to a routing id without a connection raise EHOSTUNREACH: that is the probe.
         sock.router_mandatory = True
         # ZMTP heartbeats: libzmq's I/O threads ping and answer, no Python thread involved, so a

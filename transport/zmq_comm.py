@@ -105,10 +105,6 @@ def connect(coordinator: str, config: ZmqConfig | None = None, *, signature: str
             "local": local, "chunk": cfg.chunk_bytes,
         }
         interval = _register(control, coordinator, cfg, register)
-        # ZMTP heartbeats from this side too: a dead coordinator connection (the coordinator
-        # was killed, a link went down) is noticed by libzmq, which then reconnects by itself.
-        control.heartbeat_ivl = max(10, int(1000 * interval / 3))
-        control.heartbeat_timeout = max(20, int(1000 * max(2 * interval, 2.0)))
         engine = Reactor(ctx=ctx, config=cfg, peer_id=pid, data=data, control=control, keys=keys,
                          heartbeat_interval=interval,
                          register_meta=register if cfg.rejoin else None)
