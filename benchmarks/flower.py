@@ -102,13 +102,21 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         ap.error(f"unknown variants {sorted(unknown)}")
     results = [run_variant(n, args) for n in names]
+    # Two uplink ratios, labelled: ``uplink_reduction`` divides a COMPUTED fp32 size (4 bytes per
+    # element sent) by the bytes measured; ``uplink_reduction_measured`` divides the bytes the
+    # measured diloco-fp32 run sent by this variant's (same steps, same model), when both ran.
+    fp32 = next((r["bytes_up"] for r in results if r["variant"] == "diloco-fp32"), None)
+    for r in results:
+        r["uplink_reduction_is"] = "computed fp32 bytes / measured bytes"
+        r["uplink_reduction_measured"] = (round(fp32 / r["bytes_up"], 3)
+                                          if fp32 and r["bytes_up"] else None)
     print(f"{'variant':<20} {'rounds':>6} {'eval':>7} {'up MiB':>8} {'peak KiB':>9} "
-          f"{'down MiB':>9} {'x fp32':>7} {'wall s':>7}")
+          f"{'down MiB':>9} {'x fp32':>7} {'x meas.':>7} {'wall s':>7}")
     for r in results:
         print(f"{r['variant']:<20} {r['rounds']:>6} {r['final_eval']:>7.4f} "
               f"{r['bytes_up'] / 2**20:>8.3f} {r['peak_round_up'] / 1024:>9.1f} "
               f"{r['bytes_down'] / 2**20:>9.3f} {r['uplink_reduction'] or 0:>7.2f} "
-              f"{r['wall_s']:>7.1f}")
+              f"{r['uplink_reduction_measured'] or 0:>7.2f} {r['wall_s']:>7.1f}")
     out: dict[str, Any] = {"config": {"rounds": args.rounds, "inner_steps_per_round":
                                       args.inner_steps, "nodes": args.nodes,
                                       "preset": args.preset}, "results": results}

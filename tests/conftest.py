@@ -82,10 +82,18 @@ PY = sys.executable
 _SKIPS: list[dict[str, str]] = []
 
 
-def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+def _record_skip(report: pytest.TestReport | pytest.CollectReport) -> None:
     if report.skipped and not hasattr(report, "wasxfail"):
         reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
         _SKIPS.append({"nodeid": report.nodeid, "reason": reason})
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    _record_skip(report)
+
+
+def pytest_collectreport(report: pytest.CollectReport) -> None:
+    _record_skip(report)  # a whole module skipped at import (module-level skip / importorskip)
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:

@@ -27,4 +27,7 @@ def test_bench_tiny(spawn, tmp_path) -> None:
     assert res["tp_speedup"] > 0 and res["bytes_per_token_wire"] > 0
     assert 0 < res["window"]["rss_ratio"] and res["window"]["peak_rss_mb"] > 0
     assert res["full"]["peak_rss_mb"] > 0 and res["window"]["blocks"] == 2
+    paced = res["window"]["paced"]  # block reads paced to storage speeds, beside warm and cold
+    assert set(paced) == {"microSD", "eMMC", "NVMe"}
+    assert all(v["decode_ms_per_token"] > 0 and v["latency_ratio"] > 0 for v in paced.values())
     assert 0 <= res["profile_1dev"]["matmul_frac"] <= 1.5

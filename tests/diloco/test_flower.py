@@ -384,6 +384,8 @@ def test_bench_smoke(capsys):
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     r = {x["variant"]: x for x in out["results"]}
     assert r["diloco-int8"]["bytes_up"] * 3.9 < r["diloco-fp32"]["bytes_up"]
+    assert r["diloco-int8"]["uplink_reduction_measured"] == pytest.approx(
+        r["diloco-fp32"]["bytes_up"] / r["diloco-int8"]["bytes_up"], rel=1e-3)
     # streaming: the same steps and about the same bytes, half of them per round
     assert r["streaming-p2-int8"]["steps"] == r["diloco-int8"]["steps"] == 2
     assert r["streaming-p2-int8"]["peak_round_up"] < 0.6 * r["diloco-int8"]["peak_round_up"]
