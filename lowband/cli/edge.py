@@ -126,6 +126,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--out", required=True)
     p.set_defaults(func=_split)
 
+    p = es.add_parser("convert", help="a GGUF file (F32/F16/BF16/Q8_0/Q4_0) to a checkpoint "
+                      "directory every edge command reads (quantized blocks kept as they are)")
+    p.add_argument("gguf", help="a llama-architecture .gguf file")
+    p.add_argument("--out", required=True)
+    p.set_defaults(func=_convert)
+
     p = es.add_parser("generate", help="one completion on this device")
     p.add_argument("model_dir")
     p.add_argument("--prompt", required=True)
@@ -196,6 +202,17 @@ def _split(args) -> int:
         return _fail(exc)
     print(f"wrote {args.devices} device shard(s) to {out}; copy {out}/rankN plus the json files "
           f"to device N")
+    return 0
+
+
+def _convert(args) -> int:
+    from edge.formats.gguf import convert_gguf
+    try:
+        out = convert_gguf(args.gguf, args.out)
+    except ConfigError as exc:
+        return _fail(exc)
+    print(f"wrote {out}; serve it with 'lowband edge serve {out}' (the file's vocabulary is not "
+          "converted: add a tokenizer.json, or send token ids)")
     return 0
 
 

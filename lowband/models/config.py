@@ -33,6 +33,9 @@ class ModelConfig:
     # Mixture of experts (Mixtral): 0 experts means a dense SwiGLU MLP.
     num_local_experts: int = 0
     num_experts_per_tok: int = 2
+    # Mistral-style sliding-window attention: position i attends to keys j with i - j < W
+    # (None: full causal attention).
+    sliding_window: int | None = None
     torch_dtype: str = "float32"
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
@@ -54,6 +57,12 @@ class ModelConfig:
                               f"num_attention_heads {self.num_attention_heads}; set head_dim")
         if self.dim_per_head % 2:
             raise ConfigError("head_dim", f"must be even for rotary embeddings, got {self.dim_per_head}")
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise ConfigError("sliding_window", f"must be >= 1 or None, got {self.sliding_window}")
+        kind = (self.rope_scaling or {}).get("rope_type", (self.rope_scaling or {}).get("type", "default"))
+        if kind not in ("default", "linear", "llama3"):
+            raise ConfigError("rope_scaling", f"rope type {kind!r} is not implemented "
+                              "(default, linear, llama3 are)")
         if self.num_local_experts and not 1 <= self.num_experts_per_tok <= self.num_local_experts:
             raise ConfigError("num_experts_per_tok",
                               f"must be in [1, {self.num_local_experts}], got {self.num_experts_per_tok}")
@@ -92,6 +101,11 @@ class ModelConfig:
                   "num_attention_heads"):
             if k not in kwargs:
                 raise ConfigError(k, "missing from config.json")
+        _refuse_unimplemented(d)
+        if d.get("model_type") == "qwen2" or d.get("use_sliding_window") is False:
+            # Qwen2 configs carry a sliding_window that only applies with use_sliding_window
+            # (refused above when true).
+            kwargs.pop("sliding_window", None)
         extra = {k: v for k, v in d.items() if k not in known}
         return cls(**kwargs, extra=extra)
 
@@ -120,3 +134,30 @@ class ModelConfig:
             d.pop("num_local_experts")
             d.pop("num_experts_per_tok")
         return {**self.extra, **d}
+
+
+def _refuse_unimplemented(d: dict[str, Any]) -> None:
+    """Config fields that change the maths and this implementation does not do: refuse them
+    instead of silently diverging from transformers. Each entry: field -> the values that are
+    harmless (what the implementation does anyway)."""
+    harmless: dict[str, tuple[Any, ...]] = {
+        "hidden_act": ("silu", "swish"),
+        "mlp_bias": (False,),
+        "use_sliding_window": (False,),  # Qwen2: per-layer windows (max_window_layers)
+        "attn_logit_softcapping": (None,),
+        "final_logit_softcapping": (None,),
+        "partial_rotary_factor": (None, 1, 1.0),
+        "use_qk_norm": (False,),
+        "qk_layernorm": (False,),
+        "no_rope_layers": (None,),
+    }
+    types = set(d.get("layer_types") or ())
+    if types - {"full_attention", "sliding_attention"} or len(types) > 1:
+        raise ConfigError("layer_types", f"{sorted(types)}: per-layer attention types are not "
+                          "implemented (all layers must be alike)")
+    if types == {"sliding_attention"} and not d.get("sliding_window"):
+        raise ConfigError("sliding_window", "layer_types says sliding_attention but no window")
+    for name, ok in harmless.items():
+        if name in d and d[name] not in ok:
+            raise ConfigError(name, f"{d[name]!r} changes the model's maths and is not "
+                              f"implemented by lowband (supported: {ok[0]!r})")

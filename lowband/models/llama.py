@@ -115,6 +115,7 @@ class Attention(nn.Module):
         self.n_heads = cfg.num_attention_heads
         self.n_kv_heads = cfg.n_kv_heads
         self.head_dim = cfg.dim_per_head
+        self.window = cfg.sliding_window  # W: attend to keys j with i - j < W (None: all)
         h, d = cfg.hidden_size, cfg.dim_per_head
         self.q_proj = nn.Linear(h, self.n_heads * d, bias=cfg.attention_bias)
         self.k_proj = nn.Linear(h, self.n_kv_heads * d, bias=cfg.attention_bias)
@@ -140,16 +141,19 @@ class Attention(nn.Module):
         if cache is not None:
             k, v = cache.update(self.layer_idx, k, v, start)
         # (B, H, T, D) attention; GQA via enable_gqa avoids materialising repeated K/V.
+        S, W = k.shape[2], self.window
+        gqa = self.n_kv_heads != self.n_heads
         if T == 1:
-            out = F.scaled_dot_product_attention(q, k, v, enable_gqa=self.n_kv_heads != self.n_heads)
-        elif start == 0:
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True,
-                                                 enable_gqa=self.n_kv_heads != self.n_heads)
-        else:  # chunk appended after a prefix: causal within the chunk, full to the prefix
-            S = k.shape[2]
+            if W is not None and S > W:  # the window: only the last W keys (this one included)
+                k, v = k[:, :, S - W:], v[:, :, S - W:]
+            out = F.scaled_dot_product_attention(q, k, v, enable_gqa=gqa)
+        elif start == 0 and (W is None or S <= W):
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+        else:  # chunk after a prefix (causal in the chunk, full to the prefix) and/or a window
             mask = torch.ones(T, S, dtype=torch.bool, device=x.device).tril(S - T)
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask,
-                                                 enable_gqa=self.n_kv_heads != self.n_heads)
+            if W is not None:  # query at S-T+t may see key j only if (S-T+t) - j < W
+                mask &= ~torch.ones(T, S, dtype=torch.bool, device=x.device).tril(S - T - W)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
         out = self.o_proj(out.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))
         return self.reduce(out) if self.reduce is not None else out
 

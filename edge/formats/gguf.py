@@ -1,0 +1,301 @@
+"""GGUF files (llama.cpp's format): read a Llama-architecture ``.gguf`` into the edge runtime,
+and write one (for the llama.cpp benchmark and for users who want to take a lowband model there).
+
+Reading maps each tensor onto what the runtime already has, without requantizing:
+
+* ``F32`` / ``F16`` / ``BF16``: floating tensors;
+* ``Q8_0``: blocks of 32 = fp16 ``d`` + 32 int8 -> ``QuantLinear`` bits 8, group 32
+  (``qweight`` int8 [N, K], ``scales`` fp16 [N, K/32]);
+* ``Q4_0``: blocks of 32 = fp16 ``d`` + 16 bytes -> bits 4, group 32. Byte ``j`` holds element
+  ``j`` in its low nibble and ``j + 16`` in its high nibble, which is exactly the packed layout
+  of ``edge.quant.formats`` at group 32, so the bytes are copied as they are.
+
+Any other type (K-quants, IQ*, Q4_1, ...) is refused with a :class:`ConfigError` naming it.
+A quantized token embedding is dequantized once (it is a lookup table, not a matmul).
+
+llama.cpp stores ``attn_q`` / ``attn_k`` with the rows of each head permuted for its rotary
+kernel (pairs ``(i, i + D/2)`` interleaved); :func:`_unpermute` undoes it on rows, which works
+on packed rows too (a row's blocks run along K).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+from torch import nn
+
+from edge.quant import QuantLinear
+from edge.quant.formats import PackedWeight, QuantSpec, dequantize
+from edge.tp import Reduce, TPPlan, make_plan, shard
+from lowband.errors import ConfigError
+from lowband.models.config import ModelConfig
+from lowband.models.llama import LlamaForCausalLM, rope_inv_freq
+
+# GGUF tensor name <-> HF name (per layer ``{i}``).
+_LAYER_NAMES = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+_TOP_NAMES = {"token_embd.weight": "model.embed_tokens.weight",
+              "output_norm.weight": "model.norm.weight", "output.weight": "lm_head.weight"}
+SUPPORTED = ("F32", "F16", "BF16", "Q8_0", "Q4_0")
+
+
+def _import_gguf():
+    try:
+        import gguf
+    except ModuleNotFoundError:
+        raise ConfigError("model", "reading/writing GGUF needs the 'gguf' package "
+                          "(pip install 'lowband[edge]')") from None
+    return gguf
+
+
+def _permute(w: torch.Tensor, n_head: int) -> torch.Tensor:
+    """HF rows -> llama.cpp rows: within each head, (first half, second half) -> interleaved."""
+    n = w.shape[0]
+    return w.reshape(n_head, 2, n // n_head // 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+def _unpermute(w: torch.Tensor, n_head: int) -> torch.Tensor:
+    n = w.shape[0]
+    return w.reshape(n_head, n // n_head // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+# ---- writing ----------------------------------------------------------------------------------
+def write_gguf(model: LlamaForCausalLM, path: str | Path, *, ftype: str = "f32") -> Path:
+    """Write ``model`` (fp32 weights) as a llama-architecture GGUF. ``ftype``: ``f32``, ``f16``,
+    ``q8_0`` or ``q4_0`` (matrices only; norms stay F32; quantized with gguf's reference code).
+    The vocabulary is placeholder tokens: callers feed token ids, not text."""
+    gguf = _import_gguf()
+    cfg = model.config
+    if cfg.model_type != "llama" or cfg.is_moe or cfg.attention_bias:
+        raise ConfigError("model_type", f"GGUF writing covers dense Llama; got {cfg.model_type}")
+    if (cfg.rope_scaling or {}).get("rope_type", "default") != "default":
+        raise ConfigError("rope_scaling", "GGUF writing covers unscaled rotary embeddings")
+    qtypes = {"f32": None, "f16": None, "q8_0": gguf.GGMLQuantizationType.Q8_0,
+              "q4_0": gguf.GGMLQuantizationType.Q4_0}
+    if ftype not in qtypes:
+        raise ConfigError("ftype", f"must be one of {sorted(qtypes)}, got {ftype!r}")
+    p = Path(path)
+    w = gguf.GGUFWriter(str(p), "llama")
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.n_kv_heads)
+    w.add_key_length(cfg.dim_per_head)
+    w.add_value_length(cfg.dim_per_head)
+    w.add_rope_dimension_count(cfg.dim_per_head)
+    w.add_rope_freq_base(cfg.rope_theta)
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_vocab_size(cfg.vocab_size)
+    w.add_file_type({"f32": 0, "f16": 1, "q8_0": 7, "q4_0": 2}[ftype])
+    _add_vocab(w, cfg)
+    state = model.state_dict()
+    names = {v: k for k, v in _TOP_NAMES.items()}
+    for i in range(cfg.num_hidden_layers):
+        for g, h in _LAYER_NAMES.items():
+            names[f"model.layers.{i}.{h}"] = f"blk.{i}.{g}"
+    for hf, g in names.items():
+        if hf == "lm_head.weight" and cfg.tie_word_embeddings:
+            continue
+        t = state[hf].detach().float()
+        if hf.endswith("q_proj.weight"):
+            t = _permute(t, cfg.num_attention_heads)
+        elif hf.endswith("k_proj.weight"):
+            t = _permute(t, cfg.n_kv_heads)
+        a = t.contiguous().numpy()
+        qt = qtypes[ftype]
+        if t.dim() == 2 and qt is not None and t.shape[1] % 32 == 0:
+            w.add_tensor(g, gguf.quants.quantize(a, qt), raw_dtype=qt)
+        elif t.dim() == 2 and ftype != "f32":
+            w.add_tensor(g, a.astype(np.float16))
+        else:
+            w.add_tensor(g, a)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return p
+
+
+def _add_vocab(w: Any, cfg: ModelConfig) -> None:
+    """A SentencePiece-style vocabulary of placeholders: llama.cpp insists on one."""
+    gguf = _import_gguf()
+    n = cfg.vocab_size
+    tokens = [b"<unk>", b"<s>", b"</s>"][:n] + [f"<0x{i:02X}>".encode() for i in range(min(256, n - 3))]
+    tokens += [f"t{i}".encode() for i in range(len(tokens), n)]
+    types = [gguf.TokenType.UNKNOWN, gguf.TokenType.CONTROL, gguf.TokenType.CONTROL][:n]
+    types += [gguf.TokenType.BYTE] * min(256, max(0, n - 3))
+    types += [gguf.TokenType.NORMAL] * (n - len(types))
+    w.add_tokenizer_model("llama")
+    w.add_token_list(tokens)
+    w.add_token_scores([0.0] * n)
+    w.add_token_types(types)
+    if n > 2:
+        w.add_bos_token_id(1)
+        w.add_eos_token_id(2)
+        w.add_unk_token_id(0)
+    w.add_add_bos_token(False)
+
+
+# ---- reading ----------------------------------------------------------------------------------
+def _field(reader: Any, key: str, default: Any = None) -> Any:
+    f = reader.fields.get(key)
+    if f is None:
+        return default
+    v = f.contents()
+    return v
+
+
+def read_config(reader: Any) -> ModelConfig:
+    arch = _field(reader, "general.architecture")
+    if arch != "llama":
+        raise ConfigError("model", f"GGUF architecture {arch!r} is not supported (only 'llama')")
+    pre = "llama."
+    need = {"hidden_size": "embedding_length", "num_hidden_layers": "block_count",
+            "intermediate_size": "feed_forward_length", "num_attention_heads": "attention.head_count"}
+    kw: dict[str, Any] = {}
+    for k, g in need.items():
+        v = _field(reader, pre + g)
+        if v is None:
+            raise ConfigError("model", f"GGUF lacks {pre + g}")
+        kw[k] = int(v)
+    names = {t.name for t in reader.tensors}
+    embd = next(t for t in reader.tensors if t.name == "token_embd.weight")
+    kw["vocab_size"] = int(embd.shape[1])  # GGUF shapes are (K, N): innermost first
+    kw["num_key_value_heads"] = int(_field(reader, pre + "attention.head_count_kv", kw["num_attention_heads"]))
+    hd = _field(reader, pre + "attention.key_length")
+    if hd is not None:
+        kw["head_dim"] = int(hd)
+    kw["max_position_embeddings"] = int(_field(reader, pre + "context_length", 2048))
+    kw["rope_theta"] = float(_field(reader, pre + "rope.freq_base", 10000.0))
+    kw["rms_norm_eps"] = float(_field(reader, pre + "attention.layer_norm_rms_epsilon", 1e-6))
+    scaling = _field(reader, pre + "rope.scaling.type")
+    if scaling not in (None, "none"):
+        raise ConfigError("rope_scaling", f"GGUF rope scaling {scaling!r} is not supported")
+    kw["tie_word_embeddings"] = "output.weight" not in names
+    bos, eos = _field(reader, "tokenizer.ggml.bos_token_id"), _field(reader, "tokenizer.ggml.eos_token_id")
+    return ModelConfig(model_type="llama", bos_token_id=None if bos is None else int(bos),
+                       eos_token_id=None if eos is None else int(eos), **kw)
+
+
+def _tensor(t: Any) -> torch.Tensor | PackedWeight:
+    """One GGUF tensor as a float tensor (N, K) / (N,) or a PackedWeight, without requantizing."""
+    kind = t.tensor_type.name
+    shape = tuple(int(s) for s in reversed(t.shape))  # (N, K)
+    data = np.asarray(t.data)
+    if kind in ("F32", "F16"):
+        return torch.from_numpy(data.astype(np.float32).reshape(shape))
+    if kind == "BF16":
+        u32 = data.view(np.uint16).reshape(shape).astype(np.uint32) << 16  # bf16 = top half of fp32
+        return torch.from_numpy(u32.view(np.float32).copy())
+    if kind not in ("Q8_0", "Q4_0"):
+        raise ConfigError("model", f"GGUF tensor {t.name} has type {kind}, which lowband does not "
+                          f"load (supported: {', '.join(SUPPORTED)}); re-quantize the file with "
+                          f"llama-quantize to Q8_0 or Q4_0")
+    n, k = shape
+    blocks = data.view(np.uint8).reshape(n, k // 32, -1)  # (N, K/32, 34 | 18)
+    scales = torch.from_numpy(np.ascontiguousarray(blocks[:, :, :2]).view(np.float16).reshape(n, k // 32))
+    q = np.ascontiguousarray(blocks[:, :, 2:]).reshape(n, -1)
+    if kind == "Q8_0":
+        qweight = torch.from_numpy(q.view(np.int8).copy())
+        return PackedWeight(QuantSpec(8, 32, (n, k)), qweight, scales.clone())
+    return PackedWeight(QuantSpec(4, 32, (n, k)), torch.from_numpy(q.copy()), scales.clone())
+
+
+def _rows(x: torch.Tensor | PackedWeight, fn) -> torch.Tensor | PackedWeight:
+    if isinstance(x, PackedWeight):
+        return PackedWeight(x.spec, fn(x.qweight).contiguous(), fn(x.scales).contiguous())
+    return fn(x).contiguous()
+
+
+def load_gguf(path: str | Path, dtype: torch.dtype | None = None) -> LlamaForCausalLM:
+    """The whole model of a llama-architecture GGUF, Q8_0/Q4_0 matrices as ``QuantLinear``."""
+    gguf = _import_gguf()
+    reader = gguf.GGUFReader(str(path))
+    cfg = read_config(reader)
+    dt = dtype or torch.float32
+    hf_of = dict(_TOP_NAMES)
+    for i in range(cfg.num_hidden_layers):
+        hf_of.update({f"blk.{i}.{g}": f"model.layers.{i}.{h}" for g, h in _LAYER_NAMES.items()})
+    with torch.device("meta"):
+        model = LlamaForCausalLM(cfg)
+    floats: dict[str, torch.Tensor] = {}
+    for t in reader.tensors:
+        name = hf_of.get(t.name)
+        if name is None:
+            if t.name.startswith("rope_freqs"):
+                raise ConfigError("rope_scaling", f"GGUF {path} carries rope frequency factors")
+            raise ConfigError("model", f"GGUF tensor {t.name!r} is not part of a Llama model")
+        x = _tensor(t)
+        if name.endswith("q_proj.weight"):
+            x = _rows(x, lambda r: _unpermute(r, cfg.num_attention_heads))
+        elif name.endswith("k_proj.weight"):
+            x = _rows(x, lambda r: _unpermute(r, cfg.n_kv_heads))
+        if isinstance(x, PackedWeight):
+            if name == "model.embed_tokens.weight":  # a lookup table: dequantize once
+                floats[name] = dequantize(x, dtype=dt)
+                continue
+            mod_name = name.rpartition(".")[0]
+            parent, _, child = mod_name.rpartition(".")
+            setattr(model.get_submodule(parent), child, QuantLinear.from_packed(x))
+        else:
+            floats[name] = x.to(dt)
+    if cfg.tie_word_embeddings:
+        floats.pop("lm_head.weight", None)
+    missing = {k for k, p in model.named_parameters() if p.is_meta} - floats.keys()
+    if cfg.tie_word_embeddings:
+        missing.discard("lm_head.weight")
+    if missing:
+        raise ConfigError("model", f"GGUF {path} lacks {sorted(missing)[:3]}")
+    model.load_state_dict(floats, strict=False, assign=True)
+    model.inv_freq = rope_inv_freq(cfg)
+    if cfg.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    return model.eval()
+
+
+def load_gguf_shard(path: str | Path, rank: int = 0, world: int = 1, *,
+                    weights: Sequence[float] | None = None, reduce: Reduce | None = None,
+                    dtype: torch.dtype | None = None) -> tuple[LlamaForCausalLM, TPPlan]:
+    """Rank ``rank``'s slice of a GGUF model (the whole file is read, then sliced: packed
+    matrices keep their packing through ``QuantLinear.narrow_out/narrow_in``)."""
+    model = load_gguf(path, dtype)
+    quant = any(isinstance(m, QuantLinear) for m in model.modules())
+    plan = make_plan(model.config, world, weights, ffn_unit=32 if quant else 8)
+    return shard(model, plan, rank, world, reduce), plan
+
+
+def convert_gguf(path: str | Path, out_dir: str | Path) -> Path:
+    """``lowband edge convert FILE.gguf --out DIR``: a checkpoint directory every edge command
+    (split, serve, run, TP, window) reads; Q8_0/Q4_0 blocks are copied, never requantized."""
+    from edge.formats.quantized import QuantLayout, save_quantized
+    model = load_gguf(path)
+    packed = {n: m for n, m in model.named_modules() if isinstance(m, QuantLinear)}
+    bits = {m.bits for m in packed.values()}
+    if len(bits) > 1:
+        raise ConfigError("model", f"{path} mixes Q8_0 and Q4_0 matrices; convert supports one "
+                          "width per file (serve the .gguf directly instead)")
+    if model.config.tie_word_embeddings and "lm_head" in packed:
+        raise ConfigError("model", "tied quantized embeddings are not supported")
+    layout = QuantLayout(bits.pop(), 32, tuple(packed)) if packed else None
+    out = Path(out_dir)
+    if layout is None:
+        from lowband.models.weights import save_pretrained
+        return save_pretrained(model, out)
+    return save_quantized(model, layout, out)
+
+
+__all__ = ["write_gguf", "load_gguf", "load_gguf_shard", "convert_gguf", "read_config", "SUPPORTED"]

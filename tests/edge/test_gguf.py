@@ -1,0 +1,120 @@
+"""GGUF: a file written here reads back to the same model; Q8_0/Q4_0 blocks land in the
+edge.quant layouts bit for bit (what our own quantizer produces from the same fp32 weights);
+unsupported types are refused by name; a GGUF serves through the runtime and TP."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from edge.formats.gguf import convert_gguf, load_gguf, load_gguf_shard, write_gguf
+from edge.formats.quantized import QuantConfig, quantize_model
+from edge.quant import QuantLinear, dequantize, quantize
+from edge.shardio import load_shard
+from edge.tp import make_reduce
+from lowband.errors import ConfigError
+from lowband.models.config import ModelConfig
+from lowband.models.llama import LlamaForCausalLM, init_weights
+from tests.conftest import run_ranks
+from transport.loopback import LoopbackGroup
+
+pytestmark = pytest.mark.timeout(120)
+
+CFG = dict(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+           num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+
+
+def _model(**over) -> LlamaForCausalLM:
+    m = LlamaForCausalLM(ModelConfig(**{**CFG, **over})).eval()
+    init_weights(m, std=0.1, seed=4)
+    return m
+
+
+def _ids() -> torch.Tensor:
+    return torch.randint(0, 300, (1, 7), generator=torch.Generator().manual_seed(2))
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_f32_roundtrip_is_exact(tmp_path, tied) -> None:
+    m = _model(tie_word_embeddings=tied)
+    got = load_gguf(write_gguf(m, tmp_path / "m.gguf"))
+    assert got.config.tie_word_embeddings is tied
+    for k, v in m.state_dict().items():  # Q/K rows come back un-permuted
+        assert torch.equal(got.state_dict()[k], v), k
+
+
+@pytest.mark.parametrize("ftype,bits", [("q8_0", 8), ("q4_0", 4)])
+def test_quant_blocks_map_without_requantizing(tmp_path, ftype, bits) -> None:
+    m = _model()
+    got = load_gguf(write_gguf(m, tmp_path / "m.gguf", ftype=ftype))
+    q = got.model.layers[1].self_attn.k_proj
+    assert isinstance(q, QuantLinear) and q.bits == bits and q.group == 32
+    ref = quantize_model(copy.deepcopy(m), QuantConfig(bits=bits, group=32))
+    ours = copy.deepcopy(m)
+    quantize_model(ours, QuantConfig(bits=bits, group=32))
+    for name, mod in ours.named_modules():
+        if isinstance(mod, QuantLinear):
+            other = got.get_submodule(name)
+            assert torch.equal(other.qweight, mod.qweight), name
+            assert torch.equal(other.scales, mod.scales), name
+    # The quantized token embedding is dequantized once (a lookup table, not a matmul).
+    emb = dequantize(quantize(m.model.embed_tokens.weight.detach(), bits, 32))
+    assert torch.equal(got.model.embed_tokens.weight, emb)
+    with torch.no_grad():
+        ours.model.embed_tokens.weight.copy_(emb)
+        assert (got(_ids()) - ours(_ids())).abs().max().item() <= 1e-4
+    assert ref.bits == bits
+
+
+def test_gguf_serves_through_shard_and_tp(tmp_path) -> None:
+    m = _model()
+    path = write_gguf(m, tmp_path / "m.gguf", ftype="q4_0")
+    ref = load_shard(path).model  # the runtime's loader takes a .gguf directly
+    with torch.no_grad():
+        want = ref(_ids())
+    x = ref.embed(_ids()).detach()
+    comms = LoopbackGroup(2, timeout=30).comms()
+
+    def rank_fn(r: int):
+        def body():
+            sh, _ = load_gguf_shard(path, r, 2, reduce=make_reduce(comms[r]))
+            assert isinstance(sh.model.layers[0].mlp.down_proj, QuantLinear)
+            with torch.no_grad():
+                h = sh.forward_layers(x, cache=None, start=0)
+                return sh.head(h) if r == 0 else None
+        return body
+
+    got = run_ranks([rank_fn(0), rank_fn(1)], timeout=60)[0]
+    assert (got - want).abs().max().item() <= 1e-4
+    d = convert_gguf(path, tmp_path / "conv")
+    with torch.no_grad():
+        assert (load_shard(d).model(_ids()) - want).abs().max().item() <= 1e-4
+
+
+def test_unsupported_type_is_named(tmp_path) -> None:
+    gguf = pytest.importorskip("gguf")
+    w = gguf.GGUFWriter(str(tmp_path / "bad.gguf"), "llama")
+    m = _model()
+    write_gguf(m, tmp_path / "ok.gguf")
+    r = gguf.GGUFReader(str(tmp_path / "ok.gguf"))
+    for f in r.fields.values():
+        if f.name.startswith("GGUF.") or f.name == "general.architecture":
+            continue
+        w.add_key_value(f.name, f.contents(), f.types[0] if len(f.types) == 1 else f.types[0],
+                        sub_type=f.types[-1] if len(f.types) > 1 else None)
+    for t in r.tensors:
+        a = torch.from_numpy(t.data.copy()).float().numpy() if t.tensor_type.name == "F32" else t.data
+        if t.name == "blk.0.ffn_up.weight":
+            a = a.reshape(tuple(int(s) for s in reversed(t.shape)))
+            qt = gguf.GGMLQuantizationType.Q5_0
+            w.add_tensor(t.name, gguf.quants.quantize(a, qt), raw_dtype=qt)
+        else:
+            w.add_tensor(t.name, a)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(ConfigError, match="Q5_0"):
+        load_gguf(tmp_path / "bad.gguf")
