@@ -19,7 +19,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from diloco.common import WorkerResult
 from diloco.config import DDPConfig, DilocoConfig, TrainConfig, config_to_dict
@@ -30,6 +30,9 @@ from diloco.trainer import DilocoWorker
 from lowband.comm import Communicator
 from lowband.errors import ConfigError, PeerLost, TransportTimeout
 from lowband.proc import die_with_parent
+
+if TYPE_CHECKING:
+    from transport.coordinator import Liveness
 
 logger = logging.getLogger(__name__)
 
@@ -109,8 +112,13 @@ class WorkerLaunch:
     data_port: int = 0  # port of the data socket (0: a free one)
     advertise_port: int | None = None  # port others dial when a relay sits in front (emulator)
     same_host: str = "auto"  # ZmqConfig.same_host: "off" when a shaped link must carry the bytes
+    # Seconds to wait for the coordinator at join; the heartbeat deadlines are the coordinator's
+    # (it tells them at registration), so this is a worker's only liveness knob of its own.
+    register_timeout: float = 30.0
 
     def __post_init__(self) -> None:
+        if self.register_timeout <= 0:
+            raise ConfigError("register_timeout", f"must be > 0 seconds, got {self.register_timeout}")
         if not self.coordinator.startswith(("tcp://", "ipc://")):
             raise ConfigError("coordinator", f"must look like tcp://HOST:PORT, got {self.coordinator!r}")
         if self.threads is not None and self.threads < 1:
@@ -131,7 +139,7 @@ def worker_main(cfg: WorkerLaunch) -> WorkerResult:
     zcfg = ZmqConfig(bind_host=cfg.bind_host, advertise_host=cfg.advertise_host,
                      connections=cfg.connections, timeout=cfg.train.sync_timeout, token=cfg.token,
                      data_port=cfg.data_port, advertise_port=cfg.advertise_port,
-                     same_host=cfg.same_host)
+                     same_host=cfg.same_host, register_timeout=cfg.register_timeout)
     comm = connect(cfg.coordinator, zcfg, signature=signature,
                    meta={"worker_id": cfg.worker_id or ""})
     try:
@@ -162,7 +170,9 @@ class LocalLaunch:
     loopback: bool = False  # threads over the in-process loopback group instead of processes
     bind: str = "tcp://127.0.0.1:0"  # the coordinator's endpoint (port 0: a free one)
     threads: int = 1  # torch threads per worker process
-    heartbeat: float = 2.0  # coordinator heartbeat interval (failure detection ≈ 2×)
+    # The coordinator's deadlines; None: a 2 s heartbeat (a peer is lost after 4 s of silence
+    # with a dead connection, 60 s with a live one): local processes on a busy machine.
+    liveness: Liveness | None = None
     progress: bool = True
 
     def __post_init__(self) -> None:
@@ -188,9 +198,10 @@ def train_main(cfg: LocalLaunch) -> dict:
 
 
 def _run_processes(cfg: LocalLaunch, config_file: Path) -> dict[int, int]:
-    from transport.coordinator import Coordinator, CoordinatorConfig
+    from transport.coordinator import Coordinator, Liveness
 
-    coord = Coordinator(CoordinatorConfig(bind=cfg.bind, heartbeat_interval=cfg.heartbeat)).start()
+    liveness = cfg.liveness or Liveness(heartbeat_interval=2.0)
+    coord = Coordinator(liveness.coordinator(bind=cfg.bind)).start()
     procs: dict[int, subprocess.Popen] = {}
     try:
         for i in range(cfg.train.workers):

@@ -15,6 +15,7 @@ import sys
 import uuid
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -29,6 +30,9 @@ from edge.shardio import WindowConfig, is_split_dir, load_shard
 from lowband.models.tokenizer import ByteTokenizer, load_tokenizer
 from lowband.errors import ConfigError, PeerLost
 from lowband.proc import die_with_parent
+
+if TYPE_CHECKING:
+    from transport.coordinator import Liveness
 
 logger = logging.getLogger(__name__)
 
@@ -68,6 +72,9 @@ class ServeConfig:
     discover: str | None = None  # advertise the coordinator on the LAN under this cluster name
     server: ServerConfig = field(default_factory=ServerConfig)
     device: DeviceConfig = field(default_factory=DeviceConfig)
+    # The master's coordinator deadlines; None: the coordinator's defaults (1 s heartbeat, a
+    # worker with a dead connection lost after 2 s, a hung one after 60 s).
+    liveness: Liveness | None = None
 
     def __post_init__(self) -> None:
         if not Path(self.model_dir).is_dir():
@@ -86,10 +93,16 @@ def _tokenizer(model_dir: str):
         raise
 
 
-def _zmq_config(token: str | None, timeout: float):
+def _zmq_config(token: str | None, timeout: float, register_timeout: float = 30.0):
     from transport.zmq_comm import ZmqConfig
     # Activations are a few KiB: one connection per pair, no striping needed.
-    return ZmqConfig(connections=1, timeout=timeout, token=token)
+    return ZmqConfig(connections=1, timeout=timeout, token=token,
+                     register_timeout=register_timeout)
+
+
+def _coordinator_config(cfg: ServeConfig):
+    from transport.coordinator import Liveness
+    return (cfg.liveness or Liveness()).coordinator(bind=cfg.bind, token=cfg.token)
 
 
 def lan_host() -> str:
@@ -126,10 +139,10 @@ def build_engine(cfg: ServeConfig, coord=None, master_host: str | None = None):
         shard = _load_local(cfg.model_dir, cc.dtype, cc.window_config(), cc.experts)
         runner = LocalRunner(shard.model, shard.close, report=shard.store_report)
         return Engine(runner, tok, model_name=name), None, None
-    from transport.coordinator import Coordinator, CoordinatorConfig
+    from transport.coordinator import Coordinator
     from transport.zmq_comm import connect
     if coord is None:
-        coord = Coordinator(CoordinatorConfig(bind=cfg.bind, token=cfg.token)).start()
+        coord = Coordinator(_coordinator_config(cfg)).start()
         print(f"lowband edge: waiting for {cc.devices - 1} worker(s): "
               f"lowband edge worker --master {coord.address}", flush=True)
     # The coordinator tells the workers to reach the master at the address this connection
@@ -181,9 +194,9 @@ def serve_main(cfg: ServeConfig, coord=None) -> int:
     advert = None
     if cfg.discover is not None and cfg.cluster.devices > 1:  # edge.discovery: mDNS / DNS-SD
         from edge.discovery import Advertisement
-        from transport.coordinator import Coordinator, CoordinatorConfig
+        from transport.coordinator import Coordinator
         if coord is None:
-            coord = Coordinator(CoordinatorConfig(bind=cfg.bind, token=cfg.token)).start()
+            coord = Coordinator(_coordinator_config(cfg)).start()
         advert = Advertisement(coord.address, cluster=cfg.discover, signature=SIGNATURE,
                                auth="token" if cfg.token else "none")
         print(f"lowband edge: advertising cluster {cfg.discover!r}: "
@@ -216,8 +229,11 @@ class WorkerMainConfig:
     worker: WorkerConfig = field(default_factory=WorkerConfig)
     device: DeviceConfig = field(default_factory=DeviceConfig)
     op_timeout: float = 30.0
+    register_timeout: float = 30.0  # seconds to wait for the master's coordinator at join
 
     def __post_init__(self) -> None:
+        if self.register_timeout <= 0:
+            raise ConfigError("register_timeout", f"must be > 0 seconds, got {self.register_timeout}")
         if not self.master.startswith("tcp://"):
             raise ConfigError("master", f"must look like tcp://HOST:PORT, got {self.master!r}")
 
@@ -226,7 +242,8 @@ def worker_main(cfg: WorkerMainConfig) -> int:
     from transport.zmq_comm import connect
     _exit_on_sigterm()
     cfg.device.apply()
-    comm = connect(cfg.master, _zmq_config(cfg.token, cfg.op_timeout), signature=SIGNATURE)
+    comm = connect(cfg.master, _zmq_config(cfg.token, cfg.op_timeout, cfg.register_timeout),
+                   signature=SIGNATURE)
     host = cfg.master[len("tcp://"):].rsplit(":", 1)[0].strip("[]")
     try:  # the master's star link listens on the same host as its coordinator
         return run_worker(comm, replace(cfg.worker, master_host=host))
@@ -271,9 +288,9 @@ def run_main(cfg: RunConfig) -> int:
     try:
         if n == 1:
             return serve_main(serve)
-        from transport.coordinator import Coordinator, CoordinatorConfig
+        from transport.coordinator import Coordinator
         # Start the coordinator first so the workers have somewhere to connect.
-        coord = Coordinator(CoordinatorConfig(bind=serve.bind, token=serve.token)).start()
+        coord = Coordinator(_coordinator_config(serve)).start()
         spawn_workers(coord.address)
         return serve_main(serve, coord)
     finally:

@@ -99,6 +99,31 @@ class CoordinatorConfig:
         return self.dead_after if self.dead_after is not None else 2 * self.heartbeat_interval
 
 
+@dataclass(frozen=True, kw_only=True)
+class Liveness:
+    """The failure-detection deadlines of one deployment, as the launchers and the command line
+    carry them (the coordinator applies them; peers learn the interval when they register).
+
+    A LAN demo wants a lost peer noticed in seconds; a phone on cellular or a WAN site under
+    load wants tens of seconds, or healthy peers are expelled and rejoin in a loop."""
+
+    heartbeat_interval: float = 1.0
+    """Seconds between heartbeat rounds (peers send three per interval)."""
+    dead_after: float | None = None
+    """Seconds of silence with a dead connection before a peer is lost; None: 2 × interval."""
+    unresponsive_after: float = 60.0
+    """Seconds a silent peer with a live connection (a hung process) is kept."""
+
+    def __post_init__(self) -> None:
+        self.coordinator()  # the coordinator's own checks, raising ConfigError naming the field
+
+    def coordinator(self, **kw: Any) -> CoordinatorConfig:
+        """A :class:`CoordinatorConfig` with these deadlines and ``kw`` (bind, token, ...)."""
+        return CoordinatorConfig(heartbeat_interval=self.heartbeat_interval,
+                                 dead_after=self.dead_after,
+                                 unresponsive_after=self.unresponsive_after, **kw)
+
+
 # ---- pure quorum logic ----------------------------------------------------------------------------
 @dataclass(frozen=True)
 class View:

@@ -10,6 +10,7 @@ import argparse
 import importlib
 import sys
 
+from lowband.cli.liveness import add_liveness, add_register_timeout, liveness
 from lowband.errors import ConfigError, CorruptWeights
 
 
@@ -111,6 +112,7 @@ def _add_serve(p: argparse.ArgumentParser) -> None:
     p.add_argument("--replan-after-s", type=float,
                    help="after a worker has been gone this long, re-split the model over the "
                         "devices left (plain checkpoints only; default: wait for it)")
+    add_liveness(p, default_heartbeat=1.0)
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -163,6 +165,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--model-dir", help="local copy of the model/split dir (default: master's path)")
     p.add_argument("--token")
     p.add_argument("--op-timeout", type=float, default=30.0)
+    add_register_timeout(p)
     _add_device(p)
     p.set_defaults(func=_worker)
 
@@ -241,7 +244,7 @@ def _serve_config(args, devices: int):
     from edge.server import ServerConfig
     return ServeConfig(
         model_dir=args.model_dir, name=args.name, bind=args.bind, token=args.token,
-        discover=args.discover,
+        discover=args.discover, liveness=liveness(args, default_heartbeat=1.0),
         device=_device(args),
         server=ServerConfig(host=args.host, port=args.port, max_queue=args.max_queue),
         cluster=ClusterConfig(devices=devices, weights=_weights(args.weights), wire=args.wire,
@@ -276,7 +279,8 @@ def _worker(args) -> int:
             master = found.address
         return worker_main(WorkerMainConfig(master=master, token=args.token,
                                             worker=WorkerConfig(model_dir=args.model_dir),
-                                            device=_device(args), op_timeout=args.op_timeout))
+                                            device=_device(args), op_timeout=args.op_timeout,
+                                            register_timeout=args.register_timeout))
     except ConfigError as exc:
         return _fail(exc)
 

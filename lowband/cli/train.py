@@ -12,6 +12,8 @@ import json
 import sys
 from pathlib import Path
 
+from lowband.cli.liveness import add_liveness, add_register_timeout, liveness
+
 
 def _add_run_options(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("configuration (a preset plus overrides; workers of one run must agree)")
@@ -130,7 +132,8 @@ def _train_checked(args: argparse.Namespace) -> int:
 
     cfg = LocalLaunch(train=_train_config(args, workers=args.workers), out_dir=args.out,
                       resume=args.resume, loopback=args.loopback, bind=args.bind,
-                      threads=args.threads, progress=not args.no_progress)
+                      threads=args.threads, progress=not args.no_progress,
+                      liveness=liveness(args, default_heartbeat=2.0))
     summary = train_main(cfg)
     print(json.dumps(summary))
     return 0 if summary["finished"] else 1
@@ -156,7 +159,7 @@ def _worker_checked(args: argparse.Namespace) -> int:
                        threads=args.threads, progress=args.progress, bind_host=args.bind_host,
                        advertise_host=args.advertise_host, token=args.token,
                        data_port=args.data_port, advertise_port=args.advertise_port,
-                       same_host=args.same_host)
+                       same_host=args.same_host, register_timeout=args.register_timeout)
     result = worker_main(cfg)
     print(json.dumps(result.summary()))
     return 0
@@ -200,6 +203,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--bind", default="tcp://127.0.0.1:0", help="coordinator endpoint")
     p.add_argument("--threads", type=int, default=1, help="torch threads per worker (default 1)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_liveness(p, default_heartbeat=2.0)
     _add_run_options(p)
     p.set_defaults(func=_train)
 
@@ -229,6 +233,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="port other workers should dial, when a relay sits in front of this one")
     p.add_argument("--same-host", default="auto", choices=["auto", "shm", "ipc", "off"],
                    help="shortcuts to workers on this host (off: TCP only, for shaped links)")
+    add_register_timeout(p)
     _add_run_options(p)
     p.set_defaults(func=_worker)
 

@@ -10,6 +10,7 @@ import argparse
 import signal
 from pathlib import Path
 
+from lowband.cli.liveness import add_liveness, liveness
 from lowband.errors import ConfigError
 
 
@@ -38,15 +39,15 @@ def _authorized(paths: list[str]) -> tuple[bytes, ...]:
 
 def _coordinator(args: argparse.Namespace) -> int:
     from transport.auth import CurveKeys
-    from transport.coordinator import Coordinator, CoordinatorConfig
+    from transport.coordinator import Coordinator
 
     curve = CurveKeys.load(args.curve_secret) if args.curve_secret else None
     if curve is not None and curve.secret is None:
         raise ConfigError("curve-secret", f"{args.curve_secret} holds no secret key "
                           "(pass the NAME.key_secret file written by lowband keygen)")
-    cfg = CoordinatorConfig(bind=args.bind, heartbeat_interval=args.heartbeat,
-                            dead_after=args.dead_after, token=_token(args), curve=curve,
-                            curve_authorized=_authorized(args.curve_authorized or []))
+    cfg = liveness(args, default_heartbeat=1.0).coordinator(
+        bind=args.bind, token=_token(args), curve=curve,
+        curve_authorized=_authorized(args.curve_authorized or []))
     coord = Coordinator(cfg).start()
     print(f"lowband coordinator listening on {coord.address}", flush=True)
     if curve is not None:
@@ -74,9 +75,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("coordinator", help="run the membership coordinator of a lowband group")
     p.add_argument("--bind", default="tcp://0.0.0.0:29500",
                    help="ZeroMQ endpoint to listen on (default tcp://0.0.0.0:29500)")
-    p.add_argument("--heartbeat", type=float, default=1.0,
-                   help="heartbeat interval in seconds; a peer silent for two is lost")
-    p.add_argument("--dead-after", type=float, help="seconds of silence before a peer is lost")
+    add_liveness(p, default_heartbeat=1.0)
     p.add_argument("--token", help="shared secret every peer must present")
     p.add_argument("--token-file", help="read the shared secret from this file")
     p.add_argument("--curve-secret", help="coordinator key file (NAME.key_secret from keygen)")

@@ -119,3 +119,28 @@ def test_paused_role_heals_and_answers_stay_equal(ckpt, tmp_path, procs, victim)
     log.close()
     text = (tmp_path / "edge.log").read_text()
     assert "Traceback" not in text, text[-3000:]
+
+
+def test_bad_requests_among_16_concurrent_streams(ckpt, tmp_path, procs):
+    """Oversize (5 MB), malformed JSON and a bad field, sent among 16 concurrent greedy
+    streams: each bad one gets a JSON 4xx, every stream the fault-free text."""
+    import threading
+
+    from benchmarks.chaos import stream, wave
+
+    port = _free_port()
+    log = open(tmp_path / "edge.log", "w")
+    p = subprocess.Popen([sys.executable, "-m", "lowband", "edge", "run", str(ckpt), "--devices",
+                          "2", "--port", str(port)], stdout=log, stderr=subprocess.STDOUT,
+                         start_new_session=True)
+    procs.append(p)
+    wait_for(lambda: _get(f"http://127.0.0.1:{port}/health")[0] == 200, 120, "the cluster")
+    status, ref = stream(port)
+    assert status == "ok" and ref, ref
+    counts = dict(ok=0, clear=0, unclear=0, wrong=0, bad_refused=0)
+    for _ in range(2):
+        wave(port, 16, ref, counts, threading.Lock())
+    assert counts == dict(ok=32, clear=0, unclear=0, wrong=0, bad_refused=6)
+    assert _get(f"http://127.0.0.1:{port}/health")[0] == 200
+    log.close()
+    assert "Traceback" not in (tmp_path / "edge.log").read_text()
