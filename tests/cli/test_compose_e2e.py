@@ -51,6 +51,15 @@ def debian_packages_available() -> bool:
     return out.count("Candidate:") == 2 and "Candidate: (none)" not in out
 
 
+def forward_policy() -> str | None:
+    """The host's iptables FORWARD policy (dockerd sets DROP), None without iptables."""
+    if shutil.which("iptables") is None:
+        return None
+    out = subprocess.run(["iptables", "-S", "FORWARD"], capture_output=True, text=True,
+                         timeout=60).stdout
+    return next((l.split()[2] for l in out.splitlines() if l.startswith("-P ")), None)
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(TIMEOUT_S + 180)
 def test_compose_demo_runs_checks_and_tears_down(tmp_path):
@@ -60,6 +69,7 @@ def test_compose_demo_runs_checks_and_tears_down(tmp_path):
         if not debian_packages_available():
             pytest.skip("Debian packages unavailable (docker.io, docker-compose)")
     before = dockerds()
+    policy = forward_policy()
     project = f"lbtest{uuid.uuid4().hex[:8]}"
     out = tmp_path / "runs"
     # Tiny: 60 steps per run; the image stays cached for the next run (module docstring)
@@ -85,6 +95,8 @@ def test_compose_demo_runs_checks_and_tears_down(tmp_path):
             subprocess.run(["kill", "-TERM", str(pid)], timeout=30)
     assert proc.returncode == 0, log[-6000:]
     assert not leftover, f"the script left dockerd {leftover} running"
+    if not before:  # it started its own dockerd: the host's firewall is as it found it
+        assert forward_policy() == policy
 
     # its result line, followed only by teardown messages
     (line,) = [l for l in log.splitlines() if l.startswith("compose_demo: {")] or [None]
