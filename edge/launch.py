@@ -92,7 +92,29 @@ def _zmq_config(token: str | None, timeout: float):
     return ZmqConfig(connections=1, timeout=timeout, token=token)
 
 
-def build_engine(cfg: ServeConfig, coord=None, master_host: str = "127.0.0.1"):
+def lan_host() -> str:
+    """This host's first non-loopback IPv4 address (read from its interfaces, no packet sent),
+    or 127.0.0.1 when it has none: where remote workers reach a master bound to 0.0.0.0."""
+    import fcntl
+    import socket
+    import struct
+    addrs = []
+    try:
+        names = [name for _, name in socket.if_nameindex()]
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            for name in names:
+                try:  # SIOCGIFADDR: the interface's IPv4 address
+                    req = struct.pack("256s", name.encode()[:15])
+                    addrs.append(socket.inet_ntoa(fcntl.ioctl(s.fileno(), 0x8915, req)[20:24]))
+                except OSError:
+                    continue
+    except OSError:
+        pass
+    lan = [a for a in addrs if not a.startswith("127.")]
+    return lan[0] if lan else "127.0.0.1"
+
+
+def build_engine(cfg: ServeConfig, coord=None, master_host: str | None = None):
     """The engine for ``cfg``; for a cluster also the coordinator (started here unless given)
     and this process's communicator, both to be closed by the caller."""
     cfg.device.apply()
@@ -111,7 +133,10 @@ def build_engine(cfg: ServeConfig, coord=None, master_host: str = "127.0.0.1"):
         print(f"lowband edge: waiting for {cc.devices - 1} worker(s): "
               f"lowband edge worker --master {coord.address}", flush=True)
     # The coordinator tells the workers to reach the master at the address this connection
-    # comes from: over 127.0.0.1 that is only reachable on this host (master_host: a LAN IP).
+    # comes from: over 127.0.0.1 that is only reachable on this host, so a coordinator bound to
+    # every interface is joined over this host's LAN address (master_host overrides it).
+    if master_host is None:
+        master_host = lan_host() if coord.address.startswith("tcp://0.0.0.0:") else "127.0.0.1"
     address = coord.address.replace("0.0.0.0", master_host)
     comm = connect(address, _zmq_config(cfg.token, cc.op_timeout), signature=SIGNATURE,
                    peer_id=f"{MASTER_ID_PREFIX}-{uuid.uuid4().hex[:8]}")

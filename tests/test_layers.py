@@ -28,7 +28,7 @@ LAYERS: dict[str, int] = {
     "lowband.__main__": 4,
 }
 # Launchers (composition roots inside a package) may be imported only from the command line.
-LAUNCHERS = ("diloco.launch", "edge.launch")
+LAUNCHERS = ("diloco.launch", "diloco.site_launch", "edge.launch")
 NEVER_IMPORTED = ("benchmarks", "examples", "tests")
 
 

@@ -25,7 +25,6 @@ from typing import Any, Sequence
 
 import numpy as np
 import torch
-from torch import nn
 
 from edge.quant import QuantLinear
 from edge.quant.formats import PackedWeight, QuantSpec, dequantize

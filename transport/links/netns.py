@@ -102,6 +102,7 @@ class Testbed:
             _run("ip", "link", "add", self.bridge, "type", "bridge")
             _run("ip", "addr", "add", f"{self.host}/24", "dev", self.bridge)
             _run("ip", "link", "set", self.bridge, "up")
+            self._forward(add=True)
             for i, ns in enumerate(self.ns):
                 outer, inner = f"{ns}o", f"{ns}i"
                 _run("ip", "netns", "add", ns)
@@ -125,7 +126,25 @@ class Testbed:
         for ns in self.ns:  # deleting a namespace deletes its veth pair too
             subprocess.run(["ip", "netns", "del", ns], capture_output=True)
         subprocess.run(["ip", "link", "del", self.bridge], capture_output=True)
+        self._forward(add=False)
         self._up = False
+
+    def _forward(self, *, add: bool) -> None:
+        """Let traffic between the sites cross the bridge even under a host firewall.
+
+        With ``br_netfilter`` loaded (Docker loads it), bridged packets traverse iptables'
+        FORWARD chain, and Docker sets that chain's policy to DROP, so sites on our bridge
+        could not reach each other once a Docker engine had run on the host (its rules outlive
+        it). One ACCEPT rule scoped to this bridge, removed on exit, leaves every other rule
+        alone; without iptables there is nothing to do."""
+        if shutil.which("iptables") is None:
+            return
+        rule = ["FORWARD", "-i", self.bridge, "-o", self.bridge, "-j", "ACCEPT"]
+        if add:
+            subprocess.run(["iptables", "-I", *rule], capture_output=True)
+        else:
+            while subprocess.run(["iptables", "-D", *rule], capture_output=True).returncode == 0:
+                pass
 
     def command(self, site: int, args: Sequence[str]) -> list[str]:
         """``args`` to be run inside site ``site``'s namespace."""
