@@ -57,7 +57,7 @@ mkdir -p "$OUT" "$CACHE"
 OUT="$(cd "$OUT" && pwd)"
 
 # ---- teardown (registered before anything is started) ---------------------------------------
-DOCKERD_PID="" BUILT_IMAGES=() WHEEL_COPY="" COMPOSE_UP=0
+DOCKERD_PID="" BUILT_IMAGES=() WHEEL_COPY="" COMPOSE_UP=0 FORWARD_POLICY=""
 teardown() {
     local rc=$?
     trap - EXIT INT TERM
@@ -79,6 +79,12 @@ teardown() {
             kill -KILL "$DOCKERD_PID" 2>/dev/null || true; rc=1
         fi
     fi
+    # dockerd sets the host's FORWARD policy to DROP and leaves it so when it stops, which cuts
+    # off every bridge on the machine that is not Docker's (network-namespace testbeds): put back
+    # what was there before it started.
+    if [ -n "$FORWARD_POLICY" ]; then
+        iptables -P FORWARD "$FORWARD_POLICY" || rc=1
+    fi
     exit "$rc"
 }
 trap teardown EXIT
@@ -97,6 +103,7 @@ if ! "$DOCKER" info >/dev/null 2>&1; then
     fi
     DOCKER=/usr/bin/docker
     if [ ! -S /var/run/docker.sock ] || ! "$DOCKER" info >/dev/null 2>&1; then
+        FORWARD_POLICY="$(iptables -S FORWARD 2>/dev/null | awk '$1 == "-P" { print $3 }')" || true
         say "starting dockerd (log: $CACHE/dockerd.log)"
         # niced: image builds and the sites run under it, on a machine shared with others
         setsid nice -n 10 dockerd >"$CACHE/dockerd.log" 2>&1 &
