@@ -18,6 +18,8 @@ for the process, or ``gemv(..., force_fallback=True)`` per call.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import logging
 import platform
@@ -25,7 +27,7 @@ import sys
 import threading
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -142,6 +144,27 @@ def _build_dir(cfg: KernelConfig, flags: list[str]) -> tuple[str, Path]:
     return f"lowband_quant_gemv_{digest}", root / digest
 
 
+@contextlib.contextmanager
+def _build_lock(build_dir: Path) -> Iterator[None]:
+    """Serialise builds of one directory across processes with an OS lock that dies with its
+    holder, and clear torch's own lock file under it.
+
+    ``torch.utils.cpp_extension`` guards a build with a plain ``lock`` file and waits forever
+    while it exists; a builder killed mid-build (a test timeout, Ctrl-C) leaves it behind and
+    every later process hangs. Every lowband build of this directory takes the flock first,
+    so while we hold it any ``lock`` file left there belongs to a dead builder."""
+    with open(build_dir / ".lowband-build.lock", "w") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            stale = build_dir / "lock"
+            if stale.exists():
+                log.warning("removing a stale build lock left by an interrupted build: %s", stale)
+                stale.unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
 def load() -> Any:
     """The loaded extension module (building it if needed), or ``None`` if unavailable."""
     global _module, _reason, _tried
@@ -164,14 +187,15 @@ def load() -> Any:
                 build_dir.mkdir(parents=True, exist_ok=True)
                 if name not in _built:
                     log.info("loading quantized GEMV kernel %s (compiles once, ~30 s) in %s", name, build_dir)
-                    _built[name] = cpp_extension.load(
-                        name=name,
-                        sources=[str(CSRC / "gemv.cpp")],
-                        extra_cflags=flags,
-                        extra_include_paths=[str(CSRC)],
-                        build_directory=str(build_dir),
-                        verbose=cfg.verbose,
-                    )
+                    with _build_lock(build_dir):
+                        _built[name] = cpp_extension.load(
+                            name=name,
+                            sources=[str(CSRC / "gemv.cpp")],
+                            extra_cflags=flags,
+                            extra_include_paths=[str(CSRC)],
+                            build_directory=str(build_dir),
+                            verbose=cfg.verbose,
+                        )
                 _module = _built[name]
                 log.info("quantized GEMV kernel ready: %s", _module.isa())
             except Exception as e:  # noqa: BLE001 - any build/load failure means "use the fallback"
