@@ -73,6 +73,8 @@ def _run(*args: str) -> None:
 class Testbed:
     """Context manager owning the namespaces, the bridge, the veth pairs and their qdiscs."""
 
+    __test__ = False  # a testbed, not a pytest test class
+
     def __init__(self, config: NetnsConfig) -> None:
         self.config = config
         base = config.name or f"lb{os.getpid() % 100000}"
