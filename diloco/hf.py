@@ -17,12 +17,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from diloco.config import TrainConfig
-from diloco.data import Corpus, eval_batches, load_corpus, load_tokenizer, slot_slice, train_batch
-from diloco.device import model_device
+from diloco.corpus_task import CorpusTask
+from diloco.data import Corpus, load_corpus, load_tokenizer
 from lowband.errors import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -70,40 +69,20 @@ def build_hf_model(spec: str, seed: int) -> nn.Module:
     return model
 
 
-class HFTask:
+class HFTask(CorpusTask):
     """Next-token prediction with a ``transformers`` causal LM on the configured corpus."""
 
     def __init__(self, cfg: TrainConfig, corpus: Corpus, vocab_size: int) -> None:
         if cfg.hf_model is None:
             raise ConfigError("hf_model", "HFTask needs TrainConfig.hf_model")
-        self.cfg, self.corpus, self.vocab_size = cfg, corpus, vocab_size
-        d = cfg.data
-        self._eval = eval_batches(corpus.eval, d.seq_len, d.batch_size, d.eval_batches)
+        super().__init__(cfg, corpus)
+        self.vocab_size = vocab_size
 
     def build_model(self) -> nn.Module:
         return build_hf_model(str(self.cfg.hf_model), self.cfg.seed)
 
-    def train_batch(self, slot: int, step: int) -> torch.Tensor:
-        d = self.cfg.data
-        return train_batch(slot_slice(self.corpus.train, slot, d.slices), d.seq_len,
-                           d.batch_size, seed=self.cfg.seed, slot=slot, step=step)
-
-    def loss(self, model: nn.Module, batch: torch.Tensor) -> torch.Tensor:
-        logits = model(input_ids=batch[:, :-1]).logits  # (B, T, V)
-        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(),
-                               batch[:, 1:].reshape(-1))
-
-    @torch.no_grad()
-    def evaluate(self, model: nn.Module) -> float:
-        device = model_device(model)
-        was_training = model.training
-        model.eval()
-        losses = [float(self.loss(model, b.to(device))) for b in self._eval]
-        model.train(was_training)
-        return sum(losses) / len(losses)
-
-    def tokens_per_batch(self) -> int:
-        return self.cfg.data.batch_size * self.cfg.data.seq_len
+    def logits(self, model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+        return model(input_ids=ids).logits
 
 
 def hf_task(cfg: TrainConfig) -> HFTask:

@@ -10,12 +10,11 @@ from __future__ import annotations
 from typing import Any, Protocol
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from diloco.config import TrainConfig
-from diloco.data import Corpus, eval_batches, load_corpus, slot_slice, train_batch
-from diloco.device import model_device
+from diloco.corpus_task import CorpusTask
+from diloco.data import Corpus, load_corpus
 from lowband.models.llama import LlamaForCausalLM, init_weights
 from lowband.errors import ConfigError
 
@@ -40,45 +39,19 @@ class Task(Protocol):
     def tokens_per_batch(self) -> int: ...
 
 
-class LMTask:
+class LMTask(CorpusTask):
     """Next-token prediction with :class:`lowband.models.llama.LlamaForCausalLM` (HF parameter names)."""
 
     def __init__(self, cfg: TrainConfig, corpus: Corpus) -> None:
         if cfg.model is None:
             raise ConfigError("model", "the language-model task needs a ModelConfig")
+        super().__init__(cfg, corpus)
         self.model_cfg = cfg.model
-        self.cfg = cfg
-        self.corpus = corpus
-        d = cfg.data
-        self._eval = eval_batches(corpus.eval, d.seq_len, d.batch_size, d.eval_batches)
 
     def build_model(self) -> LlamaForCausalLM:
         model = LlamaForCausalLM(self.model_cfg)
         init_weights(model, seed=self.cfg.seed)
         return model
-
-    def train_batch(self, slot: int, step: int) -> torch.Tensor:
-        d = self.cfg.data
-        return train_batch(slot_slice(self.corpus.train, slot, d.slices), d.seq_len,
-                           d.batch_size, seed=self.cfg.seed, slot=slot, step=step)
-
-    def loss(self, model: nn.Module, batch: torch.Tensor) -> torch.Tensor:
-        logits = model(batch[:, :-1])  # (B, T, V)
-        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(),
-                               batch[:, 1:].reshape(-1))
-
-    @torch.no_grad()
-    def evaluate(self, model: nn.Module) -> float:
-        """Mean loss over the fixed held-out batches, in fp32 on the model's device."""
-        device = model_device(model)
-        was_training = model.training
-        model.eval()
-        losses = [float(self.loss(model, b.to(device))) for b in self._eval]
-        model.train(was_training)
-        return sum(losses) / len(losses)
-
-    def tokens_per_batch(self) -> int:
-        return self.cfg.data.batch_size * self.cfg.data.seq_len
 
 
 def lm_task(cfg: TrainConfig) -> Task:
