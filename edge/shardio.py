@@ -31,6 +31,7 @@ from lowband.models.config import ModelConfig
 from lowband.models.llama import LlamaForCausalLM, fuse_projections, rope_inv_freq
 from edge.formats.quantized import (QuantLayout, apply_quant_layout, fuse_quant_rows,
                                     is_quant_tensor, quant_slice, read_layout)
+from edge import fastpath
 from edge.tp import HEAD_KEYS, Reduce, TPPlan, make_plan, shard, slice_of, take
 from lowband.models.weights import DTYPES, weight_files
 from edge.window import MappedFile, WindowScheduler, attach, window_for_budget
@@ -189,12 +190,16 @@ class LoadedShard:
 def load_shard(model_dir: str | Path, rank: int = 0, world: int = 1, *,
                weights: Sequence[float] | None = None, dtype: str | None = None,
                reduce: Reduce | None = None, window: WindowConfig | None = None,
-               fuse: bool = True) -> LoadedShard:
+               fuse: bool = True, fast: bool = True) -> LoadedShard:
     """Build rank ``rank``'s slice on the meta device and load only that slice.
 
     ``model_dir`` is either a split directory (the plan comes from it) or a plain HF
     checkpoint (the plan is made here from ``weights``; slices are read through the
-    safetensors memory map). The sliding window needs a split directory."""
+    safetensors memory map). The sliding window needs a split directory.
+
+    ``fuse``: q/k/v and gate/up as one matmul each. ``fast``: single-token decode through the
+    compiled step (``edge.fastpath``) where the model qualifies; weights streamed through a
+    window change under it, so windowed shards stay on the eager path."""
     d = Path(model_dir)
     if d.suffix == ".gguf":
         if window is not None:
@@ -205,6 +210,8 @@ def load_shard(model_dir: str | Path, rank: int = 0, world: int = 1, *,
                                       dtype=_dtype(dtype) if dtype else None)
         if fuse:
             fuse_projections(model, fuse_quant_rows)
+        if fast:
+            fastpath.install(model)
         return LoadedShard(model=model.eval(), plan=plan, rank=rank)
     cfg = ModelConfig.from_json(d)
     layout = read_layout(cfg)
@@ -238,6 +245,8 @@ def load_shard(model_dir: str | Path, rank: int = 0, world: int = 1, *,
         # Lean decode: one GEMV for q/k/v and one for gate/up. Only for weights in anonymous
         # memory; mapped (window / zero-copy resident) weights would be copied.
         fuse_projections(model, fuse_quant_rows)
+    if fast and sched is None:
+        fastpath.install(model)
     return LoadedShard(model=model.eval(), plan=plan, rank=rank, scheduler=sched)
 
 

@@ -49,7 +49,7 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).resolve().parent / "csrc"
-SOURCES = ("gemv.cpp", "gemv_kernels.h")
+SOURCES = ("gemv.cpp", "decode.cpp", "gemv_kernels.h")
 ISAS = ("native", "avx2", "portable")
 
 
@@ -190,7 +190,7 @@ def load() -> Any:
                     with _build_lock(build_dir):
                         _built[name] = cpp_extension.load(
                             name=name,
-                            sources=[str(CSRC / "gemv.cpp")],
+                            sources=[str(CSRC / "gemv.cpp"), str(CSRC / "decode.cpp")],
                             extra_cflags=flags,
                             extra_include_paths=[str(CSRC)],
                             build_directory=str(build_dir),

@@ -10,8 +10,9 @@ the per-module head/column counts stored on the modules (``n_heads``, ``n_kv_hea
 
 from __future__ import annotations
 
+import itertools
 import math
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
@@ -77,13 +78,39 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + _rotate_half(x) * sin
 
 
+_generations = itertools.count(1)
+
+
 class KVCache:
-    """Per-layer key/value cache with preallocated storage: (B, n_kv, max_len, D)."""
+    """Per-layer key/value cache with preallocated storage: (B, n_kv, max_len, D).
+
+    ``generation`` changes whenever any buffer is (re)allocated or dropped, so code holding raw
+    views of the buffers (the compiled decode step) knows when to take them again."""
 
     def __init__(self, n_layers: int) -> None:
         self.k: list[torch.Tensor | None] = [None] * n_layers
         self.v: list[torch.Tensor | None] = [None] * n_layers
         self.length = 0
+        self.generation = next(_generations)
+
+    def capacity(self) -> int:
+        """Positions every layer can hold without reallocating (0 before the first use)."""
+        return min((k.shape[2] if k is not None else 0) for k in self.k) if self.k else 0
+
+    def reserve(self, end: int, batch: int, n_kv: int, head_dim: int, dtype: torch.dtype,
+                device: torch.device | str = "cpu") -> None:
+        """Make every layer hold at least ``end`` positions (grown by doubling, contents kept)."""
+        for layer, k in enumerate(self.k):
+            if k is None or k.shape[2] < end:
+                cap = max(end, 2 * (k.shape[2] if k is not None else 64))
+                new_k = torch.zeros(batch, n_kv, cap, head_dim, dtype=dtype, device=device)
+                new_v = torch.zeros_like(new_k)
+                if k is not None:
+                    n = min(k.shape[2], self.length)
+                    new_k[:, :, :n] = k[:, :, :n]
+                    new_v[:, :, :n] = self.v[layer][:, :, :n]  # type: ignore[index]
+                self.k[layer], self.v[layer] = new_k, new_v
+                self.generation = next(_generations)
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor, start: int
                ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -98,6 +125,7 @@ class KVCache:
                 new_k[:, :, :start] = buf_k[:, :, :start]
                 new_v[:, :, :start] = self.v[layer][:, :, :start]  # type: ignore[index]
             self.k[layer], self.v[layer] = new_k, new_v
+            self.generation = next(_generations)
         self.k[layer][:, :, start:end] = k  # type: ignore[index]
         self.v[layer][:, :, start:end] = v  # type: ignore[index]
         return self.k[layer][:, :, :end], self.v[layer][:, :, :end]  # type: ignore[index]
@@ -106,6 +134,7 @@ class KVCache:
         self.k = [None] * len(self.k)
         self.v = [None] * len(self.v)
         self.length = 0
+        self.generation = next(_generations)
 
 
 class Attention(nn.Module):
@@ -269,6 +298,10 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
         self._rope_table: tuple[torch.Tensor, torch.Tensor] | None = None
+        # A compiled single-token step installed by the runtime after loading (see
+        # ``edge.fastpath``): an object with ``layers(x, cache, start)`` and ``head(x)``; kept
+        # out of the module tree. This file only calls it.
+        self.__dict__["fast_decode"] = None
 
     def forward(self, input_ids: torch.Tensor, *, cache: KVCache | None = None,
                 start: int | None = None) -> torch.Tensor:
@@ -287,6 +320,11 @@ class LlamaForCausalLM(nn.Module):
     def forward_layers(self, x: torch.Tensor, *, cache: KVCache | None, start: int) -> torch.Tensor:
         """x: (B, T, H) hidden states at positions start..start+T-1."""
         T = x.shape[1]
+        fast: Any = self.fast_decode
+        if fast is not None and T == 1 and cache is not None and x.shape[0] == 1:
+            x = fast.layers(x, cache, start)
+            cache.length = start + 1
+            return x
         cos, sin = self.rope(start, T, x.dtype)
         for layer in self.model.layers:
             x = layer(x, cos, sin, cache, start)
@@ -295,6 +333,9 @@ class LlamaForCausalLM(nn.Module):
         return x
 
     def head(self, x: torch.Tensor) -> torch.Tensor:
+        fast: Any = self.fast_decode
+        if fast is not None and x.numel() == x.shape[-1]:  # one token
+            return fast.head(x)
         return self.lm_head(self.model.norm(x))
 
     def rope(self, start: int, T: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -358,7 +399,9 @@ def fuse_projections(model: LlamaForCausalLM, other: Fuser | None = None) -> Lla
 
 
 def unfuse_projections(model: LlamaForCausalLM) -> None:
-    """Drop the fused modules (before re-slicing or re-loading weights)."""
+    """Drop the fused modules and any compiled decode step that reads them (before
+    re-slicing or re-loading weights)."""
+    model.__dict__["fast_decode"] = None
     for layer in model.model.layers:
         layer.self_attn.__dict__["qkv"] = None
         if hasattr(layer, "mlp"):

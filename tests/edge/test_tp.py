@@ -9,6 +9,7 @@ import torch
 
 from lowband.models.config import ModelConfig
 from lowband.models.llama import LlamaForCausalLM, init_weights
+from edge import fastpath
 from edge.tp import TPPlan, apportion, make_plan, make_reduce, shard, slice_of
 from lowband.codecs import Int8BlockCodec
 from lowband.errors import ConfigError
@@ -61,9 +62,10 @@ def test_plan_covers_everything_once() -> None:
 
 
 def _tp_logits(full: LlamaForCausalLM, world: int, weights, ids: torch.Tensor, codec=None,
-               algorithm="star") -> tuple[torch.Tensor, list]:
+               algorithm="star", fast: bool = False) -> tuple[torch.Tensor, list]:
     """Prefill ids[:, :-3] then decode the last 3 tokens one by one on a TP group; returns
-    rank 0's logits for every position and each rank's communicator stats."""
+    rank 0's logits for every position and each rank's communicator stats. ``fast``: the
+    decode steps run through the compiled step (edge.fastpath) on every rank."""
     plan = make_plan(full.config, world, weights)
     group = LoopbackGroup(world, timeout=30)
     comms = group.comms()
@@ -73,6 +75,9 @@ def _tp_logits(full: LlamaForCausalLM, world: int, weights, ids: torch.Tensor, c
         def body():
             m = shard(copy.deepcopy(full), plan, r, world,
                       make_reduce(comms[r], codec=codec, algorithm=algorithm))
+            if fast:  # routed experts stay eager (the reason says so); dense layers compile
+                why = fastpath.install(m)
+                assert ("MoE" in why) if full.config.is_moe else why is None, why
             cache = m.new_cache()
             outs = []
             with torch.no_grad():
@@ -97,12 +102,13 @@ def _tp_logits(full: LlamaForCausalLM, world: int, weights, ids: torch.Tensor, c
     (5, None, {}),  # more ranks than KV groups: one rank holds no attention heads
     (3, [1, 1, 2], {"model_type": "mixtral", "num_local_experts": 4, "num_experts_per_tok": 2}),
 ])
-def test_sharded_equals_unsharded(world, weights, over) -> None:
+@pytest.mark.parametrize("fast", [False, True], ids=["eager", "compiled"])
+def test_sharded_equals_unsharded(world, weights, over, fast) -> None:
     full = _model(**over)
     ids = torch.randint(0, 61, (1, 12), generator=torch.Generator().manual_seed(7))
     with torch.no_grad():
         ref = full(ids)
-    got, stats = _tp_logits(full, world, weights, ids)
+    got, stats = _tp_logits(full, world, weights, ids, fast=fast)
     assert got.shape == ref.shape
     assert (got - ref).abs().max().item() <= 1e-4
     # Star all-reduce: every worker sends each partial sum once, 2 per layer per forward.

@@ -69,9 +69,12 @@ std::string isa() { return lbq::isa_name(); }
 
 }  // namespace
 
+void init_decode(pybind11::module_& m);  // decode.cpp
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gemv", &gemv, "y[M,N] = x[M,K] @ dequant(W)^T (+ bias) for Q8/Q4 packed weights",
         py::arg("x"), py::arg("qweight"), py::arg("scales"), py::arg("bits"), py::arg("group"),
         py::arg("bias") = py::none());
   m.def("isa", &isa, "SIMD path compiled in");
+  init_decode(m);
 }

@@ -1,0 +1,446 @@
+// The lean decode step: every decoder layer of a dense Llama for ONE token, in C++.
+//
+// Eager PyTorch spends most of a small model's decode step outside the matrix kernels: ~25
+// operator dispatches per layer, each a Python call, an allocation and a dispatcher round trip
+// (profiled in edge/fastpath.py). This file runs the same arithmetic straight on the weights'
+// memory with preallocated scratch buffers: RMSNorm, the q/k/v projections (fp32 or Q8/Q4
+// packed, see gemv_kernels.h), rotary embedding, the new K/V written into the caller's cache,
+// grouped-query attention over the cached positions (optionally a sliding window), o_proj,
+// SwiGLU and down_proj. Tensor parallelism: after o_proj and after down_proj the partial sums
+// go through a Python callback (the transport's all-reduce), so the network code stays in
+// Python and the GIL is held only for that call.
+//
+// Bound into the same extension as gemv.cpp (edge/quant/kernel.py builds both).
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <cmath>
+#include <vector>
+
+#include "gemv_kernels.h"
+
+namespace py = pybind11;
+
+namespace {
+
+// ---- fp32 helpers -------------------------------------------------------------------------
+inline float dot_f32(const float* a, const float* b, int64_t n) {
+  int64_t i = 0;
+  float s = 0.f;
+#if defined(LBQ_AVX2)
+  __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+  for (; i + 16 <= n; i += 16) {
+    a0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), a0);
+    a1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), a1);
+  }
+  for (; i + 8 <= n; i += 8) a0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), a0);
+  s = lbq::hsum_ps(_mm256_add_ps(a0, a1));
+#elif defined(LBQ_NEON)
+  float32x4_t a0 = vdupq_n_f32(0.f), a1 = vdupq_n_f32(0.f);
+  for (; i + 8 <= n; i += 8) {
+    a0 = vfmaq_f32(a0, vld1q_f32(a + i), vld1q_f32(b + i));
+    a1 = vfmaq_f32(a1, vld1q_f32(a + i + 4), vld1q_f32(b + i + 4));
+  }
+  s = vaddvq_f32(vaddq_f32(a0, a1));
+#endif
+  for (; i < n; ++i) s += a[i] * b[i];
+  return s;
+}
+
+// y += a * x
+inline void axpy_f32(float a, const float* x, float* y, int64_t n) {
+  int64_t i = 0;
+#if defined(LBQ_AVX2)
+  const __m256 va = _mm256_set1_ps(a);
+  for (; i + 8 <= n; i += 8)
+    _mm256_storeu_ps(y + i, _mm256_fmadd_ps(va, _mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i)));
+#elif defined(LBQ_NEON)
+  const float32x4_t va = vdupq_n_f32(a);
+  for (; i + 4 <= n; i += 4) vst1q_f32(y + i, vfmaq_f32(vld1q_f32(y + i), va, vld1q_f32(x + i)));
+#endif
+  for (; i < n; ++i) y[i] += a * x[i];
+}
+
+// y[n0:n1] = W[n0:n1, :] @ x for a row-major fp32 W [N, K]; four rows share each load of x.
+inline void gemv_f32_rows(const float* W, int64_t K, const float* x, float* y, int64_t n0, int64_t n1) {
+  int64_t n = n0;
+#if defined(LBQ_AVX2)
+  for (; n + 4 <= n1; n += 4) {
+    const float* w0 = W + n * K;
+    const float* w1 = w0 + K;
+    const float* w2 = w1 + K;
+    const float* w3 = w2 + K;
+    __m256 c0 = _mm256_setzero_ps(), c1 = _mm256_setzero_ps(), c2 = _mm256_setzero_ps(),
+           c3 = _mm256_setzero_ps();
+    int64_t k = 0;
+    for (; k + 8 <= K; k += 8) {
+      const __m256 xv = _mm256_loadu_ps(x + k);
+      c0 = _mm256_fmadd_ps(_mm256_loadu_ps(w0 + k), xv, c0);
+      c1 = _mm256_fmadd_ps(_mm256_loadu_ps(w1 + k), xv, c1);
+      c2 = _mm256_fmadd_ps(_mm256_loadu_ps(w2 + k), xv, c2);
+      c3 = _mm256_fmadd_ps(_mm256_loadu_ps(w3 + k), xv, c3);
+    }
+    float s0 = lbq::hsum_ps(c0), s1 = lbq::hsum_ps(c1), s2 = lbq::hsum_ps(c2), s3 = lbq::hsum_ps(c3);
+    for (; k < K; ++k) {
+      s0 += w0[k] * x[k];
+      s1 += w1[k] * x[k];
+      s2 += w2[k] * x[k];
+      s3 += w3[k] * x[k];
+    }
+    y[n] = s0;
+    y[n + 1] = s1;
+    y[n + 2] = s2;
+    y[n + 3] = s3;
+  }
+#endif
+  for (; n < n1; ++n) y[n] = dot_f32(W + n * K, x, K);
+}
+
+// ---- one linear layer (fp32 or packed) -----------------------------------------------------
+struct Lin {
+  int kind = 32;  // 32: fp32 [N, K]; 8 / 4: packed (gemv_kernels.h layouts)
+  int G = 32;
+  int64_t N = 0, K = 0;
+  torch::Tensor w, q, s, b;  // kept alive here
+  const float* wp = nullptr;
+  const uint8_t* qp = nullptr;
+  const uint16_t* sp = nullptr;
+  const float* bp = nullptr;
+};
+
+void check_f32(const torch::Tensor& t, const char* what) {
+  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kFloat && t.is_contiguous(), what,
+              " must be a contiguous float32 CPU tensor");
+}
+
+// (kind, tensor0, tensor1 | None, group, bias | None)
+Lin parse_lin(const py::handle& h) {
+  auto t = h.cast<py::tuple>();
+  TORCH_CHECK(t.size() == 5, "a linear is (kind, w_or_qweight, scales|None, group, bias|None)");
+  Lin l;
+  l.kind = t[0].cast<int>();
+  l.G = t[3].cast<int>();
+  if (!t[4].is_none()) {
+    l.b = t[4].cast<torch::Tensor>();
+    check_f32(l.b, "bias");
+    l.bp = l.b.data_ptr<float>();
+  }
+  if (l.kind == 32) {
+    l.w = t[1].cast<torch::Tensor>();
+    check_f32(l.w, "weight");
+    TORCH_CHECK(l.w.dim() == 2, "weight must be 2-D");
+    l.N = l.w.size(0);
+    l.K = l.w.size(1);
+    l.wp = l.w.data_ptr<float>();
+  } else {
+    TORCH_CHECK(l.kind == 8 || l.kind == 4, "kind must be 32, 8 or 4, got ", l.kind);
+    TORCH_CHECK(l.G == 32 || l.G == 64 || l.G == 128, "group must be 32, 64 or 128");
+    l.q = t[1].cast<torch::Tensor>();
+    l.s = t[2].cast<torch::Tensor>();
+    TORCH_CHECK(l.q.is_contiguous() && l.q.dim() == 2 && l.s.is_contiguous() &&
+                    l.s.scalar_type() == at::kHalf && l.q.device().is_cpu(),
+                "packed weights must be contiguous CPU tensors with float16 scales");
+    l.N = l.q.size(0);
+    l.K = l.kind == 8 ? l.q.size(1) : 2 * l.q.size(1);
+    TORCH_CHECK(l.K % l.G == 0, "K=", l.K, " is not a multiple of group ", l.G);
+    TORCH_CHECK(l.s.size(0) == l.N && l.s.size(1) == l.K / l.G, "scales must be [N, K/group]");
+    l.qp = reinterpret_cast<const uint8_t*>(l.q.data_ptr());
+    l.sp = reinterpret_cast<const uint16_t*>(l.s.data_ptr<at::Half>());
+  }
+  if (l.bp != nullptr) TORCH_CHECK(l.b.numel() == l.N, "bias must have N elements");
+  return l;
+}
+
+// Scratch for the activation quantization of the packed kernels.
+struct QScratch {
+  std::vector<int8_t> q;
+  std::vector<float> d;
+  std::vector<int32_t> s;
+};
+
+// y[0:N] = lin(x) (x has K elements).
+void run_lin(const Lin& l, const float* x, float* y, QScratch& qs) {
+  if (l.N == 0) return;
+  if (l.K == 0) {
+    std::fill(y, y + l.N, 0.f);
+  } else if (l.kind == 32) {
+    const int64_t grain = std::max<int64_t>(16, (int64_t{1} << 16) / l.K);
+    at::parallel_for(0, l.N, grain, [&](int64_t n0, int64_t n1) { gemv_f32_rows(l.wp, l.K, x, y, n0, n1); });
+  } else {
+    const int64_t nb = l.K / l.G;
+    qs.q.resize(static_cast<size_t>(l.K));
+    qs.d.resize(static_cast<size_t>(nb));
+    qs.s.resize(static_cast<size_t>(nb));
+    lbq::quantize_act_row(x, l.K, l.G, qs.q.data(), qs.d.data(), qs.s.data());
+    const bool q4 = l.kind == 4;
+    lbq::prepare_act(q4, l.G, qs.q.data(), 1, l.K);
+    const lbq::Act a{qs.q.data(), qs.d.data(), qs.s.data(), 1, l.K, nb};
+    const lbq::Wt w{l.qp, l.sp, l.N, l.K, nb, l.kind == 8 ? l.K : l.K / 2};
+    const int G = l.G;
+    const int64_t grain = std::max<int64_t>(8, (int64_t{1} << 16) / l.K);
+    at::parallel_for(0, l.N, grain, [&](int64_t n0, int64_t n1) { lbq::gemv_rows(q4, G, w, a, n0, n1, y); });
+  }
+  if (l.bp != nullptr)
+    for (int64_t n = 0; n < l.N; ++n) y[n] += l.bp[n];
+}
+
+// Several linears reading the same input, outputs concatenated (unfused q/k/v or gate/up).
+void run_parts(const std::vector<Lin>& parts, const float* x, float* y, QScratch& qs) {
+  int64_t off = 0;
+  for (const Lin& l : parts) {
+    run_lin(l, x, y + off, qs);
+    off += l.N;
+  }
+}
+
+int64_t parts_n(const std::vector<Lin>& parts) {
+  int64_t n = 0;
+  for (const Lin& l : parts) n += l.N;
+  return n;
+}
+
+struct Layer {
+  torch::Tensor ln1, ln2;
+  std::vector<Lin> qkv, gate_up;
+  Lin o, down;
+  int64_t nq = 0, nkv = 0, inter = 0;
+};
+
+inline void rmsnorm(const float* x, const float* w, float* y, int64_t n, float eps) {
+  const float ms = dot_f32(x, x, n) / static_cast<float>(n);
+  const float r = 1.f / std::sqrt(ms + eps);
+  for (int64_t i = 0; i < n; ++i) y[i] = w[i] * (x[i] * r);
+}
+
+class Decoder {
+ public:
+  Decoder(int64_t hidden, int64_t head_dim, double eps, torch::Tensor inv_freq, int64_t window)
+      : H_(hidden), D_(head_dim), eps_(static_cast<float>(eps)), window_(window) {
+    check_f32(inv_freq, "inv_freq");
+    TORCH_CHECK(inv_freq.numel() == head_dim / 2 && head_dim % 2 == 0, "inv_freq must have head_dim/2 entries");
+    inv_freq_.assign(inv_freq.data_ptr<float>(), inv_freq.data_ptr<float>() + inv_freq.numel());
+  }
+
+  void add_layer(torch::Tensor ln1, torch::Tensor ln2, py::list qkv, py::tuple o, py::list gate_up,
+                 py::tuple down, int64_t nq, int64_t nkv) {
+    Layer L;
+    check_f32(ln1, "input_layernorm");
+    check_f32(ln2, "post_attention_layernorm");
+    TORCH_CHECK(ln1.numel() == H_ && ln2.numel() == H_, "norm weights must have hidden_size entries");
+    L.ln1 = ln1;
+    L.ln2 = ln2;
+    for (auto h : qkv) L.qkv.push_back(parse_lin(h));
+    for (auto h : gate_up) L.gate_up.push_back(parse_lin(h));
+    L.o = parse_lin(o);
+    L.down = parse_lin(down);
+    L.nq = nq;
+    L.nkv = nkv;
+    TORCH_CHECK(nkv == 0 ? nq == 0 : nq % nkv == 0, "query heads must be a multiple of KV heads");
+    TORCH_CHECK(parts_n(L.qkv) == (nq + 2 * nkv) * D_, "q/k/v outputs do not match the head counts");
+    for (const Lin& l : L.qkv) TORCH_CHECK(l.K == H_, "q/k/v must read hidden_size inputs");
+    for (const Lin& l : L.gate_up) TORCH_CHECK(l.K == H_, "gate/up must read hidden_size inputs");
+    const int64_t gu = parts_n(L.gate_up);
+    TORCH_CHECK(gu % 2 == 0, "gate/up outputs must split in two halves");
+    L.inter = gu / 2;
+    TORCH_CHECK(L.o.N == H_ && L.o.K == nq * D_, "o_proj shape does not match");
+    TORCH_CHECK(L.down.N == H_ && L.down.K == L.inter, "down_proj shape does not match");
+    layers_.push_back(std::move(L));
+    k_.emplace_back();
+    v_.emplace_back();
+  }
+
+  // The caller's KV cache: per layer (1, n_kv, cap, D) float32 tensors (the same capacity).
+  void set_cache(py::list k, py::list v) {
+    TORCH_CHECK(static_cast<size_t>(k.size()) == layers_.size() && v.size() == k.size(),
+                "one K and one V tensor per layer");
+    for (size_t i = 0; i < layers_.size(); ++i) {
+      torch::Tensor kt = k[i].cast<torch::Tensor>(), vt = v[i].cast<torch::Tensor>();
+      check_f32(kt, "K cache");
+      check_f32(vt, "V cache");
+      TORCH_CHECK(kt.dim() == 4 && kt.size(0) == 1 && kt.size(1) == layers_[i].nkv && kt.size(3) == D_ &&
+                      vt.sizes() == kt.sizes(),
+                  "K/V cache of layer ", i, " must be (1, n_kv, capacity, head_dim)");
+      k_[i] = kt;
+      v_[i] = vt;
+    }
+  }
+
+  // x: (1, 1, H) hidden state of the token at position pos -> (1, 1, H) after every layer.
+  torch::Tensor layers(const torch::Tensor& x_in, int64_t pos, const py::object& reduce) {
+    check_f32(x_in, "x");
+    TORCH_CHECK(x_in.numel() == H_, "x must hold hidden_size values (one token)");
+    TORCH_CHECK(pos >= 0, "position must be >= 0");
+    for (size_t i = 0; i < layers_.size(); ++i)
+      TORCH_CHECK(k_[i].defined() && k_[i].size(2) > pos, "KV cache of layer ", i, " cannot hold position ",
+                  pos, " (call set_cache)");
+    torch::Tensor x = x_in.clone();
+    float* xp = x.data_ptr<float>();
+    const bool tp = !reduce.is_none();
+    {
+      py::gil_scoped_release nogil;
+      rope_tables(pos);
+      for (size_t i = 0; i < layers_.size(); ++i) {
+        attention_block(layers_[i], i, xp, pos);
+        combine(xp, tp, reduce);
+        ffn_block(layers_[i], xp);
+        combine(xp, tp, reduce);
+      }
+    }
+    return x;
+  }
+
+  int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
+
+ private:
+  // part_ holds a partial sum (o_proj or down_proj output); add it (all-reduced under TP) to x.
+  void combine(float* xp, bool tp, const py::object& reduce) {
+    const float* src = part_.data_ptr<float>();
+    torch::Tensor summed;
+    if (tp) {
+      py::gil_scoped_acquire gil;
+      // a copy: the transport may still be sending from the tensor it was given
+      summed = reduce(part_.clone().view({1, 1, H_})).cast<torch::Tensor>();
+      TORCH_CHECK(summed.numel() == H_, "the reduce hook must return hidden_size values");
+      if (summed.scalar_type() != at::kFloat || !summed.is_contiguous())
+        summed = summed.to(at::kFloat).contiguous();
+      src = summed.data_ptr<float>();
+    }
+    for (int64_t i = 0; i < H_; ++i) xp[i] += src[i];
+    if (tp) {
+      py::gil_scoped_acquire gil;  // drop the tensor under the GIL (it may own Python state)
+      summed = torch::Tensor();
+    }
+  }
+
+  void ensure(std::vector<float>& v, int64_t n) {
+    if (static_cast<int64_t>(v.size()) < n) v.resize(static_cast<size_t>(n));
+  }
+
+  void rope_tables(int64_t pos) {
+    const int64_t h = D_ / 2;
+    ensure(cos_, h);
+    ensure(sin_, h);
+    for (int64_t i = 0; i < h; ++i) {
+      const float f = static_cast<float>(pos) * inv_freq_[i];
+      cos_[i] = std::cos(f);
+      sin_[i] = std::sin(f);
+    }
+    if (!part_.defined()) part_ = torch::empty({H_}, torch::kFloat);
+  }
+
+  void rope(float* v) const {
+    const int64_t h = D_ / 2;
+    for (int64_t i = 0; i < h; ++i) {
+      const float a = v[i], b = v[i + h];
+      v[i] = a * cos_[i] - b * sin_[i];
+      v[i + h] = b * cos_[i] + a * sin_[i];
+    }
+  }
+
+  void attention_block(const Layer& L, size_t li, const float* xp, int64_t pos) {
+    ensure(xn_, H_);
+    rmsnorm(xp, L.ln1.data_ptr<float>(), xn_.data(), H_, eps_);
+    const int64_t nq = L.nq, nkv = L.nkv, D = D_;
+    ensure(qkv_, (nq + 2 * nkv) * D);
+    run_parts(L.qkv, xn_.data(), qkv_.data(), qs_);
+    float* q = qkv_.data();
+    float* k = q + nq * D;
+    float* v = k + nkv * D;
+    for (int64_t h = 0; h < nq; ++h) rope(q + h * D);
+    for (int64_t h = 0; h < nkv; ++h) rope(k + h * D);
+    ensure(att_, nq * D);
+    if (nkv > 0) {
+      const int64_t cap = k_[li].size(2);
+      float* kc = k_[li].data_ptr<float>();
+      float* vc = v_[li].data_ptr<float>();
+      for (int64_t g = 0; g < nkv; ++g) {
+        std::copy(k + g * D, k + (g + 1) * D, kc + (g * cap + pos) * D);
+        std::copy(v + g * D, v + (g + 1) * D, vc + (g * cap + pos) * D);
+      }
+      const int64_t lo = window_ > 0 ? std::max<int64_t>(0, pos - window_ + 1) : 0;
+      const int64_t S = pos + 1 - lo;
+      const int64_t group = nq / nkv;
+      const float scale = 1.f / std::sqrt(static_cast<float>(D));
+      ensure(scores_, nq * S);
+      float* sc_all = scores_.data();
+      float* out_all = att_.data();
+      at::parallel_for(0, nq, 1, [&](int64_t h0, int64_t h1) {
+        for (int64_t h = h0; h < h1; ++h) {
+          const int64_t g = h / group;
+          const float* qh = q + h * D;
+          const float* kg = kc + (g * cap + lo) * D;
+          const float* vg = vc + (g * cap + lo) * D;
+          float* sc = sc_all + h * S;
+          float mx = -INFINITY;
+          for (int64_t s = 0; s < S; ++s) {
+            sc[s] = dot_f32(qh, kg + s * D, D) * scale;
+            mx = std::max(mx, sc[s]);
+          }
+          float sum = 0.f;
+          for (int64_t s = 0; s < S; ++s) {
+            sc[s] = std::exp(sc[s] - mx);
+            sum += sc[s];
+          }
+          const float inv = 1.f / sum;
+          float* out = out_all + h * D;
+          std::fill(out, out + D, 0.f);
+          for (int64_t s = 0; s < S; ++s) axpy_f32(sc[s] * inv, vg + s * D, out, D);
+        }
+      });
+    }
+    run_lin(L.o, att_.data(), part_.data_ptr<float>(), qs_);
+    if (L.o.N == 0) part_.zero_();
+  }
+
+  void ffn_block(const Layer& L, const float* xp) {
+    rmsnorm(xp, L.ln2.data_ptr<float>(), xn_.data(), H_, eps_);
+    const int64_t I = L.inter;
+    ensure(gu_, 2 * I);
+    run_parts(L.gate_up, xn_.data(), gu_.data(), qs_);
+    float* g = gu_.data();
+    const float* u = g + I;
+    for (int64_t i = 0; i < I; ++i) g[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
+    run_lin(L.down, g, part_.data_ptr<float>(), qs_);
+  }
+
+  int64_t H_, D_;
+  float eps_;
+  int64_t window_;
+  std::vector<float> inv_freq_, cos_, sin_;
+  std::vector<Layer> layers_;
+  std::vector<torch::Tensor> k_, v_;
+  torch::Tensor part_;
+  std::vector<float> xn_, qkv_, att_, scores_, gu_;
+  QScratch qs_;
+};
+
+// logits (1, N) = lin(rmsnorm(x)) for the LM head.
+torch::Tensor head(const torch::Tensor& x, const torch::Tensor& norm_w, double eps, py::tuple lin) {
+  check_f32(x, "x");
+  check_f32(norm_w, "norm weight");
+  const Lin l = parse_lin(lin);
+  const int64_t H = x.numel();
+  TORCH_CHECK(norm_w.numel() == H && l.K == H, "head shapes do not match");
+  auto y = torch::empty({1, l.N}, torch::kFloat);
+  std::vector<float> xn(static_cast<size_t>(H));
+  QScratch qs;
+  {
+    py::gil_scoped_release nogil;
+    rmsnorm(x.data_ptr<float>(), norm_w.data_ptr<float>(), xn.data(), H, static_cast<float>(eps));
+    run_lin(l, xn.data(), y.data_ptr<float>(), qs);
+  }
+  return y;
+}
+
+}  // namespace
+
+void init_decode(py::module_& m) {
+  py::class_<Decoder>(m, "Decoder")
+      .def(py::init<int64_t, int64_t, double, torch::Tensor, int64_t>(), py::arg("hidden"), py::arg("head_dim"),
+           py::arg("eps"), py::arg("inv_freq"), py::arg("window"))
+      .def("add_layer", &Decoder::add_layer)
+      .def("set_cache", &Decoder::set_cache)
+      .def("layers", &Decoder::layers, py::arg("x"), py::arg("pos"), py::arg("reduce") = py::none())
+      .def("num_layers", &Decoder::num_layers);
+  m.def("head", &head, "logits = lm_head(rmsnorm(x)) for one token");
+}
