@@ -27,7 +27,9 @@ from torch import nn
 
 from edge.quant import QuantLinear
 from edge.quant import kernel as qkernel
+from lowband.errors import PeerLost, ProtocolError, TransportTimeout
 from lowband.models.llama import KVCache, LlamaForCausalLM
+from transport.starlink import native_table
 
 logger = logging.getLogger(__name__)
 
@@ -120,6 +122,10 @@ class FastDecode:
             self._head = _lin(lm)
         self._model_head = model
         self._bound: tuple[int, int] | None = None  # (id(cache), cache.generation) last set
+        # A float32 star link is driven from C++ (no GIL, no per-message Python); any other
+        # reduce hook (a Communicator, a wire codec) is called back into Python.
+        self.link = getattr(self.reduce, "native_link", None)
+        self._table = native_table(self.hidden) if self.link is not None else b""
 
     def layers(self, x: torch.Tensor, cache: KVCache, start: int) -> torch.Tensor:
         """x: (1, 1, H) at position ``start``; the K/V of this position go into ``cache``."""
@@ -131,7 +137,16 @@ class FastDecode:
             self._bound = key
         if x.dtype != torch.float32 or not x.is_contiguous():
             x = x.to(torch.float32).contiguous()
-        return self._dec.layers(x, start, self.reduce)
+        link = self.link
+        if link is None:
+            return self._dec.layers(x, start, self.reduce)
+        spec = (*link.native_spec(getattr(self.reduce, "timeout", None)), self._table)
+        try:
+            return self._dec.layers(x, start, None, spec)
+        except RuntimeError as exc:
+            raise _link_error(exc) from None
+        finally:
+            link.native_done(*self._dec.link_state())
 
     def head(self, x: torch.Tensor) -> torch.Tensor:
         """Logits for one token's final hidden state, shaped like ``x`` with V last."""
@@ -142,6 +157,21 @@ class FastDecode:
         if x.dtype != torch.float32 or not x.is_contiguous():
             x = x.to(torch.float32).contiguous()
         return self._mod.head(x, self._norm, float(self.eps), self._head).view(*lead, -1)
+
+
+_LINK_ERRORS = {"PeerLost": PeerLost, "TransportTimeout": TransportTimeout,
+                "ProtocolError": ProtocolError}
+
+
+def _link_error(exc: RuntimeError) -> Exception:
+    """The transport's error type for a failure of the native link (others unchanged)."""
+    text = str(exc)
+    if text.startswith("lowband-link:"):
+        kind, _, msg = text.removeprefix("lowband-link:").partition(":")
+        cls = _LINK_ERRORS.get(kind)
+        if cls is not None:
+            return cls(msg)
+    return exc
 
 
 def install(model: LlamaForCausalLM) -> str | None:

@@ -236,4 +236,8 @@ def make_reduce(comm: Communicator, *, codec: Codec | None = None,
         return comm.all_reduce(x, "sum", codec=codec, algorithm=algorithm, timeout=timeout,
                                tag=tags() if tags is not None else None)
 
+    # A star link carrying float32 can be driven natively by the compiled decode step
+    # (edge.fastpath); it reads these. Anything else goes through the call above.
+    reduce.native_link = comm if codec is None and hasattr(comm, "native_spec") else None  # type: ignore[attr-defined]
+    reduce.timeout = timeout  # type: ignore[attr-defined]
     return reduce

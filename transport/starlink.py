@@ -57,6 +57,20 @@ def _decode(frames: list[torch.Tensor], meta: dict, codec: Codec | None) -> torc
     return codec.decode(Encoded(frames=tuple(frames), meta=meta))
 
 
+def _table(meta: dict | None, frames) -> bytes:
+    """The msgpack frame table of a message (also what the native path sends, see
+    :func:`native_table`)."""
+    return msgpack.packb({"m": meta or {}, "f": [[str(f.dtype).removeprefix("torch."),
+                                                  f.numel() * f.element_size()] for f in frames]})
+
+
+def native_table(hidden: int) -> bytes:
+    """The table of a DATA/RESULT message carrying one (1, 1, hidden) float32 activation with no
+    codec: fixed per model, so a native implementation of this link (the compiled decode step,
+    ``edge/quant/csrc/decode.cpp``) can send and check it byte for byte."""
+    return _table({"shape": [1, 1, hidden]}, [torch.empty(hidden, dtype=torch.float32)])
+
+
 class _Conn:
     """One framed TCP connection; every error becomes PeerLost / TransportTimeout.
 
@@ -75,8 +89,7 @@ class _Conn:
 
     def send(self, kind: int, seq: int, frames: list[torch.Tensor] = (), meta: dict | None = None,
              timeout: float | None = None) -> None:
-        table = msgpack.packb({"m": meta or {}, "f": [[str(f.dtype).removeprefix("torch."),
-                                                        f.numel() * f.element_size()] for f in frames]})
+        table = _table(meta, frames)
         body = [struct.pack("<I", len(table)), table] + [f.numpy().tobytes() if f.dtype != torch.bfloat16
                                                         else f.view(torch.int16).numpy().tobytes()
                                                         for f in frames]
@@ -214,6 +227,22 @@ class StarHub:
         out = acc if codec is None else _decode(frames, meta, codec)
         return out.to(x.dtype).reshape(x.shape)
 
+    def native_spec(self, timeout: float | None) -> tuple:
+        """What a native implementation needs for float32 all-reduces on this link:
+        ``(role=1, fds in slot order, seq, timeout | -1, spin_s)``; report back with
+        :meth:`native_done`."""
+        fds = [self._conns[s].sock.fileno() for s in sorted(self._conns)]
+        return (1, fds, self._seq, -1.0 if timeout is None else float(timeout), self.spin_s)
+
+    def native_done(self, seq: int, sent: int, received: int) -> None:
+        """Account for all-reduces a native implementation ran (sequence and bytes)."""
+        self._seq = int(seq)
+        conns = [self._conns[s] for s in sorted(self._conns)]
+        if conns:  # per-connection split is not tracked natively: spread evenly
+            for c in conns:
+                c.sent += sent // len(conns)
+                c.received += received // len(conns)
+
     def abort(self) -> None:
         """Wake workers blocked in an all-reduce of a forward the master gave up on."""
         for conn in list(self._conns.values()):
@@ -277,6 +306,16 @@ class StarSpoke:
                                 f"seq {self._seq} ({tag})")
         return _decode(frames, meta, codec).to(x.dtype).reshape(x.shape)
 
+    def native_spec(self, timeout: float | None) -> tuple:
+        """See :meth:`StarHub.native_spec` (role 2: one link, to the master)."""
+        return (2, [self._conn.sock.fileno()], self._seq, -1.0 if timeout is None else float(timeout),
+                self._conn.spin_s)
+
+    def native_done(self, seq: int, sent: int, received: int) -> None:
+        self._seq = int(seq)
+        self._conn.sent += sent
+        self._conn.received += received
+
     def resync(self, timeout: float) -> None:
         """Skip stale ABORTs up to the master's SYNC marker; restart the sequence."""
         while True:
@@ -295,4 +334,4 @@ class StarSpoke:
         self._conn.close()
 
 
-__all__ = ["StarHub", "StarSpoke"]
+__all__ = ["StarHub", "StarSpoke", "native_table"]

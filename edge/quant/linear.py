@@ -111,6 +111,12 @@ class QuantLinear(nn.Module):
         lead = x.shape[:-1]
         if x.shape[-1] != self.in_features:
             raise QuantShapeError(f"expected last dim {self.in_features}, got {tuple(x.shape)}")
+        if self.in_features == 0 or self.out_features == 0:
+            # A TP rank that holds no heads of this layer: a zero (or empty) partial sum.
+            y = torch.zeros(*lead, self.out_features, dtype=torch.float32, device=x.device)
+            if self.bias is not None:
+                y += self.bias
+            return y.to(x.dtype)
         x2 = x.reshape(-1, self.in_features)
         use = self.use_kernel and x2.shape[0] <= self.max_kernel_rows
         y = kernel.gemv(x2, self.qweight, self.scales, self.bits, self.group, self.bias, force_fallback=not use)

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import copy
+import threading
+
 import pytest
 import torch
 
@@ -10,9 +13,13 @@ from edge.formats.quantized import fuse_quant_rows
 from edge.quant import kernel as qkernel
 from edge.quant import quantize_modules
 from edge.shardio import load_shard
+from edge.tp import make_plan, make_reduce, shard
+from lowband.errors import PeerLost, ProtocolError, TransportTimeout
 from lowband.models.config import ModelConfig
 from lowband.models.llama import LlamaForCausalLM, fuse_projections, init_weights, unfuse_projections
 from lowband.models.weights import save_pretrained
+from tests.conftest import run_ranks
+from transport.starlink import StarHub, StarSpoke
 
 BASE = dict(vocab_size=97, hidden_size=128, intermediate_size=192, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
@@ -132,3 +139,86 @@ def test_load_shard_installs_it(tmp_path) -> None:
     ids = torch.randint(0, 97, (1, 12), generator=torch.Generator().manual_seed(4))
     eager = load_shard(tmp_path / "m", fast=False).model
     assert torch.allclose(_decode(shard.model, ids, 4), _decode(eager, ids, 4), atol=1e-4)
+
+
+# ---- the star link driven natively -------------------------------------------------------------
+def _star(world: int, spin_s: float = 0.0):
+    hub = StarHub("127.0.0.1", spin_s=spin_s)
+    spokes: list = [None] * world
+
+    def connect(slot: int) -> None:
+        spokes[slot] = StarSpoke("127.0.0.1", hub.port, slot, 10.0, secret=hub.secret, spin_s=spin_s)
+
+    threads = [threading.Thread(target=connect, args=(s,)) for s in range(1, world)]
+    for t in threads:
+        t.start()
+    for s in range(1, world):
+        hub.accept(s, timeout=10)
+    for t in threads:
+        t.join(10)
+    return [hub, *spokes[1:]]
+
+
+@pytest.mark.parametrize("native", [(True, True), (True, False), (False, True)],
+                         ids=["both-native", "master-native", "worker-native"])
+def test_native_star_link_matches_single_device(native) -> None:
+    """TP over a real star link with the compiled step on either or both ends (the wire bytes are
+    the same, so a native end talks to a Python end); logits equal a single device's."""
+    full = _model(bits=8, fuse=False)
+    world = 3
+    ids = torch.randint(0, 97, (1, 14), generator=torch.Generator().manual_seed(5))
+    ref = _decode(full, ids, 6)
+    links = _star(world)
+    plan = make_plan(full.config, world, None, ffn_unit=32)
+    x_all = full.embed(ids).detach()
+
+    def rank_fn(r: int):
+        def body():
+            m = shard(copy.deepcopy(full), plan, r, world, make_reduce(links[r], timeout=20))
+            fuse_projections(m, fuse_quant_rows)
+            if native[min(r, 1)]:
+                assert fastpath.install(m) is None and m.fast_decode.link is links[r]
+            cache, outs = m.new_cache(), []
+            with torch.inference_mode():
+                h = m.forward_layers(x_all[:, :6], cache=cache, start=0)
+                for t in range(6, ids.shape[1]):
+                    h = m.forward_layers(x_all[:, t:t + 1], cache=cache, start=t)
+                    if r == 0:
+                        outs.append(m.head(h)[0, -1])
+            return torch.stack(outs) if outs else None
+
+        return body
+
+    try:
+        got = run_ranks([rank_fn(r) for r in range(world)], timeout=60)[0]
+        # Each decode step: 2 all-reduces per layer of one (1, 1, H) float32 activation.
+        H, L = full.config.hidden_size, full.config.num_hidden_layers
+        per_step = 2 * L * 4 * H
+        assert links[1].stats().bytes_sent == per_step * ids.shape[1]  # prefill sends 6 rows once
+        assert links[0]._seq == links[1]._seq == links[2]._seq == 2 * L * (1 + ids.shape[1] - 6)
+    finally:
+        for link in links:
+            link.close()
+    assert (got - ref).abs().max().item() <= _tol(8) * max(1.0, ref.abs().max().item())
+
+
+def test_native_link_failures_raise_transport_errors() -> None:
+    full = _model()
+    plan = make_plan(full.config, 2, None)
+    links = _star(2)
+    try:
+        m = shard(copy.deepcopy(full), plan, 0, 2, make_reduce(links[0], timeout=0.5))
+        fuse_projections(m)
+        assert fastpath.install(m) is None
+        x = torch.randn(1, 1, 128)
+        with pytest.raises(TransportTimeout):  # the worker never answers
+            m.forward_layers(x, cache=m.new_cache(), start=0)
+        links[1].close()  # the worker's end goes away
+        m2 = shard(copy.deepcopy(full), plan, 0, 2, make_reduce(links[0], timeout=5))
+        fuse_projections(m2)
+        assert fastpath.install(m2) is None
+        with pytest.raises((PeerLost, ProtocolError)):
+            m2.forward_layers(x, cache=m2.new_cache(), start=0)
+    finally:
+        for link in links:
+            link.close()

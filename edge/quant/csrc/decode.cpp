@@ -14,8 +14,17 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include <cerrno>
+#include <chrono>
 #include <cmath>
+#include <cstring>
+#include <stdexcept>
+#include <string>
 #include <vector>
+
+#include <poll.h>
+#include <sched.h>
+#include <sys/socket.h>
 
 #include "gemv_kernels.h"
 
@@ -191,6 +200,158 @@ inline void rmsnorm(const float* x, const float* w, float* y, int64_t n, float e
   for (int64_t i = 0; i < n; ++i) y[i] = w[i] * (x[i] * r);
 }
 
+
+// ---- the star link, natively (transport/starlink.py's wire format) -------------------------
+// When the reduce hook is a star link carrying float32 (no codec), the partial sums go straight
+// over the link's sockets from here: no GIL, no Python, no msgpack per message. Messages are
+// byte-identical to the Python implementation's (header <4sBBHIQ, u32 table length, the
+// msgpack frame table, the raw float32 frame), so either end may be Python or C++; the table of
+// a (1, 1, H) float32 frame is fixed and comes from Python. Errors surface as RuntimeError with
+// a "lowband-link:<Kind>:" prefix, which edge/fastpath.py maps to the transport's error types.
+constexpr uint8_t LINK_DATA = 2, LINK_RESULT = 3, LINK_ABORT = 4;
+constexpr size_t LINK_HEADER = 20;
+constexpr uint64_t LINK_MAX_PAYLOAD = uint64_t{1} << 31;
+
+struct LinkError : std::runtime_error {
+  LinkError(const std::string& kind, const std::string& msg) : std::runtime_error("lowband-link:" + kind + ":" + msg) {}
+};
+
+struct Link {
+  int role = 0;  // 0: none (Python callback), 1: hub (master), 2: spoke (worker)
+  std::vector<int> fds;  // hub: one per worker slot, in slot order; spoke: the master's
+  uint32_t seq = 0;
+  double timeout = -1.0, spin = 0.0;
+  std::string table;
+  int64_t sent = 0, received = 0;
+  std::vector<uint8_t> msg, in;
+};
+
+inline double now_s() {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
+// Wait until fd is readable/writable: spin (yielding the core) up to `spin` seconds, then sleep in
+// poll() until the deadline. Returns false on timeout.
+bool link_wait(int fd, short ev, double t0, const Link& L) {
+  for (;;) {
+    const double el = now_s() - t0;
+    if (L.timeout >= 0 && el > L.timeout) return false;
+    pollfd p{fd, ev, 0};
+    int ms = 0;
+    if (el >= L.spin) ms = L.timeout < 0 ? 200 : std::max(1, static_cast<int>(1e3 * (L.timeout - el)) + 1);
+    const int r = ::poll(&p, 1, ms);
+    if (r > 0) return true;
+    if (r < 0 && errno != EINTR) throw LinkError("PeerLost", std::string("poll failed: ") + std::strerror(errno));
+    if (r == 0 && ms == 0) sched_yield();
+  }
+}
+
+void link_read(int fd, uint8_t* buf, size_t n, const Link& L, const char* who) {
+  const double t0 = now_s();
+  size_t got = 0;
+  while (got < n) {
+    const ssize_t r = ::recv(fd, buf + got, n - got, MSG_DONTWAIT);
+    if (r > 0) {
+      got += static_cast<size_t>(r);
+    } else if (r == 0) {
+      throw LinkError("PeerLost", std::string(who) + " closed the link");
+    } else if (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR) {
+      if (!link_wait(fd, POLLIN, t0, L))
+        throw LinkError("TransportTimeout", std::string("no message from ") + who + " within " +
+                                                std::to_string(L.timeout) + "s");
+    } else {
+      throw LinkError("PeerLost", std::string("link to ") + who + " broke: " + std::strerror(errno));
+    }
+  }
+}
+
+void link_write(int fd, const uint8_t* buf, size_t n, const Link& L, const char* who) {
+  const double t0 = now_s();
+  size_t put = 0;
+  while (put < n) {
+    const ssize_t r = ::send(fd, buf + put, n - put, MSG_DONTWAIT | MSG_NOSIGNAL);
+    if (r >= 0) {
+      put += static_cast<size_t>(r);
+    } else if (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR) {
+      if (!link_wait(fd, POLLOUT, t0, L))
+        throw LinkError("TransportTimeout", std::string("send to ") + who + " timed out");
+    } else {
+      throw LinkError("PeerLost", std::string("link to ") + who + " broke: " + std::strerror(errno));
+    }
+  }
+}
+
+void link_send(Link& L, int fd, uint8_t kind, const float* frame, int64_t H, const char* who) {
+  const uint32_t tlen = static_cast<uint32_t>(L.table.size());
+  const uint64_t payload = 4 + tlen + 4 * static_cast<uint64_t>(H);
+  L.msg.resize(LINK_HEADER + payload);
+  uint8_t* p = L.msg.data();
+  std::memcpy(p, "LBSL", 4);
+  p[4] = 1;  // version
+  p[5] = kind;
+  p[6] = p[7] = 0;
+  std::memcpy(p + 8, &L.seq, 4);  // little-endian hosts only (checked at set-up)
+  std::memcpy(p + 12, &payload, 8);
+  std::memcpy(p + 20, &tlen, 4);
+  std::memcpy(p + 24, L.table.data(), tlen);
+  std::memcpy(p + 24 + tlen, frame, 4 * static_cast<size_t>(H));
+  link_write(fd, p, L.msg.size(), L, who);
+  L.sent += 4 * H;
+}
+
+// Reads one whole message; returns its kind and leaves the float32 frame (if the expected one)
+// at frame_out. Any other message is consumed entirely before an error is raised, so the
+// stream stays aligned for the Python side's resynchronisation.
+uint8_t link_recv(Link& L, int fd, uint8_t want, int64_t H, float* frame_out, const char* who) {
+  uint8_t h[LINK_HEADER];
+  link_read(fd, h, LINK_HEADER, L, who);
+  uint32_t seq;
+  uint64_t n;
+  std::memcpy(&seq, h + 8, 4);
+  std::memcpy(&n, h + 12, 8);
+  if (std::memcmp(h, "LBSL", 4) != 0 || h[4] != 1 || n > LINK_MAX_PAYLOAD)
+    throw LinkError("ProtocolError", std::string("bad link header from ") + who);
+  L.in.resize(static_cast<size_t>(n));
+  link_read(fd, L.in.data(), static_cast<size_t>(n), L, who);
+  const uint8_t kind = h[5];
+  if (kind == LINK_ABORT) return kind;
+  if (kind != want || seq != L.seq)
+    throw LinkError("ProtocolError", std::string("link out of step with ") + who + ": got kind " +
+                                         std::to_string(kind) + " seq " + std::to_string(seq) +
+                                         ", expected kind " + std::to_string(want) + " seq " +
+                                         std::to_string(L.seq));
+  const size_t tlen = L.table.size();
+  uint32_t got_tlen = 0;
+  if (n >= 4) std::memcpy(&got_tlen, L.in.data(), 4);
+  if (n != 4 + tlen + 4 * static_cast<uint64_t>(H) || got_tlen != tlen ||
+      std::memcmp(L.in.data() + 4, L.table.data(), tlen) != 0)
+    throw LinkError("ProtocolError", std::string("unexpected frame from ") + who +
+                                         " (a different wire codec or hidden size on the other end?)");
+  std::memcpy(frame_out, L.in.data() + 4 + tlen, 4 * static_cast<size_t>(H));
+  L.received += 4 * H;
+  return kind;
+}
+
+// In place: x (H floats) becomes the sum over the star, identical on every rank.
+void link_all_reduce(Link& L, float* x, int64_t H, std::vector<float>& tmp) {
+  ++L.seq;
+  tmp.resize(static_cast<size_t>(H));
+  if (L.role == 1) {
+    for (size_t i = 0; i < L.fds.size(); ++i) {  // slot order: the same sums every time
+      const std::string who = "worker slot #" + std::to_string(i + 1);
+      if (link_recv(L, L.fds[i], LINK_DATA, H, tmp.data(), who.c_str()) == LINK_ABORT)
+        throw LinkError("ProtocolError", "a worker sent ABORT");
+      for (int64_t j = 0; j < H; ++j) x[j] += tmp[j];
+    }
+    for (size_t i = 0; i < L.fds.size(); ++i) link_send(L, L.fds[i], LINK_RESULT, x, H, "a worker");
+  } else {
+    link_send(L, L.fds[0], LINK_DATA, x, H, "the master");
+    if (link_recv(L, L.fds[0], LINK_RESULT, H, tmp.data(), "the master") == LINK_ABORT)
+      throw LinkError("PeerLost", "the master aborted this forward (a device failed)");
+    std::copy(tmp.begin(), tmp.end(), x);
+  }
+}
+
 class Decoder {
  public:
   Decoder(int64_t hidden, int64_t head_dim, double eps, torch::Tensor inv_freq, int64_t window)
@@ -245,7 +406,8 @@ class Decoder {
   }
 
   // x: (1, 1, H) hidden state of the token at position pos -> (1, 1, H) after every layer.
-  torch::Tensor layers(const torch::Tensor& x_in, int64_t pos, const py::object& reduce) {
+  // link: None (use the reduce callback, if any) or (role, fds, seq, timeout|-1, spin_s, table).
+  torch::Tensor layers(const torch::Tensor& x_in, int64_t pos, const py::object& reduce, const py::object& link) {
     check_f32(x_in, "x");
     TORCH_CHECK(x_in.numel() == H_, "x must hold hidden_size values (one token)");
     TORCH_CHECK(pos >= 0, "position must be >= 0");
@@ -254,7 +416,23 @@ class Decoder {
                   pos, " (call set_cache)");
     torch::Tensor x = x_in.clone();
     float* xp = x.data_ptr<float>();
-    const bool tp = !reduce.is_none();
+    link_.role = 0;
+    link_.sent = link_.received = 0;
+    if (!link.is_none()) {
+      auto t = link.cast<py::tuple>();
+      TORCH_CHECK(t.size() == 6, "link must be (role, fds, seq, timeout, spin_s, table)");
+      link_.role = t[0].cast<int>();
+      TORCH_CHECK(link_.role == 1 || link_.role == 2, "link role must be 1 (hub) or 2 (spoke)");
+      link_.fds = t[1].cast<std::vector<int>>();
+      TORCH_CHECK(link_.role == 1 || link_.fds.size() == 1, "a spoke has one link");
+      link_.seq = t[2].cast<uint32_t>();
+      link_.timeout = t[3].cast<double>();
+      link_.spin = t[4].cast<double>();
+      link_.table = t[5].cast<std::string>();
+      const uint16_t probe = 1;
+      TORCH_CHECK(*reinterpret_cast<const uint8_t*>(&probe) == 1, "the native link needs a little-endian host");
+    }
+    const bool tp = !reduce.is_none() || link_.role != 0;
     {
       py::gil_scoped_release nogil;
       rope_tables(pos);
@@ -270,11 +448,19 @@ class Decoder {
 
   int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
 
+  // (seq, payload bytes sent, payload bytes received) of the native link in the last call.
+  py::tuple link_state() const { return py::make_tuple(link_.seq, link_.sent, link_.received); }
+
  private:
   // part_ holds a partial sum (o_proj or down_proj output); add it (all-reduced under TP) to x.
   void combine(float* xp, bool tp, const py::object& reduce) {
     const float* src = part_.data_ptr<float>();
     torch::Tensor summed;
+    if (link_.role != 0) {
+      link_all_reduce(link_, part_.data_ptr<float>(), H_, link_tmp_);
+      for (int64_t i = 0; i < H_; ++i) xp[i] += src[i];
+      return;
+    }
     if (tp) {
       py::gil_scoped_acquire gil;
       // a copy: the transport may still be sending from the tensor it was given
@@ -391,6 +577,8 @@ class Decoder {
   torch::Tensor part_;
   std::vector<float> xn_, qkv_, att_, scores_, gu_;
   QScratch qs_;
+  Link link_;
+  std::vector<float> link_tmp_;
 };
 
 // logits (1, N) = lin(rmsnorm(x)) for the LM head.
@@ -419,7 +607,9 @@ void init_decode(py::module_& m) {
            py::arg("eps"), py::arg("inv_freq"), py::arg("window"))
       .def("add_layer", &Decoder::add_layer)
       .def("set_cache", &Decoder::set_cache)
-      .def("layers", &Decoder::layers, py::arg("x"), py::arg("pos"), py::arg("reduce") = py::none())
+      .def("layers", &Decoder::layers, py::arg("x"), py::arg("pos"), py::arg("reduce") = py::none(),
+           py::arg("link") = py::none())
+      .def("link_state", &Decoder::link_state)
       .def("num_layers", &Decoder::num_layers);
   m.def("head", &head, "logits = lm_head(rmsnorm(x)) for one token");
 }
