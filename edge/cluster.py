@@ -408,6 +408,9 @@ class MasterRunner:
     def cached_tokens(self) -> int:
         return self.cache.length
 
+    def restart_floor(self) -> int:
+        return self.cache.restart_floor()
+
     def wire_bytes(self) -> int:
         s = self.comm.stats()
         h = self.hub.stats() if self.hub is not None else OpStats()

@@ -50,6 +50,11 @@ class Runner(Protocol):
         that regrouped between two requests)."""
         ...
 
+    def restart_floor(self) -> int:
+        """The lowest position a forward may restart from other than 0 (a sliding-window
+        cache drops old keys); optional, 0 when absent."""
+        ...
+
     def wire_bytes(self) -> int:
         """Cumulative bytes this device put on and took off the network."""
         ...
@@ -86,6 +91,9 @@ class LocalRunner:
 
     def cached_tokens(self) -> int:
         return self.cache.length
+
+    def restart_floor(self) -> int:
+        return self.cache.restart_floor()
 
     def wire_bytes(self) -> int:
         return 0
@@ -175,6 +183,9 @@ class Engine:
         limit = min(len(self._cached), len(ids) - 1)
         while p < limit and self._cached[p] == ids[p]:
             p += 1
+        floor = getattr(self.runner, "restart_floor", None)
+        if p > 0 and floor is not None and p < floor():
+            p = 0  # a sliding-window cache dropped keys that restarting at p would need
         self._cached = self._cached[:p]
         logits = None
         for a in range(p, len(ids), self.prefill_chunk):

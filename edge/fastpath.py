@@ -129,7 +129,7 @@ class FastDecode:
 
     def layers(self, x: torch.Tensor, cache: KVCache, start: int) -> torch.Tensor:
         """x: (1, 1, H) at position ``start``; the K/V of this position go into ``cache``."""
-        if cache.capacity() <= start:
+        if cache.capacity() <= start - cache.base:
             cache.reserve(start + 1, 1, self.n_kv, self.head_dim, torch.float32)
         key = (id(cache), cache.generation)
         if key != self._bound:
@@ -139,10 +139,10 @@ class FastDecode:
             x = x.to(torch.float32).contiguous()
         link = self.link
         if link is None:
-            return self._dec.layers(x, start, self.reduce)
+            return self._dec.layers(x, start, self.reduce, None, cache.base)
         spec = (*link.native_spec(getattr(self.reduce, "timeout", None)), self._table)
         try:
-            return self._dec.layers(x, start, None, spec)
+            return self._dec.layers(x, start, None, spec, cache.base)
         except RuntimeError as exc:
             raise _link_error(exc) from None
         finally:

@@ -82,31 +82,66 @@ _generations = itertools.count(1)
 
 
 class KVCache:
-    """Per-layer key/value cache with preallocated storage: (B, n_kv, max_len, D).
+    """Per-layer key/value cache with preallocated storage: (B, n_kv, capacity, D).
 
-    ``generation`` changes whenever any buffer is (re)allocated or dropped, so code holding raw
-    views of the buffers (the compiled decode step) knows when to take them again."""
+    With a sliding ``window`` W the cache stops growing: before a forward at ``start`` it may
+    drop positions no later query can see (older than ``start - W + 1``), moving the last W - 1
+    to the front; slot j then holds position ``base + j``. Capacity stays within a few W (plus
+    the longest chunk), and restarting below :meth:`restart_floor` is refused.
 
-    def __init__(self, n_layers: int) -> None:
+    ``generation`` changes whenever a buffer is (re)allocated, dropped or shifted, so code holding
+    raw views of the buffers (the compiled decode step) knows when to take them again."""
+
+    def __init__(self, n_layers: int, window: int | None = None) -> None:
         self.k: list[torch.Tensor | None] = [None] * n_layers
         self.v: list[torch.Tensor | None] = [None] * n_layers
         self.length = 0
+        self.window = window
+        self.base = 0  # absolute position held by slot 0
         self.generation = next(_generations)
 
     def capacity(self) -> int:
-        """Positions every layer can hold without reallocating (0 before the first use)."""
+        """Slots every layer has without reallocating (0 before the first use)."""
         return min((k.shape[2] if k is not None else 0) for k in self.k) if self.k else 0
+
+    def restart_floor(self) -> int:
+        """The smallest ``start`` a forward may use (0 unless a window dropped positions)."""
+        return self.base + self.window - 1 if self.base > 0 and self.window else 0
+
+    def prepare(self, start: int, T: int) -> None:
+        """Called before every forward of T positions at ``start``: a windowed cache makes room
+        by dropping positions older than the window instead of growing."""
+        if start == 0 and self.base:  # a fresh sequence: nothing older is needed
+            self.base = 0
+            self.generation = next(_generations)
+        if start < self.restart_floor():
+            raise RuntimeError(f"position {start} needs keys the sliding-window cache has dropped "
+                               f"(it restarts from {self.restart_floor()} or 0)")
+        W, cap = self.window, self.capacity()
+        if W is None or cap == 0 or start + T - self.base <= cap:
+            return
+        keep_from = max(self.base, start - (W - 1))
+        n_keep = min(start, self.length) - keep_from
+        if keep_from == self.base or n_keep < 0 or 2 * (n_keep + T) > cap:
+            return  # shifting would not free enough room: let update()/reserve() grow it
+        shift = keep_from - self.base
+        for layer in range(len(self.k)):
+            for buf in (self.k[layer], self.v[layer]):
+                buf[:, :, :n_keep] = buf[:, :, shift:shift + n_keep].clone()  # type: ignore[index]
+        self.base = keep_from
+        self.generation = next(_generations)
 
     def reserve(self, end: int, batch: int, n_kv: int, head_dim: int, dtype: torch.dtype,
                 device: torch.device | str = "cpu") -> None:
-        """Make every layer hold at least ``end`` positions (grown by doubling, contents kept)."""
+        """Make every layer hold positions up to ``end`` (grown by doubling, contents kept)."""
+        need = end - self.base
         for layer, k in enumerate(self.k):
-            if k is None or k.shape[2] < end:
-                cap = max(end, 2 * (k.shape[2] if k is not None else 64))
+            if k is None or k.shape[2] < need:
+                cap = max(need, 2 * k.shape[2] if k is not None else 64)
                 new_k = torch.zeros(batch, n_kv, cap, head_dim, dtype=dtype, device=device)
                 new_v = torch.zeros_like(new_k)
                 if k is not None:
-                    n = min(k.shape[2], self.length)
+                    n = min(k.shape[2], self.length - self.base)
                     new_k[:, :, :n] = k[:, :, :n]
                     new_v[:, :, :n] = self.v[layer][:, :, :n]  # type: ignore[index]
                 self.k[layer], self.v[layer] = new_k, new_v
@@ -114,26 +149,30 @@ class KVCache:
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor, start: int
                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store positions start..start+T-1; the keys/values of every held position up to them
+        (slot j = position base + j)."""
         t = k.shape[2]
-        end = start + t
+        a = start - self.base
+        end = a + t
         buf_k = self.k[layer]
         if buf_k is None or buf_k.shape[2] < end:
-            cap = max(end, 2 * (buf_k.shape[2] if buf_k is not None else 64))
+            cap = max(end, 2 * buf_k.shape[2] if buf_k is not None else 64)
             new_k = k.new_zeros(k.shape[0], k.shape[1], cap, k.shape[3])
             new_v = v.new_zeros(v.shape[0], v.shape[1], cap, v.shape[3])
             if buf_k is not None:
-                new_k[:, :, :start] = buf_k[:, :, :start]
-                new_v[:, :, :start] = self.v[layer][:, :, :start]  # type: ignore[index]
+                new_k[:, :, :a] = buf_k[:, :, :a]
+                new_v[:, :, :a] = self.v[layer][:, :, :a]  # type: ignore[index]
             self.k[layer], self.v[layer] = new_k, new_v
             self.generation = next(_generations)
-        self.k[layer][:, :, start:end] = k  # type: ignore[index]
-        self.v[layer][:, :, start:end] = v  # type: ignore[index]
+        self.k[layer][:, :, a:end] = k  # type: ignore[index]
+        self.v[layer][:, :, a:end] = v  # type: ignore[index]
         return self.k[layer][:, :, :end], self.v[layer][:, :, :end]  # type: ignore[index]
 
     def reset(self) -> None:
         self.k = [None] * len(self.k)
         self.v = [None] * len(self.v)
         self.length = 0
+        self.base = 0
         self.generation = next(_generations)
 
 
@@ -320,6 +359,8 @@ class LlamaForCausalLM(nn.Module):
     def forward_layers(self, x: torch.Tensor, *, cache: KVCache | None, start: int) -> torch.Tensor:
         """x: (B, T, H) hidden states at positions start..start+T-1."""
         T = x.shape[1]
+        if cache is not None:
+            cache.prepare(start, T)
         fast: Any = self.fast_decode
         if fast is not None and T == 1 and cache is not None and x.shape[0] == 1:
             x = fast.layers(x, cache, start)
@@ -350,7 +391,7 @@ class LlamaForCausalLM(nn.Module):
         return table[0][start:end], table[1][start:end]
 
     def new_cache(self) -> KVCache:
-        return KVCache(self.config.num_hidden_layers)
+        return KVCache(self.config.num_hidden_layers, window=self.config.sliding_window)
 
 
 Fuser = Callable[[list[nn.Module]], "nn.Module | None"]

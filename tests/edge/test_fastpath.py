@@ -222,3 +222,40 @@ def test_native_link_failures_raise_transport_errors() -> None:
     finally:
         for link in links:
             link.close()
+
+
+def test_windowed_cache_stops_growing_under_the_compiled_step() -> None:
+    m = _model(8, sliding_window=6)
+    ids = torch.randint(0, 97, (1, 200), generator=torch.Generator().manual_seed(6))
+    ref = _decode(m, ids, 4)
+    assert fastpath.install(m) is None
+    cache, out = m.new_cache(), []
+    with torch.inference_mode():
+        m(ids[:, :4], cache=cache)
+        for t in range(4, 200):
+            out.append(m(ids[:, t:t + 1], cache=cache)[0, -1])
+    assert cache.capacity() == 64 and cache.base > 100
+    got = torch.stack(out)
+    assert (got - ref).abs().max().item() <= _tol(8) * max(1.0, ref.abs().max().item())
+
+
+def test_engine_restarts_from_zero_when_the_window_dropped_the_prefix() -> None:
+    """A chat turn that shares only an early prefix with the previous request cannot reuse a
+    sliding-window cache that dropped those keys: the engine prefills from 0 and the answer is
+    the one a fresh engine gives."""
+    from edge.engine import Engine, LocalRunner
+    from edge.sampling import SamplingParams
+    from lowband.models.tokenizer import ByteTokenizer
+
+    def engine() -> Engine:
+        m = _model(8, vocab_size=256, sliding_window=6, max_position_embeddings=512)
+        assert fastpath.install(m) is None
+        return Engine(LocalRunner(m), ByteTokenizer(), model_name="t")
+
+    params = SamplingParams(max_tokens=150)
+    e = engine()
+    e.complete("the first request, " * 3, params)  # ~207 positions: keys before ~140 dropped
+    assert e.runner.restart_floor() > 100
+    second = "the first request, and now another"  # shares 19 tokens with the first
+    got = e.complete(second, SamplingParams(max_tokens=20))
+    assert got == engine().complete(second, SamplingParams(max_tokens=20))

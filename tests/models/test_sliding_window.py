@@ -70,3 +70,24 @@ def test_qwen2_window_ignored_unless_enabled() -> None:
     cfg = ModelConfig.from_hf_dict({**TINY, "model_type": "qwen2", "sliding_window": 8,
                                     "use_sliding_window": False})
     assert cfg.sliding_window is None
+
+
+def test_cache_stops_growing_past_the_window(pair) -> None:
+    """A long decode with chunks in between: the cache drops keys older than the window instead
+    of growing (capacity stays at its first allocation), the logits stay equal to transformers',
+    and restarting below what the cache still holds is refused (0 always works)."""
+    hf, ours = pair
+    ids = _ids(120)
+    with torch.no_grad():
+        ref = hf(ids).logits
+        cache = ours.new_cache()
+        parts = [ours(ids[:, :3], cache=cache)]
+        parts += [ours(ids[:, t:t + 1], cache=cache) for t in range(3, 70)]
+        parts.append(ours(ids[:, 70:77], cache=cache))  # a chunk after keys were dropped
+        parts += [ours(ids[:, t:t + 1], cache=cache) for t in range(77, 120)]
+        assert cache.capacity() == 64 and cache.base > 0  # 120 positions in 64 slots
+        assert (torch.cat(parts, 1) - ref).abs().max().item() <= 1e-4
+        with pytest.raises(RuntimeError, match="dropped"):
+            ours(ids[:, 50:51], cache=cache, start=50)
+        again = ours(ids[:, :10], cache=cache, start=0)  # a fresh sequence reuses the cache
+        assert (again - ref[:, :10]).abs().max().item() <= 1e-4 and cache.base == 0

@@ -407,13 +407,19 @@ class Decoder {
 
   // x: (1, 1, H) hidden state of the token at position pos -> (1, 1, H) after every layer.
   // link: None (use the reduce callback, if any) or (role, fds, seq, timeout|-1, spin_s, table).
-  torch::Tensor layers(const torch::Tensor& x_in, int64_t pos, const py::object& reduce, const py::object& link) {
+  // base: the absolute position held by slot 0 of the cache (a sliding-window cache that
+  // dropped old positions, see KVCache.prepare).
+  torch::Tensor layers(const torch::Tensor& x_in, int64_t pos, const py::object& reduce, const py::object& link,
+                       int64_t base) {
     check_f32(x_in, "x");
     TORCH_CHECK(x_in.numel() == H_, "x must hold hidden_size values (one token)");
-    TORCH_CHECK(pos >= 0, "position must be >= 0");
+    TORCH_CHECK(pos >= 0 && base >= 0 && base <= pos, "need 0 <= base <= position");
+    TORCH_CHECK(base == 0 || (window_ > 0 && pos - window_ + 1 >= base),
+                "the cache no longer holds the keys position ", pos, " attends to");
     for (size_t i = 0; i < layers_.size(); ++i)
-      TORCH_CHECK(k_[i].defined() && k_[i].size(2) > pos, "KV cache of layer ", i, " cannot hold position ",
-                  pos, " (call set_cache)");
+      TORCH_CHECK(k_[i].defined() && k_[i].size(2) > pos - base, "KV cache of layer ", i,
+                  " cannot hold position ", pos, " (call set_cache)");
+    base_ = base;
     torch::Tensor x = x_in.clone();
     float* xp = x.data_ptr<float>();
     link_.role = 0;
@@ -519,11 +525,12 @@ class Decoder {
       float* kc = k_[li].data_ptr<float>();
       float* vc = v_[li].data_ptr<float>();
       for (int64_t g = 0; g < nkv; ++g) {
-        std::copy(k + g * D, k + (g + 1) * D, kc + (g * cap + pos) * D);
-        std::copy(v + g * D, v + (g + 1) * D, vc + (g * cap + pos) * D);
+        std::copy(k + g * D, k + (g + 1) * D, kc + (g * cap + pos - base_) * D);
+        std::copy(v + g * D, v + (g + 1) * D, vc + (g * cap + pos - base_) * D);
       }
-      const int64_t lo = window_ > 0 ? std::max<int64_t>(0, pos - window_ + 1) : 0;
-      const int64_t S = pos + 1 - lo;
+      const int64_t first = window_ > 0 ? std::max<int64_t>(0, pos - window_ + 1) : 0;
+      const int64_t lo = first - base_;  // slot of the first key this token sees
+      const int64_t S = pos + 1 - first;
       const int64_t group = nq / nkv;
       const float scale = 1.f / std::sqrt(static_cast<float>(D));
       ensure(scores_, nq * S);
@@ -571,6 +578,7 @@ class Decoder {
   int64_t H_, D_;
   float eps_;
   int64_t window_;
+  int64_t base_ = 0;
   std::vector<float> inv_freq_, cos_, sin_;
   std::vector<Layer> layers_;
   std::vector<torch::Tensor> k_, v_;
@@ -608,7 +616,7 @@ void init_decode(py::module_& m) {
       .def("add_layer", &Decoder::add_layer)
       .def("set_cache", &Decoder::set_cache)
       .def("layers", &Decoder::layers, py::arg("x"), py::arg("pos"), py::arg("reduce") = py::none(),
-           py::arg("link") = py::none())
+           py::arg("link") = py::none(), py::arg("base") = 0)
       .def("link_state", &Decoder::link_state)
       .def("num_layers", &Decoder::num_layers);
   m.def("head", &head, "logits = lm_head(rmsnorm(x)) for one token");
