@@ -52,7 +52,10 @@ class InnerLoop:
     def lr(self) -> float:
         return self.base_lrs[0] * self.cfg.lr_schedule.factor(self.step, self.cfg.steps)
 
-    def run_step(self, slot: int, grad_hook: GradHook | None = None) -> float:
+    def run_step(self, slot: int, grad_hook: GradHook | None = None) -> torch.Tensor:
+        """One inner step; the batch-mean training loss as a 0-dim tensor on the device (turning
+        it into a float is a host sync on a GPU, so callers defer it, see
+        :meth:`WorkerResult.record_step`)."""
         factor = self.cfg.lr_schedule.factor(self.step, self.cfg.steps)
         for group, base in zip(self.opt.param_groups, self.base_lrs):
             group["lr"] = base * factor
@@ -81,7 +84,7 @@ class InnerLoop:
         else:
             self.opt.step()
         self.step += 1
-        return float(total)
+        return total
 
 
 def _signature_text(cfg: TrainConfig, model: nn.Module) -> str:
@@ -139,7 +142,8 @@ class WorkerResult:
     mode: str  # "diloco" or "ddp"
     start_step: int  # 0, or the step at which this worker joined / resumed
     steps: int
-    losses: dict[int, float] = field(default_factory=dict)  # inner step -> local training loss
+    _losses: dict[int, float] = field(default_factory=dict, repr=False)
+    _pending: list = field(default_factory=list, repr=False)  # (step, 0-dim device tensor)
     evals: list[dict[str, Any]] = field(default_factory=list)  # {"step", "loss", "bytes_sent"}
     final_eval: float | None = None
     bytes_sent: int = 0
@@ -163,8 +167,25 @@ class WorkerResult:
         out["tokens_per_s"] = self.tokens / self.wall_s if self.wall_s > 0 else math.nan
         return out
 
-    def record_step(self, step: int, loss: float, tokens: int) -> None:
-        self.losses[step] = loss
+    @property
+    def losses(self) -> dict[int, float]:
+        """Inner step -> local training loss (device values are read here, in one transfer)."""
+        self.flush_losses()
+        return self._losses
+
+    def flush_losses(self) -> None:
+        if self._pending:
+            values = torch.stack([t.detach().float() for _, t in self._pending]).cpu().tolist()
+            for (step, _), v in zip(self._pending, values):
+                self._losses[step] = v
+            self._pending.clear()
+
+    def record_step(self, step: int, loss: float | torch.Tensor, tokens: int) -> None:
+        """A tensor loss is kept on its device until read (no host sync per step)."""
+        if isinstance(loss, torch.Tensor):
+            self._pending.append((step, loss))
+        else:
+            self._losses[step] = float(loss)
         self.tokens += tokens
 
     def step_record(self, step: int, loss: float, lr: float, elapsed_s: float,

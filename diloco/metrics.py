@@ -64,7 +64,8 @@ class Progress:
     def update(self, step: int, **postfix: Any) -> None:
         if self._bar is not None:
             self._bar.n = step
-            self._bar.set_postfix(postfix, refresh=False)
+            if postfix:
+                self._bar.set_postfix(postfix, refresh=False)
             self._bar.refresh()
 
     def close(self) -> None:

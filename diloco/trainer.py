@@ -453,12 +453,12 @@ class DilocoWorker:
         self.load(tensors, meta, own=True)
 
     # ---- bookkeeping ---------------------------------------------------------------------------
-    def _after_step(self, loss: float) -> None:
+    def _after_step(self, loss: torch.Tensor) -> None:
         r, step = self.result, self.step
         r.record_step(step, loss, self.task.tokens_per_batch())
         if step % self.cfg.log_every == 0 or step == self.cfg.steps:
             stats = self.comm.stats()
-            self.log.log("step", **r.step_record(step, loss, self.inner.lr(),
+            self.log.log("step", **r.step_record(step, r.losses[step], self.inner.lr(),
                                                  time.perf_counter() - self._t0,
                                                  stats.bytes_sent, stats.bytes_received))
         if self.cfg.eval_every and step % self.cfg.eval_every == 0 and step < self.cfg.steps:
@@ -470,7 +470,10 @@ class DilocoWorker:
         if self._checkpoint_due and self.out_dir is not None and self.inflight is None:
             self.checkpoint(self.out_dir / "checkpoints" / f"step-{step:06d}")
             self._checkpoint_due = False
-        self._progress.update(step, loss=f"{loss:.3f}")
+        logged = step % self.cfg.log_every == 0 or step == self.cfg.steps
+        # The bar shows the loss of logged steps only: reading it every step would be a host
+        # sync per step on a GPU.
+        self._progress.update(step, **({"loss": f"{r.losses[step]:.3f}"} if logged else {}))
         if self.on_step is not None:
             self.on_step(step)
 

@@ -174,6 +174,7 @@ class StarHub:
         self._conns: dict[int, _Conn] = {}  # slot -> connection
         self._pending: dict[int, _Conn] = {}
         self._seq = 0
+        self.native_seconds = 0.0  # inside natively driven all-reduces (see native_done)
         self._lock = threading.Lock()
 
     def accept(self, slot: int, timeout: float) -> None:
@@ -234,9 +235,11 @@ class StarHub:
         fds = [self._conns[s].sock.fileno() for s in sorted(self._conns)]
         return (1, fds, self._seq, -1.0 if timeout is None else float(timeout), self.spin_s)
 
-    def native_done(self, seq: int, sent: int, received: int) -> None:
-        """Account for all-reduces a native implementation ran (sequence and bytes)."""
+    def native_done(self, seq: int, sent: int, received: int, seconds: float = 0.0) -> None:
+        """Account for all-reduces a native implementation ran (sequence, bytes, and the time
+        spent inside them: link plus waiting for the slowest device)."""
         self._seq = int(seq)
+        self.native_seconds += seconds
         conns = [self._conns[s] for s in sorted(self._conns)]
         if conns:  # per-connection split is not tracked natively: spread evenly
             for c in conns:
@@ -291,6 +294,7 @@ class StarSpoke:
         self._conn.send(HELLO, 0, meta={"slot": slot, "secret": secret}, timeout=timeout)
         self._conn.spin_s = spin_s
         self._seq = 0
+        self.native_seconds = 0.0
 
     def all_reduce(self, x: torch.Tensor, op: str = "sum", *, codec: Codec | None = None,
                    algorithm: str = "star", tag: str | None = None,
@@ -311,8 +315,9 @@ class StarSpoke:
         return (2, [self._conn.sock.fileno()], self._seq, -1.0 if timeout is None else float(timeout),
                 self._conn.spin_s)
 
-    def native_done(self, seq: int, sent: int, received: int) -> None:
+    def native_done(self, seq: int, sent: int, received: int, seconds: float = 0.0) -> None:
         self._seq = int(seq)
+        self.native_seconds += seconds
         self._conn.sent += sent
         self._conn.received += received
 

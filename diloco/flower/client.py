@@ -94,7 +94,7 @@ class DilocoClient:
                               "codec": self.mode.codec, "codec-meta": meta, "valid": valid})
         metrics = MetricRecord({
             "num-examples": self.mode.stride * self.train_cfg.data.batch_size,
-            "train-loss": sum(losses) / len(losses), "bytes-up": payload_bytes(arrays),
+            "train-loss": float(torch.stack(losses).float().mean()), "bytes-up": payload_bytes(arrays),
             "bytes-up-fp32": 4 * x.numel(), "bytes-down": down})
         self._save()
         return self._reply(msg, "ok", metrics, extra=reply, delta=arrays)

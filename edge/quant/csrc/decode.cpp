@@ -223,6 +223,7 @@ struct Link {
   double timeout = -1.0, spin = 0.0;
   std::string table;
   int64_t sent = 0, received = 0;
+  double wait_s = 0.0;  // time inside all-reduces (link + waiting for the other devices)
   std::vector<uint8_t> msg, in;
 };
 
@@ -334,6 +335,12 @@ uint8_t link_recv(Link& L, int fd, uint8_t want, int64_t H, float* frame_out, co
 
 // In place: x (H floats) becomes the sum over the star, identical on every rank.
 void link_all_reduce(Link& L, float* x, int64_t H, std::vector<float>& tmp) {
+  const double t0 = now_s();
+  struct Timer {
+    Link& l;
+    double t0;
+    ~Timer() { l.wait_s += now_s() - t0; }
+  } timer{L, t0};
   ++L.seq;
   tmp.resize(static_cast<size_t>(H));
   if (L.role == 1) {
@@ -424,6 +431,7 @@ class Decoder {
     float* xp = x.data_ptr<float>();
     link_.role = 0;
     link_.sent = link_.received = 0;
+    link_.wait_s = 0.0;
     if (!link.is_none()) {
       auto t = link.cast<py::tuple>();
       TORCH_CHECK(t.size() == 6, "link must be (role, fds, seq, timeout, spin_s, table)");
@@ -454,8 +462,9 @@ class Decoder {
 
   int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
 
-  // (seq, payload bytes sent, payload bytes received) of the native link in the last call.
-  py::tuple link_state() const { return py::make_tuple(link_.seq, link_.sent, link_.received); }
+  // (seq, payload bytes sent, payload bytes received, seconds inside all-reduces) of the native
+  // link in the last call.
+  py::tuple link_state() const { return py::make_tuple(link_.seq, link_.sent, link_.received, link_.wait_s); }
 
  private:
   // part_ holds a partial sum (o_proj or down_proj output); add it (all-reduced under TP) to x.
