@@ -7,6 +7,7 @@ import hashlib
 import json
 import math
 import struct
+import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
@@ -85,6 +86,23 @@ class InnerLoop:
             self.opt.step()
         self.step += 1
         return total
+
+
+def record_inner_step(result: "WorkerResult", cfg: TrainConfig, log: Any, comm: Any, progress: Any,
+                      step: int, loss: torch.Tensor, tokens: int, lr: float, t0: float) -> None:
+    """Bookkeeping shared by the DiLoCo and DDP workers after an inner step: record the loss
+    (kept on the device), and on log steps write the metrics line and show it on the bar.
+    Only logged steps read the loss: reading it every step would be a host sync per step on a
+    GPU."""
+    result.record_step(step, loss, tokens)
+    if step % cfg.log_every == 0 or step == cfg.steps:
+        stats = comm.stats()
+        value = result.losses[step]
+        log.log("step", **result.step_record(step, value, lr, time.perf_counter() - t0,
+                                             stats.bytes_sent, stats.bytes_received))
+        progress.update(step, loss=f"{value:.3f}")
+    else:
+        progress.update(step)
 
 
 def _signature_text(cfg: TrainConfig, model: nn.Module) -> str:

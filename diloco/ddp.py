@@ -18,7 +18,8 @@ from typing import Callable
 import torch
 
 from diloco.checkpoint import export_model
-from diloco.common import InnerLoop, WorkerResult, hash_state, run_signature, signature_int
+from diloco.common import (InnerLoop, WorkerResult, hash_state, record_inner_step, run_signature,
+                           signature_int)
 from diloco.config import DDPConfig, TrainConfig
 from diloco.device import HostStaging, resolve_device
 from diloco.metrics import MetricsLog, Progress
@@ -94,19 +95,11 @@ class DDPWorker:
         return hash_state(list(self.model.parameters()), self.inner.step)
 
     def _after_step(self, loss: torch.Tensor) -> None:
-        r, step = self.result, self.inner.step
-        r.record_step(step, loss, self.task.tokens_per_batch())
-        if step % self.cfg.log_every == 0 or step == self.cfg.steps:
-            stats = self.comm.stats()
-            self.log.log("step", **r.step_record(step, r.losses[step], self.inner.lr(),
-                                                 time.perf_counter() - self._t0,
-                                                 stats.bytes_sent, stats.bytes_received))
+        step = self.inner.step
+        record_inner_step(self.result, self.cfg, self.log, self.comm, self._progress, step, loss,
+                          self.task.tokens_per_batch(), self.inner.lr(), self._t0)
         if self.cfg.eval_every and step % self.cfg.eval_every == 0 and step < self.cfg.steps:
             self._evaluate()
-        logged = step % self.cfg.log_every == 0 or step == self.cfg.steps
-        # The bar shows the loss of logged steps only: reading it every step would be a host
-        # sync per step on a GPU.
-        self._progress.update(step, **({"loss": f"{r.losses[step]:.3f}"} if logged else {}))
         if self.on_step is not None:
             self.on_step(step)
 

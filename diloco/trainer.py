@@ -39,7 +39,7 @@ import torch
 
 from diloco.checkpoint import (State, export_model, load_optimizer_state, load_state,
                                optimizer_state, save_state)
-from diloco.common import (InnerLoop, WorkerResult, hash_state, optimizer_tensors,
+from diloco.common import (InnerLoop, WorkerResult, hash_state, optimizer_tensors, record_inner_step,
                            run_signature, signature_int)
 from diloco.config import DilocoConfig, TrainConfig
 from diloco.device import HostStaging, optimizer_kernels, resolve_device
@@ -454,13 +454,9 @@ class DilocoWorker:
 
     # ---- bookkeeping ---------------------------------------------------------------------------
     def _after_step(self, loss: torch.Tensor) -> None:
-        r, step = self.result, self.step
-        r.record_step(step, loss, self.task.tokens_per_batch())
-        if step % self.cfg.log_every == 0 or step == self.cfg.steps:
-            stats = self.comm.stats()
-            self.log.log("step", **r.step_record(step, r.losses[step], self.inner.lr(),
-                                                 time.perf_counter() - self._t0,
-                                                 stats.bytes_sent, stats.bytes_received))
+        step = self.step
+        record_inner_step(self.result, self.cfg, self.log, self.comm, self._progress, step, loss,
+                          self.task.tokens_per_batch(), self.inner.lr(), self._t0)
         if self.cfg.eval_every and step % self.cfg.eval_every == 0 and step < self.cfg.steps:
             self._evaluate()
         if self.cfg.checkpoint_every and step % self.cfg.checkpoint_every == 0:
@@ -470,10 +466,6 @@ class DilocoWorker:
         if self._checkpoint_due and self.out_dir is not None and self.inflight is None:
             self.checkpoint(self.out_dir / "checkpoints" / f"step-{step:06d}")
             self._checkpoint_due = False
-        logged = step % self.cfg.log_every == 0 or step == self.cfg.steps
-        # The bar shows the loss of logged steps only: reading it every step would be a host
-        # sync per step on a GPU.
-        self._progress.update(step, **({"loss": f"{r.losses[step]:.3f}"} if logged else {}))
         if self.on_step is not None:
             self.on_step(step)
 
