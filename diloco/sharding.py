@@ -49,7 +49,7 @@ class ShardLayout:
 
     def describe(self) -> str:
         """Names the layout in errors: two sites whose shards do not map differ here."""
-        return f"{self.size} rank(s), dim-0 chunks, shard {self.rank}"
+        return f"a site of {self.size} rank(s) ({self.engine}, dim-0 chunks), shard {self.rank}"
 
 
 def shard_rows(rows: int, size: int, rank: int) -> tuple[int, int]:

@@ -76,7 +76,7 @@ def site_main(cfg: SiteLaunch) -> WorkerResult:
                      same_host=cfg.same_host)
     worker_id = f"{cfg.site_id}-r{cfg.rank}"
     comm = connect(cfg.coordinators[cfg.rank], zcfg, signature=signature,
-                   meta={"worker_id": worker_id})
+                   meta={"worker_id": worker_id, "layout": cfg.layout.describe()})
     log = MetricsLog(cfg.out_dir / f"metrics-{worker_id}.jsonl" if cfg.out_dir else None,
                      worker=worker_id)
     try:

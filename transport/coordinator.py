@@ -223,6 +223,7 @@ class Coordinator:
         self._book = MembershipBook()
         self._peers: dict[str, _Peer] = {}
         self._signature: str | None = None
+        self._layout: str | None = None  # what the first peer said its signature covers
         self._chunk: int | None = None
         self.address = ""
         self.counters = {"refused": 0, "bad_messages": 0, "lost": 0, "left": 0, "registered": 0}
@@ -459,9 +460,15 @@ class Coordinator:
             elif pid in self._peers:
                 refusal = ("duplicate", f"peer id {pid!r} is already registered")
             elif self._signature is not None and signature != self._signature:
+                # A peer may describe what its signature covers (meta "layout", e.g. a site's
+                # shard layout): the refusal then names both sides.
+                why = "different model shapes or config"
+                mine = peer_meta.get("layout")
+                if isinstance(mine, str) or isinstance(self._layout, str):
+                    why = f"this peer: {mine or 'not stated'}; the group: {self._layout or 'not stated'}"
                 refusal = ("incompatible",
                            f"run signature {signature[:16]!r}… differs from the group's "
-                           f"{self._signature[:16]!r}… (different model shapes or config)")
+                           f"{self._signature[:16]!r}… ({why})")
             elif self._chunk is not None and chunk != self._chunk:
                 # Reductions are matched chunk by chunk: every peer must cut buffers alike.
                 refusal = ("incompatible", f"chunk_bytes={chunk} differs from the group's "
@@ -469,6 +476,8 @@ class Coordinator:
             if refusal is None:
                 if self._signature is None:
                     self._signature = signature
+                    layout = peer_meta.get("layout")
+                    self._layout = layout if isinstance(layout, str) else None
                     self._chunk = chunk
                 if "://*:" in addr:  # the peer asked us to fill in the host we see it from
                     addr = addr.replace("*", _peer_address(frame) or "127.0.0.1", 1)

@@ -23,8 +23,10 @@ from safetensors.torch import load_file
 from diloco.config import DilocoConfig, tiny
 from diloco.launch import run_threads
 from diloco.sharding import ShardLayout, batch_rows, gather_rows, local_shard, shard_rows
-from lowband.errors import ConfigError
+from lowband.errors import ConfigError, IncompatiblePeer
+from transport.config import ZmqConfig
 from transport.coordinator import Coordinator, CoordinatorConfig
+from transport.zmq_comm import connect
 
 # Several outer steps per fragment with P > 1 and τ > 0, on the tiny preset (~0.13 M params).
 RUN = ["--preset", "tiny", "--steps", "20", "-H", "10", "-P", "2", "--tau", "1",
@@ -172,3 +174,18 @@ def test_bytes_per_site_rank_are_one_nth(runs) -> None:
         assert sum(per_rank) == pytest.approx(single, rel=0.01)
         for b in per_rank:
             assert b == pytest.approx(single / 2, rel=0.02)
+
+
+def test_incompatible_layout_is_named_in_the_refusal():
+    """Peers may say what their signature covers (meta "layout", e.g. a DiLoCo site's shard
+    layout); a refusal then names both sides, not only two hashes."""
+    with Coordinator(CoordinatorConfig(bind="tcp://127.0.0.1:0")) as coord:
+        two = ShardLayout(size=2, rank=0).describe()
+        four = ShardLayout(size=4, rank=0).describe()
+        first = connect(coord.address, ZmqConfig(bind_host="127.0.0.1"), signature="sig-2", meta={"layout": two})
+        try:
+            with pytest.raises(IncompatiblePeer) as err:
+                connect(coord.address, ZmqConfig(bind_host="127.0.0.1"), signature="sig-4", meta={"layout": four})
+            assert "a site of 4 rank(s)" in str(err.value) and "a site of 2 rank(s)" in str(err.value)
+        finally:
+            first.close()

@@ -266,3 +266,4 @@ def test_random_shapes_algorithms_and_codecs_against_exact_sums(world):
             assert all(torch.equal(o, outs[0]) for o in outs), (numel, algorithm, codec)
             tol = 1e-5 if codec is None else 2e-2
             assert torch.allclose(outs[0], sum(xs) / world, atol=tol), (numel, algorithm, codec)
+
