@@ -359,10 +359,17 @@ class MasterRunner:
         self.cache = self.model.new_cache()
 
     def _heartbeat_loop(self) -> None:
+        rejoins = getattr(self.comm, "rejoins", 0)
         while not self._closed.wait(self.cfg.heartbeat_s):
             if not self._healthy or not self._lock.acquire(blocking=False):
                 continue
             try:
+                now = getattr(self.comm, "rejoins", 0)
+                if now != rejoins:  # this master was paused past the deadline and re-registered
+                    rejoins = now
+                    self._fail(PeerLost("this master was declared lost and rejoined as a newcomer; "
+                                        "re-forming the cluster"))
+                    continue
                 self._ping_n += 1
                 m = self.comm.membership
                 for r in self._others():
@@ -505,6 +512,24 @@ def _regroup(comm: Communicator, cfg: WorkerConfig, *, rejoining: bool = False) 
             logger.info("worker: quorum not complete yet (%s); retrying", exc)
 
 
+def _has_master(comm: Communicator) -> bool:
+    return any(p.startswith(MASTER_ID_PREFIX) for p in comm.membership.peers)
+
+
+def _regroup_with_master(comm: Communicator, cfg: WorkerConfig, *, rejoining: bool = False) -> None:
+    """Regroup, then, if the master is not in the new group (it was the peer declared lost and
+    is registering again), keep joining quorum rounds until it is: a worker without its master
+    would wait on itself. Bounded by ``join_timeout``."""
+    had_master = _has_master(comm)
+    _regroup(comm, cfg, rejoining=rejoining)
+    deadline = time.monotonic() + cfg.join_timeout
+    while had_master and not _has_master(comm):
+        if time.monotonic() > deadline:
+            raise PeerLost(f"the master did not come back within {cfg.join_timeout:.0f}s")
+        time.sleep(0.2)
+        _regroup(comm, cfg, rejoining=rejoining)
+
+
 def run_worker(comm: Communicator, cfg: WorkerConfig) -> int:
     """Serve the master until it says shutdown (returns 0) or disappears (raises PeerLost)."""
     comm.quorum(min_world=1, timeout=cfg.join_timeout)
@@ -525,17 +550,7 @@ def run_worker(comm: Communicator, cfg: WorkerConfig) -> int:
                 # was (and is rejoining): either way the group re-forms at the next quorum,
                 # where the master re-assigns or regroups (bounded by join_timeout).
                 logger.warning("worker: %s; rejoining the group", exc)
-                had_master = any(p.startswith(MASTER_ID_PREFIX) for p in comm.membership.peers)
-                _regroup(comm, cfg, rejoining=True)
-                # Without its master the group is useless: wait in quorum rounds until the
-                # master (rejoining too) is a member again.
-                deadline = time.monotonic() + cfg.join_timeout
-                while had_master and not any(p.startswith(MASTER_ID_PREFIX)
-                                             for p in comm.membership.peers):
-                    if time.monotonic() > deadline:
-                        raise PeerLost(f"the master did not come back within {cfg.join_timeout:.0f}s")
-                    time.sleep(0.2)
-                    _regroup(comm, cfg, rejoining=True)
+                _regroup_with_master(comm, cfg, rejoining=True)
                 logger.warning("worker: rejoined the group (epoch %d)", comm.membership.epoch)
                 st.cache = st.shard.model.new_cache() if st.shard else None
                 continue
@@ -548,9 +563,10 @@ def run_worker(comm: Communicator, cfg: WorkerConfig) -> int:
             try:
                 _handle(comm, cfg, st, op, tensors, meta)
             except (PeerLost, TransportTimeout, ProtocolError) as exc:
-                # A peer died mid-forward: form the next epoch with whoever is left.
+                # A peer died mid-forward: form the next epoch with whoever is left (and with the
+                # master, which may itself be the one that was lost and is rejoining).
                 logger.warning("worker: %s; regrouping", exc)
-                _regroup(comm, cfg)
+                _regroup_with_master(comm, cfg)
                 st.cache = st.shard.model.new_cache() if st.shard else None
     finally:
         if st.shard is not None:

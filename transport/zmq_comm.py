@@ -203,6 +203,12 @@ class ZmqCommunicator(BlockingCollectives):
     def world_size(self) -> int:
         return self.membership.world_size
 
+    @property
+    def rejoins(self) -> int:
+        """Times this peer was declared lost and registered again by itself (a process that
+        was paused past the deadline learns of it here: its groups must re-form)."""
+        return self._engine.rejoins
+
     def quorum(self, *, min_world: int = 1, timeout: float | None = None) -> Membership:
         if min_world < 1:
             raise ConfigError("min_world", f"must be >= 1, got {min_world}")

@@ -225,13 +225,14 @@ def _peer(args: argparse.Namespace) -> int:
         comm.quorum(min_world=2, timeout=args.timeout)
         x = torch.zeros(int(args.size_mb * (1 << 20)) // 4)
         times = []
+        other = 1 - comm.rank  # ranks follow registration order, not the role: either may be 0
         for _ in range(args.repeats):
             comm.barrier(timeout=args.timeout)
             t0 = time.perf_counter()
-            if comm.rank == 1:
-                comm.send(0, [x], tag="bulk", timeout=args.timeout)
+            if args.role == "send":
+                comm.send(other, [x], tag="bulk", timeout=args.timeout)
             else:
-                comm.recv(1, tag="bulk", timeout=args.timeout)
+                comm.recv(other, tag="bulk", timeout=args.timeout)
                 times.append(time.perf_counter() - t0)
         comm.barrier(timeout=args.timeout)
         if args.role == "recv":
