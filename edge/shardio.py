@@ -199,7 +199,7 @@ def load_shard(model_dir: str | Path, rank: int = 0, world: int = 1, *,
 
     ``fuse``: q/k/v and gate/up as one matmul each. ``fast``: single-token decode through the
     compiled step (``edge.fastpath``) where the model qualifies; weights streamed through a
-    window change under it, so windowed shards stay on the eager path."""
+    window (fewer blocks resident than layers) stay on the eager path."""
     d = Path(model_dir)
     if d.suffix == ".gguf":
         if window is not None:
@@ -245,7 +245,10 @@ def load_shard(model_dir: str | Path, rank: int = 0, world: int = 1, *,
         # Lean decode: one GEMV for q/k/v and one for gate/up. Only for weights in anonymous
         # memory; mapped (window / zero-copy resident) weights would be copied.
         fuse_projections(model, fuse_quant_rows)
-    if fast and sched is None:
+    if fast and (sched is None or sched.window >= sched.n):
+        # Fully resident weights (in memory, or every block of a split mapped and never
+        # evicted) stay where they are: the compiled step can read them. A real window moves
+        # blocks in and out around each layer's hooks, which the compiled step would bypass.
         fastpath.install(model)
     return LoadedShard(model=model.eval(), plan=plan, rank=rank, scheduler=sched)
 

@@ -259,3 +259,24 @@ def test_engine_restarts_from_zero_when_the_window_dropped_the_prefix() -> None:
     second = "the first request, and now another"  # shares 19 tokens with the first
     got = e.complete(second, SamplingParams(max_tokens=20))
     assert got == engine().complete(second, SamplingParams(max_tokens=20))
+
+
+def test_split_directory_compiles_unless_a_window_streams_it(tmp_path) -> None:
+    """A split directory's blocks are mapped, not copied: fully resident they decode through
+    the compiled step (same logits as eager); with a real window the layer hooks manage
+    residency, so the eager path stays."""
+    from edge.shardio import WindowConfig, split_checkpoint
+    m = _model(fuse=False, num_hidden_layers=3)
+    save_pretrained(m, tmp_path / "m")
+    split_checkpoint(tmp_path / "m", tmp_path / "s", 1)
+    resident = load_shard(tmp_path / "s")
+    windowed = load_shard(tmp_path / "s", window=WindowConfig(window=1))
+    try:
+        assert fastpath.active(resident.model) and not fastpath.active(windowed.model)
+        ids = torch.randint(0, 97, (1, 12), generator=torch.Generator().manual_seed(8))
+        ref = _decode(windowed.model, ids, 4)
+        got = _decode(resident.model, ids, 4)
+        assert (got - ref).abs().max().item() <= 1e-4 * max(1.0, ref.abs().max().item())
+    finally:
+        resident.close()
+        windowed.close()
