@@ -12,7 +12,7 @@ Timing: greedy decode of ``--tokens`` tokens after a ``--prompt-len`` prompt fed
 the first token (the prefill) excluded; each measurement is a child process pinned to core 0
 with one thread; lowband and llama.cpp alternate, ``--repeats`` rounds, medians with min/max.
 ``tp2_speedup``: lowband on 2 pinned devices (``edge worker`` + master over the real
-transport, cores 0 and 1) vs 1, with the master's time inside the all-reduces (link + waiting for
+transport, cores 0 and 1, from a 2-way ``edge split`` directory) vs 1 (a 1-way split), with the master's time inside the all-reduces (link + waiting for
 the other shard) reported beside it. NOTE: this VM's two cores share one memory bus, so the two simulated
 devices contend for bandwidth in a way two boards would not.
 
@@ -162,14 +162,20 @@ def _tp(files: dict[str, Path], work: Path, a) -> dict:
     checkpoint directory converted from the GGUF (packing kept)."""
     from benchmarks import edge as eb
     from edge.formats.gguf import convert_gguf
+    from edge.shardio import split_checkpoint
     out = {}
     for width in a.tp_widths:
-        d = convert_gguf(files[width], work / f"dir-{width}")
+        # Both sides run from `lowband edge split` directories, as a TP deployment would (each
+        # device maps its own files: measured faster than slicing a checkpoint in memory for
+        # 1 device as well as for 2).
+        full = convert_gguf(files[width], work / f"dir-{width}")
+        d1 = split_checkpoint(full, work / f"split1-{width}", 1)
+        d = split_checkpoint(full, work / f"split2-{width}", 2)
         ns = argparse.Namespace(tokens=a.tokens, warmup=2, prompt_len=a.prompt_len, wire=a.wire,
                                 link_spin_us=1000.0, timeout=a.timeout)
         one, two = [], []
         for _ in range(a.tp_repeats):  # alternate 1 and 2 devices
-            one.append(eb._run_role(["--role", "single", "--model", str(d), "--core", "0",
+            one.append(eb._run_role(["--role", "single", "--model", str(d1), "--core", "0",
                                      "--tokens", str(a.tokens), "--warmup", "2",
                                      "--prompt-len", str(a.prompt_len)], a.timeout))
             two.append(eb._run_tp(str(d), ns))
