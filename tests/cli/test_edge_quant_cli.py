@@ -20,8 +20,6 @@ from lowband.models.tokenizer import ByteTokenizer
 from lowband.models.weights import save_pretrained
 from tests.conftest import PY, free_port
 
-pytest.importorskip("transport.zmq_comm")
-
 CFG = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
 

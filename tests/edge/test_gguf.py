@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 
+import gguf
 import pytest
 import torch
 
@@ -94,7 +95,6 @@ def test_gguf_serves_through_shard_and_tp(tmp_path) -> None:
 
 
 def test_unsupported_type_is_named(tmp_path) -> None:
-    gguf = pytest.importorskip("gguf")
     w = gguf.GGUFWriter(str(tmp_path / "bad.gguf"), "llama")
     m = _model()
     write_gguf(m, tmp_path / "ok.gguf")

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+import transformers
 
 from lowband.errors import ConfigError
 from lowband.models.config import ModelConfig
 from lowband.models.weights import load_pretrained
 
-transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.timeout(120)
 
 TINY = dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
