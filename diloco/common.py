@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import math
 import struct
 import time
@@ -16,6 +17,9 @@ from torch import nn
 
 from diloco.config import TrainConfig
 from diloco.task import Task
+from lowband.errors import PeerLost, TransportTimeout
+
+logger = logging.getLogger(__name__)
 
 GradHook = Callable[[list[torch.nn.Parameter]], None]
 
@@ -103,6 +107,16 @@ def record_inner_step(result: "WorkerResult", cfg: TrainConfig, log: Any, comm: 
         progress.update(step, loss=f"{value:.3f}")
     else:
         progress.update(step)
+
+
+def leave_together(comm: Any, timeout: float) -> None:
+    """The final barrier of a worker: leave only once every worker is done (a peer that closes
+    while another still waits for its last chunks makes that one fail with PeerLost). Failing
+    here changes nothing, so it is only logged."""
+    try:
+        comm.barrier(tag="diloco/finished", timeout=timeout)
+    except (PeerLost, TransportTimeout) as exc:
+        logger.info("final barrier: %s", exc)
 
 
 def _signature_text(cfg: TrainConfig, model: nn.Module) -> str:

@@ -21,14 +21,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
-from diloco.common import WorkerResult
+from diloco.common import WorkerResult, leave_together
 from diloco.config import DDPConfig, DilocoConfig, TrainConfig, config_to_dict
 from diloco.ddp import DDPWorker
 from diloco.metrics import MetricsLog, plot_runs, read_jsonl
 from diloco.task import Task, lm_task
 from diloco.trainer import DilocoWorker
 from lowband.comm import Communicator
-from lowband.errors import ConfigError, PeerLost, TransportTimeout
+from lowband.errors import ConfigError
 from lowband.proc import die_with_parent
 
 if TYPE_CHECKING:
@@ -149,12 +149,7 @@ def worker_main(cfg: WorkerLaunch) -> WorkerResult:
             result = worker.run()
         finally:
             worker.log.close()
-        # Leave only once every worker is done: a peer that closes while another still waits
-        # for its last chunks makes that one fail with PeerLost. Failing here changes nothing.
-        try:
-            comm.barrier(tag="diloco/finished", timeout=cfg.train.sync_timeout)
-        except (PeerLost, TransportTimeout) as exc:
-            logger.info("final barrier: %s", exc)
+        leave_together(comm, cfg.train.sync_timeout)
         return result
     finally:
         comm.close()

@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from diloco.checkpoint import State, export_model, load_optimizer_state, optimizer_state
+from diloco.checkpoint import State, export_model, load_optimizer_state
 from diloco.common import InnerLoop, WorkerResult, hash_state, optimizer_tensors
 from diloco.config import TrainConfig
 from diloco.sharding import ShardFragment, ShardLayout, batch_rows, gather_rows, local_shard
@@ -182,15 +182,7 @@ class SiteWorker(DilocoWorker):
         for f in self.fragments:
             for name, g in zip(f.names, f.global_):
                 tensors["global." + name] = g.detach().clone()
-        t, inner_meta = optimizer_state(self.inner.opt, "inner")
-        tensors.update({k: _plain(v) for k, v in t.items()})
-        outer_meta = []
-        for f in self.fragments:
-            t, meta = optimizer_state(f.outer_opt, f"outer{f.index}")
-            tensors.update(t)
-            outer_meta.append(meta)
-            if own and f.residual is not None:
-                tensors[f"residual.{f.index}"] = f.residual.clone()
+        inner_meta, outer_meta = self._optimizer_sections(tensors, own=own, inner=_plain)
         meta = {"format": 1, "step": self.step, "applied": self.applied, "inner": inner_meta,
                 "outer": outer_meta, "slot": self.slot if own else -1,
                 "shard": [self.layout.rank, self.layout.size]}

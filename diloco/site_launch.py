@@ -13,10 +13,10 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
 
-from diloco.common import WorkerResult
+from diloco.common import WorkerResult, leave_together
 from diloco.config import DilocoConfig, TrainConfig
 from diloco.sharding import ENGINES, Engine, ShardLayout
-from lowband.errors import ConfigError, PeerLost, TransportTimeout
+from lowband.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 
@@ -84,10 +84,7 @@ def site_main(cfg: SiteLaunch) -> WorkerResult:
                             out_dir=cfg.out_dir, worker_id=worker_id,
                             byte_tokenizer=cfg.train.data.kind != "tokens")
         result = worker.run()
-        try:
-            comm.barrier(tag="diloco/finished", timeout=cfg.train.sync_timeout)
-        except (PeerLost, TransportTimeout) as exc:
-            logger.info("final barrier: %s", exc)
+        leave_together(comm, cfg.train.sync_timeout)
         return result
     finally:
         log.close()

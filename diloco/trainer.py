@@ -33,7 +33,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
@@ -412,8 +412,19 @@ class DilocoWorker:
             tensors["local." + name] = p.detach().to("cpu", copy=True)
         for name, p in self.global_model.named_parameters():
             tensors["global." + name] = p.detach().to("cpu", copy=True)
+        inner_meta, outer_meta = self._optimizer_sections(tensors, own=own)
+        meta = {"format": 1, "step": self.step, "applied": self.applied,
+                "inner": inner_meta, "outer": outer_meta, "slot": self.slot if own else -1}
+        return tensors, meta
+
+    def _optimizer_sections(self, tensors: dict[str, torch.Tensor], *, own: bool,
+                            inner: Callable[[torch.Tensor], torch.Tensor] = lambda t: t
+                            ) -> tuple[Any, list]:
+        """Add the inner and outer optimizer states (and, for ``own``, the error-feedback
+        residuals) to ``tensors``; their metadata. ``inner`` maps each inner-state tensor (a
+        sharded site turns DTensors into plain ones)."""
         t, inner_meta = optimizer_state(self.inner.opt, "inner")
-        tensors.update(t)
+        tensors.update({k: inner(v) for k, v in t.items()})
         outer_meta = []
         for f in self.fragments:
             t, meta = optimizer_state(f.outer_opt, f"outer{f.index}")
@@ -421,9 +432,7 @@ class DilocoWorker:
             outer_meta.append(meta)
             if own and f.residual is not None:
                 tensors[f"residual.{f.index}"] = f.residual.to("cpu", copy=True)
-        meta = {"format": 1, "step": self.step, "applied": self.applied,
-                "inner": inner_meta, "outer": outer_meta, "slot": self.slot if own else -1}
-        return tensors, meta
+        return inner_meta, outer_meta
 
     @torch.no_grad()
     def load(self, tensors: dict[str, torch.Tensor], meta: dict, *, own: bool) -> None:
