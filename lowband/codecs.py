@@ -7,10 +7,16 @@ float32 whatever the wire precision.
 Block-scaled codecs split the flattened tensor into blocks of ``block`` elements and store one
 float32 scale per block (the block's absolute maximum mapped to the top of the code range). The
 tail block is zero-padded. Bits per element on the wire = code bits + 32 / block.
+
+Every codec is pure torch: a tensor is encoded and decoded on its own device (the frames live
+there too), with no host synchronisation, so a worker computes its error-feedback residual
+x − Q(x) on the GPU. The transport encodes host tensors with the same code; the bytes are the
+same on either device (IEEE division and round-half-even on both).
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -118,6 +124,17 @@ CODEBOOKS: dict[str, list[float]] = {
 }
 
 
+@functools.lru_cache(maxsize=None)
+def _codebook(kind: str, device: torch.device) -> torch.Tensor:
+    """The code book as a float32 tensor on ``device``, built once per (kind, device): encoding
+    a device tensor then needs no host-to-device copy (a synchronising one from pageable memory)
+    on every call."""
+    book = torch.tensor(CODEBOOKS[kind], dtype=torch.float32)
+    if device.type == "cpu":
+        return book
+    return book.pin_memory().to(device, non_blocking=True)
+
+
 @dataclass(frozen=True)
 class FourBitCodec:
     """4-bit codes from a 16-entry code book, one float32 absmax scale per block.
@@ -136,11 +153,8 @@ class FourBitCodec:
             raise ConfigError("block", f"must be an even number >= 2, got {self.block}")
         object.__setattr__(self, "name", {"e2m1": "fp4", "nf4": "nf4", "e3m0": "e3m0"}[self.kind])
 
-    def _book(self) -> torch.Tensor:
-        return torch.tensor(CODEBOOKS[self.kind], dtype=torch.float32)
-
     def encode(self, tensor: torch.Tensor) -> Encoded:
-        book = self._book()
+        book = _codebook(self.kind, tensor.device)
         blocks = _blocks(tensor, self.block)
         scale = _absmax_scales(blocks, 1.0)
         normed = (blocks / scale[:, None]).reshape(-1)
@@ -152,7 +166,7 @@ class FourBitCodec:
 
     def decode(self, encoded: Encoded) -> torch.Tensor:
         packed, scale = encoded.frames
-        book = torch.tensor(CODEBOOKS[encoded.meta["kind"]], dtype=torch.float32)
+        book = _codebook(encoded.meta["kind"], packed.device)
         block = int(encoded.meta["block"])
         shape = encoded.meta["shape"]
         numel = 1
