@@ -13,8 +13,9 @@ CUDA path (``device.type == "cuda"``): the pseudo-gradient is computed (and, wit
 quantized) on the device, copied into a pinned host buffer on a side stream and handed to the
 transport once that copy's event completes; inner steps keep running on the main stream while
 the transport sends (the τ overlap). The averaged result comes back the same way, and the main
-stream waits on the side stream's event before the outer step reads it. On the CPU every one of
-these is the identity: the tensor already lives where the transport reads it.
+stream waits on the side stream's event before the outer step reads it. That is
+:class:`diloco.staging.HostStaging` (re-exported here); on the CPU every one of these is the
+identity: the tensor already lives where the transport reads it.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from typing import ContextManager, Iterable
 import torch
 from torch import nn
 
+from diloco.staging import HostStaging  # noqa: F401 - re-exported (the DDP worker uses it)
 from lowband.errors import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -121,53 +123,6 @@ def model_device(model: nn.Module) -> torch.device:
     for p in model.parameters():
         return p.device
     return torch.device("cpu")
-
-
-class HostStaging:
-    """Moves outer-step payloads between the device and host buffers (see the module doc).
-
-    One pinned buffer per key (a fragment): at most one sync is in flight (τ < H/P) and a
-    fragment's next SEND comes after its APPLY, so a buffer is never overwritten while the
-    transport may still read it.
-    """
-
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-        self.cuda = device.type == "cuda"
-        self._buffers: dict[object, torch.Tensor] = {}
-        self._stream = torch.cuda.Stream(device) if self.cuda else None
-
-    def to_host(self, x: torch.Tensor, key: object) -> torch.Tensor:
-        """A host copy of ``x`` that is complete when this returns (the transport reads it from
-        its own thread). CPU: ``x`` itself, no copy."""
-        stream = self._stream
-        if stream is None:
-            return x
-        buf = self._buffers.get(key)
-        if buf is None or buf.numel() != x.numel() or buf.dtype != x.dtype:
-            buf = torch.empty(x.shape, dtype=x.dtype, pin_memory=True)
-            self._buffers[key] = buf
-        stream.wait_stream(torch.cuda.current_stream(self.device))  # x is computed
-        with torch.cuda.stream(stream):
-            buf.copy_(x, non_blocking=True)
-            x.record_stream(stream)  # keep x's memory alive until the copy ran
-            done = torch.cuda.Event()
-            done.record(stream)
-        # The one host sync of a SEND: only this copy (and the work queued before it), not the
-        # inner steps queued after; the schedule needs the bytes before the transport can send.
-        done.synchronize()
-        return buf
-
-    def to_device(self, host: torch.Tensor) -> torch.Tensor:
-        """The averaged pseudo-gradient back on the device, ordered before the outer step."""
-        stream = self._stream
-        if stream is None:
-            return host
-        with torch.cuda.stream(stream):
-            dev = host.pin_memory().to(self.device, non_blocking=True)
-        torch.cuda.current_stream(self.device).wait_stream(stream)
-        dev.record_stream(torch.cuda.current_stream(self.device))
-        return dev
 
 
 def count_parameters(params: Iterable[torch.Tensor]) -> int:
