@@ -12,6 +12,10 @@ Notation (DiLoCo, arXiv 2311.08105, Alg. 1; Streaming DiLoCo, arXiv 2501.18512, 
 
 A worker whose Δ_m is not finite sends zeros and a validity flag of 0 (the trainer all-reduces
 the flags), so a diverged worker never poisons θ_g; the average is over valid workers only.
+
+Device: everything here runs on the parameters' device. The sending side never synchronises
+with the host (validity is a device flag, e_m is updated with ``torch.where``); the receiving
+side reads one batch of finiteness flags in ``merge`` (see there).
 """
 
 from __future__ import annotations
@@ -51,19 +55,27 @@ class FragmentSync:
                           for g, m in zip(self.global_, self.local)])
 
     @torch.no_grad()
-    def contribution(self) -> tuple[torch.Tensor, bool]:
-        """What this worker puts on the wire for this sync, and whether it is valid."""
+    def contribution(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """What this worker puts on the wire for this sync, and its validity flag.
+
+        Both stay on the parameters' device and nothing here waits for it (this runs between
+        two inner steps): x is (numel,) float32, the flag a (1,) float32 tensor, 1.0 if Δ is
+        finite. An invalid Δ is sent as zeros and leaves e_m as it was; the host learns of it
+        when the staged flag reaches the transport (the trainer logs it at APPLY)."""
         delta = self.pseudo_gradient()
-        if not bool(torch.isfinite(delta).all()):
-            logger.warning("fragment %d: non-finite pseudo-gradient; sending zeros, this "
-                           "worker's contribution is dropped from the average", self.index)
-            return torch.zeros_like(delta), False
+        finite = torch.isfinite(delta).all()  # 0-dim bool on the device, never read here
+        flag = finite.to(torch.float32).reshape(1)
         codec = self.codec
         if not self.error_feedback or codec is None:
-            return delta, True
+            return delta.masked_fill_(~finite, 0.0), flag
         x = delta if self.residual is None else delta + self.residual
-        self.residual = x - codec.decode(codec.encode(x)).reshape(-1)
-        return x, True
+        # e_m ← x − Q(x), on the device: the codec is pure torch (lowband.codecs).
+        residual = x - codec.decode(codec.encode(x)).reshape(-1)
+        if self.residual is None:
+            self.residual = residual.masked_fill_(~finite, 0.0)
+        else:
+            self.residual = torch.where(finite, residual, self.residual)
+        return x.masked_fill_(~finite, 0.0), flag
 
     # ---- the receiving side --------------------------------------------------------------------
     @torch.no_grad()
@@ -81,10 +93,15 @@ class FragmentSync:
     def merge(self, alpha: float) -> list[torch.nn.Parameter]:
         """θ_local ← α·θ_local + (1 − α)·θ_g. A non-finite local tensor restarts from θ_g;
         those are returned so the caller can drop their (equally poisoned) inner optimizer
-        state."""
+        state. Knowing which ones is the one host read of an APPLY: one flag per tensor, read
+        together (not one synchronising ``bool()`` per tensor)."""
+        local = self.local
+        if not local:
+            return []
+        finite = torch.stack([torch.isfinite(m).all() for m in local]).tolist()
         reset = []
-        for g, m in zip(self.global_, self.local):
-            if not bool(torch.isfinite(m).all()):
+        for g, m, ok in zip(self.global_, local, finite):
+            if not ok:
                 m.copy_(g)
                 reset.append(m)
             elif alpha == 0.0:

@@ -31,6 +31,7 @@ import copy
 import logging
 import time
 from collections import Counter
+from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -42,11 +43,12 @@ from diloco.checkpoint import (State, export_model, load_optimizer_state, load_s
 from diloco.common import (InnerLoop, WorkerResult, hash_state, optimizer_tensors, record_inner_step,
                            run_signature, signature_int)
 from diloco.config import DilocoConfig, TrainConfig
-from diloco.device import HostStaging, optimizer_kernels, resolve_device
+from diloco.device import optimizer_kernels, resolve_device
 from diloco.fragments import plan_fragments
 from diloco.metrics import MetricsLog, Progress
 from diloco.outer import FragmentSync
 from diloco.schedule import Action, Kind, drain_actions, fragment_actions
+from diloco.staging import HostStaging
 from diloco.task import Task
 from lowband.codecs import get_codec
 from lowband.comm import Communicator, Work
@@ -77,11 +79,17 @@ class _Sync:
 
     fragment: int
     round: int
-    x: torch.Tensor  # what this worker sent (Δ + residual, or zeros if invalid)
-    valid: bool
+    x: torch.Tensor  # what this worker sends (Δ + residual, or zeros if invalid), host-readable
+    flag: torch.Tensor  # (1,) float32, 1.0 if Δ was finite; host-readable once ``launched``
+    launched: Future[None] | None = None  # the staged copies reached the transport
     total: Work[torch.Tensor] | None = None  # Σ_m x_m
     count: Work[torch.Tensor] | None = None  # Σ_m valid_m
     error: PeerLost | None = None
+
+    @property
+    def valid(self) -> bool:
+        """Read only after ``launched`` completed (on CUDA the flag is a staged copy)."""
+        return bool(self.flag.reshape(-1)[0] > 0)
 
 
 def _majority(values: list[int]) -> int:
@@ -184,19 +192,25 @@ class DilocoWorker:
 
     # ---- SEND / APPLY --------------------------------------------------------------------------
     def _send(self, action: Action) -> None:
-        x, valid = self.fragments[action.fragment].contribution()
-        x = self.staging.to_host(x, key=action.fragment)  # identity on the CPU
-        sync = _Sync(action.fragment, action.round, x, valid)
-        self._launch(sync, f"frag/{action.fragment}/{action.round}")
+        # No host sync here (it runs between two inner steps): Δ, its validity flag and the
+        # error-feedback residual are computed on the device, copied to pinned host buffers on
+        # a side stream, and handed to the transport by the staging's sender thread once the
+        # copies' event completes (CPU: the same calls, inline and without copies).
+        x, flag = self.fragments[action.fragment].contribution()
+        out = self.staging.stage_out(action.fragment, x, flag)
+        sync = _Sync(action.fragment, action.round, *out.host)
+        tag = f"frag/{action.fragment}/{action.round}"
+        sync.launched = self.staging.launch(out, lambda: self._launch(sync, tag))
         self.inflight = sync
 
     def _launch(self, sync: _Sync, tag: str) -> None:
-        flag = torch.tensor([1.0 if sync.valid else 0.0])
+        """Start the two all-reduces of a sync on host tensors (the transport's thread reads
+        them). May run on the staging's sender thread: it only sets fields of ``sync``."""
         try:
             sync.total = self.comm.all_reduce_async(sync.x, "sum", codec=self.codec,
                                                     algorithm=self.mode.algorithm,
                                                     tag=tag + "/sum", timeout=self.cfg.sync_timeout)
-            sync.count = self.comm.all_reduce_async(flag, "sum", tag=tag + "/n",
+            sync.count = self.comm.all_reduce_async(sync.flag, "sum", tag=tag + "/n",
                                                     timeout=self.cfg.sync_timeout)
         except PeerLost as exc:
             sync.error = exc
@@ -212,14 +226,22 @@ class DilocoWorker:
             logger.warning("sync of fragment %d round %d failed (%s); recovering at the "
                            "sync point", sync.fragment, sync.round, exc)
             self.log.log("recovery", step=self.step, fragment=sync.fragment, error=str(exc))
+            # Keep what was sent for a redo: the staging reuses the buffers at the next SEND.
+            sync.x, sync.flag = sync.x.clone(), sync.flag.clone()
             self.lost = sync
         else:
+            if not sync.valid:
+                logger.warning("fragment %d: non-finite pseudo-gradient; this worker sent zeros "
+                               "and its contribution is dropped from the average", sync.fragment)
             self._outer(sync.fragment, total, count)
             self._record_sync(sync, time.perf_counter() - t)
         self._sync_point()
 
     @staticmethod
     def _wait(sync: _Sync) -> tuple[torch.Tensor, torch.Tensor]:
+        """The one point where the host waits for a sync: the schedule needs Δ̄ now."""
+        if sync.launched is not None:
+            sync.launched.result()  # the staged send reached the transport (re-raises its error)
         if sync.error is not None:
             raise sync.error
         if sync.total is None or sync.count is None:
@@ -236,7 +258,9 @@ class DilocoWorker:
             logger.warning("fragment %d: %d of %d workers sent a valid pseudo-gradient; "
                            "averaging over those", p, n, expected)
         if n > 0:
-            self.fragments[p].outer_step(self.staging.to_device(total).reshape(-1) / n)
+            # H2D on the side stream; the main stream (not the host) waits for it.
+            avg = self.staging.stage_in(total, key=p).reshape(-1) / n
+            self.fragments[p].outer_step(avg)
             for param in self.fragments[p].merge(self.mode.alpha):
                 self.inner.opt.state.pop(param, None)  # restart its moments with the tensor
         self.applied += 1
@@ -356,10 +380,10 @@ class DilocoWorker:
         """Redo a sync every most-advanced worker lost, with whoever is here now."""
         leader = self.comm.rank in leaders
         if leader and self.lost is not None:
-            x, valid = self.lost.x, self.lost.valid
+            x, flag = self.lost.x, self.lost.flag
         else:  # a newcomer or a worker that is behind: counted out of the average
-            x, valid = torch.zeros(self.fragments[fragment].numel), False
-        sync = _Sync(fragment, round_, x, valid)
+            x, flag = torch.zeros(self.fragments[fragment].numel), torch.zeros(1)
+        sync = _Sync(fragment, round_, x, flag)
         self._launch(sync, f"{tag}/redo/{fragment}/{round_}")
         total, count = self._wait(sync)
         if leader:
