@@ -36,6 +36,7 @@ import torch
 from diloco.common import WorkerResult
 from diloco.config import (ComputeConfig, DataConfig, DDPConfig, DilocoConfig, LrSchedule,
                            OptimizerConfig, TrainConfig, byte_llama)
+from diloco.data import PACKAGED_TEXTS
 from diloco.launch import make_worker, run_threads
 from diloco.task import lm_task
 from diloco.task import Task
@@ -73,7 +74,7 @@ class BenchConfig:
     link_mbit: float = 5.0  # modelled per-worker link bandwidth, Mbit/s
     link_latency_ms: float = 50.0  # modelled one-way latency
     threads: int = 1  # torch intra-op threads (the workers are threads of one process)
-    corpus: str | None = None  # a UTF-8 text file (default: the embedded sample)
+    corpus: str | None = None  # a UTF-8 text file or a packaged text's name (default: embedded)
     tokenizer: str | None = None  # tokenizer.json or bpe:N (default: bytes)
     vocab_size: int = 256  # of the model (the tokenizer's size when one is given)
     eval_fraction: float = 0.1  # validation: what the settings were tuned on
@@ -98,7 +99,7 @@ class BenchConfig:
         return TrainConfig(
             model=byte_llama(self.hidden, self.layers, self.heads, seq_len=self.seq_len,
                              vocab_size=self.vocab_size),
-            data=DataConfig(kind="text" if self.corpus else "embedded", path=self.corpus,
+            data=DataConfig(kind="text" if self.corpus else "embedded", path=self.corpus_path(),
                             tokenizer=self.tokenizer, seq_len=self.seq_len,
                             batch_size=self.batch_size, eval_batches=self.eval_batches,
                             eval_fraction=self.eval_fraction, test_fraction=self.test_fraction,
@@ -109,6 +110,13 @@ class BenchConfig:
             lr_schedule=LrSchedule(warmup_steps=min(self.warmup_steps, steps // 2)),
             steps=steps, workers=self.workers, seed=self.seed,
             eval_every=max(1, self.steps // 12), audit_every=8)
+
+    def corpus_path(self) -> str | None:
+        """``corpus`` as a file: a packaged text's name (``diloco.data.PACKAGED_TEXTS``, e.g.
+        ``paradise_lost``) resolves to the file shipped in ``lowband/data``."""
+        if self.corpus is None:
+            return None
+        return str(PACKAGED_TEXTS.get(self.corpus, self.corpus))
 
     def diloco_mode(self, tau: int | None = None) -> DilocoConfig:
         return DilocoConfig(inner_steps=self.inner_steps, n_fragments=self.n_fragments,
@@ -206,8 +214,10 @@ def run_bench(b: BenchConfig, seeds: int = 1) -> dict[str, Any]:
         ddp["eval_loss"] = statistics.mean(p[1] for p in per_seed)
         dl["eval_loss"] = statistics.mean(p[2] for p in per_seed)
     tokens = b.workers * b.steps * b.batch_size * b.seq_len
-    if b.eval_split == "test" and task.corpus.eval.size < 65536:
-        logger.warning("the test split has only %d tokens (< 64 k): noisy", task.corpus.eval.size)
+    scored = b.eval_batches * b.batch_size * b.seq_len  # windows the final loss averages over
+    if b.eval_split == "test" and min(task.corpus.eval.size, scored) < 65536:
+        logger.warning("the test split has %d tokens, %d scored (< 64 k): noisy",
+                       task.corpus.eval.size, scored)
     out: dict[str, Any] = {
         "config": {"workers": b.workers, "H": b.inner_steps, "P": b.n_fragments, "tau": b.tau,
                    "alpha": b.alpha, "codec": b.codec, "error_feedback": b.error_feedback,
@@ -225,7 +235,8 @@ def run_bench(b: BenchConfig, seeds: int = 1) -> dict[str, Any]:
         "loss_gap_sd": (statistics.stdev((l - d) / d for _, d, l in per_seed)
                         if len(per_seed) > 1 else 0.0),
         "eval": {"corpus": b.corpus or "embedded", "split": b.eval_split,
-                 "tokens": int(task.corpus.eval.size), "tokenizer": b.tokenizer or "bytes"},
+                 "tokens": int(task.corpus.eval.size), "scored_tokens": scored,
+                 "tokenizer": b.tokenizer or "bytes"},
         "quality_wall_s": timing,
     }
     if b.wall_steps:

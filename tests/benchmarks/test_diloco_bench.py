@@ -47,8 +47,20 @@ def test_bench_reports_on_another_corpus(capsys, tmp_path):
                  "--eval-split", "validation"]) == 0
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert out["eval"] == {"corpus": str(corpus), "split": "validation", "tokens": 20000,
-                           "tokenizer": "bytes"}
+                           "scored_tokens": 2 * 4 * 16, "tokenizer": "bytes"}
     assert "wallclock" not in out
+
+
+def test_bench_reads_the_packaged_second_corpus_by_name(capsys):
+    from benchmarks.diloco import main
+    from diloco.data import PARADISE_LOST
+
+    assert main(["--json", "--tiny", "--wall-steps", "0", "--corpus", "paradise_lost",
+                 "--test-fraction", "0.15"]) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    n = PARADISE_LOST.stat().st_size
+    assert out["eval"]["corpus"] == "paradise_lost" and out["eval"]["split"] == "test"
+    assert out["eval"]["tokens"] == int(n * 0.15) >= 65536  # bytes: one token each
 
 
 def test_overhead_bench_tiny_prints_its_json_line(capsys):
