@@ -54,8 +54,18 @@ class FragmentSync:
         return torch.cat([(g.float() - m.float()).reshape(-1)
                           for g, m in zip(self.global_, self.local)])
 
+    def contribution(self) -> tuple[torch.Tensor, bool]:
+        """:meth:`device_contribution` with the flag read on the host (a sync on a GPU; for
+        callers that need the answer at once, such as the Flower client)."""
+        x, flag = self.device_contribution()
+        valid = bool(flag.item() > 0)
+        if not valid:
+            logger.warning("fragment %d: non-finite pseudo-gradient; sending zeros, this "
+                           "worker's contribution is dropped from the average", self.index)
+        return x, valid
+
     @torch.no_grad()
-    def contribution(self) -> tuple[torch.Tensor, torch.Tensor]:
+    def device_contribution(self) -> tuple[torch.Tensor, torch.Tensor]:
         """What this worker puts on the wire for this sync, and its validity flag.
 
         Both stay on the parameters' device and nothing here waits for it (this runs between

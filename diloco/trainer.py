@@ -196,7 +196,7 @@ class DilocoWorker:
         # error-feedback residual are computed on the device, copied to pinned host buffers on
         # a side stream, and handed to the transport by the staging's sender thread once the
         # copies' event completes (CPU: the same calls, inline and without copies).
-        x, flag = self.fragments[action.fragment].contribution()
+        x, flag = self.fragments[action.fragment].device_contribution()
         out = self.staging.stage_out(action.fragment, x, flag)
         sync = _Sync(action.fragment, action.round, *out.host)
         tag = f"frag/{action.fragment}/{action.round}"
