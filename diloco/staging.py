@@ -57,14 +57,35 @@ class Outbound:
             self.event.synchronize()
 
 
+class BufferPool:
+    """Reusable host buffers, one per (key, slot), page-locked when ``pin`` (CUDA staging).
+
+    A buffer is replaced only when the tensor it stages changes shape or dtype; the caller
+    guarantees the previous use of a buffer is over before asking for it again (module doc)."""
+
+    def __init__(self, pin: bool) -> None:
+        self.pin = pin
+        self._bufs: dict[tuple[Hashable, int], torch.Tensor] = {}
+        self.allocations = 0  # buffers created so far (tests check reuse)
+
+    def get(self, key: Hashable, slot: int, like: torch.Tensor) -> torch.Tensor:
+        buf = self._bufs.get((key, slot))
+        if buf is None or buf.shape != like.shape or buf.dtype != like.dtype:
+            buf = torch.empty(like.shape, dtype=like.dtype, pin_memory=self.pin)
+            self._bufs[(key, slot)] = buf
+            self.allocations += 1
+        return buf
+
+
 class HostStaging:
     """Device ⇄ host staging for the outer step (see the module doc). One per worker."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.cuda = device.type == "cuda"
-        self._out: dict[tuple[Hashable, int], torch.Tensor] = {}
-        self._in: dict[Hashable, tuple[torch.Tensor, Any]] = {}
+        self.outbound = BufferPool(pin=True)
+        self.inbound = BufferPool(pin=True)
+        self._last_in: dict[Hashable, Any] = {}  # key -> event of its last H2D copy
         self._stream = torch.cuda.Stream(device) if self.cuda else None
         self._sender: ThreadPoolExecutor | None = None
 
@@ -80,20 +101,13 @@ class HostStaging:
         host = []
         with torch.cuda.stream(stream):
             for slot, x in enumerate(tensors):
-                buf = self._buffer(key, slot, x)
+                buf = self.outbound.get(key, slot, x)
                 buf.copy_(x, non_blocking=True)
                 x.record_stream(stream)  # ... and x's memory is not reused before the copy ran
                 host.append(buf)
             event = torch.cuda.Event()
             event.record(stream)
         return Outbound(tuple(host), event)
-
-    def _buffer(self, key: Hashable, slot: int, like: torch.Tensor) -> torch.Tensor:
-        buf = self._out.get((key, slot))
-        if buf is None or buf.shape != like.shape or buf.dtype != like.dtype:
-            buf = torch.empty(like.shape, dtype=like.dtype, pin_memory=True)
-            self._out[(key, slot)] = buf
-        return buf
 
     def launch(self, out: Outbound, send: Callable[[], T]) -> Future[T]:
         """Run ``send`` (which hands ``out.host`` to the transport) once the copies are complete.
@@ -123,11 +137,10 @@ class HostStaging:
         if stream is None:
             return host
         current = torch.cuda.current_stream(self.device)
-        buf, last = self._in.get(key, (None, None))
-        if buf is None or buf.shape != host.shape or buf.dtype != host.dtype:
-            buf = torch.empty(host.shape, dtype=host.dtype, pin_memory=True)
-        elif last is not None:
-            last.synchronize()  # the previous H2D from buf, rounds ago: long complete
+        last = self._last_in.get(key)
+        if last is not None:
+            last.synchronize()  # the previous H2D from this key's buffer, rounds ago: complete
+        buf = self.inbound.get(key, 0, host)
         buf.copy_(host)  # host memcpy (pageable → pinned); no device involved
         with torch.cuda.stream(stream):
             dev = torch.empty(host.shape, dtype=host.dtype, device=self.device)
@@ -136,7 +149,7 @@ class HostStaging:
             event.record(stream)
         current.wait_event(event)
         dev.record_stream(current)  # allocated on the side stream, used on the main one
-        self._in[key] = (buf, event)
+        self._last_in[key] = event
         return dev
 
     # ---- blocking forms (DDP: its inner step needs the averaged gradient at once) ---------------
