@@ -18,9 +18,13 @@ taken site-wide by an all-reduce(MAX) of each rank's own reason (its group chang
 sync), so every rank of every surviving site reconciles at the same sync point.
 
 Site-granular membership: a rank that dies takes its site down (torchrun tears down the other
-ranks; without torchrun the survivors' next collective fails and they exit), so a site is never
-half in a lowband group. A restarted site joins every group r as a newcomer and receives shard r
-of the state from a peer; the state hash verified per group is a hash per shard.
+ranks; without torchrun the survivors' next collective fails, and ``site_main`` leaves the
+lowband group at once and raises ``SiteFailed``), so a site is never half in a lowband group.
+A restarted site joins every group r as a newcomer and receives shard r of the state from a
+peer; the state hash verified per group is a hash per shard. Its ranks register with their
+coordinators independently, so the surviving sites make sure every group admits it at the same
+sync point (``_admit_together``), and the site checks after every reconciliation that its ranks
+hold shards of one progress (step, syncs applied).
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import re
+import time
 from typing import Any
 
 import torch
@@ -40,12 +45,14 @@ from diloco.config import TrainConfig
 from diloco.sharding import ShardFragment, ShardLayout, batch_rows, gather_rows, local_shard
 from diloco.task import Task
 from diloco.trainer import DilocoWorker
-from lowband.comm import Communicator
+from lowband.comm import Communicator, Membership
+from lowband.errors import ProtocolError
 
 logger = logging.getLogger(__name__)
 
 BLOCK_MODULE = re.compile(r"(?:^|\.)layers\.\d+$")
 """FSDP2 wraps each decoder block (``model.layers.3``) as one unit, then the root."""
+ADMIT_POLL_S = 0.05  # s between quorum rounds while a newcomer site's ranks are registering
 
 
 class SiteTask:
@@ -120,6 +127,13 @@ class SiteWorker(DilocoWorker):
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
         return int(t[0])
 
+    def _site_gather(self, row: list[int]) -> list[list[int]]:
+        """Every site rank's ``row`` (int64), by site rank."""
+        t = torch.tensor(row, dtype=torch.int64)
+        out = [torch.empty_like(t) for _ in range(self.layout.size)]
+        dist.all_gather(out, t, group=self.group)
+        return [o.tolist() for o in out]
+
     def _all_gather(self, out: list[torch.Tensor], t: torch.Tensor) -> None:
         dist.all_gather(out, t, group=self.group)
 
@@ -146,10 +160,9 @@ class SiteWorker(DilocoWorker):
     def _sync_point(self) -> None:
         before = self.comm.membership.epoch
         m = self.comm.quorum(timeout=self._quorum_timeout)
+        self._log_membership(m, before)
+        m = self._admit_together(len(m.joined))
         changed = m.epoch != before
-        if changed:
-            self.log.log("membership", step=self.step, epoch=m.epoch, world=m.world_size,
-                         joined=list(m.joined), left=list(m.left))
         audit = bool(self.cfg.audit_every) and (
             self.step // self.mode.stride) % self.cfg.audit_every == 0
         if self._site_max(int(changed or self.lost is not None or audit)):
@@ -157,13 +170,56 @@ class SiteWorker(DilocoWorker):
         else:
             self._replicate()
 
+    def _log_membership(self, m: Membership, before: int) -> None:
+        if m.epoch != before:
+            self.log.log("membership", step=self.step, epoch=m.epoch, world=m.world_size,
+                         joined=list(m.joined), left=list(m.left))
+
+    def _admit_together(self, joined: int) -> Membership:
+        """Admit a restarted site into every shard group at the same sync point.
+
+        Its ranks register with their coordinators independently, so one quorum round may admit
+        rank 0 of the newcomer site in group 0 while rank 1 registered in group 1 just after
+        that group's round completed. A newcomer site admitted at two different sync points
+        would hold shards of two different steps (and its first inner step, a site collective,
+        would wait for a rank that is still waiting to be admitted). So the surviving site
+        compares how many newcomers each of its groups admitted; a group behind calls quorum
+        again (the newcomer's rank is registering right now) until the counts agree or the
+        sync deadline passes. Every surviving site sees the same per-group counts (a group's
+        view is the same for all its members), so the same ranks of every site re-quorum in
+        lockstep. Deadline: ``sync_timeout``, agreed site-wide (rank 0's clock)."""
+        m = self.comm.membership
+        deadline = time.monotonic() + self.cfg.sync_timeout
+        while True:
+            expired = int(self.layout.rank == 0 and time.monotonic() > deadline)
+            rows = self._site_gather([joined, expired])
+            most = max(r[0] for r in rows)
+            if all(r[0] == most for r in rows):
+                return m
+            if any(r[1] for r in rows):
+                logger.warning("a newcomer site was admitted by %s of its shard groups "
+                               "within %.0fs; its missing ranks join later",
+                               [r[0] for r in rows], self.cfg.sync_timeout)
+                return m
+            if joined < most:
+                time.sleep(ADMIT_POLL_S)
+                before = m.epoch
+                m = self.comm.quorum(timeout=self._quorum_timeout)
+                self._log_membership(m, before)
+                joined += len(m.joined)
+            else:
+                time.sleep(ADMIT_POLL_S)
+
     def _reconcile(self, reason: str) -> None:
         super()._reconcile(reason)
         # The data slot was assigned per lowband group; the site draws one stream: rank 0's.
-        slot = torch.tensor([self.slot], dtype=torch.int64)
-        dist.broadcast(slot, src=dist.get_global_rank(self.group, 0) if self.group else 0,
-                       group=self.group)
-        self.slot = int(slot[0])
+        rows = self._site_gather([self.slot, self.step, self.applied])
+        self.slot = rows[0][0]
+        if len({(r[1], r[2]) for r in rows}) != 1:
+            raise ProtocolError(
+                f"the ranks of this site hold shards of different progress after reconciling "
+                f"({reason}): (step, syncs applied) by rank = {[tuple(r[1:]) for r in rows]}; "
+                "its shard groups admitted it at different sync points: restart the site")
         self._replicate()
 
     # ---- state: this rank's shard ---------------------------------------------------------------

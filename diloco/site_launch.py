@@ -16,9 +16,16 @@ from pathlib import Path
 from diloco.common import WorkerResult, leave_together
 from diloco.config import DilocoConfig, TrainConfig
 from diloco.sharding import ENGINES, Engine, ShardLayout
-from lowband.errors import ConfigError
+from lowband.errors import ConfigError, LowbandError
 
 logger = logging.getLogger(__name__)
+
+
+class SiteFailed(LowbandError):
+    """This rank of a site stopped training (a site collective failed because another rank of
+    the site died, or this rank hit an error). It has left its lowband group already; the whole
+    site must be restarted (torchrun does), and it then rejoins every shard group as a
+    newcomer. The process should exit at once: see ``lowband.cli.train``."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -41,6 +48,7 @@ class SiteLaunch:
     token: str | None = None
     same_host: str = "auto"
     dist_timeout: float = 60.0  # seconds a site collective may wait for a dead rank
+    resume: Path | None = None  # a checkpoints/step-* directory of this site (sharded, DCP)
     layout: ShardLayout = field(init=False)
 
     def __post_init__(self) -> None:
@@ -81,11 +89,19 @@ def site_main(cfg: SiteLaunch) -> WorkerResult:
                      worker=worker_id)
     try:
         worker = SiteWorker(cfg.train, comm, task, layout=cfg.layout, log=log,
-                            out_dir=cfg.out_dir, worker_id=worker_id,
+                            out_dir=cfg.out_dir, worker_id=worker_id, resume=cfg.resume,
                             byte_tokenizer=cfg.train.data.kind != "tokens")
         result = worker.run()
         leave_together(comm, cfg.train.sync_timeout)
         return result
+    except Exception as exc:  # noqa: BLE001 - any failure of a rank takes its whole site down
+        # No half-site: leave lowband group r now (peers get PEER_LOST at once and redo or
+        # reconcile without this site), before anything else can block.
+        comm.close()
+        log.log("site_failed", rank=cfg.rank, error=f"{type(exc).__name__}: {exc}")
+        raise SiteFailed(f"rank {cfg.rank} of site {cfg.site_id!r} stopped ({type(exc).__name__}: "
+                         f"{exc}); it left lowband group {cfg.rank}: restart the whole site "
+                         "(torchrun does) and it rejoins as a newcomer") from exc
     finally:
         log.close()
         comm.close()

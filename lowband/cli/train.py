@@ -169,7 +169,9 @@ def _site_rank(args: argparse.Namespace) -> int:
     """One rank of a multi-rank site: torchrun's environment names the rank and rendezvous."""
     import os
 
-    from diloco.site_launch import SiteLaunch, site_main
+    import logging
+
+    from diloco.site_launch import SiteFailed, SiteLaunch, site_main
     from lowband.errors import ConfigError
 
     env = {k: os.environ.get(k) for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
@@ -183,8 +185,17 @@ def _site_rank(args: argparse.Namespace) -> int:
                      backend=args.site_backend, site_id=args.id or "site", out_dir=args.out,
                      threads=args.threads, bind_host=args.bind_host,
                      advertise_host=args.advertise_host, token=args.token,
-                     same_host=args.same_host)
-    result = site_main(cfg)
+                     same_host=args.same_host, resume=args.resume)
+    try:
+        result = site_main(cfg)
+    except SiteFailed as exc:
+        # Exit now: the rank has left its lowband group and closed its logs, and the
+        # interpreter's teardown of a torch.distributed group whose other ranks are dead can
+        # block for seconds (measured ~3 s on Gloo). A torchrun restart of the site follows.
+        logging.getLogger(__name__).error("%s", exc, exc_info=exc.__cause__)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
     print(json.dumps(result.summary()))
     return 0
 
