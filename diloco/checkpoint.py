@@ -3,6 +3,11 @@
 Tensors go to safetensors, everything else to JSON: loading never runs ``torch.load``/pickle on
 files or messages that might come from someone else. The same flat form travels on the wire
 (``Communicator.send`` of tensors + msgpack metadata) when a joining worker is brought up to date.
+
+A multi-rank site checkpoints with ``torch.distributed.checkpoint`` (DCP) instead
+(:func:`save_sharded`/:func:`load_sharded`): one directory per site, every rank writing its own
+shard in parallel, the metadata as JSON beside it. DCP's own ``.metadata`` index is a pickle
+written by torch, so resume a site only from checkpoints your own run wrote.
 """
 
 from __future__ import annotations
@@ -74,6 +79,60 @@ def load_state(stem: Path) -> State:
     if not t.exists() or not j.exists():
         raise ConfigError("resume", f"no checkpoint at {stem} (.safetensors + .json)")
     return load_file(str(t)), json.loads(j.read_text())
+
+
+def _spec_dtype(name: str) -> torch.dtype:
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise ConfigError("resume", f"unknown tensor dtype {name!r} in a site checkpoint")
+    return dtype
+
+
+def _site_meta(directory: Path, key: str) -> Path:
+    return directory / f"site-{key}.json"
+
+
+def has_sharded(directory: Path, key: str) -> bool:
+    return _site_meta(directory, key).exists()
+
+
+def save_sharded(directory: Path, state: State, *, key: str, process_group: Any = None) -> None:
+    """One site rank's ``state`` into the DCP checkpoint ``directory`` (a collective of the
+    site's process group: every rank calls it at the same step). ``key`` (the rank's worker id)
+    prefixes its tensors, which are this rank's alone: DCP would de-duplicate equal keys of
+    plain tensors as if they were replicas. The tensor list (names, shapes, dtypes) and the
+    JSON metadata go to ``site-{key}.json``, written last (temp file, then rename): a
+    checkpoint without it is incomplete."""
+    import torch.distributed.checkpoint as dcp
+
+    tensors, meta = state
+    directory.mkdir(parents=True, exist_ok=True)
+    dcp.save({f"{key}/{k}": v.contiguous() for k, v in tensors.items()},
+             checkpoint_id=str(directory), process_group=process_group)
+    specs = {k: [list(v.shape), str(v.dtype).removeprefix("torch.")] for k, v in tensors.items()}
+    path = _site_meta(directory, key)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps({"meta": meta, "tensors": specs}, sort_keys=True))
+    os.replace(tmp, path)
+
+
+def load_sharded(directory: Path, *, key: str, process_group: Any = None) -> State:
+    """Inverse of :func:`save_sharded` for the same rank (a collective, like the save)."""
+    import torch.distributed.checkpoint as dcp
+
+    path = _site_meta(directory, key)
+    if not path.exists():
+        raise ConfigError("resume", f"no site checkpoint of {key} in {directory} ({path.name})")
+    doc = json.loads(path.read_text())
+    state = {f"{key}/{k}": torch.empty(shape, dtype=_spec_dtype(dt))
+             for k, (shape, dt) in doc["tensors"].items()}
+    import torch.distributed as dist
+
+    # Outside a site (a test, a conversion script) the shard is read by this process alone.
+    dcp.load(state, checkpoint_id=str(directory), process_group=process_group,
+             no_dist=not dist.is_initialized())
+    head = len(key) + 1
+    return {k[head:]: v for k, v in state.items()}, doc["meta"]
 
 
 def export_model(model: torch.nn.Module, out_dir: Path, *, byte_tokenizer: bool) -> Path:

@@ -33,20 +33,22 @@ import hashlib
 import logging
 import re
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from diloco.checkpoint import State, export_model, load_optimizer_state
+from diloco.checkpoint import (State, export_model, has_sharded, load_optimizer_state,
+                               load_sharded, save_sharded)
 from diloco.common import InnerLoop, WorkerResult, hash_state, optimizer_tensors
 from diloco.config import TrainConfig
 from diloco.sharding import ShardFragment, ShardLayout, batch_rows, gather_rows, local_shard
 from diloco.task import Task
 from diloco.trainer import DilocoWorker
 from lowband.comm import Communicator, Membership
-from lowband.errors import ProtocolError
+from lowband.errors import ConfigError, ProtocolError
 
 logger = logging.getLogger(__name__)
 
@@ -262,6 +264,31 @@ class SiteWorker(DilocoWorker):
         self.initialized = True
         if own:
             self.slot = int(meta.get("slot", -1))
+
+    # ---- sharded checkpoint (DCP): every rank of the site at the same step ----------------------
+    def checkpoint(self, directory: Path) -> None:
+        """This rank's shard of the full worker state (``state(own=True)``: its model and inner
+        optimizer shard, its global shard θ_g, outer optimizer state and residual, step,
+        syncs applied, data slot) into the site's DCP checkpoint ``directory``."""
+        save_sharded(directory, self.state(own=True), key=self._key, process_group=self.group)
+
+    def _resume(self, directory: Path) -> None:
+        """Exact resume from :meth:`checkpoint`. Decided site-wide: the load is a collective,
+        so either every rank has its shard there or none loads (and the site takes its state
+        from a peer as a newcomer)."""
+        if self._site_max(int(not has_sharded(directory, self._key))):
+            logger.warning("no complete site checkpoint in %s: this site will take its state "
+                           "from a peer", directory)
+            return
+        tensors, meta = load_sharded(directory, key=self._key, process_group=self.group)
+        if meta.get("shard") != [self.layout.rank, self.layout.size]:
+            raise ConfigError("resume", f"{directory} holds shard {meta.get('shard')} "
+                              f"(rank, ranks), this is {[self.layout.rank, self.layout.size]}")
+        self.load(tensors, meta, own=True)
+
+    @property
+    def _key(self) -> str:
+        return self.worker_id or f"r{self.layout.rank}"
 
     # ---- evaluation and export: θ_g assembled on every rank, used by one -------------------------
     def _evaluate(self) -> float | None:

@@ -15,22 +15,26 @@ import subprocess
 import sys
 from dataclasses import replace
 from pathlib import Path
+from typing import Callable, Sequence
 
 import pytest
 import torch
+import transformers  # in the dev extra: a broken install must fail loudly
 from safetensors.torch import load_file
 
+from diloco.checkpoint import load_sharded
 from diloco.config import DilocoConfig, tiny
 from diloco.launch import run_threads
 from diloco.sharding import ShardLayout, batch_rows, gather_rows, local_shard, shard_rows
 from lowband.errors import ConfigError, IncompatiblePeer
+from lowband.models.weights import load_pretrained
 from transport.config import ZmqConfig
 from transport.coordinator import Coordinator, CoordinatorConfig
 from transport.zmq_comm import connect
 
 # Several outer steps per fragment with P > 1 and τ > 0, on the tiny preset (~0.13 M params).
 RUN = ["--preset", "tiny", "--steps", "20", "-H", "10", "-P", "2", "--tau", "1",
-       "--workers", "2", "--eval-every", "0", "--audit-every", "1"]
+       "--workers", "2", "--eval-every", "0", "--audit-every", "1", "--checkpoint-every", "10"]
 
 
 # ---- pure ------------------------------------------------------------------------------------
@@ -78,7 +82,7 @@ class Sites:
                        for _ in range(ranks)]
         self.procs: list[subprocess.Popen] = []
 
-    def start_site(self, site: int, extra: list[str] = ()) -> list[subprocess.Popen]:
+    def start_site(self, site: int, extra: Sequence[str] = ()) -> list[subprocess.Popen]:
         port, out = _free_port(), self.tmp / f"site{site}"
         addrs = ",".join(c.address for c in self.coords)
         started = []
@@ -113,11 +117,11 @@ class Sites:
             c.stop()
 
 
-def _run(tmp: Path, ranks: int) -> Sites:
+def _run(tmp: Path, ranks: int, extra: Callable[[int], list[str]] = lambda site: []) -> Sites:
     sites = Sites(tmp, ranks)
     try:
         for s in range(2):
-            sites.start_site(s)
+            sites.start_site(s, extra(s))
         for p in sites.procs:
             assert p.wait(timeout=240) == 0, (tmp / "logs", p.args)
     except BaseException:
@@ -174,6 +178,72 @@ def test_bytes_per_site_rank_are_one_nth(runs) -> None:
         assert sum(per_rank) == pytest.approx(single, rel=0.01)
         for b in per_rank:
             assert b == pytest.approx(single / 2, rel=0.02)
+
+
+def _quiet_checkpoint(sites: Sites, site: int) -> Path:
+    """The mid-run checkpoint of a site: the first quiet step at or after step 10 (H/P = 5,
+    τ = 1: the sync launched at step 10 is applied at 11)."""
+    found = sorted((sites.tmp / f"site{site}" / "checkpoints").glob("step-*"))
+    assert [d.name for d in found] == ["step-000011"], found
+    return found[0]
+
+
+def _step_loss(sites: Sites, site: int, rank: int, step: int) -> float:
+    path = sites.tmp / f"site{site}" / f"metrics-s{site}-r{rank}.jsonl"
+    recs = [json.loads(x) for x in path.read_text().splitlines()]
+    return [r for r in recs if r["event"] == "step" and r["step"] == step][-1]["loss"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_sharded_dcp_checkpoint_resumes_bit_identically(runs, tmp_path) -> None:
+    """2 sites × 2 FSDP2 ranks: the straight 20-step run checkpointed every site rank's shard
+    (torch.distributed.checkpoint) at step 11; two fresh sites resumed from those checkpoints
+    and run to 20 end bit-identical to the straight run (tolerance 0): per-shard state hashes
+    (θ_g, outer optimizer state, step, syncs), every rank's model shard and inner AdamW state
+    in the final checkpoint, the loss each rank logged at step 20, and the exported model."""
+    straight = runs[2]
+    ckpt = {s: _quiet_checkpoint(straight, s) for s in range(2)}
+    for s in range(2):
+        names = {p.name for p in ckpt[s].iterdir()}
+        assert {".metadata", f"site-s{s}-r0.json", f"site-s{s}-r1.json"} <= names, names
+    resumed = _run(tmp_path, 2, lambda s: ["--resume", str(ckpt[s])])
+    for s in range(2):
+        for r, (a, b) in enumerate(zip(straight.finals(s), resumed.finals(s))):
+            assert b["final"]["start_step"] == 11 and b["final"]["transfers"] == 0
+            assert a["final"]["state_hash"] == b["final"]["state_hash"], (s, r)
+            assert _step_loss(straight, s, r, 20) == _step_loss(resumed, s, r, 20)
+            key = f"s{s}-r{r}"
+            ta, ma = load_sharded(straight.tmp / f"site{s}" / "checkpoints" / "final", key=key)
+            tb, mb = load_sharded(resumed.tmp / f"site{s}" / "checkpoints" / "final", key=key)
+            assert ma == mb and set(ta) == set(tb)
+            assert any(k.startswith("inner.") for k in ta) and any(k.startswith("local.") for k in ta)
+            for k in ta:
+                assert torch.equal(ta[k], tb[k]), (key, k)
+    a, b = _exported(straight.tmp), _exported(resumed.tmp)
+    assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_sharded_run_exports_the_assembled_model_transformers_loads(runs) -> None:
+    """The model a 2-rank site exports is θ_g assembled from its ranks' global shards (as
+    saved in their final DCP checkpoints, exactly), and transformers loads that directory with
+    the logits of lowband's own model of it."""
+    sites = runs[2]
+    exported = _exported(sites.tmp)
+    directory = sorted(sites.tmp.glob("site*/model"))[0]
+    site = int(directory.parent.name.removeprefix("site"))
+    shards = [load_sharded(sites.tmp / f"site{site}" / "checkpoints" / "final",
+                           key=f"s{site}-r{r}")[0] for r in range(2)]
+    for name, full in exported.items():
+        parts = [sh["global." + name] for sh in shards]
+        assert torch.equal(torch.cat(parts), full), name
+    ours = load_pretrained(directory)
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(str(directory))
+    ids = torch.tensor([list(b"To be, or not to be: that is")])
+    with torch.no_grad():
+        torch.testing.assert_close(theirs(input_ids=ids).logits, ours(ids), rtol=0, atol=1e-5)
 
 
 def test_incompatible_layout_is_named_in_the_refusal():
