@@ -40,11 +40,23 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from diloco.checkpoint import (State, export_model, has_sharded, load_optimizer_state,
-                               load_sharded, save_sharded)
+from diloco.checkpoint import (
+    State,
+    export_model,
+    has_sharded,
+    load_optimizer_state,
+    load_sharded,
+    save_sharded,
+)
 from diloco.common import InnerLoop, WorkerResult, hash_state, optimizer_tensors
 from diloco.config import TrainConfig
-from diloco.sharding import ShardFragment, ShardLayout, batch_rows, gather_rows, local_shard
+from diloco.sharding import (
+    ShardFragment,
+    ShardLayout,
+    batch_rows,
+    gather_rows,
+    local_shard,
+)
 from diloco.task import Task
 from diloco.trainer import DilocoWorker
 from lowband.comm import Communicator, Membership

@@ -94,7 +94,7 @@ def site_main(cfg: SiteLaunch) -> WorkerResult:
         result = worker.run()
         leave_together(comm, cfg.train.sync_timeout)
         return result
-    except Exception as exc:  # noqa: BLE001 - any failure of a rank takes its whole site down
+    except Exception as exc:  # any failure of a rank takes its whole site down
         # No half-site: leave lowband group r now (peers get PEER_LOST at once and redo or
         # reconcile without this site), before anything else can block.
         comm.close()

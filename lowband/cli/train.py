@@ -167,9 +167,8 @@ def _worker_checked(args: argparse.Namespace) -> int:
 
 def _site_rank(args: argparse.Namespace) -> int:
     """One rank of a multi-rank site: torchrun's environment names the rank and rendezvous."""
-    import os
-
     import logging
+    import os
 
     from diloco.site_launch import SiteFailed, SiteLaunch, site_main
     from lowband.errors import ConfigError

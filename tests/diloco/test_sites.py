@@ -13,9 +13,9 @@ import signal
 import socket
 import subprocess
 import sys
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from pathlib import Path
-from typing import Callable, Sequence
 
 import pytest
 import torch
@@ -25,7 +25,13 @@ from safetensors.torch import load_file
 from diloco.checkpoint import load_sharded
 from diloco.config import DilocoConfig, tiny
 from diloco.launch import run_threads
-from diloco.sharding import ShardLayout, batch_rows, gather_rows, local_shard, shard_rows
+from diloco.sharding import (
+    ShardLayout,
+    batch_rows,
+    gather_rows,
+    local_shard,
+    shard_rows,
+)
 from lowband.errors import ConfigError, IncompatiblePeer
 from lowband.models.weights import load_pretrained
 from transport.config import ZmqConfig
@@ -232,7 +238,7 @@ def test_sharded_run_exports_the_assembled_model_transformers_loads(runs) -> Non
     the logits of lowband's own model of it."""
     sites = runs[2]
     exported = _exported(sites.tmp)
-    directory = sorted(sites.tmp.glob("site*/model"))[0]
+    directory = min(sites.tmp.glob("site*/model"))
     site = int(directory.parent.name.removeprefix("site"))
     shards = [load_sharded(sites.tmp / f"site{site}" / "checkpoints" / "final",
                            key=f"s{site}-r{r}")[0] for r in range(2)]
