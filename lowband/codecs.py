@@ -124,7 +124,7 @@ CODEBOOKS: dict[str, list[float]] = {
 }
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _codebook(kind: str, device: torch.device) -> torch.Tensor:
     """The code book as a float32 tensor on ``device``, built once per (kind, device): encoding
     a device tensor then needs no host-to-device copy (a synchronising one from pageable memory)
