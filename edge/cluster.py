@@ -45,7 +45,7 @@ from edge.engine import ClusterUnavailable
 from edge.moe.serve import ExpertServeConfig, is_nested_dir, load_nested_shard
 from transport.starlink import StarHub, StarSpoke
 from edge.shardio import LoadedShard, WindowConfig, is_split_dir, load_shard
-from edge.tp import make_reduce
+from edge.tp import exact_reduce, gather_logits, make_reduce
 from lowband.codecs import Int8BlockCodec, get_codec
 from lowband.comm import Codec, Communicator, OpStats
 from lowband.errors import (CommClosed, ConfigError, CorruptWeights, LowbandError, PeerLost,
@@ -171,6 +171,19 @@ def _load(model_dir: str, slot: int, world: int, weights, dtype, net, codec,
                                  reduce=reduce, window=window, dtype=dtype)
     return load_shard(model_dir, slot, world, weights=weights, dtype=dtype, reduce=reduce,
                       window=window)
+
+
+def shard_logits(shard: LoadedShard, h: torch.Tensor, top: int) -> torch.Tensor | None:
+    """Next-token logits from the last position of ``h`` (1, T, H): the master's (V,) float32
+    answer, None on a worker. With a vocabulary-parallel head every rank computes its rows and
+    takes part in :func:`edge.tp.gather_logits` (``top``: see there)."""
+    model, plan = shard.model, shard.plan
+    V = model.config.vocab_size
+    a, b = plan.vocab_rows(shard.rank, V)
+    local = model.head(h[:, -1]).float()[0] if b > a else None
+    if not plan.vocab_split or shard.reduce is None:
+        return local
+    return gather_logits(local, plan, shard.rank, V, top, exact_reduce(shard.reduce))
 
 
 class MasterRunner:
@@ -384,7 +397,7 @@ class MasterRunner:
                 self._lock.release()
 
     # ---- Runner --------------------------------------------------------------------------------
-    def forward(self, ids: Sequence[int], start: int) -> torch.Tensor:
+    def forward(self, ids: Sequence[int], start: int, top: int = 0) -> torch.Tensor:
         with self._lock:
             if not self._healthy:
                 raise ClusterUnavailable(f"the cluster is not ready ({self._status}); retry later")
@@ -394,10 +407,13 @@ class MasterRunner:
             try:
                 for r in self._others():
                     self.comm.send(r, [x], {"op": "forward", "fid": self._fid, "start": start,
-                                            "epoch": self.comm.membership.epoch}, tag=CTL)
+                                            "top": top, "epoch": self.comm.membership.epoch},
+                                   tag=CTL)
                 with torch.inference_mode():
                     h = self.model.forward_layers(x, cache=self.cache, start=start)
-                    return self.model.head(h[:, -1]).float()[0]
+                    out = shard_logits(self.shard, h, top)
+                assert out is not None  # rank 0 always gets the logits
+                return out
             except (PeerLost, TransportTimeout, ProtocolError) as exc:
                 raise self._fail(exc) from exc
 
@@ -584,7 +600,8 @@ def _handle(comm: Communicator, cfg: WorkerConfig, st: WorkerState, op: str,
             raise ConfigError("worker", "forward before assign")
         st.tags.start(int(meta["fid"]))
         with torch.inference_mode():
-            st.shard.model.forward_layers(tensors[0], cache=st.cache, start=int(meta["start"]))
+            h = st.shard.model.forward_layers(tensors[0], cache=st.cache, start=int(meta["start"]))
+            shard_logits(st.shard, h, int(meta.get("top", 0)))
         st.forwards += 1
     elif op == "assign":
         try:

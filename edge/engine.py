@@ -39,8 +39,11 @@ class Runner(Protocol):
 
     config: ModelConfig
 
-    def forward(self, ids: Sequence[int], start: int) -> torch.Tensor:
-        """Append ``ids`` at positions ``start..`` to the cache; logits (V,) of the last one."""
+    def forward(self, ids: Sequence[int], start: int, top: int = 0) -> torch.Tensor:
+        """Append ``ids`` at positions ``start..`` to the cache; logits (V,) of the last one.
+        ``top`` > 0: the caller picks only among the ``top`` largest logits, so a runner may
+        return -inf for every other token (a vocabulary-parallel head then moves only those
+        candidates to the master); 0: all logits must be exact."""
         ...
 
     def reset(self) -> None: ...
@@ -80,7 +83,7 @@ class LocalRunner:
         self._on_close = on_close
         self._report = report
 
-    def forward(self, ids: Sequence[int], start: int) -> torch.Tensor:
+    def forward(self, ids: Sequence[int], start: int, top: int = 0) -> torch.Tensor:
         x = torch.tensor([list(ids)], dtype=torch.long)
         with torch.inference_mode():
             h = self.model.forward_layers(self.model.embed(x), cache=self.cache, start=start)
@@ -173,7 +176,7 @@ class Engine:
         self.lock = threading.Lock()
         self._cached: list[int] = []  # tokens whose K/V are in the runner's cache
 
-    def _prefill(self, ids: list[int]) -> torch.Tensor:
+    def _prefill(self, ids: list[int], top: int = 0) -> torch.Tensor:
         # Reuse the longest cached prefix, but recompute at least the last prompt token. The
         # runner may have dropped its cache since (a cluster regrouped or re-planned while
         # idle): then nothing is cached, whatever this engine remembers.
@@ -190,7 +193,7 @@ class Engine:
         logits = None
         for a in range(p, len(ids), self.prefill_chunk):
             chunk = ids[a:a + self.prefill_chunk]
-            logits = self.runner.forward(chunk, a)
+            logits = self.runner.forward(chunk, a, top)
             self._cached.extend(chunk)
         assert logits is not None  # ids is never empty (checked by generate)
         return logits
@@ -225,7 +228,8 @@ class Engine:
         shown = ""
         t0 = time.perf_counter()
         try:
-            logits = self._prefill(ids)
+            top = params.candidates
+            logits = self._prefill(ids, top)
             for i in range(params.max_tokens):
                 tok = sampler(logits)
                 if eos is not None and tok == eos:
@@ -250,7 +254,7 @@ class Engine:
                     return
                 yield Event(visible, tok)
                 b0, t1 = self.runner.wire_bytes(), time.perf_counter()
-                logits = self.runner.forward([tok], len(self._cached))
+                logits = self.runner.forward([tok], len(self._cached), top)
                 self._cached.append(tok)
                 m.token_s.append(time.perf_counter() - t1)
                 m.wire_bytes_per_token.append(self.runner.wire_bytes() - b0)

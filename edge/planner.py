@@ -13,7 +13,8 @@ share of ``m_i`` MB of every decoder layer's weights (its KV groups and FFN colu
 
 Every layer ends in two all-reduces, and each waits for the slowest device, so the per-layer
 maximum is taken over devices; the star all-reduce waits for the slowest spoke's round trip.
-The master's embedding and LM head are the same for every split and left out.
+The master's embedding is the same for every split and left out; the LM head is split by
+vocabulary rows in the proportions of the layers (``TPPlan.vocab``) and also left out.
 
 The continuous optimum equalises ``compute_i + stream_i`` over the devices that take part
 (water filling: bisection on the token time T, each device takes the largest share whose

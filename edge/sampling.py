@@ -36,6 +36,12 @@ class SamplingParams:
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise ConfigError("stop", "stop sequences must be non-empty strings")
 
+    @property
+    def candidates(self) -> int:
+        """How many of the largest logits :class:`Sampler` can pick from: 1 when greedy, top_k
+        when set (top_p then renormalises over those k), 0 (any token) otherwise."""
+        return 1 if self.temperature == 0.0 else self.top_k
+
 
 def top_k_mask(logits: torch.Tensor, k: int) -> torch.Tensor:
     """Logits with everything below the k-th largest set to -inf (ties at the k-th kept)."""

@@ -49,8 +49,10 @@ def layer_file(out: Path, rank: int, layer: int) -> Path:
     return out / f"rank{rank}" / f"layer{layer:05d}.safetensors"
 
 
-def head_file(out: Path) -> Path:
-    return out / "rank0" / "head.safetensors"
+def head_file(out: Path, rank: int = 0) -> Path:
+    """Rank 0: embedding, final norm and its LM-head rows; rank r > 0 (a vocabulary-parallel
+    head): the final norm and its LM-head rows."""
+    return out / f"rank{rank}" / "head.safetensors"
 
 
 def is_split_dir(path: str | Path) -> bool:
@@ -125,8 +127,12 @@ def split_checkpoint(model_dir: str | Path, out_dir: str | Path, devices: int,
                     continue
                 part[key] = _cast(key, take(t, spec), dt).contiguous()
             if layer is None:
-                if r == 0:
-                    save_file(part, str(head_file(out)), metadata={"format": "pt"})
+                embed = full.get("model.embed_tokens.weight")
+                if r > 0 and cfg.tie_word_embeddings and plan.vocab_split and embed is not None:
+                    a, b = plan.vocab_rows(r, cfg.vocab_size)  # a tied head: rows of the embedding
+                    part["lm_head.weight"] = _cast("lm_head.weight", embed[a:b], dt).contiguous()
+                if r == 0 or part:
+                    save_file(part, str(head_file(out, r)), metadata={"format": "pt"})
             else:
                 save_file(part, str(layer_file(out, r, layer)), metadata={"format": "pt"})
     hf = json.loads((src / "config.json").read_text())
@@ -175,6 +181,7 @@ class LoadedShard:
     rank: int
     scheduler: WindowScheduler | None = None
     store: Any = None  # edge.moe.store.ExpertCache of a nested MoE (its experts live there)
+    reduce: Reduce | None = None  # the all-reduce hook the layers use (TP; None alone)
 
     def close(self) -> None:
         if self.scheduler is not None:
@@ -212,7 +219,7 @@ def load_shard(model_dir: str | Path, rank: int = 0, world: int = 1, *,
             fuse_projections(model, fuse_quant_rows)
         if fast:
             fastpath.install(model)
-        return LoadedShard(model=model.eval(), plan=plan, rank=rank)
+        return LoadedShard(model=model.eval(), plan=plan, rank=rank, reduce=reduce)
     cfg = ModelConfig.from_json(d)
     layout = read_layout(cfg)
     if is_split_dir(d):
@@ -240,7 +247,7 @@ def load_shard(model_dir: str | Path, rank: int = 0, world: int = 1, *,
         sched = None
     model.inv_freq = rope_inv_freq(cfg)
     if cfg.tie_word_embeddings and rank == 0:
-        model.lm_head.weight = model.model.embed_tokens.weight
+        tie_head(model, plan)
     if fuse and sched is None:
         # Lean decode: one GEMV for q/k/v and one for gate/up. Only for weights in anonymous
         # memory; mapped (window / zero-copy resident) weights would be copied.
@@ -250,7 +257,18 @@ def load_shard(model_dir: str | Path, rank: int = 0, world: int = 1, *,
         # evicted) stay where they are: the compiled step can read them. A real window moves
         # blocks in and out around each layer's hooks, which the compiled step would bypass.
         fastpath.install(model)
-    return LoadedShard(model=model.eval(), plan=plan, rank=rank, scheduler=sched)
+    return LoadedShard(model=model.eval(), plan=plan, rank=rank, scheduler=sched, reduce=reduce)
+
+
+def tie_head(model: LlamaForCausalLM, plan: TPPlan) -> None:
+    """Rank 0 of a model with tied embeddings: its LM head is (its rows of) the embedding, a
+    view, never a copy."""
+    emb = model.model.embed_tokens.weight
+    a, b = plan.vocab_rows(0, model.config.vocab_size)
+    if (a, b) == (0, emb.shape[0]):
+        model.lm_head.weight = emb
+    else:
+        model.lm_head.weight = nn.Parameter(emb.detach()[a:b], requires_grad=False)
 
 
 def _wanted(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -273,24 +291,28 @@ def _load_from_checkpoint(model: LlamaForCausalLM, d: Path, plan: TPPlan, rank: 
                 if key not in wanted:
                     continue
                 spec = _spec(key, plan, rank, layout)
+                if (key == "model.embed_tokens.weight" and rank > 0 and plan.vocab_split
+                        and model.config.tie_word_embeddings):  # a tied head: embedding rows
+                    key, spec = "lm_head.weight", slice_of("lm_head.weight", plan, rank)
                 if spec is False:
                     continue
                 if spec is True:
                     t = sf.get_tensor(key)
                 else:  # read only this rank's rows/columns from the mapped file
                     dim, a, b = spec
-                    sl = sf.get_slice(key)
+                    sl = sf.get_slice("model.embed_tokens.weight" if key == "lm_head.weight"
+                                      and model.config.tie_word_embeddings else key)
                     t = sl[a:b] if dim == 0 else sl[:, a:b]
                 tensors[key] = _cast(key, t, dt).contiguous()
-    _assign(model, tensors)
+    _assign(model, tensors, tied_head=rank == 0)
 
 
 def _load_split(model: LlamaForCausalLM, d: Path, rank: int, dt: torch.dtype, file_dtype: str,
                 window: WindowConfig | None, layout: QuantLayout | None = None
                 ) -> WindowScheduler | None:
     tensors: dict[str, torch.Tensor] = {}
-    if rank == 0:
-        with safe_open(str(head_file(d)), framework="pt") as sf:
+    if rank == 0 or head_file(d, rank).exists():
+        with safe_open(str(head_file(d, rank)), framework="pt") as sf:
             tensors.update({k: _cast(k, sf.get_tensor(k), dt) for k in sf.keys()})
     n = model.config.num_hidden_layers
     paths = [layer_file(d, rank, i) for i in range(n)]
@@ -320,10 +342,12 @@ def _load_split(model: LlamaForCausalLM, d: Path, rank: int, dt: torch.dtype, fi
     return WindowScheduler(list(model.model.layers), files, w, window.loader_cores)
 
 
-def _assign(model: LlamaForCausalLM, tensors: dict[str, torch.Tensor], partial: bool = False) -> None:
+def _assign(model: LlamaForCausalLM, tensors: dict[str, torch.Tensor], partial: bool = False,
+            tied_head: bool = True) -> None:
+    """``tied_head``: the LM head will be tied to the embedding afterwards (rank 0)."""
     missing = {k for k, p in _wanted(model).items()
                if not p.is_meta or p.numel()} - tensors.keys()
-    if model.config.tie_word_embeddings:
+    if model.config.tie_word_embeddings and tied_head:
         missing.discard("lm_head.weight")
     if not partial and missing:
         raise ConfigError("weights", f"checkpoint lacks {len(missing)} tensors, e.g. {sorted(missing)[:3]}")

@@ -5,8 +5,17 @@ whole KV groups (a group = one KV head and the query heads that read it), so eac
 ordinary grouped-query attention on its heads and ``o_proj`` produces a partial sum; the
 SwiGLU FFN (and every Mixtral expert) is split by intermediate columns, so ``down_proj``/``w2``
 produce partial sums. Two all-reduces per layer combine them (the ``reduce`` hooks of
-``lowband.models.llama``). Norms and the MoE router are replicated; the embedding, final norm and LM head
-live on rank 0 only (the master embeds tokens and samples; workers see hidden states).
+``lowband.models.llama``). Norms and the MoE router are replicated; the embedding lives on rank 0
+only (the master embeds tokens and samples; workers see hidden states).
+
+The LM head is split by vocabulary rows (``TPPlan.vocab``): after the last all-reduce every rank
+holds the same final hidden state, so each applies the final norm and its rows of ``lm_head``.
+On a small model the head is a large part of the step (32000 x 512 is 41 % of the ~40 M weights
+one token reads in the 56 M benchmark model); left on the master it capped the TP speed-up near
+1.2x however fast the link. :func:`gather_logits` then brings to the master only what its sampler
+can pick: each rank's best ``top`` candidates (greedy: one value and index per rank), or every
+logit when the sampler needs the whole distribution. A plan from an older split directory
+(no ``vocab`` entry) keeps the whole head on rank 0.
 
 Uneven splits: ``weights`` (device memory or speed) apportion KV groups and FFN columns by the
 largest-remainder method. A rank may get zero KV groups when there are more ranks than groups;
@@ -70,6 +79,7 @@ class TPPlan:
 
     ``kv[r]``: half-open range of KV heads of rank r (its query heads follow: ``kv * G``).
     ``ffn[r]``: half-open range of intermediate (FFN / expert) columns of rank r.
+    ``vocab[r]``: half-open range of LM-head rows (token ids) of rank r; None: all on rank 0.
     """
 
     world: int
@@ -78,34 +88,54 @@ class TPPlan:
     ffn: tuple[tuple[int, int], ...]
     group: int  # G: query heads per KV head
     head_dim: int  # D
+    vocab: tuple[tuple[int, int], ...] | None = None
 
     def __post_init__(self) -> None:
         if self.world < 1:
             raise ConfigError("world", f"must be >= 1, got {self.world}")
-        for name in ("weights", "kv", "ffn"):
+        for name in ("weights", "kv", "ffn") + (("vocab",) if self.vocab is not None else ()):
             if len(getattr(self, name)) != self.world:
                 raise ConfigError(name, f"needs {self.world} entries, got {len(getattr(self, name))}")
+        if self.vocab is not None and (self.vocab[0][0] != 0 or any(
+                a > b or b != c for (a, b), (c, _) in zip(self.vocab, self.vocab[1:]))):
+            raise ConfigError("vocab", f"rows must tile [0, V) in rank order, got {list(self.vocab)}")
+
+    @property
+    def vocab_split(self) -> bool:
+        """Whether the LM head is split over several ranks (else rank 0 holds all of it)."""
+        return self.vocab is not None and sum(b > a for a, b in self.vocab) > 1
+
+    def vocab_rows(self, rank: int, vocab_size: int) -> tuple[int, int]:
+        """The LM-head rows rank ``rank`` holds."""
+        if self.vocab is None:
+            return (0, vocab_size) if rank == 0 else (vocab_size, vocab_size)
+        return self.vocab[rank]
 
     def q_heads(self, rank: int) -> tuple[int, int]:
         a, b = self.kv[rank]
         return a * self.group, b * self.group
 
     def to_dict(self) -> dict[str, Any]:
-        return {"world": self.world, "weights": list(self.weights), "kv": [list(r) for r in self.kv],
-                "ffn": [list(r) for r in self.ffn], "group": self.group, "head_dim": self.head_dim}
+        out = {"world": self.world, "weights": list(self.weights), "kv": [list(r) for r in self.kv],
+               "ffn": [list(r) for r in self.ffn], "group": self.group, "head_dim": self.head_dim}
+        if self.vocab is not None:
+            out["vocab"] = [list(r) for r in self.vocab]
+        return out
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "TPPlan":
         return cls(world=int(d["world"]), weights=tuple(float(w) for w in d["weights"]),
                    kv=tuple((int(a), int(b)) for a, b in d["kv"]),
                    ffn=tuple((int(a), int(b)) for a, b in d["ffn"]),
-                   group=int(d["group"]), head_dim=int(d["head_dim"]))
+                   group=int(d["group"]), head_dim=int(d["head_dim"]),
+                   vocab=tuple((int(a), int(b)) for a, b in d["vocab"]) if d.get("vocab") else None)
 
 
 def make_plan(cfg: ModelConfig, world: int, weights: Sequence[float] | None = None,
-              ffn_unit: int = 8) -> TPPlan:
+              ffn_unit: int = 8, vocab_parallel: bool = True) -> TPPlan:
     """Plan a ``world``-way split. ``ffn_unit`` keeps column blocks SIMD-friendly (a quantized
-    model passes its group size, so ``down_proj`` splits on whole groups)."""
+    model passes its group size, so ``down_proj`` splits on whole groups). ``vocab_parallel``:
+    split the LM head by rows in the same proportions (else it stays whole on rank 0)."""
     if world < 1:
         raise ConfigError("devices", f"must be >= 1, got {world}")
     w = tuple(float(x) for x in (weights or [1.0] * world))
@@ -115,7 +145,9 @@ def make_plan(cfg: ModelConfig, world: int, weights: Sequence[float] | None = No
     return TPPlan(world=world, weights=w,
                   kv=_ranges(apportion(cfg.n_kv_heads, w)),
                   ffn=_ranges(apportion(cfg.intermediate_size, w, unit)),
-                  group=cfg.num_attention_heads // cfg.n_kv_heads, head_dim=cfg.dim_per_head)
+                  group=cfg.num_attention_heads // cfg.n_kv_heads, head_dim=cfg.dim_per_head,
+                  vocab=(_ranges(apportion(cfg.vocab_size, w, 32 if cfg.vocab_size >= 32 * world else 1))
+                         if vocab_parallel and world > 1 else None))
 
 
 _ATTN = re.compile(r"model\.layers\.\d+\.self_attn\.(q|k|v|o)_proj\.(weight|bias)$")
@@ -127,7 +159,12 @@ def slice_of(name: str, plan: TPPlan, rank: int) -> tuple[int, int, int] | None 
     """How rank ``rank`` holds tensor ``name``: ``(dim, start, end)`` for a slice, ``True`` for
     the whole tensor (replicated), ``False`` when the rank does not hold it at all."""
     if name in HEAD_KEYS:
-        return rank == 0
+        if not plan.vocab_split or name == "model.embed_tokens.weight":
+            return rank == 0
+        if name == "model.norm.weight":  # every rank applies it before its rows of the head
+            return True
+        a, b = plan.vocab[rank]  # type: ignore[index]
+        return (0, a, b) if b > a else False
     m = _ATTN.search(name)
     if m:
         proj, D = m.group(1), plan.head_dim
@@ -236,8 +273,66 @@ def make_reduce(comm: Communicator, *, codec: Codec | None = None,
         return comm.all_reduce(x, "sum", codec=codec, algorithm=algorithm, timeout=timeout,
                                tag=tags() if tags is not None else None)
 
+    def exact(x: torch.Tensor) -> torch.Tensor:  # float32 whatever the wire codec: logits
+        return comm.all_reduce(x, "sum", codec=None, algorithm=algorithm, timeout=timeout,
+                               tag=tags() if tags is not None else None)
+
+    reduce.exact = exact  # type: ignore[attr-defined]
     # A star link carrying float32 can be driven natively by the compiled decode step
     # (edge.fastpath); it reads these. Anything else goes through the call above.
     reduce.native_link = comm if codec is None and hasattr(comm, "native_spec") else None  # type: ignore[attr-defined]
     reduce.timeout = timeout  # type: ignore[attr-defined]
     return reduce
+
+
+def exact_reduce(reduce: Reduce) -> Reduce:
+    """The float32 (codec-free) sum over the same link as ``reduce``: what carries logits."""
+    return getattr(reduce, "exact", reduce)
+
+
+def gather_logits(local: torch.Tensor | None, plan: TPPlan, rank: int, vocab_size: int,
+                  top: int, reduce: Reduce) -> torch.Tensor | None:
+    """Bring the vocabulary-parallel head's logits to rank 0. Every rank calls it once per
+    forward, after its head, in the same order as the layers' all-reduces.
+
+    ``local``: (V_r,) logits of this rank's rows (None when it holds none). ``top``: how many
+    of the largest logits the master's sampler can pick from (1 for greedy, ``top_k``) or 0 for
+    all of them. The exchange is a float32 sum over ``reduce`` in which every rank writes only
+    its own slots (x + 0 is exact): with ``top = k`` each rank contributes its k best values
+    and their token ids (2·k floats, ids exact below 2^24), else its rows of the full vector.
+
+    Returns, on rank 0, (V,) float32 logits equal to the unsplit head's wherever the sampler
+    can pick and -inf elsewhere, so greedy and top-k(+top-p) sampling draw exactly what they
+    would from the whole vector (the global top k are among the union of every rank's top k;
+    ties between equal logits keep the lowest token id, like ``argmax``). Other ranks: None."""
+    vocab = [plan.vocab_rows(r, vocab_size) for r in range(plan.world)]
+    k = top if 0 < top and 2 * top * plan.world < vocab_size and vocab_size < 2 ** 24 else 0
+    a, b = vocab[rank]
+    if local is not None and local.numel() != b - a:
+        raise ValueError(f"rank {rank} holds rows [{a}, {b}) but produced {local.numel()} logits")
+    if k == 0:
+        buf = torch.zeros(vocab_size, dtype=torch.float32)
+        if local is not None:
+            buf[a:b] = local.float()
+        total = reduce(buf)
+        return total if rank == 0 else None
+    # Slots [r, 0, :] hold rank r's values, [r, 1, :] its token ids + 1 (0: no candidate, when a
+    # rank holds fewer than k rows); every other rank leaves them 0, so the sum is rank r's own.
+    buf = torch.zeros(plan.world, 2, k, dtype=torch.float32)
+    if local is not None and b > a:
+        n = min(k, b - a)
+        if n == 1:
+            i = torch.argmax(local).view(1)  # first of equal maxima, like argmax over all
+            v = local.float()[i]
+        else:
+            v, i = torch.topk(local.float(), n)
+        buf[rank, 0, :n] = v
+        buf[rank, 1, :n] = (i + a + 1).float()
+    total = reduce(buf.view(-1)).view(plan.world, 2, k)
+    if rank != 0:
+        return None
+    ids, vals = total[:, 1].reshape(-1), total[:, 0].reshape(-1)
+    keep = ids > 0
+    out = torch.full((vocab_size,), float("-inf"), dtype=torch.float32)
+    out[ids[keep].long() - 1] = vals[keep]
+    return out

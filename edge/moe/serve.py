@@ -243,7 +243,8 @@ def load_nested_shard(root: str | Path, rank: int = 0, world: int = 1, *,
                           "device; with --devices > 1 use --expert-budget-mb alone")
     mine = plan_ranks(d, world, weights, experts)[rank]
     cfg = ModelConfig.from_json(d)
-    plan = make_plan(cfg, world, weights)
+    # The nested MoE keeps the whole LM head on the master (its loaders read it there).
+    plan = make_plan(cfg, world, weights, vocab_parallel=False)
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg)
     shard(model, plan, rank, world, reduce)
@@ -269,7 +270,8 @@ def load_nested_shard(root: str | Path, rank: int = 0, world: int = 1, *,
         if sched is not None:
             sched.close()
         raise
-    return LoadedShard(model=model.eval(), plan=plan, rank=rank, scheduler=sched, store=cache)
+    return LoadedShard(model=model.eval(), plan=plan, rank=rank, scheduler=sched, store=cache,
+                       reduce=reduce)
 
 
 def attach_nothing(model: LlamaForCausalLM) -> None:

@@ -88,7 +88,15 @@ def test_split_cli(ckpt, tmp_path, spawn) -> None:
     for r in range(3):
         assert len(list((out / f"rank{r}").glob("layer*.safetensors"))) == 3
     assert (out / "rank0" / "head.safetensors").exists()
-    assert not (out / "rank1" / "head.safetensors").exists()
+    # rank 0: embedding, final norm, its LM-head rows; the others: final norm and their rows
+    from safetensors import safe_open
+    for r in range(3):
+        with safe_open(str(out / f"rank{r}" / "head.safetensors"), framework="pt") as sf:
+            keys = set(sf.keys())
+            a, b = meta["plan"]["vocab"][r]
+            assert sf.get_slice("lm_head.weight").get_shape()[0] == b - a
+        assert keys == {"model.norm.weight", "lm_head.weight"} | (
+            {"model.embed_tokens.weight"} if r == 0 else set())
     bad = spawn([PY, "-m", "lowband", "edge", "split", str(d), "--devices", "2", "--weights",
                  "1,x", "--out", str(tmp_path / "bad")], stderr=-1)
     _, err = bad.communicate(timeout=120)
@@ -106,9 +114,10 @@ def test_run_three_devices_uneven_matches_single_device(ckpt, spawn) -> None:
     assert status == 200, out
     assert out["choices"][0]["text"] == expected
     _, metrics = _http(port, "/metrics")
-    # star all-reduce of fp32 activations: 2 workers x (embedding + 2 per layer out and back)
+    # star all-reduce of fp32 activations: 2 workers x (embedding + 2 per layer out and back
+    # + the greedy candidates of the vocabulary-parallel head, one (value, id) per rank)
     H, L = CFG["hidden_size"], CFG["num_hidden_layers"]
-    assert metrics["wire_bytes_per_token"] == 2 * (H * 4 + 2 * L * 2 * H * 4)
+    assert metrics["wire_bytes_per_token"] == 2 * (H * 4 + 2 * L * 2 * H * 4 + 2 * 3 * 2 * 4)
     workers = psutil.Process(master.pid).children(recursive=True)
     assert len(workers) >= 2
     master.send_signal(signal.SIGTERM)  # like systemd/timeout: must not orphan the workers

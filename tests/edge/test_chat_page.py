@@ -38,7 +38,7 @@ class _SlowRunner:
     def __init__(self, inner: LocalRunner, delay: float) -> None:
         self.inner, self.delay = inner, delay
 
-    def forward(self, ids, start):
+    def forward(self, ids, start, top=0):
         time.sleep(self.delay)
         return self.inner.forward(ids, start)
 

@@ -90,6 +90,32 @@ def _start_cluster(path, world, group, weights=None, **kw):
     return runner, workers
 
 
+def test_cluster_sampling_draws_what_one_device_draws(ckpt, tmp_path) -> None:
+    """The vocabulary-parallel head sends the master only the candidates its sampler can pick
+    (top_k: each rank's k best; no top_k: every logit): a seeded completion is the same text
+    as on one device, and a top-k request moves fewer bytes than a full-distribution one."""
+    local = _local_engine(ckpt)
+    group = LoopbackGroup(2, timeout=20)
+    runner, workers = _start_cluster(ckpt, 2, group, link="direct")
+    try:
+        eng = Engine(runner, ByteTokenizer(), model_name="m")
+        per_token = {}
+        for name, params in (("top_k", SamplingParams(max_tokens=12, temperature=0.9, top_k=8,
+                                                      top_p=0.9, seed=3)),
+                             ("all", SamplingParams(max_tokens=12, temperature=0.9, seed=4))):
+            want, _, _ = local.complete("Once upon", params)
+            got, _, n = eng.complete("Once upon", params)
+            assert got == want and n == 12, name
+            per_token[name] = eng.metrics.snapshot()["wire_bytes_per_token"]
+        assert runner.shard.plan.vocab_split
+        assert per_token["top_k"] < per_token["all"]
+    finally:
+        runner.close()
+        for w in workers:
+            w.join(10)
+    assert all(not w.is_alive() and w.error is None for w in workers)
+
+
 @pytest.mark.parametrize("world,weights,split,wire,link", [
     (2, None, False, "fp32", "direct"), (2, None, False, "fp32", "comm"),
     (3, (2.0, 1.0, 1.0), True, "fp32", "direct"), (3, None, False, "int8", "direct"),
@@ -108,8 +134,10 @@ def test_cluster_matches_single_device(ckpt, tmp_path, world, weights, split, wi
         assert n == 10
         per_tok = eng.metrics.snapshot()["wire_bytes_per_token"]
         H, L = CFG["hidden_size"], CFG["num_hidden_layers"]
-        if wire == "fp32":  # star: master sends x, receives+sends 2L partials per worker
-            assert per_tok == (world - 1) * (H * 4 + 2 * L * 2 * H * 4)
+        # star: the master sends x, receives+sends 2L partials per worker, and (greedy, the
+        # vocabulary-parallel head) receives+sends one (value, id) candidate pair per rank
+        if wire == "fp32":
+            assert per_tok == (world - 1) * (H * 4 + 2 * L * 2 * H * 4 + 2 * world * 2 * 4)
         else:
             assert per_tok < (world - 1) * (H * 4 + 2 * L * 2 * H * 4) / 2
     finally:

@@ -18,7 +18,7 @@ from lowband.errors import PeerLost, ProtocolError, TransportTimeout
 from lowband.models.config import ModelConfig
 from lowband.models.llama import LlamaForCausalLM, fuse_projections, init_weights, unfuse_projections
 from lowband.models.weights import save_pretrained
-from tests.conftest import run_ranks
+from tests.conftest import run_ranks, tp_head
 from transport.starlink import StarHub, StarSpoke
 
 BASE = dict(vocab_size=97, hidden_size=128, intermediate_size=192, num_hidden_layers=2,
@@ -174,7 +174,8 @@ def test_native_star_link_matches_single_device(native) -> None:
 
     def rank_fn(r: int):
         def body():
-            m = shard(copy.deepcopy(full), plan, r, world, make_reduce(links[r], timeout=20))
+            reduce = make_reduce(links[r], timeout=20)
+            m = shard(copy.deepcopy(full), plan, r, world, reduce)
             fuse_projections(m, fuse_quant_rows)
             if native[min(r, 1)]:
                 assert fastpath.install(m) is None and m.fast_decode.link is links[r]
@@ -183,19 +184,24 @@ def test_native_star_link_matches_single_device(native) -> None:
                 h = m.forward_layers(x_all[:, :6], cache=cache, start=0)
                 for t in range(6, ids.shape[1]):
                     h = m.forward_layers(x_all[:, t:t + 1], cache=cache, start=t)
+                    # the vocabulary-parallel head's gather runs on the same link, from Python,
+                    # between natively driven steps (top=0: every logit, exact)
+                    out = tp_head(m, plan, r, h, reduce)
                     if r == 0:
-                        outs.append(m.head(h)[0, -1])
+                        outs.append(out[0, -1])
             return torch.stack(outs) if outs else None
 
         return body
 
     try:
         got = run_ranks([rank_fn(r) for r in range(world)], timeout=60)[0]
-        # Each decode step: 2 all-reduces per layer of one (1, 1, H) float32 activation.
-        H, L = full.config.hidden_size, full.config.num_hidden_layers
+        # Each decode step: 2 all-reduces per layer of one (1, 1, H) float32 activation, then
+        # one gather of the logits (V float32).
+        H, L, V = full.config.hidden_size, full.config.num_hidden_layers, full.config.vocab_size
         per_step = 2 * L * 4 * H
-        assert links[1].stats().bytes_sent == per_step * ids.shape[1]  # prefill sends 6 rows once
-        assert links[0]._seq == links[1]._seq == links[2]._seq == 2 * L * (1 + ids.shape[1] - 6)
+        steps = ids.shape[1] - 6
+        assert links[1].stats().bytes_sent == per_step * ids.shape[1] + steps * 4 * V
+        assert links[0]._seq == links[1]._seq == links[2]._seq == (2 * L + 1) * steps + 2 * L
     finally:
         for link in links:
             link.close()

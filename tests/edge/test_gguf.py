@@ -18,7 +18,7 @@ from edge.tp import make_reduce
 from lowband.errors import ConfigError
 from lowband.models.config import ModelConfig
 from lowband.models.llama import LlamaForCausalLM, init_weights
-from tests.conftest import run_ranks
+from tests.conftest import run_ranks, tp_head
 from transport.loopback import LoopbackGroup
 
 pytestmark = pytest.mark.timeout(120)
@@ -80,11 +80,12 @@ def test_gguf_serves_through_shard_and_tp(tmp_path) -> None:
 
     def rank_fn(r: int):
         def body():
-            sh, _ = load_gguf_shard(path, r, 2, reduce=make_reduce(comms[r]))
+            reduce = make_reduce(comms[r])
+            sh, plan = load_gguf_shard(path, r, 2, reduce=reduce)
             assert isinstance(sh.model.layers[0].mlp.down_proj, QuantLinear)
             with torch.no_grad():
                 h = sh.forward_layers(x, cache=None, start=0)
-                return sh.head(h) if r == 0 else None
+                return tp_head(sh, plan, r, h, reduce)
         return body
 
     got = run_ranks([rank_fn(0), rank_fn(1)], timeout=60)[0]

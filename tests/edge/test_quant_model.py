@@ -17,7 +17,7 @@ from lowband.errors import ConfigError
 from lowband.models.config import ModelConfig
 from lowband.models.llama import LlamaForCausalLM, fuse_projections, init_weights
 from lowband.models.weights import save_pretrained
-from tests.conftest import run_ranks
+from tests.conftest import run_ranks, tp_head
 from transport.loopback import LoopbackGroup
 
 pytestmark = pytest.mark.timeout(120)
@@ -95,7 +95,7 @@ def test_quantized_split_and_tp(tmp_path, window) -> None:
             assert isinstance(sh.model.model.layers[0].mlp.down_proj, QuantLinear)
             with torch.no_grad():
                 h = sh.model.forward_layers(x, cache=None, start=0)
-                out = sh.model.head(h) if r == 0 else None
+                out = tp_head(sh.model, sh.plan, r, h, sh.reduce)
             sh.close()
             return out
         return body

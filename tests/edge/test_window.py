@@ -12,7 +12,7 @@ from edge.tp import make_reduce
 from lowband.models.weights import save_pretrained
 from edge.window import window_for_budget, window_plan, window_warmup
 from lowband.errors import ConfigError
-from tests.conftest import run_ranks
+from tests.conftest import run_ranks, tp_head
 from transport.loopback import LoopbackGroup
 
 
@@ -124,10 +124,66 @@ def test_tp_shards_from_disk_with_window(ckpt, tmp_path, source: str) -> None:
             try:
                 with torch.no_grad():
                     h = sh.model.forward_layers(x, cache=None, start=0)
-                    return sh.model.head(h) if r == 0 else None
+                    return tp_head(sh.model, sh.plan, r, h, sh.reduce)
             finally:
                 sh.close()
         return run
 
     got = run_ranks([body(r) for r in range(world)])[0]
     assert (got - ref).abs().max().item() <= 1e-5
+
+
+@pytest.mark.parametrize("source", ["split", "checkpoint"])
+def test_tied_head_split_by_vocabulary(tmp_path, source: str) -> None:
+    """Tied embeddings with a vocabulary-parallel head: rank 0's head is a view of its rows of
+    the embedding, a worker's head is its rows read from the embedding (split files or the
+    checkpoint's memory map); gathered logits equal the unsharded model's, and the plan of an
+    older split (no ``vocab`` entry) still loads with the whole head on rank 0."""
+    import json
+    m = LlamaForCausalLM(ModelConfig(**{**CFG, "tie_word_embeddings": True})).eval()
+    init_weights(m, seed=4)
+    d = save_pretrained(m, tmp_path / "tied")
+    world = 2
+    path = split_checkpoint(d, tmp_path / "s2", world) if source == "split" else d
+    ids = torch.tensor([[5, 9, 2, 7]])
+    with torch.no_grad():
+        ref = m(ids)
+    x = m.embed(ids).detach()
+
+    def run(path):
+        comms = LoopbackGroup(world, timeout=30).comms()
+
+        def body(r):
+            def go():
+                sh = load_shard(path, r, world, reduce=make_reduce(comms[r]))
+                try:
+                    a, b = sh.plan.vocab_rows(r, CFG["vocab_size"])
+                    assert sh.model.lm_head.weight.shape[0] == b - a
+                    if r == 0 and b > a and sh.plan.vocab_split:  # a view, not a copy
+                        assert (sh.model.lm_head.weight.data_ptr()
+                                == sh.model.model.embed_tokens.weight.data_ptr())
+                    with torch.no_grad():
+                        h = sh.model.forward_layers(x, cache=None, start=0)
+                        return tp_head(sh.model, sh.plan, r, h, sh.reduce)
+                finally:
+                    sh.close()
+            return go
+        return run_ranks([body(r) for r in range(world)])[0]
+
+    assert (run(path) - ref).abs().max().item() <= 1e-5
+    if source == "split":  # an older split: whole head on rank 0
+        legacy = split_checkpoint(d, tmp_path / "old", world)
+        meta = json.loads((legacy / "lowband_split.json").read_text())
+        del meta["plan"]["vocab"]
+        (legacy / "lowband_split.json").write_text(json.dumps(meta))
+        (legacy / "rank1" / "head.safetensors").unlink()
+        _rewrite_head_whole(d, legacy)
+        assert (run(legacy) - ref).abs().max().item() <= 1e-5
+
+
+def _rewrite_head_whole(src, split) -> None:
+    """Rank 0's head file as an older split wrote it: embedding, norm (and no head rows: tied)."""
+    from safetensors.torch import load_file, save_file
+    full = load_file(str(src / "model.safetensors"))
+    keep = {k: v for k, v in full.items() if not k.startswith("model.layers.")}
+    save_file(keep, str(split / "rank0" / "head.safetensors"), metadata={"format": "pt"})
