@@ -78,7 +78,7 @@ def _decode(runner, prompt: list[int], tokens: int, warmup: int, cold=None) -> d
         if cold is not None and i >= warmup:
             cold()
         t = time.perf_counter()
-        logits = runner.forward([tok], pos)
+        logits = runner.forward([tok], pos, 1)  # greedy: the sampler needs the best logit only
         if i >= warmup:
             times.append(time.perf_counter() - t)
         pos += 1
@@ -95,7 +95,7 @@ def _profile(runner, prompt: list[int], steps: int = 4) -> dict:
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         t = time.perf_counter()
         for _ in range(steps):
-            runner.forward([tok], pos)
+            runner.forward([tok], pos, 1)
             pos += 1
         wall = time.perf_counter() - t
     mm = other = 0.0
