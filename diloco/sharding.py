@@ -106,9 +106,10 @@ class ShardFragment(FragmentSync):
 def gather_rows(shard: torch.Tensor, rows: int, size: int, all_gather) -> torch.Tensor:
     """The full tensor from every rank's dim-0 chunk. ``all_gather(list_out, tensor)`` is the
     site's collective (torch.distributed.all_gather with the site group); chunks are padded to
-    ceil(rows/size) rows so every rank sends the same shape."""
+    ceil(rows/size) rows so every rank sends the same shape. Everything stays on ``shard``'s
+    device: pass the shard on the device the site's collectives run on (CUDA under NCCL)."""
     step = -(-rows // size) if rows else 0
-    pad = torch.zeros((step,) + tuple(shard.shape[1:]), dtype=shard.dtype)
+    pad = torch.zeros((step,) + tuple(shard.shape[1:]), dtype=shard.dtype, device=shard.device)
     pad[:shard.shape[0]] = shard
     parts = [torch.empty_like(pad) for _ in range(size)]
     all_gather(parts, pad)

@@ -25,10 +25,19 @@ peer; the state hash verified per group is a hash per shard. Its ranks register 
 coordinators independently, so the surviving sites make sure every group admits it at the same
 sync point (``_admit_together``), and the site checks after every reconciliation that its ranks
 hold shards of one progress (step, syncs applied).
+
+Devices. The model, its shards, θ_g's shards, the outer optimizer state and the residuals live
+on the rank's device (``cfg.compute.device``, ``cuda:LOCAL_RANK`` on a GPU site). The site's
+collectives run on :func:`collective_device`: the rank's GPU under NCCL, the CPU under Gloo;
+only their Python results (a MAX, status rows) come back to the host. What crosses the WAN
+takes the worker's staging path (``diloco.staging``: pinned host copies on a side stream),
+states handed to peers and checkpoints are host tensors, and the model is exported from the
+host.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import re
@@ -50,6 +59,7 @@ from diloco.checkpoint import (
 )
 from diloco.common import InnerLoop, WorkerResult, hash_state, optimizer_tensors
 from diloco.config import TrainConfig
+from diloco.device import optimizer_kernels
 from diloco.sharding import (
     ShardFragment,
     ShardLayout,
@@ -67,6 +77,7 @@ logger = logging.getLogger(__name__)
 BLOCK_MODULE = re.compile(r"(?:^|\.)layers\.\d+$")
 """FSDP2 wraps each decoder block (``model.layers.3``) as one unit, then the root."""
 ADMIT_POLL_S = 0.05  # s between quorum rounds while a newcomer site's ranks are registering
+CPU = torch.device("cpu")
 
 
 class SiteTask:
@@ -100,14 +111,30 @@ def site_signature(signature: bytes, layout: ShardLayout) -> bytes:
     return hashlib.blake2b(text, digest_size=16).digest()
 
 
-def parallelize(model: nn.Module, layout: ShardLayout, group: Any = None) -> nn.Module:
-    """FSDP2 (every decoder block, then the root) or DDP over the site's process group."""
+def collective_device(backend: str, device: torch.device) -> torch.device:
+    """The device the site's own collectives (agreements, status rows, shard all-gathers) run
+    on: the rank's GPU under NCCL (it takes CUDA tensors only), the CPU under Gloo (its CPU
+    path serves every collective; its CUDA support would stage through the host anyway)."""
+    if backend == "nccl":
+        if device.type != "cuda":
+            raise ConfigError("site.backend", f"nccl needs CUDA tensors, this rank computes on "
+                              f"{device}: use a CUDA device or the gloo backend")
+        return device
+    return CPU
+
+
+def parallelize(model: nn.Module, layout: ShardLayout, group: Any = None,
+                device: torch.device = CPU) -> nn.Module:
+    """FSDP2 (every decoder block, then the root) or DDP over the site's process group;
+    ``model`` already lives on ``device``, the rank's device."""
     if layout.engine == "ddp":
-        return nn.parallel.DistributedDataParallel(model, process_group=group)
+        ids = [device.index if device.index is not None else torch.cuda.current_device()] \
+            if device.type == "cuda" else None
+        return nn.parallel.DistributedDataParallel(model, device_ids=ids, process_group=group)
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import fully_shard
 
-    mesh = DeviceMesh.from_group(group or dist.group.WORLD, "cpu")
+    mesh = DeviceMesh.from_group(group or dist.group.WORLD, device.type)
     for name, module in model.named_modules():
         if BLOCK_MODULE.search(name):
             fully_shard(module, mesh=mesh)
@@ -123,33 +150,45 @@ class SiteWorker(DilocoWorker):
         super().__init__(cfg, comm, SiteTask(task, layout, cfg.data.batch_size), **kwargs)
         self.layout, self.group = layout, group
         self.signature = site_signature(self.signature, layout)
-        plain = self.model
-        self.model = parallelize(plain, layout, group)
-        self.inner = InnerLoop(cfg, self.task, self.model)  # over the sharded/wrapped params
+        self.collectives = collective_device(dist.get_backend(group), self.device)
+        plain = self.model  # on self.device already (DilocoWorker moved it)
+        self.model = parallelize(plain, layout, group, self.device)
+        # over the sharded/wrapped params, on the rank's device
+        self.inner = InnerLoop(cfg, self.task, self.model, self.device)
         params = dict(plain.named_parameters())
         self._params = params
+        outer = functools.partial(self.mode.outer.build, kernels=optimizer_kernels(
+            self.mode.outer.name, self.device, cfg.compute.optimizer_impl))
+        # θ_g's shards, their outer optimizer state and the residuals: on the rank's device
         self.fragments = [
-            ShardFragment(f.index, f.names, [params[n] for n in f.names], layout,
-                          self.mode.outer.build, self.codec, self.mode.error_feedback)
+            ShardFragment(f.index, f.names, [params[n] for n in f.names], layout, outer,
+                          self.codec, self.mode.error_feedback)
             for f in self.fragments]
         # self.global_model (plain, full size) is only an assembly buffer for evaluation and
         # export now: the authoritative θ_g is the fragments' global shards.
 
     # ---- site collectives (every rank of the site calls them at the same point) -----------------
+    # Their tensors live on self.collectives; reading the answer is the one host sync each.
     def _site_max(self, value: int) -> int:
-        t = torch.tensor([value], dtype=torch.int64)
+        t = torch.tensor([value], dtype=torch.int64, device=self.collectives)
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
         return int(t[0])
 
     def _site_gather(self, row: list[int]) -> list[list[int]]:
         """Every site rank's ``row`` (int64), by site rank."""
-        t = torch.tensor(row, dtype=torch.int64)
+        t = torch.tensor(row, dtype=torch.int64, device=self.collectives)
         out = [torch.empty_like(t) for _ in range(self.layout.size)]
         dist.all_gather(out, t, group=self.group)
-        return [o.tolist() for o in out]
+        return torch.stack(out).tolist()  # one device-to-host copy for all rows
 
     def _all_gather(self, out: list[torch.Tensor], t: torch.Tensor) -> None:
         dist.all_gather(out, t, group=self.group)
+
+    def _gather_full(self, shard: torch.Tensor, rows: int) -> torch.Tensor:
+        """The full tensor from every rank's dim-0 ``shard``, on the collective device (the
+        caller's ``copy_`` brings it to the rank's device: no copy at all under NCCL)."""
+        return gather_rows(shard.detach().to(self.collectives), rows, self.layout.size,
+                           self._all_gather)
 
     @torch.no_grad()
     def _assemble_global(self) -> None:
@@ -157,9 +196,7 @@ class SiteWorker(DilocoWorker):
         full = dict(self.global_model.named_parameters())
         for f in self.fragments:
             for name, g in zip(f.names, f.global_):
-                rows = full[name].shape[0]
-                full[name].copy_(gather_rows(g.detach(), rows, self.layout.size,
-                                             self._all_gather).view_as(full[name]))
+                full[name].copy_(self._gather_full(g, full[name].shape[0]).view_as(full[name]))
 
     @torch.no_grad()
     def _replicate(self) -> None:
@@ -167,8 +204,7 @@ class SiteWorker(DilocoWorker):
         if self.layout.engine != "ddp":
             return
         for p in self._params.values():
-            p.copy_(gather_rows(local_shard(p, self.layout), p.shape[0], self.layout.size,
-                                self._all_gather).view_as(p))
+            p.copy_(self._gather_full(local_shard(p, self.layout), p.shape[0]).view_as(p))
 
     # ---- membership: decided per site ---------------------------------------------------------
     def _sync_point(self) -> None:
@@ -246,12 +282,14 @@ class SiteWorker(DilocoWorker):
         return hash_state(tensors, self.step, self.applied)
 
     def state(self, *, own: bool) -> State:
+        """This rank's shard of the worker state as host tensors (what the transport sends to a
+        peer and DCP writes)."""
         tensors: dict[str, torch.Tensor] = {}
         for name, p in self._params.items():
-            tensors["local." + name] = local_shard(p, self.layout).clone()
+            tensors["local." + name] = local_shard(p, self.layout).to("cpu", copy=True)
         for f in self.fragments:
             for name, g in zip(f.names, f.global_):
-                tensors["global." + name] = g.detach().clone()
+                tensors["global." + name] = g.detach().to("cpu", copy=True)
         inner_meta, outer_meta = self._optimizer_sections(tensors, own=own, inner=_plain)
         meta = {"format": 1, "step": self.step, "applied": self.applied, "inner": inner_meta,
                 "outer": outer_meta, "slot": self.slot if own else -1,
@@ -260,6 +298,8 @@ class SiteWorker(DilocoWorker):
 
     @torch.no_grad()
     def load(self, tensors: dict[str, torch.Tensor], meta: dict, *, own: bool) -> None:
+        """Inverse of :meth:`state`: host tensors copied onto the rank's device (the optimizers'
+        ``load_state_dict`` moves their states to their parameters' device)."""
         for name, p in self._params.items():
             local_shard(p, self.layout).copy_(tensors["local." + name])
         for f, m in zip(self.fragments, meta["outer"]):
@@ -267,7 +307,8 @@ class SiteWorker(DilocoWorker):
                 g.copy_(tensors["global." + name])
             load_optimizer_state(f.outer_opt, f"outer{f.index}", tensors, m)
             key = f"residual.{f.index}"
-            f.residual = tensors[key].clone() if own and key in tensors else None
+            f.residual = (tensors[key].to(self.device, copy=True) if own and key in tensors
+                          else None)
         load_optimizer_state(self.inner.opt, "inner", tensors, meta["inner"])
         _redistribute(self.inner.opt)
         self.inner.step = int(meta["step"])
@@ -310,22 +351,34 @@ class SiteWorker(DilocoWorker):
         return super()._evaluate()
 
     def _finish(self) -> WorkerResult:
-        out_dir = self.out_dir
-        if self.layout.rank != 0:
-            self.out_dir = None  # one rank of the site exports the model
+        # The base class evaluates (θ_g assembled on every rank: a site collective), hashes and
+        # logs; the final checkpoint (DCP, every rank) and the export (one rank) follow here.
+        out_dir, self.out_dir = self.out_dir, None
         try:
             result = super()._finish()
         finally:
             self.out_dir = out_dir
-        if out_dir is not None and self.layout.rank != 0:
+        if out_dir is not None:
             self.checkpoint(out_dir / "checkpoints" / "final")
+            if self.layout.rank == 0 and self.comm.rank == 0:  # one rank of one site
+                self._export_assembled(out_dir / "model")
         return result
 
-    def export(self, directory: Any) -> None:
+    def export(self, directory: Path) -> None:
         """The full model of a sharded run as a Hugging Face directory (every rank calls it)."""
         self._assemble_global()
         if self.layout.rank == 0:
+            self._export_assembled(directory)
+
+    @torch.no_grad()
+    def _export_assembled(self, directory: Path) -> None:
+        """Export ``self.global_model`` (assembled) from the host: moved to the CPU for the
+        writer and back (it is only the assembly buffer; the fragments keep θ_g's shards)."""
+        self.global_model.to("cpu")
+        try:
             export_model(self.global_model, directory, byte_tokenizer=self.byte_tokenizer)
+        finally:
+            self.global_model.to(self.device)
 
 
 def _plain(t: torch.Tensor) -> torch.Tensor:

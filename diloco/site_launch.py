@@ -3,7 +3,13 @@
 Rank r of a site of N ranks joins the site's torch.distributed group (Gloo on CPU, NCCL on CUDA)
 and lowband group r (``coordinators[r]``: one coordinator per shard, each grouping rank r of every
 site), then runs a :class:`diloco.site.SiteWorker`. The caller (the CLI) reads torchrun's
-environment; this module only receives values.
+environment; this module only receives values (:func:`site_device` maps the ``LOCAL_RANK`` it
+is given to the rank's device).
+
+Backends and devices. NCCL runs collectives on CUDA tensors only, one GPU per rank: every rank
+computes on ``cuda:LOCAL_RANK`` and the site's own collectives use tensors there. Gloo is the
+CPU backend; it also accepts CUDA tensors for the collectives DDP issues, and that is all this
+module relies on (see :func:`check_site_device`).
 """
 
 from __future__ import annotations
@@ -19,6 +25,58 @@ from diloco.sharding import ENGINES, Engine, ShardLayout
 from lowband.errors import ConfigError, LowbandError
 
 logger = logging.getLogger(__name__)
+
+BACKENDS = ("gloo", "nccl")
+
+
+def site_device(spec: str, *, backend: str, engine: str, local_rank: int, cuda: bool) -> str:
+    """The compute device of the site rank that torchrun numbers ``local_rank`` on its host.
+
+    ``spec`` is ``--device``; ``cuda`` whether torch sees a GPU. ``auto`` means ``cuda`` under
+    NCCL and the CPU under Gloo (Gloo is the CPU backend; ask for ``--device cuda`` to put Gloo
+    ranks on GPUs); ``cuda`` means ``cuda:LOCAL_RANK``, one GPU per rank of a host. ``cpu`` and
+    ``cuda:N`` are taken as given (``cuda:N`` lets Gloo ranks share one GPU). The result is
+    checked by :func:`check_site_device`. Pure."""
+    if spec == "auto":
+        if backend == "nccl" and not cuda:
+            raise ConfigError("site.backend", "--site-backend nccl needs one CUDA GPU per rank and "
+                              "torch sees none (--device auto): use --site-backend gloo on CPUs")
+        spec = "cuda" if backend == "nccl" else "cpu"
+    if spec.startswith("cuda") and not cuda:
+        fix = "--site-backend gloo --device cpu" if backend == "nccl" else "--device cpu"
+        raise ConfigError("compute.device", f"--device {spec} asked for, but torch sees no CUDA "
+                          f"device (a CPU build of torch, or no GPU): use {fix}")
+    if spec == "cuda":
+        spec = f"cuda:{local_rank}"
+    check_site_device(backend, engine, spec)
+    return spec
+
+
+def check_site_device(backend: str, engine: str, device: str) -> None:
+    """Refuse a backend/engine/device combination a site cannot run (before any process
+    group forms).
+
+    What this relies on: NCCL takes CUDA tensors only. Gloo takes CPU tensors for every
+    collective and CUDA tensors for all_reduce, broadcast and all_gather (it stages them through
+    host memory); DDP needs no more than all_reduce (gradient buckets) and broadcast (the
+    initial parameters and buffers), so DDP over Gloo may compute on GPUs. FSDP2 issues
+    all_gather_into_tensor and reduce_scatter_tensor, which Gloo does not promise for CUDA
+    tensors, so FSDP2 over Gloo stays on the CPU. The site's own control collectives run on host
+    tensors under Gloo either way (``diloco.site.collective_device``)."""
+    if backend not in BACKENDS:
+        raise ConfigError("site.backend", f"must be one of {BACKENDS}, got {backend!r}")
+    if device == "auto" or device == "cuda":
+        raise ConfigError("compute.device", f"a site rank needs its own device (cpu or cuda:N), "
+                          f"got {device!r}: map it with site_device (the CLI does)")
+    on_gpu = device.startswith("cuda")
+    if backend == "nccl" and not on_gpu:
+        raise ConfigError("site.backend", f"--site-backend nccl runs collectives on CUDA tensors "
+                          f"only, but this rank computes on {device!r}: use --device cuda (rank "
+                          "r of a host takes cuda:LOCAL_RANK) or --site-backend gloo")
+    if backend == "gloo" and on_gpu and engine == "fsdp2":
+        raise ConfigError("site.backend", f"FSDP2 over Gloo cannot compute on {device!r} (Gloo "
+                          "has no CUDA reduce-scatter to rely on): use --site-backend nccl, "
+                          "--site ddp, or --device cpu")
 
 
 class SiteFailed(LowbandError):
@@ -48,6 +106,7 @@ class SiteLaunch:
     token: str | None = None
     same_host: str = "auto"
     dist_timeout: float = 60.0  # seconds a site collective may wait for a dead rank
+    # The rank's device is train.compute.device: cpu or cuda:N (site_device maps auto/cuda).
     resume: Path | None = None  # a checkpoints/step-* directory of this site (sharded, DCP)
     layout: ShardLayout = field(init=False)
 
@@ -56,6 +115,9 @@ class SiteLaunch:
             raise ConfigError("mode", "a multi-rank site runs Streaming DiLoCo, not the DDP baseline")
         if self.engine not in ENGINES:
             raise ConfigError("site.engine", f"must be one of {ENGINES}, got {self.engine!r}")
+        check_site_device(self.backend, self.engine, self.train.compute.device)
+        if not self.dist_timeout > 0:
+            raise ConfigError("site.dist_timeout", f"must be > 0 seconds, got {self.dist_timeout}")
         if len(self.coordinators) != self.size:
             raise ConfigError("coordinators", f"a site of {self.size} ranks needs one lowband "
                               f"coordinator per shard, got {len(self.coordinators)}")
@@ -68,6 +130,7 @@ def site_main(cfg: SiteLaunch) -> WorkerResult:
     import torch.distributed as dist
 
     from diloco.common import run_signature
+    from diloco.device import resolve_device
     from diloco.metrics import MetricsLog
     from diloco.site import SiteWorker, site_signature
     from diloco.task import lm_task
@@ -75,6 +138,11 @@ def site_main(cfg: SiteLaunch) -> WorkerResult:
 
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
+    device = resolve_device(cfg.train.compute.device)  # cuda:N must exist on this host
+    if device.type == "cuda":
+        # Before the process group forms: NCCL binds its communicator, and FSDP2 and DCP's
+        # object collectives pick their device, from the current CUDA device.
+        torch.cuda.set_device(device)
     dist.init_process_group(cfg.backend, init_method=f"tcp://{cfg.master}", rank=cfg.rank,
                             world_size=cfg.size, timeout=timedelta(seconds=cfg.dist_timeout))
     task = lm_task(cfg.train)
