@@ -166,25 +166,38 @@ def _worker_checked(args: argparse.Namespace) -> int:
 
 
 def _site_rank(args: argparse.Namespace) -> int:
-    """One rank of a multi-rank site: torchrun's environment names the rank and rendezvous."""
+    """One rank of a multi-rank site: torchrun's environment names the rank and rendezvous.
+
+    ``LOCAL_RANK`` (the rank on this host) picks the rank's GPU: ``--device cuda`` (or ``auto``
+    with ``--site-backend nccl``) becomes ``cuda:LOCAL_RANK``. Without torchrun (ranks started
+    by hand on one host) ``LOCAL_RANK`` defaults to ``RANK``."""
+    import dataclasses
     import logging
     import os
 
-    from diloco.site_launch import SiteFailed, SiteLaunch, site_main
+    import torch
+
+    from diloco.site_launch import SiteFailed, SiteLaunch, site_device, site_main
     from lowband.errors import ConfigError
 
     env = {k: os.environ.get(k) for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
     missing = [k for k, v in env.items() if v is None]
     if missing:
         raise ConfigError("site", f"--site runs under torchrun (missing {', '.join(missing)})")
-    cfg = SiteLaunch(train=_train_config(args, workers=args.workers),
-                     coordinators=tuple(args.coordinator.split(",")),
-                     rank=int(env["RANK"]), size=int(env["WORLD_SIZE"]),  # type: ignore[arg-type]
+    rank = int(env["RANK"])  # type: ignore[arg-type]
+    local_rank = int(os.environ.get("LOCAL_RANK", rank))
+    train = _train_config(args, workers=args.workers)
+    device = site_device(train.compute.device, backend=args.site_backend, engine=args.site,
+                         local_rank=local_rank, cuda=torch.cuda.is_available())
+    train = dataclasses.replace(train, compute=dataclasses.replace(train.compute, device=device))
+    cfg = SiteLaunch(train=train, coordinators=tuple(args.coordinator.split(",")),
+                     rank=rank, size=int(env["WORLD_SIZE"]),  # type: ignore[arg-type]
                      master=f"{env['MASTER_ADDR']}:{env['MASTER_PORT']}", engine=args.site,
                      backend=args.site_backend, site_id=args.id or "site", out_dir=args.out,
                      threads=args.threads, bind_host=args.bind_host,
                      advertise_host=args.advertise_host, token=args.token,
-                     same_host=args.same_host, resume=args.resume)
+                     same_host=args.same_host, dist_timeout=args.dist_timeout,
+                     resume=args.resume)
     try:
         result = site_main(cfg)
     except SiteFailed as exc:
@@ -227,7 +240,14 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="this process is one rank of a multi-rank site started by torchrun: "
                    "FSDP2 or DDP inside the site, sharded outer sync across sites")
     p.add_argument("--site-backend", default="gloo", choices=["gloo", "nccl"],
-                   help="torch.distributed backend inside the site (default gloo)")
+                   help="torch.distributed backend inside the site (default gloo): nccl puts "
+                   "rank r of a host on cuda:LOCAL_RANK (--device auto or cuda) and refuses a "
+                   "CPU device; gloo computes on the CPU (auto) or, with --site ddp and "
+                   "--device cuda / cuda:N, on GPUs")
+    p.add_argument("--dist-timeout", type=float, default=60.0, metavar="SECONDS",
+                   help="with --site: seconds a torch.distributed collective inside the site "
+                   "may wait before the rank gives up (a dead rank takes its site down after "
+                   "at most this long; default 60)")
     p.add_argument("--workers", type=int,
                    help="M: founding workers to wait for before starting (default: the preset's)")
     p.add_argument("--id", help="worker id for file names (default: the transport peer id)")
