@@ -1,8 +1,11 @@
 """Multi-rank sites (diloco.site, diloco.sharding): torch.distributed inside, lowband across.
 
-Tiers: pure shard arithmetic; then real processes (Gloo inside a site, the ZeroMQ transport with
-one coordinator per shard across sites), spawned the way torchrun would (RANK, WORLD_SIZE,
-MASTER_ADDR, MASTER_PORT), each in its own session and killed in teardown.
+Tiers: pure shard arithmetic and device mapping; the CLI's composition (in-process, the site
+itself stubbed); then real processes (Gloo inside a site, the ZeroMQ transport with one
+coordinator per shard across sites), spawned the way torchrun would (RANK, LOCAL_RANK,
+WORLD_SIZE, MASTER_ADDR, MASTER_PORT), each in its own session and killed in teardown. The same
+runs with NCCL on a GPU carry the ``cuda`` marker and are skipped, with the reason printed,
+where torch sees no GPU (listed in .ci/allowed-skips).
 """
 
 from __future__ import annotations
@@ -32,6 +35,8 @@ from diloco.sharding import (
     local_shard,
     shard_rows,
 )
+from diloco.site import collective_device
+from diloco.site_launch import SiteLaunch, site_device
 from lowband.errors import ConfigError, IncompatiblePeer
 from lowband.models.weights import load_pretrained
 from transport.config import ZmqConfig
@@ -71,6 +76,122 @@ def test_layout_and_batch_errors_name_the_field() -> None:
         ShardLayout(size=2, rank=0, engine="zero3")  # type: ignore[arg-type]
 
 
+@pytest.mark.timeout(10)
+@pytest.mark.parametrize("spec,backend,engine,local_rank,cuda,want", [
+    ("auto", "nccl", "fsdp2", 3, True, "cuda:3"),    # one GPU per rank of a host
+    ("cuda", "nccl", "ddp", 1, True, "cuda:1"),
+    ("cuda:2", "nccl", "fsdp2", 0, True, "cuda:2"),  # an explicit index is the user's
+    ("auto", "gloo", "fsdp2", 1, True, "cpu"),       # Gloo is the CPU backend ...
+    ("auto", "gloo", "ddp", 1, False, "cpu"),
+    ("cpu", "gloo", "ddp", 0, True, "cpu"),
+    ("cuda", "gloo", "ddp", 1, True, "cuda:1"),      # ... unless asked: DDP over Gloo on GPUs
+    ("cuda:0", "gloo", "ddp", 1, True, "cuda:0"),    # Gloo ranks may share one GPU
+])
+def test_site_device_maps_local_rank(spec, backend, engine, local_rank, cuda, want) -> None:
+    got = site_device(spec, backend=backend, engine=engine, local_rank=local_rank, cuda=cuda)
+    assert got == want
+
+
+@pytest.mark.timeout(10)
+@pytest.mark.parametrize("spec,backend,engine,cuda,match", [
+    ("cpu", "nccl", "fsdp2", True, "nccl runs collectives on CUDA tensors only"),
+    ("auto", "nccl", "ddp", False, "nccl needs one CUDA GPU per rank and torch sees none"),
+    ("cuda", "nccl", "fsdp2", False, "torch sees no CUDA device.*--site-backend gloo"),
+    ("cuda:1", "gloo", "ddp", False, "torch sees no CUDA device.*--device cpu"),
+    ("cuda", "gloo", "fsdp2", True, "FSDP2 over Gloo cannot compute on 'cuda:0'"),
+])
+def test_site_device_refusals_say_what_to_use(spec, backend, engine, cuda, match) -> None:
+    with pytest.raises(ConfigError, match=match):
+        site_device(spec, backend=backend, engine=engine, local_rank=0, cuda=cuda)
+
+
+@pytest.mark.timeout(10)
+def test_site_collectives_run_on_the_backends_device() -> None:
+    assert collective_device("nccl", torch.device("cuda:1")) == torch.device("cuda:1")
+    assert collective_device("gloo", torch.device("cuda:0")) == torch.device("cpu")
+    assert collective_device("gloo", torch.device("cpu")) == torch.device("cpu")
+    with pytest.raises(ConfigError, match="nccl needs CUDA tensors"):
+        collective_device("nccl", torch.device("cpu"))
+
+
+def _on(device: str):
+    cfg = tiny()
+    return replace(cfg, compute=replace(cfg.compute, device=device))
+
+
+@pytest.mark.timeout(10)
+def test_site_launch_refuses_nccl_on_cpu_and_unmapped_devices() -> None:
+    base = {"coordinators": ("tcp://a:1",), "rank": 0, "size": 1, "master": "127.0.0.1:1"}
+    assert SiteLaunch(train=_on("cuda:0"), backend="nccl", **base).dist_timeout == 60.0
+    with pytest.raises(ConfigError, match="nccl runs collectives on CUDA tensors only"):
+        SiteLaunch(train=_on("cpu"), backend="nccl", **base)
+    with pytest.raises(ConfigError, match="map it with site_device"):
+        SiteLaunch(train=_on("auto"), **base)
+    with pytest.raises(ConfigError, match="site.backend"):
+        SiteLaunch(train=_on("cpu"), backend="mpi", **base)
+    with pytest.raises(ConfigError, match="site.dist_timeout"):
+        SiteLaunch(train=_on("cpu"), dist_timeout=0.0, **base)
+
+
+class _Stub:
+    """Stands in for ``site_main``: records the SiteLaunch the CLI composed."""
+
+    def __init__(self) -> None:
+        self.cfg: SiteLaunch | None = None
+
+    def __call__(self, cfg: SiteLaunch):
+        self.cfg = cfg
+        return self
+
+    def summary(self) -> dict:
+        return {"stub": True}
+
+
+def _site_cli(monkeypatch, args: list[str], local_rank: str | None, cuda: bool) -> tuple[int, _Stub]:
+    import diloco.site_launch
+    from lowband.cli import main
+
+    stub = _Stub()
+    monkeypatch.setattr(diloco.site_launch, "site_main", stub)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+    env = {"RANK": "5", "WORLD_SIZE": "8", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    if local_rank is None:
+        monkeypatch.delenv("LOCAL_RANK", raising=False)
+    else:
+        monkeypatch.setenv("LOCAL_RANK", local_rank)
+    coords = ",".join(f"tcp://127.0.0.1:{9000 + r}" for r in range(8))
+    return main(["worker", "--coordinator", coords, "--preset", "tiny", *args]), stub
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("local_rank,want", [("1", "cuda:1"), (None, "cuda:5")])
+def test_cli_puts_an_nccl_rank_on_its_local_gpu(monkeypatch, local_rank, want) -> None:
+    """torchrun's LOCAL_RANK (RANK when started by hand on one host) picks the GPU; the
+    library gets the value, and --dist-timeout reaches the SiteLaunch."""
+    rc, stub = _site_cli(monkeypatch, ["--site", "fsdp2", "--site-backend", "nccl",
+                                       "--dist-timeout", "7.5"], local_rank, cuda=True)
+    assert rc == 0 and stub.cfg is not None
+    assert stub.cfg.train.compute.device == want and stub.cfg.backend == "nccl"
+    assert (stub.cfg.rank, stub.cfg.size, stub.cfg.dist_timeout) == (5, 8, 7.5)
+
+
+@pytest.mark.timeout(30)
+def test_cli_keeps_a_gloo_site_on_the_cpu(monkeypatch) -> None:
+    rc, stub = _site_cli(monkeypatch, ["--site", "fsdp2"], "1", cuda=True)
+    assert rc == 0 and stub.cfg is not None
+    assert stub.cfg.train.compute.device == "cpu" and stub.cfg.dist_timeout == 60.0
+
+
+@pytest.mark.timeout(30)
+def test_cli_refuses_nccl_on_the_cpu(monkeypatch, capsys) -> None:
+    rc, stub = _site_cli(monkeypatch, ["--site", "ddp", "--site-backend", "nccl",
+                                       "--device", "cpu"], "0", cuda=True)
+    assert rc == 2 and stub.cfg is None
+    assert "nccl runs collectives on CUDA tensors only" in capsys.readouterr().err
+
+
 # ---- processes -------------------------------------------------------------------------------
 def _free_port() -> int:
     with socket.socket() as s:
@@ -83,6 +204,7 @@ class Sites:
 
     def __init__(self, tmp: Path, ranks: int, engine: str = "fsdp2", heartbeat: float = 1.0):
         self.tmp, self.ranks, self.engine = tmp, ranks, engine
+        tmp.mkdir(parents=True, exist_ok=True)
         self.coords = [Coordinator(CoordinatorConfig(bind="tcp://127.0.0.1:0",
                                                      heartbeat_interval=heartbeat)).start()
                        for _ in range(ranks)]
@@ -93,7 +215,7 @@ class Sites:
         addrs = ",".join(c.address for c in self.coords)
         started = []
         for r in range(self.ranks):
-            env = dict(os.environ, RANK=str(r), WORLD_SIZE=str(self.ranks),
+            env = dict(os.environ, RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(self.ranks),
                        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
             args = [sys.executable, "-m", "lowband", "worker", "--coordinator", addrs,
                     "--site", self.engine, "--id", f"s{site}", "--threads", "1",
@@ -265,3 +387,66 @@ def test_incompatible_layout_is_named_in_the_refusal():
             assert "a site of 4 rank(s)" in str(err.value) and "a site of 2 rank(s)" in str(err.value)
         finally:
             first.close()
+
+
+# ---- CUDA: the same sites with NCCL inside (skipped visibly without a GPU) -----------------------
+NO_CUDA = not torch.cuda.is_available()
+NO_CUDA_REASON = "no CUDA device visible to torch (CPU build or no GPU): NCCL sites not exercised"
+NCCL = ["--site-backend", "nccl", "--device", "cuda"]  # rank r of the host takes cuda:LOCAL_RANK
+CPU_SITE = ["--device", "cpu"]
+
+
+def _assert_cuda_matches_cpu(gpu: dict[str, torch.Tensor], cpu: dict[str, torch.Tensor]) -> None:
+    """CUDA vs CPU is the same run with other fp32 kernels (reduction order; TF32 is off for
+    matmuls by default): after 20 inner steps and 4 outer syncs every tensor of θ_g agrees to
+    ‖a − b‖ ≤ 1e-3·‖b‖ and the largest element difference stays below 1e-2 (AdamW's m/√v can
+    amplify a rounding difference to ~lr per step where v is tiny)."""
+    assert set(gpu) == set(cpu)
+    for name, want in cpu.items():
+        a, b = gpu[name].float(), want.float()
+        assert (a - b).norm() <= 1e-3 * b.norm() + 1e-6, name
+        assert (a - b).abs().max() < 1e-2, name
+
+
+def _one_site(tmp: Path, engine: str, extra: list[str]) -> Sites:
+    """One site of one rank alone in its run (M = 1)."""
+    sites = Sites(tmp, 1, engine)
+    try:
+        (p,) = sites.start_site(0, ["--workers", "1", *extra])
+        assert p.wait(timeout=240) == 0, (tmp / "site0-r0-0.log").read_text()[-4000:]
+    finally:
+        sites.close()
+    return sites
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(NO_CUDA, reason=NO_CUDA_REASON)
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("engine", ["fsdp2", "ddp"])
+def test_cuda_one_rank_nccl_site_matches_the_cpu_site(tmp_path: Path, engine: str) -> None:
+    """1 site × 1 rank with NCCL (world size 1 on one GPU), FSDP2 or DDP: the exported θ_g
+    equals the same site on the CPU (Gloo) within the CUDA-vs-CPU tolerance, and its sharded
+    DCP checkpoints were written from the GPU."""
+    gpu = _one_site(tmp_path / "gpu", engine, NCCL)
+    cpu = _one_site(tmp_path / "cpu", engine, CPU_SITE)
+    _assert_cuda_matches_cpu(_exported(gpu.tmp), _exported(cpu.tmp))
+    final = gpu.finals(0)[0]["final"]
+    assert final["outer_syncs"] == 4 and final["steps"] == 20
+    ckpt = gpu.tmp / "site0" / "checkpoints"
+    assert (ckpt / "step-000011" / ".metadata").exists() and (ckpt / "final" / ".metadata").exists()
+    tensors, meta = load_sharded(ckpt / "final", key="s0-r0")
+    assert meta["step"] == 20 and all(t.device.type == "cpu" for t in tensors.values())
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(NO_CUDA, reason=NO_CUDA_REASON)
+@pytest.mark.timeout(600)
+def test_cuda_two_single_rank_nccl_sites_on_one_gpu_match_the_cpu_sites(tmp_path: Path) -> None:
+    """2 sites × 1 rank, each its own NCCL group of one on the same GPU, the outer sync over
+    lowband's transport: both sites end with one θ_g (equal state hashes), equal to the same
+    two sites on the CPU within the CUDA-vs-CPU tolerance."""
+    gpu = _run(tmp_path / "gpu", 1, lambda site: NCCL)
+    cpu = _run(tmp_path / "cpu", 1, lambda site: CPU_SITE)
+    _assert_cuda_matches_cpu(_exported(gpu.tmp), _exported(cpu.tmp))
+    a, b = gpu.finals(0)[0]["final"], gpu.finals(1)[0]["final"]
+    assert a["state_hash"] == b["state_hash"] and a["outer_syncs"] == b["outer_syncs"] == 4
