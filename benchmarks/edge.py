@@ -228,9 +228,12 @@ def role_shard(a) -> dict:
         h = torch.randn(1, a.prompt_len, m.config.hidden_size)
         with torch.inference_mode():
             m.forward_layers(h, cache=cache, start=0)
+            rows = shard.plan.vocab_rows(a.rank, m.config.vocab_size)
             for i in range(a.warmup + a.tokens):
                 t = time.perf_counter()
-                m.forward_layers(h[:, :1], cache=cache, start=a.prompt_len + i)
+                out = m.forward_layers(h[:, :1], cache=cache, start=a.prompt_len + i)
+                if rows[1] > rows[0]:  # its rows of a vocabulary-parallel head
+                    m.head(out[:, -1])
                 if i >= a.warmup:
                     times.append(time.perf_counter() - t)
         res = {"decode_ms_per_token": 1e3 * statistics.median(times)}

@@ -201,6 +201,9 @@ class MasterRunner:
         self._status = "starting"
         self._slots: dict[str, int] = {}  # peer id -> slot
         self._closed = threading.Event()
+        # Slots of workers polling their star link for the next command (they were sent a
+        # forward and have not been told to go back to the communicator since): see forward.
+        self._on_link: set[int] = set()
         self._recovery: threading.Thread | None = None
         self._ping_n = 0
         self.devices = cfg.devices  # the current plan (changes when re-planned onto survivors)
@@ -237,20 +240,32 @@ class MasterRunner:
         dropped = [r for r in self._others() if r not in used]
         for r in dropped:
             why = plan.left_out.get(self.comm.membership.peers[r], "")
-            self.comm.send(r, [], {"op": "shutdown", "reason": f"left out by the planner: {why}"},
-                           tag=CTL)
+            self._ctl(r, [], {"op": "shutdown", "reason": f"left out by the planner: {why}"})
         for r in dropped:
             self.comm.recv(r, tag=READY, timeout=self.cfg.op_timeout)
         if dropped:  # the next epoch is formed by the devices that stay
             for r in used:
-                self.comm.send(r, [], {"op": "regroup", "epoch": self.comm.membership.epoch},
-                               tag=CTL)
+                self._ctl(r, [], {"op": "regroup", "epoch": self.comm.membership.epoch})
             self.comm.quorum(min_world=len(plan.devices), timeout=self.cfg.join_timeout)
         self.split, self.devices, self.weights = plan, len(plan.devices), plan.weights
         print(f"lowband edge: {plan.explain()}", flush=True)
 
     def _others(self) -> list[int]:
         return [r for r in range(self.comm.world_size) if r != self.comm.rank]
+
+    def _slot(self, r: int) -> int | None:
+        return self._slots.get(self.comm.membership.peers[r])
+
+    def _ctl(self, r: int, tensors: list[torch.Tensor], meta: dict) -> None:
+        """A control message to rank ``r`` over the communicator. A worker polling its star
+        link for the next forward is first told to go back to the communicator ("yield"): it
+        then reads this message next, so the order of everything the master says is kept."""
+        slot = self._slot(r)
+        if slot in self._on_link:
+            self._on_link.discard(slot)
+            assert self.hub is not None
+            self.hub.command(slot, {"op": "yield"}, timeout=self.cfg.op_timeout)
+        self.comm.send(r, tensors, meta, tag=CTL)
 
     def _assign(self, ranks: Sequence[int], slots: Sequence[int]) -> None:
         cfg = self.cfg
@@ -267,7 +282,7 @@ class MasterRunner:
                     "link_secret": self.hub.secret if self.hub else None,
                     # an idle master pings every heartbeat_s: this much silence means it is gone
                     "silence_s": max(30.0, 10 * cfg.heartbeat_s) + cfg.op_timeout}
-            self.comm.send(r, [], meta, tag=CTL)
+            self._ctl(r, [], meta)
         for r, s in zip(ranks, slots):
             _, meta = self.comm.recv(r, tag=READY, timeout=cfg.join_timeout)
             if not meta.get("ok"):
@@ -279,7 +294,8 @@ class MasterRunner:
 
     def _fail(self, exc: BaseException) -> ClusterUnavailable:
         if self.hub is not None:
-            self.hub.abort()
+            self.hub.abort()  # also ends a worker's wait for the next command on its link
+        self._on_link.clear()
         self._healthy = False
         self._status = f"degraded: {exc}"
         logger.warning("cluster degraded: %s; waiting for the worker to come back", exc)
@@ -314,7 +330,7 @@ class MasterRunner:
         epoch = self.comm.membership.epoch
         for r in self._others():
             try:
-                self.comm.send(r, [], {"op": "regroup", "epoch": epoch}, tag=CTL)
+                self._ctl(r, [], {"op": "regroup", "epoch": epoch})
             except (PeerLost, TransportTimeout):
                 pass  # that one is gone; the quorum goes on without it
 
@@ -326,6 +342,7 @@ class MasterRunner:
         if self.hub is not None:
             for s in missing:
                 self.hub.drop(s)
+                self._on_link.discard(s)
         new_ranks = [r for r, p in enumerate(m.peers) if p not in self._slots]
         if len(new_ranks) < len(missing):
             raise PeerLost(f"slots {missing} still unassigned")
@@ -350,6 +367,7 @@ class MasterRunner:
         if self.hub is not None:
             for s in self.hub.slots():
                 self.hub.drop(s)
+            self._on_link.clear()
         self.shard.close()
         self.shard = self.model = None
         net = self.hub if (self.hub is not None and self.devices > 1) else self.comm
@@ -366,7 +384,7 @@ class MasterRunner:
         if self.hub is not None:
             self.hub.sync_send(timeout=self.cfg.op_timeout)
         for r in self._others():
-            self.comm.send(r, [], {"op": "reset", "sync": self.hub is not None}, tag=CTL)
+            self._ctl(r, [], {"op": "reset", "sync": self.hub is not None})
         if self.hub is not None:
             self.hub.sync_wait(timeout=self.cfg.op_timeout)
         self.cache = self.model.new_cache()
@@ -386,8 +404,7 @@ class MasterRunner:
                 self._ping_n += 1
                 m = self.comm.membership
                 for r in self._others():
-                    self.comm.send(r, [], {"op": "ping", "n": self._ping_n, "epoch": m.epoch},
-                                   tag=CTL)
+                    self._ctl(r, [], {"op": "ping", "n": self._ping_n, "epoch": m.epoch})
                 self.comm.barrier(tag=f"ping{self._ping_n}", timeout=self.cfg.op_timeout)
             except (PeerLost, TransportTimeout) as exc:
                 self._fail(exc)
@@ -405,10 +422,20 @@ class MasterRunner:
             self.tags.start(self._fid)
             x = self.model.embed(torch.tensor([list(ids)], dtype=torch.long))
             try:
+                meta = {"op": "forward", "fid": self._fid, "start": start, "top": top,
+                        "epoch": self.comm.membership.epoch, "link": self.hub is not None}
                 for r in self._others():
-                    self.comm.send(r, [x], {"op": "forward", "fid": self._fid, "start": start,
-                                            "top": top, "epoch": self.comm.membership.epoch},
-                                   tag=CTL)
+                    # A decode step reaches a worker that already polls its link that way (no
+                    # I/O or engine thread on either side); the first forward after any other
+                    # message goes through the communicator and puts the worker on its link.
+                    slot = self._slot(r)
+                    if slot in self._on_link:
+                        assert self.hub is not None
+                        self.hub.command(slot, meta, [x], timeout=self.cfg.op_timeout)
+                    else:
+                        self.comm.send(r, [x], meta, tag=CTL)
+                        if self.hub is not None and slot is not None:
+                            self._on_link.add(slot)
                 with torch.inference_mode():
                     h = self.model.forward_layers(x, cache=self.cache, start=start)
                     out = shard_logits(self.shard, h, top)
@@ -424,7 +451,7 @@ class MasterRunner:
                 return
             try:
                 for r in self._others():
-                    self.comm.send(r, [], {"op": "reset"}, tag=CTL)
+                    self._ctl(r, [], {"op": "reset"})
             except (PeerLost, TransportTimeout) as exc:
                 self._fail(exc)
 
@@ -453,7 +480,7 @@ class MasterRunner:
             reports = [own] if own else []
             try:
                 for r in self._others():
-                    self.comm.send(r, [], {"op": "stats", "n": self._ping_n}, tag=CTL)
+                    self._ctl(r, [], {"op": "stats", "n": self._ping_n})
                 for r in self._others():
                     _, meta = self.comm.recv(r, tag=tag, timeout=self.cfg.op_timeout)
                     if meta.get("report"):
@@ -477,7 +504,7 @@ class MasterRunner:
             told = []
             for r in self._others():
                 try:
-                    self.comm.send(r, [], {"op": "shutdown"}, tag=CTL)
+                    self._ctl(r, [], {"op": "shutdown"})
                     told.append(r)
                 except LowbandError:
                     pass
@@ -508,6 +535,7 @@ class WorkerState:
     cache: object = None
     tags: _Tags = field(default_factory=_Tags)
     forwards: int = 0
+    on_link: bool = False  # the next command comes on the star link (see MasterRunner.forward)
 
 
 def _regroup(comm: Communicator, cfg: WorkerConfig, *, rejoining: bool = False) -> None:
@@ -557,6 +585,9 @@ def run_worker(comm: Communicator, cfg: WorkerConfig) -> int:
             # the uses of a tag, so an abandoned receive would shift every later match. A
             # timeout therefore ends the worker.
             wait = st.silence_s or cfg.join_timeout
+            if st.on_link and st.link is not None:
+                _next_on_link(comm, cfg, st, wait)
+                continue
             try:
                 tensors, meta = comm.recv(src, tag=CTL, timeout=wait)
             except TransportTimeout:
@@ -578,17 +609,47 @@ def run_worker(comm: Communicator, cfg: WorkerConfig) -> int:
                 return 0
             try:
                 _handle(comm, cfg, st, op, tensors, meta)
+                st.on_link = op == "forward" and bool(meta.get("link")) and st.link is not None
             except (PeerLost, TransportTimeout, ProtocolError) as exc:
-                # A peer died mid-forward: form the next epoch with whoever is left (and with the
-                # master, which may itself be the one that was lost and is rejoining).
-                logger.warning("worker: %s; regrouping", exc)
-                _regroup_with_master(comm, cfg)
-                st.cache = st.shard.model.new_cache() if st.shard else None
+                _regroup_after(comm, cfg, st, exc)
     finally:
         if st.shard is not None:
             st.shard.close()
         if st.link is not None:
             st.link.close()
+
+
+def _next_on_link(comm: Communicator, cfg: WorkerConfig, st: WorkerState, wait: float) -> None:
+    """Serve the master's next command from the star link: a forward (then keep polling the
+    link) or "yield" (back to the communicator). A broken link or an ABORT is a failed
+    forward: regroup, as in :func:`run_worker`; silence for ``wait`` ends the worker, as the
+    communicator's does."""
+    assert st.link is not None
+    try:
+        tensors, meta = st.link.next_command(wait)
+    except TransportTimeout:  # (raised past the clause below: ends the worker)
+        raise PeerLost(f"no word from the master for {wait:.0f}s: it is gone or stuck") from None
+    except (PeerLost, ProtocolError) as exc:
+        # like a failed receive from the communicator: this worker may be the one declared lost
+        _regroup_after(comm, cfg, st, exc, rejoining=True)
+        return
+    if meta.get("op") != "forward":
+        st.on_link = False
+        return
+    try:
+        _handle(comm, cfg, st, "forward", tensors, meta)
+    except (PeerLost, TransportTimeout, ProtocolError) as exc:
+        _regroup_after(comm, cfg, st, exc)
+
+
+def _regroup_after(comm: Communicator, cfg: WorkerConfig, st: WorkerState, exc: Exception, *,
+                   rejoining: bool = False) -> None:
+    """A forward failed (a peer died, or the master aborted): form the next epoch with whoever
+    is left, the master included (it may itself be the one that was lost and is rejoining)."""
+    st.on_link = False
+    logger.warning("worker: %s; regrouping", exc)
+    _regroup_with_master(comm, cfg, rejoining=rejoining)
+    st.cache = st.shard.model.new_cache() if st.shard else None
 
 
 def _handle(comm: Communicator, cfg: WorkerConfig, st: WorkerState, op: str,

@@ -155,7 +155,10 @@ def test_worker_death_and_recovery(ckpt) -> None:
     p = SamplingParams(max_tokens=6)
     try:
         ref, _, _ = eng.complete("abc", p)
+        # The device dies: its communicator and its star link (a dead process's TCP
+        # connections close; decode steps reach a worker over its link, see MasterRunner.forward)
         group.kill(2)
+        runner.hub.drop(runner._slot(2))
         with pytest.raises(ClusterUnavailable, match="recovers"):
             eng.complete("abcd", p)  # in flight when the device is gone
         workers[1].join(10)
@@ -203,7 +206,8 @@ def test_replan_onto_survivors(ckpt) -> None:
     p = SamplingParams(max_tokens=6)
     try:
         assert eng.complete("abc", p)[0] == ref
-        group.kill(2)
+        group.kill(2)  # the device dies: its communicator and its star link
+        runner.hub.drop(runner._slot(2))
         with pytest.raises(ClusterUnavailable):
             eng.complete("abcd", p)
         deadline = time.monotonic() + 20

@@ -122,3 +122,47 @@ def test_polling_receive_still_honours_the_timeout() -> None:
     finally:
         a.close()
         hub.close()
+
+
+def test_commands_between_all_reduces_keep_their_order() -> None:
+    """A command (the next token's forward) travels on the link between all-reduces, arrives
+    with its tensor shapes, and an ABORT in its place is a PeerLost; a command where an
+    all-reduce answer is expected is a protocol error, never mixed into a sum."""
+    hub, (a, b) = _group(3)
+    try:
+        x = torch.arange(6, dtype=torch.float32).view(1, 2, 3)
+
+        def worker(spoke, slot):
+            def go():
+                frames, meta = spoke.next_command(timeout=5)
+                assert meta == {"op": "forward", "fid": 1} and torch.equal(frames[0], x)
+                assert frames[0].shape == (1, 2, 3)
+                out = spoke.all_reduce(torch.full((2,), float(slot)), timeout=5)
+                frames, meta = spoke.next_command(timeout=5)
+                assert meta == {"op": "yield"} and frames == []
+                return out
+            return go
+
+        def master():
+            for slot in (1, 2):
+                hub.command(slot, {"op": "forward", "fid": 1}, [x], timeout=5)
+            out = hub.all_reduce(torch.zeros(2), timeout=5)
+            for slot in (1, 2):
+                hub.command(slot, {"op": "yield"}, timeout=5)
+            return out
+
+        res = run_ranks([master, worker(a, 1), worker(b, 2)])
+        assert all(torch.equal(r, torch.full((2,), 3.0)) for r in res)
+        hub.abort()
+        with pytest.raises(PeerLost, match="aborted"):
+            a.next_command(timeout=5)
+        with pytest.raises(PeerLost, match="no link"):
+            hub.command(9, {"op": "yield"})
+        hub.command(2, {"op": "forward"}, [x])  # a worker expecting a sum gets a command
+        b._conn.recv(timeout=5)  # (the ABORT above)
+        with pytest.raises(ProtocolError, match="expected result"):
+            b.all_reduce(torch.ones(2), timeout=0.5)
+    finally:
+        hub.close()
+        a.close()
+        b.close()
