@@ -476,7 +476,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--repeats", type=int, default=5,
-                   help="interleaved rounds of 1-device, 2-device and window runs (medians reported, best runs beside them)")
+                   help="interleaved rounds of 1-device, 2-device and window runs (medians "
+                        "reported, the best runs beside them)")
     p.add_argument("--window", type=int, default=2, help="W: layer blocks resident")
     p.add_argument("--storage", nargs="*", default=list(STORAGE), choices=list(STORAGE),
                    help="storage classes the window's block reads are also paced to")
