@@ -113,23 +113,9 @@ def test_tp_shards_from_disk_with_window(ckpt, tmp_path, source: str) -> None:
     ids = torch.tensor([[7, 7, 1, 2, 3]])
     with torch.no_grad():
         ref = ref_model(ids)
-    group = LoopbackGroup(world, timeout=30)
-    comms = group.comms()
     x = ref_model.embed(ids).detach()
-
-    def body(r):
-        def run():
-            win = WindowConfig(window=2) if source == "split" and r > 0 else None
-            sh = load_shard(path, r, world, weights=weights, reduce=make_reduce(comms[r]), window=win)
-            try:
-                with torch.no_grad():
-                    h = sh.model.forward_layers(x, cache=None, start=0)
-                    return tp_head(sh.model, sh.plan, r, h, sh.reduce)
-            finally:
-                sh.close()
-        return run
-
-    got = run_ranks([body(r) for r in range(world)])[0]
+    got = _tp_forward(path, world, x, weights=weights,
+                      window=lambda r: WindowConfig(window=2) if source == "split" and r > 0 else None)
     assert (got - ref).abs().max().item() <= 1e-5
 
 
@@ -150,25 +136,14 @@ def test_tied_head_split_by_vocabulary(tmp_path, source: str) -> None:
         ref = m(ids)
     x = m.embed(ids).detach()
 
-    def run(path):
-        comms = LoopbackGroup(world, timeout=30).comms()
+    def check(r, sh):
+        a, b = sh.plan.vocab_rows(r, CFG["vocab_size"])
+        assert sh.model.lm_head.weight.shape[0] == b - a
+        if r == 0 and b > a and sh.plan.vocab_split:  # a view, not a copy
+            assert sh.model.lm_head.weight.data_ptr() == sh.model.model.embed_tokens.weight.data_ptr()
 
-        def body(r):
-            def go():
-                sh = load_shard(path, r, world, reduce=make_reduce(comms[r]))
-                try:
-                    a, b = sh.plan.vocab_rows(r, CFG["vocab_size"])
-                    assert sh.model.lm_head.weight.shape[0] == b - a
-                    if r == 0 and b > a and sh.plan.vocab_split:  # a view, not a copy
-                        assert (sh.model.lm_head.weight.data_ptr()
-                                == sh.model.model.embed_tokens.weight.data_ptr())
-                    with torch.no_grad():
-                        h = sh.model.forward_layers(x, cache=None, start=0)
-                        return tp_head(sh.model, sh.plan, r, h, sh.reduce)
-                finally:
-                    sh.close()
-            return go
-        return run_ranks([body(r) for r in range(world)])[0]
+    def run(path):
+        return _tp_forward(path, world, x, check=check)
 
     assert (run(path) - ref).abs().max().item() <= 1e-5
     if source == "split":  # an older split: whole head on rank 0
@@ -187,3 +162,24 @@ def _rewrite_head_whole(src, split) -> None:
     full = load_file(str(src / "model.safetensors"))
     keep = {k: v for k, v in full.items() if not k.startswith("model.layers.")}
     save_file(keep, str(split / "rank0" / "head.safetensors"), metadata={"format": "pt"})
+
+
+def _tp_forward(path, world, x, *, weights=None, window=lambda r: None, check=lambda r, sh: None):
+    """Every rank loads its slice of ``path`` (``window(r)``: its sliding window), runs the
+    layers on ``x`` over a loopback group and the vocabulary-parallel head; rank 0's logits."""
+    comms = LoopbackGroup(world, timeout=30).comms()
+
+    def body(r):
+        def run():
+            sh = load_shard(path, r, world, weights=weights, reduce=make_reduce(comms[r]),
+                            window=window(r))
+            try:
+                check(r, sh)
+                with torch.no_grad():
+                    h = sh.model.forward_layers(x, cache=None, start=0)
+                    return tp_head(sh.model, sh.plan, r, h, sh.reduce)
+            finally:
+                sh.close()
+        return run
+
+    return run_ranks([body(r) for r in range(world)])[0]
