@@ -177,6 +177,7 @@ class DilocoWorker:
             if self.inflight is not None:
                 self._timed(lambda a=action: self._do(a))
         self.result.wall_s = time.perf_counter() - t0
+        self.staging.close()  # every send was waited for by the drain; stop the sender thread
         return self._finish()
 
     def _timed(self, fn: Callable[[], object]) -> None:
