@@ -287,7 +287,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", action="store_true", help="print the result as one JSON line")
     p.add_argument("--tiny", action="store_true", help="smoke-test size (seconds)")
     p.add_argument("--scale", action="store_true",
-                   help="the scale preset: BPE 4096, 6.8 M parameters, M = 4 (about 30 min)")
+                   help="the scale preset: BPE 4096, 6.8 M parameters, M = 4 (about 15 min "
+                        "per seed on 2 idle cores: DDP, then DiLoCo)")
     p.add_argument("--plot", type=Path, help="write eval loss vs bytes (PNG)")
     p.add_argument("--seeds", type=int, default=1,
                    help="repeat the quality comparison over this many seeds (means reported)")
