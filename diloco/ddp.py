@@ -21,8 +21,9 @@ from diloco.checkpoint import export_model
 from diloco.common import (InnerLoop, WorkerResult, hash_state, record_inner_step, run_signature,
                            signature_int)
 from diloco.config import DDPConfig, TrainConfig
-from diloco.device import HostStaging, resolve_device
+from diloco.device import resolve_device
 from diloco.metrics import MetricsLog, Progress
+from diloco.staging import HostStaging
 from diloco.task import Task
 from lowband.codecs import get_codec
 from lowband.comm import Communicator

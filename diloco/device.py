@@ -1,8 +1,9 @@
 """Where and how a worker computes: device, autocast, optimizer kernels, staging to the host.
 
 The trainers stay device-agnostic: they ask this module for the resolved ``torch.device``, an
-autocast context, an optimizer built with fused/foreach kernels, and a :class:`HostStaging` that
-moves an outer-step payload between the device and the host buffers the transport reads.
+autocast context and an optimizer built with fused/foreach kernels; :class:`diloco.staging.
+HostStaging` moves an outer-step payload between the device and the host buffers the transport
+reads.
 
 Precision (``ComputeConfig.precision``): parameters, inner optimizer moments, θ_g and the outer
 optimizer state are float32 ("master weights"); only the forward/backward runs under
@@ -14,7 +15,7 @@ quantized) on the device, copied into a pinned host buffer on a side stream and 
 transport once that copy's event completes; inner steps keep running on the main stream while
 the transport sends (the τ overlap). The averaged result comes back the same way, and the main
 stream waits on the side stream's event before the outer step reads it. That is
-:class:`diloco.staging.HostStaging` (re-exported here); on the CPU every one of these is the
+:class:`diloco.staging.HostStaging`; on the CPU every one of these is the
 identity: the tensor already lives where the transport reads it.
 """
 
@@ -27,7 +28,6 @@ from typing import ContextManager, Iterable
 import torch
 from torch import nn
 
-from diloco.staging import HostStaging  # noqa: F401 - re-exported (the DDP worker uses it)
 from lowband.errors import ConfigError
 
 logger = logging.getLogger(__name__)

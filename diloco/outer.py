@@ -30,6 +30,12 @@ from lowband.comm import Codec
 logger = logging.getLogger(__name__)
 
 
+def warn_invalid(fragment: int) -> None:
+    """The one warning for a non-finite Δ (the Flower client and the trainer both give it)."""
+    logger.warning("fragment %d: non-finite pseudo-gradient; this worker sends zeros and its "
+                   "contribution is dropped from the average", fragment)
+
+
 class FragmentSync:
     """The state of fragment p on one worker: its parameters in the local and the global model,
     its outer optimizer and its error-feedback residual."""
@@ -60,8 +66,7 @@ class FragmentSync:
         x, flag = self.device_contribution()
         valid = bool(flag.item() > 0)
         if not valid:
-            logger.warning("fragment %d: non-finite pseudo-gradient; sending zeros, this "
-                           "worker's contribution is dropped from the average", self.index)
+            warn_invalid(self.index)
         return x, valid
 
     @torch.no_grad()

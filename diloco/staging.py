@@ -27,14 +27,11 @@ where the transport reads them, and ``launch`` runs the sender inline.
 
 from __future__ import annotations
 
-import logging
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable, Hashable, TypeVar
 
 import torch
-
-logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
@@ -82,11 +79,10 @@ class HostStaging:
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
-        self.cuda = device.type == "cuda"
         self.outbound = BufferPool(pin=True)
         self.inbound = BufferPool(pin=True)
         self._last_in: dict[Hashable, Any] = {}  # key -> event of its last H2D copy
-        self._stream = torch.cuda.Stream(device) if self.cuda else None
+        self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self._sender: ThreadPoolExecutor | None = None
 
     # ---- device → host ---------------------------------------------------------------------------

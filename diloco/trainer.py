@@ -46,7 +46,7 @@ from diloco.config import DilocoConfig, TrainConfig
 from diloco.device import optimizer_kernels, resolve_device
 from diloco.fragments import plan_fragments
 from diloco.metrics import MetricsLog, Progress
-from diloco.outer import FragmentSync
+from diloco.outer import FragmentSync, warn_invalid
 from diloco.schedule import Action, Kind, drain_actions, fragment_actions
 from diloco.staging import HostStaging
 from diloco.task import Task
@@ -166,18 +166,21 @@ class DilocoWorker:
         t0 = self._t0 = time.perf_counter()
         self.result.sync_s = 0.0
         self.result.start_step = self.step
-        while self.step < self.cfg.steps:
-            tc = time.perf_counter()
-            loss = self.inner.run_step(self.slot)
-            self.result.compute_s += time.perf_counter() - tc
-            for action in fragment_actions(self.step, m.n_fragments, m.inner_steps, m.tau):
-                self._timed(lambda a=action: self._do(a))
-            self._after_step(loss)
-        for action in drain_actions(self.cfg.steps, m.n_fragments, m.inner_steps, m.tau):
-            if self.inflight is not None:
-                self._timed(lambda a=action: self._do(a))
+        try:
+            while self.step < self.cfg.steps:
+                tc = time.perf_counter()
+                loss = self.inner.run_step(self.slot)
+                self.result.compute_s += time.perf_counter() - tc
+                for action in fragment_actions(self.step, m.n_fragments, m.inner_steps, m.tau):
+                    self._timed(lambda a=action: self._do(a))
+                self._after_step(loss)
+            for action in drain_actions(self.cfg.steps, m.n_fragments, m.inner_steps, m.tau):
+                if self.inflight is not None:
+                    self._timed(lambda a=action: self._do(a))
+        finally:
+            # Stop the sender thread (CUDA) on every way out, not only after the final drain.
+            self.staging.close()
         self.result.wall_s = time.perf_counter() - t0
-        self.staging.close()  # every send was waited for by the drain; stop the sender thread
         return self._finish()
 
     def _timed(self, fn: Callable[[], object]) -> None:
@@ -232,8 +235,7 @@ class DilocoWorker:
             self.lost = sync
         else:
             if not sync.valid:
-                logger.warning("fragment %d: non-finite pseudo-gradient; this worker sent zeros "
-                               "and its contribution is dropped from the average", sync.fragment)
+                warn_invalid(sync.fragment)
             self._outer(sync.fragment, total, count)
             self._record_sync(sync, time.perf_counter() - t)
         self._sync_point()

@@ -15,8 +15,9 @@ import torch
 from diloco.common import InnerLoop
 from diloco.config import (ComputeConfig, DilocoConfig, TrainConfig, config_from_dict,
                            config_to_dict, tiny, with_overrides)
-from diloco.device import HostStaging, autocast, optimizer_kernels, resolve_device
+from diloco.device import autocast, optimizer_kernels, resolve_device
 from diloco.launch import run_threads
+from diloco.staging import HostStaging
 from diloco.task import lm_task
 from lowband.errors import ConfigError
 
