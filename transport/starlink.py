@@ -237,13 +237,13 @@ class StarHub:
 
     def command(self, slot: int, meta: dict, frames: list[torch.Tensor] = (),
                 timeout: float | None = None) -> None:
-        """Send a command (a CMD message) to the worker holding ``slot``."""
+        """Send a command (a CMD message) to the worker holding ``slot``; its frames keep their
+        dtype (a bf16/fp16 model's activations arrive as the model computes them)."""
         conn = self._conns.get(slot)
         if conn is None:
             raise PeerLost(f"no link to slot {slot}")
         meta = {**meta, "_shapes": [list(f.shape) for f in frames]}
-        conn.send(CMD, 0, [f.detach().to(torch.float32).contiguous() for f in frames], meta,
-                  timeout)
+        conn.send(CMD, 0, [f.detach().contiguous() for f in frames], meta, timeout)
 
     def native_spec(self, timeout: float | None) -> tuple:
         """What a native implementation needs for float32 all-reduces on this link:

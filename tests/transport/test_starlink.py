@@ -158,6 +158,11 @@ def test_commands_between_all_reduces_keep_their_order() -> None:
             a.next_command(timeout=5)
         with pytest.raises(PeerLost, match="no link"):
             hub.command(9, {"op": "yield"})
+        for dtype in (torch.bfloat16, torch.float16):  # a half-precision model's activations
+            h = torch.randn(1, 2, 3).to(dtype)
+            hub.command(1, {"op": "forward"}, [h], timeout=5)
+            frames, _ = a.next_command(timeout=5)
+            assert frames[0].dtype == dtype and torch.equal(frames[0], h)
         hub.command(2, {"op": "forward"}, [x])  # a worker expecting a sum gets a command
         b._conn.recv(timeout=5)  # (the ABORT above)
         with pytest.raises(ProtocolError, match="expected result"):
