@@ -215,6 +215,8 @@ def load_shard(model_dir: str | Path, rank: int = 0, world: int = 1, *,
         from edge.formats.gguf import load_gguf_shard
         model, plan = load_gguf_shard(d, rank, world, weights=weights, reduce=reduce,
                                       dtype=_dtype(dtype) if dtype else None)
+        if model.config.tie_word_embeddings and rank == 0:
+            tie_head(model, plan)  # as below: rank 0's head rows are a view, not a copy
         if fuse:
             fuse_projections(model, fuse_quant_rows)
         if fast:

@@ -7,6 +7,7 @@ import torch
 
 from lowband.models.config import ModelConfig
 from lowband.models.llama import LlamaForCausalLM, init_weights
+from edge.formats.gguf import write_gguf
 from edge.shardio import WindowConfig, load_shard, split_checkpoint
 from edge.tp import make_reduce
 from lowband.models.weights import save_pretrained
@@ -119,7 +120,7 @@ def test_tp_shards_from_disk_with_window(ckpt, tmp_path, source: str) -> None:
     assert (got - ref).abs().max().item() <= 1e-5
 
 
-@pytest.mark.parametrize("source", ["split", "checkpoint"])
+@pytest.mark.parametrize("source", ["split", "checkpoint", "gguf"])
 def test_tied_head_split_by_vocabulary(tmp_path, source: str) -> None:
     """Tied embeddings with a vocabulary-parallel head: rank 0's head is a view of its rows of
     the embedding, a worker's head is its rows read from the embedding (split files or the
@@ -130,7 +131,8 @@ def test_tied_head_split_by_vocabulary(tmp_path, source: str) -> None:
     init_weights(m, seed=4)
     d = save_pretrained(m, tmp_path / "tied")
     world = 2
-    path = split_checkpoint(d, tmp_path / "s2", world) if source == "split" else d
+    path = (split_checkpoint(d, tmp_path / "s2", world) if source == "split" else
+            write_gguf(m, tmp_path / "tied.gguf") if source == "gguf" else d)
     ids = torch.tensor([[5, 9, 2, 7]])
     with torch.no_grad():
         ref = m(ids)
