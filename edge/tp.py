@@ -305,9 +305,8 @@ def gather_logits(local: torch.Tensor | None, plan: TPPlan, rank: int, vocab_siz
     can pick and -inf elsewhere, so greedy and top-k(+top-p) sampling draw exactly what they
     would from the whole vector (the global top k are among the union of every rank's top k;
     ties between equal logits keep the lowest token id, like ``argmax``). Other ranks: None."""
-    vocab = [plan.vocab_rows(r, vocab_size) for r in range(plan.world)]
     k = top if 0 < top and 2 * top * plan.world < vocab_size and vocab_size < 2 ** 24 else 0
-    a, b = vocab[rank]
+    a, b = plan.vocab_rows(rank, vocab_size)
     if local is not None and local.numel() != b - a:
         raise ValueError(f"rank {rank} holds rows [{a}, {b}) but produced {local.numel()} logits")
     if k == 0:
