@@ -178,7 +178,7 @@ def _site_rank(args: argparse.Namespace) -> int:
     import torch
 
     from diloco.site_launch import SiteFailed, SiteLaunch, site_device, site_main
-    from lowband.errors import ConfigError
+    from lowband.errors import ConfigError, IncompatiblePeer
 
     env = {k: os.environ.get(k) for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
     missing = [k for k, v in env.items() if v is None]
@@ -203,11 +203,17 @@ def _site_rank(args: argparse.Namespace) -> int:
     except SiteFailed as exc:
         # Exit now: the rank has left its lowband group and closed its logs, and the
         # interpreter's teardown of a torch.distributed group whose other ranks are dead can
-        # block for seconds (measured ~3 s on Gloo). A torchrun restart of the site follows.
-        logging.getLogger(__name__).error("%s", exc, exc_info=exc.__cause__)
+        # block for seconds (measured ~3 s on Gloo). A crash exits 1 with its traceback (a
+        # torchrun restart of the site follows); a refusal (bad settings, an incompatible
+        # group) is one line and exit 2, as a single-process worker gives it.
+        code = 1
+        if isinstance(exc.__cause__, (ConfigError, IncompatiblePeer)):
+            code = _fail(exc.__cause__)
+        else:
+            logging.getLogger(__name__).error("%s", exc, exc_info=exc.__cause__)
         sys.stdout.flush()
         sys.stderr.flush()
-        os._exit(1)
+        os._exit(code)
     print(json.dumps(result.summary()))
     return 0
 

@@ -147,12 +147,15 @@ class _Stub:
         return {"stub": True}
 
 
-def _site_cli(monkeypatch, args: list[str], local_rank: str | None, cuda: bool) -> tuple[int, _Stub]:
+def _site_cli(monkeypatch, args: list[str], local_rank: str | None, cuda: bool,
+              site_main=None) -> tuple[int, _Stub]:
+    """``lowband worker --site …`` as rank 5 of 8 under torchrun's environment, with
+    ``site_main`` replaced (default: a stub that records its SiteLaunch)."""
     import diloco.site_launch
     from lowband.cli import main
 
     stub = _Stub()
-    monkeypatch.setattr(diloco.site_launch, "site_main", stub)
+    monkeypatch.setattr(diloco.site_launch, "site_main", site_main or stub)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
     env = {"RANK": "5", "WORLD_SIZE": "8", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}
     for k, v in env.items():
@@ -190,6 +193,35 @@ def test_cli_refuses_nccl_on_the_cpu(monkeypatch, capsys) -> None:
                                        "--device", "cpu"], "0", cuda=True)
     assert rc == 2 and stub.cfg is None
     assert "nccl runs collectives on CUDA tensors only" in capsys.readouterr().err
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("cause,code", [("config", 2), ("refused", 2), ("crash", 1)])
+def test_cli_site_refusal_is_one_line_and_exit_2(monkeypatch, capsys, caplog, cause, code) -> None:
+    """A rank stopped by a refusal (bad settings, an incompatible group) leaves like any failed
+    rank (SiteFailed) but reports one line and exits 2, as a single-process worker does; a
+    crash exits 1 with its traceback (torchrun restarts the site)."""
+    from diloco.site_launch import SiteFailed
+
+    errors = {"config": ConfigError("batch_size", "not divisible by the site's 3 ranks"),
+              "refused": IncompatiblePeer("a site of 4 rank(s) vs a site of 2 rank(s)"),
+              "crash": RuntimeError("boom")}
+
+    def fail(cfg):
+        raise SiteFailed("rank 5 of site 'site' stopped") from errors[cause]
+
+    def exit_(rc):
+        raise SystemExit(rc)
+    monkeypatch.setattr("os._exit", exit_)
+    with pytest.raises(SystemExit) as done:
+        _site_cli(monkeypatch, ["--site", "ddp"], "0", cuda=False, site_main=fail)
+    assert done.value.code == code
+    err = capsys.readouterr().err
+    if code == 2:
+        assert err.startswith("lowband: error: ") and str(errors[cause]) in err
+        assert "Traceback" not in err
+    else:  # logged with the cause's traceback
+        assert "rank 5 of site 'site' stopped" in caplog.text and "boom" in caplog.text
 
 
 # ---- processes -------------------------------------------------------------------------------
