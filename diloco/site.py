@@ -147,6 +147,10 @@ class SiteWorker(DilocoWorker):
 
     def __init__(self, cfg: TrainConfig, comm: Communicator, task: Task, *,
                  layout: ShardLayout, group: Any = None, **kwargs: Any) -> None:
+        # The default id must differ between ranks of a site: they share checkpoint files
+        # (DCP), where the base class's default (the lowband group rank) would collide.
+        if kwargs.get("worker_id") is None:
+            kwargs["worker_id"] = f"r{layout.rank}"
         super().__init__(cfg, comm, SiteTask(task, layout, cfg.data.batch_size), **kwargs)
         self.layout, self.group = layout, group
         self.signature = site_signature(self.signature, layout)
@@ -341,7 +345,7 @@ class SiteWorker(DilocoWorker):
 
     @property
     def _key(self) -> str:
-        return self.worker_id or f"r{self.layout.rank}"
+        return self.worker_id  # type: ignore[return-value] - always set (__init__)
 
     # ---- evaluation and export: θ_g assembled on every rank, used by one -------------------------
     def _evaluate(self) -> float | None:
