@@ -224,11 +224,6 @@ class SiteWorker(DilocoWorker):
         else:
             self._replicate()
 
-    def _log_membership(self, m: Membership, before: int) -> None:
-        if m.epoch != before:
-            self.log.log("membership", step=self.step, epoch=m.epoch, world=m.world_size,
-                         joined=list(m.joined), left=list(m.left))
-
     def _admit_together(self, joined: int) -> Membership:
         """Admit a restarted site into every shard group at the same sync point.
 

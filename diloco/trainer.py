@@ -51,7 +51,7 @@ from diloco.schedule import Action, Kind, drain_actions, fragment_actions
 from diloco.staging import HostStaging
 from diloco.task import Task
 from lowband.codecs import get_codec
-from lowband.comm import Communicator, Work
+from lowband.comm import Communicator, Membership, Work
 from lowband.errors import (ConfigError, IncompatiblePeer, LowbandError, PeerLost, ProtocolError,
                             TransportTimeout)
 
@@ -286,14 +286,19 @@ class DilocoWorker:
         m = self.comm.quorum(timeout=self._quorum_timeout)
         stride = self.mode.stride
         audit = bool(self.cfg.audit_every) and (self.step // stride) % self.cfg.audit_every == 0
+        self._log_membership(m, before)
         if m.epoch != before:
-            self.log.log("membership", step=self.step, epoch=m.epoch, world=m.world_size,
-                         joined=list(m.joined), left=list(m.left))
             self._reconcile("membership")
         elif audit:
             self._reconcile("audit")
         elif self.lost is not None:
             logger.warning("lost sync with an unchanged membership; the next audit heals it")
+
+    def _log_membership(self, m: Membership, before: int) -> None:
+        """A ``membership`` line in the metrics log when the epoch moved past ``before``."""
+        if m.epoch != before:
+            self.log.log("membership", step=self.step, epoch=m.epoch, world=m.world_size,
+                         joined=list(m.joined), left=list(m.left))
 
     @property
     def _quorum_timeout(self) -> float:
