@@ -57,7 +57,7 @@ from diloco.checkpoint import (
     load_sharded,
     save_sharded,
 )
-from diloco.common import InnerLoop, WorkerResult, hash_state, optimizer_tensors
+from diloco.common import InnerLoop, hash_state, optimizer_tensors
 from diloco.config import TrainConfig
 from diloco.device import optimizer_kernels
 from diloco.sharding import (
@@ -349,30 +349,14 @@ class SiteWorker(DilocoWorker):
             return None
         return super()._evaluate()
 
-    def _finish(self) -> WorkerResult:
-        # The base class evaluates (θ_g assembled on every rank: a site collective), hashes and
-        # logs; the final checkpoint (DCP, every rank) and the export (one rank) follow here.
-        out_dir, self.out_dir = self.out_dir, None
-        try:
-            result = super()._finish()
-        finally:
-            self.out_dir = out_dir
-        if out_dir is not None:
-            self.checkpoint(out_dir / "checkpoints" / "final")
-            if self.layout.rank == 0 and self.comm.rank == 0:  # one rank of one site
-                self._export_assembled(out_dir / "model")
-        return result
-
-    def export(self, directory: Path) -> None:
-        """The full model of a sharded run as a Hugging Face directory (every rank calls it)."""
-        self._assemble_global()
-        if self.layout.rank == 0:
-            self._export_assembled(directory)
-
     @torch.no_grad()
-    def _export_assembled(self, directory: Path) -> None:
-        """Export ``self.global_model`` (assembled) from the host: moved to the CPU for the
-        writer and back (it is only the assembly buffer; the fragments keep θ_g's shards)."""
+    def _export(self, directory: Path) -> None:
+        """One rank of one site writes ``self.global_model``, which the final evaluation
+        assembled on every rank (the base ``_finish`` checkpoints first: DCP, every rank). From
+        the host: moved to the CPU for the writer and back (it is only the assembly buffer; the
+        fragments keep θ_g's shards)."""
+        if self.layout.rank != 0 or self.comm.rank != 0:
+            return
         self.global_model.to("cpu")
         try:
             export_model(self.global_model, directory, byte_tokenizer=self.byte_tokenizer)

@@ -531,9 +531,12 @@ class DilocoWorker:
         r.state_hash = self.state_hash()
         if self.out_dir is not None:
             self.checkpoint(self.out_dir / "checkpoints" / "final")
-            if self.comm.rank == 0:
-                export_model(self.global_model, self.out_dir / "model",
-                             byte_tokenizer=self.byte_tokenizer)
+            self._export(self.out_dir / "model")
         self.log.log("final", **r.summary())
         self._progress.close()
         return r
+
+    def _export(self, directory: Path) -> None:
+        """The final θ_g as a directory ``edge`` / ``transformers`` load; one worker writes it."""
+        if self.comm.rank == 0:
+            export_model(self.global_model, directory, byte_tokenizer=self.byte_tokenizer)
