@@ -585,7 +585,7 @@ def run_worker(comm: Communicator, cfg: WorkerConfig) -> int:
             # the uses of a tag, so an abandoned receive would shift every later match. A
             # timeout therefore ends the worker.
             wait = st.silence_s or cfg.join_timeout
-            if st.on_link and st.link is not None:
+            if st.on_link:  # (only ever set with a link)
                 _next_on_link(comm, cfg, st, wait)
                 continue
             try:
@@ -596,10 +596,8 @@ def run_worker(comm: Communicator, cfg: WorkerConfig) -> int:
                 # This worker was declared lost (it was paused) and is rejoining, or the master
                 # was (and is rejoining): either way the group re-forms at the next quorum,
                 # where the master re-assigns or regroups (bounded by join_timeout).
-                logger.warning("worker: %s; rejoining the group", exc)
-                _regroup_with_master(comm, cfg, rejoining=True)
+                _regroup_after(comm, cfg, st, exc, rejoining=True)
                 logger.warning("worker: rejoined the group (epoch %d)", comm.membership.epoch)
-                st.cache = st.shard.model.new_cache() if st.shard else None
                 continue
             op = meta.get("op")
             if op == "shutdown":
