@@ -292,18 +292,17 @@ def _load_from_checkpoint(model: LlamaForCausalLM, d: Path, plan: TPPlan, rank: 
             for key in sf.keys():
                 if key not in wanted:
                     continue
-                spec = _spec(key, plan, rank, layout)
+                src, spec = key, _spec(key, plan, rank, layout)
                 if (key == "model.embed_tokens.weight" and rank > 0 and plan.vocab_split
                         and model.config.tie_word_embeddings):  # a tied head: embedding rows
                     key, spec = "lm_head.weight", slice_of("lm_head.weight", plan, rank)
                 if spec is False:
                     continue
                 if spec is True:
-                    t = sf.get_tensor(key)
+                    t = sf.get_tensor(src)
                 else:  # read only this rank's rows/columns from the mapped file
                     dim, a, b = spec
-                    sl = sf.get_slice("model.embed_tokens.weight" if key == "lm_head.weight"
-                                      and model.config.tie_word_embeddings else key)
+                    sl = sf.get_slice(src)
                     t = sl[a:b] if dim == 0 else sl[:, a:b]
                 tensors[key] = _cast(key, t, dt).contiguous()
     _assign(model, tensors, tied_head=rank == 0)
