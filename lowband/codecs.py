@@ -75,7 +75,10 @@ def _blocks(tensor: torch.Tensor, block: int) -> torch.Tensor:
 def _absmax_scales(blocks: torch.Tensor, top: float) -> torch.Tensor:
     """Per-block scale mapping the block's absmax onto ``top``; empty blocks get scale 1."""
     amax = blocks.abs().amax(dim=1)
-    scale = amax / top
+    # Divide by a tensor, not a Python float: CUDA turns division by a host scalar into a product
+    # with its (rounded) reciprocal, which is one ulp off the CPU's quotient for 127; a device
+    # tensor divisor keeps IEEE division, so both devices write the same wire bytes.
+    scale = amax / torch.full_like(amax, top)
     return torch.where(scale > 0, scale, torch.ones_like(scale))
 
 
