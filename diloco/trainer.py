@@ -317,11 +317,11 @@ class DilocoWorker:
                 logger.warning("reconciling failed (%s); new quorum", exc)
                 self.comm.quorum(timeout=self._quorum_timeout)
 
-    def _status(self) -> torch.Tensor:
+    def _status(self, state_hash: int) -> torch.Tensor:
         lost = self.lost
         return torch.tensor([signature_int(self.signature), int(self.initialized), self.step,
                              self.applied, lost.fragment if lost else -1,
-                             lost.round if lost else -1, self.state_hash(), self.slot],
+                             lost.round if lost else -1, state_hash, self.slot],
                             dtype=torch.int64)
 
     def _next_tag(self) -> str:
@@ -335,7 +335,8 @@ class DilocoWorker:
 
     def _reconcile_once(self, reason: str) -> bool:
         comm, tag = self.comm, self._next_tag()
-        rows = [r.tolist() for r in comm.all_gather(self._status(), tag=tag + "/status",
+        mine = self.state_hash()  # once: unchanged by this call unless the state is replaced
+        rows = [r.tolist() for r in comm.all_gather(self._status(mine), tag=tag + "/status",
                                                     timeout=self.cfg.sync_timeout)]
         if not self._check_signatures(rows):
             return False
@@ -357,7 +358,7 @@ class DilocoWorker:
                  if not (r[INIT] and (r[STEP], r[APPLIED]) == best and r[HASH] == ref)]
         if stale:
             self._transfer(donor, stale, tag)
-        self._verify(tag, reason, stale)
+        self._verify(tag, reason, stale, None if comm.rank in stale else mine)
         return True
 
     def _assign_slot(self, rows: list[list[int]]) -> None:
@@ -416,8 +417,11 @@ class DilocoWorker:
             self.result.transfers += 1
             logger.info("received the full state from rank %d at step %d", donor, self.step)
 
-    def _verify(self, tag: str, reason: str, stale: list[int]) -> None:
-        mine = self.state_hash()
+    def _verify(self, tag: str, reason: str, stale: list[int], mine: int | None) -> None:
+        """All workers' state hashes must agree; ``mine`` is this worker's unless it was just
+        replaced by a transfer (then it is computed again)."""
+        if mine is None:
+            mine = self.state_hash()
         hashes = [int(h) for h in self.comm.all_gather(torch.tensor([mine], dtype=torch.int64),
                                                        tag=tag + "/verify",
                                                        timeout=self.cfg.sync_timeout)]

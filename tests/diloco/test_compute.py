@@ -12,7 +12,7 @@ import json
 import pytest
 import torch
 
-from diloco.common import InnerLoop
+from diloco.common import InnerLoop, hash_state
 from diloco.config import (ComputeConfig, DilocoConfig, TrainConfig, config_from_dict,
                            config_to_dict, tiny, with_overrides)
 from diloco.device import autocast, optimizer_kernels, resolve_device
@@ -124,6 +124,45 @@ def test_fp16_scaler_path_trains():
     start = task.evaluate(task.build_model())
     results = run_threads(cfg, task=task)
     assert results[0].final_eval is not None and results[0].final_eval < start
+
+
+def _state_like() -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(3)
+    return [torch.randn(70_001, generator=g), torch.randn(33, generator=g).to(torch.bfloat16),
+            torch.zeros(0), torch.arange(3, dtype=torch.uint8), torch.randn(5, 7, generator=g)]
+
+
+def test_state_hash_sees_every_word_and_the_counters():
+    """The audit digest moves on a flipped bit in any 16-bit word (first, last, past a row of
+    2**15 words, in an odd-sized byte tensor), on two swapped values, on a moved tensor boundary
+    and on the counters; equal states give equal digests."""
+    ts = _state_like()
+    ref = hash_state(ts, 5, 2)
+    assert hash_state([t.clone() for t in ts], 5, 2) == ref
+    assert hash_state(ts, 5, 3) != ref and hash_state(ts, 2, 5) != ref
+    for ti, i in [(0, 0), (0, 40_000), (0, 2 * 70_001 - 1), (1, 32), (4, 69)]:
+        ys = [t.clone() for t in ts]
+        ys[ti].view(torch.int16).view(-1)[i] ^= 1
+        assert hash_state(ys, 5, 2) != ref, (ti, i)
+    ys = [t.clone() for t in ts]
+    ys[3][2] = 7
+    assert hash_state(ys, 5, 2) != ref
+    ys = [t.clone() for t in ts]
+    ys[0][[3, 40_000]] = ys[0][[40_000, 3]]
+    assert hash_state(ys, 5, 2) != ref
+    split = [ts[0][:10], ts[0][10:], *ts[1:]]  # the same bytes cut differently
+    assert hash_state(split, 5, 2) != ref
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(NO_CUDA, reason=NO_CUDA_REASON)
+def test_cuda_state_hash_equals_the_cpu_one():
+    """Computed on the GPU (no copy of the state to the host), the audit digest is the CPU's:
+    CPU and GPU workers of one run compare equal."""
+    ts = _state_like()
+    assert hash_state([t.cuda() for t in ts], 1, 2) == hash_state(ts, 1, 2)
+    big = torch.randn(3_000_017)
+    assert hash_state([big.cuda()], 0) == hash_state([big], 0)
 
 
 @pytest.mark.cuda
