@@ -15,8 +15,9 @@ The arms alternate ``repeats`` times (plain, diloco, plain, ...); tokens/s = tok
 workers / the slowest worker's wall time over the timed steps (group formation excluded in both).
 Reported: medians with min/max, ``overhead = 1 − diloco/plain`` of the medians, and
 ``outer_step_ms``: a worker's blocking time per fragment sync (Δ, error feedback, staging,
-waiting, outer Nesterov step, merge, quorum). On CUDA ``mfu`` uses 6·N + 12·L·T·d FLOPs per
-token against ``--peak-tflops``.
+waiting, outer Nesterov step, merge, quorum). On CUDA ``mfu`` counts 6·N + 12·L·T·d FLOPs per
+token (N: the weights of matrix products, an untied input embedding left out) against the
+device's dense bf16 peak (``--peak-tflops``; H100/H200 SXM: 989).
 """
 
 from __future__ import annotations
@@ -153,9 +154,13 @@ def _stats(xs: list[float]) -> dict[str, float]:
 
 
 def flops_per_token(cfg: TrainConfig, params: int) -> float:
+    """Training FLOPs per token: 6 per weight that a token multiplies through (forward 2,
+    backward 4) plus attention's 12·L·T·d. The input embedding is a lookup, not a product, so
+    an untied one is left out (a tied one is the head's product and stays in)."""
     m = cfg.model
     assert m is not None  # the bench builds its own ModelConfig
-    return 6 * params + 12 * m.num_hidden_layers * cfg.data.seq_len * m.hidden_size
+    matmul = params if m.tie_word_embeddings else params - m.vocab_size * m.hidden_size
+    return 6 * matmul + 12 * m.num_hidden_layers * cfg.data.seq_len * m.hidden_size
 
 
 PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0, "L4": 121.0, "A10": 125.0}
@@ -168,10 +173,19 @@ def run_overhead(b: OverheadConfig) -> dict[str, Any]:
     params = sum(p.numel() for p in task.build_model().parameters())
     tokens = b.workers * b.steps * b.batch_size * b.seq_len
     plain, dl, outer_ms, syncs = [], [], [], 0
-    for _ in range(b.repeats):  # alternate: the machine's load drifts, the pairs see the same
-        plain.append(tokens / plain_run(cfg, task)["wall_s"])
+    t_start = time.perf_counter()
+    for i in range(b.repeats):  # alternate: the machine's load drifts, the pairs see the same
+        t0 = time.perf_counter()
+        p = plain_run(cfg, task)
+        plain.append(tokens / p["wall_s"])
+        t1 = time.perf_counter()
         d = diloco_run(cfg, task)
         dl.append(tokens / d["wall_s"])
+        t2 = time.perf_counter()
+        print(f"repeat {i}: plain {p['wall_s']:.2f} s timed ({t1 - t0:.1f} s with setup), "
+              f"diloco {d['wall_s']:.2f} s timed ({t2 - t1:.1f} s with setup), outer step "
+              f"{d['outer_step_ms']:.1f} ms; {t2 - t_start:.0f} s so far", file=sys.stderr,
+              flush=True)
         outer_ms.append(d["outer_step_ms"])
         syncs = int(d["outer_syncs"])
     device = resolve_device(b.device)
@@ -193,7 +207,10 @@ def run_overhead(b: OverheadConfig) -> dict[str, Any]:
         peak = b.peak_tflops or next((v for k, v in PEAK_TFLOPS.items() if k in name), 0.0)
         fpt = flops_per_token(cfg, params)
         out["gpu"] = name
+        out["flops_per_token"] = fpt
+        out["peak_tflops"] = peak
         out["mfu"] = (statistics.median(dl) * fpt / (peak * 1e12)) if peak else None
+        out["mfu_plain"] = (statistics.median(plain) * fpt / (peak * 1e12)) if peak else None
     return out
 
 
