@@ -294,6 +294,14 @@ class DilocoWorker:
         elif self.lost is not None:
             logger.warning("lost sync with an unchanged membership; the next audit heals it")
 
+    def _quorum_logged(self) -> Membership:
+        """A quorum outside the sync point (a reconciliation that lost a peer, refused workers):
+        its membership change is logged like one at the sync point."""
+        before = self.comm.membership.epoch
+        m = self.comm.quorum(timeout=self._quorum_timeout)
+        self._log_membership(m, before)
+        return m
+
     def _log_membership(self, m: Membership, before: int) -> None:
         """A ``membership`` line in the metrics log when the epoch moved past ``before``."""
         if m.epoch != before:
@@ -315,7 +323,7 @@ class DilocoWorker:
                 if timeouts >= MAX_CONSECUTIVE_TIMEOUTS:
                     raise
                 logger.warning("reconciling failed (%s); new quorum", exc)
-                self.comm.quorum(timeout=self._quorum_timeout)
+                self._quorum_logged()
 
     def _status(self, state_hash: int) -> torch.Tensor:
         lost = self.lost
@@ -382,7 +390,7 @@ class DilocoWorker:
                 "shapes, H, P, τ, codec, optimizers, steps or seed): use the same preset and "
                 "overrides as the other workers")
         logger.warning("refusing %d worker(s) with a different signature", len(bad))
-        self.comm.quorum(timeout=self._quorum_timeout)  # they leave; continue without them
+        self._quorum_logged()  # they leave; continue without them
         return False
 
     def _redo(self, fragment: int, round_: int, *, leaders: list[int], tag: str) -> None:

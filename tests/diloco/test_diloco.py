@@ -286,6 +286,37 @@ def test_killed_worker_does_not_stop_the_others():
     assert results[1].rank == 1 and workers[0].comm.world_size == 2
 
 
+def test_worker_lost_during_an_audit_is_logged_as_left(tmp_path):
+    """A peer that dies inside a reconciliation (an audit's verify all-gather) is absorbed by the
+    retry's quorum, not the sync point's: that membership change is logged all the same."""
+    from diloco.metrics import MetricsLog, read_jsonl
+
+    cfg = lm_cfg(workers=3, steps=24, audit_every=1,
+                 mode=DilocoConfig(inner_steps=10, n_fragments=2, tau=2))
+    task = lm_task(cfg)
+    group = LoopbackGroup(3, timeout=30)
+    comms = group.comms()
+    workers = [DilocoWorker(cfg, c, task, log=MetricsLog(tmp_path / f"m{r}.jsonl"))
+               for r, c in enumerate(comms)]
+    victim = workers[2]
+    real_verify = victim._verify
+
+    def verify_then_die(tag, reason, stale, mine):
+        if reason == "audit":
+            group.kill(comms[2])
+            raise _Killed
+        return real_verify(tag, reason, stale, mine)
+    victim._verify = verify_then_die  # type: ignore[method-assign]
+    results, errors = run_all([w.run for w in workers])
+    assert isinstance(errors[2], _Killed) and errors[:2] == [None, None]
+    assert results[0].state_hash == results[1].state_hash
+    for w in workers[:2]:
+        w.log.close()
+    for r in (0, 1):
+        changes = [e for e in read_jsonl(tmp_path / f"m{r}.jsonl") if e["event"] == "membership"]
+        assert any(len(e["left"]) == 1 for e in changes), changes
+
+
 def test_joining_worker_gets_bit_identical_state():
     cfg = lm_cfg(workers=2, steps=30, mode=DilocoConfig(inner_steps=10, n_fragments=2, tau=2))
     task = lm_task(cfg)
