@@ -213,9 +213,7 @@ class SiteWorker(DilocoWorker):
     # ---- membership: decided per site ---------------------------------------------------------
     def _sync_point(self) -> None:
         before = self.comm.membership.epoch
-        m = self.comm.quorum(timeout=self._quorum_timeout)
-        self._log_membership(m, before)
-        m = self._admit_together(len(m.joined))
+        m = self._admit_together(len(self._quorum_logged().joined))
         changed = m.epoch != before
         audit = bool(self.cfg.audit_every) and (
             self.step // self.mode.stride) % self.cfg.audit_every == 0
@@ -252,9 +250,7 @@ class SiteWorker(DilocoWorker):
                 return m
             if joined < most:
                 time.sleep(ADMIT_POLL_S)
-                before = m.epoch
-                m = self.comm.quorum(timeout=self._quorum_timeout)
-                self._log_membership(m, before)
+                m = self._quorum_logged()
                 joined += len(m.joined)
             else:
                 time.sleep(ADMIT_POLL_S)

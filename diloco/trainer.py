@@ -283,10 +283,9 @@ class DilocoWorker:
     # ---- membership ----------------------------------------------------------------------------
     def _sync_point(self) -> None:
         before = self.comm.membership.epoch
-        m = self.comm.quorum(timeout=self._quorum_timeout)
+        m = self._quorum_logged()
         stride = self.mode.stride
         audit = bool(self.cfg.audit_every) and (self.step // stride) % self.cfg.audit_every == 0
-        self._log_membership(m, before)
         if m.epoch != before:
             self._reconcile("membership")
         elif audit:
@@ -295,18 +294,15 @@ class DilocoWorker:
             logger.warning("lost sync with an unchanged membership; the next audit heals it")
 
     def _quorum_logged(self) -> Membership:
-        """A quorum outside the sync point (a reconciliation that lost a peer, refused workers):
-        its membership change is logged like one at the sync point."""
+        """Every quorum a worker takes while training (at a sync point, after a reconciliation
+        lost a peer, after refusing workers, while admitting a site): a ``membership`` line in
+        the metrics log when the epoch moved."""
         before = self.comm.membership.epoch
         m = self.comm.quorum(timeout=self._quorum_timeout)
-        self._log_membership(m, before)
-        return m
-
-    def _log_membership(self, m: Membership, before: int) -> None:
-        """A ``membership`` line in the metrics log when the epoch moved past ``before``."""
         if m.epoch != before:
             self.log.log("membership", step=self.step, epoch=m.epoch, world=m.world_size,
                          joined=list(m.joined), left=list(m.left))
+        return m
 
     @property
     def _quorum_timeout(self) -> float:
