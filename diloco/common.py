@@ -199,18 +199,13 @@ def hash_state(tensors: Iterable[torch.Tensor], *counters: int) -> int:
     tensors = list(tensors)
     h = hashlib.blake2b(digest_size=8)
     h.update(struct.pack(f"<{len(counters)}q", *counters))
-    by_device: dict[torch.device, list[int]] = {}
+    sums: dict[int, torch.Tensor] = {}
+    for dev in dict.fromkeys(t.device for t in tensors):
+        idx = [n for n, t in enumerate(tensors) if t.device == dev]
+        sums.update(zip(idx, torch.stack([_word_sums(tensors[n]) for n in idx]).cpu()))
     for n, t in enumerate(tensors):
-        by_device.setdefault(t.device, []).append(n)
-    sums: list[torch.Tensor | None] = [None] * len(tensors)
-    for dev, idx in by_device.items():
-        stacked = torch.stack([_word_sums(tensors[n]) for n in idx]).cpu()
-        for row, n in zip(stacked, idx):
-            sums[n] = row
-    for t, row in zip(tensors, sums):
-        assert row is not None
         h.update(struct.pack("<q", t.numel() * t.element_size()))
-        h.update(row.numpy().tobytes())
+        h.update(sums[n].numpy().tobytes())
     return int.from_bytes(h.digest(), "little", signed=True)
 
 
