@@ -106,8 +106,10 @@ class TPPlan:
         return self.vocab is not None and sum(b > a for a, b in self.vocab) > 1
 
     def vocab_rows(self, rank: int, vocab_size: int) -> tuple[int, int]:
-        """The LM-head rows rank ``rank`` holds."""
-        if self.vocab is None:
+        """The LM-head rows rank ``rank`` holds. When the proportional split would leave the rows
+        on one rank only (a tiny weight rounds to none), the head is not split and rank 0 holds
+        it whole, as :func:`slice_of` loads it."""
+        if not self.vocab_split:
             return (0, vocab_size) if rank == 0 else (vocab_size, vocab_size)
         return self.vocab[rank]
 

@@ -75,6 +75,25 @@ def test_plan_covers_everything_once() -> None:
         make_plan(cfg, 2, [1, 1, 1])
 
 
+def test_a_tiny_weight_that_rounds_the_master_out_of_the_head_keeps_it_whole_on_rank_0() -> None:
+    # Found by CI: the auto-split planner gave the master weight 0.001 next to 0.999, the
+    # proportional vocabulary split left it no rows, the head was (rightly) loaded whole on rank 0
+    # but vocab_rows said rank 0 had none, so the master produced no logits.
+    from edge.cluster import shard_logits
+    from edge.shardio import LoadedShard
+    full = _model()
+    V = full.config.vocab_size
+    plan = make_plan(full.config, 2, [0.001, 0.999])
+    assert plan.vocab is not None and plan.vocab[0] == (0, 0) and not plan.vocab_split
+    assert plan.vocab_rows(0, V) == (0, V) and plan.vocab_rows(1, V) == (V, V)
+    m0 = shard(copy.deepcopy(full), plan, 0, 2, reduce=None)
+    assert m0.lm_head.weight.shape[0] == V
+    h = torch.randn(1, 3, full.config.hidden_size)
+    got = shard_logits(LoadedShard(model=m0, plan=plan, rank=0), h, 1)
+    with torch.no_grad():
+        assert got is not None and torch.equal(got, full.head(h[:, -1]).float()[0])
+
+
 def _tp_logits(full: LlamaForCausalLM, world: int, weights, ids: torch.Tensor, codec=None,
                algorithm="star", fast: bool = False) -> tuple[torch.Tensor, list]:
     """Prefill ids[:, :-3] then decode the last 3 tokens one by one on a TP group; returns
