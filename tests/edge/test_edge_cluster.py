@@ -119,7 +119,9 @@ def test_cluster_sampling_draws_what_one_device_draws(ckpt, tmp_path) -> None:
 @pytest.mark.parametrize("world,weights,split,wire,link", [
     (2, None, False, "fp32", "direct"), (2, None, False, "fp32", "comm"),
     (3, (2.0, 1.0, 1.0), True, "fp32", "direct"), (3, None, False, "int8", "direct"),
-    (3, None, False, "int8", "comm")])
+    (3, None, False, "int8", "comm"),
+    # the planner's floor weight: the master holds no heads or columns, and the whole LM head
+    (2, (0.001, 0.999), True, "fp32", "direct")])
 def test_cluster_matches_single_device(ckpt, tmp_path, world, weights, split, wire, link) -> None:
     path = split_checkpoint(ckpt, tmp_path / "s", world, weights) if split else ckpt
     ref, _, _ = _local_engine(ckpt).complete("The quick brown", SamplingParams(max_tokens=10))
@@ -135,9 +137,12 @@ def test_cluster_matches_single_device(ckpt, tmp_path, world, weights, split, wi
         per_tok = eng.metrics.snapshot()["wire_bytes_per_token"]
         H, L = CFG["hidden_size"], CFG["num_hidden_layers"]
         # star: the master sends x, receives+sends 2L partials per worker, and (greedy, the
-        # vocabulary-parallel head) receives+sends one (value, id) candidate pair per rank
+        # vocabulary-parallel head) receives+sends one (value, id) candidate pair per rank;
+        # a head left whole on the master gathers nothing
+        gather = 2 * world * 2 * 4 if runner.shard.plan.vocab_split else 0
+        assert runner.shard.plan.vocab_split == (weights is None or min(weights) > 0.01)
         if wire == "fp32":
-            assert per_tok == (world - 1) * (H * 4 + 2 * L * 2 * H * 4 + 2 * world * 2 * 4)
+            assert per_tok == (world - 1) * (H * 4 + 2 * L * 2 * H * 4 + gather)
         else:
             assert per_tok < (world - 1) * (H * 4 + 2 * L * 2 * H * 4) / 2
     finally:
