@@ -58,8 +58,14 @@ def make_worker(cfg: TrainConfig, comm: Communicator, task: Task, *, worker_id: 
 
 def run_threads(cfg: TrainConfig, *, task: Task | None = None, out_dir: Path | None = None,
                 resume: Path | None = None, progress: bool = False,
-                timeout: float = 600.0) -> list[WorkerResult]:
-    """Run ``cfg.workers`` workers as threads over a loopback group; results by rank."""
+                timeout: float | None = None) -> list[WorkerResult]:
+    """Run ``cfg.workers`` workers as threads over a loopback group; results by rank.
+
+    The workers cannot wait forever (every collective raises after ``cfg.sync_timeout`` and a
+    failing worker is removed from the group), so by default this waits for as long as the
+    training takes; ``timeout`` caps the whole run in seconds (TimeoutError). It was a fixed
+    600 s per thread, which stopped ``lowband train`` on threads and the scale benchmark's
+    DDP arm (~460 s on 2 idle cores) once a run took longer than ten minutes."""
     from transport.loopback import LoopbackGroup  # composition root: the one place it is wired
 
     task = task or lm_task(cfg)
@@ -83,8 +89,9 @@ def run_threads(cfg: TrainConfig, *, task: Task | None = None, out_dir: Path | N
                for r in range(len(workers))]
     for t in threads:
         t.start()
+    deadline = None if timeout is None else time.monotonic() + timeout
     for t in threads:
-        t.join(timeout)
+        t.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
         if t.is_alive():
             raise TimeoutError(f"worker thread {t.name} still running after {timeout:.0f}s")
     for exc in errors:
