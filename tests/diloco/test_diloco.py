@@ -418,3 +418,30 @@ def test_export_loads_in_edge(tmp_path):
     events = [json.loads(line)["event"] for line in
               (tmp_path / "metrics-worker0.jsonl").read_text().splitlines()]
     assert {"step", "sync", "eval", "audit", "final"} <= set(events)
+
+
+def test_run_threads_waits_for_the_whole_run_unless_capped() -> None:
+    """No fixed cap by default (a 600 s one stopped ``lowband train`` on threads); ``timeout``
+    caps the whole run, not each thread's join."""
+    cfg = dataclasses.replace(tiny(), steps=8, eval_every=0, workers=2,
+                              mode=DilocoConfig(inner_steps=4, n_fragments=2, tau=1))
+    task = lm_task(cfg)
+    gate = threading.Event()
+    plain = task.train_batch
+
+    def gated(slot, step):
+        if step >= 2:
+            gate.wait(30)  # held until the test lets go
+        return plain(slot, step)
+
+    task.train_batch = gated  # type: ignore[method-assign]
+    with pytest.raises(TimeoutError):
+        run_threads(cfg, task=task, timeout=0.5)
+    gate.set()
+    for t in threading.enumerate():  # the capped run's workers finish once released
+        if t.name.startswith("worker"):
+            t.join(30)
+    gate.clear()
+    threading.Timer(1.0, gate.set).start()  # longer than the cap above: the default waits
+    results = run_threads(cfg, task=task)
+    assert [r.steps for r in results] == [8, 8] and results[0].state_hash == results[1].state_hash
