@@ -63,9 +63,8 @@ def run_threads(cfg: TrainConfig, *, task: Task | None = None, out_dir: Path | N
 
     The workers cannot wait forever (every collective raises after ``cfg.sync_timeout`` and a
     failing worker is removed from the group), so by default this waits for as long as the
-    training takes; ``timeout`` caps the whole run in seconds (TimeoutError). It was a fixed
-    600 s per thread, which stopped ``lowband train`` on threads and the scale benchmark's
-    DDP arm (~460 s on 2 idle cores) once a run took longer than ten minutes."""
+    training takes (hours for a real run); ``timeout`` caps the whole run in seconds
+    (TimeoutError)."""
     from transport.loopback import LoopbackGroup  # composition root: the one place it is wired
 
     task = task or lm_task(cfg)
