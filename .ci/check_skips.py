@@ -20,7 +20,9 @@ def main(skips_path: str, allowed_path: str) -> int:
         print(f"check_skips: {skips_file} was not written (tests/conftest.py hook missing?)")
         return 1
     skips = [json.loads(line) for line in skips_file.read_text().splitlines() if line.strip()]
-    allowed = [line.split("#", 1)[0].strip() for line in Path(allowed_path).read_text().splitlines()]
+    allowed = [
+        line.split("#", 1)[0].strip() for line in Path(allowed_path).read_text().splitlines()
+    ]
     allowed = [a for a in allowed if a]
     for s in skips:
         print(f"SKIPPED {s['nodeid']}: {s['reason']}")

@@ -43,12 +43,26 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 PY = sys.executable
-CFG = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-           num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+CFG = dict(
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+)
 PROMPT = "The quick brown fox"
 MAX_TOKENS = 12
-FAULTS = ("stop_train_worker", "stop_edge_worker", "stop_edge_master", "kill_train_worker",
-          "kill_edge_worker", "kill_coordinator", "cpu_hog")
+FAULTS = (
+    "stop_train_worker",
+    "stop_edge_worker",
+    "stop_edge_master",
+    "kill_train_worker",
+    "kill_edge_worker",
+    "kill_coordinator",
+    "cpu_hog",
+)
 
 
 def free_port() -> int:
@@ -60,8 +74,9 @@ def free_port() -> int:
 # ---- HTTP client: one greedy stream, and the bad requests --------------------------------
 def stream(port: int, timeout: float = 120.0) -> tuple[str, str]:
     """One streamed greedy completion: ("ok", text) | ("error", why) | ("unclear", why)."""
-    body = json.dumps({"prompt": PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0,
-                       "stream": True}).encode()
+    body = json.dumps(
+        {"prompt": PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0, "stream": True}
+    ).encode()
     try:
         conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
         conn.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
@@ -86,9 +101,11 @@ def stream(port: int, timeout: float = 120.0) -> tuple[str, str]:
 
 def bad_request(port: int, kind: str) -> bool:
     """Send an oversize or malformed request; True when it is refused with a JSON 4xx."""
-    bodies = {"oversize": b'{"prompt": "' + b"x" * (5 << 20) + b'"}',
-              "not_json": b'{"prompt": "unterminated',
-              "bad_field": json.dumps({"prompt": PROMPT, "max_tokens": -3}).encode()}
+    bodies = {
+        "oversize": b'{"prompt": "' + b"x" * (5 << 20) + b'"}',
+        "not_json": b'{"prompt": "unterminated',
+        "bad_field": json.dumps({"prompt": PROMPT, "max_tokens": -3}).encode(),
+    }
     try:
         conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
         conn.request("POST", "/v1/completions", bodies[kind], {"Content-Type": "application/json"})
@@ -116,8 +133,15 @@ def wave(port: int, streams: int, ref: str, counts: dict, lock: threading.Lock) 
     kinds = ["stream"] * streams + ["oversize", "not_json", "bad_field"]
     random.Random(len(kinds)).shuffle(kinds)
     with ThreadPoolExecutor(len(kinds)) as pool:
-        futs = [(k, pool.submit(stream if k == "stream" else bad_request, port,
-                                *(() if k == "stream" else (k,)))) for k in kinds]
+        futs = [
+            (
+                k,
+                pool.submit(
+                    stream if k == "stream" else bad_request, port, *(() if k == "stream" else (k,))
+                ),
+            )
+            for k in kinds
+        ]
         for kind, f in futs:
             res = f.result()
             with lock:
@@ -141,31 +165,71 @@ class Soak:
 
     def _spawn(self, name: str, args: list[str]) -> None:
         log = open(self.work / f"{name}.log", "a")
-        self.procs[name] = subprocess.Popen([PY, "-m", "lowband", *args], stdout=log,
-                                            stderr=subprocess.STDOUT, start_new_session=True)
+        self.procs[name] = subprocess.Popen(
+            [PY, "-m", "lowband", *args],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
 
     def start_coordinator(self) -> None:
-        self._spawn("coord", ["coordinator", "--bind", f"tcp://127.0.0.1:{self.coord_port}",
-                              *self.live])
+        self._spawn(
+            "coord", ["coordinator", "--bind", f"tcp://127.0.0.1:{self.coord_port}", *self.live]
+        )
 
     def start_train_worker(self, i: int) -> None:
-        self._spawn(f"train{i}", [
-            "worker", "--coordinator", f"tcp://127.0.0.1:{self.coord_port}", "--preset", "tiny",
-            "--workers", "2", "--steps", str(self.train_steps), "--eval-every", "0", "--id",
-            str(i), "--out", str(self.run_dir), "--bind-host", "127.0.0.1", "--threads", "1"])
+        self._spawn(
+            f"train{i}",
+            [
+                "worker",
+                "--coordinator",
+                f"tcp://127.0.0.1:{self.coord_port}",
+                "--preset",
+                "tiny",
+                "--workers",
+                "2",
+                "--steps",
+                str(self.train_steps),
+                "--eval-every",
+                "0",
+                "--id",
+                str(i),
+                "--out",
+                str(self.run_dir),
+                "--bind-host",
+                "127.0.0.1",
+                "--threads",
+                "1",
+            ],
+        )
 
     @property
     def run_dir(self) -> Path:
         return self.work / f"train-round{self.round}"
 
     def start_edge_master(self, ckpt: Path) -> None:
-        self._spawn("edge_master", ["edge", "serve", str(ckpt), "--workers", "1", "--bind",
-                                    f"tcp://127.0.0.1:{self.edge_bind}", "--port",
-                                    str(self.http), "--max-queue", "256", *self.live])
+        self._spawn(
+            "edge_master",
+            [
+                "edge",
+                "serve",
+                str(ckpt),
+                "--workers",
+                "1",
+                "--bind",
+                f"tcp://127.0.0.1:{self.edge_bind}",
+                "--port",
+                str(self.http),
+                "--max-queue",
+                "256",
+                *self.live,
+            ],
+        )
 
     def start_edge_worker(self) -> None:
-        self._spawn("edge_worker", ["edge", "worker", "--master",
-                                    f"tcp://127.0.0.1:{self.edge_bind}"])
+        self._spawn(
+            "edge_worker", ["edge", "worker", "--master", f"tcp://127.0.0.1:{self.edge_bind}"]
+        )
 
     def kill(self, name: str) -> None:
         p = self.procs[name]
@@ -213,9 +277,12 @@ class Soak:
             path = self.run_dir / f"metrics-worker{i}.jsonl"
             recs = [json.loads(x) for x in path.read_text().splitlines() if '"final"' in x]
             finals.append(recs[-1] if recs else None)
-        good = (all(w.returncode == 0 for w in workers) and all(finals) and
-                finals[0]["state_hash"] == finals[1]["state_hash"] and
-                finals[0]["steps"] == finals[1]["steps"] == self.train_steps)
+        good = (
+            all(w.returncode == 0 for w in workers)
+            and all(finals)
+            and finals[0]["state_hash"] == finals[1]["state_hash"]
+            and finals[0]["steps"] == finals[1]["steps"] == self.train_steps
+        )
         self.rounds_consistent += good
         self.rounds_inconsistent += not good
         self.round += 1
@@ -229,6 +296,7 @@ def make_checkpoint(path: Path) -> Path:
     from lowband.models.llama import LlamaForCausalLM, init_weights
     from lowband.models.tokenizer import ByteTokenizer
     from lowband.models.weights import save_pretrained
+
     m = LlamaForCausalLM(ModelConfig(**CFG)).eval()
     init_weights(m, std=0.2, seed=11)
     save_pretrained(m, path)
@@ -249,8 +317,11 @@ def inject(soak: Soak, fault: str, rng: random.Random) -> None:
     """Inject one fault and undo it (SIGCONT, restart, end of the hog)."""
     pause = soak.dead_after + 3.0
     if fault.startswith("stop_"):
-        name = {"stop_train_worker": f"train{rng.randrange(2)}", "stop_edge_worker": "edge_worker",
-                "stop_edge_master": "edge_master"}[fault]
+        name = {
+            "stop_train_worker": f"train{rng.randrange(2)}",
+            "stop_edge_worker": "edge_worker",
+            "stop_edge_master": "edge_master",
+        }[fault]
         pid = soak.procs[name].pid
         try:
             os.killpg(pid, signal.SIGSTOP)
@@ -271,16 +342,25 @@ def inject(soak: Soak, fault: str, rng: random.Random) -> None:
         time.sleep(1.0)
         soak.start_coordinator()
     elif fault == "cpu_hog":
-        hogs = [subprocess.Popen([PY, "-c", "while True: pass"], start_new_session=True)
-                for _ in range(os.cpu_count() or 1)]
+        hogs = [
+            subprocess.Popen([PY, "-c", "while True: pass"], start_new_session=True)
+            for _ in range(os.cpu_count() or 1)
+        ]
         time.sleep(pause)
         for h in hogs:
             h.kill()
             h.wait()
 
 
-def run(minutes: float, seed: int, streams: int, dead_after: float, gap: tuple[float, float],
-        train_steps: int, recovery_bound: float) -> dict:
+def run(
+    minutes: float,
+    seed: int,
+    streams: int,
+    dead_after: float,
+    gap: tuple[float, float],
+    train_steps: int,
+    recovery_bound: float,
+) -> dict:
     rng = random.Random(seed)
     work = Path(tempfile.mkdtemp(prefix="lowband-chaos-"))
     soak = Soak(work, dead_after, train_steps)
@@ -305,6 +385,7 @@ def run(minutes: float, seed: int, streams: int, dead_after: float, gap: tuple[f
         def load() -> None:
             while not stop.is_set():
                 wave(soak.http, streams, ref, counts, lock)
+
         loader = threading.Thread(target=load, daemon=True)
         loader.start()
         t_end = time.monotonic() + 60 * minutes
@@ -322,6 +403,7 @@ def run(minutes: float, seed: int, streams: int, dead_after: float, gap: tuple[f
             def healed() -> bool:
                 soak.tick_training()
                 return health(soak.http) == 200 and (soak.steps() > base or soak.round > round0)
+
             if wait_until(healed, recovery_bound):
                 recoveries.append(time.monotonic() - t0)
             else:
@@ -332,17 +414,25 @@ def run(minutes: float, seed: int, streams: int, dead_after: float, gap: tuple[f
         stop.set()
         soak.stop_all()
     return {
-        "minutes": minutes, "seed": seed, "streams_per_wave": streams, "dead_after_s": dead_after,
-        "faults_injected": sum(injected.values()), "faults_by_kind": injected,
-        "recovered": len(recoveries), "not_recovered": unrecovered,
+        "minutes": minutes,
+        "seed": seed,
+        "streams_per_wave": streams,
+        "dead_after_s": dead_after,
+        "faults_injected": sum(injected.values()),
+        "faults_by_kind": injected,
+        "recovered": len(recoveries),
+        "not_recovered": unrecovered,
         "max_recovery_s": round(max(recoveries), 2) if recoveries else None,
         "median_recovery_s": round(statistics.median(recoveries), 2) if recoveries else None,
-        "requests_ok": counts["ok"], "requests_failed_with_clear_error": counts["clear"],
-        "requests_failed_unclear": counts["unclear"], "requests_wrong": counts["wrong"],
+        "requests_ok": counts["ok"],
+        "requests_failed_with_clear_error": counts["clear"],
+        "requests_failed_unclear": counts["unclear"],
+        "requests_wrong": counts["wrong"],
         "bad_requests_refused": counts["bad_refused"],
         "train_rounds_consistent": soak.rounds_consistent,
         "train_rounds_inconsistent": soak.rounds_inconsistent,
-        "lost_progress_steps": soak.lost_steps, "work_dir": str(work),
+        "lost_progress_steps": soak.lost_steps,
+        "work_dir": str(work),
     }
 
 
@@ -352,18 +442,27 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--streams", type=int, default=64, help="concurrent greedy streams per wave")
     p.add_argument("--dead-after", type=float, default=3.0, help="the deadline, seconds")
-    p.add_argument("--gap", type=float, nargs=2, default=(10.0, 25.0),
-                   help="seconds between faults: uniform in [MIN, MAX]")
+    p.add_argument(
+        "--gap",
+        type=float,
+        nargs=2,
+        default=(10.0, 25.0),
+        help="seconds between faults: uniform in [MIN, MAX]",
+    )
     p.add_argument("--train-steps", type=int, default=1500, help="steps of one training round")
     p.add_argument("--recovery-bound", type=float, default=120.0)
-    p.add_argument("--tiny", action="store_true",
-                   help="smoke sizes: 0.3 min, 8 streams, faults every 2-4 s, 200-step rounds")
+    p.add_argument(
+        "--tiny",
+        action="store_true",
+        help="smoke sizes: 0.3 min, 8 streams, faults every 2-4 s, 200-step rounds",
+    )
     p.add_argument("--json", action="store_true", help="print the result as one JSON line")
     a = p.parse_args()
     if a.tiny:
         a.minutes, a.streams, a.gap, a.train_steps = min(a.minutes, 0.3), 8, (2.0, 4.0), 200
-    res = run(a.minutes, a.seed, a.streams, a.dead_after, tuple(a.gap), a.train_steps,
-              a.recovery_bound)
+    res = run(
+        a.minutes, a.seed, a.streams, a.dead_after, tuple(a.gap), a.train_steps, a.recovery_bound
+    )
     print(json.dumps(res) if a.json else json.dumps(res, indent=1), flush=True)
 
 

@@ -36,8 +36,15 @@ from typing import Any
 import torch
 
 from diloco.common import InnerLoop
-from diloco.config import (ComputeConfig, DataConfig, DilocoConfig, LrSchedule, OptimizerConfig,
-                           TrainConfig, byte_llama)
+from diloco.config import (
+    ComputeConfig,
+    DataConfig,
+    DilocoConfig,
+    LrSchedule,
+    OptimizerConfig,
+    TrainConfig,
+    byte_llama,
+)
 from diloco.device import resolve_device
 from diloco.task import Task, lm_task
 from lowband.errors import ConfigError
@@ -73,20 +80,47 @@ class OverheadConfig:
 
     def train_config(self) -> TrainConfig:
         return TrainConfig(
-            model=byte_llama(self.hidden, self.layers, self.heads, seq_len=self.seq_len,
-                             vocab_size=self.vocab_size),
+            model=byte_llama(
+                self.hidden,
+                self.layers,
+                self.heads,
+                seq_len=self.seq_len,
+                vocab_size=self.vocab_size,
+            ),
             data=DataConfig(seq_len=self.seq_len, batch_size=self.batch_size, eval_batches=1),
             compute=ComputeConfig(device=self.device, precision=self.precision),  # type: ignore[arg-type]
-            mode=DilocoConfig(inner_steps=self.inner_steps, n_fragments=self.n_fragments,
-                              tau=self.tau, alpha=0.5, codec=self.codec, error_feedback=True),
+            mode=DilocoConfig(
+                inner_steps=self.inner_steps,
+                n_fragments=self.n_fragments,
+                tau=self.tau,
+                alpha=0.5,
+                codec=self.codec,
+                error_feedback=True,
+            ),
             inner=OptimizerConfig(name="adamw", lr=1e-3, weight_decay=0.1),
-            lr_schedule=LrSchedule(warmup_steps=2), steps=self.steps, workers=self.workers,
-            eval_every=0, checkpoint_every=0, log_every=max(1, self.steps))
+            lr_schedule=LrSchedule(warmup_steps=2),
+            steps=self.steps,
+            workers=self.workers,
+            eval_every=0,
+            checkpoint_every=0,
+            log_every=max(1, self.steps),
+        )
 
 
 def tiny_overhead() -> OverheadConfig:
-    return OverheadConfig(steps=8, inner_steps=8, n_fragments=2, tau=1, hidden=32, layers=2,
-                          heads=2, vocab_size=256, seq_len=16, batch_size=4, repeats=2)
+    return OverheadConfig(
+        steps=8,
+        inner_steps=8,
+        n_fragments=2,
+        tau=1,
+        hidden=32,
+        layers=2,
+        heads=2,
+        vocab_size=256,
+        seq_len=16,
+        batch_size=4,
+        repeats=2,
+    )
 
 
 def _threads(fn, n: int) -> list[Any]:  # type: ignore[no-untyped-def]
@@ -98,6 +132,7 @@ def _threads(fn, n: int) -> list[Any]:  # type: ignore[no-untyped-def]
             out[r] = fn(r)
         except BaseException as exc:  # noqa: BLE001 - re-raised below
             errors.append(exc)
+
     ts = [threading.Thread(target=body, args=(r,), daemon=True) for r in range(n)]
     for t in ts:
         t.start()
@@ -120,6 +155,7 @@ def plain_run(cfg: TrainConfig, task: Task) -> dict[str, float]:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         return time.perf_counter() - t0
+
     walls = _threads(one, cfg.workers)
     return {"wall_s": max(walls)}
 
@@ -132,21 +168,28 @@ def diloco_run(cfg: TrainConfig, task: Task) -> dict[str, float]:
 
     sig = run_signature(cfg, task.build_model()).hex()
     with Coordinator(CoordinatorConfig(bind="tcp://127.0.0.1:0", heartbeat_interval=1.0)) as co:
+
         def one(r: int) -> Any:
-            comm = connect(co.address, ZmqConfig(bind_host="127.0.0.1", same_host="off",
-                                                  timeout=cfg.sync_timeout), signature=sig)
+            comm = connect(
+                co.address,
+                ZmqConfig(bind_host="127.0.0.1", same_host="off", timeout=cfg.sync_timeout),
+                signature=sig,
+            )
             try:
                 result = DilocoWorker(cfg, comm, task).run()
                 comm.barrier(tag="bench/done", timeout=cfg.sync_timeout)
                 return result
             finally:
                 comm.close()
+
         results = _threads(one, cfg.workers)
     syncs = max(1, max(r.outer_syncs for r in results))
-    return {"wall_s": max(r.wall_s for r in results),
-            "outer_step_ms": 1000 * statistics.mean(r.sync_s for r in results) / syncs,
-            "outer_syncs": syncs,
-            "bytes_per_worker": statistics.mean(r.bytes_sent for r in results)}
+    return {
+        "wall_s": max(r.wall_s for r in results),
+        "outer_step_ms": 1000 * statistics.mean(r.sync_s for r in results) / syncs,
+        "outer_syncs": syncs,
+        "bytes_per_worker": statistics.mean(r.bytes_sent for r in results),
+    }
 
 
 def _stats(xs: list[float]) -> dict[str, float]:
@@ -182,24 +225,38 @@ def run_overhead(b: OverheadConfig) -> dict[str, Any]:
         d = diloco_run(cfg, task)
         dl.append(tokens / d["wall_s"])
         t2 = time.perf_counter()
-        print(f"repeat {i}: plain {p['wall_s']:.2f} s timed ({t1 - t0:.1f} s with setup), "
-              f"diloco {d['wall_s']:.2f} s timed ({t2 - t1:.1f} s with setup), outer step "
-              f"{d['outer_step_ms']:.1f} ms; {t2 - t_start:.0f} s so far", file=sys.stderr,
-              flush=True)
+        print(
+            f"repeat {i}: plain {p['wall_s']:.2f} s timed ({t1 - t0:.1f} s with setup), "
+            f"diloco {d['wall_s']:.2f} s timed ({t2 - t1:.1f} s with setup), outer step "
+            f"{d['outer_step_ms']:.1f} ms; {t2 - t_start:.0f} s so far",
+            file=sys.stderr,
+            flush=True,
+        )
         outer_ms.append(d["outer_step_ms"])
         syncs = int(d["outer_syncs"])
     device = resolve_device(b.device)
     out: dict[str, Any] = {
-        "device": str(device), "params": params, "dtype": b.precision, "workers": b.workers,
-        "threads_per_worker": b.threads, "steps": b.steps, "repeats": b.repeats,
-        "H": b.inner_steps, "P": b.n_fragments, "tau": b.tau, "codec": b.codec,
+        "device": str(device),
+        "params": params,
+        "dtype": b.precision,
+        "workers": b.workers,
+        "threads_per_worker": b.threads,
+        "steps": b.steps,
+        "repeats": b.repeats,
+        "H": b.inner_steps,
+        "P": b.n_fragments,
+        "tau": b.tau,
+        "codec": b.codec,
         "transport": "ZeroMQ, 127.0.0.1 TCP (same_host=off), workers as threads",
         "batch_tokens": b.batch_size * b.seq_len,
         "tokens_per_s_plain": statistics.median(plain),
         "tokens_per_s_diloco": statistics.median(dl),
         "overhead": 1 - statistics.median(dl) / statistics.median(plain),
-        "outer_step_ms": statistics.median(outer_ms), "outer_syncs_per_run": syncs,
-        "plain": _stats(plain), "diloco": _stats(dl), "outer_step_ms_stats": _stats(outer_ms),
+        "outer_step_ms": statistics.median(outer_ms),
+        "outer_syncs_per_run": syncs,
+        "plain": _stats(plain),
+        "diloco": _stats(dl),
+        "outer_step_ms_stats": _stats(outer_ms),
         "pairs_overhead": [1 - d / p for p, d in zip(plain, dl)],
     }
     if device.type == "cuda":
@@ -215,8 +272,11 @@ def run_overhead(b: OverheadConfig) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.diloco_overhead", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m benchmarks.diloco_overhead",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--json", action="store_true", help="print only the JSON line")
     p.add_argument("--tiny", action="store_true", help="smoke-test size (seconds)")
     for f in dataclasses.fields(OverheadConfig):
@@ -225,13 +285,18 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     base = tiny_overhead() if args.tiny else OverheadConfig()
-    over = {f.name: getattr(args, f.name) for f in dataclasses.fields(OverheadConfig)
-            if getattr(args, f.name) is not None}
+    over = {
+        f.name: getattr(args, f.name)
+        for f in dataclasses.fields(OverheadConfig)
+        if getattr(args, f.name) is not None
+    }
     result = run_overhead(dataclasses.replace(base, **over))
     if not args.json:
-        print(f"{result['params'] / 1e6:.2f} M params on {result['device']} ({result['dtype']}): "
-              f"plain {result['tokens_per_s_plain']:.0f} tok/s, DiLoCo "
-              f"{result['tokens_per_s_diloco']:.0f} tok/s, overhead {result['overhead']:+.1%}")
+        print(
+            f"{result['params'] / 1e6:.2f} M params on {result['device']} ({result['dtype']}): "
+            f"plain {result['tokens_per_s_plain']:.0f} tok/s, DiLoCo "
+            f"{result['tokens_per_s_diloco']:.0f} tok/s, overhead {result['overhead']:+.1%}"
+        )
     print(json.dumps(result))
     return 0
 

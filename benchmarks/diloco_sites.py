@@ -41,23 +41,54 @@ def _port() -> int:
 
 
 def run_once(ranks: int, engine: str, run_args: list[str], tmp: Path) -> dict:
-    coords = [Coordinator(CoordinatorConfig(bind="tcp://127.0.0.1:0")).start()
-              for _ in range(ranks)]
+    coords = [
+        Coordinator(CoordinatorConfig(bind="tcp://127.0.0.1:0")).start() for _ in range(ranks)
+    ]
     addrs = ",".join(c.address for c in coords)
     procs = []
     try:
         for site in range(2):
             port = _port()
             for r in range(ranks):
-                env = dict(os.environ, RANK=str(r), WORLD_SIZE=str(ranks),
-                           MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-                args = [sys.executable, "-m", "lowband", "worker", "--coordinator", addrs,
-                        "--site", engine, "--id", f"s{site}", "--threads", "1",
-                        "--bind-host", "127.0.0.1", "--same-host", "off", "--workers", "2",
-                        "--out", str(tmp / f"site{site}"), *run_args]
-                procs.append(subprocess.Popen(args, env=env, stdout=subprocess.DEVNULL,
-                                              stderr=subprocess.DEVNULL,
-                                              start_new_session=True))
+                env = dict(
+                    os.environ,
+                    RANK=str(r),
+                    WORLD_SIZE=str(ranks),
+                    MASTER_ADDR="127.0.0.1",
+                    MASTER_PORT=str(port),
+                )
+                args = [
+                    sys.executable,
+                    "-m",
+                    "lowband",
+                    "worker",
+                    "--coordinator",
+                    addrs,
+                    "--site",
+                    engine,
+                    "--id",
+                    f"s{site}",
+                    "--threads",
+                    "1",
+                    "--bind-host",
+                    "127.0.0.1",
+                    "--same-host",
+                    "off",
+                    "--workers",
+                    "2",
+                    "--out",
+                    str(tmp / f"site{site}"),
+                    *run_args,
+                ]
+                procs.append(
+                    subprocess.Popen(
+                        args,
+                        env=env,
+                        stdout=subprocess.DEVNULL,
+                        stderr=subprocess.DEVNULL,
+                        start_new_session=True,
+                    )
+                )
         for p in procs:
             if p.wait(timeout=600) != 0:
                 raise RuntimeError(f"a site rank failed: {p.args}")
@@ -72,8 +103,12 @@ def run_once(ranks: int, engine: str, run_args: list[str], tmp: Path) -> dict:
     for site in range(2):
         site_tok = 0
         for r in range(ranks):
-            recs = [json.loads(x) for x in
-                    (tmp / f"site{site}" / f"metrics-s{site}-r{r}.jsonl").read_text().splitlines()]
+            recs = [
+                json.loads(x)
+                for x in (tmp / f"site{site}" / f"metrics-s{site}-r{r}.jsonl")
+                .read_text()
+                .splitlines()
+            ]
             syncs = [x for x in recs if x["event"] == "sync"]
             final = [x for x in recs if x["event"] == "final"][-1]
             per_rank.append(sum(x["bytes_sent"] for x in syncs))
@@ -83,10 +118,12 @@ def run_once(ranks: int, engine: str, run_args: list[str], tmp: Path) -> dict:
             comp.append(final["compute_s"])
         tok = max(tok, site_tok)
     wall_s, compute_s = max(wall), max(comp)
-    return {"sync_bytes_per_rank": statistics.median(per_rank),
-            "outer_step_s": statistics.median(waits),
-            "tokens_per_s_site": tok / wall_s,
-            "overhead": 1 - compute_s / wall_s}
+    return {
+        "sync_bytes_per_rank": statistics.median(per_rank),
+        "outer_step_s": statistics.median(waits),
+        "tokens_per_s_site": tok / wall_s,
+        "overhead": 1 - compute_s / wall_s,
+    }
 
 
 def _summ(values: list[float]) -> dict:
@@ -102,8 +139,22 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--preset", default="tiny")
     ap.add_argument("--json", action="store_true", help="only the JSON line")
     args = ap.parse_args(argv)
-    run_args = ["--preset", args.preset, "--steps", str(args.steps), "-H", "20", "-P", "2",
-                "--tau", "2", "--eval-every", "0", "--audit-every", "0"]
+    run_args = [
+        "--preset",
+        args.preset,
+        "--steps",
+        str(args.steps),
+        "-H",
+        "20",
+        "-P",
+        "2",
+        "--tau",
+        "2",
+        "--eval-every",
+        "0",
+        "--audit-every",
+        "0",
+    ]
     configs = [1, args.ranks]
     samples: dict[int, list[dict]] = {n: [] for n in configs}
     t0 = time.time()
@@ -113,9 +164,19 @@ def main(argv: list[str] | None = None) -> dict:
                 samples[n].append(run_once(n, args.engine, run_args, Path(d)))
             if not args.json:
                 print(f"repeat {i} 2x{n}: {samples[n][-1]}", file=sys.stderr)
-    out = {"bench": "diloco_sites", "engine": args.engine, "backend": "gloo",
-           "preset": args.preset, "steps": args.steps, "H": 20, "P": 2, "tau": 2,
-           "repeats": args.repeats, "wall_s": round(time.time() - t0, 1), "configs": {}}
+    out = {
+        "bench": "diloco_sites",
+        "engine": args.engine,
+        "backend": "gloo",
+        "preset": args.preset,
+        "steps": args.steps,
+        "H": 20,
+        "P": 2,
+        "tau": 2,
+        "repeats": args.repeats,
+        "wall_s": round(time.time() - t0, 1),
+        "configs": {},
+    }
     for n in configs:
         out["configs"][f"2x{n}"] = {k: _summ([s[k] for s in samples[n]]) for k in samples[n][0]}
     single = out["configs"]["2x1"]["sync_bytes_per_rank"]["median"]

@@ -66,8 +66,11 @@ class WanBench:
             raise ConfigError("net", "must be in [1, 254]")
         if not 1 <= self.repeats <= 100:
             raise ConfigError("repeats", "must be in [1, 100]")
-        if not self.variants or set(self.variants) - set(VARIANTS) \
-                or len(set(self.variants)) != len(self.variants):
+        if (
+            not self.variants
+            or set(self.variants) - set(VARIANTS)
+            or len(set(self.variants)) != len(self.variants)
+        ):
             raise ConfigError("variants", f"a non-empty subset of {VARIANTS} without repeats")
 
 
@@ -80,8 +83,11 @@ def run_order(variants: tuple[str, ...], repeats: int) -> list[tuple[int, str]]:
 
 def spread(xs: list[float], nd: int = 3) -> dict[str, float]:
     """Median with min and max (what every repeated figure is reported as)."""
-    return {"median": round(statistics.median(xs), nd), "min": round(min(xs), nd),
-            "max": round(max(xs), nd)}
+    return {
+        "median": round(statistics.median(xs), nd),
+        "min": round(min(xs), nd),
+        "max": round(max(xs), nd),
+    }
 
 
 def decompose(finals: list[dict[str, Any]], waits: list[float], steps: int) -> dict[str, Any]:
@@ -94,37 +100,53 @@ def decompose(finals: list[dict[str, Any]], waits: list[float], steps: int) -> d
     compute = sum(f["compute_s"] for f in finals) / n
     sync = sum(f["sync_s"] for f in finals) / n
     wait = sum(waits) / len(waits) if waits else sync
-    return {"steps": steps, "wall_s": round(wall, 3), "steps_per_s": round(steps / wall, 3),
-            "compute_s": round(compute, 3), "wait_s": round(wait, 3), "sync_s": round(sync, 3),
-            "other_s": round(wall - compute - wait, 3),
-            "bytes_per_worker": sum(f["bytes_sent"] for f in finals) / n}
+    return {
+        "steps": steps,
+        "wall_s": round(wall, 3),
+        "steps_per_s": round(steps / wall, 3),
+        "compute_s": round(compute, 3),
+        "wait_s": round(wait, 3),
+        "sync_s": round(sync, 3),
+        "other_s": round(wall - compute - wait, 3),
+        "bytes_per_worker": sum(f["bytes_sent"] for f in finals) / n,
+    }
 
 
 def summarize(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
     """Medians (min/max) per variant and the paired overlap / DDP ratios over repeats."""
     out: dict[str, Any] = {}
     for name, rs in runs.items():
-        out[name] = {"runs": len(rs), "steps": rs[0]["steps"],
-                     "bytes_per_worker": rs[0]["bytes_per_worker"],
-                     **{k: spread([r[k] for r in rs])
-                        for k in ("wall_s", "steps_per_s", "compute_s", "wait_s", "other_s")}}
+        out[name] = {
+            "runs": len(rs),
+            "steps": rs[0]["steps"],
+            "bytes_per_worker": rs[0]["bytes_per_worker"],
+            **{
+                k: spread([r[k] for r in rs])
+                for k in ("wall_s", "steps_per_s", "compute_s", "wait_s", "other_s")
+            },
+        }
     no, ov = runs.get("diloco_no_overlap"), runs.get("streaming_overlap")
     if no and ov:
         # paired: repeat r of one with repeat r of the other (they ran back to back)
         out["speedup_overlap_vs_no_overlap"] = spread(
-            [o["steps_per_s"] / n["steps_per_s"] for n, o in zip(no, ov)])
+            [o["steps_per_s"] / n["steps_per_s"] for n, o in zip(no, ov)]
+        )
         # what the decomposition can explain: the no-overlap wall minus the wait overlap removed
         out["explained_speedup"] = spread(
-            [n["wall_s"] / (n["wall_s"] - (n["wait_s"] - o["wait_s"])) for n, o in zip(no, ov)])
+            [n["wall_s"] / (n["wall_s"] - (n["wait_s"] - o["wait_s"])) for n, o in zip(no, ov)]
+        )
         out["wait_removed_s"] = spread([n["wait_s"] - o["wait_s"] for n, o in zip(no, ov)])
         # and how much the same variant moves between repeats (noise against the effect)
         out["no_overlap_wall_spread"] = round(
             (max(r["wall_s"] for r in no) - min(r["wall_s"] for r in no))
-            / statistics.median(r["wall_s"] for r in no), 3)
+            / statistics.median(r["wall_s"] for r in no),
+            3,
+        )
     ddp = runs.get("ddp")
     if ddp and ov:
         out["speedup_streaming_vs_ddp"] = spread(
-            [o["steps_per_s"] / d["steps_per_s"] for d, o in zip(ddp, ov)])
+            [o["steps_per_s"] / d["steps_per_s"] for d, o in zip(ddp, ov)]
+        )
     return out
 
 
@@ -135,16 +157,41 @@ def _run(bed: Testbed, cfg: TrainConfig, work: Path, timeout: float) -> dict[str
     work.mkdir(parents=True)
     (work / "config.json").write_text(json.dumps(config_to_dict(cfg)))
     procs = []
-    with Coordinator(CoordinatorConfig(bind=f"tcp://{bed.host}:0", heartbeat_interval=5.0)) as coord:
+    with Coordinator(
+        CoordinatorConfig(bind=f"tcp://{bed.host}:0", heartbeat_interval=5.0)
+    ) as coord:
         try:
             for i, ns in enumerate(bed.ns):
                 log = (work / f"out{i}.txt").open("w")
-                procs.append(subprocess.Popen(
-                    ["ip", "netns", "exec", ns, sys.executable, "-m", "lowband", "worker",
-                     "--coordinator", coord.address, "--config", str(work / "config.json"),
-                     "--id", str(i), "--threads", "1", "--bind-host", bed.addr(i),
-                     "--out", str(work)],
-                    stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
+                procs.append(
+                    subprocess.Popen(
+                        [
+                            "ip",
+                            "netns",
+                            "exec",
+                            ns,
+                            sys.executable,
+                            "-m",
+                            "lowband",
+                            "worker",
+                            "--coordinator",
+                            coord.address,
+                            "--config",
+                            str(work / "config.json"),
+                            "--id",
+                            str(i),
+                            "--threads",
+                            "1",
+                            "--bind-host",
+                            bed.addr(i),
+                            "--out",
+                            str(work),
+                        ],
+                        stdout=log,
+                        stderr=subprocess.STDOUT,
+                        start_new_session=True,
+                    )
+                )
             codes = [p.wait(timeout) for p in procs]
         finally:
             for p in procs:
@@ -153,7 +200,9 @@ def _run(bed: Testbed, cfg: TrainConfig, work: Path, timeout: float) -> dict[str
                     p.wait()
     outs = [(work / f"out{i}.txt").read_text() for i in range(len(procs))]
     if any(codes):
-        raise RuntimeError(f"a worker failed: {codes}\n" + outs[codes.index(next(c for c in codes if c))][-3000:])
+        raise RuntimeError(
+            f"a worker failed: {codes}\n" + outs[codes.index(next(c for c in codes if c))][-3000:]
+        )
     finals = [json.loads(o.strip().splitlines()[-1]) for o in outs]
     waits = []
     for path in sorted(work.glob("**/metrics-*.jsonl")):
@@ -170,16 +219,28 @@ def run_wanbench(w: WanBench, b: BenchConfig) -> dict[str, Any]:
         "diloco_no_overlap": b.train_config(b.diloco_mode(tau=0), w.steps),
         "streaming_overlap": b.train_config(b.diloco_mode(), w.steps),
     }
-    out: dict[str, Any] = {"link": f"REAL: tc tbf {w.rate_mbit} Mbit/s per worker link "
-                           "(both directions), no added delay; ZeroMQ over kernel TCP",
-                           "workers": w.workers, "H": b.inner_steps, "P": b.n_fragments,
-                           "tau": b.tau, "codec": b.codec, "repeats": w.repeats,
-                           "order": "interleaved, rotated by one per repeat"}
+    out: dict[str, Any] = {
+        "link": f"REAL: tc tbf {w.rate_mbit} Mbit/s per worker link "
+        "(both directions), no added delay; ZeroMQ over kernel TCP",
+        "workers": w.workers,
+        "H": b.inner_steps,
+        "P": b.n_fragments,
+        "tau": b.tau,
+        "codec": b.codec,
+        "repeats": w.repeats,
+        "order": "interleaved, rotated by one per repeat",
+    }
     runs: dict[str, list[dict[str, Any]]] = {v: [None] * w.repeats for v in w.variants}  # type: ignore[misc]
-    with tempfile.TemporaryDirectory(prefix="wanbench") as tmp, \
-            Testbed(NetnsConfig(sites=w.workers, rate_mbit=w.rate_mbit, net=w.net, queue_ms=100.0)) as bed:
+    with (
+        tempfile.TemporaryDirectory(prefix="wanbench") as tmp,
+        Testbed(
+            NetnsConfig(sites=w.workers, rate_mbit=w.rate_mbit, net=w.net, queue_ms=100.0)
+        ) as bed,
+    ):
         for r, name in run_order(w.variants, w.repeats):
-            cfg = dataclasses.replace(configs[name], eval_every=0, audit_every=0, sync_timeout=300.0)
+            cfg = dataclasses.replace(
+                configs[name], eval_every=0, audit_every=0, sync_timeout=300.0
+            )
             runs[name][r] = _run(bed, cfg, Path(tmp) / f"{name}-{r}", w.timeout)
             print(f"repeat {r} {name}: {json.dumps(runs[name][r])}", file=sys.stderr, flush=True)
     out.update(summarize(runs))
@@ -188,8 +249,11 @@ def run_wanbench(w: WanBench, b: BenchConfig) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.diloco_wan", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m benchmarks.diloco_wan",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--json", action="store_true")
     p.add_argument("--workers", type=int, default=3)
     p.add_argument("--rate-mbit", type=float, default=4.0)
@@ -202,11 +266,24 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--layers", type=int)
     p.add_argument("--inner-steps", type=int, help="H (default: the bench's)")
     args = p.parse_args(argv)
-    w = WanBench(workers=args.workers, rate_mbit=args.rate_mbit, steps=args.steps,
-                 ddp_steps=args.ddp_steps, repeats=args.repeats, variants=tuple(args.variants))
-    over = {k: v for k, v in (("tau", args.tau), ("hidden", args.hidden),
-                              ("layers", args.layers), ("inner_steps", args.inner_steps))
-            if v is not None}
+    w = WanBench(
+        workers=args.workers,
+        rate_mbit=args.rate_mbit,
+        steps=args.steps,
+        ddp_steps=args.ddp_steps,
+        repeats=args.repeats,
+        variants=tuple(args.variants),
+    )
+    over = {
+        k: v
+        for k, v in (
+            ("tau", args.tau),
+            ("hidden", args.hidden),
+            ("layers", args.layers),
+            ("inner_steps", args.inner_steps),
+        )
+        if v is not None
+    }
     print(json.dumps(run_wanbench(w, dataclasses.replace(BenchConfig(), **over))))
     return 0
 

@@ -39,13 +39,34 @@ from lowband.errors import PeerLost as PeerLostError
 
 PRESETS = {
     # ~360M params, 1.45 GB fp32: big enough that torch's own ~200 MB RSS does not dominate.
-    "default": dict(vocab_size=256, hidden_size=1024, intermediate_size=2816, num_hidden_layers=32,
-                    num_attention_heads=16, num_key_value_heads=4, max_position_embeddings=1024),
+    "default": dict(
+        vocab_size=256,
+        hidden_size=1024,
+        intermediate_size=2816,
+        num_hidden_layers=32,
+        num_attention_heads=16,
+        num_key_value_heads=4,
+        max_position_embeddings=1024,
+    ),
     # the issue's minimum: >= 50M params
-    "small": dict(vocab_size=256, hidden_size=512, intermediate_size=1408, num_hidden_layers=16,
-                  num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=1024),
-    "tiny": dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256),
+    "small": dict(
+        vocab_size=256,
+        hidden_size=512,
+        intermediate_size=1408,
+        num_hidden_layers=16,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        max_position_embeddings=1024,
+    ),
+    "tiny": dict(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+    ),
 }
 
 
@@ -61,6 +82,7 @@ def _peak_rss_mb() -> float:
 def _pin(core: int) -> None:
     """One core, one torch thread: a simulated device (same settings as ``edge worker``)."""
     from edge.launch import DeviceConfig
+
     DeviceConfig(threads=1, cores=(core % (os.cpu_count() or 1),)).apply()
 
 
@@ -83,13 +105,19 @@ def _decode(runner, prompt: list[int], tokens: int, warmup: int, cold=None) -> d
             times.append(time.perf_counter() - t)
         pos += 1
         tok = int(torch.argmax(logits))
-    return {"ttft_ms": 1e3 * ttft, "decode_ms_per_token": 1e3 * statistics.median(times),
-            "decode_ms_min": 1e3 * min(times), "tokens": out, "prefill_logits": first}
+    return {
+        "ttft_ms": 1e3 * ttft,
+        "decode_ms_per_token": 1e3 * statistics.median(times),
+        "decode_ms_min": 1e3 * min(times),
+        "tokens": out,
+        "prefill_logits": first,
+    }
 
 
 def _profile(runner, prompt: list[int], steps: int = 4) -> dict:
     """Where one decode step's time goes: matmuls, other aten ops, and the rest (Python)."""
     from torch.profiler import ProfilerActivity, profile
+
     runner.forward(prompt, 0)
     pos, tok = len(prompt), 1
     with profile(activities=[ProfilerActivity.CPU]) as prof:
@@ -107,9 +135,12 @@ def _profile(runner, prompt: list[int], steps: int = 4) -> dict:
         else:
             other += ev.self_cpu_time_total
     wall_us = wall * 1e6
-    return {"matmul_frac": mm / wall_us, "other_ops_frac": other / wall_us,
-            "python_and_dispatch_frac": max(0.0, 1 - (mm + other) / wall_us),
-            "profiled_ms_per_token": wall * 1e3 / steps}
+    return {
+        "matmul_frac": mm / wall_us,
+        "other_ops_frac": other / wall_us,
+        "python_and_dispatch_frac": max(0.0, 1 - (mm + other) / wall_us),
+        "profiled_ms_per_token": wall * 1e3 / steps,
+    }
 
 
 # ---- roles (each runs in its own process) ---------------------------------------------------
@@ -130,8 +161,7 @@ def _paced(runner, prompt: list[int], sched, a) -> dict[str, float]:
         for name in a.storage:
             dev = StorageDevice(STORAGE[name] * 1e6)
             for f, populate in zip(sched.files, plain):
-                f.populate = (lambda f=f, populate=populate, dev=dev:
-                              dev.read(populate, f.size))
+                f.populate = lambda f=f, populate=populate, dev=dev: dev.read(populate, f.size)
             runner.reset()
             out[name] = _decode(runner, prompt, max(2, a.tokens // 4), 1)["decode_ms_per_token"]
     finally:
@@ -143,6 +173,7 @@ def _paced(runner, prompt: list[int], sched, a) -> dict[str, float]:
 def role_single(a) -> dict:
     from edge.engine import LocalRunner
     from edge.shardio import WindowConfig, load_shard
+
     _pin(a.core)
     loader = (a.loader_core,) if a.loader_core is not None else None
     win = WindowConfig(window=a.win, loader_cores=loader) if a.win else None
@@ -170,14 +201,27 @@ def role_master(a) -> dict:
     from edge.launch import SIGNATURE, _zmq_config
     from transport.coordinator import Coordinator, CoordinatorConfig
     from transport.zmq_comm import connect
+
     _pin(a.core)
     coord = Coordinator(CoordinatorConfig(bind=a.bind)).start()
-    comm = connect(coord.address, _zmq_config(None, 120.0), signature=SIGNATURE,
-                   peer_id=f"{MASTER_ID_PREFIX}-bench")
-    runner = MasterRunner(comm, a.model, ClusterConfig(devices=a.devices, wire=a.wire,
-                                                       link_spin_us=a.link_spin_us,
-                                                       op_timeout=120.0, join_timeout=300.0,
-                                                       heartbeat_s=3600.0))
+    comm = connect(
+        coord.address,
+        _zmq_config(None, 120.0),
+        signature=SIGNATURE,
+        peer_id=f"{MASTER_ID_PREFIX}-bench",
+    )
+    runner = MasterRunner(
+        comm,
+        a.model,
+        ClusterConfig(
+            devices=a.devices,
+            wire=a.wire,
+            link_spin_us=a.link_spin_us,
+            op_timeout=120.0,
+            join_timeout=300.0,
+            heartbeat_s=3600.0,
+        ),
+    )
     spent = [0.0]
     for layer in runner.model.model.layers:  # time the all-reduces on the master
         for mod in (layer.self_attn, layer.ffn):
@@ -188,6 +232,7 @@ def role_master(a) -> dict:
                 y = inner(x)
                 spent[0] += time.perf_counter() - t
                 return y
+
             mod.reduce = timed
     prompt = list(range(1, a.prompt_len + 1))
     runner.forward(prompt, 0)  # warm the connections
@@ -195,7 +240,9 @@ def role_master(a) -> dict:
     b0 = runner.wire_bytes()
     res = _decode(runner, prompt, a.tokens, a.warmup)
     n_fwd = 1 + a.warmup + a.tokens
-    res["bytes_per_token_wire"] = (runner.wire_bytes() - b0 - _prefill_bytes(runner, a)) / (n_fwd - 1)
+    res["bytes_per_token_wire"] = (runner.wire_bytes() - b0 - _prefill_bytes(runner, a)) / (
+        n_fwd - 1
+    )
     native = runner.hub.native_seconds if runner.hub is not None else 0.0
     if native > 0:
         # The compiled decode step drives the link itself (the Python hooks above then only see
@@ -216,6 +263,7 @@ def role_shard(a) -> dict:
     time a board of its own would see, free of the other simulated device's memory traffic."""
     from edge.engine import LocalRunner
     from edge.shardio import load_shard
+
     _pin(a.core)
     shard = load_shard(a.model, a.rank, a.devices, reduce=lambda x: x)
     m = shard.model
@@ -244,6 +292,7 @@ def role_shard(a) -> dict:
 def role_link(a) -> dict:
     """Star all-reduce latency of one activation vector (1, 1, H) between two pinned processes."""
     from transport.starlink import StarHub, StarSpoke
+
     _pin(a.core)
     x = torch.randn(1, 1, a.hidden)
     if a.rank == 0:
@@ -256,8 +305,14 @@ def role_link(a) -> dict:
         deadline = time.monotonic() + 60
         while net is None:
             try:
-                net = StarSpoke("127.0.0.1", a.port, 1, timeout=10, secret=a.secret,
-                                spin_s=a.link_spin_us * 1e-6)
+                net = StarSpoke(
+                    "127.0.0.1",
+                    a.port,
+                    1,
+                    timeout=10,
+                    secret=a.secret,
+                    spin_s=a.link_spin_us * 1e-6,
+                )
             except PeerLostError:
                 if time.monotonic() > deadline:
                     raise
@@ -275,11 +330,23 @@ def role_link(a) -> dict:
 
 def _link_latency(a, hidden: int) -> dict:
     port = _free_port()
-    common = ["--role", "link", "--port", str(port), "--hidden", str(hidden),
-              "--link-spin-us", str(a.link_spin_us),
-              "--secret", os.urandom(8).hex()]
-    spoke = subprocess.Popen([sys.executable, "-m", "benchmarks.edge", *common, "--rank", "1", "--core", "1"],
-                             start_new_session=True, stdout=subprocess.DEVNULL)
+    common = [
+        "--role",
+        "link",
+        "--port",
+        str(port),
+        "--hidden",
+        str(hidden),
+        "--link-spin-us",
+        str(a.link_spin_us),
+        "--secret",
+        os.urandom(8).hex(),
+    ]
+    spoke = subprocess.Popen(
+        [sys.executable, "-m", "benchmarks.edge", *common, "--rank", "1", "--core", "1"],
+        start_new_session=True,
+        stdout=subprocess.DEVNULL,
+    )
     try:
         return _run_role([*common, "--rank", "0", "--core", "0"], a.timeout)
     finally:
@@ -296,25 +363,44 @@ def _decompose(a, split2: Path, cfg: dict, common: list[str], single: dict) -> d
     bandwidth, not the runtime), the link's all-reduce latency, and the projection
     max(compute alone) + 2L x latency."""
     shard_args = ["--role", "shard", "--model", str(split2), "--devices", "2", *common]
-    alone = [min((_run_role([*shard_args, "--rank", str(r), "--core", "0"], a.timeout)
-                  for _ in range(2)), key=lambda x: x["decode_ms_per_token"]) for r in range(2)]
+    alone = [
+        min(
+            (
+                _run_role([*shard_args, "--rank", str(r), "--core", "0"], a.timeout)
+                for _ in range(2)
+            ),
+            key=lambda x: x["decode_ms_per_token"],
+        )
+        for r in range(2)
+    ]
     together = _concurrent([[*shard_args, "--rank", str(r), "--core", str(r)] for r in range(2)], a)
     lat = _link_latency(a, cfg["hidden_size"])
-    projected = (max(r["decode_ms_per_token"] for r in alone)
-                 + 2 * cfg["num_hidden_layers"] * lat["median_us"] / 1e3)
-    return {"slice_alone_ms": [round(r["decode_ms_per_token"], 2) for r in alone],
-            "slices_concurrent_ms": [round(r["decode_ms_per_token"], 2) for r in together],
-            "link_allreduce_us": {k: round(v, 1) for k, v in lat.items()},
-            "projected_2dev_ms": round(projected, 2),
-            "projected_tp_speedup": round(single["decode_ms_per_token"] / projected, 3)}
+    projected = (
+        max(r["decode_ms_per_token"] for r in alone)
+        + 2 * cfg["num_hidden_layers"] * lat["median_us"] / 1e3
+    )
+    return {
+        "slice_alone_ms": [round(r["decode_ms_per_token"], 2) for r in alone],
+        "slices_concurrent_ms": [round(r["decode_ms_per_token"], 2) for r in together],
+        "link_allreduce_us": {k: round(v, 1) for k, v in lat.items()},
+        "projected_2dev_ms": round(projected, 2),
+        "projected_tp_speedup": round(single["decode_ms_per_token"] / projected, 3),
+    }
 
 
 def _concurrent(role_args: list[list[str]], a) -> list[dict]:
     """Run several roles at the same time (e.g. both TP slices, no communication) to measure
     how much the simulated devices slow each other down through shared memory bandwidth."""
-    procs = [subprocess.Popen([sys.executable, "-m", "benchmarks.edge", *args], stdout=subprocess.PIPE,
-                              stderr=subprocess.DEVNULL, text=True, start_new_session=True)
-             for args in role_args]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "benchmarks.edge", *args],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+            start_new_session=True,
+        )
+        for args in role_args
+    ]
     try:
         outs = [p.communicate(timeout=a.timeout)[0] for p in procs]
     finally:
@@ -335,8 +421,12 @@ def _prefill_bytes(runner, a) -> int:
 
 
 def _run_role(args: list[str], timeout: float) -> dict:
-    out = subprocess.run([sys.executable, "-m", "benchmarks.edge", *args], capture_output=True,
-                         text=True, timeout=timeout)
+    out = subprocess.run(
+        [sys.executable, "-m", "benchmarks.edge", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
     if out.returncode != 0:
         raise RuntimeError(f"role {args[:2]} failed:\n{out.stderr[-3000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -350,16 +440,57 @@ def _free_port() -> int:
 
 def _run_tp(model: str, a, devices: int = 2) -> dict:
     bind = f"tcp://127.0.0.1:{_free_port()}"
-    common = ["--model", model, "--tokens", str(a.tokens), "--warmup", str(a.warmup),
-              "--prompt-len", str(a.prompt_len)]
-    workers = [subprocess.Popen([sys.executable, "-m", "lowband", "edge", "worker", "--master", bind,
-                                 "--threads", "1", "--cores", str(i % (os.cpu_count() or 1)),
-                                 "--op-timeout", "120"],
-                                start_new_session=True, stdout=subprocess.DEVNULL)
-               for i in range(1, devices)]
+    common = [
+        "--model",
+        model,
+        "--tokens",
+        str(a.tokens),
+        "--warmup",
+        str(a.warmup),
+        "--prompt-len",
+        str(a.prompt_len),
+    ]
+    workers = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "lowband",
+                "edge",
+                "worker",
+                "--master",
+                bind,
+                "--threads",
+                "1",
+                "--cores",
+                str(i % (os.cpu_count() or 1)),
+                "--op-timeout",
+                "120",
+            ],
+            start_new_session=True,
+            stdout=subprocess.DEVNULL,
+        )
+        for i in range(1, devices)
+    ]
     try:
-        return _run_role(["--role", "master", "--bind", bind, "--devices", str(devices), "--core", "0",
-                          "--wire", a.wire, "--link-spin-us", str(a.link_spin_us), *common], a.timeout)
+        return _run_role(
+            [
+                "--role",
+                "master",
+                "--bind",
+                bind,
+                "--devices",
+                str(devices),
+                "--core",
+                "0",
+                "--wire",
+                a.wire,
+                "--link-spin-us",
+                str(a.link_spin_us),
+                *common,
+            ],
+            a.timeout,
+        )
     finally:
         for w in workers:
             try:
@@ -373,6 +504,7 @@ def _parity(model_dir: Path, cfg: dict) -> float:
     from transformers import LlamaForCausalLM as HFLlama
 
     from lowband.models.weights import load_pretrained
+
     ids = torch.arange(1, 33).remainder(cfg["vocab_size"])[None]
     with torch.no_grad():
         hf = HFLlama.from_pretrained(model_dir, dtype=torch.float32).eval()
@@ -388,10 +520,11 @@ def _med(runs: list[dict]) -> float:
 
 
 def main_bench(a) -> dict:
+    from edge.shardio import split_checkpoint
     from lowband.models.config import ModelConfig
     from lowband.models.llama import LlamaForCausalLM, init_weights
-    from edge.shardio import split_checkpoint
     from lowband.models.weights import save_pretrained
+
     cfg = PRESETS[a.preset]
     work = Path(tempfile.mkdtemp(prefix="lowband-edge-bench-", dir=a.workdir))
     t_start = time.perf_counter()
@@ -404,16 +537,51 @@ def main_bench(a) -> dict:
     split1 = split_checkpoint(ckpt, work / "split1", devices=1)
     split2 = split_checkpoint(ckpt, work / "split2", devices=2)  # each device reads its slice
     load_before = os.getloadavg()[0]
-    common = ["--tokens", str(a.tokens), "--warmup", str(a.warmup), "--prompt-len", str(a.prompt_len)]
+    common = [
+        "--tokens",
+        str(a.tokens),
+        "--warmup",
+        str(a.warmup),
+        "--prompt-len",
+        str(a.prompt_len),
+    ]
     # 1 and 2 devices alternate so drifting background load hits both alike.
     singles, tps, wins = [], [], []
     for _ in range(a.repeats):  # 1 device, 2 devices, window, interleaved
-        singles.append(_run_role(["--role", "single", "--model", str(split1), "--core", "0",
-                                  *(["--profile"] if not singles else []), *common], a.timeout))
+        singles.append(
+            _run_role(
+                [
+                    "--role",
+                    "single",
+                    "--model",
+                    str(split1),
+                    "--core",
+                    "0",
+                    *(["--profile"] if not singles else []),
+                    *common,
+                ],
+                a.timeout,
+            )
+        )
         tps.append(_run_tp(str(split2), a))
-        wins.append(_run_role(["--role", "single", "--model", str(split1), "--core", "0",
-                               "--win", str(a.window), "--storage", *a.storage, *common],
-                              a.timeout))
+        wins.append(
+            _run_role(
+                [
+                    "--role",
+                    "single",
+                    "--model",
+                    str(split1),
+                    "--core",
+                    "0",
+                    "--win",
+                    str(a.window),
+                    "--storage",
+                    *a.storage,
+                    *common,
+                ],
+                a.timeout,
+            )
+        )
     n_layers = cfg["num_hidden_layers"]
     # Decomposition: each TP slice computing alone, and the link's all-reduce latency.
     single = min(singles, key=lambda r: r["decode_ms_per_token"])
@@ -423,39 +591,56 @@ def main_bench(a) -> dict:
     win = min(wins, key=lambda r: r["decode_ms_per_token"])
     same_tokens = win["tokens"] == single["tokens"] and tp["tokens"] == single["tokens"]
     result = {
-        "bench": "edge", "preset": a.preset, "params": n_params,
-        "model_mb": round(n_params * 4 / 2**20, 1), "layers": n_layers,
-        "parity_max_abs": parity, "tp_parity_max_abs": tp_parity, "same_greedy_tokens": same_tokens,
+        "bench": "edge",
+        "preset": a.preset,
+        "params": n_params,
+        "model_mb": round(n_params * 4 / 2**20, 1),
+        "layers": n_layers,
+        "parity_max_abs": parity,
+        "tp_parity_max_abs": tp_parity,
+        "same_greedy_tokens": same_tokens,
         # medians of the interleaved repeats (the headline), the best runs beside them
         "decode_ms_per_token": {"1": round(_med(singles), 2), "2": round(_med(tps), 2)},
-        "decode_ms_per_token_best": {"1": round(single["decode_ms_per_token"], 2),
-                                     "2": round(tp["decode_ms_per_token"], 2)},
-        "decode_ms_per_token_all_runs": {"1": [round(r["decode_ms_per_token"], 2) for r in singles],
-                                         "2": [round(r["decode_ms_per_token"], 2) for r in tps]},
+        "decode_ms_per_token_best": {
+            "1": round(single["decode_ms_per_token"], 2),
+            "2": round(tp["decode_ms_per_token"], 2),
+        },
+        "decode_ms_per_token_all_runs": {
+            "1": [round(r["decode_ms_per_token"], 2) for r in singles],
+            "2": [round(r["decode_ms_per_token"], 2) for r in tps],
+        },
         "tp_speedup": round(_med(singles) / _med(tps), 3),
         "tp_speedup_best": round(single["decode_ms_per_token"] / tp["decode_ms_per_token"], 3),
         "ttft_ms": {"1": round(single["ttft_ms"], 1), "2": round(tp["ttft_ms"], 1)},
         "prompt_len": a.prompt_len,
-        "bytes_per_token_wire": tp["bytes_per_token_wire"], "wire": a.wire,
+        "bytes_per_token_wire": tp["bytes_per_token_wire"],
+        "wire": a.wire,
         "link_spin_us": a.link_spin_us,
         "allreduce_ms_per_token": round(tp["allreduce_ms_per_token"], 2),
         "tp_decomposition": decomposition,
         "profile_1dev": singles[0].get("profile"),
-        "window": {"blocks": win.get("window_blocks"), "of": n_layers,
-                   "peak_rss_mb": round(win["peak_rss_mb"], 1),
-                   "decode_ms_per_token": round(_med(wins), 2),
-                   "cold_decode_ms_per_token": round(win["cold_decode_ms_per_token"], 2),
-                   "rss_ratio": round(win["peak_rss_mb"] / single["peak_rss_mb"], 3),
-                   "latency_ratio": round(_med(wins) / _med(singles), 3),
-                   "cold_latency_ratio": round(win["cold_decode_ms_per_token"]
-                                               / single["decode_ms_per_token"], 3),
-                   # warm page cache but every block read paced to a storage class (MB/s)
-                   "paced": {name: {"mb_per_s": STORAGE[name],
-                                    "decode_ms_per_token": round(ms, 2),
-                                    "latency_ratio": round(ms / single["decode_ms_per_token"], 3)}
-                             for name, ms in win["paced_decode_ms_per_token"].items()},
-                   "decode_ms_per_token_all_runs": [round(r["decode_ms_per_token"], 2)
-                                                    for r in wins]},
+        "window": {
+            "blocks": win.get("window_blocks"),
+            "of": n_layers,
+            "peak_rss_mb": round(win["peak_rss_mb"], 1),
+            "decode_ms_per_token": round(_med(wins), 2),
+            "cold_decode_ms_per_token": round(win["cold_decode_ms_per_token"], 2),
+            "rss_ratio": round(win["peak_rss_mb"] / single["peak_rss_mb"], 3),
+            "latency_ratio": round(_med(wins) / _med(singles), 3),
+            "cold_latency_ratio": round(
+                win["cold_decode_ms_per_token"] / single["decode_ms_per_token"], 3
+            ),
+            # warm page cache but every block read paced to a storage class (MB/s)
+            "paced": {
+                name: {
+                    "mb_per_s": STORAGE[name],
+                    "decode_ms_per_token": round(ms, 2),
+                    "latency_ratio": round(ms / single["decode_ms_per_token"], 3),
+                }
+                for name, ms in win["paced_decode_ms_per_token"].items()
+            },
+            "decode_ms_per_token_all_runs": [round(r["decode_ms_per_token"], 2) for r in wins],
+        },
         "full": {"peak_rss_mb": round(single["peak_rss_mb"], 1)},
         "tp_master_peak_rss_mb": round(tp["peak_rss_mb"], 1),
         "bench_seconds": round(time.perf_counter() - t_start, 1),
@@ -464,29 +649,48 @@ def main_bench(a) -> dict:
     }
     if not a.keep:
         import shutil
+
         shutil.rmtree(work, ignore_errors=True)
     return result
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.edge", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(
+        prog="python -m benchmarks.edge", description=__doc__.split("\n")[0]
+    )
     p.add_argument("--json", action="store_true", help="print only the JSON result line")
     p.add_argument("--preset", choices=sorted(PRESETS), default="default")
     p.add_argument("--tokens", type=int, default=16, help="timed decode tokens per run")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--prompt-len", type=int, default=32)
-    p.add_argument("--repeats", type=int, default=5,
-                   help="interleaved rounds of 1-device, 2-device and window runs (medians "
-                        "reported, the best runs beside them)")
+    p.add_argument(
+        "--repeats",
+        type=int,
+        default=5,
+        help="interleaved rounds of 1-device, 2-device and window runs (medians "
+        "reported, the best runs beside them)",
+    )
     p.add_argument("--window", type=int, default=2, help="W: layer blocks resident")
-    p.add_argument("--storage", nargs="*", default=list(STORAGE), choices=list(STORAGE),
-                   help="storage classes the window's block reads are also paced to")
+    p.add_argument(
+        "--storage",
+        nargs="*",
+        default=list(STORAGE),
+        choices=list(STORAGE),
+        help="storage classes the window's block reads are also paced to",
+    )
     p.add_argument("--wire", default="fp32", choices=["fp32", "fp16", "bf16", "int8"])
-    p.add_argument("--link-spin-us", type=float, default=1000.0,
-                   help="poll the TP link this long before sleeping (0: sleep at once)")
+    p.add_argument(
+        "--link-spin-us",
+        type=float,
+        default=1000.0,
+        help="poll the TP link this long before sleeping (0: sleep at once)",
+    )
     p.add_argument("--skip-parity", action="store_true")
-    p.add_argument("--no-decomposition", action="store_true",
-                   help="skip the TP decomposition runs (slices alone/concurrent, link latency)")
+    p.add_argument(
+        "--no-decomposition",
+        action="store_true",
+        help="skip the TP decomposition runs (slices alone/concurrent, link latency)",
+    )
     p.add_argument("--keep", action="store_true", help="keep the generated checkpoint")
     p.add_argument("--workdir", default=None, help="where to write the checkpoint (a real disk)")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds per child process")

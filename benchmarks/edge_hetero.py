@@ -47,10 +47,14 @@ def throttle(quota: float, period_us: int = 10000):
     except OSError as exc:
         if group.exists():
             group.rmdir()
-        print(f"edge_hetero: no cgroup CPU quota ({exc}); co-running a busy process instead",
-              file=sys.stderr)
-        hog = subprocess.Popen([sys.executable, "-c", "import os\nos.sched_setaffinity(0, {1})\n"
-                                "while True: pass"], start_new_session=True)
+        print(
+            f"edge_hetero: no cgroup CPU quota ({exc}); co-running a busy process instead",
+            file=sys.stderr,
+        )
+        hog = subprocess.Popen(
+            [sys.executable, "-c", "import os\nos.sched_setaffinity(0, {1})\nwhile True: pass"],
+            start_new_session=True,
+        )
         try:
             yield (lambda pid: None), "a busy process co-running on core 1 (about half of it)"
         finally:
@@ -58,8 +62,10 @@ def throttle(quota: float, period_us: int = 10000):
             hog.wait(timeout=10)
         return
     try:
-        yield (lambda pid: (group / "cgroup.procs").write_text(str(pid))), \
-            f"cgroup v1 cpu quota {quota:.0%} of core 1 (period {period_us} us)"
+        yield (
+            (lambda pid: (group / "cgroup.procs").write_text(str(pid))),
+            f"cgroup v1 cpu quota {quota:.0%} of core 1 (period {period_us} us)",
+        )
     finally:
         for pid in (group / "cgroup.procs").read_text().split():
             try:  # a worker still alive goes back to the root group, so rmdir can succeed
@@ -74,21 +80,38 @@ def role_master(a) -> dict:
     from edge.launch import SIGNATURE, _zmq_config
     from transport.coordinator import Coordinator, CoordinatorConfig
     from transport.zmq_comm import connect
+
     _pin(0)
     coord = Coordinator(CoordinatorConfig(bind=a.bind)).start()
-    comm = connect(coord.address, _zmq_config(None, 120.0), signature=SIGNATURE,
-                   peer_id=f"{MASTER_ID_PREFIX}-bench")
+    comm = connect(
+        coord.address,
+        _zmq_config(None, 120.0),
+        signature=SIGNATURE,
+        peer_id=f"{MASTER_ID_PREFIX}-bench",
+    )
     weights = None if a.weights in ("auto", "even", "one") else (float(a.weights), 1.0)
-    runner = MasterRunner(comm, a.model, ClusterConfig(
-        devices=1 if a.weights == "one" else 2, weights=weights, auto_split=a.weights == "auto", op_timeout=120.0,
-        join_timeout=300.0, heartbeat_s=3600.0))
+    runner = MasterRunner(
+        comm,
+        a.model,
+        ClusterConfig(
+            devices=1 if a.weights == "one" else 2,
+            weights=weights,
+            auto_split=a.weights == "auto",
+            op_timeout=120.0,
+            join_timeout=300.0,
+            heartbeat_s=3600.0,
+        ),
+    )
     try:
         prompt = list(range(1, a.prompt_len + 1))
         runner.forward(prompt, 0)  # warm the connections
         runner.reset()
         res = _decode(runner, prompt, a.tokens, a.warmup)
-        out = {"decode_ms_per_token": res["decode_ms_per_token"], "devices": runner.devices,
-               "weights": list(runner.weights) if runner.weights else [1.0] * runner.devices}
+        out = {
+            "decode_ms_per_token": res["decode_ms_per_token"],
+            "devices": runner.devices,
+            "weights": list(runner.weights) if runner.weights else [1.0] * runner.devices,
+        }
         if runner.split is not None:
             out["predicted_ms"] = runner.split.predicted_ms
             out["explanation"] = runner.split.explain()
@@ -101,18 +124,57 @@ def role_master(a) -> dict:
 
 def _run(model: str, weights: str, a, add) -> dict:
     bind = f"tcp://127.0.0.1:{_free_port()}"
-    worker = None if weights == "one" else subprocess.Popen(
-        [sys.executable, "-m", "lowband", "edge", "worker", "--master", bind, "--threads", "1",
-         "--cores", str(1 % (os.cpu_count() or 1)), "--op-timeout", "120"],
-        start_new_session=True, stdout=subprocess.DEVNULL, preexec_fn=die_with_parent)
+    worker = (
+        None
+        if weights == "one"
+        else subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "lowband",
+                "edge",
+                "worker",
+                "--master",
+                bind,
+                "--threads",
+                "1",
+                "--cores",
+                str(1 % (os.cpu_count() or 1)),
+                "--op-timeout",
+                "120",
+            ],
+            start_new_session=True,
+            stdout=subprocess.DEVNULL,
+            preexec_fn=die_with_parent,
+        )
+    )
     try:
         if worker is not None:
             add(worker.pid)
-        out = subprocess.run([sys.executable, "-m", "benchmarks.edge_hetero", "--role", "master",
-                              "--bind", bind, "--model", model, "--weights", weights,
-                              "--tokens", str(a.tokens), "--warmup", str(a.warmup),
-                              "--prompt-len", str(a.prompt_len)],
-                             capture_output=True, text=True, timeout=a.timeout)
+        out = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "benchmarks.edge_hetero",
+                "--role",
+                "master",
+                "--bind",
+                bind,
+                "--model",
+                model,
+                "--weights",
+                weights,
+                "--tokens",
+                str(a.tokens),
+                "--warmup",
+                str(a.warmup),
+                "--prompt-len",
+                str(a.prompt_len),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=a.timeout,
+        )
         if out.returncode != 0:
             raise RuntimeError(f"master ({weights}) failed:\n{out.stderr[-3000:]}")
         return json.loads(out.stdout.strip().splitlines()[-1])
@@ -126,15 +188,21 @@ def _run(model: str, weights: str, a, add) -> dict:
 
 
 def _stats(xs: list[float]) -> dict:
-    return {"median": round(statistics.median(xs), 2), "min": round(min(xs), 2),
-            "max": round(max(xs), 2), "n": len(xs)}
+    return {
+        "median": round(statistics.median(xs), 2),
+        "min": round(min(xs), 2),
+        "max": round(max(xs), 2),
+        "n": len(xs),
+    }
 
 
 def main_bench(a) -> dict:
     import torch
+
     from lowband.models.config import ModelConfig
     from lowband.models.llama import LlamaForCausalLM, init_weights
     from lowband.models.weights import save_pretrained
+
     cfg = dict(PRESETS[a.preset])
     with tempfile.TemporaryDirectory(prefix="lowband-hetero-") as tmp:
         model = LlamaForCausalLM(ModelConfig(**cfg)).eval()
@@ -154,22 +222,33 @@ def main_bench(a) -> dict:
                     times[c].append(r["decode_ms_per_token"])
                     if c == "auto":
                         auto_runs.append(r)
-                    print(f"rep {rep} {c}: {r['decode_ms_per_token']:.1f} ms/token "
-                          f"weights {r['weights']}", file=sys.stderr, flush=True)
+                    print(
+                        f"rep {rep} {c}: {r['decode_ms_per_token']:.1f} ms/token "
+                        f"weights {r['weights']}",
+                        file=sys.stderr,
+                        flush=True,
+                    )
     ms = {c: _stats(v) for c, v in times.items()}
     hand = {c: ms[c] for c in configs[2:]}  # hand-picked: w:1 splits and the master alone
     best = min(hand, key=lambda c: hand[c]["median"]) if hand else "even"
     auto_med = ms["auto"]["median"]
-    return {"bench": "edge_hetero", "preset": a.preset, "throttle": how, "tokens": a.tokens,
-            "repeats": a.repeats, "ms_per_token": {
-                ("master alone" if c == "one" else "hand " + c if c in hand else c): v
-                for c, v in ms.items()},
-            "best_hand": "master alone" if best == "one" else f"{best}:1",
-            "auto_over_best_hand": round(auto_med / ms[best]["median"], 3),
-            "even_over_auto": round(ms["even"]["median"] / auto_med, 3),
-            "auto_weights": [r["weights"] for r in auto_runs],
-            "auto_predicted_ms": [r.get("predicted_ms") for r in auto_runs],
-            "auto_explanation": auto_runs[-1].get("explanation") if auto_runs else None}
+    return {
+        "bench": "edge_hetero",
+        "preset": a.preset,
+        "throttle": how,
+        "tokens": a.tokens,
+        "repeats": a.repeats,
+        "ms_per_token": {
+            ("master alone" if c == "one" else "hand " + c if c in hand else c): v
+            for c, v in ms.items()
+        },
+        "best_hand": "master alone" if best == "one" else f"{best}:1",
+        "auto_over_best_hand": round(auto_med / ms[best]["median"], 3),
+        "even_over_auto": round(ms["even"]["median"] / auto_med, 3),
+        "auto_weights": [r["weights"] for r in auto_runs],
+        "auto_predicted_ms": [r.get("predicted_ms") for r in auto_runs],
+        "auto_explanation": auto_runs[-1].get("explanation") if auto_runs else None,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -178,13 +257,23 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", action="store_true", help="print the result as one JSON line")
     p.add_argument("--preset", default="small", choices=sorted(PRESETS))
     p.add_argument("--quota", type=float, default=0.5, help="the slow device's share of a core")
-    p.add_argument("--hand", type=float, nargs="*", default=[1.5, 2.0, 3.0],
-                   help="hand-picked weights w (split w:1 between master and worker)")
-    p.add_argument("--period-us", type=int, default=10000,
-                   help="cgroup CPU quota period: shorter spreads the throttling more finely "
-                        "(raised so that the quota is at least 1 ms)")
-    p.add_argument("--no-one", dest="one", action="store_false",
-                   help="leave out the master-alone baseline")
+    p.add_argument(
+        "--hand",
+        type=float,
+        nargs="*",
+        default=[1.5, 2.0, 3.0],
+        help="hand-picked weights w (split w:1 between master and worker)",
+    )
+    p.add_argument(
+        "--period-us",
+        type=int,
+        default=10000,
+        help="cgroup CPU quota period: shorter spreads the throttling more finely "
+        "(raised so that the quota is at least 1 ms)",
+    )
+    p.add_argument(
+        "--no-one", dest="one", action="store_false", help="leave out the master-alone baseline"
+    )
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--tokens", type=int, default=24)
     p.add_argument("--warmup", type=int, default=4)

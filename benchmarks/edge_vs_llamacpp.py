@@ -35,12 +35,33 @@ from pathlib import Path
 import torch
 
 MODELS = {
-    "small": dict(vocab_size=32000, hidden_size=512, intermediate_size=1408, num_hidden_layers=8,
-                  num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=1024),
-    "360m": dict(vocab_size=256, hidden_size=1024, intermediate_size=2816, num_hidden_layers=32,
-                 num_attention_heads=16, num_key_value_heads=4, max_position_embeddings=1024),
-    "tiny": dict(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256),
+    "small": dict(
+        vocab_size=32000,
+        hidden_size=512,
+        intermediate_size=1408,
+        num_hidden_layers=8,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        max_position_embeddings=1024,
+    ),
+    "360m": dict(
+        vocab_size=256,
+        hidden_size=1024,
+        intermediate_size=2816,
+        num_hidden_layers=32,
+        num_attention_heads=16,
+        num_key_value_heads=4,
+        max_position_embeddings=1024,
+    ),
+    "tiny": dict(
+        vocab_size=512,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+    ),
 }
 WIDTHS = ("fp32", "int8", "q4")
 
@@ -67,6 +88,7 @@ def role_lowband(a) -> dict:
     _pin()
     from edge.engine import LocalRunner
     from edge.shardio import load_shard
+
     shard = load_shard(a.model)
     runner = LocalRunner(shard.model)
     prompt = _prompt(shard.model.config.vocab_size, a.prompt_len)
@@ -86,8 +108,14 @@ def role_lowband(a) -> dict:
 def role_llamacpp(a) -> dict:
     _pin()
     import llama_cpp
-    llm = llama_cpp.Llama(model_path=a.model, n_threads=1, n_threads_batch=1,
-                          n_ctx=a.prompt_len + a.tokens + 8, verbose=False)
+
+    llm = llama_cpp.Llama(
+        model_path=a.model,
+        n_threads=1,
+        n_threads_batch=1,
+        n_ctx=a.prompt_len + a.tokens + 8,
+        verbose=False,
+    )
     prompt = _prompt(llm.n_vocab(), a.prompt_len)
     out, stamps = [], []
     for tok in llm.generate(prompt, top_k=1, temp=0.0, repeat_penalty=1.0):
@@ -101,8 +129,12 @@ def role_llamacpp(a) -> dict:
 
 # ---- orchestration ---------------------------------------------------------------------------
 def _run_role(args: list[str], timeout: float) -> dict:
-    out = subprocess.run([sys.executable, "-m", "benchmarks.edge_vs_llamacpp", *args],
-                         capture_output=True, text=True, timeout=timeout)
+    out = subprocess.run(
+        [sys.executable, "-m", "benchmarks.edge_vs_llamacpp", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
     if out.returncode != 0:
         raise RuntimeError(f"role {args[:2]} failed:\n{out.stderr[-3000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -114,6 +146,7 @@ def _make_files(cfg: dict, work: Path, have_llamacpp: bool) -> dict[str, Path]:
     from edge.formats.gguf import write_gguf
     from lowband.models.config import ModelConfig
     from lowband.models.llama import LlamaForCausalLM, init_weights
+
     model = LlamaForCausalLM(ModelConfig(**cfg)).eval()
     init_weights(model, std=0.02, seed=0)
     files = {"fp32": write_gguf(model, work / "f32.gguf")}
@@ -121,8 +154,13 @@ def _make_files(cfg: dict, work: Path, have_llamacpp: bool) -> dict[str, Path]:
         dst = work / f"{ftype}.gguf"
         if have_llamacpp:
             import llama_cpp
+
             p = llama_cpp.llama_model_quantize_default_params()
-            p.ftype = llama_cpp.LLAMA_FTYPE_MOSTLY_Q8_0 if ftype == "q8_0" else llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_0
+            p.ftype = (
+                llama_cpp.LLAMA_FTYPE_MOSTLY_Q8_0
+                if ftype == "q8_0"
+                else llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_0
+            )
             p.pure = True  # every matrix in this one type (else the head becomes Q6_K)
             p.nthread = 2
             rc = llama_cpp.llama_model_quantize(str(files["fp32"]).encode(), str(dst).encode(), p)
@@ -135,8 +173,12 @@ def _make_files(cfg: dict, work: Path, have_llamacpp: bool) -> dict[str, Path]:
 
 
 def _stats(xs: list[float]) -> dict:
-    return {"median": round(statistics.median(xs), 3), "min": round(min(xs), 3),
-            "max": round(max(xs), 3), "runs": [round(x, 3) for x in xs]}
+    return {
+        "median": round(statistics.median(xs), 3),
+        "min": round(min(xs), 3),
+        "max": round(max(xs), 3),
+        "runs": [round(x, 3) for x in xs],
+    }
 
 
 def _agree(a: list[int], b: list[int]) -> float:
@@ -146,6 +188,7 @@ def _agree(a: list[int], b: list[int]) -> float:
 def _kl_vs_fp32(files: dict[str, Path], prompt_len: int) -> dict:
     """Mean KL(fp32 || width) of next-token distributions over a prompt (lowband, in-process)."""
     from edge.formats.gguf import load_gguf
+
     ref = load_gguf(files["fp32"])
     ids = torch.tensor([_prompt(ref.config.vocab_size, prompt_len)])
     with torch.no_grad():
@@ -163,6 +206,7 @@ def _tp(files: dict[str, Path], work: Path, a) -> dict:
     from benchmarks import edge as eb
     from edge.formats.gguf import convert_gguf
     from edge.shardio import split_checkpoint
+
     out = {}
     for width in a.tp_widths:
         # Both sides run from `lowband edge split` directories, as a TP deployment would (each
@@ -171,28 +215,53 @@ def _tp(files: dict[str, Path], work: Path, a) -> dict:
         full = convert_gguf(files[width], work / f"dir-{width}")
         d1 = split_checkpoint(full, work / f"split1-{width}", 1)
         d = split_checkpoint(full, work / f"split2-{width}", 2)
-        ns = argparse.Namespace(tokens=a.tokens, warmup=2, prompt_len=a.prompt_len, wire=a.wire,
-                                link_spin_us=1000.0, timeout=a.timeout)
+        ns = argparse.Namespace(
+            tokens=a.tokens,
+            warmup=2,
+            prompt_len=a.prompt_len,
+            wire=a.wire,
+            link_spin_us=1000.0,
+            timeout=a.timeout,
+        )
         one, two = [], []
         for _ in range(a.tp_repeats):  # alternate 1 and 2 devices
-            one.append(eb._run_role(["--role", "single", "--model", str(d1), "--core", "0",
-                                     "--tokens", str(a.tokens), "--warmup", "2",
-                                     "--prompt-len", str(a.prompt_len)], a.timeout))
+            one.append(
+                eb._run_role(
+                    [
+                        "--role",
+                        "single",
+                        "--model",
+                        str(d1),
+                        "--core",
+                        "0",
+                        "--tokens",
+                        str(a.tokens),
+                        "--warmup",
+                        "2",
+                        "--prompt-len",
+                        str(a.prompt_len),
+                    ],
+                    a.timeout,
+                )
+            )
             two.append(eb._run_tp(str(d), ns))
         m1 = statistics.median(r["decode_ms_per_token"] for r in one)
         m2 = statistics.median(r["decode_ms_per_token"] for r in two)
         ar = statistics.median(r["allreduce_ms_per_token"] for r in two)
-        out[width] = {"ms_per_token_1dev": _stats([r["decode_ms_per_token"] for r in one]),
-                      "ms_per_token_2dev": _stats([r["decode_ms_per_token"] for r in two]),
-                      "tp2_speedup": round(m1 / m2, 3),
-                      # Time the master spends inside all-reduces per decoded token (link +
-                      # waiting for the other device), from the compiled step's own counter;
-                      # the rest of ms_per_token_2dev is the master's compute.
-                      "master_allreduce_ms_per_token": round(ar, 3),
-                      "master_compute_ms_per_token": round(m2 - ar, 3),
-                      "allreduce_native": bool(two[0].get("allreduce_native")),
-                      "same_tokens": two[0]["tokens"] == one[0]["tokens"],
-                      "bytes_per_token_wire": two[0]["bytes_per_token_wire"], "wire": a.wire}
+        out[width] = {
+            "ms_per_token_1dev": _stats([r["decode_ms_per_token"] for r in one]),
+            "ms_per_token_2dev": _stats([r["decode_ms_per_token"] for r in two]),
+            "tp2_speedup": round(m1 / m2, 3),
+            # Time the master spends inside all-reduces per decoded token (link +
+            # waiting for the other device), from the compiled step's own counter;
+            # the rest of ms_per_token_2dev is the master's compute.
+            "master_allreduce_ms_per_token": round(ar, 3),
+            "master_compute_ms_per_token": round(m2 - ar, 3),
+            "allreduce_native": bool(two[0].get("allreduce_native")),
+            "same_tokens": two[0]["tokens"] == one[0]["tokens"],
+            "bytes_per_token_wire": two[0]["bytes_per_token_wire"],
+            "wire": a.wire,
+        }
     return out
 
 
@@ -206,26 +275,49 @@ def bench_model(name: str, a) -> dict:
     theirs: dict[str, list[dict]] = {w: [] for w in WIDTHS}
     for _ in range(a.repeats):  # alternate runtimes and widths so drifting load hits all alike
         for w in WIDTHS:
-            ours[w].append(_run_role(["--role", "lowband", "--model", str(files[w]), *common], a.timeout))
+            ours[w].append(
+                _run_role(["--role", "lowband", "--model", str(files[w]), *common], a.timeout)
+            )
             if reason is None:
-                theirs[w].append(_run_role(["--role", "llamacpp", "--model", str(files[w]), *common],
-                                           a.timeout))
-    H, I, L, V = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"], cfg["vocab_size"]
+                theirs[w].append(
+                    _run_role(["--role", "llamacpp", "--model", str(files[w]), *common], a.timeout)
+                )
+    H, I, L, V = (
+        cfg["hidden_size"],
+        cfg["intermediate_size"],
+        cfg["num_hidden_layers"],
+        cfg["vocab_size"],
+    )
     D = H // cfg["num_attention_heads"]
-    n_params = 2 * V * H + L * (H * D * (cfg["num_attention_heads"] * 2 + 2 * cfg["num_key_value_heads"])
-                                + 3 * H * I + 2 * H) + H
+    n_params = (
+        2 * V * H
+        + L
+        * (
+            H * D * (cfg["num_attention_heads"] * 2 + 2 * cfg["num_key_value_heads"])
+            + 3 * H * I
+            + 2 * H
+        )
+        + H
+    )
     ref = ours["fp32"][0]["tokens"]
-    res: dict = {"params": n_params, "ms_per_token": {"lowband": {}, "llamacpp": {}},
-                 "ratio_vs_llamacpp": {}, "greedy_agreement_vs_fp32": {"lowband": {}, "llamacpp": {}},
-                 "file_mb": {w: round(files[w].stat().st_size / 2**20, 1) for w in WIDTHS}}
+    res: dict = {
+        "params": n_params,
+        "ms_per_token": {"lowband": {}, "llamacpp": {}},
+        "ratio_vs_llamacpp": {},
+        "greedy_agreement_vs_fp32": {"lowband": {}, "llamacpp": {}},
+        "file_mb": {w: round(files[w].stat().st_size / 2**20, 1) for w in WIDTHS},
+    }
     for w in WIDTHS:
         res["ms_per_token"]["lowband"][w] = _stats([r["ms_per_token"] for r in ours[w]])
         res["greedy_agreement_vs_fp32"]["lowband"][w] = _agree(ours[w][0]["tokens"], ref)
         if reason is None:
             res["ms_per_token"]["llamacpp"][w] = _stats([r["ms_per_token"] for r in theirs[w]])
             res["greedy_agreement_vs_fp32"]["llamacpp"][w] = _agree(theirs[w][0]["tokens"], ref)
-            res["ratio_vs_llamacpp"][w] = round(res["ms_per_token"]["lowband"][w]["median"]
-                                                / res["ms_per_token"]["llamacpp"][w]["median"], 3)
+            res["ratio_vs_llamacpp"][w] = round(
+                res["ms_per_token"]["lowband"][w]["median"]
+                / res["ms_per_token"]["llamacpp"][w]["median"],
+                3,
+            )
     if reason is not None:
         res["llamacpp"] = {"available": False, "reason": reason}
     res["kl_vs_fp32_lowband"] = _kl_vs_fp32(files, a.prompt_len)
@@ -234,13 +326,15 @@ def bench_model(name: str, a) -> dict:
         res["tp2_speedup"] = {w: r["tp2_speedup"] for w, r in res["tp"].items()}
     if not a.keep:
         import shutil
+
         shutil.rmtree(work, ignore_errors=True)
     return res
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.edge_vs_llamacpp",
-                                description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(
+        prog="python -m benchmarks.edge_vs_llamacpp", description=__doc__.split("\n")[0]
+    )
     p.add_argument("--json", action="store_true", help="print only the JSON result line")
     p.add_argument("--models", default="small,360m", help=f"comma-separated, of {sorted(MODELS)}")
     p.add_argument("--tokens", type=int, default=64)
@@ -264,11 +358,18 @@ def main(argv: list[str] | None = None) -> int:
     a.tp_widths = [w for w in a.tp_widths.split(",") if w]
     t0 = time.perf_counter()
     load0 = os.getloadavg()[0]
-    result = {"bench": "edge_vs_llamacpp", "tokens": a.tokens, "prompt_len": a.prompt_len,
-              "repeats": a.repeats, "threads": 1, "cores": "taskset core 0 (TP: 0 and 1)",
-              "models": {m: bench_model(m, a) for m in a.models.split(",")},
-              "bench_seconds": round(time.perf_counter() - t0, 1),
-              "loadavg_1m": [round(load0, 2), round(os.getloadavg()[0], 2)], "cpus": os.cpu_count()}
+    result = {
+        "bench": "edge_vs_llamacpp",
+        "tokens": a.tokens,
+        "prompt_len": a.prompt_len,
+        "repeats": a.repeats,
+        "threads": 1,
+        "cores": "taskset core 0 (TP: 0 and 1)",
+        "models": {m: bench_model(m, a) for m in a.models.split(",")},
+        "bench_seconds": round(time.perf_counter() - t0, 1),
+        "loadavg_1m": [round(load0, 2), round(os.getloadavg()[0], 2)],
+        "cpus": os.cpu_count(),
+    }
     if not a.json:
         print(json.dumps(result, indent=2))
     print(json.dumps(result))

@@ -47,20 +47,33 @@ def run_variant(name: str, args: argparse.Namespace) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as out:
         # Same H for every variant (each fragment syncs every H steps), P× the rounds of H/P
         # steps: every variant trains rounds·H steps per node and sends the same total bytes.
-        rc = {"preset": args.preset, "inner-steps": args.inner_steps,
-              "num-server-rounds": args.rounds * p, "min-available-nodes": args.nodes,
-              "warmup-steps": args.warmup, "out-dir": out, **v}
+        rc = {
+            "preset": args.preset,
+            "inner-steps": args.inner_steps,
+            "num-server-rounds": args.rounds * p,
+            "min-available-nodes": args.nodes,
+            "warmup-steps": args.warmup,
+            "out-dir": out,
+            **v,
+        }
         cfg = from_run_config(rc)
         grid = InProcessGrid(handle, rc, {100 + i: {"partition-id": i} for i in range(args.nodes)})
         t0 = time.perf_counter()
         s = run_server(grid, cfg)
         wall = time.perf_counter() - t0
         rounds = [r for r in read_jsonl(Path(out) / "metrics.jsonl") if r["event"] == "round"]
-    return {"variant": name, "rounds": cfg.federation.rounds, "steps": cfg.train.steps,
-            "final_eval": s["final_eval"], "initial_eval": s["initial_eval"],
-            "bytes_up": s["bytes_up"], "bytes_down": s["bytes_down"],
-            "peak_round_up": max(r["bytes_up"] for r in rounds),
-            "uplink_reduction": s["uplink_reduction"], "wall_s": round(wall, 2)}
+    return {
+        "variant": name,
+        "rounds": cfg.federation.rounds,
+        "steps": cfg.train.steps,
+        "final_eval": s["final_eval"],
+        "initial_eval": s["initial_eval"],
+        "bytes_up": s["bytes_up"],
+        "bytes_down": s["bytes_down"],
+        "peak_round_up": max(r["bytes_up"] for r in rounds),
+        "uplink_reduction": s["uplink_reduction"],
+        "wall_s": round(wall, 2),
+    }
 
 
 def run_deployment(args: argparse.Namespace) -> dict[str, Any]:
@@ -68,32 +81,51 @@ def run_deployment(args: argparse.Namespace) -> dict[str, Any]:
     from diloco.metrics import read_jsonl
 
     with tempfile.TemporaryDirectory() as out:
-        cfg = LocalRunConfig(supernodes=args.nodes, out_dir=out, timeout=3600.0, run_config={
-            "preset": args.preset, "inner-steps": args.inner_steps,
-            "num-server-rounds": args.rounds, "warmup-steps": args.warmup, "codec": "int8",
-            "threads": args.threads})
+        cfg = LocalRunConfig(
+            supernodes=args.nodes,
+            out_dir=out,
+            timeout=3600.0,
+            run_config={
+                "preset": args.preset,
+                "inner-steps": args.inner_steps,
+                "num-server-rounds": args.rounds,
+                "warmup-steps": args.warmup,
+                "codec": "int8",
+                "threads": args.threads,
+            },
+        )
         t0 = time.perf_counter()
         s = run_local(cfg)
         wall = time.perf_counter() - t0
-        times = [r["wall_s"] for r in read_jsonl(Path(out) / "metrics.jsonl")
-                 if r["event"] == "round"]
+        times = [
+            r["wall_s"] for r in read_jsonl(Path(out) / "metrics.jsonl") if r["event"] == "round"
+        ]
     per_round = [b - a for a, b in zip([0.0] + times[:-1], times)]
-    return {"variant": "deployment-diloco-int8", "rounds": args.rounds,
-            "final_eval": s["final_eval"], "bytes_up": s["bytes_up"],
-            "total_wall_s": round(wall, 1), "round_wall_s": [round(x, 1) for x in per_round]}
+    return {
+        "variant": "deployment-diloco-int8",
+        "rounds": args.rounds,
+        "final_eval": s["final_eval"],
+        "bytes_up": s["bytes_up"],
+        "total_wall_s": round(wall, 1),
+        "round_wall_s": [round(x, 1) for x in per_round],
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=8, help="rounds of the P = 1 variants")
-    ap.add_argument("--inner-steps", type=int, default=20,
-                    help="H: inner steps between two syncs of a fragment")
+    ap.add_argument(
+        "--inner-steps", type=int, default=20, help="H: inner steps between two syncs of a fragment"
+    )
     ap.add_argument("--nodes", type=int, default=2)
     ap.add_argument("--preset", default="tiny")
     ap.add_argument("--warmup", type=int, default=10, help="inner-lr warmup steps")
     ap.add_argument("--threads", type=int, default=1, help="torch threads (this process)")
-    ap.add_argument("--variants", default=",".join(VARIANTS),
-                    help=f"comma-separated subset of {', '.join(VARIANTS)}")
+    ap.add_argument(
+        "--variants",
+        default=",".join(VARIANTS),
+        help=f"comma-separated subset of {', '.join(VARIANTS)}",
+    )
     ap.add_argument("--deploy", action="store_true", help="also a real local deployment")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -108,18 +140,29 @@ def main(argv: list[str] | None = None) -> int:
     fp32 = next((r["bytes_up"] for r in results if r["variant"] == "diloco-fp32"), None)
     for r in results:
         r["uplink_reduction_is"] = "computed fp32 bytes / measured bytes"
-        r["uplink_reduction_measured"] = (round(fp32 / r["bytes_up"], 3)
-                                          if fp32 and r["bytes_up"] else None)
-    print(f"{'variant':<20} {'rounds':>6} {'eval':>7} {'up MiB':>8} {'peak KiB':>9} "
-          f"{'down MiB':>9} {'x fp32':>7} {'x meas.':>7} {'wall s':>7}")
+        r["uplink_reduction_measured"] = (
+            round(fp32 / r["bytes_up"], 3) if fp32 and r["bytes_up"] else None
+        )
+    print(
+        f"{'variant':<20} {'rounds':>6} {'eval':>7} {'up MiB':>8} {'peak KiB':>9} "
+        f"{'down MiB':>9} {'x fp32':>7} {'x meas.':>7} {'wall s':>7}"
+    )
     for r in results:
-        print(f"{r['variant']:<20} {r['rounds']:>6} {r['final_eval']:>7.4f} "
-              f"{r['bytes_up'] / 2**20:>8.3f} {r['peak_round_up'] / 1024:>9.1f} "
-              f"{r['bytes_down'] / 2**20:>9.3f} {r['uplink_reduction'] or 0:>7.2f} "
-              f"{r['uplink_reduction_measured'] or 0:>7.2f} {r['wall_s']:>7.1f}")
-    out: dict[str, Any] = {"config": {"rounds": args.rounds, "inner_steps_per_round":
-                                      args.inner_steps, "nodes": args.nodes,
-                                      "preset": args.preset}, "results": results}
+        print(
+            f"{r['variant']:<20} {r['rounds']:>6} {r['final_eval']:>7.4f} "
+            f"{r['bytes_up'] / 2**20:>8.3f} {r['peak_round_up'] / 1024:>9.1f} "
+            f"{r['bytes_down'] / 2**20:>9.3f} {r['uplink_reduction'] or 0:>7.2f} "
+            f"{r['uplink_reduction_measured'] or 0:>7.2f} {r['wall_s']:>7.1f}"
+        )
+    out: dict[str, Any] = {
+        "config": {
+            "rounds": args.rounds,
+            "inner_steps_per_round": args.inner_steps,
+            "nodes": args.nodes,
+            "preset": args.preset,
+        },
+        "results": results,
+    }
     if args.deploy:
         out["deployment"] = run_deployment(args)
         print(f"deployment: {out['deployment']}")

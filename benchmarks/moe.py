@@ -49,11 +49,18 @@ from typing import Sequence
 
 import torch
 
-from edge.moe.train import (TRAIN_LOG, MoETrainConfig, bench_preset, heldout_ppl, load_splits,
-                            tiny_preset, train)
+from edge.moe.checkpoint import load_dense, quantize_checkpoint
 from edge.moe.planes import VERSION
 from edge.moe.quant import WIDTHS, NestedQuantConfig, quantize_independent
-from edge.moe.checkpoint import load_dense, quantize_checkpoint
+from edge.moe.train import (
+    TRAIN_LOG,
+    MoETrainConfig,
+    bench_preset,
+    heldout_ppl,
+    load_splits,
+    tiny_preset,
+    train,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -65,14 +72,14 @@ BASELINES = ("lru_int8", "lru_int8_prefetch")  # the headline is HEBF against th
 class BenchConfig:
     cache_dir: Path
     tiny: bool = False
-    budget_frac: float = 0.4        # expert budget / bytes of every expert at int8
-    read_mb_per_s: float = 100.0    # B_io of the modelled device (0 = unpaced)
+    budget_frac: float = 0.4  # expert budget / bytes of every expert at int8
+    read_mb_per_s: float = 100.0  # B_io of the modelled device (0 = unpaced)
     sweep_mb_per_s: tuple[float, ...] = (0.0, 1000.0, 300.0)  # 0 (unpaced) is always run
     sweep_budget_frac: tuple[float, ...] = (0.3, 0.5)
-    tokens: int = 256               # timed decode steps per run
-    warmup: int = 48                # untimed decode steps first (hotness and caches settle)
+    tokens: int = 256  # timed decode steps per run
+    warmup: int = 48  # untimed decode steps first (hotness and caches settle)
     repeats: int = 3
-    eval_tokens: int = 16384        # held-out tokens per quality perplexity
+    eval_tokens: int = 16384  # held-out tokens per quality perplexity
     group_size: int = 64
     threads: int = 1
 
@@ -85,8 +92,17 @@ class BenchConfig:
 
 def tiny_bench(cache_dir: Path) -> BenchConfig:
     """Seconds-scale run for the test-suite: tiny model, few tokens, no sweep."""
-    return BenchConfig(cache_dir=cache_dir, tiny=True, tokens=16, warmup=4, repeats=1,
-                       eval_tokens=1024, group_size=32, sweep_mb_per_s=(), sweep_budget_frac=())
+    return BenchConfig(
+        cache_dir=cache_dir,
+        tiny=True,
+        tokens=16,
+        warmup=4,
+        repeats=1,
+        eval_tokens=1024,
+        group_size=32,
+        sweep_mb_per_s=(),
+        sweep_budget_frac=(),
+    )
 
 
 # ---- model preparation ---------------------------------------------------------------------------
@@ -103,7 +119,9 @@ def prepare(cfg: BenchConfig) -> tuple[Path, Path, Path, MoETrainConfig]:
     the recipe matches. The int8 baselines read plain int8 codes, as a conventional int8 runtime
     would, so they pay no plane decoding on a miss."""
     tcfg = _train_cfg(cfg, Path("."))
-    recipe = json.dumps({k: str(v) for k, v in asdict(tcfg).items() if k != "out_dir"}, sort_keys=True)
+    recipe = json.dumps(
+        {k: str(v) for k, v in asdict(tcfg).items() if k != "out_dir"}, sort_keys=True
+    )
     root = cfg.cache_dir / (("tiny-" if cfg.tiny else "bench-") + _digest(recipe))
     qcfg = NestedQuantConfig(group_size=cfg.group_size)
     model_dir = root / "model"
@@ -129,13 +147,16 @@ def quality(cfg: BenchConfig, model_dir: Path, nested_dir: Path, tcfg: MoETrainC
     out: dict[str, float] = {}
     norm2 = sum(e["norm2"] for e in manifest["experts"])
     with torch.no_grad():
-        out["fp32.ppl"] = heldout_ppl(load_pretrained(model_dir), heldout, max_tokens=cfg.eval_tokens)
+        out["fp32.ppl"] = heldout_ppl(
+            load_pretrained(model_dir), heldout, max_tokens=cfg.eval_tokens
+        )
         for b in WIDTHS:
             for kind in ("nested", "independent"):
                 err2 = sum(e["err2"][kind][str(b)] for e in manifest["experts"])
                 out[f"{kind}.{b}.rel_err"] = math.sqrt(err2 / norm2)
-            out[f"nested.{b}.ppl"] = heldout_ppl(load_dense(nested_dir, b), heldout,
-                                                 max_tokens=cfg.eval_tokens)
+            out[f"nested.{b}.ppl"] = heldout_ppl(
+                load_dense(nested_dir, b), heldout, max_tokens=cfg.eval_tokens
+            )
             model = load_pretrained(model_dir)
             for layer in model.model.layers:
                 for expert in layer.block_sparse_moe.experts:
@@ -158,10 +179,10 @@ class ServeRun:
     """One serving configuration, run in its own process."""
 
     nested: Path
-    text: Path                  # JSON list of token ids: 16 prompt + warmup + tokens + 1
-    policy: str                 # one of POLICIES
-    budget: int                 # expert budget in bytes
-    read_mb_per_s: float        # 0 = unpaced
+    text: Path  # JSON list of token ids: 16 prompt + warmup + tokens + 1
+    policy: str  # one of POLICIES
+    budget: int  # expert budget in bytes
+    read_mb_per_s: float  # 0 = unpaced
     tokens: int
     warmup: int
     threads: int = 1
@@ -171,8 +192,8 @@ def _runtime_warmup() -> None:
     """Pay the runtime's one-off costs before the memory baseline is taken: thread pools, kernel
     caches, and the ~75 MB of modules (sympy among them) that torch imports the first time a
     ``torch.device("meta")`` context is entered. They are the same for every policy."""
-    from lowband.models.llama import LlamaForCausalLM
     from edge.moe.train import tiny_model
+    from lowband.models.llama import LlamaForCausalLM
 
     with torch.device("meta"):
         LlamaForCausalLM(tiny_model())
@@ -181,7 +202,7 @@ def _runtime_warmup() -> None:
     with torch.no_grad():
         model(torch.zeros(1, 8, dtype=torch.long), cache=kv)
         model(torch.zeros(1, 1, dtype=torch.long), cache=kv)
-    t = threading.Thread(target=lambda: torch.ones(8) + 1)   # a second thread's malloc arena
+    t = threading.Thread(target=lambda: torch.ones(8) + 1)  # a second thread's malloc arena
     t.start()
     t.join()
 
@@ -189,9 +210,9 @@ def _runtime_warmup() -> None:
 def serve_worker(args: ServeRun) -> dict:
     """Run inside the subprocess: load, warm, decode held-out text, report. Nothing is inherited
     from the parent process, so the peak RSS is this configuration's alone."""
-    from edge.moe.store import (ExpertStoreConfig, HEBFConfig, LRUConfig, PrefetchConfig,
-                                   open_store)
     import torch.nn.functional as F
+
+    from edge.moe.store import ExpertStoreConfig, HEBFConfig, LRUConfig, PrefetchConfig, open_store
 
     torch.set_num_threads(args.threads)
     _runtime_warmup()
@@ -203,8 +224,12 @@ def serve_worker(args: ServeRun) -> dict:
         pass
     policy = HEBFConfig() if args.policy == "hebf" else LRUConfig(bits=8)
     prefetch = PrefetchConfig() if args.policy in ("hebf", "lru_int8_prefetch") else None
-    cfg = ExpertStoreConfig(budget_bytes=args.budget, policy=policy, prefetch=prefetch,
-                            read_mb_per_s=args.read_mb_per_s or None)
+    cfg = ExpertStoreConfig(
+        budget_bytes=args.budget,
+        policy=policy,
+        prefetch=prefetch,
+        read_mb_per_s=args.read_mb_per_s or None,
+    )
     t0 = time.perf_counter()
     model, cache = open_store(args.nested, cfg)
     load_s = time.perf_counter() - t0
@@ -213,34 +238,64 @@ def serve_worker(args: ServeRun) -> dict:
     with torch.no_grad():
         logits = model(ids[None, :16], cache=kv)[0, -1]
         for t in range(16, 16 + args.warmup + args.tokens):
-            if t == 16 + args.warmup:   # statistics cover the timed tokens only
+            if t == 16 + args.warmup:  # statistics cover the timed tokens only
                 cache.stats = type(cache.stats)(peak_bytes=cache.stats.peak_bytes)
                 cache.device.bytes_read, cache.device.busy_s = 0, 0.0
                 start, cpu0 = time.perf_counter(), time.thread_time()
             if t >= 16 + args.warmup:
-                nll += float(F.cross_entropy(logits[None].float(), ids[t:t + 1]))
+                nll += float(F.cross_entropy(logits[None].float(), ids[t : t + 1]))
                 n += 1
-            logits = model(ids[None, t:t + 1], cache=kv)[0, -1]
+            logits = model(ids[None, t : t + 1], cache=kv)[0, -1]
     elapsed, cpu = time.perf_counter() - start, time.thread_time() - cpu0
     rep = cache.report()
     cache.close()
     peak_kb = _status_kb("VmHWM")
-    return {"tokens_per_s": n / elapsed, "decode_cpu_s": cpu, "wall_s": elapsed,
-            "ppl": math.exp(nll / n), "load_s": round(load_s, 3),
-            "peak_rss_mb": peak_kb / 1024, "base_rss_mb": base_kb / 1024,
-            "model_rss_mb": (peak_kb - base_kb) / 1024, "hit_rate": rep["hit_rate"],
-            "mean_bits": rep["mean_bits_per_call"], "stall_s": rep["stall_s"],
-            "read_mb": rep["bytes_read"] / 1e6, "budget_mb": args.budget / 1e6,
-            "cache_peak_mb": rep["peak_bytes"] / 1e6, "upgrades": rep["upgrades"],
-            "downgrades": rep["downgrades"], "evictions": rep["evictions"]}
+    return {
+        "tokens_per_s": n / elapsed,
+        "decode_cpu_s": cpu,
+        "wall_s": elapsed,
+        "ppl": math.exp(nll / n),
+        "load_s": round(load_s, 3),
+        "peak_rss_mb": peak_kb / 1024,
+        "base_rss_mb": base_kb / 1024,
+        "model_rss_mb": (peak_kb - base_kb) / 1024,
+        "hit_rate": rep["hit_rate"],
+        "mean_bits": rep["mean_bits_per_call"],
+        "stall_s": rep["stall_s"],
+        "read_mb": rep["bytes_read"] / 1e6,
+        "budget_mb": args.budget / 1e6,
+        "cache_peak_mb": rep["peak_bytes"] / 1e6,
+        "upgrades": rep["upgrades"],
+        "downgrades": rep["downgrades"],
+        "evictions": rep["evictions"],
+    }
 
 
-def run_config(cfg: BenchConfig, nested_dir: Path, text: Path, policy: str, budget: int,
-               read_mb_per_s: float) -> dict:
-    cmd = [sys.executable, "-m", "benchmarks.moe", "_serve", "--nested", str(nested_dir),
-           "--text", str(text), "--policy", policy, "--budget", str(budget),
-           "--read-mb-per-s", str(read_mb_per_s), "--tokens", str(cfg.tokens),
-           "--warmup", str(cfg.warmup), "--threads", str(cfg.threads)]
+def run_config(
+    cfg: BenchConfig, nested_dir: Path, text: Path, policy: str, budget: int, read_mb_per_s: float
+) -> dict:
+    cmd = [
+        sys.executable,
+        "-m",
+        "benchmarks.moe",
+        "_serve",
+        "--nested",
+        str(nested_dir),
+        "--text",
+        str(text),
+        "--policy",
+        policy,
+        "--budget",
+        str(budget),
+        "--read-mb-per-s",
+        str(read_mb_per_s),
+        "--tokens",
+        str(cfg.tokens),
+        "--warmup",
+        str(cfg.warmup),
+        "--threads",
+        str(cfg.threads),
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     if proc.returncode != 0:
         raise RuntimeError(f"{policy} run failed:\n{proc.stderr[-3000:]}")
@@ -258,45 +313,72 @@ def serving(cfg: BenchConfig, nested_dir: Path, int8_dir: Path, tcfg: MoETrainCo
     rates = list(dict.fromkeys([0.0, *cfg.sweep_mb_per_s]))  # unpaced always, beside the paced
     rates = [r for r in rates if r != cfg.read_mb_per_s]
     sweep = [(p, r, cfg.budget_frac) for r in rates for p in BASELINES + ("hebf",)]
-    sweep += [(p, cfg.read_mb_per_s, f) for f in cfg.sweep_budget_frac
-              for p in BASELINES + ("hebf",)]
+    sweep += [
+        (p, cfg.read_mb_per_s, f) for f in cfg.sweep_budget_frac for p in BASELINES + ("hebf",)
+    ]
     runs: dict[tuple[str, float, float], list[dict]] = {}
-    for rnd in range(cfg.repeats):    # alternate the order: drifting machine load hits all alike
-        for case in (head + sweep if rnd % 2 == 0 else (head + sweep)[::-1]):
+    for rnd in range(cfg.repeats):  # alternate the order: drifting machine load hits all alike
+        for case in head + sweep if rnd % 2 == 0 else (head + sweep)[::-1]:
             policy, rate, frac = case
             b = int8_bytes + 1 if policy == "int8_resident" else int(frac * int8_bytes)
             src = nested_dir if policy == "hebf" else int8_dir
             runs.setdefault(case, []).append(run_config(cfg, src, text, policy, b, rate))
-            logger.info("%s at %g MB/s, budget %.2f: %.1f tokens/s", policy, rate, frac,
-                        runs[case][-1]["tokens_per_s"])
-    out: dict[str, object] = {"budget_frac": cfg.budget_frac,
-                              "budget_mb": int(cfg.budget_frac * int8_bytes) / 1e6,
-                              "int8_experts_mb": int8_bytes / 1e6, "read_mb_per_s": cfg.read_mb_per_s,
-                              "tokens": cfg.tokens, "repeats": cfg.repeats}
+            logger.info(
+                "%s at %g MB/s, budget %.2f: %.1f tokens/s",
+                policy,
+                rate,
+                frac,
+                runs[case][-1]["tokens_per_s"],
+            )
+    out: dict[str, object] = {
+        "budget_frac": cfg.budget_frac,
+        "budget_mb": int(cfg.budget_frac * int8_bytes) / 1e6,
+        "int8_experts_mb": int8_bytes / 1e6,
+        "read_mb_per_s": cfg.read_mb_per_s,
+        "tokens": cfg.tokens,
+        "repeats": cfg.repeats,
+    }
 
     def med(case: tuple[str, float, float], key: str) -> float:
         return statistics.median(r[key] for r in runs[case])
 
     for case in head:
-        for key in ("tokens_per_s", "peak_rss_mb", "model_rss_mb", "ppl", "hit_rate", "mean_bits",
-                    "stall_s", "read_mb", "decode_cpu_s"):
+        for key in (
+            "tokens_per_s",
+            "peak_rss_mb",
+            "model_rss_mb",
+            "ppl",
+            "hit_rate",
+            "mean_bits",
+            "stall_s",
+            "read_mb",
+            "decode_cpu_s",
+        ):
             out[f"{case[0]}.{key}"] = med(case, key)
         out[f"{case[0]}.tokens_per_s_runs"] = [round(r["tokens_per_s"], 2) for r in runs[case]]
     best = max(BASELINES, key=lambda p: out[f"{p}.tokens_per_s"])
     out["best_lru"] = best
     out["throughput_ratio"] = out["hebf.tokens_per_s"] / out[f"{best}.tokens_per_s"]
-    out["throughput_ratio_vs_lru_no_prefetch"] = (out["hebf.tokens_per_s"]
-                                                  / out["lru_int8.tokens_per_s"])
-    out["throughput_ratio_vs_lru_prefetch"] = (out["hebf.tokens_per_s"]
-                                               / out["lru_int8_prefetch.tokens_per_s"])
+    out["throughput_ratio_vs_lru_no_prefetch"] = (
+        out["hebf.tokens_per_s"] / out["lru_int8.tokens_per_s"]
+    )
+    out["throughput_ratio_vs_lru_prefetch"] = (
+        out["hebf.tokens_per_s"] / out["lru_int8_prefetch.tokens_per_s"]
+    )
     # per round: hebf over the best baseline of the same round (min/max beside the median)
-    ratios = [h["tokens_per_s"] / max(runs[(p, cfg.read_mb_per_s, cfg.budget_frac)][i]["tokens_per_s"]
-                                      for p in BASELINES)
-              for i, h in enumerate(runs[("hebf", cfg.read_mb_per_s, cfg.budget_frac)])]
-    out["throughput_ratio_runs"] = {"median": statistics.median(ratios), "min": min(ratios),
-                                    "max": max(ratios)}
+    ratios = [
+        h["tokens_per_s"]
+        / max(runs[(p, cfg.read_mb_per_s, cfg.budget_frac)][i]["tokens_per_s"] for p in BASELINES)
+        for i, h in enumerate(runs[("hebf", cfg.read_mb_per_s, cfg.budget_frac)])
+    ]
+    out["throughput_ratio_runs"] = {
+        "median": statistics.median(ratios),
+        "min": min(ratios),
+        "max": max(ratios),
+    }
     out["memory_ratio"] = out["hebf.model_rss_mb"] / out["int8_resident.model_rss_mb"]
     out["memory_ratio_abs"] = out["hebf.peak_rss_mb"] / out["int8_resident.peak_rss_mb"]
+
     def best_of(rate: float, frac: float) -> tuple[str, float, float]:
         return max(((p, rate, frac) for p in BASELINES), key=lambda c: med(c, "tokens_per_s"))
 
@@ -309,8 +391,9 @@ def serving(cfg: BenchConfig, nested_dir: Path, int8_dir: Path, tcfg: MoETrainCo
         out[f"{tag}.best_lru"] = lru[0]
         out[f"{tag}.throughput_ratio"] = med(h, "tokens_per_s") / med(lru, "tokens_per_s")
     # the page-cache figure, always beside the paced headline
-    out["throughput_ratio_unpaced"] = (out["throughput_ratio"] if cfg.read_mb_per_s == 0
-                                       else out["sweep_io.0.throughput_ratio"])
+    out["throughput_ratio_unpaced"] = (
+        out["throughput_ratio"] if cfg.read_mb_per_s == 0 else out["sweep_io.0.throughput_ratio"]
+    )
     for frac in cfg.sweep_budget_frac:
         h, lru = ("hebf", cfg.read_mb_per_s, frac), best_of(cfg.read_mb_per_s, frac)
         tag = f"sweep_budget.{frac:g}"
@@ -319,8 +402,7 @@ def serving(cfg: BenchConfig, nested_dir: Path, int8_dir: Path, tcfg: MoETrainCo
             out[f"{tag}.hebf.{key}"] = med(h, key)
             out[f"{tag}.lru_int8.{key}"] = med(lru, key)  # the best LRU's (``best_lru``)
         out[f"{tag}.throughput_ratio"] = med(h, "tokens_per_s") / med(lru, "tokens_per_s")
-        out[f"{tag}.memory_ratio"] = (med(h, "model_rss_mb")
-                                      / out["int8_resident.model_rss_mb"])
+        out[f"{tag}.memory_ratio"] = med(h, "model_rss_mb") / out["int8_resident.model_rss_mb"]
     return out
 
 
@@ -328,8 +410,11 @@ def main(cfg: BenchConfig) -> dict:
     t0 = time.perf_counter()
     model_dir, nested_dir, int8_dir, tcfg = prepare(cfg)
     log = json.loads((model_dir / TRAIN_LOG).read_text())
-    result: dict[str, object] = {"model_dir": str(model_dir), "train_tokens": log["tokens"],
-                                 "train_s": log["train_s"]}
+    result: dict[str, object] = {
+        "model_dir": str(model_dir),
+        "train_tokens": log["tokens"],
+        "train_s": log["train_s"],
+    }
     logger.info("quality evaluation (%.0fs so far)", time.perf_counter() - t0)
     result.update(quality(cfg, model_dir, nested_dir, tcfg))
     logger.info("serving runs (%.0fs so far)", time.perf_counter() - t0)
@@ -342,7 +427,9 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m benchmarks.moe", description=__doc__.split("\n")[0])
     p.add_argument("--json", action="store_true", help="print the result as one JSON line")
     p.add_argument("--tiny", action="store_true", help="seconds-scale smoke run")
-    p.add_argument("--cache-dir", type=Path, default=Path.home() / ".cache" / "lowband" / "moe_bench")
+    p.add_argument(
+        "--cache-dir", type=Path, default=Path.home() / ".cache" / "lowband" / "moe_bench"
+    )
     p.add_argument("--budget-frac", type=float, default=None)
     p.add_argument("--read-mb-per-s", type=float, default=None)
     p.add_argument("--tokens", type=int, default=None)
@@ -372,8 +459,16 @@ if __name__ == "__main__":
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", stream=sys.stderr)
     torch.set_flush_denormal(True)
     bench = tiny_bench(ns.cache_dir) if ns.tiny else BenchConfig(cache_dir=ns.cache_dir)
-    overrides = {k: v for k, v in (("budget_frac", ns.budget_frac), ("read_mb_per_s", ns.read_mb_per_s),
-                                   ("tokens", ns.tokens), ("repeats", ns.repeats)) if v is not None}
+    overrides = {
+        k: v
+        for k, v in (
+            ("budget_frac", ns.budget_frac),
+            ("read_mb_per_s", ns.read_mb_per_s),
+            ("tokens", ns.tokens),
+            ("repeats", ns.repeats),
+        )
+        if v is not None
+    }
     bench = replace(bench, **overrides)
     res = main(bench)
     if ns.json:

@@ -46,7 +46,9 @@ def _calls_for(fn: Callable[[], object], target_s: float) -> int:
     return max(1, int(target_s / dt))
 
 
-def _time(methods: dict[str, Callable[[], object]], repeats: int, target_s: float) -> dict[str, list[float]]:
+def _time(
+    methods: dict[str, Callable[[], object]], repeats: int, target_s: float
+) -> dict[str, list[float]]:
     calls = {k: _calls_for(f, target_s) for k, f in methods.items()}
     runs: dict[str, list[float]] = {k: [] for k in methods}
     for r in range(repeats):
@@ -158,12 +160,16 @@ def main(argv: list[str] | None = None) -> dict:
     }
     if args.prefill:
         rows = [1, 16, 64] if args.tiny else PREFILL_ROWS
-        report["prefill"] = bench_prefill(TINY_SHAPES[:1] if args.tiny else PREFILL_SHAPES, rows, repeats, target_s)
+        report["prefill"] = bench_prefill(
+            TINY_SHAPES[:1] if args.tiny else PREFILL_SHAPES, rows, repeats, target_s
+        )
         for key, r in report["prefill"].items():
             print(f"{key:28s} " + "  ".join(f"{m}={v['median_us']:9.1f}us" for m, v in r.items()))
     else:
         report["results"] = bench_decode(shapes, args.rows, repeats, target_s, not args.no_fallback)
-        print(f"isa={report['isa']} threads={report['threads']} rows={args.rows} (us/call: median [min-max], speedup vs fp32)")
+        print(
+            f"isa={report['isa']} threads={report['threads']} rows={args.rows} (us/call: median [min-max], speedup vs fp32)"
+        )
         for shape, r in report["results"].items():
             cells = [
                 f"{m}={v['median_us']:.1f}[{v['min_us']:.1f}-{v['max_us']:.1f}]"

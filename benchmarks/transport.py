@@ -83,7 +83,9 @@ class AllReduceBench:
         if self.iters < 1 or self.warmup < 0:
             raise ConfigError("iters", "need iters >= 1 and warmup >= 0")
         if self.transport not in TRANSPORTS:
-            raise ConfigError("transport", f"one of {', '.join(TRANSPORTS)}, got {self.transport!r}")
+            raise ConfigError(
+                "transport", f"one of {', '.join(TRANSPORTS)}, got {self.transport!r}"
+            )
         if self.algorithm not in ("auto", "ring", "star"):
             raise ConfigError("algorithm", f"unknown algorithm {self.algorithm!r}")
 
@@ -103,8 +105,9 @@ def _cpu_seconds() -> float:
     return ru.ru_utime + ru.ru_stime
 
 
-def _timed(run: Callable[[], Any], barrier: Callable[[], Any],
-           prepare: Callable[[], Any] | None = None) -> tuple[float, float]:
+def _timed(
+    run: Callable[[], Any], barrier: Callable[[], Any], prepare: Callable[[], Any] | None = None
+) -> tuple[float, float]:
     if prepare is not None:  # untimed: e.g. refilling an in-place buffer
         prepare()
     barrier()
@@ -126,10 +129,15 @@ def _allreduce_worker(args: argparse.Namespace) -> dict[str, Any]:
     chunk = int(args.chunk_mb * MiB)
 
     def join(coord: str, same_host: str):
-        cfg = ZmqConfig(connections=args.connections, chunk_bytes=chunk, timeout=args.timeout,
-                        bind_host="127.0.0.1", same_host=same_host,
-                        socket_buffer_bytes=args.socket_buffer_kb * 1024,
-                        max_message_bytes=max(64 * MiB, chunk + MiB))
+        cfg = ZmqConfig(
+            connections=args.connections,
+            chunk_bytes=chunk,
+            timeout=args.timeout,
+            bind_host="127.0.0.1",
+            same_host=same_host,
+            socket_buffer_bytes=args.socket_buffer_kb * 1024,
+            max_message_bytes=max(64 * MiB, chunk + MiB),
+        )
         return connect(coord, cfg, signature="bench")
 
     comms = {"lowband": join(args.coord, _SAME_HOST[args.transport])}
@@ -140,8 +148,9 @@ def _allreduce_worker(args: argparse.Namespace) -> dict[str, Any]:
         for comm in comms.values():
             m = comm.quorum(min_world=args.world, timeout=args.timeout)
         if gloo:
-            dist.init_process_group("gloo", init_method=args.gloo, rank=m.rank,
-                                    world_size=args.world)
+            dist.init_process_group(
+                "gloo", init_method=args.gloo, rank=m.rank, world_size=args.world
+            )
         x = torch.randn(args.nbytes // 4)
         codec = None if args.codec == "none" else get_codec(args.codec)
         y = torch.empty_like(x)
@@ -153,8 +162,13 @@ def _allreduce_worker(args: argparse.Namespace) -> dict[str, Any]:
             y.copy_(x)
 
         runs: dict[str, tuple[Callable[[], Any], Callable[[], Any], Callable[[], Any] | None]] = {
-            name: ((lambda c=c: c.all_reduce(x, "sum", codec=codec, algorithm=args.algorithm)),
-                   c.barrier, None) for name, c in comms.items()}
+            name: (
+                (lambda c=c: c.all_reduce(x, "sum", codec=codec, algorithm=args.algorithm)),
+                c.barrier,
+                None,
+            )
+            for name, c in comms.items()
+        }
         if gloo:
             runs["gloo"] = (lambda: dist.all_reduce(y), dist.barrier, refill)
         if args.gc_freeze:
@@ -166,13 +180,14 @@ def _allreduce_worker(args: argparse.Namespace) -> dict[str, Any]:
                 gc_time[1] = time.perf_counter()
             else:
                 gc_time[0] += time.perf_counter() - gc_time[1]
+
         gc.callbacks.append(gc_clock)
         rows: dict[str, list[tuple[float, float]]] = {name: [] for name in runs}
         sent0 = comms["lowband"].stats().bytes_sent
         names = list(runs)
         for i in range(args.warmup + args.iters):
             # the peers alternate: each iteration starts with the next one (every rank agrees)
-            for name in names[i % len(names):] + names[:i % len(names)]:
+            for name in names[i % len(names) :] + names[: i % len(names)]:
                 run, barrier, prepare = runs[name]
                 row = _timed(run, barrier, prepare)
                 if i >= args.warmup:
@@ -182,10 +197,16 @@ def _allreduce_worker(args: argparse.Namespace) -> dict[str, Any]:
             if i == args.warmup - 1:
                 gc_time[0] = 0.0
         gc.callbacks.remove(gc_clock)
-        return {"rank": m.rank, "rows": rows, "bytes_sent": sent, "gc_seconds": gc_time[0],
-                "algorithm": {n: c.choose_algorithm(x, codec, args.algorithm)
-                              for n, c in comms.items()},
-                "route": {n: c.route(x, codec, args.algorithm) for n, c in comms.items()}}
+        return {
+            "rank": m.rank,
+            "rows": rows,
+            "bytes_sent": sent,
+            "gc_seconds": gc_time[0],
+            "algorithm": {
+                n: c.choose_algorithm(x, codec, args.algorithm) for n, c in comms.items()
+            },
+            "route": {n: c.route(x, codec, args.algorithm) for n, c in comms.items()},
+        }
     finally:
         if gloo and dist.is_initialized():
             dist.destroy_process_group()
@@ -195,6 +216,7 @@ def _allreduce_worker(args: argparse.Namespace) -> dict[str, Any]:
 
 def _free_port() -> int:
     import socket
+
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -204,9 +226,22 @@ def _spawn_workers(mode: str, world: int, extra: list[str], timeout: float) -> l
     """Run ``world`` worker processes (own process groups, killed on failure); their JSON."""
     with tempfile.TemporaryDirectory() as tmp:
         outs = [os.path.join(tmp, f"{mode}-{i}.json") for i in range(world)]
-        procs = [subprocess.Popen([sys.executable, "-m", "benchmarks.transport", "_worker", mode,
-                                   "--out", out, *extra], start_new_session=True)
-                 for out in outs]
+        procs = [
+            subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "benchmarks.transport",
+                    "_worker",
+                    mode,
+                    "--out",
+                    out,
+                    *extra,
+                ],
+                start_new_session=True,
+            )
+            for out in outs
+        ]
         try:
             for p in procs:
                 p.wait(timeout=timeout)
@@ -233,19 +268,43 @@ def allreduce(cfg: AllReduceBench) -> dict[str, Any]:
     def coordinator() -> Coordinator:
         return Coordinator(CoordinatorConfig(bind="tcp://127.0.0.1:0", heartbeat_interval=2.0))
 
-    extra = ["--world", str(cfg.world), "--nbytes", str(cfg.nbytes), "--iters", str(cfg.iters),
-             "--warmup", str(cfg.warmup), "--threads", str(cfg.threads),
-             "--connections", str(cfg.connections), "--chunk-mb", str(cfg.chunk_mb),
-             "--algorithm", cfg.algorithm, "--codec", cfg.codec, "--timeout", str(cfg.timeout),
-             "--transport", cfg.transport, "--socket-buffer-kb", str(cfg.socket_buffer_kb),
-             "--gloo", f"tcp://127.0.0.1:{_free_port()}" if cfg.vs_gloo else "",
-             "--gc-freeze", str(int(cfg.gc_freeze))]
+    extra = [
+        "--world",
+        str(cfg.world),
+        "--nbytes",
+        str(cfg.nbytes),
+        "--iters",
+        str(cfg.iters),
+        "--warmup",
+        str(cfg.warmup),
+        "--threads",
+        str(cfg.threads),
+        "--connections",
+        str(cfg.connections),
+        "--chunk-mb",
+        str(cfg.chunk_mb),
+        "--algorithm",
+        cfg.algorithm,
+        "--codec",
+        cfg.codec,
+        "--timeout",
+        str(cfg.timeout),
+        "--transport",
+        cfg.transport,
+        "--socket-buffer-kb",
+        str(cfg.socket_buffer_kb),
+        "--gloo",
+        f"tcp://127.0.0.1:{_free_port()}" if cfg.vs_gloo else "",
+        "--gc-freeze",
+        str(int(cfg.gc_freeze)),
+    ]
     with contextlib.ExitStack() as stack:
         coord = stack.enter_context(coordinator())
         tcp_coord = stack.enter_context(coordinator()) if cfg.transport != "tcp" else None
         extra += ["--tcp-coord", tcp_coord.address if tcp_coord else ""]
-        ranks = _spawn_workers("allreduce", cfg.world, ["--coord", coord.address, *extra],
-                               cfg.timeout * 4)
+        ranks = _spawn_workers(
+            "allreduce", cfg.world, ["--coord", coord.address, *extra], cfg.timeout * 4
+        )
 
     def summary(kind: str) -> tuple[float, float, float]:
         """Median seconds (slowest rank), median CPU seconds (all ranks), busbw GB/s."""
@@ -255,54 +314,81 @@ def allreduce(cfg: AllReduceBench) -> dict[str, Any]:
         return seconds, statistics.median(cpu), bus_bandwidth(cfg.nbytes, seconds, cfg.world)[1]
 
     def per_iter_ratio(kind: str) -> float:
-        return statistics.median(max(r["rows"]["gloo"][i][0] for r in ranks)
-                                 / max(r["rows"][kind][i][0] for r in ranks)
-                                 for i in range(cfg.iters))
+        return statistics.median(
+            max(r["rows"]["gloo"][i][0] for r in ranks) / max(r["rows"][kind][i][0] for r in ranks)
+            for i in range(cfg.iters)
+        )
 
     seconds, cpu, busbw = summary("lowband")
     algbw = bus_bandwidth(cfg.nbytes, seconds, cfg.world)[0]
     kinds = ["lowband"] + (["tcp"] if tcp_coord else []) + (["gloo"] if cfg.vs_gloo else [])
     result: dict[str, Any] = {
-        "mode": "allreduce", "transport": ranks[0]["route"]["lowband"],
-        "transport_requested": cfg.transport, "world": cfg.world, "bytes": cfg.nbytes,
-        "dtype": "float32", "connections": cfg.connections, "chunk_bytes": int(cfg.chunk_mb * MiB),
-        "algorithm": ranks[0]["algorithm"]["lowband"], "codec": cfg.codec, "iters": cfg.iters,
-        "threads_per_rank": cfg.threads, "seconds": round(seconds, 5),
-        "algbw_GBps": round(algbw, 4), "busbw_GBps": round(busbw, 4),
-        "bytes_sent_per_rank": ranks[0]["bytes_sent"], "cpu_seconds_per_op": round(cpu, 4),
+        "mode": "allreduce",
+        "transport": ranks[0]["route"]["lowband"],
+        "transport_requested": cfg.transport,
+        "world": cfg.world,
+        "bytes": cfg.nbytes,
+        "dtype": "float32",
+        "connections": cfg.connections,
+        "chunk_bytes": int(cfg.chunk_mb * MiB),
+        "algorithm": ranks[0]["algorithm"]["lowband"],
+        "codec": cfg.codec,
+        "iters": cfg.iters,
+        "threads_per_rank": cfg.threads,
+        "seconds": round(seconds, 5),
+        "algbw_GBps": round(algbw, 4),
+        "busbw_GBps": round(busbw, 4),
+        "bytes_sent_per_rank": ranks[0]["bytes_sent"],
+        "cpu_seconds_per_op": round(cpu, 4),
         "gc_freeze": cfg.gc_freeze,
-        "gc_seconds_per_iter_all_ranks": round(sum(r["gc_seconds"] for r in ranks)
-                                               / (cfg.iters * len(kinds)), 4),
+        "gc_seconds_per_iter_all_ranks": round(
+            sum(r["gc_seconds"] for r in ranks) / (cfg.iters * len(kinds)), 4
+        ),
     }
     if tcp_coord:
         tsec, tcpu, tbus = summary("tcp")
-        result.update({"tcp_transport": ranks[0]["route"]["tcp"],
-                       "tcp_algorithm": ranks[0]["algorithm"]["tcp"],
-                       "tcp_seconds": round(tsec, 5),
-                       "tcp_algbw_GBps": round(bus_bandwidth(cfg.nbytes, tsec, cfg.world)[0], 4),
-                       "tcp_busbw_GBps": round(tbus, 4), "tcp_cpu_seconds_per_op": round(tcpu, 4)})
+        result.update(
+            {
+                "tcp_transport": ranks[0]["route"]["tcp"],
+                "tcp_algorithm": ranks[0]["algorithm"]["tcp"],
+                "tcp_seconds": round(tsec, 5),
+                "tcp_algbw_GBps": round(bus_bandwidth(cfg.nbytes, tsec, cfg.world)[0], 4),
+                "tcp_busbw_GBps": round(tbus, 4),
+                "tcp_cpu_seconds_per_op": round(tcpu, 4),
+            }
+        )
     if cfg.vs_gloo:
         gsec, gcpu, gbus = summary("gloo")
-        result.update({"gloo_seconds": round(gsec, 5),
-                       "gloo_algbw_GBps": round(bus_bandwidth(cfg.nbytes, gsec, cfg.world)[0], 4),
-                       "gloo_busbw_GBps": round(gbus, 4),
-                       "gloo_cpu_seconds_per_op": round(gcpu, 4),
-                       "gloo_mode": "in place on a persistent buffer (refilled untimed, then "
-                                    "all_reduce)"})
+        result.update(
+            {
+                "gloo_seconds": round(gsec, 5),
+                "gloo_algbw_GBps": round(bus_bandwidth(cfg.nbytes, gsec, cfg.world)[0], 4),
+                "gloo_busbw_GBps": round(gbus, 4),
+                "gloo_cpu_seconds_per_op": round(gcpu, 4),
+                "gloo_mode": "in place on a persistent buffer (refilled untimed, then all_reduce)",
+            }
+        )
         # The headline is like for like: lowband's TCP (the WAN path) against Gloo's TCP. The
         # same-host shortcut (shared memory) is its own, labelled row: Gloo has no shared-memory
         # transport, so that ratio compares different mechanisms.
         tcp_kind = "tcp" if tcp_coord else "lowband"
         tcp_bus = result["tcp_busbw_GBps"] if tcp_coord else busbw
-        result.update({"ratio_vs_gloo": round(tcp_bus / gbus, 3),
-                       "ratio_vs_gloo_per_iter_median": round(per_iter_ratio(tcp_kind), 3),
-                       "ratio_vs_gloo_is": "lowband TCP vs Gloo TCP (127.0.0.1), busbw"})
+        result.update(
+            {
+                "ratio_vs_gloo": round(tcp_bus / gbus, 3),
+                "ratio_vs_gloo_per_iter_median": round(per_iter_ratio(tcp_kind), 3),
+                "ratio_vs_gloo_is": "lowband TCP vs Gloo TCP (127.0.0.1), busbw",
+            }
+        )
         if tcp_coord:
-            result.update({
-                "same_host_ratio_vs_gloo": round(busbw / gbus, 3),
-                "same_host_ratio_vs_gloo_per_iter_median": round(per_iter_ratio("lowband"), 3),
-                "same_host_ratio_vs_gloo_is": f"lowband {result['transport']} vs Gloo TCP: not "
-                                              "like for like (Gloo has no shared-memory transport)"})
+            result.update(
+                {
+                    "same_host_ratio_vs_gloo": round(busbw / gbus, 3),
+                    "same_host_ratio_vs_gloo_per_iter_median": round(per_iter_ratio("lowband"), 3),
+                    "same_host_ratio_vs_gloo_is": f"lowband {result['transport']} vs Gloo TCP: not "
+                    "like for like (Gloo has no shared-memory transport)",
+                }
+            )
     return result
 
 
@@ -331,19 +417,23 @@ def emulator(cfg: EmulatorBench) -> dict[str, Any]:
     from transport.links.emulator import LinkConfig, emulated_config
     from transport.zmq_comm import ZmqConfig, connect
 
-    link = LinkConfig(rate_mbit=cfg.rate_mbit, delay_ms=cfg.delay_ms,
-                      window_bytes=cfg.window_kb * 1024)
+    link = LinkConfig(
+        rate_mbit=cfg.rate_mbit, delay_ms=cfg.delay_ms, window_bytes=cfg.window_kb * 1024
+    )
     x = torch.zeros(int(cfg.size_mb * MiB) // 4)
     rows = []
     for k in cfg.connections:
-        base = ZmqConfig(bind_host="127.0.0.1", connections=k, chunk_bytes=cfg.chunk_kb * 1024,
-                         timeout=600.0)
+        base = ZmqConfig(
+            bind_host="127.0.0.1", connections=k, chunk_bytes=cfg.chunk_kb * 1024, timeout=600.0
+        )
         made = [emulated_config(base, link) for _ in range(2)]
         comms: list[Any] = []
         try:
             with Coordinator(CoordinatorConfig(bind="tcp://127.0.0.1:0")) as coord:
                 comms = [connect(coord.address, c) for c, _ in made]
-                threads = [threading.Thread(target=c.quorum, kwargs={"min_world": 2}) for c in comms]
+                threads = [
+                    threading.Thread(target=c.quorum, kwargs={"min_world": 2}) for c in comms
+                ]
                 for t in threads:
                     t.start()
                 for t in threads:
@@ -358,22 +448,32 @@ def emulator(cfg: EmulatorBench) -> dict[str, Any]:
                     recv.join(600)
                     times.append(time.perf_counter() - t0)
                 best = min(times[1:])
-                rows.append({"connections": k, "seconds": round(best, 4),
-                             "goodput_mbit": round(x.numel() * 4 * 8 / best / 1e6, 2)})
+                rows.append(
+                    {
+                        "connections": k,
+                        "seconds": round(best, 4),
+                        "goodput_mbit": round(x.numel() * 4 * 8 / best / 1e6, 2),
+                    }
+                )
         finally:
             for c in comms:
                 c.close()
             for _, emu in made:
                 emu.stop()
     base_rate = rows[0]["goodput_mbit"]
-    return {"mode": "emulator",
-            "link": "MODELLED: user-space relay that caps each connection's in-flight bytes at "
-                    "window_bytes, so one flow is held to window/RTT and K flows get up to K x "
-                    "that by construction; kernel TCP's own window dynamics are not exercised",
-            "rate_mbit": cfg.rate_mbit, "delay_ms": cfg.delay_ms,
-            "window_bytes": link.window_bytes, "flow_cap_mbit": round(link.flow_cap_mbit(), 2),
-            "bytes": x.numel() * 4, "results": rows,
-            "best_speedup_vs_first": round(max(r["goodput_mbit"] for r in rows) / base_rate, 2)}
+    return {
+        "mode": "emulator",
+        "link": "MODELLED: user-space relay that caps each connection's in-flight bytes at "
+        "window_bytes, so one flow is held to window/RTT and K flows get up to K x "
+        "that by construction; kernel TCP's own window dynamics are not exercised",
+        "rate_mbit": cfg.rate_mbit,
+        "delay_ms": cfg.delay_ms,
+        "window_bytes": link.window_bytes,
+        "flow_cap_mbit": round(link.flow_cap_mbit(), 2),
+        "bytes": x.numel() * 4,
+        "results": rows,
+        "best_speedup_vs_first": round(max(r["goodput_mbit"] for r in rows) / base_rate, 2),
+    }
 
 
 # ---- netns ----------------------------------------------------------------------------------------
@@ -384,7 +484,13 @@ def netns(size_mb: float, rate_mbit: float, connections: list[int], repeats: int
     This kernel has no netem, so the veth link has no propagation delay (RTT ~0.1 ms): a TCP
     window never binds here, and this measures what K costs or gains on a rate-limited link, not
     the long-fat-pipe effect (that one is only modelled, by ``emulator``)."""
-    from transport.links.netns import NetnsConfig, Testbed, TransferConfig, available, measure_transfer
+    from transport.links.netns import (
+        NetnsConfig,
+        Testbed,
+        TransferConfig,
+        available,
+        measure_transfer,
+    )
 
     reason = available()
     if reason:
@@ -393,21 +499,40 @@ def netns(size_mb: float, rate_mbit: float, connections: list[int], repeats: int
     runs: dict[int, list[dict[str, Any]]] = {k: [] for k in ks}
     with Testbed(NetnsConfig(rate_mbit=rate_mbit)) as link:
         for r in range(repeats):
-            for k in ks[r % len(ks):] + ks[:r % len(ks)]:
-                runs[k].append(measure_transfer(link, TransferConfig(
-                    size_mb=size_mb, connections=k, repeats=1)))
+            for k in ks[r % len(ks) :] + ks[: r % len(ks)]:
+                runs[k].append(
+                    measure_transfer(
+                        link, TransferConfig(size_mb=size_mb, connections=k, repeats=1)
+                    )
+                )
     rows = []
     for k in ks:
         g = [x["goodput_mbit"] for x in runs[k]]
-        rows.append({"connections": k, "goodput_mbit": {
-            "median": round(statistics.median(g), 2), "min": min(g), "max": max(g)},
-            "utilisation_median": round(statistics.median(g) / rate_mbit, 4), "all": g})
-    return {"mode": "netns", "link": f"REAL: kernel TCP, veth between namespaces shaped by tc "
-            f"tbf {rate_mbit:g} Mbit/s, no added delay (no netem)", "rate_mbit": rate_mbit,
-            "bytes": runs[ks[0]][0]["bytes"], "repeats": repeats,
-            "order": "each K once per round, rotated by one per round", "results": rows,
-            "median_ratio_last_vs_first_k": round(rows[-1]["goodput_mbit"]["median"]
-                                                  / rows[0]["goodput_mbit"]["median"], 3)}
+        rows.append(
+            {
+                "connections": k,
+                "goodput_mbit": {
+                    "median": round(statistics.median(g), 2),
+                    "min": min(g),
+                    "max": max(g),
+                },
+                "utilisation_median": round(statistics.median(g) / rate_mbit, 4),
+                "all": g,
+            }
+        )
+    return {
+        "mode": "netns",
+        "link": f"REAL: kernel TCP, veth between namespaces shaped by tc "
+        f"tbf {rate_mbit:g} Mbit/s, no added delay (no netem)",
+        "rate_mbit": rate_mbit,
+        "bytes": runs[ks[0]][0]["bytes"],
+        "repeats": repeats,
+        "order": "each K once per round, rotated by one per round",
+        "results": rows,
+        "median_ratio_last_vs_first_k": round(
+            rows[-1]["goodput_mbit"]["median"] / rows[0]["goodput_mbit"]["median"], 3
+        ),
+    }
 
 
 # ---- command line ---------------------------------------------------------------------------------
@@ -419,19 +544,35 @@ def _print(result: dict[str, Any], json_only: bool) -> None:
 
 
 def _run_allreduce(args: argparse.Namespace) -> int:
-    cfg = AllReduceBench(world=args.world, size_mb=args.size_mb, connections=args.connections,
-                         chunk_mb=args.chunk_mb, algorithm=args.algorithm, codec=args.codec,
-                         iters=args.iters, warmup=args.warmup, vs_gloo=args.vs_gloo,
-                         threads=args.threads, transport=args.transport,
-                         socket_buffer_kb=args.socket_buffer_kb, gc_freeze=args.gc_freeze)
+    cfg = AllReduceBench(
+        world=args.world,
+        size_mb=args.size_mb,
+        connections=args.connections,
+        chunk_mb=args.chunk_mb,
+        algorithm=args.algorithm,
+        codec=args.codec,
+        iters=args.iters,
+        warmup=args.warmup,
+        vs_gloo=args.vs_gloo,
+        threads=args.threads,
+        transport=args.transport,
+        socket_buffer_kb=args.socket_buffer_kb,
+        gc_freeze=args.gc_freeze,
+    )
     _print(allreduce(cfg), args.json)
     return 0
 
 
 def _run_emulator(args: argparse.Namespace) -> int:
-    cfg = EmulatorBench(size_mb=args.size_mb, rate_mbit=args.rate_mbit, delay_ms=args.delay_ms,
-                        window_kb=args.window_kb, connections=tuple(args.connections),
-                        chunk_kb=args.chunk_kb, repeats=args.repeats)
+    cfg = EmulatorBench(
+        size_mb=args.size_mb,
+        rate_mbit=args.rate_mbit,
+        delay_ms=args.delay_ms,
+        window_kb=args.window_kb,
+        connections=tuple(args.connections),
+        chunk_kb=args.chunk_kb,
+        repeats=args.repeats,
+    )
     _print(emulator(cfg), args.json)
     return 0
 
@@ -454,15 +595,26 @@ def add_modes(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--iters", type=int, default=d.iters)
     p.add_argument("--warmup", type=int, default=d.warmup)
     p.add_argument("--threads", type=int, default=d.threads, help="torch threads per rank")
-    p.add_argument("--transport", default=d.transport, choices=list(TRANSPORTS),
-                   help="auto (default: what the library does, shared memory for an all-local "
-                        "group; TCP is then measured too), or force tcp (as Gloo), ipc (Unix "
-                        "sockets) or shm")
-    p.add_argument("--socket-buffer-kb", type=int, default=d.socket_buffer_kb,
-                   help="SO_SNDBUF/SO_RCVBUF in KiB (0: kernel auto-tuning)")
+    p.add_argument(
+        "--transport",
+        default=d.transport,
+        choices=list(TRANSPORTS),
+        help="auto (default: what the library does, shared memory for an all-local "
+        "group; TCP is then measured too), or force tcp (as Gloo), ipc (Unix "
+        "sockets) or shm",
+    )
+    p.add_argument(
+        "--socket-buffer-kb",
+        type=int,
+        default=d.socket_buffer_kb,
+        help="SO_SNDBUF/SO_RCVBUF in KiB (0: kernel auto-tuning)",
+    )
     p.add_argument("--vs-gloo", action="store_true", help="also measure torch.distributed Gloo")
-    p.add_argument("--gc-freeze", action="store_true",
-                   help="gc.freeze() in every rank after start-up (Gloo runs there too)")
+    p.add_argument(
+        "--gc-freeze",
+        action="store_true",
+        help="gc.freeze() in every rank after start-up (Gloo runs there too)",
+    )
     p.add_argument("--json", action="store_true", help="print only the JSON line")
     p.set_defaults(run=_run_allreduce)
 
@@ -481,8 +633,13 @@ def add_modes(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("netns", help="goodput on a tbf-shaped veth link between namespaces (root)")
     p.add_argument("--size-mb", type=float, default=25.0)
     p.add_argument("--rate-mbit", type=float, default=100.0)
-    p.add_argument("--connections", type=int, nargs="+", default=[1, 4],
-                   help="K values, each measured once per round")
+    p.add_argument(
+        "--connections",
+        type=int,
+        nargs="+",
+        default=[1, 4],
+        help="K values, each measured once per round",
+    )
     p.add_argument("--repeats", type=int, default=5, help="rounds")
     p.add_argument("--json", action="store_true")
     p.set_defaults(run=_run_netns)
@@ -496,9 +653,17 @@ def _worker_parser(sub: argparse._SubParsersAction) -> None:
     w.add_argument("--gloo", default="")
     w.add_argument("--tcp-coord", default="")
     w.add_argument("--gc-freeze", type=int, default=0)
-    for name, typ in (("--world", int), ("--nbytes", int), ("--iters", int), ("--warmup", int),
-                      ("--threads", int), ("--connections", int), ("--chunk-mb", float),
-                      ("--timeout", float), ("--socket-buffer-kb", int)):
+    for name, typ in (
+        ("--world", int),
+        ("--nbytes", int),
+        ("--iters", int),
+        ("--warmup", int),
+        ("--threads", int),
+        ("--connections", int),
+        ("--chunk-mb", float),
+        ("--timeout", float),
+        ("--socket-buffer-kb", int),
+    ):
         w.add_argument(name, type=typ, required=True)
     for name in ("--algorithm", "--codec", "--transport"):
         w.add_argument(name, required=True)
@@ -508,12 +673,16 @@ def _worker_parser(sub: argparse._SubParsersAction) -> None:
         with open(args.out, "w") as f:
             json.dump(result, f)
         return 0
+
     w.set_defaults(run=run)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.transport", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.transport",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     sub = parser.add_subparsers(dest="mode", required=True)
     add_modes(sub)
     _worker_parser(sub)

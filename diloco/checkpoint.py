@@ -36,19 +36,22 @@ def optimizer_state(opt: torch.optim.Optimizer, prefix: str) -> State:
                 tensors[f"{prefix}.{pid}.{key}"] = value.detach().to("cpu", copy=True).contiguous()
             else:
                 scalars.setdefault(str(pid), {})[key] = value
-    groups = [{k: (list(v) if isinstance(v, tuple) else v) for k, v in g.items()}
-              for g in sd["param_groups"]]
+    groups = [
+        {k: (list(v) if isinstance(v, tuple) else v) for k, v in g.items()}
+        for g in sd["param_groups"]
+    ]
     return tensors, {"param_groups": groups, "scalars": scalars}
 
 
-def load_optimizer_state(opt: torch.optim.Optimizer, prefix: str,
-                         tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
+def load_optimizer_state(
+    opt: torch.optim.Optimizer, prefix: str, tensors: dict[str, torch.Tensor], meta: dict[str, Any]
+) -> None:
     """Inverse of :func:`optimizer_state`."""
     state: dict[int, dict[str, Any]] = {}
     head = prefix + "."
     for name, value in tensors.items():
         if name.startswith(head):
-            pid, key = name[len(head):].split(".", 1)
+            pid, key = name[len(head) :].split(".", 1)
             state.setdefault(int(pid), {})[key] = value.clone()
     for pid, entry in meta.get("scalars", {}).items():
         state.setdefault(int(pid), {}).update(entry)
@@ -107,8 +110,11 @@ def save_sharded(directory: Path, state: State, *, key: str, process_group: Any 
 
     tensors, meta = state
     directory.mkdir(parents=True, exist_ok=True)
-    dcp.save({f"{key}/{k}": v.contiguous() for k, v in tensors.items()},
-             checkpoint_id=str(directory), process_group=process_group)
+    dcp.save(
+        {f"{key}/{k}": v.contiguous() for k, v in tensors.items()},
+        checkpoint_id=str(directory),
+        process_group=process_group,
+    )
     specs = {k: [list(v.shape), str(v.dtype).removeprefix("torch.")] for k, v in tensors.items()}
     path = _site_meta(directory, key)
     tmp = path.with_name(path.name + ".tmp")
@@ -124,13 +130,19 @@ def load_sharded(directory: Path, *, key: str, process_group: Any = None) -> Sta
     if not path.exists():
         raise ConfigError("resume", f"no site checkpoint of {key} in {directory} ({path.name})")
     doc = json.loads(path.read_text())
-    state = {f"{key}/{k}": torch.empty(shape, dtype=_spec_dtype(dt))
-             for k, (shape, dt) in doc["tensors"].items()}
+    state = {
+        f"{key}/{k}": torch.empty(shape, dtype=_spec_dtype(dt))
+        for k, (shape, dt) in doc["tensors"].items()
+    }
     import torch.distributed as dist
 
     # Outside a site (a test, a conversion script) the shard is read by this process alone.
-    dcp.load(state, checkpoint_id=str(directory), process_group=process_group,
-             no_dist=not dist.is_initialized())
+    dcp.load(
+        state,
+        checkpoint_id=str(directory),
+        process_group=process_group,
+        no_dist=not dist.is_initialized(),
+    )
     head = len(key) + 1
     return {k[head:]: v for k, v in state.items()}, doc["meta"]
 
@@ -154,6 +166,8 @@ def export_model(model: torch.nn.Module, out_dir: Path, *, byte_tokenizer: bool)
         if byte_tokenizer:
             ByteTokenizer().save(out_dir)
     else:
-        save_file({k: v.detach().contiguous() for k, v in model.state_dict().items()},
-                  str(out_dir / "model.safetensors"))
+        save_file(
+            {k: v.detach().contiguous() for k, v in model.state_dict().items()},
+            str(out_dir / "model.safetensors"),
+        )
     return out_dir

@@ -34,8 +34,9 @@ class InnerLoop:
     ``grad_hook`` (DDP averages gradients there), clipping, the optimizer.
     """
 
-    def __init__(self, cfg: TrainConfig, task: Task, model: nn.Module,
-                 device: torch.device | None = None) -> None:
+    def __init__(
+        self, cfg: TrainConfig, task: Task, model: nn.Module, device: torch.device | None = None
+    ) -> None:
         from diloco import device as dev
 
         self.cfg = cfg
@@ -48,9 +49,9 @@ class InnerLoop:
         # The compiled module shares the parameters; names and export keep using ``model``.
         self.forward_model: nn.Module = torch.compile(model) if c.compile else model  # type: ignore[assignment]
         self.params = [p for p in model.parameters() if p.requires_grad]
-        self.opt = cfg.inner.build(self.params, dev.optimizer_kernels(cfg.inner.name,
-                                                                      self.device,
-                                                                      c.optimizer_impl))
+        self.opt = cfg.inner.build(
+            self.params, dev.optimizer_kernels(cfg.inner.name, self.device, c.optimizer_impl)
+        )
         self.scaler = dev.grad_scaler(self.device, c.precision)
         self.base_lrs = [g["lr"] for g in self.opt.param_groups]
         self.step = 0  # completed inner steps
@@ -72,7 +73,7 @@ class InnerLoop:
         self.opt.zero_grad(set_to_none=True)
         n = self.cfg.compute.micro_batches
         total = torch.zeros((), device=self.device)
-        for micro in (batch.chunk(n) if n > 1 else (batch,)):
+        for micro in batch.chunk(n) if n > 1 else (batch,):
             with autocast(self.device, self.cfg.compute.precision):
                 loss = self.task.loss(self.forward_model, micro)
             scaled = loss / n if n > 1 else loss
@@ -93,8 +94,18 @@ class InnerLoop:
         return total
 
 
-def record_inner_step(result: "WorkerResult", cfg: TrainConfig, log: Any, comm: Any, progress: Any,
-                      step: int, loss: torch.Tensor, tokens: int, lr: float, t0: float) -> None:
+def record_inner_step(
+    result: "WorkerResult",
+    cfg: TrainConfig,
+    log: Any,
+    comm: Any,
+    progress: Any,
+    step: int,
+    loss: torch.Tensor,
+    tokens: int,
+    lr: float,
+    t0: float,
+) -> None:
     """Bookkeeping shared by the DiLoCo and DDP workers after an inner step: record the loss
     (kept on the device), and on log steps write the metrics line and show it on the bar.
     Only logged steps read the loss: reading it every step would be a host sync per step on a
@@ -103,8 +114,12 @@ def record_inner_step(result: "WorkerResult", cfg: TrainConfig, log: Any, comm: 
     if step % cfg.log_every == 0 or step == cfg.steps:
         stats = comm.stats()
         value = result.losses[step]
-        log.log("step", **result.step_record(step, value, lr, time.perf_counter() - t0,
-                                             stats.bytes_sent, stats.bytes_received))
+        log.log(
+            "step",
+            **result.step_record(
+                step, value, lr, time.perf_counter() - t0, stats.bytes_sent, stats.bytes_received
+            ),
+        )
         progress.update(step, loss=f"{value:.3f}")
     else:
         progress.update(step)
@@ -125,9 +140,14 @@ def _signature_text(cfg: TrainConfig, model: nn.Module) -> str:
     # left out on purpose: sites may train on their own data (only batch shapes must agree).
     desc = {
         "params": [[n, list(p.shape), str(p.dtype)] for n, p in model.named_parameters()],
-        "model": repr(cfg.model), "mode": repr(cfg.mode), "inner": repr(cfg.inner),
-        "lr_schedule": repr(cfg.lr_schedule), "steps": cfg.steps, "seed": cfg.seed,
-        "grad_clip": cfg.grad_clip, "seq_len": cfg.data.seq_len,
+        "model": repr(cfg.model),
+        "mode": repr(cfg.mode),
+        "inner": repr(cfg.inner),
+        "lr_schedule": repr(cfg.lr_schedule),
+        "steps": cfg.steps,
+        "seed": cfg.seed,
+        "grad_clip": cfg.grad_clip,
+        "seq_len": cfg.data.seq_len,
         "batch_size": cfg.data.batch_size,
     }
     return json.dumps(desc, sort_keys=True)
@@ -175,10 +195,12 @@ def _word_sums(t: torch.Tensor) -> torch.Tensor:
     n, dev = words.numel(), words.device
     k = _row_weights(dev)
     full = n // _ROW * _ROW
-    parts = [words[i:min(i + _BLOCK_ROWS * _ROW, full)].view(-1, _ROW).to(torch.float64) @ k
-             for i in range(0, full, _BLOCK_ROWS * _ROW)]
+    parts = [
+        words[i : min(i + _BLOCK_ROWS * _ROW, full)].view(-1, _ROW).to(torch.float64) @ k
+        for i in range(0, full, _BLOCK_ROWS * _ROW)
+    ]
     if full < n:
-        parts.append((words[full:].to(torch.float64) @ k[:n - full]).reshape(1, _LANES))
+        parts.append((words[full:].to(torch.float64) @ k[: n - full]).reshape(1, _LANES))
     if not parts:
         return torch.zeros(_LANES, dtype=torch.int64, device=dev)
     rows = torch.cat(parts).to(torch.int64).remainder(_P)  # exact integers below 2**50
@@ -247,9 +269,25 @@ class WorkerResult:
     fragment_bytes: dict[int, int] = field(default_factory=dict)  # fragment -> bytes sent
 
     def summary(self) -> dict[str, Any]:
-        keys = ("peer_id", "rank", "mode", "start_step", "steps", "final_eval", "bytes_sent",
-                "bytes_received", "peak_sync_bytes", "outer_syncs", "retries", "transfers",
-                "compute_s", "sync_s", "wall_s", "tokens", "state_hash")
+        keys = (
+            "peer_id",
+            "rank",
+            "mode",
+            "start_step",
+            "steps",
+            "final_eval",
+            "bytes_sent",
+            "bytes_received",
+            "peak_sync_bytes",
+            "outer_syncs",
+            "retries",
+            "transfers",
+            "compute_s",
+            "sync_s",
+            "wall_s",
+            "tokens",
+            "state_hash",
+        )
         out = {k: getattr(self, k) for k in keys}
         out["tokens_per_s"] = self.tokens / self.wall_s if self.wall_s > 0 else math.nan
         return out
@@ -275,10 +313,24 @@ class WorkerResult:
             self._losses[step] = float(loss)
         self.tokens += tokens
 
-    def step_record(self, step: int, loss: float, lr: float, elapsed_s: float,
-                    bytes_sent: int, bytes_received: int) -> dict[str, Any]:
+    def step_record(
+        self,
+        step: int,
+        loss: float,
+        lr: float,
+        elapsed_s: float,
+        bytes_sent: int,
+        bytes_received: int,
+    ) -> dict[str, Any]:
         """The fields of a ``step`` line of the metrics log (DiLoCo and DDP log the same)."""
-        return dict(step=step, loss=loss, lr=lr, tokens=self.tokens,
-                    tokens_per_s=round(self.tokens / max(elapsed_s, 1e-9), 1),
-                    compute_s=round(self.compute_s, 4), sync_s=round(self.sync_s, 4),
-                    bytes_sent=bytes_sent, bytes_received=bytes_received)
+        return dict(
+            step=step,
+            loss=loss,
+            lr=lr,
+            tokens=self.tokens,
+            tokens_per_s=round(self.tokens / max(elapsed_s, 1e-9), 1),
+            compute_s=round(self.compute_s, 4),
+            sync_s=round(self.sync_s, 4),
+            bytes_sent=bytes_sent,
+            bytes_received=bytes_received,
+        )

@@ -17,9 +17,9 @@ from typing import Callable, Iterable, Literal
 
 import torch
 
-from lowband.models.config import ModelConfig
 from lowband.codecs import codec_names
 from lowband.errors import ConfigError
+from lowband.models.config import ModelConfig
 
 OptimizerFactory = Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimizer]
 
@@ -46,8 +46,10 @@ class OptimizerConfig:
 
     def __post_init__(self) -> None:
         if self.factory is None and self.name not in OPTIMIZERS:
-            raise ConfigError("optimizer.name",
-                              f"unknown optimizer {self.name!r}; one of {OPTIMIZERS}, or pass factory=")
+            raise ConfigError(
+                "optimizer.name",
+                f"unknown optimizer {self.name!r}; one of {OPTIMIZERS}, or pass factory=",
+            )
         if not self.lr > 0:
             raise ConfigError("optimizer.lr", f"must be > 0, got {self.lr}")
         if self.weight_decay < 0:
@@ -57,18 +59,26 @@ class OptimizerConfig:
         if self.nesterov and self.momentum == 0:
             raise ConfigError("optimizer.nesterov", "Nesterov needs momentum > 0")
 
-    def build(self, params: Iterable[torch.nn.Parameter],
-              kernels: dict[str, bool] | None = None) -> torch.optim.Optimizer:
+    def build(
+        self, params: Iterable[torch.nn.Parameter], kernels: dict[str, bool] | None = None
+    ) -> torch.optim.Optimizer:
         """``kernels``: torch's ``fused=`` / ``foreach=`` switch (``diloco.device``)."""
         if self.factory is not None:
             return self.factory(params)
         kw = kernels or {}
         if self.name == "sgd":
-            return torch.optim.SGD(params, lr=self.lr, momentum=self.momentum,
-                                   nesterov=self.nesterov, weight_decay=self.weight_decay, **kw)
+            return torch.optim.SGD(
+                params,
+                lr=self.lr,
+                momentum=self.momentum,
+                nesterov=self.nesterov,
+                weight_decay=self.weight_decay,
+                **kw,
+            )
         cls = torch.optim.AdamW if self.name == "adamw" else torch.optim.Adam
-        return cls(params, lr=self.lr, betas=self.betas, eps=self.eps,
-                   weight_decay=self.weight_decay, **kw)
+        return cls(
+            params, lr=self.lr, betas=self.betas, eps=self.eps, weight_decay=self.weight_decay, **kw
+        )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -83,7 +93,9 @@ class LrSchedule:
         if self.warmup_steps < 0:
             raise ConfigError("lr_schedule.warmup_steps", f"must be >= 0, got {self.warmup_steps}")
         if self.decay not in ("cosine", "constant"):
-            raise ConfigError("lr_schedule.decay", f"must be 'cosine' or 'constant', got {self.decay!r}")
+            raise ConfigError(
+                "lr_schedule.decay", f"must be 'cosine' or 'constant', got {self.decay!r}"
+            )
         if not 0 <= self.min_ratio <= 1:
             raise ConfigError("lr_schedule.min_ratio", f"must be in [0, 1], got {self.min_ratio}")
 
@@ -133,10 +145,13 @@ class DataConfig:
 
     def __post_init__(self) -> None:
         if self.kind not in ("embedded", "text", "jsonl", "tokens"):
-            raise ConfigError("data.kind",
-                              f"must be embedded, text, jsonl or tokens, got {self.kind!r}")
+            raise ConfigError(
+                "data.kind", f"must be embedded, text, jsonl or tokens, got {self.kind!r}"
+            )
         if self.token_dtype not in TOKEN_DTYPES:
-            raise ConfigError("data.token_dtype", f"one of {TOKEN_DTYPES}, got {self.token_dtype!r}")
+            raise ConfigError(
+                "data.token_dtype", f"one of {TOKEN_DTYPES}, got {self.token_dtype!r}"
+            )
         if self.kind == "tokens" and self.tokenizer is not None:
             raise ConfigError("data.tokenizer", "pre-tokenized shards take no tokenizer")
         if self.tokenizer is not None and self.tokenizer.startswith("bpe:"):
@@ -144,8 +159,11 @@ class DataConfig:
             if not n.isdigit() or not 256 < int(n) <= 65536:
                 raise ConfigError("data.tokenizer", f"bpe:N needs 256 < N <= 65536, got {n!r}")
         if not 0 <= self.test_fraction < 1 or self.eval_fraction + self.test_fraction >= 1:
-            raise ConfigError("data.test_fraction", f"must be in [0, 1) with eval_fraction + "
-                              f"test_fraction < 1, got {self.test_fraction}")
+            raise ConfigError(
+                "data.test_fraction",
+                f"must be in [0, 1) with eval_fraction + "
+                f"test_fraction < 1, got {self.test_fraction}",
+            )
         if self.eval_split not in ("validation", "test"):
             raise ConfigError("data.eval_split", f"validation or test, got {self.eval_split!r}")
         if self.eval_split == "test" and self.test_fraction == 0:
@@ -188,16 +206,16 @@ class ComputeConfig:
 
     def __post_init__(self) -> None:
         dev = self.device
-        if not (dev in ("auto", "cpu", "cuda") or (dev.startswith("cuda:")
-                                                     and dev[5:].isdigit())):
+        if not (dev in ("auto", "cpu", "cuda") or (dev.startswith("cuda:") and dev[5:].isdigit())):
             raise ConfigError("compute.device", f"must be auto, cpu, cuda or cuda:N, got {dev!r}")
         if self.precision not in PRECISIONS:
             raise ConfigError("compute.precision", f"one of {PRECISIONS}, got {self.precision!r}")
         if self.micro_batches < 1:
             raise ConfigError("compute.micro_batches", f"must be >= 1, got {self.micro_batches}")
         if self.optimizer_impl not in OPTIMIZER_IMPLS:
-            raise ConfigError("compute.optimizer_impl",
-                              f"one of {OPTIMIZER_IMPLS}, got {self.optimizer_impl!r}")
+            raise ConfigError(
+                "compute.optimizer_impl", f"one of {OPTIMIZER_IMPLS}, got {self.optimizer_impl!r}"
+            )
 
 
 def _nesterov() -> OptimizerConfig:
@@ -224,17 +242,25 @@ class DilocoConfig:
         if self.n_fragments < 1:
             raise ConfigError("n_fragments", f"P must be >= 1, got {self.n_fragments}")
         if self.inner_steps % self.n_fragments:
-            raise ConfigError("n_fragments", f"P={self.n_fragments} must divide "
-                              f"inner_steps H={self.inner_steps} (fragments sync every H/P steps)")
+            raise ConfigError(
+                "n_fragments",
+                f"P={self.n_fragments} must divide "
+                f"inner_steps H={self.inner_steps} (fragments sync every H/P steps)",
+            )
         if not 0 <= self.tau < self.inner_steps // self.n_fragments:
-            raise ConfigError("tau", f"τ={self.tau} must be in [0, H/P) = "
-                              f"[0, {self.inner_steps // self.n_fragments}): at most one fragment "
-                              "sync may be in flight")
+            raise ConfigError(
+                "tau",
+                f"τ={self.tau} must be in [0, H/P) = "
+                f"[0, {self.inner_steps // self.n_fragments}): at most one fragment "
+                "sync may be in flight",
+            )
         if not 0.0 <= self.alpha <= 1.0:
             raise ConfigError("alpha", f"α must be in [0, 1], got {self.alpha}")
         if self.fragment_strategy not in ("strided", "sequential"):
-            raise ConfigError("fragment_strategy",
-                              f"must be 'strided' or 'sequential', got {self.fragment_strategy!r}")
+            raise ConfigError(
+                "fragment_strategy",
+                f"must be 'strided' or 'sequential', got {self.fragment_strategy!r}",
+            )
         if self.codec not in codec_names():
             raise ConfigError("codec", f"unknown codec {self.codec!r}; one of {codec_names()}")
         if self.algorithm not in ("auto", "ring", "star"):
@@ -270,8 +296,11 @@ class TrainConfig:
     data: DataConfig = field(default_factory=DataConfig)
     compute: ComputeConfig = field(default_factory=ComputeConfig)
     mode: DilocoConfig | DDPConfig = field(default_factory=DilocoConfig)
-    inner: OptimizerConfig = field(default_factory=lambda: OptimizerConfig(
-        name="adamw", lr=3e-3, weight_decay=0.1, betas=(0.9, 0.95)))
+    inner: OptimizerConfig = field(
+        default_factory=lambda: OptimizerConfig(
+            name="adamw", lr=3e-3, weight_decay=0.1, betas=(0.9, 0.95)
+        )
+    )
     lr_schedule: LrSchedule = field(default_factory=LrSchedule)
     steps: int = 1000  # T: inner steps per worker (DDP: optimizer steps)
     workers: int = 2  # M: workers the run waits for before starting
@@ -298,14 +327,20 @@ class TrainConfig:
         if not self.sync_timeout > 0:
             raise ConfigError("sync_timeout", f"must be > 0 seconds, got {self.sync_timeout}")
         if self.data.batch_size % self.compute.micro_batches:
-            raise ConfigError("compute.micro_batches", f"{self.compute.micro_batches} must "
-                              f"divide data.batch_size {self.data.batch_size}")
+            raise ConfigError(
+                "compute.micro_batches",
+                f"{self.compute.micro_batches} must divide data.batch_size {self.data.batch_size}",
+            )
         if self.hf_model is not None and self.model is not None:
-            raise ConfigError("hf_model", "give either a lowband ModelConfig or a Hugging Face "
-                              "model, not both")
+            raise ConfigError(
+                "hf_model", "give either a lowband ModelConfig or a Hugging Face model, not both"
+            )
         if self.model is not None and self.data.seq_len > self.model.max_position_embeddings:
-            raise ConfigError("data.seq_len", f"{self.data.seq_len} exceeds the model's "
-                              f"max_position_embeddings {self.model.max_position_embeddings}")
+            raise ConfigError(
+                "data.seq_len",
+                f"{self.data.seq_len} exceeds the model's "
+                f"max_position_embeddings {self.model.max_position_embeddings}",
+            )
 
     def tokens_per_step(self) -> int:
         """Tokens one worker consumes per inner step."""
@@ -318,8 +353,11 @@ def _plain(obj: object) -> dict:
     for f in fields(obj):  # type: ignore[arg-type]
         if f.name == "factory":
             if getattr(obj, "factory") is not None:
-                raise ConfigError("optimizer.factory", "a factory callable cannot be written to "
-                                  "JSON; build the workers in Python to use one")
+                raise ConfigError(
+                    "optimizer.factory",
+                    "a factory callable cannot be written to "
+                    "JSON; build the workers in Python to use one",
+                )
             continue
         value = getattr(obj, f.name)
         out[f.name] = list(value) if isinstance(value, tuple) else value
@@ -332,12 +370,18 @@ _NESTED = ("model", "data", "mode", "inner", "lr_schedule", "compute")
 def config_to_dict(cfg: TrainConfig) -> dict:
     """A JSON-able description of ``cfg`` (inverse: :func:`config_from_dict`)."""
     mode = cfg.mode
-    mode_d = ({"kind": "diloco", **_plain(mode), "outer": _plain(mode.outer)}
-              if isinstance(mode, DilocoConfig) else {"kind": "ddp", **_plain(mode)})
+    mode_d = (
+        {"kind": "diloco", **_plain(mode), "outer": _plain(mode.outer)}
+        if isinstance(mode, DilocoConfig)
+        else {"kind": "ddp", **_plain(mode)}
+    )
     return {
         "model": _plain(cfg.model) if cfg.model is not None else None,
-        "data": _plain(cfg.data), "mode": mode_d, "inner": _plain(cfg.inner),
-        "lr_schedule": _plain(cfg.lr_schedule), "compute": _plain(cfg.compute),
+        "data": _plain(cfg.data),
+        "mode": mode_d,
+        "inner": _plain(cfg.inner),
+        "lr_schedule": _plain(cfg.lr_schedule),
+        "compute": _plain(cfg.compute),
         **{f.name: getattr(cfg, f.name) for f in fields(cfg) if f.name not in _NESTED},
     }
 
@@ -355,7 +399,8 @@ def config_from_dict(d: dict) -> TrainConfig:
         kind = mode_d.pop("kind")
         if kind == "diloco":
             mode: DilocoConfig | DDPConfig = DilocoConfig(
-                **{**mode_d, "outer": _optim(mode_d["outer"])})
+                **{**mode_d, "outer": _optim(mode_d["outer"])}
+            )
         elif kind == "ddp":
             mode = DDPConfig(**mode_d)
         else:
@@ -363,22 +408,57 @@ def config_from_dict(d: dict) -> TrainConfig:
         rest = {k: v for k, v in d.items() if k not in _NESTED}
         return TrainConfig(
             model=ModelConfig(**d["model"]) if d.get("model") else None,
-            data=DataConfig(**d["data"]), mode=mode, inner=_optim(d["inner"]),
+            data=DataConfig(**d["data"]),
+            mode=mode,
+            inner=_optim(d["inner"]),
             lr_schedule=LrSchedule(**d["lr_schedule"]),
-            compute=ComputeConfig(**d.get("compute", {})), **rest)
+            compute=ComputeConfig(**d.get("compute", {})),
+            **rest,
+        )
     except (KeyError, TypeError) as exc:
         raise ConfigError("config", f"not a lowband training configuration: {exc}") from None
 
 
 # ---- overrides: the command line's flat names onto the nested configuration ----------------
-_MODE_KEYS = {"inner_steps", "n_fragments", "tau", "alpha", "codec", "error_feedback",
-              "fragment_strategy", "algorithm"}
-_TOP_KEYS = {"steps", "workers", "seed", "eval_every", "checkpoint_every", "audit_every",
-             "log_every", "sync_timeout", "grad_clip"}
-_DATA_KEYS = {"batch_size", "seq_len", "eval_batches", "tokenizer", "token_dtype",
-              "test_fraction", "eval_split", "slices"}
-_COMPUTE_KEYS = {"device", "precision", "micro_batches", "compile", "activation_checkpointing",
-                 "optimizer_impl"}
+_MODE_KEYS = {
+    "inner_steps",
+    "n_fragments",
+    "tau",
+    "alpha",
+    "codec",
+    "error_feedback",
+    "fragment_strategy",
+    "algorithm",
+}
+_TOP_KEYS = {
+    "steps",
+    "workers",
+    "seed",
+    "eval_every",
+    "checkpoint_every",
+    "audit_every",
+    "log_every",
+    "sync_timeout",
+    "grad_clip",
+}
+_DATA_KEYS = {
+    "batch_size",
+    "seq_len",
+    "eval_batches",
+    "tokenizer",
+    "token_dtype",
+    "test_fraction",
+    "eval_split",
+    "slices",
+}
+_COMPUTE_KEYS = {
+    "device",
+    "precision",
+    "micro_batches",
+    "compile",
+    "activation_checkpointing",
+    "optimizer_impl",
+}
 
 
 def with_overrides(cfg: TrainConfig, **changes: object) -> TrainConfig:
@@ -389,9 +469,23 @@ def with_overrides(cfg: TrainConfig, **changes: object) -> TrainConfig:
     trains that Hugging Face model instead of the preset's). Every result is validated like any
     config."""
     ch = {k: v for k, v in changes.items() if v is not None}
-    unknown = set(ch) - _MODE_KEYS - _TOP_KEYS - _DATA_KEYS - _COMPUTE_KEYS - {
-        "mode", "outer_lr", "outer_momentum", "inner_lr", "warmup_steps", "data_kind", "data_path",
-        "hf_model"}
+    unknown = (
+        set(ch)
+        - _MODE_KEYS
+        - _TOP_KEYS
+        - _DATA_KEYS
+        - _COMPUTE_KEYS
+        - {
+            "mode",
+            "outer_lr",
+            "outer_momentum",
+            "inner_lr",
+            "warmup_steps",
+            "data_kind",
+            "data_path",
+            "hf_model",
+        }
+    )
     if unknown:
         raise ConfigError(sorted(unknown)[0], "unknown override")
     mode = cfg.mode
@@ -405,8 +499,12 @@ def with_overrides(cfg: TrainConfig, **changes: object) -> TrainConfig:
         outer = mode.outer
         if "outer_lr" in ch or "outer_momentum" in ch:
             momentum = float(ch.get("outer_momentum", outer.momentum))  # type: ignore[arg-type]
-            outer = replace(outer, lr=float(ch.get("outer_lr", outer.lr)),  # type: ignore[arg-type]
-                            momentum=momentum, nesterov=outer.nesterov and momentum > 0)
+            outer = replace(
+                outer,
+                lr=float(ch.get("outer_lr", outer.lr)),  # type: ignore[arg-type]
+                momentum=momentum,
+                nesterov=outer.nesterov and momentum > 0,
+            )
         mode = replace(mode, outer=outer, **{k: ch[k] for k in _MODE_KEYS if k in ch})
     elif "codec" in ch:
         mode = DDPConfig(codec=str(ch["codec"]))
@@ -415,33 +513,58 @@ def with_overrides(cfg: TrainConfig, **changes: object) -> TrainConfig:
         data = replace(data, kind=ch.get("data_kind", "text"), path=ch.get("data_path"))
     data = replace(data, **{k: ch[k] for k in _DATA_KEYS if k in ch})
     inner = replace(cfg.inner, lr=float(ch["inner_lr"])) if "inner_lr" in ch else cfg.inner  # type: ignore[arg-type]
-    sched = (replace(cfg.lr_schedule, warmup_steps=int(ch["warmup_steps"]))  # type: ignore[arg-type]
-             if "warmup_steps" in ch else cfg.lr_schedule)
+    sched = (
+        replace(cfg.lr_schedule, warmup_steps=int(ch["warmup_steps"]))  # type: ignore[arg-type]
+        if "warmup_steps" in ch
+        else cfg.lr_schedule
+    )
     compute = replace(cfg.compute, **{k: ch[k] for k in _COMPUTE_KEYS if k in ch})
     model = cfg.model
     hf = cfg.hf_model
     if "hf_model" in ch:
         model, hf = None, str(ch["hf_model"])
-    return replace(cfg, mode=mode, data=data, inner=inner, lr_schedule=sched, compute=compute,
-                   model=model, hf_model=hf, **{k: ch[k] for k in _TOP_KEYS if k in ch})
+    return replace(
+        cfg,
+        mode=mode,
+        data=data,
+        inner=inner,
+        lr_schedule=sched,
+        compute=compute,
+        model=model,
+        hf_model=hf,
+        **{k: ch[k] for k in _TOP_KEYS if k in ch},
+    )
 
 
 # ---- presets -------------------------------------------------------------------------------
-def byte_llama(hidden: int, layers: int, heads: int, *, seq_len: int = 256,
-               vocab_size: int = 256) -> ModelConfig:
+def byte_llama(
+    hidden: int, layers: int, heads: int, *, seq_len: int = 256, vocab_size: int = 256
+) -> ModelConfig:
     """A small Llama (SwiGLU, RMSNorm, RoPE), by default over the 256 byte vocabulary."""
     inter = int(8 * hidden / 3 + 7) // 8 * 8
-    return ModelConfig(model_type="llama", vocab_size=vocab_size, hidden_size=hidden,
-                       intermediate_size=inter, num_hidden_layers=layers,
-                       num_attention_heads=heads, max_position_embeddings=seq_len,
-                       rms_norm_eps=1e-5, tie_word_embeddings=False)
+    return ModelConfig(
+        model_type="llama",
+        vocab_size=vocab_size,
+        hidden_size=hidden,
+        intermediate_size=inter,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        max_position_embeddings=seq_len,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+    )
 
 
 def tiny() -> TrainConfig:
     """Seconds on a laptop: tests and smoke runs (~0.13 M parameters)."""
-    return TrainConfig(model=byte_llama(64, 2, 4), data=DataConfig(seq_len=64, batch_size=8),
-                       mode=DilocoConfig(inner_steps=10, n_fragments=2),
-                       lr_schedule=LrSchedule(warmup_steps=10), steps=60, eval_every=20)
+    return TrainConfig(
+        model=byte_llama(64, 2, 4),
+        data=DataConfig(seq_len=64, batch_size=8),
+        mode=DilocoConfig(inner_steps=10, n_fragments=2),
+        lr_schedule=LrSchedule(warmup_steps=10),
+        steps=60,
+        eval_every=20,
+    )
 
 
 def shakespeare() -> TrainConfig:
@@ -458,17 +581,30 @@ def shakespeare() -> TrainConfig:
     return TrainConfig(
         model=byte_llama(64, 2, 4),
         data=DataConfig(seq_len=64, batch_size=8, eval_batches=16),
-        mode=DilocoConfig(inner_steps=60, n_fragments=3, tau=5, alpha=0.5, codec="nf4",
-                          error_feedback=True,
-                          outer=OptimizerConfig(name="sgd", lr=1.0, momentum=0.9, nesterov=True)),
+        mode=DilocoConfig(
+            inner_steps=60,
+            n_fragments=3,
+            tau=5,
+            alpha=0.5,
+            codec="nf4",
+            error_feedback=True,
+            outer=OptimizerConfig(name="sgd", lr=1.0, momentum=0.9, nesterov=True),
+        ),
         inner=OptimizerConfig(name="adamw", lr=6e-3, weight_decay=0.1),
-        lr_schedule=LrSchedule(warmup_steps=60), steps=3200, workers=2, eval_every=400)
+        lr_schedule=LrSchedule(warmup_steps=60),
+        steps=3200,
+        workers=2,
+        eval_every=400,
+    )
 
 
 def wide() -> TrainConfig:
     """A larger byte-level Llama (~0.4 M parameters): slower, better samples."""
-    return replace(shakespeare(), model=byte_llama(96, 3, 4),
-                   inner=OptimizerConfig(name="adamw", lr=3e-3, weight_decay=0.1))
+    return replace(
+        shakespeare(),
+        model=byte_llama(96, 3, 4),
+        inner=OptimizerConfig(name="adamw", lr=3e-3, weight_decay=0.1),
+    )
 
 
 SCALE_VOCAB = 4096
@@ -484,17 +620,38 @@ def scale() -> TrainConfig:
     NF4 sends ~450×, and cost no measurable loss against fp32 on the small model."""
     return TrainConfig(
         model=byte_llama(256, 6, 8, seq_len=128, vocab_size=SCALE_VOCAB),
-        data=DataConfig(tokenizer=f"bpe:{SCALE_VOCAB}", seq_len=128, batch_size=8,
-                        eval_fraction=0.1, test_fraction=0.1, eval_batches=16, slices=4),
-        mode=DilocoConfig(inner_steps=60, n_fragments=3, tau=5, alpha=0.5, codec="nf4",
-                          error_feedback=True,
-                          outer=OptimizerConfig(name="sgd", lr=0.9, momentum=0.9, nesterov=True)),
+        data=DataConfig(
+            tokenizer=f"bpe:{SCALE_VOCAB}",
+            seq_len=128,
+            batch_size=8,
+            eval_fraction=0.1,
+            test_fraction=0.1,
+            eval_batches=16,
+            slices=4,
+        ),
+        mode=DilocoConfig(
+            inner_steps=60,
+            n_fragments=3,
+            tau=5,
+            alpha=0.5,
+            codec="nf4",
+            error_feedback=True,
+            outer=OptimizerConfig(name="sgd", lr=0.9, momentum=0.9, nesterov=True),
+        ),
         inner=OptimizerConfig(name="adamw", lr=2e-3, weight_decay=0.1),
-        lr_schedule=LrSchedule(warmup_steps=30), steps=360, workers=4, eval_every=120)
+        lr_schedule=LrSchedule(warmup_steps=30),
+        steps=360,
+        workers=4,
+        eval_every=120,
+    )
 
 
-PRESETS: dict[str, Callable[[], TrainConfig]] = {"tiny": tiny, "shakespeare": shakespeare,
-                                                 "wide": wide, "scale": scale}
+PRESETS: dict[str, Callable[[], TrainConfig]] = {
+    "tiny": tiny,
+    "shakespeare": shakespeare,
+    "wide": wide,
+    "scale": scale,
+}
 
 
 def preset(name: str) -> TrainConfig:

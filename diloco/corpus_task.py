@@ -28,13 +28,20 @@ class CorpusTask:
 
     def train_batch(self, slot: int, step: int) -> torch.Tensor:
         d = self.cfg.data
-        return train_batch(slot_slice(self.corpus.train, slot, d.slices), d.seq_len,
-                           d.batch_size, seed=self.cfg.seed, slot=slot, step=step)
+        return train_batch(
+            slot_slice(self.corpus.train, slot, d.slices),
+            d.seq_len,
+            d.batch_size,
+            seed=self.cfg.seed,
+            slot=slot,
+            step=step,
+        )
 
     def loss(self, model: nn.Module, batch: torch.Tensor) -> torch.Tensor:
         logits = self.logits(model, batch[:, :-1])  # (B, T, V)
-        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(),
-                               batch[:, 1:].reshape(-1))
+        return F.cross_entropy(
+            logits.reshape(-1, logits.shape[-1]).float(), batch[:, 1:].reshape(-1)
+        )
 
     @torch.no_grad()
     def evaluate(self, model: nn.Module) -> float:

@@ -23,8 +23,8 @@ import numpy as np
 import torch
 
 from diloco.config import DataConfig
-from lowband.errors import ConfigError
 from lowband import SAMPLE_TEXT
+from lowband.errors import ConfigError
 
 EMBEDDED = SAMPLE_TEXT
 # A second packaged public-domain text, by another author: Milton's Paradise Lost (1667), the
@@ -72,8 +72,10 @@ def load_tokenizer(spec: str) -> Any:
     try:
         from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     except ImportError:
-        raise ConfigError("data.tokenizer", "a tokenizer needs the `tokenizers` package: "
-                          "pip install 'lowband[hf]'") from None
+        raise ConfigError(
+            "data.tokenizer",
+            "a tokenizer needs the `tokenizers` package: pip install 'lowband[hf]'",
+        ) from None
     if not spec.startswith("bpe:"):
         path = Path(spec)
         if path.is_dir():
@@ -82,13 +84,16 @@ def load_tokenizer(spec: str) -> Any:
             raise ConfigError("data.tokenizer", f"no tokenizer.json at {spec}")
         return Tokenizer.from_file(str(path))
     text = EMBEDDED.read_text(encoding="utf-8")
-    text = text[:int(len(text) * BPE_SAMPLE_FRACTION)]
+    text = text[: int(len(text) * BPE_SAMPLE_FRACTION)]
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=int(spec[4:]), show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                  special_tokens=["<|endoftext|>"])
+    trainer = trainers.BpeTrainer(
+        vocab_size=int(spec[4:]),
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        special_tokens=["<|endoftext|>"],
+    )
     tok.train_from_iterator(text.splitlines(keepends=True), trainer=trainer)
     return tok
 
@@ -110,8 +115,9 @@ def _jsonl_texts(files: list[Path]) -> list[str]:
             try:
                 texts.append(str(json.loads(line)["text"]))
             except (ValueError, KeyError, TypeError):
-                raise ConfigError("data.path", f"{f}:{i + 1}: not a JSON object with a "
-                                  "\"text\" field") from None
+                raise ConfigError(
+                    "data.path", f'{f}:{i + 1}: not a JSON object with a "text" field'
+                ) from None
     return texts
 
 
@@ -119,13 +125,18 @@ def _shard(f: Path, dtype: str) -> np.ndarray:
     if f.suffix == ".npy":
         arr = np.load(f, mmap_mode="r")
         if arr.ndim != 1 or arr.dtype.kind not in "ui":
-            raise ConfigError("data.path", f"{f}: a token shard is a 1-D integer array, got "
-                              f"{arr.dtype} of shape {arr.shape}")
+            raise ConfigError(
+                "data.path",
+                f"{f}: a token shard is a 1-D integer array, got {arr.dtype} of shape {arr.shape}",
+            )
         return arr
     width = np.dtype(dtype).itemsize
     if f.stat().st_size % width:
-        raise ConfigError("data.path", f"{f} size is not a multiple of {width}: not a {dtype} "
-                          "token shard (set data.token_dtype)")
+        raise ConfigError(
+            "data.path",
+            f"{f} size is not a multiple of {width}: not a {dtype} "
+            "token shard (set data.token_dtype)",
+        )
     return np.memmap(f, dtype=np.dtype(dtype).newbyteorder("<"), mode="r")
 
 
@@ -142,9 +153,12 @@ def _read_tokens(cfg: DataConfig) -> np.ndarray:
         return _tokenize([f.read_text(encoding="utf-8") for f in files], cfg.tokenizer)
     if cfg.kind == "jsonl":
         return _tokenize(_jsonl_texts(_files(path, ".jsonl")), cfg.tokenizer)
-    parts = [a for a in (_shard(f, cfg.token_dtype) for f in _files(path, ".bin", ".npy"))
-             if a.size]
-    return np.concatenate(parts) if len(parts) > 1 else (parts[0] if parts else np.zeros(0, np.uint16))
+    parts = [
+        a for a in (_shard(f, cfg.token_dtype) for f in _files(path, ".bin", ".npy")) if a.size
+    ]
+    return (
+        np.concatenate(parts) if len(parts) > 1 else (parts[0] if parts else np.zeros(0, np.uint16))
+    )
 
 
 def load_corpus(cfg: DataConfig, vocab_size: int) -> Corpus:
@@ -156,19 +170,24 @@ def load_corpus(cfg: DataConfig, vocab_size: int) -> Corpus:
         raise ConfigError("data.path", f"the {cfg.kind} corpus {cfg.path or ''} is empty")
     held = [f for f in (cfg.eval_fraction, cfg.test_fraction) if f > 0]
     if tokens.size < need or any(tokens.size * f < cfg.seq_len + 1 for f in held):
-        raise ConfigError("data.path", f"the corpus has {tokens.size} tokens: too few for "
-                          f"seq_len={cfg.seq_len} with eval_fraction={cfg.eval_fraction}, "
-                          f"test_fraction={cfg.test_fraction}")
+        raise ConfigError(
+            "data.path",
+            f"the corpus has {tokens.size} tokens: too few for "
+            f"seq_len={cfg.seq_len} with eval_fraction={cfg.eval_fraction}, "
+            f"test_fraction={cfg.test_fraction}",
+        )
     end_val = tokens.size - int(tokens.size * cfg.test_fraction)
     cut = end_val - int(tokens.size * cfg.eval_fraction)
     if cfg.test_fraction == 0:  # the historical split (keeps old runs bit-identical)
         cut, end_val = int(tokens.size * (1 - cfg.eval_fraction)), tokens.size
     train, val, test = tokens[:cut], tokens[cut:end_val], tokens[end_val:]
-    corpus = Corpus(train=train, eval=test if cfg.eval_split == "test" else val, test=test,
-                    validation=val)
+    corpus = Corpus(
+        train=train, eval=test if cfg.eval_split == "test" else val, test=test, validation=val
+    )
     if corpus.max_token >= vocab_size:
-        raise ConfigError("data.path", f"token id {corpus.max_token} >= model vocab_size "
-                          f"{vocab_size}")
+        raise ConfigError(
+            "data.path", f"token id {corpus.max_token} >= model vocab_size {vocab_size}"
+        )
     return corpus
 
 
@@ -179,11 +198,12 @@ def slot_slice(tokens: np.ndarray, slot: int, slices: int) -> np.ndarray:
         return tokens
     n = tokens.size // slices
     s = slot % slices
-    return tokens[s * n:(s + 1) * n]
+    return tokens[s * n : (s + 1) * n]
 
 
-def train_batch(tokens: np.ndarray, seq_len: int, batch_size: int, *, seed: int, slot: int,
-                step: int) -> torch.Tensor:
+def train_batch(
+    tokens: np.ndarray, seq_len: int, batch_size: int, *, seed: int, slot: int, step: int
+) -> torch.Tensor:
     """(B, T+1) int64 windows drawn uniformly from ``tokens``; a pure function of the key."""
     rng = np.random.default_rng([seed, slot, step])
     starts = rng.integers(0, tokens.size - seq_len, size=batch_size)
@@ -191,8 +211,9 @@ def train_batch(tokens: np.ndarray, seq_len: int, batch_size: int, *, seed: int,
     return torch.from_numpy(np.asarray(tokens[idx], dtype=np.int64))
 
 
-def eval_batches(tokens: np.ndarray, seq_len: int, batch_size: int, n_batches: int
-                 ) -> list[torch.Tensor]:
+def eval_batches(
+    tokens: np.ndarray, seq_len: int, batch_size: int, n_batches: int
+) -> list[torch.Tensor]:
     """``n_batches`` fixed (B, T+1) batches of evenly spaced windows over the held-out tokens."""
     n = batch_size * n_batches
     starts = np.linspace(0, tokens.size - seq_len - 1, num=n).astype(np.int64)

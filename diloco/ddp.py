@@ -18,8 +18,14 @@ from typing import Callable
 import torch
 
 from diloco.checkpoint import export_model
-from diloco.common import (InnerLoop, WorkerResult, hash_state, record_inner_step, run_signature,
-                           signature_int)
+from diloco.common import (
+    InnerLoop,
+    WorkerResult,
+    hash_state,
+    record_inner_step,
+    run_signature,
+    signature_int,
+)
 from diloco.config import DDPConfig, TrainConfig
 from diloco.device import resolve_device
 from diloco.metrics import MetricsLog, Progress
@@ -33,10 +39,18 @@ logger = logging.getLogger(__name__)
 
 
 class DDPWorker:
-    def __init__(self, cfg: TrainConfig, comm: Communicator, task: Task, *,
-                 log: MetricsLog | None = None, progress: bool = False,
-                 out_dir: Path | None = None, byte_tokenizer: bool = True,
-                 on_step: Callable[[int], None] | None = None) -> None:
+    def __init__(
+        self,
+        cfg: TrainConfig,
+        comm: Communicator,
+        task: Task,
+        *,
+        log: MetricsLog | None = None,
+        progress: bool = False,
+        out_dir: Path | None = None,
+        byte_tokenizer: bool = True,
+        on_step: Callable[[int], None] | None = None,
+    ) -> None:
         if not isinstance(cfg.mode, DDPConfig):
             raise ConfigError("mode", "DDPWorker needs a DDPConfig")
         self.cfg, self.comm, self.task = cfg, comm, task
@@ -48,8 +62,9 @@ class DDPWorker:
         self.inner = InnerLoop(cfg, task, self.model, self.device)
         self.signature = run_signature(cfg, self.model)
         self.codec = None if cfg.mode.codec == "fp32" else get_codec(cfg.mode.codec)
-        self.result = WorkerResult(peer_id=comm.membership.peer_id, rank=comm.rank, mode="ddp",
-                                   start_step=0, steps=0)
+        self.result = WorkerResult(
+            peer_id=comm.membership.peer_id, rank=comm.rank, mode="ddp", start_step=0, steps=0
+        )
         self._progress = Progress(cfg.steps, enabled=progress, desc="ddp")
         self._t0 = time.perf_counter()
 
@@ -69,8 +84,10 @@ class DDPWorker:
     def _check_start(self) -> None:
         """Every worker must start from the same parameters and configuration."""
         mine = torch.tensor([signature_int(self.signature), self.state_hash()], dtype=torch.int64)
-        rows = [t.tolist() for t in self.comm.all_gather(mine, tag="ddp/start",
-                                                         timeout=self.cfg.sync_timeout)]
+        rows = [
+            t.tolist()
+            for t in self.comm.all_gather(mine, tag="ddp/start", timeout=self.cfg.sync_timeout)
+        ]
         if any(row != rows[0] for row in rows):
             raise IncompatiblePeer(f"DDP workers disagree on signature/initial state: {rows}")
 
@@ -78,14 +95,18 @@ class DDPWorker:
         t = time.perf_counter()
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
         flat = self.staging.to_host(torch.cat([g.reshape(-1).float() for g in grads]), "grad")
-        work = self.comm.all_reduce_async(flat, "avg", codec=self.codec,
-                                          tag=f"grad/{self.inner.step}",
-                                          timeout=self.cfg.sync_timeout)
+        work = self.comm.all_reduce_async(
+            flat,
+            "avg",
+            codec=self.codec,
+            tag=f"grad/{self.inner.step}",
+            timeout=self.cfg.sync_timeout,
+        )
         avg = self.staging.to_device(work.wait())
         offset = 0
         for p in params:
             n = p.numel()
-            p.grad = avg[offset:offset + n].view_as(p).to(p.dtype)
+            p.grad = avg[offset : offset + n].view_as(p).to(p.dtype)
             offset += n
         r = self.result
         r.outer_syncs += 1
@@ -97,8 +118,18 @@ class DDPWorker:
 
     def _after_step(self, loss: torch.Tensor) -> None:
         step = self.inner.step
-        record_inner_step(self.result, self.cfg, self.log, self.comm, self._progress, step, loss,
-                          self.task.tokens_per_batch(), self.inner.lr(), self._t0)
+        record_inner_step(
+            self.result,
+            self.cfg,
+            self.log,
+            self.comm,
+            self._progress,
+            step,
+            loss,
+            self.task.tokens_per_batch(),
+            self.inner.lr(),
+            self._t0,
+        )
         if self.cfg.eval_every and step % self.cfg.eval_every == 0 and step < self.cfg.steps:
             self._evaluate()
         if self.on_step is not None:

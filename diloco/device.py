@@ -42,11 +42,15 @@ def resolve_device(spec: str) -> torch.device:
     dev = torch.device(spec)
     if dev.type == "cuda":
         if not torch.cuda.is_available():
-            raise ConfigError("compute.device", f"{spec!r} asked for, but torch sees no CUDA "
-                              "device (a CPU build of torch, or no GPU): use --device cpu")
+            raise ConfigError(
+                "compute.device",
+                f"{spec!r} asked for, but torch sees no CUDA "
+                "device (a CPU build of torch, or no GPU): use --device cpu",
+            )
         if dev.index is not None and dev.index >= torch.cuda.device_count():
-            raise ConfigError("compute.device", f"{spec!r}: only {torch.cuda.device_count()} "
-                              "CUDA device(s)")
+            raise ConfigError(
+                "compute.device", f"{spec!r}: only {torch.cuda.device_count()} CUDA device(s)"
+            )
     elif dev.type != "cpu":
         raise ConfigError("compute.device", f"must be auto, cpu, cuda or cuda:N, got {spec!r}")
     return dev
@@ -93,11 +97,16 @@ def enable_checkpointing(model: nn.Module) -> None:
     if hasattr(model, "gradient_checkpointing_enable"):
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         return
-    blocks = [m for name, m in model.named_modules()
-              if isinstance(m, nn.ModuleList) and name.split(".")[-1] == "layers"]
+    blocks = [
+        m
+        for name, m in model.named_modules()
+        if isinstance(m, nn.ModuleList) and name.split(".")[-1] == "layers"
+    ]
     if not blocks:
-        raise ConfigError("compute.activation_checkpointing",
-                          f"{type(model).__name__} has no `layers` ModuleList of blocks to wrap")
+        raise ConfigError(
+            "compute.activation_checkpointing",
+            f"{type(model).__name__} has no `layers` ModuleList of blocks to wrap",
+        )
     for block in blocks[0]:
         block.forward = _checkpointed(block.forward)  # type: ignore[method-assign]
 
@@ -109,6 +118,7 @@ def _checkpointed(forward):  # type: ignore[no-untyped-def]
         if not torch.is_grad_enabled():  # eval / generation: nothing to save memory on
             return forward(*args, **kwargs)
         return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+
     return run
 
 

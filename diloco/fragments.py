@@ -34,8 +34,9 @@ class FragmentPlan:
         return len(self.names)
 
 
-def _units(named: Sequence[tuple[str, torch.Tensor]], pattern: str
-           ) -> tuple[list[list[str]], list[list[str]]]:
+def _units(
+    named: Sequence[tuple[str, torch.Tensor]], pattern: str
+) -> tuple[list[list[str]], list[list[str]]]:
     """(blocks in index order, other units in model order); a unit is a list of names."""
     blocks: dict[int, list[str]] = {}
     others: list[list[str]] = []
@@ -49,9 +50,12 @@ def _units(named: Sequence[tuple[str, torch.Tensor]], pattern: str
     return [blocks[i] for i in sorted(blocks)], others
 
 
-def plan_fragments(named: Sequence[tuple[str, torch.Tensor]], n_fragments: int,
-                   strategy: Literal["strided", "sequential"] = "strided",
-                   block_pattern: str = BLOCK_PATTERN) -> FragmentPlan:
+def plan_fragments(
+    named: Sequence[tuple[str, torch.Tensor]],
+    n_fragments: int,
+    strategy: Literal["strided", "sequential"] = "strided",
+    block_pattern: str = BLOCK_PATTERN,
+) -> FragmentPlan:
     """Assign every parameter to exactly one of ``n_fragments`` fragments."""
     sizes = {name: t.numel() for name, t in named}
     blocks, others = _units(named, block_pattern)
@@ -61,8 +65,11 @@ def plan_fragments(named: Sequence[tuple[str, torch.Tensor]], n_fragments: int,
     else:
         units = blocks
     if len(units) < n_fragments:
-        raise ConfigError("n_fragments", f"P={n_fragments} exceeds the {len(units)} parameter "
-                          "units this model can be split into")
+        raise ConfigError(
+            "n_fragments",
+            f"P={n_fragments} exceeds the {len(units)} parameter "
+            "units this model can be split into",
+        )
     groups: list[list[str]] = [[] for _ in range(n_fragments)]
     if strategy == "strided":
         for i, unit in enumerate(units):

@@ -33,8 +33,9 @@ def _transformers() -> Any:
     try:
         import transformers
     except ImportError:
-        raise ConfigError("hf_model", "Hugging Face models need `transformers`: "
-                          "pip install 'lowband[hf]'") from None
+        raise ConfigError(
+            "hf_model", "Hugging Face models need `transformers`: pip install 'lowband[hf]'"
+        ) from None
     return transformers
 
 
@@ -91,8 +92,10 @@ def hf_task(cfg: TrainConfig) -> HFTask:
     config = tf.AutoConfig.from_pretrained(str(path))
     max_pos = getattr(config, "max_position_embeddings", None)
     if max_pos is not None and cfg.data.seq_len > max_pos:
-        raise ConfigError("data.seq_len", f"{cfg.data.seq_len} exceeds the model's "
-                          f"max_position_embeddings {max_pos}")
+        raise ConfigError(
+            "data.seq_len",
+            f"{cfg.data.seq_len} exceeds the model's max_position_embeddings {max_pos}",
+        )
     return HFTask(cfg, load_corpus(cfg.data, config.vocab_size), config.vocab_size)
 
 

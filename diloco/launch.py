@@ -39,26 +39,57 @@ logger = logging.getLogger(__name__)
 Worker = DilocoWorker | DDPWorker
 
 
-def make_worker(cfg: TrainConfig, comm: Communicator, task: Task, *, worker_id: str,
-                out_dir: Path | None = None, resume: Path | None = None,
-                progress: bool = False, on_step: Callable[[int], None] | None = None) -> Worker:
+def make_worker(
+    cfg: TrainConfig,
+    comm: Communicator,
+    task: Task,
+    *,
+    worker_id: str,
+    out_dir: Path | None = None,
+    resume: Path | None = None,
+    progress: bool = False,
+    on_step: Callable[[int], None] | None = None,
+) -> Worker:
     """A DiLoCo or DDP worker logging to ``out_dir/metrics-worker{worker_id}.jsonl``."""
     name = f"worker{worker_id}"
     log = MetricsLog(out_dir / f"metrics-{name}.jsonl" if out_dir else None, worker=name)
     byte_tok = cfg.data.kind != "tokens" and cfg.data.tokenizer is None
     if isinstance(cfg.mode, DilocoConfig):
-        return DilocoWorker(cfg, comm, task, log=log, progress=progress, out_dir=out_dir,
-                            resume=resume, worker_id=worker_id, byte_tokenizer=byte_tok,
-                            on_step=on_step)
+        return DilocoWorker(
+            cfg,
+            comm,
+            task,
+            log=log,
+            progress=progress,
+            out_dir=out_dir,
+            resume=resume,
+            worker_id=worker_id,
+            byte_tokenizer=byte_tok,
+            on_step=on_step,
+        )
     if resume is not None:
         logger.warning("the DDP baseline does not resume; starting from step 0")
-    return DDPWorker(cfg, comm, task, log=log, progress=progress, out_dir=out_dir,
-                     byte_tokenizer=byte_tok, on_step=on_step)
+    return DDPWorker(
+        cfg,
+        comm,
+        task,
+        log=log,
+        progress=progress,
+        out_dir=out_dir,
+        byte_tokenizer=byte_tok,
+        on_step=on_step,
+    )
 
 
-def run_threads(cfg: TrainConfig, *, task: Task | None = None, out_dir: Path | None = None,
-                resume: Path | None = None, progress: bool = False,
-                timeout: float | None = None) -> list[WorkerResult]:
+def run_threads(
+    cfg: TrainConfig,
+    *,
+    task: Task | None = None,
+    out_dir: Path | None = None,
+    resume: Path | None = None,
+    progress: bool = False,
+    timeout: float | None = None,
+) -> list[WorkerResult]:
     """Run ``cfg.workers`` workers as threads over a loopback group; results by rank.
 
     The workers cannot wait forever (every collective raises after ``cfg.sync_timeout`` and a
@@ -70,8 +101,18 @@ def run_threads(cfg: TrainConfig, *, task: Task | None = None, out_dir: Path | N
     task = task or lm_task(cfg)
     group = LoopbackGroup(cfg.workers, timeout=cfg.sync_timeout)
     comms = group.comms()
-    workers = [make_worker(cfg, c, task, worker_id=str(r), out_dir=out_dir, resume=resume,
-                           progress=progress and r == 0) for r, c in enumerate(comms)]
+    workers = [
+        make_worker(
+            cfg,
+            c,
+            task,
+            worker_id=str(r),
+            out_dir=out_dir,
+            resume=resume,
+            progress=progress and r == 0,
+        )
+        for r, c in enumerate(comms)
+    ]
     results: list[WorkerResult | None] = [None] * len(workers)
     errors: list[BaseException | None] = [None] * len(workers)
 
@@ -84,8 +125,10 @@ def run_threads(cfg: TrainConfig, *, task: Task | None = None, out_dir: Path | N
         finally:
             workers[r].log.close()
 
-    threads = [threading.Thread(target=body, args=(r,), name=f"worker{r}", daemon=True)
-               for r in range(len(workers))]
+    threads = [
+        threading.Thread(target=body, args=(r,), name=f"worker{r}", daemon=True)
+        for r in range(len(workers))
+    ]
     for t in threads:
         t.start()
     deadline = None if timeout is None else time.monotonic() + timeout
@@ -124,9 +167,13 @@ class WorkerLaunch:
 
     def __post_init__(self) -> None:
         if self.register_timeout <= 0:
-            raise ConfigError("register_timeout", f"must be > 0 seconds, got {self.register_timeout}")
+            raise ConfigError(
+                "register_timeout", f"must be > 0 seconds, got {self.register_timeout}"
+            )
         if not self.coordinator.startswith(("tcp://", "ipc://")):
-            raise ConfigError("coordinator", f"must look like tcp://HOST:PORT, got {self.coordinator!r}")
+            raise ConfigError(
+                "coordinator", f"must look like tcp://HOST:PORT, got {self.coordinator!r}"
+            )
         if self.threads is not None and self.threads < 1:
             raise ConfigError("threads", f"must be >= 1, got {self.threads}")
 
@@ -142,15 +189,30 @@ def worker_main(cfg: WorkerLaunch) -> WorkerResult:
         torch.set_num_threads(cfg.threads)
     task = lm_task(cfg.train)
     signature = run_signature(cfg.train, task.build_model()).hex()
-    zcfg = ZmqConfig(bind_host=cfg.bind_host, advertise_host=cfg.advertise_host,
-                     connections=cfg.connections, timeout=cfg.train.sync_timeout, token=cfg.token,
-                     data_port=cfg.data_port, advertise_port=cfg.advertise_port,
-                     same_host=cfg.same_host, register_timeout=cfg.register_timeout)
-    comm = connect(cfg.coordinator, zcfg, signature=signature,
-                   meta={"worker_id": cfg.worker_id or ""})
+    zcfg = ZmqConfig(
+        bind_host=cfg.bind_host,
+        advertise_host=cfg.advertise_host,
+        connections=cfg.connections,
+        timeout=cfg.train.sync_timeout,
+        token=cfg.token,
+        data_port=cfg.data_port,
+        advertise_port=cfg.advertise_port,
+        same_host=cfg.same_host,
+        register_timeout=cfg.register_timeout,
+    )
+    comm = connect(
+        cfg.coordinator, zcfg, signature=signature, meta={"worker_id": cfg.worker_id or ""}
+    )
     try:
-        worker = make_worker(cfg.train, comm, task, worker_id=cfg.worker_id or comm.peer_id,
-                             out_dir=cfg.out_dir, resume=cfg.resume, progress=cfg.progress)
+        worker = make_worker(
+            cfg.train,
+            comm,
+            task,
+            worker_id=cfg.worker_id or comm.peer_id,
+            out_dir=cfg.out_dir,
+            resume=cfg.resume,
+            progress=cfg.progress,
+        )
         try:
             result = worker.run()
         finally:
@@ -206,9 +268,24 @@ def _run_processes(cfg: LocalLaunch, config_file: Path) -> dict[int, int]:
     procs: dict[int, subprocess.Popen] = {}
     try:
         for i in range(cfg.train.workers):
-            args = [sys.executable, "-m", "lowband", "worker", "--coordinator", coord.address,
-                    "--config", str(config_file), "--id", str(i), "--out", str(cfg.out_dir),
-                    "--threads", str(cfg.threads), "--bind-host", "127.0.0.1"]
+            args = [
+                sys.executable,
+                "-m",
+                "lowband",
+                "worker",
+                "--coordinator",
+                coord.address,
+                "--config",
+                str(config_file),
+                "--id",
+                str(i),
+                "--out",
+                str(cfg.out_dir),
+                "--threads",
+                str(cfg.threads),
+                "--bind-host",
+                "127.0.0.1",
+            ]
             if cfg.resume is not None:
                 args += ["--resume", str(cfg.resume)]
             show = cfg.progress and i == 0
@@ -216,10 +293,16 @@ def _run_processes(cfg: LocalLaunch, config_file: Path) -> dict[int, int]:
                 args.append("--progress")
             log = (cfg.out_dir / f"worker{i}.log").open("w")
             # Own session: the whole worker (and anything it starts) can be killed as a group.
-            procs[i] = subprocess.Popen(args, stdout=log, stderr=None if show else log,
-                                        start_new_session=True, preexec_fn=die_with_parent)
-        (cfg.out_dir / "workers.json").write_text(json.dumps(
-            {"coordinator": coord.address, "pids": {i: p.pid for i, p in procs.items()}}))
+            procs[i] = subprocess.Popen(
+                args,
+                stdout=log,
+                stderr=None if show else log,
+                start_new_session=True,
+                preexec_fn=die_with_parent,
+            )
+        (cfg.out_dir / "workers.json").write_text(
+            json.dumps({"coordinator": coord.address, "pids": {i: p.pid for i, p in procs.items()}})
+        )
         return {i: p.wait() for i, p in procs.items()}
     finally:
         for p in procs.values():
@@ -241,15 +324,24 @@ def _summarize(cfg: LocalLaunch, codes: dict[int, int], wall_s: float) -> dict:
     label = "DDP" if isinstance(cfg.train.mode, DDPConfig) else "Streaming DiLoCo"
     plot = None
     if evals:
-        plot = str(plot_runs({label: sorted(evals, key=lambda r: r["step"])},
-                             cfg.out_dir / "eval_vs_bytes.png", title=f"{label}, "
-                             f"{cfg.train.workers} workers"))
+        plot = str(
+            plot_runs(
+                {label: sorted(evals, key=lambda r: r["step"])},
+                cfg.out_dir / "eval_vs_bytes.png",
+                title=f"{label}, {cfg.train.workers} workers",
+            )
+        )
     names = {stem: stem.removeprefix("metrics-") for stem in records}
-    together = [names[k] for k, f in sorted(finals.items()) if f["steps"] == cfg.train.steps
-                and codes.get(int(names[k].removeprefix("worker")), 0) == 0]
+    together = [
+        names[k]
+        for k, f in sorted(finals.items())
+        if f["steps"] == cfg.train.steps and codes.get(int(names[k].removeprefix("worker")), 0) == 0
+    ]
     hashes = {f["state_hash"] for k, f in finals.items() if names[k] in together}
     summary = {
-        "workers": cfg.train.workers, "exit_codes": codes, "finished": sorted(finals),
+        "workers": cfg.train.workers,
+        "exit_codes": codes,
+        "finished": sorted(finals),
         # Only workers that reached the last step together (exit 0) are compared: a worker
         # that died or left early has an older state, and must not make the run look healthy.
         "finished_together": together,
@@ -259,17 +351,20 @@ def _summarize(cfg: LocalLaunch, codes: dict[int, int], wall_s: float) -> dict:
         "syncs_redone": max((f["retries"] for f in finals.values()), default=0),
         "transfers": {names[k]: f["transfers"] for k, f in sorted(finals.items())},
         "wall_s": round(wall_s, 2),
-        "final_eval": next((f["final_eval"] for f in finals.values()
-                            if f["final_eval"] is not None), None),
+        "final_eval": next(
+            (f["final_eval"] for f in finals.values() if f["final_eval"] is not None), None
+        ),
         "bytes_sent_per_worker": {k: f["bytes_sent"] for k, f in finals.items()},
-        "model": str(cfg.out_dir / "model"), "plot": plot,
+        "model": str(cfg.out_dir / "model"),
+        "plot": plot,
     }
     (cfg.out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     return summary
 
 
-def _outages(records: dict[str, list[dict]], finals: dict[str, dict],
-             names: dict[str, str]) -> list[dict]:
+def _outages(
+    records: dict[str, list[dict]], finals: dict[str, dict], names: dict[str, str]
+) -> list[dict]:
     """Workers that were declared lost and came back, with how long they were out, as one
     survivor saw it: from the membership change without them to the one with them again (one
     clock). 0 when it was back before the survivors' next quorum noticed it gone."""
@@ -287,6 +382,10 @@ def _outages(records: dict[str, list[dict]], finals: dict[str, dict],
                     out = round(r["time"] - gone.pop(pid), 2)
                     best = seen.get(pid)
                     if best is None or out > best["out_s"]:
-                        seen[pid] = {"worker": by_peer[pid], "peer_id": pid, "out_s": out,
-                                     "back_at_step": r["step"]}
+                        seen[pid] = {
+                            "worker": by_peer[pid],
+                            "peer_id": pid,
+                            "out_s": out,
+                            "back_at_step": r["step"],
+                        }
     return sorted(seen.values(), key=lambda d: d["worker"])

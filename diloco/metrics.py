@@ -31,8 +31,12 @@ class MetricsLog:
             self._file = path.open("a", buffering=1)
 
     def log(self, event: str, **fields: Any) -> dict[str, Any]:
-        rec = {"event": event, "worker": self.worker, "time": round(time.time() - self._t0, 4),
-               **fields}
+        rec = {
+            "event": event,
+            "worker": self.worker,
+            "time": round(time.time() - self._t0, 4),
+            **fields,
+        }
         if self._file is not None:
             with self._lock:
                 self._file.write(json.dumps(rec) + "\n")
@@ -58,8 +62,14 @@ class Progress:
                 from tqdm import tqdm
             except ImportError:  # optional dependency ([train] extra)
                 return
-            self._bar = tqdm(total=total, initial=initial, desc=desc, unit="step",
-                             file=sys.stderr, dynamic_ncols=True)
+            self._bar = tqdm(
+                total=total,
+                initial=initial,
+                desc=desc,
+                unit="step",
+                file=sys.stderr,
+                dynamic_ncols=True,
+            )
 
     def update(self, step: int, **postfix: Any) -> None:
         if self._bar is not None:
@@ -73,8 +83,9 @@ class Progress:
             self._bar.close()
 
 
-def plot_runs(runs: Mapping[str, Sequence[Mapping[str, Any]]], out: Path, *,
-              title: str = "") -> Path:
+def plot_runs(
+    runs: Mapping[str, Sequence[Mapping[str, Any]]], out: Path, *, title: str = ""
+) -> Path:
     """Eval loss against bytes sent per worker (log scale) and against inner steps, one line
     per run (e.g. ``{"DDP": records, "Streaming DiLoCo": records}``)."""
     import matplotlib
@@ -87,10 +98,16 @@ def plot_runs(runs: Mapping[str, Sequence[Mapping[str, Any]]], out: Path, *,
         evals = [r for r in records if r.get("event") == "eval"]
         if not evals:
             continue
-        ax_b.plot([max(r["bytes_sent"], 1) for r in evals], [r["loss"] for r in evals],
-                  marker="o", ms=3, label=label)
-        ax_s.plot([r["step"] for r in evals], [r["loss"] for r in evals], marker="o", ms=3,
-                  label=label)
+        ax_b.plot(
+            [max(r["bytes_sent"], 1) for r in evals],
+            [r["loss"] for r in evals],
+            marker="o",
+            ms=3,
+            label=label,
+        )
+        ax_s.plot(
+            [r["step"] for r in evals], [r["loss"] for r in evals], marker="o", ms=3, label=label
+        )
     ax_b.set_xscale("log")
     ax_b.set_xlabel("bytes sent per worker")
     ax_s.set_xlabel("inner step")

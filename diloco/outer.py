@@ -32,17 +32,27 @@ logger = logging.getLogger(__name__)
 
 def warn_invalid(fragment: int) -> None:
     """The one warning for a non-finite Δ (the Flower client and the trainer both give it)."""
-    logger.warning("fragment %d: non-finite pseudo-gradient; this worker sends zeros and its "
-                   "contribution is dropped from the average", fragment)
+    logger.warning(
+        "fragment %d: non-finite pseudo-gradient; this worker sends zeros and its "
+        "contribution is dropped from the average",
+        fragment,
+    )
 
 
 class FragmentSync:
     """The state of fragment p on one worker: its parameters in the local and the global model,
     its outer optimizer and its error-feedback residual."""
 
-    def __init__(self, index: int, names: Sequence[str], local: Sequence[torch.nn.Parameter],
-                 global_: Sequence[torch.nn.Parameter], outer_opt: torch.optim.Optimizer,
-                 codec: Codec | None, error_feedback: bool) -> None:
+    def __init__(
+        self,
+        index: int,
+        names: Sequence[str],
+        local: Sequence[torch.nn.Parameter],
+        global_: Sequence[torch.nn.Parameter],
+        outer_opt: torch.optim.Optimizer,
+        codec: Codec | None,
+        error_feedback: bool,
+    ) -> None:
         self.index = index
         self.names = tuple(names)
         self.local = list(local)
@@ -57,8 +67,9 @@ class FragmentSync:
     @torch.no_grad()
     def pseudo_gradient(self) -> torch.Tensor:
         """Δ = θ_g − θ_local, flattened to float32 (numel,)."""
-        return torch.cat([(g.float() - m.float()).reshape(-1)
-                          for g, m in zip(self.global_, self.local)])
+        return torch.cat(
+            [(g.float() - m.float()).reshape(-1) for g, m in zip(self.global_, self.local)]
+        )
 
     def contribution(self) -> tuple[torch.Tensor, bool]:
         """:meth:`device_contribution` with the flag read on the host (a sync on a GPU; for
@@ -99,7 +110,7 @@ class FragmentSync:
         offset = 0
         for g in self.global_:
             n = g.numel()
-            g.grad = avg_delta[offset:offset + n].view_as(g).to(g.dtype)
+            g.grad = avg_delta[offset : offset + n].view_as(g).to(g.dtype)
             offset += n
         self.outer_opt.step()
         self.outer_opt.zero_grad(set_to_none=True)

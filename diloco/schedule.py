@@ -100,5 +100,6 @@ def syncs_launched(total_steps: int, n_fragments: int, H: int) -> int:
 def _check(n_fragments: int, H: int, tau: int) -> None:
     # Callers validate through DilocoConfig; this guards direct use of the pure functions.
     if n_fragments < 1 or H < 1 or H % n_fragments or not 0 <= tau < H // n_fragments:
-        raise ConfigError("schedule", f"invalid P={n_fragments} H={H} tau={tau}: "
-                          "need P | H and 0 <= tau < H/P")
+        raise ConfigError(
+            "schedule", f"invalid P={n_fragments} H={H} tau={tau}: need P | H and 0 <= tau < H/P"
+        )

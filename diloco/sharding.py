@@ -65,8 +65,11 @@ def batch_rows(batch_size: int, size: int, rank: int) -> slice:
     """The rows of the site's batch that rank ``rank`` trains on: equal parts, so the average of
     the ranks' mean losses is the mean loss of the whole batch (the 1-rank site's gradient)."""
     if batch_size % size:
-        raise ConfigError("data.batch_size", f"B={batch_size} must be divisible by the site's "
-                          f"{size} ranks (each rank trains on B/N sequences)")
+        raise ConfigError(
+            "data.batch_size",
+            f"B={batch_size} must be divisible by the site's "
+            f"{size} ranks (each rank trains on B/N sequences)",
+        )
     part = batch_size // size
     return slice(rank * part, (rank + 1) * part)
 
@@ -86,9 +89,16 @@ def local_shard(param: torch.Tensor, layout: ShardLayout) -> torch.Tensor:
 class ShardFragment(FragmentSync):
     """Fragment p restricted to this rank's shards. ``local`` is re-read on every access."""
 
-    def __init__(self, index: int, names: Sequence[str], params: Sequence[torch.nn.Parameter],
-                 layout: ShardLayout, outer: OuterFactory, codec: Codec | None,
-                 error_feedback: bool) -> None:
+    def __init__(
+        self,
+        index: int,
+        names: Sequence[str],
+        params: Sequence[torch.nn.Parameter],
+        layout: ShardLayout,
+        outer: OuterFactory,
+        codec: Codec | None,
+        error_feedback: bool,
+    ) -> None:
         self.layout = layout
         shards = [local_shard(p, layout) for p in params]
         global_ = [torch.nn.Parameter(s.clone(), requires_grad=True) for s in shards]
@@ -110,7 +120,7 @@ def gather_rows(shard: torch.Tensor, rows: int, size: int, all_gather) -> torch.
     device: pass the shard on the device the site's collectives run on (CUDA under NCCL)."""
     step = -(-rows // size) if rows else 0
     pad = torch.zeros((step,) + tuple(shard.shape[1:]), dtype=shard.dtype, device=shard.device)
-    pad[:shard.shape[0]] = shard
+    pad[: shard.shape[0]] = shard
     parts = [torch.empty_like(pad) for _ in range(size)]
     all_gather(parts, pad)
     return torch.cat(parts)[:rows]

@@ -117,19 +117,26 @@ def collective_device(backend: str, device: torch.device) -> torch.device:
     path serves every collective; its CUDA support would stage through the host anyway)."""
     if backend == "nccl":
         if device.type != "cuda":
-            raise ConfigError("site.backend", f"nccl needs CUDA tensors, this rank computes on "
-                              f"{device}: use a CUDA device or the gloo backend")
+            raise ConfigError(
+                "site.backend",
+                f"nccl needs CUDA tensors, this rank computes on "
+                f"{device}: use a CUDA device or the gloo backend",
+            )
         return device
     return CPU
 
 
-def parallelize(model: nn.Module, layout: ShardLayout, group: Any = None,
-                device: torch.device = CPU) -> nn.Module:
+def parallelize(
+    model: nn.Module, layout: ShardLayout, group: Any = None, device: torch.device = CPU
+) -> nn.Module:
     """FSDP2 (every decoder block, then the root) or DDP over the site's process group;
     ``model`` already lives on ``device``, the rank's device."""
     if layout.engine == "ddp":
-        ids = [device.index if device.index is not None else torch.cuda.current_device()] \
-            if device.type == "cuda" else None
+        ids = (
+            [device.index if device.index is not None else torch.cuda.current_device()]
+            if device.type == "cuda"
+            else None
+        )
         return nn.parallel.DistributedDataParallel(model, device_ids=ids, process_group=group)
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import fully_shard
@@ -145,8 +152,16 @@ def parallelize(model: nn.Module, layout: ShardLayout, group: Any = None,
 class SiteWorker(DilocoWorker):
     """Rank ``layout.rank`` of a site; ``comm`` is its lowband group (rank r of every site)."""
 
-    def __init__(self, cfg: TrainConfig, comm: Communicator, task: Task, *,
-                 layout: ShardLayout, group: Any = None, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        cfg: TrainConfig,
+        comm: Communicator,
+        task: Task,
+        *,
+        layout: ShardLayout,
+        group: Any = None,
+        **kwargs: Any,
+    ) -> None:
         # The default id must differ between ranks of a site: they share checkpoint files
         # (DCP), where the base class's default (the lowband group rank) would collide.
         if kwargs.get("worker_id") is None:
@@ -161,13 +176,25 @@ class SiteWorker(DilocoWorker):
         self.inner = InnerLoop(cfg, self.task, self.model, self.device)
         params = dict(plain.named_parameters())
         self._params = params
-        outer = functools.partial(self.mode.outer.build, kernels=optimizer_kernels(
-            self.mode.outer.name, self.device, cfg.compute.optimizer_impl))
+        outer = functools.partial(
+            self.mode.outer.build,
+            kernels=optimizer_kernels(
+                self.mode.outer.name, self.device, cfg.compute.optimizer_impl
+            ),
+        )
         # θ_g's shards, their outer optimizer state and the residuals: on the rank's device
         self.fragments = [
-            ShardFragment(f.index, f.names, [params[n] for n in f.names], layout, outer,
-                          self.codec, self.mode.error_feedback)
-            for f in self.fragments]
+            ShardFragment(
+                f.index,
+                f.names,
+                [params[n] for n in f.names],
+                layout,
+                outer,
+                self.codec,
+                self.mode.error_feedback,
+            )
+            for f in self.fragments
+        ]
         # self.global_model (plain, full size) is only an assembly buffer for evaluation and
         # export now: the authoritative θ_g is the fragments' global shards.
 
@@ -191,8 +218,9 @@ class SiteWorker(DilocoWorker):
     def _gather_full(self, shard: torch.Tensor, rows: int) -> torch.Tensor:
         """The full tensor from every rank's dim-0 ``shard``, on the collective device (the
         caller's ``copy_`` brings it to the rank's device: no copy at all under NCCL)."""
-        return gather_rows(shard.detach().to(self.collectives), rows, self.layout.size,
-                           self._all_gather)
+        return gather_rows(
+            shard.detach().to(self.collectives), rows, self.layout.size, self._all_gather
+        )
 
     @torch.no_grad()
     def _assemble_global(self) -> None:
@@ -215,8 +243,10 @@ class SiteWorker(DilocoWorker):
         before = self.comm.membership.epoch
         m = self._admit_together(len(self._quorum_logged().joined))
         changed = m.epoch != before
-        audit = bool(self.cfg.audit_every) and (
-            self.step // self.mode.stride) % self.cfg.audit_every == 0
+        audit = (
+            bool(self.cfg.audit_every)
+            and (self.step // self.mode.stride) % self.cfg.audit_every == 0
+        )
         if self._site_max(int(changed or self.lost is not None or audit)):
             self._reconcile("membership" if changed else "audit")
         else:
@@ -244,9 +274,12 @@ class SiteWorker(DilocoWorker):
             if all(r[0] == most for r in rows):
                 return m
             if any(r[1] for r in rows):
-                logger.warning("a newcomer site was admitted by %s of its shard groups "
-                               "within %.0fs; its missing ranks join later",
-                               [r[0] for r in rows], self.cfg.sync_timeout)
+                logger.warning(
+                    "a newcomer site was admitted by %s of its shard groups "
+                    "within %.0fs; its missing ranks join later",
+                    [r[0] for r in rows],
+                    self.cfg.sync_timeout,
+                )
                 return m
             if joined < most:
                 time.sleep(ADMIT_POLL_S)
@@ -264,7 +297,8 @@ class SiteWorker(DilocoWorker):
             raise ProtocolError(
                 f"the ranks of this site hold shards of different progress after reconciling "
                 f"({reason}): (step, syncs applied) by rank = {[tuple(r[1:]) for r in rows]}; "
-                "its shard groups admitted it at different sync points: restart the site")
+                "its shard groups admitted it at different sync points: restart the site"
+            )
         self._replicate()
 
     # ---- state: this rank's shard ---------------------------------------------------------------
@@ -286,9 +320,15 @@ class SiteWorker(DilocoWorker):
             for name, g in zip(f.names, f.global_):
                 tensors["global." + name] = g.detach().to("cpu", copy=True)
         inner_meta, outer_meta = self._optimizer_sections(tensors, own=own, inner=_plain)
-        meta = {"format": 1, "step": self.step, "applied": self.applied, "inner": inner_meta,
-                "outer": outer_meta, "slot": self.slot if own else -1,
-                "shard": [self.layout.rank, self.layout.size]}
+        meta = {
+            "format": 1,
+            "step": self.step,
+            "applied": self.applied,
+            "inner": inner_meta,
+            "outer": outer_meta,
+            "slot": self.slot if own else -1,
+            "shard": [self.layout.rank, self.layout.size],
+        }
         return tensors, meta
 
     @torch.no_grad()
@@ -302,8 +342,7 @@ class SiteWorker(DilocoWorker):
                 g.copy_(tensors["global." + name])
             load_optimizer_state(f.outer_opt, f"outer{f.index}", tensors, m)
             key = f"residual.{f.index}"
-            f.residual = (tensors[key].to(self.device, copy=True) if own and key in tensors
-                          else None)
+            f.residual = tensors[key].to(self.device, copy=True) if own and key in tensors else None
         load_optimizer_state(self.inner.opt, "inner", tensors, meta["inner"])
         _redistribute(self.inner.opt)
         self.inner.step = int(meta["step"])
@@ -325,13 +364,18 @@ class SiteWorker(DilocoWorker):
         so either every rank has its shard there or none loads (and the site takes its state
         from a peer as a newcomer)."""
         if self._site_max(int(not has_sharded(directory, self._key))):
-            logger.warning("no complete site checkpoint in %s: this site will take its state "
-                           "from a peer", directory)
+            logger.warning(
+                "no complete site checkpoint in %s: this site will take its state from a peer",
+                directory,
+            )
             return
         tensors, meta = load_sharded(directory, key=self._key, process_group=self.group)
         if meta.get("shard") != [self.layout.rank, self.layout.size]:
-            raise ConfigError("resume", f"{directory} holds shard {meta.get('shard')} "
-                              f"(rank, ranks), this is {[self.layout.rank, self.layout.size]}")
+            raise ConfigError(
+                "resume",
+                f"{directory} holds shard {meta.get('shard')} "
+                f"(rank, ranks), this is {[self.layout.rank, self.layout.size]}",
+            )
         self.load(tensors, meta, own=True)
 
     @property
@@ -377,7 +421,12 @@ def _redistribute(opt: torch.optim.Optimizer) -> None:
             if not isinstance(p, DTensor):
                 continue
             for key, value in opt.state.get(p, {}).items():
-                if isinstance(value, torch.Tensor) and not isinstance(value, DTensor) \
-                        and value.shape == p.to_local().shape and value.dim() > 0:
+                if (
+                    isinstance(value, torch.Tensor)
+                    and not isinstance(value, DTensor)
+                    and value.shape == p.to_local().shape
+                    and value.dim() > 0
+                ):
                     opt.state[p][key] = DTensor.from_local(
-                        value, p.device_mesh, p.placements, shape=p.shape, stride=p.stride())
+                        value, p.device_mesh, p.placements, shape=p.shape, stride=p.stride()
+                    )

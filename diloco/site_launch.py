@@ -39,13 +39,19 @@ def site_device(spec: str, *, backend: str, engine: str, local_rank: int, cuda: 
     checked by :func:`check_site_device`. Pure."""
     if spec == "auto":
         if backend == "nccl" and not cuda:
-            raise ConfigError("site.backend", "--site-backend nccl needs one CUDA GPU per rank and "
-                              "torch sees none (--device auto): use --site-backend gloo on CPUs")
+            raise ConfigError(
+                "site.backend",
+                "--site-backend nccl needs one CUDA GPU per rank and "
+                "torch sees none (--device auto): use --site-backend gloo on CPUs",
+            )
         spec = "cuda" if backend == "nccl" else "cpu"
     if spec.startswith("cuda") and not cuda:
         fix = "--site-backend gloo --device cpu" if backend == "nccl" else "--device cpu"
-        raise ConfigError("compute.device", f"--device {spec} asked for, but torch sees no CUDA "
-                          f"device (a CPU build of torch, or no GPU): use {fix}")
+        raise ConfigError(
+            "compute.device",
+            f"--device {spec} asked for, but torch sees no CUDA "
+            f"device (a CPU build of torch, or no GPU): use {fix}",
+        )
     if spec == "cuda":
         spec = f"cuda:{local_rank}"
     check_site_device(backend, engine, spec)
@@ -66,17 +72,26 @@ def check_site_device(backend: str, engine: str, device: str) -> None:
     if backend not in BACKENDS:
         raise ConfigError("site.backend", f"must be one of {BACKENDS}, got {backend!r}")
     if device == "auto" or device == "cuda":
-        raise ConfigError("compute.device", f"a site rank needs its own device (cpu or cuda:N), "
-                          f"got {device!r}: map it with site_device (the CLI does)")
+        raise ConfigError(
+            "compute.device",
+            f"a site rank needs its own device (cpu or cuda:N), "
+            f"got {device!r}: map it with site_device (the CLI does)",
+        )
     on_gpu = device.startswith("cuda")
     if backend == "nccl" and not on_gpu:
-        raise ConfigError("site.backend", f"--site-backend nccl runs collectives on CUDA tensors "
-                          f"only, but this rank computes on {device!r}: use --device cuda (rank "
-                          "r of a host takes cuda:LOCAL_RANK) or --site-backend gloo")
+        raise ConfigError(
+            "site.backend",
+            f"--site-backend nccl runs collectives on CUDA tensors "
+            f"only, but this rank computes on {device!r}: use --device cuda (rank "
+            "r of a host takes cuda:LOCAL_RANK) or --site-backend gloo",
+        )
     if backend == "gloo" and on_gpu and engine == "fsdp2":
-        raise ConfigError("site.backend", f"FSDP2 over Gloo cannot compute on {device!r} (Gloo "
-                          "has no CUDA reduce-scatter to rely on): use --site-backend nccl, "
-                          "--site ddp, or --device cpu")
+        raise ConfigError(
+            "site.backend",
+            f"FSDP2 over Gloo cannot compute on {device!r} (Gloo "
+            "has no CUDA reduce-scatter to rely on): use --site-backend nccl, "
+            "--site ddp, or --device cpu",
+        )
 
 
 class SiteFailed(LowbandError):
@@ -112,17 +127,23 @@ class SiteLaunch:
 
     def __post_init__(self) -> None:
         if not isinstance(self.train.mode, DilocoConfig):
-            raise ConfigError("mode", "a multi-rank site runs Streaming DiLoCo, not the DDP baseline")
+            raise ConfigError(
+                "mode", "a multi-rank site runs Streaming DiLoCo, not the DDP baseline"
+            )
         if self.engine not in ENGINES:
             raise ConfigError("site.engine", f"must be one of {ENGINES}, got {self.engine!r}")
         check_site_device(self.backend, self.engine, self.train.compute.device)
         if not self.dist_timeout > 0:
             raise ConfigError("site.dist_timeout", f"must be > 0 seconds, got {self.dist_timeout}")
         if len(self.coordinators) != self.size:
-            raise ConfigError("coordinators", f"a site of {self.size} ranks needs one lowband "
-                              f"coordinator per shard, got {len(self.coordinators)}")
-        object.__setattr__(self, "layout", ShardLayout(size=self.size, rank=self.rank,
-                                                       engine=self.engine))
+            raise ConfigError(
+                "coordinators",
+                f"a site of {self.size} ranks needs one lowband "
+                f"coordinator per shard, got {len(self.coordinators)}",
+            )
+        object.__setattr__(
+            self, "layout", ShardLayout(size=self.size, rank=self.rank, engine=self.engine)
+        )
 
 
 def site_main(cfg: SiteLaunch) -> WorkerResult:
@@ -143,22 +164,45 @@ def site_main(cfg: SiteLaunch) -> WorkerResult:
         # Before the process group forms: NCCL binds its communicator, and FSDP2 and DCP's
         # object collectives pick their device, from the current CUDA device.
         torch.cuda.set_device(device)
-    dist.init_process_group(cfg.backend, init_method=f"tcp://{cfg.master}", rank=cfg.rank,
-                            world_size=cfg.size, timeout=timedelta(seconds=cfg.dist_timeout))
+    dist.init_process_group(
+        cfg.backend,
+        init_method=f"tcp://{cfg.master}",
+        rank=cfg.rank,
+        world_size=cfg.size,
+        timeout=timedelta(seconds=cfg.dist_timeout),
+    )
     task = lm_task(cfg.train)
     signature = site_signature(run_signature(cfg.train, task.build_model()), cfg.layout).hex()
-    zcfg = ZmqConfig(bind_host=cfg.bind_host, advertise_host=cfg.advertise_host,
-                     connections=cfg.connections, timeout=cfg.train.sync_timeout, token=cfg.token,
-                     same_host=cfg.same_host)
+    zcfg = ZmqConfig(
+        bind_host=cfg.bind_host,
+        advertise_host=cfg.advertise_host,
+        connections=cfg.connections,
+        timeout=cfg.train.sync_timeout,
+        token=cfg.token,
+        same_host=cfg.same_host,
+    )
     worker_id = f"{cfg.site_id}-r{cfg.rank}"
-    comm = connect(cfg.coordinators[cfg.rank], zcfg, signature=signature,
-                   meta={"worker_id": worker_id, "layout": cfg.layout.describe()})
-    log = MetricsLog(cfg.out_dir / f"metrics-{worker_id}.jsonl" if cfg.out_dir else None,
-                     worker=worker_id)
+    comm = connect(
+        cfg.coordinators[cfg.rank],
+        zcfg,
+        signature=signature,
+        meta={"worker_id": worker_id, "layout": cfg.layout.describe()},
+    )
+    log = MetricsLog(
+        cfg.out_dir / f"metrics-{worker_id}.jsonl" if cfg.out_dir else None, worker=worker_id
+    )
     try:
-        worker = SiteWorker(cfg.train, comm, task, layout=cfg.layout, log=log,
-                            out_dir=cfg.out_dir, worker_id=worker_id, resume=cfg.resume,
-                            byte_tokenizer=cfg.train.data.kind != "tokens")
+        worker = SiteWorker(
+            cfg.train,
+            comm,
+            task,
+            layout=cfg.layout,
+            log=log,
+            out_dir=cfg.out_dir,
+            worker_id=worker_id,
+            resume=cfg.resume,
+            byte_tokenizer=cfg.train.data.kind != "tokens",
+        )
         result = worker.run()
         leave_together(comm, cfg.train.sync_timeout)
         return result
@@ -167,9 +211,11 @@ def site_main(cfg: SiteLaunch) -> WorkerResult:
         # reconcile without this site), before anything else can block.
         comm.close()
         log.log("site_failed", rank=cfg.rank, error=f"{type(exc).__name__}: {exc}")
-        raise SiteFailed(f"rank {cfg.rank} of site {cfg.site_id!r} stopped ({type(exc).__name__}: "
-                         f"{exc}); it left lowband group {cfg.rank}: restart the whole site "
-                         "(torchrun does) and it rejoins as a newcomer") from exc
+        raise SiteFailed(
+            f"rank {cfg.rank} of site {cfg.site_id!r} stopped ({type(exc).__name__}: "
+            f"{exc}); it left lowband group {cfg.rank}: restart the whole site "
+            "(torchrun does) and it rejoins as a newcomer"
+        ) from exc
     finally:
         log.close()
         comm.close()

@@ -121,6 +121,7 @@ class HostStaging:
         def run() -> T:
             out.wait()
             return send()
+
         return self._sender.submit(run)
 
     # ---- host → device ---------------------------------------------------------------------------

@@ -15,8 +15,8 @@ from torch import nn
 from diloco.config import TrainConfig
 from diloco.corpus_task import CorpusTask
 from diloco.data import Corpus, load_corpus
-from lowband.models.llama import LlamaForCausalLM, init_weights
 from lowband.errors import ConfigError
+from lowband.models.llama import LlamaForCausalLM, init_weights
 
 
 class Task(Protocol):

@@ -38,10 +38,23 @@ from typing import Any, Callable
 
 import torch
 
-from diloco.checkpoint import (State, export_model, load_optimizer_state, load_state,
-                               optimizer_state, save_state)
-from diloco.common import (InnerLoop, WorkerResult, hash_state, optimizer_tensors, record_inner_step,
-                           run_signature, signature_int)
+from diloco.checkpoint import (
+    State,
+    export_model,
+    load_optimizer_state,
+    load_state,
+    optimizer_state,
+    save_state,
+)
+from diloco.common import (
+    InnerLoop,
+    WorkerResult,
+    hash_state,
+    optimizer_tensors,
+    record_inner_step,
+    run_signature,
+    signature_int,
+)
 from diloco.config import DilocoConfig, TrainConfig
 from diloco.device import optimizer_kernels, resolve_device
 from diloco.fragments import plan_fragments
@@ -52,8 +65,14 @@ from diloco.staging import HostStaging
 from diloco.task import Task
 from lowband.codecs import get_codec
 from lowband.comm import Communicator, Membership, Work
-from lowband.errors import (ConfigError, IncompatiblePeer, LowbandError, PeerLost, ProtocolError,
-                            TransportTimeout)
+from lowband.errors import (
+    ConfigError,
+    IncompatiblePeer,
+    LowbandError,
+    PeerLost,
+    ProtocolError,
+    TransportTimeout,
+)
 
 # A lost peer makes every survivor's pending collectives raise PeerLost promptly (the contract of
 # lowband.comm; the ZeroMQ transport has the first rank that fails tell the others). A deadline
@@ -102,11 +121,20 @@ def _majority(values: list[int]) -> int:
 class DilocoWorker:
     """One Streaming DiLoCo worker. ``run()`` trains to ``cfg.steps`` and returns a summary."""
 
-    def __init__(self, cfg: TrainConfig, comm: Communicator, task: Task, *,
-                 log: MetricsLog | None = None, progress: bool = False,
-                 out_dir: Path | None = None, resume: Path | None = None,
-                 worker_id: str | None = None, byte_tokenizer: bool = True,
-                 on_step: Callable[[int], None] | None = None) -> None:
+    def __init__(
+        self,
+        cfg: TrainConfig,
+        comm: Communicator,
+        task: Task,
+        *,
+        log: MetricsLog | None = None,
+        progress: bool = False,
+        out_dir: Path | None = None,
+        resume: Path | None = None,
+        worker_id: str | None = None,
+        byte_tokenizer: bool = True,
+        on_step: Callable[[int], None] | None = None,
+    ) -> None:
         if not isinstance(cfg.mode, DilocoConfig):
             raise ConfigError("mode", "DilocoWorker needs a DilocoConfig (use DDPWorker for DDP)")
         self.cfg, self.mode, self.comm, self.task = cfg, cfg.mode, comm, task
@@ -120,18 +148,26 @@ class DilocoWorker:
         self.inner = InnerLoop(cfg, task, self.model, self.device)
         self.signature = run_signature(cfg, self.model)
         self.codec = None if self.mode.codec == "fp32" else get_codec(self.mode.codec)
-        outer_kernels = optimizer_kernels(self.mode.outer.name, self.device,
-                                          cfg.compute.optimizer_impl)
+        outer_kernels = optimizer_kernels(
+            self.mode.outer.name, self.device, cfg.compute.optimizer_impl
+        )
         local = dict(self.model.named_parameters())
         glob = dict(self.global_model.named_parameters())
-        plan = plan_fragments(list(local.items()), self.mode.n_fragments,
-                              self.mode.fragment_strategy)
+        plan = plan_fragments(
+            list(local.items()), self.mode.n_fragments, self.mode.fragment_strategy
+        )
         self.fragments = [
-            FragmentSync(p, names, [local[n] for n in names], [glob[n] for n in names],
-                         self.mode.outer.build([glob[n] for n in names], outer_kernels),
-                         self.codec,
-                         self.mode.error_feedback)
-            for p, names in enumerate(plan.names)]
+            FragmentSync(
+                p,
+                names,
+                [local[n] for n in names],
+                [glob[n] for n in names],
+                self.mode.outer.build([glob[n] for n in names], outer_kernels),
+                self.codec,
+                self.mode.error_feedback,
+            )
+            for p, names in enumerate(plan.names)
+        ]
         self.applied = 0  # fragment syncs applied (identical on every worker)
         self.initialized = False  # holds authoritative state (resumed, or agreed with the group)
         self.slot = -1  # data slot: which stream of batches this worker draws (stable for life)
@@ -139,8 +175,9 @@ class DilocoWorker:
         self._resume_dir = resume
         self.inflight: _Sync | None = None
         self.lost: _Sync | None = None  # a sync whose result never arrived here
-        self.result = WorkerResult(peer_id=comm.membership.peer_id, rank=comm.rank,
-                                   mode="diloco", start_step=0, steps=0)
+        self.result = WorkerResult(
+            peer_id=comm.membership.peer_id, rank=comm.rank, mode="diloco", start_step=0, steps=0
+        )
         self._rec_epoch: int | None = None
         self._rec_count = 0
         self._checkpoint_due = False
@@ -154,8 +191,9 @@ class DilocoWorker:
     # ---- the loop ------------------------------------------------------------------------------
     def run(self) -> WorkerResult:
         m = self.mode
-        self._timed(lambda: self.comm.quorum(min_world=self.cfg.workers,
-                                             timeout=self._quorum_timeout))
+        self._timed(
+            lambda: self.comm.quorum(min_world=self.cfg.workers, timeout=self._quorum_timeout)
+        )
         if self.worker_id is None:
             self.worker_id = str(self.comm.rank)
         self.result.peer_id = self.comm.membership.peer_id
@@ -211,11 +249,17 @@ class DilocoWorker:
         """Start the two all-reduces of a sync on host tensors (the transport's thread reads
         them). May run on the staging's sender thread: it only sets fields of ``sync``."""
         try:
-            sync.total = self.comm.all_reduce_async(sync.x, "sum", codec=self.codec,
-                                                    algorithm=self.mode.algorithm,
-                                                    tag=tag + "/sum", timeout=self.cfg.sync_timeout)
-            sync.count = self.comm.all_reduce_async(sync.flag, "sum", tag=tag + "/n",
-                                                    timeout=self.cfg.sync_timeout)
+            sync.total = self.comm.all_reduce_async(
+                sync.x,
+                "sum",
+                codec=self.codec,
+                algorithm=self.mode.algorithm,
+                tag=tag + "/sum",
+                timeout=self.cfg.sync_timeout,
+            )
+            sync.count = self.comm.all_reduce_async(
+                sync.flag, "sum", tag=tag + "/n", timeout=self.cfg.sync_timeout
+            )
         except PeerLost as exc:
             sync.error = exc
 
@@ -227,8 +271,12 @@ class DilocoWorker:
         try:
             total, count = self._wait(sync)
         except (PeerLost, TransportTimeout) as exc:
-            logger.warning("sync of fragment %d round %d failed (%s); recovering at the "
-                           "sync point", sync.fragment, sync.round, exc)
+            logger.warning(
+                "sync of fragment %d round %d failed (%s); recovering at the sync point",
+                sync.fragment,
+                sync.round,
+                exc,
+            )
             self.log.log("recovery", step=self.step, fragment=sync.fragment, error=str(exc))
             # Keep what was sent for a redo: the staging reuses the buffers at the next SEND.
             sync.x, sync.flag = sync.x.clone(), sync.flag.clone()
@@ -251,15 +299,20 @@ class DilocoWorker:
             raise PeerLost(f"the sync of fragment {sync.fragment} was never launched")
         return sync.total.wait(), sync.count.wait()
 
-    def _outer(self, p: int, total: torch.Tensor, count: torch.Tensor,
-               expected: int | None = None) -> None:
+    def _outer(
+        self, p: int, total: torch.Tensor, count: torch.Tensor, expected: int | None = None
+    ) -> None:
         """Average over the valid contributions, outer step, merge (one fragment).
         ``expected``: how many workers had a contribution (default: all of them)."""
         n = int(round(float(count.reshape(-1)[0])))
         expected = self.comm.world_size if expected is None else expected
         if n < expected:
-            logger.warning("fragment %d: %d of %d workers sent a valid pseudo-gradient; "
-                           "averaging over those", p, n, expected)
+            logger.warning(
+                "fragment %d: %d of %d workers sent a valid pseudo-gradient; averaging over those",
+                p,
+                n,
+                expected,
+            )
         if n > 0:
             # H2D on the side stream; the main stream (not the host) waits for it.
             avg = self.staging.stage_in(total, key=p).reshape(-1) / n
@@ -276,9 +329,17 @@ class DilocoWorker:
         r.outer_syncs += 1
         r.peak_sync_bytes = max(r.peak_sync_bytes, sent)
         r.fragment_bytes[sync.fragment] = r.fragment_bytes.get(sync.fragment, 0) + sent
-        self.log.log("sync", step=self.step, fragment=sync.fragment, round=sync.round,
-                     bytes_sent=sent, bytes_received=received, wait_s=round(wait_s, 6),
-                     valid=sync.valid, world=self.comm.world_size)
+        self.log.log(
+            "sync",
+            step=self.step,
+            fragment=sync.fragment,
+            round=sync.round,
+            bytes_sent=sent,
+            bytes_received=received,
+            wait_s=round(wait_s, 6),
+            valid=sync.valid,
+            world=self.comm.world_size,
+        )
 
     # ---- membership ----------------------------------------------------------------------------
     def _sync_point(self) -> None:
@@ -300,8 +361,14 @@ class DilocoWorker:
         before = self.comm.membership.epoch
         m = self.comm.quorum(timeout=self._quorum_timeout)
         if m.epoch != before:
-            self.log.log("membership", step=self.step, epoch=m.epoch, world=m.world_size,
-                         joined=list(m.joined), left=list(m.left))
+            self.log.log(
+                "membership",
+                step=self.step,
+                epoch=m.epoch,
+                world=m.world_size,
+                joined=list(m.joined),
+                left=list(m.left),
+            )
         return m
 
     @property
@@ -323,10 +390,19 @@ class DilocoWorker:
 
     def _status(self, state_hash: int) -> torch.Tensor:
         lost = self.lost
-        return torch.tensor([signature_int(self.signature), int(self.initialized), self.step,
-                             self.applied, lost.fragment if lost else -1,
-                             lost.round if lost else -1, state_hash, self.slot],
-                            dtype=torch.int64)
+        return torch.tensor(
+            [
+                signature_int(self.signature),
+                int(self.initialized),
+                self.step,
+                self.applied,
+                lost.fragment if lost else -1,
+                lost.round if lost else -1,
+                state_hash,
+                self.slot,
+            ],
+            dtype=torch.int64,
+        )
 
     def _next_tag(self) -> str:
         # Tags must be unique within an epoch and equal on every member, newcomers included:
@@ -340,8 +416,12 @@ class DilocoWorker:
     def _reconcile_once(self, reason: str) -> bool:
         comm, tag = self.comm, self._next_tag()
         mine = self.state_hash()  # once: unchanged by this call unless the state is replaced
-        rows = [r.tolist() for r in comm.all_gather(self._status(mine), tag=tag + "/status",
-                                                    timeout=self.cfg.sync_timeout)]
+        rows = [
+            r.tolist()
+            for r in comm.all_gather(
+                self._status(mine), tag=tag + "/status", timeout=self.cfg.sync_timeout
+            )
+        ]
         if not self._check_signatures(rows):
             return False
         if not any(r[INIT] for r in rows):  # a fresh run: the seeded models are the state
@@ -358,8 +438,11 @@ class DilocoWorker:
             return False  # progress changed: gather the status again
         ref = _majority([rows[i][HASH] for i in leaders])
         donor = min(i for i in leaders if rows[i][HASH] == ref)
-        stale = [i for i, r in enumerate(rows)
-                 if not (r[INIT] and (r[STEP], r[APPLIED]) == best and r[HASH] == ref)]
+        stale = [
+            i
+            for i, r in enumerate(rows)
+            if not (r[INIT] and (r[STEP], r[APPLIED]) == best and r[HASH] == ref)
+        ]
         if stale:
             self._transfer(donor, stale, tag)
         self._verify(tag, reason, stale, None if comm.rank in stale else mine)
@@ -384,7 +467,8 @@ class DilocoWorker:
             raise IncompatiblePeer(
                 "this worker's model/config signature differs from the group's (parameter "
                 "shapes, H, P, τ, codec, optimizers, steps or seed): use the same preset and "
-                "overrides as the other workers")
+                "overrides as the other workers"
+            )
         logger.warning("refusing %d worker(s) with a different signature", len(bad))
         self._quorum_logged()  # they leave; continue without them
         return False
@@ -404,8 +488,13 @@ class DilocoWorker:
             self._record_sync(sync, 0.0)
             self.lost = None
             self.result.retries += 1
-            self.log.log("recovery", step=self.step, fragment=fragment, redone=True,
-                         world=self.comm.world_size)
+            self.log.log(
+                "recovery",
+                step=self.step,
+                fragment=fragment,
+                redone=True,
+                world=self.comm.world_size,
+            )
 
     def _transfer(self, donor: int, stale: list[int], tag: str) -> None:
         comm = self.comm
@@ -413,8 +502,13 @@ class DilocoWorker:
             tensors, meta = self.state(own=False)
             names = sorted(tensors)
             for dst in stale:
-                comm.send(dst, [tensors[n] for n in names], {"names": names, "meta": meta},
-                          tag=f"{tag}/state", timeout=self.cfg.sync_timeout)
+                comm.send(
+                    dst,
+                    [tensors[n] for n in names],
+                    {"names": names, "meta": meta},
+                    tag=f"{tag}/state",
+                    timeout=self.cfg.sync_timeout,
+                )
         elif comm.rank in stale:
             ts, msg = comm.recv(donor, tag=f"{tag}/state", timeout=self.cfg.sync_timeout)
             self.load(dict(zip(msg["names"], ts)), msg["meta"], own=False)
@@ -426,14 +520,25 @@ class DilocoWorker:
         replaced by a transfer (then it is computed again)."""
         if mine is None:
             mine = self.state_hash()
-        hashes = [int(h) for h in self.comm.all_gather(torch.tensor([mine], dtype=torch.int64),
-                                                       tag=tag + "/verify",
-                                                       timeout=self.cfg.sync_timeout)]
+        hashes = [
+            int(h)
+            for h in self.comm.all_gather(
+                torch.tensor([mine], dtype=torch.int64),
+                tag=tag + "/verify",
+                timeout=self.cfg.sync_timeout,
+            )
+        ]
         if len(set(hashes)) != 1:
             raise StateMismatch(f"state hashes differ after reconciling ({reason}): {hashes}")
         self.initialized = True
-        self.log.log("audit", step=self.step, reason=reason, world=self.comm.world_size,
-                     refreshed=stale, state_hash=mine)
+        self.log.log(
+            "audit",
+            step=self.step,
+            reason=reason,
+            world=self.comm.world_size,
+            refreshed=stale,
+            state_hash=mine,
+        )
 
     # ---- state ---------------------------------------------------------------------------------
     def state_hash(self) -> int:
@@ -453,13 +558,23 @@ class DilocoWorker:
         for name, p in self.global_model.named_parameters():
             tensors["global." + name] = p.detach().to("cpu", copy=True)
         inner_meta, outer_meta = self._optimizer_sections(tensors, own=own)
-        meta = {"format": 1, "step": self.step, "applied": self.applied,
-                "inner": inner_meta, "outer": outer_meta, "slot": self.slot if own else -1}
+        meta = {
+            "format": 1,
+            "step": self.step,
+            "applied": self.applied,
+            "inner": inner_meta,
+            "outer": outer_meta,
+            "slot": self.slot if own else -1,
+        }
         return tensors, meta
 
-    def _optimizer_sections(self, tensors: dict[str, torch.Tensor], *, own: bool,
-                            inner: Callable[[torch.Tensor], torch.Tensor] = lambda t: t
-                            ) -> tuple[Any, list]:
+    def _optimizer_sections(
+        self,
+        tensors: dict[str, torch.Tensor],
+        *,
+        own: bool,
+        inner: Callable[[torch.Tensor], torch.Tensor] = lambda t: t,
+    ) -> tuple[Any, list]:
         """Add the inner and outer optimizer states (and, for ``own``, the error-feedback
         residuals) to ``tensors``; their metadata. ``inner`` maps each inner-state tensor (a
         sharded site turns DTensors into plain ones)."""
@@ -483,8 +598,7 @@ class DilocoWorker:
         for f, m in zip(self.fragments, meta["outer"]):
             load_optimizer_state(f.outer_opt, f"outer{f.index}", tensors, m)
             key = f"residual.{f.index}"
-            f.residual = (tensors[key].to(self.device, copy=True) if own and key in tensors
-                          else None)
+            f.residual = tensors[key].to(self.device, copy=True) if own and key in tensors else None
         self.inner.step = int(meta["step"])
         self.applied = int(meta["applied"])
         self.lost = self.inflight = None
@@ -495,8 +609,9 @@ class DilocoWorker:
     def _resume(self, directory: Path) -> None:
         stem = directory / f"worker-{self.worker_id}"
         if not stem.with_name(stem.name + ".json").exists():
-            logger.warning("no %s in %s: this worker will take its state from a peer",
-                           stem.name, directory)
+            logger.warning(
+                "no %s in %s: this worker will take its state from a peer", stem.name, directory
+            )
             return
         tensors, meta = load_state(stem)
         self.load(tensors, meta, own=True)
@@ -504,8 +619,18 @@ class DilocoWorker:
     # ---- bookkeeping ---------------------------------------------------------------------------
     def _after_step(self, loss: torch.Tensor) -> None:
         step = self.step
-        record_inner_step(self.result, self.cfg, self.log, self.comm, self._progress, step, loss,
-                          self.task.tokens_per_batch(), self.inner.lr(), self._t0)
+        record_inner_step(
+            self.result,
+            self.cfg,
+            self.log,
+            self.comm,
+            self._progress,
+            step,
+            loss,
+            self.task.tokens_per_batch(),
+            self.inner.lr(),
+            self._t0,
+        )
         if self.cfg.eval_every and step % self.cfg.eval_every == 0 and step < self.cfg.steps:
             self._evaluate()
         if self.cfg.checkpoint_every and step % self.cfg.checkpoint_every == 0:

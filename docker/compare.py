@@ -68,13 +68,17 @@ def table(runs: dict[str, dict[str, Any]]) -> str:
     def fmt(v: Any, spec: str) -> str:
         return "-" if v is None else format(v, spec)
 
-    lines = [f"{'run':<18} {'workers':>7} {'eval loss':>9} {'MiB/worker':>11} {'wall s':>8} "
-             f"{'steps/s':>8} {'sync s':>8} {'tok/s':>9}"]
+    lines = [
+        f"{'run':<18} {'workers':>7} {'eval loss':>9} {'MiB/worker':>11} {'wall s':>8} "
+        f"{'steps/s':>8} {'sync s':>8} {'tok/s':>9}"
+    ]
     for name, r in runs.items():
-        lines.append(f"{name:<18} {r['workers']:>7} {fmt(r['final_eval'], '.4f'):>9} "
-                     f"{r['bytes_per_worker'] / 2**20:>11.2f} {r['wall_s']:>8.1f} "
-                     f"{fmt(r['steps_per_s'], '.2f'):>8} "
-                     f"{r['sync_s']:>8.1f} {fmt(r['tokens_per_s'], '.0f'):>9}")
+        lines.append(
+            f"{name:<18} {r['workers']:>7} {fmt(r['final_eval'], '.4f'):>9} "
+            f"{r['bytes_per_worker'] / 2**20:>11.2f} {r['wall_s']:>8.1f} "
+            f"{fmt(r['steps_per_s'], '.2f'):>8} "
+            f"{r['sync_s']:>8.1f} {fmt(r['tokens_per_s'], '.0f'):>9}"
+        )
     return "\n".join(lines)
 
 
@@ -93,12 +97,20 @@ def main(argv: list[str] | None = None) -> int:
     print(table(runs))
     result = compare(runs["Streaming DiLoCo"], runs["DDP"])
     if result["bytes_ratio"] is not None:
-        print(f"Streaming DiLoCo sent {result['bytes_ratio']:.0f}x fewer bytes per worker"
-              + (f", eval loss {100 * result['loss_gap']:+.2f}% vs DDP"
-                 if result["loss_gap"] is not None else ""))
+        print(
+            f"Streaming DiLoCo sent {result['bytes_ratio']:.0f}x fewer bytes per worker"
+            + (
+                f", eval loss {100 * result['loss_gap']:+.2f}% vs DDP"
+                if result["loss_gap"] is not None
+                else ""
+            )
+        )
     if args.plot is not None:
-        plot_runs({k: v["evals"] for k, v in runs.items()}, args.plot,
-                  title="DDP vs Streaming DiLoCo on shaped links")
+        plot_runs(
+            {k: v["evals"] for k, v in runs.items()},
+            args.plot,
+            title="DDP vs Streaming DiLoCo on shaped links",
+        )
         result["plot"] = str(args.plot)
     summary = {k: {kk: vv for kk, vv in v.items() if kk != "evals"} for k, v in runs.items()}
     line = json.dumps({"runs": summary, **result})

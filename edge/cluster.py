@@ -43,13 +43,20 @@ import torch
 
 from edge.engine import ClusterUnavailable
 from edge.moe.serve import ExpertServeConfig, is_nested_dir, load_nested_shard
-from transport.starlink import StarHub, StarSpoke
 from edge.shardio import LoadedShard, WindowConfig, is_split_dir, load_shard
 from edge.tp import exact_reduce, gather_logits, make_reduce
 from lowband.codecs import Int8BlockCodec, get_codec
 from lowband.comm import Codec, Communicator, OpStats
-from lowband.errors import (CommClosed, ConfigError, CorruptWeights, LowbandError, PeerLost,
-                            ProtocolError, TransportTimeout)
+from lowband.errors import (
+    CommClosed,
+    ConfigError,
+    CorruptWeights,
+    LowbandError,
+    PeerLost,
+    ProtocolError,
+    TransportTimeout,
+)
+from transport.starlink import StarHub, StarSpoke
 
 logger = logging.getLogger(__name__)
 
@@ -64,6 +71,8 @@ def master_rank(peers: Sequence[str]) -> int:
         if p.startswith(MASTER_ID_PREFIX):
             return r
     return 0
+
+
 WIRE_CODECS = ("fp32", "fp16", "bf16", "int8")
 
 
@@ -153,24 +162,50 @@ def check_experts(model_dir: str | Path, experts: ExpertServeConfig | None) -> b
     """Whether ``model_dir`` is a nested MoE; refuses a missing or a pointless expert budget."""
     nested = is_nested_dir(model_dir)
     if nested and experts is None:
-        raise ConfigError("expert_budget_mb", f"{model_dir} is a bit-nested MoE: give the memory "
-                          "its experts may use (--expert-budget-mb)")
+        raise ConfigError(
+            "expert_budget_mb",
+            f"{model_dir} is a bit-nested MoE: give the memory "
+            "its experts may use (--expert-budget-mb)",
+        )
     if not nested and experts is not None:
-        raise ConfigError("expert_budget_mb", f"{model_dir} is not a bit-nested MoE directory "
-                          "(convert with 'lowband edge quantize MODEL --nested --out DIR')")
+        raise ConfigError(
+            "expert_budget_mb",
+            f"{model_dir} is not a bit-nested MoE directory "
+            "(convert with 'lowband edge quantize MODEL --nested --out DIR')",
+        )
     return nested
 
 
-def _load(model_dir: str, slot: int, world: int, weights, dtype, net, codec,
-          algorithm: str, timeout: float, window: WindowConfig | None, tags: _Tags,
-          experts: ExpertServeConfig | None = None) -> LoadedShard:
+def _load(
+    model_dir: str,
+    slot: int,
+    world: int,
+    weights,
+    dtype,
+    net,
+    codec,
+    algorithm: str,
+    timeout: float,
+    window: WindowConfig | None,
+    tags: _Tags,
+    experts: ExpertServeConfig | None = None,
+) -> LoadedShard:
     """``net``: whatever carries the all-reduces (the communicator or a star link)."""
     reduce = make_reduce(net, codec=codec, algorithm=algorithm, timeout=timeout, tags=tags)
     if check_experts(model_dir, experts):
-        return load_nested_shard(model_dir, slot, world, experts=experts, weights=weights,
-                                 reduce=reduce, window=window, dtype=dtype)
-    return load_shard(model_dir, slot, world, weights=weights, dtype=dtype, reduce=reduce,
-                      window=window)
+        return load_nested_shard(
+            model_dir,
+            slot,
+            world,
+            experts=experts,
+            weights=weights,
+            reduce=reduce,
+            window=window,
+            dtype=dtype,
+        )
+    return load_shard(
+        model_dir, slot, world, weights=weights, dtype=dtype, reduce=reduce, window=window
+    )
 
 
 def shard_logits(shard: LoadedShard, h: torch.Tensor, top: int) -> torch.Tensor | None:
@@ -210,33 +245,57 @@ class MasterRunner:
         self.weights = cfg.weights
         m = comm.quorum(min_world=cfg.devices, timeout=cfg.join_timeout)
         if master_rank(m.peers) != comm.rank:
-            raise ConfigError("master", f"another peer ({m.peers[master_rank(m.peers)]}) is the master")
+            raise ConfigError(
+                "master", f"another peer ({m.peers[master_rank(m.peers)]}) is the master"
+            )
         self.split = None  # edge.planner.SplitPlan when cfg.auto_split
         if cfg.auto_split and cfg.devices > 1:
             self._auto_split()
-        self.hub = (StarHub(cfg.link_host, spin_s=cfg.link_spin_us * 1e-6)
-                    if cfg.link == "direct" and self.devices > 1 else None)
-        self.shard = _load(self.model_dir, 0, self.devices, self.weights, cfg.dtype, self.hub or comm,
-                           self.codec, cfg.algorithm, cfg.op_timeout, cfg.window_config(), self.tags,
-                           cfg.experts)
+        self.hub = (
+            StarHub(cfg.link_host, spin_s=cfg.link_spin_us * 1e-6)
+            if cfg.link == "direct" and self.devices > 1
+            else None
+        )
+        self.shard = _load(
+            self.model_dir,
+            0,
+            self.devices,
+            self.weights,
+            cfg.dtype,
+            self.hub or comm,
+            self.codec,
+            cfg.algorithm,
+            cfg.op_timeout,
+            cfg.window_config(),
+            self.tags,
+            cfg.experts,
+        )
         self.model = self.shard.model
         self.config = self.model.config
         self.cache = self.model.new_cache()
         self._slots[comm.membership.peer_id] = 0
         self._assign(self._others(), list(range(1, self.devices)))
         self._healthy, self._status = True, "ok"
-        self._heartbeat = threading.Thread(target=self._heartbeat_loop, name="edge-heartbeat",
-                                           daemon=True)
+        self._heartbeat = threading.Thread(
+            target=self._heartbeat_loop, name="edge-heartbeat", daemon=True
+        )
         self._heartbeat.start()
 
     # ---- setup / recovery ----------------------------------------------------------------------
     def _auto_split(self) -> None:
         """Profile, plan (edge.profile / edge.planner), and dismiss the devices left out."""
         from edge.profile import auto_split
+
         self._ping_n += 1
-        plan, used = auto_split(self.comm, self._others(), self.model_dir, dtype=self.cfg.dtype,
-                                timeout=self.cfg.join_timeout, start_n=self._ping_n * 1000,
-                                worker_model_dir=self.cfg.worker_model_dir or self.model_dir)
+        plan, used = auto_split(
+            self.comm,
+            self._others(),
+            self.model_dir,
+            dtype=self.cfg.dtype,
+            timeout=self.cfg.join_timeout,
+            start_n=self._ping_n * 1000,
+            worker_model_dir=self.cfg.worker_model_dir or self.model_dir,
+        )
         dropped = [r for r in self._others() if r not in used]
         for r in dropped:
             why = plan.left_out.get(self.comm.membership.peers[r], "")
@@ -271,23 +330,32 @@ class MasterRunner:
         cfg = self.cfg
         peers = self.comm.membership.peers
         for r, s in zip(ranks, slots):
-            meta = {"op": "assign", "slot": s, "world": self.devices,
-                    "weights": list(self.weights) if self.weights else None,
-                    "model_dir": cfg.worker_model_dir or self.model_dir, "dtype": cfg.dtype,
-                    "wire": cfg.wire, "algorithm": cfg.algorithm, "op_timeout": cfg.op_timeout,
-                    "window": cfg.window, "memory_budget_mb": cfg.memory_budget_mb,
-                    "experts": cfg.experts.to_dict() if cfg.experts else None,
-                    "link_port": self.hub.port if self.hub else None,
-                    "link_spin_us": self.cfg.link_spin_us,
-                    "link_secret": self.hub.secret if self.hub else None,
-                    # an idle master pings every heartbeat_s: this much silence means it is gone
-                    "silence_s": max(30.0, 10 * cfg.heartbeat_s) + cfg.op_timeout}
+            meta = {
+                "op": "assign",
+                "slot": s,
+                "world": self.devices,
+                "weights": list(self.weights) if self.weights else None,
+                "model_dir": cfg.worker_model_dir or self.model_dir,
+                "dtype": cfg.dtype,
+                "wire": cfg.wire,
+                "algorithm": cfg.algorithm,
+                "op_timeout": cfg.op_timeout,
+                "window": cfg.window,
+                "memory_budget_mb": cfg.memory_budget_mb,
+                "experts": cfg.experts.to_dict() if cfg.experts else None,
+                "link_port": self.hub.port if self.hub else None,
+                "link_spin_us": self.cfg.link_spin_us,
+                "link_secret": self.hub.secret if self.hub else None,
+                # an idle master pings every heartbeat_s: this much silence means it is gone
+                "silence_s": max(30.0, 10 * cfg.heartbeat_s) + cfg.op_timeout,
+            }
             self._ctl(r, [], meta)
         for r, s in zip(ranks, slots):
             _, meta = self.comm.recv(r, tag=READY, timeout=cfg.join_timeout)
             if not meta.get("ok"):
-                raise ConfigError("worker", f"worker rank {r} could not load slot {s}: "
-                                  f"{meta.get('error')}")
+                raise ConfigError(
+                    "worker", f"worker rank {r} could not load slot {s}: {meta.get('error')}"
+                )
             if self.hub is not None:  # the worker dialled the link before saying ready
                 self.hub.accept(s, timeout=cfg.op_timeout)
             self._slots[peers[r]] = s
@@ -300,11 +368,14 @@ class MasterRunner:
         self._status = f"degraded: {exc}"
         logger.warning("cluster degraded: %s; waiting for the worker to come back", exc)
         if self._recovery is None or not self._recovery.is_alive():
-            self._recovery = threading.Thread(target=self._recover, name="edge-recover", daemon=True)
+            self._recovery = threading.Thread(
+                target=self._recover, name="edge-recover", daemon=True
+            )
             self._recovery.start()
         return ClusterUnavailable(
             f"a device of the cluster failed ({exc}); the request was aborted. The master keeps "
-            f"running and recovers when the worker reconnects (see /health)")
+            f"running and recovers when the worker reconnects (see /health)"
+        )
 
     def _recover(self) -> None:
         since = time.monotonic()
@@ -346,7 +417,7 @@ class MasterRunner:
         new_ranks = [r for r, p in enumerate(m.peers) if p not in self._slots]
         if len(new_ranks) < len(missing):
             raise PeerLost(f"slots {missing} still unassigned")
-        self._assign(new_ranks[:len(missing)], missing)
+        self._assign(new_ranks[: len(missing)], missing)
         self._sync_all()
 
     def _replan(self) -> None:
@@ -360,9 +431,17 @@ class MasterRunner:
         else:
             others = self._others()
             w = self.cfg.weights
-            weights = None if w is None else tuple(
-                [w[0]] + [w[self._slots[m.peers[r]]] if m.peers[r] in self._slots else 1.0
-                          for r in others])
+            weights = (
+                None
+                if w is None
+                else tuple(
+                    [w[0]]
+                    + [
+                        w[self._slots[m.peers[r]]] if m.peers[r] in self._slots else 1.0
+                        for r in others
+                    ]
+                )
+            )
             self.devices, self.weights = m.world_size, weights
         if self.hub is not None:
             for s in self.hub.slots():
@@ -371,9 +450,20 @@ class MasterRunner:
         self.shard.close()
         self.shard = self.model = None
         net = self.hub if (self.hub is not None and self.devices > 1) else self.comm
-        self.shard = _load(self.model_dir, 0, self.devices, weights, self.cfg.dtype, net, self.codec,
-                           self.cfg.algorithm, self.cfg.op_timeout, self.cfg.window_config(), self.tags,
-                           self.cfg.experts)
+        self.shard = _load(
+            self.model_dir,
+            0,
+            self.devices,
+            weights,
+            self.cfg.dtype,
+            net,
+            self.codec,
+            self.cfg.algorithm,
+            self.cfg.op_timeout,
+            self.cfg.window_config(),
+            self.tags,
+            self.cfg.experts,
+        )
         self.model = self.shard.model
         self._slots = {m.peer_id: 0}
         self._assign(others, list(range(1, self.devices)))
@@ -398,8 +488,12 @@ class MasterRunner:
                 now = getattr(self.comm, "rejoins", 0)
                 if now != rejoins:  # this master was paused past the deadline and re-registered
                     rejoins = now
-                    self._fail(PeerLost("this master was declared lost and rejoined as a newcomer; "
-                                        "re-forming the cluster"))
+                    self._fail(
+                        PeerLost(
+                            "this master was declared lost and rejoined as a newcomer; "
+                            "re-forming the cluster"
+                        )
+                    )
                     continue
                 self._ping_n += 1
                 m = self.comm.membership
@@ -422,8 +516,14 @@ class MasterRunner:
             self.tags.start(self._fid)
             x = self.model.embed(torch.tensor([list(ids)], dtype=torch.long))
             try:
-                meta = {"op": "forward", "fid": self._fid, "start": start, "top": top,
-                        "epoch": self.comm.membership.epoch, "link": self.hub is not None}
+                meta = {
+                    "op": "forward",
+                    "fid": self._fid,
+                    "start": start,
+                    "top": top,
+                    "epoch": self.comm.membership.epoch,
+                    "link": self.hub is not None,
+                }
                 for r in self._others():
                     # A decode step reaches a worker that already polls its link that way (no
                     # I/O or engine thread on either side); the first forward after any other
@@ -469,6 +569,7 @@ class MasterRunner:
     def store_report(self) -> dict | None:
         """Expert-store statistics of every device, summed (None for a dense model)."""
         from edge.moe.serve import merge_reports
+
         with self._lock:
             own = self.shard.store_report() if self.shard is not None else None
             if own is None and self.cfg.experts is None:
@@ -492,8 +593,13 @@ class MasterRunner:
 
     def health(self) -> dict:
         m = self.comm.membership
-        out = {"healthy": self._healthy, "status": self._status, "devices": self.devices,
-               "connected": m.world_size, "epoch": m.epoch}
+        out = {
+            "healthy": self._healthy,
+            "status": self._status,
+            "devices": self.devices,
+            "connected": m.world_size,
+            "epoch": m.epoch,
+        }
         if self.split is not None:
             out["split"] = self.split.to_dict()
         return out
@@ -550,8 +656,8 @@ def _regroup(comm: Communicator, cfg: WorkerConfig, *, rejoining: bool = False) 
             return
         except (PeerLost, TransportTimeout) as exc:
             if time.monotonic() >= deadline or (
-                    rejoining and isinstance(exc, PeerLost)
-                    and comm.membership.peer_id in exc.peers):
+                rejoining and isinstance(exc, PeerLost) and comm.membership.peer_id in exc.peers
+            ):
                 raise
             logger.info("worker: quorum not complete yet (%s); retrying", exc)
 
@@ -591,7 +697,9 @@ def run_worker(comm: Communicator, cfg: WorkerConfig) -> int:
             try:
                 tensors, meta = comm.recv(src, tag=CTL, timeout=wait)
             except TransportTimeout:
-                raise PeerLost(f"no word from the master for {wait:.0f}s: it is gone or stuck") from None
+                raise PeerLost(
+                    f"no word from the master for {wait:.0f}s: it is gone or stuck"
+                ) from None
             except PeerLost as exc:
                 # This worker was declared lost (it was paused) and is rejoining, or the master
                 # was (and is rejoining): either way the group re-forms at the next quorum,
@@ -640,8 +748,14 @@ def _next_on_link(comm: Communicator, cfg: WorkerConfig, st: WorkerState, wait: 
         _regroup_after(comm, cfg, st, exc)
 
 
-def _regroup_after(comm: Communicator, cfg: WorkerConfig, st: WorkerState, exc: Exception, *,
-                   rejoining: bool = False) -> None:
+def _regroup_after(
+    comm: Communicator,
+    cfg: WorkerConfig,
+    st: WorkerState,
+    exc: Exception,
+    *,
+    rejoining: bool = False,
+) -> None:
     """A forward failed (a peer died, or the master aborted): form the next epoch with whoever
     is left, the master included (it may itself be the one that was lost and is rejoining)."""
     st.on_link = False
@@ -650,8 +764,14 @@ def _regroup_after(comm: Communicator, cfg: WorkerConfig, st: WorkerState, exc: 
     st.cache = st.shard.model.new_cache() if st.shard else None
 
 
-def _handle(comm: Communicator, cfg: WorkerConfig, st: WorkerState, op: str,
-            tensors: list[torch.Tensor], meta: dict) -> None:
+def _handle(
+    comm: Communicator,
+    cfg: WorkerConfig,
+    st: WorkerState,
+    op: str,
+    tensors: list[torch.Tensor],
+    meta: dict,
+) -> None:
     if op in ("forward", "ping") and int(meta["epoch"]) != comm.membership.epoch:
         return  # sent before a regroup this worker already went through: stale
     if op == "forward":
@@ -668,26 +788,48 @@ def _handle(comm: Communicator, cfg: WorkerConfig, st: WorkerState, op: str,
                 st.shard.close()
             win = None
             if meta.get("window") is not None or meta.get("memory_budget_mb") is not None:
-                win = WindowConfig(window=meta.get("window"), memory_budget_mb=meta.get("memory_budget_mb"))
+                win = WindowConfig(
+                    window=meta.get("window"), memory_budget_mb=meta.get("memory_budget_mb")
+                )
             if st.link is not None:
                 st.link.close()
                 st.link = None
             timeout = float(meta["op_timeout"])
             if meta.get("link_port") is not None:
-                st.link = StarSpoke(cfg.master_host, int(meta["link_port"]), int(meta["slot"]), timeout,
-                                    secret=str(meta.get("link_secret") or ""),
-                                    spin_s=float(meta.get("link_spin_us") or 0.0) * 1e-6)
-            st.shard = _load(cfg.model_dir or meta["model_dir"], int(meta["slot"]), int(meta["world"]),
-                             meta.get("weights"), meta.get("dtype"), st.link or comm,
-                             wire_codec(meta["wire"]), meta["algorithm"], timeout, win, st.tags,
-                             ExpertServeConfig.from_dict(meta["experts"]) if meta.get("experts") else None)
+                st.link = StarSpoke(
+                    cfg.master_host,
+                    int(meta["link_port"]),
+                    int(meta["slot"]),
+                    timeout,
+                    secret=str(meta.get("link_secret") or ""),
+                    spin_s=float(meta.get("link_spin_us") or 0.0) * 1e-6,
+                )
+            st.shard = _load(
+                cfg.model_dir or meta["model_dir"],
+                int(meta["slot"]),
+                int(meta["world"]),
+                meta.get("weights"),
+                meta.get("dtype"),
+                st.link or comm,
+                wire_codec(meta["wire"]),
+                meta["algorithm"],
+                timeout,
+                win,
+                st.tags,
+                ExpertServeConfig.from_dict(meta["experts"]) if meta.get("experts") else None,
+            )
             st.cache = st.shard.model.new_cache()
             st.silence_s = float(meta.get("silence_s") or cfg.join_timeout)
-            comm.send(master_rank(comm.membership.peers), [], {"ok": True, "slot": int(meta["slot"])},
-                      tag=READY)
+            comm.send(
+                master_rank(comm.membership.peers),
+                [],
+                {"ok": True, "slot": int(meta["slot"])},
+                tag=READY,
+            )
         except (ConfigError, CorruptWeights, OSError, RuntimeError, PeerLost) as exc:
-            comm.send(master_rank(comm.membership.peers), [], {"ok": False, "error": str(exc)},
-                      tag=READY)
+            comm.send(
+                master_rank(comm.membership.peers), [], {"ok": False, "error": str(exc)}, tag=READY
+            )
     elif op == "reset":
         st.cache = st.shard.model.new_cache() if st.shard else None
         if meta.get("sync") and st.link is not None:
@@ -696,11 +838,15 @@ def _handle(comm: Communicator, cfg: WorkerConfig, st: WorkerState, op: str,
         comm.barrier(tag=f"ping{meta['n']}", timeout=30.0)
     elif op == "stats":
         report = st.shard.store_report() if st.shard is not None else None
-        comm.send(master_rank(comm.membership.peers), [], {"report": report},
-                  tag=f"edge.stats{meta['n']}")
+        comm.send(
+            master_rank(comm.membership.peers), [], {"report": report}, tag=f"edge.stats{meta['n']}"
+        )
     elif op in ("echo", "profile"):  # the automatic split (edge.profile)
         from edge.profile import answer
-        answer(comm, master_rank(comm.membership.peers), meta, cfg.model_dir or meta.get("model_dir"))
+
+        answer(
+            comm, master_rank(comm.membership.peers), meta, cfg.model_dir or meta.get("model_dir")
+        )
     elif op == "regroup":
         if int(meta["epoch"]) >= comm.membership.epoch:  # ignore a stale request
             _regroup(comm, cfg)

@@ -42,14 +42,18 @@ def _zeroconf():
     try:
         import zeroconf
     except ImportError:
-        raise ConfigError("discover", "LAN discovery needs the 'discover' extra: "
-                          "pip install 'lowband[discover]' (or give --master)") from None
+        raise ConfigError(
+            "discover",
+            "LAN discovery needs the 'discover' extra: "
+            "pip install 'lowband[discover]' (or give --master)",
+        ) from None
     return zeroconf
 
 
 def local_ipv4() -> list[str]:
     """This host's non-loopback IPv4 addresses (those a LAN peer could reach)."""
     import ifaddr  # a dependency of zeroconf
+
     out = []
     for adapter in ifaddr.get_adapters():
         for ip in adapter.ips:
@@ -61,12 +65,19 @@ def local_ipv4() -> list[str]:
 class Advertisement:
     """A registered service; ``close()`` (or leaving the ``with``) withdraws it."""
 
-    def __init__(self, address: str, *, cluster: str = "lowband", auth: str = "none",
-                 signature: str = "", hosts: list[str] | None = None) -> None:
+    def __init__(
+        self,
+        address: str,
+        *,
+        cluster: str = "lowband",
+        auth: str = "none",
+        signature: str = "",
+        hosts: list[str] | None = None,
+    ) -> None:
         zc = _zeroconf()
         if not address.startswith("tcp://"):
             raise ConfigError("address", f"must look like tcp://HOST:PORT, got {address!r}")
-        host, port = address[len("tcp://"):].rsplit(":", 1)
+        host, port = address[len("tcp://") :].rsplit(":", 1)
         ips = hosts or ([host] if host not in ("0.0.0.0", "*", "") else local_ipv4())
         self.hosts = ips
         if not ips:
@@ -74,10 +85,13 @@ class Advertisement:
         # One instance per master: the cluster name plus the host name keeps them unique.
         instance = f"{cluster}-{socket.gethostname()}-{port}"[:60]
         self.info = zc.ServiceInfo(
-            SERVICE, f"{instance}.{SERVICE}", port=int(port),
+            SERVICE,
+            f"{instance}.{SERVICE}",
+            port=int(port),
             addresses=[socket.inet_aton(ip) for ip in ips],
             properties={"cluster": cluster, "auth": auth, "sig": signature},
-            server=f"{instance}.local.")
+            server=f"{instance}.local.",
+        )
         self.zc = zc.Zeroconf(interfaces=zc.InterfaceChoice.All, ip_version=zc.IPVersion.V4Only)
         self.zc.register_service(self.info)
         logger.info("advertising %s on %s as %s", address, ips, instance)
@@ -96,8 +110,12 @@ class Advertisement:
 
 
 def _decode(props: dict) -> dict[str, str]:
-    return {(k.decode() if isinstance(k, bytes) else k): (v.decode() if isinstance(v, bytes) else v or "")
-            for k, v in props.items()}
+    return {
+        (k.decode() if isinstance(k, bytes) else k): (
+            v.decode() if isinstance(v, bytes) else v or ""
+        )
+        for k, v in props.items()
+    }
 
 
 def _nearest(addrs: list[str]) -> str:
@@ -129,9 +147,14 @@ def discover(*, cluster: str | None = None, timeout: float = 30.0) -> Found:
         props = _decode(info.properties)
         if cluster is not None and props.get("cluster") != cluster:
             return
-        found.append(Found(address=f"tcp://{_nearest(info.parsed_addresses())}:{info.port}",
-                           cluster=props.get("cluster", ""), auth=props.get("auth", "none"),
-                           signature=props.get("sig", "")))
+        found.append(
+            Found(
+                address=f"tcp://{_nearest(info.parsed_addresses())}:{info.port}",
+                cluster=props.get("cluster", ""),
+                auth=props.get("auth", "none"),
+                signature=props.get("sig", ""),
+            )
+        )
         event.set()
 
     browser = zc.ServiceBrowser(z, SERVICE, handlers=[on_change])
@@ -139,9 +162,12 @@ def discover(*, cluster: str | None = None, timeout: float = 30.0) -> Found:
         t = time.monotonic()
         if not event.wait(timeout):
             what = f"cluster {cluster!r}" if cluster else "any lowband master"
-            raise ConfigError("discover", f"found no {what} on the LAN within {timeout:.0f}s "
-                              "(is 'edge serve --discover' running on this network? multicast "
-                              "may be filtered: give --master tcp://HOST:PORT instead)")
+            raise ConfigError(
+                "discover",
+                f"found no {what} on the LAN within {timeout:.0f}s "
+                "(is 'edge serve --discover' running on this network? multicast "
+                "may be filtered: give --master tcp://HOST:PORT instead)",
+            )
         logger.info("discovered %s in %.2f s", found[0], time.monotonic() - t)
         return found[0]
     finally:

@@ -17,11 +17,11 @@ from typing import Iterator, Protocol, Sequence
 
 import torch
 
+from edge.sampling import Sampler, SamplingParams, StopMatcher
+from lowband.errors import ConfigError, LowbandError
 from lowband.models.config import ModelConfig
 from lowband.models.llama import KVCache, LlamaForCausalLM
-from edge.sampling import Sampler, SamplingParams, StopMatcher
 from lowband.models.tokenizer import Tokenizer
-from lowband.errors import ConfigError, LowbandError
 
 logger = logging.getLogger(__name__)
 
@@ -147,7 +147,8 @@ class Metrics:
 
         tok = mean(self.token_s)
         return {
-            "requests_total": self.requests, "requests_failed": self.failed,
+            "requests_total": self.requests,
+            "requests_failed": self.failed,
             "prompt_tokens_total": self.prompt_tokens,
             "completion_tokens_total": self.completion_tokens,
             "ttft_ms_mean": None if not self.ttft_s else 1e3 * mean(self.ttft_s),
@@ -163,8 +164,9 @@ class Metrics:
 class Engine:
     """Tokenise, prefill, decode, sample, detokenise, stop. Thread-safe (one at a time)."""
 
-    def __init__(self, runner: Runner, tokenizer: Tokenizer, *, model_name: str,
-                 prefill_chunk: int = 256) -> None:
+    def __init__(
+        self, runner: Runner, tokenizer: Tokenizer, *, model_name: str, prefill_chunk: int = 256
+    ) -> None:
         if prefill_chunk < 1:
             raise ConfigError("prefill_chunk", f"must be >= 1, got {prefill_chunk}")
         self.runner = runner
@@ -192,7 +194,7 @@ class Engine:
         self._cached = self._cached[:p]
         logits = None
         for a in range(p, len(ids), self.prefill_chunk):
-            chunk = ids[a:a + self.prefill_chunk]
+            chunk = ids[a : a + self.prefill_chunk]
             logits = self.runner.forward(chunk, a, top)
             self._cached.extend(chunk)
         assert logits is not None  # ids is never empty (checked by generate)
@@ -207,8 +209,11 @@ class Engine:
         if any(not 0 <= i < vocab for i in ids):
             raise ConfigError("prompt", f"token ids must be in [0, {vocab})")
         if len(ids) + params.max_tokens > self.max_context:
-            raise ConfigError("max_tokens", f"prompt ({len(ids)} tokens) + max_tokens "
-                              f"({params.max_tokens}) exceeds the context of {self.max_context}")
+            raise ConfigError(
+                "max_tokens",
+                f"prompt ({len(ids)} tokens) + max_tokens "
+                f"({params.max_tokens}) exceeds the context of {self.max_context}",
+            )
         return ids
 
     def generate(self, prompt: str | Sequence[int], params: SamplingParams) -> Iterator[Event]:
@@ -244,7 +249,7 @@ class Engine:
                 if text.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for more
                     piece = ""
                 else:
-                    piece, shown = text[len(shown):], text
+                    piece, shown = text[len(shown) :], text
                 visible = stops.feed(piece)
                 if stops.stopped:
                     yield Event(visible, tok, "stop")

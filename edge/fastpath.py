@@ -74,11 +74,18 @@ def unsupported_reason(model: LlamaForCausalLM) -> str | None:
     for i, layer in enumerate(model.model.layers):
         attn = layer.self_attn
         for norm in (layer.input_layernorm, layer.post_attention_layernorm):
-            if norm.weight.is_meta or norm.weight.dtype != torch.float32 or norm.weight.device.type != "cpu":
+            if (
+                norm.weight.is_meta
+                or norm.weight.dtype != torch.float32
+                or norm.weight.device.type != "cpu"
+            ):
                 return f"layer {i}: norm weights must be float32 on the CPU"
         qkv = [attn.qkv] if attn.qkv is not None else [attn.q_proj, attn.k_proj, attn.v_proj]
-        gu = ([layer.mlp.gate_up] if layer.mlp.gate_up is not None
-              else [layer.mlp.gate_proj, layer.mlp.up_proj])
+        gu = (
+            [layer.mlp.gate_up]
+            if layer.mlp.gate_up is not None
+            else [layer.mlp.gate_proj, layer.mlp.up_proj]
+        )
         for mod in (*qkv, attn.o_proj, *gu, layer.mlp.down_proj):
             why = _lin_ok(mod)
             if why is not None:
@@ -102,18 +109,25 @@ class FastDecode:
         self.n_kv = layers[0].self_attn.n_kv_heads if len(layers) else 0
         self.reduce = layers[0].self_attn.reduce if len(layers) else None
         inv = model.inv_freq.detach().to(torch.float32).contiguous()
-        self._dec = mod.Decoder(self.hidden, self.head_dim, float(self.eps), inv,
-                                int(cfg.sliding_window or 0))
+        self._dec = mod.Decoder(
+            self.hidden, self.head_dim, float(self.eps), inv, int(cfg.sliding_window or 0)
+        )
         for layer in layers:
             attn, mlp = layer.self_attn, layer.mlp
             if attn.reduce is not self.reduce or mlp.reduce is not self.reduce:
                 raise ValueError("every layer must use the same reduce hook")
             qkv = [attn.qkv] if attn.qkv is not None else [attn.q_proj, attn.k_proj, attn.v_proj]
             gu = [mlp.gate_up] if mlp.gate_up is not None else [mlp.gate_proj, mlp.up_proj]
-            self._dec.add_layer(layer.input_layernorm.weight.detach(),
-                                layer.post_attention_layernorm.weight.detach(),
-                                [_lin(m) for m in qkv], _lin(attn.o_proj), [_lin(m) for m in gu],
-                                _lin(mlp.down_proj), attn.n_heads, attn.n_kv_heads)
+            self._dec.add_layer(
+                layer.input_layernorm.weight.detach(),
+                layer.post_attention_layernorm.weight.detach(),
+                [_lin(m) for m in qkv],
+                _lin(attn.o_proj),
+                [_lin(m) for m in gu],
+                _lin(mlp.down_proj),
+                attn.n_heads,
+                attn.n_kv_heads,
+            )
         self._norm = None
         self._head: tuple | None = None
         lm = getattr(model, "lm_head", None)
@@ -159,8 +173,11 @@ class FastDecode:
         return self._mod.head(x, self._norm, float(self.eps), self._head).view(*lead, -1)
 
 
-_LINK_ERRORS = {"PeerLost": PeerLost, "TransportTimeout": TransportTimeout,
-                "ProtocolError": ProtocolError}
+_LINK_ERRORS = {
+    "PeerLost": PeerLost,
+    "TransportTimeout": TransportTimeout,
+    "ProtocolError": ProtocolError,
+}
 
 
 def _link_error(exc: RuntimeError) -> Exception:

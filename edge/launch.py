@@ -19,16 +19,22 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from edge.cluster import (MASTER_ID_PREFIX, ClusterConfig, MasterRunner, WorkerConfig,
-                          check_experts, run_worker)
-from lowband.models.config import ModelConfig
+from edge.cluster import (
+    MASTER_ID_PREFIX,
+    ClusterConfig,
+    MasterRunner,
+    WorkerConfig,
+    check_experts,
+    run_worker,
+)
 from edge.engine import Engine, LocalRunner
 from edge.moe.serve import ExpertServeConfig, load_nested_shard, plan_ranks
 from edge.sampling import SamplingParams
 from edge.server import ServerConfig, serve_forever
 from edge.shardio import WindowConfig, is_split_dir, load_shard
-from lowband.models.tokenizer import ByteTokenizer, load_tokenizer
 from lowband.errors import ConfigError, PeerLost
+from lowband.models.config import ModelConfig
+from lowband.models.tokenizer import ByteTokenizer, load_tokenizer
 from lowband.proc import die_with_parent
 
 if TYPE_CHECKING:
@@ -95,13 +101,14 @@ def _tokenizer(model_dir: str):
 
 def _zmq_config(token: str | None, timeout: float, register_timeout: float = 30.0):
     from transport.zmq_comm import ZmqConfig
+
     # Activations are a few KiB: one connection per pair, no striping needed.
-    return ZmqConfig(connections=1, timeout=timeout, token=token,
-                     register_timeout=register_timeout)
+    return ZmqConfig(connections=1, timeout=timeout, token=token, register_timeout=register_timeout)
 
 
 def _coordinator_config(cfg: ServeConfig):
     from transport.coordinator import Liveness
+
     return (cfg.liveness or Liveness()).coordinator(bind=cfg.bind, token=cfg.token)
 
 
@@ -111,6 +118,7 @@ def lan_host() -> str:
     import fcntl
     import socket
     import struct
+
     addrs = []
     try:
         names = [name for _, name in socket.if_nameindex()]
@@ -141,18 +149,26 @@ def build_engine(cfg: ServeConfig, coord=None, master_host: str | None = None):
         return Engine(runner, tok, model_name=name), None, None
     from transport.coordinator import Coordinator
     from transport.zmq_comm import connect
+
     if coord is None:
         coord = Coordinator(_coordinator_config(cfg)).start()
-        print(f"lowband edge: waiting for {cc.devices - 1} worker(s): "
-              f"lowband edge worker --master {coord.address}", flush=True)
+        print(
+            f"lowband edge: waiting for {cc.devices - 1} worker(s): "
+            f"lowband edge worker --master {coord.address}",
+            flush=True,
+        )
     # The coordinator tells the workers to reach the master at the address this connection
     # comes from: over 127.0.0.1 that is only reachable on this host, so a coordinator bound to
     # every interface is joined over this host's LAN address (master_host overrides it).
     if master_host is None:
         master_host = lan_host() if coord.address.startswith("tcp://0.0.0.0:") else "127.0.0.1"
     address = coord.address.replace("0.0.0.0", master_host)
-    comm = connect(address, _zmq_config(cfg.token, cc.op_timeout), signature=SIGNATURE,
-                   peer_id=f"{MASTER_ID_PREFIX}-{uuid.uuid4().hex[:8]}")
+    comm = connect(
+        address,
+        _zmq_config(cfg.token, cc.op_timeout),
+        signature=SIGNATURE,
+        peer_id=f"{MASTER_ID_PREFIX}-{uuid.uuid4().hex[:8]}",
+    )
     try:
         runner = MasterRunner(comm, cfg.model_dir, cc)
     except BaseException:
@@ -168,18 +184,28 @@ def check_model(model_dir: str, cc: ClusterConfig) -> None:
     width) and the window across devices."""
     if check_experts(model_dir, cc.experts):
         if cc.window_config() is not None and cc.devices > 1:
-            raise ConfigError("window", "the sliding window over a nested MoE's backbone runs on "
-                              "one device; with --devices > 1 use --expert-budget-mb alone")
+            raise ConfigError(
+                "window",
+                "the sliding window over a nested MoE's backbone runs on "
+                "one device; with --devices > 1 use --expert-budget-mb alone",
+            )
         plan_ranks(model_dir, cc.devices, cc.weights, cc.experts)
 
 
-def _load_local(model_dir: str, dtype: str | None, window: WindowConfig | None,
-                experts: ExpertServeConfig | None):
+def _load_local(
+    model_dir: str,
+    dtype: str | None,
+    window: WindowConfig | None,
+    experts: ExpertServeConfig | None,
+):
     if check_experts(model_dir, experts):
         return load_nested_shard(model_dir, experts=experts, window=window, dtype=dtype)
     if window is not None and not is_split_dir(model_dir):
-        raise ConfigError("model_dir", "the sliding window needs a split directory "
-                          "(lowband edge split MODEL --devices 1 --out DIR)")
+        raise ConfigError(
+            "model_dir",
+            "the sliding window needs a split directory "
+            "(lowband edge split MODEL --devices 1 --out DIR)",
+        )
     return load_shard(model_dir, dtype=dtype, window=window)
 
 
@@ -195,12 +221,20 @@ def serve_main(cfg: ServeConfig, coord=None) -> int:
     if cfg.discover is not None and cfg.cluster.devices > 1:  # edge.discovery: mDNS / DNS-SD
         from edge.discovery import Advertisement
         from transport.coordinator import Coordinator
+
         if coord is None:
             coord = Coordinator(_coordinator_config(cfg)).start()
-        advert = Advertisement(coord.address, cluster=cfg.discover, signature=SIGNATURE,
-                               auth="token" if cfg.token else "none")
-        print(f"lowband edge: advertising cluster {cfg.discover!r}: "
-              f"lowband edge worker --discover {cfg.discover}", flush=True)
+        advert = Advertisement(
+            coord.address,
+            cluster=cfg.discover,
+            signature=SIGNATURE,
+            auth="token" if cfg.token else "none",
+        )
+        print(
+            f"lowband edge: advertising cluster {cfg.discover!r}: "
+            f"lowband edge worker --discover {cfg.discover}",
+            flush=True,
+        )
     try:
         engine, coord, comm = build_engine(cfg, coord, *(advert.hosts[:1] if advert else ()))
     except BaseException:
@@ -233,18 +267,24 @@ class WorkerMainConfig:
 
     def __post_init__(self) -> None:
         if self.register_timeout <= 0:
-            raise ConfigError("register_timeout", f"must be > 0 seconds, got {self.register_timeout}")
+            raise ConfigError(
+                "register_timeout", f"must be > 0 seconds, got {self.register_timeout}"
+            )
         if not self.master.startswith("tcp://"):
             raise ConfigError("master", f"must look like tcp://HOST:PORT, got {self.master!r}")
 
 
 def worker_main(cfg: WorkerMainConfig) -> int:
     from transport.zmq_comm import connect
+
     _exit_on_sigterm()
     cfg.device.apply()
-    comm = connect(cfg.master, _zmq_config(cfg.token, cfg.op_timeout, cfg.register_timeout),
-                   signature=SIGNATURE)
-    host = cfg.master[len("tcp://"):].rsplit(":", 1)[0].strip("[]")
+    comm = connect(
+        cfg.master,
+        _zmq_config(cfg.token, cfg.op_timeout, cfg.register_timeout),
+        signature=SIGNATURE,
+    )
+    host = cfg.master[len("tcp://") :].rsplit(":", 1)[0].strip("[]")
     try:  # the master's star link listens on the same host as its coordinator
         return run_worker(comm, replace(cfg.worker, master_host=host))
     except PeerLost as exc:
@@ -289,6 +329,7 @@ def run_main(cfg: RunConfig) -> int:
         if n == 1:
             return serve_main(serve)
         from transport.coordinator import Coordinator
+
         # Start the coordinator first so the workers have somewhere to connect.
         coord = Coordinator(_coordinator_config(serve)).start()
         spawn_workers(coord.address)
@@ -320,8 +361,11 @@ class GenerateConfig:
 def generate_main(cfg: GenerateConfig) -> int:
     cfg.device.apply()
     shard = _load_local(cfg.model_dir, cfg.dtype, cfg.window, cfg.experts)
-    engine = Engine(LocalRunner(shard.model, shard.close), _tokenizer(cfg.model_dir),
-                    model_name=Path(cfg.model_dir).name)
+    engine = Engine(
+        LocalRunner(shard.model, shard.close),
+        _tokenizer(cfg.model_dir),
+        model_name=Path(cfg.model_dir).name,
+    )
     try:
         for ev in engine.generate(cfg.prompt, cfg.sampling):
             sys.stdout.write(ev.text)
@@ -329,11 +373,19 @@ def generate_main(cfg: GenerateConfig) -> int:
         sys.stdout.write("\n")
         m = engine.metrics.snapshot()
         store = shard.store_report()
-        extra = "" if store is None else (
-            f", experts: hit rate {store['hit_rate']:.2f}, {store['mean_bits_per_call']} bits/call, "
-            f"{store['bytes_read'] / 1e6:.1f} MB read, {store['stall_s']:.3f} s stalled")
-        print(f"[{m['completion_tokens_total']} tokens, TTFT {m['ttft_ms_mean']:.1f} ms, "
-              f"{m['decode_tokens_per_s'] or 0:.1f} tokens/s{extra}]", file=sys.stderr)
+        extra = (
+            ""
+            if store is None
+            else (
+                f", experts: hit rate {store['hit_rate']:.2f}, {store['mean_bits_per_call']} bits/call, "
+                f"{store['bytes_read'] / 1e6:.1f} MB read, {store['stall_s']:.3f} s stalled"
+            )
+        )
+        print(
+            f"[{m['completion_tokens_total']} tokens, TTFT {m['ttft_ms_mean']:.1f} ms, "
+            f"{m['decode_tokens_per_s'] or 0:.1f} tokens/s{extra}]",
+            file=sys.stderr,
+        )
     finally:
         engine.runner.close()
     return 0

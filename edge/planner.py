@@ -63,14 +63,21 @@ class DeviceProfile:
                 raise ConfigError(f, f"must be > 0, got {getattr(self, f)}")
 
     def to_dict(self) -> dict[str, Any]:
-        return {k: getattr(self, k) for k in ("name", "layer_fixed_ms", "ms_per_mb", "memory_mb",
-                                              "storage_mb_s", "rtt_ms")}
+        return {
+            k: getattr(self, k)
+            for k in ("name", "layer_fixed_ms", "ms_per_mb", "memory_mb", "storage_mb_s", "rtt_ms")
+        }
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "DeviceProfile":
-        return cls(name=str(d["name"]), layer_fixed_ms=float(d["layer_fixed_ms"]),
-                   ms_per_mb=float(d["ms_per_mb"]), memory_mb=float(d["memory_mb"]),
-                   storage_mb_s=float(d["storage_mb_s"]), rtt_ms=float(d.get("rtt_ms", 0.0)))
+        return cls(
+            name=str(d["name"]),
+            layer_fixed_ms=float(d["layer_fixed_ms"]),
+            ms_per_mb=float(d["ms_per_mb"]),
+            memory_mb=float(d["memory_mb"]),
+            storage_mb_s=float(d["storage_mb_s"]),
+            rtt_ms=float(d.get("rtt_ms", 0.0)),
+        )
 
 
 @dataclass(frozen=True)
@@ -93,14 +100,21 @@ class LayerShape:
         if name not in DTYPE_BYTES:
             raise ConfigError("dtype", f"unknown dtype {name!r}; one of {sorted(DTYPE_BYTES)}")
         if cfg.is_moe:
-            raise ConfigError("model", "the automatic split plans dense models; a MoE is placed "
-                              "by its expert budget (--expert-budget-mb)")
+            raise ConfigError(
+                "model",
+                "the automatic split plans dense models; a MoE is placed "
+                "by its expert budget (--expert-budget-mb)",
+            )
         nb, H, D = DTYPE_BYTES[name], cfg.hidden_size, cfg.dim_per_head
         G = cfg.num_attention_heads // cfg.n_kv_heads
         group = (2 * G * D * H + 2 * D * H) * nb  # q and o: G heads each; k and v: one head
-        return cls(layers=cfg.num_hidden_layers, kv_groups=cfg.n_kv_heads,
-                   columns=cfg.intermediate_size, group_mb=group / 2**20,
-                   column_mb=3 * H * nb / 2**20)
+        return cls(
+            layers=cfg.num_hidden_layers,
+            kv_groups=cfg.n_kv_heads,
+            columns=cfg.intermediate_size,
+            group_mb=group / 2**20,
+            column_mb=3 * H * nb / 2**20,
+        )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -117,29 +131,43 @@ class SplitPlan:
     left_out: dict[str, str] = field(default_factory=dict)  # name -> why
 
     def explain(self) -> str:
-        parts = [f"{d}: weight {w:.3f}, {ms:.1f} ms" + (f", window within {mb:.0f} MB" if mb else "")
-                 for d, w, ms, mb in zip(self.devices, self.weights, self.device_ms,
-                                         self.memory_budget_mb)]
-        out = (f"split over {len(self.devices)} device(s) predicted {self.predicted_ms:.1f} ms/token "
-               f"(even split over all: {self.even_ms:.1f}); " + "; ".join(parts)
-               + f"; all-reduce wait {self.link_ms:.1f} ms")
+        parts = [
+            f"{d}: weight {w:.3f}, {ms:.1f} ms" + (f", window within {mb:.0f} MB" if mb else "")
+            for d, w, ms, mb in zip(
+                self.devices, self.weights, self.device_ms, self.memory_budget_mb
+            )
+        ]
+        out = (
+            f"split over {len(self.devices)} device(s) predicted {self.predicted_ms:.1f} ms/token "
+            f"(even split over all: {self.even_ms:.1f}); "
+            + "; ".join(parts)
+            + f"; all-reduce wait {self.link_ms:.1f} ms"
+        )
         for d, why in self.left_out.items():
             out += f"; left out {d}: {why}"
         return out
 
     def to_dict(self) -> dict[str, Any]:
-        return {"devices": list(self.devices), "weights": list(self.weights),
-                "memory_budget_mb": list(self.memory_budget_mb), "device_ms": list(self.device_ms),
-                "link_ms": self.link_ms, "predicted_ms": self.predicted_ms,
-                "even_ms": self.even_ms, "left_out": dict(self.left_out),
-                "explanation": self.explain()}
+        return {
+            "devices": list(self.devices),
+            "weights": list(self.weights),
+            "memory_budget_mb": list(self.memory_budget_mb),
+            "device_ms": list(self.device_ms),
+            "link_ms": self.link_ms,
+            "predicted_ms": self.predicted_ms,
+            "even_ms": self.even_ms,
+            "left_out": dict(self.left_out),
+            "explanation": self.explain(),
+        }
 
 
 def _tp_shares(cfg: ModelConfig, shape: LayerShape, weights: Sequence[float]) -> list[float]:
     """MB of each layer every device holds under the discrete split ``make_plan`` produces."""
     plan: TPPlan = make_plan(cfg, len(weights), weights)
-    return [(b - a) * shape.group_mb + (f1 - f0) * shape.column_mb
-            for (a, b), (f0, f1) in zip(plan.kv, plan.ffn)]
+    return [
+        (b - a) * shape.group_mb + (f1 - f0) * shape.column_mb
+        for (a, b), (f0, f1) in zip(plan.kv, plan.ffn)
+    ]
 
 
 def _device_ms(p: DeviceProfile, shape: LayerShape, share_mb: float) -> float:
@@ -148,8 +176,12 @@ def _device_ms(p: DeviceProfile, shape: LayerShape, share_mb: float) -> float:
     return L * (p.layer_fixed_ms + p.ms_per_mb * share_mb) + 1e3 * excess / p.storage_mb_s
 
 
-def predict_ms(cfg: ModelConfig, profiles: Sequence[DeviceProfile], weights: Sequence[float],
-               dtype: str | None = None) -> tuple[float, list[float], float]:
+def predict_ms(
+    cfg: ModelConfig,
+    profiles: Sequence[DeviceProfile],
+    weights: Sequence[float],
+    dtype: str | None = None,
+) -> tuple[float, list[float], float]:
     """(token ms, per-device ms, link ms) of running the discrete split ``weights``."""
     shape = LayerShape.of(cfg, dtype)
     shares = _tp_shares(cfg, shape, weights)
@@ -182,8 +214,9 @@ def _continuous(profiles: Sequence[DeviceProfile], shape: LayerShape) -> list[fl
     return [max(v, 1e-3) for v in x]  # every device in the subset keeps a positive weight
 
 
-def _refine(cfg: ModelConfig, profiles: Sequence[DeviceProfile], w: list[float],
-            dtype: str | None) -> tuple[list[float], float]:
+def _refine(
+    cfg: ModelConfig, profiles: Sequence[DeviceProfile], w: list[float], dtype: str | None
+) -> tuple[list[float], float]:
     """Local search on the discrete prediction: nudge one weight at a time while it helps."""
     best = predict_ms(cfg, profiles, w, dtype)[0]
     for _ in range(40):
@@ -200,8 +233,9 @@ def _refine(cfg: ModelConfig, profiles: Sequence[DeviceProfile], w: list[float],
     return [round(v / s, 4) for v in w], best
 
 
-def _plan_subset(cfg: ModelConfig, profiles: Sequence[DeviceProfile], dtype: str | None
-                 ) -> tuple[list[float], float]:
+def _plan_subset(
+    cfg: ModelConfig, profiles: Sequence[DeviceProfile], dtype: str | None
+) -> tuple[list[float], float]:
     if len(profiles) == 1:
         return [1.0], predict_ms(cfg, profiles, [1.0], dtype)[0]
     w = _continuous(profiles, LayerShape.of(cfg, dtype))
@@ -219,8 +253,13 @@ def _subsets(n: int):
             yield tuple(range(k))
 
 
-def plan_split(cfg: ModelConfig, profiles: Sequence[DeviceProfile], *, dtype: str | None = None,
-               min_gain: float = 0.03) -> SplitPlan:
+def plan_split(
+    cfg: ModelConfig,
+    profiles: Sequence[DeviceProfile],
+    *,
+    dtype: str | None = None,
+    min_gain: float = 0.03,
+) -> SplitPlan:
     """The split of ``cfg`` over ``profiles`` (``profiles[0]`` is the master, always used) that
     minimises the predicted per-token time. Pure: same inputs, same plan."""
     if not profiles:
@@ -240,30 +279,53 @@ def plan_split(cfg: ModelConfig, profiles: Sequence[DeviceProfile], *, dtype: st
         w, t = _plan_subset(cfg, sub, dtype)
         scored.append((t, [order[i] for i in idx], w))
     best_t = min(t for t, _, _ in scored)
-    t, chosen, w = min((s for s in scored if s[0] <= best_t * (1 + min_gain)),
-                       key=lambda s: (len(s[1]), s[0]))
+    t, chosen, w = min(
+        (s for s in scored if s[0] <= best_t * (1 + min_gain)), key=lambda s: (len(s[1]), s[0])
+    )
     used = [profiles[i] for i in chosen]
     total, dev, link = predict_ms(cfg, used, w, dtype)
     shares = _tp_shares(cfg, shape, w)
-    budgets = tuple(p.memory_mb if shape.layers * m > p.memory_mb else None
-                    for p, m in zip(used, shares))
+    budgets = tuple(
+        p.memory_mb if shape.layers * m > p.memory_mb else None for p, m in zip(used, shares)
+    )
     even = predict_ms(cfg, profiles, [1.0] * len(profiles), dtype)[0]
     left_out = {}
     for i in range(len(profiles)):
         if i in chosen:
             continue
         p = profiles[i]
-        with_it = next(s for s in scored if sorted(s[1]) == sorted(chosen + [i])) \
-            if len(profiles) <= EXHAUSTIVE else None
-        alone = 1e3 * shape.layers * shape.layer_mb / p.storage_mb_s \
-            if shape.layers * shape.layer_mb > p.memory_mb else 0.0
-        why = (f"adding it predicts {with_it[0]:.1f} ms/token vs {total:.1f} without"
-               if with_it is not None else "not among the fastest devices that help")
-        why += (f" (its all-reduce round trip {p.rtt_ms:.2f} ms costs {2 * shape.layers * p.rtt_ms:.1f}"
-                f" ms/token; it computes {p.ms_per_mb:.3f} ms/MB")
-        why += f", memory {p.memory_mb:.0f} MB)" if alone == 0.0 else \
-            f", memory {p.memory_mb:.0f} MB forces streaming)"
+        with_it = (
+            next(s for s in scored if sorted(s[1]) == sorted(chosen + [i]))
+            if len(profiles) <= EXHAUSTIVE
+            else None
+        )
+        alone = (
+            1e3 * shape.layers * shape.layer_mb / p.storage_mb_s
+            if shape.layers * shape.layer_mb > p.memory_mb
+            else 0.0
+        )
+        why = (
+            f"adding it predicts {with_it[0]:.1f} ms/token vs {total:.1f} without"
+            if with_it is not None
+            else "not among the fastest devices that help"
+        )
+        why += (
+            f" (its all-reduce round trip {p.rtt_ms:.2f} ms costs {2 * shape.layers * p.rtt_ms:.1f}"
+            f" ms/token; it computes {p.ms_per_mb:.3f} ms/MB"
+        )
+        why += (
+            f", memory {p.memory_mb:.0f} MB)"
+            if alone == 0.0
+            else f", memory {p.memory_mb:.0f} MB forces streaming)"
+        )
         left_out[p.name] = why
-    return SplitPlan(devices=tuple(p.name for p in used), weights=tuple(w), memory_budget_mb=budgets,
-                     device_ms=tuple(round(d, 3) for d in dev), link_ms=round(link, 3),
-                     predicted_ms=round(total, 3), even_ms=round(even, 3), left_out=left_out)
+    return SplitPlan(
+        devices=tuple(p.name for p in used),
+        weights=tuple(w),
+        memory_budget_mb=budgets,
+        device_ms=tuple(round(d, 3) for d in dev),
+        link_ms=round(link, 3),
+        predicted_ms=round(total, 3),
+        even_ms=round(even, 3),
+        left_out=left_out,
+    )

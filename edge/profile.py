@@ -37,14 +37,21 @@ from lowband.models.llama import DecoderLayer, KVCache, rope_cos_sin, rope_inv_f
 
 logger = logging.getLogger(__name__)
 
-TORCH_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16,
-                "fp16": torch.float16, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+TORCH_DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+}
 STACK_MB = 96.0  # weights per timed stack: beyond a desktop CPU's last-level cache
 MEMORY_FRACTION = 0.8  # of MemAvailable: leave room for activations, KV cache, the OS
 
 
-def _stack_ms(cfg: ModelConfig, dtype: torch.dtype, n_layers: int, reps: int,
-              min_s: float = 0.25) -> float:
+def _stack_ms(
+    cfg: ModelConfig, dtype: torch.dtype, n_layers: int, reps: int, min_s: float = 0.25
+) -> float:
     """Mean ms of one decode step through ``n_layers`` decoder layers of ``cfg``, over at least
     ``reps`` steps and ``min_s`` seconds. The mean, not the median: a device throttled by a CPU
     quota (or sharing its core) runs fast bursts between pauses, and decoding pays both."""
@@ -66,7 +73,7 @@ def _stack_ms(cfg: ModelConfig, dtype: torch.dtype, n_layers: int, reps: int,
                 t0, steps = time.perf_counter(), 0
             y = h
             for layer in layers:
-                y = layer(y, cos[pos:pos + 1], sin[pos:pos + 1], cache, pos)
+                y = layer(y, cos[pos : pos + 1], sin[pos : pos + 1], cache, pos)
             pos, steps = pos + 1, steps + 1
             if pos >= 4000:  # the RoPE table's end: enough samples in any case
                 break
@@ -77,9 +84,15 @@ def _compute(cfg: ModelConfig, dtype: str, reps: int) -> tuple[float, float]:
     """(layer_fixed_ms, ms_per_mb) from the full layer and the smallest slice."""
     shape = LayerShape.of(cfg, dtype)
     G = cfg.num_attention_heads // cfg.n_kv_heads
-    small = ModelConfig.from_hf_dict({**cfg.to_hf_dict(), "num_attention_heads": G,
-                                      "num_key_value_heads": 1, "head_dim": cfg.dim_per_head,
-                                      "intermediate_size": 8})
+    small = ModelConfig.from_hf_dict(
+        {
+            **cfg.to_hf_dict(),
+            "num_attention_heads": G,
+            "num_key_value_heads": 1,
+            "head_dim": cfg.dim_per_head,
+            "intermediate_size": 8,
+        }
+    )
     small_mb = shape.group_mb + 8 * shape.column_mb
     n = max(2, min(cfg.num_hidden_layers, math.ceil(STACK_MB / shape.layer_mb)))
     dt = TORCH_DTYPES[dtype]
@@ -118,8 +131,15 @@ def storage_mb_s(model_dir: str | Path, limit_mb: float = 64.0) -> float:
         os.close(fd)
 
 
-def profile_device(cfg: ModelConfig, model_dir: str | Path, *, name: str, dtype: str | None = None,
-                   memory_mb: float | None = None, reps: int = 15) -> DeviceProfile:
+def profile_device(
+    cfg: ModelConfig,
+    model_dir: str | Path,
+    *,
+    name: str,
+    dtype: str | None = None,
+    memory_mb: float | None = None,
+    reps: int = 15,
+) -> DeviceProfile:
     """Measure this device for ``cfg`` (see the module docstring); ``rtt_ms`` is left at 0."""
     dname = dtype or cfg.torch_dtype
     if dname not in TORCH_DTYPES:
@@ -127,8 +147,13 @@ def profile_device(cfg: ModelConfig, model_dir: str | Path, *, name: str, dtype:
     t = time.perf_counter()
     fixed, per_mb = _compute(cfg, dname, reps)
     mem = memory_mb if memory_mb is not None else MEMORY_FRACTION * memory_available_mb()
-    prof = DeviceProfile(name=name, layer_fixed_ms=round(fixed, 5), ms_per_mb=round(per_mb, 6),
-                         memory_mb=round(mem, 1), storage_mb_s=round(storage_mb_s(model_dir), 1))
+    prof = DeviceProfile(
+        name=name,
+        layer_fixed_ms=round(fixed, 5),
+        ms_per_mb=round(per_mb, 6),
+        memory_mb=round(mem, 1),
+        storage_mb_s=round(storage_mb_s(model_dir), 1),
+    )
     logger.info("profiled %s in %.1f s: %s", name, time.perf_counter() - t, prof)
     return prof
 
@@ -142,14 +167,27 @@ def answer(comm: Communicator, master: int, meta: dict, model_dir: str | None) -
         return
     model_dir = model_dir or meta["model_dir"]
     cfg = ModelConfig.from_json(model_dir)
-    prof = profile_device(cfg, model_dir, name=comm.membership.peer_id, dtype=meta.get("dtype"),
-                          memory_mb=meta.get("memory_mb"))
+    prof = profile_device(
+        cfg,
+        model_dir,
+        name=comm.membership.peer_id,
+        dtype=meta.get("dtype"),
+        memory_mb=meta.get("memory_mb"),
+    )
     comm.send(master, [], {"profile": prof.to_dict()}, tag=f"edge.profile{n}")
 
 
-def gather_profiles(comm: Communicator, ranks: Sequence[int], model_dir: str, *,
-                    dtype: str | None, timeout: float, start_n: int, echoes: int = 7,
-                    worker_model_dir: str | None = None) -> list[DeviceProfile]:
+def gather_profiles(
+    comm: Communicator,
+    ranks: Sequence[int],
+    model_dir: str,
+    *,
+    dtype: str | None,
+    timeout: float,
+    start_n: int,
+    echoes: int = 7,
+    worker_model_dir: str | None = None,
+) -> list[DeviceProfile]:
     """Master side: the master's own profile first, then every worker's with its round trip.
     Workers profile concurrently (each on its own device) while the master profiles itself."""
     peers = comm.membership.peers
@@ -166,8 +204,12 @@ def gather_profiles(comm: Communicator, ranks: Sequence[int], model_dir: str, *,
         rtts[r] = statistics.median(times)
     n += 1
     for r in ranks:
-        comm.send(r, [], {"op": "profile", "n": n, "dtype": dtype,
-                          "model_dir": worker_model_dir or model_dir}, tag="edge.ctl")
+        comm.send(
+            r,
+            [],
+            {"op": "profile", "n": n, "dtype": dtype, "model_dir": worker_model_dir or model_dir},
+            tag="edge.ctl",
+        )
     cfg = ModelConfig.from_json(model_dir)
     out = [profile_device(cfg, model_dir, name=peers[comm.rank], dtype=dtype)]
     for r in ranks:
@@ -177,13 +219,27 @@ def gather_profiles(comm: Communicator, ranks: Sequence[int], model_dir: str, *,
     return out
 
 
-def auto_split(comm: Communicator, ranks: Sequence[int], model_dir: str, *, dtype: str | None,
-               timeout: float, start_n: int, worker_model_dir: str | None = None
-               ) -> tuple[SplitPlan, list[int]]:
+def auto_split(
+    comm: Communicator,
+    ranks: Sequence[int],
+    model_dir: str,
+    *,
+    dtype: str | None,
+    timeout: float,
+    start_n: int,
+    worker_model_dir: str | None = None,
+) -> tuple[SplitPlan, list[int]]:
     """Profile everyone and plan; returns the plan and the comm ranks it uses, in slot order
     (slot 0, the master, is not among them)."""
-    profiles = gather_profiles(comm, ranks, model_dir, dtype=dtype, timeout=timeout,
-                               start_n=start_n, worker_model_dir=worker_model_dir)
+    profiles = gather_profiles(
+        comm,
+        ranks,
+        model_dir,
+        dtype=dtype,
+        timeout=timeout,
+        start_n=start_n,
+        worker_model_dir=worker_model_dir,
+    )
     plan = plan_split(ModelConfig.from_json(model_dir), profiles, dtype=dtype)
     by_name = {comm.membership.peers[r]: r for r in ranks}
     logger.info("automatic split: %s", plan.explain())

@@ -110,7 +110,7 @@ class StopMatcher:
                 if buf.endswith(s[:n]):
                     hold = n
                     break
-        self._pending = buf[len(buf) - hold:] if hold else ""
+        self._pending = buf[len(buf) - hold :] if hold else ""
         return buf[: len(buf) - hold]
 
     def flush(self) -> str:

@@ -20,9 +20,9 @@ import logging
 import threading
 import time
 import uuid
-from importlib import resources
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from importlib import resources
 from typing import Any, AsyncIterator
 
 from aiohttp import web
@@ -58,18 +58,33 @@ class ServerConfig:
         if self.max_body_bytes < 1024:
             raise ConfigError("max_body_bytes", f"must be >= 1024, got {self.max_body_bytes}")
         if self.max_chars_per_token < 1:
-            raise ConfigError("max_chars_per_token", f"must be >= 1, got {self.max_chars_per_token}")
+            raise ConfigError(
+                "max_chars_per_token", f"must be >= 1, got {self.max_chars_per_token}"
+            )
 
 
 class ApiError(Exception):
-    def __init__(self, status: int, message: str, *, param: str | None = None,
-                 code: str | None = None, kind: str = "invalid_request_error") -> None:
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        kind: str = "invalid_request_error",
+    ) -> None:
         super().__init__(message)
         self.status, self.param, self.code, self.kind = status, param, code, kind
 
     def response(self) -> web.Response:
-        body = {"error": {"message": str(self), "type": self.kind, "param": self.param,
-                          "code": self.code}}
+        body = {
+            "error": {
+                "message": str(self),
+                "type": self.kind,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
         return web.json_response(body, status=self.status)
 
 
@@ -83,10 +98,16 @@ def chat_prompt(messages: Any) -> str:
         raise ApiError(400, "'messages' must be a non-empty list", param="messages")
     lines = []
     for m in messages:
-        if not isinstance(m, dict) or not isinstance(m.get("content"), str) or \
-                m.get("role") not in ("system", "user", "assistant"):
-            raise ApiError(400, "each message needs a role (system/user/assistant) and string "
-                           "content", param="messages")
+        if (
+            not isinstance(m, dict)
+            or not isinstance(m.get("content"), str)
+            or m.get("role") not in ("system", "user", "assistant")
+        ):
+            raise ApiError(
+                400,
+                "each message needs a role (system/user/assistant) and string content",
+                param="messages",
+            )
         lines.append(f"{m['role']}: {m['content']}\n")
     return "".join(lines) + "assistant:"
 
@@ -103,12 +124,16 @@ class Server:
         # answering /health) and off the generation thread.
         self._prep = ThreadPoolExecutor(max_workers=2, thread_name_prefix="edge-prep")
         self.app = web.Application(client_max_size=cfg.max_body_bytes)
-        self.app.add_routes([
-            web.get("/", self.chat_page),
-            web.get("/v1/models", self.models), web.get("/health", self.health),
-            web.get("/metrics", self.metrics), web.post("/v1/completions", self.completions),
-            web.post("/v1/chat/completions", self.chat),
-        ])
+        self.app.add_routes(
+            [
+                web.get("/", self.chat_page),
+                web.get("/v1/models", self.models),
+                web.get("/health", self.health),
+                web.get("/metrics", self.metrics),
+                web.post("/v1/completions", self.completions),
+                web.post("/v1/chat/completions", self.chat),
+            ]
+        )
         self.app.middlewares.append(self._errors)
         self.app.on_shutdown.append(self._shutdown)
 
@@ -127,8 +152,12 @@ class Server:
         self._prep.shutdown(wait=False, cancel_futures=True)
 
     def _too_large(self) -> ApiError:
-        return ApiError(413, f"the request body exceeds {self.cfg.max_body_bytes} bytes "
-                        "(ServerConfig.max_body_bytes)", code="request_too_large")
+        return ApiError(
+            413,
+            f"the request body exceeds {self.cfg.max_body_bytes} bytes "
+            "(ServerConfig.max_body_bytes)",
+            code="request_too_large",
+        )
 
     async def _off_loop(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self._prep, fn, *args)
@@ -148,26 +177,45 @@ class Server:
             raise ApiError(400, "the request body must be a JSON object")
         model = body.get("model", self.engine.model_name)
         if model != self.engine.model_name:
-            raise ApiError(404, f"model {model!r} does not exist; this server has "
-                           f"{self.engine.model_name!r}", param="model", code="model_not_found")
+            raise ApiError(
+                404,
+                f"model {model!r} does not exist; this server has {self.engine.model_name!r}",
+                param="model",
+                code="model_not_found",
+            )
         return body
 
     def _params(self, body: dict) -> SamplingParams:
         mt = body.get("max_tokens", body.get("max_completion_tokens", self.cfg.default_max_tokens))
-        if not isinstance(mt, int) or isinstance(mt, bool) or not 1 <= mt <= self.cfg.max_tokens_limit:
-            raise ApiError(400, f"max_tokens must be an integer in [1, {self.cfg.max_tokens_limit}]",
-                           param="max_tokens")
+        if (
+            not isinstance(mt, int)
+            or isinstance(mt, bool)
+            or not 1 <= mt <= self.cfg.max_tokens_limit
+        ):
+            raise ApiError(
+                400,
+                f"max_tokens must be an integer in [1, {self.cfg.max_tokens_limit}]",
+                param="max_tokens",
+            )
         stop = body.get("stop") or ()
         stop = (stop,) if isinstance(stop, str) else stop
-        if not isinstance(stop, (list, tuple)) or len(stop) > 8 or \
-                not all(isinstance(x, str) for x in stop):
-            raise ApiError(400, "stop must be a string or a list of at most 8 strings", param="stop")
+        if (
+            not isinstance(stop, (list, tuple))
+            or len(stop) > 8
+            or not all(isinstance(x, str) for x in stop)
+        ):
+            raise ApiError(
+                400, "stop must be a string or a list of at most 8 strings", param="stop"
+            )
         try:
             return SamplingParams(
-                max_tokens=mt, temperature=float(body.get("temperature", 1.0)),
-                top_p=float(body.get("top_p", 1.0)), top_k=int(body.get("top_k", 0)),
+                max_tokens=mt,
+                temperature=float(body.get("temperature", 1.0)),
+                top_p=float(body.get("top_p", 1.0)),
+                top_k=int(body.get("top_k", 0)),
                 seed=None if body.get("seed") is None else int(body["seed"]),
-                stop=tuple(stop))
+                stop=tuple(stop),
+            )
         except ConfigError as exc:
             raise ApiError(400, str(exc), param=exc.field) from None
         except (TypeError, ValueError) as exc:
@@ -179,12 +227,22 @@ class Server:
         context = self.engine.max_context
         # Cheap bounds first: the length of a list, the characters of a string.
         if isinstance(prompt, (list, str)) and len(prompt) > context * (
-                self.cfg.max_chars_per_token if isinstance(prompt, str) else 1):
-            raise ApiError(400, f"the prompt ({len(prompt)} {'characters' if isinstance(prompt, str) else 'tokens'}) "
-                           f"cannot fit the context of {context} tokens", param="prompt",
-                           code="context_length_exceeded")
-        if not (isinstance(prompt, str) or (isinstance(prompt, list) and all(
-                isinstance(i, int) and not isinstance(i, bool) for i in prompt))):
+            self.cfg.max_chars_per_token if isinstance(prompt, str) else 1
+        ):
+            raise ApiError(
+                400,
+                f"the prompt ({len(prompt)} {'characters' if isinstance(prompt, str) else 'tokens'}) "
+                f"cannot fit the context of {context} tokens",
+                param="prompt",
+                code="context_length_exceeded",
+            )
+        if not (
+            isinstance(prompt, str)
+            or (
+                isinstance(prompt, list)
+                and all(isinstance(i, int) and not isinstance(i, bool) for i in prompt)
+            )
+        ):
             raise ApiError(400, "prompt must be a string or a list of token ids", param="prompt")
         try:
             return await self._off_loop(self.engine.prepare, prompt, params)
@@ -195,12 +253,20 @@ class Server:
     async def _events(self, ids: list[int], params: SamplingParams) -> AsyncIterator[Event]:
         """Run the generation on the engine thread, yielding its events here."""
         if self._pending > self.cfg.max_queue:
-            raise ApiError(429, f"{self._pending} requests are queued; retry later",
-                           kind="rate_limit_error", code="queue_full")
+            raise ApiError(
+                429,
+                f"{self._pending} requests are queued; retry later",
+                kind="rate_limit_error",
+                code="queue_full",
+            )
         health = self.engine.runner.health()
         if not health.get("healthy"):
-            raise ApiError(503, f"the cluster is not ready: {health.get('status')}",
-                           kind="server_error", code="cluster_unavailable")
+            raise ApiError(
+                503,
+                f"the cluster is not ready: {health.get('status')}",
+                kind="server_error",
+                code="cluster_unavailable",
+            )
         loop = asyncio.get_running_loop()
         q: asyncio.Queue = asyncio.Queue()
         cancel = threading.Event()
@@ -248,19 +314,32 @@ class Server:
         return web.Response(text=page, content_type="text/html")
 
     async def models(self, request: web.Request) -> web.Response:
-        return web.json_response({"object": "list", "data": [
-            {"id": self.engine.model_name, "object": "model", "created": 0, "owned_by": "lowband",
-             "context_length": self.engine.max_context}]})
+        return web.json_response(
+            {
+                "object": "list",
+                "data": [
+                    {
+                        "id": self.engine.model_name,
+                        "object": "model",
+                        "created": 0,
+                        "owned_by": "lowband",
+                        "context_length": self.engine.max_context,
+                    }
+                ],
+            }
+        )
 
     async def health(self, request: web.Request) -> web.Response:
         h = self.engine.runner.health()
-        body = {"status": "ok" if h.get("healthy") else "unavailable", **h,
-                "queue": self._pending}
+        body = {"status": "ok" if h.get("healthy") else "unavailable", **h, "queue": self._pending}
         return web.json_response(body, status=200 if h.get("healthy") else 503)
 
     async def metrics(self, request: web.Request) -> web.Response:
-        body = {**self.engine.metrics.snapshot(), "queue": self._pending,
-                "model": self.engine.model_name}
+        body = {
+            **self.engine.metrics.snapshot(),
+            "queue": self._pending,
+            "model": self.engine.model_name,
+        }
         report = getattr(self.engine.runner, "store_report", None)
         if report is not None:
             # A cluster asks its workers: off the event loop (and off the generation thread,
@@ -282,8 +361,15 @@ class Server:
         ids = await self._prepare(chat_prompt(body.get("messages")), params)
         return await self._respond(request, body, ids, params, chat=True)
 
-    async def _respond(self, request: web.Request, body: dict, ids: list[int],
-                       params: SamplingParams, *, chat: bool) -> web.StreamResponse:
+    async def _respond(
+        self,
+        request: web.Request,
+        body: dict,
+        ids: list[int],
+        params: SamplingParams,
+        *,
+        chat: bool,
+    ) -> web.StreamResponse:
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         created = int(time.time())
         obj = "chat.completion" if chat else "text_completion"
@@ -295,14 +381,29 @@ class Server:
                 n += ev.token is not None
                 reason = ev.finish_reason or reason
             text = "".join(parts)
-            choice = ({"index": 0, "message": {"role": "assistant", "content": text},
-                       "finish_reason": reason} if chat else
-                      {"index": 0, "text": text, "logprobs": None, "finish_reason": reason})
-            return web.json_response({
-                "id": rid, "object": obj, "created": created, "model": self.engine.model_name,
-                "choices": [choice],
-                "usage": {"prompt_tokens": len(ids), "completion_tokens": n,
-                          "total_tokens": len(ids) + n}})
+            choice = (
+                {
+                    "index": 0,
+                    "message": {"role": "assistant", "content": text},
+                    "finish_reason": reason,
+                }
+                if chat
+                else {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}
+            )
+            return web.json_response(
+                {
+                    "id": rid,
+                    "object": obj,
+                    "created": created,
+                    "model": self.engine.model_name,
+                    "choices": [choice],
+                    "usage": {
+                        "prompt_tokens": len(ids),
+                        "completion_tokens": n,
+                        "total_tokens": len(ids) + n,
+                    },
+                }
+            )
         # Streaming: pull the first event before committing to a 200, so queue-full and
         # cluster-down errors still arrive as proper HTTP statuses.
         it = events.__aiter__()
@@ -310,8 +411,9 @@ class Server:
             first = await it.__anext__()
         except StopAsyncIteration:
             first = Event("", None, "stop")
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
-                                           "Cache-Control": "no-cache"})
+        resp = web.StreamResponse(
+            headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+        )
         await resp.prepare(request)
         obj_chunk = "chat.completion.chunk" if chat else "text_completion"
 
@@ -322,10 +424,19 @@ class Server:
                     delta["role"] = "assistant"
                 choice = {"index": 0, "delta": delta, "finish_reason": ev.finish_reason}
             else:
-                choice = {"index": 0, "text": ev.text, "logprobs": None,
-                          "finish_reason": ev.finish_reason}
-            data = {"id": rid, "object": obj_chunk, "created": created,
-                    "model": self.engine.model_name, "choices": [choice]}
+                choice = {
+                    "index": 0,
+                    "text": ev.text,
+                    "logprobs": None,
+                    "finish_reason": ev.finish_reason,
+                }
+            data = {
+                "id": rid,
+                "object": obj_chunk,
+                "created": created,
+                "model": self.engine.model_name,
+                "choices": [choice],
+            }
             return b"data: " + json.dumps(data).encode() + b"\n\n"
 
         try:
@@ -356,7 +467,9 @@ def serve_forever(engine: Engine, cfg: ServerConfig) -> None:
 
     async def main() -> None:
         runner, port = await start(engine, cfg)
-        print(f"lowband edge: serving {engine.model_name!r} on http://{cfg.host}:{port}", flush=True)
+        print(
+            f"lowband edge: serving {engine.model_name!r} on http://{cfg.host}:{port}", flush=True
+        )
         try:
             await asyncio.Event().wait()
         finally:

@@ -23,25 +23,35 @@ from pathlib import Path
 from typing import Any, Sequence
 
 import torch
-from torch import nn
 from safetensors import safe_open
 from safetensors.torch import save_file
+from torch import nn
 
-from lowband.models.config import ModelConfig
-from lowband.models.llama import LlamaForCausalLM, fuse_projections, rope_inv_freq
-from edge.formats.quantized import (QuantLayout, apply_quant_layout, fuse_quant_rows,
-                                    is_quant_tensor, quant_slice, read_layout)
 from edge import fastpath
+from edge.formats.quantized import (
+    QuantLayout,
+    apply_quant_layout,
+    fuse_quant_rows,
+    is_quant_tensor,
+    quant_slice,
+    read_layout,
+)
 from edge.tp import HEAD_KEYS, Reduce, TPPlan, make_plan, shard, slice_of, take
-from lowband.models.weights import DTYPES, weight_files
 from edge.window import MappedFile, WindowScheduler, attach, window_for_budget
 from lowband.errors import ConfigError
+from lowband.models.config import ModelConfig
+from lowband.models.llama import LlamaForCausalLM, fuse_projections, rope_inv_freq
+from lowband.models.weights import DTYPES, weight_files
 
 logger = logging.getLogger(__name__)
 
 SPLIT_MARKER = "lowband_split.json"
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "lowband_tokenizer.json",
-                   "generation_config.json")
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "lowband_tokenizer.json",
+    "generation_config.json",
+)
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 
 
@@ -66,8 +76,9 @@ def read_split_meta(path: str | Path) -> tuple[TPPlan, str]:
     return TPPlan.from_dict(meta["plan"]), meta["dtype"]
 
 
-def _plan(cfg: ModelConfig, world: int, weights: Sequence[float] | None,
-          layout: QuantLayout | None) -> TPPlan:
+def _plan(
+    cfg: ModelConfig, world: int, weights: Sequence[float] | None, layout: QuantLayout | None
+) -> TPPlan:
     # A packed down_proj is split on whole quantization groups.
     return make_plan(cfg, world, weights, ffn_unit=max(8, layout.group) if layout else 8)
 
@@ -91,8 +102,13 @@ def _dtype(name: str) -> torch.dtype:
     return DTYPES[name]
 
 
-def split_checkpoint(model_dir: str | Path, out_dir: str | Path, devices: int,
-                     weights: Sequence[float] | None = None, dtype: str | None = None) -> Path:
+def split_checkpoint(
+    model_dir: str | Path,
+    out_dir: str | Path,
+    devices: int,
+    weights: Sequence[float] | None = None,
+    dtype: str | None = None,
+) -> Path:
     """Write per-device, per-layer shard files for a ``devices``-way tensor-parallel split.
     Reads the checkpoint one layer at a time through the safetensors memory map."""
     src, out = Path(model_dir), Path(out_dir)
@@ -138,8 +154,9 @@ def split_checkpoint(model_dir: str | Path, out_dir: str | Path, devices: int,
     hf = json.loads((src / "config.json").read_text())
     hf["torch_dtype"] = dname
     (out / "config.json").write_text(json.dumps(hf, indent=2, sort_keys=True))
-    (out / SPLIT_MARKER).write_text(json.dumps(
-        {"format": 1, "dtype": dname, "plan": plan.to_dict()}, indent=2))
+    (out / SPLIT_MARKER).write_text(
+        json.dumps({"format": 1, "dtype": dname, "plan": plan.to_dict()}, indent=2)
+    )
     for name in TOKENIZER_FILES:
         if (src / name).exists():
             shutil.copy(src / name, out / name)
@@ -194,10 +211,18 @@ class LoadedShard:
         return {**self.store.report(), "devices_reporting": 1} if self.store is not None else None
 
 
-def load_shard(model_dir: str | Path, rank: int = 0, world: int = 1, *,
-               weights: Sequence[float] | None = None, dtype: str | None = None,
-               reduce: Reduce | None = None, window: WindowConfig | None = None,
-               fuse: bool = True, fast: bool = True) -> LoadedShard:
+def load_shard(
+    model_dir: str | Path,
+    rank: int = 0,
+    world: int = 1,
+    *,
+    weights: Sequence[float] | None = None,
+    dtype: str | None = None,
+    reduce: Reduce | None = None,
+    window: WindowConfig | None = None,
+    fuse: bool = True,
+    fast: bool = True,
+) -> LoadedShard:
     """Build rank ``rank``'s slice on the meta device and load only that slice.
 
     ``model_dir`` is either a split directory (the plan comes from it) or a plain HF
@@ -210,11 +235,16 @@ def load_shard(model_dir: str | Path, rank: int = 0, world: int = 1, *,
     d = Path(model_dir)
     if d.suffix == ".gguf":
         if window is not None:
-            raise ConfigError("window", "the sliding window needs a split directory; run "
-                              "'lowband edge split' on the output of 'lowband edge convert'")
+            raise ConfigError(
+                "window",
+                "the sliding window needs a split directory; run "
+                "'lowband edge split' on the output of 'lowband edge convert'",
+            )
         from edge.formats.gguf import load_gguf_shard
-        model, plan = load_gguf_shard(d, rank, world, weights=weights, reduce=reduce,
-                                      dtype=_dtype(dtype) if dtype else None)
+
+        model, plan = load_gguf_shard(
+            d, rank, world, weights=weights, reduce=reduce, dtype=_dtype(dtype) if dtype else None
+        )
         if model.config.tie_word_embeddings and rank == 0:
             tie_head(model, plan)  # as below: rank 0's head rows are a view, not a copy
         if fuse:
@@ -233,8 +263,11 @@ def load_shard(model_dir: str | Path, rank: int = 0, world: int = 1, *,
     else:
         plan, file_dtype = _plan(cfg, world, weights, layout), cfg.torch_dtype
         if window is not None:
-            raise ConfigError("window", f"the sliding window streams per-layer files: run "
-                              f"'lowband edge split {d} --devices {world} --out DIR' first")
+            raise ConfigError(
+                "window",
+                f"the sliding window streams per-layer files: run "
+                f"'lowband edge split {d} --devices {world} --out DIR' first",
+            )
     dt = _dtype(dtype or file_dtype)
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg)
@@ -283,8 +316,14 @@ def _wanted(model: nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
-def _load_from_checkpoint(model: LlamaForCausalLM, d: Path, plan: TPPlan, rank: int,
-                          dt: torch.dtype, layout: QuantLayout | None = None) -> None:
+def _load_from_checkpoint(
+    model: LlamaForCausalLM,
+    d: Path,
+    plan: TPPlan,
+    rank: int,
+    dt: torch.dtype,
+    layout: QuantLayout | None = None,
+) -> None:
     wanted = _wanted(model)
     tensors: dict[str, torch.Tensor] = {}
     for f in weight_files(d):
@@ -293,8 +332,12 @@ def _load_from_checkpoint(model: LlamaForCausalLM, d: Path, plan: TPPlan, rank: 
                 if key not in wanted:
                     continue
                 src, spec = key, _spec(key, plan, rank, layout)
-                if (key == "model.embed_tokens.weight" and rank > 0 and plan.vocab_split
-                        and model.config.tie_word_embeddings):  # a tied head: embedding rows
+                if (
+                    key == "model.embed_tokens.weight"
+                    and rank > 0
+                    and plan.vocab_split
+                    and model.config.tie_word_embeddings
+                ):  # a tied head: embedding rows
                     key, spec = "lm_head.weight", slice_of("lm_head.weight", plan, rank)
                 if spec is False:
                     continue
@@ -308,9 +351,15 @@ def _load_from_checkpoint(model: LlamaForCausalLM, d: Path, plan: TPPlan, rank: 
     _assign(model, tensors, tied_head=rank == 0)
 
 
-def _load_split(model: LlamaForCausalLM, d: Path, rank: int, dt: torch.dtype, file_dtype: str,
-                window: WindowConfig | None, layout: QuantLayout | None = None
-                ) -> WindowScheduler | None:
+def _load_split(
+    model: LlamaForCausalLM,
+    d: Path,
+    rank: int,
+    dt: torch.dtype,
+    file_dtype: str,
+    window: WindowConfig | None,
+    layout: QuantLayout | None = None,
+) -> WindowScheduler | None:
     tensors: dict[str, torch.Tensor] = {}
     if rank == 0 or head_file(d, rank).exists():
         with safe_open(str(head_file(d, rank)), framework="pt") as sf:
@@ -319,11 +368,16 @@ def _load_split(model: LlamaForCausalLM, d: Path, rank: int, dt: torch.dtype, fi
     paths = [layer_file(d, rank, i) for i in range(n)]
     for p in paths:
         if not p.exists():
-            raise ConfigError("model_dir", f"missing shard file {p}: copy rank{rank}/ from the split")
+            raise ConfigError(
+                "model_dir", f"missing shard file {p}: copy rank{rank}/ from the split"
+            )
     if dt != _dtype(file_dtype):
         if window is not None:
-            raise ConfigError("dtype", f"the sliding window maps weights as stored ({file_dtype}); "
-                              f"split again with --dtype to run in another dtype")
+            raise ConfigError(
+                "dtype",
+                f"the sliding window maps weights as stored ({file_dtype}); "
+                f"split again with --dtype to run in another dtype",
+            )
         for p in paths:  # converting: copy into memory
             with safe_open(str(p), framework="pt") as sf:
                 tensors.update({k: _cast(k, sf.get_tensor(k), dt) for k in sf.keys()})
@@ -343,17 +397,29 @@ def _load_split(model: LlamaForCausalLM, d: Path, rank: int, dt: torch.dtype, fi
     return WindowScheduler(list(model.model.layers), files, w, window.loader_cores)
 
 
-def _assign(model: LlamaForCausalLM, tensors: dict[str, torch.Tensor], partial: bool = False,
-            tied_head: bool = True) -> None:
+def _assign(
+    model: LlamaForCausalLM,
+    tensors: dict[str, torch.Tensor],
+    partial: bool = False,
+    tied_head: bool = True,
+) -> None:
     """``tied_head``: the LM head will be tied to the embedding afterwards (rank 0)."""
-    missing = {k for k, p in _wanted(model).items()
-               if not p.is_meta or p.numel()} - tensors.keys()
+    missing = {k for k, p in _wanted(model).items() if not p.is_meta or p.numel()} - tensors.keys()
     if model.config.tie_word_embeddings and tied_head:
         missing.discard("lm_head.weight")
     if not partial and missing:
-        raise ConfigError("weights", f"checkpoint lacks {len(missing)} tensors, e.g. {sorted(missing)[:3]}")
+        raise ConfigError(
+            "weights", f"checkpoint lacks {len(missing)} tensors, e.g. {sorted(missing)[:3]}"
+        )
     model.load_state_dict(tensors, strict=False, assign=True)
 
 
-__all__ = ["split_checkpoint", "load_shard", "LoadedShard", "WindowConfig", "is_split_dir",
-           "read_split_meta", "HEAD_KEYS"]
+__all__ = [
+    "split_checkpoint",
+    "load_shard",
+    "LoadedShard",
+    "WindowConfig",
+    "is_split_dir",
+    "read_split_meta",
+    "HEAD_KEYS",
+]

@@ -34,11 +34,11 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import nn
 
-from lowband.models.config import ModelConfig
-from lowband.models.llama import LlamaForCausalLM, unfuse_projections
 from edge.quant import QuantLinear
 from lowband.comm import Algorithm, Codec, Communicator
 from lowband.errors import ConfigError
+from lowband.models.config import ModelConfig
+from lowband.models.llama import LlamaForCausalLM, unfuse_projections
 
 Reduce = Callable[[torch.Tensor], torch.Tensor]
 
@@ -95,10 +95,16 @@ class TPPlan:
             raise ConfigError("world", f"must be >= 1, got {self.world}")
         for name in ("weights", "kv", "ffn") + (("vocab",) if self.vocab is not None else ()):
             if len(getattr(self, name)) != self.world:
-                raise ConfigError(name, f"needs {self.world} entries, got {len(getattr(self, name))}")
-        if self.vocab is not None and (self.vocab[0][0] != 0 or any(
-                a > b or b != c for (a, b), (c, _) in zip(self.vocab, self.vocab[1:]))):
-            raise ConfigError("vocab", f"rows must tile [0, V) in rank order, got {list(self.vocab)}")
+                raise ConfigError(
+                    name, f"needs {self.world} entries, got {len(getattr(self, name))}"
+                )
+        if self.vocab is not None and (
+            self.vocab[0][0] != 0
+            or any(a > b or b != c for (a, b), (c, _) in zip(self.vocab, self.vocab[1:]))
+        ):
+            raise ConfigError(
+                "vocab", f"rows must tile [0, V) in rank order, got {list(self.vocab)}"
+            )
 
     @property
     def vocab_split(self) -> bool:
@@ -118,23 +124,38 @@ class TPPlan:
         return a * self.group, b * self.group
 
     def to_dict(self) -> dict[str, Any]:
-        out = {"world": self.world, "weights": list(self.weights), "kv": [list(r) for r in self.kv],
-               "ffn": [list(r) for r in self.ffn], "group": self.group, "head_dim": self.head_dim}
+        out = {
+            "world": self.world,
+            "weights": list(self.weights),
+            "kv": [list(r) for r in self.kv],
+            "ffn": [list(r) for r in self.ffn],
+            "group": self.group,
+            "head_dim": self.head_dim,
+        }
         if self.vocab is not None:
             out["vocab"] = [list(r) for r in self.vocab]
         return out
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "TPPlan":
-        return cls(world=int(d["world"]), weights=tuple(float(w) for w in d["weights"]),
-                   kv=tuple((int(a), int(b)) for a, b in d["kv"]),
-                   ffn=tuple((int(a), int(b)) for a, b in d["ffn"]),
-                   group=int(d["group"]), head_dim=int(d["head_dim"]),
-                   vocab=tuple((int(a), int(b)) for a, b in d["vocab"]) if d.get("vocab") else None)
+        return cls(
+            world=int(d["world"]),
+            weights=tuple(float(w) for w in d["weights"]),
+            kv=tuple((int(a), int(b)) for a, b in d["kv"]),
+            ffn=tuple((int(a), int(b)) for a, b in d["ffn"]),
+            group=int(d["group"]),
+            head_dim=int(d["head_dim"]),
+            vocab=tuple((int(a), int(b)) for a, b in d["vocab"]) if d.get("vocab") else None,
+        )
 
 
-def make_plan(cfg: ModelConfig, world: int, weights: Sequence[float] | None = None,
-              ffn_unit: int = 8, vocab_parallel: bool = True) -> TPPlan:
+def make_plan(
+    cfg: ModelConfig,
+    world: int,
+    weights: Sequence[float] | None = None,
+    ffn_unit: int = 8,
+    vocab_parallel: bool = True,
+) -> TPPlan:
     """Plan a ``world``-way split. ``ffn_unit`` keeps column blocks SIMD-friendly (a quantized
     model passes its group size, so ``down_proj`` splits on whole groups). ``vocab_parallel``:
     split the LM head by rows in the same proportions (else it stays whole on rank 0)."""
@@ -144,17 +165,26 @@ def make_plan(cfg: ModelConfig, world: int, weights: Sequence[float] | None = No
     if len(w) != world:
         raise ConfigError("weights", f"{len(w)} weights given for {world} devices")
     unit = ffn_unit if cfg.intermediate_size >= ffn_unit * world else 1
-    return TPPlan(world=world, weights=w,
-                  kv=_ranges(apportion(cfg.n_kv_heads, w)),
-                  ffn=_ranges(apportion(cfg.intermediate_size, w, unit)),
-                  group=cfg.num_attention_heads // cfg.n_kv_heads, head_dim=cfg.dim_per_head,
-                  vocab=(_ranges(apportion(cfg.vocab_size, w, 32 if cfg.vocab_size >= 32 * world else 1))
-                         if vocab_parallel and world > 1 else None))
+    return TPPlan(
+        world=world,
+        weights=w,
+        kv=_ranges(apportion(cfg.n_kv_heads, w)),
+        ffn=_ranges(apportion(cfg.intermediate_size, w, unit)),
+        group=cfg.num_attention_heads // cfg.n_kv_heads,
+        head_dim=cfg.dim_per_head,
+        vocab=(
+            _ranges(apportion(cfg.vocab_size, w, 32 if cfg.vocab_size >= 32 * world else 1))
+            if vocab_parallel and world > 1
+            else None
+        ),
+    )
 
 
 _ATTN = re.compile(r"model\.layers\.\d+\.self_attn\.(q|k|v|o)_proj\.(weight|bias)$")
-_FFN = re.compile(r"model\.layers\.\d+\.(mlp\.(gate|up|down)_proj|block_sparse_moe\.experts\.\d+\.(w1|w2|w3))"
-                  r"\.weight$")
+_FFN = re.compile(
+    r"model\.layers\.\d+\.(mlp\.(gate|up|down)_proj|block_sparse_moe\.experts\.\d+\.(w1|w2|w3))"
+    r"\.weight$"
+)
 
 
 def slice_of(name: str, plan: TPPlan, rank: int) -> tuple[int, int, int] | None | bool:
@@ -198,8 +228,9 @@ def take(t: torch.Tensor, spec: tuple[int, int, int] | bool) -> torch.Tensor | N
     return t.narrow(dim, a, b - a)
 
 
-def shard(model: LlamaForCausalLM, plan: TPPlan, rank: int, world: int,
-          reduce: Reduce | None = None) -> LlamaForCausalLM:
+def shard(
+    model: LlamaForCausalLM, plan: TPPlan, rank: int, world: int, reduce: Reduce | None = None
+) -> LlamaForCausalLM:
     """Slice ``model`` in place to rank ``rank``'s part and install ``reduce`` at the two
     reduce points of every layer. Works on a materialised model (slices are copied so the full
     tensors can be freed) and on a ``meta`` model (shapes change, load the slice afterwards).
@@ -253,17 +284,28 @@ def _shard_quantized(model: nn.Module, plan: TPPlan, rank: int) -> None:
         else:
             dim, a, b = spec
             if dim == 1 and (a % mod.group or b % mod.group):
-                raise ConfigError("devices", f"{name}: columns [{a}, {b}) of rank {rank} cut a "
-                                  f"quantization group of {mod.group}; use fewer devices or a "
-                                  f"smaller group")
-            new = mod.narrow_out(a, b - a) if dim == 0 else mod.narrow_in(
-                a, b - a, keep_bias=rank == 0)
+                raise ConfigError(
+                    "devices",
+                    f"{name}: columns [{a}, {b}) of rank {rank} cut a "
+                    f"quantization group of {mod.group}; use fewer devices or a "
+                    f"smaller group",
+                )
+            new = (
+                mod.narrow_out(a, b - a)
+                if dim == 0
+                else mod.narrow_in(a, b - a, keep_bias=rank == 0)
+            )
         setattr(model.get_submodule(parent) if parent else model, child, new)
 
 
-def make_reduce(comm: Communicator, *, codec: Codec | None = None,
-                algorithm: Algorithm = "star", timeout: float | None = None,
-                tags: Callable[[], str] | None = None) -> Reduce:
+def make_reduce(
+    comm: Communicator,
+    *,
+    codec: Codec | None = None,
+    algorithm: Algorithm = "star",
+    timeout: float | None = None,
+    tags: Callable[[], str] | None = None,
+) -> Reduce:
     """The all-reduce hook for :func:`shard`: sums partial outputs over ``comm``.
 
     Without ``tags`` collectives are matched by call order, which is the same on every rank
@@ -272,12 +314,24 @@ def make_reduce(comm: Communicator, *, codec: Codec | None = None,
     forward can never be matched against the next one."""
 
     def reduce(x: torch.Tensor) -> torch.Tensor:
-        return comm.all_reduce(x, "sum", codec=codec, algorithm=algorithm, timeout=timeout,
-                               tag=tags() if tags is not None else None)
+        return comm.all_reduce(
+            x,
+            "sum",
+            codec=codec,
+            algorithm=algorithm,
+            timeout=timeout,
+            tag=tags() if tags is not None else None,
+        )
 
     def exact(x: torch.Tensor) -> torch.Tensor:  # float32 whatever the wire codec: logits
-        return comm.all_reduce(x, "sum", codec=None, algorithm=algorithm, timeout=timeout,
-                               tag=tags() if tags is not None else None)
+        return comm.all_reduce(
+            x,
+            "sum",
+            codec=None,
+            algorithm=algorithm,
+            timeout=timeout,
+            tag=tags() if tags is not None else None,
+        )
 
     reduce.exact = exact  # type: ignore[attr-defined]
     # A star link carrying float32 can be driven natively by the compiled decode step
@@ -292,8 +346,9 @@ def exact_reduce(reduce: Reduce) -> Reduce:
     return getattr(reduce, "exact", reduce)
 
 
-def gather_logits(local: torch.Tensor | None, plan: TPPlan, rank: int, vocab_size: int,
-                  top: int, reduce: Reduce) -> torch.Tensor | None:
+def gather_logits(
+    local: torch.Tensor | None, plan: TPPlan, rank: int, vocab_size: int, top: int, reduce: Reduce
+) -> torch.Tensor | None:
     """Bring the vocabulary-parallel head's logits to rank 0. Every rank calls it once per
     forward, after its head, in the same order as the layers' all-reduces.
 
@@ -307,7 +362,7 @@ def gather_logits(local: torch.Tensor | None, plan: TPPlan, rank: int, vocab_siz
     can pick and -inf elsewhere, so greedy and top-k(+top-p) sampling draw exactly what they
     would from the whole vector (the global top k are among the union of every rank's top k;
     ties between equal logits keep the lowest token id, like ``argmax``). Other ranks: None."""
-    k = top if 0 < top and 2 * top * plan.world < vocab_size and vocab_size < 2 ** 24 else 0
+    k = top if 0 < top and 2 * top * plan.world < vocab_size and vocab_size < 2**24 else 0
     a, b = plan.vocab_rows(rank, vocab_size)
     if local is not None and local.numel() != b - a:
         raise ValueError(f"rank {rank} holds rows [{a}, {b}) but produced {local.numel()} logits")

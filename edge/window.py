@@ -50,8 +50,15 @@ MADV_HUGEPAGE = 14
 MADV_POPULATE_READ = 22  # Linux >= 5.14
 PAGE = mmap.PAGESIZE
 
-_ST_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-              "I64": torch.int64, "I32": torch.int32, "I8": torch.int8, "U8": torch.uint8}
+_ST_DTYPES = {
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+}
 
 
 # ---- the pure schedule ---------------------------------------------------------------------
@@ -101,9 +108,11 @@ def window_for_budget(budget_bytes: int, block_bytes: Sequence[int], fixed_bytes
         w += 1
     if w == 0:
         need = (fixed_bytes + biggest[0]) / 2**20
-        raise ConfigError("memory_budget_mb",
-                          f"{budget_bytes / 2**20:.0f} MB cannot hold even one layer block: "
-                          f"need at least {need:.0f} MB")
+        raise ConfigError(
+            "memory_budget_mb",
+            f"{budget_bytes / 2**20:.0f} MB cannot hold even one layer block: "
+            f"need at least {need:.0f} MB",
+        )
     return w
 
 
@@ -133,8 +142,9 @@ def _populate(addr: int, size: int, pages: torch.Tensor) -> None:
         return
     if _populate_ok:
         _populate_ok = False
-        logger.info("MADV_POPULATE_READ unavailable (errno %d); touching pages instead",
-                    ctypes.get_errno())
+        logger.info(
+            "MADV_POPULATE_READ unavailable (errno %d); touching pages instead", ctypes.get_errno()
+        )
     pages[::PAGE].sum()
 
 
@@ -152,7 +162,7 @@ class MappedFile:
         self.addr = self._u8.data_ptr()
         _madvise(self.addr, self.size, MADV_HUGEPAGE)  # see the module docstring
         (n,) = struct.unpack("<Q", self._mm[:8])
-        header = json.loads(self._mm[8:8 + n])
+        header = json.loads(self._mm[8 : 8 + n])
         base = 8 + n
         self.tensors: dict[str, torch.Tensor] = {}
         for name, info in header.items():
@@ -162,7 +172,7 @@ class MappedFile:
             if dtype is None:
                 raise ConfigError("weights", f"{path}: unsupported dtype {info['dtype']} of {name}")
             a, b = info["data_offsets"]
-            raw = self._u8[base + a: base + b]
+            raw = self._u8[base + a : base + b]
             if (self.addr + base + a) % dtype.itemsize:  # unaligned: copy (never in our files)
                 raw = raw.clone()
             self.tensors[name] = raw.view(dtype).view(info["shape"])
@@ -196,20 +206,28 @@ class MappedRegion:
             raise ConfigError("weights", f"{file.path}: an empty block")
         self.file, self.path = file, file.path
         self.tensors = {n: file.tensors[n] for n in names}
-        spans = sorted((t.data_ptr() - file.addr, t.data_ptr() - file.addr + t.numel() * t.element_size())
-                       for t in self.tensors.values())
+        spans = sorted(
+            (t.data_ptr() - file.addr, t.data_ptr() - file.addr + t.numel() * t.element_size())
+            for t in self.tensors.values()
+        )
         lo, hi = spans[0][0], spans[-1][1]
-        inside = [n for n, t in file.tensors.items() if n not in self.tensors
-                  and lo <= t.data_ptr() - file.addr < hi and t.numel()]
+        inside = [
+            n
+            for n, t in file.tensors.items()
+            if n not in self.tensors and lo <= t.data_ptr() - file.addr < hi and t.numel()
+        ]
         if inside:
-            raise ConfigError("weights", f"{file.path}: the tensors of one block are not contiguous "
-                              f"({inside[0]!r} lies between them); re-save the file")
+            raise ConfigError(
+                "weights",
+                f"{file.path}: the tensors of one block are not contiguous "
+                f"({inside[0]!r} lies between them); re-save the file",
+            )
         self.offset = lo // PAGE * PAGE
         self.size = min(file.size, -(-hi // PAGE) * PAGE) - self.offset
         self.addr = file.addr + self.offset
 
     def populate(self) -> None:
-        _populate(self.addr, self.size, self.file._u8[self.offset:self.offset + self.size])
+        _populate(self.addr, self.size, self.file._u8[self.offset : self.offset + self.size])
 
     def evict(self) -> None:
         _madvise(self.addr, self.size, MADV_DONTNEED)
@@ -227,13 +245,16 @@ def attach(module: nn.Module, tensors: dict[str, torch.Tensor], prefix: str) -> 
     for name, t in tensors.items():
         if not name.startswith(prefix):
             raise ConfigError("weights", f"tensor {name!r} does not belong under {prefix!r}")
-        owner_name, _, pname = name[len(prefix):].rpartition(".")
+        owner_name, _, pname = name[len(prefix) :].rpartition(".")
         owner = module.get_submodule(owner_name) if owner_name else module
         is_buffer = pname in owner._buffers  # packed quantized weights are buffers
         old = owner._buffers.get(pname) if is_buffer else owner._parameters.get(pname)
         if old is None or tuple(old.shape) != tuple(t.shape):
-            raise ConfigError("weights", f"{name}: file has shape {tuple(t.shape)}, model expects "
-                              f"{None if old is None else tuple(old.shape)} (wrong split?)")
+            raise ConfigError(
+                "weights",
+                f"{name}: file has shape {tuple(t.shape)}, model expects "
+                f"{None if old is None else tuple(old.shape)} (wrong split?)",
+            )
         if is_buffer:
             owner._buffers[pname] = t
         else:
@@ -247,9 +268,14 @@ class WindowScheduler:
     ``layers[i]`` runs block ``files[i]``. Hooks on each layer wait for its block before it
     runs and apply :func:`window_plan` after it ran."""
 
-    def __init__(self, layers: Sequence[nn.Module], files: Sequence[MappedFile | MappedRegion],
-                 window: int,
-                 loader_cores: Sequence[int] | None = None, recache: bool = True) -> None:
+    def __init__(
+        self,
+        layers: Sequence[nn.Module],
+        files: Sequence[MappedFile | MappedRegion],
+        window: int,
+        loader_cores: Sequence[int] | None = None,
+        recache: bool = True,
+    ) -> None:
         if len(layers) != len(files):
             raise ConfigError("files", f"{len(files)} layer files for {len(layers)} layers")
         _check(len(layers), window)
@@ -304,6 +330,7 @@ class WindowScheduler:
             self._ready[i].wait()
             if self._errors:
                 raise self._errors.pop()
+
         return hook
 
     def _post_hook(self, i: int):
@@ -315,6 +342,7 @@ class WindowScheduler:
                 self._jobs.put(("evict", e))
             for b in step.load:
                 self._load(b)
+
         return hook
 
     def resident(self) -> list[int]:

@@ -26,8 +26,14 @@ from lowband.comm import Codec, Encoded
 from lowband.errors import ConfigError
 
 __all__ = [
-    "Fp32Codec", "Fp16Codec", "Bf16Codec", "Int8BlockCodec", "FourBitCodec",
-    "CODEBOOKS", "get_codec", "codec_names",
+    "Fp32Codec",
+    "Fp16Codec",
+    "Bf16Codec",
+    "Int8BlockCodec",
+    "FourBitCodec",
+    "CODEBOOKS",
+    "get_codec",
+    "codec_names",
 ]
 
 
@@ -118,10 +124,22 @@ _E2M1 = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]
 CODEBOOKS: dict[str, list[float]] = {
     "e2m1": sorted({s * v / 6.0 for v in _E2M1 for s in (-1.0, 1.0)}),
     "nf4": [
-        -1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453,
-        -0.28444138169288635, -0.18477343022823334, -0.09105003625154495, 0.0,
-        0.07958029955625534, 0.16093020141124725, 0.24611230194568634, 0.33791524171829224,
-        0.44070982933044434, 0.5626170039176941, 0.7229568362236023, 1.0,
+        -1.0,
+        -0.6961928009986877,
+        -0.5250730514526367,
+        -0.39491748809814453,
+        -0.28444138169288635,
+        -0.18477343022823334,
+        -0.09105003625154495,
+        0.0,
+        0.07958029955625534,
+        0.16093020141124725,
+        0.24611230194568634,
+        0.33791524171829224,
+        0.44070982933044434,
+        0.5626170039176941,
+        0.7229568362236023,
+        1.0,
     ],
     "e3m0": sorted({0.0} | {s * 2.0**-e for e in range(7) for s in (-1.0, 1.0)}),
 }
@@ -151,7 +169,9 @@ class FourBitCodec:
 
     def __post_init__(self) -> None:
         if self.kind not in CODEBOOKS:
-            raise ConfigError("kind", f"unknown 4-bit format {self.kind!r}; one of {sorted(CODEBOOKS)}")
+            raise ConfigError(
+                "kind", f"unknown 4-bit format {self.kind!r}; one of {sorted(CODEBOOKS)}"
+            )
         if self.block < 2 or self.block % 2:
             raise ConfigError("block", f"must be an even number >= 2, got {self.block}")
         object.__setattr__(self, "name", {"e2m1": "fp4", "nf4": "nf4", "e3m0": "e3m0"}[self.kind])

@@ -160,14 +160,22 @@ class Communicator(Protocol):
     ) -> Work[torch.Tensor]: ...
 
     def broadcast(
-        self, tensor: torch.Tensor | None, root: int = 0, *, tag: str | None = None,
+        self,
+        tensor: torch.Tensor | None,
+        root: int = 0,
+        *,
+        tag: str | None = None,
         timeout: float | None = None,
     ) -> torch.Tensor:
         """Root passes a tensor; other ranks pass ``None`` (or anything) and receive root's."""
         ...
 
     def broadcast_async(
-        self, tensor: torch.Tensor | None, root: int = 0, *, tag: str | None = None,
+        self,
+        tensor: torch.Tensor | None,
+        root: int = 0,
+        *,
+        tag: str | None = None,
         timeout: float | None = None,
     ) -> Work[torch.Tensor]: ...
 
@@ -184,13 +192,21 @@ class Communicator(Protocol):
         ...
 
     def all_gather(
-        self, tensor: torch.Tensor, *, tag: str | None = None, timeout: float | None = None,
+        self,
+        tensor: torch.Tensor,
+        *,
+        tag: str | None = None,
+        timeout: float | None = None,
     ) -> list[torch.Tensor]:
         """Every rank's tensor, indexed by rank. Shapes and dtypes may differ between ranks."""
         ...
 
     def all_gather_async(
-        self, tensor: torch.Tensor, *, tag: str | None = None, timeout: float | None = None,
+        self,
+        tensor: torch.Tensor,
+        *,
+        tag: str | None = None,
+        timeout: float | None = None,
     ) -> Work[list[torch.Tensor]]: ...
 
     def barrier(self, *, tag: str | None = None, timeout: float | None = None) -> None: ...
@@ -208,7 +224,11 @@ class Communicator(Protocol):
         ...
 
     def recv(
-        self, src: int, *, tag: str, timeout: float | None = None,
+        self,
+        src: int,
+        *,
+        tag: str,
+        timeout: float | None = None,
     ) -> tuple[list[torch.Tensor], dict[str, Any]]: ...
 
     def stats(self) -> OpStats:

@@ -52,14 +52,18 @@ def tp_head(model, plan, rank: int, h, reduce):
     its rows of the (vocabulary-parallel) LM head and rank 0 gathers them exactly
     (``edge.tp.gather_logits`` with top=0). Rank 0 gets (1, T, V), the others None."""
     import torch
+
     from edge.tp import exact_reduce, gather_logits
+
     V = model.config.vocab_size
     a, b = plan.vocab_rows(rank, V)
     if not plan.vocab_split:
         return model.head(h) if rank == 0 else None
     local = model.head(h)[0] if b > a else None
-    rows = [gather_logits(None if local is None else local[t], plan, rank, V, 0,
-                          exact_reduce(reduce)) for t in range(h.shape[1])]
+    rows = [
+        gather_logits(None if local is None else local[t], plan, rank, V, 0, exact_reduce(reduce))
+        for t in range(h.shape[1])
+    ]
     return torch.stack(rows).unsqueeze(0) if rank == 0 else None
 
 

@@ -19,8 +19,16 @@ def _check(tmp_path: Path, skips: list[dict] | None) -> subprocess.CompletedProc
     path = tmp_path / "skips.jsonl"
     if skips is not None:
         path.write_text("".join(json.dumps(s) + "\n" for s in skips))
-    return subprocess.run([sys.executable, str(REPO / ".ci" / "check_skips.py"), str(path),
-                           str(REPO / ".ci" / "allowed-skips")], capture_output=True, text=True)
+    return subprocess.run(
+        [
+            sys.executable,
+            str(REPO / ".ci" / "check_skips.py"),
+            str(path),
+            str(REPO / ".ci" / "allowed-skips"),
+        ],
+        capture_output=True,
+        text=True,
+    )
 
 
 def test_allowed_skips_pass_and_others_fail(tmp_path):
@@ -35,12 +43,24 @@ def test_allowed_skips_pass_and_others_fail(tmp_path):
 
 def test_the_conftest_hook_records_a_module_level_skip(tmp_path):
     (tmp_path / "test_gone.py").write_text(
-        "import pytest\npytest.importorskip('no_such_module_lowband')\n"
-        "def test_a():\n    pass\n")
+        "import pytest\npytest.importorskip('no_such_module_lowband')\ndef test_a():\n    pass\n"
+    )
     (tmp_path / "conftest.py").write_text((REPO / "tests" / "conftest.py").read_text())
     out = tmp_path / "skips.jsonl"
-    subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                    str(tmp_path / "test_gone.py")], cwd=tmp_path, capture_output=True,
-                   env={**os.environ, "LOWBAND_SKIPS_FILE": str(out)}, timeout=50)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            str(tmp_path / "test_gone.py"),
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        env={**os.environ, "LOWBAND_SKIPS_FILE": str(out)},
+        timeout=50,
+    )
     rec = [json.loads(x) for x in out.read_text().splitlines()]
     assert len(rec) == 1 and "no_such_module_lowband" in rec[0]["reason"]

@@ -19,12 +19,12 @@ PACKAGES = ("lowband", "transport", "diloco", "edge")
 # Lowest first. A module may import from its own layer and from lower ones. Layers that share a
 # rank (diloco and edge) are siblings: neither may import the other. The most specific prefix wins.
 LAYERS: dict[str, int] = {
-    "lowband": 0,            # core: Communicator Protocol, codecs, errors, process helpers
-    "lowband.models": 1,     # the Llama family, its config, HF safetensors I/O, tokenizers
-    "transport": 2,          # ZeroMQ transport, loopback, coordinator, slow-link testbeds
-    "diloco": 3,             # the Streaming DiLoCo trainer
-    "edge": 3,               # the inference runtime
-    "lowband.cli": 4,        # the command line (composition root)
+    "lowband": 0,  # core: Communicator Protocol, codecs, errors, process helpers
+    "lowband.models": 1,  # the Llama family, its config, HF safetensors I/O, tokenizers
+    "transport": 2,  # ZeroMQ transport, loopback, coordinator, slow-link testbeds
+    "diloco": 3,  # the Streaming DiLoCo trainer
+    "edge": 3,  # the inference runtime
+    "lowband.cli": 4,  # the command line (composition root)
     "lowband.__main__": 4,
 }
 # Launchers (composition roots inside a package) may be imported only from the command line.
@@ -153,13 +153,20 @@ def _plant(tmp: Path, files: dict[str, str]) -> dict[str, set[str]]:
 
 
 def test_a_planted_upward_import_is_caught(tmp_path: Path) -> None:
-    graph = _plant(tmp_path, {
-        "lowband/__init__.py": "", "lowband/errors.py": "",
-        "lowband/codecs.py": "from diloco.outer import step\n",        # core -> trainer: upward
-        "transport/__init__.py": "", "transport/wire.py": "from lowband import errors\n",
-        "diloco/__init__.py": "", "diloco/outer.py": "import edge.model\n",  # sibling
-        "edge/__init__.py": "", "edge/model.py": "from ..lowband import errors\n",
-    })
+    graph = _plant(
+        tmp_path,
+        {
+            "lowband/__init__.py": "",
+            "lowband/errors.py": "",
+            "lowband/codecs.py": "from diloco.outer import step\n",  # core -> trainer: upward
+            "transport/__init__.py": "",
+            "transport/wire.py": "from lowband import errors\n",
+            "diloco/__init__.py": "",
+            "diloco/outer.py": "import edge.model\n",  # sibling
+            "edge/__init__.py": "",
+            "edge/model.py": "from ..lowband import errors\n",
+        },
+    )
     bad = upward_imports(graph)
     assert any(b.startswith("lowband.codecs [lowband] imports diloco.outer") for b in bad), bad
     assert any(b.startswith("diloco.outer [diloco] imports edge.model") for b in bad), bad
@@ -167,19 +174,31 @@ def test_a_planted_upward_import_is_caught(tmp_path: Path) -> None:
 
 
 def test_a_planted_cycle_and_launcher_import_are_caught(tmp_path: Path) -> None:
-    graph = _plant(tmp_path, {
-        "lowband/__init__.py": "",
-        "transport/__init__.py": "",
-        "transport/a.py": "from transport.b import x\n",
-        "transport/b.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from . import a\n",
-        "diloco/__init__.py": "", "diloco/launch.py": "", "diloco/client.py": "from diloco.launch import f\n",
-        "edge/__init__.py": "",
-    })
+    graph = _plant(
+        tmp_path,
+        {
+            "lowband/__init__.py": "",
+            "transport/__init__.py": "",
+            "transport/a.py": "from transport.b import x\n",
+            "transport/b.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from . import a\n",
+            "diloco/__init__.py": "",
+            "diloco/launch.py": "",
+            "diloco/client.py": "from diloco.launch import f\n",
+            "edge/__init__.py": "",
+        },
+    )
     assert cycles(graph) == [["transport.a", "transport.b"]]
     assert "diloco.client imports the launcher diloco.launch" in upward_imports(graph)
 
 
-@pytest.mark.parametrize("module,layer", [("lowband.codecs", "lowband"), ("lowband.models.llama", "lowband.models"),
-                                          ("lowband.cli.edge", "lowband.cli"), ("edge.moe.store", "edge")])
+@pytest.mark.parametrize(
+    "module,layer",
+    [
+        ("lowband.codecs", "lowband"),
+        ("lowband.models.llama", "lowband.models"),
+        ("lowband.cli.edge", "lowband.cli"),
+        ("edge.moe.store", "edge"),
+    ],
+)
 def test_layer_of(module: str, layer: str) -> None:
     assert layer_of(module)[0] == layer

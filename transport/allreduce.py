@@ -64,8 +64,15 @@ class RingAllReduce(ReduceBase):
         # all-gather brings the owner's value.
         self.todo = sum(len(c) for c in self.segs)
         for c, (lo, hi) in enumerate(self.segs[r]):
-            self.send(eng, self.next, MsgType.CHUNK, self.meta(st=0, g=r, c=c, **self.signature),
-                      [wire.tensor_bytes(self.x[lo:hi])], stripe=c, track=True)
+            self.send(
+                eng,
+                self.next,
+                MsgType.CHUNK,
+                self.meta(st=0, g=r, c=c, **self.signature),
+                [wire.tensor_bytes(self.x[lo:hi])],
+                stripe=c,
+                track=True,
+            )
         if self.todo == 0:
             self.finish(eng, self.out.view(self.shape))
 
@@ -78,13 +85,17 @@ class RingAllReduce(ReduceBase):
         g = wire.int_field(msg.meta, "g", 0, n - 1)
         c = wire.int_field(msg.meta, "c", 0)
         if g != (r - st - 1) % n or c >= len(self.segs[g]):
-            raise ProtocolError(f"ring chunk (step {st}, segment {g}, chunk {c}) is not expected here")
+            raise ProtocolError(
+                f"ring chunk (step {st}, segment {g}, chunk {c}) is not expected here"
+            )
         if (st, c) in self.seen:
             raise ProtocolError(f"duplicate ring chunk (step {st}, chunk {c})")
         lo, hi = self.segs[g][c]
         if len(msg.payload) != 1 or len(msg.payload[0]) != (hi - lo) * self.x.element_size():
-            raise ProtocolError(f"ring chunk of {[len(p) for p in msg.payload]} bytes, "
-                                f"expected {(hi - lo) * self.x.element_size()}")
+            raise ProtocolError(
+                f"ring chunk of {[len(p) for p in msg.payload]} bytes, "
+                f"expected {(hi - lo) * self.x.element_size()}"
+            )
         self.seen.add((st, c))
         self.received += len(msg.payload[0])
         incoming = wire.tensor_from(msg.payload[0], self.dtype, (hi - lo,))
@@ -92,21 +103,37 @@ class RingAllReduce(ReduceBase):
         if st < n - 1:  # reduce-scatter
             torch.add(self.x[lo:hi], incoming, out=dst)
             if st < n - 2:
-                self.send(eng, self.next, MsgType.CHUNK,
-                          self.meta(st=st + 1, g=g, c=c, **self.signature),
-                          [wire.tensor_bytes(dst)], stripe=c)
+                self.send(
+                    eng,
+                    self.next,
+                    MsgType.CHUNK,
+                    self.meta(st=st + 1, g=g, c=c, **self.signature),
+                    [wire.tensor_bytes(dst)],
+                    stripe=c,
+                )
             else:  # this rank owns segment g: finalize, then start its all-gather
                 self.average(dst)
-                self.send(eng, self.next, MsgType.CHUNK,
-                          self.meta(st=st + 1, g=g, c=c, **self.signature),
-                          [wire.tensor_bytes(dst)], stripe=c, track=True)
+                self.send(
+                    eng,
+                    self.next,
+                    MsgType.CHUNK,
+                    self.meta(st=st + 1, g=g, c=c, **self.signature),
+                    [wire.tensor_bytes(dst)],
+                    stripe=c,
+                    track=True,
+                )
                 self.todo -= 1
         else:  # all-gather: keep the owner's bytes, pass the received frame on untouched
             dst.copy_(incoming)
             if st < 2 * n - 3:
-                self.send(eng, self.next, MsgType.CHUNK,
-                          self.meta(st=st + 1, g=g, c=c, **self.signature),
-                          [msg.frames[1]], stripe=c)
+                self.send(
+                    eng,
+                    self.next,
+                    MsgType.CHUNK,
+                    self.meta(st=st + 1, g=g, c=c, **self.signature),
+                    [msg.frames[1]],
+                    stripe=c,
+                )
             self.todo -= 1
         if self.todo == 0:
             self.finish(eng, self.out.view(self.shape))
@@ -142,9 +169,15 @@ class DirectAllReduce(ReduceBase):
                 self._accumulate(eng, ci, self.rank, self._local(piece))
             else:
                 payload, extra = self._encode(piece)
-                self.send(eng, owner, MsgType.CHUNK,
-                          self.meta(ph=0, ci=ci, **extra, **self.signature), payload,
-                          stripe=ci, track=self.codec is None)
+                self.send(
+                    eng,
+                    owner,
+                    MsgType.CHUNK,
+                    self.meta(ph=0, ci=ci, **extra, **self.signature),
+                    payload,
+                    stripe=ci,
+                    track=self.codec is None,
+                )
         if self.todo == 0:
             self.finish(eng, self.out.view(self.shape))
 
@@ -152,11 +185,14 @@ class DirectAllReduce(ReduceBase):
         if self.finished:
             return False
         r = self.rank_of(peer)
-        if any(self.owner_of[ci] == self.rank and r not in self.contributors.get(ci, ())
-               for ci in self.pending_owned):
+        if any(
+            self.owner_of[ci] == self.rank and r not in self.contributors.get(ci, ())
+            for ci in self.pending_owned
+        ):
             return True  # a contribution of ``peer`` to a chunk this rank owns is missing
-        return any(self.owner_of[ci] == r and ci not in self.final_seen
-                   for ci in range(len(self.spans)))
+        return any(
+            self.owner_of[ci] == r and ci not in self.final_seen for ci in range(len(self.spans))
+        )
 
     def _local(self, piece: torch.Tensor) -> torch.Tensor:
         if self.codec is None:
@@ -167,14 +203,18 @@ class DirectAllReduce(ReduceBase):
         if self.codec is None:
             return [wire.tensor_bytes(piece)], {}
         enc = self.codec.encode(piece)
-        return ([wire.tensor_bytes(f) for f in enc.frames],
-                {"cm": dict(enc.meta), "cf": [wire.describe(f) for f in enc.frames]})
+        return (
+            [wire.tensor_bytes(f) for f in enc.frames],
+            {"cm": dict(enc.meta), "cf": [wire.describe(f) for f in enc.frames]},
+        )
 
     def _decode(self, msg: wire.Message, length: int) -> torch.Tensor:
         if self.codec is None:
             if len(msg.payload) != 1 or len(msg.payload[0]) != length * self.x.element_size():
-                raise ProtocolError(f"chunk of {[len(p) for p in msg.payload]} bytes, expected "
-                                    f"{length * self.x.element_size()}")
+                raise ProtocolError(
+                    f"chunk of {[len(p) for p in msg.payload]} bytes, expected "
+                    f"{length * self.x.element_size()}"
+                )
             return wire.tensor_from(msg.payload[0], self.dtype, (length,))
         descs = wire.field(msg.meta, "cf", list)
         cmeta = wire.field(msg.meta, "cm", dict)
@@ -189,9 +229,13 @@ class DirectAllReduce(ReduceBase):
         try:
             value = self.codec.decode(Encoded(frames=tuple(frames), meta=cmeta))
         except Exception as exc:  # a codec fed bad bytes may raise anything
-            raise ProtocolError(f"codec {self.codec.name} could not decode a chunk: {exc}") from None
+            raise ProtocolError(
+                f"codec {self.codec.name} could not decode a chunk: {exc}"
+            ) from None
         if value.shape != (length,):
-            raise ProtocolError(f"decoded chunk has shape {tuple(value.shape)}, expected ({length},)")
+            raise ProtocolError(
+                f"decoded chunk has shape {tuple(value.shape)}, expected ({length},)"
+            )
         return value
 
     def _accumulate(self, eng: "Host", ci: int, src: int, value: torch.Tensor) -> None:
@@ -223,8 +267,14 @@ class DirectAllReduce(ReduceBase):
         self.out[lo:hi] = final
         for dst in range(self.n):
             if dst != self.rank:
-                self.send(eng, dst, MsgType.CHUNK, self.meta(ph=1, ci=ci, **extra, **self.signature),
-                          payload, stripe=ci)
+                self.send(
+                    eng,
+                    dst,
+                    MsgType.CHUNK,
+                    self.meta(ph=1, ci=ci, **extra, **self.signature),
+                    payload,
+                    stripe=ci,
+                )
         self.todo -= 1
 
     def on_message(self, eng: "Host", src: int, msg: wire.Message) -> None:
@@ -237,7 +287,9 @@ class DirectAllReduce(ReduceBase):
         owner = self.owner_of[ci]
         if ph == 0:
             if owner != self.rank:
-                raise ProtocolError(f"contribution to chunk {ci} sent to rank {self.rank}, owner is {owner}")
+                raise ProtocolError(
+                    f"contribution to chunk {ci} sent to rank {self.rank}, owner is {owner}"
+                )
             value = self._decode(msg, hi - lo)
             self.received += sum(len(p) for p in msg.payload)
             self._accumulate(eng, ci, src, value)

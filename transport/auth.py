@@ -91,6 +91,7 @@ def token_policy(token: str) -> Decision:
         if not hmac.compare_digest(password, expected):
             return None
         return user.decode(errors="replace")
+
     return decide
 
 
@@ -98,7 +99,9 @@ DEFER = "\0defer"
 """Returned by a policy that cannot decide yet: the handler asks again shortly (bounded)."""
 
 
-def curve_policy(allowed: Callable[[bytes], str | None], *, defer_unknown: bool = False) -> Decision:
+def curve_policy(
+    allowed: Callable[[bytes], str | None], *, defer_unknown: bool = False
+) -> Decision:
     """CURVE: admit a client whose Z85 public key ``allowed`` maps to a user id.
 
     With ``defer_unknown`` an unknown key is not refused at once: on a peer's data socket, a
@@ -110,6 +113,7 @@ def curve_policy(allowed: Callable[[bytes], str | None], *, defer_unknown: bool 
             return None
         user = allowed(z85.encode(creds[0]))
         return DEFER if user is None and defer_unknown else user
+
     return decide
 
 
@@ -187,8 +191,9 @@ class ZapHandler:
             user = None
         if user is None:
             self.rejected += 1
-            logger.warning("rejected %s connection from %s on %s: bad credentials",
-                           mech, addr or "?", dom)
+            logger.warning(
+                "rejected %s connection from %s on %s: bad credentials", mech, addr or "?", dom
+            )
             return [version, request_id, b"400", b"authentication failed", b"", b""]
         self.accepted += 1
         return [version, request_id, b"200", b"OK", user.encode(), b""]
@@ -198,8 +203,9 @@ class ZapHandler:
         self._thread.join(2.0)
 
 
-def configure_server(sock: zmq.Socket, *, domain: str, token: str | None,
-                     curve: CurveKeys | None) -> None:
+def configure_server(
+    sock: zmq.Socket, *, domain: str, token: str | None, curve: CurveKeys | None
+) -> None:
     """Make ``sock`` (a bound socket) authenticate connecting clients through ZAP."""
     if curve is not None:
         if curve.secret is None:
@@ -213,8 +219,14 @@ def configure_server(sock: zmq.Socket, *, domain: str, token: str | None,
         sock.zap_domain = domain.encode()
 
 
-def configure_client(sock: zmq.Socket, *, user: str, token: str | None,
-                     curve: CurveKeys | None, server_key: bytes | None) -> None:
+def configure_client(
+    sock: zmq.Socket,
+    *,
+    user: str,
+    token: str | None,
+    curve: CurveKeys | None,
+    server_key: bytes | None,
+) -> None:
     """Credentials for a connecting socket; ``server_key`` is the remote's CURVE public key."""
     if server_key is not None:
         if curve is None or curve.secret is None:
@@ -227,8 +239,11 @@ def configure_client(sock: zmq.Socket, *, user: str, token: str | None,
         sock.plain_password = token.encode()
 
 
-_HANDSHAKE_FAILURES = (zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
-                       | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
+_HANDSHAKE_FAILURES = (
+    zmq.EVENT_HANDSHAKE_FAILED_AUTH
+    | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+    | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+)
 
 
 class HandshakeWatch:
@@ -250,8 +265,9 @@ class HandshakeWatch:
             self.failures += 1
             name = zmq.Event(event["event"]).name
             if event["event"] != zmq.EVENT_HANDSHAKE_FAILED_AUTH:  # ZAP already logged those
-                logger.warning("refused a connection to %s: %s (errno %s)", self.what, name,
-                               event["value"])
+                logger.warning(
+                    "refused a connection to %s: %s (errno %s)", self.what, name, event["value"]
+                )
 
     def close(self) -> None:
         self.socket.close(0)

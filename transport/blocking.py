@@ -20,28 +20,55 @@ from transport.work import FutureWork
 class BlockingCollectives:
     """Mixin: ``all_reduce``, ``broadcast``, ``broadcast_message``, ``all_gather``."""
 
-    def all_reduce(self, tensor: torch.Tensor, op: ReduceOp = "sum", *,
-                   codec: Codec | None = None, algorithm: Algorithm = "auto",
-                   tag: str | None = None, timeout: float | None = None) -> torch.Tensor:
-        return self.all_reduce_async(tensor, op, codec=codec, algorithm=algorithm, tag=tag,
-                                     timeout=timeout).wait()
+    def all_reduce(
+        self,
+        tensor: torch.Tensor,
+        op: ReduceOp = "sum",
+        *,
+        codec: Codec | None = None,
+        algorithm: Algorithm = "auto",
+        tag: str | None = None,
+        timeout: float | None = None,
+    ) -> torch.Tensor:
+        return self.all_reduce_async(
+            tensor, op, codec=codec, algorithm=algorithm, tag=tag, timeout=timeout
+        ).wait()
 
-    def broadcast(self, tensor: torch.Tensor | None, root: int = 0, *, tag: str | None = None,
-                  timeout: float | None = None) -> torch.Tensor:
+    def broadcast(
+        self,
+        tensor: torch.Tensor | None,
+        root: int = 0,
+        *,
+        tag: str | None = None,
+        timeout: float | None = None,
+    ) -> torch.Tensor:
         return self.broadcast_async(tensor, root, tag=tag, timeout=timeout).wait()
 
-    def broadcast_message(self, tensors: Sequence[torch.Tensor] | None,
-                          meta: Mapping[str, Any] | None, root: int = 0, *,
-                          tag: str | None = None,
-                          timeout: float | None = None) -> tuple[list[torch.Tensor], dict[str, Any]]:
+    def broadcast_message(
+        self,
+        tensors: Sequence[torch.Tensor] | None,
+        meta: Mapping[str, Any] | None,
+        root: int = 0,
+        *,
+        tag: str | None = None,
+        timeout: float | None = None,
+    ) -> tuple[list[torch.Tensor], dict[str, Any]]:
         if self.rank == root and tensors is None:
             tensors = []
         return self._broadcast_async(tensors, meta, root, tag, timeout).wait()
 
-    def broadcast_async(self, tensor: torch.Tensor | None, root: int = 0, *,
-                        tag: str | None = None, timeout: float | None = None) -> FutureWork:
+    def broadcast_async(
+        self,
+        tensor: torch.Tensor | None,
+        root: int = 0,
+        *,
+        tag: str | None = None,
+        timeout: float | None = None,
+    ) -> FutureWork:
         """One tensor from ``root``: a one-tensor ``_broadcast_async`` whose result is unwrapped."""
-        inner = self._broadcast_async(None if tensor is None else [tensor], None, root, tag, timeout)
+        inner = self._broadcast_async(
+            None if tensor is None else [tensor], None, root, tag, timeout
+        )
         outer: FutureWork = FutureWork(f"broadcast on rank {self.rank}", self._timeout(timeout))
 
         def unwrap(w: FutureWork) -> None:
@@ -51,12 +78,16 @@ class BlockingCollectives:
                 return
             tensors, _ = w.wait(0)
             if len(tensors) != 1:
-                outer.set_error(ProtocolError(f"broadcast carried {len(tensors)} tensors, expected 1"))
+                outer.set_error(
+                    ProtocolError(f"broadcast carried {len(tensors)} tensors, expected 1")
+                )
             else:
                 outer.set_result(tensors[0], w.stats)
+
         inner.add_done_callback(unwrap)
         return outer
 
-    def all_gather(self, tensor: torch.Tensor, *, tag: str | None = None,
-                   timeout: float | None = None) -> list[torch.Tensor]:
+    def all_gather(
+        self, tensor: torch.Tensor, *, tag: str | None = None, timeout: float | None = None
+    ) -> list[torch.Tensor]:
         return self.all_gather_async(tensor, tag=tag, timeout=timeout).wait()

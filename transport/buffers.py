@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import mmap
 import sys
-from typing import Any
 import threading
+from typing import Any
 
 import torch
 

@@ -96,8 +96,9 @@ class ZmqConfig:
         if self.star_threshold_bytes < 0:
             raise ConfigError("star_threshold_bytes", "must be >= 0")
         if self.max_message_bytes < self.chunk_bytes + 65536:
-            raise ConfigError("max_message_bytes",
-                              f"must be >= chunk_bytes + 64 KiB ({self.chunk_bytes + 65536})")
+            raise ConfigError(
+                "max_message_bytes", f"must be >= chunk_bytes + 64 KiB ({self.chunk_bytes + 65536})"
+            )
         if self.max_pending_bytes < self.max_message_bytes:
             raise ConfigError("max_pending_bytes", "must be >= max_message_bytes")
         if self.result_pool_bytes < 0:
@@ -111,8 +112,9 @@ class ZmqConfig:
         if self.curve is not None and self.curve.secret is None:
             raise ConfigError("curve", "this peer's keypair needs its secret key")
         if self.same_host not in SAME_HOST_MODES:
-            raise ConfigError("same_host", f"one of {', '.join(SAME_HOST_MODES)}, "
-                              f"got {self.same_host!r}")
+            raise ConfigError(
+                "same_host", f"one of {', '.join(SAME_HOST_MODES)}, got {self.same_host!r}"
+            )
 
     @property
     def offers_ipc(self) -> bool:

@@ -43,8 +43,15 @@ import zmq
 
 from lowband.errors import ConfigError, ProtocolError, VersionMismatch
 from transport import wire
-from transport.auth import (COORD_DOMAIN, CurveKeys, HandshakeWatch, ZapHandler, configure_server,
-                            curve_policy, token_policy)
+from transport.auth import (
+    COORD_DOMAIN,
+    CurveKeys,
+    HandshakeWatch,
+    ZapHandler,
+    configure_server,
+    curve_policy,
+    token_policy,
+)
 from transport.wire import MsgType
 
 logger = logging.getLogger(__name__)
@@ -75,13 +82,17 @@ class CoordinatorConfig:
 
     def __post_init__(self) -> None:
         if not self.bind.startswith(("tcp://", "ipc://", "inproc://")):
-            raise ConfigError("bind", "must be a ZeroMQ endpoint like tcp://0.0.0.0:29500, "
-                              f"got {self.bind!r}")
+            raise ConfigError(
+                "bind", f"must be a ZeroMQ endpoint like tcp://0.0.0.0:29500, got {self.bind!r}"
+            )
         if not 0.01 <= self.heartbeat_interval <= 3600:
-            raise ConfigError("heartbeat_interval",
-                              f"must be in [0.01, 3600] s, got {self.heartbeat_interval}")
+            raise ConfigError(
+                "heartbeat_interval", f"must be in [0.01, 3600] s, got {self.heartbeat_interval}"
+            )
         if self.dead_after is not None and self.dead_after <= self.heartbeat_interval / 3:
-            raise ConfigError("dead_after", "must exceed the heartbeat period (heartbeat_interval / 3)")
+            raise ConfigError(
+                "dead_after", "must exceed the heartbeat period (heartbeat_interval / 3)"
+            )
         if self.token is not None and not self.token:
             raise ConfigError("token", "must be non-empty when given")
         if self.curve is not None and self.curve.secret is None:
@@ -91,8 +102,10 @@ class CoordinatorConfig:
         if self.max_message_bytes < 4096:
             raise ConfigError("max_message_bytes", "must be >= 4096")
         if self.unresponsive_after < (self.dead_after or 2 * self.heartbeat_interval):
-            raise ConfigError("unresponsive_after", "must be >= dead_after "
-                              f"({self.dead_after or 2 * self.heartbeat_interval} s)")
+            raise ConfigError(
+                "unresponsive_after",
+                f"must be >= dead_after ({self.dead_after or 2 * self.heartbeat_interval} s)",
+            )
 
     @property
     def silence_limit(self) -> float:
@@ -119,9 +132,12 @@ class Liveness:
 
     def coordinator(self, **kw: Any) -> CoordinatorConfig:
         """A :class:`CoordinatorConfig` with these deadlines and ``kw`` (bind, token, ...)."""
-        return CoordinatorConfig(heartbeat_interval=self.heartbeat_interval,
-                                 dead_after=self.dead_after,
-                                 unresponsive_after=self.unresponsive_after, **kw)
+        return CoordinatorConfig(
+            heartbeat_interval=self.heartbeat_interval,
+            dead_after=self.dead_after,
+            unresponsive_after=self.unresponsive_after,
+            **kw,
+        )
 
 
 # ---- pure quorum logic ----------------------------------------------------------------------------
@@ -237,8 +253,12 @@ class Coordinator:
             self._zap = ZapHandler(self._ctx)
             if cfg.curve is not None:
                 allowed = set(cfg.curve_authorized)
-                self._zap.set_policy(COORD_DOMAIN, curve_policy(
-                    lambda key: key.decode() if not allowed or key in allowed else None))
+                self._zap.set_policy(
+                    COORD_DOMAIN,
+                    curve_policy(
+                        lambda key: key.decode() if not allowed or key in allowed else None
+                    ),
+                )
             else:
                 assert cfg.token is not None
                 self._zap.set_policy(COORD_DOMAIN, token_policy(cfg.token))
@@ -266,9 +286,12 @@ class Coordinator:
         self._sock = sock
         self._thread = threading.Thread(target=self._run, name="lowband-coordinator", daemon=True)
         self._thread.start()
-        logger.info("coordinator listening on %s (heartbeat %.2fs, auth: %s)", self.address,
-                    cfg.heartbeat_interval,
-                    "curve" if cfg.curve else ("token" if cfg.token else "none"))
+        logger.info(
+            "coordinator listening on %s (heartbeat %.2fs, auth: %s)",
+            self.address,
+            cfg.heartbeat_interval,
+            "curve" if cfg.curve else ("token" if cfg.token else "none"),
+        )
         return self
 
     def stop(self) -> None:
@@ -370,15 +393,18 @@ class Coordinator:
         ident = frames[0].bytes
         pid = ident.decode(errors="replace")
         try:
-            msg = wire.unpack(frames[1:], max_payload_bytes=0,
-                              max_meta_bytes=self.config.max_message_bytes)
+            msg = wire.unpack(
+                frames[1:], max_payload_bytes=0, max_meta_bytes=self.config.max_message_bytes
+            )
         except VersionMismatch as exc:
             self.counters["refused"] += 1
             self._bad(f"refused {pid!r}: {exc}")
             self._send(pid, MsgType.REFUSED, {"kind": "version", "reason": str(exc)})
             return
         except ProtocolError as exc:
-            self._bad(f"dropped a malformed message from {pid!r} ({_peer_address(frames[-1])}): {exc}")
+            self._bad(
+                f"dropped a malformed message from {pid!r} ({_peer_address(frames[-1])}): {exc}"
+            )
             return
         try:
             self._dispatch(pid, msg, frames[-1])
@@ -386,8 +412,9 @@ class Coordinator:
             self._bad(f"dropped a {msg.type.name} from {pid!r}: {exc}")
         except Exception as exc:  # never let one message take the coordinator down
             logger.debug("unexpected error handling a message", exc_info=True)
-            self._bad(f"dropped a {msg.type.name} from {pid!r} that raised "
-                      f"{type(exc).__name__}: {exc}")
+            self._bad(
+                f"dropped a {msg.type.name} from {pid!r} that raised {type(exc).__name__}: {exc}"
+            )
 
     def _bad(self, what: str) -> None:
         self.counters["bad_messages"] += 1
@@ -404,9 +431,14 @@ class Coordinator:
             peer = self._peers.get(pid)
         if peer is None:
             if msg.type in (MsgType.HEARTBEAT, MsgType.QUORUM):
-                self._send(pid, MsgType.REFUSED, {
-                    "kind": "expelled",
-                    "reason": "this peer is not registered (declared lost or never registered)"})
+                self._send(
+                    pid,
+                    MsgType.REFUSED,
+                    {
+                        "kind": "expelled",
+                        "reason": "this peer is not registered (declared lost or never registered)",
+                    },
+                )
             else:
                 logger.debug("ignored %s from unregistered %r", msg.type.name, pid)
             return
@@ -449,13 +481,17 @@ class Coordinator:
         if not isinstance(last_epoch, int) or isinstance(last_epoch, bool):
             raise ProtocolError("field 'last_epoch' must be an integer")
         local = meta.get("local")
-        if local is not None and not (isinstance(local, list) and 2 <= len(local) <= 3
-                                      and all(isinstance(v, str) for v in local)):
+        if local is not None and not (
+            isinstance(local, list)
+            and 2 <= len(local) <= 3
+            and all(isinstance(v, str) for v in local)
+        ):
             raise ProtocolError("field 'local' must be [host key, ipc endpoint, shm flag]")
         refusal = None
         with self._lock:
             if cfg.token is not None and not hmac.compare_digest(
-                    str(meta.get("token", "")).encode(), cfg.token.encode()):
+                str(meta.get("token", "")).encode(), cfg.token.encode()
+            ):
                 refusal = ("auth", "wrong or missing token")
             elif pid in self._peers:
                 refusal = ("duplicate", f"peer id {pid!r} is already registered")
@@ -466,13 +502,18 @@ class Coordinator:
                 mine = peer_meta.get("layout")
                 if isinstance(mine, str) or isinstance(self._layout, str):
                     why = f"this peer: {mine or 'not stated'}; the group: {self._layout or 'not stated'}"
-                refusal = ("incompatible",
-                           f"run signature {signature[:16]!r}… differs from the group's "
-                           f"{self._signature[:16]!r}… ({why})")
+                refusal = (
+                    "incompatible",
+                    f"run signature {signature[:16]!r}… differs from the group's "
+                    f"{self._signature[:16]!r}… ({why})",
+                )
             elif self._chunk is not None and chunk != self._chunk:
                 # Reductions are matched chunk by chunk: every peer must cut buffers alike.
-                refusal = ("incompatible", f"chunk_bytes={chunk} differs from the group's "
-                           f"{self._chunk}; give every peer the same ZmqConfig.chunk_bytes")
+                refusal = (
+                    "incompatible",
+                    f"chunk_bytes={chunk} differs from the group's "
+                    f"{self._chunk}; give every peer the same ZmqConfig.chunk_bytes",
+                )
             if refusal is None:
                 if self._signature is None:
                     self._signature = signature
@@ -481,8 +522,7 @@ class Coordinator:
                     self._chunk = chunk
                 if "://*:" in addr:  # the peer asked us to fill in the host we see it from
                     addr = addr.replace("*", _peer_address(frame) or "127.0.0.1", 1)
-                self._peers[pid] = _Peer(addr, key.encode() if key else None, peer_meta, now,
-                                         local)
+                self._peers[pid] = _Peer(addr, key.encode() if key else None, peer_meta, now, local)
                 self._book.register(pid)
                 if not self._book.view and last_epoch > self._book.epoch:
                     # A restarted coordinator: go on above the epochs the group has used, so a
@@ -490,14 +530,20 @@ class Coordinator:
                     self._book.epoch = last_epoch
         if refusal is not None:
             self.counters["refused"] += 1
-            logger.warning("refused registration of %r from %s: %s", pid, _peer_address(frame),
-                           refusal[1])
+            logger.warning(
+                "refused registration of %r from %s: %s", pid, _peer_address(frame), refusal[1]
+            )
             self._send(pid, MsgType.REFUSED, {"kind": refusal[0], "reason": refusal[1]})
             return
         self.counters["registered"] += 1
         self._suspected.discard(pid)
-        logger.info("registered %s (data %s, meta %s%s)", pid, addr, peer_meta,
-                    ", rejoining" if last_epoch >= 0 else "")
+        logger.info(
+            "registered %s (data %s, meta %s%s)",
+            pid,
+            addr,
+            peer_meta,
+            ", rejoining" if last_epoch >= 0 else "",
+        )
         self._send(pid, MsgType.REGISTERED, {"heartbeat_interval": cfg.heartbeat_interval})
         self._complete_quorum()  # a newcomer can unblock nothing, but a dead peer's slot may
 
@@ -511,11 +557,20 @@ class Coordinator:
         addrs = [peers[p].addr for p in order]
         keys = [peers[p].key.decode() if peers[p].key else None for p in order]
         for pid, view in views.items():
-            self._send(pid, MsgType.MEMBERSHIP, {
-                "epoch": view.epoch, "rank": view.rank, "peers": list(view.peers),
-                "addrs": addrs, "keys": keys, "locals": [peers[p].local for p in order],
-                "joined": list(view.joined), "left": list(view.left),
-            })
+            self._send(
+                pid,
+                MsgType.MEMBERSHIP,
+                {
+                    "epoch": view.epoch,
+                    "rank": view.rank,
+                    "peers": list(view.peers),
+                    "addrs": addrs,
+                    "keys": keys,
+                    "locals": [peers[p].local for p in order],
+                    "joined": list(view.joined),
+                    "left": list(view.left),
+                },
+            )
         logger.info("quorum: epoch %d, %d peers", view.epoch, len(order))
 
     def _remove(self, pid: str, reason: str, *, left: bool = False) -> None:
@@ -529,30 +584,46 @@ class Coordinator:
         log = logger.info if left else logger.warning
         log("peer %s %s; notifying %d peers", pid, reason, len(others))
         for other in others:
-            self._send(other, MsgType.PEER_LOST,
-                       {"peers": [pid], "epoch": epoch, "reason": reason, "left": left})
+            self._send(
+                other,
+                MsgType.PEER_LOST,
+                {"peers": [pid], "epoch": epoch, "reason": reason, "left": left},
+            )
         self._complete_quorum()
 
     def _expire(self, now: float) -> None:
         cfg = self.config
         limit, interval = cfg.silence_limit, cfg.heartbeat_interval
         with self._lock:
-            silent = {p: now - peer.last_seen for p, peer in self._peers.items()
-                      if now - peer.last_seen > limit
-                      or (peer.suspected_at is not None and now - peer.last_seen > interval)}
+            silent = {
+                p: now - peer.last_seen
+                for p, peer in self._peers.items()
+                if now - peer.last_seen > limit
+                or (peer.suspected_at is not None and now - peer.last_seen > interval)
+            }
         for pid, quiet in silent.items():
             if quiet > cfg.unresponsive_after:
                 self._suspected.discard(pid)
-                self._remove(pid, f"is unresponsive (connected, but no heartbeat for "
-                             f"{quiet:.1f}s > unresponsive_after)")
+                self._remove(
+                    pid,
+                    f"is unresponsive (connected, but no heartbeat for "
+                    f"{quiet:.1f}s > unresponsive_after)",
+                )
             elif not self._send(pid, MsgType.HEARTBEAT_ACK, {}):
                 self._suspected.discard(pid)
-                self._remove(pid, f"is lost (no heartbeat for {quiet:.1f}s and its connection "
-                             "stopped answering ZMTP pings)")
+                self._remove(
+                    pid,
+                    f"is lost (no heartbeat for {quiet:.1f}s and its connection "
+                    "stopped answering ZMTP pings)",
+                )
             elif pid not in self._suspected:
                 self._suspected.add(pid)
-                logger.warning("peer %s suspected: no heartbeat for %.1fs, but its connection "
-                               "is alive (a busy interpreter?); keeping it", pid, quiet)
+                logger.warning(
+                    "peer %s suspected: no heartbeat for %.1fs, but its connection "
+                    "is alive (a busy interpreter?); keeping it",
+                    pid,
+                    quiet,
+                )
         for pid in list(self._suspected):
             if pid not in silent:
                 self._suspected.discard(pid)

@@ -15,8 +15,9 @@ from transport.coordinator import Coordinator, CoordinatorConfig
 from transport.zmq_comm import ZmqCommunicator, ZmqConfig, connect
 
 
-def connect_all(address: str, n: int, config: ZmqConfig, *, signature: str = "",
-                timeout: float = 30.0) -> list[ZmqCommunicator]:
+def connect_all(
+    address: str, n: int, config: ZmqConfig, *, signature: str = "", timeout: float = 30.0
+) -> list[ZmqCommunicator]:
     """Connect ``n`` peers and complete their first quorum together; returned in rank order."""
     comms: list[ZmqCommunicator | None] = [None] * n
     errors: list[BaseException] = []
@@ -45,9 +46,9 @@ def connect_all(address: str, n: int, config: ZmqConfig, *, signature: str = "",
 
 
 @contextlib.contextmanager
-def local_group(n: int, config: ZmqConfig | None = None,
-                coordinator: CoordinatorConfig | None = None
-                ) -> Iterator[tuple[Coordinator, list[ZmqCommunicator]]]:
+def local_group(
+    n: int, config: ZmqConfig | None = None, coordinator: CoordinatorConfig | None = None
+) -> Iterator[tuple[Coordinator, list[ZmqCommunicator]]]:
     """A coordinator on a free port plus ``n`` peers on 127.0.0.1; everything closed on exit."""
     cfg = config or ZmqConfig(bind_host="127.0.0.1")
     if cfg.bind_host in ("0.0.0.0", "*"):

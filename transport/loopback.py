@@ -53,8 +53,13 @@ class _Rendezvous:
 class LoopbackGroup:
     """A group of in-process ranks. Create it, then hand ``comms()[r]`` to the thread of rank r."""
 
-    def __init__(self, world_size: int, *, timeout: float = 60.0,
-                 star_threshold_bytes: int = STAR_THRESHOLD_BYTES) -> None:
+    def __init__(
+        self,
+        world_size: int,
+        *,
+        timeout: float = 60.0,
+        star_threshold_bytes: int = STAR_THRESHOLD_BYTES,
+    ) -> None:
         if world_size < 1:
             raise ConfigError("world_size", f"must be >= 1, got {world_size}")
         if timeout <= 0:
@@ -136,7 +141,9 @@ class LoopbackGroup:
         if not self._q_arrived:
             return
         required = [p for p in self._view if p in self._alive]
-        joiners = sorted((p for p in self._alive if p not in self._view), key=self._joined.__getitem__)
+        joiners = sorted(
+            (p for p in self._alive if p not in self._view), key=self._joined.__getitem__
+        )
         if any(p not in self._q_arrived for p in required + joiners):
             return
         if len(required) + len(joiners) < max(self._q_min_world.values(), default=1):
@@ -165,23 +172,36 @@ class LoopbackGroup:
             self._q_arrived.setdefault(pid, len(self._q_arrived))
             self._q_min_world[pid] = min_world
             self._try_complete_quorum()
-            ok = self._cv.wait_for(lambda: gen in self._q_results or pid not in self._alive, timeout)
+            ok = self._cv.wait_for(
+                lambda: gen in self._q_results or pid not in self._alive, timeout
+            )
             if not ok:
                 self._q_arrived.pop(pid, None)
                 self._q_min_world.pop(pid, None)
                 raise TransportTimeout(
                     f"quorum: within {timeout:.1f}s not every live member arrived or the group "
-                    f"stayed below min_world={min_world}")
+                    f"stayed below min_world={min_world}"
+                )
             self._check_alive(pid)
             return self._q_results[gen][pid]
 
     def _check_alive(self, pid: str) -> None:
         if pid not in self._alive:
-            raise CommClosed(f"peer {pid} has left the group") if pid in self._closed else PeerLost(
-                f"peer {pid} is not a member", peers=(pid,))
+            raise (
+                CommClosed(f"peer {pid} has left the group")
+                if pid in self._closed
+                else PeerLost(f"peer {pid} is not a member", peers=(pid,))
+            )
 
-    def _contribute(self, comm: "LoopbackComm", kind: str, tag: str, value: Any,
-                    description: str, timeout: float) -> FutureWork:
+    def _contribute(
+        self,
+        comm: "LoopbackComm",
+        kind: str,
+        tag: str,
+        value: Any,
+        description: str,
+        timeout: float,
+    ) -> FutureWork:
         m = comm.membership
         work: FutureWork = FutureWork(description, timeout)
         key = (m.epoch, tag)
@@ -194,10 +214,13 @@ class LoopbackGroup:
                 self._ops[key] = rv
                 dead = tuple(p for p in m.peers if p not in self._alive)
                 if dead:
-                    rv.failed = PeerLost(f"{kind} '{tag}': peer(s) {', '.join(dead)} lost", peers=dead)
+                    rv.failed = PeerLost(
+                        f"{kind} '{tag}': peer(s) {', '.join(dead)} lost", peers=dead
+                    )
             if rv.failed is None and rv.kind != kind:
                 rv.failed = ProtocolError(
-                    f"ranks disagree on the operation tagged '{tag}': {rv.kind} vs {kind}")
+                    f"ranks disagree on the operation tagged '{tag}': {rv.kind} vs {kind}"
+                )
                 for w in rv.works.values():
                     w.set_error(rv.failed)
             if rv.failed is not None:
@@ -230,12 +253,17 @@ class LoopbackGroup:
             self._mail.setdefault((src, dst, tag), deque()).append(message)
             self._cv.notify_all()
 
-    def _recv(self, src: str, dst: str, tag: str, timeout: float) -> tuple[list[torch.Tensor], dict]:
+    def _recv(
+        self, src: str, dst: str, tag: str, timeout: float
+    ) -> tuple[list[torch.Tensor], dict]:
         key = (src, dst, tag)
         with self._cv:
             ok = self._cv.wait_for(
-                lambda: bool(self._mail.get(key)) or src not in self._alive or dst not in self._alive,
-                timeout)
+                lambda: (
+                    bool(self._mail.get(key)) or src not in self._alive or dst not in self._alive
+                ),
+                timeout,
+            )
             self._check_alive(dst)
             box = self._mail.get(key)
             if box:
@@ -257,7 +285,8 @@ def _complete_all_reduce(group: LoopbackGroup, rv: _Rendezvous) -> Outcomes:
         if c[1] != shape or c[2] != dtype or c[3] != op:
             raise ProtocolError(
                 f"all_reduce: rank {r} sent shape {tuple(c[1])} {c[2]} op={c[3]}, "
-                f"rank 0 sent shape {tuple(shape)} {dtype} op={op}")
+                f"rank 0 sent shape {tuple(shape)} {dtype} op={op}"
+            )
     if codec is not None:
         values = [codec.decode(c[0]) for c in contribs]
         payload = contribs[0][0].nbytes
@@ -386,20 +415,29 @@ class LoopbackComm(BlockingCollectives):
             with self._lock:
                 self._sent += w.stats.bytes_sent
                 self._received += w.stats.bytes_received
+
         work.add_done_callback(add)
         return work
 
     def _submit(self, kind: str, tag: str | None, value: Any, timeout: float | None) -> FutureWork:
         self._check_member()
         t = self._tag(tag)
-        work = self._group._contribute(self, kind, t, value, f"{kind} '{t}' on rank {self.rank}",
-                                       self._timeout(timeout))
+        work = self._group._contribute(
+            self, kind, t, value, f"{kind} '{t}' on rank {self.rank}", self._timeout(timeout)
+        )
         return self._counted(work)
 
     # ---- collectives ---------------------------------------------------------------------------
-    def all_reduce_async(self, tensor: torch.Tensor, op: ReduceOp = "sum", *,
-                         codec: Codec | None = None, algorithm: Algorithm = "auto",
-                         tag: str | None = None, timeout: float | None = None) -> FutureWork:
+    def all_reduce_async(
+        self,
+        tensor: torch.Tensor,
+        op: ReduceOp = "sum",
+        *,
+        codec: Codec | None = None,
+        algorithm: Algorithm = "auto",
+        tag: str | None = None,
+        timeout: float | None = None,
+    ) -> FutureWork:
         if op not in ("sum", "avg"):
             raise ConfigError("op", f"unknown reduction {op!r}; use 'sum' or 'avg'")
         if algorithm not in ("auto", "ring", "star"):
@@ -409,23 +447,37 @@ class LoopbackComm(BlockingCollectives):
         value = (data, tuple(tensor.shape), tensor.dtype, op, codec, algorithm)
         return self._submit("all_reduce", tag, value, timeout)
 
-    def _broadcast_async(self, tensors: Sequence[torch.Tensor] | None, meta: Mapping | None,
-                         root: int, tag: str | None, timeout: float | None) -> FutureWork:
+    def _broadcast_async(
+        self,
+        tensors: Sequence[torch.Tensor] | None,
+        meta: Mapping | None,
+        root: int,
+        tag: str | None,
+        timeout: float | None,
+    ) -> FutureWork:
         mine = None
         if self.rank == root and tensors is not None:
             mine = [t.detach().clone() for t in tensors]
         return self._submit("broadcast", tag, ((mine, dict(meta or {})), root), timeout)
 
-    def all_gather_async(self, tensor: torch.Tensor, *, tag: str | None = None,
-                         timeout: float | None = None) -> FutureWork:
+    def all_gather_async(
+        self, tensor: torch.Tensor, *, tag: str | None = None, timeout: float | None = None
+    ) -> FutureWork:
         return self._submit("all_gather", tag, tensor.detach().clone(), timeout)
 
     def barrier(self, *, tag: str | None = None, timeout: float | None = None) -> None:
         self._submit("barrier", tag, None, timeout).wait()
 
     # ---- point to point ------------------------------------------------------------------------
-    def send(self, dst: int, tensors: Sequence[torch.Tensor], meta: Mapping[str, Any] | None = None,
-             *, tag: str, timeout: float | None = None) -> None:
+    def send(
+        self,
+        dst: int,
+        tensors: Sequence[torch.Tensor],
+        meta: Mapping[str, Any] | None = None,
+        *,
+        tag: str,
+        timeout: float | None = None,
+    ) -> None:
         self._check_member()
         peers = self._membership.peers
         if not 0 <= dst < len(peers):
@@ -435,8 +487,9 @@ class LoopbackComm(BlockingCollectives):
         with self._lock:
             self._sent += sum(_nbytes(t) for t in msg[0])
 
-    def recv(self, src: int, *, tag: str,
-             timeout: float | None = None) -> tuple[list[torch.Tensor], dict[str, Any]]:
+    def recv(
+        self, src: int, *, tag: str, timeout: float | None = None
+    ) -> tuple[list[torch.Tensor], dict[str, Any]]:
         self._check_member()
         peers = self._membership.peers
         if not 0 <= src < len(peers):
@@ -452,5 +505,6 @@ class LoopbackComm(BlockingCollectives):
             return OpStats(self._sent, self._received)
 
     def close(self) -> None:
-        self._group._remove(self.peer_id, PeerLost(f"peer {self.peer_id} left", peers=(self.peer_id,)),
-                            closed=True)
+        self._group._remove(
+            self.peer_id, PeerLost(f"peer {self.peer_id} left", peers=(self.peer_id,)), closed=True
+        )

@@ -23,14 +23,26 @@ if TYPE_CHECKING:
     from transport.peers import PeerTable
 
 
-def post_message(op: Op, eng: "Host", dst: int, tensors: Sequence[torch.Tensor],
-                 meta: Mapping[str, Any] | None, *, index: int = 0, chunk_bytes: int,
-                 track: bool = True, **extra: Any) -> None:
+def post_message(
+    op: Op,
+    eng: "Host",
+    dst: int,
+    tensors: Sequence[torch.Tensor],
+    meta: Mapping[str, Any] | None,
+    *,
+    index: int = 0,
+    chunk_bytes: int,
+    track: bool = True,
+    **extra: Any,
+) -> None:
     """Send tensors + metadata as one logical message: a MSG (descriptors, user metadata and the
     first ≤ chunk_bytes of data) then MSG_PART chunks striped over the K connections."""
     bufs = [wire.tensor_bytes(t) for t in tensors]
-    pieces = [(ti, off, min(chunk_bytes, len(b) - off))
-              for ti, b in enumerate(bufs) for off in range(0, len(b), chunk_bytes)]
+    pieces = [
+        (ti, off, min(chunk_bytes, len(b) - off))
+        for ti, b in enumerate(bufs)
+        for off in range(0, len(b), chunk_bytes)
+    ]
     parts: list[list[tuple[int, int, int]]] = [[]]
     size = 0
     for p in pieces:
@@ -41,13 +53,27 @@ def post_message(op: Op, eng: "Host", dst: int, tensors: Sequence[torch.Tensor],
         size += p[2]
 
     def payload(part: list[tuple[int, int, int]]) -> list[memoryview]:
-        return [bufs[ti][off:off + ln] for ti, off, ln in part]
-    head = op.meta(i=index, t=[wire.describe(t) for t in tensors], m=dict(meta or {}),
-                   pc=[list(p) for p in parts[0]], np=len(parts) - 1, **extra)
+        return [bufs[ti][off : off + ln] for ti, off, ln in part]
+
+    head = op.meta(
+        i=index,
+        t=[wire.describe(t) for t in tensors],
+        m=dict(meta or {}),
+        pc=[list(p) for p in parts[0]],
+        np=len(parts) - 1,
+        **extra,
+    )
     op.send(eng, dst, MsgType.MSG, head, payload(parts[0]), stripe=0, track=track)
     for j, part in enumerate(parts[1:]):
-        op.send(eng, dst, MsgType.MSG_PART, op.meta(i=index, j=j, pc=[list(p) for p in part]),
-                payload(part), stripe=j + 1, track=track)
+        op.send(
+            eng,
+            dst,
+            MsgType.MSG_PART,
+            op.meta(i=index, j=j, pc=[list(p) for p in part]),
+            payload(part),
+            stripe=j + 1,
+            track=track,
+        )
 
 
 class _Partial:
@@ -74,8 +100,9 @@ class Assembler:
         """Some message is partly here."""
         return bool(self._partial)
 
-    def feed(self, src: int, msg: wire.Message,
-             pool: "BufferPool") -> tuple[int, list[torch.Tensor], dict, dict] | None:
+    def feed(
+        self, src: int, msg: wire.Message, pool: "BufferPool"
+    ) -> tuple[int, list[torch.Tensor], dict, dict] | None:
         """Returns (index, tensors, user meta, header meta) once a message is complete."""
         index = wire.int_field(msg.meta, "i", 0, 1 << 30)
         part = self._partial.setdefault((src, index), _Partial())
@@ -110,7 +137,9 @@ class Assembler:
                 raise ProtocolError(f"message of more than {self.max_bytes} bytes refused")
             tensors.append(pool.empty(shape, dtype))
         part.tensors = tensors
-        part.flat = [t.reshape(-1).view(torch.uint8) if t.numel() else t.reshape(-1) for t in tensors]
+        part.flat = [
+            t.reshape(-1).view(torch.uint8) if t.numel() else t.reshape(-1) for t in tensors
+        ]
         part.remaining = total
         part.meta = wire.field(msg.meta, "m", dict)
         part.extra = msg.meta
@@ -129,21 +158,37 @@ class Assembler:
         if len(pieces) != len(msg.payload):
             raise ProtocolError("message piece list does not match its frames")
         for piece, buf in zip(pieces, msg.payload):
-            if (not isinstance(piece, list) or len(piece) != 3
-                    or not all(isinstance(v, int) and not isinstance(v, bool) for v in piece)):
+            if (
+                not isinstance(piece, list)
+                or len(piece) != 3
+                or not all(isinstance(v, int) and not isinstance(v, bool) for v in piece)
+            ):
                 raise ProtocolError(f"bad message piece {piece!r}")
             ti, off, ln = piece
-            if not 0 <= ti < len(part.flat) or off < 0 or ln != len(buf) \
-                    or off + ln > part.flat[ti].numel() or ln > part.remaining:
+            if (
+                not 0 <= ti < len(part.flat)
+                or off < 0
+                or ln != len(buf)
+                or off + ln > part.flat[ti].numel()
+                or ln > part.remaining
+            ):
                 raise ProtocolError(f"message piece {piece!r} does not fit its tensor")
             if ln:
-                part.flat[ti][off:off + ln].copy_(torch.frombuffer(buf, dtype=torch.uint8))
+                part.flat[ti][off : off + ln].copy_(torch.frombuffer(buf, dtype=torch.uint8))
             part.remaining -= ln
 
 
 class _MessageOp(Op):
-    def __init__(self, table: "PeerTable", key: str, timeout: float, work: FutureWork, *,
-                 chunk_bytes: int, max_bytes: int) -> None:
+    def __init__(
+        self,
+        table: "PeerTable",
+        key: str,
+        timeout: float,
+        work: FutureWork,
+        *,
+        chunk_bytes: int,
+        max_bytes: int,
+    ) -> None:
         super().__init__(table, key, timeout, work)
         self.chunk_bytes = chunk_bytes
         self.assembler = Assembler(max_bytes)
@@ -155,16 +200,29 @@ class _MessageOp(Op):
         if done is not None:
             self.on_complete(eng, src, *done)
 
-    def on_complete(self, eng: "Host", src: int, index: int, tensors: list[torch.Tensor],
-                    meta: dict, header: dict) -> None:
+    def on_complete(
+        self,
+        eng: "Host",
+        src: int,
+        index: int,
+        tensors: list[torch.Tensor],
+        meta: dict,
+        header: dict,
+    ) -> None:
         raise NotImplementedError
 
 
 class BroadcastOp(_MessageOp):
     kind = "broadcast"
 
-    def __init__(self, *args: Any, root: int, tensors: list[torch.Tensor] | None,
-                 user_meta: Mapping[str, Any] | None, **kw: Any) -> None:
+    def __init__(
+        self,
+        *args: Any,
+        root: int,
+        tensors: list[torch.Tensor] | None,
+        user_meta: Mapping[str, Any] | None,
+        **kw: Any,
+    ) -> None:
         super().__init__(*args, **kw)
         self.root = root
         self.tensors = tensors
@@ -179,15 +237,31 @@ class BroadcastOp(_MessageOp):
         assert self.tensors is not None
         for dst in range(self.n):
             if dst != self.root:
-                post_message(self, eng, dst, self.tensors, self.user_meta,
-                             chunk_bytes=self.chunk_bytes, root=self.root)
+                post_message(
+                    self,
+                    eng,
+                    dst,
+                    self.tensors,
+                    self.user_meta,
+                    chunk_bytes=self.chunk_bytes,
+                    root=self.root,
+                )
         self.finish(eng, ([t.clone() for t in self.tensors], dict(self.user_meta)))
 
-    def on_complete(self, eng: "Host", src: int, index: int, tensors: list[torch.Tensor],
-                    meta: dict, header: dict) -> None:
+    def on_complete(
+        self,
+        eng: "Host",
+        src: int,
+        index: int,
+        tensors: list[torch.Tensor],
+        meta: dict,
+        header: dict,
+    ) -> None:
         if header.get("root") != self.root or src != self.root:
-            raise Mismatch(f"broadcast '{self.key}': ranks disagree on the root "
-                           f"({header.get('root')!r} vs {self.root})")
+            raise Mismatch(
+                f"broadcast '{self.key}': ranks disagree on the root "
+                f"({header.get('root')!r} vs {self.root})"
+            )
         self.finish(eng, (tensors, meta))
 
 
@@ -211,8 +285,15 @@ class AllGatherOp(_MessageOp):
                 post_message(self, eng, dst, [self.tensor], None, chunk_bytes=self.chunk_bytes)
         self._maybe_done(eng)
 
-    def on_complete(self, eng: "Host", src: int, index: int, tensors: list[torch.Tensor],
-                    meta: dict, header: dict) -> None:
+    def on_complete(
+        self,
+        eng: "Host",
+        src: int,
+        index: int,
+        tensors: list[torch.Tensor],
+        meta: dict,
+        header: dict,
+    ) -> None:
         if len(tensors) != 1 or self.results[src] is not None:
             raise ProtocolError(f"unexpected all_gather message from rank {src}")
         self.results[src] = tensors[0]
@@ -237,8 +318,15 @@ class BarrierOp(_MessageOp):
         if len(self.arrived) == self.n:
             self.finish(eng, None)
 
-    def on_complete(self, eng: "Host", src: int, index: int, tensors: list[torch.Tensor],
-                    meta: dict, header: dict) -> None:
+    def on_complete(
+        self,
+        eng: "Host",
+        src: int,
+        index: int,
+        tensors: list[torch.Tensor],
+        meta: dict,
+        header: dict,
+    ) -> None:
         self.arrived.add(src)
         if len(self.arrived) == self.n:
             self.finish(eng, None)
@@ -247,8 +335,14 @@ class BarrierOp(_MessageOp):
 class SendOp(_MessageOp):
     kind = "p2p"
 
-    def __init__(self, *args: Any, dst: int, tensors: list[torch.Tensor],
-                 user_meta: Mapping[str, Any] | None, **kw: Any) -> None:
+    def __init__(
+        self,
+        *args: Any,
+        dst: int,
+        tensors: list[torch.Tensor],
+        user_meta: Mapping[str, Any] | None,
+        **kw: Any,
+    ) -> None:
         super().__init__(*args, **kw)
         self.dst = dst
         self.tensors = tensors
@@ -261,7 +355,9 @@ class SendOp(_MessageOp):
         return False
 
     def start(self, eng: "Host") -> None:
-        post_message(self, eng, self.dst, self.tensors, self.user_meta, chunk_bytes=self.chunk_bytes)
+        post_message(
+            self, eng, self.dst, self.tensors, self.user_meta, chunk_bytes=self.chunk_bytes
+        )
         self.finish(eng, None)
 
 
@@ -282,8 +378,15 @@ class RecvOp(_MessageOp):
     def start(self, eng: "Host") -> None:
         pass
 
-    def on_complete(self, eng: "Host", src: int, index: int, tensors: list[torch.Tensor],
-                    meta: dict, header: dict) -> None:
+    def on_complete(
+        self,
+        eng: "Host",
+        src: int,
+        index: int,
+        tensors: list[torch.Tensor],
+        meta: dict,
+        header: dict,
+    ) -> None:
         if src != self.src:
             raise ProtocolError(f"message for a receive from rank {self.src} came from rank {src}")
         self.finish(eng, (tensors, meta))

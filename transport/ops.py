@@ -37,8 +37,16 @@ class Host(Protocol):
     pool: "BufferPool"
     shm_pids: dict[str, int]
 
-    def send(self, peer: str, mtype: MsgType, meta: dict[str, Any], payload: Sequence[Any] = (),
-             *, stripe: int | None = None, track: bool = False) -> list[Any]: ...
+    def send(
+        self,
+        peer: str,
+        mtype: MsgType,
+        meta: dict[str, Any],
+        payload: Sequence[Any] = (),
+        *,
+        stripe: int | None = None,
+        track: bool = False,
+    ) -> list[Any]: ...
 
     def count(self, sent: int = 0, received: int = 0) -> None: ...
 
@@ -120,19 +128,37 @@ class Op:
         return self._index.get(peer)
 
     def meta(self, **fields: Any) -> dict[str, Any]:
-        return {"e": self.epoch, "o": self.key, "p": self.peers[self.rank], "k": self.kind, **fields}
+        return {
+            "e": self.epoch,
+            "o": self.key,
+            "p": self.peers[self.rank],
+            "k": self.kind,
+            **fields,
+        }
 
     # ---- io ------------------------------------------------------------------------------------
-    def send(self, eng: "Host", dst: int, mtype: MsgType, meta: dict[str, Any],
-             payload: Sequence[Any] = (), *, stripe: int | None = None, track: bool = False) -> None:
-        self.trackers.extend(eng.send(self.peers[dst], mtype, meta, payload, stripe=stripe,
-                                      track=track))
+    def send(
+        self,
+        eng: "Host",
+        dst: int,
+        mtype: MsgType,
+        meta: dict[str, Any],
+        payload: Sequence[Any] = (),
+        *,
+        stripe: int | None = None,
+        track: bool = False,
+    ) -> None:
+        self.trackers.extend(
+            eng.send(self.peers[dst], mtype, meta, payload, stripe=stripe, track=track)
+        )
         self.sent += sum(memoryview(p).nbytes for p in payload)
 
     def check_kind(self, msg: wire.Message) -> None:
         if msg.meta.get("k") != self.kind:
-            raise Mismatch(f"ranks disagree on the operation '{self.key}': "
-                           f"{msg.meta.get('k')!r} vs {self.kind!r}")
+            raise Mismatch(
+                f"ranks disagree on the operation '{self.key}': "
+                f"{msg.meta.get('k')!r} vs {self.kind!r}"
+            )
 
     # ---- completion -----------------------------------------------------------------------------
     def finish(self, eng: "Host", result: Any) -> None:
@@ -166,9 +192,20 @@ class ReduceBase(Op):
 
     kind = "all_reduce"
 
-    def __init__(self, table: "PeerTable", key: str, timeout: float, work: FutureWork, *,
-                 x: torch.Tensor, shape: tuple[int, ...], op: str, algorithm: str,
-                 chunk_bytes: int, codec: Codec | None = None) -> None:
+    def __init__(
+        self,
+        table: "PeerTable",
+        key: str,
+        timeout: float,
+        work: FutureWork,
+        *,
+        x: torch.Tensor,
+        shape: tuple[int, ...],
+        op: str,
+        algorithm: str,
+        chunk_bytes: int,
+        codec: Codec | None = None,
+    ) -> None:
         super().__init__(table, key, timeout, work)
         self.x = x  # flat, contiguous
         self.shape = shape
@@ -178,9 +215,14 @@ class ReduceBase(Op):
         self.numel = x.numel()
         self.dtype = x.dtype
         self.chunk = max(1, chunk_bytes // max(1, x.element_size()))
-        self.signature = {"n": self.numel, "d": wire.dtype_name(self.dtype), "r": op,
-                          "a": algorithm, "cn": codec.name if codec is not None else "",
-                          "ch": self.chunk}
+        self.signature = {
+            "n": self.numel,
+            "d": wire.dtype_name(self.dtype),
+            "r": op,
+            "a": algorithm,
+            "cn": codec.name if codec is not None else "",
+            "ch": self.chunk,
+        }
 
     def check(self, msg: wire.Message) -> None:
         self.check_kind(msg)
@@ -189,7 +231,8 @@ class ReduceBase(Op):
                 raise Mismatch(
                     f"all_reduce '{self.key}': ranks disagree on {_FIELD_NAMES[k]}: "
                     f"{msg.meta.get(k)!r} here {mine!r} (every rank must pass the same shape, "
-                    "dtype, op, algorithm and codec)")
+                    "dtype, op, algorithm and codec)"
+                )
 
     def average(self, acc: torch.Tensor) -> torch.Tensor:
         if self.op != "avg":
@@ -199,5 +242,11 @@ class ReduceBase(Op):
         return acc.div_(self.n, rounding_mode="floor")  # in place: the ring sends from acc
 
 
-_FIELD_NAMES = {"n": "the number of elements", "d": "the dtype", "r": "the reduction",
-                "a": "the algorithm", "cn": "the codec", "ch": "the chunk size"}
+_FIELD_NAMES = {
+    "n": "the number of elements",
+    "d": "the dtype",
+    "r": "the reduction",
+    "a": "the algorithm",
+    "cn": "the codec",
+    "ch": "the chunk size",
+}

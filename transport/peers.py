@@ -25,7 +25,12 @@ class PeerTable:
 def data_address(mine: list[str] | None, addr: str, theirs: Any) -> str:
     """Where to send to a peer: its Unix socket when it offers one on this host (and network
     namespace), else its TCP address."""
-    if (mine is not None and isinstance(theirs, list) and len(theirs) >= 2
-            and theirs[0] == mine[0] and theirs[1]):
+    if (
+        mine is not None
+        and isinstance(theirs, list)
+        and len(theirs) >= 2
+        and theirs[0] == mine[0]
+        and theirs[1]
+    ):
         return theirs[1]
     return addr

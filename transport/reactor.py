@@ -89,9 +89,18 @@ class _Out:
 class Reactor:
     """Owns the sockets; see the module docstring. Created and started by ``zmq_comm.connect``."""
 
-    def __init__(self, *, ctx: zmq.Context, config: ZmqConfig, peer_id: str, data: zmq.Socket,
-                 control: zmq.Socket, keys: CurveKeys | None, heartbeat_interval: float,
-                 register_meta: dict[str, Any] | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        ctx: zmq.Context,
+        config: ZmqConfig,
+        peer_id: str,
+        data: zmq.Socket,
+        control: zmq.Socket,
+        keys: CurveKeys | None,
+        heartbeat_interval: float,
+        register_meta: dict[str, Any] | None = None,
+    ) -> None:
         self.ctx = ctx
         self.cfg = config
         self.peer_id = peer_id
@@ -139,8 +148,9 @@ class Reactor:
         self.rejoins = 0
         self._coord_seen = time.monotonic()
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name=f"lowband-engine-{peer_id}",
-                                        daemon=True)
+        self._thread = threading.Thread(
+            target=self._run, name=f"lowband-engine-{peer_id}", daemon=True
+        )
         self.stats_lock = threading.Lock()
         self.sent = 0
         self.received = 0
@@ -178,12 +188,19 @@ class Reactor:
                 # already sent for a collective it still runs is not thrown away.
                 for pid, out in self._out.items():
                     for i in range(len(out.sockets)):
-                        self.send(pid, MsgType.BYE, {"e": 0, "o": "", "p": self.peer_id,
-                                                     "n": len(out.sockets)}, stripe=i)
+                        self.send(
+                            pid,
+                            MsgType.BYE,
+                            {"e": 0, "o": "", "p": self.peer_id, "n": len(out.sockets)},
+                            stripe=i,
+                        )
                 self._send_control(MsgType.LEAVE, {})
-            self._fail_all(CommClosed("the communicator was closed while this operation was pending"))
+            self._fail_all(
+                CommClosed("the communicator was closed while this operation was pending")
+            )
             self._stop.set()
             done.set()
+
         try:
             self.call(shutdown)
         except CommClosed:
@@ -199,8 +216,16 @@ class Reactor:
         return self._thread.is_alive()
 
     # ---- sending (engine thread) ------------------------------------------------------------
-    def send(self, peer: str, mtype: MsgType, meta: dict[str, Any], payload: Sequence[Any] = (),
-             *, stripe: int | None = None, track: bool = False) -> list[Any]:
+    def send(
+        self,
+        peer: str,
+        mtype: MsgType,
+        meta: dict[str, Any],
+        payload: Sequence[Any] = (),
+        *,
+        stripe: int | None = None,
+        track: bool = False,
+    ) -> list[Any]:
         """Queue one message to ``peer`` on connection ``stripe`` (round robin if None).
 
         Payload buffers are sent zero-copy. With ``track`` the returned list holds them: pass
@@ -246,8 +271,9 @@ class Reactor:
             now = time.monotonic()
             if now - self._control_warned > 10:
                 self._control_warned = now
-                logger.warning("cannot reach the coordinator; dropped a %s (and maybe more)",
-                               mtype.name)
+                logger.warning(
+                    "cannot reach the coordinator; dropped a %s (and maybe more)", mtype.name
+                )
 
     def count(self, sent: int = 0, received: int = 0) -> None:
         with self.stats_lock:
@@ -289,8 +315,14 @@ class Reactor:
         keys = tuple(wire.field(meta, "keys", list))
         if len(addrs) != len(peers) or len(keys) != len(peers) or peers[rank] != self.peer_id:
             raise ProtocolError("inconsistent MEMBERSHIP message")
-        m = Membership(epoch, rank, len(peers), peers, tuple(wire.str_list(meta, "joined")),
-                       tuple(wire.str_list(meta, "left")))
+        m = Membership(
+            epoch,
+            rank,
+            len(peers),
+            peers,
+            tuple(wire.str_list(meta, "joined")),
+            tuple(wire.str_list(meta, "left")),
+        )
         locals_ = tuple(meta.get("locals") or [None] * len(peers))
         if len(locals_) != len(peers):
             raise ProtocolError("inconsistent MEMBERSHIP message")
@@ -333,8 +365,13 @@ class Reactor:
             s.sndhwm = cfg.send_hwm
             if cfg.socket_buffer_bytes:
                 s.sndbuf = cfg.socket_buffer_bytes
-            configure_client(s, user=self.peer_id, token=cfg.token, curve=self.keys,
-                             server_key=key.encode() if (key and cfg.curve_server_key) else None)
+            configure_client(
+                s,
+                user=self.peer_id,
+                token=cfg.token,
+                curve=self.keys,
+                server_key=key.encode() if (key and cfg.curve_server_key) else None,
+            )
             s.connect(addr)
             sockets.append(s)
         out = _Out(sockets)
@@ -398,8 +435,10 @@ class Reactor:
         mine = self.local
         if mine is None or len(mine) < 3 or not mine[2]:
             return False
-        return all(isinstance(loc, list) and len(loc) >= 3 and loc[0] == mine[0]
-                   and loc[2] == mine[2] for loc in table.locals)
+        return all(
+            isinstance(loc, list) and len(loc) >= 3 and loc[0] == mine[0] and loc[2] == mine[2]
+            for loc in table.locals
+        )
 
     # ---- operations -----------------------------------------------------------------------------
     def _start_op(self, op: "Op") -> None:
@@ -437,7 +476,9 @@ class Reactor:
                 self._fail_lost(op, lost, "left")
         except Exception as exc:  # a bug or bad input must fail the op, not kill the engine
             logger.exception("%s failed", op.describe())
-            op.fail(self, exc if isinstance(exc, (ProtocolError, PeerLost)) else ProtocolError(str(exc)))
+            op.fail(
+                self, exc if isinstance(exc, (ProtocolError, PeerLost)) else ProtocolError(str(exc))
+            )
 
     def _drop_early(self, key: Key) -> list[wire.Message]:
         early = self._early.pop(key, [])
@@ -466,8 +507,7 @@ class Reactor:
         i = queue.index(op)
         queue.pop(i)
         later = queue[i:]
-        if op.received or any(o.received or o.assembler.busy for o in later) \
-                or op.assembler.busy:
+        if op.received or any(o.received or o.assembler.busy for o in later) or op.assembler.busy:
             return False  # part of its message is here already: the number stays used
         for o in reversed(later):  # renumber n+1 -> n, n+2 -> n+1, ...
             old = (o.epoch, o.key)
@@ -518,8 +558,12 @@ class Reactor:
             reason = str(msg.meta.get("reason", "?"))[:2000]
             lost = msg.meta.get("lost")
             if isinstance(lost, list) and lost and all(isinstance(p, str) for p in lost):
-                op.fail(self, PeerLost(f"{op.describe()}: rank {src} gave it up: {reason}",
-                                       peers=tuple(lost[:64])))
+                op.fail(
+                    self,
+                    PeerLost(
+                        f"{op.describe()}: rank {src} gave it up: {reason}", peers=tuple(lost[:64])
+                    ),
+                )
             else:
                 op.fail(self, ProtocolError(f"{op.describe()} was aborted by rank {src}: {reason}"))
             return
@@ -568,8 +612,10 @@ class Reactor:
         if self.cfg.token is not None or self.cfg.curve_server_key is not None:
             user = _user_id(frames[0])
             if user != sender:
-                self._bad(f"dropped a message claiming to be from {sender!r} on a connection "
-                          f"authenticated as {user!r}")
+                self._bad(
+                    f"dropped a message claiming to be from {sender!r} on a connection "
+                    f"authenticated as {user!r}"
+                )
                 return
         if msg.type == MsgType.BYE:
             self._on_bye(sender, expected)
@@ -593,8 +639,10 @@ class Reactor:
                 self._aborted[(epoch, key)] = msg
             return
         if self._early_bytes + n > self.cfg.max_pending_bytes:
-            self._bad(f"dropped a message for '{key}' (epoch {epoch}): more than "
-                      f"{self.cfg.max_pending_bytes} bytes wait for operations not started here")
+            self._bad(
+                f"dropped a message for '{key}' (epoch {epoch}): more than "
+                f"{self.cfg.max_pending_bytes} bytes wait for operations not started here"
+            )
             return
         self._early.setdefault((epoch, key), []).append(msg)
         self._early_bytes += n
@@ -611,8 +659,11 @@ class Reactor:
             if msg.type == MsgType.MEMBERSHIP:
                 self._apply_membership(msg.meta)
             elif msg.type == MsgType.PEER_LOST:
-                self._peer_lost(wire.str_list(msg.meta, "peers"),
-                                str(msg.meta.get("reason", "lost")), msg.meta.get("left") is True)
+                self._peer_lost(
+                    wire.str_list(msg.meta, "peers"),
+                    str(msg.meta.get("reason", "lost")),
+                    msg.meta.get("left") is True,
+                )
             elif msg.type == MsgType.QUORUM_CANCEL:  # the coordinator's acknowledgement
                 for w in self._cancelling:
                     if w in self._quorum_waiters:
@@ -676,15 +727,19 @@ class Reactor:
 
     def _expel(self, reason: str) -> None:
         if self._register_meta is None:
-            err = PeerLost(f"{self.peer_id} is no longer a member: {reason}; connect again to "
-                           "rejoin", peers=(self.peer_id,))
+            err = PeerLost(
+                f"{self.peer_id} is no longer a member: {reason}; connect again to rejoin",
+                peers=(self.peer_id,),
+            )
             if self._expelled is None:
                 logger.error("%s", err)
             self._expelled = err
             self._fail_all(err)
             return
-        err = PeerLost(f"{self.peer_id} is no longer a member: {reason}; rejoining as a "
-                       "newcomer", peers=(self.peer_id,))
+        err = PeerLost(
+            f"{self.peer_id} is no longer a member: {reason}; rejoining as a newcomer",
+            peers=(self.peer_id,),
+        )
         if self._rejoining:
             return
         logger.warning("lost: %s", err)
@@ -707,8 +762,12 @@ class Reactor:
         # epoch is gone) until the next MEMBERSHIP; quorum requests go out from now on.
         self._rejoining = False
         self.rejoins += 1
-        logger.warning("rejoined: %s is registered again (%.1fs after it learned it was lost); "
-                       "it joins the next epoch as a newcomer", self.peer_id, out_s)
+        logger.warning(
+            "rejoined: %s is registered again (%.1fs after it learned it was lost); "
+            "it joins the next epoch as a newcomer",
+            self.peer_id,
+            out_s,
+        )
         self._coord_seen = time.monotonic()
         if self._held_quorum is not None:
             self._send_control(MsgType.QUORUM, {"min_world": self._held_quorum})
@@ -807,12 +866,17 @@ class Reactor:
                 self._declare_lost(pid, reason, left=True)
         for op in list(self._ops.values()) + self._finishing:
             if now > op.deadline:
-                op.fail(self, TransportTimeout(
-                    f"{op.describe()} did not complete within {op.timeout:.1f}s; a peer may be "
-                    "slow or partitioned (raise the timeout, or check the peers' logs)"))
+                op.fail(
+                    self,
+                    TransportTimeout(
+                        f"{op.describe()} did not complete within {op.timeout:.1f}s; a peer may be "
+                        "slow or partitioned (raise the timeout, or check the peers' logs)"
+                    ),
+                )
         if now - self._coord_seen > self._coord_silence and self._quorum_waiters:
-            err = PeerLost(f"the coordinator has been silent for {now - self._coord_seen:.1f}s",
-                           peers=())
+            err = PeerLost(
+                f"the coordinator has been silent for {now - self._coord_seen:.1f}s", peers=()
+            )
             for w in self._quorum_waiters:
                 w.set_error(err)
             self._quorum_waiters = []
@@ -823,6 +887,7 @@ class Reactor:
 
 
 _MAX_ABORTED = 10_000  # ABORTs kept for operations not started here (each a few hundred bytes)
+
 
 def _msg_bytes(msg: wire.Message) -> int:
     return sum(len(p) for p in msg.payload)

@@ -34,7 +34,6 @@ from transport import wire
 from transport.ops import Host, Mismatch, ReduceBase, acc_dtype, bounds
 from transport.wire import MsgType
 
-
 logger = logging.getLogger(__name__)
 
 _ALIGN = 4096
@@ -124,8 +123,10 @@ class PeerSlabs:
         try:
             handle = os.open(path, os.O_RDWR)
         except OSError as exc:
-            raise Mismatch(f"cannot map a peer's shared memory ({path}: {exc.strerror}); "
-                           "set ZmqConfig.same_host='off' if the peers cannot share memory") from None
+            raise Mismatch(
+                f"cannot map a peer's shared memory ({path}: {exc.strerror}); "
+                "set ZmqConfig.same_host='off' if the peers cannot share memory"
+            ) from None
         try:
             # The fd number may have been reused for something else (a restarted peer with a
             # recycled pid): map it only if it is the very slab announced.
@@ -209,8 +210,13 @@ class ShmAllReduce(ReduceBase):
     def _announce(self, eng: "Host", phase: int, **extra: object) -> None:
         for dst in range(self.n):
             if dst != self.rank:
-                self.send(eng, dst, MsgType.CHUNK, self.meta(ph=phase, **extra, **self.signature),
-                          stripe=0)
+                self.send(
+                    eng,
+                    dst,
+                    MsgType.CHUNK,
+                    self.meta(ph=phase, **extra, **self.signature),
+                    stripe=0,
+                )
 
     def on_message(self, eng: "Host", src: int, msg: wire.Message) -> None:
         self.check(msg)
@@ -251,7 +257,7 @@ class ShmAllReduce(ReduceBase):
         # in rank order: deterministic.
         for a in range(0, hi - lo, _PIECE):
             b = min(hi - lo, a + _PIECE)
-            parts = [self.inputs[k][lo + a:lo + b] for k in range(self.n)]
+            parts = [self.inputs[k][lo + a : lo + b] for k in range(self.n)]
             if acc_dtype(self.dtype) == self.dtype:
                 torch.add(parts[0], parts[1], out=final[a:b])
                 for p in parts[2:]:
@@ -262,7 +268,7 @@ class ShmAllReduce(ReduceBase):
                 for p in parts[1:]:
                     acc += p
                 final[a:b].copy_(self.average(acc))
-            self.out[lo + a:lo + b].copy_(final[a:b])
+            self.out[lo + a : lo + b].copy_(final[a:b])
             eng.tick()
         self.reduced = True
         self.gathered.add(self.rank)

@@ -35,6 +35,7 @@ import socket
 import struct
 import threading
 import time
+
 import msgpack
 import torch
 
@@ -46,8 +47,13 @@ VERSION = 1
 HEADER = struct.Struct("<4sBBHIQ")
 HELLO, DATA, RESULT, ABORT, SYNC, CMD = 1, 2, 3, 4, 5, 6
 MAX_PAYLOAD = 1 << 31
-_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
-           "int8": torch.int8, "uint8": torch.uint8}
+_DTYPES = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "int8": torch.int8,
+    "uint8": torch.uint8,
+}
 
 
 def _encode(x: torch.Tensor, codec: Codec | None) -> tuple[list[torch.Tensor], dict]:
@@ -67,8 +73,14 @@ def _decode(frames: list[torch.Tensor], meta: dict, codec: Codec | None) -> torc
 def _table(meta: dict | None, frames) -> bytes:
     """The msgpack frame table of a message (also what the native path sends, see
     :func:`native_table`)."""
-    return msgpack.packb({"m": meta or {}, "f": [[str(f.dtype).removeprefix("torch."),
-                                                  f.numel() * f.element_size()] for f in frames]})
+    return msgpack.packb(
+        {
+            "m": meta or {},
+            "f": [
+                [str(f.dtype).removeprefix("torch."), f.numel() * f.element_size()] for f in frames
+            ],
+        }
+    )
 
 
 def native_table(hidden: int) -> bytes:
@@ -94,12 +106,21 @@ class _Conn:
         self.sock, self.who, self.spin_s = sock, who, spin_s
         self.sent = self.received = 0
 
-    def send(self, kind: int, seq: int, frames: list[torch.Tensor] = (), meta: dict | None = None,
-             timeout: float | None = None) -> None:
+    def send(
+        self,
+        kind: int,
+        seq: int,
+        frames: list[torch.Tensor] = (),
+        meta: dict | None = None,
+        timeout: float | None = None,
+    ) -> None:
         table = _table(meta, frames)
-        body = [struct.pack("<I", len(table)), table] + [f.numpy().tobytes() if f.dtype != torch.bfloat16
-                                                        else f.view(torch.int16).numpy().tobytes()
-                                                        for f in frames]
+        body = [struct.pack("<I", len(table)), table] + [
+            f.numpy().tobytes()
+            if f.dtype != torch.bfloat16
+            else f.view(torch.int16).numpy().tobytes()
+            for f in frames
+        ]
         payload = b"".join(body)
         try:
             self.sock.settimeout(timeout)
@@ -148,13 +169,16 @@ class _Conn:
         except OSError as exc:
             raise PeerLost(f"link to {self.who} broke: {exc}", peers=(self.who,)) from None
         (tlen,) = struct.unpack_from("<I", payload, 0)
-        table = msgpack.unpackb(bytes(payload[4:4 + tlen]))
+        table = msgpack.unpackb(bytes(payload[4 : 4 + tlen]))
         frames, off = [], 4 + tlen
         for dname, nbytes in table["f"]:
             if dname not in _DTYPES or off + nbytes > n:
                 raise ProtocolError(f"bad frame table from {self.who}")
-            raw = torch.frombuffer(payload, dtype=torch.uint8, offset=off, count=nbytes) if nbytes \
+            raw = (
+                torch.frombuffer(payload, dtype=torch.uint8, offset=off, count=nbytes)
+                if nbytes
                 else torch.empty(0, dtype=torch.uint8)
+            )
             frames.append(raw.view(_DTYPES[dname]))
             off += nbytes
             self.received += nbytes
@@ -191,8 +215,9 @@ class StarHub:
             try:
                 sock, addr = self._srv.accept()
             except socket.timeout:
-                raise TransportTimeout(f"worker for slot {slot} did not connect its link within "
-                                       f"{timeout}s") from None
+                raise TransportTimeout(
+                    f"worker for slot {slot} did not connect its link within {timeout}s"
+                ) from None
             conn = _Conn(sock, f"{addr[0]}:{addr[1]}")
             try:
                 kind, _, _, meta = conn.recv(timeout)
@@ -218,16 +243,25 @@ class StarHub:
     def slots(self) -> list[int]:
         return sorted(self._conns)
 
-    def all_reduce(self, x: torch.Tensor, op: str = "sum", *, codec: Codec | None = None,
-                   algorithm: str = "star", tag: str | None = None,
-                   timeout: float | None = None) -> torch.Tensor:
+    def all_reduce(
+        self,
+        x: torch.Tensor,
+        op: str = "sum",
+        *,
+        codec: Codec | None = None,
+        algorithm: str = "star",
+        tag: str | None = None,
+        timeout: float | None = None,
+    ) -> torch.Tensor:
         self._seq += 1
         acc = x.detach().to(torch.float32).clone()
         for slot in sorted(self._conns):  # fixed order: identical sums every time
             kind, seq, frames, meta = self._conns[slot].recv(timeout)
             if kind != DATA or seq != self._seq:
-                raise ProtocolError(f"link out of step with slot {slot}: got kind {kind} seq {seq}, "
-                                    f"expected data seq {self._seq} ({tag})")
+                raise ProtocolError(
+                    f"link out of step with slot {slot}: got kind {kind} seq {seq}, "
+                    f"expected data seq {self._seq} ({tag})"
+                )
             acc += _decode(frames, meta, codec)
         frames, meta = _encode(acc, codec)
         for slot in sorted(self._conns):
@@ -235,8 +269,9 @@ class StarHub:
         out = acc if codec is None else _decode(frames, meta, codec)
         return out.to(x.dtype).reshape(x.shape)
 
-    def command(self, slot: int, meta: dict, frames: list[torch.Tensor] = (),
-                timeout: float | None = None) -> None:
+    def command(
+        self, slot: int, meta: dict, frames: list[torch.Tensor] = (), timeout: float | None = None
+    ) -> None:
         """Send a command (a CMD message) to the worker holding ``slot``; its frames keep their
         dtype (a bf16/fp16 model's activations arrive as the model computes them)."""
         conn = self._conns.get(slot)
@@ -289,8 +324,9 @@ class StarHub:
                     raise ProtocolError(f"unexpected link message kind {kind} from slot {slot}")
 
     def stats(self) -> OpStats:
-        return OpStats(sum(c.sent for c in self._conns.values()),
-                       sum(c.received for c in self._conns.values()))
+        return OpStats(
+            sum(c.sent for c in self._conns.values()), sum(c.received for c in self._conns.values())
+        )
 
     def close(self) -> None:
         for c in list(self._conns.values()) + list(self._pending.values()):
@@ -301,8 +337,16 @@ class StarHub:
 class StarSpoke:
     """A worker's end: sends its partial output, receives the sum."""
 
-    def __init__(self, host: str, port: int, slot: int, timeout: float, secret: str = "", *,
-                 spin_s: float = 0.0) -> None:
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        slot: int,
+        timeout: float,
+        secret: str = "",
+        *,
+        spin_s: float = 0.0,
+    ) -> None:
         try:
             sock = socket.create_connection((host, port), timeout=timeout)
         except OSError as exc:
@@ -313,9 +357,16 @@ class StarSpoke:
         self._seq = 0
         self.native_seconds = 0.0
 
-    def all_reduce(self, x: torch.Tensor, op: str = "sum", *, codec: Codec | None = None,
-                   algorithm: str = "star", tag: str | None = None,
-                   timeout: float | None = None) -> torch.Tensor:
+    def all_reduce(
+        self,
+        x: torch.Tensor,
+        op: str = "sum",
+        *,
+        codec: Codec | None = None,
+        algorithm: str = "star",
+        tag: str | None = None,
+        timeout: float | None = None,
+    ) -> torch.Tensor:
         self._seq += 1
         frames, meta = _encode(x, codec)
         self._conn.send(DATA, self._seq, frames, meta, timeout)
@@ -323,14 +374,21 @@ class StarSpoke:
         if kind == ABORT:
             raise PeerLost("the master aborted this forward (a device failed)")
         if kind != RESULT or seq != self._seq:
-            raise ProtocolError(f"link out of step: got kind {kind} seq {seq}, expected result "
-                                f"seq {self._seq} ({tag})")
+            raise ProtocolError(
+                f"link out of step: got kind {kind} seq {seq}, expected result "
+                f"seq {self._seq} ({tag})"
+            )
         return _decode(frames, meta, codec).to(x.dtype).reshape(x.shape)
 
     def native_spec(self, timeout: float | None) -> tuple:
         """See :meth:`StarHub.native_spec` (role 2: one link, to the master)."""
-        return (2, [self._conn.sock.fileno()], self._seq, -1.0 if timeout is None else float(timeout),
-                self._conn.spin_s)
+        return (
+            2,
+            [self._conn.sock.fileno()],
+            self._seq,
+            -1.0 if timeout is None else float(timeout),
+            self._conn.spin_s,
+        )
 
     def native_done(self, seq: int, sent: int, received: int, seconds: float = 0.0) -> None:
         self._seq = int(seq)
@@ -352,7 +410,9 @@ class StarSpoke:
         try:
             return [f.view(shape) for f, shape in zip(frames, shapes)], meta
         except (RuntimeError, TypeError):
-            raise ProtocolError(f"a link command's frames do not match their shapes {shapes}") from None
+            raise ProtocolError(
+                f"a link command's frames do not match their shapes {shapes}"
+            ) from None
 
     def resync(self, timeout: float) -> None:
         """Skip stale ABORTs up to the master's SYNC marker; restart the sequence."""

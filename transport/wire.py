@@ -60,11 +60,11 @@ class MsgType(enum.IntEnum):
     PEER_LOST = 9
     LEAVE = 10
     SUSPECT = 11
-    CHUNK = 16      # one chunk of a reduction (all_reduce)
-    MSG = 17        # a logical message: descriptor, plus its bytes when it fits one frame set
-    MSG_PART = 18   # a later chunk of a logical message, placed by (message id, tensor, offset)
-    ABORT = 19      # the sender found the operation cannot succeed (ranks disagree): fail it
-    BYE = 20        # last message on one connection of a peer that is leaving gracefully
+    CHUNK = 16  # one chunk of a reduction (all_reduce)
+    MSG = 17  # a logical message: descriptor, plus its bytes when it fits one frame set
+    MSG_PART = 18  # a later chunk of a logical message, placed by (message id, tensor, offset)
+    ABORT = 19  # the sender found the operation cannot succeed (ranks disagree): fail it
+    BYE = 20  # last message on one connection of a peer that is leaving gracefully
 
 
 _TYPES = frozenset(int(t) for t in MsgType)
@@ -73,9 +73,23 @@ _TYPES = frozenset(int(t) for t in MsgType)
 _DTYPES: dict[str, torch.dtype] = {
     name: getattr(torch, name)
     for name in (
-        "float32", "float64", "float16", "bfloat16", "int8", "uint8", "int16", "int32", "int64",
-        "bool", "complex64", "complex128", "uint16", "uint32", "uint64",
-        "float8_e4m3fn", "float8_e5m2",
+        "float32",
+        "float64",
+        "float16",
+        "bfloat16",
+        "int8",
+        "uint8",
+        "int16",
+        "int32",
+        "int64",
+        "bool",
+        "complex64",
+        "complex128",
+        "uint16",
+        "uint32",
+        "uint64",
+        "float8_e4m3fn",
+        "float8_e5m2",
     )
     if hasattr(torch, name)
 }
@@ -106,9 +120,14 @@ def parse_descriptor(desc: object, max_bytes: int) -> tuple[torch.dtype, tuple[i
         raise ProtocolError(f"tensor descriptor must be a map, got {type(desc).__name__}")
     dtype = dtype_from_name(desc.get("d"))
     shape = desc.get("s")
-    if not isinstance(shape, list) or len(shape) > 32 or not all(
-            isinstance(s, int) and not isinstance(s, bool) and 0 <= s < 2**48 for s in shape):
-        raise ProtocolError(f"tensor shape must be a list of <= 32 non-negative ints, got {shape!r}")
+    if (
+        not isinstance(shape, list)
+        or len(shape) > 32
+        or not all(isinstance(s, int) and not isinstance(s, bool) and 0 <= s < 2**48 for s in shape)
+    ):
+        raise ProtocolError(
+            f"tensor shape must be a list of <= 32 non-negative ints, got {shape!r}"
+        )
     numel = 1
     for s in shape:
         numel *= s
@@ -162,8 +181,9 @@ def _buffer(frame: Any) -> memoryview:
     return frame.buffer  # zmq.Frame
 
 
-def unpack(frames: Sequence[Any], *, max_payload_bytes: int,
-           max_meta_bytes: int = DEFAULT_MAX_META_BYTES) -> Message:
+def unpack(
+    frames: Sequence[Any], *, max_payload_bytes: int, max_meta_bytes: int = DEFAULT_MAX_META_BYTES
+) -> Message:
     """Parse and check one received multipart message. Raises ProtocolError (or VersionMismatch)."""
     if not frames:
         raise ProtocolError("empty message")
@@ -178,7 +198,8 @@ def unpack(frames: Sequence[Any], *, max_payload_bytes: int,
     if version != PROTOCOL_VERSION:
         raise VersionMismatch(
             f"peer speaks lowband wire protocol v{version}, this build speaks v{PROTOCOL_VERSION}: "
-            "install the same lowband version on every machine")
+            "install the same lowband version on every machine"
+        )
     if mtype not in _TYPES:
         raise ProtocolError(f"unknown message type {mtype}")
     if flags != 0:
@@ -187,20 +208,27 @@ def unpack(frames: Sequence[Any], *, max_payload_bytes: int,
         raise ProtocolError(f"metadata of {meta_len} bytes exceeds the limit of {max_meta_bytes}")
     if len(first) != HEADER_SIZE + meta_len:
         raise ProtocolError(
-            f"header says {meta_len} metadata bytes, frame carries {len(first) - HEADER_SIZE}")
+            f"header says {meta_len} metadata bytes, frame carries {len(first) - HEADER_SIZE}"
+        )
     if n_frames != len(frames) - 1:
         raise ProtocolError(f"header says {n_frames} payload frames, message has {len(frames) - 1}")
     if payload_len > max_payload_bytes:
         raise ProtocolError(
-            f"payload of {payload_len} bytes exceeds the limit of {max_payload_bytes} bytes")
+            f"payload of {payload_len} bytes exceeds the limit of {max_payload_bytes} bytes"
+        )
     payload = [_buffer(f) for f in frames[1:]]
     got = sum(len(p) for p in payload)
     if got != payload_len:
         raise ProtocolError(f"header says {payload_len} payload bytes, frames carry {got}")
     try:
         meta = msgpack.unpackb(first[HEADER_SIZE:], raw=False, strict_map_key=True)
-    except (ValueError, TypeError, msgpack.ExtraData, msgpack.FormatError,
-            msgpack.StackError) as exc:
+    except (
+        ValueError,
+        TypeError,
+        msgpack.ExtraData,
+        msgpack.FormatError,
+        msgpack.StackError,
+    ) as exc:
         raise ProtocolError(f"metadata is not valid msgpack: {exc}") from None
     if not isinstance(meta, dict):
         raise ProtocolError(f"metadata must be a map, got {type(meta).__name__}")

@@ -32,26 +32,48 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from lowband.comm import Algorithm, Codec, Membership, OpStats, ReduceOp
-from lowband.errors import (AuthError, CommClosed, ConfigError, IncompatiblePeer, PeerLost,
-                            ProtocolError, TransportTimeout, VersionMismatch)
+from lowband.errors import (
+    AuthError,
+    CommClosed,
+    ConfigError,
+    IncompatiblePeer,
+    PeerLost,
+    ProtocolError,
+    TransportTimeout,
+    VersionMismatch,
+)
 from transport import wire
-from transport.auth import (DATA_DOMAIN, CurveKeys, ZapHandler, configure_client,
-                            configure_server, curve_policy, token_policy)
 from transport.allreduce import DirectAllReduce, RingAllReduce
+from transport.auth import (
+    DATA_DOMAIN,
+    CurveKeys,
+    ZapHandler,
+    configure_client,
+    configure_server,
+    curve_policy,
+    token_policy,
+)
+from transport.blocking import BlockingCollectives
+from transport.config import SAME_HOST_MODES, MiB, ZmqConfig  # noqa: F401  (ZmqConfig is re-exported)
 from transport.messages import AllGatherOp, BarrierOp, BroadcastOp, RecvOp, SendOp
 from transport.ops import acc_dtype
 from transport.peers import PeerTable, data_address
 from transport.reactor import Reactor
 from transport.shm import ShmAllReduce, shm_key
 from transport.wire import MsgType
-from transport.blocking import BlockingCollectives
-from transport.config import MiB, SAME_HOST_MODES, ZmqConfig  # noqa: F401  (ZmqConfig is re-exported)
 from transport.work import FutureWork
 
 logger = logging.getLogger(__name__)
 
-def connect(coordinator: str, config: ZmqConfig | None = None, *, signature: str = "",
-            meta: Mapping[str, Any] | None = None, peer_id: str | None = None) -> "ZmqCommunicator":
+
+def connect(
+    coordinator: str,
+    config: ZmqConfig | None = None,
+    *,
+    signature: str = "",
+    meta: Mapping[str, Any] | None = None,
+    peer_id: str | None = None,
+) -> "ZmqCommunicator":
     """Register with the coordinator at ``coordinator`` and return this peer's communicator."""
     cfg = config or ZmqConfig()
     pid = peer_id or uuid.uuid4().hex[:12]
@@ -67,9 +89,12 @@ def connect(coordinator: str, config: ZmqConfig | None = None, *, signature: str
         allowed: list[dict[bytes, str]] = [{}]
         if cfg.token is not None or keys is not None:
             zap = ZapHandler(ctx)
-            zap.set_policy(DATA_DOMAIN, curve_policy(lambda k: allowed[0].get(k), defer_unknown=True)
-                           if keys is not None
-                           else token_policy(cfg.token or ""))
+            zap.set_policy(
+                DATA_DOMAIN,
+                curve_policy(lambda k: allowed[0].get(k), defer_unknown=True)
+                if keys is not None
+                else token_policy(cfg.token or ""),
+            )
         data = ctx.socket(zmq.PULL)
         sockets.append(data)
         data.linger = 0
@@ -80,8 +105,9 @@ def connect(coordinator: str, config: ZmqConfig | None = None, *, signature: str
         configure_server(data, domain=DATA_DOMAIN, token=cfg.token, curve=keys)
         data.bind(f"tcp://{cfg.bind_host}:{cfg.data_port}")
         port = int(data.last_endpoint.decode().rsplit(":", 1)[1])
-        host = cfg.advertise_host or (cfg.bind_host if cfg.bind_host not in ("0.0.0.0", "*", "::")
-                                      else "*")
+        host = cfg.advertise_host or (
+            cfg.bind_host if cfg.bind_host not in ("0.0.0.0", "*", "::") else "*"
+        )
         addr = f"tcp://{host}:{cfg.advertise_port or port}"
         local = None
         if cfg.same_host != "off":
@@ -97,21 +123,37 @@ def connect(coordinator: str, config: ZmqConfig | None = None, *, signature: str
         control.linger = int(min(cfg.linger, 1.0) * 1000)
         control.routing_id = pid.encode()
         control.maxmsgsize = wire.DEFAULT_MAX_META_BYTES + wire.HEADER_SIZE
-        configure_client(control, user=pid, token=cfg.token, curve=keys,
-                         server_key=cfg.curve_server_key)
+        configure_client(
+            control, user=pid, token=cfg.token, curve=keys, server_key=cfg.curve_server_key
+        )
         register = {
-            "addr": addr, "signature": signature, "meta": dict(meta or {}),
-            "key": keys.public.decode() if keys else None, "token": cfg.token or "",
-            "local": local, "chunk": cfg.chunk_bytes,
+            "addr": addr,
+            "signature": signature,
+            "meta": dict(meta or {}),
+            "key": keys.public.decode() if keys else None,
+            "token": cfg.token or "",
+            "local": local,
+            "chunk": cfg.chunk_bytes,
         }
         interval = _register(control, coordinator, cfg, register)
-        engine = Reactor(ctx=ctx, config=cfg, peer_id=pid, data=data, control=control, keys=keys,
-                         heartbeat_interval=interval,
-                         register_meta=register if cfg.rejoin else None)
+        engine = Reactor(
+            ctx=ctx,
+            config=cfg,
+            peer_id=pid,
+            data=data,
+            control=control,
+            keys=keys,
+            heartbeat_interval=interval,
+            register_meta=register if cfg.rejoin else None,
+        )
         engine.local = local
         if keys is not None:
+
             def allow(table: PeerTable) -> None:
-                allowed[0] = {k.encode(): p for p, k in zip(table.membership.peers, table.keys) if k}
+                allowed[0] = {
+                    k.encode(): p for p, k in zip(table.membership.peers, table.keys) if k
+                }
+
             engine.on_membership = allow
         engine.start()
         return ZmqCommunicator(engine, ctx, zap, cfg, pid, addr)
@@ -139,8 +181,10 @@ def host_key() -> str:
 def _register(control: zmq.Socket, coordinator: str, cfg: ZmqConfig, meta: dict[str, Any]) -> float:
     """Connect, send REGISTER, wait for the answer; returns the coordinator's heartbeat interval."""
     monitor = control.get_monitor_socket(
-        zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
-        | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
+        zmq.EVENT_HANDSHAKE_FAILED_AUTH
+        | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+        | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+    )
     try:
         control.connect(coordinator)
         control.send_multipart(wire.pack(MsgType.REGISTER, meta))
@@ -154,7 +198,8 @@ def _register(control: zmq.Socket, coordinator: str, cfg: ZmqConfig, meta: dict[
                 event = recv_monitor_message(monitor)
                 raise AuthError(
                     f"the coordinator at {coordinator} rejected this peer's credentials "
-                    f"(ZeroMQ {zmq.Event(event['event']).name}): check the token / CURVE keys")
+                    f"(ZeroMQ {zmq.Event(event['event']).name}): check the token / CURVE keys"
+                )
             if control in ready:
                 msg = wire.unpack(control.recv_multipart(), max_payload_bytes=0)
                 if msg.type == MsgType.REGISTERED:
@@ -162,11 +207,16 @@ def _register(control: zmq.Socket, coordinator: str, cfg: ZmqConfig, meta: dict[
                 if msg.type == MsgType.REFUSED:
                     kind = msg.meta.get("kind")
                     reason = f"coordinator refused this peer: {msg.meta.get('reason', kind)}"
-                    raise {"incompatible": IncompatiblePeer, "auth": AuthError,
-                           "version": VersionMismatch}.get(kind, ProtocolError)(reason)
+                    raise {
+                        "incompatible": IncompatiblePeer,
+                        "auth": AuthError,
+                        "version": VersionMismatch,
+                    }.get(kind, ProtocolError)(reason)
                 raise ProtocolError(f"unexpected {msg.type.name} while registering")
-        raise TransportTimeout(f"no answer from the coordinator at {coordinator} within "
-                               f"{cfg.register_timeout:.1f}s (is it running and reachable?)")
+        raise TransportTimeout(
+            f"no answer from the coordinator at {coordinator} within "
+            f"{cfg.register_timeout:.1f}s (is it running and reachable?)"
+        )
     finally:
         control.disable_monitor()
         monitor.close(0)
@@ -175,8 +225,15 @@ def _register(control: zmq.Socket, coordinator: str, cfg: ZmqConfig, meta: dict[
 class ZmqCommunicator(BlockingCollectives):
     """One peer's communicator. Satisfies :class:`lowband.comm.Communicator`."""
 
-    def __init__(self, engine: Reactor, ctx: zmq.Context, zap: ZapHandler | None, cfg: ZmqConfig,
-                 peer_id: str, address: str) -> None:
+    def __init__(
+        self,
+        engine: Reactor,
+        ctx: zmq.Context,
+        zap: ZapHandler | None,
+        cfg: ZmqConfig,
+        peer_id: str,
+        address: str,
+    ) -> None:
         self._engine = engine
         self._ctx = ctx
         self._zap = zap
@@ -224,7 +281,8 @@ class ZmqCommunicator(BlockingCollectives):
             except TransportTimeout:
                 raise TransportTimeout(
                     f"quorum: within {limit:.1f}s not every live member arrived or the group "
-                    f"stayed below min_world={min_world}") from None
+                    f"stayed below min_world={min_world}"
+                ) from None
         with self._lock:
             if m.epoch != self._epoch_seen:
                 self._epoch_seen = m.epoch
@@ -260,28 +318,41 @@ class ZmqCommunicator(BlockingCollectives):
 
     def _common(self, table: PeerTable, key: str, timeout: float | None, what: str) -> dict:
         limit = self._timeout(timeout)
-        return {"table": table, "key": key, "timeout": limit,
-                "work": FutureWork(f"{what} '{key}' on rank {table.membership.rank}", limit)}
+        return {
+            "table": table,
+            "key": key,
+            "timeout": limit,
+            "work": FutureWork(f"{what} '{key}' on rank {table.membership.rank}", limit),
+        }
 
-    def choose_algorithm(self, tensor: torch.Tensor, codec: Codec | None = None,
-                         algorithm: Algorithm = "auto", world_size: int | None = None) -> str:
+    def choose_algorithm(
+        self,
+        tensor: torch.Tensor,
+        codec: Codec | None = None,
+        algorithm: Algorithm = "auto",
+        world_size: int | None = None,
+    ) -> str:
         """The schedule ``all_reduce`` will run: ring, scatter, star or shm (same host)."""
         table = self._engine.table
-        n = world_size if world_size is not None else (
-            table.membership.world_size if table else 1)
+        n = world_size if world_size is not None else (table.membership.world_size if table else 1)
         if n <= 1:
             return "star"
         if algorithm == "auto":
             algorithm = "star" if wire.nbytes(tensor) < self.config.star_threshold_bytes else "ring"
-        if (algorithm == "ring" and codec is None and table is not None
-                and self._engine.same_host_shm(table)):
+        if (
+            algorithm == "ring"
+            and codec is None
+            and table is not None
+            and self._engine.same_host_shm(table)
+        ):
             return "shm"
         if algorithm == "ring" and (codec is not None or acc_dtype(tensor.dtype) != tensor.dtype):
             return "scatter"
         return algorithm
 
-    def route(self, tensor: torch.Tensor, codec: Codec | None = None,
-              algorithm: Algorithm = "auto") -> str:
+    def route(
+        self, tensor: torch.Tensor, codec: Codec | None = None, algorithm: Algorithm = "auto"
+    ) -> str:
         """How an ``all_reduce`` of ``tensor`` travels in the current epoch: ``shm`` (shared
         memory), ``ipc`` (Unix sockets), ``tcp``, or ``ipc+tcp`` for a mixed group."""
         if self.choose_algorithm(tensor, codec, algorithm) == "shm":
@@ -289,15 +360,24 @@ class ZmqCommunicator(BlockingCollectives):
         table = self._engine.table
         if table is None or table.membership.world_size <= 1:
             return "local"
-        kinds = {data_address(self._engine.local, addr, loc).split("://", 1)[0]
-                 for pid, addr, loc in zip(table.membership.peers, table.addrs, table.locals)
-                 if pid != self.peer_id}
+        kinds = {
+            data_address(self._engine.local, addr, loc).split("://", 1)[0]
+            for pid, addr, loc in zip(table.membership.peers, table.addrs, table.locals)
+            if pid != self.peer_id
+        }
         return "+".join(sorted(kinds))
 
     # ---- collectives ---------------------------------------------------------------------------
-    def all_reduce_async(self, tensor: torch.Tensor, op: ReduceOp = "sum", *,
-                         codec: Codec | None = None, algorithm: Algorithm = "auto",
-                         tag: str | None = None, timeout: float | None = None) -> FutureWork:
+    def all_reduce_async(
+        self,
+        tensor: torch.Tensor,
+        op: ReduceOp = "sum",
+        *,
+        codec: Codec | None = None,
+        algorithm: Algorithm = "auto",
+        tag: str | None = None,
+        timeout: float | None = None,
+    ) -> FutureWork:
         if op not in ("sum", "avg"):
             raise ConfigError("op", f"unknown reduction {op!r}; use 'sum' or 'avg'")
         if algorithm not in ("auto", "ring", "star"):
@@ -307,13 +387,26 @@ class ZmqCommunicator(BlockingCollectives):
         cls = {"ring": RingAllReduce, "shm": ShmAllReduce}.get(algo, DirectAllReduce)
         common = self._common(table, self._key(table, tag), timeout, "all_reduce")
         x = tensor.detach().contiguous().reshape(-1)
-        o = cls(**common, x=x, shape=tuple(tensor.shape), op=op, algorithm=algo,
-                chunk_bytes=self.config.chunk_bytes, codec=codec)
+        o = cls(
+            **common,
+            x=x,
+            shape=tuple(tensor.shape),
+            op=op,
+            algorithm=algo,
+            chunk_bytes=self.config.chunk_bytes,
+            codec=codec,
+        )
         self._engine.submit(o)
         return o.work
 
-    def _broadcast_async(self, tensors: Sequence[torch.Tensor] | None, meta: Mapping | None,
-                         root: int, tag: str | None, timeout: float | None) -> FutureWork:
+    def _broadcast_async(
+        self,
+        tensors: Sequence[torch.Tensor] | None,
+        meta: Mapping | None,
+        root: int,
+        tag: str | None,
+        timeout: float | None,
+    ) -> FutureWork:
         table = self._table()
         n = table.membership.world_size
         if not 0 <= root < n:
@@ -323,25 +416,37 @@ class ZmqCommunicator(BlockingCollectives):
             if tensors is None:
                 raise ConfigError("tensor", "the root of a broadcast must pass a tensor")
             mine = [t.detach().contiguous() for t in tensors]
-        o = BroadcastOp(**self._common(table, self._key(table, tag), timeout, "broadcast"),
-                        root=root, tensors=mine, user_meta=meta,
-                        chunk_bytes=self.config.chunk_bytes, max_bytes=self.config.max_tensor_bytes)
+        o = BroadcastOp(
+            **self._common(table, self._key(table, tag), timeout, "broadcast"),
+            root=root,
+            tensors=mine,
+            user_meta=meta,
+            chunk_bytes=self.config.chunk_bytes,
+            max_bytes=self.config.max_tensor_bytes,
+        )
         self._engine.submit(o)
         return o.work
 
-    def all_gather_async(self, tensor: torch.Tensor, *, tag: str | None = None,
-                         timeout: float | None = None) -> FutureWork:
+    def all_gather_async(
+        self, tensor: torch.Tensor, *, tag: str | None = None, timeout: float | None = None
+    ) -> FutureWork:
         table = self._table()
-        o = AllGatherOp(**self._common(table, self._key(table, tag), timeout, "all_gather"),
-                        tensor=tensor.detach().contiguous(), chunk_bytes=self.config.chunk_bytes,
-                        max_bytes=self.config.max_tensor_bytes)
+        o = AllGatherOp(
+            **self._common(table, self._key(table, tag), timeout, "all_gather"),
+            tensor=tensor.detach().contiguous(),
+            chunk_bytes=self.config.chunk_bytes,
+            max_bytes=self.config.max_tensor_bytes,
+        )
         self._engine.submit(o)
         return o.work
 
     def barrier(self, *, tag: str | None = None, timeout: float | None = None) -> None:
         table = self._table()
-        o = BarrierOp(**self._common(table, self._key(table, tag), timeout, "barrier"),
-                      chunk_bytes=self.config.chunk_bytes, max_bytes=0)
+        o = BarrierOp(
+            **self._common(table, self._key(table, tag), timeout, "barrier"),
+            chunk_bytes=self.config.chunk_bytes,
+            max_bytes=0,
+        )
         self._engine.submit(o)
         o.work.wait()
 
@@ -353,25 +458,42 @@ class ZmqCommunicator(BlockingCollectives):
             raise ConfigError(name, f"rank {peer} is not in a world of {n}")
         return table
 
-    def send(self, dst: int, tensors: Sequence[torch.Tensor], meta: Mapping[str, Any] | None = None,
-             *, tag: str, timeout: float | None = None) -> None:
+    def send(
+        self,
+        dst: int,
+        tensors: Sequence[torch.Tensor],
+        meta: Mapping[str, Any] | None = None,
+        *,
+        tag: str,
+        timeout: float | None = None,
+    ) -> None:
         table = self._p2p_table(dst, "dst")
         key = self._key(table, tag, scope=f"p2p:{table.membership.rank}>{dst}:")
-        o = SendOp(**self._common(table, key, timeout, "send"), dst=dst,
-                   tensors=[t.detach().contiguous() for t in tensors], user_meta=meta,
-                   chunk_bytes=self.config.chunk_bytes, max_bytes=0)
+        o = SendOp(
+            **self._common(table, key, timeout, "send"),
+            dst=dst,
+            tensors=[t.detach().contiguous() for t in tensors],
+            user_meta=meta,
+            chunk_bytes=self.config.chunk_bytes,
+            max_bytes=0,
+        )
         self._engine.submit(o)
         o.work.wait()
 
-    def recv(self, src: int, *, tag: str,
-             timeout: float | None = None) -> tuple[list[torch.Tensor], dict[str, Any]]:
+    def recv(
+        self, src: int, *, tag: str, timeout: float | None = None
+    ) -> tuple[list[torch.Tensor], dict[str, Any]]:
         table = self._p2p_table(src, "src")
         # Numbered by the engine when it starts (in call order), not here: a receive that times
         # out before its message came gives the number back, so the message goes to the next
         # receive of this tag instead of shifting every later pairing by one.
         key = f"p2p:{src}>{table.membership.rank}:{tag}"
-        o = RecvOp(**self._common(table, key, timeout, "recv"), src=src,
-                   chunk_bytes=self.config.chunk_bytes, max_bytes=self.config.max_tensor_bytes)
+        o = RecvOp(
+            **self._common(table, key, timeout, "recv"),
+            src=src,
+            chunk_bytes=self.config.chunk_bytes,
+            max_bytes=self.config.max_tensor_bytes,
+        )
         self._engine.submit(o)
         try:
             return o.work.wait()
@@ -407,8 +529,9 @@ class ZmqCommunicator(BlockingCollectives):
             self._zap.close()
         if self._engine.running:
             # Its sockets are still open: terminating the context would block forever.
-            logger.error("the transport engine of %s did not stop; leaving its sockets open",
-                         self.peer_id)
+            logger.error(
+                "the transport engine of %s did not stop; leaving its sockets open", self.peer_id
+            )
             return
         self._ctx.term()
 

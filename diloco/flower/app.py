@@ -29,8 +29,9 @@ def toml_value(value: Any) -> str:
     raise ConfigError("run-config", f"{value!r} is not a TOML scalar")
 
 
-def app_pyproject(config: Mapping[str, Any] | None = None, *, name: str = "lowband-flower-diloco"
-                  ) -> str:
+def app_pyproject(
+    config: Mapping[str, Any] | None = None, *, name: str = "lowband-flower-diloco"
+) -> str:
     """The app's pyproject.toml; ``config`` overrides defaults of the run config."""
     values = dict(APP_CONFIG_DEFAULTS)
     for k, v in (config or {}).items():
@@ -71,10 +72,12 @@ APP_MODULES = {
     "__init__.py": '"""Flower DiLoCo app: the ServerApp and ClientApp of lowband (diloco.flower)."""\n',
     "server_app.py": (
         '"""ServerApp: DiLoCoStrategy rounds, server-side evaluation, metrics and checkpoints."""\n'
-        "\nfrom diloco.flower.server import make_server_app\n\napp = make_server_app()\n"),
+        "\nfrom diloco.flower.server import make_server_app\n\napp = make_server_app()\n"
+    ),
     "client_app.py": (
         '"""ClientApp: H/P inner steps per round, codec-encoded pseudo-gradient replies."""\n'
-        "\nfrom diloco.flower.client import make_client_app\n\napp = make_client_app()\n"),
+        "\nfrom diloco.flower.client import make_client_app\n\napp = make_client_app()\n"
+    ),
 }
 
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 import copy
 import json
 import logging
+
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
@@ -29,13 +30,17 @@ from diloco.checkpoint import load_optimizer_state, optimizer_state
 from diloco.common import InnerLoop, run_signature
 from diloco.config import TrainConfig
 from diloco.flower.config import FlowerConfig, for_node, from_run_config, node_config, sync_fragment
-from diloco.flower.records import (config_ints, encoded_to_records, params_to_record,
-                                   payload_bytes, record_to_params)
+from diloco.flower.records import (
+    config_ints,
+    encoded_to_records,
+    params_to_record,
+    payload_bytes,
+    record_to_params,
+)
 from diloco.flower.strategy import CONFIG, DELTA, GLOBAL, METRICS, REPLY
 from diloco.fragments import plan_fragments
-from diloco.task import lm_task
 from diloco.outer import FragmentSync
-from diloco.task import Task
+from diloco.task import Task, lm_task
 from lowband.codecs import get_codec
 from lowband.errors import ProtocolError
 
@@ -43,14 +48,26 @@ logger = logging.getLogger(__name__)
 
 # Keys of this client's memory in Context.state.
 S_LOCAL, S_GLOBAL, S_INNER, S_RESIDUAL, S_META = (
-    "lowband.local", "lowband.global", "lowband.inner", "lowband.residual", "lowband.meta")
+    "lowband.local",
+    "lowband.global",
+    "lowband.inner",
+    "lowband.residual",
+    "lowband.meta",
+)
 
 
 class DilocoClient:
     """One node's Streaming DiLoCo worker, rebuilt for each message from ``Context.state``."""
 
-    def __init__(self, cfg: FlowerConfig, task: Task, slot: int, state: RecordDict, *,
-                 train: TrainConfig | None = None) -> None:
+    def __init__(
+        self,
+        cfg: FlowerConfig,
+        task: Task,
+        slot: int,
+        state: RecordDict,
+        *,
+        train: TrainConfig | None = None,
+    ) -> None:
         self.cfg, self.mode, self.task, self.slot = cfg, cfg.mode, task, slot
         self.train_cfg = train or cfg.train  # the run's recipe with this node's data source
         self.model = task.build_model()
@@ -61,15 +78,23 @@ class DilocoClient:
         glob = dict(self.global_model.named_parameters())
         self.shapes = {n: t.shape for n, t in glob.items()}
         codec = None if self.mode.codec == "fp32" else get_codec(self.mode.codec)
-        plan = plan_fragments(list(local.items()), self.mode.n_fragments,
-                              self.mode.fragment_strategy)
+        plan = plan_fragments(
+            list(local.items()), self.mode.n_fragments, self.mode.fragment_strategy
+        )
         # FragmentSync gives the client Δ (with error feedback) and the α-merge. Its outer
         # optimizer is never stepped here (the server owns the outer step); SGD state is lazy.
         self.fragments = [
-            FragmentSync(p, names, [local[n] for n in names], [glob[n] for n in names],
-                         self.mode.outer.build([glob[n] for n in names]), codec,
-                         self.mode.error_feedback)
-            for p, names in enumerate(plan.names)]
+            FragmentSync(
+                p,
+                names,
+                [local[n] for n in names],
+                [glob[n] for n in names],
+                self.mode.outer.build([glob[n] for n in names]),
+                codec,
+                self.mode.error_feedback,
+            )
+            for p, names in enumerate(plan.names)
+        ]
         self.versions = [-1] * self.mode.n_fragments
         self.state = state
         self._load()
@@ -80,8 +105,10 @@ class DilocoClient:
         server_round = int(config["server-round"])  # type: ignore[arg-type]
         p = sync_fragment(server_round, self.mode.n_fragments)
         if int(config["fragment"]) != p:  # type: ignore[arg-type]
-            raise ProtocolError(f"round {server_round} must sync fragment {p}, the server "
-                                f"asked for {config['fragment']}: different P on the two sides?")
+            raise ProtocolError(
+                f"round {server_round} must sync fragment {p}, the server "
+                f"asked for {config['fragment']}: different P on the two sides?"
+            )
         down, current = self._apply(msg)
         if not current:
             return self._reply(msg, "stale", MetricRecord({"num-examples": 0, "bytes-down": down}))
@@ -90,12 +117,24 @@ class DilocoClient:
         x, valid = self.fragments[p].contribution()
         enc = get_codec(self.mode.codec).encode(x)
         arrays, meta = encoded_to_records(enc)
-        reply = ConfigRecord({"fragment": p, "base-version": self.versions[p],
-                              "codec": self.mode.codec, "codec-meta": meta, "valid": valid})
-        metrics = MetricRecord({
-            "num-examples": self.mode.stride * self.train_cfg.data.batch_size,
-            "train-loss": float(torch.stack(losses).float().mean()), "bytes-up": payload_bytes(arrays),
-            "bytes-up-fp32": 4 * x.numel(), "bytes-down": down})
+        reply = ConfigRecord(
+            {
+                "fragment": p,
+                "base-version": self.versions[p],
+                "codec": self.mode.codec,
+                "codec-meta": meta,
+                "valid": valid,
+            }
+        )
+        metrics = MetricRecord(
+            {
+                "num-examples": self.mode.stride * self.train_cfg.data.batch_size,
+                "train-loss": float(torch.stack(losses).float().mean()),
+                "bytes-up": payload_bytes(arrays),
+                "bytes-up-fp32": 4 * x.numel(),
+                "bytes-down": down,
+            }
+        )
         self._save()
         return self._reply(msg, "ok", metrics, extra=reply, delta=arrays)
 
@@ -106,10 +145,14 @@ class DilocoClient:
         if not current:
             return self._reply(msg, "stale", MetricRecord({"num-examples": 0, "bytes-down": down}))
         d = self.train_cfg.data
-        metrics = MetricRecord({
-            "num-examples": d.eval_batches * d.batch_size,
-            "eval-loss": self.task.evaluate(self.global_model),
-            "local-eval-loss": self.task.evaluate(self.model), "bytes-down": down})
+        metrics = MetricRecord(
+            {
+                "num-examples": d.eval_batches * d.batch_size,
+                "eval-loss": self.task.evaluate(self.global_model),
+                "local-eval-loss": self.task.evaluate(self.model),
+                "bytes-down": down,
+            }
+        )
         self._save()
         return self._reply(msg, "ok", metrics)
 
@@ -144,14 +187,24 @@ class DilocoClient:
             self.versions[p] = v
         current = self.versions == config_ints(config, "versions")
         if not current:
-            logger.warning("this node holds global versions %s, the server is at %s: replying "
-                           "stale so that the server sends the rest", self.versions,
-                           config_ints(config, "versions"))
+            logger.warning(
+                "this node holds global versions %s, the server is at %s: replying "
+                "stale so that the server sends the rest",
+                self.versions,
+                config_ints(config, "versions"),
+            )
             self._save()
         return payload_bytes(record), current
 
-    def _reply(self, msg: Message, status: str, metrics: MetricRecord, *,
-               extra: ConfigRecord | None = None, delta: ArrayRecord | None = None) -> Message:
+    def _reply(
+        self,
+        msg: Message,
+        status: str,
+        metrics: MetricRecord,
+        *,
+        extra: ConfigRecord | None = None,
+        delta: ArrayRecord | None = None,
+    ) -> Message:
         reply = ConfigRecord({"status": status, "versions": list(self.versions)})
         if extra is not None:
             reply.update(extra)
@@ -175,8 +228,10 @@ class DilocoClient:
                 params = record_to_params(self.state.array_records[key], self.shapes)
                 for name, t in model.named_parameters():
                     t.copy_(params[name])
-        inner = {k: torch.from_numpy(a.numpy().copy())
-                 for k, a in self.state.array_records[S_INNER].items()}
+        inner = {
+            k: torch.from_numpy(a.numpy().copy())
+            for k, a in self.state.array_records[S_INNER].items()
+        }
         load_optimizer_state(self.inner.opt, "inner", inner, json.loads(str(meta_rec["inner"])))
         residuals = self.state.array_records.get(S_RESIDUAL, ArrayRecord())
         for f in self.fragments:
@@ -190,10 +245,15 @@ class DilocoClient:
         self.state[S_GLOBAL] = params_to_record(self.global_model.named_parameters())
         self.state[S_INNER] = params_to_record(tensors.items())
         self.state[S_RESIDUAL] = params_to_record(
-            (str(f.index), f.residual) for f in self.fragments if f.residual is not None)
-        self.state[S_META] = ConfigRecord({"signature": self.signature,
-                                           "versions": list(self.versions),
-                                           "inner": json.dumps(inner_meta)})
+            (str(f.index), f.residual) for f in self.fragments if f.residual is not None
+        )
+        self.state[S_META] = ConfigRecord(
+            {
+                "signature": self.signature,
+                "versions": list(self.versions),
+                "inner": json.dumps(inner_meta),
+            }
+        )
 
 
 def client_for(context: Context, task: Task | None = None) -> DilocoClient:
@@ -219,7 +279,6 @@ def make_client_app() -> ClientApp:
         return client_for(context).evaluate(msg)
 
     return app
-
 
 
 def handle(msg: Message, context: Context) -> Message:

@@ -44,8 +44,11 @@ APP_CONFIG: dict[str, tuple[Any, str]] = {
     "min-train-replies": (1, "aggregate a round only with at least this many valid replies"),
     "fraction-train": (1.0, "share of connected nodes sampled per round"),
     "accept-failures": (True, "false: any failed reply skips the round"),
-    "evaluate-every": (0, "federated evaluation every N rounds (0: never; the server "
-                          "evaluates θ_g every round anyway)"),
+    "evaluate-every": (
+        0,
+        "federated evaluation every N rounds (0: never; the server "
+        "evaluates θ_g every round anyway)",
+    ),
     "round-timeout": (600.0, "seconds the server waits for replies of one round"),
     "out-dir": ("", "server: metrics.jsonl, summary.json, checkpoint/ (empty: none)"),
     "checkpoint-every": (0, "rounds between checkpoints (0: only after the last round)"),
@@ -71,7 +74,9 @@ class FederationConfig:
         if self.rounds < 1:
             raise ConfigError("num-server-rounds", f"must be >= 1, got {self.rounds}")
         if self.min_available_nodes < 1:
-            raise ConfigError("min-available-nodes", f"must be >= 1, got {self.min_available_nodes}")
+            raise ConfigError(
+                "min-available-nodes", f"must be >= 1, got {self.min_available_nodes}"
+            )
         if self.min_train_replies < 1:
             raise ConfigError("min-train-replies", f"must be >= 1, got {self.min_train_replies}")
         if not 0.0 < self.fraction_train <= 1.0:
@@ -137,7 +142,11 @@ def _typed(key: str, value: Any, like: Any) -> Any:
             raise ConfigError(key, f"must be an integer, got {value!r}")
         return value
     if isinstance(like, float):
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, (int, float))
+            or not math.isfinite(value)
+        ):
             raise ConfigError(key, f"must be a number, got {value!r}")
         return float(value)
     if not isinstance(value, str):
@@ -156,31 +165,58 @@ def from_run_config(run_config: Mapping[str, Any]) -> FlowerConfig:
     """
     unknown = sorted(set(run_config) - set(APP_CONFIG_DEFAULTS))
     if unknown:
-        raise ConfigError("run-config", f"unknown keys {unknown}; known: {sorted(APP_CONFIG_DEFAULTS)}")
+        raise ConfigError(
+            "run-config", f"unknown keys {unknown}; known: {sorted(APP_CONFIG_DEFAULTS)}"
+        )
     c = {k: _typed(k, run_config.get(k, d), d) for k, d in APP_CONFIG_DEFAULTS.items()}
     base = preset(c["preset"])
     mode = DilocoConfig(
-        inner_steps=c["inner-steps"], n_fragments=c["fragments"], tau=0, alpha=c["alpha"],
-        fragment_strategy="strided", codec=c["codec"], error_feedback=c["error-feedback"],
-        outer=OptimizerConfig(name="sgd", lr=c["outer-lr"], momentum=c["outer-momentum"],
-                              nesterov=c["outer-momentum"] > 0))
+        inner_steps=c["inner-steps"],
+        n_fragments=c["fragments"],
+        tau=0,
+        alpha=c["alpha"],
+        fragment_strategy="strided",
+        codec=c["codec"],
+        error_feedback=c["error-feedback"],
+        outer=OptimizerConfig(
+            name="sgd",
+            lr=c["outer-lr"],
+            momentum=c["outer-momentum"],
+            nesterov=c["outer-momentum"] > 0,
+        ),
+    )
     federation = FederationConfig(
-        rounds=c["num-server-rounds"], min_available_nodes=c["min-available-nodes"],
-        min_train_replies=c["min-train-replies"], fraction_train=c["fraction-train"],
-        accept_failures=c["accept-failures"], evaluate_every=c["evaluate-every"],
-        round_timeout=c["round-timeout"], checkpoint_every=c["checkpoint-every"])
-    data = _data(c["data-kind"], c["data-path"],
-                 dataclasses.replace(base.data, seq_len=c["seq-len"], batch_size=c["batch-size"]))
+        rounds=c["num-server-rounds"],
+        min_available_nodes=c["min-available-nodes"],
+        min_train_replies=c["min-train-replies"],
+        fraction_train=c["fraction-train"],
+        accept_failures=c["accept-failures"],
+        evaluate_every=c["evaluate-every"],
+        round_timeout=c["round-timeout"],
+        checkpoint_every=c["checkpoint-every"],
+    )
+    data = _data(
+        c["data-kind"],
+        c["data-path"],
+        dataclasses.replace(base.data, seq_len=c["seq-len"], batch_size=c["batch-size"]),
+    )
     model = base.model
     if model.max_position_embeddings < data.seq_len:
         model = dataclasses.replace(model, max_position_embeddings=data.seq_len)
     train = dataclasses.replace(
-        base, model=model, data=data, mode=mode, workers=1, seed=c["seed"],
+        base,
+        model=model,
+        data=data,
+        mode=mode,
+        workers=1,
+        seed=c["seed"],
         inner=dataclasses.replace(base.inner, lr=c["inner-lr"]),
         lr_schedule=dataclasses.replace(base.lr_schedule, warmup_steps=c["warmup-steps"]),
-        steps=federation.rounds * mode.stride)
-    return FlowerConfig(train=train, federation=federation, out_dir=c["out-dir"] or None,
-                        threads=c["threads"])
+        steps=federation.rounds * mode.stride,
+    )
+    return FlowerConfig(
+        train=train, federation=federation, out_dir=c["out-dir"] or None, threads=c["threads"]
+    )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -201,16 +237,22 @@ def node_config(values: Mapping[str, Any], node_id: int) -> NodeConfig:
     kind = values.get("data-kind")
     path = values.get("data-path")
     if path is not None and kind is None:
-        raise ConfigError("data-kind", "a node that sets data-path must set data-kind (text|tokens)")
+        raise ConfigError(
+            "data-kind", "a node that sets data-path must set data-kind (text|tokens)"
+        )
     known = {"partition-id", "num-partitions", "data-kind", "data-path"}
-    return NodeConfig(slot=slot, data_kind=None if kind is None else str(kind),
-                      data_path=None if path is None else str(path),
-                      extra={k: v for k, v in values.items() if k not in known})
+    return NodeConfig(
+        slot=slot,
+        data_kind=None if kind is None else str(kind),
+        data_path=None if path is None else str(path),
+        extra={k: v for k, v in values.items() if k not in known},
+    )
 
 
 def for_node(cfg: FlowerConfig, node: NodeConfig) -> TrainConfig:
     """The run's TrainConfig with the node's own data source, if it has one."""
     if node.data_kind is None:
         return cfg.train
-    return dataclasses.replace(cfg.train, data=_data(node.data_kind, node.data_path or "",
-                                                     cfg.train.data))
+    return dataclasses.replace(
+        cfg.train, data=_data(node.data_kind, node.data_path or "", cfg.train.data)
+    )

@@ -53,11 +53,17 @@ def _executable(name: str) -> str:
     return found
 
 
-def _default_starter(args: list[str], *, env: Mapping[str, str], stdout: IO[bytes] | int,
-                     stderr: IO[bytes] | int) -> subprocess.Popen:
+def _default_starter(
+    args: list[str], *, env: Mapping[str, str], stdout: IO[bytes] | int, stderr: IO[bytes] | int
+) -> subprocess.Popen:
     # PYTHONUNBUFFERED: the logs fill while the run is going, not when a process exits.
-    return subprocess.Popen(args, env={**os.environ, "PYTHONUNBUFFERED": "1", **env},
-                            stdout=stdout, stderr=stderr, start_new_session=True)
+    return subprocess.Popen(
+        args,
+        env={**os.environ, "PYTHONUNBUFFERED": "1", **env},
+        stdout=stdout,
+        stderr=stderr,
+        start_new_session=True,
+    )
 
 
 def _signal_group(pgid: int, sig: int) -> None:
@@ -123,25 +129,40 @@ def _path_with_own_bin(path: str | None = None) -> str:
     no ``flower-superexec``. The directory is ``sys.executable``'s own (not resolved: a venv's
     python is a symlink to the base interpreter, whose directory holds no Flower scripts)."""
     own = str(Path(sys.executable).parent)
-    rest = [d for d in (os.environ.get("PATH", "") if path is None else path).split(os.pathsep)
-            if d and d != own]
+    rest = [
+        d
+        for d in (os.environ.get("PATH", "") if path is None else path).split(os.pathsep)
+        if d and d != own
+    ]
     return os.pathsep.join([own, *rest])
 
 
 def write_flwr_home(home: Path, address: str, *, root_certificates: str | None = None) -> Path:
     """A FLWR_HOME whose config.toml names one SuperLink (``DEPLOYMENT``) at ``address``."""
     home.mkdir(parents=True, exist_ok=True)
-    tls = (f"root-certificates = {toml_value(root_certificates)}\n" if root_certificates
-           else "insecure = true\n")
+    tls = (
+        f"root-certificates = {toml_value(root_certificates)}\n"
+        if root_certificates
+        else "insecure = true\n"
+    )
     (home / "config.toml").write_text(
         f'[superlink]\ndefault = "{DEPLOYMENT}"\n\n[superlink.{DEPLOYMENT}]\n'
-        f"address = {toml_value(address)}\n{tls}")
+        f"address = {toml_value(address)}\n{tls}"
+    )
     return home
 
 
-def flwr_run(app_dir: Path, flwr_home: Path, run_config: Mapping[str, Any] | None,
-             workdir: Path, *, starter: Starter | None = None, timeout: float = 600.0,
-             echo: IO[str] | None = None, track: list[subprocess.Popen] | None = None) -> str:
+def flwr_run(
+    app_dir: Path,
+    flwr_home: Path,
+    run_config: Mapping[str, Any] | None,
+    workdir: Path,
+    *,
+    starter: Starter | None = None,
+    timeout: float = 600.0,
+    echo: IO[str] | None = None,
+    track: list[subprocess.Popen] | None = None,
+) -> str:
     """``flwr run APP DEPLOYMENT --stream`` until the run ends; returns its output.
 
     ``--stream`` keeps ``flwr run`` attached until the ServerApp finishes, so its exit is the
@@ -155,8 +176,9 @@ def flwr_run(app_dir: Path, flwr_home: Path, run_config: Mapping[str, Any] | Non
         args += ["--run-config", str(override)]
     out_path = workdir / "flwr-run.log"
     with out_path.open("wb") as out:
-        proc = (starter or _default_starter)(args, env=_flwr_env(flwr_home), stdout=out,
-                                             stderr=subprocess.STDOUT)
+        proc = (starter or _default_starter)(
+            args, env=_flwr_env(flwr_home), stdout=out, stderr=subprocess.STDOUT
+        )
         if track is not None:
             track.append(proc)
         try:
@@ -171,8 +193,7 @@ def flwr_run(app_dir: Path, flwr_home: Path, run_config: Mapping[str, Any] | Non
     return text
 
 
-def _wait(proc: subprocess.Popen, timeout: float, out_path: Path,
-          echo: IO[str] | None) -> int:
+def _wait(proc: subprocess.Popen, timeout: float, out_path: Path, echo: IO[str] | None) -> int:
     deadline = time.monotonic() + timeout
     pos = 0
     while True:
@@ -190,16 +211,24 @@ def _wait(proc: subprocess.Popen, timeout: float, out_path: Path,
         if rc is not None:
             return rc
         if time.monotonic() > deadline:
-            raise FlowerRunFailed(f"the Flower run did not finish within {timeout}s:\n"
-                                  + out_path.read_text(errors="replace")[-3000:])
+            raise FlowerRunFailed(
+                f"the Flower run did not finish within {timeout}s:\n"
+                + out_path.read_text(errors="replace")[-3000:]
+            )
 
 
 class LocalFederation:
     """SuperLink + ``n_nodes`` SuperNodes on 127.0.0.1 (use as a context manager)."""
 
-    def __init__(self, n_nodes: int, *, workdir: Path | None = None,
-                 node_configs: Sequence[Mapping[str, Any]] | None = None,
-                 starter: Starter | None = None, start_timeout: float = 60.0) -> None:
+    def __init__(
+        self,
+        n_nodes: int,
+        *,
+        workdir: Path | None = None,
+        node_configs: Sequence[Mapping[str, Any]] | None = None,
+        starter: Starter | None = None,
+        start_timeout: float = 60.0,
+    ) -> None:
         if n_nodes < 1:
             raise ConfigError("supernodes", f"must be >= 1, got {n_nodes}")
         if node_configs is not None and len(node_configs) != n_nodes:
@@ -231,17 +260,36 @@ class LocalFederation:
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.port = free_port()
         write_flwr_home(self.flwr_home, f"127.0.0.1:{self.port}")
-        self._start("superlink", [_executable("flower-superlink"), "--insecure",
-                                  "--database", ":flwr-in-memory:", "--host", "127.0.0.1",
-                                  "--port", str(self.port),
-                                  "--disable-runtime-dependency-installation"])
+        self._start(
+            "superlink",
+            [
+                _executable("flower-superlink"),
+                "--insecure",
+                "--database",
+                ":flwr-in-memory:",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(self.port),
+                "--disable-runtime-dependency-installation",
+            ],
+        )
         self._wait_port(self.port)
         for i, extra in enumerate(self.node_configs):
             cfg = {"partition-id": i, "num-partitions": self.n_nodes, **extra}
-            self._start(f"supernode-{i}", [
-                _executable("flower-supernode"), "--insecure",
-                "--superlink", f"127.0.0.1:{self.port}", "--port", str(free_port()),
-                "--node-config", " ".join(f"{k}={toml_value(v)}" for k, v in cfg.items())])
+            self._start(
+                f"supernode-{i}",
+                [
+                    _executable("flower-supernode"),
+                    "--insecure",
+                    "--superlink",
+                    f"127.0.0.1:{self.port}",
+                    "--port",
+                    str(free_port()),
+                    "--node-config",
+                    " ".join(f"{k}={toml_value(v)}" for k, v in cfg.items()),
+                ],
+            )
 
     def stop(self) -> None:
         """Kill every Flower process (SIGTERM, then SIGKILL) and close the logs.
@@ -264,7 +312,8 @@ class LocalFederation:
                 except subprocess.TimeoutExpired:
                     pass
             while time.monotonic() < deadline and (
-                    any(_group_alive(p.pid) for p in self.procs) or tagged_pids(*marker)):
+                any(_group_alive(p.pid) for p in self.procs) or tagged_pids(*marker)
+            ):
                 time.sleep(0.05)
         self.procs.clear()
         for f in self._logs:
@@ -275,11 +324,25 @@ class LocalFederation:
             self._tmp = None
 
     # ---- running an app ------------------------------------------------------------------------
-    def run(self, app_dir: Path, run_config: Mapping[str, Any] | None = None, *,
-            timeout: float = 600.0, echo: IO[str] | None = None) -> str:
+    def run(
+        self,
+        app_dir: Path,
+        run_config: Mapping[str, Any] | None = None,
+        *,
+        timeout: float = 600.0,
+        echo: IO[str] | None = None,
+    ) -> str:
         """``flwr run APP --stream`` against this federation; see :func:`flwr_run`."""
-        return flwr_run(app_dir, self.flwr_home, run_config, self.workdir, starter=self.starter,
-                        timeout=timeout, echo=echo, track=self.procs)
+        return flwr_run(
+            app_dir,
+            self.flwr_home,
+            run_config,
+            self.workdir,
+            starter=self.starter,
+            timeout=timeout,
+            echo=echo,
+            track=self.procs,
+        )
 
     def logs(self) -> dict[str, str]:
         """Each Flower process's output so far (for error reports)."""
@@ -289,8 +352,9 @@ class LocalFederation:
     def _start(self, name: str, args: list[str]) -> subprocess.Popen:
         log = (self.workdir / f"{name}.log").open("wb")
         self._logs.append(log)
-        proc = self.starter(args, env=_flwr_env(self.flwr_home), stdout=log,
-                            stderr=subprocess.STDOUT)
+        proc = self.starter(
+            args, env=_flwr_env(self.flwr_home), stdout=log, stderr=subprocess.STDOUT
+        )
         self.procs.append(proc)
         logger.info("started %s (pid %d): %s", name, proc.pid, " ".join(args))
         return proc
@@ -299,15 +363,18 @@ class LocalFederation:
         deadline = time.monotonic() + self.start_timeout
         while time.monotonic() < deadline:
             if self.procs[0].poll() is not None:
-                raise FlowerRunFailed("flower-superlink exited at start:\n"
-                                      + self.logs().get("superlink.log", "")[-3000:])
+                raise FlowerRunFailed(
+                    "flower-superlink exited at start:\n"
+                    + self.logs().get("superlink.log", "")[-3000:]
+                )
             try:
                 with socket.create_connection(("127.0.0.1", port), timeout=1.0):
                     return
             except OSError:
                 time.sleep(0.1)
-        raise TransportTimeout(f"flower-superlink did not listen on port {port} within "
-                               f"{self.start_timeout}s")
+        raise TransportTimeout(
+            f"flower-superlink did not listen on port {port} within {self.start_timeout}s"
+        )
 
 
 # ---- one call: app + federation + run + summary (``lowband flower local``) ---------------------
@@ -327,11 +394,15 @@ class LocalRunConfig:
         if self.supernodes < 1:
             raise ConfigError("supernodes", f"must be >= 1, got {self.supernodes}")
         if self.node_configs and len(self.node_configs) != self.supernodes:
-            raise ConfigError("node_configs", f"{len(self.node_configs)} for {self.supernodes} nodes")
+            raise ConfigError(
+                "node_configs", f"{len(self.node_configs)} for {self.supernodes} nodes"
+            )
         if not self.timeout > 0:
             raise ConfigError("timeout", f"must be > 0, got {self.timeout}")
         if self.app_dir is not None and not (Path(self.app_dir) / "pyproject.toml").exists():
-            raise ConfigError("app", f"{self.app_dir} has no pyproject.toml (lowband flower new DIR)")
+            raise ConfigError(
+                "app", f"{self.app_dir} has no pyproject.toml (lowband flower new DIR)"
+            )
         from_run_config(self.effective_run_config())  # every value checked before any process
 
     def effective_run_config(self) -> dict[str, Any]:
@@ -342,8 +413,9 @@ class LocalRunConfig:
         return rc
 
 
-def run_local(cfg: LocalRunConfig, *, starter: Starter | None = None,
-              echo: IO[str] | None = None) -> dict[str, Any]:
+def run_local(
+    cfg: LocalRunConfig, *, starter: Starter | None = None, echo: IO[str] | None = None
+) -> dict[str, Any]:
     """Write the app (unless given), start the federation, run it, tear it down; the summary."""
     rc = cfg.effective_run_config()
     out = Path(rc["out-dir"])
@@ -353,9 +425,12 @@ def run_local(cfg: LocalRunConfig, *, starter: Starter | None = None,
         stale.unlink()  # never report a previous run's result as this one's
     with tempfile.TemporaryDirectory(prefix="lowband-flower-app-") as tmp:
         app = Path(cfg.app_dir) if cfg.app_dir else write_app(Path(tmp) / "app")
-        with LocalFederation(cfg.supernodes, node_configs=cfg.node_configs or None,
-                             starter=starter,
-                             workdir=Path(cfg.workdir) if cfg.workdir else None) as fed:
+        with LocalFederation(
+            cfg.supernodes,
+            node_configs=cfg.node_configs or None,
+            starter=starter,
+            workdir=Path(cfg.workdir) if cfg.workdir else None,
+        ) as fed:
             try:
                 fed.run(app, rc, timeout=cfg.timeout, echo=echo)
             except FlowerRunFailed:
@@ -385,20 +460,25 @@ class SubmitConfig:
         if not self.timeout > 0:
             raise ConfigError("timeout", f"must be > 0, got {self.timeout}")
         if self.app_dir is not None and not (Path(self.app_dir) / "pyproject.toml").exists():
-            raise ConfigError("app", f"{self.app_dir} has no pyproject.toml (lowband flower new DIR)")
+            raise ConfigError(
+                "app", f"{self.app_dir} has no pyproject.toml (lowband flower new DIR)"
+            )
         from_run_config(self.run_config)
 
 
-def submit(cfg: SubmitConfig, *, starter: Starter | None = None,
-           echo: IO[str] | None = None) -> str:
+def submit(
+    cfg: SubmitConfig, *, starter: Starter | None = None, echo: IO[str] | None = None
+) -> str:
     """Run the app on ``cfg.superlink`` until it finishes; returns ``flwr run``'s output."""
     with tempfile.TemporaryDirectory(prefix="lowband-flower-") as tmp:
         work = Path(tmp)
         app = Path(cfg.app_dir) if cfg.app_dir else write_app(work / "app")
-        home = write_flwr_home(work / "flwr-home", cfg.superlink,
-                               root_certificates=cfg.root_certificates)
-        return flwr_run(app, home, cfg.run_config, work, starter=starter, timeout=cfg.timeout,
-                        echo=echo)
+        home = write_flwr_home(
+            work / "flwr-home", cfg.superlink, root_certificates=cfg.root_certificates
+        )
+        return flwr_run(
+            app, home, cfg.run_config, work, starter=starter, timeout=cfg.timeout, echo=echo
+        )
 
 
 def summary_table(out_dir: Path) -> str:
@@ -414,12 +494,15 @@ def summary_table(out_dir: Path) -> str:
             evals[rec["round"]] = rec
         elif rec["event"] == "fed_eval":
             eval_down[rec["round"]] = rec["bytes_down"]
+
     def num(x: Any) -> float:
         return float("nan") if x is None else float(x)
 
-    lines = [f"{'round':>5} {'frag':>4} {'ok':>3} {'fail':>4} {'train':>7} {'eval':>7} "
-             f"{'up KiB':>9} {'fp32 KiB':>9} {'down KiB':>9}",
-             f"{0:>5} {'':>21} {num(evals.get(0, {}).get('loss')):>7.3f}"]
+    lines = [
+        f"{'round':>5} {'frag':>4} {'ok':>3} {'fail':>4} {'train':>7} {'eval':>7} "
+        f"{'up KiB':>9} {'fp32 KiB':>9} {'down KiB':>9}",
+        f"{0:>5} {'':>21} {num(evals.get(0, {}).get('loss')):>7.3f}",
+    ]
     for r in sorted(rounds):
         rec = rounds[r]
         down = rec["bytes_down"] + eval_down.get(r, 0)
@@ -427,5 +510,6 @@ def summary_table(out_dir: Path) -> str:
             f"{r:>5} {rec['fragment']:>4} {rec['replies']:>3} {rec['failures']:>4} "
             f"{num(rec['train_loss']):>7.3f} {num(evals.get(r, {}).get('loss')):>7.3f} "
             f"{rec['bytes_up'] / 1024:>9.1f} {rec['bytes_up_fp32'] / 1024:>9.1f} "
-            f"{down / 1024:>9.1f}")
+            f"{down / 1024:>9.1f}"
+        )
     return "\n".join(lines)

@@ -39,14 +39,26 @@ def ensure_task_identity(run_id: int = 1) -> None:
 class InProcessGrid(Grid):
     """Nodes ``node_configs`` (node id -> node config) answering through ``handler``."""
 
-    def __init__(self, handler: Handler, run_config: Mapping[str, Any],
-                 node_configs: Mapping[int, Mapping[str, Any]], *, run_id: int = 1) -> None:
+    def __init__(
+        self,
+        handler: Handler,
+        run_config: Mapping[str, Any],
+        node_configs: Mapping[int, Mapping[str, Any]],
+        *,
+        run_id: int = 1,
+    ) -> None:
         ensure_task_identity(run_id)
         self.handler = handler
         self.contexts = {
-            n: Context(run_id=run_id, node_id=n, node_config=dict(c), state=RecordDict(),
-                       run_config=dict(run_config))
-            for n, c in node_configs.items()}
+            n: Context(
+                run_id=run_id,
+                node_id=n,
+                node_config=dict(c),
+                state=RecordDict(),
+                run_config=dict(run_config),
+            )
+            for n, c in node_configs.items()
+        }
         self.silent: set[int] = set()  # nodes whose replies never arrive
         self.sent: list[Message] = []  # every instruction delivered, for inspection
         self._run: Run | None = None
@@ -55,22 +67,29 @@ class InProcessGrid(Grid):
     def get_node_ids(self) -> Iterable[int]:
         return list(self.contexts)
 
-    def send_and_receive(self, messages: Iterable[Message], *,
-                         timeout: float | None = None) -> Iterable[Message]:
+    def send_and_receive(
+        self, messages: Iterable[Message], *, timeout: float | None = None
+    ) -> Iterable[Message]:
         replies = []
         for msg in messages:
             self.sent.append(msg)
             node = msg.metadata.dst_node_id
             if node not in self.contexts:
-                replies.append(Message(Error(code=ErrorCode.NODE_UNAVAILABLE,
-                                             reason=f"no node {node}"), reply_to=msg))
+                replies.append(
+                    Message(
+                        Error(code=ErrorCode.NODE_UNAVAILABLE, reason=f"no node {node}"),
+                        reply_to=msg,
+                    )
+                )
                 continue
             try:
                 reply = self.handler(msg, self.contexts[node])
             except Exception as exc:  # noqa: BLE001 - a ClientApp exception is an error reply
                 logger.warning("node %d raised %r", node, exc)
-                reply = Message(Error(code=ErrorCode.CLIENT_APP_RAISED_EXCEPTION,
-                                      reason=repr(exc)), reply_to=msg)
+                reply = Message(
+                    Error(code=ErrorCode.CLIENT_APP_RAISED_EXCEPTION, reason=repr(exc)),
+                    reply_to=msg,
+                )
             if node not in self.silent:
                 replies.append(reply)
         return replies
@@ -85,10 +104,17 @@ class InProcessGrid(Grid):
             raise RuntimeError("InProcessGrid has no Run; call set_run first")
         return self._run
 
-    def create_message(self, content: RecordDict, message_type: str, dst_node_id: int,
-                       group_id: str, ttl: float | None = None) -> Message:
-        return Message(content, dst_node_id=dst_node_id, message_type=message_type,
-                       group_id=group_id, ttl=ttl)
+    def create_message(
+        self,
+        content: RecordDict,
+        message_type: str,
+        dst_node_id: int,
+        group_id: str,
+        ttl: float | None = None,
+    ) -> Message:
+        return Message(
+            content, dst_node_id=dst_node_id, message_type=message_type, group_id=group_id, ttl=ttl
+        )
 
     def push_messages(self, messages: Iterable[Message]) -> Iterable[str]:
         raise NotImplementedError("InProcessGrid only supports send_and_receive")

@@ -30,8 +30,13 @@ RAW_STYPE = "lowband.raw"
 
 # Wire dtypes a codec may emit (lowband.codecs): name -> torch dtype.
 _DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
-    "int8": torch.int8, "uint8": torch.uint8, "int16": torch.int16, "int32": torch.int32,
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "int8": torch.int8,
+    "uint8": torch.uint8,
+    "int16": torch.int16,
+    "int32": torch.int32,
     "int64": torch.int64,
 }
 
@@ -58,8 +63,10 @@ def raw_tensor(a: Array) -> torch.Tensor:
         raise ProtocolError(f"negative dimension in shape {shape}")
     itemsize = torch.empty(0, dtype=dtype).element_size()
     if len(a.data) != math.prod(shape) * itemsize:
-        raise ProtocolError(f"array of shape {shape} and dtype {a.dtype} needs "
-                            f"{math.prod(shape) * itemsize} bytes, got {len(a.data)}")
+        raise ProtocolError(
+            f"array of shape {shape} and dtype {a.dtype} needs "
+            f"{math.prod(shape) * itemsize} bytes, got {len(a.data)}"
+        )
     if not a.data:
         return torch.empty(shape, dtype=dtype)
     return torch.frombuffer(bytearray(a.data), dtype=torch.uint8).view(dtype).reshape(shape)
@@ -76,7 +83,9 @@ def records_to_encoded(arrays: ArrayRecord, meta: bytes) -> Encoded:
     try:
         frames = tuple(raw_tensor(arrays[str(i)]) for i in range(len(arrays)))
     except KeyError as exc:
-        raise ProtocolError(f"codec frames must be keyed 0..{len(arrays) - 1}: missing {exc}") from None
+        raise ProtocolError(
+            f"codec frames must be keyed 0..{len(arrays) - 1}: missing {exc}"
+        ) from None
     try:
         decoded_meta = msgpack.unpackb(meta, raw=False)
     except (ValueError, msgpack.ExtraData) as exc:
@@ -91,8 +100,9 @@ def params_to_record(named: Iterable[tuple[str, torch.Tensor]]) -> ArrayRecord:
     return ArrayRecord({n: Array(t.detach().cpu().contiguous().numpy()) for n, t in named})
 
 
-def record_to_params(record: ArrayRecord, expected: Mapping[str, torch.Size] | None = None
-                     ) -> dict[str, torch.Tensor]:
+def record_to_params(
+    record: ArrayRecord, expected: Mapping[str, torch.Size] | None = None
+) -> dict[str, torch.Tensor]:
     """Flower numpy Arrays -> float32 tensors; with ``expected``, names and shapes must match."""
     out: dict[str, torch.Tensor] = {}
     for name, a in record.items():
@@ -102,8 +112,10 @@ def record_to_params(record: ArrayRecord, expected: Mapping[str, torch.Size] | N
             if name not in expected:
                 raise ProtocolError(f"unexpected parameter {name!r}")
             if tuple(a.shape) != tuple(expected[name]):
-                raise ProtocolError(f"parameter {name!r} has shape {tuple(a.shape)}, "
-                                    f"expected {tuple(expected[name])}")
+                raise ProtocolError(
+                    f"parameter {name!r} has shape {tuple(a.shape)}, "
+                    f"expected {tuple(expected[name])}"
+                )
         out[name] = torch.from_numpy(np.array(a.numpy(), dtype=np.float32, copy=True))
     return out
 
@@ -116,7 +128,8 @@ def payload_bytes(record: ArrayRecord) -> int:
 def config_ints(config: ConfigRecord, key: str) -> list[int]:
     """A list-of-int field of a ConfigRecord (an empty list may come back as any list type)."""
     value = config.get(key)
-    if not isinstance(value, list) or not all(isinstance(v, int) and not isinstance(v, bool)
-                                              for v in value):
+    if not isinstance(value, list) or not all(
+        isinstance(v, int) and not isinstance(v, bool) for v in value
+    ):
         raise ProtocolError(f"config field {key!r} must be a list of integers, got {value!r}")
     return list(value)

@@ -24,9 +24,8 @@ from flwr.serverapp import Grid, ServerApp
 
 from diloco.flower.config import FlowerConfig, from_run_config
 from diloco.flower.strategy import DiLoCoStrategy
-from diloco.task import lm_task
 from diloco.metrics import MetricsLog
-from diloco.task import Task
+from diloco.task import Task, lm_task
 
 
 def run_server(grid: Grid, cfg: FlowerConfig, *, task: Task | None = None) -> dict[str, Any]:
@@ -35,9 +34,13 @@ def run_server(grid: Grid, cfg: FlowerConfig, *, task: Task | None = None) -> di
     task = task or lm_task(cfg.train)
     out = Path(cfg.out_dir) if cfg.out_dir else None
     log = MetricsLog(out / "metrics.jsonl" if out else None, worker="server")
-    strategy = DiLoCoStrategy(task.build_model(), cfg, log=log,
-                              checkpoint_dir=out / "checkpoints" if out else None,
-                              byte_tokenizer=cfg.train.data.kind != "tokens")
+    strategy = DiLoCoStrategy(
+        task.build_model(),
+        cfg,
+        log=log,
+        checkpoint_dir=out / "checkpoints" if out else None,
+        byte_tokenizer=cfg.train.data.kind != "tokens",
+    )
     evals: dict[int, float] = {}
     per_client_up = 0.0
 
@@ -49,14 +52,25 @@ def run_server(grid: Grid, cfg: FlowerConfig, *, task: Task | None = None) -> di
             per_client_up += last["bytes-up"] / last["replies"]
         loss = task.evaluate(strategy.model)
         evals[server_round] = loss
-        log.log("eval", round=server_round, step=server_round * cfg.steps_per_round, loss=loss,
-                bytes_sent=int(per_client_up), **strategy.totals)
+        log.log(
+            "eval",
+            round=server_round,
+            step=server_round * cfg.steps_per_round,
+            loss=loss,
+            bytes_sent=int(per_client_up),
+            **strategy.totals,
+        )
         return MetricRecord({"eval-loss": loss})
 
-    strategy.start(grid=grid, initial_arrays=strategy.global_record(),
-                   num_rounds=cfg.federation.rounds, timeout=cfg.federation.round_timeout,
-                   train_config=ConfigRecord(), evaluate_config=ConfigRecord(),
-                   evaluate_fn=evaluate_fn)
+    strategy.start(
+        grid=grid,
+        initial_arrays=strategy.global_record(),
+        num_rounds=cfg.federation.rounds,
+        timeout=cfg.federation.round_timeout,
+        train_config=ConfigRecord(),
+        evaluate_config=ConfigRecord(),
+        evaluate_fn=evaluate_fn,
+    )
     if out is not None:
         strategy.save_checkpoint(out / "checkpoint", cfg.federation.rounds)
     t = strategy.totals
@@ -64,11 +78,15 @@ def run_server(grid: Grid, cfg: FlowerConfig, *, task: Task | None = None) -> di
         "rounds": cfg.federation.rounds,
         "rounds_applied": sum(r["applied"] for r in strategy.history),
         "failures": sum(r["failures"] for r in strategy.history),
-        "initial_eval": evals.get(0), "final_eval": evals.get(cfg.federation.rounds),
-        "codec": cfg.mode.codec, "fragments": cfg.mode.n_fragments,
-        "inner_steps": cfg.mode.inner_steps, **t,
+        "initial_eval": evals.get(0),
+        "final_eval": evals.get(cfg.federation.rounds),
+        "codec": cfg.mode.codec,
+        "fragments": cfg.mode.n_fragments,
+        "inner_steps": cfg.mode.inner_steps,
+        **t,
         "uplink_reduction": t["bytes_up_fp32"] / t["bytes_up"] if t["bytes_up"] else None,
-        "wall_s": round(time.perf_counter() - t0, 3)}
+        "wall_s": round(time.perf_counter() - t0, 3),
+    }
     log.log("final", **summary)
     log.close()
     if out is not None:

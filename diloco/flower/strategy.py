@@ -37,8 +37,15 @@ from pathlib import Path
 from typing import Any, Iterable
 
 import torch
-from flwr.app import (Array, ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord,
-                      RecordDict)
+from flwr.app import (
+    Array,
+    ArrayRecord,
+    ConfigRecord,
+    Message,
+    MessageType,
+    MetricRecord,
+    RecordDict,
+)
 from flwr.common.logger import log as flwr_log
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
@@ -47,8 +54,13 @@ from torch import nn
 
 from diloco.checkpoint import export_model, optimizer_state, save_state
 from diloco.flower.config import FlowerConfig, sync_fragment
-from diloco.flower.records import (config_ints, params_to_record, payload_bytes,
-                                   record_to_params, records_to_encoded)
+from diloco.flower.records import (
+    config_ints,
+    params_to_record,
+    payload_bytes,
+    record_to_params,
+    records_to_encoded,
+)
 from diloco.fragments import plan_fragments
 from diloco.metrics import MetricsLog
 from diloco.outer import FragmentSync
@@ -71,20 +83,36 @@ class DiLoCoStrategy(Strategy):
     ``checkpoint_dir`` gets an HF-format model plus the outer-optimizer state.
     """
 
-    def __init__(self, model: nn.Module, cfg: FlowerConfig, *, log: MetricsLog | None = None,
-                 checkpoint_dir: Path | None = None, byte_tokenizer: bool = True) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        cfg: FlowerConfig,
+        *,
+        log: MetricsLog | None = None,
+        checkpoint_dir: Path | None = None,
+        byte_tokenizer: bool = True,
+    ) -> None:
         self.model, self.cfg, self.mode, self.fed = model, cfg, cfg.mode, cfg.federation
         self.log = log or MetricsLog(None)
         self.checkpoint_dir, self.byte_tokenizer = checkpoint_dir, byte_tokenizer
         named = dict(model.named_parameters())
-        plan = plan_fragments(list(named.items()), self.mode.n_fragments,
-                              self.mode.fragment_strategy)
+        plan = plan_fragments(
+            list(named.items()), self.mode.n_fragments, self.mode.fragment_strategy
+        )
         # The server holds only θ_g; FragmentSync's local side is never used here (no
         # contribution, no merge), so it points at θ_g as well.
         self.fragments = [
-            FragmentSync(p, names, [named[n] for n in names], [named[n] for n in names],
-                         self.mode.outer.build([named[n] for n in names]), None, False)
-            for p, names in enumerate(plan.names)]
+            FragmentSync(
+                p,
+                names,
+                [named[n] for n in names],
+                [named[n] for n in names],
+                self.mode.outer.build([named[n] for n in names]),
+                None,
+                False,
+            )
+            for p, names in enumerate(plan.names)
+        ]
         self.shapes = {n: t.shape for n, t in named.items()}
         self.versions = [0] * self.mode.n_fragments
         self.known: dict[int, list[int]] = {}  # node id -> versions it reported holding
@@ -99,25 +127,45 @@ class DiLoCoStrategy(Strategy):
     # ---- Flower Strategy API -------------------------------------------------------------------
     def summary(self) -> None:
         m, f = self.mode, self.fed
-        flwr_log(INFO, "DiLoCoStrategy: H=%d P=%d (%d inner steps per round) alpha=%s "
-                 "codec=%s error_feedback=%s outer=%s lr=%s momentum=%s nesterov=%s",
-                 m.inner_steps, m.n_fragments, m.stride, m.alpha, m.codec, m.error_feedback,
-                 m.outer.name, m.outer.lr, m.outer.momentum, m.outer.nesterov)
-        flwr_log(INFO, "  rounds=%d min_available_nodes=%d min_train_replies=%d "
-                 "fraction_train=%s accept_failures=%s evaluate_every=%d", f.rounds,
-                 f.min_available_nodes, f.min_train_replies, f.fraction_train,
-                 f.accept_failures, f.evaluate_every)
+        flwr_log(
+            INFO,
+            "DiLoCoStrategy: H=%d P=%d (%d inner steps per round) alpha=%s "
+            "codec=%s error_feedback=%s outer=%s lr=%s momentum=%s nesterov=%s",
+            m.inner_steps,
+            m.n_fragments,
+            m.stride,
+            m.alpha,
+            m.codec,
+            m.error_feedback,
+            m.outer.name,
+            m.outer.lr,
+            m.outer.momentum,
+            m.outer.nesterov,
+        )
+        flwr_log(
+            INFO,
+            "  rounds=%d min_available_nodes=%d min_train_replies=%d "
+            "fraction_train=%s accept_failures=%s evaluate_every=%d",
+            f.rounds,
+            f.min_available_nodes,
+            f.min_train_replies,
+            f.fraction_train,
+            f.accept_failures,
+            f.evaluate_every,
+        )
 
-    def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
-                        grid: Grid) -> Iterable[Message]:
+    def configure_train(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+    ) -> Iterable[Message]:
         if not self._initialized:
             self.load_arrays(arrays)
         nodes = self._sample(grid, server_round)
         self._expected[server_round] = set(nodes)
         return [self._instruction(n, server_round, config, MessageType.TRAIN) for n in nodes]
 
-    def aggregate_train(self, server_round: int, replies: Iterable[Message]
-                        ) -> tuple[ArrayRecord | None, MetricRecord | None]:
+    def aggregate_train(
+        self, server_round: int, replies: Iterable[Message]
+    ) -> tuple[ArrayRecord | None, MetricRecord | None]:
         p = sync_fragment(server_round, self.mode.n_fragments)
         valid: list[tuple[float, torch.Tensor, MetricRecord]] = []
         failures: list[str] = []
@@ -125,7 +173,8 @@ class DiLoCoStrategy(Strategy):
         replies = list(replies)
         # A node that was asked and did not answer within the round's timeout failed too.
         missing = self._expected.pop(server_round, set()) - {
-            m.metadata.src_node_id for m in replies}
+            m.metadata.src_node_id for m in replies
+        }
         failures += [f"node {n}: no reply within the round timeout" for n in sorted(missing)]
         for msg in replies:
             if msg.has_error():
@@ -141,38 +190,51 @@ class DiLoCoStrategy(Strategy):
         for reason in failures:
             flwr_log(WARNING, "round %d: failed reply from %s", server_round, reason)
         applied = len(valid) >= self.fed.min_train_replies and (
-            self.fed.accept_failures or not failures)
+            self.fed.accept_failures or not failures
+        )
         update_norm = 0.0
         if applied:
             update_norm = self._outer_step(p, valid, server_round)
         else:
-            flwr_log(WARNING, "round %d skipped: %d valid replies (need %d), %d failures%s",
-                     server_round, len(valid), self.fed.min_train_replies, len(failures),
-                     "" if self.fed.accept_failures else " (accept_failures is off)")
-        rec = self._round_record(server_round, p, valid, len(failures), stale, applied,
-                                 update_norm)
+            flwr_log(
+                WARNING,
+                "round %d skipped: %d valid replies (need %d), %d failures%s",
+                server_round,
+                len(valid),
+                self.fed.min_train_replies,
+                len(failures),
+                "" if self.fed.accept_failures else " (accept_failures is off)",
+            )
+        rec = self._round_record(server_round, p, valid, len(failures), stale, applied, update_norm)
         every = self.fed.checkpoint_every  # the final checkpoint is the ServerApp's
         if applied and self.checkpoint_dir is not None and every and server_round % every == 0:
             self.save_checkpoint(self.checkpoint_dir / f"round-{server_round:04d}", server_round)
         metrics = MetricRecord({k: v for k, v in rec.items() if v is not None})
         return (self.global_record() if applied else None), metrics
 
-    def configure_evaluate(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
-                           grid: Grid) -> Iterable[Message]:
+    def configure_evaluate(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+    ) -> Iterable[Message]:
         every = self.fed.evaluate_every
         if every == 0 or (server_round % every and server_round != self.fed.rounds):
             return []
         nodes = self._sample(grid, server_round)
         return [self._instruction(n, server_round, config, MessageType.EVALUATE) for n in nodes]
 
-    def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]
-                           ) -> MetricRecord | None:
+    def aggregate_evaluate(
+        self, server_round: int, replies: Iterable[Message]
+    ) -> MetricRecord | None:
         weights: list[float] = []
         values: dict[str, list[float]] = {"eval-loss": [], "local-eval-loss": []}
         for msg in replies:
             if msg.has_error():
-                flwr_log(WARNING, "round %d: evaluation failed on node %d: %s", server_round,
-                         msg.metadata.src_node_id, msg.error.reason)
+                flwr_log(
+                    WARNING,
+                    "round %d: evaluation failed on node %d: %s",
+                    server_round,
+                    msg.metadata.src_node_id,
+                    msg.error.reason,
+                )
                 continue
             try:
                 status = self._read_status(msg)
@@ -193,12 +255,14 @@ class DiLoCoStrategy(Strategy):
             return None
         total = sum(weights)
         out: dict[str, float | int] = {
-            k: sum(w * v for w, v in zip(weights, vs)) / total for k, vs in values.items()}
+            k: sum(w * v for w, v in zip(weights, vs)) / total for k, vs in values.items()
+        }
         out["num-examples"] = int(total)
         out["replies"] = len(weights)
         out["bytes-down"] = sent
-        self.log.log("fed_eval", round=server_round, **{k.replace("-", "_"): v
-                                                         for k, v in out.items()})
+        self.log.log(
+            "fed_eval", round=server_round, **{k.replace("-", "_"): v for k, v in out.items()}
+        )
         return MetricRecord(out)
 
     # ---- state ---------------------------------------------------------------------------------
@@ -208,8 +272,9 @@ class DiLoCoStrategy(Strategy):
         params = record_to_params(arrays, self.shapes)
         missing = set(self.shapes) - set(params)
         if missing:
-            raise ProtocolError(f"initial arrays lack {len(missing)} parameters, e.g. "
-                                f"{sorted(missing)[:3]}")
+            raise ProtocolError(
+                f"initial arrays lack {len(missing)} parameters, e.g. {sorted(missing)[:3]}"
+            )
         for name, p in self.model.named_parameters():
             p.copy_(params[name])
         self._arrays.clear()
@@ -228,8 +293,13 @@ class DiLoCoStrategy(Strategy):
             t, meta = optimizer_state(f.outer_opt, f"outer{f.index}")
             tensors.update(t)
             outer_meta.append(meta)
-        meta = {"format": 1, "round": server_round, "versions": list(self.versions),
-                "fragments": [list(f.names) for f in self.fragments], "outer": outer_meta}
+        meta = {
+            "format": 1,
+            "round": server_round,
+            "versions": list(self.versions),
+            "fragments": [list(f.names) for f in self.fragments],
+            "outer": outer_meta,
+        }
         save_state(directory / "outer", (tensors, meta))
         flwr_log(INFO, "round %d: checkpoint written to %s", server_round, directory)
         return directory
@@ -238,7 +308,9 @@ class DiLoCoStrategy(Strategy):
     def _sample(self, grid: Grid, server_round: int) -> list[int]:
         # Flower's helper blocks until enough nodes are connected; the sample itself is seeded
         # so that a rerun with the same nodes picks the same ones.
-        _, all_nodes = sample_nodes(grid, self.fed.min_available_nodes, self.fed.min_available_nodes)
+        _, all_nodes = sample_nodes(
+            grid, self.fed.min_available_nodes, self.fed.min_available_nodes
+        )
         k = max(1, min(len(all_nodes), round(len(all_nodes) * self.fed.fraction_train)))
         rng = random.Random(self.cfg.train.seed * 1_000_003 + server_round)
         return sorted(rng.sample(sorted(all_nodes), k))
@@ -251,30 +323,47 @@ class DiLoCoStrategy(Strategy):
             self._arrays[name] = cached
         return cached[1]
 
-    def _instruction(self, node: int, server_round: int, config: ConfigRecord,
-                     message_type: str) -> Message:
+    def _instruction(
+        self, node: int, server_round: int, config: ConfigRecord, message_type: str
+    ) -> Message:
         held = self.known.get(node)
-        need = [q for q in range(len(self.fragments))
-                if held is None or held[q] != self.versions[q]]
-        arrays = ArrayRecord({n: self._array(q, n, t) for q in need
-                              for n, t in zip(self.fragments[q].names, self.fragments[q].global_)})
+        need = [
+            q for q in range(len(self.fragments)) if held is None or held[q] != self.versions[q]
+        ]
+        arrays = ArrayRecord(
+            {
+                n: self._array(q, n, t)
+                for q in need
+                for n, t in zip(self.fragments[q].names, self.fragments[q].global_)
+            }
+        )
         key = (message_type, server_round)
         self._down[key] = self._down.get(key, 0) + payload_bytes(arrays)
         cfg = ConfigRecord(dict(config))
-        cfg.update({"server-round": server_round,
-                    "fragment": sync_fragment(server_round, self.mode.n_fragments),
-                    "versions": list(self.versions), "sent-fragments": need,
-                    "sent-versions": [self.versions[q] for q in need]})
-        return Message(RecordDict({GLOBAL: arrays, CONFIG: cfg}), dst_node_id=node,
-                       message_type=message_type, group_id=str(server_round))
+        cfg.update(
+            {
+                "server-round": server_round,
+                "fragment": sync_fragment(server_round, self.mode.n_fragments),
+                "versions": list(self.versions),
+                "sent-fragments": need,
+                "sent-versions": [self.versions[q] for q in need],
+            }
+        )
+        return Message(
+            RecordDict({GLOBAL: arrays, CONFIG: cfg}),
+            dst_node_id=node,
+            message_type=message_type,
+            group_id=str(server_round),
+        )
 
     def _read_status(self, msg: Message) -> str:
         """Record what the node holds (always) and return its status."""
         reply = msg.content.config_records[REPLY]
         held = config_ints(reply, "versions")
         if len(held) != len(self.fragments):
-            raise ProtocolError(f"version vector of length {len(held)}, expected "
-                                f"{len(self.fragments)}")
+            raise ProtocolError(
+                f"version vector of length {len(held)}, expected {len(self.fragments)}"
+            )
         self.known[msg.metadata.src_node_id] = held
         status = reply.get("status")
         if status not in ("ok", "stale"):
@@ -295,8 +384,10 @@ class DiLoCoStrategy(Strategy):
         except (KeyError, TypeError, ValueError) as exc:
             raise ProtocolError(f"malformed train reply: {exc!r}") from None
         if fragment != p or base != self.versions[p]:
-            raise ProtocolError(f"Δ of fragment {fragment} v{base}; this round needs fragment "
-                                f"{p} v{self.versions[p]}")
+            raise ProtocolError(
+                f"Δ of fragment {fragment} v{base}; this round needs fragment "
+                f"{p} v{self.versions[p]}"
+            )
         if codec != self.mode.codec or not isinstance(meta, bytes):
             raise ProtocolError(f"Δ encoded with {codec!r}; the run uses {self.mode.codec!r}")
         if not ok:
@@ -305,12 +396,15 @@ class DiLoCoStrategy(Strategy):
             raise ProtocolError(f"num-examples must be > 0, got {weight}")
         delta = get_codec(codec).decode(records_to_encoded(arrays, meta)).reshape(-1)
         if delta.numel() != self.fragments[p].numel or not bool(torch.isfinite(delta).all()):
-            raise ProtocolError(f"Δ has {delta.numel()} values (expected "
-                                f"{self.fragments[p].numel}) or is not finite")
+            raise ProtocolError(
+                f"Δ has {delta.numel()} values (expected "
+                f"{self.fragments[p].numel}) or is not finite"
+            )
         return weight, delta.to(torch.float32), metrics
 
-    def _outer_step(self, p: int, valid: list[tuple[float, torch.Tensor, MetricRecord]],
-                    server_round: int) -> float:
+    def _outer_step(
+        self, p: int, valid: list[tuple[float, torch.Tensor, MetricRecord]], server_round: int
+    ) -> float:
         """Δ̄ = Σ n_m·Δ_m / Σ n_m in float32, then the fragment's outer optimizer step."""
         total = sum(w for w, _, _ in valid)
         avg = torch.zeros(self.fragments[p].numel, dtype=torch.float32)
@@ -320,9 +414,16 @@ class DiLoCoStrategy(Strategy):
         self.versions[p] = server_round
         return float(avg.norm())
 
-    def _round_record(self, server_round: int, p: int,
-                      valid: list[tuple[float, torch.Tensor, MetricRecord]], failures: int,
-                      stale: int, applied: bool, update_norm: float) -> dict[str, Any]:
+    def _round_record(
+        self,
+        server_round: int,
+        p: int,
+        valid: list[tuple[float, torch.Tensor, MetricRecord]],
+        failures: int,
+        stale: int,
+        applied: bool,
+        update_norm: float,
+    ) -> dict[str, Any]:
         def total(key: str) -> float:
             return sum(float(m.get(key, 0.0)) for _, _, m in valid)  # type: ignore[arg-type]
 
@@ -332,14 +433,27 @@ class DiLoCoStrategy(Strategy):
         self.totals["bytes_up"] += up
         self.totals["bytes_up_fp32"] += up32
         self.totals["bytes_down"] += down
-        loss = (sum(w * float(m["train-loss"]) for w, _, m in valid) / weights  # type: ignore[arg-type]
-                if weights else None)  # no valid reply: no loss (MetricRecord leaves it out)
+        loss = (
+            sum(w * float(m["train-loss"]) for w, _, m in valid) / weights  # type: ignore[arg-type]
+            if weights
+            else None
+        )  # no valid reply: no loss (MetricRecord leaves it out)
         rec: dict[str, Any] = {
-            "round": server_round, "fragment": p, "step": server_round * self.mode.stride,
-            "replies": len(valid), "failures": failures, "stale": stale,
-            "applied": int(applied), "train-loss": loss, "num-examples": int(weights),
-            "bytes-up": up, "bytes-up-fp32": up32, "bytes-down": down,
-            "update-norm": update_norm, "wall-s": round(time.perf_counter() - self._t0, 3)}
+            "round": server_round,
+            "fragment": p,
+            "step": server_round * self.mode.stride,
+            "replies": len(valid),
+            "failures": failures,
+            "stale": stale,
+            "applied": int(applied),
+            "train-loss": loss,
+            "num-examples": int(weights),
+            "bytes-up": up,
+            "bytes-up-fp32": up32,
+            "bytes-down": down,
+            "update-norm": update_norm,
+            "wall-s": round(time.perf_counter() - self._t0, 3),
+        }
         self.history.append(rec)
         self.log.log("round", **{k.replace("-", "_"): v for k, v in rec.items()})
         return rec

@@ -45,8 +45,11 @@ _LAYER_NAMES = {
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
 }
-_TOP_NAMES = {"token_embd.weight": "model.embed_tokens.weight",
-              "output_norm.weight": "model.norm.weight", "output.weight": "lm_head.weight"}
+_TOP_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
 SUPPORTED = ("F32", "F16", "BF16", "Q8_0", "Q4_0")
 
 
@@ -54,8 +57,9 @@ def _import_gguf():
     try:
         import gguf
     except ModuleNotFoundError:
-        raise ConfigError("model", "reading/writing GGUF needs the 'gguf' package "
-                          "(pip install 'lowband[edge]')") from None
+        raise ConfigError(
+            "model", "reading/writing GGUF needs the 'gguf' package (pip install 'lowband[edge]')"
+        ) from None
     return gguf
 
 
@@ -81,8 +85,12 @@ def write_gguf(model: LlamaForCausalLM, path: str | Path, *, ftype: str = "f32")
         raise ConfigError("model_type", f"GGUF writing covers dense Llama; got {cfg.model_type}")
     if (cfg.rope_scaling or {}).get("rope_type", "default") != "default":
         raise ConfigError("rope_scaling", "GGUF writing covers unscaled rotary embeddings")
-    qtypes = {"f32": None, "f16": None, "q8_0": gguf.GGMLQuantizationType.Q8_0,
-              "q4_0": gguf.GGMLQuantizationType.Q4_0}
+    qtypes = {
+        "f32": None,
+        "f16": None,
+        "q8_0": gguf.GGMLQuantizationType.Q8_0,
+        "q4_0": gguf.GGMLQuantizationType.Q4_0,
+    }
     if ftype not in qtypes:
         raise ConfigError("ftype", f"must be one of {sorted(qtypes)}, got {ftype!r}")
     p = Path(path)
@@ -133,7 +141,9 @@ def _add_vocab(w: Any, cfg: ModelConfig) -> None:
     """A SentencePiece-style vocabulary of placeholders: llama.cpp insists on one."""
     gguf = _import_gguf()
     n = cfg.vocab_size
-    tokens = [b"<unk>", b"<s>", b"</s>"][:n] + [f"<0x{i:02X}>".encode() for i in range(min(256, n - 3))]
+    tokens = [b"<unk>", b"<s>", b"</s>"][:n] + [
+        f"<0x{i:02X}>".encode() for i in range(min(256, n - 3))
+    ]
     tokens += [f"t{i}".encode() for i in range(len(tokens), n)]
     types = [gguf.TokenType.UNKNOWN, gguf.TokenType.CONTROL, gguf.TokenType.CONTROL][:n]
     types += [gguf.TokenType.BYTE] * min(256, max(0, n - 3))
@@ -163,8 +173,12 @@ def read_config(reader: Any) -> ModelConfig:
     if arch != "llama":
         raise ConfigError("model", f"GGUF architecture {arch!r} is not supported (only 'llama')")
     pre = "llama."
-    need = {"hidden_size": "embedding_length", "num_hidden_layers": "block_count",
-            "intermediate_size": "feed_forward_length", "num_attention_heads": "attention.head_count"}
+    need = {
+        "hidden_size": "embedding_length",
+        "num_hidden_layers": "block_count",
+        "intermediate_size": "feed_forward_length",
+        "num_attention_heads": "attention.head_count",
+    }
     kw: dict[str, Any] = {}
     for k, g in need.items():
         v = _field(reader, pre + g)
@@ -174,7 +188,9 @@ def read_config(reader: Any) -> ModelConfig:
     names = {t.name for t in reader.tensors}
     embd = next(t for t in reader.tensors if t.name == "token_embd.weight")
     kw["vocab_size"] = int(embd.shape[1])  # GGUF shapes are (K, N): innermost first
-    kw["num_key_value_heads"] = int(_field(reader, pre + "attention.head_count_kv", kw["num_attention_heads"]))
+    kw["num_key_value_heads"] = int(
+        _field(reader, pre + "attention.head_count_kv", kw["num_attention_heads"])
+    )
     hd = _field(reader, pre + "attention.key_length")
     if hd is not None:
         kw["head_dim"] = int(hd)
@@ -185,9 +201,16 @@ def read_config(reader: Any) -> ModelConfig:
     if scaling not in (None, "none"):
         raise ConfigError("rope_scaling", f"GGUF rope scaling {scaling!r} is not supported")
     kw["tie_word_embeddings"] = "output.weight" not in names
-    bos, eos = _field(reader, "tokenizer.ggml.bos_token_id"), _field(reader, "tokenizer.ggml.eos_token_id")
-    return ModelConfig(model_type="llama", bos_token_id=None if bos is None else int(bos),
-                       eos_token_id=None if eos is None else int(eos), **kw)
+    bos, eos = (
+        _field(reader, "tokenizer.ggml.bos_token_id"),
+        _field(reader, "tokenizer.ggml.eos_token_id"),
+    )
+    return ModelConfig(
+        model_type="llama",
+        bos_token_id=None if bos is None else int(bos),
+        eos_token_id=None if eos is None else int(eos),
+        **kw,
+    )
 
 
 def _tensor(t: Any) -> torch.Tensor | PackedWeight:
@@ -201,12 +224,17 @@ def _tensor(t: Any) -> torch.Tensor | PackedWeight:
         u32 = data.view(np.uint16).reshape(shape).astype(np.uint32) << 16  # bf16 = top half of fp32
         return torch.from_numpy(u32.view(np.float32).copy())
     if kind not in ("Q8_0", "Q4_0"):
-        raise ConfigError("model", f"GGUF tensor {t.name} has type {kind}, which lowband does not "
-                          f"load (supported: {', '.join(SUPPORTED)}); re-quantize the file with "
-                          f"llama-quantize to Q8_0 or Q4_0")
+        raise ConfigError(
+            "model",
+            f"GGUF tensor {t.name} has type {kind}, which lowband does not "
+            f"load (supported: {', '.join(SUPPORTED)}); re-quantize the file with "
+            f"llama-quantize to Q8_0 or Q4_0",
+        )
     n, k = shape
     blocks = data.view(np.uint8).reshape(n, k // 32, -1)  # (N, K/32, 34 | 18)
-    scales = torch.from_numpy(np.ascontiguousarray(blocks[:, :, :2]).view(np.float16).reshape(n, k // 32))
+    scales = torch.from_numpy(
+        np.ascontiguousarray(blocks[:, :, :2]).view(np.float16).reshape(n, k // 32)
+    )
     q = np.ascontiguousarray(blocks[:, :, 2:]).reshape(n, -1)
     if kind == "Q8_0":
         qweight = torch.from_numpy(q.view(np.int8).copy())
@@ -266,9 +294,15 @@ def load_gguf(path: str | Path, dtype: torch.dtype | None = None) -> LlamaForCau
     return model.eval()
 
 
-def load_gguf_shard(path: str | Path, rank: int = 0, world: int = 1, *,
-                    weights: Sequence[float] | None = None, reduce: Reduce | None = None,
-                    dtype: torch.dtype | None = None) -> tuple[LlamaForCausalLM, TPPlan]:
+def load_gguf_shard(
+    path: str | Path,
+    rank: int = 0,
+    world: int = 1,
+    *,
+    weights: Sequence[float] | None = None,
+    reduce: Reduce | None = None,
+    dtype: torch.dtype | None = None,
+) -> tuple[LlamaForCausalLM, TPPlan]:
     """Rank ``rank``'s slice of a GGUF model (the whole file is read, then sliced: packed
     matrices keep their packing through ``QuantLinear.narrow_out/narrow_in``)."""
     model = load_gguf(path, dtype)
@@ -281,18 +315,23 @@ def convert_gguf(path: str | Path, out_dir: str | Path) -> Path:
     """``lowband edge convert FILE.gguf --out DIR``: a checkpoint directory every edge command
     (split, serve, run, TP, window) reads; Q8_0/Q4_0 blocks are copied, never requantized."""
     from edge.formats.quantized import QuantLayout, save_quantized
+
     model = load_gguf(path)
     packed = {n: m for n, m in model.named_modules() if isinstance(m, QuantLinear)}
     bits = {m.bits for m in packed.values()}
     if len(bits) > 1:
-        raise ConfigError("model", f"{path} mixes Q8_0 and Q4_0 matrices; convert supports one "
-                          "width per file (serve the .gguf directly instead)")
+        raise ConfigError(
+            "model",
+            f"{path} mixes Q8_0 and Q4_0 matrices; convert supports one "
+            "width per file (serve the .gguf directly instead)",
+        )
     if model.config.tie_word_embeddings and "lm_head" in packed:
         raise ConfigError("model", "tied quantized embeddings are not supported")
     layout = QuantLayout(bits.pop(), 32, tuple(packed)) if packed else None
     out = Path(out_dir)
     if layout is None:
         from lowband.models.weights import save_pretrained
+
         return save_pretrained(model, out)
     return save_quantized(model, layout, out)
 

@@ -22,8 +22,8 @@ from pathlib import Path
 from typing import Sequence
 
 import torch
-from torch import nn
 from safetensors.torch import save_file
+from torch import nn
 
 from edge.quant import QuantLinear, quantize_modules
 from edge.quant.formats import GROUPS, PackedWeight, QuantError, QuantSpec
@@ -33,8 +33,12 @@ from lowband.models.llama import LlamaForCausalLM
 
 QUANT_KEY = "quantization_config"
 METHOD = "lowband"
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "lowband_tokenizer.json",
-                   "generation_config.json")
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "lowband_tokenizer.json",
+    "generation_config.json",
+)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -71,8 +75,11 @@ def read_layout(cfg: ModelConfig) -> QuantLayout | None:
         return None
     if not isinstance(qc, dict) or qc.get("quant_method") != METHOD:
         method = qc.get("quant_method") if isinstance(qc, dict) else qc
-        raise ConfigError(QUANT_KEY, f"quant_method {method!r} is not supported; lowband loads "
-                          f"its own ('lowband edge quantize') and GGUF Q8_0/Q4_0 files")
+        raise ConfigError(
+            QUANT_KEY,
+            f"quant_method {method!r} is not supported; lowband loads "
+            f"its own ('lowband edge quantize') and GGUF Q8_0/Q4_0 files",
+        )
     return QuantLayout(int(qc["bits"]), int(qc["group"]), tuple(qc["modules"]))
 
 
@@ -83,8 +90,9 @@ def apply_quant_layout(model: nn.Module, layout: QuantLayout) -> None:
         lin = model.get_submodule(name)
         meta = lin.weight.is_meta
         with torch.device("meta" if meta else "cpu"):
-            q = QuantLinear(lin.in_features, lin.out_features, lin.bias is not None,
-                            layout.bits, layout.group)
+            q = QuantLinear(
+                lin.in_features, lin.out_features, lin.bias is not None, layout.bits, layout.group
+            )
         parent, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, child, q)
 
@@ -100,15 +108,26 @@ def quantize_model(model: LlamaForCausalLM, cfg: QuantConfig) -> QuantLayout:
     return QuantLayout(cfg.bits, cfg.group, names)
 
 
-def save_quantized(model: LlamaForCausalLM, layout: QuantLayout, out_dir: str | Path,
-                   src_dir: str | Path | None = None) -> Path:
+def save_quantized(
+    model: LlamaForCausalLM,
+    layout: QuantLayout,
+    out_dir: str | Path,
+    src_dir: str | Path | None = None,
+) -> Path:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     hf = model.config.to_hf_dict()
-    hf[QUANT_KEY] = {"quant_method": METHOD, "bits": layout.bits, "group": layout.group,
-                     "modules": list(layout.modules)}
-    state = {k: v.detach().contiguous() for k, v in model.state_dict().items()
-             if not (model.config.tie_word_embeddings and k == "lm_head.weight")}
+    hf[QUANT_KEY] = {
+        "quant_method": METHOD,
+        "bits": layout.bits,
+        "group": layout.group,
+        "modules": list(layout.modules),
+    }
+    state = {
+        k: v.detach().contiguous()
+        for k, v in model.state_dict().items()
+        if not (model.config.tie_word_embeddings and k == "lm_head.weight")
+    }
     (out / "config.json").write_text(json.dumps(hf, indent=2, sort_keys=True))
     save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
     if src_dir is not None:
@@ -121,6 +140,7 @@ def save_quantized(model: LlamaForCausalLM, layout: QuantLayout, out_dir: str | 
 def quantize_checkpoint(model_dir: str | Path, out_dir: str | Path, cfg: QuantConfig) -> Path:
     """``lowband edge quantize MODEL --bits B --group G --out DIR``."""
     from lowband.models.weights import load_pretrained
+
     mcfg = ModelConfig.from_json(model_dir)
     if read_layout(mcfg) is not None:
         raise ConfigError("model_dir", f"{model_dir} is already quantized")
@@ -136,6 +156,7 @@ def quantize_checkpoint(model_dir: str | Path, out_dir: str | Path, cfg: QuantCo
 
 def _untied(cfg: ModelConfig) -> ModelConfig:
     from dataclasses import replace
+
     return replace(cfg, tie_word_embeddings=False)
 
 
@@ -143,8 +164,9 @@ def is_quant_tensor(name: str) -> bool:
     return name.endswith((".qweight", ".scales"))
 
 
-def quant_slice(name: str, spec: tuple[int, int, int] | bool, layout: QuantLayout
-                ) -> tuple[int, int, int] | bool:
+def quant_slice(
+    name: str, spec: tuple[int, int, int] | bool, layout: QuantLayout
+) -> tuple[int, int, int] | bool:
     """Translate a :func:`edge.tp.slice_of` answer for ``<linear>.weight`` into the slice of
     its packed tensor ``name`` (``.qweight`` or ``.scales``): rows are rows; a column range
     [a, b) must fall on group boundaries and becomes bytes (Q4: two weights a byte) or groups."""
@@ -155,8 +177,11 @@ def quant_slice(name: str, spec: tuple[int, int, int] | bool, layout: QuantLayou
         return spec
     g = layout.group
     if a % g or b % g:
-        raise ConfigError("devices", f"{name}: the split at columns [{a}, {b}) cuts a quantization "
-                          f"group of {g}; use fewer devices or a smaller --group")
+        raise ConfigError(
+            "devices",
+            f"{name}: the split at columns [{a}, {b}) cuts a quantization "
+            f"group of {g}; use fewer devices or a smaller --group",
+        )
     if name.endswith(".scales"):
         return (1, a // g, b // g)
     return (1, a // 2, b // 2) if layout.bits == 4 else spec
@@ -166,25 +191,35 @@ def fuse_quant_rows(mods: Sequence[nn.Module]) -> nn.Module | None:
     """Row-concatenate ``QuantLinear``s sharing bits, group and input width into one (rows are
     independent in the packed layout, so this is exact); the originals are re-pointed at views."""
     first = mods[0]
-    if not all(isinstance(m, QuantLinear) and m.bits == first.bits and m.group == first.group
-               and m.in_features == first.in_features for m in mods):
+    if not all(
+        isinstance(m, QuantLinear)
+        and m.bits == first.bits
+        and m.group == first.group
+        and m.in_features == first.in_features
+        for m in mods
+    ):
         return None
     if any(m.qweight.is_meta for m in mods):
         return None
     n = sum(m.out_features for m in mods)
-    packed = PackedWeight(QuantSpec(first.bits, first.group, (n, first.in_features)),
-                          torch.cat([m.qweight for m in mods]), torch.cat([m.scales for m in mods]))
+    packed = PackedWeight(
+        QuantSpec(first.bits, first.group, (n, first.in_features)),
+        torch.cat([m.qweight for m in mods]),
+        torch.cat([m.scales for m in mods]),
+    )
     bias = None
     if any(m.bias is not None for m in mods):
-        bias = torch.cat([m.bias if m.bias is not None else torch.zeros(m.out_features)
-                          for m in mods])
-    fused = QuantLinear.from_packed(packed, bias, max_kernel_rows=first.max_kernel_rows,
-                                    use_kernel=first.use_kernel)
+        bias = torch.cat(
+            [m.bias if m.bias is not None else torch.zeros(m.out_features) for m in mods]
+        )
+    fused = QuantLinear.from_packed(
+        packed, bias, max_kernel_rows=first.max_kernel_rows, use_kernel=first.use_kernel
+    )
     a = 0
     for m in mods:
         k = m.out_features
-        m.qweight, m.scales = fused.qweight[a:a + k], fused.scales[a:a + k]
+        m.qweight, m.scales = fused.qweight[a : a + k], fused.scales[a : a + k]
         if m.bias is not None:
-            m.bias = fused.bias[a:a + k]
+            m.bias = fused.bias[a : a + k]
         a += k
     return fused

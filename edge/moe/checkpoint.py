@@ -24,24 +24,44 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from edge.moe.planes import (
+    VERSION,
+    ExpertFile,
+    is_expert_key,
+    iter_expert_keys,
+    planes_to_codes,
+    write_expert_file,
+)
+from edge.moe.quant import (
+    WIDTHS,
+    NestedQuantConfig,
+    dequantize,
+    quantize_independent,
+    quantize_int8,
+    slice_codes,
+)
+from lowband.errors import ConfigError, CorruptWeights
 from lowband.models.config import ModelConfig
 from lowband.models.llama import LlamaForCausalLM, rope_inv_freq
-from edge.moe.planes import VERSION, ExpertFile, is_expert_key, iter_expert_keys, planes_to_codes, write_expert_file
-from edge.moe.quant import WIDTHS, NestedQuantConfig, dequantize, quantize_independent, quantize_int8, slice_codes
 from lowband.models.weights import weight_files
-from lowband.errors import ConfigError, CorruptWeights
 
 MANIFEST = "nested.json"
-_COPIED = ("config.json", "tokenizer.json", "tokenizer_config.json", "generation_config.json",
-           "lowband_tokenizer.json")
+_COPIED = (
+    "config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "generation_config.json",
+    "lowband_tokenizer.json",
+)
 
 
 def _err2(w: torch.Tensor, w_hat: torch.Tensor) -> float:
     return float((w.float() - w_hat).pow(2).sum())
 
 
-def quantize_checkpoint(model_dir: str | Path, out_dir: str | Path,
-                        cfg: NestedQuantConfig | None = None) -> Path:
+def quantize_checkpoint(
+    model_dir: str | Path, out_dir: str | Path, cfg: NestedQuantConfig | None = None
+) -> Path:
     """Convert a Mixtral-style checkpoint: experts to nested plane files, the rest copied as is.
 
     ``out_dir`` gets ``config.json`` (and tokenizer files), ``model.safetensors`` with every
@@ -53,7 +73,9 @@ def quantize_checkpoint(model_dir: str | Path, out_dir: str | Path,
     src, out = Path(model_dir), Path(out_dir)
     mcfg = ModelConfig.from_json(src)
     if not mcfg.is_moe:
-        raise ConfigError("model_dir", f"{src} is not a mixture-of-experts model (no num_local_experts)")
+        raise ConfigError(
+            "model_dir", f"{src} is not a mixture-of-experts model (no num_local_experts)"
+        )
     (out / "experts").mkdir(parents=True, exist_ok=True)
     handles = [safe_open(str(f), framework="pt") for f in weight_files(src)]
     where: dict[tuple[int, int], dict[str, tuple[int, str]]] = {}
@@ -68,40 +90,73 @@ def quantize_checkpoint(model_dir: str | Path, out_dir: str | Path,
     wanted = {(i, e) for i in range(mcfg.num_hidden_layers) for e in range(mcfg.num_local_experts)}
     bad = sorted(k for k in wanted if len(where.get(k, {})) != 3) or sorted(set(where) - wanted)
     if bad:
-        raise ConfigError("model_dir", f"{src}: expert tensors do not match config.json, e.g. "
-                          f"layer/expert {bad[0]}")
+        raise ConfigError(
+            "model_dir",
+            f"{src}: expert tensors do not match config.json, e.g. layer/expert {bad[0]}",
+        )
     entries = []
     for layer, expert in sorted(wanted):
-        ws = {n: handles[i].get_tensor(k).float() for n, (i, k) in sorted(where[(layer, expert)].items())}
+        ws = {
+            n: handles[i].get_tensor(k).float()
+            for n, (i, k) in sorted(where[(layer, expert)].items())
+        }
         qs = {n: quantize_int8(w, cfg.group_size, cfg.range_ext) for n, w in ws.items()}
         rel = f"experts/L{layer:03d}_E{expert:03d}.lbn"
         write_expert_file(out / rel, layer=layer, expert=expert, tensors=qs, layout=cfg.layout)
-        nested = {b: sum(_err2(ws[n], dequantize(slice_codes(q.codes, b), q.lo, q.step, b))
-                         for n, q in qs.items()) for b in WIDTHS}
-        indep = {b: sum(_err2(w, quantize_independent(w, b, cfg.group_size)) for w in ws.values())
-                 for b in WIDTHS}
+        nested = {
+            b: sum(
+                _err2(ws[n], dequantize(slice_codes(q.codes, b), q.lo, q.step, b))
+                for n, q in qs.items()
+            )
+            for b in WIDTHS
+        }
+        indep = {
+            b: sum(_err2(w, quantize_independent(w, b, cfg.group_size)) for w in ws.values())
+            for b in WIDTHS
+        }
         with ExpertFile(out / rel) as ef:
             sizes = {b: ef.nbytes(b) for b in ef.widths}
-        entries.append({"layer": layer, "expert": expert, "file": rel,
-                        "bytes": {str(b): n for b, n in sizes.items()},
-                        "norm2": sum(float(w.pow(2).sum()) for w in ws.values()),
-                        "err2": {"nested": {str(b): v for b, v in nested.items()},
-                                 "independent": {str(b): v for b, v in indep.items()}}})
-    save_file({k: v.contiguous() for k, v in rest.items()}, str(out / "model.safetensors"),
-              metadata={"format": "pt"})
+        entries.append(
+            {
+                "layer": layer,
+                "expert": expert,
+                "file": rel,
+                "bytes": {str(b): n for b, n in sizes.items()},
+                "norm2": sum(float(w.pow(2).sum()) for w in ws.values()),
+                "err2": {
+                    "nested": {str(b): v for b, v in nested.items()},
+                    "independent": {str(b): v for b, v in indep.items()},
+                },
+            }
+        )
+    save_file(
+        {k: v.contiguous() for k, v in rest.items()},
+        str(out / "model.safetensors"),
+        metadata={"format": "pt"},
+    )
     for name in _COPIED:
         if (src / name).exists():
             shutil.copyfile(src / name, out / name)
-    manifest = {"format": "lowband-nested", "version": VERSION, "group_size": cfg.group_size,
-                "range_ext": cfg.range_ext, "layout": cfg.layout, "model": _shape_signature(mcfg),
-                "experts": entries}
+    manifest = {
+        "format": "lowband-nested",
+        "version": VERSION,
+        "group_size": cfg.group_size,
+        "range_ext": cfg.range_ext,
+        "layout": cfg.layout,
+        "model": _shape_signature(mcfg),
+        "experts": entries,
+    }
     (out / MANIFEST).write_text(json.dumps(manifest, indent=1))
     return out
 
 
 def _shape_signature(mcfg: ModelConfig) -> dict[str, int]:
-    return {"num_hidden_layers": mcfg.num_hidden_layers, "num_local_experts": mcfg.num_local_experts,
-            "hidden_size": mcfg.hidden_size, "intermediate_size": mcfg.intermediate_size}
+    return {
+        "num_hidden_layers": mcfg.num_hidden_layers,
+        "num_local_experts": mcfg.num_local_experts,
+        "hidden_size": mcfg.hidden_size,
+        "intermediate_size": mcfg.intermediate_size,
+    }
 
 
 ExpertKey = tuple[int, int]  # (layer, expert)
@@ -116,23 +171,31 @@ class NestedCheckpoint:
     own subset of experts.
     """
 
-    def __init__(self, root: str | Path, *, experts: Sequence[ExpertKey] | None = None,
-                 verify: bool = True) -> None:
+    def __init__(
+        self, root: str | Path, *, experts: Sequence[ExpertKey] | None = None, verify: bool = True
+    ) -> None:
         self.root = Path(root)
         try:
             manifest = json.loads((self.root / MANIFEST).read_text())
         except FileNotFoundError:
-            raise ConfigError("model_dir", f"{self.root} has no {MANIFEST}: convert it with "
-                              "`lowband edge quantize MODEL_DIR --nested --out DIR`") from None
+            raise ConfigError(
+                "model_dir",
+                f"{self.root} has no {MANIFEST}: convert it with "
+                "`lowband edge quantize MODEL_DIR --nested --out DIR`",
+            ) from None
         except json.JSONDecodeError as exc:
             raise CorruptWeights(f"{self.root / MANIFEST}: not valid JSON ({exc})") from None
         if manifest.get("format") != "lowband-nested" or manifest.get("version") != VERSION:
-            raise CorruptWeights(f"{self.root / MANIFEST}: unknown format/version "
-                                 f"{manifest.get('format')!r}/{manifest.get('version')!r}")
+            raise CorruptWeights(
+                f"{self.root / MANIFEST}: unknown format/version "
+                f"{manifest.get('format')!r}/{manifest.get('version')!r}"
+            )
         self.config = ModelConfig.from_json(self.root)
         if manifest.get("model") != _shape_signature(self.config):
-            raise CorruptWeights(f"{self.root}: config.json {_shape_signature(self.config)} does not "
-                                 f"match the expert planes {manifest.get('model')}")
+            raise CorruptWeights(
+                f"{self.root}: config.json {_shape_signature(self.config)} does not "
+                f"match the expert planes {manifest.get('model')}"
+            )
         self.group_size = int(manifest["group_size"])
         self.entries = {(int(e["layer"]), int(e["expert"])): e for e in manifest["experts"]}
         keys = sorted(self.entries) if experts is None else list(experts)
@@ -154,8 +217,10 @@ class NestedCheckpoint:
         got = {t.name: t.shape for t in ef.tensors}
         if (ef.layer, ef.expert) != key or got != want or ef.group_size != self.group_size:
             ef.close()
-            raise CorruptWeights(f"{ef.path}: holds layer/expert {(ef.layer, ef.expert)} shapes {got} "
-                                 f"g={ef.group_size}; config.json expects {key} {want} g={self.group_size}")
+            raise CorruptWeights(
+                f"{ef.path}: holds layer/expert {(ef.layer, ef.expert)} shapes {got} "
+                f"g={ef.group_size}; config.json expects {key} {want} g={self.group_size}"
+            )
         if verify:
             try:
                 ef.verify()
@@ -194,8 +259,11 @@ def load_backbone(root: str | Path, *, dtype: torch.dtype = torch.float32) -> Ll
     cfg = ModelConfig.from_json(root)
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg)
-    expected = {k for k in model.state_dict()
-                if not is_expert_key(k) and not (cfg.tie_word_embeddings and k == "lm_head.weight")}
+    expected = {
+        k
+        for k in model.state_dict()
+        if not is_expert_key(k) and not (cfg.tie_word_embeddings and k == "lm_head.weight")
+    }
     with safe_open(str(root / "model.safetensors"), framework="pt") as sf:
         got = {k: sf.get_tensor(k).to(dtype) for k in sf.keys() if k in expected}
     if expected - got.keys():
@@ -213,7 +281,7 @@ def load_dense(root: str | Path, bits: int | Mapping[ExpertKey, int] = 8) -> Lla
     model = load_backbone(root)
     ckpt = NestedCheckpoint(root, verify=False)
     try:
-        for (layer, e) in ckpt.keys:
+        for layer, e in ckpt.keys:
             b = bits if isinstance(bits, int) else bits[(layer, e)]
             mats = ckpt.read_matrices((layer, e), b)
             expert = model.model.layers[layer].block_sparse_moe.experts[e]

@@ -47,12 +47,18 @@ K = TypeVar("K", bound=Hashable)
 
 def default_error(bits: int) -> float:
     """Relative mean squared error model of a b-bit uniform grid (up to a constant)."""
-    return 4.0 ** -bits
+    return 4.0**-bits
 
 
-def hebf_plan(hotness: Mapping[K, float], sizes: Mapping[K, Mapping[int, int]], budget: int, *,
-              min_bits: int = 2, required: Collection[K] = (),
-              error: Mapping[K, Mapping[int, float]] | None = None) -> dict[K, int]:
+def hebf_plan(
+    hotness: Mapping[K, float],
+    sizes: Mapping[K, Mapping[int, int]],
+    budget: int,
+    *,
+    min_bits: int = 2,
+    required: Collection[K] = (),
+    error: Mapping[K, Mapping[int, float]] | None = None,
+) -> dict[K, int]:
     """Bits per expert (0 = not resident) for every expert in ``sizes``.
 
     ``hotness[e] >= 0`` (missing = 0); ``sizes[e][b]`` bytes resident at width ``b`` (must
@@ -64,20 +70,28 @@ def hebf_plan(hotness: Mapping[K, float], sizes: Mapping[K, Mapping[int, int]], 
         raise ConfigError("budget", f"must be >= 0 bytes, got {budget}")
     for k in keys:
         if min_bits not in sizes[k]:
-            raise ConfigError("min_bits", f"expert {k!r} has no {min_bits}-bit size (has {sorted(sizes[k])})")
+            raise ConfigError(
+                "min_bits", f"expert {k!r} has no {min_bits}-bit size (has {sorted(sizes[k])})"
+            )
         if hotness.get(k, 0.0) < 0:
             raise ConfigError("hotness", f"expert {k!r} has negative hotness {hotness[k]}")
     floor = {k: sizes[k][min_bits] for k in keys}
     if keys and min(floor.values()) > budget:
-        raise ConfigError("budget", f"{budget} bytes cannot hold one expert at {min_bits} bits "
-                          f"({min(floor.values())} bytes); raise the budget")
+        raise ConfigError(
+            "budget",
+            f"{budget} bytes cannot hold one expert at {min_bits} bits "
+            f"({min(floor.values())} bytes); raise the budget",
+        )
     unknown = [k for k in required if k not in sizes]
     if unknown:
         raise ConfigError("required", f"unknown expert {unknown[0]!r}")
     need = sum(floor[k] for k in set(required))
     if need > budget:
-        raise ConfigError("budget", f"{budget} bytes cannot hold the {len(set(required))} routed "
-                          f"experts at {min_bits} bits ({need} bytes); raise the budget")
+        raise ConfigError(
+            "budget",
+            f"{budget} bytes cannot hold the {len(set(required))} routed "
+            f"experts at {min_bits} bits ({need} bytes); raise the budget",
+        )
 
     def heat(k: K) -> float:
         return float(hotness.get(k, 0.0))
@@ -86,7 +100,7 @@ def hebf_plan(hotness: Mapping[K, float], sizes: Mapping[K, Mapping[int, int]], 
     left = budget
     for k in sorted(set(required), key=order.__getitem__):
         bits[k], left = min_bits, left - floor[k]
-    for k in sorted(keys, key=lambda k: (-heat(k), order[k])):   # coverage, hottest first
+    for k in sorted(keys, key=lambda k: (-heat(k), order[k])):  # coverage, hottest first
         if bits[k] == 0 and floor[k] <= left:
             bits[k], left = min_bits, left - floor[k]
 

@@ -33,11 +33,11 @@ from typing import Iterator, Mapping, Sequence
 import msgpack
 import torch
 
+from edge.moe.quant import EXPERT_TENSORS, WIDTHS, QuantizedMatrix, work_buffer
 from lowband.errors import ConfigError, CorruptWeights
 
-from edge.moe.quant import EXPERT_TENSORS, WIDTHS, QuantizedMatrix, work_buffer
 MAGIC = b"LBNQ"
-VERSION = 2               # 2: scales block holds every lo, then every step
+VERSION = 2  # 2: scales block holds every lo, then every step
 _HEADER = struct.Struct("<4sHHII")
 _ALIGN = 64
 
@@ -60,11 +60,11 @@ def _spread_lut(bits: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def to_planes(codes: torch.Tensor) -> torch.Tensor:
     """(8, N/8) uint8 bit-planes, MSB first, of int8 codes with N a multiple of 8."""
-    c = codes.reshape(-1, 8)                                                  # (M, 8)
+    c = codes.reshape(-1, 8)  # (M, 8)
     shifts = torch.arange(7, -1, -1, dtype=torch.uint8).view(8, 1, 1)
-    bits = (c.unsqueeze(0) >> shifts) & 1                                     # (8, M, 8)
+    bits = (c.unsqueeze(0) >> shifts) & 1  # (8, M, 8)
     place = torch.arange(8, dtype=torch.uint8)
-    return (bits << place).sum(-1, dtype=torch.int32).to(torch.uint8)          # (8, M)
+    return (bits << place).sum(-1, dtype=torch.int32).to(torch.uint8)  # (8, M)
 
 
 def planes_to_codes(planes: torch.Tensor, *, scratch: bool = False) -> torch.Tensor:
@@ -78,7 +78,7 @@ def planes_to_codes(planes: torch.Tensor, *, scratch: bool = False) -> torch.Ten
     """
     b, m = planes.shape
     table, offsets = _spread_lut(b)
-    idx = work_buffer("idx", b * m, torch.int32, scratch).view(b, m)   # int32: half the scratch
+    idx = work_buffer("idx", b * m, torch.int32, scratch).view(b, m)  # int32: half the scratch
     idx.copy_(planes)
     idx += offsets
     gathered = work_buffer("gather", b * m, torch.int64, scratch)
@@ -88,8 +88,6 @@ def planes_to_codes(planes: torch.Tensor, *, scratch: bool = False) -> torch.Ten
     return codes.view(torch.uint8)
 
 
-
-
 def page_buffer(nbytes: int) -> torch.Tensor:
     """A (nbytes,) uint8 tensor on its own anonymous pages, unmapped when the tensor dies.
 
@@ -97,7 +95,7 @@ def page_buffer(nbytes: int) -> torch.Tensor:
     every size, and on the heap their holes keep the process's memory far above the budget
     (measured: +20 MB on a 10.7 MB budget). Pages are returned to the OS on release.
     """
-    with torch.inference_mode(False):   # see _work: resident buffers outlive any mode
+    with torch.inference_mode(False):  # see _work: resident buffers outlive any mode
         return torch.frombuffer(mmap.mmap(-1, max(nbytes, 1)), dtype=torch.uint8, count=nbytes)
 
 
@@ -109,8 +107,14 @@ def _pad(n: int) -> int:
 LAYOUTS = ("planes", "bytes")
 
 
-def write_expert_file(path: Path, *, layer: int, expert: int,
-                      tensors: Mapping[str, QuantizedMatrix], layout: str = "planes") -> int:
+def write_expert_file(
+    path: Path,
+    *,
+    layer: int,
+    expert: int,
+    tensors: Mapping[str, QuantizedMatrix],
+    layout: str = "planes",
+) -> int:
     """Write one expert; returns the file size.
 
     ``layout="planes"`` is the nested format. ``"bytes"`` stores the same int8 codes as plain
@@ -124,8 +128,9 @@ def write_expert_file(path: Path, *, layer: int, expert: int,
     if len(group) != 1:
         raise ConfigError("group_size", f"tensors of one expert use different group sizes {group}")
     # All tensors' lo, then all their steps: one expert's (scale, offset) are two vectors.
-    scales = b"".join(t.lo.contiguous().numpy().tobytes() for t in tensors.values()) + \
-        b"".join(t.step.contiguous().numpy().tobytes() for t in tensors.values())
+    scales = b"".join(t.lo.contiguous().numpy().tobytes() for t in tensors.values()) + b"".join(
+        t.step.contiguous().numpy().tobytes() for t in tensors.values()
+    )
     if layout == "planes":
         planes_of = {n: to_planes(tensors[n].codes) for n in names}
         body = [b"".join(planes_of[n][j].numpy().tobytes() for n in names) for j in range(8)]
@@ -138,10 +143,18 @@ def write_expert_file(path: Path, *, layer: int, expert: int,
         for blk in body:
             spans.append([off, len(blk), zlib.crc32(blk)])
             off += len(blk)
-        meta = {"layer": layer, "expert": expert, "group_size": next(iter(group)), "layout": layout,
-                "tensors": [{"name": n, "shape": list(tensors[n].codes.shape)} for n in names],
-                "scales": [start, len(scales), zlib.crc32(scales)], "file_size": off,
-                ("planes" if layout == "planes" else "codes"): spans if layout == "planes" else spans[0]}
+        meta = {
+            "layer": layer,
+            "expert": expert,
+            "group_size": next(iter(group)),
+            "layout": layout,
+            "tensors": [{"name": n, "shape": list(tensors[n].codes.shape)} for n in names],
+            "scales": [start, len(scales), zlib.crc32(scales)],
+            "file_size": off,
+            ("planes" if layout == "planes" else "codes"): spans
+            if layout == "planes"
+            else spans[0],
+        }
         return msgpack.packb(meta)
 
     # The metadata holds offsets that depend on its own length: size it once with a guess.
@@ -204,16 +217,19 @@ class ExpertFile:
         if magic != MAGIC:
             raise CorruptWeights(f"{self.path}: not a lowband nested expert file (magic {magic!r})")
         if version != VERSION:
-            raise CorruptWeights(f"{self.path}: format version {version}, this build reads {VERSION}")
-        raw = bytes(self._mm[_HEADER.size:_HEADER.size + meta_len])
+            raise CorruptWeights(
+                f"{self.path}: format version {version}, this build reads {VERSION}"
+            )
+        raw = bytes(self._mm[_HEADER.size : _HEADER.size + meta_len])
         if len(raw) != meta_len or zlib.crc32(raw) != meta_crc:
             raise CorruptWeights(f"{self.path}: metadata checksum mismatch (file damaged)")
         try:
             meta = msgpack.unpackb(raw)
             self.layer, self.expert = int(meta["layer"]), int(meta["expert"])
             self.group_size = int(meta["group_size"])
-            self.tensors = tuple(TensorLayout(t["name"], tuple(t["shape"]), self.group_size)
-                                 for t in meta["tensors"])
+            self.tensors = tuple(
+                TensorLayout(t["name"], tuple(t["shape"]), self.group_size) for t in meta["tensors"]
+            )
             self.layout = meta.get("layout", "planes")
             self._scales = tuple(meta["scales"])
             if self.layout == "planes":
@@ -227,8 +243,10 @@ class ExpertFile:
         except (KeyError, TypeError, ValueError, msgpack.UnpackException) as exc:
             raise CorruptWeights(f"{self.path}: unreadable metadata ({exc})") from None
         if size != expect_size:
-            raise CorruptWeights(f"{self.path}: {size} bytes on disk, header says {expect_size} "
-                                 "(truncated or padded file)")
+            raise CorruptWeights(
+                f"{self.path}: {size} bytes on disk, header says {expect_size} "
+                "(truncated or padded file)"
+            )
         plane_len = sum(t.numel // 8 for t in self.tensors)
         scale_len = sum(4 * t.n_groups for t in self.tensors)
         bad = self._scales[1] != scale_len
@@ -260,7 +278,9 @@ class ExpertFile:
     def nbytes(self, bits: int) -> int:
         """Bytes of the scales plus the top ``bits`` planes: what serving at ``bits`` holds."""
         if bits not in self.widths:
-            raise ConfigError("bits", f"{self.path.name} ({self.layout} layout) cannot serve {bits} bits")
+            raise ConfigError(
+                "bits", f"{self.path.name} ({self.layout} layout) cannot serve {bits} bits"
+            )
         return self.scale_bytes + bits * self.plane_bytes
 
     @contextlib.contextmanager
@@ -268,9 +288,11 @@ class ExpertFile:
         """A checksum-verified view of one block of the mapping, released on exit (an
         unreleased view would keep ``close()`` from unmapping the file)."""
         off, length, crc = span
-        start = off - off % mmap.PAGESIZE   # ask for exactly this block, ahead of the faults
-        self._mm.madvise(mmap.MADV_WILLNEED, start, min(len(self._mm) - start, length + off - start))
-        with memoryview(self._mm) as whole, whole[off:off + length] as view:
+        start = off - off % mmap.PAGESIZE  # ask for exactly this block, ahead of the faults
+        self._mm.madvise(
+            mmap.MADV_WILLNEED, start, min(len(self._mm) - start, length + off - start)
+        )
+        with memoryview(self._mm) as whole, whole[off : off + length] as view:
             if zlib.crc32(view) != crc:
                 raise CorruptWeights(f"{self.path}: checksum mismatch in {what} (file damaged)")
             yield view
@@ -305,7 +327,10 @@ class ExpertFile:
         for name, (pos, numel, (rows, cols)) in self.index.items():
             g0, n = pos // self.group_size, numel // self.group_size
             shape = (rows, cols // self.group_size)
-            out[name] = (block[g0:g0 + n].view(shape), block[groups + g0:groups + g0 + n].view(shape))
+            out[name] = (
+                block[g0 : g0 + n].view(shape),
+                block[groups + g0 : groups + g0 + n].view(shape),
+            )
         return out
 
     def read_planes(self, first: int, last: int) -> torch.Tensor:
@@ -335,7 +360,9 @@ class ExpertFile:
 
     def split(self, codes: torch.Tensor) -> dict[str, torch.Tensor]:
         """{tensor: (out, in) view} of an (N,) code or weight vector in ``index`` order."""
-        return {name: codes[pos:pos + n].view(shape) for name, (pos, n, shape) in self.index.items()}
+        return {
+            name: codes[pos : pos + n].view(shape) for name, (pos, n, shape) in self.index.items()
+        }
 
     def release(self) -> None:
         """Drop every mapped page of the file from this process's resident set (the page cache
@@ -345,7 +372,9 @@ class ExpertFile:
 
     def verify(self) -> None:
         """Check every block's checksum (reads the whole file once)."""
-        blocks = [(self._scales, "scales")] + [(p, f"bit-plane {j}") for j, p in enumerate(self._planes)]
+        blocks = [(self._scales, "scales")] + [
+            (p, f"bit-plane {j}") for j, p in enumerate(self._planes)
+        ]
         if self._codes is not None:
             blocks.append((self._codes, "the int8 codes"))
         for span, what in blocks:
@@ -375,7 +404,13 @@ def iter_expert_keys(names: Sequence[str]) -> Iterator[tuple[int, int, str, str]
     for key in names:
         parts = key.split(".")
         # model.layers.{L}.block_sparse_moe.experts.{E}.{w1|w2|w3}.weight
-        if len(parts) == 8 and parts[0] == "model" and parts[1] == "layers" \
-                and parts[3] == "block_sparse_moe" and parts[4] == "experts" \
-                and parts[6] in EXPERT_TENSORS and parts[7] == "weight":
+        if (
+            len(parts) == 8
+            and parts[0] == "model"
+            and parts[1] == "layers"
+            and parts[3] == "block_sparse_moe"
+            and parts[4] == "experts"
+            and parts[6] in EXPERT_TENSORS
+            and parts[7] == "weight"
+        ):
             yield int(parts[2]), int(parts[5]), parts[6], key

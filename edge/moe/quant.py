@@ -36,8 +36,8 @@ import torch
 
 from lowband.errors import ConfigError
 
-WIDTHS = (8, 4, 3, 2)        # the precisions a nested expert can be served at, high to low
-DEFAULT_RANGE_EXT = 8 / 7    # e: int8 grid span / group range; 8/7 makes the 3-bit slice native
+WIDTHS = (8, 4, 3, 2)  # the precisions a nested expert can be served at, high to low
+DEFAULT_RANGE_EXT = 8 / 7  # e: int8 grid span / group range; 8/7 makes the 3-bit slice native
 EXPERT_TENSORS = ("w1", "w2", "w3")
 
 
@@ -46,12 +46,14 @@ class NestedQuantConfig:
     """How expert weights are quantized. ``group_size`` is g, weights per (lo, step) pair."""
 
     group_size: int = 64
-    range_ext: float = DEFAULT_RANGE_EXT   # e, see the module docstring
-    layout: str = "planes"   # "bytes": plain int8 codes, for a conventional int8 baseline
+    range_ext: float = DEFAULT_RANGE_EXT  # e, see the module docstring
+    layout: str = "planes"  # "bytes": plain int8 codes, for a conventional int8 baseline
 
     def __post_init__(self) -> None:
         if self.group_size < 8 or self.group_size % 8:
-            raise ConfigError("group_size", f"must be a multiple of 8 (>= 8), got {self.group_size}")
+            raise ConfigError(
+                "group_size", f"must be a multiple of 8 (>= 8), got {self.group_size}"
+            )
         if not 1.0 <= self.range_ext <= 2.0:
             raise ConfigError("range_ext", f"must be in [1, 2], got {self.range_ext}")
         if self.layout not in ("planes", "bytes"):
@@ -83,25 +85,28 @@ def _fp16_up(x: torch.Tensor) -> torch.Tensor:
 
 def _groups(w: torch.Tensor, group_size: int) -> torch.Tensor:
     if w.dim() != 2 or w.shape[1] % group_size:
-        raise ConfigError("group_size", f"{group_size} does not divide the input dim of a "
-                          f"{tuple(w.shape)} matrix")
+        raise ConfigError(
+            "group_size", f"{group_size} does not divide the input dim of a {tuple(w.shape)} matrix"
+        )
     return w.detach().float().reshape(w.shape[0], w.shape[1] // group_size, group_size)
 
 
-def _minmax_grid(w: torch.Tensor, group_size: int, levels: int
-                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _minmax_grid(
+    w: torch.Tensor, group_size: int, levels: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Native min/max grid: ``levels`` codes from the group minimum to its maximum.
     (codes (out, G, g) uint8, lo float16, step float16)."""
     wg = _groups(w, group_size)
     lo = _fp16_down(wg.amin(-1))
     # 2^-24 is the smallest float16 step: a constant group still gets a valid grid.
-    step = _fp16_up(((wg.amax(-1) - lo.float()) / (levels - 1)).clamp_min(2.0 ** -24))
+    step = _fp16_up(((wg.amax(-1) - lo.float()) / (levels - 1)).clamp_min(2.0**-24))
     q = torch.round((wg - lo.float()[..., None]) / step.float()[..., None])
     return q.clamp_(0, levels - 1).to(torch.uint8), lo, step
 
 
-def _nested_grid(w: torch.Tensor, group_size: int, ext: float
-                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _nested_grid(
+    w: torch.Tensor, group_size: int, ext: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """int8 codes as the centres of 256 equal cells tiling ``ext`` x each group's range.
 
     Cells rather than end points: the 2^(8-b) codes sharing a b-bit prefix then tile exactly
@@ -110,7 +115,7 @@ def _nested_grid(w: torch.Tensor, group_size: int, ext: float
     """
     wg = _groups(w, group_size)
     lo32, hi32 = wg.amin(-1), wg.amax(-1)
-    step = _fp16_up(((hi32 - lo32) * (ext / 256)).clamp_min(2.0 ** -24))
+    step = _fp16_up(((hi32 - lo32) * (ext / 256)).clamp_min(2.0**-24))
     lo = _fp16_down((hi32 + lo32) / 2 - 127.5 * step.float())
     # Rounding lo down can cost coverage at the top when the range is tiny next to |lo|.
     step = torch.maximum(step, _fp16_up((hi32 - lo.float()) / 255.5))
@@ -118,8 +123,9 @@ def _nested_grid(w: torch.Tensor, group_size: int, ext: float
     return q.clamp_(0, 255).to(torch.uint8), lo, step
 
 
-def quantize_int8(w: torch.Tensor, group_size: int, range_ext: float = DEFAULT_RANGE_EXT
-                  ) -> QuantizedMatrix:
+def quantize_int8(
+    w: torch.Tensor, group_size: int, range_ext: float = DEFAULT_RANGE_EXT
+) -> QuantizedMatrix:
     """Per-group asymmetric int8 codes of a 2-D weight, grid over ``range_ext`` x the range."""
     if not 1.0 <= range_ext <= 2.0:
         raise ConfigError("range_ext", f"must be in [1, 2], got {range_ext}")
@@ -133,16 +139,18 @@ def slice_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
     return codes >> (8 - bits)
 
 
-def slice_affine(lo: torch.Tensor, step: torch.Tensor, bits: int
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
+def slice_affine(
+    lo: torch.Tensor, step: torch.Tensor, bits: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-group float32 (scale, offset) with ``W_b = offset + scale * q_b`` (mid-range correction)."""
     k = 2 ** (8 - bits)
     s = step.float()
     return s * k, lo.float() + s * ((k - 1) / 2)
 
 
-def dequantize(codes_b: torch.Tensor, lo: torch.Tensor, step: torch.Tensor, bits: int, *,
-               scratch: bool = False) -> torch.Tensor:
+def dequantize(
+    codes_b: torch.Tensor, lo: torch.Tensor, step: torch.Tensor, bits: int, *, scratch: bool = False
+) -> torch.Tensor:
     """Float32 weight (out, in) from b-bit nested codes (out, in) and the int8 group parameters.
 
     ``scratch=True``: into this thread's reusable buffer (see ``planes_to_codes``).
@@ -150,8 +158,9 @@ def dequantize(codes_b: torch.Tensor, lo: torch.Tensor, step: torch.Tensor, bits
     return apply_affine(codes_b, *slice_affine(lo, step, bits), scratch=scratch)
 
 
-def apply_affine(codes_b: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, *,
-                 scratch: bool = False) -> torch.Tensor:
+def apply_affine(
+    codes_b: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, *, scratch: bool = False
+) -> torch.Tensor:
     """``offset + scale * codes`` per group of consecutive codes: float32 shaped like ``codes_b``
     ((out, in) with (out, in/g) parameters, or flat (N,) with (N/g,) parameters: a whole expert's
     tensors back to back, their groups in the same order)."""
@@ -164,7 +173,7 @@ def apply_affine(codes_b: torch.Tensor, scale: torch.Tensor, offset: torch.Tenso
 def quantize_independent(w: torch.Tensor, bits: int, group_size: int) -> torch.Tensor:
     """Baseline: a natively quantized b-bit min/max model (same g, same float16 lo/step), dequantized."""
     _check_bits(bits)
-    q, lo, step = _minmax_grid(w, group_size, 2 ** bits)
+    q, lo, step = _minmax_grid(w, group_size, 2**bits)
     return (lo.float()[..., None] + step.float()[..., None] * q.float()).reshape(w.shape)
 
 

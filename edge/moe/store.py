@@ -48,12 +48,12 @@ from typing import Callable, Iterable, Union
 import torch
 import torch.nn.functional as F
 
+from edge.moe.checkpoint import ExpertKey, NestedCheckpoint, load_backbone
 from edge.moe.hebf import hebf_plan
-from lowband.models.llama import LlamaForCausalLM
 from edge.moe.planes import ExpertFile, page_buffer, planes_to_codes
 from edge.moe.quant import WIDTHS, apply_affine
-from edge.moe.checkpoint import ExpertKey, NestedCheckpoint, load_backbone
 from lowband.errors import ConfigError
+from lowband.models.llama import LlamaForCausalLM
 
 logger = logging.getLogger(__name__)
 
@@ -75,8 +75,8 @@ class HEBFConfig:
     """Hottest-expert-bit-first. ``decay`` is γ: hotness ← γ·hotness + routed count, per token."""
 
     min_bits: int = 2
-    decay: float = 0.98            # half-life ~34 tokens: follows a request, not every token
-    replan_every: int = 8          # tokens between plans
+    decay: float = 0.98  # half-life ~34 tokens: follows a request, not every token
+    replan_every: int = 8  # tokens between plans
 
     def __post_init__(self) -> None:
         if self.min_bits not in WIDTHS:
@@ -160,8 +160,8 @@ def _paged(t: torch.Tensor) -> torch.Tensor:
 def _paged_rows(top: torch.Tensor, rest: torch.Tensor) -> torch.Tensor:
     """Planes ``top`` followed by ``rest`` in one fresh page buffer."""
     out = page_buffer((top.shape[0] + rest.shape[0]) * top.shape[1]).view(-1, top.shape[1])
-    out[:top.shape[0]].copy_(top)
-    out[top.shape[0]:].copy_(rest)
+    out[: top.shape[0]].copy_(top)
+    out[top.shape[0] :].copy_(rest)
     return out
 
 
@@ -178,7 +178,7 @@ class Resident:
 
     bits: int
     scales: torch.Tensor
-    index: dict[str, tuple[int, int, tuple[int, int]]]     # ExpertFile.index
+    index: dict[str, tuple[int, int, tuple[int, int]]]  # ExpertFile.index
     data: torch.Tensor
     nbytes: int
     codes: bool = False
@@ -192,8 +192,12 @@ class Resident:
         f = self.scales.float()
         lo, step = f[:groups], f[groups:]
         codes = self.data if self.codes else planes_to_codes(self.data, scratch=scratch)
-        flat = apply_affine(codes, step * k, torch.add(lo, step, alpha=(k - 1) / 2), scratch=scratch)
-        return {name: flat[pos:pos + n].view(shape) for name, (pos, n, shape) in self.index.items()}
+        flat = apply_affine(
+            codes, step * k, torch.add(lo, step, alpha=(k - 1) / 2), scratch=scratch
+        )
+        return {
+            name: flat[pos : pos + n].view(shape) for name, (pos, n, shape) in self.index.items()
+        }
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Mixtral expert on (N, H) rows: w2(silu(w1 x) * w3 x)."""
@@ -204,39 +208,51 @@ class Resident:
         """This expert at fewer bits: a prefix of its planes, copied so the rest is freed."""
         if self.codes:
             raise ConfigError("bits", "an expert read from a plain int8 file cannot be narrowed")
-        return Resident(bits=bits, scales=self.scales, index=self.index,
-                        data=_paged(self.data[:bits]), nbytes=nbytes)
+        return Resident(
+            bits=bits,
+            scales=self.scales,
+            index=self.index,
+            data=_paged(self.data[:bits]),
+            nbytes=nbytes,
+        )
 
 
 @dataclass
 class CacheStats:
     hits: int = 0
     misses: int = 0
-    waits: int = 0                   # needed while its read was in flight (prefetch too late)
+    waits: int = 0  # needed while its read was in flight (prefetch too late)
     prefetched: int = 0
     upgrades: int = 0
     downgrades: int = 0
     evictions: int = 0
-    stall_s: float = 0.0             # decoding thread blocked on reads
+    stall_s: float = 0.0  # decoding thread blocked on reads
     peak_bytes: int = 0
     calls_by_bits: dict[int, int] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, object]:
         calls = sum(self.calls_by_bits.values())
         mean = sum(b * n for b, n in self.calls_by_bits.items()) / calls if calls else 0.0
-        return {"hits": self.hits, "misses": self.misses, "waits": self.waits,
-                "prefetched": self.prefetched, "upgrades": self.upgrades,
-                "downgrades": self.downgrades, "evictions": self.evictions,
-                "hit_rate": self.hits / max(1, self.hits + self.misses),
-                "stall_s": round(self.stall_s, 4), "peak_bytes": self.peak_bytes,
-                "mean_bits_per_call": round(mean, 3),
-                "calls_by_bits": {str(k): v for k, v in sorted(self.calls_by_bits.items())}}
+        return {
+            "hits": self.hits,
+            "misses": self.misses,
+            "waits": self.waits,
+            "prefetched": self.prefetched,
+            "upgrades": self.upgrades,
+            "downgrades": self.downgrades,
+            "evictions": self.evictions,
+            "hit_rate": self.hits / max(1, self.hits + self.misses),
+            "stall_s": round(self.stall_s, 4),
+            "peak_bytes": self.peak_bytes,
+            "mean_bits_per_call": round(mean, 3),
+            "calls_by_bits": {str(k): v for k, v in sorted(self.calls_by_bits.items())},
+        }
 
 
 # ---- the cache -----------------------------------------------------------------------------------
 @dataclass(order=True)
 class _Job:
-    priority: int                    # 0: prefetch for the next layer, 1: planned upgrade
+    priority: int  # 0: prefetch for the next layer, 1: planned upgrade
     seq: int
     key: ExpertKey = field(compare=False)
     bits: int = field(compare=False)
@@ -255,13 +271,19 @@ class ExpertCache:
         self.hebf = cfg.policy if isinstance(cfg.policy, HEBFConfig) else None
         need = set(WIDTHS) if self.hebf is not None else {self.floor}
         if any(not need <= set(s) for s in self.sizes.values()):
-            raise ConfigError("policy", f"{ckpt.root} holds plain int8 experts; serving "
-                              f"{type(cfg.policy).__name__} at {sorted(need)} bits needs a bit-nested "
-                              "conversion (lowband edge quantize --nested)")
+            raise ConfigError(
+                "policy",
+                f"{ckpt.root} holds plain int8 experts; serving "
+                f"{type(cfg.policy).__name__} at {sorted(need)} bits needs a bit-nested "
+                "conversion (lowband edge quantize --nested)",
+            )
         biggest = max(s[self.floor] for s in self.sizes.values())
         if biggest > cfg.budget_bytes:
-            raise ConfigError("budget_bytes", f"{cfg.budget_bytes} bytes cannot hold one expert at "
-                              f"{self.floor} bits ({biggest} bytes); raise the budget")
+            raise ConfigError(
+                "budget_bytes",
+                f"{cfg.budget_bytes} bytes cannot hold one expert at "
+                f"{self.floor} bits ({biggest} bytes); raise the budget",
+            )
         self.device = StorageDevice(cfg.read_mb_per_s * 1e6 if cfg.read_mb_per_s else None)
         self.stats = CacheStats()
         self.hotness = {k: 0.0 for k in self.sizes}
@@ -275,7 +297,7 @@ class ExpertCache:
         self._protected: set[ExpertKey] = set()
         self._used = self._reserved = 0
         self._tokens = self._seq = self._plan_at = 0
-        self._routed: dict[int, int] = {}       # layer -> token count when it last routed
+        self._routed: dict[int, int] = {}  # layer -> token count when it last routed
         self._jobs: list[_Job] = []
         self._gates: dict[int, torch.nn.Linear] = {}
         self._inputs: dict[int, torch.Tensor] = {}
@@ -307,7 +329,7 @@ class ExpertCache:
                 self._pins[key] -= 1
                 if not self._pins[key]:
                     del self._pins[key]
-                    self._cv.notify_all()   # a reader may be waiting for these bytes
+                    self._cv.notify_all()  # a reader may be waiting for these bytes
 
     def on_route(self, layer: int, chosen: torch.Tensor) -> None:
         """``SparseMoE.on_route``: chosen (N, k) expert ids of layer ``layer``."""
@@ -323,14 +345,17 @@ class ExpertCache:
             self._routed[layer] = self._tokens
             self._protected = set(counts)
             if self.hebf is not None:
-                g = self.hebf.decay ** n_tok
+                g = self.hebf.decay**n_tok
                 heat = self.hotness
                 for k in self._by_layer[layer]:
                     heat[k] *= g
                 for k, c in counts.items():
                     if k in heat:
                         heat[k] += c
-                if layer == self._layers[-1] and self._tokens >= self._plan_at + self.hebf.replan_every:
+                if (
+                    layer == self._layers[-1]
+                    and self._tokens >= self._plan_at + self.hebf.replan_every
+                ):
                     self._replan()
         if self.cfg.prefetch is not None:
             self._prefetch_after(layer)
@@ -339,8 +364,9 @@ class ExpertCache:
         """Fill the budget before serving: HEBF loads its plan for uniform hotness, LRU loads
         experts in (layer, expert) order. Synchronous; not counted in the statistics."""
         if self.hebf is not None:
-            target = hebf_plan({k: 1.0 for k in self.sizes}, self.sizes, self.cfg.budget_bytes,
-                               min_bits=self.floor)
+            target = hebf_plan(
+                {k: 1.0 for k in self.sizes}, self.sizes, self.cfg.budget_bytes, min_bits=self.floor
+            )
             self.plan = target
         else:
             target, left = {}, self.cfg.budget_bytes
@@ -378,8 +404,12 @@ class ExpertCache:
 
     def report(self) -> dict[str, object]:
         out = self.stats.as_dict()
-        out.update(bytes_read=self.device.bytes_read, io_busy_s=round(self.device.busy_s, 4),
-                   resident_bytes=self._used, budget_bytes=self.cfg.budget_bytes)
+        out.update(
+            bytes_read=self.device.bytes_read,
+            io_busy_s=round(self.device.busy_s, 4),
+            resident_bytes=self._used,
+            budget_bytes=self.cfg.budget_bytes,
+        )
         return out
 
     # -- demand path ----------------------------------------------------------------------------------
@@ -443,7 +473,7 @@ class ExpertCache:
         if mode == "warm":
             return []
         if self.hebf is None:
-            order = list(self._res)                                   # least recently used first
+            order = list(self._res)  # least recently used first
         else:
             order = sorted(self._res, key=lambda k: (self.hotness[k], k))  # coldest first
         out = []
@@ -457,7 +487,7 @@ class ExpertCache:
                 if bits > self.plan.get(k, 0):
                     out.append((k, self.plan.get(k, 0)))
             elif self.hebf is not None and bits > self.floor:
-                out.append((k, self.floor))      # coldest first: its extra planes, then itself
+                out.append((k, self.floor))  # coldest first: its extra planes, then itself
                 out.append((k, 0))
             else:
                 out.append((k, 0))
@@ -468,7 +498,7 @@ class ExpertCache:
         if free >= need:
             return True
         plan, bits_now = [], {}
-        for k, to in self._victims(key, mode):       # dry run: take nothing unless enough
+        for k, to in self._victims(key, mode):  # dry run: take nothing unless enough
             was = bits_now.get(k, self._res[k].bits)
             if to >= was:
                 continue
@@ -531,12 +561,25 @@ class ExpertCache:
             self._cv.notify_all()
         return out
 
-    def _merge(self, key: ExpertKey, cur: Resident | None, bits: int, scales: torch.Tensor | None,
-               data: torch.Tensor, f: ExpertFile) -> Resident:
+    def _merge(
+        self,
+        key: ExpertKey,
+        cur: Resident | None,
+        bits: int,
+        scales: torch.Tensor | None,
+        data: torch.Tensor,
+        f: ExpertFile,
+    ) -> Resident:
         if cur is not None:
             data = _paged_rows(cur.data, data)
-        return Resident(bits=bits, scales=scales if cur is None else cur.scales, index=f.index,
-                        data=data, nbytes=self.sizes[key][bits], codes=f.layout == "bytes")
+        return Resident(
+            bits=bits,
+            scales=scales if cur is None else cur.scales,
+            index=f.index,
+            data=data,
+            nbytes=self.sizes[key][bits],
+            codes=f.layout == "bytes",
+        )
 
     # -- background work ------------------------------------------------------------------------------
     def _next_seq(self) -> int:
@@ -551,7 +594,7 @@ class ExpertCache:
         cur = self._res.get(job.key)
         if job.key in self._pending:
             return False
-        if job.priority == 0:     # prefetch: useless once its layer has routed this token
+        if job.priority == 0:  # prefetch: useless once its layer has routed this token
             return cur is None and self._routed.get(job.key[0], -1) < job.token
         return self.plan.get(job.key, 0) >= job.bits > (cur.bits if cur is not None else 0)
 
@@ -568,7 +611,7 @@ class ExpertCache:
             if go:
                 try:
                     self._load(job.key, job.bits)
-                except Exception:   # the demand path re-reads and raises to the caller
+                except Exception:  # the demand path re-reads and raises to the caller
                     logger.exception("background read of expert %s failed", job.key)
 
     def _prefetch_after(self, layer: int) -> None:
@@ -578,7 +621,7 @@ class ExpertCache:
             return
         nxt = later[0]
         if all(k in self._res for k in self._by_layer.get(nxt, ())):
-            return   # nothing to fetch (HEBF at a budget that covers every expert)
+            return  # nothing to fetch (HEBF at a budget that covers every expert)
         with torch.no_grad():
             logits = self._gates[nxt](x.reshape(-1, x.shape[-1]))
             probs = torch.softmax(logits.float(), dim=-1).mean(0)
@@ -633,7 +676,8 @@ def attach(model: LlamaForCausalLM, cache: ExpertCache, *, placed: bool = False)
             continue
         if placed:
             moe.expert_fn = functools.partial(
-                lambda i, e, x: cache.forward(i, e, x) if (i, e) in keys else _zeros(i, e, x), i)
+                lambda i, e, x: cache.forward(i, e, x) if (i, e) in keys else _zeros(i, e, x), i
+            )
         else:
             moe.expert_fn = functools.partial(cache.forward, i)
         moe.on_route = functools.partial(cache.on_route, i)
@@ -643,16 +687,21 @@ def attach(model: LlamaForCausalLM, cache: ExpertCache, *, placed: bool = False)
     cache.set_gates(gates)
 
 
-def open_store(root: str | Path, cfg: ExpertStoreConfig, *,
-               experts: Iterable[ExpertKey] | None = None, warm: bool = True
-               ) -> tuple[LlamaForCausalLM, ExpertCache]:
+def open_store(
+    root: str | Path,
+    cfg: ExpertStoreConfig,
+    *,
+    experts: Iterable[ExpertKey] | None = None,
+    warm: bool = True,
+) -> tuple[LlamaForCausalLM, ExpertCache]:
     """Load a nested checkpoint for serving: backbone in memory, experts through a cache.
 
     Every check (manifest, shapes against config.json, file sizes, checksums when
     ``cfg.verify_on_open``, the budget against one expert) runs here, before the first token.
     """
-    ckpt = NestedCheckpoint(root, experts=list(experts) if experts is not None else None,
-                            verify=cfg.verify_on_open)
+    ckpt = NestedCheckpoint(
+        root, experts=list(experts) if experts is not None else None, verify=cfg.verify_on_open
+    )
     try:
         cache = ExpertCache(ckpt, cfg)
     except BaseException:

@@ -27,12 +27,12 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 
+from lowband import SAMPLE_TEXT
+from lowband.errors import ConfigError
 from lowband.models.config import ModelConfig
 from lowband.models.llama import LlamaForCausalLM, init_weights
 from lowband.models.tokenizer import ByteTokenizer
 from lowband.models.weights import save_pretrained
-from lowband.errors import ConfigError
-from lowband import SAMPLE_TEXT
 
 logger = logging.getLogger(__name__)
 
@@ -46,25 +46,28 @@ class MoETrainConfig:
     """A training run. Symbols: B batch, T sequence length, E experts, k experts per token."""
 
     model: ModelConfig
-    data: Path                 # UTF-8 text; the last ``heldout_frac`` is never trained on
+    data: Path  # UTF-8 text; the last ``heldout_frac`` is never trained on
     out_dir: Path
     steps: int = 600
-    batch_size: int = 16       # B
-    seq_len: int = 128         # T
-    lr: float = 3e-3           # peak AdamW learning rate, cosine-decayed to lr/10
+    batch_size: int = 16  # B
+    seq_len: int = 128  # T
+    lr: float = 3e-3  # peak AdamW learning rate, cosine-decayed to lr/10
     warmup: int = 30
     weight_decay: float = 0.1
-    aux_coef: float = 0.01     # weight of the load-balancing loss (Mixtral uses 0.02, Switch 0.01)
+    aux_coef: float = 0.01  # weight of the load-balancing loss (Mixtral uses 0.02, Switch 0.01)
     grad_clip: float = 1.0
     heldout_frac: float = 0.05
     seed: int = 0
 
     def __post_init__(self) -> None:
         if not self.model.is_moe:
-            raise ConfigError("model", "num_local_experts must be > 0: this trainer is for MoE models")
+            raise ConfigError(
+                "model", "num_local_experts must be > 0: this trainer is for MoE models"
+            )
         if self.model.vocab_size != 256:
-            raise ConfigError("model.vocab_size",
-                              f"must be 256 (byte tokenizer), got {self.model.vocab_size}")
+            raise ConfigError(
+                "model.vocab_size", f"must be 256 (byte tokenizer), got {self.model.vocab_size}"
+            )
         for name in ("steps", "batch_size", "seq_len"):
             if getattr(self, name) < 1:
                 raise ConfigError(name, f"must be >= 1, got {getattr(self, name)}")
@@ -79,27 +82,59 @@ def bench_model() -> ModelConfig:
 
     Experts hold 25.2M of the 25.5M parameters, as in real MoEs where experts dominate memory.
     """
-    return ModelConfig(model_type="mixtral", vocab_size=256, hidden_size=128, intermediate_size=512,
-                       num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-                       num_local_experts=32, num_experts_per_tok=2, max_position_embeddings=1024,
-                       rope_theta=10000.0, rms_norm_eps=1e-5)
+    return ModelConfig(
+        model_type="mixtral",
+        vocab_size=256,
+        hidden_size=128,
+        intermediate_size=512,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_local_experts=32,
+        num_experts_per_tok=2,
+        max_position_embeddings=1024,
+        rope_theta=10000.0,
+        rms_norm_eps=1e-5,
+    )
 
 
 def tiny_model() -> ModelConfig:
     """A model small enough for unit tests (trains in seconds)."""
-    return ModelConfig(model_type="mixtral", vocab_size=256, hidden_size=64, intermediate_size=128,
-                       num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                       num_local_experts=8, num_experts_per_tok=2, max_position_embeddings=512)
+    return ModelConfig(
+        model_type="mixtral",
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_local_experts=8,
+        num_experts_per_tok=2,
+        max_position_embeddings=512,
+    )
 
 
 def bench_preset(out_dir: Path, data: Path | None = None) -> MoETrainConfig:
-    return MoETrainConfig(model=bench_model(), data=data or default_text(), out_dir=out_dir,
-                          steps=600, batch_size=16, seq_len=128)
+    return MoETrainConfig(
+        model=bench_model(),
+        data=data or default_text(),
+        out_dir=out_dir,
+        steps=600,
+        batch_size=16,
+        seq_len=128,
+    )
 
 
 def tiny_preset(out_dir: Path, data: Path | None = None) -> MoETrainConfig:
-    return MoETrainConfig(model=tiny_model(), data=data or SAMPLE_TEXT, out_dir=out_dir,
-                          steps=40, batch_size=8, seq_len=64, warmup=5)
+    return MoETrainConfig(
+        model=tiny_model(),
+        data=data or SAMPLE_TEXT,
+        out_dir=out_dir,
+        steps=40,
+        batch_size=8,
+        seq_len=64,
+        warmup=5,
+    )
 
 
 def default_text() -> Path:
@@ -124,17 +159,23 @@ def balance_loss(logits: list[torch.Tensor], top_k: int) -> torch.Tensor:
     """Switch-style load-balancing loss averaged over layers; logits: per layer (N, E)."""
     total = logits[0].new_zeros(())
     for lg in logits:
-        probs = F.softmax(lg, dim=-1, dtype=torch.float32)        # (N, E)
-        chosen = torch.topk(probs, top_k, dim=-1).indices          # (N, k)
+        probs = F.softmax(lg, dim=-1, dtype=torch.float32)  # (N, E)
+        chosen = torch.topk(probs, top_k, dim=-1).indices  # (N, k)
         n_exp = probs.shape[-1]
-        frac = F.one_hot(chosen, n_exp).float().sum(dim=(0, 1)) / chosen.numel()   # f_e
+        frac = F.one_hot(chosen, n_exp).float().sum(dim=(0, 1)) / chosen.numel()  # f_e
         total = total + n_exp * (frac * probs.mean(dim=0)).sum()
     return total / len(logits)
 
 
 @torch.no_grad()
-def heldout_ppl(model: LlamaForCausalLM, heldout: torch.Tensor, *, seq_len: int = 256,
-                max_tokens: int = 32768, batch_size: int = 16) -> float:
+def heldout_ppl(
+    model: LlamaForCausalLM,
+    heldout: torch.Tensor,
+    *,
+    seq_len: int = 256,
+    max_tokens: int = 32768,
+    batch_size: int = 16,
+) -> float:
     """exp(mean next-byte NLL) over non-overlapping windows of the held-out tail."""
     n_win = min(max_tokens, len(heldout) - 1) // seq_len
     if n_win < 1:
@@ -143,11 +184,12 @@ def heldout_ppl(model: LlamaForCausalLM, heldout: torch.Tensor, *, seq_len: int 
     nll, count = 0.0, 0
     for s in range(0, n_win, batch_size):
         rows = range(s, min(n_win, s + batch_size))
-        x = torch.stack([windows[r * seq_len:(r + 1) * seq_len] for r in rows])
-        y = torch.stack([windows[r * seq_len + 1:(r + 1) * seq_len + 1] for r in rows])
+        x = torch.stack([windows[r * seq_len : (r + 1) * seq_len] for r in rows])
+        y = torch.stack([windows[r * seq_len + 1 : (r + 1) * seq_len + 1] for r in rows])
         logits = model(x)
-        nll += F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), y.reshape(-1),
-                               reduction="sum").item()
+        nll += F.cross_entropy(
+            logits.reshape(-1, logits.shape[-1]).float(), y.reshape(-1), reduction="sum"
+        ).item()
         count += y.numel()
     return math.exp(nll / count)
 
@@ -166,19 +208,31 @@ def train(cfg: MoETrainConfig) -> Path:
     model = LlamaForCausalLM(cfg.model)
     init_weights(model, seed=cfg.seed)
     router_logits: list[torch.Tensor] = []
-    hooks = [layer.block_sparse_moe.gate.register_forward_hook(
-        lambda _m, _i, out: router_logits.append(out)) for layer in model.model.layers]
+    hooks = [
+        layer.block_sparse_moe.gate.register_forward_hook(
+            lambda _m, _i, out: router_logits.append(out)
+        )
+        for layer in model.model.layers
+    ]
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
-                             {"params": no_decay, "weight_decay": 0.0}], lr=cfg.lr, betas=(0.9, 0.95))
+    opt = torch.optim.AdamW(
+        [
+            {"params": decay, "weight_decay": cfg.weight_decay},
+            {"params": no_decay, "weight_decay": 0.0},
+        ],
+        lr=cfg.lr,
+        betas=(0.9, 0.95),
+    )
     gen = torch.Generator().manual_seed(cfg.seed)
     t0, losses = time.perf_counter(), []
     model.train()
     for step in range(cfg.steps):
-        starts = torch.randint(0, len(train_ids) - cfg.seq_len - 1, (cfg.batch_size,), generator=gen)
-        x = torch.stack([train_ids[s:s + cfg.seq_len] for s in starts.tolist()])
-        y = torch.stack([train_ids[s + 1:s + cfg.seq_len + 1] for s in starts.tolist()])
+        starts = torch.randint(
+            0, len(train_ids) - cfg.seq_len - 1, (cfg.batch_size,), generator=gen
+        )
+        x = torch.stack([train_ids[s : s + cfg.seq_len] for s in starts.tolist()])
+        y = torch.stack([train_ids[s + 1 : s + cfg.seq_len + 1] for s in starts.tolist()])
         for group in opt.param_groups:
             group["lr"] = _lr_at(step, cfg)
         router_logits.clear()
@@ -191,8 +245,9 @@ def train(cfg: MoETrainConfig) -> Path:
         opt.step()
         losses.append(lm.item())
         if step % 25 == 0 or step == cfg.steps - 1:
-            logger.info("step %d/%d loss %.3f (%.1fs)", step, cfg.steps, lm.item(),
-                        time.perf_counter() - t0)
+            logger.info(
+                "step %d/%d loss %.3f (%.1fs)", step, cfg.steps, lm.item(), time.perf_counter() - t0
+            )
     for h in hooks:
         h.remove()
     model.eval()
@@ -200,10 +255,16 @@ def train(cfg: MoETrainConfig) -> Path:
     ppl = heldout_ppl(model, heldout)
     out = save_pretrained(model, cfg.out_dir)
     ByteTokenizer().save(out)
-    log = {"steps": cfg.steps, "tokens": cfg.steps * cfg.batch_size * cfg.seq_len,
-           "train_s": round(train_s, 1), "final_loss": sum(losses[-20:]) / len(losses[-20:]),
-           "heldout_ppl": ppl, "data": str(cfg.data), "heldout_frac": cfg.heldout_frac,
-           "config": {k: v for k, v in asdict(cfg).items() if k not in ("model", "data", "out_dir")}}
+    log = {
+        "steps": cfg.steps,
+        "tokens": cfg.steps * cfg.batch_size * cfg.seq_len,
+        "train_s": round(train_s, 1),
+        "final_loss": sum(losses[-20:]) / len(losses[-20:]),
+        "heldout_ppl": ppl,
+        "data": str(cfg.data),
+        "heldout_frac": cfg.heldout_frac,
+        "config": {k: v for k, v in asdict(cfg).items() if k not in ("model", "data", "out_dir")},
+    }
     (out / TRAIN_LOG).write_text(json.dumps(log, indent=2))
     logger.info("trained in %.0fs: loss %.3f, held-out ppl %.3f", train_s, log["final_loss"], ppl)
     return out

@@ -172,7 +172,9 @@ def _grouped(w: torch.Tensor, group: int) -> torch.Tensor:
     if not isinstance(w, torch.Tensor):
         raise QuantShapeError(f"weight must be a torch.Tensor, got {type(w).__name__}")
     if w.dim() != 2:
-        raise QuantShapeError(f"weight must be 2-D [out_features, in_features], got {tuple(w.shape)}")
+        raise QuantShapeError(
+            f"weight must be 2-D [out_features, in_features], got {tuple(w.shape)}"
+        )
     if not (w.is_floating_point()):
         raise QuantShapeError(f"weight must be floating point, got {w.dtype}")
     n, k = w.shape
@@ -266,9 +268,7 @@ def dequantize(
     return w.view(n, k).to(dtype)
 
 
-def narrow(
-    packed: PackedWeight, dim: int, start: int, length: int
-) -> PackedWeight:
+def narrow(packed: PackedWeight, dim: int, start: int, length: int) -> PackedWeight:
     """Slice a packed weight without requantizing.
 
     ``dim=0`` takes output rows ``start:start+length``; ``dim=1`` takes input columns, which must

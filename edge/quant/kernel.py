@@ -126,7 +126,8 @@ def _cpu_id() -> str:
     keep = [
         line
         for line in text.splitlines()
-        if line.split(":")[0].strip() in ("model name", "flags", "Features", "CPU part", "CPU implementer")
+        if line.split(":")[0].strip()
+        in ("model name", "flags", "Features", "CPU part", "CPU implementer")
     ]
     return "\n".join(sorted(set(keep)))
 
@@ -186,7 +187,11 @@ def load() -> Any:
                 name, build_dir = _build_dir(cfg, flags)
                 build_dir.mkdir(parents=True, exist_ok=True)
                 if name not in _built:
-                    log.info("loading quantized GEMV kernel %s (compiles once, ~30 s) in %s", name, build_dir)
+                    log.info(
+                        "loading quantized GEMV kernel %s (compiles once, ~30 s) in %s",
+                        name,
+                        build_dir,
+                    )
                     with _build_lock(build_dir):
                         _built[name] = cpp_extension.load(
                             name=name,
@@ -203,7 +208,9 @@ def load() -> Any:
                 msg = str(e).strip()
                 _reason = f"{type(e).__name__}: {msg.splitlines()[0][:200] if msg else ''}"
                 log.warning(
-                    "quantized GEMV kernel unavailable, using the PyTorch fallback: %s\n%s", _reason, msg[-2000:]
+                    "quantized GEMV kernel unavailable, using the PyTorch fallback: %s\n%s",
+                    _reason,
+                    msg[-2000:],
                 )
         _tried = True
         return _module
@@ -252,7 +259,9 @@ def gemv_fallback(
         y = torch.empty(x.shape[:-1] + (n,), dtype=torch.float32, device=x.device)
         for n0 in range(0, n, bn):
             rows = min(bn, n - n0)
-            w = dequantize(QuantSpec(bits, group, (rows, k)), qweight[n0 : n0 + rows], scales[n0 : n0 + rows])
+            w = dequantize(
+                QuantSpec(bits, group, (rows, k)), qweight[n0 : n0 + rows], scales[n0 : n0 + rows]
+            )
             y[..., n0 : n0 + rows] = F.linear(x, w)
     if bias is not None:
         y += bias.to(torch.float32)

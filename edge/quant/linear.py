@@ -68,7 +68,9 @@ class QuantLinear(nn.Module):
         self.group = group
         self.max_kernel_rows = int(max_kernel_rows)
         self.use_kernel = bool(use_kernel)
-        self.register_buffer("qweight", torch.zeros(self.spec.qweight_shape, dtype=self.spec.qweight_dtype))
+        self.register_buffer(
+            "qweight", torch.zeros(self.spec.qweight_shape, dtype=self.spec.qweight_dtype)
+        )
         self.register_buffer("scales", torch.zeros(self.spec.scales_shape, dtype=torch.float16))
         self.register_buffer("bias", torch.zeros(out_features) if bias else None)
 
@@ -89,7 +91,9 @@ class QuantLinear(nn.Module):
         return m
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, bits: int = 8, group: int = 32, **kwargs) -> "QuantLinear":
+    def from_linear(
+        cls, linear: nn.Linear, bits: int = 8, group: int = 32, **kwargs
+    ) -> "QuantLinear":
         """Quantize an ``nn.Linear`` (its weight is not modified)."""
         packed = quantize(linear.weight, bits, group)
         return cls.from_packed(packed, linear.bias, **kwargs)
@@ -119,7 +123,9 @@ class QuantLinear(nn.Module):
             return y.to(x.dtype)
         x2 = x.reshape(-1, self.in_features)
         use = self.use_kernel and x2.shape[0] <= self.max_kernel_rows
-        y = kernel.gemv(x2, self.qweight, self.scales, self.bits, self.group, self.bias, force_fallback=not use)
+        y = kernel.gemv(
+            x2, self.qweight, self.scales, self.bits, self.group, self.bias, force_fallback=not use
+        )
         return y.to(x.dtype).reshape(*lead, self.out_features)
 
     # -- sharding ----------------------------------------------------------------------------
@@ -187,7 +193,9 @@ def quantize_modules(
     """
     skip = tuple(skip)
     if type(model) is nn.Linear:
-        raise TypeError("quantize_modules replaces children; wrap a bare nn.Linear with QuantLinear.from_linear")
+        raise TypeError(
+            "quantize_modules replaces children; wrap a bare nn.Linear with QuantLinear.from_linear"
+        )
     targets = [
         (name, mod)
         for name, mod in model.named_modules(remove_duplicate=False)

@@ -19,8 +19,15 @@ import time
 
 import torch
 
-from diloco.config import (DataConfig, DDPConfig, DilocoConfig, LrSchedule, OptimizerConfig,
-                           TrainConfig, byte_llama)
+from diloco.config import (
+    DataConfig,
+    DDPConfig,
+    DilocoConfig,
+    LrSchedule,
+    OptimizerConfig,
+    TrainConfig,
+    byte_llama,
+)
 from diloco.launch import run_threads
 from diloco.task import lm_task
 
@@ -32,22 +39,34 @@ def base_config(tiny: bool, workers: int) -> TrainConfig:
         data=DataConfig(seq_len=32 if tiny else 64, batch_size=4 if tiny else 8, eval_batches=8),
         inner=OptimizerConfig(name="adamw", lr=6e-3, weight_decay=0.1),
         lr_schedule=LrSchedule(warmup_steps=4 if tiny else 40),
-        steps=steps, workers=workers, eval_every=steps // 4)
+        steps=steps,
+        workers=workers,
+        eval_every=steps // 4,
+    )
 
 
 def streaming_diloco(tiny: bool) -> DilocoConfig:
     """Settings tuned by ``python -m benchmarks.diloco`` (see diloco/README.md)."""
-    return DilocoConfig(inner_steps=10 if tiny else 60, n_fragments=2 if tiny else 3,
-                        tau=1 if tiny else 5, alpha=0.5, codec="nf4", error_feedback=True,
-                        outer=OptimizerConfig(name="sgd", lr=1.0, momentum=0.9, nesterov=True))
+    return DilocoConfig(
+        inner_steps=10 if tiny else 60,
+        n_fragments=2 if tiny else 3,
+        tau=1 if tiny else 5,
+        alpha=0.5,
+        codec="nf4",
+        error_feedback=True,
+        outer=OptimizerConfig(name="sgd", lr=1.0, momentum=0.9, nesterov=True),
+    )
 
 
 def summarize(results) -> dict:
     """Worker 0 evaluates the global model; bytes are averaged over the workers."""
     lead = next(r for r in results if r.final_eval is not None)
-    return {"eval_loss": lead.final_eval,
-            "bytes_per_worker": sum(r.bytes_sent for r in results) / len(results),
-            "syncs": lead.outer_syncs, "curve": [(e["step"], e["loss"]) for e in lead.evals]}
+    return {
+        "eval_loss": lead.final_eval,
+        "bytes_per_worker": sum(r.bytes_sent for r in results) / len(results),
+        "syncs": lead.outer_syncs,
+        "curve": [(e["step"], e["loss"]) for e in lead.evals],
+    }
 
 
 def main() -> int:
@@ -60,8 +79,9 @@ def main() -> int:
     base = base_config(args.tiny, args.workers)
     runs = {
         # DDP: fp32 gradients averaged after every step; lr halved for its M-times larger batch
-        "DDP": dataclasses.replace(base, mode=DDPConfig(),
-                                   inner=dataclasses.replace(base.inner, lr=3e-3)),
+        "DDP": dataclasses.replace(
+            base, mode=DDPConfig(), inner=dataclasses.replace(base.inner, lr=3e-3)
+        ),
         "Streaming DiLoCo": dataclasses.replace(base, mode=streaming_diloco(args.tiny)),
     }
     task = lm_task(base)  # one corpus and one initial model for both runs
@@ -74,17 +94,20 @@ def main() -> int:
 
     ddp, dl = out["DDP"], out["Streaming DiLoCo"]
     tokens = base.workers * base.steps * base.tokens_per_step()
-    print(f"{base.workers} workers, {base.steps} steps each, {tokens:,} tokens; "
-          f"initial held-out loss {initial:.4f}")
+    print(
+        f"{base.workers} workers, {base.steps} steps each, {tokens:,} tokens; "
+        f"initial held-out loss {initial:.4f}"
+    )
     print(f"{'run':<17} {'eval loss':>9} {'MiB sent/worker':>16} {'syncs':>6} {'wall s':>7}")
     for name, r in out.items():
-        print(f"{name:<17} {r['eval_loss']:>9.4f} {r['bytes_per_worker'] / 2**20:>16.3f} "
-              f"{r['syncs']:>6} {r['wall_s']:>7.1f}")
+        print(
+            f"{name:<17} {r['eval_loss']:>9.4f} {r['bytes_per_worker'] / 2**20:>16.3f} "
+            f"{r['syncs']:>6} {r['wall_s']:>7.1f}"
+        )
     ratio = ddp["bytes_per_worker"] / dl["bytes_per_worker"]
     gap = (dl["eval_loss"] - ddp["eval_loss"]) / ddp["eval_loss"]
     print(f"Streaming DiLoCo sent {ratio:.0f}x fewer bytes; eval loss {100 * gap:+.2f}% vs DDP")
-    print(json.dumps({"initial_eval": initial, "runs": out, "bytes_ratio": ratio,
-                      "loss_gap": gap}))
+    print(json.dumps({"initial_eval": initial, "runs": out, "bytes_ratio": ratio, "loss_gap": gap}))
     return 0
 
 

@@ -33,17 +33,48 @@ LOWBAND = [sys.executable, "-m", "lowband"]
 def train_model(out: Path, tiny: bool) -> Path:
     """A byte-level Llama trained for a few seconds with `lowband train` (DiLoCo, 2 workers)."""
     steps = "60" if tiny else "400"
-    subprocess.run([*LOWBAND, "train", "--preset", "tiny", "--loopback", "--steps", steps,
-                    "--eval-every", "0", "--out", str(out), "--no-progress"],
-                   check=True, stdout=subprocess.DEVNULL)
+    subprocess.run(
+        [
+            *LOWBAND,
+            "train",
+            "--preset",
+            "tiny",
+            "--loopback",
+            "--steps",
+            steps,
+            "--eval-every",
+            "0",
+            "--out",
+            str(out),
+            "--no-progress",
+        ],
+        check=True,
+        stdout=subprocess.DEVNULL,
+    )
     return out / "model"
 
 
 def start_server(model: Path) -> tuple[subprocess.Popen, str]:
     """``lowband edge run`` in its own process group; returns it and its base URL."""
-    proc = subprocess.Popen([*LOWBAND, "edge", "run", str(model), "--devices", "2",
-                             "--host", "127.0.0.1", "--port", "0", "--name", "tiny-shakespeare"],
-                            stdout=subprocess.PIPE, text=True, start_new_session=True)
+    proc = subprocess.Popen(
+        [
+            *LOWBAND,
+            "edge",
+            "run",
+            str(model),
+            "--devices",
+            "2",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            "0",
+            "--name",
+            "tiny-shakespeare",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     lines: queue.Queue[str] = queue.Queue()
     threading.Thread(target=lambda: [lines.put(l) for l in proc.stdout], daemon=True).start()
     deadline = time.monotonic() + 120
@@ -73,23 +104,41 @@ def stop_server(proc: subprocess.Popen) -> None:
 
 
 def post(url: str, body: dict) -> urllib.request.Request:
-    return urllib.request.Request(url, data=json.dumps(body).encode(), method="POST",
-                                  headers={"Content-Type": "application/json"})
+    return urllib.request.Request(
+        url,
+        data=json.dumps(body).encode(),
+        method="POST",
+        headers={"Content-Type": "application/json"},
+    )
 
 
 def chat(base: str, messages: list[dict], max_tokens: int) -> dict:
     """An ordinary request: one JSON answer."""
-    req = post(f"{base}/v1/chat/completions", {"model": "tiny-shakespeare", "messages": messages,
-                                               "max_tokens": max_tokens, "temperature": 0})
+    req = post(
+        f"{base}/v1/chat/completions",
+        {
+            "model": "tiny-shakespeare",
+            "messages": messages,
+            "max_tokens": max_tokens,
+            "temperature": 0,
+        },
+    )
     with urllib.request.urlopen(req, timeout=120) as resp:
         return json.load(resp)
 
 
 def chat_stream(base: str, messages: list[dict], max_tokens: int) -> str:
     """``"stream": true``: ``data: {chunk}`` lines until ``data: [DONE]``; print as they come."""
-    req = post(f"{base}/v1/chat/completions", {"model": "tiny-shakespeare", "messages": messages,
-                                               "max_tokens": max_tokens, "temperature": 0,
-                                               "stream": True})
+    req = post(
+        f"{base}/v1/chat/completions",
+        {
+            "model": "tiny-shakespeare",
+            "messages": messages,
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "stream": True,
+        },
+    )
     parts = []
     with urllib.request.urlopen(req, timeout=120) as resp:
         for raw in resp:
@@ -98,7 +147,7 @@ def chat_stream(base: str, messages: list[dict], max_tokens: int) -> str:
                 continue
             if line == "data: [DONE]":
                 break
-            chunk = json.loads(line[len("data: "):])
+            chunk = json.loads(line[len("data: ") :])
             if "error" in chunk:
                 raise SystemExit(f"the stream failed: {chunk['error']['message']}")
             piece = chunk["choices"][0]["delta"].get("content", "")
@@ -133,9 +182,18 @@ def main() -> int:
     finally:
         stop_server(server)
     print(f"streamed == non-streamed: {streamed == text}")
-    print(json.dumps({"health": health, "text": text, "streamed": streamed,
-                      "usage": answer["usage"], "finish_reason": answer["choices"][0]["finish_reason"],
-                      "metrics_bytes": len(metrics)}))
+    print(
+        json.dumps(
+            {
+                "health": health,
+                "text": text,
+                "streamed": streamed,
+                "usage": answer["usage"],
+                "finish_reason": answer["choices"][0]["finish_reason"],
+                "metrics_bytes": len(metrics),
+            }
+        )
+    )
     return 0
 
 

@@ -31,11 +31,10 @@ from pathlib import Path
 import torch
 
 from edge.engine import Engine, LocalRunner
-from edge.moe.store import (ExpertStoreConfig, HEBFConfig, LRUConfig, PrefetchConfig,
-                               open_store)
-from edge.moe.train import heldout_ppl, load_splits, tiny_preset, train
-from edge.moe.quant import NestedQuantConfig
 from edge.moe.checkpoint import NestedCheckpoint, quantize_checkpoint
+from edge.moe.quant import NestedQuantConfig
+from edge.moe.store import ExpertStoreConfig, HEBFConfig, LRUConfig, PrefetchConfig, open_store
+from edge.moe.train import heldout_ppl, load_splits, tiny_preset, train
 from edge.sampling import SamplingParams
 from lowband.models.tokenizer import ByteTokenizer
 
@@ -49,8 +48,9 @@ def int8_expert_bytes(nested: Path) -> int:
         ck.close()
 
 
-def serve(nested: Path, cfg: ExpertStoreConfig, heldout: torch.Tensor, prompt: str,
-          max_tokens: int) -> dict:
+def serve(
+    nested: Path, cfg: ExpertStoreConfig, heldout: torch.Tensor, prompt: str, max_tokens: int
+) -> dict:
     """Held-out perplexity and a completion with the experts behind ``cfg``'s cache."""
     model, cache = open_store(nested, cfg)
     try:
@@ -63,18 +63,28 @@ def serve(nested: Path, cfg: ExpertStoreConfig, heldout: torch.Tensor, prompt: s
         rep = cache.report()
     finally:
         cache.close()
-    return {"ppl": round(ppl, 3), "hit_rate": round(rep["hit_rate"], 3),
-            "mean_bits": rep["mean_bits_per_call"], "peak_bytes": rep["peak_bytes"],
-            "budget_bytes": cfg.budget_bytes, "bytes_read": rep["bytes_read"],
-            "tokens_per_s": round(rate, 1), "text": text}
+    return {
+        "ppl": round(ppl, 3),
+        "hit_rate": round(rep["hit_rate"], 3),
+        "mean_bits": rep["mean_bits_per_call"],
+        "peak_bytes": rep["peak_bytes"],
+        "budget_bytes": cfg.budget_bytes,
+        "bytes_read": rep["bytes_read"],
+        "tokens_per_s": round(rate, 1),
+        "text": text,
+    }
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=Path("moe-run"))
     ap.add_argument("--tiny", action="store_true")
-    ap.add_argument("--budget", type=float, default=0.4,
-                    help="resident expert bytes as a fraction of the int8 experts (default 0.4)")
+    ap.add_argument(
+        "--budget",
+        type=float,
+        default=0.4,
+        help="resident expert bytes as a fraction of the int8 experts (default 0.4)",
+    )
     ap.add_argument("--prompt", default="KING HENRY:\nNow, lords,")
     ap.add_argument("--max-tokens", type=int, default=48)
     args = ap.parse_args()
@@ -87,23 +97,32 @@ def main() -> int:
     full = int8_expert_bytes(nested)
     budget = int(args.budget * full)
     _, heldout = load_splits(tcfg.data, tcfg.heldout_frac)
-    print(f"{tcfg.model.num_local_experts} experts x {tcfg.model.num_hidden_layers} layers: "
-          f"{full / 1e3:.1f} kB at int8; budget {budget / 1e3:.1f} kB ({args.budget:.0%})")
+    print(
+        f"{tcfg.model.num_local_experts} experts x {tcfg.model.num_hidden_layers} layers: "
+        f"{full / 1e3:.1f} kB at int8; budget {budget / 1e3:.1f} kB ({args.budget:.0%})"
+    )
 
     policies = {
         "int8, all resident": ExpertStoreConfig(budget_bytes=full, policy=LRUConfig(bits=8)),
-        "HEBF (8..2 bits)": ExpertStoreConfig(budget_bytes=budget, policy=HEBFConfig(min_bits=2),
-                                              prefetch=PrefetchConfig(top=2)),
+        "HEBF (8..2 bits)": ExpertStoreConfig(
+            budget_bytes=budget, policy=HEBFConfig(min_bits=2), prefetch=PrefetchConfig(top=2)
+        ),
         "int8 LRU": ExpertStoreConfig(budget_bytes=budget, policy=LRUConfig(bits=8)),
     }
-    results = {name: serve(nested, cfg, heldout, args.prompt, args.max_tokens)
-               for name, cfg in policies.items()}
-    print(f"{'policy':<20} {'ppl':>7} {'hit rate':>8} {'mean bits':>9} {'peak kB':>8} "
-          f"{'budget kB':>9} {'read kB':>8}")
+    results = {
+        name: serve(nested, cfg, heldout, args.prompt, args.max_tokens)
+        for name, cfg in policies.items()
+    }
+    print(
+        f"{'policy':<20} {'ppl':>7} {'hit rate':>8} {'mean bits':>9} {'peak kB':>8} "
+        f"{'budget kB':>9} {'read kB':>8}"
+    )
     for name, r in results.items():
-        print(f"{name:<20} {r['ppl']:>7.3f} {r['hit_rate']:>8.3f} {r['mean_bits']:>9.2f} "
-              f"{r['peak_bytes'] / 1e3:>8.1f} {r['budget_bytes'] / 1e3:>9.1f} "
-              f"{r['bytes_read'] / 1e3:>8.1f}")
+        print(
+            f"{name:<20} {r['ppl']:>7.3f} {r['hit_rate']:>8.3f} {r['mean_bits']:>9.2f} "
+            f"{r['peak_bytes'] / 1e3:>8.1f} {r['budget_bytes'] / 1e3:>9.1f} "
+            f"{r['bytes_read'] / 1e3:>8.1f}"
+        )
     print(f"--- HEBF completion ---\n{args.prompt}{results['HEBF (8..2 bits)']['text']}")
     print(json.dumps({"int8_expert_bytes": full, "budget_bytes": budget, "runs": results}))
     return 0

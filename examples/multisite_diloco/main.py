@@ -24,8 +24,14 @@ import sys
 import time
 
 from diloco.common import run_signature
-from diloco.config import (DataConfig, DilocoConfig, LrSchedule, OptimizerConfig, TrainConfig,
-                           byte_llama)
+from diloco.config import (
+    DataConfig,
+    DilocoConfig,
+    LrSchedule,
+    OptimizerConfig,
+    TrainConfig,
+    byte_llama,
+)
 from diloco.task import lm_task
 from diloco.trainer import DilocoWorker
 from transport.coordinator import Coordinator, CoordinatorConfig
@@ -40,14 +46,19 @@ def train_config(sites: int, tiny: bool) -> TrainConfig:
         data=DataConfig(seq_len=32 if tiny else 64, batch_size=4 if tiny else 8),  # embedded text
         mode=DilocoConfig(
             inner_steps=8 if tiny else 30,  # H: inner steps between two syncs of a fragment
-            n_fragments=2 if tiny else 3,   # P: a fragment syncs every H/P steps
-            tau=1 if tiny else 2,           # τ: steps a sync overlaps with compute
-            alpha=0.5,                      # α: merge weight of the local parameters
-            codec="nf4", error_feedback=True,  # 4-bit pseudo-gradients, residual carried over
-            outer=OptimizerConfig(name="sgd", lr=1.0, momentum=0.9, nesterov=True)),
+            n_fragments=2 if tiny else 3,  # P: a fragment syncs every H/P steps
+            tau=1 if tiny else 2,  # τ: steps a sync overlaps with compute
+            alpha=0.5,  # α: merge weight of the local parameters
+            codec="nf4",
+            error_feedback=True,  # 4-bit pseudo-gradients, residual carried over
+            outer=OptimizerConfig(name="sgd", lr=1.0, momentum=0.9, nesterov=True),
+        ),
         inner=OptimizerConfig(name="adamw", lr=6e-3, weight_decay=0.1),
         lr_schedule=LrSchedule(warmup_steps=4 if tiny else 30),
-        steps=steps, workers=sites, eval_every=steps // 4)
+        steps=steps,
+        workers=sites,
+        eval_every=steps // 4,
+    )
 
 
 def run_site(coordinator: str, cfg: TrainConfig, bind_host: str) -> dict:
@@ -62,20 +73,40 @@ def run_site(coordinator: str, cfg: TrainConfig, bind_host: str) -> dict:
     finally:
         comm.close()
     last = max(result.losses)
-    return {"rank": result.rank, "train_loss": round(result.losses[last], 4),
-            "eval": result.evals, "final_eval": result.final_eval,
-            "bytes_sent": result.bytes_sent, "bytes_received": result.bytes_received,
-            "syncs": result.outer_syncs, "wall_s": round(result.wall_s, 2)}
+    return {
+        "rank": result.rank,
+        "train_loss": round(result.losses[last], 4),
+        "eval": result.evals,
+        "final_eval": result.final_eval,
+        "bytes_sent": result.bytes_sent,
+        "bytes_received": result.bytes_received,
+        "syncs": result.outer_syncs,
+        "wall_s": round(result.wall_s, 2),
+    }
 
 
 def run_local(sites: int, tiny: bool) -> list[dict]:
     """A coordinator in this process and one site process per site (this script, --join)."""
     with Coordinator(CoordinatorConfig(bind="tcp://127.0.0.1:0")) as coord:
-        procs = [subprocess.Popen([sys.executable, __file__, "--join", coord.address,
-                                   "--sites", str(sites), "--bind-host", "127.0.0.1"]
-                                  + (["--tiny"] if tiny else []),
-                                  stdout=subprocess.PIPE, text=True, start_new_session=True)
-                 for _ in range(sites)]
+        procs = [
+            subprocess.Popen(
+                [
+                    sys.executable,
+                    __file__,
+                    "--join",
+                    coord.address,
+                    "--sites",
+                    str(sites),
+                    "--bind-host",
+                    "127.0.0.1",
+                ]
+                + (["--tiny"] if tiny else []),
+                stdout=subprocess.PIPE,
+                text=True,
+                start_new_session=True,
+            )
+            for _ in range(sites)
+        ]
         try:
             deadline = time.monotonic() + 900
             while any(p.poll() is None for p in procs):  # a failed site ends the run at once
@@ -117,14 +148,20 @@ def main() -> int:
         return 0
 
     results = run_local(args.sites, args.tiny)
-    print(f"{'site':>4} {'train loss':>10} {'MiB sent':>9} {'MiB recv':>9} {'syncs':>6} {'wall s':>7}")
+    print(
+        f"{'site':>4} {'train loss':>10} {'MiB sent':>9} {'MiB recv':>9} {'syncs':>6} {'wall s':>7}"
+    )
     for r in results:
-        print(f"{r['rank']:>4} {r['train_loss']:>10.4f} {r['bytes_sent'] / 2**20:>9.3f} "
-              f"{r['bytes_received'] / 2**20:>9.3f} {r['syncs']:>6} {r['wall_s']:>7.1f}")
+        print(
+            f"{r['rank']:>4} {r['train_loss']:>10.4f} {r['bytes_sent'] / 2**20:>9.3f} "
+            f"{r['bytes_received'] / 2**20:>9.3f} {r['syncs']:>6} {r['wall_s']:>7.1f}"
+        )
     lead = results[0]
-    print("global model, held-out loss by step: "
-          + ", ".join(f"{e['step']}: {e['loss']:.3f}" for e in lead["eval"])
-          + f", final: {lead['final_eval']:.4f}")
+    print(
+        "global model, held-out loss by step: "
+        + ", ".join(f"{e['step']}: {e['loss']:.3f}" for e in lead["eval"])
+        + f", final: {lead['final_eval']:.4f}"
+    )
     print(json.dumps({"sites": results, "final_eval": lead["final_eval"]}))
     return 0
 

@@ -31,8 +31,14 @@ from pathlib import Path
 
 import torch
 
-from diloco.config import (DataConfig, DilocoConfig, LrSchedule, OptimizerConfig, TrainConfig,
-                           byte_llama)
+from diloco.config import (
+    DataConfig,
+    DilocoConfig,
+    LrSchedule,
+    OptimizerConfig,
+    TrainConfig,
+    byte_llama,
+)
 from diloco.launch import run_threads
 from diloco.task import lm_task
 from edge.cluster import ClusterConfig
@@ -49,17 +55,28 @@ def train(out: Path, tiny: bool) -> tuple[Path, float]:
     cfg = TrainConfig(
         model=byte_llama(hidden=64, layers=2, heads=4, seq_len=128),  # 4 heads: 2 per device
         data=DataConfig(seq_len=64, batch_size=8),
-        mode=DilocoConfig(inner_steps=20 if tiny else 60, n_fragments=2 if tiny else 3,
-                          tau=2, alpha=0.5, codec="nf4", error_feedback=True,
-                          outer=OptimizerConfig(name="sgd", lr=1.0, momentum=0.9, nesterov=True)),
+        mode=DilocoConfig(
+            inner_steps=20 if tiny else 60,
+            n_fragments=2 if tiny else 3,
+            tau=2,
+            alpha=0.5,
+            codec="nf4",
+            error_feedback=True,
+            outer=OptimizerConfig(name="sgd", lr=1.0, momentum=0.9, nesterov=True),
+        ),
         inner=OptimizerConfig(name="adamw", lr=6e-3, weight_decay=0.1),
-        lr_schedule=LrSchedule(warmup_steps=10 if tiny else 60), steps=steps, workers=2,
-        eval_every=0)
+        lr_schedule=LrSchedule(warmup_steps=10 if tiny else 60),
+        steps=steps,
+        workers=2,
+        eval_every=0,
+    )
     results = run_threads(cfg, out_dir=out)  # worker 0 writes out/model at the end
     final = next(r.final_eval for r in results if r.final_eval is not None)
     reloaded = lm_task(cfg).evaluate(load_pretrained(out / "model"))
-    print(f"trained {steps} steps x 2 workers: held-out loss {final:.4f}; "
-          f"reloaded export: {reloaded:.4f}")
+    print(
+        f"trained {steps} steps x 2 workers: held-out loss {final:.4f}; "
+        f"reloaded export: {reloaded:.4f}"
+    )
     if abs(reloaded - final) > 1e-4:
         raise SystemExit("the exported checkpoint does not reproduce the trained model")
     return out / "model", final
@@ -68,9 +85,20 @@ def train(out: Path, tiny: bool) -> tuple[Path, float]:
 def generate_tp2(model_dir: Path, prompt: str, params: SamplingParams) -> tuple[str, int]:
     """Master (this process) + one worker process; returns (text, activation bytes moved)."""
     coord = Coordinator(CoordinatorConfig(bind="tcp://127.0.0.1:0")).start()
-    worker = subprocess.Popen([sys.executable, "-m", "lowband", "edge", "worker",
-                               "--master", coord.address, "--threads", "1"],
-                              start_new_session=True)
+    worker = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "lowband",
+            "edge",
+            "worker",
+            "--master",
+            coord.address,
+            "--threads",
+            "1",
+        ],
+        start_new_session=True,
+    )
     engine = comm = None
     try:
         serve = ServeConfig(model_dir=str(model_dir), cluster=ClusterConfig(devices=2))
@@ -109,8 +137,17 @@ def main() -> int:
     one_text, _, _ = local.complete(args.prompt, params)
     print(f"--- TP-2 over TCP ({wire / 1024:.1f} KiB of activations) ---\n{args.prompt}{tp_text}")
     print(f"--- same prompt on one device: {'identical' if one_text == tp_text else 'DIFFERENT'}")
-    print(json.dumps({"final_eval": final, "model_dir": str(model_dir), "tp2_text": tp_text,
-                      "single_text": one_text, "wire_bytes": wire}))
+    print(
+        json.dumps(
+            {
+                "final_eval": final,
+                "model_dir": str(model_dir),
+                "tp2_text": tp_text,
+                "single_text": one_text,
+                "wire_bytes": wire,
+            }
+        )
+    )
     return 0
 
 

@@ -19,10 +19,10 @@ from lowband import __version__
 # Module names, in the order their subcommands appear in --help.
 COMMAND_MODULES = (
     "lowband.cli.transport",  # coordinator, keygen, bench
-    "lowband.cli.train",      # train, worker
-    "lowband.cli.edge",       # edge ...
-    "lowband.cli.flower",     # flower ...
-    "lowband.cli.demo",       # demo
+    "lowband.cli.train",  # train, worker
+    "lowband.cli.edge",  # edge ...
+    "lowband.cli.flower",  # flower ...
+    "lowband.cli.demo",  # demo
 )
 
 
@@ -32,8 +32,9 @@ def build_parser() -> argparse.ArgumentParser:
         description="Train and serve language models where the network is the bottleneck.",
     )
     parser.add_argument("--version", action="version", version=f"lowband {__version__}")
-    parser.add_argument("-v", "--verbose", action="count", default=0,
-                        help="more logging (-v info, -vv debug)")
+    parser.add_argument(
+        "-v", "--verbose", action="count", default=0, help="more logging (-v info, -vv debug)"
+    )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name in COMMAND_MODULES:
         try:

@@ -15,8 +15,8 @@ from pathlib import Path
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from lowband.cli.train import _fail, _train_config
     from lowband.cli.demo_run import DemoConfig, DemoFailed, demo_train_config, main, summary_table
+    from lowband.cli.train import _fail, _train_config
     from lowband.errors import ConfigError
 
     try:
@@ -24,9 +24,16 @@ def _demo(args: argparse.Namespace) -> int:
             raise ConfigError("sites", f"a multi-site demo needs >= 2 sites, got {args.sites}")
         cfg = DemoConfig(
             train=_train_config(args, base=demo_train_config(args.sites), workers=args.sites),
-            out_dir=args.out, sites=args.sites, rate_mbit=args.rate_mbit,
-            delay_ms=args.delay_ms, link=args.link, ddp_inner_lr=args.ddp_lr,
-            threads=args.threads, timeout=args.timeout, progress=not args.quiet)
+            out_dir=args.out,
+            sites=args.sites,
+            rate_mbit=args.rate_mbit,
+            delay_ms=args.delay_ms,
+            link=args.link,
+            ddp_inner_lr=args.ddp_lr,
+            threads=args.threads,
+            timeout=args.timeout,
+            progress=not args.quiet,
+        )
     except ConfigError as exc:
         return _fail(exc)
     # SIGTERM unwinds like Ctrl-C: the library's finally blocks kill the sites and delete the
@@ -52,24 +59,39 @@ def register(sub: argparse._SubParsersAction) -> None:
     from lowband.cli.train import _add_run_options
 
     p = sub.add_parser(
-        "demo", help="multi-site Streaming DiLoCo vs DDP over shaped links, on this machine",
+        "demo",
+        help="multi-site Streaming DiLoCo vs DDP over shaped links, on this machine",
         description="A coordinator and N site processes (real `lowband worker`s) train the same "
         "model on the same data and token budget with Streaming DiLoCo and then with DDP, each "
         "site behind a WAN-like link: its own network namespace with tc tbf shaping when root "
         "(delay added in user space: no netem here), else a user-space link emulator. Prints "
         "the comparison and writes OUT/summary.json and OUT/eval_vs_bytes.png. Default model: "
-        "the shakespeare preset shortened to 300 steps (~1-3 minutes on 2 cores).")
+        "the shakespeare preset shortened to 300 steps (~1-3 minutes on 2 cores).",
+    )
     p.add_argument("--sites", type=int, default=3, help="M: site processes (default 3)")
-    p.add_argument("--rate-mbit", type=float, default=50.0,
-                   help="each site's link bandwidth, Mbit/s (default 50)")
-    p.add_argument("--delay-ms", type=float, default=40.0,
-                   help="one-way delay in front of each site, ms (default 40)")
-    p.add_argument("--link", default="auto", choices=["auto", "netns", "emulator", "none"],
-                   help="auto (default): netns when root, else emulator; none: unshaped")
+    p.add_argument(
+        "--rate-mbit",
+        type=float,
+        default=50.0,
+        help="each site's link bandwidth, Mbit/s (default 50)",
+    )
+    p.add_argument(
+        "--delay-ms",
+        type=float,
+        default=40.0,
+        help="one-way delay in front of each site, ms (default 40)",
+    )
+    p.add_argument(
+        "--link",
+        default="auto",
+        choices=["auto", "netns", "emulator", "none"],
+        help="auto (default): netns when root, else emulator; none: unshaped",
+    )
     p.add_argument("--out", type=Path, default=Path("lowband-demo"), help="output directory")
     p.add_argument("--threads", type=int, default=1, help="torch threads per site (default 1)")
-    p.add_argument("--ddp-lr", type=float,
-                   help="DDP's peak AdamW lr (default: the same as DiLoCo's inner lr)")
+    p.add_argument(
+        "--ddp-lr", type=float, help="DDP's peak AdamW lr (default: the same as DiLoCo's inner lr)"
+    )
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds one run may take")
     p.add_argument("--quiet", action="store_true", help="no progress messages")
     p.add_argument("--json", action="store_true", help="also print the summary as one JSON line")

@@ -58,8 +58,9 @@ def demo_train_config(sites: int) -> TrainConfig:
     outer Nesterov lr 1.0) shortened to 300 steps so that both runs take ~2 minutes on two
     cores (50 Mbit/s, 40 ms, 3 sites); H = 30, P = 3 gives ten outer rounds per fragment in that budget."""
     base = shakespeare()
-    return with_overrides(base, steps=300, inner_steps=30, eval_every=50, warmup_steps=30,
-                          workers=sites)
+    return with_overrides(
+        base, steps=300, inner_steps=30, eval_every=50, warmup_steps=30, workers=sites
+    )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -101,11 +102,15 @@ class DemoConfig:
         if self.link not in LINKS:
             raise ConfigError("link", f"one of {', '.join(LINKS)}, got {self.link!r}")
         if not isinstance(self.train.mode, DilocoConfig):
-            raise ConfigError("mode", "the demo runs Streaming DiLoCo and then DDP itself; "
-                              "give a DiLoCo configuration (leave --mode out)")
+            raise ConfigError(
+                "mode",
+                "the demo runs Streaming DiLoCo and then DDP itself; "
+                "give a DiLoCo configuration (leave --mode out)",
+            )
         if self.train.workers != self.sites:
-            raise ConfigError("sites", f"train.workers={self.train.workers} must equal "
-                              f"sites={self.sites}")
+            raise ConfigError(
+                "sites", f"train.workers={self.train.workers} must equal sites={self.sites}"
+            )
         if self.ddp_inner_lr is not None and not self.ddp_inner_lr > 0:
             raise ConfigError("ddp_inner_lr", f"must be > 0, got {self.ddp_inner_lr}")
         if self.threads < 1:
@@ -173,17 +178,24 @@ class LoopbackNetwork:
     def description(self) -> str:
         if not self.shaped:
             return "none: plain TCP on 127.0.0.1, unshaped"
-        return (f"emulator: each site receives through its own user-space relay "
-                f"(transport.links.emulator) of {self.rate:g} Mbit/s and {self.delay:g} ms one-way "
-                "delay; the coordinator sits behind a relay with the same delay")
+        return (
+            f"emulator: each site receives through its own user-space relay "
+            f"(transport.links.emulator) of {self.rate:g} Mbit/s and {self.delay:g} ms one-way "
+            "delay; the coordinator sits behind a relay with the same delay"
+        )
 
     @contextlib.contextmanager
     def sites(self, coordinator_port: int) -> Iterator[list[Site]]:
         host = "127.0.0.1"
         if not self.shaped:
-            yield [Site(prefix=(), coordinator=f"tcp://{host}:{coordinator_port}",
-                        flags=("--bind-host", host, "--same-host", "off"))
-                   for _ in range(self.n)]
+            yield [
+                Site(
+                    prefix=(),
+                    coordinator=f"tcp://{host}:{coordinator_port}",
+                    flags=("--bind-host", host, "--same-host", "off"),
+                )
+                for _ in range(self.n)
+            ]
             return
         from transport.links.emulator import LinkConfig, LinkEmulator
 
@@ -198,9 +210,24 @@ class LoopbackNetwork:
                 # taking it in between makes the site fail loudly at bind, not silently.
                 port = _free_port(host)
                 relays.append(LinkEmulator((host, port), link, listen_host=host).start())
-                plans.append(Site(prefix=(), coordinator=coord.endpoint, flags=(
-                    "--bind-host", host, "--data-port", str(port), "--advertise-host", host,
-                    "--advertise-port", str(relays[-1].port), "--same-host", "off")))
+                plans.append(
+                    Site(
+                        prefix=(),
+                        coordinator=coord.endpoint,
+                        flags=(
+                            "--bind-host",
+                            host,
+                            "--data-port",
+                            str(port),
+                            "--advertise-host",
+                            host,
+                            "--advertise-port",
+                            str(relays[-1].port),
+                            "--same-host",
+                            "off",
+                        ),
+                    )
+                )
             yield plans
         finally:
             for r in relays:
@@ -220,11 +247,15 @@ class NetnsNetwork:
         return f"tcp://{self.bed.host}:0"
 
     def description(self) -> str:
-        text = (f"netns: each site in its own network namespace, veth shaped by tc tbf at "
-                f"{self.rate:g} Mbit/s both directions (kernel TCP)")
+        text = (
+            f"netns: each site in its own network namespace, veth shaped by tc tbf at "
+            f"{self.rate:g} Mbit/s both directions (kernel TCP)"
+        )
         if self.delay:
-            text += (f"; {self.delay:g} ms one-way delay added by user-space relays "
-                     "(no netem in this kernel)")
+            text += (
+                f"; {self.delay:g} ms one-way delay added by user-space relays "
+                "(no netem in this kernel)"
+            )
         return text
 
     @contextlib.contextmanager
@@ -232,9 +263,14 @@ class NetnsNetwork:
         bed, host = self.bed, self.bed.host
         prefixes = [("ip", "netns", "exec", ns) for ns in bed.ns]
         if not self.delay:
-            yield [Site(prefix=prefixes[i], coordinator=f"tcp://{host}:{coordinator_port}",
-                        flags=("--bind-host", bed.addr(i), "--same-host", "off"))
-                   for i in range(len(bed.ns))]
+            yield [
+                Site(
+                    prefix=prefixes[i],
+                    coordinator=f"tcp://{host}:{coordinator_port}",
+                    flags=("--bind-host", bed.addr(i), "--same-host", "off"),
+                )
+                for i in range(len(bed.ns))
+            ]
             return
         from transport.links.emulator import LinkConfig, LinkEmulator
 
@@ -247,12 +283,27 @@ class NetnsNetwork:
             for i in range(len(bed.ns)):
                 # Peers dial the relay on the bridge; it forwards into site i's namespace, so
                 # the bytes still cross the sender's and site i's shaped veths.
-                relays.append(LinkEmulator((bed.addr(i), DATA_PORT), link,
-                                           listen_host=host).start())
-                plans.append(Site(prefix=prefixes[i], coordinator=coord.endpoint, flags=(
-                    "--bind-host", bed.addr(i), "--data-port", str(DATA_PORT),
-                    "--advertise-host", host, "--advertise-port", str(relays[-1].port),
-                    "--same-host", "off")))
+                relays.append(
+                    LinkEmulator((bed.addr(i), DATA_PORT), link, listen_host=host).start()
+                )
+                plans.append(
+                    Site(
+                        prefix=prefixes[i],
+                        coordinator=coord.endpoint,
+                        flags=(
+                            "--bind-host",
+                            bed.addr(i),
+                            "--data-port",
+                            str(DATA_PORT),
+                            "--advertise-host",
+                            host,
+                            "--advertise-port",
+                            str(relays[-1].port),
+                            "--same-host",
+                            "off",
+                        ),
+                    )
+                )
             yield plans
         finally:
             for r in relays:
@@ -261,8 +312,9 @@ class NetnsNetwork:
 
 def _free_net() -> int:
     """A 10.<net>.0.0/24 no interface of this namespace uses (two demos can run at once)."""
-    used = subprocess.run(["ip", "-o", "-4", "addr"], capture_output=True, text=True,
-                          check=False).stdout
+    used = subprocess.run(
+        ["ip", "-o", "-4", "addr"], capture_output=True, text=True, check=False
+    ).stdout
     for net in range(190, 250):
         if f" 10.{net}." not in used:
             return net
@@ -274,8 +326,11 @@ def open_network(cfg: DemoConfig, kind: str) -> Iterator[Network]:
     if kind == "netns":
         from transport.links.netns import NetnsConfig, Testbed
 
-        with Testbed(NetnsConfig(sites=cfg.sites, rate_mbit=cfg.rate_mbit, net=cfg.net or _free_net(),
-                                queue_ms=100.0)) as bed:
+        with Testbed(
+            NetnsConfig(
+                sites=cfg.sites, rate_mbit=cfg.rate_mbit, net=cfg.net or _free_net(), queue_ms=100.0
+            )
+        ) as bed:
             yield NetnsNetwork(bed, cfg.rate_mbit, cfg.delay_ms)
     else:
         yield LoopbackNetwork(cfg.sites, cfg.rate_mbit, cfg.delay_ms, shaped=kind == "emulator")
@@ -303,8 +358,9 @@ def _stop(procs: Sequence[subprocess.Popen]) -> None:
             p.wait()
 
 
-def run_sites(cfg: DemoConfig, net: Network, train: TrainConfig, run_dir: Path,
-              label: str) -> float:
+def run_sites(
+    cfg: DemoConfig, net: Network, train: TrainConfig, run_dir: Path, label: str
+) -> float:
     """Train ``train`` with one process per site; returns the seconds from launch to the last
     exit. Raises :class:`DemoFailed` with the failing site's log."""
     from transport.coordinator import Coordinator, CoordinatorConfig
@@ -315,25 +371,49 @@ def run_sites(cfg: DemoConfig, net: Network, train: TrainConfig, run_dir: Path,
     procs: list[subprocess.Popen] = []
     t0 = time.monotonic()
     # A slow interval: on a narrow shaped link heartbeats queue behind bulk gradient traffic.
-    with Coordinator(CoordinatorConfig(bind=net.coordinator_bind(),
-                                       heartbeat_interval=5.0)) as coord, \
-            net.sites(int(coord.address.rsplit(":", 1)[1])) as sites:
+    with (
+        Coordinator(
+            CoordinatorConfig(bind=net.coordinator_bind(), heartbeat_interval=5.0)
+        ) as coord,
+        net.sites(int(coord.address.rsplit(":", 1)[1])) as sites,
+    ):
         try:
             for i, site in enumerate(sites):
-                args = [*site.prefix, sys.executable, "-m", "lowband", "worker",
-                        "--coordinator", site.coordinator, "--config", str(config_file),
-                        "--id", f"site-{i + 1}", "--out", str(run_dir),
-                        "--threads", str(cfg.threads), *site.flags]
+                args = [
+                    *site.prefix,
+                    sys.executable,
+                    "-m",
+                    "lowband",
+                    "worker",
+                    "--coordinator",
+                    site.coordinator,
+                    "--config",
+                    str(config_file),
+                    "--id",
+                    f"site-{i + 1}",
+                    "--out",
+                    str(run_dir),
+                    "--threads",
+                    str(cfg.threads),
+                    *site.flags,
+                ]
                 show = cfg.progress and i == 0
                 if show:
                     args.append("--progress")
                 with (run_dir / f"site-{i + 1}.log").open("w") as log:
                     # Own session: the site and anything it starts die together (killpg).
-                    procs.append(subprocess.Popen(
-                        args, stdout=log, stderr=None if show else subprocess.STDOUT,
-                        start_new_session=True, preexec_fn=die_with_parent))
-            (run_dir / "sites.json").write_text(json.dumps(
-                {"coordinator": coord.address, "pids": [p.pid for p in procs]}))
+                    procs.append(
+                        subprocess.Popen(
+                            args,
+                            stdout=log,
+                            stderr=None if show else subprocess.STDOUT,
+                            start_new_session=True,
+                            preexec_fn=die_with_parent,
+                        )
+                    )
+            (run_dir / "sites.json").write_text(
+                json.dumps({"coordinator": coord.address, "pids": [p.pid for p in procs]})
+            )
             _say(cfg, f"{label}: {len(procs)} sites started")
             _wait(procs, run_dir, t0 + cfg.timeout)
         finally:
@@ -392,31 +472,44 @@ def load_run(run_dir: Path, steps: int, process_wall_s: float) -> dict[str, Any]
         "fragment_wait_s": round(sum(waits) / len(waits), 2) if waits else None,
         "tokens_per_s": round(sum(f["tokens"] for f in finals) / wall, 1) if wall > 0 else None,
         "consistent": len({f["state_hash"] for f in finals}) == 1,
-        "curve": [[e["step"], round(e["loss"], 4), e["bytes_sent"]]
-                  for e in sorted(evals, key=lambda r: r["step"])],
+        "curve": [
+            [e["step"], round(e["loss"], 4), e["bytes_sent"]]
+            for e in sorted(evals, key=lambda r: r["step"])
+        ],
     }
 
 
 def summary_table(summary: dict[str, Any]) -> str:
     """The comparison as aligned text (what the CLI prints)."""
+
     def fmt(v: Any, spec: str) -> str:
         return "-" if v is None else format(v, spec)
 
-    rows = [(f"{'run':<17} {'eval loss':>9} {'MiB sent/worker':>15} {'wall s':>7} "
-             f"{'steps/s':>8} {'sync s':>7}")]
+    rows = [
+        (
+            f"{'run':<17} {'eval loss':>9} {'MiB sent/worker':>15} {'wall s':>7} "
+            f"{'steps/s':>8} {'sync s':>7}"
+        )
+    ]
     for name, key in (("DDP", "ddp"), ("Streaming DiLoCo", "diloco")):
         r = summary[key]
-        rows.append(f"{name:<17} {fmt(r['final_eval'], '.4f'):>9} "
-                    f"{r['bytes_per_worker'] / 2**20:>15.3f} {r['wall_s']:>7.1f} "
-                    f"{fmt(r['steps_per_s'], '.2f'):>8} {r['sync_s']:>7.1f}")
-    rows.append(f"initial eval loss {summary['initial_eval']:.4f}; "
-                f"bytes ratio DDP/DiLoCo {fmt(summary['bytes_ratio'], '.1f')}x; "
-                f"DiLoCo steps/s {fmt(summary['speedup'], '.2f')}x DDP's; "
-                f"loss gap {fmt(summary['loss_gap'] and 100 * summary['loss_gap'], '+.2f')}%")
+        rows.append(
+            f"{name:<17} {fmt(r['final_eval'], '.4f'):>9} "
+            f"{r['bytes_per_worker'] / 2**20:>15.3f} {r['wall_s']:>7.1f} "
+            f"{fmt(r['steps_per_s'], '.2f'):>8} {r['sync_s']:>7.1f}"
+        )
+    rows.append(
+        f"initial eval loss {summary['initial_eval']:.4f}; "
+        f"bytes ratio DDP/DiLoCo {fmt(summary['bytes_ratio'], '.1f')}x; "
+        f"DiLoCo steps/s {fmt(summary['speedup'], '.2f')}x DDP's; "
+        f"loss gap {fmt(summary['loss_gap'] and 100 * summary['loss_gap'], '+.2f')}%"
+    )
     wait = summary["diloco"].get("fragment_wait_s")
     if wait is not None:
-        rows.append(f"DiLoCo waited {wait:.1f} s per worker for fragment results; the rest of "
-                    "its sync s is encoding, decoding, outer steps and state audits")
+        rows.append(
+            f"DiLoCo waited {wait:.1f} s per worker for fragment results; the rest of "
+            "its sync s is encoding, decoding, outer steps and state audits"
+        )
     rows.append(f"link: {summary['link']['description']}")
     return "\n".join(rows)
 
@@ -428,22 +521,34 @@ def _compare(diloco: dict[str, Any], ddp: dict[str, Any]) -> dict[str, Any]:
     gap = None
     if diloco["final_eval"] is not None and ddp["final_eval"]:
         gap = (diloco["final_eval"] - ddp["final_eval"]) / ddp["final_eval"]
-    return {"bytes_ratio": ratio(ddp["bytes_per_worker"], diloco["bytes_per_worker"]),
-            "speedup": ratio(diloco["steps_per_s"], ddp["steps_per_s"]), "loss_gap": gap}
+    return {
+        "bytes_ratio": ratio(ddp["bytes_per_worker"], diloco["bytes_per_worker"]),
+        "speedup": ratio(diloco["steps_per_s"], ddp["steps_per_s"]),
+        "loss_gap": gap,
+    }
 
 
 def _plot(summary: dict[str, Any], path: Path) -> Path:
     from diloco.metrics import plot_runs
 
     mode = summary["config"]
-    runs = {name: [{"event": "eval", "step": s, "loss": l, "bytes_sent": b}
-                   for s, l, b in summary[key]["curve"]]
-            for name, key in (("DDP (fp32 gradients)", "ddp"),
-                              (f"Streaming DiLoCo ({mode['codec']}, H={mode['H']}, P={mode['P']})",
-                               "diloco"))}
-    return plot_runs(runs, path, title=f"{summary['sites']} sites, "
-                     f"{summary['link']['kind']} link {summary['rate_mbit']:g} Mbit/s, "
-                     f"{summary['delay_ms']:g} ms")
+    runs = {
+        name: [
+            {"event": "eval", "step": s, "loss": l, "bytes_sent": b}
+            for s, l, b in summary[key]["curve"]
+        ]
+        for name, key in (
+            ("DDP (fp32 gradients)", "ddp"),
+            (f"Streaming DiLoCo ({mode['codec']}, H={mode['H']}, P={mode['P']})", "diloco"),
+        )
+    }
+    return plot_runs(
+        runs,
+        path,
+        title=f"{summary['sites']} sites, "
+        f"{summary['link']['kind']} link {summary['rate_mbit']:g} Mbit/s, "
+        f"{summary['delay_ms']:g} ms",
+    )
 
 
 def main(cfg: DemoConfig) -> dict[str, Any]:
@@ -458,30 +563,41 @@ def main(cfg: DemoConfig) -> dict[str, Any]:
     cfg.out_dir.mkdir(parents=True, exist_ok=True)
     mode: DilocoConfig = cfg.train.mode  # type: ignore[assignment]  # DemoConfig checked it
     summary: dict[str, Any] = {
-        "sites": cfg.sites, "rate_mbit": cfg.rate_mbit, "delay_ms": cfg.delay_ms,
+        "sites": cfg.sites,
+        "rate_mbit": cfg.rate_mbit,
+        "delay_ms": cfg.delay_ms,
         "initial_eval": initial,
-        "config": {"steps": cfg.train.steps, "H": mode.inner_steps, "P": mode.n_fragments,
-                   "tau": mode.tau, "alpha": mode.alpha, "codec": mode.codec,
-                   "error_feedback": mode.error_feedback,
-                   "tokens_per_worker": cfg.train.steps * cfg.train.tokens_per_step(),
-                   "parameters": sum(p.numel() for p in task.build_model().parameters())},
+        "config": {
+            "steps": cfg.train.steps,
+            "H": mode.inner_steps,
+            "P": mode.n_fragments,
+            "tau": mode.tau,
+            "alpha": mode.alpha,
+            "codec": mode.codec,
+            "error_feedback": mode.error_feedback,
+            "tokens_per_worker": cfg.train.steps * cfg.train.tokens_per_step(),
+            "parameters": sum(p.numel() for p in task.build_model().parameters()),
+        },
     }
     with open_network(cfg, kind) as net:
-        summary["link"] = {"kind": net.kind, "requested": cfg.link,
-                           "description": net.description()}
+        summary["link"] = {
+            "kind": net.kind,
+            "requested": cfg.link,
+            "description": net.description(),
+        }
         _say(cfg, f"link: {net.description()}")
-        for key, label, train in (("diloco", "Streaming DiLoCo", cfg.train),
-                                  ("ddp", "DDP baseline", cfg.ddp_train())):
+        for key, label, train in (
+            ("diloco", "Streaming DiLoCo", cfg.train),
+            ("ddp", "DDP baseline", cfg.ddp_train()),
+        ):
             _say(cfg, f"{label}: {cfg.sites} sites x {train.steps} steps")
             took = run_sites(cfg, net, train, cfg.out_dir / key, label)
             summary[key] = load_run(cfg.out_dir / key, train.steps, took)
-            _say(cfg, f"{label}: done in {took:.1f} s, eval loss "
-                 f"{summary[key]['final_eval']:.4f}")
+            _say(cfg, f"{label}: done in {took:.1f} s, eval loss {summary[key]['final_eval']:.4f}")
     summary.update(_compare(summary["diloco"], summary["ddp"]))
     summary["plot"] = str(_plot(summary, cfg.out_dir / "eval_vs_bytes.png"))
-    summary["finite"] = all(math.isfinite(summary[k]["final_eval"] or math.nan)
-                            for k in ("diloco", "ddp"))
+    summary["finite"] = all(
+        math.isfinite(summary[k]["final_eval"] or math.nan) for k in ("diloco", "ddp")
+    )
     (cfg.out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     return summary
-
-

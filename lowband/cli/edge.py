@@ -20,7 +20,9 @@ def _weights(text: str | None) -> tuple[float, ...] | None:
     try:
         return tuple(float(x) for x in text.split(","))
     except ValueError:
-        raise ConfigError("weights", f"expected comma-separated numbers like 2,1,1, got {text!r}") from None
+        raise ConfigError(
+            "weights", f"expected comma-separated numbers like 2,1,1, got {text!r}"
+        ) from None
 
 
 def _cores(text: str | None) -> tuple[int, ...] | None:
@@ -38,48 +40,94 @@ def _add_device(p: argparse.ArgumentParser) -> None:
 
 
 def _add_model(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
-                   help="compute dtype (default: the checkpoint's)")
+    p.add_argument(
+        "--dtype",
+        choices=["float32", "bfloat16", "float16"],
+        help="compute dtype (default: the checkpoint's)",
+    )
     g = p.add_mutually_exclusive_group()
     g.add_argument("--window", type=int, help="sliding window: layer blocks kept resident")
-    g.add_argument("--memory-budget-mb", type=float,
-                   help="sliding window sized to fit this many MB of weights per device")
+    g.add_argument(
+        "--memory-budget-mb",
+        type=float,
+        help="sliding window sized to fit this many MB of weights per device",
+    )
 
 
 def _add_experts(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("bit-nested MoE (a directory from 'lowband edge quantize --nested')")
-    g.add_argument("--expert-budget-mb", type=float,
-                   help="MB of expert weights kept in memory (over all devices; each device gets "
-                        "the share its experts take at int8). Required for a nested directory")
-    g.add_argument("--expert-policy", choices=("hebf", "lru"),
-                   help="hebf: hot experts get more bits (default); lru: one width, LRU eviction")
-    g.add_argument("--expert-lru-bits", type=int, choices=(8, 4, 3, 2),
-                   help="width of every expert with --expert-policy lru (default 8)")
-    g.add_argument("--expert-min-bits", type=int, choices=(4, 3, 2),
-                   help="narrowest width HEBF serves (default 2)")
-    g.add_argument("--expert-prefetch", type=int,
-                   help="experts of the next layer to prefetch per layer (0: off; default 2)")
-    g.add_argument("--expert-read-mb-per-s", type=float,
-                   help="model a storage device this fast (default: the real file system)")
-    g.add_argument("--expert-no-verify", action="store_true",
-                   help="skip checksumming every expert file when opening (faster start)")
+    g.add_argument(
+        "--expert-budget-mb",
+        type=float,
+        help="MB of expert weights kept in memory (over all devices; each device gets "
+        "the share its experts take at int8). Required for a nested directory",
+    )
+    g.add_argument(
+        "--expert-policy",
+        choices=("hebf", "lru"),
+        help="hebf: hot experts get more bits (default); lru: one width, LRU eviction",
+    )
+    g.add_argument(
+        "--expert-lru-bits",
+        type=int,
+        choices=(8, 4, 3, 2),
+        help="width of every expert with --expert-policy lru (default 8)",
+    )
+    g.add_argument(
+        "--expert-min-bits",
+        type=int,
+        choices=(4, 3, 2),
+        help="narrowest width HEBF serves (default 2)",
+    )
+    g.add_argument(
+        "--expert-prefetch",
+        type=int,
+        help="experts of the next layer to prefetch per layer (0: off; default 2)",
+    )
+    g.add_argument(
+        "--expert-read-mb-per-s",
+        type=float,
+        help="model a storage device this fast (default: the real file system)",
+    )
+    g.add_argument(
+        "--expert-no-verify",
+        action="store_true",
+        help="skip checksumming every expert file when opening (faster start)",
+    )
 
 
-_EXPERT_KNOBS = ("expert_policy", "expert_lru_bits", "expert_min_bits", "expert_prefetch",
-                 "expert_read_mb_per_s", "expert_no_verify")
+_EXPERT_KNOBS = (
+    "expert_policy",
+    "expert_lru_bits",
+    "expert_min_bits",
+    "expert_prefetch",
+    "expert_read_mb_per_s",
+    "expert_no_verify",
+)
 
 
 def _experts(args):
     from edge.moe.serve import ExpertServeConfig
+
     if args.expert_budget_mb is None:
         given = [k for k in _EXPERT_KNOBS if getattr(args, k) not in (None, False)]
         if given:
             raise ConfigError(given[0], "needs --expert-budget-mb (and a nested MoE directory)")
         return None
-    kw = {k: v for k, v in (("policy", args.expert_policy), ("lru_bits", args.expert_lru_bits),
-                            ("min_bits", args.expert_min_bits), ("prefetch", args.expert_prefetch),
-                            ("read_mb_per_s", args.expert_read_mb_per_s)) if v is not None}
-    return ExpertServeConfig(budget_mb=args.expert_budget_mb, verify=not args.expert_no_verify, **kw)
+    kw = {
+        k: v
+        for k, v in (
+            ("policy", args.expert_policy),
+            ("lru_bits", args.expert_lru_bits),
+            ("min_bits", args.expert_min_bits),
+            ("prefetch", args.expert_prefetch),
+            ("read_mb_per_s", args.expert_read_mb_per_s),
+        )
+        if v is not None
+    }
+    return ExpertServeConfig(
+        budget_mb=args.expert_budget_mb, verify=not args.expert_no_verify, **kw
+    )
 
 
 def _add_serve(p: argparse.ArgumentParser) -> None:
@@ -90,34 +138,68 @@ def _add_serve(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int, default=8000, help="HTTP port (default 8000)")
     p.add_argument("--name", help="model id in the API (default: directory name)")
     p.add_argument("--weights", help="relative device capacities for an uneven split, e.g. 2,1,1")
-    p.add_argument("--auto-split", action="store_true",
-                   help="profile every device and choose the split automatically (see /health)")
-    p.add_argument("--wire", default="fp32", choices=["fp32", "fp16", "bf16", "int8"],
-                   help="activation encoding on the wire (default fp32)")
-    p.add_argument("--link", default="direct", choices=["direct", "comm"],
-                   help="activation path: direct star link (default, lowest latency) or the "
-                        "general communicator (then --algorithm applies)")
-    p.add_argument("--algorithm", default="star", choices=["star", "ring", "auto"],
-                   help="all-reduce schedule with --link comm (default star)")
-    p.add_argument("--link-spin-us", type=float, default=1000.0,
-                   help="microseconds each device polls the direct link for an all-reduce "
-                        "answer before sleeping (default 1000; 0 saves power, adds latency)")
+    p.add_argument(
+        "--auto-split",
+        action="store_true",
+        help="profile every device and choose the split automatically (see /health)",
+    )
+    p.add_argument(
+        "--wire",
+        default="fp32",
+        choices=["fp32", "fp16", "bf16", "int8"],
+        help="activation encoding on the wire (default fp32)",
+    )
+    p.add_argument(
+        "--link",
+        default="direct",
+        choices=["direct", "comm"],
+        help="activation path: direct star link (default, lowest latency) or the "
+        "general communicator (then --algorithm applies)",
+    )
+    p.add_argument(
+        "--algorithm",
+        default="star",
+        choices=["star", "ring", "auto"],
+        help="all-reduce schedule with --link comm (default star)",
+    )
+    p.add_argument(
+        "--link-spin-us",
+        type=float,
+        default=1000.0,
+        help="microseconds each device polls the direct link for an all-reduce "
+        "answer before sleeping (default 1000; 0 saves power, adds latency)",
+    )
     p.add_argument("--token", help="shared secret workers must present")
-    p.add_argument("--discover", nargs="?", const="lowband", metavar="CLUSTER",
-                   help="advertise this master on the LAN (mDNS) so 'edge worker --discover' "
-                        "finds it; the token is still required to join (default name: lowband)")
+    p.add_argument(
+        "--discover",
+        nargs="?",
+        const="lowband",
+        metavar="CLUSTER",
+        help="advertise this master on the LAN (mDNS) so 'edge worker --discover' "
+        "finds it; the token is still required to join (default name: lowband)",
+    )
     p.add_argument("--max-queue", type=int, default=64, help="waiting requests before 429")
-    p.add_argument("--op-timeout", type=float, default=30.0,
-                   help="seconds a forward step may take before the worker counts as failed")
-    p.add_argument("--replan-after-s", type=float,
-                   help="after a worker has been gone this long, re-split the model over the "
-                        "devices left (plain checkpoints only; default: wait for it)")
+    p.add_argument(
+        "--op-timeout",
+        type=float,
+        default=30.0,
+        help="seconds a forward step may take before the worker counts as failed",
+    )
+    p.add_argument(
+        "--replan-after-s",
+        type=float,
+        help="after a worker has been gone this long, re-split the model over the "
+        "devices left (plain checkpoints only; default: wait for it)",
+    )
     add_liveness(p, default_heartbeat=1.0)
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    edge = sub.add_parser("edge", help="tensor-parallel inference on edge devices",
-                          description="Run Llama-family models across phones / Raspberry Pis.")
+    edge = sub.add_parser(
+        "edge",
+        help="tensor-parallel inference on edge devices",
+        description="Run Llama-family models across phones / Raspberry Pis.",
+    )
     es = edge.add_subparsers(dest="edge_command", metavar="EDGE_COMMAND")
 
     p = es.add_parser("split", help="write per-device, per-layer shard files")
@@ -128,8 +210,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--out", required=True)
     p.set_defaults(func=_split)
 
-    p = es.add_parser("convert", help="a GGUF file (F32/F16/BF16/Q8_0/Q4_0) to a checkpoint "
-                      "directory every edge command reads (quantized blocks kept as they are)")
+    p = es.add_parser(
+        "convert",
+        help="a GGUF file (F32/F16/BF16/Q8_0/Q4_0) to a checkpoint "
+        "directory every edge command reads (quantized blocks kept as they are)",
+    )
     p.add_argument("gguf", help="a llama-architecture .gguf file")
     p.add_argument("--out", required=True)
     p.set_defaults(func=_convert)
@@ -157,11 +242,20 @@ def register(sub: argparse._SubParsersAction) -> None:
 
     p = es.add_parser("worker", help="a device serving one shard for a master")
     p.add_argument("--master", help="tcp://HOST:PORT printed by 'edge serve'")
-    p.add_argument("--discover", nargs="?", const="lowband", metavar="CLUSTER",
-                   help="find the master on the LAN (mDNS) instead of --master; CLUSTER as "
-                        "given to 'edge serve --discover' (default: lowband)")
-    p.add_argument("--discover-timeout", type=float, default=60.0,
-                   help="seconds to look for the master (default 60)")
+    p.add_argument(
+        "--discover",
+        nargs="?",
+        const="lowband",
+        metavar="CLUSTER",
+        help="find the master on the LAN (mDNS) instead of --master; CLUSTER as "
+        "given to 'edge serve --discover' (default: lowband)",
+    )
+    p.add_argument(
+        "--discover-timeout",
+        type=float,
+        default=60.0,
+        help="seconds to look for the master (default 60)",
+    )
     p.add_argument("--model-dir", help="local copy of the model/split dir (default: master's path)")
     p.add_argument("--token")
     p.add_argument("--op-timeout", type=float, default=30.0)
@@ -194,28 +288,37 @@ def _fail(exc: ConfigError | CorruptWeights) -> int:
 
 def _device(args):
     from edge.launch import DeviceConfig
+
     return DeviceConfig(threads=args.threads, cores=_cores(args.cores))
 
 
 def _split(args) -> int:
     from edge.shardio import split_checkpoint
+
     try:
-        out = split_checkpoint(args.model, args.out, args.devices, _weights(args.weights), args.dtype)
+        out = split_checkpoint(
+            args.model, args.out, args.devices, _weights(args.weights), args.dtype
+        )
     except ConfigError as exc:
         return _fail(exc)
-    print(f"wrote {args.devices} device shard(s) to {out}; copy {out}/rankN plus the json files "
-          f"to device N")
+    print(
+        f"wrote {args.devices} device shard(s) to {out}; copy {out}/rankN plus the json files "
+        f"to device N"
+    )
     return 0
 
 
 def _convert(args) -> int:
     from edge.formats.gguf import convert_gguf
+
     try:
         out = convert_gguf(args.gguf, args.out)
     except ConfigError as exc:
         return _fail(exc)
-    print(f"wrote {out}; serve it with 'lowband edge serve {out}' (the file's vocabulary is not "
-          "converted: add a tokenizer.json, or send token ids)")
+    print(
+        f"wrote {out}; serve it with 'lowband edge serve {out}' (the file's vocabulary is not "
+        "converted: add a tokenizer.json, or send token ids)"
+    )
     return 0
 
 
@@ -223,16 +326,27 @@ def _generate(args) -> int:
     from edge.launch import GenerateConfig, generate_main
     from edge.sampling import SamplingParams
     from edge.shardio import WindowConfig
+
     try:
         win = None
         if args.window is not None or args.memory_budget_mb is not None:
             win = WindowConfig(window=args.window, memory_budget_mb=args.memory_budget_mb)
         cfg = GenerateConfig(
-            model_dir=args.model_dir, prompt=args.prompt, dtype=args.dtype, window=win,
-            experts=_experts(args), device=_device(args),
-            sampling=SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
-                                    top_k=args.top_k, top_p=args.top_p, seed=args.seed,
-                                    stop=tuple(args.stop)))
+            model_dir=args.model_dir,
+            prompt=args.prompt,
+            dtype=args.dtype,
+            window=win,
+            experts=_experts(args),
+            device=_device(args),
+            sampling=SamplingParams(
+                max_tokens=args.max_tokens,
+                temperature=args.temperature,
+                top_k=args.top_k,
+                top_p=args.top_p,
+                seed=args.seed,
+                stop=tuple(args.stop),
+            ),
+        )
         return generate_main(cfg)
     except (ConfigError, CorruptWeights) as exc:
         return _fail(exc)
@@ -242,22 +356,37 @@ def _serve_config(args, devices: int):
     from edge.cluster import ClusterConfig
     from edge.launch import ServeConfig
     from edge.server import ServerConfig
+
     return ServeConfig(
-        model_dir=args.model_dir, name=args.name, bind=args.bind, token=args.token,
-        discover=args.discover, liveness=liveness(args, default_heartbeat=1.0),
+        model_dir=args.model_dir,
+        name=args.name,
+        bind=args.bind,
+        token=args.token,
+        discover=args.discover,
+        liveness=liveness(args, default_heartbeat=1.0),
         device=_device(args),
         server=ServerConfig(host=args.host, port=args.port, max_queue=args.max_queue),
-        cluster=ClusterConfig(devices=devices, weights=_weights(args.weights), wire=args.wire,
-                              algorithm=args.algorithm, link=args.link, dtype=args.dtype,
-                              link_spin_us=args.link_spin_us,
-                              window=args.window,
-                              memory_budget_mb=args.memory_budget_mb, op_timeout=args.op_timeout,
-                              replan_after_s=args.replan_after_s, experts=_experts(args),
-                              auto_split=args.auto_split))
+        cluster=ClusterConfig(
+            devices=devices,
+            weights=_weights(args.weights),
+            wire=args.wire,
+            algorithm=args.algorithm,
+            link=args.link,
+            dtype=args.dtype,
+            link_spin_us=args.link_spin_us,
+            window=args.window,
+            memory_budget_mb=args.memory_budget_mb,
+            op_timeout=args.op_timeout,
+            replan_after_s=args.replan_after_s,
+            experts=_experts(args),
+            auto_split=args.auto_split,
+        ),
+    )
 
 
 def _serve(args) -> int:
     from edge.launch import serve_main
+
     try:
         return serve_main(_serve_config(args, args.workers + 1))
     except (ConfigError, CorruptWeights) as exc:
@@ -267,27 +396,41 @@ def _serve(args) -> int:
 def _worker(args) -> int:
     from edge.cluster import WorkerConfig
     from edge.launch import WorkerMainConfig, worker_main
+
     try:
         if (args.master is None) == (args.discover is None):
             raise ConfigError("master", "give either --master tcp://HOST:PORT or --discover")
         master = args.master
         if args.discover is not None:
             from edge.discovery import discover
+
             found = discover(cluster=args.discover, timeout=args.discover_timeout)
-            print(f"lowband edge worker: found master {found.address} (cluster "
-                  f"{found.cluster!r}, auth {found.auth})", flush=True)
+            print(
+                f"lowband edge worker: found master {found.address} (cluster "
+                f"{found.cluster!r}, auth {found.auth})",
+                flush=True,
+            )
             master = found.address
-        return worker_main(WorkerMainConfig(master=master, token=args.token,
-                                            worker=WorkerConfig(model_dir=args.model_dir),
-                                            device=_device(args), op_timeout=args.op_timeout,
-                                            register_timeout=args.register_timeout))
+        return worker_main(
+            WorkerMainConfig(
+                master=master,
+                token=args.token,
+                worker=WorkerConfig(model_dir=args.model_dir),
+                device=_device(args),
+                op_timeout=args.op_timeout,
+                register_timeout=args.register_timeout,
+            )
+        )
     except ConfigError as exc:
         return _fail(exc)
 
 
 def _run(args) -> int:
     from edge.launch import RunConfig, run_main
+
     try:
-        return run_main(RunConfig(serve=_serve_config(args, args.devices), pin_cores=args.pin_cores))
+        return run_main(
+            RunConfig(serve=_serve_config(args, args.devices), pin_cores=args.pin_cores)
+        )
     except (ConfigError, CorruptWeights) as exc:
         return _fail(exc)

@@ -43,14 +43,23 @@ def _settings(pairs: list[str]) -> dict[str, Any]:
 
 
 def _add_set(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                   help="a run-config value (repeatable), e.g. --set alpha=0.5 --set codec=nf4; "
-                        "keys and defaults: `lowband flower keys`")
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a run-config value (repeatable), e.g. --set alpha=0.5 --set codec=nf4; "
+        "keys and defaults: `lowband flower keys`",
+    )
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("flower", help="federated Streaming DiLoCo on Flower (rounds = outer steps)",
-                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = sub.add_parser(
+        "flower",
+        help="federated Streaming DiLoCo on Flower (rounds = outer steps)",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     fsub = p.add_subparsers(dest="flower_command", metavar="ACTION", required=True)
 
     new = fsub.add_parser("new", help="write a Flower app directory for `flwr run DIR`")
@@ -68,23 +77,36 @@ def register(sub: argparse._SubParsersAction) -> None:
     local.add_argument("-P", "--fragments", type=int, help="P: fragments (one synced per round)")
     local.add_argument("--codec", help="uplink codec: fp32 fp16 bf16 int8 fp4 nf4 e3m0")
     local.add_argument("--preset", help="model/data preset: tiny (default) | shakespeare")
-    local.add_argument("--threads", type=int, default=1,
-                       help="torch threads per ServerApp/ClientApp process (default 1: the "
-                            "processes share this machine's cores)")
+    local.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch threads per ServerApp/ClientApp process (default 1: the "
+        "processes share this machine's cores)",
+    )
     local.add_argument("--app", type=Path, help="an app directory (default: the built-in app)")
-    local.add_argument("--out", type=Path, default=Path("flower-run"),
-                       help="metrics.jsonl, summary.json, checkpoint/ (default ./flower-run)")
+    local.add_argument(
+        "--out",
+        type=Path,
+        default=Path("flower-run"),
+        help="metrics.jsonl, summary.json, checkpoint/ (default ./flower-run)",
+    )
     local.add_argument("--timeout", type=float, default=3600.0, help="seconds for the whole run")
     local.add_argument("--quiet", action="store_true", help="do not stream the Flower run log")
     _add_set(local)
     local.set_defaults(func=_local)
 
-    run = fsub.add_parser("run", help="run the app on a running SuperLink (`flwr run` without "
-                          "writing FLWR_HOME by hand)")
+    run = fsub.add_parser(
+        "run",
+        help="run the app on a running SuperLink (`flwr run` without writing FLWR_HOME by hand)",
+    )
     run.add_argument("--superlink", required=True, help="HOST:PORT of the SuperLink")
     run.add_argument("--app", type=Path, help="an app directory (default: the built-in app)")
-    run.add_argument("--out", help="out-dir on the SuperLink's machine (ServerApp writes "
-                     "metrics, summary, checkpoint there); printed here when visible")
+    run.add_argument(
+        "--out",
+        help="out-dir on the SuperLink's machine (ServerApp writes "
+        "metrics, summary, checkpoint there); printed here when visible",
+    )
     run.add_argument("--root-certificates", help="CA bundle of a TLS SuperLink (default: insecure)")
     run.add_argument("--timeout", type=float, default=24 * 3600.0, help="seconds")
     run.add_argument("--quiet", action="store_true", help="do not stream the Flower run log")
@@ -98,8 +120,8 @@ def _fail(exc: Exception) -> int:
 
 
 def _new(args: argparse.Namespace) -> int:
-    from diloco.flower.config import APP_CONFIG_DEFAULTS, from_run_config
     from diloco.flower.app import write_app
+    from diloco.flower.config import APP_CONFIG_DEFAULTS, from_run_config
     from lowband.errors import ConfigError
 
     try:
@@ -113,8 +135,8 @@ def _new(args: argparse.Namespace) -> int:
 
 
 def _keys(args: argparse.Namespace) -> int:
-    from diloco.flower.config import APP_CONFIG
     from diloco.flower.app import toml_value
+    from diloco.flower.config import APP_CONFIG
 
     for k, (v, doc) in APP_CONFIG.items():
         print(f"{k:<20} {toml_value(v):<12} {doc}")
@@ -125,13 +147,23 @@ def local_config(args: argparse.Namespace):
     """The parsed command line as a :class:`diloco.flower.federation.LocalRunConfig`."""
     from diloco.flower.federation import LocalRunConfig
 
-    flags = {"num-server-rounds": args.rounds, "inner-steps": args.inner_steps,
-             "fragments": args.fragments, "codec": args.codec, "preset": args.preset,
-             "threads": args.threads}
+    flags = {
+        "num-server-rounds": args.rounds,
+        "inner-steps": args.inner_steps,
+        "fragments": args.fragments,
+        "codec": args.codec,
+        "preset": args.preset,
+        "threads": args.threads,
+    }
     rc = {k: v for k, v in flags.items() if v is not None}
     rc.update(_settings(args.set))
-    return LocalRunConfig(supernodes=args.supernodes, run_config=rc, out_dir=str(args.out),
-                          app_dir=str(args.app) if args.app else None, timeout=args.timeout)
+    return LocalRunConfig(
+        supernodes=args.supernodes,
+        run_config=rc,
+        out_dir=str(args.out),
+        app_dir=str(args.app) if args.app else None,
+        timeout=args.timeout,
+    )
 
 
 def _local(args: argparse.Namespace) -> int:
@@ -151,10 +183,13 @@ def _local(args: argparse.Namespace) -> int:
         return _fail(exc)
     print(summary_table(args.out))
     red = summary.get("uplink_reduction")
-    print(f"eval loss {summary['initial_eval']:.3f} -> {summary['final_eval']:.3f}; uplink "
-          f"{summary['bytes_up'] / 2**20:.2f} MiB ({summary['codec']}"
-          + (f", {red:.2f}x less than fp32" if red else "") + f"); downlink "
-          f"{summary['bytes_down'] / 2**20:.2f} MiB; results in {args.out}")
+    print(
+        f"eval loss {summary['initial_eval']:.3f} -> {summary['final_eval']:.3f}; uplink "
+        f"{summary['bytes_up'] / 2**20:.2f} MiB ({summary['codec']}"
+        + (f", {red:.2f}x less than fp32" if red else "")
+        + f"); downlink "
+        f"{summary['bytes_down'] / 2**20:.2f} MiB; results in {args.out}"
+    )
     return 0
 
 
@@ -165,9 +200,13 @@ def submit_config(args: argparse.Namespace):
     rc = _settings(args.set)
     if args.out:
         rc["out-dir"] = args.out
-    return SubmitConfig(superlink=args.superlink, run_config=rc,
-                        app_dir=str(args.app) if args.app else None,
-                        root_certificates=args.root_certificates, timeout=args.timeout)
+    return SubmitConfig(
+        superlink=args.superlink,
+        run_config=rc,
+        app_dir=str(args.app) if args.app else None,
+        root_certificates=args.root_certificates,
+        timeout=args.timeout,
+    )
 
 
 def _run(args: argparse.Namespace) -> int:

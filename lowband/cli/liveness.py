@@ -13,15 +13,27 @@ import argparse
 
 def add_liveness(p: argparse.ArgumentParser, default_heartbeat: float) -> None:
     g = p.add_argument_group("liveness (how fast a silent peer is declared lost)")
-    g.add_argument("--heartbeat", type=float, metavar="S",
-                   help=f"heartbeat interval in seconds (default {default_heartbeat:g}); peers "
-                        "send three per interval")
-    g.add_argument("--dead-after", type=float, metavar="S",
-                   help="seconds of silence, with its connection gone too, before a peer is "
-                        "lost (default 2 x --heartbeat)")
-    g.add_argument("--unresponsive-after", type=float, metavar="S",
-                   help="seconds a silent peer whose connection still answers (a hung process) "
-                        "is kept (default 60)")
+    g.add_argument(
+        "--heartbeat",
+        type=float,
+        metavar="S",
+        help=f"heartbeat interval in seconds (default {default_heartbeat:g}); peers "
+        "send three per interval",
+    )
+    g.add_argument(
+        "--dead-after",
+        type=float,
+        metavar="S",
+        help="seconds of silence, with its connection gone too, before a peer is "
+        "lost (default 2 x --heartbeat)",
+    )
+    g.add_argument(
+        "--unresponsive-after",
+        type=float,
+        metavar="S",
+        help="seconds a silent peer whose connection still answers (a hung process) "
+        "is kept (default 60)",
+    )
 
 
 def liveness(args: argparse.Namespace, default_heartbeat: float):
@@ -29,7 +41,9 @@ def liveness(args: argparse.Namespace, default_heartbeat: float):
     field when they do not fit together)."""
     from transport.coordinator import Liveness
 
-    kw: dict[str, float] = {"heartbeat_interval": default_heartbeat if args.heartbeat is None else args.heartbeat}
+    kw: dict[str, float] = {
+        "heartbeat_interval": default_heartbeat if args.heartbeat is None else args.heartbeat
+    }
     if args.dead_after is not None:
         kw["dead_after"] = args.dead_after
     if args.unresponsive_after is not None:
@@ -38,6 +52,11 @@ def liveness(args: argparse.Namespace, default_heartbeat: float):
 
 
 def add_register_timeout(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--register-timeout", type=float, default=30.0, metavar="S",
-                   help="seconds to wait for the coordinator to answer at join (default 30); "
-                        "the heartbeat deadlines are the coordinator's")
+    p.add_argument(
+        "--register-timeout",
+        type=float,
+        default=30.0,
+        metavar="S",
+        help="seconds to wait for the coordinator to answer at join (default 30); "
+        "the heartbeat deadlines are the coordinator's",
+    )

@@ -16,21 +16,41 @@ from lowband.cli.liveness import add_liveness, add_register_timeout, liveness
 
 
 def _add_run_options(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("configuration (a preset plus overrides; workers of one run must agree)")
-    g.add_argument("--preset", default="shakespeare",
-                   help="tiny | shakespeare (default) | wide | scale (BPE, ~6.5 M params, M=4)")
-    g.add_argument("--config", type=Path, help="a config.json written by `lowband train` "
-                   "(instead of --preset; overrides still apply)")
+    g = p.add_argument_group(
+        "configuration (a preset plus overrides; workers of one run must agree)"
+    )
+    g.add_argument(
+        "--preset",
+        default="shakespeare",
+        help="tiny | shakespeare (default) | wide | scale (BPE, ~6.5 M params, M=4)",
+    )
+    g.add_argument(
+        "--config",
+        type=Path,
+        help="a config.json written by `lowband train` "
+        "(instead of --preset; overrides still apply)",
+    )
     g.add_argument("--mode", choices=["diloco", "ddp"], help="Streaming DiLoCo or the DDP baseline")
     g.add_argument("--steps", type=int, help="T: inner steps per worker")
-    g.add_argument("-H", "--inner-steps", type=int, dest="inner_steps",
-                   help="H: inner steps between two syncs of a fragment")
+    g.add_argument(
+        "-H",
+        "--inner-steps",
+        type=int,
+        dest="inner_steps",
+        help="H: inner steps between two syncs of a fragment",
+    )
     g.add_argument("-P", "--fragments", type=int, dest="n_fragments", help="P: fragments")
-    g.add_argument("--tau", type=int, help="τ: overlap, steps between launching and applying a sync")
+    g.add_argument(
+        "--tau", type=int, help="τ: overlap, steps between launching and applying a sync"
+    )
     g.add_argument("--alpha", type=float, help="α: merge weight of the local parameters")
     g.add_argument("--codec", help="wire format: fp32 fp16 bf16 int8 fp4 nf4 e3m0")
-    g.add_argument("--error-feedback", action=argparse.BooleanOptionalAction, default=None,
-                   help="carry quantization residuals to the next sync")
+    g.add_argument(
+        "--error-feedback",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="carry quantization residuals to the next sync",
+    )
     g.add_argument("--fragment-strategy", choices=["strided", "sequential"])
     g.add_argument("--outer-lr", type=float, help="outer Nesterov learning rate (default 0.7)")
     g.add_argument("--outer-momentum", type=float, help="outer momentum μ (default 0.9)")
@@ -38,37 +58,78 @@ def _add_run_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--warmup-steps", type=int)
     g.add_argument("--batch-size", type=int, help="B: sequences per worker per step")
     g.add_argument("--seq-len", type=int, help="T: tokens per sequence")
-    g.add_argument("--data", type=Path, dest="data_path",
-                   help="a UTF-8 text file/dir (or token shards with --data-kind tokens); "
-                        "default: the embedded Shakespeare sample")
-    g.add_argument("--corpus", type=Path, dest="corpus",
-                   help="a UTF-8 text file to train on (same as --data PATH --data-kind text)")
+    g.add_argument(
+        "--data",
+        type=Path,
+        dest="data_path",
+        help="a UTF-8 text file/dir (or token shards with --data-kind tokens); "
+        "default: the embedded Shakespeare sample",
+    )
+    g.add_argument(
+        "--corpus",
+        type=Path,
+        dest="corpus",
+        help="a UTF-8 text file to train on (same as --data PATH --data-kind text)",
+    )
     g.add_argument("--data-kind", choices=["text", "jsonl", "tokens"])
-    g.add_argument("--tokenizer", help="a Hugging Face tokenizer.json (or its directory), or "
-                   "bpe:N (a byte-level BPE of N tokens trained on the embedded sample); "
-                   "default: bytes")
+    g.add_argument(
+        "--tokenizer",
+        help="a Hugging Face tokenizer.json (or its directory), or "
+        "bpe:N (a byte-level BPE of N tokens trained on the embedded sample); "
+        "default: bytes",
+    )
     g.add_argument("--token-dtype", choices=["uint16", "uint32"], help="of *.bin token shards")
-    g.add_argument("--test-fraction", type=float, help="share of the corpus held out as the "
-                   "test split (reported, never tuned on)")
-    g.add_argument("--eval-split", choices=["validation", "test"],
-                   help="which held-out split evaluations report")
-    g.add_argument("--slices", type=int, help="give each data slot its own disjoint slice of "
-                   "the training split (0: all share it)")
-    g.add_argument("--model", dest="model_spec", help="hf:PATH trains a Hugging Face causal LM "
-                   "(a config.json for a random init, or a checkpoint directory); default: the "
-                   "preset's lowband Llama")
+    g.add_argument(
+        "--test-fraction",
+        type=float,
+        help="share of the corpus held out as the test split (reported, never tuned on)",
+    )
+    g.add_argument(
+        "--eval-split",
+        choices=["validation", "test"],
+        help="which held-out split evaluations report",
+    )
+    g.add_argument(
+        "--slices",
+        type=int,
+        help="give each data slot its own disjoint slice of the training split (0: all share it)",
+    )
+    g.add_argument(
+        "--model",
+        dest="model_spec",
+        help="hf:PATH trains a Hugging Face causal LM "
+        "(a config.json for a random init, or a checkpoint directory); default: the "
+        "preset's lowband Llama",
+    )
     c = p.add_argument_group("compute (per site; may differ between workers)")
     c.add_argument("--device", help="auto (default) | cpu | cuda | cuda:N")
-    c.add_argument("--precision", choices=["fp32", "bf16", "fp16"],
-                   help="autocast dtype (master weights stay fp32)")
-    c.add_argument("--micro-batches", type=int, help="gradient accumulation: split B into this "
-                   "many micro-batches")
-    c.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
-                   help="torch.compile the model")
-    c.add_argument("--activation-checkpointing", action=argparse.BooleanOptionalAction,
-                   default=None, help="recompute block activations in backward")
-    c.add_argument("--optimizer-impl", choices=["auto", "fused", "foreach", "loop"],
-                   help="torch optimizer kernels (auto: fused on CUDA)")
+    c.add_argument(
+        "--precision",
+        choices=["fp32", "bf16", "fp16"],
+        help="autocast dtype (master weights stay fp32)",
+    )
+    c.add_argument(
+        "--micro-batches",
+        type=int,
+        help="gradient accumulation: split B into this many micro-batches",
+    )
+    c.add_argument(
+        "--compile",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="torch.compile the model",
+    )
+    c.add_argument(
+        "--activation-checkpointing",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="recompute block activations in backward",
+    )
+    c.add_argument(
+        "--optimizer-impl",
+        choices=["auto", "fused", "foreach", "loop"],
+        help="torch optimizer kernels (auto: fused on CUDA)",
+    )
     g.add_argument("--seed", type=int)
     g.add_argument("--eval-every", type=int)
     g.add_argument("--checkpoint-every", type=int)
@@ -80,7 +141,6 @@ def _train_config(args: argparse.Namespace, base=None, **extra: object):
     """``--config`` or ``--preset`` (or ``base`` when the caller has its own default and neither
     was given) with the flat overrides applied; validated like any TrainConfig."""
     from diloco.config import config_from_dict, preset, with_overrides
-
     from lowband.errors import ConfigError
 
     if args.config:
@@ -98,19 +158,43 @@ def _train_config(args: argparse.Namespace, base=None, **extra: object):
             raise ConfigError("corpus", "give --corpus or --data, not both")
         data_path, data_kind = args.corpus, data_kind or "text"
     return with_overrides(
-        base, hf_model=hf_model, device=args.device, precision=args.precision,
-        micro_batches=args.micro_batches, compile=args.compile,
+        base,
+        hf_model=hf_model,
+        device=args.device,
+        precision=args.precision,
+        micro_batches=args.micro_batches,
+        compile=args.compile,
         activation_checkpointing=args.activation_checkpointing,
-        optimizer_impl=args.optimizer_impl, tokenizer=args.tokenizer,
-        token_dtype=args.token_dtype, test_fraction=args.test_fraction,
-        eval_split=args.eval_split, slices=args.slices, mode=args.mode, steps=args.steps, inner_steps=args.inner_steps,
-        n_fragments=args.n_fragments, tau=args.tau, alpha=args.alpha, codec=args.codec,
-        error_feedback=args.error_feedback, fragment_strategy=args.fragment_strategy,
-        outer_lr=args.outer_lr, outer_momentum=args.outer_momentum, inner_lr=args.inner_lr,
-        warmup_steps=args.warmup_steps, batch_size=args.batch_size, seq_len=args.seq_len,
-        data_path=str(data_path) if data_path else None, data_kind=data_kind,
-        seed=args.seed, eval_every=args.eval_every, checkpoint_every=args.checkpoint_every,
-        audit_every=args.audit_every, sync_timeout=args.sync_timeout, **extra)
+        optimizer_impl=args.optimizer_impl,
+        tokenizer=args.tokenizer,
+        token_dtype=args.token_dtype,
+        test_fraction=args.test_fraction,
+        eval_split=args.eval_split,
+        slices=args.slices,
+        mode=args.mode,
+        steps=args.steps,
+        inner_steps=args.inner_steps,
+        n_fragments=args.n_fragments,
+        tau=args.tau,
+        alpha=args.alpha,
+        codec=args.codec,
+        error_feedback=args.error_feedback,
+        fragment_strategy=args.fragment_strategy,
+        outer_lr=args.outer_lr,
+        outer_momentum=args.outer_momentum,
+        inner_lr=args.inner_lr,
+        warmup_steps=args.warmup_steps,
+        batch_size=args.batch_size,
+        seq_len=args.seq_len,
+        data_path=str(data_path) if data_path else None,
+        data_kind=data_kind,
+        seed=args.seed,
+        eval_every=args.eval_every,
+        checkpoint_every=args.checkpoint_every,
+        audit_every=args.audit_every,
+        sync_timeout=args.sync_timeout,
+        **extra,
+    )
 
 
 def _fail(exc: Exception) -> int:
@@ -130,10 +214,16 @@ def _train(args: argparse.Namespace) -> int:
 def _train_checked(args: argparse.Namespace) -> int:
     from diloco.launch import LocalLaunch, train_main
 
-    cfg = LocalLaunch(train=_train_config(args, workers=args.workers), out_dir=args.out,
-                      resume=args.resume, loopback=args.loopback, bind=args.bind,
-                      threads=args.threads, progress=not args.no_progress,
-                      liveness=liveness(args, default_heartbeat=2.0))
+    cfg = LocalLaunch(
+        train=_train_config(args, workers=args.workers),
+        out_dir=args.out,
+        resume=args.resume,
+        loopback=args.loopback,
+        bind=args.bind,
+        threads=args.threads,
+        progress=not args.no_progress,
+        liveness=liveness(args, default_heartbeat=2.0),
+    )
     summary = train_main(cfg)
     print(json.dumps(summary))
     return 0 if summary["finished"] else 1
@@ -153,13 +243,22 @@ def _worker_checked(args: argparse.Namespace) -> int:
         return _site_rank(args)
     from diloco.launch import WorkerLaunch, worker_main
 
-    cfg = WorkerLaunch(train=_train_config(args, workers=args.workers),
-                       coordinator=args.coordinator,
-                       worker_id=args.id, out_dir=args.out, resume=args.resume,
-                       threads=args.threads, progress=args.progress, bind_host=args.bind_host,
-                       advertise_host=args.advertise_host, token=args.token,
-                       data_port=args.data_port, advertise_port=args.advertise_port,
-                       same_host=args.same_host, register_timeout=args.register_timeout)
+    cfg = WorkerLaunch(
+        train=_train_config(args, workers=args.workers),
+        coordinator=args.coordinator,
+        worker_id=args.id,
+        out_dir=args.out,
+        resume=args.resume,
+        threads=args.threads,
+        progress=args.progress,
+        bind_host=args.bind_host,
+        advertise_host=args.advertise_host,
+        token=args.token,
+        data_port=args.data_port,
+        advertise_port=args.advertise_port,
+        same_host=args.same_host,
+        register_timeout=args.register_timeout,
+    )
     result = worker_main(cfg)
     print(json.dumps(result.summary()))
     return 0
@@ -187,17 +286,32 @@ def _site_rank(args: argparse.Namespace) -> int:
     rank = int(env["RANK"])  # type: ignore[arg-type]
     local_rank = int(os.environ.get("LOCAL_RANK", rank))
     train = _train_config(args, workers=args.workers)
-    device = site_device(train.compute.device, backend=args.site_backend, engine=args.site,
-                         local_rank=local_rank, cuda=torch.cuda.is_available())
+    device = site_device(
+        train.compute.device,
+        backend=args.site_backend,
+        engine=args.site,
+        local_rank=local_rank,
+        cuda=torch.cuda.is_available(),
+    )
     train = dataclasses.replace(train, compute=dataclasses.replace(train.compute, device=device))
-    cfg = SiteLaunch(train=train, coordinators=tuple(args.coordinator.split(",")),
-                     rank=rank, size=int(env["WORLD_SIZE"]),  # type: ignore[arg-type]
-                     master=f"{env['MASTER_ADDR']}:{env['MASTER_PORT']}", engine=args.site,
-                     backend=args.site_backend, site_id=args.id or "site", out_dir=args.out,
-                     threads=args.threads, bind_host=args.bind_host,
-                     advertise_host=args.advertise_host, token=args.token,
-                     same_host=args.same_host, dist_timeout=args.dist_timeout,
-                     resume=args.resume)
+    cfg = SiteLaunch(
+        train=train,
+        coordinators=tuple(args.coordinator.split(",")),
+        rank=rank,
+        size=int(env["WORLD_SIZE"]),  # type: ignore[arg-type]
+        master=f"{env['MASTER_ADDR']}:{env['MASTER_PORT']}",
+        engine=args.site,
+        backend=args.site_backend,
+        site_id=args.id or "site",
+        out_dir=args.out,
+        threads=args.threads,
+        bind_host=args.bind_host,
+        advertise_host=args.advertise_host,
+        token=args.token,
+        same_host=args.same_host,
+        dist_timeout=args.dist_timeout,
+        resume=args.resume,
+    )
     try:
         result = site_main(cfg)
     except SiteFailed as exc:
@@ -219,16 +333,20 @@ def _site_rank(args: argparse.Namespace) -> int:
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("train", help="train with Streaming DiLoCo (or DDP) on this machine",
-                       description="Start a coordinator and N worker processes on this machine "
-                       "and train the preset model (default: a small Llama on the embedded "
-                       "Shakespeare sample). Writes metrics-*.jsonl, summary.json, "
-                       "eval_vs_bytes.png, checkpoints/ and model/ (loadable by `lowband edge`).")
+    p = sub.add_parser(
+        "train",
+        help="train with Streaming DiLoCo (or DDP) on this machine",
+        description="Start a coordinator and N worker processes on this machine "
+        "and train the preset model (default: a small Llama on the embedded "
+        "Shakespeare sample). Writes metrics-*.jsonl, summary.json, "
+        "eval_vs_bytes.png, checkpoints/ and model/ (loadable by `lowband edge`).",
+    )
     p.add_argument("--workers", type=int, default=2, help="M: worker processes (default 2)")
     p.add_argument("--out", type=Path, default=Path("lowband-run"), help="run directory")
     p.add_argument("--resume", type=Path, help="a checkpoints/step-* directory to continue from")
-    p.add_argument("--loopback", action="store_true",
-                   help="workers as threads of this process (no sockets)")
+    p.add_argument(
+        "--loopback", action="store_true", help="workers as threads of this process (no sockets)"
+    )
     p.add_argument("--bind", default="tcp://127.0.0.1:0", help="coordinator endpoint")
     p.add_argument("--threads", type=int, default=1, help="torch threads per worker (default 1)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -236,26 +354,48 @@ def register(sub: argparse._SubParsersAction) -> None:
     _add_run_options(p)
     p.set_defaults(func=_train)
 
-    p = sub.add_parser("worker", help="join a training run as one worker",
-                       description="Connect to a run's coordinator and train as one worker. "
-                       "Use the same preset/overrides (or --config) as the other workers: a "
-                       "different model or configuration is refused at join.")
-    p.add_argument("--coordinator", required=True, help="tcp://HOST:PORT of the coordinator "
-                   "(with --site: one per site rank r, comma-separated, rank r joins the r-th)")
-    p.add_argument("--site", choices=["fsdp2", "ddp"],
-                   help="this process is one rank of a multi-rank site started by torchrun: "
-                   "FSDP2 or DDP inside the site, sharded outer sync across sites")
-    p.add_argument("--site-backend", default="gloo", choices=["gloo", "nccl"],
-                   help="torch.distributed backend inside the site (default gloo): nccl puts "
-                   "rank r of a host on cuda:LOCAL_RANK (--device auto or cuda) and refuses a "
-                   "CPU device; gloo computes on the CPU (auto) or, with --site ddp and "
-                   "--device cuda / cuda:N, on GPUs")
-    p.add_argument("--dist-timeout", type=float, default=60.0, metavar="SECONDS",
-                   help="with --site: seconds a torch.distributed collective inside the site "
-                   "may wait before the rank gives up (a dead rank takes its site down after "
-                   "at most this long; default 60)")
-    p.add_argument("--workers", type=int,
-                   help="M: founding workers to wait for before starting (default: the preset's)")
+    p = sub.add_parser(
+        "worker",
+        help="join a training run as one worker",
+        description="Connect to a run's coordinator and train as one worker. "
+        "Use the same preset/overrides (or --config) as the other workers: a "
+        "different model or configuration is refused at join.",
+    )
+    p.add_argument(
+        "--coordinator",
+        required=True,
+        help="tcp://HOST:PORT of the coordinator "
+        "(with --site: one per site rank r, comma-separated, rank r joins the r-th)",
+    )
+    p.add_argument(
+        "--site",
+        choices=["fsdp2", "ddp"],
+        help="this process is one rank of a multi-rank site started by torchrun: "
+        "FSDP2 or DDP inside the site, sharded outer sync across sites",
+    )
+    p.add_argument(
+        "--site-backend",
+        default="gloo",
+        choices=["gloo", "nccl"],
+        help="torch.distributed backend inside the site (default gloo): nccl puts "
+        "rank r of a host on cuda:LOCAL_RANK (--device auto or cuda) and refuses a "
+        "CPU device; gloo computes on the CPU (auto) or, with --site ddp and "
+        "--device cuda / cuda:N, on GPUs",
+    )
+    p.add_argument(
+        "--dist-timeout",
+        type=float,
+        default=60.0,
+        metavar="SECONDS",
+        help="with --site: seconds a torch.distributed collective inside the site "
+        "may wait before the rank gives up (a dead rank takes its site down after "
+        "at most this long; default 60)",
+    )
+    p.add_argument(
+        "--workers",
+        type=int,
+        help="M: founding workers to wait for before starting (default: the preset's)",
+    )
     p.add_argument("--id", help="worker id for file names (default: the transport peer id)")
     p.add_argument("--out", type=Path, help="directory for metrics and checkpoints")
     p.add_argument("--resume", type=Path, help="a checkpoints/step-* directory to continue from")
@@ -264,11 +404,20 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--bind-host", default="0.0.0.0", help="interface for the data socket")
     p.add_argument("--advertise-host", help="address other workers should connect to")
     p.add_argument("--token", help="shared secret of the run")
-    p.add_argument("--data-port", type=int, default=0, help="data socket port (default: a free one)")
-    p.add_argument("--advertise-port", type=int,
-                   help="port other workers should dial, when a relay sits in front of this one")
-    p.add_argument("--same-host", default="auto", choices=["auto", "shm", "ipc", "off"],
-                   help="shortcuts to workers on this host (off: TCP only, for shaped links)")
+    p.add_argument(
+        "--data-port", type=int, default=0, help="data socket port (default: a free one)"
+    )
+    p.add_argument(
+        "--advertise-port",
+        type=int,
+        help="port other workers should dial, when a relay sits in front of this one",
+    )
+    p.add_argument(
+        "--same-host",
+        default="auto",
+        choices=["auto", "shm", "ipc", "off"],
+        help="shortcuts to workers on this host (off: TCP only, for shaped links)",
+    )
     add_register_timeout(p)
     _add_run_options(p)
     p.set_defaults(func=_worker)

@@ -28,6 +28,7 @@ def _token(args: argparse.Namespace) -> str | None:
 def _authorized(paths: list[str]) -> tuple[bytes, ...]:
     """Public keys from key files and/or directories of ``*.key`` files."""
     from transport.auth import CurveKeys
+
     keys: list[bytes] = []
     for p in map(Path, paths):
         files = sorted(p.glob("*.key")) if p.is_dir() else [p]
@@ -43,11 +44,17 @@ def _coordinator(args: argparse.Namespace) -> int:
 
     curve = CurveKeys.load(args.curve_secret) if args.curve_secret else None
     if curve is not None and curve.secret is None:
-        raise ConfigError("curve-secret", f"{args.curve_secret} holds no secret key "
-                          "(pass the NAME.key_secret file written by lowband keygen)")
+        raise ConfigError(
+            "curve-secret",
+            f"{args.curve_secret} holds no secret key "
+            "(pass the NAME.key_secret file written by lowband keygen)",
+        )
     cfg = liveness(args, default_heartbeat=1.0).coordinator(
-        bind=args.bind, token=_token(args), curve=curve,
-        curve_authorized=_authorized(args.curve_authorized or []))
+        bind=args.bind,
+        token=_token(args),
+        curve=curve,
+        curve_authorized=_authorized(args.curve_authorized or []),
+    )
     coord = Coordinator(cfg).start()
     print(f"lowband coordinator listening on {coord.address}", flush=True)
     if curve is not None:
@@ -55,6 +62,7 @@ def _coordinator(args: argparse.Namespace) -> int:
 
     def stop(signum: int, frame: object) -> None:
         coord.stop()
+
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
     coord.wait()
@@ -73,18 +81,23 @@ def _keygen(args: argparse.Namespace) -> int:
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("coordinator", help="run the membership coordinator of a lowband group")
-    p.add_argument("--bind", default="tcp://0.0.0.0:29500",
-                   help="ZeroMQ endpoint to listen on (default tcp://0.0.0.0:29500)")
+    p.add_argument(
+        "--bind",
+        default="tcp://0.0.0.0:29500",
+        help="ZeroMQ endpoint to listen on (default tcp://0.0.0.0:29500)",
+    )
     add_liveness(p, default_heartbeat=1.0)
     p.add_argument("--token", help="shared secret every peer must present")
     p.add_argument("--token-file", help="read the shared secret from this file")
     p.add_argument("--curve-secret", help="coordinator key file (NAME.key_secret from keygen)")
-    p.add_argument("--curve-authorized", nargs="*",
-                   help="only admit these peer public keys (key files or directories)")
+    p.add_argument(
+        "--curve-authorized",
+        nargs="*",
+        help="only admit these peer public keys (key files or directories)",
+    )
     p.set_defaults(func=_coordinator)
 
     p = sub.add_parser("keygen", help="write a CURVE keypair (NAME.key, NAME.key_secret)")
     p.add_argument("--out", required=True, help="directory for the key files")
     p.add_argument("--name", default="lowband", help="file name stem (default lowband)")
     p.set_defaults(func=_keygen)
-

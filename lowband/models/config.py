@@ -43,29 +43,48 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         if self.model_type not in SUPPORTED_MODEL_TYPES:
-            raise ConfigError("model_type", f"{self.model_type!r} is not one of {SUPPORTED_MODEL_TYPES}")
-        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                     "num_attention_heads"):
+            raise ConfigError(
+                "model_type", f"{self.model_type!r} is not one of {SUPPORTED_MODEL_TYPES}"
+            )
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+        ):
             if getattr(self, name) < 1:
                 raise ConfigError(name, f"must be >= 1, got {getattr(self, name)}")
         if self.num_attention_heads % self.n_kv_heads:
-            raise ConfigError("num_key_value_heads",
-                              f"{self.n_kv_heads} does not divide num_attention_heads "
-                              f"{self.num_attention_heads}")
+            raise ConfigError(
+                "num_key_value_heads",
+                f"{self.n_kv_heads} does not divide num_attention_heads {self.num_attention_heads}",
+            )
         if self.head_dim is None and self.hidden_size % self.num_attention_heads:
-            raise ConfigError("hidden_size", f"{self.hidden_size} is not divisible by "
-                              f"num_attention_heads {self.num_attention_heads}; set head_dim")
+            raise ConfigError(
+                "hidden_size",
+                f"{self.hidden_size} is not divisible by "
+                f"num_attention_heads {self.num_attention_heads}; set head_dim",
+            )
         if self.dim_per_head % 2:
-            raise ConfigError("head_dim", f"must be even for rotary embeddings, got {self.dim_per_head}")
+            raise ConfigError(
+                "head_dim", f"must be even for rotary embeddings, got {self.dim_per_head}"
+            )
         if self.sliding_window is not None and self.sliding_window < 1:
             raise ConfigError("sliding_window", f"must be >= 1 or None, got {self.sliding_window}")
-        kind = (self.rope_scaling or {}).get("rope_type", (self.rope_scaling or {}).get("type", "default"))
+        kind = (self.rope_scaling or {}).get(
+            "rope_type", (self.rope_scaling or {}).get("type", "default")
+        )
         if kind not in ("default", "linear", "llama3"):
-            raise ConfigError("rope_scaling", f"rope type {kind!r} is not implemented "
-                              "(default, linear, llama3 are)")
+            raise ConfigError(
+                "rope_scaling",
+                f"rope type {kind!r} is not implemented (default, linear, llama3 are)",
+            )
         if self.num_local_experts and not 1 <= self.num_experts_per_tok <= self.num_local_experts:
-            raise ConfigError("num_experts_per_tok",
-                              f"must be in [1, {self.num_local_experts}], got {self.num_experts_per_tok}")
+            raise ConfigError(
+                "num_experts_per_tok",
+                f"must be in [1, {self.num_local_experts}], got {self.num_experts_per_tok}",
+            )
 
     @property
     def n_kv_heads(self) -> int:
@@ -97,8 +116,13 @@ class ModelConfig:
                 kwargs["rope_scaling"] = {k: v for k, v in rp.items() if k != "rope_theta"}
         if kwargs.get("torch_dtype") is None:
             kwargs["torch_dtype"] = "float32"
-        for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                  "num_attention_heads"):
+        for k in (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+        ):
             if k not in kwargs:
                 raise ConfigError(k, "missing from config.json")
         _refuse_unimplemented(d)
@@ -127,8 +151,12 @@ class ModelConfig:
         d["num_key_value_heads"] = self.n_kv_heads
         d["head_dim"] = self.dim_per_head
         d["hidden_act"] = "silu"
-        arch = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                "mistral": "MistralForCausalLM", "mixtral": "MixtralForCausalLM"}[self.model_type]
+        arch = {
+            "llama": "LlamaForCausalLM",
+            "qwen2": "Qwen2ForCausalLM",
+            "mistral": "MistralForCausalLM",
+            "mixtral": "MixtralForCausalLM",
+        }[self.model_type]
         d["architectures"] = [arch]
         if not self.is_moe:
             d.pop("num_local_experts")
@@ -153,11 +181,17 @@ def _refuse_unimplemented(d: dict[str, Any]) -> None:
     }
     types = set(d.get("layer_types") or ())
     if types - {"full_attention", "sliding_attention"} or len(types) > 1:
-        raise ConfigError("layer_types", f"{sorted(types)}: per-layer attention types are not "
-                          "implemented (all layers must be alike)")
+        raise ConfigError(
+            "layer_types",
+            f"{sorted(types)}: per-layer attention types are not "
+            "implemented (all layers must be alike)",
+        )
     if types == {"sliding_attention"} and not d.get("sliding_window"):
         raise ConfigError("sliding_window", "layer_types says sliding_attention but no window")
     for name, ok in harmless.items():
         if name in d and d[name] not in ok:
-            raise ConfigError(name, f"{d[name]!r} changes the model's maths and is not "
-                              f"implemented by lowband (supported: {ok[0]!r})")
+            raise ConfigError(
+                name,
+                f"{d[name]!r} changes the model's maths and is not "
+                f"implemented by lowband (supported: {ok[0]!r})",
+            )

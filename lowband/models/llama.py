@@ -48,7 +48,11 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
         inv = inv / float(sc["factor"])
     elif kind == "llama3":
         # Llama 3.1: leave high frequencies, divide low ones by `factor`, blend in between.
-        factor, lo, hi = float(sc["factor"]), float(sc["low_freq_factor"]), float(sc["high_freq_factor"])
+        factor, lo, hi = (
+            float(sc["factor"]),
+            float(sc["low_freq_factor"]),
+            float(sc["high_freq_factor"]),
+        )
         old_ctx = float(sc["original_max_position_embeddings"])
         wavelen = 2 * math.pi / inv
         smooth = (old_ctx / wavelen - lo) / (hi - lo)
@@ -60,8 +64,9 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
     return inv
 
 
-def rope_cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_cos_sin(
+    inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
     """cos/sin of shape (T, D) for integer positions (T,)."""
     freqs = positions.float()[:, None] * inv_freq[None, :]
     emb = torch.cat([freqs, freqs], dim=-1)
@@ -115,8 +120,10 @@ class KVCache:
             self.base = 0
             self.generation = next(_generations)
         if start < self.restart_floor():
-            raise RuntimeError(f"position {start} needs keys the sliding-window cache has dropped "
-                               f"(it restarts from {self.restart_floor()} or 0)")
+            raise RuntimeError(
+                f"position {start} needs keys the sliding-window cache has dropped "
+                f"(it restarts from {self.restart_floor()} or 0)"
+            )
         W, cap = self.window, self.capacity()
         if W is None or cap == 0 or start + T - self.base <= cap:
             return
@@ -127,12 +134,19 @@ class KVCache:
         shift = keep_from - self.base
         for layer in range(len(self.k)):
             for buf in (self.k[layer], self.v[layer]):
-                buf[:, :, :n_keep] = buf[:, :, shift:shift + n_keep].clone()  # type: ignore[index]
+                buf[:, :, :n_keep] = buf[:, :, shift : shift + n_keep].clone()  # type: ignore[index]
         self.base = keep_from
         self.generation = next(_generations)
 
-    def reserve(self, end: int, batch: int, n_kv: int, head_dim: int, dtype: torch.dtype,
-                device: torch.device | str = "cpu") -> None:
+    def reserve(
+        self,
+        end: int,
+        batch: int,
+        n_kv: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device | str = "cpu",
+    ) -> None:
         """Make every layer hold positions up to ``end`` (grown by doubling, contents kept)."""
         need = end - self.base
         for layer, k in enumerate(self.k):
@@ -147,8 +161,9 @@ class KVCache:
                 self.k[layer], self.v[layer] = new_k, new_v
                 self.generation = next(_generations)
 
-    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor, start: int
-               ) -> tuple[torch.Tensor, torch.Tensor]:
+    def update(
+        self, layer: int, k: torch.Tensor, v: torch.Tensor, start: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Store positions start..start+T-1; the keys/values of every held position up to them
         (slot j = position base + j)."""
         t = k.shape[2]
@@ -194,8 +209,14 @@ class Attention(nn.Module):
         # state dict keeps its HF names. q/k/v_proj then hold views into it.
         self.__dict__["qkv"] = None
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                cache: KVCache | None, start: int) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        cache: KVCache | None,
+        start: int,
+    ) -> torch.Tensor:
         B, T, _ = x.shape
         nq, nkv = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
         if self.qkv is not None:
@@ -213,7 +234,7 @@ class Attention(nn.Module):
         gqa = self.n_kv_heads != self.n_heads
         if T == 1:
             if W is not None and S > W:  # the window: only the last W keys (this one included)
-                k, v = k[:, :, S - W:], v[:, :, S - W:]
+                k, v = k[:, :, S - W :], v[:, :, S - W :]
             out = F.scaled_dot_product_attention(q, k, v, enable_gqa=gqa)
         elif start == 0 and (W is None or S <= W):
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
@@ -274,7 +295,8 @@ class SparseMoE(nn.Module):
         self.num_experts = cfg.num_local_experts
         self.gate = nn.Linear(cfg.hidden_size, cfg.num_local_experts, bias=False)
         self.experts = nn.ModuleList(
-            Expert(cfg.hidden_size, cfg.intermediate_size) for _ in range(cfg.num_local_experts))
+            Expert(cfg.hidden_size, cfg.intermediate_size) for _ in range(cfg.num_local_experts)
+        )
         self.reduce: Reduce | None = None
         self.expert_fn: Callable[[int, torch.Tensor], torch.Tensor] | None = None
         self.on_route: Callable[[torch.Tensor], None] | None = None
@@ -311,8 +333,14 @@ class DecoderLayer(nn.Module):
     def ffn(self) -> nn.Module:
         return self.block_sparse_moe if hasattr(self, "block_sparse_moe") else self.mlp
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                cache: KVCache | None, start: int) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        cache: KVCache | None,
+        start: int,
+    ) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, start)
         return x + self.ffn(self.post_attention_layernorm(x))
 
@@ -342,8 +370,9 @@ class LlamaForCausalLM(nn.Module):
         # out of the module tree. This file only calls it.
         self.__dict__["fast_decode"] = None
 
-    def forward(self, input_ids: torch.Tensor, *, cache: KVCache | None = None,
-                start: int | None = None) -> torch.Tensor:
+    def forward(
+        self, input_ids: torch.Tensor, *, cache: KVCache | None = None, start: int | None = None
+    ) -> torch.Tensor:
         """input_ids: (B, T). With a cache, ``start`` defaults to ``cache.length``, which is
         advanced by T afterwards."""
         if start is None:
@@ -407,19 +436,26 @@ def _fuse_rows(mods: list[nn.Module], other: Fuser | None) -> nn.Module | None:
         if any(w.is_meta for w in ws) or len({w.dtype for w in ws}) != 1:
             return None
         has_bias = [m.bias is not None for m in mods]
-        fused = nn.Linear(ws[0].shape[1], sum(w.shape[0] for w in ws), bias=any(has_bias),
-                          device="meta")
+        fused = nn.Linear(
+            ws[0].shape[1], sum(w.shape[0] for w in ws), bias=any(has_bias), device="meta"
+        )
         fused.weight = nn.Parameter(torch.cat([w.detach() for w in ws]), requires_grad=False)
         if any(has_bias):
-            fused.bias = nn.Parameter(torch.cat([
-                m.bias.detach() if m.bias is not None else ws[i].new_zeros(ws[i].shape[0])
-                for i, m in enumerate(mods)]), requires_grad=False)
+            fused.bias = nn.Parameter(
+                torch.cat(
+                    [
+                        m.bias.detach() if m.bias is not None else ws[i].new_zeros(ws[i].shape[0])
+                        for i, m in enumerate(mods)
+                    ]
+                ),
+                requires_grad=False,
+            )
         a = 0
         for m in mods:  # re-point the originals at views: the old tensors can be freed
             n = m.weight.shape[0]
-            m.weight = nn.Parameter(fused.weight[a:a + n], requires_grad=False)
+            m.weight = nn.Parameter(fused.weight[a : a + n], requires_grad=False)
             if m.bias is not None:
-                m.bias = nn.Parameter(fused.bias[a:a + n], requires_grad=False)
+                m.bias = nn.Parameter(fused.bias[a : a + n], requires_grad=False)
             a += n
         return fused
     return other(mods) if other is not None else None
@@ -435,7 +471,9 @@ def fuse_projections(model: LlamaForCausalLM, other: Fuser | None = None) -> Lla
             attn = layer.self_attn
             attn.__dict__["qkv"] = _fuse_rows([attn.q_proj, attn.k_proj, attn.v_proj], other)
             if hasattr(layer, "mlp"):
-                layer.mlp.__dict__["gate_up"] = _fuse_rows([layer.mlp.gate_proj, layer.mlp.up_proj], other)
+                layer.mlp.__dict__["gate_up"] = _fuse_rows(
+                    [layer.mlp.gate_proj, layer.mlp.up_proj], other
+                )
     return model
 
 
@@ -456,7 +494,10 @@ def init_weights(model: LlamaForCausalLM, std: float = 0.02, seed: int | None = 
     for name, p in model.named_parameters():
         if p.dim() < 2:
             continue
-        s = std / math.sqrt(2 * n_layers) if name.endswith(("o_proj.weight", "down_proj.weight",
-                                                            "w2.weight")) else std
+        s = (
+            std / math.sqrt(2 * n_layers)
+            if name.endswith(("o_proj.weight", "down_proj.weight", "w2.weight"))
+            else std
+        )
         with torch.no_grad():
             p.copy_(torch.randn(p.shape, generator=gen) * s)

@@ -48,8 +48,9 @@ class HFTokenizer:
         try:
             from tokenizers import Tokenizer as _Tok
         except ImportError:  # pragma: no cover - depends on the install
-            raise ConfigError("tokenizer", f"{path} needs the 'tokenizers' package: "
-                              "pip install tokenizers") from None
+            raise ConfigError(
+                "tokenizer", f"{path} needs the 'tokenizers' package: pip install tokenizers"
+            ) from None
         self._tok = _Tok.from_file(str(path))
         self.vocab_size = self._tok.get_vocab_size()
         self.eos_token_id = eos_token_id

@@ -15,9 +15,9 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from lowband.errors import ConfigError
 from lowband.models.config import ModelConfig
 from lowband.models.llama import LlamaForCausalLM, rope_inv_freq
-from lowband.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 
@@ -39,8 +39,9 @@ def weight_files(model_dir: Path) -> list[Path]:
     return found
 
 
-def save_pretrained(model: LlamaForCausalLM, out_dir: str | Path, *,
-                    dtype: torch.dtype | None = None) -> Path:
+def save_pretrained(
+    model: LlamaForCausalLM, out_dir: str | Path, *, dtype: torch.dtype | None = None
+) -> Path:
     """Write ``config.json`` + ``model.safetensors`` in the layout ``transformers`` reads."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -58,15 +59,18 @@ def save_pretrained(model: LlamaForCausalLM, out_dir: str | Path, *,
     return out
 
 
-def load_pretrained(model_dir: str | Path, *, dtype: torch.dtype | None = None,
-                    strict: bool = True) -> LlamaForCausalLM:
+def load_pretrained(
+    model_dir: str | Path, *, dtype: torch.dtype | None = None, strict: bool = True
+) -> LlamaForCausalLM:
     """Load a checkpoint into :class:`LlamaForCausalLM` (dtype defaults to the checkpoint's)."""
     d = Path(model_dir)
     cfg = ModelConfig.from_json(d)
     dtype = dtype or DTYPES.get(cfg.torch_dtype, torch.float32)
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg)
-    expected = {k for k in model.state_dict() if not (cfg.tie_word_embeddings and k == "lm_head.weight")}
+    expected = {
+        k for k in model.state_dict() if not (cfg.tie_word_embeddings and k == "lm_head.weight")
+    }
     tensors: dict[str, torch.Tensor] = {}
     for f in weight_files(d):
         with safe_open(str(f), framework="pt") as sf:
@@ -77,7 +81,9 @@ def load_pretrained(model_dir: str | Path, *, dtype: torch.dtype | None = None,
                     raise ConfigError("weights", f"{f.name} has unexpected tensor {key!r}")
     missing = expected - tensors.keys()
     if missing:
-        raise ConfigError("weights", f"checkpoint lacks {len(missing)} tensors, e.g. {sorted(missing)[:3]}")
+        raise ConfigError(
+            "weights", f"checkpoint lacks {len(missing)} tensors, e.g. {sorted(missing)[:3]}"
+        )
     model.load_state_dict(tensors, strict=False, assign=True)
     model.inv_freq = rope_inv_freq(cfg)  # buffers are not in the checkpoint: rebuild off meta
     if cfg.tie_word_embeddings:

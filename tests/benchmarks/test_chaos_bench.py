@@ -14,12 +14,24 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
 
 def test_chaos_soak_tiny_prints_its_json():
-    out = subprocess.run([PY, "-m", "benchmarks.chaos", "--tiny", "--json"], capture_output=True,
-                         text=True, timeout=230, cwd=REPO)
+    out = subprocess.run(
+        [PY, "-m", "benchmarks.chaos", "--tiny", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=230,
+        cwd=REPO,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     r = json.loads(out.stdout.strip().splitlines()[-1])
-    for key in ("faults_injected", "recovered", "max_recovery_s", "requests_ok",
-                "requests_failed_with_clear_error", "requests_wrong", "lost_progress_steps"):
+    for key in (
+        "faults_injected",
+        "recovered",
+        "max_recovery_s",
+        "requests_ok",
+        "requests_failed_with_clear_error",
+        "requests_wrong",
+        "lost_progress_steps",
+    ):
         assert key in r
     assert r["faults_injected"] >= 1
     assert r["requests_ok"] > 0 and r["requests_wrong"] == 0

@@ -43,11 +43,29 @@ def test_bench_reports_on_another_corpus(capsys, tmp_path):
 
     corpus = tmp_path / "other.txt"
     corpus.write_bytes(SAMPLE_TEXT.read_bytes()[-200_000:])
-    assert main(["--json", "--tiny", "--wall-steps", "0", "--corpus", str(corpus),
-                 "--eval-split", "validation"]) == 0
+    assert (
+        main(
+            [
+                "--json",
+                "--tiny",
+                "--wall-steps",
+                "0",
+                "--corpus",
+                str(corpus),
+                "--eval-split",
+                "validation",
+            ]
+        )
+        == 0
+    )
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert out["eval"] == {"corpus": str(corpus), "split": "validation", "tokens": 20000,
-                           "scored_tokens": 2 * 4 * 16, "tokenizer": "bytes"}
+    assert out["eval"] == {
+        "corpus": str(corpus),
+        "split": "validation",
+        "tokens": 20000,
+        "scored_tokens": 2 * 4 * 16,
+        "tokenizer": "bytes",
+    }
     assert "wallclock" not in out
 
 
@@ -55,8 +73,21 @@ def test_bench_reads_the_packaged_second_corpus_by_name(capsys):
     from benchmarks.diloco import main
     from diloco.data import PARADISE_LOST
 
-    assert main(["--json", "--tiny", "--wall-steps", "0", "--corpus", "paradise_lost",
-                 "--test-fraction", "0.15"]) == 0
+    assert (
+        main(
+            [
+                "--json",
+                "--tiny",
+                "--wall-steps",
+                "0",
+                "--corpus",
+                "paradise_lost",
+                "--test-fraction",
+                "0.15",
+            ]
+        )
+        == 0
+    )
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     n = PARADISE_LOST.stat().st_size
     assert out["eval"]["corpus"] == "paradise_lost" and out["eval"]["split"] == "test"
@@ -68,12 +99,20 @@ def test_overhead_bench_tiny_prints_its_json_line(capsys):
 
     assert main(["--json", "--tiny"]) == 0
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    for key in ("device", "params", "dtype", "tokens_per_s_plain", "tokens_per_s_diloco",
-                "overhead", "outer_step_ms"):
+    for key in (
+        "device",
+        "params",
+        "dtype",
+        "tokens_per_s_plain",
+        "tokens_per_s_diloco",
+        "overhead",
+        "outer_step_ms",
+    ):
         assert key in out
     assert out["device"] == "cpu" or "mfu" in out
     assert out["overhead"] == pytest.approx(
-        1 - out["tokens_per_s_diloco"] / out["tokens_per_s_plain"])
+        1 - out["tokens_per_s_diloco"] / out["tokens_per_s_plain"]
+    )
     assert out["tokens_per_s_plain"] > 0 and out["tokens_per_s_diloco"] > 0
     assert out["outer_syncs_per_run"] >= 2 and out["outer_step_ms"] > 0
     assert len(out["pairs_overhead"]) == out["repeats"]

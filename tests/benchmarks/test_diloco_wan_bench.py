@@ -22,8 +22,10 @@ def test_every_variant_takes_every_position():
 
 
 def test_decomposition_splits_wall_into_compute_wait_and_rest():
-    finals = [{"wall_s": 10.0, "compute_s": 8.0, "sync_s": 1.5, "bytes_sent": 100},
-              {"wall_s": 9.0, "compute_s": 7.0, "sync_s": 1.0, "bytes_sent": 300}]
+    finals = [
+        {"wall_s": 10.0, "compute_s": 8.0, "sync_s": 1.5, "bytes_sent": 100},
+        {"wall_s": 9.0, "compute_s": 7.0, "sync_s": 1.0, "bytes_sent": 300},
+    ]
     d = decompose(finals, waits=[1.0, 0.6], steps=20)
     assert (d["wall_s"], d["compute_s"], d["wait_s"], d["sync_s"]) == (10.0, 7.5, 0.8, 1.25)
     assert d["other_s"] == pytest.approx(10.0 - 7.5 - 0.8)
@@ -32,8 +34,15 @@ def test_decomposition_splits_wall_into_compute_wait_and_rest():
 
 
 def _run(wall: float, wait: float) -> dict:
-    return {"steps": 10, "wall_s": wall, "steps_per_s": 10 / wall, "compute_s": wall - wait - 0.1,
-            "wait_s": wait, "other_s": 0.1, "bytes_per_worker": 1.0}
+    return {
+        "steps": 10,
+        "wall_s": wall,
+        "steps_per_s": 10 / wall,
+        "compute_s": wall - wait - 0.1,
+        "wait_s": wait,
+        "other_s": 0.1,
+        "bytes_per_worker": 1.0,
+    }
 
 
 def test_summary_pairs_repeats_and_explains_the_gain_from_the_wait():
@@ -60,8 +69,14 @@ def test_config_is_validated():
 @pytest.mark.netns
 @pytest.mark.skipif(available() is not None, reason=f"netns: {available()}")
 def test_wan_bench_tiny_over_real_links():
-    w = WanBench(workers=2, rate_mbit=20, steps=30, repeats=1, net=178,
-                 variants=("diloco_no_overlap", "streaming_overlap"))
+    w = WanBench(
+        workers=2,
+        rate_mbit=20,
+        steps=30,
+        repeats=1,
+        net=178,
+        variants=("diloco_no_overlap", "streaming_overlap"),
+    )
     out = run_wanbench(w, dataclasses.replace(BenchConfig(), inner_steps=15, tau=2))
     assert out["link"].startswith("REAL") and out["repeats"] == 1
     for v in w.variants:

@@ -6,17 +6,34 @@ import json
 
 import pytest
 
-from tests.conftest import PY
-
 import transport.zmq_comm  # noqa: F401 - the project's own module: never a skip
+from tests.conftest import PY
 
 
 @pytest.mark.slow
 def test_bench_tiny(spawn, tmp_path) -> None:
-    p = spawn([PY, "-m", "benchmarks.edge", "--preset", "tiny", "--tokens", "2", "--warmup", "1",
-               "--repeats", "1", "--prompt-len", "8", "--no-decomposition", "--workdir",
-               str(tmp_path), "--json"],
-              stdout=-1)
+    p = spawn(
+        [
+            PY,
+            "-m",
+            "benchmarks.edge",
+            "--preset",
+            "tiny",
+            "--tokens",
+            "2",
+            "--warmup",
+            "1",
+            "--repeats",
+            "1",
+            "--prompt-len",
+            "8",
+            "--no-decomposition",
+            "--workdir",
+            str(tmp_path),
+            "--json",
+        ],
+        stdout=-1,
+    )
     out, _ = p.communicate(timeout=280)
     assert p.returncode == 0
     res = json.loads(out.decode().strip().splitlines()[-1])

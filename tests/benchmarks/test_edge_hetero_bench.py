@@ -14,9 +14,27 @@ from tests.conftest import PY
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_hetero_bench_tiny(spawn) -> None:
-    p = spawn([PY, "-m", "benchmarks.edge_hetero", "--preset", "tiny", "--repeats", "1",
-               "--tokens", "2", "--warmup", "1", "--prompt-len", "4", "--hand", "2", "--json"],
-              stdout=-1)
+    p = spawn(
+        [
+            PY,
+            "-m",
+            "benchmarks.edge_hetero",
+            "--preset",
+            "tiny",
+            "--repeats",
+            "1",
+            "--tokens",
+            "2",
+            "--warmup",
+            "1",
+            "--prompt-len",
+            "4",
+            "--hand",
+            "2",
+            "--json",
+        ],
+        stdout=-1,
+    )
     out, _ = p.communicate(timeout=280)
     assert p.returncode == 0
     res = json.loads(out.decode().strip().splitlines()[-1])

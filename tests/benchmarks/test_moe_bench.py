@@ -15,8 +15,12 @@ pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
 
 
 def test_bench_smoke_prints_every_figure(tmp_path: Path, spawn) -> None:
-    p = spawn([PY, "-m", "benchmarks.moe", "--json", "--tiny", "--cache-dir", str(tmp_path)],
-              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    p = spawn(
+        [PY, "-m", "benchmarks.moe", "--json", "--tiny", "--cache-dir", str(tmp_path)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     out, err = p.communicate(timeout=280)
     assert p.returncode == 0, err[-3000:]
     res = json.loads(out.strip().splitlines()[-1])
@@ -35,12 +39,17 @@ def test_bench_smoke_prints_every_figure(tmp_path: Path, spawn) -> None:
     # the headline is against the faster int8 LRU (prefetch on or off), both on plain int8 codes
     best = res["best_lru"]
     assert best in ("lru_int8", "lru_int8_prefetch")
-    assert res[f"{best}.tokens_per_s"] == max(res["lru_int8.tokens_per_s"],
-                                              res["lru_int8_prefetch.tokens_per_s"])
-    assert res["throughput_ratio"] == pytest.approx(res["hebf.tokens_per_s"] / res[f"{best}.tokens_per_s"])
+    assert res[f"{best}.tokens_per_s"] == max(
+        res["lru_int8.tokens_per_s"], res["lru_int8_prefetch.tokens_per_s"]
+    )
+    assert res["throughput_ratio"] == pytest.approx(
+        res["hebf.tokens_per_s"] / res[f"{best}.tokens_per_s"]
+    )
     # the unpaced (page-cache) ratio is always there, beside the paced headline
     assert res["throughput_ratio_unpaced"] == res["sweep_io.0.throughput_ratio"] > 0
-    assert res["memory_ratio"] == pytest.approx(res["hebf.model_rss_mb"] / res["int8_resident.model_rss_mb"])
+    assert res["memory_ratio"] == pytest.approx(
+        res["hebf.model_rss_mb"] / res["int8_resident.model_rss_mb"]
+    )
     # The trained model sits in the cache directory for the next run to reuse.
     models = list(tmp_path.glob("tiny-*/model/train_log.json"))
     assert len(models) == 1

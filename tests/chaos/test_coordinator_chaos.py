@@ -20,9 +20,21 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
 
 def _coordinator(port: int, log) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "lowband", "coordinator", "--bind",
-                             f"tcp://127.0.0.1:{port}", "--heartbeat", "1"], stdout=log,
-                            stderr=subprocess.STDOUT, start_new_session=True)
+    return subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "lowband",
+            "coordinator",
+            "--bind",
+            f"tcp://127.0.0.1:{port}",
+            "--heartbeat",
+            "1",
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
 
 
 def _final(path) -> dict | None:
@@ -40,10 +52,34 @@ def test_coordinator_kill_9_and_restart_training_goes_on(tmp_path, procs):
     for i in range(2):
         log = open(tmp_path / f"w{i}.log", "w")
         w = subprocess.Popen(
-            [sys.executable, "-m", "lowband", "worker", "--coordinator", f"tcp://127.0.0.1:{port}",
-             "--preset", "tiny", "--workers", "2", "--steps", "300", "--eval-every", "0",
-             "--id", str(i), "--out", str(tmp_path), "--bind-host", "127.0.0.1",
-             "--threads", "1"], stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+            [
+                sys.executable,
+                "-m",
+                "lowband",
+                "worker",
+                "--coordinator",
+                f"tcp://127.0.0.1:{port}",
+                "--preset",
+                "tiny",
+                "--workers",
+                "2",
+                "--steps",
+                "300",
+                "--eval-every",
+                "0",
+                "--id",
+                str(i),
+                "--out",
+                str(tmp_path),
+                "--bind-host",
+                "127.0.0.1",
+                "--threads",
+                "1",
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
         procs.append(w)
         workers.append(w)
     wait_for(lambda: last_step(tmp_path / "metrics-worker1.jsonl") >= 30, 120, "step 30")

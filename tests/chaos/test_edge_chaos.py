@@ -23,8 +23,15 @@ from tests.chaos.conftest import wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
-CFG = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-           num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+CFG = dict(
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+)
 RECOVERY_BOUND_S = 60.0  # stated bound: back to 200 within this after SIGCONT (loaded CI box)
 
 
@@ -45,8 +52,9 @@ def _get(url: str) -> tuple[int, dict]:
 
 
 def _post(url: str, body: dict) -> tuple[int, dict]:
-    req = urllib.request.Request(url, json.dumps(body).encode(),
-                                 {"Content-Type": "application/json"})
+    req = urllib.request.Request(
+        url, json.dumps(body).encode(), {"Content-Type": "application/json"}
+    )
     try:
         with urllib.request.urlopen(req, timeout=60) as r:
             return r.status, json.loads(r.read())
@@ -85,9 +93,23 @@ def test_paused_role_heals_and_answers_stay_equal(ckpt, tmp_path, procs, victim)
     port = _free_port()
     base = f"http://127.0.0.1:{port}"
     log = open(tmp_path / "edge.log", "w")
-    p = subprocess.Popen([sys.executable, "-m", "lowband", "edge", "run", str(ckpt), "--devices",
-                          "2", "--port", str(port)], stdout=log, stderr=subprocess.STDOUT,
-                         start_new_session=True)
+    p = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "lowband",
+            "edge",
+            "run",
+            str(ckpt),
+            "--devices",
+            "2",
+            "--port",
+            str(port),
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     procs.append(p)
     wait_for(lambda: _get(base + "/health")[0] == 200, 120, "the cluster to come up")
     status, ref = _post(base + "/v1/completions", REQ)
@@ -117,6 +139,7 @@ def test_paused_role_heals_and_answers_stay_equal(ckpt, tmp_path, procs, victim)
         s, out = _post(base + "/v1/completions", REQ)
         last[:] = [s, out]
         return out if s == 200 else None
+
     try:
         out = wait_for(answered, RECOVERY_BOUND_S, "a completion after the fault", every=0.5)
     except AssertionError as exc:
@@ -139,9 +162,23 @@ def test_bad_requests_among_16_concurrent_streams(ckpt, tmp_path, procs):
 
     port = _free_port()
     log = open(tmp_path / "edge.log", "w")
-    p = subprocess.Popen([sys.executable, "-m", "lowband", "edge", "run", str(ckpt), "--devices",
-                          "2", "--port", str(port)], stdout=log, stderr=subprocess.STDOUT,
-                         start_new_session=True)
+    p = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "lowband",
+            "edge",
+            "run",
+            str(ckpt),
+            "--devices",
+            "2",
+            "--port",
+            str(port),
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     procs.append(p)
     wait_for(lambda: _get(f"http://127.0.0.1:{port}/health")[0] == 200, 120, "the cluster")
     status, ref = stream(port)

@@ -17,8 +17,23 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
 
 def _train(out, steps: int, log) -> subprocess.Popen:
-    args = [sys.executable, "-m", "lowband", "train", "--preset", "tiny", "--workers", "2",
-            "--steps", str(steps), "--eval-every", "0", "--no-progress", "--out", str(out)]
+    args = [
+        sys.executable,
+        "-m",
+        "lowband",
+        "train",
+        "--preset",
+        "tiny",
+        "--workers",
+        "2",
+        "--steps",
+        str(steps),
+        "--eval-every",
+        "0",
+        "--no-progress",
+        "--out",
+        str(out),
+    ]
     return subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
 
@@ -30,8 +45,14 @@ def test_sigstopped_worker_rejoins_and_finishes_consistent(tmp_path, procs):
     with open(tmp_path / "train.log", "w") as log:
         p = _train(out, 500, log)
         procs.append(p)
-        pids = wait_for(lambda: (out / "workers.json").exists() and
-                        json.loads((out / "workers.json").read_text())["pids"], 60, "workers")
+        pids = wait_for(
+            lambda: (
+                (out / "workers.json").exists()
+                and json.loads((out / "workers.json").read_text())["pids"]
+            ),
+            60,
+            "workers",
+        )
         victim = int(pids["1"])
         wait_for(lambda: last_step(out / "metrics-worker1.jsonl") >= 40, 90, "step 40")
         os.kill(victim, signal.SIGSTOP)

@@ -16,7 +16,6 @@ import uuid
 from pathlib import Path
 
 import pytest
-
 import yaml
 
 REPO = Path(__file__).resolve().parents[2]
@@ -54,14 +53,17 @@ def flag(argv: list[str], name: str) -> str:
 
 
 def sites() -> dict[str, dict]:
-    return {n: s for n, s in SERVICES.items()
-            if any(c[:2] == ["lowband", "worker"] for c in commands(s))}
+    return {
+        n: s
+        for n, s in SERVICES.items()
+        if any(c[:2] == ["lowband", "worker"] for c in commands(s))
+    }
 
 
 def in_repo(path: str) -> Path:
     """A path inside the image mapped onto this checkout."""
     assert path.startswith(IMAGE_ROOT + "/"), path
-    return REPO / path[len(IMAGE_ROOT) + 1:]
+    return REPO / path[len(IMAGE_ROOT) + 1 :]
 
 
 # ---- services ----------------------------------------------------------------------------------
@@ -89,7 +91,10 @@ def test_three_shaped_sites_train_diloco_then_ddp_against_the_coordinators():
         assert re.fullmatch(r"\$\{DELAY:-\d+ms\}", env["DELAY"]), env
         assert RUNS_MOUNT in svc["volumes"]
         runs = commands(svc)
-        assert [("--mode" in a and flag(a, "--mode")) or "diloco" for a in runs] == ["diloco", "ddp"]
+        assert [("--mode" in a and flag(a, "--mode")) or "diloco" for a in runs] == [
+            "diloco",
+            "ddp",
+        ]
         outs = set()
         for argv in runs:
             host, port = flag(argv, "--coordinator").removeprefix("tcp://").rsplit(":", 1)
@@ -105,14 +110,16 @@ def test_three_shaped_sites_train_diloco_then_ddp_against_the_coordinators():
     (cfg_path,) = cfg_sites
     cfg = config_from_dict(json.loads(in_repo(cfg_path).read_text()))
     assert cfg.workers == len(found) and isinstance(cfg.mode, DilocoConfig)
-    assert re.search(rf"^COPY .*{re.escape(cfg_path.rsplit('/', 1)[1])} docker/$", DOCKERFILE,
-                     flags=re.M)
+    assert re.search(
+        rf"^COPY .*{re.escape(cfg_path.rsplit('/', 1)[1])} docker/$", DOCKERFILE, flags=re.M
+    )
 
 
 def test_report_runs_after_every_site_and_reads_both_runs():
     rep = SERVICES["report"]
-    assert rep["depends_on"] == {n: {"condition": "service_completed_successfully"}
-                                 for n in sites()}
+    assert rep["depends_on"] == {
+        n: {"condition": "service_completed_successfully"} for n in sites()
+    }
     (argv,) = commands(rep)
     assert argv[:2] == ["python", f"{IMAGE_ROOT}/docker/compare.py"]
     assert in_repo(argv[1]).exists()
@@ -127,8 +134,11 @@ def test_one_file_for_compose_v1_and_v2():
         deps = svc.get("depends_on", {})
         assert isinstance(deps, dict), f"{name}: depends_on without conditions"
         for dep, cond in deps.items():
-            assert cond["condition"] in ("service_healthy", "service_started",
-                                         "service_completed_successfully"), (name, dep)
+            assert cond["condition"] in (
+                "service_healthy",
+                "service_started",
+                "service_completed_successfully",
+            ), (name, dep)
             if cond["condition"] == "service_healthy":
                 assert SERVICES[dep]["healthcheck"]["test"][0] == "CMD", dep
         assert not any("sleep" in a for argv in commands(svc) for a in argv), name
@@ -151,20 +161,27 @@ def test_flower_profile_is_a_shaped_federation():
         assert int(cfg["num-partitions"]) == len(nodes)
         partitions.append(int(cfg["partition-id"]))
     assert sorted(partitions) == list(range(len(nodes)))
-    (job,) = [commands(s)[0] for s in flower.values() if commands(s)[0][:3] == ["lowband", "flower", "run"]]
+    (job,) = [
+        commands(s)[0]
+        for s in flower.values()
+        if commands(s)[0][:3] == ["lowband", "flower", "run"]
+    ]
     assert flag(job, "--superlink") == f"superlink:{port}"
     settings = dict(job[i + 1].split("=", 1) for i, a in enumerate(job) if a == "--set")
     assert int(settings["min-available-nodes"]) == len(nodes)
     # the ServerApp runs inside the SuperLink container: its out-dir must be on the volume
-    assert flag(job, "--out").startswith("/runs/") and RUNS_MOUNT in SERVICES["superlink"]["volumes"]
+    assert (
+        flag(job, "--out").startswith("/runs/") and RUNS_MOUNT in SERVICES["superlink"]["volumes"]
+    )
 
 
 # ---- every command against the real command lines -------------------------------------------
 LOWBAND_COMMANDS = [(n, a) for n, s in SERVICES.items() for a in commands(s) if a[0] == "lowband"]
 
 
-@pytest.mark.parametrize("service,argv", LOWBAND_COMMANDS,
-                         ids=[f"{n}:{' '.join(a[:2])}" for n, a in LOWBAND_COMMANDS])
+@pytest.mark.parametrize(
+    "service,argv", LOWBAND_COMMANDS, ids=[f"{n}:{' '.join(a[:2])}" for n, a in LOWBAND_COMMANDS]
+)
 def test_lowband_commands_are_accepted_by_the_cli(service, argv):
     from lowband.cli import build_parser
 
@@ -184,6 +201,7 @@ def test_lowband_commands_are_accepted_by_the_cli(service, argv):
 
 def test_flower_commands_are_accepted_by_the_installed_flower():
     import flwr  # noqa: F401 - required (the dev extra)
+
     # Flower builds these parsers in private functions; if a release renames them, fall back to
     # checking each flag against `--help` (slower: a process per executable).
     parsers = {}
@@ -191,8 +209,10 @@ def test_flower_commands_are_accepted_by_the_installed_flower():
         from flwr.superlink.cli.flower_superlink import _parse_args_run_superlink
         from flwr.supernode.cli.flower_supernode import _parse_args_run_supernode
 
-        parsers = {"flower-superlink": _parse_args_run_superlink,
-                   "flower-supernode": _parse_args_run_supernode}
+        parsers = {
+            "flower-superlink": _parse_args_run_superlink,
+            "flower-supernode": _parse_args_run_supernode,
+        }
     except ImportError:
         pass
     seen = set()
@@ -208,8 +228,9 @@ def test_flower_commands_are_accepted_by_the_installed_flower():
                     pytest.fail(f"{name}: `{shlex.join(argv)}` rejected (exit {exc.code})")
                 continue
             exe = Path(sys.executable).parent / argv[0]
-            text = subprocess.run([str(exe), "--help"], capture_output=True, text=True,
-                                  timeout=120).stdout
+            text = subprocess.run(
+                [str(exe), "--help"], capture_output=True, text=True, timeout=120
+            ).stdout
             for f in (a for a in argv if a.startswith("--")):
                 assert re.search(rf"(^|[\s\[,]){re.escape(f)}\b", text), f"{argv[0]} has no {f}"
     assert seen == {"flower-superlink", "flower-supernode"}
@@ -220,8 +241,9 @@ def test_dockerfile_installs_cpu_torch_the_package_and_the_entrypoint():
     pinned = (REPO / "constraints.txt").read_text()
     (version,) = re.findall(r"^torch==([\w.]+)$", pinned, flags=re.M)
     # users get the PyTorch CPU index; a local wheel directory (build argument) is tried first
-    assert re.search(r"^ARG TORCH_INDEX=https://download\.pytorch\.org/whl/cpu$", DOCKERFILE,
-                     flags=re.M)
+    assert re.search(
+        r"^ARG TORCH_INDEX=https://download\.pytorch\.org/whl/cpu$", DOCKERFILE, flags=re.M
+    )
     assert re.search(r"^ARG BASE=python:3\.11-slim$", DOCKERFILE, flags=re.M)
     assert f'pip install torch=={version} --index-url "$TORCH_INDEX"' in DOCKERFILE
     assert f"pip install --no-index --find-links /wheels torch=={version}" in DOCKERFILE
@@ -229,22 +251,28 @@ def test_dockerfile_installs_cpu_torch_the_package_and_the_entrypoint():
     # the CPU torch comes first, so the constrained installs find it satisfied
     assert DOCKERFILE.index("$TORCH_INDEX") < DOCKERFILE.index("-c constraints.txt -r")
     assert DOCKERFILE.index("-c constraints.txt -r") < DOCKERFILE.index("COPY lowband/")
-    assert 'pip install --no-deps --no-build-isolation --no-index -c constraints.txt ".[train,flower]"' \
+    assert (
+        'pip install --no-deps --no-build-isolation --no-index -c constraints.txt ".[train,flower]"'
         in DOCKERFILE
+    )
     copied = set(re.findall(r"^COPY (\S+)/ \1/$", DOCKERFILE, flags=re.M))
     docker_files = re.search(r"^COPY ((?:docker/\S+ )+)docker/$", DOCKERFILE, flags=re.M)
     assert docker_files and all((REPO / f).is_file() for f in docker_files.group(1).split())
     tomllib = __import__("tomllib" if sys.version_info >= (3, 11) else "tomli")
     packages = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"][
-        "packages"]["find"]["include"]
+        "packages"
+    ]["find"]["include"]
     assert {p.rstrip("*") for p in packages} <= copied
     assert "examples" in copied
     m = re.search(r"^ENTRYPOINT \[\"(.+?)\"\]$", DOCKERFILE, flags=re.M)
     assert m and m.group(1) == f"{IMAGE_ROOT}/docker/shape-egress.sh"
     assert re.search(rf"^WORKDIR {IMAGE_ROOT}$", DOCKERFILE, flags=re.M)
     assert "iproute2" in DOCKERFILE  # tc
-    ignored = {l.strip() for l in (REPO / ".dockerignore").read_text().splitlines()
-               if l.strip() and not l.startswith("#")}
+    ignored = {
+        l.strip()
+        for l in (REPO / ".dockerignore").read_text().splitlines()
+        if l.strip() and not l.startswith("#")
+    }
     assert {".git", "tests", "**/__pycache__"} <= ignored
     assert not ignored & (copied | {"pyproject.toml", "README.md", "LICENSE", "constraints.txt"})
 
@@ -255,16 +283,22 @@ def fake_tc(tmp_path):
     """A `tc` that records its arguments; netem 'exists' unless NETEM=0."""
     log = tmp_path / "tc.log"
     tc = tmp_path / "tc"
-    tc.write_text(f'#!/bin/sh\necho "$*" >> {log}\n'
-                  'case "$*" in *netem*) [ "${NETEM:-1}" = 1 ] || exit 2;; esac\n')
+    tc.write_text(
+        f'#!/bin/sh\necho "$*" >> {log}\n'
+        'case "$*" in *netem*) [ "${NETEM:-1}" = 1 ] || exit 2;; esac\n'
+    )
     tc.chmod(0o755)
     return tc, log
 
 
 def shape(tc: Path, **env: str) -> subprocess.CompletedProcess:
-    return subprocess.run(["sh", str(SHAPE), "echo", "ran", "the", "command"],
-                          env={"PATH": os.environ["PATH"], "TC": str(tc), **env},
-                          capture_output=True, text=True, timeout=30)
+    return subprocess.run(
+        ["sh", str(SHAPE), "echo", "ran", "the", "command"],
+        env={"PATH": os.environ["PATH"], "TC": str(tc), **env},
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
 
 
 def test_entrypoint_adds_netem_delay_under_tbf_when_the_kernel_has_netem(fake_tc):
@@ -273,7 +307,8 @@ def test_entrypoint_adds_netem_delay_under_tbf_when_the_kernel_has_netem(fake_tc
     assert r.returncode == 0 and r.stdout == "ran the command\n"
     assert log.read_text().splitlines() == [
         "qdisc replace dev eth0 root handle 1: netem delay 40ms",
-        "qdisc replace dev eth0 parent 1:1 handle 10: tbf rate 50mbit burst 64kb latency 50ms"]
+        "qdisc replace dev eth0 parent 1:1 handle 10: tbf rate 50mbit burst 64kb latency 50ms",
+    ]
 
 
 def test_entrypoint_falls_back_to_tbf_alone_without_netem(fake_tc):
@@ -281,8 +316,10 @@ def test_entrypoint_falls_back_to_tbf_alone_without_netem(fake_tc):
     r = shape(tc, RATE="20mbit", DELAY="80ms", NETEM="0", IFACE="eth1")
     assert r.returncode == 0 and r.stdout == "ran the command\n"
     assert "netem is not available" in r.stderr
-    assert log.read_text().splitlines()[-1] == \
-        "qdisc replace dev eth1 root tbf rate 20mbit burst 64kb latency 50ms"
+    assert (
+        log.read_text().splitlines()[-1]
+        == "qdisc replace dev eth1 root tbf rate 20mbit burst 64kb latency 50ms"
+    )
 
 
 def test_entrypoint_without_settings_only_runs_the_command(fake_tc):
@@ -298,9 +335,11 @@ def test_entrypoint_shapes_a_real_interface(tmp_path):
     ns = f"lbcompose{uuid.uuid4().hex[:8]}"
     subprocess.run(["ip", "netns", "add", ns], check=True, timeout=30)
     try:
+
         def run(*argv: str) -> subprocess.CompletedProcess:
-            return subprocess.run(["ip", "netns", "exec", ns, *argv], capture_output=True,
-                                  text=True, timeout=30)
+            return subprocess.run(
+                ["ip", "netns", "exec", ns, *argv], capture_output=True, text=True, timeout=30
+            )
 
         assert run("ip", "link", "add", "v0", "type", "veth", "peer", "name", "v1").returncode == 0
         assert run("ip", "link", "set", "v0", "up").returncode == 0
@@ -316,29 +355,68 @@ def test_entrypoint_shapes_a_real_interface(tmp_path):
 def write_run(directory: Path, mode: str, bytes_sent: int, losses: list[float]) -> None:
     directory.mkdir(parents=True)
     for i in range(3):
-        recs = [{"event": "eval", "step": 10 * (k + 1), "loss": l, "bytes_sent": bytes_sent * k}
-                for k, l in enumerate(losses)] if i == 0 else []
-        recs.append({"event": "final", "mode": mode, "final_eval": losses[-1] if i == 0 else None,
-                     "bytes_sent": bytes_sent, "peak_sync_bytes": bytes_sent // 10,
-                     "wall_s": 10.0 + i, "sync_s": 2.0, "tokens": 1000})
+        recs = (
+            [
+                {"event": "eval", "step": 10 * (k + 1), "loss": l, "bytes_sent": bytes_sent * k}
+                for k, l in enumerate(losses)
+            ]
+            if i == 0
+            else []
+        )
+        recs.append(
+            {
+                "event": "final",
+                "mode": mode,
+                "final_eval": losses[-1] if i == 0 else None,
+                "bytes_sent": bytes_sent,
+                "peak_sync_bytes": bytes_sent // 10,
+                "wall_s": 10.0 + i,
+                "sync_s": 2.0,
+                "tokens": 1000,
+            }
+        )
         (directory / f"metrics-site-{i}.jsonl").write_text(
-            "".join(json.dumps(r) + "\n" for r in recs))
+            "".join(json.dumps(r) + "\n" for r in recs)
+        )
 
 
 def test_report_compares_the_two_runs(tmp_path):
     write_run(tmp_path / "diloco", "diloco", 1_000_000, [3.0, 2.5, 2.2])
     write_run(tmp_path / "ddp", "ddp", 400_000_000, [3.0, 2.4, 2.0])
-    r = subprocess.run([sys.executable, str(REPO / "docker" / "compare.py"), "--diloco",
-                        str(tmp_path / "diloco"), "--ddp", str(tmp_path / "ddp"), "--plot",
-                        str(tmp_path / "plot.png")], capture_output=True, text=True, timeout=120,
-                       cwd=REPO)
+    r = subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "docker" / "compare.py"),
+            "--diloco",
+            str(tmp_path / "diloco"),
+            "--ddp",
+            str(tmp_path / "ddp"),
+            "--plot",
+            str(tmp_path / "plot.png"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=REPO,
+    )
     assert r.returncode == 0, r.stderr
     result = json.loads(r.stdout.splitlines()[-1])
     assert result["bytes_ratio"] == pytest.approx(400.0)
     assert result["loss_gap"] == pytest.approx(0.1)
     assert result["runs"]["DDP"]["workers"] == 3 and result["runs"]["DDP"]["wall_s"] == 12.0
     assert "400x fewer bytes" in r.stdout and (tmp_path / "plot.png").stat().st_size > 0
-    missing = subprocess.run([sys.executable, str(REPO / "docker" / "compare.py"), "--diloco",
-                              str(tmp_path / "nope"), "--ddp", str(tmp_path / "ddp")],
-                             capture_output=True, text=True, timeout=120, cwd=REPO)
+    missing = subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "docker" / "compare.py"),
+            "--diloco",
+            str(tmp_path / "nope"),
+            "--ddp",
+            str(tmp_path / "ddp"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=REPO,
+    )
     assert missing.returncode == 1 and "no finished worker" in missing.stderr

@@ -29,16 +29,22 @@ TIMEOUT_S = 1500  # a fresh machine: apt, debootstrap, the build, the run
 
 
 def dockerds() -> set[int]:
-    out = subprocess.run(["ps", "-eo", "pid=,comm="], capture_output=True, text=True,
-                         timeout=30).stdout
-    return {int(pid) for pid, comm in (line.split(None, 1) for line in out.splitlines())
-            if comm.strip() == "dockerd"}
+    out = subprocess.run(
+        ["ps", "-eo", "pid=,comm="], capture_output=True, text=True, timeout=30
+    ).stdout
+    return {
+        int(pid)
+        for pid, comm in (line.split(None, 1) for line in out.splitlines())
+        if comm.strip() == "dockerd"
+    }
 
 
 def engine_answers() -> bool:
     docker = shutil.which("docker")
-    return docker is not None and subprocess.run(
-        [docker, "info"], capture_output=True, timeout=60).returncode == 0
+    return (
+        docker is not None
+        and subprocess.run([docker, "info"], capture_output=True, timeout=60).returncode == 0
+    )
 
 
 def debian_packages_available() -> bool:
@@ -46,8 +52,12 @@ def debian_packages_available() -> bool:
         return True
     if shutil.which("apt-cache") is None:
         return False
-    out = subprocess.run(["apt-cache", "policy", "docker.io", "docker-compose"],
-                         capture_output=True, text=True, timeout=60).stdout
+    out = subprocess.run(
+        ["apt-cache", "policy", "docker.io", "docker-compose"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    ).stdout
     return out.count("Candidate:") == 2 and "Candidate: (none)" not in out
 
 
@@ -55,8 +65,9 @@ def forward_policy() -> str | None:
     """The host's iptables FORWARD policy (dockerd sets DROP), None without iptables."""
     if shutil.which("iptables") is None:
         return None
-    out = subprocess.run(["iptables", "-S", "FORWARD"], capture_output=True, text=True,
-                         timeout=60).stdout
+    out = subprocess.run(
+        ["iptables", "-S", "FORWARD"], capture_output=True, text=True, timeout=60
+    ).stdout
     return next((l.split()[2] for l in out.splitlines() if l.startswith("-P ")), None)
 
 
@@ -74,9 +85,23 @@ def test_compose_demo_runs_checks_and_tears_down(tmp_path):
     out = tmp_path / "runs"
     # Tiny: 60 steps per run; the image stays cached for the next run (module docstring)
     proc = subprocess.Popen(
-        ["bash", str(SCRIPT), "--steps", "60", "--out", str(out), "--project", project,
-         "--timeout", "900"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        [
+            "bash",
+            str(SCRIPT),
+            "--steps",
+            "60",
+            "--out",
+            str(out),
+            "--project",
+            project,
+            "--timeout",
+            "900",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     leftover: set[int] = set()
     try:
         log, _ = proc.communicate(timeout=TIMEOUT_S)
@@ -87,7 +112,9 @@ def test_compose_demo_runs_checks_and_tears_down(tmp_path):
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             log, _ = proc.communicate()
-        pytest.fail(f"compose_demo.sh did not finish in {TIMEOUT_S} s; its log ends:\n{log[-6000:]}")
+        pytest.fail(
+            f"compose_demo.sh did not finish in {TIMEOUT_S} s; its log ends:\n{log[-6000:]}"
+        )
     finally:
         # whatever happened, no dockerd of this test's making is left running (by pid)
         leftover = dockerds() - before
@@ -103,8 +130,10 @@ def test_compose_demo_runs_checks_and_tears_down(tmp_path):
     assert line is not None, log[-3000:]
     result = json.loads(line.removeprefix("compose_demo: "))
     cached = sum(" CACHED" in l for l in log.splitlines())  # BuildKit's plain progress
-    print(f"compose e2e ({cached} cached build steps): "
-          f"build {result['build_s']} s, run {result['run_s']} s")
+    print(
+        f"compose e2e ({cached} cached build steps): "
+        f"build {result['build_s']} s, run {result['run_s']} s"
+    )
     report = result["report"]
     ddp, diloco = report["runs"]["DDP"], report["runs"]["Streaming DiLoCo"]
     for run in (ddp, diloco):
@@ -113,12 +142,16 @@ def test_compose_demo_runs_checks_and_tears_down(tmp_path):
     assert report["bytes_ratio"] > 10  # DDP ships every gradient, DiLoCo a fragment per H steps
     assert (out / "report.json").exists() and (out / "eval_vs_bytes.png").stat().st_size > 0
     assert sorted(p.name for p in (out / "diloco").glob("metrics-*.jsonl")) == [
-        f"metrics-workersite-{i}.jsonl" for i in (1, 2, 3)]
+        f"metrics-workersite-{i}.jsonl" for i in (1, 2, 3)
+    ]
 
     # torn down: a pre-existing engine has none of its containers left
     if before:
-        left = subprocess.run(["docker", "ps", "-aq", "--filter",
-                               f"label=com.docker.compose.project={project}"],
-                              capture_output=True, text=True, timeout=60).stdout.split()
+        left = subprocess.run(
+            ["docker", "ps", "-aq", "--filter", f"label=com.docker.compose.project={project}"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        ).stdout.split()
         assert left == [], f"containers left behind: {left}"
     assert not list((REPO / "docker" / "wheels").glob("*.whl")), "wheels left in the context"

@@ -19,21 +19,50 @@ from lowband.errors import ConfigError
 from tests.conftest import PY
 
 # A small run: 2 sites, 24 steps of 4 x 32 tokens, two fragments, evals at 12 and 24.
-TINY = ["--sites", "2", "--steps", "24", "-H", "8", "-P", "2", "--tau", "1", "--eval-every", "12",
-        "--batch-size", "4", "--seq-len", "32", "--warmup-steps", "4", "--rate-mbit", "50",
-        "--delay-ms", "10"]
+TINY = [
+    "--sites",
+    "2",
+    "--steps",
+    "24",
+    "-H",
+    "8",
+    "-P",
+    "2",
+    "--tau",
+    "1",
+    "--eval-every",
+    "12",
+    "--batch-size",
+    "4",
+    "--seq-len",
+    "32",
+    "--warmup-steps",
+    "4",
+    "--rate-mbit",
+    "50",
+    "--delay-ms",
+    "10",
+]
 
 
 def _netns_reason() -> str | None:
     from transport.links.netns import available
+
     return available()
 
 
 # ---- validation (pure) -----------------------------------------------------------------------
-@pytest.mark.parametrize("field,kwargs", [
-    ("sites", {"sites": 1}), ("rate_mbit", {"rate_mbit": 0.0}), ("rate_mbit", {"rate_mbit": -5.0}),
-    ("delay_ms", {"delay_ms": -1.0}), ("link", {"link": "wifi"}), ("threads", {"threads": 0}),
-])
+@pytest.mark.parametrize(
+    "field,kwargs",
+    [
+        ("sites", {"sites": 1}),
+        ("rate_mbit", {"rate_mbit": 0.0}),
+        ("rate_mbit", {"rate_mbit": -5.0}),
+        ("delay_ms", {"delay_ms": -1.0}),
+        ("link", {"link": "wifi"}),
+        ("threads", {"threads": 0}),
+    ],
+)
 def test_config_errors_name_the_field(tmp_path, field, kwargs):
     sites = kwargs.get("sites", 3)
     with pytest.raises(ConfigError) as err:
@@ -78,26 +107,56 @@ def test_link_resolution(monkeypatch):
 def test_cli_rejects_bad_input_before_starting(tmp_path, capsys):
     from lowband.cli import main
 
-    for args, field in ((["--sites", "1"], "sites"), (["--rate-mbit", "0"], "rate_mbit"),
-                        (["--delay-ms", "-3"], "delay_ms"), (["--mode", "ddp"], "mode")):
+    for args, field in (
+        (["--sites", "1"], "sites"),
+        (["--rate-mbit", "0"], "rate_mbit"),
+        (["--delay-ms", "-3"], "delay_ms"),
+        (["--mode", "ddp"], "mode"),
+    ):
         out = tmp_path / field
         assert main(["demo", "--out", str(out), "--quiet", *args]) == 2
         assert f"{field}:" in capsys.readouterr().err
         assert not out.exists()  # nothing was started or written
     # a corpus that does not exist: refused before any network or process is set up
     out = tmp_path / "nodata"
-    assert main(["demo", "--out", str(out), "--quiet", "--link", "none",
-                 "--data", str(tmp_path / "missing.txt")]) == 2
+    assert (
+        main(
+            [
+                "demo",
+                "--out",
+                str(out),
+                "--quiet",
+                "--link",
+                "none",
+                "--data",
+                str(tmp_path / "missing.txt"),
+            ]
+        )
+        == 2
+    )
     assert "missing.txt" in capsys.readouterr().err
     assert not out.exists()
 
 
 def test_summary_table_lists_both_runs():
-    run = {"final_eval": 3.0, "bytes_per_worker": 2**20, "wall_s": 2.0, "steps_per_s": 5.0,
-           "sync_s": 1.0}
-    text = summary_table({"ddp": dict(run, bytes_per_worker=100 * 2**20), "diloco": run,
-                          "initial_eval": 5.5, "bytes_ratio": 100.0, "speedup": 1.0,
-                          "loss_gap": 0.0, "link": {"description": "none: plain TCP"}})
+    run = {
+        "final_eval": 3.0,
+        "bytes_per_worker": 2**20,
+        "wall_s": 2.0,
+        "steps_per_s": 5.0,
+        "sync_s": 1.0,
+    }
+    text = summary_table(
+        {
+            "ddp": dict(run, bytes_per_worker=100 * 2**20),
+            "diloco": run,
+            "initial_eval": 5.5,
+            "bytes_ratio": 100.0,
+            "speedup": 1.0,
+            "loss_gap": 0.0,
+            "link": {"description": "none: plain TCP"},
+        }
+    )
     assert "DDP" in text and "Streaming DiLoCo" in text and "100.0x" in text
     assert "100.000" in text and "1.000" in text and "none: plain TCP" in text
 
@@ -123,8 +182,24 @@ def _check_summary(out: Path, link: str) -> dict:
 
 
 def _run_demo(spawn, out: Path, link: str) -> subprocess.CompletedProcess:
-    p = spawn([PY, "-m", "lowband", "demo", *TINY, "--link", link, "--out", str(out),
-               "--quiet", "--json"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    p = spawn(
+        [
+            PY,
+            "-m",
+            "lowband",
+            "demo",
+            *TINY,
+            "--link",
+            link,
+            "--out",
+            str(out),
+            "--quiet",
+            "--json",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     stdout, _ = p.communicate(timeout=150)
     assert p.returncode == 0, stdout[-3000:]
     return stdout
@@ -145,8 +220,12 @@ def test_demo_runs_with_the_emulator(spawn, tmp_path):
 @pytest.mark.skipif(_netns_reason() is not None, reason=f"netns: {_netns_reason()}")
 def test_demo_runs_in_shaped_namespaces(spawn, tmp_path):
     out = tmp_path / "out"
-    p = spawn([PY, "-m", "lowband", "demo", *TINY, "--link", "netns", "--out", str(out),
-               "--quiet"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    p = spawn(
+        [PY, "-m", "lowband", "demo", *TINY, "--link", "netns", "--out", str(out), "--quiet"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     stdout, _ = p.communicate(timeout=150)
     assert p.returncode == 0, stdout[-3000:]
     s = _check_summary(out, "netns")
@@ -155,10 +234,10 @@ def test_demo_runs_in_shaped_namespaces(spawn, tmp_path):
 
 
 def _namespaces(pid: int) -> list[str]:
-    names = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True,
-                           check=False).stdout
-    return [line.split()[0] for line in names.splitlines()
-            if line.startswith(f"lb{pid % 100000}n")]
+    names = subprocess.run(
+        ["ip", "netns", "list"], capture_output=True, text=True, check=False
+    ).stdout
+    return [line.split()[0] for line in names.splitlines() if line.startswith(f"lb{pid % 100000}n")]
 
 
 def _alive(pid: int) -> bool:
@@ -180,9 +259,27 @@ def _ctrl_c_reaches_child() -> None:
 def test_ctrl_c_leaves_no_site_or_namespace_behind(spawn, tmp_path):
     link = "netns" if _netns_reason() is None else "emulator"
     out = tmp_path / "out"
-    p = spawn([PY, "-m", "lowband", "demo", *TINY, "--steps", "4000", "--link", link,
-               "--out", str(out), "--quiet"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-              text=True, preexec_fn=_ctrl_c_reaches_child, env={"PYTHONFAULTHANDLER": "1"})
+    p = spawn(
+        [
+            PY,
+            "-m",
+            "lowband",
+            "demo",
+            *TINY,
+            "--steps",
+            "4000",
+            "--link",
+            link,
+            "--out",
+            str(out),
+            "--quiet",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        preexec_fn=_ctrl_c_reaches_child,
+        env={"PYTHONFAULTHANDLER": "1"},
+    )
     sites = out / "diloco" / "sites.json"
     deadline = time.monotonic() + 60
     while not sites.exists():  # the sites are up once the demo wrote their pids
@@ -197,7 +294,9 @@ def test_ctrl_c_leaves_no_site_or_namespace_behind(spawn, tmp_path):
         p.communicate(timeout=60)
     except subprocess.TimeoutExpired:  # say where it hangs: faulthandler dumps every thread
         os.kill(p.pid, signal.SIGABRT)
-        pytest.fail("the demo did not exit within 60 s of Ctrl-C:\n" + p.communicate(timeout=20)[0][-6000:])
+        pytest.fail(
+            "the demo did not exit within 60 s of Ctrl-C:\n" + p.communicate(timeout=20)[0][-6000:]
+        )
     assert p.returncode != 0
     assert not any(_alive(pid) for pid in pids)
     assert _namespaces(p.pid) == []

@@ -19,19 +19,24 @@ from pathlib import Path
 import psutil
 import pytest
 
-
-from lowband.models.config import ModelConfig
+import transport.zmq_comm  # noqa: F401 - the project's own module: never a skip
 from edge.engine import Engine, LocalRunner
-from lowband.models.llama import LlamaForCausalLM, init_weights
 from edge.sampling import SamplingParams
+from lowband.models.config import ModelConfig
+from lowband.models.llama import LlamaForCausalLM, init_weights
 from lowband.models.tokenizer import ByteTokenizer
 from lowband.models.weights import save_pretrained
 from tests.conftest import PY, free_port
 
-import transport.zmq_comm  # noqa: F401 - the project's own module: never a skip
-
-CFG = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
-           num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+CFG = dict(
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+)
 PROMPT = "To be or not"
 
 
@@ -47,9 +52,11 @@ def ckpt(tmp_path_factory) -> tuple[Path, str]:
 
 
 def _http(port: int, path: str, body: dict | None = None, timeout: float = 60) -> tuple[int, dict]:
-    req = urllib.request.Request(f"http://127.0.0.1:{port}{path}",
-                                 data=None if body is None else json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"})
+    req = urllib.request.Request(
+        f"http://127.0.0.1:{port}{path}",
+        data=None if body is None else json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )
     try:
         with urllib.request.urlopen(req, timeout=timeout) as r:
             return r.status, json.loads(r.read())
@@ -80,8 +87,22 @@ def _complete(port: int) -> tuple[int, dict]:
 def test_split_cli(ckpt, tmp_path, spawn) -> None:
     d, _ = ckpt
     out = tmp_path / "s"
-    p = spawn([PY, "-m", "lowband", "edge", "split", str(d), "--devices", "3", "--weights",
-               "1,1,2", "--out", str(out)])
+    p = spawn(
+        [
+            PY,
+            "-m",
+            "lowband",
+            "edge",
+            "split",
+            str(d),
+            "--devices",
+            "3",
+            "--weights",
+            "1,1,2",
+            "--out",
+            str(out),
+        ]
+    )
     assert p.wait(timeout=120) == 0
     meta = json.loads((out / "lowband_split.json").read_text())
     assert meta["plan"]["world"] == 3 and meta["plan"]["weights"] == [1.0, 1.0, 2.0]
@@ -90,15 +111,32 @@ def test_split_cli(ckpt, tmp_path, spawn) -> None:
     assert (out / "rank0" / "head.safetensors").exists()
     # rank 0: embedding, final norm, its LM-head rows; the others: final norm and their rows
     from safetensors import safe_open
+
     for r in range(3):
         with safe_open(str(out / f"rank{r}" / "head.safetensors"), framework="pt") as sf:
             keys = set(sf.keys())
             a, b = meta["plan"]["vocab"][r]
             assert sf.get_slice("lm_head.weight").get_shape()[0] == b - a
         assert keys == {"model.norm.weight", "lm_head.weight"} | (
-            {"model.embed_tokens.weight"} if r == 0 else set())
-    bad = spawn([PY, "-m", "lowband", "edge", "split", str(d), "--devices", "2", "--weights",
-                 "1,x", "--out", str(tmp_path / "bad")], stderr=-1)
+            {"model.embed_tokens.weight"} if r == 0 else set()
+        )
+    bad = spawn(
+        [
+            PY,
+            "-m",
+            "lowband",
+            "edge",
+            "split",
+            str(d),
+            "--devices",
+            "2",
+            "--weights",
+            "1,x",
+            "--out",
+            str(tmp_path / "bad"),
+        ],
+        stderr=-1,
+    )
     _, err = bad.communicate(timeout=120)
     assert bad.returncode == 2 and b"weights" in err
 
@@ -107,8 +145,26 @@ def test_split_cli(ckpt, tmp_path, spawn) -> None:
 def test_run_three_devices_uneven_matches_single_device(ckpt, spawn) -> None:
     d, expected = ckpt
     port = free_port()
-    master = spawn([PY, "-m", "lowband", "edge", "run", str(d), "--devices", "3", "--weights",
-                    "2,1,1", "--port", str(port), "--name", "tiny", "--threads", "1"])
+    master = spawn(
+        [
+            PY,
+            "-m",
+            "lowband",
+            "edge",
+            "run",
+            str(d),
+            "--devices",
+            "3",
+            "--weights",
+            "2,1,1",
+            "--port",
+            str(port),
+            "--name",
+            "tiny",
+            "--threads",
+            "1",
+        ]
+    )
     _wait_health(port, master)
     status, out = _complete(port)
     assert status == 200, out
@@ -131,8 +187,25 @@ def test_worker_kill_and_return(ckpt, spawn) -> None:
     d, expected = ckpt
     port, cport = free_port(), free_port()
     bind = f"tcp://127.0.0.1:{cport}"
-    master = spawn([PY, "-m", "lowband", "-v", "edge", "serve", str(d), "--workers", "2", "--bind", bind,
-                    "--port", str(port), "--op-timeout", "10"])
+    master = spawn(
+        [
+            PY,
+            "-m",
+            "lowband",
+            "-v",
+            "edge",
+            "serve",
+            str(d),
+            "--workers",
+            "2",
+            "--bind",
+            bind,
+            "--port",
+            str(port),
+            "--op-timeout",
+            "10",
+        ]
+    )
     worker = [PY, "-m", "lowband", "-v", "edge", "worker", "--master", bind, "--threads", "1"]
     w1, w2 = spawn(worker), spawn(worker)
     _wait_health(port, master)
@@ -156,4 +229,3 @@ def test_worker_kill_and_return(ckpt, spawn) -> None:
     assert health["epoch"] >= 1
     status, out = _complete(port)
     assert status == 200 and out["choices"][0]["text"] == expected
-

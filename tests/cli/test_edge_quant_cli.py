@@ -20,8 +20,15 @@ from lowband.models.tokenizer import ByteTokenizer
 from lowband.models.weights import save_pretrained
 from tests.conftest import PY, free_port
 
-CFG = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-           num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+CFG = dict(
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+)
 
 
 def _expected(d) -> str:
@@ -31,10 +38,29 @@ def _expected(d) -> str:
 
 def _serve_and_complete(d, spawn) -> str:
     port = free_port()
-    master = spawn([PY, "-m", "lowband", "edge", "run", str(d), "--devices", "2", "--port",
-                    str(port), "--name", "q", "--threads", "1"])
-    body = json.dumps({"model": "q", "prompt": "To be or", "max_tokens": 8, "temperature": 0}).encode()
+    master = spawn(
+        [
+            PY,
+            "-m",
+            "lowband",
+            "edge",
+            "run",
+            str(d),
+            "--devices",
+            "2",
+            "--port",
+            str(port),
+            "--name",
+            "q",
+            "--threads",
+            "1",
+        ]
+    )
+    body = json.dumps(
+        {"model": "q", "prompt": "To be or", "max_tokens": 8, "temperature": 0}
+    ).encode()
     import time
+
     deadline = time.monotonic() + 120
     while True:
         try:
@@ -45,8 +71,11 @@ def _serve_and_complete(d, spawn) -> str:
             pass
         assert master.poll() is None and time.monotonic() < deadline
         time.sleep(0.3)
-    req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=body,
-                                 headers={"Content-Type": "application/json"})
+    req = urllib.request.Request(
+        f"http://127.0.0.1:{port}/v1/completions",
+        data=body,
+        headers={"Content-Type": "application/json"},
+    )
     with urllib.request.urlopen(req, timeout=60) as r:
         text = json.loads(r.read())["choices"][0]["text"]
     master.send_signal(signal.SIGTERM)
@@ -62,13 +91,37 @@ def test_quantized_and_gguf_serve_on_two_devices(tmp_path, spawn) -> None:
     src = save_pretrained(m, tmp_path / "fp32")
     ByteTokenizer().save(src)
     q = tmp_path / "q4"
-    p = spawn([PY, "-m", "lowband", "edge", "quantize", str(src), "--bits", "4", "--group", "32",
-               "--out", str(q)])
+    p = spawn(
+        [
+            PY,
+            "-m",
+            "lowband",
+            "edge",
+            "quantize",
+            str(src),
+            "--bits",
+            "4",
+            "--group",
+            "32",
+            "--out",
+            str(q),
+        ]
+    )
     assert p.wait(timeout=120) == 0
     assert _serve_and_complete(q, spawn) == _expected(q)
     g = tmp_path / "conv"
-    p = spawn([PY, "-m", "lowband", "edge", "convert", str(write_gguf(m, tmp_path / "m.gguf", ftype="q8_0")),
-               "--out", str(g)])
+    p = spawn(
+        [
+            PY,
+            "-m",
+            "lowband",
+            "edge",
+            "convert",
+            str(write_gguf(m, tmp_path / "m.gguf", ftype="q8_0")),
+            "--out",
+            str(g),
+        ]
+    )
     assert p.wait(timeout=120) == 0
     ByteTokenizer().save(g)
     assert _serve_and_complete(g, spawn) == _expected(g)

@@ -24,12 +24,23 @@ PY = sys.executable
 
 def small_cfg(**over):
     base = tiny()
-    model = dataclasses.replace(base.model, hidden_size=32, intermediate_size=64,
-                                num_attention_heads=2, max_position_embeddings=32)
-    kw = dict(model=model, workers=3, steps=160, eval_every=0, log_every=5,
-              data=dataclasses.replace(base.data, seq_len=16, batch_size=4, eval_batches=2),
-              mode=DilocoConfig(inner_steps=8, n_fragments=2, tau=1, codec="int8",
-                                error_feedback=True), sync_timeout=10.0)
+    model = dataclasses.replace(
+        base.model,
+        hidden_size=32,
+        intermediate_size=64,
+        num_attention_heads=2,
+        max_position_embeddings=32,
+    )
+    kw = dict(
+        model=model,
+        workers=3,
+        steps=160,
+        eval_every=0,
+        log_every=5,
+        data=dataclasses.replace(base.data, seq_len=16, batch_size=4, eval_batches=2),
+        mode=DilocoConfig(inner_steps=8, n_fragments=2, tau=1, codec="int8", error_feedback=True),
+        sync_timeout=10.0,
+    )
     return dataclasses.replace(base, **{**kw, **over})
 
 
@@ -59,10 +70,28 @@ def test_real_processes_survive_kill_9_and_admit_a_newcomer(tmp_path, spawn):
 
     def worker(i):
         log = (tmp_path / f"out{i}.txt").open("w")
-        return spawn([PY, "-m", "lowband", "worker", "--coordinator", coord.address,
-                      "--config", str(tmp_path / "config.json"), "--id", str(i),
-                      "--out", str(tmp_path), "--threads", "1", "--bind-host", "127.0.0.1"],
-                     stdout=log, stderr=subprocess.STDOUT)
+        return spawn(
+            [
+                PY,
+                "-m",
+                "lowband",
+                "worker",
+                "--coordinator",
+                coord.address,
+                "--config",
+                str(tmp_path / "config.json"),
+                "--id",
+                str(i),
+                "--out",
+                str(tmp_path),
+                "--threads",
+                "1",
+                "--bind-host",
+                "127.0.0.1",
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
 
     with Coordinator(CoordinatorConfig(bind="tcp://127.0.0.1:0", heartbeat_interval=2.0)) as coord:
         procs = [worker(i) for i in range(3)]
@@ -83,9 +112,15 @@ def test_real_processes_survive_kill_9_and_admit_a_newcomer(tmp_path, spawn):
     assert any(len(e["left"]) == 1 for e in changes) and any(e["joined"] for e in changes)
     assert _last_step(victim) < 300
     # Syncs in flight at the kill failed with PeerLost on the survivors, not at their deadline.
-    recoveries = [e for i in (0, 1) for e in read_jsonl(tmp_path / f"metrics-worker{i}.jsonl")
-                  if e["event"] == "recovery"]
-    assert not [e for e in recoveries if "did not complete within" in e.get("error", "")], recoveries
+    recoveries = [
+        e
+        for i in (0, 1)
+        for e in read_jsonl(tmp_path / f"metrics-worker{i}.jsonl")
+        if e["event"] == "recovery"
+    ]
+    assert not [e for e in recoveries if "did not complete within" in e.get("error", "")], (
+        recoveries
+    )
 
 
 def test_different_model_is_refused_by_the_coordinator(tmp_path):
@@ -103,20 +138,43 @@ def test_different_model_is_refused_by_the_coordinator(tmp_path):
         first = connect(coord.address, ZmqConfig(bind_host="127.0.0.1"), signature=sig)
         try:
             with pytest.raises(IncompatiblePeer):
-                worker_main(WorkerLaunch(train=other, coordinator=coord.address,
-                                         bind_host="127.0.0.1"))
+                worker_main(
+                    WorkerLaunch(train=other, coordinator=coord.address, bind_host="127.0.0.1")
+                )
         finally:
             first.close()
 
 
 def test_cli_train_loopback_writes_a_model_edge_loads(tmp_path, capsys):
-    from lowband.models.weights import load_pretrained
     from lowband.cli import main
+    from lowband.models.weights import load_pretrained
 
     out = tmp_path / "run"
-    rc = main(["train", "--workers", "2", "--preset", "tiny", "--steps", "20", "--eval-every",
-               "10", "-H", "10", "-P", "2", "--tau", "1", "--codec", "nf4", "--loopback",
-               "--no-progress", "--out", str(out)])
+    rc = main(
+        [
+            "train",
+            "--workers",
+            "2",
+            "--preset",
+            "tiny",
+            "--steps",
+            "20",
+            "--eval-every",
+            "10",
+            "-H",
+            "10",
+            "-P",
+            "2",
+            "--tau",
+            "1",
+            "--codec",
+            "nf4",
+            "--loopback",
+            "--no-progress",
+            "--out",
+            str(out),
+        ]
+    )
     assert rc == 0
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert summary["consistent"] and len(summary["finished"]) == 2
@@ -130,7 +188,9 @@ def test_cli_train_loopback_writes_a_model_edge_loads(tmp_path, capsys):
 def test_cli_refuses_bad_config_before_starting(tmp_path, capsys):
     from lowband.cli import main
 
-    assert main(["train", "--workers", "2", "-H", "10", "-P", "3", "--out", str(tmp_path / "x")]) == 2
+    assert (
+        main(["train", "--workers", "2", "-H", "10", "-P", "3", "--out", str(tmp_path / "x")]) == 2
+    )
     assert "n_fragments" in capsys.readouterr().err and not (tmp_path / "x").exists()
     assert main(["train", "--tau", "5", "-H", "10", "-P", "2", "--out", str(tmp_path / "x")]) == 2
     assert "tau" in capsys.readouterr().err

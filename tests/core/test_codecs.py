@@ -15,8 +15,15 @@ def test_round_trip_shape_and_error(name, shape):
     y = codec.decode(enc)
     assert y.shape == x.shape and y.dtype == torch.float32
     rel = (y - x).norm() / x.norm()
-    bound = {"fp32": 0.0, "fp16": 1e-3, "bf16": 1e-2, "int8": 0.02, "fp4": 0.2, "nf4": 0.15,
-             "e3m0": 0.35}[name]
+    bound = {
+        "fp32": 0.0,
+        "fp16": 1e-3,
+        "bf16": 1e-2,
+        "int8": 0.02,
+        "fp4": 0.2,
+        "nf4": 0.15,
+        "e3m0": 0.35,
+    }[name]
     assert rel <= bound, (name, float(rel))
 
 

@@ -20,15 +20,52 @@ from transport.zmq_comm import ZmqConfig
 
 pytestmark = pytest.mark.timeout(120)
 
-FIELDS = ["e", "o", "p", "k", "st", "g", "c", "n", "d", "r", "a", "cn", "ph", "ci", "i", "j", "t",
-          "m", "pc", "np", "cf", "cm", "root", "min_world", "addr", "signature", "peers", "epoch",
-          "rank", "addrs", "keys", "locals", "joined", "left", "reason", "kind", "key", "token"]
+FIELDS = [
+    "e",
+    "o",
+    "p",
+    "k",
+    "st",
+    "g",
+    "c",
+    "n",
+    "d",
+    "r",
+    "a",
+    "cn",
+    "ph",
+    "ci",
+    "i",
+    "j",
+    "t",
+    "m",
+    "pc",
+    "np",
+    "cf",
+    "cm",
+    "root",
+    "min_world",
+    "addr",
+    "signature",
+    "peers",
+    "epoch",
+    "rank",
+    "addrs",
+    "keys",
+    "locals",
+    "joined",
+    "left",
+    "reason",
+    "kind",
+    "key",
+    "token",
+]
 
 
 def _random_value(rng: random.Random, depth: int = 0):
     kind = rng.randrange(9 if depth < 2 else 6)
     if kind == 0:
-        return rng.randint(-2**63, 2**64 - 1)
+        return rng.randint(-(2**63), 2**64 - 1)
     if kind == 1:
         return rng.choice([0, 1, -1, 2**31, 2**62, 7])
     if kind == 2:
@@ -55,8 +92,11 @@ def fuzz_frames(rng: random.Random, sender: str, epoch: int) -> list[bytes]:
     mtype = rng.choice(list(MsgType))
     meta = {k: _random_value(rng) for k in rng.sample(FIELDS, rng.randrange(len(FIELDS)))}
     if choice >= 2:  # plausible routing fields, so the message gets past the envelope checks
-        meta.update(e=rng.choice([epoch, epoch + 1, 0, 10**6]), o=f"fuzz:{rng.randrange(50)}",
-                    p=rng.choice([sender, "nobody"]))
+        meta.update(
+            e=rng.choice([epoch, epoch + 1, 0, 10**6]),
+            o=f"fuzz:{rng.randrange(50)}",
+            p=rng.choice([sender, "nobody"]),
+        )
     payload = [rng.randbytes(rng.randrange(0, 300)) for _ in range(rng.randrange(3))]
     frames = wire.pack(mtype, meta, payload)
     if choice == 3:  # flip bytes in the header or the metadata
@@ -70,8 +110,18 @@ def fuzz_frames(rng: random.Random, sender: str, epoch: int) -> list[bytes]:
             frames.pop()
     elif choice == 5 and rng.random() < 0.5:  # metadata that is msgpack but not a map
         body = msgpack.packb(_random_value(rng))
-        frames[0] = wire.HEADER.pack(wire.MAGIC, wire.PROTOCOL_VERSION, int(mtype), 0,
-                                     len(body), len(payload), sum(map(len, payload))) + body
+        frames[0] = (
+            wire.HEADER.pack(
+                wire.MAGIC,
+                wire.PROTOCOL_VERSION,
+                int(mtype),
+                0,
+                len(body),
+                len(payload),
+                sum(map(len, payload)),
+            )
+            + body
+        )
     return [bytes(f) for f in frames]
 
 
@@ -115,8 +165,19 @@ def test_parser_error_messages_name_the_problem():
         wire.parse_descriptor({"d": "float32", "s": [1 << 40]}, 1 << 30)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.int8,
-                                   torch.uint8, torch.bool, torch.int64, torch.complex64])
+@pytest.mark.parametrize(
+    "dtype",
+    [
+        torch.float32,
+        torch.float16,
+        torch.bfloat16,
+        torch.int8,
+        torch.uint8,
+        torch.bool,
+        torch.int64,
+        torch.complex64,
+    ],
+)
 @pytest.mark.parametrize("shape", [(), (0,), (2, 0, 3), (5, 7)])
 def test_tensor_bytes_round_trip_exactly(dtype, shape):
     t = (torch.randn(shape) * 50).to(dtype)
@@ -135,23 +196,37 @@ def _raw_tcp_abuse(endpoint: str) -> list[socket.socket]:
     kept = []
     silent = socket.create_connection((host, int(port)), timeout=5)
     kept.append(silent)
-    for payload in (b"\x00" * 7,                                   # half a greeting, then gone
-                    b"GET / HTTP/1.1\r\nHost: x\r\n\r\n",          # not ZMTP at all
-                    bytes([0xFF] + [0] * 8 + [0x7F]) + b"\x03\x00NULL" + b"\0" * 50):
+    for payload in (
+        b"\x00" * 7,  # half a greeting, then gone
+        b"GET / HTTP/1.1\r\nHost: x\r\n\r\n",  # not ZMTP at all
+        bytes([0xFF] + [0] * 8 + [0x7F]) + b"\x03\x00NULL" + b"\0" * 50,
+    ):
         s = socket.create_connection((host, int(port)), timeout=5)
         s.sendall(payload)
         s.close()
     # ZMTP handshake done, then a frame announcing 1 MiB that ends after 10 bytes.
     s = socket.create_connection((host, int(port)), timeout=5)
-    s.sendall(bytes([0xFF, 0, 0, 0, 0, 0, 0, 0, 1, 0x7F, 3, 0]) + b"NULL" + b"\0" * 16 + b"\0" + b"\0" * 31)
+    s.sendall(
+        bytes([0xFF, 0, 0, 0, 0, 0, 0, 0, 1, 0x7F, 3, 0])
+        + b"NULL"
+        + b"\0" * 16
+        + b"\0"
+        + b"\0" * 31
+    )
     s.sendall(bytes([0x02]) + (1 << 20).to_bytes(8, "big") + b"0123456789")
     s.close()
     return kept
 
 
 def test_live_peer_and_coordinator_survive_10000_fuzzed_frames():
-    cfg = ZmqConfig(bind_host="127.0.0.1", connections=2, chunk_bytes=16 * 1024, timeout=20.0,
-                    max_message_bytes=1 << 20, same_host="off")
+    cfg = ZmqConfig(
+        bind_host="127.0.0.1",
+        connections=2,
+        chunk_bytes=16 * 1024,
+        timeout=20.0,
+        max_message_bytes=1 << 20,
+        same_host="off",
+    )
     with local_group(2, cfg) as (coord, comms):
         victim = comms[0]
         m = victim.membership
@@ -182,6 +257,7 @@ def test_live_peer_and_coordinator_survive_10000_fuzzed_frames():
                 s = c.all_reduce(xs[c.rank], tag="after", algorithm="ring")
                 b = c.broadcast(xs[1] if c.rank == 1 else None, root=1, tag="after-b")
                 return s, b
+
             for s, b in run_ranks([lambda c=c: body(c) for c in comms], timeout=60):
                 assert torch.allclose(s, xs[0] + xs[1]) and torch.equal(b, xs[1])
             assert coord.alive == tuple(c.peer_id for c in comms)

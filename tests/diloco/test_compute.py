@@ -13,8 +13,15 @@ import pytest
 import torch
 
 from diloco.common import InnerLoop, hash_state
-from diloco.config import (ComputeConfig, DilocoConfig, TrainConfig, config_from_dict,
-                           config_to_dict, tiny, with_overrides)
+from diloco.config import (
+    ComputeConfig,
+    DilocoConfig,
+    TrainConfig,
+    config_from_dict,
+    config_to_dict,
+    tiny,
+    with_overrides,
+)
 from diloco.device import autocast, optimizer_kernels, resolve_device
 from diloco.launch import run_threads
 from diloco.staging import HostStaging
@@ -29,12 +36,23 @@ NO_CUDA_REASON = "no CUDA device visible to torch (CPU build or no GPU): CUDA pa
 
 def small(**over) -> TrainConfig:
     base = tiny()
-    model = dataclasses.replace(base.model, hidden_size=32, intermediate_size=64,
-                                num_attention_heads=2, max_position_embeddings=32)
-    kw = dict(mode=DilocoConfig(inner_steps=6, n_fragments=2, tau=1, alpha=0.5, codec="int8",
-                                error_feedback=True),
-              workers=2, steps=18, eval_every=0, model=model,
-              data=dataclasses.replace(base.data, seq_len=16, batch_size=4, eval_batches=2))
+    model = dataclasses.replace(
+        base.model,
+        hidden_size=32,
+        intermediate_size=64,
+        num_attention_heads=2,
+        max_position_embeddings=32,
+    )
+    kw = dict(
+        mode=DilocoConfig(
+            inner_steps=6, n_fragments=2, tau=1, alpha=0.5, codec="int8", error_feedback=True
+        ),
+        workers=2,
+        steps=18,
+        eval_every=0,
+        model=model,
+        data=dataclasses.replace(base.data, seq_len=16, batch_size=4, eval_batches=2),
+    )
     return dataclasses.replace(base, **{**kw, **over})
 
 
@@ -53,10 +71,21 @@ def test_compute_config_is_validated():
 
 
 def test_compute_survives_json_and_overrides():
-    cfg = with_overrides(small(), device="cpu", precision="bf16", micro_batches=2,
-                         activation_checkpointing=True, optimizer_impl="foreach")
-    assert cfg.compute == ComputeConfig(device="cpu", precision="bf16", micro_batches=2,
-                                        activation_checkpointing=True, optimizer_impl="foreach")
+    cfg = with_overrides(
+        small(),
+        device="cpu",
+        precision="bf16",
+        micro_batches=2,
+        activation_checkpointing=True,
+        optimizer_impl="foreach",
+    )
+    assert cfg.compute == ComputeConfig(
+        device="cpu",
+        precision="bf16",
+        micro_batches=2,
+        activation_checkpointing=True,
+        optimizer_impl="foreach",
+    )
     assert config_from_dict(json.loads(json.dumps(config_to_dict(cfg)))) == cfg
     old = config_to_dict(small())
     del old["compute"]  # a config.json written before the field existed
@@ -81,9 +110,11 @@ def test_micro_batches_equal_one_large_batch():
 
 def test_activation_checkpointing_and_optimizer_kernels_match_the_plain_step():
     ref = _train(small(compute=ComputeConfig(device="cpu", optimizer_impl="loop")))
-    for compute in (ComputeConfig(device="cpu", activation_checkpointing=True),
-                    ComputeConfig(device="cpu", optimizer_impl="foreach"),
-                    ComputeConfig(device="cpu", optimizer_impl="fused")):
+    for compute in (
+        ComputeConfig(device="cpu", activation_checkpointing=True),
+        ComputeConfig(device="cpu", optimizer_impl="foreach"),
+        ComputeConfig(device="cpu", optimizer_impl="fused"),
+    ):
         got = _train(small(compute=compute))
         for a, b in zip(ref, got):
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
@@ -128,8 +159,13 @@ def test_fp16_scaler_path_trains():
 
 def _state_like() -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(3)
-    return [torch.randn(70_001, generator=g), torch.randn(33, generator=g).to(torch.bfloat16),
-            torch.zeros(0), torch.arange(3, dtype=torch.uint8), torch.randn(5, 7, generator=g)]
+    return [
+        torch.randn(70_001, generator=g),
+        torch.randn(33, generator=g).to(torch.bfloat16),
+        torch.zeros(0),
+        torch.arange(3, dtype=torch.uint8),
+        torch.randn(5, 7, generator=g),
+    ]
 
 
 def test_state_hash_sees_every_word_and_the_counters():

@@ -48,8 +48,12 @@ def test_shards_load_in_order(tmp_path, dtype):
 def test_odd_sized_shard_is_refused(tmp_path):
     (tmp_path / "x.bin").write_bytes(b"\x01\x02\x03\x04\x05\x06")
     with pytest.raises(ConfigError, match="uint32"):
-        load_corpus(DataConfig(kind="tokens", path=str(tmp_path / "x.bin"), token_dtype="uint32",
-                               seq_len=1), 256)
+        load_corpus(
+            DataConfig(
+                kind="tokens", path=str(tmp_path / "x.bin"), token_dtype="uint32", seq_len=1
+            ),
+            256,
+        )
 
 
 def test_three_way_split_is_disjoint_and_ordered():
@@ -88,13 +92,24 @@ def test_jsonl_and_text_through_a_tokenizer(tmp_path):
     tok = load_tokenizer("bpe:512")
     tok.save(str(tmp_path / "tokenizer.json"))
     text = SAMPLE_TEXT.read_text()[:20000]
-    docs = [text[i:i + 2000] for i in range(0, len(text), 2000)]
+    docs = [text[i : i + 2000] for i in range(0, len(text), 2000)]
     (tmp_path / "c.jsonl").write_text("\n".join(json.dumps({"text": d}) for d in docs))
     (tmp_path / "c.txt").write_text(text)
-    j = load_corpus(DataConfig(kind="jsonl", path=str(tmp_path / "c.jsonl"),
-                               tokenizer=str(tmp_path), seq_len=16), 512)
-    t = load_corpus(DataConfig(kind="text", path=str(tmp_path / "c.txt"),
-                               tokenizer=str(tmp_path / "tokenizer.json"), seq_len=16), 512)
+    j = load_corpus(
+        DataConfig(
+            kind="jsonl", path=str(tmp_path / "c.jsonl"), tokenizer=str(tmp_path), seq_len=16
+        ),
+        512,
+    )
+    t = load_corpus(
+        DataConfig(
+            kind="text",
+            path=str(tmp_path / "c.txt"),
+            tokenizer=str(tmp_path / "tokenizer.json"),
+            seq_len=16,
+        ),
+        512,
+    )
     ids = np.concatenate([j.train, j.eval])
     assert ids.max() < 512 and ids.size < 0.75 * len(text)
     assert abs(ids.size - (t.train.size + t.eval.size)) < len(docs) * 2
@@ -106,14 +121,31 @@ def test_jsonl_and_text_through_a_tokenizer(tmp_path):
 def test_shard_run_resumes_exactly(tmp_path):
     d, _ = write_shards(tmp_path, "uint32", n=20000, vocab=256)
     base = tiny()
-    model = dataclasses.replace(base.model, hidden_size=32, intermediate_size=64,
-                                num_attention_heads=2, max_position_embeddings=32)
+    model = dataclasses.replace(
+        base.model,
+        hidden_size=32,
+        intermediate_size=64,
+        num_attention_heads=2,
+        max_position_embeddings=32,
+    )
     cfg = dataclasses.replace(
-        base, model=model, steps=16, checkpoint_every=8, eval_every=0, workers=2,
-        data=DataConfig(kind="tokens", path=str(d), token_dtype="uint32", seq_len=16,
-                        batch_size=4, eval_batches=2, slices=2),
-        mode=DilocoConfig(inner_steps=4, n_fragments=2, tau=1, codec="int8",
-                          error_feedback=True))
+        base,
+        model=model,
+        steps=16,
+        checkpoint_every=8,
+        eval_every=0,
+        workers=2,
+        data=DataConfig(
+            kind="tokens",
+            path=str(d),
+            token_dtype="uint32",
+            seq_len=16,
+            batch_size=4,
+            eval_batches=2,
+            slices=2,
+        ),
+        mode=DilocoConfig(inner_steps=4, n_fragments=2, tau=1, codec="int8", error_feedback=True),
+    )
     task = lm_task(cfg)
     # each slot reads its own half of the training split
     b0, b1 = task.train_batch(0, 3), task.train_batch(1, 3)

@@ -23,9 +23,9 @@ from diloco.config import DDPConfig, DilocoConfig, LrSchedule, OptimizerConfig, 
 from diloco.ddp import DDPWorker
 from diloco.fragments import plan_fragments
 from diloco.launch import run_threads
-from diloco.task import lm_task
 from diloco.outer import FragmentSync
 from diloco.schedule import Kind, drain_actions, fragment_actions
+from diloco.task import lm_task
 from diloco.trainer import DilocoWorker
 from lowband.codecs import get_codec
 from lowband.errors import IncompatiblePeer
@@ -45,8 +45,9 @@ class Regression:
 
     def build_model(self) -> nn.Module:
         torch.manual_seed(0)  # every worker builds the same model
-        return nn.Sequential(nn.Linear(self.d, 16), nn.Tanh(), nn.Linear(16, 8), nn.Tanh(),
-                             nn.Linear(8, 1))
+        return nn.Sequential(
+            nn.Linear(self.d, 16), nn.Tanh(), nn.Linear(16, 8), nn.Tanh(), nn.Linear(8, 1)
+        )
 
     def train_batch(self, slot: int, step: int) -> torch.Tensor:
         g = torch.Generator().manual_seed(1000 * slot + step)
@@ -64,24 +65,45 @@ class Regression:
 
 
 def reg_cfg(**mode) -> TrainConfig:
-    return TrainConfig(model=None, mode=DilocoConfig(**mode), workers=3, steps=24,
-                       inner=OptimizerConfig(name="adamw", lr=1e-2), eval_every=0,
-                       lr_schedule=LrSchedule(warmup_steps=3), audit_every=1)
+    return TrainConfig(
+        model=None,
+        mode=DilocoConfig(**mode),
+        workers=3,
+        steps=24,
+        inner=OptimizerConfig(name="adamw", lr=1e-2),
+        eval_every=0,
+        lr_schedule=LrSchedule(warmup_steps=3),
+        audit_every=1,
+    )
 
 
 def lm_cfg(**over) -> TrainConfig:
     base = tiny()
-    small = dataclasses.replace(base.model, hidden_size=32, intermediate_size=64,
-                                num_attention_heads=2, max_position_embeddings=32)
-    kw = dict(mode=DilocoConfig(inner_steps=6, n_fragments=2, tau=1, alpha=0.5), workers=2,
-              steps=18, eval_every=0, model=small,
-              data=dataclasses.replace(base.data, seq_len=16, batch_size=4, eval_batches=2))
+    small = dataclasses.replace(
+        base.model,
+        hidden_size=32,
+        intermediate_size=64,
+        num_attention_heads=2,
+        max_position_embeddings=32,
+    )
+    kw = dict(
+        mode=DilocoConfig(inner_steps=6, n_fragments=2, tau=1, alpha=0.5),
+        workers=2,
+        steps=18,
+        eval_every=0,
+        model=small,
+        data=dataclasses.replace(base.data, seq_len=16, batch_size=4, eval_batches=2),
+    )
     return dataclasses.replace(base, **{**kw, **over})
 
 
 def run_group(cfg, task, comms, **kw):
-    workers = [DilocoWorker(cfg, c, task, **kw) if isinstance(cfg.mode, DilocoConfig)
-               else DDPWorker(cfg, c, task, **kw) for c in comms]
+    workers = [
+        DilocoWorker(cfg, c, task, **kw)
+        if isinstance(cfg.mode, DilocoConfig)
+        else DDPWorker(cfg, c, task, **kw)
+        for c in comms
+    ]
     return workers, run_all([w.run for w in workers])
 
 
@@ -93,6 +115,7 @@ def run_all(fns, timeout=100.0):
             results[i] = fns[i]()
         except BaseException as e:  # noqa: BLE001 - reported below
             errors[i] = e
+
     threads = [threading.Thread(target=body, args=(i,), daemon=True) for i in range(len(fns))]
     for t in threads:
         t.start()
@@ -117,8 +140,9 @@ def reference_streaming(cfg: TrainConfig, task, world: int) -> nn.Module:
     def act(a):
         names = plan.names[a.fragment]
         if a.kind is Kind.SEND:  # Δ_m = θ_g − θ_m, flattened
-            sent[a.fragment] = [torch.cat([(gp[n] - lp[n]).reshape(-1) for n in names])
-                                for lp in lps]
+            sent[a.fragment] = [
+                torch.cat([(gp[n] - lp[n]).reshape(-1) for n in names]) for lp in lps
+            ]
             return
         rows = sent.pop(a.fragment)
         total = rows[0].clone()
@@ -126,7 +150,7 @@ def reference_streaming(cfg: TrainConfig, task, world: int) -> nn.Module:
             total += row
         avg, off = total / world, 0
         for n in names:
-            gp[n].grad = avg[off:off + gp[n].numel()].view_as(gp[n]).clone()
+            gp[n].grad = avg[off : off + gp[n].numel()].view_as(gp[n]).clone()
             off += gp[n].numel()
         outer[a.fragment].step()
         outer[a.fragment].zero_grad()
@@ -144,26 +168,32 @@ def reference_streaming(cfg: TrainConfig, task, world: int) -> nn.Module:
     return glob
 
 
-@pytest.mark.parametrize("mode", [
-    dict(inner_steps=6),  # plain DiLoCo: P=1, τ=0, α=0
-    dict(inner_steps=6, n_fragments=2, tau=2, alpha=0.5),
-    dict(inner_steps=6, n_fragments=3, tau=1, fragment_strategy="sequential"),
-])
+@pytest.mark.parametrize(
+    "mode",
+    [
+        dict(inner_steps=6),  # plain DiLoCo: P=1, τ=0, α=0
+        dict(inner_steps=6, n_fragments=2, tau=2, alpha=0.5),
+        dict(inner_steps=6, n_fragments=3, tau=1, fragment_strategy="sequential"),
+    ],
+)
 def test_matches_reference_streaming_diloco(mode):
     cfg = reg_cfg(**mode)
     task = Regression()
     workers, (results, errors) = run_group(cfg, task, LoopbackGroup(3).comms())
     assert errors == [None] * 3
     ref = reference_streaming(cfg, task, 3)
-    for (name, p), (_, q) in zip(workers[0].global_model.named_parameters(), ref.named_parameters()):
+    for (name, p), (_, q) in zip(
+        workers[0].global_model.named_parameters(), ref.named_parameters()
+    ):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=name)
     assert len({r.state_hash for r in results}) == 1
     assert results[0].outer_syncs == cfg.steps // (cfg.mode.inner_steps // cfg.mode.n_fragments)
 
 
 def test_outer_sgd_lr1_is_model_averaging(monkeypatch):
-    cfg = dataclasses.replace(reg_cfg(inner_steps=24, outer=OptimizerConfig(name="sgd", lr=1.0)),
-                              audit_every=0)
+    cfg = dataclasses.replace(
+        reg_cfg(inner_steps=24, outer=OptimizerConfig(name="sgd", lr=1.0)), audit_every=0
+    )
     task = Regression()
     locals_at_sync = []
     orig = DilocoWorker._send
@@ -171,6 +201,7 @@ def test_outer_sgd_lr1_is_model_averaging(monkeypatch):
     def spy(self, action):  # θ_local of each worker right before the only sync (step 24)
         locals_at_sync.append([p.detach().clone() for p in self.model.parameters()])
         orig(self, action)
+
     monkeypatch.setattr(DilocoWorker, "_send", spy)
     workers, (_, errors) = run_group(cfg, task, LoopbackGroup(3).comms())
     assert errors == [None] * 3 and len(locals_at_sync) == 3
@@ -191,6 +222,7 @@ def test_ddp_equals_single_process_large_batch():
 
         def train_batch(self, slot, step):
             return torch.cat([task.train_batch(r, step) for r in range(2)])
+
     ref = InnerLoop(cfg, Concat(), task.build_model())
     for _ in range(cfg.steps):
         ref.run_step(0)
@@ -209,7 +241,9 @@ def test_each_codec_trains_and_shrinks_the_wire(codec):
     res = run_threads(cfg)
     base = run_threads(lm_cfg(mode=dataclasses.replace(mode, codec="fp32", error_feedback=False)))
     assert res[0].state_hash == res[1].state_hash
-    assert res[0].final_eval < 5.0 and res[0].final_eval == pytest.approx(base[0].final_eval, rel=0.05)
+    assert res[0].final_eval < 5.0 and res[0].final_eval == pytest.approx(
+        base[0].final_eval, rel=0.05
+    )
     ratio = res[0].bytes_sent / base[0].bytes_sent
     expected = {"fp16": 0.5, "bf16": 0.5, "int8": 0.25, "fp4": 0.125, "nf4": 0.125, "e3m0": 0.125}
     assert expected[codec] < ratio < expected[codec] * 1.25, ratio
@@ -247,10 +281,13 @@ def test_nan_contribution_is_dropped(caplog):
         def loss(self, model, batch):
             loss = task.loss(model, batch)
             return loss * float("nan") if batch is poisoned else loss
+
     poisoned = task.train_batch(1, 2)
     orig_batch = task.train_batch
     p = Poison()
-    p.train_batch = lambda slot, step: poisoned if (slot, step) == (1, 2) else orig_batch(slot, step)
+    p.train_batch = lambda slot, step: (
+        poisoned if (slot, step) == (1, 2) else orig_batch(slot, step)
+    )
     with caplog.at_level(logging.WARNING):
         workers, (results, errors) = run_group(cfg, p, LoopbackGroup(3).comms())
     assert errors == [None] * 3
@@ -276,8 +313,10 @@ def test_killed_worker_does_not_stop_the_others():
         if step == 4:  # before its first SEND at step 5: the survivors' sync must fail
             group.kill(comms[2])
             raise _Killed
-    workers = [DilocoWorker(cfg, c, task, on_step=die if r == 2 else None)
-               for r, c in enumerate(comms)]
+
+    workers = [
+        DilocoWorker(cfg, c, task, on_step=die if r == 2 else None) for r, c in enumerate(comms)
+    ]
     results, errors = run_all([w.run for w in workers])
     assert isinstance(errors[2], _Killed) and errors[:2] == [None, None]
     assert [r.steps for r in results[:2]] == [24, 24]
@@ -291,13 +330,16 @@ def test_worker_lost_during_an_audit_is_logged_as_left(tmp_path):
     retry's quorum, not the sync point's: that membership change is logged all the same."""
     from diloco.metrics import MetricsLog, read_jsonl
 
-    cfg = lm_cfg(workers=3, steps=24, audit_every=1,
-                 mode=DilocoConfig(inner_steps=10, n_fragments=2, tau=2))
+    cfg = lm_cfg(
+        workers=3, steps=24, audit_every=1, mode=DilocoConfig(inner_steps=10, n_fragments=2, tau=2)
+    )
     task = lm_task(cfg)
     group = LoopbackGroup(3, timeout=30)
     comms = group.comms()
-    workers = [DilocoWorker(cfg, c, task, log=MetricsLog(tmp_path / f"m{r}.jsonl"))
-               for r, c in enumerate(comms)]
+    workers = [
+        DilocoWorker(cfg, c, task, log=MetricsLog(tmp_path / f"m{r}.jsonl"))
+        for r, c in enumerate(comms)
+    ]
     victim = workers[2]
     real_verify = victim._verify
 
@@ -306,6 +348,7 @@ def test_worker_lost_during_an_audit_is_logged_as_left(tmp_path):
             group.kill(comms[2])
             raise _Killed
         return real_verify(tag, reason, stale, mine)
+
     victim._verify = verify_then_die  # type: ignore[method-assign]
     results, errors = run_all([w.run for w in workers])
     assert isinstance(errors[2], _Killed) and errors[:2] == [None, None]
@@ -330,8 +373,11 @@ def test_joining_worker_gets_bit_identical_state():
             t = threading.Thread(target=lambda: joined.setdefault("result", w.run()), daemon=True)
             joined["thread"] = t
             t.start()
-    workers = [DilocoWorker(cfg, c, task, on_step=spawn_joiner if r == 0 else None)
-               for r, c in enumerate(group.comms())]
+
+    workers = [
+        DilocoWorker(cfg, c, task, on_step=spawn_joiner if r == 0 else None)
+        for r, c in enumerate(group.comms())
+    ]
     results, errors = run_all([w.run for w in workers])
     joined["thread"].join(60)
     assert errors == [None, None] and "result" in joined
@@ -350,8 +396,10 @@ def test_corrupted_state_is_healed_by_the_audit():
         if step == 4:
             with torch.no_grad():
                 next(workers[1].global_model.parameters()).add_(1.0)
-    workers = [DilocoWorker(cfg, c, task, on_step=corrupt if r == 1 else None)
-               for r, c in enumerate(comms)]
+
+    workers = [
+        DilocoWorker(cfg, c, task, on_step=corrupt if r == 1 else None) for r, c in enumerate(comms)
+    ]
     results, errors = run_all([w.run for w in workers])
     assert errors == [None, None]
     assert results[1].transfers == 1 and results[0].transfers == 0
@@ -360,8 +408,9 @@ def test_corrupted_state_is_healed_by_the_audit():
 
 def test_mismatched_model_is_refused_at_join():
     cfg = lm_cfg(steps=24, mode=DilocoConfig(inner_steps=6, n_fragments=2))
-    other = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, hidden_size=48,
-                                                               intermediate_size=96))
+    other = dataclasses.replace(
+        cfg, model=dataclasses.replace(cfg.model, hidden_size=48, intermediate_size=96)
+    )
     task, other_task = lm_task(cfg), lm_task(other)
     group = LoopbackGroup(2, timeout=30)
     out: dict = {}
@@ -375,10 +424,14 @@ def test_mismatched_model_is_refused_at_join():
                     w.run()
                 except IncompatiblePeer as e:
                     out["error"] = e
+
             out["t"] = threading.Thread(target=body, daemon=True)
             out["t"].start()
-    workers = [DilocoWorker(cfg, c, task, on_step=spawn if r == 0 else None)
-               for r, c in enumerate(group.comms())]
+
+    workers = [
+        DilocoWorker(cfg, c, task, on_step=spawn if r == 0 else None)
+        for r, c in enumerate(group.comms())
+    ]
     results, errors = run_all([w.run for w in workers])
     out["t"].join(30)
     assert errors == [None, None] and "error" in out
@@ -387,9 +440,11 @@ def test_mismatched_model_is_refused_at_join():
 
 
 def test_resume_gives_the_same_curve_and_bits(tmp_path):
-    cfg = lm_cfg(steps=24, checkpoint_every=12,
-                 mode=DilocoConfig(inner_steps=6, n_fragments=2, tau=1, codec="int8",
-                                   error_feedback=True))
+    cfg = lm_cfg(
+        steps=24,
+        checkpoint_every=12,
+        mode=DilocoConfig(inner_steps=6, n_fragments=2, tau=1, codec="int8", error_feedback=True),
+    )
     full = run_threads(cfg, out_dir=tmp_path / "a")
     # a sync is in flight at step 12 (sent at 12, applied at 13): the checkpoint waits a step
     ckpt = tmp_path / "a" / "checkpoints" / "step-000013"
@@ -415,16 +470,23 @@ def test_export_loads_in_edge(tmp_path):
     w.load(*load_state(tmp_path / "checkpoints" / "final" / "worker-0"), own=True)
     with torch.no_grad():
         torch.testing.assert_close(model(ids), w.global_model(ids), rtol=0, atol=0)
-    events = [json.loads(line)["event"] for line in
-              (tmp_path / "metrics-worker0.jsonl").read_text().splitlines()]
+    events = [
+        json.loads(line)["event"]
+        for line in (tmp_path / "metrics-worker0.jsonl").read_text().splitlines()
+    ]
     assert {"step", "sync", "eval", "audit", "final"} <= set(events)
 
 
 def test_run_threads_waits_for_the_whole_run_unless_capped() -> None:
     """No fixed cap by default (a 600 s one stopped ``lowband train`` on threads); ``timeout``
     caps the whole run, not each thread's join."""
-    cfg = dataclasses.replace(tiny(), steps=8, eval_every=0, workers=2,
-                              mode=DilocoConfig(inner_steps=4, n_fragments=2, tau=1))
+    cfg = dataclasses.replace(
+        tiny(),
+        steps=8,
+        eval_every=0,
+        workers=2,
+        mode=DilocoConfig(inner_steps=4, n_fragments=2, tau=1),
+    )
     task = lm_task(cfg)
     gate = threading.Event()
     plain = task.train_batch

@@ -12,11 +12,16 @@ from diloco.config import DataConfig, DDPConfig, DilocoConfig, LrSchedule, Optim
 from diloco.data import eval_batches, load_corpus, train_batch
 from diloco.fragments import plan_fragments
 from diloco.schedule import Kind, drain_actions, fragment_actions, in_flight_after, syncs_launched
-from lowband.models.llama import LlamaForCausalLM
 from lowband.errors import ConfigError
+from lowband.models.llama import LlamaForCausalLM
 
-CASES = [(H, P, tau) for H in range(1, 13) for P in range(1, H + 1) if H % P == 0
-         for tau in range(H // P)]
+CASES = [
+    (H, P, tau)
+    for H in range(1, 13)
+    for P in range(1, H + 1)
+    if H % P == 0
+    for tau in range(H // P)
+]
 
 
 @pytest.mark.parametrize("H,P,tau", CASES)
@@ -30,8 +35,12 @@ def test_schedule_exhaustive(H, P, tau):
         acts = fragment_actions(step, P, H, tau)
         kinds = [a.kind for a in acts]
         # ordering within a step: an older sync's APPLY, then SEND, then (τ=0) its own APPLY
-        assert kinds in ([], [Kind.SEND, Kind.APPLY] if tau == 0 else [Kind.SEND],
-                         [Kind.APPLY], [Kind.APPLY, Kind.SEND])
+        assert kinds in (
+            [],
+            [Kind.SEND, Kind.APPLY] if tau == 0 else [Kind.SEND],
+            [Kind.APPLY],
+            [Kind.APPLY, Kind.SEND],
+        )
         for a in acts:
             key = (a.fragment, a.round)
             if a.kind is Kind.SEND:
@@ -64,16 +73,19 @@ def test_plain_diloco_schedule_is_every_H():
     assert [a.kind for a in fragment_actions(10, 1, 10, 0)] == [Kind.SEND, Kind.APPLY]
 
 
-@pytest.mark.parametrize("kw,field", [
-    (dict(inner_steps=10, n_fragments=3), "n_fragments"),
-    (dict(inner_steps=10, n_fragments=2, tau=5), "tau"),
-    (dict(inner_steps=10, tau=-1), "tau"),
-    (dict(alpha=1.5), "alpha"),
-    (dict(alpha=-0.1), "alpha"),
-    (dict(codec="int7"), "codec"),
-    (dict(inner_steps=0), "inner_steps"),
-    (dict(fragment_strategy="random"), "fragment_strategy"),
-])
+@pytest.mark.parametrize(
+    "kw,field",
+    [
+        (dict(inner_steps=10, n_fragments=3), "n_fragments"),
+        (dict(inner_steps=10, n_fragments=2, tau=5), "tau"),
+        (dict(inner_steps=10, tau=-1), "tau"),
+        (dict(alpha=1.5), "alpha"),
+        (dict(alpha=-0.1), "alpha"),
+        (dict(codec="int7"), "codec"),
+        (dict(inner_steps=0), "inner_steps"),
+        (dict(fragment_strategy="random"), "fragment_strategy"),
+    ],
+)
 def test_diloco_config_errors_name_the_field(kw, field):
     with pytest.raises(ConfigError) as e:
         DilocoConfig(**kw)
@@ -144,7 +156,9 @@ def test_fragments_partition_the_model(strategy, P):
     flat = [n for frag in plan.names for n in frag]
     assert sorted(flat) == sorted(n for n, _ in named) and len(flat) == len(set(flat))
     assert all(plan.names)
-    layers = [sorted({int(n.split(".")[2]) for n in frag if ".layers." in n}) for frag in plan.names]
+    layers = [
+        sorted({int(n.split(".")[2]) for n in frag if ".layers." in n}) for frag in plan.names
+    ]
     if strategy == "strided":
         assert layers == [list(range(p, 4, P)) for p in range(P)]
     else:
@@ -155,7 +169,9 @@ def test_fragments_partition_the_model(strategy, P):
 
 
 def test_fragments_without_blocks_and_too_many():
-    named = list(torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.Linear(3, 2)).named_parameters())
+    named = list(
+        torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.Linear(3, 2)).named_parameters()
+    )
     plan = plan_fragments(named, 2, "sequential")
     assert sum(len(f) for f in plan.names) == 4 and all(plan.names)
     with pytest.raises(ConfigError, match="n_fragments"):

@@ -4,31 +4,52 @@ multi-round federations through an in-process Grid, checked against the lowband 
 from __future__ import annotations
 
 import copy
-import json
 import dataclasses
+import json
 import math
 import sys
 
+import flwr  # noqa: F401 - required (the dev extra): a broken install fails, not skips
 import pytest
 import torch
+from flwr.app import (
+    ArrayRecord,
+    ConfigRecord,
+    Error,
+    Message,
+    MetricRecord,  # noqa: E402
+    RecordDict,
+)
 from torch import nn
 
-import flwr  # noqa: F401 - required (the dev extra): a broken install fails, not skips
-
-from flwr.app import (ArrayRecord, ConfigRecord, Error, Message, MetricRecord,  # noqa: E402
-                      RecordDict)
-
 from diloco.flower.client import handle  # noqa: E402
-from diloco.flower.config import (APP_CONFIG_DEFAULTS, FlowerConfig, from_run_config,  # noqa: E402
-                                  node_config, sync_fragment)
+from diloco.flower.config import (
+    APP_CONFIG_DEFAULTS,
+    FlowerConfig,
+    from_run_config,  # noqa: E402
+    node_config,
+    sync_fragment,
+)
 from diloco.flower.inprocess import InProcessGrid, ensure_task_identity  # noqa: E402
-from diloco.flower.records import (encoded_to_records, params_to_record, raw_array,  # noqa: E402
-                                   raw_tensor, record_to_params, records_to_encoded)
+from diloco.flower.records import (
+    encoded_to_records,
+    params_to_record,
+    raw_array,  # noqa: E402
+    raw_tensor,
+    record_to_params,
+    records_to_encoded,
+)
 from diloco.flower.server import run_server  # noqa: E402
-from diloco.flower.strategy import (CONFIG, DELTA, GLOBAL, METRICS, REPLY,  # noqa: E402
-                                    DiLoCoStrategy)
-from diloco.task import lm_task  # noqa: E402
+from diloco.flower.strategy import (
+    CONFIG,
+    DELTA,
+    GLOBAL,
+    METRICS,
+    REPLY,  # noqa: E402
+    DiLoCoStrategy,
+)
 from diloco.metrics import read_jsonl  # noqa: E402
+from diloco.task import lm_task  # noqa: E402
 from lowband.codecs import codec_names, get_codec  # noqa: E402
 from lowband.errors import ConfigError, ProtocolError  # noqa: E402
 
@@ -45,9 +66,17 @@ def _one_thread():
 
 def run_cfg(**kw) -> dict:
     """A small, fast run config (tiny model, short sequences)."""
-    base = {"inner-steps": 4, "fragments": 1, "codec": "fp32", "seq-len": 32, "batch-size": 4,
-            "num-server-rounds": 2, "warmup-steps": 0, "evaluate-every": 0,
-            "min-available-nodes": 1}
+    base = {
+        "inner-steps": 4,
+        "fragments": 1,
+        "codec": "fp32",
+        "seq-len": 32,
+        "batch-size": 4,
+        "num-server-rounds": 2,
+        "warmup-steps": 0,
+        "evaluate-every": 0,
+        "min-available-nodes": 1,
+    }
     base.update(kw)
     return base
 
@@ -83,8 +112,18 @@ def test_raw_arrays_reject_malformed_payloads():
 
 # ---- configuration ---------------------------------------------------------------------------
 def test_run_config_maps_onto_train_config():
-    cfg = from_run_config(run_cfg(**{"inner-steps": 6, "fragments": 3, "num-server-rounds": 5,
-                                     "alpha": 0.5, "codec": "nf4", "outer-lr": 0.5}))
+    cfg = from_run_config(
+        run_cfg(
+            **{
+                "inner-steps": 6,
+                "fragments": 3,
+                "num-server-rounds": 5,
+                "alpha": 0.5,
+                "codec": "nf4",
+                "outer-lr": 0.5,
+            }
+        )
+    )
     m = cfg.mode
     assert (m.inner_steps, m.n_fragments, m.tau, m.alpha, m.codec) == (6, 3, 0, 0.5, "nf4")
     assert m.outer.nesterov and m.outer.lr == 0.5 and m.outer.momentum == 0.9
@@ -125,23 +164,53 @@ class FakeGrid:
 
 
 def toy_strategy(*, fragments=1, codec="fp32", **fed) -> DiLoCoStrategy:
-    rc = run_cfg(**{"fragments": fragments, "inner-steps": 2 * fragments, "codec": codec,
-                    "num-server-rounds": 4}, **fed)
+    rc = run_cfg(
+        **{
+            "fragments": fragments,
+            "inner-steps": 2 * fragments,
+            "codec": codec,
+            "num-server-rounds": 4,
+        },
+        **fed,
+    )
     return DiLoCoStrategy(Toy(), from_run_config(rc))
 
 
-def reply(instr: Message, delta: torch.Tensor, n: int, *, codec="fp32", status="ok",
-          fragment=None, base=None, versions=None) -> Message:
+def reply(
+    instr: Message,
+    delta: torch.Tensor,
+    n: int,
+    *,
+    codec="fp32",
+    status="ok",
+    fragment=None,
+    base=None,
+    versions=None,
+) -> Message:
     """The reply a ClientApp would send for ``instr`` with pseudo-gradient ``delta``."""
     cfg = instr.content.config_records[CONFIG]
     p = int(cfg["fragment"]) if fragment is None else fragment
     held = list(cfg["versions"]) if versions is None else versions
     arrays, meta = encoded_to_records(get_codec(codec).encode(delta))
-    rec = ConfigRecord({"status": status, "versions": held, "fragment": p,
-                        "base-version": held[p] if base is None else base, "codec": codec,
-                        "codec-meta": meta, "valid": True})
-    metrics = MetricRecord({"num-examples": n, "train-loss": 1.0, "bytes-up": len(meta),
-                            "bytes-up-fp32": 4 * delta.numel()})
+    rec = ConfigRecord(
+        {
+            "status": status,
+            "versions": held,
+            "fragment": p,
+            "base-version": held[p] if base is None else base,
+            "codec": codec,
+            "codec-meta": meta,
+            "valid": True,
+        }
+    )
+    metrics = MetricRecord(
+        {
+            "num-examples": n,
+            "train-loss": 1.0,
+            "bytes-up": len(meta),
+            "bytes-up-fp32": 4 * delta.numel(),
+        }
+    )
     return Message(RecordDict({REPLY: rec, METRICS: metrics, DELTA: arrays}), reply_to=instr)
 
 
@@ -160,8 +229,9 @@ def test_aggregate_is_nesterov_on_the_example_weighted_mean_and_keeps_momentum()
         msgs = list(s.configure_train(r, s.global_record(), ConfigRecord(), FakeGrid([5, 6, 7])))
         deltas = [torch.randn(n) for _ in msgs]
         weights = [10, 30, 60]
-        arrays, metrics = s.aggregate_train(r, [reply(m, d, w) for m, d, w in
-                                                zip(msgs, deltas, weights)])
+        arrays, metrics = s.aggregate_train(
+            r, [reply(m, d, w) for m, d, w in zip(msgs, deltas, weights)]
+        )
         g = sum(w * d for w, d in zip(weights, deltas)) / sum(weights)
         buf = g.clone() if buf is None else mu * buf + g  # torch SGD, dampening 0
         theta = theta - lr * (g + mu * buf)  # Nesterov
@@ -193,17 +263,22 @@ def test_failed_stale_and_malformed_replies_are_left_out():
 
 @pytest.mark.parametrize("accept_failures", [True, False])
 def test_a_skipped_round_leaves_the_state_untouched(accept_failures):
-    s = toy_strategy(**{"min-train-replies": 2 if accept_failures else 1,
-                        "accept-failures": accept_failures})
+    s = toy_strategy(
+        **{"min-train-replies": 2 if accept_failures else 1, "accept-failures": accept_failures}
+    )
     n = sum(p.numel() for p in s.model.parameters())
     grid = FakeGrid([1, 2])
     msgs = list(s.configure_train(1, s.global_record(), ConfigRecord(), grid))
     s.aggregate_train(1, [reply(m, torch.randn(n), 5) for m in msgs])  # builds momentum
-    before = (flat(s.model.parameters()).clone(), copy.deepcopy(s.fragments[0].outer_opt.state_dict()),
-              list(s.versions))
+    before = (
+        flat(s.model.parameters()).clone(),
+        copy.deepcopy(s.fragments[0].outer_opt.state_dict()),
+        list(s.versions),
+    )
     msgs = list(s.configure_train(2, s.global_record(), ConfigRecord(), grid))
-    arrays, metrics = s.aggregate_train(2, [reply(msgs[0], torch.randn(n), 5),
-                                            Message(Error(code=2, reason="x"), reply_to=msgs[1])])
+    arrays, metrics = s.aggregate_train(
+        2, [reply(msgs[0], torch.randn(n), 5), Message(Error(code=2, reason="x"), reply_to=msgs[1])]
+    )
     assert arrays is None and metrics["applied"] == 0 and metrics["replies"] == 1
     assert torch.equal(flat(s.model.parameters()), before[0])
     buf = s.fragments[0].outer_opt.state_dict()["state"][0]["momentum_buffer"]
@@ -231,8 +306,7 @@ def test_fragments_rotate_and_only_changed_fragments_go_down():
     assert torch.equal(flat(s.fragments[0].global_), frag0) and s.versions == [1, 2]
     # a reply computed against an old version of the fragment is refused
     msgs = list(s.configure_train(3, s.global_record(), ConfigRecord(), grid))
-    _, metrics = s.aggregate_train(3, [reply(msgs[0], torch.ones(s.fragments[0].numel), 1,
-                                             base=0)])
+    _, metrics = s.aggregate_train(3, [reply(msgs[0], torch.ones(s.fragments[0].numel), 1, base=0)])
     assert metrics["applied"] == 0 and metrics["failures"] == 2  # refused + node 2 silent
 
 
@@ -257,8 +331,15 @@ def federation(rc: dict, nodes: int = 2) -> tuple[InProcessGrid, FlowerConfig]:
 
 
 def test_streaming_fragments_with_int8_reduce_both_directions():
-    rc = run_cfg(**{"fragments": 2, "inner-steps": 8, "codec": "int8", "num-server-rounds": 4,
-                    "evaluate-every": 2})
+    rc = run_cfg(
+        **{
+            "fragments": 2,
+            "inner-steps": 8,
+            "codec": "int8",
+            "num-server-rounds": 4,
+            "evaluate-every": 2,
+        }
+    )
     grid, cfg = federation(rc)
     s = run_server(grid, cfg)
     assert s["rounds_applied"] == 4 and s["failures"] == 0
@@ -267,16 +348,26 @@ def test_streaming_fragments_with_int8_reduce_both_directions():
     assert s["uplink_reduction"] == pytest.approx(32 / 8.125, rel=0.02)
     # round 1 sends the whole model; later rounds one fragment (the evaluate rounds deliver
     # it early, and the next train message then carries nothing)
-    train_down = [len(m.content.array_records[GLOBAL]) for m in grid.sent
-                  if m.metadata.message_type == "train"]
+    train_down = [
+        len(m.content.array_records[GLOBAL])
+        for m in grid.sent
+        if m.metadata.message_type == "train"
+    ]
     n_params = len(list(lm_task(cfg.train).build_model().parameters()))
     assert train_down[:2] == [n_params, n_params]
     assert 0 < max(train_down[2:]) < n_params
 
 
 def test_a_node_that_loses_its_state_rejoins_and_one_that_crashes_is_tolerated(tmp_path):
-    rc = run_cfg(**{"num-server-rounds": 3, "codec": "nf4", "inner-steps": 4, "fragments": 2,
-                    "out-dir": str(tmp_path)})
+    rc = run_cfg(
+        **{
+            "num-server-rounds": 3,
+            "codec": "nf4",
+            "inner-steps": 4,
+            "fragments": 2,
+            "out-dir": str(tmp_path),
+        }
+    )
     grid, cfg = federation(rc, nodes=3)
     inner = grid.handler
 
@@ -291,7 +382,10 @@ def test_a_node_that_loses_its_state_rejoins_and_one_that_crashes_is_tolerated(t
     s = run_server(grid, cfg)
     rounds = [r for r in read_jsonl(tmp_path / "metrics.jsonl") if r["event"] == "round"]
     assert [(r["replies"], r["failures"], r["stale"]) for r in rounds] == [
-        (2, 1, 0), (1, 2, 1), (2, 1, 0)]  # node 12 always fails; node 11 is stale once, then back
+        (2, 1, 0),
+        (1, 2, 1),
+        (2, 1, 0),
+    ]  # node 12 always fails; node 11 is stale once, then back
     assert s["rounds_applied"] == 3 and s["final_eval"] < s["initial_eval"]
     # the rejoining node got the fragment it lacked, not the whole model
     to_11 = [m for m in grid.sent if m.metadata.dst_node_id == 11]
@@ -305,12 +399,21 @@ def test_flower_rounds_equal_the_lowband_trainer(tmp_path):
     from tests.conftest import run_ranks
     from transport.loopback import LoopbackGroup
 
-    rc = run_cfg(**{"fragments": 2, "inner-steps": 4, "alpha": 0.5, "num-server-rounds": 4,
-                    "evaluate-every": 1, "out-dir": str(tmp_path)})
+    rc = run_cfg(
+        **{
+            "fragments": 2,
+            "inner-steps": 4,
+            "alpha": 0.5,
+            "num-server-rounds": 4,
+            "evaluate-every": 1,
+            "out-dir": str(tmp_path),
+        }
+    )
     grid, cfg = federation(rc)
     s = run_server(grid, cfg)
-    flower_theta = flat(p for _, p in sorted(
-        load_pretrained(tmp_path / "checkpoint").named_parameters()))
+    flower_theta = flat(
+        p for _, p in sorted(load_pretrained(tmp_path / "checkpoint").named_parameters())
+    )
 
     train = dataclasses.replace(cfg.train, workers=2)
     task = lm_task(train)
@@ -319,8 +422,9 @@ def test_flower_rounds_equal_the_lowband_trainer(tmp_path):
     run_ranks([w.run for w in workers], timeout=120)
     trainer_theta = flat(p for _, p in sorted(workers[0].global_model.named_parameters()))
     assert s["rounds_applied"] == 4
-    assert torch.allclose(flower_theta, trainer_theta, atol=1e-6), \
+    assert torch.allclose(flower_theta, trainer_theta, atol=1e-6), (
         (flower_theta - trainer_theta).abs().max()
+    )
 
 
 # ---- app directory and the `lowband flower` command line ------------------------------------
@@ -328,6 +432,7 @@ def test_example_app_is_the_generated_app_and_flower_accepts_it(tmp_path):
     from pathlib import Path
 
     from flwr.common.config import validate_config
+
     tomllib = __import__("tomllib" if sys.version_info >= (3, 11) else "tomli")
 
     from diloco.flower.app import write_app
@@ -336,8 +441,11 @@ def test_example_app_is_the_generated_app_and_flower_accepts_it(tmp_path):
     example = Path(__file__).resolve().parents[2] / "examples" / "flower_diloco"
     gen = write_app(tmp_path / "app")
     files = sorted(p.relative_to(gen) for p in gen.rglob("*") if p.is_file())
-    assert files == sorted(p.relative_to(example) for p in example.rglob("*")
-                           if p.is_file() and p.suffix in (".py", ".toml"))
+    assert files == sorted(
+        p.relative_to(example)
+        for p in example.rglob("*")
+        if p.is_file() and p.suffix in (".py", ".toml")
+    )
     for f in files:  # the example must be regenerated when the defaults change
         assert (example / f).read_text() == (gen / f).read_text(), f
     config = tomllib.loads((gen / "pyproject.toml").read_text())
@@ -345,8 +453,10 @@ def test_example_app_is_the_generated_app_and_flower_accepts_it(tmp_path):
     assert ok, errors
     assert config["tool"]["flwr"]["app"]["config"] == APP_CONFIG_DEFAULTS
 
-    assert main(["flower", "new", str(tmp_path / "nf4"), "--set", "codec=nf4",
-                 "--set", "alpha=0.5"]) == 0
+    assert (
+        main(["flower", "new", str(tmp_path / "nf4"), "--set", "codec=nf4", "--set", "alpha=0.5"])
+        == 0
+    )
     cfg = tomllib.loads((tmp_path / "nf4" / "pyproject.toml").read_text())["tool"]["flwr"]
     assert cfg["app"]["config"]["codec"] == "nf4" and cfg["app"]["config"]["alpha"] == 0.5
     assert main(["flower", "new", str(tmp_path / "bad"), "--set", "codec=int3"]) == 2
@@ -356,17 +466,42 @@ def test_flower_cli_parses_into_validated_configs(capsys):
     from lowband.cli import build_parser, main
     from lowband.cli.flower import local_config, submit_config
 
-    args = build_parser().parse_args(["flower", "local", "--supernodes", "3", "--rounds", "2",
-                                      "-P", "2", "-H", "8", "--codec", "fp4", "--set",
-                                      "alpha=0.25", "--set", "error-feedback=true"])
+    args = build_parser().parse_args(
+        [
+            "flower",
+            "local",
+            "--supernodes",
+            "3",
+            "--rounds",
+            "2",
+            "-P",
+            "2",
+            "-H",
+            "8",
+            "--codec",
+            "fp4",
+            "--set",
+            "alpha=0.25",
+            "--set",
+            "error-feedback=true",
+        ]
+    )
     cfg = local_config(args)
     rc = cfg.effective_run_config()
     assert cfg.supernodes == 3 and rc["min-available-nodes"] == 3
-    assert (rc["num-server-rounds"], rc["fragments"], rc["inner-steps"], rc["codec"]) == (2, 2, 8, "fp4")
+    assert (rc["num-server-rounds"], rc["fragments"], rc["inner-steps"], rc["codec"]) == (
+        2,
+        2,
+        8,
+        "fp4",
+    )
     assert rc["alpha"] == 0.25 and rc["error-feedback"] is True
     assert from_run_config(rc).mode.error_feedback
-    sub = submit_config(build_parser().parse_args(
-        ["flower", "run", "--superlink", "superlink:9093", "--out", "/runs/flower"]))
+    sub = submit_config(
+        build_parser().parse_args(
+            ["flower", "run", "--superlink", "superlink:9093", "--out", "/runs/flower"]
+        )
+    )
     assert sub.superlink == "superlink:9093" and sub.run_config["out-dir"] == "/runs/flower"
     assert main(["flower", "local", "--rounds", "0"]) == 2
     assert "num-server-rounds" in capsys.readouterr().err
@@ -379,13 +514,27 @@ def test_flower_cli_parses_into_validated_configs(capsys):
 def test_bench_smoke(capsys):
     import benchmarks.flower as bench
 
-    assert bench.main(["--rounds", "1", "--inner-steps", "2", "--warmup", "0", "--variants",
-                       "diloco-fp32,diloco-int8,streaming-p2-int8"]) == 0
+    assert (
+        bench.main(
+            [
+                "--rounds",
+                "1",
+                "--inner-steps",
+                "2",
+                "--warmup",
+                "0",
+                "--variants",
+                "diloco-fp32,diloco-int8,streaming-p2-int8",
+            ]
+        )
+        == 0
+    )
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     r = {x["variant"]: x for x in out["results"]}
     assert r["diloco-int8"]["bytes_up"] * 3.9 < r["diloco-fp32"]["bytes_up"]
     assert r["diloco-int8"]["uplink_reduction_measured"] == pytest.approx(
-        r["diloco-fp32"]["bytes_up"] / r["diloco-int8"]["bytes_up"], rel=1e-3)
+        r["diloco-fp32"]["bytes_up"] / r["diloco-int8"]["bytes_up"], rel=1e-3
+    )
     # streaming: the same steps and about the same bytes, half of them per round
     assert r["streaming-p2-int8"]["steps"] == r["diloco-int8"]["steps"] == 2
     assert r["streaming-p2-int8"]["peak_round_up"] < 0.6 * r["diloco-int8"]["peak_round_up"]
@@ -394,8 +543,9 @@ def test_bench_smoke(capsys):
 def test_a_lost_reply_is_a_timeout_and_the_node_catches_up(tmp_path):
     """Node 11 trains in round 1 but its reply never arrives (a round timeout): the round
     aggregates node 10 alone, and round 2 re-sends node 11 everything it may lack."""
-    rc = run_cfg(**{"fragments": 2, "inner-steps": 4, "num-server-rounds": 3,
-                    "out-dir": str(tmp_path)})
+    rc = run_cfg(
+        **{"fragments": 2, "inner-steps": 4, "num-server-rounds": 3, "out-dir": str(tmp_path)}
+    )
     grid, cfg = federation(rc)
     inner = grid.handler
 

@@ -11,12 +11,15 @@ import subprocess
 import sys
 from pathlib import Path
 
+import flwr  # noqa: F401 - required (the dev extra): a broken install fails, not skips
 import pytest
 
-import flwr  # noqa: F401 - required (the dev extra): a broken install fails, not skips
-
-from diloco.flower.federation import (LocalRunConfig, run_local, summary_table,  # noqa: E402
-                                      tagged_pids)
+from diloco.flower.federation import (
+    LocalRunConfig,
+    run_local,
+    summary_table,  # noqa: E402
+    tagged_pids,
+)
 from diloco.metrics import read_jsonl  # noqa: E402
 
 
@@ -38,12 +41,22 @@ def test_superlink_and_supernodes_run_federated_diloco(spawn, tmp_path, monkeypa
         supernodes=3,
         # federated evaluation is covered in-process (tests/diloco/test_flower.py); here the server
         # evaluates θ_g itself, which keeps the run to two rounds of ClientApp processes
-        run_config={"num-server-rounds": 2, "inner-steps": 40, "fragments": 2, "codec": "int8",
-                    "evaluate-every": 0, "min-train-replies": 2, "threads": 1,
-                    "round-timeout": 180.0},
+        run_config={
+            "num-server-rounds": 2,
+            "inner-steps": 40,
+            "fragments": 2,
+            "codec": "int8",
+            "evaluate-every": 0,
+            "min-train-replies": 2,
+            "threads": 1,
+            "round-timeout": 180.0,
+        },
         # the third site points at data it does not have: its ClientApp raises every round
         node_configs=({}, {}, {"data-kind": "text", "data-path": str(tmp_path / "missing.txt")}),
-        out_dir=str(out), timeout=360.0, workdir=str(tmp_path / "federation"))
+        out_dir=str(out),
+        timeout=360.0,
+        workdir=str(tmp_path / "federation"),
+    )
     summary = run_local(cfg, starter=starter)
 
     assert summary["rounds_applied"] == 2
@@ -60,6 +73,7 @@ def test_superlink_and_supernodes_run_federated_diloco(spawn, tmp_path, monkeypa
     # Flower's transport and the SuperNodes' Context.state change nothing: the same rounds run
     # in this process give the same model, bit for bit
     import torch
+
     from diloco.flower.client import handle
     from diloco.flower.config import from_run_config
     from diloco.flower.inprocess import InProcessGrid
@@ -67,8 +81,10 @@ def test_superlink_and_supernodes_run_federated_diloco(spawn, tmp_path, monkeypa
     from lowband.models.weights import load_pretrained
 
     rc = {**cfg.effective_run_config(), "out-dir": str(tmp_path / "inprocess")}
-    nodes = {10 + i: {"partition-id": i, "num-partitions": 3, **extra}
-             for i, extra in enumerate(cfg.node_configs)}
+    nodes = {
+        10 + i: {"partition-id": i, "num-partitions": 3, **extra}
+        for i, extra in enumerate(cfg.node_configs)
+    }
     threads = torch.get_num_threads()
     try:
         local = run_server(InProcessGrid(handle, rc, nodes), from_run_config(rc))

@@ -18,8 +18,15 @@ from transport.loopback import LoopbackGroup
 
 pytestmark = pytest.mark.timeout(180)
 
-SMALL = dict(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+SMALL = dict(
+    vocab_size=256,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=64,
+)
 
 
 def write_config(tmp_path, kind: str):
@@ -31,10 +38,17 @@ def write_config(tmp_path, kind: str):
 
 
 def hf_cfg(path, **over) -> TrainConfig:
-    kw = dict(hf_model=str(path), data=DataConfig(seq_len=16, batch_size=4, eval_batches=2),
-              mode=DilocoConfig(inner_steps=6, n_fragments=2, tau=1, alpha=0.5, codec="int8",
-                                error_feedback=True),
-              lr_schedule=LrSchedule(warmup_steps=2), steps=12, workers=2, eval_every=0)
+    kw = dict(
+        hf_model=str(path),
+        data=DataConfig(seq_len=16, batch_size=4, eval_batches=2),
+        mode=DilocoConfig(
+            inner_steps=6, n_fragments=2, tau=1, alpha=0.5, codec="int8", error_feedback=True
+        ),
+        lr_schedule=LrSchedule(warmup_steps=2),
+        steps=12,
+        workers=2,
+        eval_every=0,
+    )
     kw.update(over)
     return TrainConfig(**kw)
 
@@ -42,12 +56,14 @@ def hf_cfg(path, **over) -> TrainConfig:
 def run_workers(cfg: TrainConfig, out_dir):
     task = lm_task(cfg)
     comms = LoopbackGroup(cfg.workers).comms()
-    workers = [make_worker(cfg, c, task, worker_id=str(r), out_dir=out_dir)
-               for r, c in enumerate(comms)]
+    workers = [
+        make_worker(cfg, c, task, worker_id=str(r), out_dir=out_dir) for r, c in enumerate(comms)
+    ]
     results = [None] * len(workers)
 
     def body(r):
         results[r] = workers[r].run()
+
     ts = [threading.Thread(target=body, args=(r,), daemon=True) for r in range(len(workers))]
     for t in ts:
         t.start()
@@ -80,8 +96,9 @@ def test_random_init_is_seeded_and_checkpoints_continue(tmp_path):
     c = build_hf_model(str(path), seed=4)
     for (n, pa), pb, pc in zip(a.named_parameters(), b.parameters(), c.parameters()):
         assert torch.equal(pa, pb), n
-    assert any(not torch.equal(pa, pc) for pa, pc in zip(a.parameters(), c.parameters())
-               if pa.dim() == 2)
+    assert any(
+        not torch.equal(pa, pc) for pa, pc in zip(a.parameters(), c.parameters()) if pa.dim() == 2
+    )
     a.save_pretrained(str(tmp_path / "ckpt"))  # a checkpoint directory: continued pre-training
     d = build_hf_model(str(tmp_path / "ckpt"), seed=99)
     for pa, pd in zip(a.parameters(), d.parameters()):

@@ -22,8 +22,13 @@ def test_paradise_lost_is_the_bare_text_within_the_size_budget():
 
 
 def test_paradise_lost_splits_with_a_64k_test_split():
-    cfg = DataConfig(kind="text", path=str(PARADISE_LOST), eval_fraction=0.1,
-                     test_fraction=0.15, eval_split="test")
+    cfg = DataConfig(
+        kind="text",
+        path=str(PARADISE_LOST),
+        eval_fraction=0.1,
+        test_fraction=0.15,
+        eval_split="test",
+    )
     c = load_corpus(cfg, vocab_size=256)
     n = PARADISE_LOST.stat().st_size
     assert c.test.size == int(n * 0.15) >= 65536

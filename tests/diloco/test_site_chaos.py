@@ -34,9 +34,28 @@ HEARTBEAT = 1.0  # s: the coordinators' heartbeat interval (a kill -9 is seen wi
 # throttled meanwhile, see Throttle). An audit at every sync point marks it in the metrics log
 # (and checks the per-shard hashes as the run goes); B=16 makes an inner step long enough to
 # kill the victim inside it.
-RUN = ["--preset", "tiny", "--steps", "100", "--batch-size", "16", "-H", "10", "-P", "2",
-       "--tau", "4", "--workers", "2", "--eval-every", "0", "--audit-every", "1",
-       "--sync-timeout", "30"]
+RUN = [
+    "--preset",
+    "tiny",
+    "--steps",
+    "100",
+    "--batch-size",
+    "16",
+    "-H",
+    "10",
+    "-P",
+    "2",
+    "--tau",
+    "4",
+    "--workers",
+    "2",
+    "--eval-every",
+    "0",
+    "--audit-every",
+    "1",
+    "--sync-timeout",
+    "30",
+]
 
 
 def _records(path: Path) -> list[dict]:
@@ -54,24 +73,52 @@ def _records(path: Path) -> list[dict]:
 class ChaosSites:
     def __init__(self, tmp: Path) -> None:
         self.tmp = tmp
-        self.coords = [Coordinator(CoordinatorConfig(bind="tcp://127.0.0.1:0",
-                                                     heartbeat_interval=HEARTBEAT)).start()
-                       for _ in range(2)]
+        self.coords = [
+            Coordinator(
+                CoordinatorConfig(bind="tcp://127.0.0.1:0", heartbeat_interval=HEARTBEAT)
+            ).start()
+            for _ in range(2)
+        ]
         self.procs: list[subprocess.Popen] = []
 
     def start(self, site: int, out: str) -> list[subprocess.Popen]:
         port, addrs = _free_port(), ",".join(c.address for c in self.coords)
         started = []
         for r in range(2):
-            env = dict(os.environ, RANK=str(r), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
-                       MASTER_PORT=str(port))
-            args = [sys.executable, "-m", "lowband", "worker", "--coordinator", addrs,
-                    "--site", "fsdp2", "--id", f"s{site}", "--threads", "1",
-                    "--bind-host", "127.0.0.1", "--same-host", "off", "--out",
-                    str(self.tmp / out), *RUN]
+            env = dict(
+                os.environ,
+                RANK=str(r),
+                WORLD_SIZE="2",
+                MASTER_ADDR="127.0.0.1",
+                MASTER_PORT=str(port),
+            )
+            args = [
+                sys.executable,
+                "-m",
+                "lowband",
+                "worker",
+                "--coordinator",
+                addrs,
+                "--site",
+                "fsdp2",
+                "--id",
+                f"s{site}",
+                "--threads",
+                "1",
+                "--bind-host",
+                "127.0.0.1",
+                "--same-host",
+                "off",
+                "--out",
+                str(self.tmp / out),
+                *RUN,
+            ]
             log = (self.tmp / f"{out}-r{r}.log").open("w")
-            started.append(subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT,
-                                            env=env, start_new_session=True))
+            started.append(
+                subprocess.Popen(
+                    args, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+                )
+            )
         self.procs += started
         return started
 
@@ -143,8 +190,12 @@ def test_kill9_one_rank_whole_site_leaves_and_rejoins_shard_by_shard(sites: Chao
     # contribution, i.e. during the next inner step (H/P = 5, so that SEND follows the step).
     # Killing later (SEND delivered) or earlier (inside the quorum) tests other paths; the
     # redo asserted below proves a sync was lost.
-    wait_for(lambda: len(_events(sites.metrics("site1", 1, 0), "audit")) >= 4, 90,
-             "site 1 to pass 3 sync points", every=0.005)
+    wait_for(
+        lambda: len(_events(sites.metrics("site1", 1, 0), "audit")) >= 4,
+        90,
+        "site 1 to pass 3 sync points",
+        every=0.005,
+    )
     t_kill = time.monotonic()
     os.killpg(site1[0].pid, signal.SIGKILL)
 
@@ -154,15 +205,15 @@ def test_kill9_one_rank_whole_site_leaves_and_rejoins_shard_by_shard(sites: Chao
     seen: dict[str, float] = {}
 
     def recovered() -> bool:
-        if "redo" not in seen and any(r.get("redone") for r in _events(
-                sites.metrics("site0", 0, 0), "recovery")):
+        if "redo" not in seen and any(
+            r.get("redone") for r in _events(sites.metrics("site0", 0, 0), "recovery")
+        ):
             seen["redo"] = time.monotonic() - t_kill
         if "exit" not in seen and site1[1].poll() is not None:
             seen["exit"] = time.monotonic() - t_kill
         return len(seen) == 2
 
-    wait_for(recovered, 60, "site 0 to redo the lost sync and site 1's rank 1 to exit",
-             every=0.01)
+    wait_for(recovered, 60, "site 0 to redo the lost sync and site 1's rank 1 to exit", every=0.01)
     redo = [r for r in _events(sites.metrics("site0", 0, 0), "recovery") if r.get("redone")]
     lost = [r for r in _events(sites.metrics("site0", 0, 0), "recovery") if "error" in r]
     assert lost and "did not complete within" not in lost[0]["error"], lost
@@ -178,8 +229,11 @@ def test_kill9_one_rank_whole_site_leaves_and_rejoins_shard_by_shard(sites: Chao
     try:
         t_restart = time.monotonic()
         restarted = sites.start(1, "site1b")
-        wait_for(lambda: all(len(c.alive) == 2 for c in sites.coords), 90,
-                 "the restarted site to register in both shard groups")
+        wait_for(
+            lambda: all(len(c.alive) == 2 for c in sites.coords),
+            90,
+            "the restarted site to register in both shard groups",
+        )
     finally:
         throttle.stop()
     for p, name in zip(site0 + restarted, ["site0-r0", "site0-r1", "site1b-r0", "site1b-r1"]):
@@ -191,8 +245,11 @@ def test_kill9_one_rank_whole_site_leaves_and_rejoins_shard_by_shard(sites: Chao
     assert starts[0]["reason"] == starts[1]["reason"] == "start"
     assert starts[0]["step"] == starts[1]["step"] > redo[0]["step"]
     assert all(s["refreshed"] == [1] for s in starts)  # the newcomer is rank 1 of each group
-    finals = {(site, r): _events(sites.metrics(out, site, r), "final")[-1]
-              for site, out in ((0, "site0"), (1, "site1b")) for r in range(2)}
+    finals = {
+        (site, r): _events(sites.metrics(out, site, r), "final")[-1]
+        for site, out in ((0, "site0"), (1, "site1b"))
+        for r in range(2)
+    }
     for r in range(2):
         assert finals[(1, r)]["transfers"] == 1
         assert finals[(1, r)]["start_step"] == starts[r]["step"]
@@ -201,7 +258,9 @@ def test_kill9_one_rank_whole_site_leaves_and_rejoins_shard_by_shard(sites: Chao
         assert finals[(0, r)]["state_hash"] == finals[(1, r)]["state_hash"]
     assert finals[(0, 0)]["state_hash"] != finals[(0, 1)]["state_hash"]  # two different shards
     assert finals[(0, 0)]["retries"] == 1
-    print(f"\nsite 0 redid the lost sync {seen['redo']:.2f}s after the kill (heartbeat "
-          f"{HEARTBEAT:.1f}s); site 1's other rank exited {seen['exit']:.2f}s after it; the "
-          f"restarted site joined at step {starts[0]['step']} and both finished "
-          f"{t_done:.1f}s after the restart")
+    print(
+        f"\nsite 0 redid the lost sync {seen['redo']:.2f}s after the kill (heartbeat "
+        f"{HEARTBEAT:.1f}s); site 1's other rank exited {seen['exit']:.2f}s after it; the "
+        f"restarted site joined at step {starts[0]['step']} and both finished "
+        f"{t_done:.1f}s after the restart"
+    )

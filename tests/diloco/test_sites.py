@@ -44,8 +44,26 @@ from transport.coordinator import Coordinator, CoordinatorConfig
 from transport.zmq_comm import connect
 
 # Several outer steps per fragment with P > 1 and τ > 0, on the tiny preset (~0.13 M params).
-RUN = ["--preset", "tiny", "--steps", "20", "-H", "10", "-P", "2", "--tau", "1",
-       "--workers", "2", "--eval-every", "0", "--audit-every", "1", "--checkpoint-every", "10"]
+RUN = [
+    "--preset",
+    "tiny",
+    "--steps",
+    "20",
+    "-H",
+    "10",
+    "-P",
+    "2",
+    "--tau",
+    "1",
+    "--workers",
+    "2",
+    "--eval-every",
+    "0",
+    "--audit-every",
+    "1",
+    "--checkpoint-every",
+    "10",
+]
 
 
 # ---- pure ------------------------------------------------------------------------------------
@@ -59,9 +77,12 @@ def test_shard_rows_are_torch_chunk(rows: int, size: int) -> None:
         want = chunks[r] if r < len(chunks) else t[:0]
         assert torch.equal(t[a:b], want)
     parts = [local_shard(t, ShardLayout(size=size, rank=r, engine="ddp")) for r in range(size)]
-    gathered = gather_rows(parts[0], rows, size,
-                           lambda out, _: [o.copy_(torch.cat([p, o[p.shape[0]:]]))
-                                           for o, p in zip(out, parts)])
+    gathered = gather_rows(
+        parts[0],
+        rows,
+        size,
+        lambda out, _: [o.copy_(torch.cat([p, o[p.shape[0] :]])) for o, p in zip(out, parts)],
+    )
     assert torch.equal(gathered, t)
 
 
@@ -77,29 +98,35 @@ def test_layout_and_batch_errors_name_the_field() -> None:
 
 
 @pytest.mark.timeout(10)
-@pytest.mark.parametrize("spec,backend,engine,local_rank,cuda,want", [
-    ("auto", "nccl", "fsdp2", 3, True, "cuda:3"),    # one GPU per rank of a host
-    ("cuda", "nccl", "ddp", 1, True, "cuda:1"),
-    ("cuda:2", "nccl", "fsdp2", 0, True, "cuda:2"),  # an explicit index is the user's
-    ("auto", "gloo", "fsdp2", 1, True, "cpu"),       # Gloo is the CPU backend ...
-    ("auto", "gloo", "ddp", 1, False, "cpu"),
-    ("cpu", "gloo", "ddp", 0, True, "cpu"),
-    ("cuda", "gloo", "ddp", 1, True, "cuda:1"),      # ... unless asked: DDP over Gloo on GPUs
-    ("cuda:0", "gloo", "ddp", 1, True, "cuda:0"),    # Gloo ranks may share one GPU
-])
+@pytest.mark.parametrize(
+    "spec,backend,engine,local_rank,cuda,want",
+    [
+        ("auto", "nccl", "fsdp2", 3, True, "cuda:3"),  # one GPU per rank of a host
+        ("cuda", "nccl", "ddp", 1, True, "cuda:1"),
+        ("cuda:2", "nccl", "fsdp2", 0, True, "cuda:2"),  # an explicit index is the user's
+        ("auto", "gloo", "fsdp2", 1, True, "cpu"),  # Gloo is the CPU backend ...
+        ("auto", "gloo", "ddp", 1, False, "cpu"),
+        ("cpu", "gloo", "ddp", 0, True, "cpu"),
+        ("cuda", "gloo", "ddp", 1, True, "cuda:1"),  # ... unless asked: DDP over Gloo on GPUs
+        ("cuda:0", "gloo", "ddp", 1, True, "cuda:0"),  # Gloo ranks may share one GPU
+    ],
+)
 def test_site_device_maps_local_rank(spec, backend, engine, local_rank, cuda, want) -> None:
     got = site_device(spec, backend=backend, engine=engine, local_rank=local_rank, cuda=cuda)
     assert got == want
 
 
 @pytest.mark.timeout(10)
-@pytest.mark.parametrize("spec,backend,engine,cuda,match", [
-    ("cpu", "nccl", "fsdp2", True, "nccl runs collectives on CUDA tensors only"),
-    ("auto", "nccl", "ddp", False, "nccl needs one CUDA GPU per rank and torch sees none"),
-    ("cuda", "nccl", "fsdp2", False, "torch sees no CUDA device.*--site-backend gloo"),
-    ("cuda:1", "gloo", "ddp", False, "torch sees no CUDA device.*--device cpu"),
-    ("cuda", "gloo", "fsdp2", True, "FSDP2 over Gloo cannot compute on 'cuda:0'"),
-])
+@pytest.mark.parametrize(
+    "spec,backend,engine,cuda,match",
+    [
+        ("cpu", "nccl", "fsdp2", True, "nccl runs collectives on CUDA tensors only"),
+        ("auto", "nccl", "ddp", False, "nccl needs one CUDA GPU per rank and torch sees none"),
+        ("cuda", "nccl", "fsdp2", False, "torch sees no CUDA device.*--site-backend gloo"),
+        ("cuda:1", "gloo", "ddp", False, "torch sees no CUDA device.*--device cpu"),
+        ("cuda", "gloo", "fsdp2", True, "FSDP2 over Gloo cannot compute on 'cuda:0'"),
+    ],
+)
 def test_site_device_refusals_say_what_to_use(spec, backend, engine, cuda, match) -> None:
     with pytest.raises(ConfigError, match=match):
         site_device(spec, backend=backend, engine=engine, local_rank=0, cuda=cuda)
@@ -147,8 +174,9 @@ class _Stub:
         return {"stub": True}
 
 
-def _site_cli(monkeypatch, args: list[str], local_rank: str | None, cuda: bool,
-              site_main=None) -> tuple[int, _Stub]:
+def _site_cli(
+    monkeypatch, args: list[str], local_rank: str | None, cuda: bool, site_main=None
+) -> tuple[int, _Stub]:
     """``lowband worker --site …`` as rank 5 of 8 under torchrun's environment, with
     ``site_main`` replaced (default: a stub that records its SiteLaunch)."""
     import diloco.site_launch
@@ -173,8 +201,12 @@ def _site_cli(monkeypatch, args: list[str], local_rank: str | None, cuda: bool,
 def test_cli_puts_an_nccl_rank_on_its_local_gpu(monkeypatch, local_rank, want) -> None:
     """torchrun's LOCAL_RANK (RANK when started by hand on one host) picks the GPU; the
     library gets the value, and --dist-timeout reaches the SiteLaunch."""
-    rc, stub = _site_cli(monkeypatch, ["--site", "fsdp2", "--site-backend", "nccl",
-                                       "--dist-timeout", "7.5"], local_rank, cuda=True)
+    rc, stub = _site_cli(
+        monkeypatch,
+        ["--site", "fsdp2", "--site-backend", "nccl", "--dist-timeout", "7.5"],
+        local_rank,
+        cuda=True,
+    )
     assert rc == 0 and stub.cfg is not None
     assert stub.cfg.train.compute.device == want and stub.cfg.backend == "nccl"
     assert (stub.cfg.rank, stub.cfg.size, stub.cfg.dist_timeout) == (5, 8, 7.5)
@@ -189,8 +221,9 @@ def test_cli_keeps_a_gloo_site_on_the_cpu(monkeypatch) -> None:
 
 @pytest.mark.timeout(30)
 def test_cli_refuses_nccl_on_the_cpu(monkeypatch, capsys) -> None:
-    rc, stub = _site_cli(monkeypatch, ["--site", "ddp", "--site-backend", "nccl",
-                                       "--device", "cpu"], "0", cuda=True)
+    rc, stub = _site_cli(
+        monkeypatch, ["--site", "ddp", "--site-backend", "nccl", "--device", "cpu"], "0", cuda=True
+    )
     assert rc == 2 and stub.cfg is None
     assert "nccl runs collectives on CUDA tensors only" in capsys.readouterr().err
 
@@ -203,15 +236,18 @@ def test_cli_site_refusal_is_one_line_and_exit_2(monkeypatch, capsys, caplog, ca
     crash exits 1 with its traceback (torchrun restarts the site)."""
     from diloco.site_launch import SiteFailed
 
-    errors = {"config": ConfigError("batch_size", "not divisible by the site's 3 ranks"),
-              "refused": IncompatiblePeer("a site of 4 rank(s) vs a site of 2 rank(s)"),
-              "crash": RuntimeError("boom")}
+    errors = {
+        "config": ConfigError("batch_size", "not divisible by the site's 3 ranks"),
+        "refused": IncompatiblePeer("a site of 4 rank(s) vs a site of 2 rank(s)"),
+        "crash": RuntimeError("boom"),
+    }
 
     def fail(cfg):
         raise SiteFailed("rank 5 of site 'site' stopped") from errors[cause]
 
     def exit_(rc):
         raise SystemExit(rc)
+
     monkeypatch.setattr("os._exit", exit_)
     with pytest.raises(SystemExit) as done:
         _site_cli(monkeypatch, ["--site", "ddp"], "0", cuda=False, site_main=fail)
@@ -237,9 +273,12 @@ class Sites:
     def __init__(self, tmp: Path, ranks: int, engine: str = "fsdp2", heartbeat: float = 1.0):
         self.tmp, self.ranks, self.engine = tmp, ranks, engine
         tmp.mkdir(parents=True, exist_ok=True)
-        self.coords = [Coordinator(CoordinatorConfig(bind="tcp://127.0.0.1:0",
-                                                     heartbeat_interval=heartbeat)).start()
-                       for _ in range(ranks)]
+        self.coords = [
+            Coordinator(
+                CoordinatorConfig(bind="tcp://127.0.0.1:0", heartbeat_interval=heartbeat)
+            ).start()
+            for _ in range(ranks)
+        ]
         self.procs: list[subprocess.Popen] = []
 
     def start_site(self, site: int, extra: Sequence[str] = ()) -> list[subprocess.Popen]:
@@ -247,25 +286,60 @@ class Sites:
         addrs = ",".join(c.address for c in self.coords)
         started = []
         for r in range(self.ranks):
-            env = dict(os.environ, RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(self.ranks),
-                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-            args = [sys.executable, "-m", "lowband", "worker", "--coordinator", addrs,
-                    "--site", self.engine, "--id", f"s{site}", "--threads", "1",
-                    "--bind-host", "127.0.0.1", "--same-host", "off",  # bytes on TCP
-                    "--out", str(out), *RUN, *extra]
+            env = dict(
+                os.environ,
+                RANK=str(r),
+                LOCAL_RANK=str(r),
+                WORLD_SIZE=str(self.ranks),
+                MASTER_ADDR="127.0.0.1",
+                MASTER_PORT=str(port),
+            )
+            args = [
+                sys.executable,
+                "-m",
+                "lowband",
+                "worker",
+                "--coordinator",
+                addrs,
+                "--site",
+                self.engine,
+                "--id",
+                f"s{site}",
+                "--threads",
+                "1",
+                "--bind-host",
+                "127.0.0.1",
+                "--same-host",
+                "off",  # bytes on TCP
+                "--out",
+                str(out),
+                *RUN,
+                *extra,
+            ]
             log = (self.tmp / f"site{site}-r{r}-{len(self.procs)}.log").open("w")
-            started.append(subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env,
-                                            start_new_session=True))
+            started.append(
+                subprocess.Popen(
+                    args, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+                )
+            )
         self.procs += started
         return started
 
     def finals(self, site: int) -> list[dict]:
         out = []
         for r in range(self.ranks):
-            recs = [json.loads(line) for line in
-                    (self.tmp / f"site{site}" / f"metrics-s{site}-r{r}.jsonl").read_text().splitlines()]
-            out.append({"final": [x for x in recs if x["event"] == "final"][-1],
-                        "sync_bytes": sum(x["bytes_sent"] for x in recs if x["event"] == "sync")})
+            recs = [
+                json.loads(line)
+                for line in (self.tmp / f"site{site}" / f"metrics-s{site}-r{r}.jsonl")
+                .read_text()
+                .splitlines()
+            ]
+            out.append(
+                {
+                    "final": [x for x in recs if x["event"] == "final"][-1],
+                    "sync_bytes": sum(x["bytes_sent"] for x in recs if x["event"] == "sync"),
+                }
+            )
         return out
 
     def close(self) -> None:
@@ -310,8 +384,14 @@ def test_two_sites_of_two_fsdp2_ranks_match_two_single_rank_sites(runs, tmp_path
     gradients, the grad-norm is summed per shard), amplified a little by AdamW's 1/√v."""
     two, one = _exported(runs[2].tmp), _exported(runs[1].tmp)
     cfg = tiny()
-    cfg = replace(cfg, steps=20, workers=2, eval_every=0, audit_every=1,
-                  mode=replace(cfg.mode, inner_steps=10, n_fragments=2, tau=1))
+    cfg = replace(
+        cfg,
+        steps=20,
+        workers=2,
+        eval_every=0,
+        audit_every=1,
+        mode=replace(cfg.mode, inner_steps=10, n_fragments=2, tau=1),
+    )
     assert isinstance(cfg.mode, DilocoConfig)
     run_threads(cfg, out_dir=tmp_path)
     plain = load_file(str(tmp_path / "model" / "model.safetensors"))
@@ -377,7 +457,9 @@ def test_sharded_dcp_checkpoint_resumes_bit_identically(runs, tmp_path) -> None:
             ta, ma = load_sharded(straight.tmp / f"site{s}" / "checkpoints" / "final", key=key)
             tb, mb = load_sharded(resumed.tmp / f"site{s}" / "checkpoints" / "final", key=key)
             assert ma == mb and set(ta) == set(tb)
-            assert any(k.startswith("inner.") for k in ta) and any(k.startswith("local.") for k in ta)
+            assert any(k.startswith("inner.") for k in ta) and any(
+                k.startswith("local.") for k in ta
+            )
             for k in ta:
                 assert torch.equal(ta[k], tb[k]), (key, k)
     a, b = _exported(straight.tmp), _exported(resumed.tmp)
@@ -394,8 +476,10 @@ def test_sharded_run_exports_the_assembled_model_transformers_loads(runs) -> Non
     exported = _exported(sites.tmp)
     directory = min(sites.tmp.glob("site*/model"))
     site = int(directory.parent.name.removeprefix("site"))
-    shards = [load_sharded(sites.tmp / f"site{site}" / "checkpoints" / "final",
-                           key=f"s{site}-r{r}")[0] for r in range(2)]
+    shards = [
+        load_sharded(sites.tmp / f"site{site}" / "checkpoints" / "final", key=f"s{site}-r{r}")[0]
+        for r in range(2)
+    ]
     for name, full in exported.items():
         parts = [sh["global." + name] for sh in shards]
         assert torch.equal(torch.cat(parts), full), name
@@ -412,11 +496,20 @@ def test_incompatible_layout_is_named_in_the_refusal():
     with Coordinator(CoordinatorConfig(bind="tcp://127.0.0.1:0")) as coord:
         two = ShardLayout(size=2, rank=0).describe()
         four = ShardLayout(size=4, rank=0).describe()
-        first = connect(coord.address, ZmqConfig(bind_host="127.0.0.1"), signature="sig-2", meta={"layout": two})
+        first = connect(
+            coord.address, ZmqConfig(bind_host="127.0.0.1"), signature="sig-2", meta={"layout": two}
+        )
         try:
             with pytest.raises(IncompatiblePeer) as err:
-                connect(coord.address, ZmqConfig(bind_host="127.0.0.1"), signature="sig-4", meta={"layout": four})
-            assert "a site of 4 rank(s)" in str(err.value) and "a site of 2 rank(s)" in str(err.value)
+                connect(
+                    coord.address,
+                    ZmqConfig(bind_host="127.0.0.1"),
+                    signature="sig-4",
+                    meta={"layout": four},
+                )
+            assert "a site of 4 rank(s)" in str(err.value) and "a site of 2 rank(s)" in str(
+                err.value
+            )
         finally:
             first.close()
 

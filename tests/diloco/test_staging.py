@@ -37,17 +37,30 @@ CPU = torch.device("cpu")
 
 def small(**over):
     base = tiny()
-    model = dataclasses.replace(base.model, hidden_size=32, intermediate_size=64,
-                                num_attention_heads=2, max_position_embeddings=32)
-    kw = dict(mode=DilocoConfig(inner_steps=6, n_fragments=2, tau=1, alpha=0.5, codec="int8",
-                                error_feedback=True),
-              workers=2, steps=18, eval_every=0, log_every=1000, model=model,
-              data=dataclasses.replace(base.data, seq_len=16, batch_size=4, eval_batches=2))
+    model = dataclasses.replace(
+        base.model,
+        hidden_size=32,
+        intermediate_size=64,
+        num_attention_heads=2,
+        max_position_embeddings=32,
+    )
+    kw = dict(
+        mode=DilocoConfig(
+            inner_steps=6, n_fragments=2, tau=1, alpha=0.5, codec="int8", error_feedback=True
+        ),
+        workers=2,
+        steps=18,
+        eval_every=0,
+        log_every=1000,
+        model=model,
+        data=dataclasses.replace(base.data, seq_len=16, batch_size=4, eval_batches=2),
+    )
     return dataclasses.replace(base, **{**kw, **over})
 
 
-def fragment(codec: str, device: torch.device, n: int = 1001) -> tuple[FragmentSync, nn.Parameter,
-                                                                        nn.Parameter]:
+def fragment(
+    codec: str, device: torch.device, n: int = 1001
+) -> tuple[FragmentSync, nn.Parameter, nn.Parameter]:
     local = nn.Parameter(torch.zeros(n, device=device))
     glob = nn.Parameter(torch.zeros(n, device=device))
     opt = torch.optim.SGD([glob], lr=1.0)
@@ -82,6 +95,7 @@ def test_cpu_twin_launches_inline_and_propagates_errors():
 
     def fail():
         raise ValueError("transport refused")
+
     with pytest.raises(ValueError, match="transport refused"):
         s.launch(out, fail)
 
@@ -119,8 +133,10 @@ def test_launch_waits_for_the_copy_event_on_the_sender_thread_not_the_caller():
     try:
         events, sent = [_Event(), _Event()], []
         outs = [Outbound((torch.full((4,), float(i)),), e) for i, e in enumerate(events)]
-        futs = [s.launch(o, lambda o=o: sent.append((threading.get_ident(), o.host[0][0].item())))
-                for o in outs]
+        futs = [
+            s.launch(o, lambda o=o: sent.append((threading.get_ident(), o.host[0][0].item())))
+            for o in outs
+        ]
         assert not futs[0].done() and sent == []  # launch returned before the copy finished
         assert not outs[0].ready()
         events[0].release()
@@ -186,6 +202,7 @@ def _audit_host_reads(monkeypatch) -> list[str]:
                 if caller.f_code.co_filename.startswith(ours):
                     calls.append(f"{name} at {caller.f_code.co_filename}:{caller.f_lineno}")
             return orig(self, *args, **kwargs)
+
         return wrapper
 
     def hot_path(orig):
@@ -195,6 +212,7 @@ def _audit_host_reads(monkeypatch) -> list[str]:
                 return orig(*args, **kwargs)
             finally:
                 hot.on = False
+
         return wrapper
 
     for name in HOST_READS:
@@ -210,8 +228,9 @@ def test_no_host_read_on_the_inner_step_or_send(monkeypatch, codec):
     sends = []
     orig = DilocoWorker._send
     monkeypatch.setattr(DilocoWorker, "_send", lambda self, a: (sends.append(a), orig(self, a)))
-    mode = DilocoConfig(inner_steps=6, n_fragments=2, tau=1, alpha=0.5, codec=codec,
-                        error_feedback=codec != "fp32")
+    mode = DilocoConfig(
+        inner_steps=6, n_fragments=2, tau=1, alpha=0.5, codec=codec, error_feedback=codec != "fp32"
+    )
     results = run_threads(small(mode=mode))
     assert len(sends) == 2 * 18 // 3 and results[0].outer_syncs == 6  # the audit saw every SEND
     assert calls == [], calls
@@ -227,6 +246,7 @@ def test_the_audit_catches_a_host_read(monkeypatch):
         if flag:  # the old code's host-side validity check
             pass
         return x, flag
+
     syncing.__code__ = syncing.__code__.replace(co_filename=str(REPO / "diloco" / "outer.py"))
     monkeypatch.setattr(FragmentSync, "device_contribution", syncing)
     run_threads(small(steps=6))
@@ -304,7 +324,9 @@ def test_cuda_no_host_sync_on_the_inner_step_or_send(monkeypatch):
                 return orig(*args, **kwargs)
             finally:
                 torch.cuda.set_sync_debug_mode("default")
+
         return wrapper
+
     task = lm_task(cfg)
     worker = DilocoWorker(cfg, LoopbackGroup(1).comms()[0], task)
     monkeypatch.setattr(worker.inner, "run_step", strict(worker.inner.run_step))

@@ -26,8 +26,15 @@ from lowband.models.tokenizer import ByteTokenizer
 
 pytestmark = pytest.mark.timeout(180)
 
-CFG = dict(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-           num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024)
+CFG = dict(
+    vocab_size=256,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=1024,
+)
 ARTIFACTS = Path(__file__).resolve().parents[1] / "artifacts"
 
 
@@ -50,7 +57,9 @@ def _engine(delay: float = 0.0) -> Engine:
     m = LlamaForCausalLM(ModelConfig(**CFG)).eval()
     init_weights(m, std=0.3, seed=1)
     runner = LocalRunner(m)
-    return Engine(_SlowRunner(runner, delay) if delay else runner, ByteTokenizer(), model_name="tiny")
+    return Engine(
+        _SlowRunner(runner, delay) if delay else runner, ByteTokenizer(), model_name="tiny"
+    )
 
 
 def test_page_is_served_and_self_contained() -> None:
@@ -98,8 +107,9 @@ class _Cdp:
                 return msg["result"]
 
     async def js(self, expr: str):
-        r = await self.call("Runtime.evaluate", expression=expr, returnByValue=True,
-                            awaitPromise=True)
+        r = await self.call(
+            "Runtime.evaluate", expression=expr, returnByValue=True, awaitPromise=True
+        )
         if "exceptionDetails" in r:
             raise RuntimeError(f"{expr}: {r['exceptionDetails']}")
         return r["result"].get("value")
@@ -116,10 +126,22 @@ class _Cdp:
 
 async def _open_browser(exe: str, profile: Path) -> tuple[subprocess.Popen, str]:
     proc = subprocess.Popen(
-        [exe, "--headless=new", "--no-sandbox", "--disable-gpu", "--no-first-run",
-         "--disable-dev-shm-usage", "--remote-debugging-port=0", f"--user-data-dir={profile}",
-         "--window-size=900,640", "about:blank"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+        [
+            exe,
+            "--headless=new",
+            "--no-sandbox",
+            "--disable-gpu",
+            "--no-first-run",
+            "--disable-dev-shm-usage",
+            "--remote-debugging-port=0",
+            f"--user-data-dir={profile}",
+            "--window-size=900,640",
+            "about:blank",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     port_file = profile / "DevToolsActivePort"
     deadline = time.monotonic() + 60
     while not (port_file.exists() and port_file.read_text().strip()):
@@ -146,18 +168,30 @@ def test_chat_in_a_real_browser(tmp_path) -> None:
                     cdp = _Cdp(ws)
                     await cdp.call("Page.enable")
                     await cdp.call("Page.navigate", url=f"http://127.0.0.1:{port}/")
-                    await cdp.until("document.getElementById('status')?.textContent.startsWith('ready')")
-                    assert await cdp.js("document.getElementById('model').textContent") == "model: tiny"
-                    assert await cdp.js("document.getElementById('status').textContent") == "ready, 1 device(s)"
+                    await cdp.until(
+                        "document.getElementById('status')?.textContent.startsWith('ready')"
+                    )
+                    assert (
+                        await cdp.js("document.getElementById('model').textContent")
+                        == "model: tiny"
+                    )
+                    assert (
+                        await cdp.js("document.getElementById('status').textContent")
+                        == "ready, 1 device(s)"
+                    )
 
                     # 1. a reply streams in: the assistant bubble grows over several reads
-                    await cdp.js("document.getElementById('prompt').value = 'Hello there';"
-                                 "document.getElementById('form').requestSubmit(); true")
+                    await cdp.js(
+                        "document.getElementById('prompt').value = 'Hello there';"
+                        "document.getElementById('form').requestSubmit(); true"
+                    )
                     lengths = set()
                     deadline = time.monotonic() + 60
                     while time.monotonic() < deadline:
-                        st = await cdp.js("({n: document.querySelector('.assistant')?.textContent.length"
-                                          " || 0, busy: document.getElementById('send').disabled})")
+                        st = await cdp.js(
+                            "({n: document.querySelector('.assistant')?.textContent.length"
+                            " || 0, busy: document.getElementById('send').disabled})"
+                        )
                         lengths.add(st["n"])
                         if not st["busy"] and st["n"] > 0:
                             break
@@ -168,17 +202,25 @@ def test_chat_in_a_real_browser(tmp_path) -> None:
                     assert first_done == 256  # the page asks for max_tokens 256
 
                     # 2. Stop aborts the next reply part-way
-                    await cdp.js("document.getElementById('prompt').value = 'And again';"
-                                 "document.getElementById('form').requestSubmit(); true")
-                    await cdp.until("(document.querySelectorAll('.assistant')[1]?.textContent.length"
-                                    " || 0) > 5")
+                    await cdp.js(
+                        "document.getElementById('prompt').value = 'And again';"
+                        "document.getElementById('form').requestSubmit(); true"
+                    )
+                    await cdp.until(
+                        "(document.querySelectorAll('.assistant')[1]?.textContent.length || 0) > 5"
+                    )
                     await cdp.js("document.getElementById('stop').click(); true")
                     await cdp.until("!document.getElementById('send').disabled", timeout=10)
-                    assert await cdp.js("document.querySelectorAll('.assistant')[1].dataset.stopped") == "1"
+                    assert (
+                        await cdp.js("document.querySelectorAll('.assistant')[1].dataset.stopped")
+                        == "1"
+                    )
                     shot = await cdp.call("Page.captureScreenshot", format="png")
             # the server stops generating at the next token once the client is gone
             deadline = time.monotonic() + 10
-            while engine.metrics.snapshot().get("requests_active", 0) and time.monotonic() < deadline:
+            while (
+                engine.metrics.snapshot().get("requests_active", 0) and time.monotonic() < deadline
+            ):
                 await asyncio.sleep(0.05)
             await asyncio.sleep(0.5)
             second = engine.metrics.snapshot()["completion_tokens_total"] - first_done

@@ -23,8 +23,9 @@ pytestmark = pytest.mark.timeout(240)
 
 
 def test_advertise_then_discover_by_cluster_name() -> None:
-    with Advertisement("tcp://0.0.0.0:23456", cluster=f"a{os.getpid()}", auth="token",
-                       signature="lowband-edge/1"):
+    with Advertisement(
+        "tcp://0.0.0.0:23456", cluster=f"a{os.getpid()}", auth="token", signature="lowband-edge/1"
+    ):
         found = discover(cluster=f"a{os.getpid()}", timeout=20)
     assert found.address.endswith(":23456") and found.address.startswith("tcp://")
     assert not found.address.startswith("tcp://127.") and not found.address.startswith("tcp://0.")
@@ -33,6 +34,7 @@ def test_advertise_then_discover_by_cluster_name() -> None:
 
 def test_nearest_address_is_on_our_subnet(monkeypatch) -> None:
     from edge import discovery
+
     monkeypatch.setattr(discovery, "local_ipv4", lambda: ["10.237.0.2", "172.17.0.1"])
     assert discovery._nearest(["192.0.2.2", "10.237.0.1", "10.1.0.1"]) == "10.237.0.1"
     assert discovery._nearest(["172.17.0.9"]) == "172.17.0.9"
@@ -53,17 +55,29 @@ def _ckpt(path) -> None:
     from lowband.models.llama import LlamaForCausalLM, init_weights
     from lowband.models.tokenizer import ByteTokenizer
     from lowband.models.weights import save_pretrained
-    m = LlamaForCausalLM(ModelConfig(vocab_size=256, hidden_size=64, intermediate_size=128,
-                                     num_hidden_layers=2, num_attention_heads=4,
-                                     num_key_value_heads=2, max_position_embeddings=256)).eval()
+
+    m = LlamaForCausalLM(
+        ModelConfig(
+            vocab_size=256,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=256,
+        )
+    ).eval()
     init_weights(m, std=0.2, seed=3)
     save_pretrained(m, path)
     ByteTokenizer().save(path)
 
 
 def _get(url: str, body: dict | None = None) -> tuple[int, dict]:
-    req = urllib.request.Request(url, data=None if body is None else json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"})
+    req = urllib.request.Request(
+        url,
+        data=None if body is None else json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )
     try:
         with urllib.request.urlopen(req, timeout=30) as r:
             return r.status, json.loads(r.read())
@@ -80,8 +94,11 @@ def _bridge_forwarding(bridge: str):
     if shutil.which("iptables") is None:
         yield
         return
-    chain = "DOCKER-USER" if subprocess.run(["iptables", "-S", "DOCKER-USER"],
-                                            capture_output=True).returncode == 0 else "FORWARD"
+    chain = (
+        "DOCKER-USER"
+        if subprocess.run(["iptables", "-S", "DOCKER-USER"], capture_output=True).returncode == 0
+        else "FORWARD"
+    )
     rule = [chain, "-i", bridge, "-o", bridge, "-j", "ACCEPT"]
     subprocess.run(["iptables", "-I", *rule], check=True, capture_output=True)
     try:
@@ -100,38 +117,94 @@ def test_zero_config_cluster_in_two_namespaces(tmp_path) -> None:
     procs: list[subprocess.Popen] = []
 
     def spawn(bed, site, args, **kw) -> subprocess.Popen:
-        p = subprocess.Popen(bed.command(site, [*lb, *args]), start_new_session=True,
-                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **kw)
+        p = subprocess.Popen(
+            bed.command(site, [*lb, *args]),
+            start_new_session=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            **kw,
+        )
         procs.append(p)
         return p
 
-    with netns.Testbed(netns.NetnsConfig(sites=2, net=237, name=f"ds{os.getpid() % 100000}")) as bed, \
-            _bridge_forwarding(bed.bridge):
+    with (
+        netns.Testbed(netns.NetnsConfig(sites=2, net=237, name=f"ds{os.getpid() % 100000}")) as bed,
+        _bridge_forwarding(bed.bridge),
+    ):
         try:
-            master = spawn(bed, 0, ["serve", str(tmp_path), "--workers", "1", "--discover", name,
-                           "--token", "s3cret", "--bind", "tcp://0.0.0.0:29500",
-                           "--host", "0.0.0.0", "--port", "8000", "--op-timeout", "20"])
+            master = spawn(
+                bed,
+                0,
+                [
+                    "serve",
+                    str(tmp_path),
+                    "--workers",
+                    "1",
+                    "--discover",
+                    name,
+                    "--token",
+                    "s3cret",
+                    "--bind",
+                    "tcp://0.0.0.0:29500",
+                    "--host",
+                    "0.0.0.0",
+                    "--port",
+                    "8000",
+                    "--op-timeout",
+                    "20",
+                ],
+            )
             # a device with the wrong token finds the master but is refused
-            bad = spawn(bed, 1, ["worker", "--discover", name, "--token", "wrong",
-                                 "--discover-timeout", "60", "--op-timeout", "10"])
+            bad = spawn(
+                bed,
+                1,
+                [
+                    "worker",
+                    "--discover",
+                    name,
+                    "--token",
+                    "wrong",
+                    "--discover-timeout",
+                    "60",
+                    "--op-timeout",
+                    "10",
+                ],
+            )
             out, _ = bad.communicate(timeout=120)
             assert bad.returncode != 0
             assert f"found master tcp://{bed.addr(0)}:29500" in out, out
             url = f"http://{bed.addr(0)}:8000"
-            good = spawn(bed, 1, ["worker", "--discover", name, "--token", "s3cret",
-                                  "--discover-timeout", "60", "--op-timeout", "20"])
+            good = spawn(
+                bed,
+                1,
+                [
+                    "worker",
+                    "--discover",
+                    name,
+                    "--token",
+                    "s3cret",
+                    "--discover-timeout",
+                    "60",
+                    "--op-timeout",
+                    "20",
+                ],
+            )
             deadline = time.monotonic() + 120
             while time.monotonic() < deadline:
                 if _reachable(url) and _get(f"{url}/health")[0] == 200:
                     break
                 if good.poll() is not None or master.poll() is not None:
                     os.killpg(master.pid, signal.SIGKILL)
-                    raise AssertionError(f"worker: {good.stdout.read()}\nmaster: {master.stdout.read()}")
+                    raise AssertionError(
+                        f"worker: {good.stdout.read()}\nmaster: {master.stdout.read()}"
+                    )
                 time.sleep(0.3)
             status, h = _get(f"{url}/health")
             assert status == 200 and h["devices"] == 2 and h["connected"] == 2, h
-            status, out = _get(f"{url}/v1/completions",
-                               {"prompt": "Hi", "max_tokens": 4, "temperature": 0})
+            status, out = _get(
+                f"{url}/v1/completions", {"prompt": "Hi", "max_tokens": 4, "temperature": 0}
+            )
             assert status == 200 and out["usage"]["completion_tokens"] == 4, out
         finally:
             for p in procs:

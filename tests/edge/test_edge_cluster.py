@@ -9,17 +9,24 @@ import time
 import pytest
 
 from edge.cluster import ClusterConfig, MasterRunner, WorkerConfig, run_worker
-from lowband.models.config import ModelConfig
 from edge.engine import ClusterUnavailable, Engine, LocalRunner
-from lowband.models.llama import LlamaForCausalLM, init_weights
 from edge.sampling import SamplingParams
 from edge.shardio import load_shard, split_checkpoint
+from lowband.models.config import ModelConfig
+from lowband.models.llama import LlamaForCausalLM, init_weights
 from lowband.models.tokenizer import ByteTokenizer
 from lowband.models.weights import save_pretrained
 from transport.loopback import LoopbackGroup
 
-CFG = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
-           num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+CFG = dict(
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+)
 
 
 @pytest.fixture(scope="module")
@@ -80,12 +87,12 @@ def test_engine_notices_a_dropped_cache(ckpt) -> None:
 
 def _start_cluster(path, world, group, weights=None, **kw):
     comms = group.comms()
-    workers = [_Thread(lambda c=c: run_worker(c, WorkerConfig(join_timeout=20)))
-               for c in comms[1:]]
+    workers = [_Thread(lambda c=c: run_worker(c, WorkerConfig(join_timeout=20))) for c in comms[1:]]
     for w in workers:
         w.start()
-    cfg = ClusterConfig(devices=world, weights=weights, op_timeout=5.0, join_timeout=20,
-                        heartbeat_s=0.3, **kw)
+    cfg = ClusterConfig(
+        devices=world, weights=weights, op_timeout=5.0, join_timeout=20, heartbeat_s=0.3, **kw
+    )
     runner = MasterRunner(comms[0], path, cfg)
     return runner, workers
 
@@ -100,9 +107,10 @@ def test_cluster_sampling_draws_what_one_device_draws(ckpt, tmp_path) -> None:
     try:
         eng = Engine(runner, ByteTokenizer(), model_name="m")
         per_token = {}
-        for name, params in (("top_k", SamplingParams(max_tokens=12, temperature=0.9, top_k=8,
-                                                      top_p=0.9, seed=3)),
-                             ("all", SamplingParams(max_tokens=12, temperature=0.9, seed=4))):
+        for name, params in (
+            ("top_k", SamplingParams(max_tokens=12, temperature=0.9, top_k=8, top_p=0.9, seed=3)),
+            ("all", SamplingParams(max_tokens=12, temperature=0.9, seed=4)),
+        ):
             want, _, _ = local.complete("Once upon", params)
             got, _, n = eng.complete("Once upon", params)
             assert got == want and n == 12, name
@@ -116,18 +124,25 @@ def test_cluster_sampling_draws_what_one_device_draws(ckpt, tmp_path) -> None:
     assert all(not w.is_alive() and w.error is None for w in workers)
 
 
-@pytest.mark.parametrize("world,weights,split,wire,link", [
-    (2, None, False, "fp32", "direct"), (2, None, False, "fp32", "comm"),
-    (3, (2.0, 1.0, 1.0), True, "fp32", "direct"), (3, None, False, "int8", "direct"),
-    (3, None, False, "int8", "comm"),
-    # the planner's floor weight: the master holds no heads or columns, and the whole LM head
-    (2, (0.001, 0.999), True, "fp32", "direct")])
+@pytest.mark.parametrize(
+    "world,weights,split,wire,link",
+    [
+        (2, None, False, "fp32", "direct"),
+        (2, None, False, "fp32", "comm"),
+        (3, (2.0, 1.0, 1.0), True, "fp32", "direct"),
+        (3, None, False, "int8", "direct"),
+        (3, None, False, "int8", "comm"),
+        # the planner's floor weight: the master holds no heads or columns, and the whole LM head
+        (2, (0.001, 0.999), True, "fp32", "direct"),
+    ],
+)
 def test_cluster_matches_single_device(ckpt, tmp_path, world, weights, split, wire, link) -> None:
     path = split_checkpoint(ckpt, tmp_path / "s", world, weights) if split else ckpt
     ref, _, _ = _local_engine(ckpt).complete("The quick brown", SamplingParams(max_tokens=10))
     group = LoopbackGroup(world, timeout=20)
-    runner, workers = _start_cluster(path, world, group, weights, wire=wire, link=link,
-                                     window=2 if split else None)
+    runner, workers = _start_cluster(
+        path, world, group, weights, wire=wire, link=link, window=2 if split else None
+    )
     try:
         eng = Engine(runner, ByteTokenizer(), model_name="m")
         text, _, n = eng.complete("The quick brown", SamplingParams(max_tokens=10))

@@ -16,13 +16,25 @@ from edge.shardio import load_shard
 from edge.tp import make_plan, make_reduce, shard
 from lowband.errors import PeerLost, ProtocolError, TransportTimeout
 from lowband.models.config import ModelConfig
-from lowband.models.llama import LlamaForCausalLM, fuse_projections, init_weights, unfuse_projections
+from lowband.models.llama import (
+    LlamaForCausalLM,
+    fuse_projections,
+    init_weights,
+    unfuse_projections,
+)
 from lowband.models.weights import save_pretrained
 from tests.conftest import run_ranks, tp_head
 from transport.starlink import StarHub, StarSpoke
 
-BASE = dict(vocab_size=97, hidden_size=128, intermediate_size=192, num_hidden_layers=2,
-            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+BASE = dict(
+    vocab_size=97,
+    hidden_size=128,
+    intermediate_size=192,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+)
 
 
 def _model(bits=None, fuse=True, **over) -> LlamaForCausalLM:
@@ -52,15 +64,22 @@ def _decode(m: LlamaForCausalLM, ids: torch.Tensor, prefill: int) -> torch.Tenso
     with torch.inference_mode():
         m(ids[:, :prefill], cache=cache)
         for t in range(prefill, ids.shape[1]):
-            out.append(m(ids[:, t:t + 1], cache=cache)[0, -1])
+            out.append(m(ids[:, t : t + 1], cache=cache)[0, -1])
     assert cache.length == ids.shape[1]
     return torch.stack(out)
 
 
 @pytest.mark.parametrize("bits", [None, 8, 4], ids=["fp32", "q8", "q4"])
-@pytest.mark.parametrize("over", [{}, {"sliding_window": 5, "model_type": "qwen2", "attention_bias": True},
-                                  {"num_key_value_heads": 4}, {"tie_word_embeddings": True}],
-                         ids=["llama", "window+bias", "mha", "tied"])
+@pytest.mark.parametrize(
+    "over",
+    [
+        {},
+        {"sliding_window": 5, "model_type": "qwen2", "attention_bias": True},
+        {"num_key_value_heads": 4},
+        {"tie_word_embeddings": True},
+    ],
+    ids=["llama", "window+bias", "mha", "tied"],
+)
 @pytest.mark.parametrize("fuse", [True, False], ids=["fused", "unfused"])
 def test_compiled_step_matches_eager(bits, over, fuse) -> None:
     m = _model(bits, fuse, **over)
@@ -86,10 +105,10 @@ def test_cache_growth_and_mixed_prefill() -> None:
         with torch.inference_mode():
             m(ids[:, :2], cache=cache)
             for t in range(2, 100):  # capacity 64 -> 128 mid-way
-                out.append(m(ids[:, t:t + 1], cache=cache)[0, -1])
+                out.append(m(ids[:, t : t + 1], cache=cache)[0, -1])
             out.extend(m(ids[:, 100:130], cache=cache)[0])  # eager chunk after compiled steps
             for t in range(130, 150):  # 128 -> 256
-                out.append(m(ids[:, t:t + 1], cache=cache)[0, -1])
+                out.append(m(ids[:, t : t + 1], cache=cache)[0, -1])
         return torch.stack(out)
 
     ref, got = run(False), run(True)
@@ -147,7 +166,9 @@ def _star(world: int, spin_s: float = 0.0):
     spokes: list = [None] * world
 
     def connect(slot: int) -> None:
-        spokes[slot] = StarSpoke("127.0.0.1", hub.port, slot, 10.0, secret=hub.secret, spin_s=spin_s)
+        spokes[slot] = StarSpoke(
+            "127.0.0.1", hub.port, slot, 10.0, secret=hub.secret, spin_s=spin_s
+        )
 
     threads = [threading.Thread(target=connect, args=(s,)) for s in range(1, world)]
     for t in threads:
@@ -159,8 +180,11 @@ def _star(world: int, spin_s: float = 0.0):
     return [hub, *spokes[1:]]
 
 
-@pytest.mark.parametrize("native", [(True, True), (True, False), (False, True)],
-                         ids=["both-native", "master-native", "worker-native"])
+@pytest.mark.parametrize(
+    "native",
+    [(True, True), (True, False), (False, True)],
+    ids=["both-native", "master-native", "worker-native"],
+)
 def test_native_star_link_matches_single_device(native) -> None:
     """TP over a real star link with the compiled step on either or both ends (the wire bytes are
     the same, so a native end talks to a Python end); logits equal a single device's."""
@@ -183,7 +207,7 @@ def test_native_star_link_matches_single_device(native) -> None:
             with torch.inference_mode():
                 h = m.forward_layers(x_all[:, :6], cache=cache, start=0)
                 for t in range(6, ids.shape[1]):
-                    h = m.forward_layers(x_all[:, t:t + 1], cache=cache, start=t)
+                    h = m.forward_layers(x_all[:, t : t + 1], cache=cache, start=t)
                     # the vocabulary-parallel head's gather runs on the same link, from Python,
                     # between natively driven steps (top=0: every logit, exact)
                     out = tp_head(m, plan, r, h, reduce)
@@ -239,7 +263,7 @@ def test_windowed_cache_stops_growing_under_the_compiled_step() -> None:
     with torch.inference_mode():
         m(ids[:, :4], cache=cache)
         for t in range(4, 200):
-            out.append(m(ids[:, t:t + 1], cache=cache)[0, -1])
+            out.append(m(ids[:, t : t + 1], cache=cache)[0, -1])
     assert cache.capacity() == 64 and cache.base > 100
     got = torch.stack(out)
     assert (got - ref).abs().max().item() <= _tol(8) * max(1.0, ref.abs().max().item())
@@ -272,6 +296,7 @@ def test_split_directory_compiles_unless_a_window_streams_it(tmp_path) -> None:
     the compiled step (same logits as eager); with a real window the layer hooks manage
     residency, so the eager path stays."""
     from edge.shardio import WindowConfig, split_checkpoint
+
     m = _model(fuse=False, num_hidden_layers=3)
     save_pretrained(m, tmp_path / "m")
     split_checkpoint(tmp_path / "m", tmp_path / "s", 1)

@@ -23,8 +23,15 @@ from transport.loopback import LoopbackGroup
 
 pytestmark = pytest.mark.timeout(120)
 
-CFG = dict(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-           num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+CFG = dict(
+    vocab_size=300,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=64,
+)
 
 
 def _model(**over) -> LlamaForCausalLM:
@@ -86,6 +93,7 @@ def test_gguf_serves_through_shard_and_tp(tmp_path) -> None:
             with torch.no_grad():
                 h = sh.forward_layers(x, cache=None, start=0)
                 return tp_head(sh, plan, r, h, reduce)
+
         return body
 
     got = run_ranks([rank_fn(0), rank_fn(1)], timeout=60)[0]
@@ -103,10 +111,18 @@ def test_unsupported_type_is_named(tmp_path) -> None:
     for f in r.fields.values():
         if f.name.startswith("GGUF.") or f.name == "general.architecture":
             continue
-        w.add_key_value(f.name, f.contents(), f.types[0] if len(f.types) == 1 else f.types[0],
-                        sub_type=f.types[-1] if len(f.types) > 1 else None)
+        w.add_key_value(
+            f.name,
+            f.contents(),
+            f.types[0] if len(f.types) == 1 else f.types[0],
+            sub_type=f.types[-1] if len(f.types) > 1 else None,
+        )
     for t in r.tensors:
-        a = torch.from_numpy(t.data.copy()).float().numpy() if t.tensor_type.name == "F32" else t.data
+        a = (
+            torch.from_numpy(t.data.copy()).float().numpy()
+            if t.tensor_type.name == "F32"
+            else t.data
+        )
         if t.name == "blk.0.ffn_up.weight":
             a = a.reshape(tuple(int(s) for s in reversed(t.shape)))
             qt = gguf.GGMLQuantizationType.Q5_0

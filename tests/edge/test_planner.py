@@ -12,14 +12,34 @@ from lowband.models.config import ModelConfig
 
 pytestmark = pytest.mark.timeout(60)
 
-CFG = ModelConfig(vocab_size=256, hidden_size=1024, intermediate_size=2816, num_hidden_layers=32,
-                  num_attention_heads=16, num_key_value_heads=4, max_position_embeddings=1024)
+CFG = ModelConfig(
+    vocab_size=256,
+    hidden_size=1024,
+    intermediate_size=2816,
+    num_hidden_layers=32,
+    num_attention_heads=16,
+    num_key_value_heads=4,
+    max_position_embeddings=1024,
+)
 
 
-def dev(name: str, ms_per_mb: float = 0.1, *, fixed: float = 0.1, mem: float = 8000.0,
-        storage: float = 500.0, rtt: float = 0.05) -> DeviceProfile:
-    return DeviceProfile(name=name, layer_fixed_ms=fixed, ms_per_mb=ms_per_mb, memory_mb=mem,
-                         storage_mb_s=storage, rtt_ms=rtt)
+def dev(
+    name: str,
+    ms_per_mb: float = 0.1,
+    *,
+    fixed: float = 0.1,
+    mem: float = 8000.0,
+    storage: float = 500.0,
+    rtt: float = 0.05,
+) -> DeviceProfile:
+    return DeviceProfile(
+        name=name,
+        layer_fixed_ms=fixed,
+        ms_per_mb=ms_per_mb,
+        memory_mb=mem,
+        storage_mb_s=storage,
+        rtt_ms=rtt,
+    )
 
 
 def test_layer_shape_counts_every_weight_of_a_layer() -> None:
@@ -127,8 +147,14 @@ def test_invalid_inputs_name_the_field() -> None:
         plan_split(CFG, [dev("a"), dev("a")])
     with pytest.raises(ConfigError, match="min_gain"):
         plan_split(CFG, [dev("a")], min_gain=1.5)
-    moe = ModelConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_local_experts=4)
+    moe = ModelConfig(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_local_experts=4,
+    )
     with pytest.raises(ConfigError, match="model"):
         plan_split(moe, [dev("a")])
 
@@ -148,15 +174,23 @@ def test_auto_split_cluster_matches_one_device(tmp_path) -> None:
     from lowband.models.weights import save_pretrained
     from transport.loopback import LoopbackGroup
 
-    cfg = ModelConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    cfg = ModelConfig(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+    )
     m = LlamaForCausalLM(cfg).eval()
     init_weights(m, std=0.2, seed=11)
     save_pretrained(m, tmp_path)
     ByteTokenizer().save(tmp_path)
     p = SamplingParams(max_tokens=8)
-    ref = Engine(LocalRunner(load_shard(tmp_path).model), ByteTokenizer(), model_name="m"
-                 ).complete("The quick", p)[0]
+    ref = Engine(LocalRunner(load_shard(tmp_path).model), ByteTokenizer(), model_name="m").complete(
+        "The quick", p
+    )[0]
     comms = LoopbackGroup(3, timeout=20).comms()
     errors: list[BaseException] = []
 
@@ -172,8 +206,13 @@ def test_auto_split_cluster_matches_one_device(tmp_path) -> None:
     for t in threads:
         t.start()
     torch.manual_seed(0)
-    runner = MasterRunner(comms[0], tmp_path, ClusterConfig(
-        devices=3, auto_split=True, op_timeout=10.0, join_timeout=30, heartbeat_s=0.3))
+    runner = MasterRunner(
+        comms[0],
+        tmp_path,
+        ClusterConfig(
+            devices=3, auto_split=True, op_timeout=10.0, join_timeout=30, heartbeat_s=0.3
+        ),
+    )
     try:
         split = runner.health()["split"]
         assert len(split["devices"]) + len(split["left_out"]) == 3
@@ -190,5 +229,6 @@ def test_auto_split_cluster_matches_one_device(tmp_path) -> None:
 
 def test_auto_split_excludes_weights() -> None:
     from edge.cluster import ClusterConfig
+
     with pytest.raises(ConfigError, match="auto_split"):
         ClusterConfig(devices=2, weights=(1.0, 2.0), auto_split=True)

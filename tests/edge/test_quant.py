@@ -81,7 +81,11 @@ def emulate(x: torch.Tensor, p: PackedWeight):
     d = xb.abs().amax(-1) / 127.0
     inv = torch.where(d != 0, 1.0 / torch.where(d != 0, d, torch.ones_like(d)), torch.zeros_like(d))
     xq = torch.round(xb * inv.unsqueeze(-1))  # round half to even, like cvtps2dq / nearbyint
-    wq = p.qweight.to(torch.float64) if p.spec.bits == 8 else unpack_q4(p.qweight, G).to(torch.float64) - 8
+    wq = (
+        p.qweight.to(torch.float64)
+        if p.spec.bits == 8
+        else unpack_q4(p.qweight, G).to(torch.float64) - 8
+    )
     isum = torch.einsum("mbg,nbg->mnb", xq.double(), wq.reshape(n, nb, G))
     scale = (p.scales.float().unsqueeze(0) * d.unsqueeze(1)).double()  # fp32 product, as in C++
     terms = scale * isum
@@ -101,8 +105,20 @@ def act_quant_bound(x: torch.Tensor, p: PackedWeight) -> torch.Tensor:
 def test_q4_0_hand_example():
     # Row 0: max-by-abs is -8.0 -> d = 1, q = floor(x + 8.5) clamped to 15.
     row0 = torch.zeros(32)
-    vals = {0: -8.0, 1: 7.9, 2: 0.49, 3: 0.51, 4: -0.49, 5: -0.51, 6: 3.2, 7: -3.7,
-            16: 6.5, 17: 7.5, 18: 1.5, 19: -2.5}
+    vals = {
+        0: -8.0,
+        1: 7.9,
+        2: 0.49,
+        3: 0.51,
+        4: -0.49,
+        5: -0.51,
+        6: 3.2,
+        7: -3.7,
+        16: 6.5,
+        17: 7.5,
+        18: 1.5,
+        19: -2.5,
+    }
     for j, v in vals.items():
         row0[j] = v
     # Row 1: +4 and -4 tie; the first (+4) wins -> d = -0.5, q = floor(-2x + 8.5).
@@ -112,7 +128,20 @@ def test_q4_0_hand_example():
     p = quantize_q4(torch.stack([row0, row1, row2]), 32)
 
     q0 = [8] * 32
-    for j, q in {0: 0, 1: 15, 2: 8, 3: 9, 4: 8, 5: 7, 6: 11, 7: 4, 16: 15, 17: 15, 18: 10, 19: 6}.items():
+    for j, q in {
+        0: 0,
+        1: 15,
+        2: 8,
+        3: 9,
+        4: 8,
+        5: 7,
+        6: 11,
+        7: 4,
+        16: 15,
+        17: 15,
+        18: 10,
+        19: 6,
+    }.items():
         q0[j] = q
     q1 = [8] * 32
     q1[0], q1[1], q1[16] = 0, 15, 6  # -2*4+8.5 -> 0; -2*-4+8.5=16.5 -> 15; -2+8.5 -> 6
@@ -197,7 +226,9 @@ def test_bad_inputs_raise():
     ql = QuantLinear.from_packed(p)
     with pytest.raises(QuantShapeError):
         ql(torch.randn(3, 65))
-    assert issubclass(QuantShapeError, ValueError) and issubclass(GroupBoundaryError, QuantShapeError)
+    assert issubclass(QuantShapeError, ValueError) and issubclass(
+        GroupBoundaryError, QuantShapeError
+    )
 
 
 # ----------------------------------------------------------------------------------- kernel
@@ -253,21 +284,36 @@ def test_build_failure_falls_back_and_logs(tmp_path, restore_config, caplog):
     assert sum("unavailable" in r.message for r in caplog.records) == 1
     p = quantize(rand(8, 64), 8, 32)
     x = rand(2, 64, seed=1)
-    assert torch.allclose(kernel.gemv(x, p.qweight, p.scales, 8, 32), F.linear(x, dequantize(p)), atol=1e-5)
+    assert torch.allclose(
+        kernel.gemv(x, p.qweight, p.scales, 8, 32), F.linear(x, dequantize(p)), atol=1e-5
+    )
 
 
 @pytest.mark.skipif(shutil.which("g++") is None, reason="no C++ compiler")
 def test_cpp_selftest_all_paths(tmp_path):
     """gemv_kernels.h without torch: native SIMD and scalar paths (and NEON under qemu if present)."""
-    builds = [("g++", ["-march=native"] if sys.platform == "linux" else [], None),
-              ("g++", ["-DLOWBAND_QUANT_SCALAR"], None)]
+    builds = [
+        ("g++", ["-march=native"] if sys.platform == "linux" else [], None),
+        ("g++", ["-DLOWBAND_QUANT_SCALAR"], None),
+    ]
     if shutil.which("aarch64-linux-gnu-g++") and shutil.which("qemu-aarch64"):
-        builds.append(("aarch64-linux-gnu-g++", ["-static", "-march=armv8.2-a+dotprod"], "qemu-aarch64"))
+        builds.append(
+            ("aarch64-linux-gnu-g++", ["-static", "-march=armv8.2-a+dotprod"], "qemu-aarch64")
+        )
     for i, (cxx, flags, runner) in enumerate(builds):
         exe = tmp_path / f"selftest{i}"
-        subprocess.run([cxx, "-std=c++17", "-O1", *flags, str(CSRC / "selftest.cpp"), "-o", str(exe)],
-                       check=True, capture_output=True, timeout=120)
-        out = subprocess.run([runner, str(exe)] if runner else [str(exe)], capture_output=True, text=True, timeout=120)
+        subprocess.run(
+            [cxx, "-std=c++17", "-O1", *flags, str(CSRC / "selftest.cpp"), "-o", str(exe)],
+            check=True,
+            capture_output=True,
+            timeout=120,
+        )
+        out = subprocess.run(
+            [runner, str(exe)] if runner else [str(exe)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert out.returncode == 0, out.stdout + out.stderr
         assert "fails=0" in out.stdout
 
@@ -280,7 +326,12 @@ def test_quant_linear_forward_shapes(mode, bits, group):
         lin.weight.copy_(rand(45, lin.in_features, seed=7) * 0.05)
     ql = QuantLinear.from_linear(lin, bits, group)
     ref_w = ql.dequantize_weight()
-    for shape in [(lin.in_features,), (1, lin.in_features), (2, 3, lin.in_features), (17, lin.in_features)]:
+    for shape in [
+        (lin.in_features,),
+        (1, lin.in_features),
+        (2, 3, lin.in_features),
+        (17, lin.in_features),
+    ]:
         x = rand(*shape, seed=8)
         y = ql(x)
         assert y.shape == shape[:-1] + (45,)
@@ -388,7 +439,10 @@ def test_quantize_modules(mode):
 def test_benchmark_tiny_smoke():
     out = subprocess.run(
         [sys.executable, "-m", "benchmarks.quant_gemv", "--tiny", "--json"],
-        cwd=REPO, capture_output=True, text=True, timeout=240,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=240,
     )
     assert out.returncode == 0, out.stderr[-2000:]
     report = json.loads(out.stdout.strip().splitlines()[-1])

@@ -22,8 +22,15 @@ from transport.loopback import LoopbackGroup
 
 pytestmark = pytest.mark.timeout(120)
 
-BASE = dict(vocab_size=97, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+BASE = dict(
+    vocab_size=97,
+    hidden_size=128,
+    intermediate_size=256,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=64,
+)
 
 
 def _model(**over) -> LlamaForCausalLM:
@@ -73,8 +80,9 @@ def test_fused_projections_equal_unfused() -> None:
 @pytest.mark.parametrize("window", [None, 1])
 def test_quantized_split_and_tp(tmp_path, window) -> None:
     full = _model()
-    q = quantize_checkpoint(save_pretrained(full, tmp_path / "fp32"), tmp_path / "q",
-                            QuantConfig(bits=4, group=32))
+    q = quantize_checkpoint(
+        save_pretrained(full, tmp_path / "fp32"), tmp_path / "q", QuantConfig(bits=4, group=32)
+    )
     ref = load_shard(q).model
     with torch.no_grad():
         want = ref(_ids())
@@ -98,6 +106,7 @@ def test_quantized_split_and_tp(tmp_path, window) -> None:
                 out = tp_head(sh.model, sh.plan, r, h, sh.reduce)
             sh.close()
             return out
+
         return body
 
     got = run_ranks([rank_fn(0), rank_fn(1)], timeout=60)[0]
@@ -116,13 +125,17 @@ def test_in_memory_shard_keeps_packing() -> None:
 def test_group_cutting_split_refused(tmp_path) -> None:
     # 4 KV heads of 32 over 3 devices: rank 1 holds o_proj columns [64, 96), half a group of 64.
     full = _model(num_key_value_heads=4)
-    q = quantize_checkpoint(save_pretrained(full, tmp_path / "fp32"), tmp_path / "q",
-                            QuantConfig(bits=4, group=64))
+    q = quantize_checkpoint(
+        save_pretrained(full, tmp_path / "fp32"), tmp_path / "q", QuantConfig(bits=4, group=64)
+    )
     with pytest.raises(ConfigError, match="group"):
         split_checkpoint(q, tmp_path / "s3", devices=3)
     with pytest.raises(ConfigError, match="multiple"):  # a width the group does not divide
-        quantize_checkpoint(save_pretrained(_model(intermediate_size=96), tmp_path / "b"),
-                            tmp_path / "qb", QuantConfig(bits=4, group=64))
+        quantize_checkpoint(
+            save_pretrained(_model(intermediate_size=96), tmp_path / "b"),
+            tmp_path / "qb",
+            QuantConfig(bits=4, group=64),
+        )
 
 
 def test_foreign_quantization_refused() -> None:

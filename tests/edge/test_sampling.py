@@ -50,8 +50,13 @@ def test_sampling_follows_distribution() -> None:
 
 
 def test_params_validation() -> None:
-    for bad in (dict(max_tokens=0), dict(temperature=-1.0), dict(top_p=0.0), dict(top_k=-2),
-                dict(stop=("",))):
+    for bad in (
+        dict(max_tokens=0),
+        dict(temperature=-1.0),
+        dict(top_p=0.0),
+        dict(top_k=-2),
+        dict(stop=("",)),
+    ):
         with pytest.raises(ConfigError):
             SamplingParams(**bad)
 

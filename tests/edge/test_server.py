@@ -9,15 +9,22 @@ import json
 import aiohttp
 import pytest
 
-from lowband.models.config import ModelConfig
 from edge.engine import Engine, LocalRunner
-from lowband.models.llama import LlamaForCausalLM, init_weights
 from edge.sampling import SamplingParams
 from edge.server import ServerConfig, start
+from lowband.models.config import ModelConfig
+from lowband.models.llama import LlamaForCausalLM, init_weights
 from lowband.models.tokenizer import ByteTokenizer
 
-CFG = dict(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-           num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+CFG = dict(
+    vocab_size=256,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=128,
+)
 
 
 def _engine() -> Engine:
@@ -30,8 +37,9 @@ async def _with_server(fn, engine=None, **cfg):
     engine = engine or _engine()
     runner, port = await start(engine, ServerConfig(host="127.0.0.1", port=0, **cfg))
     try:
-        async with aiohttp.ClientSession(f"http://127.0.0.1:{port}",
-                                         timeout=aiohttp.ClientTimeout(total=60)) as s:
+        async with aiohttp.ClientSession(
+            f"http://127.0.0.1:{port}", timeout=aiohttp.ClientTimeout(total=60)
+        ) as s:
             return await fn(s, engine)
     finally:
         await runner.cleanup()
@@ -72,46 +80,68 @@ def test_completions_models_health_metrics() -> None:
         assert "".join(e["choices"][0]["text"] for e in ev[:-1]) == expected
         assert ev[-2]["choices"][0]["finish_reason"] == "length"
         # chat, streamed
-        r = await s.post("/v1/chat/completions", json={
-            "messages": [{"role": "user", "content": "hello"}], "max_tokens": 5,
-            "temperature": 0.8, "seed": 3, "stream": True})
+        r = await s.post(
+            "/v1/chat/completions",
+            json={
+                "messages": [{"role": "user", "content": "hello"}],
+                "max_tokens": 5,
+                "temperature": 0.8,
+                "seed": 3,
+                "stream": True,
+            },
+        )
         ev = await _sse(r)
         assert ev[0]["object"] == "chat.completion.chunk"
         assert ev[0]["choices"][0]["delta"]["role"] == "assistant"
-        r = await s.post("/v1/chat/completions", json={
-            "messages": [{"role": "user", "content": "hello"}], "max_tokens": 5,
-            "temperature": 0.8, "seed": 3})
+        r = await s.post(
+            "/v1/chat/completions",
+            json={
+                "messages": [{"role": "user", "content": "hello"}],
+                "max_tokens": 5,
+                "temperature": 0.8,
+                "seed": 3,
+            },
+        )
         chat = await r.json()
         assert chat["choices"][0]["message"]["content"] == "".join(
-            e["choices"][0]["delta"]["content"] for e in ev[:-1])
+            e["choices"][0]["delta"]["content"] for e in ev[:-1]
+        )
         m = await (await s.get("/metrics")).json()
-        assert m["requests_total"] == 5 and m["completion_tokens_total"] == 34  # 4 via HTTP + 1 direct
+        assert (
+            m["requests_total"] == 5 and m["completion_tokens_total"] == 34
+        )  # 4 via HTTP + 1 direct
         assert m["ttft_ms_mean"] > 0 and m["decode_tokens_per_s"] > 0
+
     run(_with_server(body))
 
 
-@pytest.mark.parametrize("payload,status,param", [
-    (b"{not json", 400, None),
-    (b"[1, 2]", 400, None),
-    (json.dumps({"model": "gpt-9", "prompt": "x"}).encode(), 404, "model"),
-    (json.dumps({"prompt": "x", "max_tokens": 0}).encode(), 400, "max_tokens"),
-    (json.dumps({"prompt": "x", "max_tokens": -5}).encode(), 400, "max_tokens"),
-    (json.dumps({"prompt": "x", "max_tokens": 10**9}).encode(), 400, "max_tokens"),
-    (json.dumps({"prompt": "x" * 200, "max_tokens": 4}).encode(), 400, "max_tokens"),
-    (json.dumps({"prompt": 12}).encode(), 400, "prompt"),
-    (json.dumps({"prompt": [1, 999]}).encode(), 400, "prompt"),
-    (json.dumps({"prompt": "x", "top_p": 0}).encode(), 400, "top_p"),
-    (json.dumps({"prompt": "x", "stop": 5}).encode(), 400, "stop"),
-])
+@pytest.mark.parametrize(
+    "payload,status,param",
+    [
+        (b"{not json", 400, None),
+        (b"[1, 2]", 400, None),
+        (json.dumps({"model": "gpt-9", "prompt": "x"}).encode(), 404, "model"),
+        (json.dumps({"prompt": "x", "max_tokens": 0}).encode(), 400, "max_tokens"),
+        (json.dumps({"prompt": "x", "max_tokens": -5}).encode(), 400, "max_tokens"),
+        (json.dumps({"prompt": "x", "max_tokens": 10**9}).encode(), 400, "max_tokens"),
+        (json.dumps({"prompt": "x" * 200, "max_tokens": 4}).encode(), 400, "max_tokens"),
+        (json.dumps({"prompt": 12}).encode(), 400, "prompt"),
+        (json.dumps({"prompt": [1, 999]}).encode(), 400, "prompt"),
+        (json.dumps({"prompt": "x", "top_p": 0}).encode(), 400, "top_p"),
+        (json.dumps({"prompt": "x", "stop": 5}).encode(), 400, "stop"),
+    ],
+)
 def test_bad_requests_get_json_4xx_and_server_survives(payload, status, param) -> None:
     async def body(s, engine):
-        r = await s.post("/v1/completions", data=payload,
-                         headers={"Content-Type": "application/json"})
+        r = await s.post(
+            "/v1/completions", data=payload, headers={"Content-Type": "application/json"}
+        )
         err = await r.json()
         assert r.status == status and "message" in err["error"]
         assert err["error"]["param"] == param
         ok = await s.post("/v1/completions", json={"prompt": "ok", "max_tokens": 2})
         assert ok.status == 200
+
     run(_with_server(body))
 
 
@@ -121,21 +151,26 @@ def test_bad_chat_and_unknown_route() -> None:
         assert r.status == 400 and (await r.json())["error"]["param"] == "messages"
         r = await s.get("/v1/nothing")
         assert r.status == 404 and "error" in await r.json()
+
     run(_with_server(body))
 
 
 def test_sixteen_concurrent_streams() -> None:
     async def body(s, engine):
         async def one(i):
-            r = await s.post("/v1/completions", json={
-                "prompt": f"client {i}", "max_tokens": 6, "temperature": 0, "stream": True})
+            r = await s.post(
+                "/v1/completions",
+                json={"prompt": f"client {i}", "max_tokens": 6, "temperature": 0, "stream": True},
+            )
             assert r.status == 200
             ev = await _sse(r)
             return "".join(e["choices"][0]["text"] for e in ev[:-1])
+
         texts = await asyncio.gather(*(one(i) for i in range(16)))
         for i, t in enumerate(texts):  # each stream got its own, correct completion
             assert t == engine.complete(f"client {i}", SamplingParams(max_tokens=6))[0]
         assert (await (await s.get("/health")).json())["queue"] == 0
+
     run(_with_server(body))
 
 
@@ -144,11 +179,13 @@ def test_queue_limit_answers_429() -> None:
         async def one(i):
             r = await s.post("/v1/completions", json={"prompt": f"q{i}", "max_tokens": 40})
             return r.status
+
         statuses = await asyncio.gather(*(one(i) for i in range(12)))
         assert statuses.count(200) >= 2 and statuses.count(429) >= 1
         assert set(statuses) <= {200, 429}
         r = await s.post("/v1/completions", json={"prompt": "after", "max_tokens": 2})
         assert r.status == 200
+
     run(_with_server(body, max_queue=1))
 
 
@@ -166,6 +203,7 @@ def test_cluster_down_is_503() -> None:
         assert r.status == 503 and (await r.json())["healthy"] is False
         r = await s.post("/v1/completions", json={"prompt": "x", "stream": True})
         assert r.status == 503 and (await r.json())["error"]["code"] == "cluster_unavailable"
+
     run(_with_server(body, engine=engine))
 
 
@@ -177,6 +215,7 @@ def test_body_over_the_limit_is_413_json_and_server_survives() -> None:
         assert r.status == 413 and out["error"]["code"] == "request_too_large"
         r = await s.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2})
         assert r.status == 200
+
     run(_with_server(body, max_body_bytes=4096))
 
 
@@ -197,11 +236,13 @@ def test_huge_prompt_is_refused_before_tokenizing() -> None:
         # /health answers while the body is parsed (off the event loop).
         r, h = await asyncio.gather(
             s.post("/v1/completions", json={"prompt": "a" * (3 << 20), "max_tokens": 1}),
-            s.get("/health"))
+            s.get("/health"),
+        )
         out = await r.json()
         assert r.status == 400 and out["error"]["code"] == "context_length_exceeded"
         assert h.status == 200
         assert Counting.calls == 0
         r = await s.post("/v1/completions", json={"prompt": list(range(200)), "max_tokens": 1})
         assert r.status == 400 and (await r.json())["error"]["param"] == "prompt"
+
     run(_with_server(body, engine=engine, max_body_bytes=8 << 20))

@@ -7,18 +7,33 @@ import copy
 import pytest
 import torch
 
-from lowband.models.config import ModelConfig
-from lowband.models.llama import LlamaForCausalLM, init_weights
 from edge import fastpath
-from edge.tp import (TPPlan, apportion, exact_reduce, gather_logits, make_plan, make_reduce,
-                     shard, slice_of)
+from edge.tp import (
+    TPPlan,
+    apportion,
+    exact_reduce,
+    gather_logits,
+    make_plan,
+    make_reduce,
+    shard,
+    slice_of,
+)
 from lowband.codecs import Int8BlockCodec
 from lowband.errors import ConfigError
+from lowband.models.config import ModelConfig
+from lowband.models.llama import LlamaForCausalLM, init_weights
 from tests.conftest import run_ranks
 from transport.loopback import LoopbackGroup
 
-BASE = dict(vocab_size=61, hidden_size=64, intermediate_size=80, num_hidden_layers=3,
-            num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=128)
+BASE = dict(
+    vocab_size=61,
+    hidden_size=64,
+    intermediate_size=80,
+    num_hidden_layers=3,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    max_position_embeddings=128,
+)
 
 
 def _model(**over) -> LlamaForCausalLM:
@@ -81,6 +96,7 @@ def test_a_tiny_weight_that_rounds_the_master_out_of_the_head_keeps_it_whole_on_
     # but vocab_rows said rank 0 had none, so the master produced no logits.
     from edge.cluster import shard_logits
     from edge.shardio import LoadedShard
+
     full = _model()
     V = full.config.vocab_size
     plan = make_plan(full.config, 2, [0.001, 0.999])
@@ -94,8 +110,15 @@ def test_a_tiny_weight_that_rounds_the_master_out_of_the_head_keeps_it_whole_on_
         assert got is not None and torch.equal(got, full.head(h[:, -1]).float()[0])
 
 
-def _tp_logits(full: LlamaForCausalLM, world: int, weights, ids: torch.Tensor, codec=None,
-               algorithm="star", fast: bool = False) -> tuple[torch.Tensor, list]:
+def _tp_logits(
+    full: LlamaForCausalLM,
+    world: int,
+    weights,
+    ids: torch.Tensor,
+    codec=None,
+    algorithm="star",
+    fast: bool = False,
+) -> tuple[torch.Tensor, list]:
     """Prefill ids[:, :-3] then decode the last 3 tokens one by one on a TP group; returns
     rank 0's logits for every position and each rank's communicator stats. ``fast``: the
     decode steps run through the compiled step (edge.fastpath) on every rank."""
@@ -126,20 +149,24 @@ def _tp_logits(full: LlamaForCausalLM, world: int, weights, ids: torch.Tensor, c
                         if r == 0:
                             outs.append(got.view(1, 1, V))
             return (torch.cat(outs, 1) if outs else None), comms[r].stats()
+
         return body
 
     res = run_ranks([rank_fn(r) for r in range(world)], timeout=60)
     return res[0][0], [s for _, s in res]
 
 
-@pytest.mark.parametrize("world,weights,over", [
-    (2, None, {}),
-    (3, None, {}),
-    (3, [3, 1, 1], {"model_type": "qwen2", "attention_bias": True}),
-    (4, [1, 2, 3, 4], {"tie_word_embeddings": True}),
-    (5, None, {}),  # more ranks than KV groups: one rank holds no attention heads
-    (3, [1, 1, 2], {"model_type": "mixtral", "num_local_experts": 4, "num_experts_per_tok": 2}),
-])
+@pytest.mark.parametrize(
+    "world,weights,over",
+    [
+        (2, None, {}),
+        (3, None, {}),
+        (3, [3, 1, 1], {"model_type": "qwen2", "attention_bias": True}),
+        (4, [1, 2, 3, 4], {"tie_word_embeddings": True}),
+        (5, None, {}),  # more ranks than KV groups: one rank holds no attention heads
+        (3, [1, 1, 2], {"model_type": "mixtral", "num_local_experts": 4, "num_experts_per_tok": 2}),
+    ],
+)
 @pytest.mark.parametrize("fast", [False, True], ids=["eager", "compiled"])
 def test_sharded_equals_unsharded(world, weights, over, fast) -> None:
     full = _model(**over)
@@ -174,6 +201,7 @@ def test_gather_logits_candidates_are_exact(world, weights) -> None:
     """top=0 returns every logit; top=k returns exactly the unsplit top k (values and ids) and
     -inf elsewhere, so greedy and top-k/top-p sampling draw what they would from all logits."""
     from edge.sampling import Sampler, SamplingParams
+
     V = 1000
     cfg = ModelConfig(**{**BASE, "vocab_size": V})
     plan = make_plan(cfg, world, weights)
@@ -187,6 +215,7 @@ def test_gather_logits_candidates_are_exact(world, weights) -> None:
             a, b = plan.vocab[r]
             reduce = exact_reduce(make_reduce(comms[r]))
             return [gather_logits(full[a:b], plan, r, V, top, reduce) for top in (0, 1, 5, 40)]
+
         return body
 
     got = run_ranks([rank_fn(r) for r in range(world)], timeout=60)

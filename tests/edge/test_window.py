@@ -5,14 +5,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lowband.models.config import ModelConfig
-from lowband.models.llama import LlamaForCausalLM, init_weights
 from edge.formats.gguf import write_gguf
 from edge.shardio import WindowConfig, load_shard, split_checkpoint
 from edge.tp import make_reduce
-from lowband.models.weights import save_pretrained
 from edge.window import window_for_budget, window_plan, window_warmup
 from lowband.errors import ConfigError
+from lowband.models.config import ModelConfig
+from lowband.models.llama import LlamaForCausalLM, init_weights
+from lowband.models.weights import save_pretrained
 from tests.conftest import run_ranks, tp_head
 from transport.loopback import LoopbackGroup
 
@@ -58,8 +58,15 @@ def test_window_plan_errors_and_budget() -> None:
         WindowConfig(window=2, memory_budget_mb=10)
 
 
-CFG = dict(vocab_size=64, hidden_size=64, intermediate_size=96, num_hidden_layers=5,
-           num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+CFG = dict(
+    vocab_size=64,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=5,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=128,
+)
 
 
 @pytest.fixture(scope="module")
@@ -115,8 +122,13 @@ def test_tp_shards_from_disk_with_window(ckpt, tmp_path, source: str) -> None:
     with torch.no_grad():
         ref = ref_model(ids)
     x = ref_model.embed(ids).detach()
-    got = _tp_forward(path, world, x, weights=weights,
-                      window=lambda r: WindowConfig(window=2) if source == "split" and r > 0 else None)
+    got = _tp_forward(
+        path,
+        world,
+        x,
+        weights=weights,
+        window=lambda r: WindowConfig(window=2) if source == "split" and r > 0 else None,
+    )
     assert (got - ref).abs().max().item() <= 1e-5
 
 
@@ -127,12 +139,18 @@ def test_tied_head_split_by_vocabulary(tmp_path, source: str) -> None:
     checkpoint's memory map); gathered logits equal the unsharded model's, and the plan of an
     older split (no ``vocab`` entry) still loads with the whole head on rank 0."""
     import json
+
     m = LlamaForCausalLM(ModelConfig(**{**CFG, "tie_word_embeddings": True})).eval()
     init_weights(m, seed=4)
     d = save_pretrained(m, tmp_path / "tied")
     world = 2
-    path = (split_checkpoint(d, tmp_path / "s2", world) if source == "split" else
-            write_gguf(m, tmp_path / "tied.gguf") if source == "gguf" else d)
+    path = (
+        split_checkpoint(d, tmp_path / "s2", world)
+        if source == "split"
+        else write_gguf(m, tmp_path / "tied.gguf")
+        if source == "gguf"
+        else d
+    )
     ids = torch.tensor([[5, 9, 2, 7]])
     with torch.no_grad():
         ref = m(ids)
@@ -142,7 +160,9 @@ def test_tied_head_split_by_vocabulary(tmp_path, source: str) -> None:
         a, b = sh.plan.vocab_rows(r, CFG["vocab_size"])
         assert sh.model.lm_head.weight.shape[0] == b - a
         if r == 0 and b > a and sh.plan.vocab_split:  # a view, not a copy
-            assert sh.model.lm_head.weight.data_ptr() == sh.model.model.embed_tokens.weight.data_ptr()
+            assert (
+                sh.model.lm_head.weight.data_ptr() == sh.model.model.embed_tokens.weight.data_ptr()
+            )
 
     def run(path):
         return _tp_forward(path, world, x, check=check)
@@ -161,6 +181,7 @@ def test_tied_head_split_by_vocabulary(tmp_path, source: str) -> None:
 def _rewrite_head_whole(src, split) -> None:
     """Rank 0's head file as an older split wrote it: embedding, norm (and no head rows: tied)."""
     from safetensors.torch import load_file, save_file
+
     full = load_file(str(src / "model.safetensors"))
     keep = {k: v for k, v in full.items() if not k.startswith("model.layers.")}
     save_file(keep, str(split / "rank0" / "head.safetensors"), metadata={"format": "pt"})
@@ -173,8 +194,9 @@ def _tp_forward(path, world, x, *, weights=None, window=lambda r: None, check=la
 
     def body(r):
         def run():
-            sh = load_shard(path, r, world, weights=weights, reduce=make_reduce(comms[r]),
-                            window=window(r))
+            sh = load_shard(
+                path, r, world, weights=weights, reduce=make_reduce(comms[r]), window=window(r)
+            )
             try:
                 check(r, sh)
                 with torch.no_grad():
@@ -182,6 +204,7 @@ def _tp_forward(path, world, x, *, weights=None, window=lambda r: None, check=la
                     return tp_head(sh.model, sh.plan, r, h, sh.reduce)
             finally:
                 sh.close()
+
         return run
 
     return run_ranks([body(r) for r in range(world)])[0]

@@ -22,8 +22,12 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(150)]
 
 def run_example(spawn, name: str, *args: str, timeout: float = 120) -> tuple[dict, str]:
     """Run examples/<name>/main.py; returns its last line parsed as JSON, and all output."""
-    p = spawn([PY, str(EXAMPLES / name / "main.py"), "--tiny", *args],
-              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    p = spawn(
+        [PY, str(EXAMPLES / name / "main.py"), "--tiny", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     out, _ = p.communicate(timeout=timeout)
     assert p.returncode == 0, out[-3000:]
     return json.loads(out.strip().splitlines()[-1]), out
@@ -55,8 +59,9 @@ def test_ddp_vs_diloco(spawn):
 
 
 def test_train_then_serve(spawn, tmp_path):
-    res, out = run_example(spawn, "train_then_serve", "--out", str(tmp_path / "run"),
-                           "--max-tokens", "24")
+    res, out = run_example(
+        spawn, "train_then_serve", "--out", str(tmp_path / "run"), "--max-tokens", "24"
+    )
     model = Path(res["model_dir"])
     assert (model / "config.json").exists() and (model / "model.safetensors").exists()
     assert res["final_eval"] < 4.5
@@ -66,16 +71,16 @@ def test_train_then_serve(spawn, tmp_path):
 
 
 def test_edge_http(spawn, tmp_path):
-    res, _ = run_example(spawn, "edge_http", "--out", str(tmp_path / "run"),
-                         "--max-tokens", "16", timeout=140)
+    res, _ = run_example(
+        spawn, "edge_http", "--out", str(tmp_path / "run"), "--max-tokens", "16", timeout=140
+    )
     assert res["health"]["devices"] == 2 and res["health"]["healthy"]
     assert res["usage"]["completion_tokens"] == 16 and res["finish_reason"] == "length"
     assert res["text"] and res["streamed"] == res["text"]  # greedy: the same answer both ways
 
 
 def test_moe_budget(spawn, tmp_path):
-    res, _ = run_example(spawn, "moe_budget", "--out", str(tmp_path / "run"),
-                         "--max-tokens", "16")
+    res, _ = run_example(spawn, "moe_budget", "--out", str(tmp_path / "run"), "--max-tokens", "16")
     runs = res["runs"]
     full, hebf, lru = runs["int8, all resident"], runs["HEBF (8..2 bits)"], runs["int8 LRU"]
     assert res["budget_bytes"] < res["int8_expert_bytes"]

@@ -4,31 +4,47 @@ from __future__ import annotations
 
 import pytest
 import torch
+import transformers
 
 from lowband.models.config import ModelConfig
 from lowband.models.llama import LlamaForCausalLM, init_weights
 from lowband.models.weights import load_pretrained, save_pretrained
 
-import transformers
-
-TINY = dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+TINY = dict(
+    vocab_size=97,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=128,
+)
 
 
 def _hf_model(kind: str):
     torch.manual_seed(0)
     if kind == "llama":
-        cfg = transformers.LlamaConfig(**TINY, rope_scaling={
-            "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-            "original_max_position_embeddings": 16})
+        cfg = transformers.LlamaConfig(
+            **TINY,
+            rope_scaling={
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 16,
+            },
+        )
         return transformers.LlamaForCausalLM(cfg)
     if kind == "llama_tied":
-        return transformers.LlamaForCausalLM(transformers.LlamaConfig(**TINY, tie_word_embeddings=True))
+        return transformers.LlamaForCausalLM(
+            transformers.LlamaConfig(**TINY, tie_word_embeddings=True)
+        )
     if kind == "qwen2":
         return transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**TINY))
     if kind == "mixtral":
-        return transformers.MixtralForCausalLM(transformers.MixtralConfig(
-            **TINY, num_local_experts=4, num_experts_per_tok=2))
+        return transformers.MixtralForCausalLM(
+            transformers.MixtralConfig(**TINY, num_local_experts=4, num_experts_per_tok=2)
+        )
     raise AssertionError(kind)
 
 
@@ -58,7 +74,7 @@ def test_cached_decode_equals_full_forward() -> None:
         full = model(ids)
         cache = model.new_cache()
         parts = [model(ids[:, :11], cache=cache), model(ids[:, 11:20], cache=cache)]
-        parts += [model(ids[:, t:t + 1], cache=cache) for t in range(20, 30)]
+        parts += [model(ids[:, t : t + 1], cache=cache) for t in range(20, 30)]
     inc = torch.cat(parts, dim=1)
     assert cache.length == 30
     assert (inc - full).abs().max().item() <= 1e-5

@@ -13,8 +13,15 @@ from lowband.models.weights import load_pretrained
 
 pytestmark = pytest.mark.timeout(120)
 
-TINY = dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+TINY = dict(
+    vocab_size=97,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=128,
+)
 W = 5
 
 
@@ -54,21 +61,28 @@ def test_chunked_prefill_and_decode(pair) -> None:
         ref = hf(ids).logits
         cache = ours.new_cache()
         parts = [ours(ids[:, :3], cache=cache), ours(ids[:, 3:11], cache=cache)]
-        parts += [ours(ids[:, t:t + 1], cache=cache) for t in range(11, 20)]
+        parts += [ours(ids[:, t : t + 1], cache=cache) for t in range(11, 20)]
     assert (torch.cat(parts, 1) - ref).abs().max().item() <= 1e-4
 
 
-@pytest.mark.parametrize("field,value", [("hidden_act", "gelu"), ("mlp_bias", True),
-                                         ("use_sliding_window", True),
-                                         ("layer_types", ["full_attention", "sliding_attention"])])
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("hidden_act", "gelu"),
+        ("mlp_bias", True),
+        ("use_sliding_window", True),
+        ("layer_types", ["full_attention", "sliding_attention"]),
+    ],
+)
 def test_unimplemented_fields_refused(field, value) -> None:
     with pytest.raises(ConfigError, match=field):
         ModelConfig.from_hf_dict({**TINY, "model_type": "qwen2", field: value})
 
 
 def test_qwen2_window_ignored_unless_enabled() -> None:
-    cfg = ModelConfig.from_hf_dict({**TINY, "model_type": "qwen2", "sliding_window": 8,
-                                    "use_sliding_window": False})
+    cfg = ModelConfig.from_hf_dict(
+        {**TINY, "model_type": "qwen2", "sliding_window": 8, "use_sliding_window": False}
+    )
     assert cfg.sliding_window is None
 
 
@@ -82,9 +96,9 @@ def test_cache_stops_growing_past_the_window(pair) -> None:
         ref = hf(ids).logits
         cache = ours.new_cache()
         parts = [ours(ids[:, :3], cache=cache)]
-        parts += [ours(ids[:, t:t + 1], cache=cache) for t in range(3, 70)]
+        parts += [ours(ids[:, t : t + 1], cache=cache) for t in range(3, 70)]
         parts.append(ours(ids[:, 70:77], cache=cache))  # a chunk after keys were dropped
-        parts += [ours(ids[:, t:t + 1], cache=cache) for t in range(77, 120)]
+        parts += [ours(ids[:, t : t + 1], cache=cache) for t in range(77, 120)]
         assert cache.capacity() == 64 and cache.base > 0  # 120 positions in 64 slots
         assert (torch.cat(parts, 1) - ref).abs().max().item() <= 1e-4
         with pytest.raises(RuntimeError, match="dropped"):

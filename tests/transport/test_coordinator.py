@@ -16,8 +16,9 @@ from transport.zmq_comm import ZmqConfig, connect
 
 pytestmark = pytest.mark.timeout(60)
 
-CFG = ZmqConfig(bind_host="127.0.0.1", connections=2, chunk_bytes=16 * 1024, timeout=20.0,
-                same_host="off")
+CFG = ZmqConfig(
+    bind_host="127.0.0.1", connections=2, chunk_bytes=16 * 1024, timeout=20.0, same_host="off"
+)
 
 
 # ---- tier 1: MembershipBook ----------------------------------------------------------------------
@@ -134,7 +135,9 @@ def test_silent_but_connected_peer_is_kept():
     answers ZMTP pings from libzmq's I/O thread, so it stays a member and its collective
     completes once it runs again (the 3 MB prompt case of issue 10)."""
     interval = 0.3
-    with Coordinator(CoordinatorConfig(bind="tcp://127.0.0.1:0", heartbeat_interval=interval)) as coord:
+    with Coordinator(
+        CoordinatorConfig(bind="tcp://127.0.0.1:0", heartbeat_interval=interval)
+    ) as coord:
         a, b = connect_all(coord.address, 2, CFG)
         try:
             pending = a.all_reduce_async(torch.ones(2), tag="z")
@@ -153,8 +156,9 @@ def test_silent_but_connected_peer_is_kept():
 
 def test_hung_peer_is_declared_lost_then_rejoins_by_itself():
     interval = 0.3
-    cfg = CoordinatorConfig(bind="tcp://127.0.0.1:0", heartbeat_interval=interval,
-                            unresponsive_after=3 * interval)
+    cfg = CoordinatorConfig(
+        bind="tcp://127.0.0.1:0", heartbeat_interval=interval, unresponsive_after=3 * interval
+    )
     with Coordinator(cfg) as coord:
         a, b = connect_all(coord.address, 2, CFG)
         try:
@@ -176,18 +180,23 @@ def test_hung_peer_is_declared_lost_then_rejoins_by_itself():
             # b learns it was expelled at its next heartbeat, registers again and is admitted
             # as a newcomer; the survivor forgets it was lost.
             mb: list = []
+
             def join_b():
                 try:
                     mb.append(b.quorum(timeout=10))
                 except Exception as exc:  # noqa: BLE001 - shown by the assertion
                     mb.append(exc)
+
             t = threading.Thread(target=join_b)
             t.start()
             ma = a.quorum(timeout=10)
             t.join(15)
             assert mb and mb[0].epoch == ma.epoch == 1 and ma.world_size == 2
             assert ma.joined == (b.peer_id,) and ma.left == (b.peer_id,)
-            out = [a.all_reduce_async(torch.ones(2), tag="y"), b.all_reduce_async(torch.ones(2), tag="y")]
+            out = [
+                a.all_reduce_async(torch.ones(2), tag="y"),
+                b.all_reduce_async(torch.ones(2), tag="y"),
+            ]
             assert [w.wait(10).tolist() for w in out] == [[2.0, 2.0]] * 2
             assert b._engine.rejoins == 1
         finally:

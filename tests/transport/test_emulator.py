@@ -128,7 +128,9 @@ def test_zmq_peers_behind_emulators_reduce_correctly():
             assert all(f":{emu.port}" in c.address for c, (_, emu) in zip(comms, made))
             run_ranks([lambda c=c: c.quorum(min_world=2) for c in comms])
             xs = [torch.randn(100_000) for _ in comms]
-            outs = run_ranks([lambda c=c: c.all_reduce(xs[c.rank], algorithm="ring") for c in comms])
+            outs = run_ranks(
+                [lambda c=c: c.all_reduce(xs[c.rank], algorithm="ring") for c in comms]
+            )
             assert all(torch.allclose(o, xs[0] + xs[1]) for o in outs)
             assert all(emu.bytes["up"] > 200_000 for _, emu in made)  # it really went through
     finally:

@@ -8,8 +8,8 @@ import torch
 from lowband.codecs import Int8BlockCodec
 from lowband.comm import Communicator, ring_bytes
 from lowband.errors import PeerLost, ProtocolError, TransportTimeout
-from transport.loopback import LoopbackGroup
 from tests.conftest import run_ranks
+from transport.loopback import LoopbackGroup
 
 
 def test_satisfies_protocol():
@@ -23,8 +23,9 @@ def test_all_reduce_sum_avg(world, dtype):
     xs = [torch.arange(10).to(dtype) * (r + 1) for r in range(world)]
     total = sum(x.to(torch.float64) for x in xs)
 
-    out = run_ranks([lambda c=c, x=x: (c.all_reduce(x), c.all_reduce(x, "avg"))
-                     for c, x in zip(comms, xs)])
+    out = run_ranks(
+        [lambda c=c, x=x: (c.all_reduce(x), c.all_reduce(x, "avg")) for c, x in zip(comms, xs)]
+    )
     for s, a in out:
         assert s.dtype == dtype and torch.equal(s.to(torch.float64), total)
         if dtype.is_floating_point:
@@ -37,8 +38,12 @@ def test_codec_results_identical_on_all_ranks_and_bytes_modelled():
     torch.manual_seed(0)
     xs = [torch.randn(100_000) for _ in range(4)]
     codec = Int8BlockCodec(256)
-    outs = run_ranks([lambda c=c, x=x: c.all_reduce(x, "avg", codec=codec, algorithm="ring")
-                      for c, x in zip(comms, xs)])
+    outs = run_ranks(
+        [
+            lambda c=c, x=x: c.all_reduce(x, "avg", codec=codec, algorithm="ring")
+            for c, x in zip(comms, xs)
+        ]
+    )
     exact = sum(xs) / 4
     for o in outs:
         assert torch.equal(o, outs[0])
@@ -64,8 +69,9 @@ def test_broadcast_gather_barrier_p2p():
     def body(c):
         b = c.broadcast(torch.arange(4.0) if c.rank == 1 else None, root=1)
         g = c.all_gather(torch.full((c.rank + 1,), float(c.rank)))
-        ts, meta = c.broadcast_message([torch.ones(2)] if c.rank == 0 else None,
-                                       {"step": 7} if c.rank == 0 else None, root=0)
+        ts, meta = c.broadcast_message(
+            [torch.ones(2)] if c.rank == 0 else None, {"step": 7} if c.rank == 0 else None, root=0
+        )
         c.barrier()
         if c.rank == 0:
             c.send(2, [torch.tensor([42])], {"k": "v"}, tag="x")

@@ -8,8 +8,11 @@ import pytest
 
 from transport.links.netns import NetnsConfig, Testbed, TransferConfig, available, measure_transfer
 
-pytestmark = [pytest.mark.netns, pytest.mark.timeout(120),
-              pytest.mark.skipif(available() is not None, reason=f"netns: {available()}")]
+pytestmark = [
+    pytest.mark.netns,
+    pytest.mark.timeout(120),
+    pytest.mark.skipif(available() is not None, reason=f"netns: {available()}"),
+]
 
 
 def _namespaces() -> str:

@@ -5,16 +5,18 @@ from __future__ import annotations
 import pytest
 import torch
 
-from transport.starlink import StarHub, StarSpoke
 from lowband.codecs import Int8BlockCodec
 from lowband.errors import PeerLost, ProtocolError
 from tests.conftest import run_ranks
+from transport.starlink import StarHub, StarSpoke
 
 
 def _group(n: int, spin_s: float = 0.0):
     hub = StarHub("127.0.0.1", spin_s=spin_s)
-    spokes = [StarSpoke("127.0.0.1", hub.port, s, timeout=10, secret=hub.secret, spin_s=spin_s)
-              for s in range(1, n)]
+    spokes = [
+        StarSpoke("127.0.0.1", hub.port, s, timeout=10, secret=hub.secret, spin_s=spin_s)
+        for s in range(1, n)
+    ]
     for s in range(1, n):
         hub.accept(s, timeout=10)
     return hub, spokes
@@ -27,8 +29,14 @@ def test_sum_is_bit_identical_everywhere(codec, spin_s) -> None:
     xs = [torch.randn(1, 3, 100, generator=torch.Generator().manual_seed(r)) for r in range(3)]
     nets = [hub, *spokes]
     try:
-        outs = run_ranks([lambda r=r: [nets[r].all_reduce(xs[r] * (k + 1), codec=codec, timeout=10)
-                                       for k in range(4)] for r in range(3)])
+        outs = run_ranks(
+            [
+                lambda r=r: [
+                    nets[r].all_reduce(xs[r] * (k + 1), codec=codec, timeout=10) for k in range(4)
+                ]
+                for r in range(3)
+            ]
+        )
     finally:
         for s in spokes:
             s.close()
@@ -50,6 +58,7 @@ def test_dead_worker_abort_and_resync(spin_s) -> None:
     x = torch.ones(4)
     try:
         b.close()  # a device dies
+
         def master():
             with pytest.raises(PeerLost):
                 hub.all_reduce(x, timeout=10)
@@ -59,19 +68,28 @@ def test_dead_worker_abort_and_resync(spin_s) -> None:
             hub.accept(2, timeout=10)
             hub.sync_send(timeout=10)
             return b2
+
         def survivor():
             with pytest.raises(PeerLost, match="aborted"):
                 a.all_reduce(x, timeout=10)
+
         b2, _ = run_ranks([master, survivor])
+
         def resynced(net, sync=None):
             def run():
                 if sync is not None:
                     sync()
                 return net.all_reduce(x * 2, timeout=10)
+
             return run
-        out = run_ranks([lambda: (hub.sync_wait(timeout=10), hub.all_reduce(x, timeout=10))[1],
-                         resynced(a, lambda: a.resync(timeout=10)),
-                         resynced(b2, lambda: b2.resync(timeout=10))])
+
+        out = run_ranks(
+            [
+                lambda: (hub.sync_wait(timeout=10), hub.all_reduce(x, timeout=10))[1],
+                resynced(a, lambda: a.resync(timeout=10)),
+                resynced(b2, lambda: b2.resync(timeout=10)),
+            ]
+        )
         assert torch.equal(out[0], torch.full((4,), 5.0)) and torch.equal(out[1], out[0])
     finally:
         for s in (a, b):
@@ -83,13 +101,16 @@ def test_out_of_step_is_a_protocol_error() -> None:
     hub, (a,) = _group(2)
     try:
         a._seq = 7  # a desynchronised worker
+
         def worker():
             with pytest.raises((ProtocolError, PeerLost)):
                 a.all_reduce(torch.ones(2), timeout=5)
+
         def master():
             with pytest.raises(ProtocolError, match="out of step"):
                 hub.all_reduce(torch.ones(2), timeout=5)
             hub.close()
+
         run_ranks([master, worker])
     finally:
         a.close()
@@ -101,8 +122,12 @@ def test_link_refuses_a_stranger() -> None:
     friend = StarSpoke("127.0.0.1", hub.port, 1, timeout=5, secret=hub.secret)
     try:
         hub.accept(1, timeout=10)  # skips the stranger, takes the friend
-        out = run_ranks([lambda: hub.all_reduce(torch.ones(3), timeout=5),
-                         lambda: friend.all_reduce(torch.ones(3), timeout=5)])
+        out = run_ranks(
+            [
+                lambda: hub.all_reduce(torch.ones(3), timeout=5),
+                lambda: friend.all_reduce(torch.ones(3), timeout=5),
+            ]
+        )
         assert torch.equal(out[0], torch.full((3,), 2.0))
         with pytest.raises(PeerLost):
             stranger.all_reduce(torch.ones(3), timeout=5)
@@ -115,6 +140,7 @@ def test_link_refuses_a_stranger() -> None:
 def test_polling_receive_still_honours_the_timeout() -> None:
     """A spinning receive that gets nothing falls back to the blocking read and its deadline."""
     from lowband.errors import TransportTimeout
+
     hub, (a,) = _group(2, spin_s=0.01)
     try:
         with pytest.raises(TransportTimeout):
@@ -141,6 +167,7 @@ def test_commands_between_all_reduces_keep_their_order() -> None:
                 frames, meta = spoke.next_command(timeout=5)
                 assert meta == {"op": "yield"} and frames == []
                 return out
+
             return go
 
         def master():

@@ -19,13 +19,20 @@ from transport.zmq_comm import ZmqConfig, connect
 
 pytestmark = pytest.mark.timeout(60)
 
-BASE = dict(bind_host="127.0.0.1", connections=2, chunk_bytes=16 * 1024, timeout=10.0,
-            register_timeout=5.0, same_host="off")  # every byte through authenticated sockets
+BASE = dict(
+    bind_host="127.0.0.1",
+    connections=2,
+    chunk_bytes=16 * 1024,
+    timeout=10.0,
+    register_timeout=5.0,
+    same_host="off",
+)  # every byte through authenticated sockets
 
 
 def _works(comms) -> None:
-    outs = run_ranks([lambda c=c: c.all_reduce(torch.full((1000,), float(c.rank + 1)))
-                      for c in comms])
+    outs = run_ranks(
+        [lambda c=c: c.all_reduce(torch.full((1000,), float(c.rank + 1))) for c in comms]
+    )
     total = float(sum(range(1, len(comms) + 1)))
     assert all(torch.equal(o, torch.full((1000,), total)) for o in outs)
 
@@ -33,8 +40,11 @@ def _works(comms) -> None:
 def _forged_chunk(target) -> list[bytes]:
     """A well-formed data message aimed at a real operation key of ``target``'s epoch."""
     m = target.membership
-    return wire.pack(MsgType.CHUNK, {"e": m.epoch, "o": "auto:1", "p": m.peers[0], "k": "all_reduce",
-                                     "st": 0, "g": 0, "c": 0}, [b"\0" * 64])
+    return wire.pack(
+        MsgType.CHUNK,
+        {"e": m.epoch, "o": "auto:1", "p": m.peers[0], "k": "all_reduce", "st": 0, "g": 0, "c": 0},
+        [b"\0" * 64],
+    )
 
 
 def _inject(endpoint: str, frames: list[bytes], *, setup=lambda s: None) -> None:
@@ -71,9 +81,14 @@ def test_token_admits_the_right_token_and_rejects_others(caplog):
             victim = comms[1]
             addr = victim.address
             _inject(addr, _forged_chunk(victim))
-            _inject(addr, _forged_chunk(victim), setup=lambda s: (
-                setattr(s, "plain_username", comms[0].peer_id.encode()),
-                setattr(s, "plain_password", b"guess")))
+            _inject(
+                addr,
+                _forged_chunk(victim),
+                setup=lambda s: (
+                    setattr(s, "plain_username", comms[0].peer_id.encode()),
+                    setattr(s, "plain_password", b"guess"),
+                ),
+            )
             assert victim.bad_messages == 0 and victim.auth_rejections >= 1
             _works(comms)
         finally:
@@ -92,7 +107,9 @@ def test_curve_encrypts_and_admits_only_registered_keys(tmp_path):
             _works(comms)
             # Wrong coordinator key: the CURVE handshake fails, connect says so.
             with pytest.raises(AuthError):
-                connect(coord.address, ZmqConfig(**BASE, curve_server_key=CurveKeys.generate().public))
+                connect(
+                    coord.address, ZmqConfig(**BASE, curve_server_key=CurveKeys.generate().public)
+                )
             # An outsider with its own keypair who knows a peer's (public) data key is refused.
             victim = comms[1]
             victim_key = victim._engine.keys.public
@@ -102,6 +119,7 @@ def test_curve_encrypts_and_admits_only_registered_keys(tmp_path):
                 s.curve_serverkey = victim_key
                 s.curve_publickey = outsider.public
                 s.curve_secretkey = outsider.secret
+
             _inject(victim.address, _forged_chunk(victim), setup=as_outsider)
             # An unknown key is held for a few seconds (it may be a member the victim has not
             # heard of yet) and then refused.
@@ -124,7 +142,9 @@ def test_curve_with_token_checks_the_token_inside_register(tmp_path):
         try:
             _works(comms)
             with pytest.raises(AuthError, match="token"):
-                connect(coord.address, ZmqConfig(**BASE, curve_server_key=server.public, token="no"))
+                connect(
+                    coord.address, ZmqConfig(**BASE, curve_server_key=server.public, token="no")
+                )
             assert coord.counters["refused"] == 1
         finally:
             for c in comms:
@@ -133,10 +153,13 @@ def test_curve_with_token_checks_the_token_inside_register(tmp_path):
 
 def test_curve_allow_list_on_the_coordinator():
     server, allowed = CurveKeys.generate(), CurveKeys.generate()
-    coord_cfg = CoordinatorConfig(bind="tcp://127.0.0.1:0", curve=server,
-                                  curve_authorized=(allowed.public,))
+    coord_cfg = CoordinatorConfig(
+        bind="tcp://127.0.0.1:0", curve=server, curve_authorized=(allowed.public,)
+    )
     with Coordinator(coord_cfg) as coord:
-        ok = connect(coord.address, ZmqConfig(**BASE, curve_server_key=server.public, curve=allowed))
+        ok = connect(
+            coord.address, ZmqConfig(**BASE, curve_server_key=server.public, curve=allowed)
+        )
         try:
             with pytest.raises(AuthError):
                 connect(coord.address, ZmqConfig(**BASE, curve_server_key=server.public))
@@ -154,8 +177,9 @@ def test_oversize_frames_are_refused_and_the_peer_keeps_working():
             _inject(victim.address, [b"x" * (8 << 20)])
             # Under ZMQ_MAXMSGSIZE but the header declares more payload than allowed: the
             # header check refuses it before anything is allocated.
-            head = wire.HEADER.pack(wire.MAGIC, wire.PROTOCOL_VERSION, int(MsgType.CHUNK), 0, 0, 1,
-                                    1 << 40)
+            head = wire.HEADER.pack(
+                wire.MAGIC, wire.PROTOCOL_VERSION, int(MsgType.CHUNK), 0, 0, 1, 1 << 40
+            )
             _inject(victim.address, [head, b"y" * 100])
             deadline = time.monotonic() + 5
             while victim.bad_messages == 0 and time.monotonic() < deadline:

@@ -15,8 +15,9 @@ from transport.zmq_comm import ZmqConfig, connect
 
 pytestmark = pytest.mark.timeout(60)
 
-SMALL = ZmqConfig(bind_host="127.0.0.1", connections=3, chunk_bytes=16 * 1024, timeout=20.0,
-                  same_host="off")  # these test the socket paths
+SMALL = ZmqConfig(
+    bind_host="127.0.0.1", connections=3, chunk_bytes=16 * 1024, timeout=20.0, same_host="off"
+)  # these test the socket paths
 
 
 def each(comms, fn):
@@ -41,16 +42,22 @@ def test_satisfies_protocol_and_starts_outside_any_epoch():
 
 
 @pytest.mark.parametrize("algorithm", ["ring", "star"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.int64,
-                                   torch.int32])
+@pytest.mark.parametrize(
+    "dtype", [torch.float32, torch.float64, torch.bfloat16, torch.int64, torch.int32]
+)
 def test_all_reduce_exact_and_bit_identical(algorithm, dtype):
     n = 3
     with local_group(n, SMALL) as (_, comms):
         gen = torch.Generator().manual_seed(1)
         # 50_001 elements: segments and chunks of unequal length, several chunks per segment.
         xs = [(torch.randn(50_001, generator=gen) * 100).to(dtype) for _ in range(n)]
-        outs = each(comms, lambda c: (c.all_reduce(xs[c.rank], "sum", algorithm=algorithm),
-                                      c.all_reduce(xs[c.rank], "avg", algorithm=algorithm)))
+        outs = each(
+            comms,
+            lambda c: (
+                c.all_reduce(xs[c.rank], "sum", algorithm=algorithm),
+                c.all_reduce(xs[c.rank], "avg", algorithm=algorithm),
+            ),
+        )
     exact = sum(x.to(torch.float64) for x in xs)
     for s, a in outs:
         assert s.dtype == dtype and s.shape == xs[0].shape
@@ -58,7 +65,9 @@ def test_all_reduce_exact_and_bit_identical(algorithm, dtype):
     s = outs[0][0].to(torch.float64)
     if dtype in (torch.int64, torch.int32):
         assert torch.equal(s, exact)
-        assert torch.equal(outs[0][1], torch.div(exact.to(torch.int64), n, rounding_mode="floor").to(dtype))
+        assert torch.equal(
+            outs[0][1], torch.div(exact.to(torch.int64), n, rounding_mode="floor").to(dtype)
+        )
     else:
         tol = {torch.float64: 1e-9, torch.float32: 1e-3, torch.bfloat16: 4.0}[dtype]
         assert (s - exact).abs().max() <= tol
@@ -72,8 +81,9 @@ def test_codec_all_reduce_identical_and_error_does_not_grow(codec):
     for n in (2, 4):
         xs = [torch.randn(40_000) for _ in range(n)]
         with local_group(n, SMALL) as (_, comms):
-            outs = each(comms, lambda c: c.all_reduce(xs[c.rank], "avg", codec=codec,
-                                                      algorithm="ring"))
+            outs = each(
+                comms, lambda c: c.all_reduce(xs[c.rank], "avg", codec=codec, algorithm="ring")
+            )
             sent = comms[1].stats().bytes_sent
         exact = sum(xs) / n
         assert all(torch.equal(o, outs[0]) for o in outs)
@@ -102,6 +112,7 @@ def test_stats_report_ring_bytes():
 
 def test_input_is_not_modified_and_can_be_reused_at_once():
     with local_group(2, SMALL) as (_, comms):
+
         def body(c):
             x = torch.full((100_000,), float(c.rank + 1))
             keep = x.clone()
@@ -111,12 +122,21 @@ def test_input_is_not_modified_and_can_be_reused_at_once():
                 assert torch.equal(x, keep)
                 outs[-1].add_(1000)  # mutate the result at once: peers must be unaffected
             return outs
+
         for outs in each(comms, body):
             assert all(torch.equal(o, torch.full((100_000,), 1003.0)) for o in outs)
 
 
-DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.int8, torch.uint8, torch.bool,
-          torch.int64, torch.float64]
+DTYPES = [
+    torch.float32,
+    torch.float16,
+    torch.bfloat16,
+    torch.int8,
+    torch.uint8,
+    torch.bool,
+    torch.int64,
+    torch.float64,
+]
 
 
 @pytest.mark.parametrize("shape", [(), (0,), (3, 0, 2), (7, 5), (40_000,)])
@@ -129,17 +149,23 @@ def test_broadcast_and_gather_every_dtype_and_shape(shape):
 
     tensors = [make(d) for d in DTYPES]
     with local_group(3, SMALL) as (_, comms):
+
         def body(c):
-            ts, meta = c.broadcast_message(tensors if c.rank == 2 else None,
-                                           {"names": [str(d) for d in DTYPES]} if c.rank == 2 else None,
-                                           root=2)
+            ts, meta = c.broadcast_message(
+                tensors if c.rank == 2 else None,
+                {"names": [str(d) for d in DTYPES]} if c.rank == 2 else None,
+                root=2,
+            )
             single = c.broadcast(tensors[2] if c.rank == 0 else None, root=0)
             gathered = c.all_gather(tensors[c.rank])
             return ts, meta, single, gathered
+
         for ts, meta, single, gathered in each(comms, body):
             assert meta == {"names": [str(d) for d in DTYPES]}
             for got, want in zip(ts, tensors):
-                assert got.dtype == want.dtype and got.shape == want.shape and torch.equal(got, want)
+                assert (
+                    got.dtype == want.dtype and got.shape == want.shape and torch.equal(got, want)
+                )
             assert torch.equal(single, tensors[2])
             for r, g in enumerate(gathered):
                 assert g.dtype == tensors[r].dtype and torch.equal(g, tensors[r])
@@ -155,12 +181,15 @@ def test_async_tags_complete_out_of_order_and_tags_can_be_reused():
         assert torch.equal(b0.wait(10), torch.full((3,), 4.0))
         assert not a0.done()
         a1 = c1.all_reduce_async(torch.ones(3), tag="a")
-        assert torch.equal(a0.wait(10), torch.full((3,), 2.0)) and torch.equal(a1.wait(10), a0.wait())
+        assert torch.equal(a0.wait(10), torch.full((3,), 2.0)) and torch.equal(
+            a1.wait(10), a0.wait()
+        )
 
         # The same tag in a loop: each use is a distinct operation even if one rank runs ahead.
         def loop(c):
             works = [c.all_reduce_async(torch.full((5,), float(i)), tag="grad") for i in range(20)]
             return [w.wait(10)[0].item() for w in works]
+
         for vals in each(comms, loop):
             assert vals == [2.0 * i for i in range(20)]
 
@@ -168,6 +197,7 @@ def test_async_tags_complete_out_of_order_and_tags_can_be_reused():
 def test_send_recv_queue_and_large_messages():
     big = torch.randn(300_000)
     with local_group(3, SMALL) as (_, comms):
+
         def body(c):
             if c.rank == 0:
                 c.send(2, [big, torch.arange(3)], {"step": 1}, tag="x")
@@ -177,6 +207,7 @@ def test_send_recv_queue_and_large_messages():
                 second = c.recv(0, tag="x")
                 return first, second
             return None
+
         out = each(comms, body)[2]
     (ts1, m1), (ts2, m2) = out
     assert m1 == {"step": 1} and m2 == {"step": 2}
@@ -198,10 +229,12 @@ def test_barrier_and_timeouts():
 
 def test_mismatched_shapes_fail_clearly_on_every_rank():
     with local_group(2, SMALL) as (_, comms):
+
         def body(c):
             with pytest.raises(Exception, match="disagree"):
                 c.all_reduce(torch.ones(10 + c.rank), algorithm="star", timeout=5)
             return True
+
         each(comms, body)
 
 
@@ -213,8 +246,11 @@ def test_incompatible_signature_is_refused():
                 connect(coord.address, SMALL, signature="llama-7B")
             assert coord.counters["refused"] == 1
             with pytest.raises(IncompatiblePeer, match="chunk_bytes"):
-                connect(coord.address, ZmqConfig(bind_host="127.0.0.1", chunk_bytes=1 << 20),
-                        signature="llama-124M")
+                connect(
+                    coord.address,
+                    ZmqConfig(bind_host="127.0.0.1", chunk_bytes=1 << 20),
+                    signature="llama-124M",
+                )
         finally:
             first.close()
 
@@ -231,11 +267,13 @@ def test_config_is_validated():
 @pytest.mark.parametrize("algorithm", ["ring", "star"])
 def test_all_reduce_of_empty_and_zero_dim_tensors(algorithm):
     with local_group(3, SMALL) as (_, comms):
+
         def body(c):
             e = c.all_reduce(torch.empty(0, 4), algorithm=algorithm)
             s = c.all_reduce(torch.tensor(float(c.rank)), "avg", algorithm=algorithm)
             t = c.all_reduce(torch.arange(2.0), algorithm=algorithm)  # fewer elements than ranks
             return e, s, t
+
         for e, s, t in each(comms, body):
             assert e.shape == (0, 4)
             assert s.shape == () and s.item() == 1.0
@@ -254,16 +292,24 @@ def test_ring_with_unequal_chunk_counts_per_segment(numel):
 @pytest.mark.parametrize("world", [2, 4])
 def test_random_shapes_algorithms_and_codecs_against_exact_sums(world):
     import random
+
     from lowband.codecs import Fp16Codec
+
     rng = random.Random(world)
-    cases = [(rng.choice([0, 1, 3, 4095, 4097, 9000, 33_333]), rng.choice(["ring", "star"]),
-              rng.choice([None, Fp16Codec()])) for _ in range(8)]
+    cases = [
+        (
+            rng.choice([0, 1, 3, 4095, 4097, 9000, 33_333]),
+            rng.choice(["ring", "star"]),
+            rng.choice([None, Fp16Codec()]),
+        )
+        for _ in range(8)
+    ]
     with local_group(world, SMALL) as (_, comms):
         for numel, algorithm, codec in cases:
             xs = [torch.randn(numel) for _ in range(world)]
-            outs = each(comms, lambda c: c.all_reduce(xs[c.rank], "avg", algorithm=algorithm,
-                                                      codec=codec))
+            outs = each(
+                comms, lambda c: c.all_reduce(xs[c.rank], "avg", algorithm=algorithm, codec=codec)
+            )
             assert all(torch.equal(o, outs[0]) for o in outs), (numel, algorithm, codec)
             tol = 1e-5 if codec is None else 2e-2
             assert torch.allclose(outs[0], sum(xs) / world, atol=tol), (numel, algorithm, codec)
-

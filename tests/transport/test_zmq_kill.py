@@ -37,13 +37,17 @@ while True:
 def test_kill_9_raises_peer_lost_on_survivors_then_they_continue(spawn):
     interval = 0.5
     cfg = ZmqConfig(bind_host="127.0.0.1", connections=2, chunk_bytes=64 * 1024, timeout=30.0)
-    with Coordinator(CoordinatorConfig(bind="tcp://127.0.0.1:0", heartbeat_interval=interval)) as coord:
+    with Coordinator(
+        CoordinatorConfig(bind="tcp://127.0.0.1:0", heartbeat_interval=interval)
+    ) as coord:
         child = spawn([PY, "-c", CHILD, coord.address], stdout=subprocess.PIPE)
         survivors = [connect(coord.address, cfg, signature="kill-test") for _ in range(2)]
         try:
             ms = []
-            threads = [threading.Thread(target=lambda c=c: ms.append(c.quorum(min_world=3, timeout=30)))
-                       for c in survivors]
+            threads = [
+                threading.Thread(target=lambda c=c: ms.append(c.quorum(min_world=3, timeout=30)))
+                for c in survivors
+            ]
             for t in threads:
                 t.start()
             for t in threads:

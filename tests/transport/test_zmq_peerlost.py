@@ -24,8 +24,9 @@ from transport.zmq_comm import ZmqConfig, connect
 
 pytestmark = pytest.mark.timeout(90)
 
-CFG = ZmqConfig(bind_host="127.0.0.1", connections=2, chunk_bytes=64 * 1024, timeout=120.0,
-                same_host="off")
+CFG = ZmqConfig(
+    bind_host="127.0.0.1", connections=2, chunk_bytes=64 * 1024, timeout=120.0, same_host="off"
+)
 WAIT = 60.0  # well under the op timeout: PeerLost must come from the failure, not the deadline
 N_RING = 200_000  # 800 KB: four segments of several 64 KiB chunks
 
@@ -114,8 +115,9 @@ def _expected(kind: str, out, world: int) -> bool:
 def _form(coord, spawn, kind: str):
     """Three survivors in this process (ranks 0-2) plus the victim child (rank 3)."""
     survivors = [connect(coord.address, CFG) for _ in range(3)]
-    child = spawn([PY, "-c", CHILD, coord.address, kind, "4"], stdin=subprocess.PIPE,
-                  stdout=subprocess.PIPE)
+    child = spawn(
+        [PY, "-c", CHILD, coord.address, kind, "4"], stdin=subprocess.PIPE, stdout=subprocess.PIPE
+    )
     ms = run_ranks([lambda c=c: c.quorum(min_world=4, timeout=60) for c in survivors], timeout=70)
     assert all(m.world_size == 4 for m in ms)
     assert child.stdout.readline().split() == [b"READY", b"3"]
@@ -159,10 +161,15 @@ def test_sigkill_while_survivors_wait_in_quorum_does_not_fail_the_quorum(spawn):
     coordinator = CoordinatorConfig(bind="tcp://127.0.0.1:0", heartbeat_interval=0.5)
     with Coordinator(coordinator) as coord:
         survivors = [connect(coord.address, CFG) for _ in range(2)]
-        child = spawn([PY, "-c", CHILD, coord.address, "idle", "3"], stdin=subprocess.PIPE,
-                      stdout=subprocess.PIPE)
+        child = spawn(
+            [PY, "-c", CHILD, coord.address, "idle", "3"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+        )
         try:
-            run_ranks([lambda c=c: c.quorum(min_world=3, timeout=60) for c in survivors], timeout=70)
+            run_ranks(
+                [lambda c=c: c.quorum(min_world=3, timeout=60) for c in survivors], timeout=70
+            )
             assert child.stdout.readline().split()[0] == b"READY"
             results: list = [None, None]
 
@@ -171,6 +178,7 @@ def test_sigkill_while_survivors_wait_in_quorum_does_not_fail_the_quorum(spawn):
                     results[i] = survivors[i].quorum(timeout=30)  # the child never arrives
                 except Exception as exc:  # noqa: BLE001 - asserted below
                     results[i] = exc
+
             threads = [threading.Thread(target=enter, args=(i,)) for i in range(2)]
             for t in threads:
                 t.start()
@@ -195,8 +203,9 @@ def _until(cond, timeout: float) -> None:
 
 
 # ---- graceful departures, the ABORT path (threads of this process) ---------------------------
-SMALL = ZmqConfig(bind_host="127.0.0.1", connections=2, chunk_bytes=16 * 1024, timeout=120.0,
-                  same_host="off")
+SMALL = ZmqConfig(
+    bind_host="127.0.0.1", connections=2, chunk_bytes=16 * 1024, timeout=120.0, same_host="off"
+)
 
 
 def test_a_peer_leaving_before_a_star_fails_every_survivor_through_abort():
@@ -217,8 +226,12 @@ def test_a_peer_leaving_before_a_star_fails_every_survivor_through_abort():
             c3.all_reduce(torch.ones(10), algorithm="star", tag="s", timeout=WAIT)
         ms = run_ranks([lambda c=c: c.quorum(timeout=20) for c in (c0, c1, c3)])
         assert [m.world_size for m in ms] == [3, 3, 3]
-        outs = run_ranks([lambda c=c: c.all_reduce(torch.ones(10), algorithm="star", tag="s")
-                          for c in (c0, c1, c3)])
+        outs = run_ranks(
+            [
+                lambda c=c: c.all_reduce(torch.ones(10), algorithm="star", tag="s")
+                for c in (c0, c1, c3)
+            ]
+        )
         assert all(torch.equal(o, torch.full((10,), 3.0)) for o in outs)
 
 
@@ -234,8 +247,9 @@ def test_a_peer_that_contributed_then_left_does_not_fail_the_others(kind):
             if kind == "star":
                 return c.all_reduce_async(x, algorithm="star", tag="t")
             return c.all_gather_async(x, tag="t")
+
         w2 = start(c2)  # rank 2 contributes (never the star's root) ...
-        c2.close()      # ... and leaves at once, before the others even start
+        c2.close()  # ... and leaves at once, before the others even start
         w0, w1 = start(c0), start(c1)
         outs = [w0.wait(WAIT), w1.wait(WAIT)]
         assert w2.done()
@@ -273,6 +287,7 @@ def test_a_recv_that_times_out_behind_another_hands_its_place_on():
                 results[name] = c1.recv(0, tag="y", timeout=timeout)[1]
             except TransportTimeout as exc:
                 results[name] = exc
+
         first = threading.Thread(target=recv, args=("first", 0.3))
         first.start()
         _until(lambda: sum(len(q) for q in c1._engine._recvs.values()) == 1, 10)

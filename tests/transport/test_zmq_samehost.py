@@ -27,8 +27,10 @@ def test_shm_all_reduce_exact_bit_identical_and_reuses_its_slab(dtype):
     exact = sum(x.to(torch.float64) for x in xs)
     with local_group(3, ZmqConfig(**BASE)) as (_, comms):  # the default: auto
         assert comms[0].choose_algorithm(xs[0]) == "shm"
-        outs = [each(comms, lambda c: (c.all_reduce(xs[c.rank]), c.all_reduce(xs[c.rank], "avg")))
-                for _ in range(3)]
+        outs = [
+            each(comms, lambda c: (c.all_reduce(xs[c.rank]), c.all_reduce(xs[c.rank], "avg")))
+            for _ in range(3)
+        ]
         slabs = [len(c._engine.shm_slabs()._slabs) for c in comms]
         stats = comms[0].stats()
     for s, a in outs[-1]:
@@ -47,10 +49,12 @@ def test_shm_all_reduce_exact_bit_identical_and_reuses_its_slab(dtype):
 
 def test_shm_handles_concurrent_tagged_operations():
     with local_group(2, ZmqConfig(**BASE, same_host="shm")) as (_, comms):
+
         def body(c):
             a = c.all_reduce_async(torch.full((200_000,), 1.0 + c.rank), tag="a")
             b = c.all_reduce_async(torch.full((300_000,), 10.0 * (c.rank + 1)), tag="b")
             return b.wait(), a.wait()
+
         for b, a in each(comms, body):
             assert torch.equal(a, torch.full((200_000,), 3.0))
             assert torch.equal(b, torch.full((300_000,), 30.0))
@@ -61,12 +65,16 @@ def test_shm_is_used_only_when_every_member_can_use_it(other, monkeypatch):
     """A mixed group (one member with same_host="off", or one that could not open the others'
     slabs: another user or PID namespace, faked here through its key) runs on sockets."""
     import transport.zmq_comm as zc
+
     with Coordinator(CoordinatorConfig(bind="tcp://127.0.0.1:0")) as coord:
         comms = connect_all(coord.address, 1, ZmqConfig(**BASE))
         if other == "foreign":
             monkeypatch.setattr(zc, "shm_key", lambda: "shm:12345:999")
-        comms.append(zc.connect(coord.address, ZmqConfig(**BASE, same_host="off" if other == "off"
-                                                          else "auto")))
+        comms.append(
+            zc.connect(
+                coord.address, ZmqConfig(**BASE, same_host="off" if other == "off" else "auto")
+            )
+        )
         try:
             run_ranks([lambda c=c: c.quorum() for c in comms])
             x = torch.ones(100_000)
@@ -104,5 +112,6 @@ def test_ipc_connects_same_host_peers_over_unix_sockets(mode):
 
 def test_config_rejects_unknown_same_host_mode():
     from lowband.errors import ConfigError
+
     with pytest.raises(ConfigError, match="same_host"):
         ZmqConfig(same_host="yes")

@@ -82,14 +82,21 @@ class _Bucket:
 class LinkEmulator:
     """Relays ``listen`` → ``target`` through an emulated link; runs its own event-loop thread."""
 
-    def __init__(self, target: tuple[str, int], link: LinkConfig, *,
-                 listen_host: str = "127.0.0.1", listen_port: int = 0) -> None:
+    def __init__(
+        self,
+        target: tuple[str, int],
+        link: LinkConfig,
+        *,
+        listen_host: str = "127.0.0.1",
+        listen_port: int = 0,
+    ) -> None:
         self.target = target
         self.link = link
         self._listen = (listen_host, listen_port)
         self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, name="lowband-emulator",
-                                        daemon=True)
+        self._thread = threading.Thread(
+            target=self._loop.run_forever, name="lowband-emulator", daemon=True
+        )
         self._server: asyncio.base_events.Server | None = None
         self._buckets = {"up": _Bucket(link.rate_bytes), "down": _Bucket(link.rate_bytes)}
         self._tasks: set[asyncio.Task] = set()
@@ -115,6 +122,7 @@ class LinkEmulator:
             for t in tasks:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+
         if self._thread.is_alive():
             asyncio.run_coroutine_threadsafe(shutdown(), self._loop).result(10)
             self._loop.call_soon_threadsafe(self._loop.stop)
@@ -145,8 +153,9 @@ class LinkEmulator:
             self._tasks.discard(task)
             return
         try:
-            await asyncio.gather(self._pump(c_reader, u_writer, "up"),
-                                 self._pump(u_reader, c_writer, "down"))
+            await asyncio.gather(
+                self._pump(c_reader, u_writer, "up"), self._pump(u_reader, c_writer, "down")
+            )
         except (OSError, asyncio.CancelledError):
             pass
         finally:
@@ -154,8 +163,9 @@ class LinkEmulator:
                 w.close()
             self._tasks.discard(task)
 
-    async def _pump(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
-                    direction: str) -> None:
+    async def _pump(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, direction: str
+    ) -> None:
         """Read, stamp each burst with its delivery time, deliver in order; the window of
         unacknowledged bytes throttles reading, which back-pressures the sender's TCP."""
         loop = asyncio.get_running_loop()
@@ -210,10 +220,12 @@ def emulated_config(base: Any, link: LinkConfig) -> tuple[Any, LinkEmulator]:
     """A copy of a :class:`~transport.zmq_comm.ZmqConfig` whose data port sits behind a fresh
     emulator; returns (config, emulator). The caller stops the emulator."""
     import socket
+
     with socket.socket() as s:
         s.bind((base.bind_host if base.bind_host not in ("0.0.0.0", "*") else "127.0.0.1", 0))
         port = s.getsockname()[1]
     emu = front(port, link)
     # same_host="off": a same-host shortcut (shared memory, Unix sockets) would bypass the link.
-    return dataclasses.replace(base, data_port=port, advertise_port=emu.port,
-                               advertise_host="127.0.0.1", same_host="off"), emu
+    return dataclasses.replace(
+        base, data_port=port, advertise_port=emu.port, advertise_host="127.0.0.1", same_host="off"
+    ), emu

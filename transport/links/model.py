@@ -35,7 +35,9 @@ class _Link:
 
     def occupy(self, stats: OpStats, rounds: int) -> float:
         """Reserve the link for one operation finishing now; returns when it is through."""
-        duration = rounds * self.latency + max(stats.bytes_sent, stats.bytes_received) / self.bandwidth
+        duration = (
+            rounds * self.latency + max(stats.bytes_sent, stats.bytes_received) / self.bandwidth
+        )
         with self.lock:
             start = max(time.perf_counter(), self.free_at)
             self.free_at = start + duration
@@ -54,6 +56,7 @@ class _ShapedWork:
             rounds = 2 * (world - 1) if ring else 2
             self._ready_at = link.occupy(w.stats, rounds) if w.exception() is None else 0.0
             self._event.set()
+
         inner.add_done_callback(done)
 
     def wait(self, timeout: float | None = None) -> Any:
@@ -65,8 +68,11 @@ class _ShapedWork:
         return result
 
     def done(self) -> bool:
-        return (self._inner.done() and self._event.is_set()
-                and time.perf_counter() >= (self._ready_at or 0.0))
+        return (
+            self._inner.done()
+            and self._event.is_set()
+            and time.perf_counter() >= (self._ready_at or 0.0)
+        )
 
     @property
     def stats(self) -> OpStats:
@@ -76,8 +82,14 @@ class _ShapedWork:
 class ShapedComm:
     """A :class:`LoopbackComm` whose collectives take modelled link time (see module doc)."""
 
-    def __init__(self, inner: LoopbackComm, *, bandwidth_bytes_s: float, latency_s: float,
-                 ring_threshold_bytes: int = 256 * 1024) -> None:
+    def __init__(
+        self,
+        inner: LoopbackComm,
+        *,
+        bandwidth_bytes_s: float,
+        latency_s: float,
+        ring_threshold_bytes: int = 256 * 1024,
+    ) -> None:
         self._inner = inner
         self._link = _Link(bandwidth_bytes_s, latency_s)
         self._ring_threshold = ring_threshold_bytes
@@ -124,5 +136,9 @@ class ShapedComm:
         if algorithm != "auto":
             return algorithm == "ring"
         codec = kw.get("codec")
-        nbytes = codec.encode(tensor).nbytes if codec is not None else tensor.numel() * tensor.element_size()
+        nbytes = (
+            codec.encode(tensor).nbytes
+            if codec is not None
+            else tensor.numel() * tensor.element_size()
+        )
         return nbytes >= self._ring_threshold

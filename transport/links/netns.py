@@ -92,8 +92,22 @@ class Testbed:
 
     def _shape(self, dev: str, ns: str | None) -> None:
         cfg = self.config
-        _run(*(["ip", "netns", "exec", ns] if ns else []), "tc", "qdisc", "add", "dev", dev, "root",
-             "tbf", "rate", f"{cfg.rate_mbit}mbit", "burst", str(cfg.burst), "latency", f"{cfg.queue_ms}ms")
+        _run(
+            *(["ip", "netns", "exec", ns] if ns else []),
+            "tc",
+            "qdisc",
+            "add",
+            "dev",
+            dev,
+            "root",
+            "tbf",
+            "rate",
+            f"{cfg.rate_mbit}mbit",
+            "burst",
+            str(cfg.burst),
+            "latency",
+            f"{cfg.queue_ms}ms",
+        )
 
     def __enter__(self) -> "Testbed":
         reason = available()
@@ -171,14 +185,33 @@ def measure_transfer(link: Testbed, cfg: TransferConfig) -> dict[str, Any]:
     """Send ``size_mb`` from site 1 to site 0 ``repeats`` times; goodput of the best run."""
     port = 29000 + os.getpid() % 1000
     coord = f"tcp://{link.addrs[0]}:{port}"
-    common = ["--coord", coord, "--size-mb", str(cfg.size_mb), "--connections",
-              str(cfg.connections), "--chunk-mb", str(cfg.chunk_mb), "--repeats",
-              str(cfg.repeats), "--timeout", str(cfg.timeout)]
+    common = [
+        "--coord",
+        coord,
+        "--size-mb",
+        str(cfg.size_mb),
+        "--connections",
+        str(cfg.connections),
+        "--chunk-mb",
+        str(cfg.chunk_mb),
+        "--repeats",
+        str(cfg.repeats),
+        "--timeout",
+        str(cfg.timeout),
+    ]
     me = [sys.executable, "-m", "transport.links.netns"]
-    recv = subprocess.Popen(link.command(0, [*me, "_peer", "recv", "--bind", link.addrs[0], *common]),
-                            stdout=subprocess.PIPE, text=True, start_new_session=True)
-    send = subprocess.Popen(link.command(1, [*me, "_peer", "send", "--bind", link.addrs[1], *common]),
-                            stdout=subprocess.PIPE, text=True, start_new_session=True)
+    recv = subprocess.Popen(
+        link.command(0, [*me, "_peer", "recv", "--bind", link.addrs[0], *common]),
+        stdout=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    send = subprocess.Popen(
+        link.command(1, [*me, "_peer", "send", "--bind", link.addrs[1], *common]),
+        stdout=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     try:
         out, _ = recv.communicate(timeout=cfg.timeout + 60)
         send.wait(timeout=30)
@@ -188,15 +221,23 @@ def measure_transfer(link: Testbed, cfg: TransferConfig) -> dict[str, Any]:
                 os.killpg(p.pid, 9)
                 p.wait()
     if recv.returncode != 0 or not out.strip():
-        raise RuntimeError(f"namespace transfer failed (exit codes {recv.returncode}, {send.returncode})")
+        raise RuntimeError(
+            f"namespace transfer failed (exit codes {recv.returncode}, {send.returncode})"
+        )
     times = json.loads(out.strip().splitlines()[-1])["times"]
     nbytes = int(cfg.size_mb * (1 << 20))
     best = min(times)
     goodput = nbytes * 8 / best / 1e6
-    return {"mode": "netns", "rate_mbit": link.config.rate_mbit, "bytes": nbytes,
-            "connections": cfg.connections, "seconds": round(best, 4),
-            "seconds_all": [round(t, 4) for t in times], "goodput_mbit": round(goodput, 2),
-            "utilisation": round(goodput / link.config.rate_mbit, 4)}
+    return {
+        "mode": "netns",
+        "rate_mbit": link.config.rate_mbit,
+        "bytes": nbytes,
+        "connections": cfg.connections,
+        "seconds": round(best, 4),
+        "seconds_all": [round(t, 4) for t in times],
+        "goodput_mbit": round(goodput, 2),
+        "utilisation": round(goodput / link.config.rate_mbit, 4),
+    }
 
 
 def _peer(args: argparse.Namespace) -> int:
@@ -208,10 +249,17 @@ def _peer(args: argparse.Namespace) -> int:
 
     coord = None
     if args.role == "recv":
-        coord = Coordinator(CoordinatorConfig(bind=args.coord.replace(args.bind, "0.0.0.0"))).start()
+        coord = Coordinator(
+            CoordinatorConfig(bind=args.coord.replace(args.bind, "0.0.0.0"))
+        ).start()
     chunk = int(args.chunk_mb * (1 << 20))
-    cfg = ZmqConfig(bind_host=args.bind, connections=args.connections, chunk_bytes=chunk,
-                    timeout=args.timeout, max_message_bytes=max(64 << 20, chunk + (1 << 20)))
+    cfg = ZmqConfig(
+        bind_host=args.bind,
+        connections=args.connections,
+        chunk_bytes=chunk,
+        timeout=args.timeout,
+        max_message_bytes=max(64 << 20, chunk + (1 << 20)),
+    )
     deadline = time.monotonic() + 30
     while True:  # the receiver's coordinator may not be up yet
         try:

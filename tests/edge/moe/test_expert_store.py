@@ -9,13 +9,19 @@ from pathlib import Path
 import pytest
 import torch
 
-from edge.moe.store import (ExpertCache, ExpertStoreConfig, HEBFConfig, LRUConfig,
-                               PrefetchConfig, open_store)
-from lowband.models.llama import LlamaForCausalLM, init_weights
-from edge.moe.quant import NestedQuantConfig
 from edge.moe.checkpoint import NestedCheckpoint, load_dense, quantize_checkpoint
-from lowband.models.weights import save_pretrained
+from edge.moe.quant import NestedQuantConfig
+from edge.moe.store import (
+    ExpertCache,
+    ExpertStoreConfig,
+    HEBFConfig,
+    LRUConfig,
+    PrefetchConfig,
+    open_store,
+)
 from lowband.errors import ConfigError, CorruptWeights
+from lowband.models.llama import LlamaForCausalLM, init_weights
+from lowband.models.weights import save_pretrained
 from tests.edge.moe.test_nested import tiny_moe_config
 
 pytestmark = pytest.mark.timeout(120)
@@ -49,13 +55,15 @@ def int8_total(sizes: dict) -> int:
     return sum(s[8] for s in sizes.values())
 
 
-def decode(model: LlamaForCausalLM, ids: torch.Tensor, steps: int) -> tuple[torch.Tensor, list[int]]:
+def decode(
+    model: LlamaForCausalLM, ids: torch.Tensor, steps: int
+) -> tuple[torch.Tensor, list[int]]:
     """Prefill, then teacher-force ``steps`` tokens one at a time; all logits and greedy picks."""
     kv = model.new_cache()
     with torch.no_grad():
         logits = [model(ids[:, :4], cache=kv)[:, -1]]
         for t in range(4, 4 + steps):
-            logits.append(model(ids[:, t:t + 1], cache=kv)[:, -1])
+            logits.append(model(ids[:, t : t + 1], cache=kv)[:, -1])
     out = torch.cat(logits)
     return out, out.argmax(-1).tolist()
 
@@ -65,7 +73,9 @@ def test_lru_decode_equals_dequantized_model(nested_dir: Path, sizes: dict, bits
     dense = load_dense(nested_dir, bits)
     want, _ = decode(dense, PROMPT, 20)
     # A budget of 3 experts: misses, evictions and reloads all happen during the run.
-    cfg = ExpertStoreConfig(budget_bytes=3 * next(iter(sizes.values()))[bits], policy=LRUConfig(bits=bits))
+    cfg = ExpertStoreConfig(
+        budget_bytes=3 * next(iter(sizes.values()))[bits], policy=LRUConfig(bits=bits)
+    )
     model, cache = open_store(nested_dir, cfg)
     try:
         got, _ = decode(model, PROMPT, 20)
@@ -86,10 +96,10 @@ def test_lru_eviction_order(nested_dir: Path, sizes: dict) -> None:
     try:
         for e in (0, 1, 2):
             cache.forward(0, e, x)
-        cache.forward(0, 0, x)            # 0 is now the most recent; 1 the least
-        cache.forward(0, 3, x)            # evicts 1
+        cache.forward(0, 0, x)  # 0 is now the most recent; 1 the least
+        cache.forward(0, 3, x)  # evicts 1
         assert set(cache.resident_bits()) == {(0, 0), (0, 2), (0, 3)}
-        cache.forward(0, 4, x)            # evicts 2
+        cache.forward(0, 4, x)  # evicts 2
         assert list(cache.resident_bits()) == [(0, 0), (0, 3), (0, 4)]
         rep = cache.report()
         assert (rep["hits"], rep["misses"], rep["evictions"]) == (1, 5, 2)
@@ -100,16 +110,19 @@ def test_lru_eviction_order(nested_dir: Path, sizes: dict) -> None:
 
 def test_hebf_expert_calls_use_exactly_the_resident_bits(nested_dir: Path, sizes: dict) -> None:
     dense = {b: load_dense(nested_dir, b) for b in (8, 4, 3, 2)}
-    cfg = ExpertStoreConfig(budget_bytes=int(0.4 * int8_total(sizes)),
-                            policy=HEBFConfig(replan_every=1), prefetch=PrefetchConfig(top=2))
+    cfg = ExpertStoreConfig(
+        budget_bytes=int(0.4 * int8_total(sizes)),
+        policy=HEBFConfig(replan_every=1),
+        prefetch=PrefetchConfig(top=2),
+    )
     model, cache = open_store(nested_dir, cfg)
     try:
-        decode(model, PROMPT, 12)       # builds hotness, plans, upgrades, downgrades
-        cache.drain()                   # else a read in flight may change a width under us
+        decode(model, PROMPT, 12)  # builds hotness, plans, upgrades, downgrades
+        cache.drain()  # else a read in flight may change a width under us
         torch.manual_seed(0)
         x = torch.randn(3, 32)
         bits = cache.resident_bits()
-        assert len(set(bits.values())) > 1, bits        # a genuinely mixed-precision state
+        assert len(set(bits.values())) > 1, bits  # a genuinely mixed-precision state
         for (layer, e), b in bits.items():
             ref = dense[b].model.layers[layer].block_sparse_moe.experts[e](x)
             torch.testing.assert_close(cache.forward(layer, e, x), ref, rtol=0, atol=1e-6)
@@ -121,13 +134,15 @@ def test_hebf_expert_calls_use_exactly_the_resident_bits(nested_dir: Path, sizes
 
 
 def test_hebf_hot_experts_get_more_bits(nested_dir: Path, sizes: dict) -> None:
-    cfg = ExpertStoreConfig(budget_bytes=int(0.45 * int8_total(sizes)), policy=HEBFConfig(replan_every=1))
+    cfg = ExpertStoreConfig(
+        budget_bytes=int(0.45 * int8_total(sizes)), policy=HEBFConfig(replan_every=1)
+    )
     ck = NestedCheckpoint(nested_dir)
     cache = ExpertCache(ck, cfg)
     x = torch.randn(1, 32)
     try:
         cache.warm()
-        for _ in range(30):                        # layer 1 routes to experts 2 and 5 only
+        for _ in range(30):  # layer 1 routes to experts 2 and 5 only
             for layer in range(3):
                 chosen = torch.tensor([[2, 5]]) if layer == 1 else torch.tensor([[0, 1]])
                 cache.on_route(layer, chosen)
@@ -143,13 +158,17 @@ def test_hebf_hot_experts_get_more_bits(nested_dir: Path, sizes: dict) -> None:
 
 
 # HEBF at 40% covers every expert at 2-4 bits, leaving nothing to prefetch: give it 20%.
-@pytest.mark.parametrize("policy,frac", [(LRUConfig(bits=8), 0.4), (HEBFConfig(replan_every=2), 0.2)])
-def test_prefetch_on_a_slow_device_keeps_results_and_budget(nested_dir: Path, sizes: dict,
-                                                            policy, frac: float) -> None:
+@pytest.mark.parametrize(
+    "policy,frac", [(LRUConfig(bits=8), 0.4), (HEBFConfig(replan_every=2), 0.2)]
+)
+def test_prefetch_on_a_slow_device_keeps_results_and_budget(
+    nested_dir: Path, sizes: dict, policy, frac: float
+) -> None:
     bits = 8 if isinstance(policy, LRUConfig) else None
     budget = int(frac * int8_total(sizes))
-    cfg = ExpertStoreConfig(budget_bytes=budget, policy=policy, prefetch=PrefetchConfig(top=3),
-                            read_mb_per_s=20.0)
+    cfg = ExpertStoreConfig(
+        budget_bytes=budget, policy=policy, prefetch=PrefetchConfig(top=3), read_mb_per_s=20.0
+    )
     model, cache = open_store(nested_dir, cfg)
     try:
         _, picks = decode(model, PROMPT, 16)
@@ -160,17 +179,21 @@ def test_prefetch_on_a_slow_device_keeps_results_and_budget(nested_dir: Path, si
     assert rep["prefetched"] > 0 and rep["bytes_read"] > 0
     # reads are paced: at 20 MB/s the device was busy at least bytes/20e6 seconds
     assert rep["io_busy_s"] >= rep["bytes_read"] / 20e6 * 0.99
-    if bits == 8:     # int8 LRU with prefetch still computes exactly the 8-bit model
+    if bits == 8:  # int8 LRU with prefetch still computes exactly the 8-bit model
         _, want = decode(load_dense(nested_dir, 8), PROMPT, 16)
         assert picks == want
 
 
-def test_budget_smaller_than_one_expert_is_refused_before_loading(nested_dir: Path, sizes: dict) -> None:
+def test_budget_smaller_than_one_expert_is_refused_before_loading(
+    nested_dir: Path, sizes: dict
+) -> None:
     two_bit = max(s[2] for s in sizes.values())
     with pytest.raises(ConfigError, match="cannot hold one expert"):
         open_store(nested_dir, ExpertStoreConfig(budget_bytes=two_bit - 1, policy=HEBFConfig()))
     with pytest.raises(ConfigError, match="cannot hold one expert"):
-        open_store(nested_dir, ExpertStoreConfig(budget_bytes=two_bit + 1, policy=LRUConfig(bits=8)))
+        open_store(
+            nested_dir, ExpertStoreConfig(budget_bytes=two_bit + 1, policy=LRUConfig(bits=8))
+        )
 
 
 def test_corrupt_plane_is_refused_at_open(nested_dir: Path, tmp_path: Path) -> None:
@@ -178,7 +201,7 @@ def test_corrupt_plane_is_refused_at_open(nested_dir: Path, tmp_path: Path) -> N
     shutil.copytree(nested_dir, bad)
     f = bad / "experts" / "L002_E007.lbn"
     data = bytearray(f.read_bytes())
-    data[-5] ^= 0xFF                      # the least significant plane of the last expert
+    data[-5] ^= 0xFF  # the least significant plane of the last expert
     f.write_bytes(bytes(data))
     with pytest.raises(CorruptWeights, match="bit-plane 7"):
         open_store(bad, ExpertStoreConfig(budget_bytes=10**7, policy=HEBFConfig()))
@@ -208,8 +231,12 @@ def test_store_serves_a_subset_of_experts(nested_dir: Path, sizes: dict) -> None
         assert sorted(cache.keys) == sorted(mine)
         dense = load_dense(nested_dir, 8)
         x = torch.randn(2, 32)
-        torch.testing.assert_close(cache.forward(2, 7, x),
-                                   dense.model.layers[2].block_sparse_moe.experts[7](x), rtol=0, atol=1e-6)
+        torch.testing.assert_close(
+            cache.forward(2, 7, x),
+            dense.model.layers[2].block_sparse_moe.experts[7](x),
+            rtol=0,
+            atol=1e-6,
+        )
         with pytest.raises(ConfigError, match="not held"):
             cache.forward(1, 0, x)
     finally:
@@ -218,28 +245,33 @@ def test_store_serves_a_subset_of_experts(nested_dir: Path, sizes: dict) -> None
 
 def test_plain_int8_layout_serves_lru_only(nested_dir: Path, tmp_path: Path) -> None:
     src = nested_dir.parent / "src"
-    plain = quantize_checkpoint(src, tmp_path / "int8", NestedQuantConfig(group_size=32, layout="bytes"))
+    plain = quantize_checkpoint(
+        src, tmp_path / "int8", NestedQuantConfig(group_size=32, layout="bytes")
+    )
     dense = load_dense(nested_dir, 8)
     with pytest.raises(ConfigError, match="bit-nested"):
         open_store(plain, ExpertStoreConfig(budget_bytes=10**7, policy=HEBFConfig()))
     ck = NestedCheckpoint(plain)
     one = ck.sizes()[(0, 0)][8]
     ck.close()
-    model, cache = open_store(plain, ExpertStoreConfig(budget_bytes=3 * one, policy=LRUConfig(bits=8)))
+    model, cache = open_store(
+        plain, ExpertStoreConfig(budget_bytes=3 * one, policy=LRUConfig(bits=8))
+    )
     try:
         got, _ = decode(model, PROMPT, 8)
         assert cache.report()["misses"] > 0
     finally:
         cache.close()
     want, _ = decode(dense, PROMPT, 8)
-    torch.testing.assert_close(got, want, rtol=0, atol=1e-5)   # same codes, same model
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-5)  # same codes, same model
 
 
 def test_store_works_across_inference_mode_and_no_grad(nested_dir: Path, sizes: dict) -> None:
     """Buffers first made under torch.inference_mode (the edge engine) are reused under
     no_grad later, and the other way round."""
     import edge.moe.quant
-    edge.moe.quant._scratch.__dict__.clear()       # this thread's decode buffers start afresh
+
+    edge.moe.quant._scratch.__dict__.clear()  # this thread's decode buffers start afresh
     cfg = ExpertStoreConfig(budget_bytes=int(0.3 * int8_total(sizes)), policy=HEBFConfig())
     model, cache = open_store(nested_dir, cfg, warm=False)
     try:

@@ -58,15 +58,26 @@ def test_required_set_larger_than_budget_is_an_error() -> None:
         hebf_plan({}, uniform_sizes(3), 2 * SIZE[2], required={0, 1, 2})
 
 
-@pytest.mark.parametrize("bad", [
-    dict(budget=-1), dict(min_bits=5), dict(hotness={0: -1.0}), dict(required={"nope"}),
-])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        dict(budget=-1),
+        dict(min_bits=5),
+        dict(hotness={0: -1.0}),
+        dict(required={"nope"}),
+    ],
+)
 def test_invalid_arguments(bad: dict) -> None:
     kw = dict(hotness={0: 1.0}, sizes=uniform_sizes(2), budget=10_000, min_bits=2, required=())
     kw.update(bad)
     with pytest.raises(ConfigError):
-        hebf_plan(kw["hotness"], kw["sizes"], kw["budget"], min_bits=kw["min_bits"],
-                  required=kw["required"])
+        hebf_plan(
+            kw["hotness"],
+            kw["sizes"],
+            kw["budget"],
+            min_bits=kw["min_bits"],
+            required=kw["required"],
+        )
 
 
 def test_random_plans_respect_budget_monotonicity_and_maximality() -> None:
@@ -81,11 +92,11 @@ def test_random_plans_respect_budget_monotonicity_and_maximality() -> None:
         assert used <= budget, trial
         assert set(plan) == set(range(n))
         assert all(b in (0, 2, 3, 4, 8) for b in plan.values())
-        for a in range(n):       # hotter never has fewer bits than colder (equal sizes)
+        for a in range(n):  # hotter never has fewer bits than colder (equal sizes)
             for b in range(n):
                 if hot[a] > hot[b]:
                     assert plan[a] >= plan[b], (trial, hot[a], hot[b], plan[a], plan[b])
-        left = budget - used     # greedy is maximal: no single further step fits
+        left = budget - used  # greedy is maximal: no single further step fits
         for i, b in plan.items():
             nxt = {0: 2, 2: 3, 3: 4, 4: 8}.get(b)
             if nxt is not None:
@@ -103,7 +114,9 @@ def test_mixed_sizes_budget_and_floor() -> None:
             sizes[i] = {b: scale + b * plane for b in (2, 3, 4, 8)}
         hot = {i: rng.random() for i in range(n)}
         required = set(rng.sample(range(n), rng.randint(0, 2)))
-        budget = sum(sizes[i][2] for i in required) + rng.randint(max(s[2] for s in sizes.values()), 3000)
+        budget = sum(sizes[i][2] for i in required) + rng.randint(
+            max(s[2] for s in sizes.values()), 3000
+        )
         plan = hebf_plan(hot, sizes, budget, required=required)
         assert plan_bytes(plan, sizes) <= budget
         assert all(plan[i] >= 2 for i in required)

@@ -18,18 +18,25 @@ import torch
 from edge.cluster import ClusterConfig, MasterRunner, WorkerConfig, run_worker
 from edge.engine import Engine, LocalRunner
 from edge.launch import check_model
-from lowband.models.llama import LlamaForCausalLM, init_weights
-from edge.moe.serve import (ExpertServeConfig, load_nested_shard, manifest_sizes, merge_reports,
-                            place_experts, plan_ranks, rank_budgets)
-from edge.moe.quant import NestedQuantConfig
 from edge.moe.checkpoint import load_dense, quantize_checkpoint
+from edge.moe.quant import NestedQuantConfig
+from edge.moe.serve import (
+    ExpertServeConfig,
+    load_nested_shard,
+    manifest_sizes,
+    merge_reports,
+    place_experts,
+    plan_ranks,
+    rank_budgets,
+)
 from edge.sampling import SamplingParams
 from edge.server import chat_prompt
 from edge.shardio import WindowConfig
-from lowband.models.tokenizer import ByteTokenizer
 from edge.tp import make_reduce
-from lowband.models.weights import save_pretrained
 from lowband.errors import ConfigError
+from lowband.models.llama import LlamaForCausalLM, init_weights
+from lowband.models.tokenizer import ByteTokenizer
+from lowband.models.weights import save_pretrained
 from tests.conftest import PY, free_port, run_ranks
 from tests.edge.moe.test_nested import tiny_moe_config
 from transport.loopback import LoopbackGroup
@@ -46,8 +53,9 @@ def nested(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A random-init Mixtral (3 layers x 8 experts; sharp routers, so routing changes from token
     to token as in a trained model) converted to bit-nested planes."""
     root = tmp_path_factory.mktemp("moe_http")
-    model = LlamaForCausalLM(tiny_moe_config(num_local_experts=8, num_hidden_layers=3,
-                                             max_position_embeddings=256))
+    model = LlamaForCausalLM(
+        tiny_moe_config(num_local_experts=8, num_hidden_layers=3, max_position_embeddings=256)
+    )
     init_weights(model, std=0.1, seed=17)
     with torch.no_grad():
         for layer in model.model.layers:
@@ -72,14 +80,19 @@ def reference(nested: Path) -> dict[str, str]:
     """Greedy text of the dense int8 model (what moe-generate serves at 8 bits)."""
     eng = Engine(LocalRunner(load_dense(nested, 8)), ByteTokenizer(), model_name="ref")
     p = SamplingParams(max_tokens=N_TOK, temperature=0.0)
-    return {"completion": eng.complete(PROMPT, p)[0],
-            "chat": eng.complete(chat_prompt(CHAT), p)[0]}
+    return {"completion": eng.complete(PROMPT, p)[0], "chat": eng.complete(chat_prompt(CHAT), p)[0]}
 
 
 # ---- pure ------------------------------------------------------------------------------------
 def test_place_experts_balanced_and_complete() -> None:
-    for L, E, world, w in [(3, 8, 2, None), (3, 8, 3, None), (4, 8, 3, (2, 1, 1)),
-                           (2, 4, 5, None), (1, 3, 4, (1, 1, 1, 1)), (32, 8, 4, (1, 2, 3, 4))]:
+    for L, E, world, w in [
+        (3, 8, 2, None),
+        (3, 8, 3, None),
+        (4, 8, 3, (2, 1, 1)),
+        (2, 4, 5, None),
+        (1, 3, 4, (1, 1, 1, 1)),
+        (32, 8, 4, (1, 2, 3, 4)),
+    ]:
         p = place_experts(L, E, world, w)
         flat = [k for keys in p.values() for k in keys]
         assert sorted(flat) == [(i, e) for i in range(L) for e in range(E)]  # each exactly once
@@ -133,16 +146,19 @@ def test_budget_and_directory_checks(nested: Path, tmp_path: Path) -> None:
 # ---- tensor parallel == one device ------------------------------------------------------------
 @pytest.mark.parametrize("world,weights", [(2, None), (3, (2.0, 1.0, 1.0))])
 def test_tp_placed_experts_match_one_device(nested: Path, world: int, weights) -> None:
-    cfg = lru8(nested, 1.0)   # every expert resident at 8 bits on every rank
+    cfg = lru8(nested, 1.0)  # every expert resident at 8 bits on every rank
     ids = torch.tensor([list(b"Now is the winter of our discontent")])
     one = load_nested_shard(nested, experts=cfg)
     try:
         with torch.no_grad():
             kv = one.model.new_cache()
             want = [one.model(ids[:, :-3], cache=kv)]
-            want += [one.model(ids[:, t:t + 1], cache=kv) for t in range(ids.shape[1] - 3, ids.shape[1])]
+            want += [
+                one.model(ids[:, t : t + 1], cache=kv)
+                for t in range(ids.shape[1] - 3, ids.shape[1])
+            ]
         want = torch.cat(want, 1)
-        x = one.model.embed(ids).detach()   # what the master sends every worker
+        x = one.model.embed(ids).detach()  # what the master sends every worker
     finally:
         one.close()
     group = LoopbackGroup(world, timeout=30)
@@ -150,8 +166,9 @@ def test_tp_placed_experts_match_one_device(nested: Path, world: int, weights) -
 
     def rank_fn(r: int):
         def body():
-            sh = load_nested_shard(nested, r, world, experts=cfg, weights=weights,
-                                   reduce=make_reduce(comms[r]))
+            sh = load_nested_shard(
+                nested, r, world, experts=cfg, weights=weights, reduce=make_reduce(comms[r])
+            )
             try:
                 kv, outs = sh.model.new_cache(), []
                 T = ids.shape[1]
@@ -163,6 +180,7 @@ def test_tp_placed_experts_match_one_device(nested: Path, world: int, weights) -
                 return (torch.cat(outs, 1) if outs else None), sh.store.keys, sh.store.report()
             finally:
                 sh.close()
+
         return body
 
     res = run_ranks([rank_fn(r) for r in range(world)], timeout=60)
@@ -176,14 +194,20 @@ def test_tp_placed_experts_match_one_device(nested: Path, world: int, weights) -
 
 
 @pytest.mark.parametrize("policy", ["lru", "hebf"])
-def test_engine_cluster_two_devices_under_budget(nested: Path, reference: dict, policy: str) -> None:
-    cfg = lru8(nested, 0.4) if policy == "lru" else ExpertServeConfig(budget_mb=0.4 * int8_mb(nested))
+def test_engine_cluster_two_devices_under_budget(
+    nested: Path, reference: dict, policy: str
+) -> None:
+    cfg = (
+        lru8(nested, 0.4) if policy == "lru" else ExpertServeConfig(budget_mb=0.4 * int8_mb(nested))
+    )
     group = LoopbackGroup(2, timeout=20)
     comms = group.comms()
     worker = run_ranks_async(lambda: run_worker(comms[1], WorkerConfig(join_timeout=20)))
-    runner = MasterRunner(comms[0], nested, ClusterConfig(devices=2, op_timeout=10.0,
-                                                          join_timeout=20, heartbeat_s=0.5,
-                                                          experts=cfg))
+    runner = MasterRunner(
+        comms[0],
+        nested,
+        ClusterConfig(devices=2, op_timeout=10.0, join_timeout=20, heartbeat_s=0.5, experts=cfg),
+    )
     try:
         eng = Engine(runner, ByteTokenizer(), model_name="m")
         text, _, n = eng.complete(PROMPT, SamplingParams(max_tokens=N_TOK))
@@ -192,10 +216,10 @@ def test_engine_cluster_two_devices_under_budget(nested: Path, reference: dict, 
         runner.close()
         worker.join(10)
     assert n == N_TOK
-    if policy == "lru":   # 8 bits everywhere: exactly the int8 model
+    if policy == "lru":  # 8 bits everywhere: exactly the int8 model
         assert text == reference["completion"] and rep["mean_bits_per_call"] == 8.0
-        assert rep["misses"] > 0     # 40% of int8 cannot keep every expert: LRU reloads
-    else:                 # HEBF keeps every expert, cold ones narrow, to fit 40% of int8
+        assert rep["misses"] > 0  # 40% of int8 cannot keep every expert: LRU reloads
+    else:  # HEBF keeps every expert, cold ones narrow, to fit 40% of int8
         assert 2.0 <= rep["mean_bits_per_call"] < 8.0
     assert rep["devices_reporting"] == 2
     assert rep["peak_bytes"] <= rep["budget_bytes"] <= cfg.budget_mb * 1e6
@@ -213,6 +237,7 @@ class run_ranks_async:  # noqa: N801 - reads like a function at the call site
                 fn()
             except BaseException as exc:  # noqa: BLE001 - asserted by the test
                 self.error = exc
+
         self.thread = threading.Thread(target=body, daemon=True)
         self.thread.start()
 
@@ -223,10 +248,11 @@ class run_ranks_async:  # noqa: N801 - reads like a function at the call site
 # ---- sliding window over the backbone -----------------------------------------------------------
 def test_mapped_region_is_one_layer(nested: Path) -> None:
     from edge.window import MappedFile, MappedRegion
+
     f = MappedFile(nested / "model.safetensors")
     layer1 = [k for k in f.tensors if k.startswith("model.layers.1.")]
     reg = MappedRegion(f, layer1)
-    for name, t in f.tensors.items():   # no tensor of another layer starts inside the span
+    for name, t in f.tensors.items():  # no tensor of another layer starts inside the span
         off = t.data_ptr() - f.addr
         inside = reg.offset <= off < reg.offset + reg.size
         if name.startswith("model.layers.1."):
@@ -235,7 +261,9 @@ def test_mapped_region_is_one_layer(nested: Path) -> None:
     torch.testing.assert_close(reg.tensors[layer1[0]], f.tensors[layer1[0]])
     # tensors of two layers with a third in between are refused, not silently over-mapped
     with pytest.raises(ConfigError, match="contiguous"):
-        MappedRegion(f, [k for k in f.tensors if k.startswith(("model.layers.0.", "model.layers.2."))])
+        MappedRegion(
+            f, [k for k in f.tensors if k.startswith(("model.layers.0.", "model.layers.2."))]
+        )
 
 
 def test_window_streams_backbone_same_greedy(nested: Path, reference: dict) -> None:
@@ -255,9 +283,11 @@ def test_window_streams_backbone_same_greedy(nested: Path, reference: dict) -> N
 
 # ---- HTTP ------------------------------------------------------------------------------------
 def _http(port: int, path: str, body: dict | None = None, timeout: float = 60):
-    req = urllib.request.Request(f"http://127.0.0.1:{port}{path}",
-                                 data=None if body is None else json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"})
+    req = urllib.request.Request(
+        f"http://127.0.0.1:{port}{path}",
+        data=None if body is None else json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )
     try:
         with urllib.request.urlopen(req, timeout=timeout) as r:
             raw = r.read()
@@ -280,12 +310,16 @@ def _wait_ready(port: int, proc, timeout: float = 90) -> None:
 
 
 def _check_api(port: int, reference: dict, devices: int, budget_mb: float) -> None:
-    status, out = _http(port, "/v1/completions", {"prompt": PROMPT, "max_tokens": N_TOK,
-                                                  "temperature": 0})
+    status, out = _http(
+        port, "/v1/completions", {"prompt": PROMPT, "max_tokens": N_TOK, "temperature": 0}
+    )
     assert status == 200, out
     assert out["choices"][0]["text"] == reference["completion"]
-    status, raw = _http(port, "/v1/chat/completions", {"messages": CHAT, "max_tokens": N_TOK,
-                                                       "temperature": 0, "stream": True})
+    status, raw = _http(
+        port,
+        "/v1/chat/completions",
+        {"messages": CHAT, "max_tokens": N_TOK, "temperature": 0, "stream": True},
+    )
     assert status == 200
     events = [line[6:] for line in raw.decode().split("\n\n") if line.startswith("data: ")]
     assert events[-1] == "[DONE]"
@@ -303,17 +337,46 @@ def _check_api(port: int, reference: dict, devices: int, budget_mb: float) -> No
 def test_http_serve_under_budget(nested: Path, reference: dict, spawn) -> None:
     cfg = lru8(nested, 0.4)
     port = free_port()
-    proc = spawn([PY, "-m", "lowband", "edge", "serve", str(nested), "--port", str(port),
-                  "--expert-budget-mb", f"{cfg.budget_mb:.6f}", "--expert-policy", "lru",
-                  "--threads", "1"])
+    proc = spawn(
+        [
+            PY,
+            "-m",
+            "lowband",
+            "edge",
+            "serve",
+            str(nested),
+            "--port",
+            str(port),
+            "--expert-budget-mb",
+            f"{cfg.budget_mb:.6f}",
+            "--expert-policy",
+            "lru",
+            "--threads",
+            "1",
+        ]
+    )
     _wait_ready(port, proc)
     _check_api(port, reference, 1, cfg.budget_mb)
     # a budget below one expert's narrowest width is refused before serving
     sizes = manifest_sizes(nested)
     tiny = 0.5 * min(s[2] for s in sizes.values()) / 1e6
-    bad = spawn([PY, "-m", "lowband", "edge", "serve", str(nested), "--port", str(free_port()),
-                 "--expert-budget-mb", f"{tiny:.6f}"], stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE, text=True)
+    bad = spawn(
+        [
+            PY,
+            "-m",
+            "lowband",
+            "edge",
+            "serve",
+            str(nested),
+            "--port",
+            str(free_port()),
+            "--expert-budget-mb",
+            f"{tiny:.6f}",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     out, err = bad.communicate(timeout=60)
     assert bad.returncode == 2, err
     assert "cannot hold one expert at 2 bits" in err and "serving" not in out
@@ -322,9 +385,26 @@ def test_http_serve_under_budget(nested: Path, reference: dict, spawn) -> None:
 def test_http_run_two_devices_under_budget(nested: Path, reference: dict, spawn) -> None:
     cfg = lru8(nested, 0.4)
     port = free_port()
-    proc = spawn([PY, "-m", "lowband", "edge", "run", str(nested), "--devices", "2",
-                  "--port", str(port), "--expert-budget-mb", f"{cfg.budget_mb:.6f}",
-                  "--expert-policy", "lru", "--threads", "1"])
+    proc = spawn(
+        [
+            PY,
+            "-m",
+            "lowband",
+            "edge",
+            "run",
+            str(nested),
+            "--devices",
+            "2",
+            "--port",
+            str(port),
+            "--expert-budget-mb",
+            f"{cfg.budget_mb:.6f}",
+            "--expert-policy",
+            "lru",
+            "--threads",
+            "1",
+        ]
+    )
     _wait_ready(port, proc)
     _check_api(port, reference, 2, cfg.budget_mb)
 
@@ -332,6 +412,7 @@ def test_http_run_two_devices_under_budget(nested: Path, reference: dict, spawn)
 def test_serve_bench_local_case_smoke(nested: Path) -> None:
     """``python -m benchmarks.moe_serve`` runs this per case in a subprocess; here in-process."""
     from benchmarks.moe_serve import run_local
+
     threads = torch.get_num_threads()
     try:
         res = run_local(nested, 0.4 * int8_mb(nested), "hebf", 1, tokens=4, threads=1)
@@ -347,16 +428,26 @@ def test_replan_onto_survivor_replaces_experts(nested: Path, reference: dict) ->
     cfg = lru8(nested, 1.0)
     group = LoopbackGroup(3, timeout=20)
     comms = group.comms()
-    workers = [run_ranks_async(lambda c=c: run_worker(c, WorkerConfig(join_timeout=20)))
-               for c in comms[1:]]
-    runner = MasterRunner(comms[0], nested, ClusterConfig(
-        devices=3, op_timeout=5.0, join_timeout=20, heartbeat_s=0.3, replan_after_s=0.2,
-        experts=cfg))
+    workers = [
+        run_ranks_async(lambda c=c: run_worker(c, WorkerConfig(join_timeout=20))) for c in comms[1:]
+    ]
+    runner = MasterRunner(
+        comms[0],
+        nested,
+        ClusterConfig(
+            devices=3,
+            op_timeout=5.0,
+            join_timeout=20,
+            heartbeat_s=0.3,
+            replan_after_s=0.2,
+            experts=cfg,
+        ),
+    )
     eng = Engine(runner, ByteTokenizer(), model_name="m")
     p = SamplingParams(max_tokens=N_TOK)
     try:
         assert eng.complete(PROMPT, p)[0] == reference["completion"]
-        assert len(runner.shard.store.keys) == 8          # 24 experts / 3 devices
+        assert len(runner.shard.store.keys) == 8  # 24 experts / 3 devices
         group.kill(2)
         deadline = time.monotonic() + 20
         while runner.health()["healthy"] and time.monotonic() < deadline:
@@ -364,7 +455,7 @@ def test_replan_onto_survivor_replaces_experts(nested: Path, reference: dict) ->
         while not runner.health()["healthy"] and time.monotonic() < deadline:
             time.sleep(0.05)
         assert runner.health()["devices"] == 2
-        assert len(runner.shard.store.keys) == 12         # re-placed over 2 devices
+        assert len(runner.shard.store.keys) == 12  # re-placed over 2 devices
         assert eng.complete(PROMPT, p)[0] == reference["completion"]
         assert runner.store_report()["devices_reporting"] == 2
     finally:

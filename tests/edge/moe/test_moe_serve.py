@@ -14,10 +14,10 @@ import torch
 import torch.nn.functional as F
 
 from edge.engine import Engine, LocalRunner
+from edge.moe.checkpoint import NestedCheckpoint, load_dense, quantize_checkpoint
+from edge.moe.quant import NestedQuantConfig
 from edge.moe.store import ExpertStoreConfig, HEBFConfig, LRUConfig, PrefetchConfig, open_store
 from edge.moe.train import TRAIN_LOG, tiny_preset, train
-from edge.moe.quant import NestedQuantConfig
-from edge.moe.checkpoint import NestedCheckpoint, load_dense, quantize_checkpoint
 from edge.sampling import SamplingParams
 from lowband.models.tokenizer import ByteTokenizer
 from tests.conftest import PY
@@ -46,7 +46,7 @@ def budget(nested: Path, frac: float) -> int:
 
 def test_training_learns_bytes(trained: tuple[Path, Path]) -> None:
     log = json.loads((trained[0] / TRAIN_LOG).read_text())
-    assert log["heldout_ppl"] < 40        # a uniform byte model has perplexity 256
+    assert log["heldout_ppl"] < 40  # a uniform byte model has perplexity 256
     assert (trained[0] / "lowband_tokenizer.json").exists()
 
 
@@ -60,8 +60,9 @@ def complete(model, nested: Path, n: int = 24) -> str:
 def test_engine_serves_int8_lru_under_budget_exactly_like_the_dense_model(trained) -> None:
     _, nested = trained
     want = complete(load_dense(nested, 8), nested)
-    cfg = ExpertStoreConfig(budget_bytes=budget(nested, 0.4), policy=LRUConfig(bits=8),
-                            prefetch=PrefetchConfig())
+    cfg = ExpertStoreConfig(
+        budget_bytes=budget(nested, 0.4), policy=LRUConfig(bits=8), prefetch=PrefetchConfig()
+    )
     model, cache = open_store(nested, cfg)
     try:
         got = complete(model, nested)
@@ -78,8 +79,8 @@ def nll_through(model, ids: torch.Tensor) -> float:
     with torch.no_grad():
         logits = model(ids[None, :8], cache=kv)[0, -1]
         for t in range(8, len(ids)):
-            total += float(F.cross_entropy(logits[None], ids[t:t + 1]))
-            logits = model(ids[None, t:t + 1], cache=kv)[0, -1]
+            total += float(F.cross_entropy(logits[None], ids[t : t + 1]))
+            logits = model(ids[None, t : t + 1], cache=kv)[0, -1]
     return total / (len(ids) - 8)
 
 
@@ -87,8 +88,9 @@ def test_hebf_under_40_percent_budget_keeps_quality(trained) -> None:
     _, nested = trained
     ids = torch.tensor(list(b"Than my poor tongue can utter. O, my lord, what shall we do?\n"))
     int8 = nll_through(load_dense(nested, 8), ids)
-    cfg = ExpertStoreConfig(budget_bytes=budget(nested, 0.4), policy=HEBFConfig(),
-                            prefetch=PrefetchConfig())
+    cfg = ExpertStoreConfig(
+        budget_bytes=budget(nested, 0.4), policy=HEBFConfig(), prefetch=PrefetchConfig()
+    )
     model, cache = open_store(nested, cfg)
     try:
         hebf = nll_through(model, ids)
@@ -105,21 +107,70 @@ def test_hebf_under_40_percent_budget_keeps_quality(trained) -> None:
 def test_cli_quantize_and_generate(trained, tmp_path: Path, spawn) -> None:
     model_dir, _ = trained
     out = tmp_path / "cli"
-    p = spawn([PY, "-m", "lowband", "edge", "quantize", str(model_dir), "--nested", "--out", str(out),
-               "--group-size", "32"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    p = spawn(
+        [
+            PY,
+            "-m",
+            "lowband",
+            "edge",
+            "quantize",
+            str(model_dir),
+            "--nested",
+            "--out",
+            str(out),
+            "--group-size",
+            "32",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     stdout, stderr = p.communicate(timeout=120)
     assert p.returncode == 0, stderr
     assert "wrote 16 experts" in stdout and (out / "nested.json").exists()
     mb = budget(out, 0.3) / 1e6
-    p = spawn([PY, "-m", "lowband", "edge", "moe-generate", str(out), "--prompt", PROMPT,
-               "--max-tokens", "8", "--budget-mb", f"{mb:.4f}", "--read-mb-per-s", "200"],
-              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    p = spawn(
+        [
+            PY,
+            "-m",
+            "lowband",
+            "edge",
+            "moe-generate",
+            str(out),
+            "--prompt",
+            PROMPT,
+            "--max-tokens",
+            "8",
+            "--budget-mb",
+            f"{mb:.4f}",
+            "--read-mb-per-s",
+            "200",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     stdout, stderr = p.communicate(timeout=120)
     assert p.returncode == 0, stderr
     stats = json.loads(stderr.strip().splitlines()[-1])
     assert stats["tokens"] == 8 and stats["peak_expert_mb"] <= mb + 1e-9
     # A budget below one 2-bit expert is refused with a message, before any token.
-    p = spawn([PY, "-m", "lowband", "edge", "moe-generate", str(out), "--prompt", "x",
-               "--budget-mb", "0.001"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    p = spawn(
+        [
+            PY,
+            "-m",
+            "lowband",
+            "edge",
+            "moe-generate",
+            str(out),
+            "--prompt",
+            "x",
+            "--budget-mb",
+            "0.001",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     _, stderr = p.communicate(timeout=120)
     assert p.returncode == 2 and "cannot hold one expert" in stderr

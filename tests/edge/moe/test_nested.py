@@ -10,14 +10,21 @@ from pathlib import Path
 import pytest
 import torch
 
+from edge.moe.checkpoint import NestedCheckpoint, load_backbone, load_dense, quantize_checkpoint
+from edge.moe.planes import ExpertFile, planes_to_codes, to_planes, write_expert_file
+from edge.moe.quant import (
+    WIDTHS,
+    NestedQuantConfig,
+    dequantize,
+    quantize_independent,
+    quantize_int8,
+    slice_codes,
+)
+from lowband.errors import ConfigError, CorruptWeights
 from lowband.models.config import ModelConfig
 from lowband.models.llama import LlamaForCausalLM, init_weights
-from edge.moe.planes import ExpertFile, planes_to_codes, to_planes, write_expert_file
-from edge.moe.quant import WIDTHS, NestedQuantConfig, dequantize, quantize_independent, quantize_int8, slice_codes
-from edge.moe.checkpoint import NestedCheckpoint, load_backbone, load_dense, quantize_checkpoint
 from lowband.models.tokenizer import ByteTokenizer
 from lowband.models.weights import save_pretrained
-from lowband.errors import ConfigError, CorruptWeights
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -27,9 +34,17 @@ def rel_err(w: torch.Tensor, w_hat: torch.Tensor) -> float:
 
 
 def tiny_moe_config(**kw) -> ModelConfig:
-    base = dict(model_type="mixtral", vocab_size=256, hidden_size=32, intermediate_size=64,
-                num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                num_local_experts=4, num_experts_per_tok=2)
+    base = dict(
+        model_type="mixtral",
+        vocab_size=256,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+    )
     base.update(kw)
     return ModelConfig(**base)
 
@@ -75,11 +90,11 @@ def test_range_extension_makes_the_slice_the_native_quantizer(bits: int) -> None
     levels: the same reconstruction except where float16 rounding moves a bin edge."""
     torch.manual_seed(2)
     w = torch.randn(128, 256) * 0.02
-    ext = 2 ** bits / (2 ** bits - 1)
+    ext = 2**bits / (2**bits - 1)
     q = quantize_int8(w, 64, range_ext=ext)
     nested = dequantize(slice_codes(q.codes, bits), q.lo, q.step, bits)
     native = quantize_independent(w, bits, 64)
-    step = (w.view(128, 4, 64).amax(-1) - w.view(128, 4, 64).amin(-1)) / (2 ** bits - 1)
+    step = (w.view(128, 4, 64).amax(-1) - w.view(128, 4, 64).amin(-1)) / (2**bits - 1)
     close = (nested - native).abs() <= step.repeat_interleave(64, dim=1) * 0.05
     assert close.float().mean() > 0.99
     assert abs(rel_err(w, nested) - rel_err(w, native)) < 0.01 * rel_err(w, native)
@@ -95,7 +110,7 @@ def test_default_grid_is_close_to_native_at_every_width() -> None:
     for bits in (2, 3, 4):
         native = rel_err(w, quantize_independent(w, bits, 64))
         assert errs[bits] <= native * 1.15, (bits, errs[bits], native)
-    assert errs[8] < 0.01    # the 8/7 wider grid costs 14% at 8 bits, where it does not matter
+    assert errs[8] < 0.01  # the 8/7 wider grid costs 14% at 8 bits, where it does not matter
     # Each extra bit helps (the slices are real precisions, not copies of one another).
     assert errs[2] > errs[3] > errs[4] > errs[8] and errs[2] > 3 * errs[4]
 
@@ -104,8 +119,9 @@ def test_constant_group_is_exact() -> None:
     w = torch.full((4, 64), 0.125)
     q = quantize_int8(w, 64)
     for bits in WIDTHS:
-        assert torch.allclose(dequantize(slice_codes(q.codes, bits), q.lo, q.step, bits), w,
-                              atol=2 ** -24 * 256)
+        assert torch.allclose(
+            dequantize(slice_codes(q.codes, bits), q.lo, q.step, bits), w, atol=2**-24 * 256
+        )
 
 
 def test_group_size_must_divide_and_be_a_multiple_of_8() -> None:
@@ -121,7 +137,7 @@ def test_planes_round_trip_and_prefix_property() -> None:
     codes = torch.randint(0, 256, (4096,), dtype=torch.uint8, generator=g)
     planes = to_planes(codes)
     assert planes.shape == (8, 512)
-    assert torch.equal(planes_to_codes(planes), codes)                  # 8 planes: bit-exact
+    assert torch.equal(planes_to_codes(planes), codes)  # 8 planes: bit-exact
     for bits in range(1, 9):
         assert torch.equal(planes_to_codes(planes[:bits]), codes >> (8 - bits)), bits
     # MSB first: plane 0 is the top bit, and weight 8i+t lives in bit t of byte i.
@@ -131,8 +147,11 @@ def test_planes_round_trip_and_prefix_property() -> None:
 # ---- file format ---------------------------------------------------------------------------------
 def write_one(path: Path, seed: int = 0) -> dict:
     torch.manual_seed(seed)
-    qs = {"w1": quantize_int8(torch.randn(64, 32), 32), "w2": quantize_int8(torch.randn(32, 64), 32),
-          "w3": quantize_int8(torch.randn(64, 32), 32)}
+    qs = {
+        "w1": quantize_int8(torch.randn(64, 32), 32),
+        "w2": quantize_int8(torch.randn(32, 64), 32),
+        "w3": quantize_int8(torch.randn(64, 32), 32),
+    }
     write_expert_file(path, layer=1, expert=5, tensors=qs)
     return qs
 
@@ -173,7 +192,7 @@ def test_corrupt_plane_is_rejected_only_where_it_is_read(tmp_path: Path) -> None
         plane3 = f._planes[3][0]
     flip_byte(tmp_path / "e.lbn", plane3 + 7)
     with ExpertFile(tmp_path / "e.lbn") as f:
-        f.read_planes(0, 3)                       # planes 0..2 are intact
+        f.read_planes(0, 3)  # planes 0..2 are intact
         with pytest.raises(CorruptWeights, match="bit-plane 3"):
             f.read_planes(0, 4)
         with pytest.raises(CorruptWeights):
@@ -216,12 +235,17 @@ def test_converter_layout_and_copies(tiny_ckpt: tuple[Path, Path]) -> None:
     manifest = json.loads((out / "nested.json").read_text())
     assert manifest["group_size"] == 32 and len(manifest["experts"]) == 2 * 4
     assert (out / "lowband_tokenizer.json").exists()
-    assert json.loads((out / "config.json").read_text()) == json.loads((src / "config.json").read_text())
+    assert json.loads((out / "config.json").read_text()) == json.loads(
+        (src / "config.json").read_text()
+    )
     from safetensors import safe_open
-    with safe_open(str(out / "model.safetensors"), "pt") as a, \
-            safe_open(str(src / "model.safetensors"), "pt") as b:
+
+    with (
+        safe_open(str(out / "model.safetensors"), "pt") as a,
+        safe_open(str(src / "model.safetensors"), "pt") as b,
+    ):
         assert not any("experts" in k for k in a.keys())
-        for k in a.keys():                                   # non-expert weights copied as is
+        for k in a.keys():  # non-expert weights copied as is
             assert torch.equal(a.get_tensor(k), b.get_tensor(k))
     e = manifest["experts"][0]
     assert e["bytes"]["8"] > e["bytes"]["4"] > e["bytes"]["3"] > e["bytes"]["2"]
@@ -233,6 +257,7 @@ def test_converter_layout_and_copies(tiny_ckpt: tuple[Path, Path]) -> None:
 def test_dense_8_bit_model_matches_the_original(tiny_ckpt: tuple[Path, Path]) -> None:
     src, out = tiny_ckpt
     from lowband.models.weights import load_pretrained
+
     ref = load_pretrained(src)
     ids = torch.tensor([list(b"to be or not to be")])
     with torch.no_grad():
@@ -287,8 +312,11 @@ def test_converter_refuses_dense_models(tmp_path: Path) -> None:
 
 def test_bytes_layout_holds_the_same_int8_codes(tmp_path: Path) -> None:
     torch.manual_seed(4)
-    qs = {"w1": quantize_int8(torch.randn(64, 32), 32), "w2": quantize_int8(torch.randn(32, 64), 32),
-          "w3": quantize_int8(torch.randn(64, 32), 32)}
+    qs = {
+        "w1": quantize_int8(torch.randn(64, 32), 32),
+        "w2": quantize_int8(torch.randn(32, 64), 32),
+        "w3": quantize_int8(torch.randn(64, 32), 32),
+    }
     write_expert_file(tmp_path / "p.lbn", layer=0, expert=0, tensors=qs)
     write_expert_file(tmp_path / "b.lbn", layer=0, expert=0, tensors=qs, layout="bytes")
     with ExpertFile(tmp_path / "p.lbn") as p, ExpertFile(tmp_path / "b.lbn") as b:
@@ -311,11 +339,12 @@ def test_bytes_layout_holds_the_same_int8_codes(tmp_path: Path) -> None:
 def test_metadata_ending_in_a_zero_byte_parses(tmp_path: Path) -> None:
     """Regression: trailing zero bytes of the msgpack metadata are data, not padding."""
     import zlib
+
     for seed in range(5000):
         g = torch.Generator().manual_seed(seed)
         qs = {n: quantize_int8(torch.randn(8, 8, generator=g), 8) for n in ("w1", "w2", "w3")}
         codes = b"".join(q.codes.numpy().tobytes() for q in qs.values())
-        if zlib.crc32(codes) & 0xFF == 0:     # the last byte of the metadata is this crc's
+        if zlib.crc32(codes) & 0xFF == 0:  # the last byte of the metadata is this crc's
             break
     write_expert_file(tmp_path / "z.lbn", layer=0, expert=0, tensors=qs, layout="bytes")
     with ExpertFile(tmp_path / "z.lbn") as f:
@@ -325,6 +354,7 @@ def test_metadata_ending_in_a_zero_byte_parses(tmp_path: Path) -> None:
 
 def test_older_format_version_is_refused(tmp_path: Path) -> None:
     import struct
+
     write_one(tmp_path / "e.lbn")
     data = bytearray((tmp_path / "e.lbn").read_bytes())
     magic, version, flags, meta_len, crc = struct.unpack_from("<4sHHII", data, 0)
