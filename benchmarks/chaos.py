@@ -32,7 +32,6 @@ import json
 import os
 import random
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -41,6 +40,8 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+
+from lowband.proc import free_port
 
 PY = sys.executable
 CFG = dict(
@@ -63,12 +64,6 @@ FAULTS = (
     "kill_coordinator",
     "cpu_hog",
 )
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # ---- HTTP client: one greedy stream, and the bad requests --------------------------------

@@ -23,7 +23,6 @@ import argparse
 import json
 import os
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -31,13 +30,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from lowband.proc import free_port
 from transport.coordinator import Coordinator, CoordinatorConfig
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_once(ranks: int, engine: str, run_args: list[str], tmp: Path) -> dict:
@@ -48,7 +42,7 @@ def run_once(ranks: int, engine: str, run_args: list[str], tmp: Path) -> dict:
     procs = []
     try:
         for site in range(2):
-            port = _port()
+            port = free_port()
             for r in range(ranks):
                 env = dict(
                     os.environ,

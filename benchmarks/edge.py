@@ -25,7 +25,6 @@ import json
 import os
 import resource
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -36,6 +35,7 @@ from pathlib import Path
 import torch
 
 from lowband.errors import PeerLost as PeerLostError
+from lowband.proc import free_port
 
 PRESETS = {
     # ~360M params, 1.45 GB fp32: big enough that torch's own ~200 MB RSS does not dominate.
@@ -329,7 +329,7 @@ def role_link(a) -> dict:
 
 
 def _link_latency(a, hidden: int) -> dict:
-    port = _free_port()
+    port = free_port()
     common = [
         "--role",
         "link",
@@ -432,14 +432,8 @@ def _run_role(args: list[str], timeout: float) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _run_tp(model: str, a, devices: int = 2) -> dict:
-    bind = f"tcp://127.0.0.1:{_free_port()}"
+    bind = f"tcp://127.0.0.1:{free_port()}"
     common = [
         "--model",
         model,

@@ -29,8 +29,8 @@ import tempfile
 from contextlib import contextmanager
 from pathlib import Path
 
-from benchmarks.edge import PRESETS, _decode, _free_port, _pin
-from lowband.proc import die_with_parent
+from benchmarks.edge import PRESETS, _decode, _pin
+from lowband.proc import die_with_parent, free_port
 
 CGROUP = Path("/sys/fs/cgroup/cpu")
 
@@ -123,7 +123,7 @@ def role_master(a) -> dict:
 
 
 def _run(model: str, weights: str, a, add) -> dict:
-    bind = f"tcp://127.0.0.1:{_free_port()}"
+    bind = f"tcp://127.0.0.1:{free_port()}"
     worker = (
         None
         if weights == "one"

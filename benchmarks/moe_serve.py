@@ -31,7 +31,6 @@ import argparse
 import json
 import os
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -40,6 +39,8 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
+
+from lowband.proc import free_port
 
 PROMPT = "ROMEO: But soft, what light through yonder window breaks? It is the east, and"
 
@@ -165,12 +166,6 @@ def run_local(
     }
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _http(port: int, path: str, body: dict | None = None) -> dict:
     req = urllib.request.Request(
         f"http://127.0.0.1:{port}{path}",
@@ -185,7 +180,7 @@ def run_cluster(nested: Path, devices: int, budget_mb: float, policy: str, token
     """``lowband edge run --devices N`` over 127.0.0.1, driven through its HTTP API."""
     import psutil
 
-    port = _free_port()
+    port = free_port()
     cmd = [
         sys.executable,
         "-m",

@@ -46,6 +46,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 from lowband.errors import ConfigError
+from lowband.proc import free_port
 
 MiB = 1 << 20
 TRANSPORTS = ("auto", "tcp", "ipc", "shm")
@@ -214,14 +215,6 @@ def _allreduce_worker(args: argparse.Namespace) -> dict[str, Any]:
             comm.close()
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _spawn_workers(mode: str, world: int, extra: list[str], timeout: float) -> list[dict[str, Any]]:
     """Run ``world`` worker processes (own process groups, killed on failure); their JSON."""
     with tempfile.TemporaryDirectory() as tmp:
@@ -294,7 +287,7 @@ def allreduce(cfg: AllReduceBench) -> dict[str, Any]:
         "--socket-buffer-kb",
         str(cfg.socket_buffer_kb),
         "--gloo",
-        f"tcp://127.0.0.1:{_free_port()}" if cfg.vs_gloo else "",
+        f"tcp://127.0.0.1:{free_port()}" if cfg.vs_gloo else "",
         "--gc-freeze",
         str(int(cfg.gc_freeze)),
     ]

@@ -1,9 +1,11 @@
-"""Child processes that do not outlive the launcher that started them."""
+"""Process helpers for launchers, benchmarks and tests: children that do not outlive the
+launcher that started them, and free TCP ports to hand to them."""
 
 from __future__ import annotations
 
 import ctypes
 import signal
+import socket
 import sys
 
 _PR_SET_PDEATHSIG = 1
@@ -17,3 +19,13 @@ def die_with_parent() -> None:
     if sys.platform.startswith("linux"):
         libc = ctypes.CDLL(None, use_errno=True)
         libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port on ``host`` that was free a moment ago (bind to port 0, read it back).
+
+    Another process may take it before the caller binds it; the caller's bind then fails
+    loudly, which is the intended outcome for launchers and tests on one machine."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])

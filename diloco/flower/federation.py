@@ -26,6 +26,7 @@ from typing import IO, Any, Callable, Mapping, Sequence
 from diloco.flower.app import toml_value, write_app
 from diloco.flower.config import from_run_config
 from lowband.errors import ConfigError, LowbandError, TransportTimeout
+from lowband.proc import free_port
 
 logger = logging.getLogger(__name__)
 
@@ -34,12 +35,6 @@ DEPLOYMENT = "local-deployment"  # the SuperLink connection's name in FLWR_HOME/
 # A process starter: (argv, env additions, stdout) -> Popen. The default starts a new session
 # (own process group); tests pass their own that also kills the group at teardown.
 Starter = Callable[..., subprocess.Popen]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _executable(name: str) -> str:

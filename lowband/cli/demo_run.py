@@ -28,7 +28,6 @@ import logging
 import math
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -39,7 +38,7 @@ from typing import Any, Literal, Protocol
 
 from diloco.config import DilocoConfig, TrainConfig, config_to_dict, shakespeare, with_overrides
 from lowband.errors import ConfigError, LowbandError
-from lowband.proc import die_with_parent
+from lowband.proc import die_with_parent, free_port
 
 logger = logging.getLogger(__name__)
 
@@ -159,12 +158,6 @@ class Network(Protocol):
     def description(self) -> str: ...
 
 
-def _free_port(host: str) -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
 class LoopbackNetwork:
     """``emulator`` (a relay per site and one for the coordinator) or ``none`` (plain TCP)."""
 
@@ -208,7 +201,7 @@ class LoopbackNetwork:
             for _ in range(self.n):
                 # The port is free now; the site binds it a few seconds later. Another process
                 # taking it in between makes the site fail loudly at bind, not silently.
-                port = _free_port(host)
+                port = free_port(host)
                 relays.append(LinkEmulator((host, port), link, listen_host=host).start())
                 plans.append(
                     Site(

@@ -13,8 +13,8 @@ import time
 
 import pytest
 
+from lowband.proc import free_port
 from tests.chaos.conftest import last_step, wait_for
-from tests.conftest import free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -19,6 +18,7 @@ from lowband.models.config import ModelConfig
 from lowband.models.llama import LlamaForCausalLM, init_weights
 from lowband.models.tokenizer import ByteTokenizer
 from lowband.models.weights import save_pretrained
+from lowband.proc import free_port
 from tests.chaos.conftest import wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
@@ -33,12 +33,6 @@ CFG = dict(
     max_position_embeddings=256,
 )
 RECOVERY_BOUND_S = 60.0  # stated bound: back to 200 within this after SIGCONT (loaded CI box)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _get(url: str) -> tuple[int, dict]:
@@ -90,7 +84,7 @@ REQ = {"prompt": "The quick brown fox", "max_tokens": 12, "temperature": 0}
 
 @pytest.mark.parametrize("victim", ["master", "worker"])
 def test_paused_role_heals_and_answers_stay_equal(ckpt, tmp_path, procs, victim):
-    port = _free_port()
+    port = free_port()
     base = f"http://127.0.0.1:{port}"
     log = open(tmp_path / "edge.log", "w")
     p = subprocess.Popen(
@@ -160,7 +154,7 @@ def test_bad_requests_among_16_concurrent_streams(ckpt, tmp_path, procs):
 
     from benchmarks.chaos import stream, wave
 
-    port = _free_port()
+    port = free_port()
     log = open(tmp_path / "edge.log", "w")
     p = subprocess.Popen(
         [

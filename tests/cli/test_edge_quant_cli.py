@@ -18,7 +18,8 @@ from lowband.models.config import ModelConfig
 from lowband.models.llama import LlamaForCausalLM, init_weights
 from lowband.models.tokenizer import ByteTokenizer
 from lowband.models.weights import save_pretrained
-from tests.conftest import PY, free_port
+from lowband.proc import free_port
+from tests.conftest import PY
 
 CFG = dict(
     vocab_size=256,

@@ -25,8 +25,8 @@ from pathlib import Path
 
 import pytest
 
+from lowband.proc import free_port
 from tests.chaos.conftest import wait_for
-from tests.diloco.test_sites import _free_port
 from transport.coordinator import Coordinator, CoordinatorConfig
 
 HEARTBEAT = 1.0  # s: the coordinators' heartbeat interval (a kill -9 is seen within 2 of them)
@@ -82,7 +82,7 @@ class ChaosSites:
         self.procs: list[subprocess.Popen] = []
 
     def start(self, site: int, out: str) -> list[subprocess.Popen]:
-        port, addrs = _free_port(), ",".join(c.address for c in self.coords)
+        port, addrs = free_port(), ",".join(c.address for c in self.coords)
         started = []
         for r in range(2):
             env = dict(

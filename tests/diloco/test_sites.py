@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 from collections.abc import Callable, Sequence
@@ -39,6 +38,7 @@ from diloco.site import collective_device
 from diloco.site_launch import SiteLaunch, site_device
 from lowband.errors import ConfigError, IncompatiblePeer
 from lowband.models.weights import load_pretrained
+from lowband.proc import free_port
 from transport.config import ZmqConfig
 from transport.coordinator import Coordinator, CoordinatorConfig
 from transport.zmq_comm import connect
@@ -261,10 +261,6 @@ def test_cli_site_refusal_is_one_line_and_exit_2(monkeypatch, capsys, caplog, ca
 
 
 # ---- processes -------------------------------------------------------------------------------
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Sites:
@@ -282,7 +278,7 @@ class Sites:
         self.procs: list[subprocess.Popen] = []
 
     def start_site(self, site: int, extra: Sequence[str] = ()) -> list[subprocess.Popen]:
-        port, out = _free_port(), self.tmp / f"site{site}"
+        port, out = free_port(), self.tmp / f"site{site}"
         addrs = ",".join(c.address for c in self.coords)
         started = []
         for r in range(self.ranks):

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from lowband.errors import ConfigError
+from lowband.proc import free_port
 
 logger = logging.getLogger(__name__)
 
@@ -219,11 +220,7 @@ def front(port: int, link: LinkConfig, host: str = "127.0.0.1") -> LinkEmulator:
 def emulated_config(base: Any, link: LinkConfig) -> tuple[Any, LinkEmulator]:
     """A copy of a :class:`~transport.zmq_comm.ZmqConfig` whose data port sits behind a fresh
     emulator; returns (config, emulator). The caller stops the emulator."""
-    import socket
-
-    with socket.socket() as s:
-        s.bind((base.bind_host if base.bind_host not in ("0.0.0.0", "*") else "127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port(base.bind_host if base.bind_host not in ("0.0.0.0", "*") else "127.0.0.1")
     emu = front(port, link)
     # same_host="off": a same-host shortcut (shared memory, Unix sockets) would bypass the link.
     return dataclasses.replace(

@@ -37,7 +37,8 @@ from lowband.errors import ConfigError
 from lowband.models.llama import LlamaForCausalLM, init_weights
 from lowband.models.tokenizer import ByteTokenizer
 from lowband.models.weights import save_pretrained
-from tests.conftest import PY, free_port, run_ranks
+from lowband.proc import free_port
+from tests.conftest import PY, run_ranks
 from tests.edge.moe.test_nested import tiny_moe_config
 from transport.loopback import LoopbackGroup
 
