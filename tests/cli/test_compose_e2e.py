@@ -61,14 +61,18 @@ def debian_packages_available() -> bool:
     return out.count("Candidate:") == 2 and "Candidate: (none)" not in out
 
 
-def forward_policy() -> str | None:
-    """The host's iptables FORWARD policy (dockerd sets DROP), None without iptables."""
+def forward_policy() -> str:
+    """The host's iptables FORWARD policy (dockerd sets DROP and leaves it so when it stops).
+
+    A machine without the iptables command (a fresh one, before the script installs docker.io,
+    which brings it) has no rules set through it: its FORWARD chain keeps the kernel's default
+    policy, ACCEPT, which is what ``iptables -S`` reads once the command is installed."""
     if shutil.which("iptables") is None:
-        return None
+        return "ACCEPT"
     out = subprocess.run(
         ["iptables", "-S", "FORWARD"], capture_output=True, text=True, timeout=60
     ).stdout
-    return next((l.split()[2] for l in out.splitlines() if l.startswith("-P ")), None)
+    return next((l.split()[2] for l in out.splitlines() if l.startswith("-P ")), "ACCEPT")
 
 
 @pytest.mark.slow
