@@ -76,6 +76,12 @@ class ZmqConfig:
     """The coordinator's CURVE public key (Z85). Setting it enables CURVE on every socket."""
     curve: CurveKeys | None = None
     """This peer's CURVE keypair; None generates a fresh one per connect()."""
+    coordinator_grace: float = 60.0
+    """Seconds a peer waiting for a quorum tolerates a silent coordinator before the quorum
+    fails with ``PeerLost``. Collectives among the current members go on meanwhile, and a
+    coordinator restarted at the same address within the grace is rejoined without the caller
+    seeing anything: a supervisor's restart takes seconds on an idle machine and longer on a
+    loaded one, so the default leaves a minute."""
     rejoin: bool = True
     """Re-register by itself after the coordinator declared this peer lost (it was paused past
     the deadline) or restarted: pending operations still fail with PeerLost, the next quorum
@@ -86,7 +92,7 @@ class ZmqConfig:
             raise ConfigError("connections", f"must be in [1, 64], got {self.connections}")
         if not 4096 <= self.chunk_bytes <= 1 << 30:
             raise ConfigError("chunk_bytes", f"must be in [4 KiB, 1 GiB], got {self.chunk_bytes}")
-        for name in ("timeout", "register_timeout"):
+        for name in ("timeout", "register_timeout", "coordinator_grace"):
             if getattr(self, name) <= 0:
                 raise ConfigError(name, f"must be > 0 seconds, got {getattr(self, name)}")
         if not 0 <= self.data_port < 65536:

@@ -110,7 +110,7 @@ class Reactor:
         self._hb_period = heartbeat_interval / 3
         self._next_hb = 0.0
         self._control_warned = 0.0
-        self._coord_silence = max(5 * heartbeat_interval, 2.0)
+        self._coord_silence = max(config.coordinator_grace, 2 * heartbeat_interval)
         self._bye_grace = max(2.0, 2 * heartbeat_interval)
         self._wake_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         self._cmds: deque[Callable[[], None]] = deque()

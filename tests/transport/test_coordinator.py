@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 
@@ -226,7 +227,8 @@ def test_pending_quorum_completes_without_a_peer_that_dies_meanwhile():
 
 def test_collectives_survive_a_dead_coordinator_and_quorum_says_so():
     coord = Coordinator(CoordinatorConfig(bind="tcp://127.0.0.1:0", heartbeat_interval=0.3)).start()
-    a, b = connect_all(coord.address, 2, CFG)
+    # A short grace: the quorum gives up on the stopped coordinator within the test's wait.
+    a, b = connect_all(coord.address, 2, dataclasses.replace(CFG, coordinator_grace=3.0))
     try:
         coord.stop()
         outs = run_ranks([lambda p=p: p.all_reduce(torch.ones(3)) for p in (a, b)])
