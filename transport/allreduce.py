@@ -1,6 +1,6 @@
-"""All-reduce schedules, as operations driven by the engine thread (see :mod:`transport.ops`).
+"""All-reduce schedules, as operations driven by the reactor thread (see :mod:`transport.ops`).
 
-Each operation is created by a user thread, started on the engine thread, fed the messages whose
+Each operation is created by a user thread, started on the reactor thread, fed the messages whose
 ``(epoch, op key)`` match it, and completes its :class:`~transport.work.FutureWork` exactly once.
 Every operation sends from and receives into buffers it owns or that the caller lent it; sends of
 caller-visible buffers are zero-copy and *tracked*, and the operation completes only after ZeroMQ
@@ -51,9 +51,9 @@ class RingAllReduce(ReduceBase):
     segment (r - s) mod n and receives segment (r - s - 1) mod n; steps < n-1 reduce, the rest
     gather. Rank r owns segment (r + 1) mod n."""
 
-    def start(self, eng: "Host") -> None:
+    def start(self, host: "Host") -> None:
         n, r = self.n, self.rank
-        self.out = eng.pool.empty(self.numel, self.dtype)
+        self.out = host.pool.empty(self.numel, self.dtype)
         self.segs = [chunked(lo, hi, self.chunk) for lo, hi in bounds(self.numel, n)]
         self.next = (r + 1) % n
         self.prev = (r - 1) % n
@@ -65,7 +65,7 @@ class RingAllReduce(ReduceBase):
         self.todo = sum(len(c) for c in self.segs)
         for c, (lo, hi) in enumerate(self.segs[r]):
             self.send(
-                eng,
+                host,
                 self.next,
                 MsgType.CHUNK,
                 self.meta(st=0, g=r, c=c, **self.signature),
@@ -74,9 +74,9 @@ class RingAllReduce(ReduceBase):
                 track=True,
             )
         if self.todo == 0:
-            self.finish(eng, self.out.view(self.shape))
+            self.finish(host, self.out.view(self.shape))
 
-    def on_message(self, eng: "Host", src: int, msg: wire.Message) -> None:
+    def on_message(self, host: "Host", src: int, msg: wire.Message) -> None:
         self.check(msg)
         n, r = self.n, self.rank
         if src != self.prev:
@@ -104,7 +104,7 @@ class RingAllReduce(ReduceBase):
             torch.add(self.x[lo:hi], incoming, out=dst)
             if st < n - 2:
                 self.send(
-                    eng,
+                    host,
                     self.next,
                     MsgType.CHUNK,
                     self.meta(st=st + 1, g=g, c=c, **self.signature),
@@ -114,7 +114,7 @@ class RingAllReduce(ReduceBase):
             else:  # this rank owns segment g: finalize, then start its all-gather
                 self.average(dst)
                 self.send(
-                    eng,
+                    host,
                     self.next,
                     MsgType.CHUNK,
                     self.meta(st=st + 1, g=g, c=c, **self.signature),
@@ -127,7 +127,7 @@ class RingAllReduce(ReduceBase):
             dst.copy_(incoming)
             if st < 2 * n - 3:
                 self.send(
-                    eng,
+                    host,
                     self.next,
                     MsgType.CHUNK,
                     self.meta(st=st + 1, g=g, c=c, **self.signature),
@@ -136,7 +136,7 @@ class RingAllReduce(ReduceBase):
                 )
             self.todo -= 1
         if self.todo == 0:
-            self.finish(eng, self.out.view(self.shape))
+            self.finish(host, self.out.view(self.shape))
 
 
 class DirectAllReduce(ReduceBase):
@@ -147,7 +147,7 @@ class DirectAllReduce(ReduceBase):
     accumulates in float32 in arrival order. Phase 1: once a chunk has all n contributions, the
     owner finalizes it (average, encode) and sends the final bytes to every other rank."""
 
-    def start(self, eng: "Host") -> None:
+    def start(self, host: "Host") -> None:
         parts = 1 if self.algorithm == "star" else self.n
         self.owner_of: list[int] = []
         self.spans: list[tuple[int, int]] = []
@@ -155,22 +155,22 @@ class DirectAllReduce(ReduceBase):
             for span in chunked(lo, hi, self.chunk):
                 self.owner_of.append(owner)
                 self.spans.append(span)
-        self.out = eng.pool.empty(self.numel, self.dtype)
+        self.out = host.pool.empty(self.numel, self.dtype)
         self.acc: dict[int, torch.Tensor] = {}
         self.contributors: dict[int, set[int]] = {}
         self.todo = len(self.spans)
         self.final_seen: set[int] = set()
         self.pending_owned = {ci for ci, o in enumerate(self.owner_of) if o == self.rank}
         for ci, (lo, hi) in enumerate(self.spans):
-            eng.tick()  # encoding many chunks may take a while
+            host.tick()  # encoding many chunks may take a while
             piece = self.x[lo:hi]
             owner = self.owner_of[ci]
             if owner == self.rank:
-                self._accumulate(eng, ci, self.rank, self._local(piece))
+                self._accumulate(host, ci, self.rank, self._local(piece))
             else:
                 payload, extra = self._encode(piece)
                 self.send(
-                    eng,
+                    host,
                     owner,
                     MsgType.CHUNK,
                     self.meta(ph=0, ci=ci, **extra, **self.signature),
@@ -179,7 +179,7 @@ class DirectAllReduce(ReduceBase):
                     track=self.codec is None,
                 )
         if self.todo == 0:
-            self.finish(eng, self.out.view(self.shape))
+            self.finish(host, self.out.view(self.shape))
 
     def needs(self, peer: str) -> bool:
         if self.finished:
@@ -238,7 +238,7 @@ class DirectAllReduce(ReduceBase):
             )
         return value
 
-    def _accumulate(self, eng: "Host", ci: int, src: int, value: torch.Tensor) -> None:
+    def _accumulate(self, host: "Host", ci: int, src: int, value: torch.Tensor) -> None:
         have = self.contributors.setdefault(ci, set())
         if src in have:
             raise ProtocolError(f"duplicate contribution of rank {src} to chunk {ci}")
@@ -249,9 +249,9 @@ class DirectAllReduce(ReduceBase):
         else:
             acc += value
         if len(have) == self.n:
-            self._finalize(eng, ci)
+            self._finalize(host, ci)
 
-    def _finalize(self, eng: "Host", ci: int) -> None:
+    def _finalize(self, host: "Host", ci: int) -> None:
         acc = self.average(self.acc.pop(ci))
         del self.contributors[ci]
         self.pending_owned.discard(ci)
@@ -268,7 +268,7 @@ class DirectAllReduce(ReduceBase):
         for dst in range(self.n):
             if dst != self.rank:
                 self.send(
-                    eng,
+                    host,
                     dst,
                     MsgType.CHUNK,
                     self.meta(ph=1, ci=ci, **extra, **self.signature),
@@ -277,7 +277,7 @@ class DirectAllReduce(ReduceBase):
                 )
         self.todo -= 1
 
-    def on_message(self, eng: "Host", src: int, msg: wire.Message) -> None:
+    def on_message(self, host: "Host", src: int, msg: wire.Message) -> None:
         self.check(msg)
         ph = wire.int_field(msg.meta, "ph", 0, 1)
         ci = wire.int_field(msg.meta, "ci", 0, len(self.spans) - 1) if self.spans else -1
@@ -292,7 +292,7 @@ class DirectAllReduce(ReduceBase):
                 )
             value = self._decode(msg, hi - lo)
             self.received += sum(len(p) for p in msg.payload)
-            self._accumulate(eng, ci, src, value)
+            self._accumulate(host, ci, src, value)
         else:
             if src != owner or ci in self.final_seen:
                 raise ProtocolError(f"unexpected final value of chunk {ci} from rank {src}")
@@ -302,4 +302,4 @@ class DirectAllReduce(ReduceBase):
             self.out[lo:hi] = value
             self.todo -= 1
         if self.todo == 0:
-            self.finish(eng, self.out.view(self.shape))
+            self.finish(host, self.out.view(self.shape))

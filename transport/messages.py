@@ -25,7 +25,7 @@ if TYPE_CHECKING:
 
 def post_message(
     op: Op,
-    eng: "Host",
+    host: "Host",
     dst: int,
     tensors: Sequence[torch.Tensor],
     meta: Mapping[str, Any] | None,
@@ -63,10 +63,10 @@ def post_message(
         np=len(parts) - 1,
         **extra,
     )
-    op.send(eng, dst, MsgType.MSG, head, payload(parts[0]), stripe=0, track=track)
+    op.send(host, dst, MsgType.MSG, head, payload(parts[0]), stripe=0, track=track)
     for j, part in enumerate(parts[1:]):
         op.send(
-            eng,
+            host,
             dst,
             MsgType.MSG_PART,
             op.meta(i=index, j=j, pc=[list(p) for p in part]),
@@ -193,16 +193,16 @@ class _MessageOp(Op):
         self.chunk_bytes = chunk_bytes
         self.assembler = Assembler(max_bytes)
 
-    def on_message(self, eng: "Host", src: int, msg: wire.Message) -> None:
+    def on_message(self, host: "Host", src: int, msg: wire.Message) -> None:
         self.check_kind(msg)
-        done = self.assembler.feed(src, msg, eng.pool)
+        done = self.assembler.feed(src, msg, host.pool)
         self.received += sum(len(p) for p in msg.payload)
         if done is not None:
-            self.on_complete(eng, src, *done)
+            self.on_complete(host, src, *done)
 
     def on_complete(
         self,
-        eng: "Host",
+        host: "Host",
         src: int,
         index: int,
         tensors: list[torch.Tensor],
@@ -231,7 +231,7 @@ class BroadcastOp(_MessageOp):
     def needs(self, peer: str) -> bool:
         return not self.finished and self.rank_of(peer) == self.root
 
-    def start(self, eng: "Host") -> None:
+    def start(self, host: "Host") -> None:
         if self.rank != self.root:
             return
         assert self.tensors is not None
@@ -239,18 +239,18 @@ class BroadcastOp(_MessageOp):
             if dst != self.root:
                 post_message(
                     self,
-                    eng,
+                    host,
                     dst,
                     self.tensors,
                     self.user_meta,
                     chunk_bytes=self.chunk_bytes,
                     root=self.root,
                 )
-        self.finish(eng, ([t.clone() for t in self.tensors], dict(self.user_meta)))
+        self.finish(host, ([t.clone() for t in self.tensors], dict(self.user_meta)))
 
     def on_complete(
         self,
-        eng: "Host",
+        host: "Host",
         src: int,
         index: int,
         tensors: list[torch.Tensor],
@@ -262,7 +262,7 @@ class BroadcastOp(_MessageOp):
                 f"broadcast '{self.key}': ranks disagree on the root "
                 f"({header.get('root')!r} vs {self.root})"
             )
-        self.finish(eng, (tensors, meta))
+        self.finish(host, (tensors, meta))
 
 
 class AllGatherOp(_MessageOp):
@@ -277,17 +277,17 @@ class AllGatherOp(_MessageOp):
         r = self.rank_of(peer)
         return not self.finished and r is not None and self.results[r] is None
 
-    def start(self, eng: "Host") -> None:
+    def start(self, host: "Host") -> None:
         self.results = [None] * self.n
         self.results[self.rank] = self.tensor.clone()
         for dst in range(self.n):
             if dst != self.rank:
-                post_message(self, eng, dst, [self.tensor], None, chunk_bytes=self.chunk_bytes)
-        self._maybe_done(eng)
+                post_message(self, host, dst, [self.tensor], None, chunk_bytes=self.chunk_bytes)
+        self._maybe_done(host)
 
     def on_complete(
         self,
-        eng: "Host",
+        host: "Host",
         src: int,
         index: int,
         tensors: list[torch.Tensor],
@@ -297,11 +297,11 @@ class AllGatherOp(_MessageOp):
         if len(tensors) != 1 or self.results[src] is not None:
             raise ProtocolError(f"unexpected all_gather message from rank {src}")
         self.results[src] = tensors[0]
-        self._maybe_done(eng)
+        self._maybe_done(host)
 
-    def _maybe_done(self, eng: "Host") -> None:
+    def _maybe_done(self, host: "Host") -> None:
         if all(r is not None for r in self.results):
-            self.finish(eng, list(self.results))
+            self.finish(host, list(self.results))
 
 
 class BarrierOp(_MessageOp):
@@ -310,17 +310,17 @@ class BarrierOp(_MessageOp):
     def needs(self, peer: str) -> bool:
         return not self.finished and self.rank_of(peer) not in self.arrived
 
-    def start(self, eng: "Host") -> None:
+    def start(self, host: "Host") -> None:
         self.arrived = {self.rank}
         for dst in range(self.n):
             if dst != self.rank:
-                post_message(self, eng, dst, [], None, chunk_bytes=self.chunk_bytes, track=False)
+                post_message(self, host, dst, [], None, chunk_bytes=self.chunk_bytes, track=False)
         if len(self.arrived) == self.n:
-            self.finish(eng, None)
+            self.finish(host, None)
 
     def on_complete(
         self,
-        eng: "Host",
+        host: "Host",
         src: int,
         index: int,
         tensors: list[torch.Tensor],
@@ -329,7 +329,7 @@ class BarrierOp(_MessageOp):
     ) -> None:
         self.arrived.add(src)
         if len(self.arrived) == self.n:
-            self.finish(eng, None)
+            self.finish(host, None)
 
 
 class SendOp(_MessageOp):
@@ -354,11 +354,11 @@ class SendOp(_MessageOp):
     def needs(self, peer: str) -> bool:
         return False
 
-    def start(self, eng: "Host") -> None:
+    def start(self, host: "Host") -> None:
         post_message(
-            self, eng, self.dst, self.tensors, self.user_meta, chunk_bytes=self.chunk_bytes
+            self, host, self.dst, self.tensors, self.user_meta, chunk_bytes=self.chunk_bytes
         )
-        self.finish(eng, None)
+        self.finish(host, None)
 
 
 class RecvOp(_MessageOp):
@@ -375,12 +375,12 @@ class RecvOp(_MessageOp):
     def needs(self, peer: str) -> bool:
         return not self.finished and self.rank_of(peer) == self.src
 
-    def start(self, eng: "Host") -> None:
+    def start(self, host: "Host") -> None:
         pass
 
     def on_complete(
         self,
-        eng: "Host",
+        host: "Host",
         src: int,
         index: int,
         tensors: list[torch.Tensor],
@@ -389,4 +389,4 @@ class RecvOp(_MessageOp):
     ) -> None:
         if src != self.src:
             raise ProtocolError(f"message for a receive from rank {self.src} came from rank {src}")
-        self.finish(eng, (tensors, meta))
+        self.finish(host, (tensors, meta))

@@ -1,6 +1,6 @@
-"""Operations driven by the engine thread: the base class and shared helpers.
+"""Operations driven by the reactor thread: the base class and shared helpers.
 
-Each operation is created by a user thread, started on the engine thread, fed the messages whose
+Each operation is created by a user thread, started on the reactor thread, fed the messages whose
 ``(epoch, op key)`` match it, and completes its :class:`~transport.work.FutureWork` exactly once.
 Every operation sends from and receives into buffers it owns or that the caller lent it; sends of
 caller-visible buffers are zero-copy and *tracked*, and the operation completes only after ZeroMQ
@@ -90,7 +90,7 @@ class Op:
 
     kind = "op"
     p2p_recv = False
-    """A point-to-point receive: the engine numbers it when it starts (``Reactor._bind_recv``)."""
+    """A point-to-point receive: the reactor numbers it when it starts (``Reactor._bind_recv``)."""
 
     def __init__(self, table: "PeerTable", key: str, timeout: float, work: FutureWork) -> None:
         m = table.membership
@@ -139,7 +139,7 @@ class Op:
     # ---- io ------------------------------------------------------------------------------------
     def send(
         self,
-        eng: "Host",
+        host: "Host",
         dst: int,
         mtype: MsgType,
         meta: dict[str, Any],
@@ -149,7 +149,7 @@ class Op:
         track: bool = False,
     ) -> None:
         self.trackers.extend(
-            eng.send(self.peers[dst], mtype, meta, payload, stripe=stripe, track=track)
+            host.send(self.peers[dst], mtype, meta, payload, stripe=stripe, track=track)
         )
         self.sent += sum(memoryview(p).nbytes for p in payload)
 
@@ -161,29 +161,29 @@ class Op:
             )
 
     # ---- completion -----------------------------------------------------------------------------
-    def finish(self, eng: "Host", result: Any) -> None:
+    def finish(self, host: "Host", result: Any) -> None:
         self._result = result
         self.finished = True
-        eng.done(self)
+        host.done(self)
 
     def pending_trackers(self) -> bool:
         self.trackers = still_sending(self.trackers)
         return bool(self.trackers)
 
-    def settle(self, eng: "Host") -> None:
-        eng.count(self.sent, self.received)
+    def settle(self, host: "Host") -> None:
+        host.count(self.sent, self.received)
         self.work.set_result(self._result, OpStats(self.sent, self.received))
 
-    def fail(self, eng: "Host", exc: BaseException) -> None:
+    def fail(self, host: "Host", exc: BaseException) -> None:
         self.finished = True
-        eng.forget(self)
+        host.forget(self)
         if self.work.set_error(exc, OpStats(self.sent, self.received)):
-            eng.count(self.sent, self.received)
+            host.count(self.sent, self.received)
 
-    def start(self, eng: "Host") -> None:
+    def start(self, host: "Host") -> None:
         raise NotImplementedError
 
-    def on_message(self, eng: "Host", src: int, msg: wire.Message) -> None:
+    def on_message(self, host: "Host", src: int, msg: wire.Message) -> None:
         raise NotImplementedError
 
 

@@ -70,7 +70,7 @@ class Slab:
 
 
 class SlabPool:
-    """This process's slabs, reused across operations (engine thread only)."""
+    """This process's slabs, reused across operations (reactor thread only)."""
 
     def __init__(self, capacity_bytes: int) -> None:
         self.capacity = capacity_bytes
@@ -188,14 +188,14 @@ def _view(mm: mmap.mmap, offset: int, numel: int, dtype: torch.dtype) -> torch.T
 class ShmAllReduce(ReduceBase):
     """The three-phase shared-memory all-reduce described in the module docstring."""
 
-    def start(self, eng: "Host") -> None:
+    def start(self, host: "Host") -> None:
         n, numel, dtype = self.n, self.numel, self.dtype
         self.segs = bounds(numel, n)
         es = self.x.element_size()
         self.f_off = _align(numel * es)
         longest = max(hi - lo for lo, hi in self.segs)
-        self.slab = eng.shm_slabs().take(self.f_off + longest * es)
-        self.out = eng.pool.empty(numel, dtype)
+        self.slab = host.shm_slabs().take(self.f_off + longest * es)
+        self.out = host.pool.empty(numel, dtype)
         mine = self.slab.view(0, numel, dtype)
         mine.copy_(self.x)
         self.inputs: dict[int, torch.Tensor] = {self.rank: mine}
@@ -204,21 +204,21 @@ class ShmAllReduce(ReduceBase):
         self.gathered: set[int] = set()
         self.released: set[int] = set()
         self.said_done = False
-        self._announce(eng, 0, slab=[os.getpid(), self.slab.fd, self.slab.id, self.slab.size])
-        self._reduce(eng)
+        self._announce(host, 0, slab=[os.getpid(), self.slab.fd, self.slab.id, self.slab.size])
+        self._reduce(host)
 
-    def _announce(self, eng: "Host", phase: int, **extra: object) -> None:
+    def _announce(self, host: "Host", phase: int, **extra: object) -> None:
         for dst in range(self.n):
             if dst != self.rank:
                 self.send(
-                    eng,
+                    host,
                     dst,
                     MsgType.CHUNK,
                     self.meta(ph=phase, **extra, **self.signature),
                     stripe=0,
                 )
 
-    def on_message(self, eng: "Host", src: int, msg: wire.Message) -> None:
+    def on_message(self, host: "Host", src: int, msg: wire.Message) -> None:
         self.check(msg)
         phase = wire.int_field(msg.meta, "ph", 0, 2)
         if phase == 0:
@@ -231,24 +231,24 @@ class ShmAllReduce(ReduceBase):
             es = self.x.element_size()
             if size < self.f_off + max(hi - lo for lo, hi in self.segs) * es:
                 raise Mismatch(f"rank {src} announced a slab too small for this all_reduce")
-            mm = eng.shm_peers().map(int(pid), int(fd), str(sid), int(size))
-            eng.shm_pids[self.peers[src]] = int(pid)
+            mm = host.shm_peers().map(int(pid), int(fd), str(sid), int(size))
+            host.shm_pids[self.peers[src]] = int(pid)
             self.inputs[src] = _view(mm, 0, self.numel, self.dtype)
             lo, hi = self.segs[src]
             self.finals[src] = _view(mm, self.f_off, hi - lo, self.dtype)
-            self._reduce(eng)
+            self._reduce(host)
         elif phase == 1:
             if src not in self.finals or src in self.gathered:
                 raise ProtocolError(f"unexpected final segment from rank {src}")
             lo, hi = self.segs[src]
             self.out[lo:hi].copy_(self.finals[src])
             self.gathered.add(src)
-            self._gathered(eng)
+            self._gathered(host)
         else:
             self.released.add(src)
-            self._finish(eng)
+            self._finish(host)
 
-    def _reduce(self, eng: "Host") -> None:
+    def _reduce(self, host: "Host") -> None:
         if self.reduced or len(self.inputs) < self.n:
             return
         lo, hi = self.segs[self.rank]
@@ -269,27 +269,27 @@ class ShmAllReduce(ReduceBase):
                     acc += p
                 final[a:b].copy_(self.average(acc))
             self.out[lo + a : lo + b].copy_(final[a:b])
-            eng.tick()
+            host.tick()
         self.reduced = True
         self.gathered.add(self.rank)
-        self._announce(eng, 1)
-        self._gathered(eng)
+        self._announce(host, 1)
+        self._gathered(host)
 
-    def _gathered(self, eng: "Host") -> None:
+    def _gathered(self, host: "Host") -> None:
         if self.said_done or len(self.gathered) < self.n:
             return
         self.said_done = True  # (stats stay 0: no payload byte crossed a network)
-        self._announce(eng, 2)
-        self._finish(eng)
+        self._announce(host, 2)
+        self._finish(host)
 
-    def _finish(self, eng: "Host") -> None:
+    def _finish(self, host: "Host") -> None:
         if self.said_done and len(self.released) == self.n - 1 and not self.finished:
-            eng.shm_slabs().give(self.slab)
+            host.shm_slabs().give(self.slab)
             self.inputs, self.finals = {}, {}
-            self.finish(eng, self.out.view(self.shape))
+            self.finish(host, self.out.view(self.shape))
 
-    def fail(self, eng: "Host", exc: BaseException) -> None:
+    def fail(self, host: "Host", exc: BaseException) -> None:
         if not self.finished and hasattr(self, "slab"):
             self.inputs, self.finals = {}, {}
-            eng.shm_slabs().drop(self.slab)  # a slow peer may still read it: never reuse
-        super().fail(eng, exc)
+            host.shm_slabs().drop(self.slab)  # a slow peer may still read it: never reuse
+        super().fail(host, exc)
