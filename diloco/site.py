@@ -23,8 +23,9 @@ lowband group at once and raises ``SiteFailed``), so a site is never half in a l
 A restarted site joins every group r as a newcomer and receives shard r of the state from a
 peer; the state hash verified per group is a hash per shard. Its ranks register with their
 coordinators independently, so the surviving sites make sure every group admits it at the same
-sync point (``_admit_together``), and the site checks after every reconciliation that its ranks
-hold shards of one progress (step, syncs applied).
+sync point, and the site checks after every reconciliation that its ranks hold shards of one
+progress (step, syncs applied): both are :class:`SiteReconciler`'s, the site's hooks on the
+group's membership component (``diloco.membership``).
 
 Devices. The model, its shards, θ_g's shards, the outer optimizer state and the residuals live
 on the rank's device (``cfg.compute.device``, ``cuda:LOCAL_RANK`` on a GPU site). The site's
@@ -43,7 +44,7 @@ import logging
 import re
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -60,6 +61,8 @@ from diloco.checkpoint import (
 from diloco.common import InnerLoop, hash_state, optimizer_tensors
 from diloco.config import TrainConfig
 from diloco.device import optimizer_kernels
+from diloco.membership import ReconcileConfig, Reconciler, Replica
+from diloco.metrics import MetricsLog
 from diloco.sharding import (
     ShardFragment,
     ShardLayout,
@@ -149,6 +152,91 @@ def parallelize(
     return model
 
 
+class SiteReconciler(Reconciler):
+    """The membership of one site rank's lowband group, with the decisions taken per site.
+
+    Every rank of the site calls :meth:`sync_point` and :meth:`reconcile` at the same points;
+    the site's collectives are given as callables: ``site_max`` (all-reduce MAX of one int),
+    ``site_gather`` (every site rank's int row, by site rank) and ``replicate`` (DDP: share
+    each rank's rows of the replica after the outer step; nothing under FSDP2)."""
+
+    def __init__(
+        self,
+        cfg: ReconcileConfig,
+        comm: Communicator,
+        replica: Replica,
+        log: MetricsLog,
+        *,
+        site_rank: int,
+        site_max: Callable[[int], int],
+        site_gather: Callable[[list[int]], list[list[int]]],
+        replicate: Callable[[], None],
+    ) -> None:
+        super().__init__(cfg, comm, replica, log)
+        self.site_rank = site_rank
+        self.site_max, self.site_gather, self.replicate = site_max, site_gather, replicate
+
+    def sync_point(self) -> None:
+        before = self.comm.membership.epoch
+        m = self._admit_together(len(self.quorum().joined))
+        changed = m.epoch != before
+        audit = self.audit_due()
+        if self.site_max(int(changed or self.replica.lost_sync is not None or audit)):
+            self.reconcile("membership" if changed else "audit")
+        else:
+            self.replicate()
+
+    def _admit_together(self, joined: int) -> Membership:
+        """Admit a restarted site into every shard group at the same sync point.
+
+        Its ranks register with their coordinators independently, so one quorum round may admit
+        rank 0 of the newcomer site in group 0 while rank 1 registered in group 1 just after
+        that group's round completed. A newcomer site admitted at two different sync points
+        would hold shards of two different steps (and its first inner step, a site collective,
+        would wait for a rank that is still waiting to be admitted). So the surviving site
+        compares how many newcomers each of its groups admitted; a group behind calls quorum
+        again (the newcomer's rank is registering right now) until the counts agree or the
+        sync deadline passes. Every surviving site sees the same per-group counts (a group's
+        view is the same for all its members), so the same ranks of every site re-quorum in
+        lockstep. Deadline: ``sync_timeout``, agreed site-wide (rank 0's clock)."""
+        m = self.comm.membership
+        deadline = time.monotonic() + self.cfg.sync_timeout
+        while True:
+            expired = int(self.site_rank == 0 and time.monotonic() > deadline)
+            rows = self.site_gather([joined, expired])
+            most = max(r[0] for r in rows)
+            if all(r[0] == most for r in rows):
+                return m
+            if any(r[1] for r in rows):
+                logger.warning(
+                    "a newcomer site was admitted by %s of its shard groups "
+                    "within %.0fs; its missing ranks join later",
+                    [r[0] for r in rows],
+                    self.cfg.sync_timeout,
+                )
+                return m
+            if joined < most:
+                time.sleep(ADMIT_POLL_S)
+                m = self.quorum()
+                joined += len(m.joined)
+            else:
+                time.sleep(ADMIT_POLL_S)
+
+    def reconcile(self, reason: str) -> None:
+        super().reconcile(reason)
+        me = self.replica
+        # The data slot was assigned per lowband group; the site draws one stream: rank 0's.
+        rows = self.site_gather([me.slot, me.step, me.applied])
+        me.slot = rows[0][0]
+        if len({(r[1], r[2]) for r in rows}) != 1:
+            raise ProtocolError(
+                f"the ranks of this site hold shards of different progress after reconciling "
+                f"({reason}): (step, syncs applied) by rank = {[tuple(r[1:]) for r in rows]}; "
+                "its shard groups admitted it at different sync points: restart the site"
+            )
+        self.replicate()
+
+
 class SiteWorker(DilocoWorker):
     """Rank ``layout.rank`` of a site; ``comm`` is its lowband group (rank r of every site)."""
 
@@ -197,6 +285,16 @@ class SiteWorker(DilocoWorker):
         ]
         # self.global_model (plain, full size) is only an assembly buffer for evaluation and
         # export now: the authoritative θ_g is the fragments' global shards.
+        self.reconciler = SiteReconciler(
+            self.reconciler.cfg,
+            comm,
+            self,
+            self.log,
+            site_rank=layout.rank,
+            site_max=self._site_max,
+            site_gather=self._site_gather,
+            replicate=self._replicate,
+        )
 
     # ---- site collectives (every rank of the site calls them at the same point) -----------------
     # Their tensors live on self.collectives; reading the answer is the one host sync each.
@@ -237,69 +335,6 @@ class SiteWorker(DilocoWorker):
             return
         for p in self._params.values():
             p.copy_(self._gather_full(local_shard(p, self.layout), p.shape[0]).view_as(p))
-
-    # ---- membership: decided per site ---------------------------------------------------------
-    def _sync_point(self) -> None:
-        before = self.comm.membership.epoch
-        m = self._admit_together(len(self._quorum_logged().joined))
-        changed = m.epoch != before
-        audit = (
-            bool(self.cfg.audit_every)
-            and (self.step // self.mode.stride) % self.cfg.audit_every == 0
-        )
-        if self._site_max(int(changed or self.lost is not None or audit)):
-            self._reconcile("membership" if changed else "audit")
-        else:
-            self._replicate()
-
-    def _admit_together(self, joined: int) -> Membership:
-        """Admit a restarted site into every shard group at the same sync point.
-
-        Its ranks register with their coordinators independently, so one quorum round may admit
-        rank 0 of the newcomer site in group 0 while rank 1 registered in group 1 just after
-        that group's round completed. A newcomer site admitted at two different sync points
-        would hold shards of two different steps (and its first inner step, a site collective,
-        would wait for a rank that is still waiting to be admitted). So the surviving site
-        compares how many newcomers each of its groups admitted; a group behind calls quorum
-        again (the newcomer's rank is registering right now) until the counts agree or the
-        sync deadline passes. Every surviving site sees the same per-group counts (a group's
-        view is the same for all its members), so the same ranks of every site re-quorum in
-        lockstep. Deadline: ``sync_timeout``, agreed site-wide (rank 0's clock)."""
-        m = self.comm.membership
-        deadline = time.monotonic() + self.cfg.sync_timeout
-        while True:
-            expired = int(self.layout.rank == 0 and time.monotonic() > deadline)
-            rows = self._site_gather([joined, expired])
-            most = max(r[0] for r in rows)
-            if all(r[0] == most for r in rows):
-                return m
-            if any(r[1] for r in rows):
-                logger.warning(
-                    "a newcomer site was admitted by %s of its shard groups "
-                    "within %.0fs; its missing ranks join later",
-                    [r[0] for r in rows],
-                    self.cfg.sync_timeout,
-                )
-                return m
-            if joined < most:
-                time.sleep(ADMIT_POLL_S)
-                m = self._quorum_logged()
-                joined += len(m.joined)
-            else:
-                time.sleep(ADMIT_POLL_S)
-
-    def _reconcile(self, reason: str) -> None:
-        super()._reconcile(reason)
-        # The data slot was assigned per lowband group; the site draws one stream: rank 0's.
-        rows = self._site_gather([self.slot, self.step, self.applied])
-        self.slot = rows[0][0]
-        if len({(r[1], r[2]) for r in rows}) != 1:
-            raise ProtocolError(
-                f"the ranks of this site hold shards of different progress after reconciling "
-                f"({reason}): (step, syncs applied) by rank = {[tuple(r[1:]) for r in rows]}; "
-                "its shard groups admitted it at different sync points: restart the site"
-            )
-        self._replicate()
 
     # ---- state: this rank's shard ---------------------------------------------------------------
     def state_hash(self) -> int:

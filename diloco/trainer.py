@@ -7,22 +7,11 @@ outer step itself is ``diloco.outer``.
 
 Membership, failures and joins
 ------------------------------
-Right after every APPLY nothing is in flight (τ < H/P), so that is the *sync point* where every
-worker calls ``comm.quorum()``. When the epoch changed (a peer died or joined), or on the
-periodic audit, all members *reconcile*:
-
-1. all-gather a status row per worker: run signature, step, syncs applied, the sync it lost
-   (if any), hash of the global state;
-2. refuse workers whose signature differs from the majority (they raise IncompatiblePeer);
-3. if every most-advanced worker lost the same sync (a peer died while it was in flight),
-   redo it with the survivors — the average is over those who contributed;
-4. the lowest-ranked most-advanced worker holding the majority hash sends its full state to
-   every worker that is behind, new, or different (point-to-point, tensors + JSON metadata);
-5. all-gather the state hashes again: every worker must now be bit-identical in θ_g, outer
-   optimizer state, step and sync count, or the run stops with StateMismatch.
-
-A collective that fails inside this procedure (another peer lost) restarts it after a new quorum,
-so it terminates once the membership stops changing.
+Right after every APPLY nothing is in flight (τ < H/P), so that is the *sync point*: the
+worker's :class:`diloco.membership.Reconciler` takes a quorum there and, when the membership
+changed or an audit is due, reconciles the group's state (status rows, redoing a sync every
+most-advanced worker lost, a state transfer to those behind, a hash check). The worker is its
+:class:`diloco.membership.Replica`: it reports its progress and state and redoes lost syncs.
 """
 
 from __future__ import annotations
@@ -30,7 +19,6 @@ from __future__ import annotations
 import copy
 import logging
 import time
-from collections import Counter
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
@@ -53,43 +41,21 @@ from diloco.common import (
     optimizer_tensors,
     record_inner_step,
     run_signature,
-    signature_int,
 )
 from diloco.config import DilocoConfig, TrainConfig
 from diloco.device import optimizer_kernels, resolve_device
 from diloco.fragments import plan_fragments
+from diloco.membership import ReconcileConfig, Reconciler
 from diloco.metrics import MetricsLog, Progress
 from diloco.outer import FragmentSync, warn_invalid
 from diloco.schedule import Action, Kind, drain_actions, fragment_actions
 from diloco.staging import HostStaging
 from diloco.task import Task
 from lowband.codecs import get_codec
-from lowband.comm import Communicator, Membership, Work
-from lowband.errors import (
-    ConfigError,
-    IncompatiblePeer,
-    LowbandError,
-    PeerLost,
-    ProtocolError,
-    TransportTimeout,
-)
-
-# A lost peer makes every survivor's pending collectives raise PeerLost promptly (the contract of
-# lowband.comm; the ZeroMQ transport has the first rank that fails tell the others). A deadline
-# (TransportTimeout) is still handled as a lost sync, as a safety net for a live but partitioned
-# peer: then a worker that timed out waits in quorum() for those still inside their collective,
-# so the quorum deadline must outlast a collective's.
-QUORUM_TIMEOUT_FACTOR = 3.0
-MAX_CONSECUTIVE_TIMEOUTS = 3
+from lowband.comm import Communicator, Work
+from lowband.errors import ConfigError, PeerLost, ProtocolError, TransportTimeout
 
 logger = logging.getLogger(__name__)
-
-# Columns of the status row all-gathered when workers reconcile (int64).
-SIG, INIT, STEP, APPLIED, LOST_FRAG, LOST_ROUND, HASH, SLOT = range(8)
-
-
-class StateMismatch(LowbandError):
-    """Workers still disagree on the global state after a state transfer (a determinism bug)."""
 
 
 @dataclass
@@ -109,13 +75,6 @@ class _Sync:
     def valid(self) -> bool:
         """Read only after ``launched`` completed (on CUDA the flag is a staged copy)."""
         return bool(self.flag.reshape(-1)[0] > 0)
-
-
-def _majority(values: list[int]) -> int:
-    """Most common value; ties go to the value seen first (the lowest rank)."""
-    counts = Counter(values)
-    best = max(counts.values())
-    return next(v for v in values if counts[v] == best)
 
 
 class DilocoWorker:
@@ -178,8 +137,10 @@ class DilocoWorker:
         self.result = WorkerResult(
             peer_id=comm.membership.peer_id, rank=comm.rank, mode="diloco", start_step=0, steps=0
         )
-        self._rec_epoch: int | None = None
-        self._rec_count = 0
+        rc = ReconcileConfig(
+            sync_timeout=cfg.sync_timeout, audit_every=cfg.audit_every, stride=self.mode.stride
+        )
+        self.reconciler = Reconciler(rc, comm, self, self.log)  # membership and state agreement
         self._checkpoint_due = False
         self._t0 = time.perf_counter()
         self._progress = Progress(cfg.steps, enabled=progress)
@@ -191,15 +152,13 @@ class DilocoWorker:
     # ---- the loop ------------------------------------------------------------------------------
     def run(self) -> WorkerResult:
         m = self.mode
-        self._timed(
-            lambda: self.comm.quorum(min_world=self.cfg.workers, timeout=self._quorum_timeout)
-        )
+        self._timed(lambda: self.reconciler.form(self.cfg.workers))
         if self.worker_id is None:
             self.worker_id = str(self.comm.rank)
         self.result.peer_id = self.comm.membership.peer_id
         if self._resume_dir is not None:
             self._resume(self._resume_dir)
-        self._timed(lambda: self._reconcile("start"))
+        self._timed(lambda: self.reconciler.reconcile("start"))
         # Wall time and tokens/s count from here: after the group formed and agreed on a state.
         t0 = self._t0 = time.perf_counter()
         self.result.sync_s = 0.0
@@ -286,7 +245,7 @@ class DilocoWorker:
                 warn_invalid(sync.fragment)
             self._outer(sync.fragment, total, count)
             self._record_sync(sync, time.perf_counter() - t)
-        self._sync_point()
+        self.reconciler.sync_point()
 
     @staticmethod
     def _wait(sync: _Sync) -> tuple[torch.Tensor, torch.Tensor]:
@@ -341,150 +300,23 @@ class DilocoWorker:
             world=self.comm.world_size,
         )
 
-    # ---- membership ----------------------------------------------------------------------------
-    def _sync_point(self) -> None:
-        before = self.comm.membership.epoch
-        m = self._quorum_logged()
-        stride = self.mode.stride
-        audit = bool(self.cfg.audit_every) and (self.step // stride) % self.cfg.audit_every == 0
-        if m.epoch != before:
-            self._reconcile("membership")
-        elif audit:
-            self._reconcile("audit")
-        elif self.lost is not None:
-            logger.warning("lost sync with an unchanged membership; the next audit heals it")
-
-    def _quorum_logged(self) -> Membership:
-        """Every quorum a worker takes while training (at a sync point, after a reconciliation
-        lost a peer, after refusing workers, while admitting a site): a ``membership`` line in
-        the metrics log when the epoch moved."""
-        before = self.comm.membership.epoch
-        m = self.comm.quorum(timeout=self._quorum_timeout)
-        if m.epoch != before:
-            self.log.log(
-                "membership",
-                step=self.step,
-                epoch=m.epoch,
-                world=m.world_size,
-                joined=list(m.joined),
-                left=list(m.left),
-            )
-        return m
-
+    # ---- the reconciler's view of this worker (diloco.membership.Replica) ---------------------
     @property
-    def _quorum_timeout(self) -> float:
-        return QUORUM_TIMEOUT_FACTOR * self.cfg.sync_timeout
-
-    def _reconcile(self, reason: str) -> None:
-        timeouts = 0
-        while True:
-            try:
-                if self._reconcile_once(reason):
-                    return
-            except (PeerLost, TransportTimeout) as exc:
-                timeouts = timeouts + 1 if isinstance(exc, TransportTimeout) else 0
-                if timeouts >= MAX_CONSECUTIVE_TIMEOUTS:
-                    raise
-                logger.warning("reconciling failed (%s); new quorum", exc)
-                self._quorum_logged()
-
-    def _status(self, state_hash: int) -> torch.Tensor:
+    def lost_sync(self) -> tuple[int, int] | None:
         lost = self.lost
-        return torch.tensor(
-            [
-                signature_int(self.signature),
-                int(self.initialized),
-                self.step,
-                self.applied,
-                lost.fragment if lost else -1,
-                lost.round if lost else -1,
-                state_hash,
-                self.slot,
-            ],
-            dtype=torch.int64,
-        )
+        return None if lost is None else (lost.fragment, lost.round)
 
-    def _next_tag(self) -> str:
-        # Tags must be unique within an epoch and equal on every member, newcomers included:
-        # count reconciliations since the epoch began (every member runs the same ones).
-        epoch = self.comm.membership.epoch
-        if epoch != self._rec_epoch:
-            self._rec_epoch, self._rec_count = epoch, 0
-        self._rec_count += 1
-        return f"rec/{self._rec_count}"
-
-    def _reconcile_once(self, reason: str) -> bool:
-        comm, tag = self.comm, self._next_tag()
-        mine = self.state_hash()  # once: unchanged by this call unless the state is replaced
-        rows = [
-            r.tolist()
-            for r in comm.all_gather(
-                self._status(mine), tag=tag + "/status", timeout=self.cfg.sync_timeout
-            )
-        ]
-        if not self._check_signatures(rows):
-            return False
-        if not any(r[INIT] for r in rows):  # a fresh run: the seeded models are the state
-            for r in rows:
-                r[INIT] = 1
-        self._assign_slot(rows)
-        best = max((r[STEP], r[APPLIED]) for r in rows if r[INIT])
-        leaders = [i for i, r in enumerate(rows) if r[INIT] and (r[STEP], r[APPLIED]) == best]
-        lost = {(rows[i][LOST_FRAG], rows[i][LOST_ROUND]) for i in leaders}
-        if lost != {(-1, -1)}:
-            if len(lost) != 1:
-                raise ProtocolError(f"workers at the same progress lost different syncs: {lost}")
-            self._redo(*lost.pop(), leaders=leaders, tag=tag)
-            return False  # progress changed: gather the status again
-        ref = _majority([rows[i][HASH] for i in leaders])
-        donor = min(i for i in leaders if rows[i][HASH] == ref)
-        stale = [
-            i
-            for i, r in enumerate(rows)
-            if not (r[INIT] and (r[STEP], r[APPLIED]) == best and r[HASH] == ref)
-        ]
-        if stale:
-            self._transfer(donor, stale, tag)
-        self._verify(tag, reason, stale, None if comm.rank in stale else mine)
-        return True
-
-    def _assign_slot(self, rows: list[list[int]]) -> None:
-        """Workers keep their data slot for life; newcomers take fresh ones, in rank order."""
-        taken = {r[SLOT] for r in rows if r[SLOT] >= 0}
-        fresh = max(taken, default=-1) + 1
-        for r in rows:
-            if r[SLOT] < 0:
-                r[SLOT], fresh = fresh, fresh + 1
-        self.slot = rows[self.comm.rank][SLOT]
-
-    def _check_signatures(self, rows: list[list[int]]) -> bool:
-        ref = _majority([r[SIG] for r in rows if r[INIT]] or [r[SIG] for r in rows])
-        bad = [i for i, r in enumerate(rows) if r[SIG] != ref]
-        if not bad:
-            return True
-        if self.comm.rank in bad:
-            self.comm.close()
-            raise IncompatiblePeer(
-                "this worker's model/config signature differs from the group's (parameter "
-                "shapes, H, P, τ, codec, optimizers, steps or seed): use the same preset and "
-                "overrides as the other workers"
-            )
-        logger.warning("refusing %d worker(s) with a different signature", len(bad))
-        self._quorum_logged()  # they leave; continue without them
-        return False
-
-    def _redo(self, fragment: int, round_: int, *, leaders: list[int], tag: str) -> None:
+    def redo(self, fragment: int, round_: int, *, leader: bool, expected: int, tag: str) -> None:
         """Redo a sync every most-advanced worker lost, with whoever is here now."""
-        leader = self.comm.rank in leaders
         if leader and self.lost is not None:
             x, flag = self.lost.x, self.lost.flag
         else:  # a newcomer or a worker that is behind: counted out of the average
             x, flag = torch.zeros(self.fragments[fragment].numel), torch.zeros(1)
         sync = _Sync(fragment, round_, x, flag)
-        self._launch(sync, f"{tag}/redo/{fragment}/{round_}")
+        self._launch(sync, tag)
         total, count = self._wait(sync)
         if leader:
-            self._outer(fragment, total, count, expected=len(leaders))
+            self._outer(fragment, total, count, expected=expected)
             self._record_sync(sync, 0.0)
             self.lost = None
             self.result.retries += 1
@@ -495,50 +327,6 @@ class DilocoWorker:
                 redone=True,
                 world=self.comm.world_size,
             )
-
-    def _transfer(self, donor: int, stale: list[int], tag: str) -> None:
-        comm = self.comm
-        if comm.rank == donor:
-            tensors, meta = self.state(own=False)
-            names = sorted(tensors)
-            for dst in stale:
-                comm.send(
-                    dst,
-                    [tensors[n] for n in names],
-                    {"names": names, "meta": meta},
-                    tag=f"{tag}/state",
-                    timeout=self.cfg.sync_timeout,
-                )
-        elif comm.rank in stale:
-            ts, msg = comm.recv(donor, tag=f"{tag}/state", timeout=self.cfg.sync_timeout)
-            self.load(dict(zip(msg["names"], ts)), msg["meta"], own=False)
-            self.result.transfers += 1
-            logger.info("received the full state from rank %d at step %d", donor, self.step)
-
-    def _verify(self, tag: str, reason: str, stale: list[int], mine: int | None) -> None:
-        """All workers' state hashes must agree; ``mine`` is this worker's unless it was just
-        replaced by a transfer (then it is computed again)."""
-        if mine is None:
-            mine = self.state_hash()
-        hashes = [
-            int(h)
-            for h in self.comm.all_gather(
-                torch.tensor([mine], dtype=torch.int64),
-                tag=tag + "/verify",
-                timeout=self.cfg.sync_timeout,
-            )
-        ]
-        if len(set(hashes)) != 1:
-            raise StateMismatch(f"state hashes differ after reconciling ({reason}): {hashes}")
-        self.initialized = True
-        self.log.log(
-            "audit",
-            step=self.step,
-            reason=reason,
-            world=self.comm.world_size,
-            refreshed=stale,
-            state_hash=mine,
-        )
 
     # ---- state ---------------------------------------------------------------------------------
     def state_hash(self) -> int:
@@ -658,6 +446,7 @@ class DilocoWorker:
     def _finish(self) -> WorkerResult:
         r = self.result
         r.steps, r.rank = self.step, self.comm.rank
+        r.transfers = self.reconciler.transfers
         r.final_eval = self._evaluate()
         stats = self.comm.stats()
         r.bytes_sent, r.bytes_received = stats.bytes_sent, stats.bytes_received

@@ -341,7 +341,7 @@ def test_worker_lost_during_an_audit_is_logged_as_left(tmp_path):
         for r, c in enumerate(comms)
     ]
     victim = workers[2]
-    real_verify = victim._verify
+    real_verify = victim.reconciler._verify
 
     def verify_then_die(tag, reason, stale, mine):
         if reason == "audit":
@@ -349,7 +349,7 @@ def test_worker_lost_during_an_audit_is_logged_as_left(tmp_path):
             raise _Killed
         return real_verify(tag, reason, stale, mine)
 
-    victim._verify = verify_then_die  # type: ignore[method-assign]
+    victim.reconciler._verify = verify_then_die  # type: ignore[method-assign]
     results, errors = run_all([w.run for w in workers])
     assert isinstance(errors[2], _Killed) and errors[:2] == [None, None]
     assert results[0].state_hash == results[1].state_hash
