@@ -90,7 +90,7 @@ class Op:
 
     kind = "op"
     p2p_recv = False
-    """A point-to-point receive: the reactor numbers it when it starts (``Reactor._bind_recv``)."""
+    """A point-to-point receive: the reactor numbers it when it starts (``Routing.bind_recv``)."""
 
     def __init__(self, table: "PeerTable", key: str, timeout: float, work: FutureWork) -> None:
         m = table.membership

@@ -12,7 +12,7 @@ Usage (see also ``lowband coordinator``)::
 :class:`ZmqCommunicator`, which satisfies :class:`lowband.comm.Communicator`. Its epoch is -1 until
 its first :meth:`~ZmqCommunicator.quorum`; collectives before that raise ``PeerLost``.
 
-Threading: all sockets live on the engine thread (:mod:`transport.reactor`); the methods here build
+Threading: all sockets live on the reactor thread (:mod:`transport.reactor`); the methods here build
 an operation (:mod:`transport.ops`), hand it over and return its handle. Any number of
 user threads may call them concurrently.
 """
@@ -84,7 +84,7 @@ def connect(
         keys = None
         if cfg.curve_server_key is not None:
             keys = cfg.curve or CurveKeys.generate()
-        # Members' CURVE keys -> peer ids. The engine swaps in a new dict per epoch (never mutates
+        # Members' CURVE keys -> peer ids. The reactor swaps in a new dict per epoch (never mutates
         # one), because the ZAP thread reads it concurrently.
         allowed: list[dict[bytes, str]] = [{}]
         if cfg.token is not None or keys is not None:
@@ -136,7 +136,11 @@ def connect(
             "chunk": cfg.chunk_bytes,
         }
         interval = _register(control, coordinator, cfg, register)
-        engine = Reactor(
+
+        def allow(table: PeerTable) -> None:
+            allowed[0] = {k.encode(): p for p, k in zip(table.membership.peers, table.keys) if k}
+
+        reactor = Reactor(
             ctx=ctx,
             config=cfg,
             peer_id=pid,
@@ -145,18 +149,11 @@ def connect(
             keys=keys,
             heartbeat_interval=interval,
             register_meta=register if cfg.rejoin else None,
+            local=local,
+            on_membership=allow if keys is not None else None,
         )
-        engine.local = local
-        if keys is not None:
-
-            def allow(table: PeerTable) -> None:
-                allowed[0] = {
-                    k.encode(): p for p, k in zip(table.membership.peers, table.keys) if k
-                }
-
-            engine.on_membership = allow
-        engine.start()
-        return ZmqCommunicator(engine, ctx, zap, cfg, pid, addr)
+        reactor.start()
+        return ZmqCommunicator(reactor, ctx, zap, cfg, pid, addr)
     except BaseException:
         for s in sockets:
             s.close(0)
@@ -227,14 +224,14 @@ class ZmqCommunicator(BlockingCollectives):
 
     def __init__(
         self,
-        engine: Reactor,
+        reactor: Reactor,
         ctx: zmq.Context,
         zap: ZapHandler | None,
         cfg: ZmqConfig,
         peer_id: str,
         address: str,
     ) -> None:
-        self._engine = engine
+        self._reactor = reactor
         self._ctx = ctx
         self._zap = zap
         self.config = cfg
@@ -249,7 +246,7 @@ class ZmqCommunicator(BlockingCollectives):
     # ---- membership ---------------------------------------------------------------------------
     @property
     def membership(self) -> Membership:
-        table = self._engine.table
+        table = self._reactor.members.table
         return table.membership if table else Membership(-1, 0, 1, (self.peer_id,))
 
     @property
@@ -264,18 +261,18 @@ class ZmqCommunicator(BlockingCollectives):
     def rejoins(self) -> int:
         """Times this peer was declared lost and registered again by itself (a process that
         was paused past the deadline learns of it here: its groups must re-form)."""
-        return self._engine.rejoins
+        return self._reactor.members.rejoins
 
     def quorum(self, *, min_world: int = 1, timeout: float | None = None) -> Membership:
         if min_world < 1:
             raise ConfigError("min_world", f"must be >= 1, got {min_world}")
         limit = self._timeout(timeout)
         waiter: FutureWork[Membership] = FutureWork(f"quorum(min_world={min_world})", limit)
-        self._engine.call(lambda: self._engine.request_quorum(min_world, waiter))
+        self._reactor.call(lambda: self._reactor.members.request_quorum(min_world, waiter))
         try:
             m = waiter.wait(limit)
         except TransportTimeout:
-            self._engine.call(lambda: self._engine.cancel_quorum(waiter))
+            self._reactor.call(lambda: self._reactor.members.cancel_quorum(waiter))
             try:  # the round may still complete before the coordinator sees the cancellation
                 m = waiter.wait(max(5.0, limit))
             except TransportTimeout:
@@ -297,7 +294,7 @@ class ZmqCommunicator(BlockingCollectives):
     def _table(self) -> PeerTable:
         if self._closed:
             raise CommClosed("this communicator is closed")
-        table = self._engine.table
+        table = self._reactor.members.table
         if table is None:
             raise PeerLost(f"{self.peer_id} has not joined yet: call quorum() first")
         return table
@@ -333,7 +330,7 @@ class ZmqCommunicator(BlockingCollectives):
         world_size: int | None = None,
     ) -> str:
         """The schedule ``all_reduce`` will run: ring, scatter, star or shm (same host)."""
-        table = self._engine.table
+        table = self._reactor.members.table
         n = world_size if world_size is not None else (table.membership.world_size if table else 1)
         if n <= 1:
             return "star"
@@ -343,7 +340,7 @@ class ZmqCommunicator(BlockingCollectives):
             algorithm == "ring"
             and codec is None
             and table is not None
-            and self._engine.same_host_shm(table)
+            and self._reactor.same_host_shm(table)
         ):
             return "shm"
         if algorithm == "ring" and (codec is not None or acc_dtype(tensor.dtype) != tensor.dtype):
@@ -357,11 +354,11 @@ class ZmqCommunicator(BlockingCollectives):
         memory), ``ipc`` (Unix sockets), ``tcp``, or ``ipc+tcp`` for a mixed group."""
         if self.choose_algorithm(tensor, codec, algorithm) == "shm":
             return "shm"
-        table = self._engine.table
+        table = self._reactor.members.table
         if table is None or table.membership.world_size <= 1:
             return "local"
         kinds = {
-            data_address(self._engine.local, addr, loc).split("://", 1)[0]
+            data_address(self._reactor.local, addr, loc).split("://", 1)[0]
             for pid, addr, loc in zip(table.membership.peers, table.addrs, table.locals)
             if pid != self.peer_id
         }
@@ -396,7 +393,7 @@ class ZmqCommunicator(BlockingCollectives):
             chunk_bytes=self.config.chunk_bytes,
             codec=codec,
         )
-        self._engine.submit(o)
+        self._reactor.submit(o)
         return o.work
 
     def _broadcast_async(
@@ -424,7 +421,7 @@ class ZmqCommunicator(BlockingCollectives):
             chunk_bytes=self.config.chunk_bytes,
             max_bytes=self.config.max_tensor_bytes,
         )
-        self._engine.submit(o)
+        self._reactor.submit(o)
         return o.work
 
     def all_gather_async(
@@ -437,7 +434,7 @@ class ZmqCommunicator(BlockingCollectives):
             chunk_bytes=self.config.chunk_bytes,
             max_bytes=self.config.max_tensor_bytes,
         )
-        self._engine.submit(o)
+        self._reactor.submit(o)
         return o.work
 
     def barrier(self, *, tag: str | None = None, timeout: float | None = None) -> None:
@@ -447,7 +444,7 @@ class ZmqCommunicator(BlockingCollectives):
             chunk_bytes=self.config.chunk_bytes,
             max_bytes=0,
         )
-        self._engine.submit(o)
+        self._reactor.submit(o)
         o.work.wait()
 
     # ---- point to point ------------------------------------------------------------------------
@@ -477,14 +474,14 @@ class ZmqCommunicator(BlockingCollectives):
             chunk_bytes=self.config.chunk_bytes,
             max_bytes=0,
         )
-        self._engine.submit(o)
+        self._reactor.submit(o)
         o.work.wait()
 
     def recv(
         self, src: int, *, tag: str, timeout: float | None = None
     ) -> tuple[list[torch.Tensor], dict[str, Any]]:
         table = self._p2p_table(src, "src")
-        # Numbered by the engine when it starts (in call order), not here: a receive that times
+        # Numbered by the reactor when it starts (in call order), not here: a receive that times
         # out before its message came gives the number back, so the message goes to the next
         # receive of this tag instead of shifting every later pairing by one.
         key = f"p2p:{src}>{table.membership.rank}:{tag}"
@@ -494,43 +491,45 @@ class ZmqCommunicator(BlockingCollectives):
             chunk_bytes=self.config.chunk_bytes,
             max_bytes=self.config.max_tensor_bytes,
         )
-        self._engine.submit(o)
+        self._reactor.submit(o)
         try:
             return o.work.wait()
         except TransportTimeout as exc:
-            # Withdraw it on the engine thread before giving up: a message that arrives in
+            # Withdraw it on the reactor thread before giving up: a message that arrives in
             # between must either complete this receive (and be returned) or stay for the next.
             settled = threading.Event()
-            self._engine.call(lambda e=exc: (o.finished or o.fail(self._engine, e), settled.set()))
+            self._reactor.call(
+                lambda e=exc: (o.finished or o.fail(self._reactor, e), settled.set())
+            )
             settled.wait(5.0)
             return o.work.wait(0)
 
     # ---- bookkeeping ---------------------------------------------------------------------------
     def stats(self) -> OpStats:
-        return self._engine.stats()
+        return self._reactor.stats()
 
     @property
     def bad_messages(self) -> int:
         """Malformed or unexpected data messages dropped so far (each one was logged)."""
-        return self._engine.bad_messages
+        return self._reactor.bad_messages
 
     @property
     def auth_rejections(self) -> int:
         """Connections to this peer's data socket refused at the handshake."""
-        return self._engine.watch.failures
+        return self._reactor.links.watch.failures
 
     def close(self) -> None:
         """Leave the group (peers get PEER_LOST at once) and release every socket."""
         if self._closed:
             return
         self._closed = True
-        self._engine.close(leave=True, timeout=max(5.0, self.config.linger + 1))
+        self._reactor.close(leave=True, timeout=max(5.0, self.config.linger + 1))
         if self._zap is not None:
             self._zap.close()
-        if self._engine.running:
+        if self._reactor.running:
             # Its sockets are still open: terminating the context would block forever.
             logger.error(
-                "the transport engine of %s did not stop; leaving its sockets open", self.peer_id
+                "the transport reactor of %s did not stop; leaving its sockets open", self.peer_id
             )
             return
         self._ctx.term()

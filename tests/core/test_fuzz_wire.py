@@ -261,7 +261,7 @@ def test_live_peer_and_coordinator_survive_10000_fuzzed_frames():
             for s, b in run_ranks([lambda c=c: body(c) for c in comms], timeout=60):
                 assert torch.allclose(s, xs[0] + xs[1]) and torch.equal(b, xs[1])
             assert coord.alive == tuple(c.peer_id for c in comms)
-            assert all(c._engine._thread.is_alive() for c in comms)
+            assert all(c._reactor._thread.is_alive() for c in comms)
         finally:
             data.close(0)
             control.close(0)

@@ -132,7 +132,7 @@ def test_quorum_times_out_when_a_member_does_not_come():
 
 
 def test_silent_but_connected_peer_is_kept():
-    """A peer whose Python threads are starved (here: its engine thread is blocked) still
+    """A peer whose Python threads are starved (here: its reactor thread is blocked) still
     answers ZMTP pings from libzmq's I/O thread, so it stays a member and its collective
     completes once it runs again (the 3 MB prompt case of issue 10)."""
     interval = 0.3
@@ -143,7 +143,7 @@ def test_silent_but_connected_peer_is_kept():
         try:
             pending = a.all_reduce_async(torch.ones(2), tag="z")
             stall = threading.Event()
-            b._engine.call(lambda: stall.wait(30))
+            b._reactor.call(lambda: stall.wait(30))
             time.sleep(6 * interval)  # three deadlines of silence
             assert set(coord.alive) == {a.peer_id, b.peer_id}
             stall.set()
@@ -165,7 +165,7 @@ def test_hung_peer_is_declared_lost_then_rejoins_by_itself():
         try:
             pending = a.all_reduce_async(torch.ones(2), tag="z")
             stall = threading.Event()
-            b._engine.call(lambda: stall.wait(30))
+            b._reactor.call(lambda: stall.wait(30))
             t0 = time.monotonic()
             with pytest.raises(PeerLost) as info:
                 pending.wait(10)
@@ -199,7 +199,7 @@ def test_hung_peer_is_declared_lost_then_rejoins_by_itself():
                 b.all_reduce_async(torch.ones(2), tag="y"),
             ]
             assert [w.wait(10).tolist() for w in out] == [[2.0, 2.0]] * 2
-            assert b._engine.rejoins == 1
+            assert b._reactor.members.rejoins == 1
         finally:
             a.close()
             b.close()

@@ -112,7 +112,7 @@ def test_curve_encrypts_and_admits_only_registered_keys(tmp_path):
                 )
             # An outsider with its own keypair who knows a peer's (public) data key is refused.
             victim = comms[1]
-            victim_key = victim._engine.keys.public
+            victim_key = victim._reactor.links.keys.public
             outsider = CurveKeys.generate()
 
             def as_outsider(s: zmq.Socket) -> None:

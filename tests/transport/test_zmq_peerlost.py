@@ -290,10 +290,10 @@ def test_a_recv_that_times_out_behind_another_hands_its_place_on():
 
         first = threading.Thread(target=recv, args=("first", 0.3))
         first.start()
-        _until(lambda: sum(len(q) for q in c1._engine._recvs.values()) == 1, 10)
+        _until(lambda: sum(len(q) for q in c1._reactor.routing._recvs.values()) == 1, 10)
         second = threading.Thread(target=recv, args=("second", 20.0))
         second.start()
-        _until(lambda: sum(len(q) for q in c1._engine._recvs.values()) == 2, 10)
+        _until(lambda: sum(len(q) for q in c1._reactor.routing._recvs.values()) == 2, 10)
         first.join(10)
         assert isinstance(results["first"], TransportTimeout)
         c0.send(1, [], {"only": True}, tag="y")

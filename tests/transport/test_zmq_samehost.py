@@ -31,7 +31,7 @@ def test_shm_all_reduce_exact_bit_identical_and_reuses_its_slab(dtype):
             each(comms, lambda c: (c.all_reduce(xs[c.rank]), c.all_reduce(xs[c.rank], "avg")))
             for _ in range(3)
         ]
-        slabs = [len(c._engine.shm_slabs()._slabs) for c in comms]
+        slabs = [len(c._reactor.shm_slabs()._slabs) for c in comms]
         stats = comms[0].stats()
     for s, a in outs[-1]:
         assert torch.equal(s, outs[0][0][0]) and torch.equal(a, outs[0][0][1])
@@ -92,14 +92,14 @@ def test_off_keeps_everything_on_tcp():
     with local_group(2, ZmqConfig(**BASE, same_host="off")) as (_, comms):
         x = torch.ones(100_000)
         assert comms[0].choose_algorithm(x) == "ring"
-        out = comms[0]._engine._out[comms[1].peer_id].sockets[0]
+        out = comms[0]._reactor.links._out[comms[1].peer_id].sockets[0]
         assert out.last_endpoint.decode().startswith("tcp://")
 
 
 @pytest.mark.parametrize("mode", ["ipc", "shm"])
 def test_ipc_connects_same_host_peers_over_unix_sockets(mode):
     with local_group(2, ZmqConfig(**BASE, same_host=mode)) as (_, comms):
-        out = comms[0]._engine._out[comms[1].peer_id].sockets[0]
+        out = comms[0]._reactor.links._out[comms[1].peer_id].sockets[0]
         assert out.last_endpoint.decode().startswith("ipc://")
         xs = [torch.randn(500_000) for _ in comms]
         assert comms[0].choose_algorithm(xs[0]) == ("ring" if mode == "ipc" else "shm")
