@@ -42,7 +42,7 @@ class ZmqConfig:
     max_tensor_bytes: int = 1 << 36
     """Largest logical message (e.g. a broadcast state dict) this peer will allocate for."""
     send_hwm: int = 1000
-    """Messages queued per connection before the engine holds further sends in its backlog."""
+    """Messages queued per connection before the reactor holds further sends in its backlog."""
     socket_buffer_bytes: int = 0
     """SO_SNDBUF / SO_RCVBUF; 0 keeps the kernel's auto-tuning."""
     linger: float = 2.0
