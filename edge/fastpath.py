@@ -20,7 +20,7 @@ called from C++ between the blocks, so the same transport carries the partial su
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -43,7 +43,7 @@ def _lin(mod: nn.Module) -> tuple:
         bias = bias.detach().to(torch.float32).contiguous()
     if isinstance(mod, QuantLinear):
         return (mod.bits, mod.qweight.contiguous(), mod.scales.contiguous(), mod.group, bias)
-    w = mod.weight.detach()
+    w = cast(torch.Tensor, mod.weight).detach()
     return (32, w if w.is_contiguous() else w.contiguous(), None, 0, bias)
 
 

@@ -59,7 +59,8 @@ class Codec(Protocol):
     deterministic: the same input gives the same bytes on every machine.
     """
 
-    name: str
+    @property
+    def name(self) -> str: ...
 
     def encode(self, tensor: torch.Tensor) -> Encoded: ...
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Iterator, cast
 
 import torch
 import torch.nn.functional as F
@@ -192,6 +192,14 @@ class KVCache:
 
 
 class Attention(nn.Module):
+    # Declared for type checkers: nn.Module's __getattr__ would type submodules as
+    # ``Tensor | Module``. The projections may be swapped for quantized modules after loading.
+    q_proj: nn.Module
+    k_proj: nn.Module
+    v_proj: nn.Module
+    o_proj: nn.Module
+    qkv: nn.Module | None
+
     def __init__(self, cfg: ModelConfig, layer_idx: int) -> None:
         super().__init__()
         self.layer_idx = layer_idx
@@ -249,6 +257,11 @@ class Attention(nn.Module):
 
 class MLP(nn.Module):
     """SwiGLU feed-forward: down(silu(gate(x)) * up(x))."""
+
+    gate_proj: nn.Module
+    up_proj: nn.Module
+    down_proj: nn.Module
+    gate_up: nn.Module | None
 
     def __init__(self, hidden: int, inter: int) -> None:
         super().__init__()
@@ -319,6 +332,12 @@ class SparseMoE(nn.Module):
 
 
 class DecoderLayer(nn.Module):
+    self_attn: Attention
+    mlp: MLP
+    block_sparse_moe: SparseMoE
+    input_layernorm: RMSNorm
+    post_attention_layernorm: RMSNorm
+
     def __init__(self, cfg: ModelConfig, idx: int) -> None:
         super().__init__()
         self.self_attn = Attention(cfg, idx)
@@ -345,16 +364,35 @@ class DecoderLayer(nn.Module):
         return x + self.ffn(self.post_attention_layernorm(x))
 
 
+class LayerList(nn.ModuleList):
+    """An ``nn.ModuleList`` of :class:`DecoderLayer` (the element type spelled out for type
+    checkers; at run time it is a plain module list)."""
+
+    if TYPE_CHECKING:
+
+        def __iter__(self) -> Iterator[DecoderLayer]: ...
+
+        def __getitem__(self, idx: int) -> DecoderLayer: ...  # type: ignore[override]
+
+
 class LlamaModel(nn.Module):
+    embed_tokens: nn.Embedding
+    layers: LayerList
+    norm: RMSNorm
+
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.layers = LayerList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
 class LlamaForCausalLM(nn.Module):
     """Decoder with an LM head. ``forward(ids) -> logits (B, T, V)``."""
+
+    model: LlamaModel
+    lm_head: nn.Module
+    inv_freq: torch.Tensor
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -432,10 +470,11 @@ def _fuse_rows(mods: list[nn.Module], other: Fuser | None) -> nn.Module | None:
     for ``nn.Linear``; ``other`` fuses other kinds (quantized linears live above this layer).
     None when the weights cannot be fused (meta, mixed kinds)."""
     if all(type(m) is nn.Linear for m in mods):
-        ws = [m.weight for m in mods]
+        lins = cast(list[nn.Linear], mods)
+        ws = [m.weight for m in lins]
         if any(w.is_meta for w in ws) or len({w.dtype for w in ws}) != 1:
             return None
-        has_bias = [m.bias is not None for m in mods]
+        has_bias = [m.bias is not None for m in lins]
         fused = nn.Linear(
             ws[0].shape[1], sum(w.shape[0] for w in ws), bias=any(has_bias), device="meta"
         )
@@ -445,13 +484,13 @@ def _fuse_rows(mods: list[nn.Module], other: Fuser | None) -> nn.Module | None:
                 torch.cat(
                     [
                         m.bias.detach() if m.bias is not None else ws[i].new_zeros(ws[i].shape[0])
-                        for i, m in enumerate(mods)
+                        for i, m in enumerate(lins)
                     ]
                 ),
                 requires_grad=False,
             )
         a = 0
-        for m in mods:  # re-point the originals at views: the old tensors can be freed
+        for m in lins:  # re-point the originals at views: the old tensors can be freed
             n = m.weight.shape[0]
             m.weight = nn.Parameter(fused.weight[a : a + n], requires_grad=False)
             if m.bias is not None:
