@@ -1,33 +1,5 @@
-"""A tensor-parallel cluster over a :class:`lowband.comm.Communicator`: master and workers.
-
-The master (rank 0 of the first epoch) holds slot 0 of the plan (which includes embedding,
-final norm and LM head), tokenises, samples and serves HTTP. Workers hold slots 1..N-1 and
-only run decoder layers. Per forward pass the master sends the embedded tokens to every
-worker (star, ``send``/``recv`` on the ``edge.ctl`` tag) and all ranks run their layers with
-two all-reduces per layer (the ``reduce`` hooks installed by ``edge.tp.shard``).
-
-Slots are not comm ranks: a sum does not care who contributes what, so after a failure the
-survivors keep their slots and a returning worker is assigned the missing one.
-
-Control messages (msgpack meta, master -> worker unless noted)::
-
-    assign   {slot, world, weights, model_dir, dtype, codec, algorithm, window?, budget_mb?,
-              experts?}   (experts: edge.moe.serve.ExpertServeConfig.to_dict of a nested MoE)
-    ready    worker -> master, {ok, slot, error?}
-    forward  {fid, start, epoch} + one tensor: embedded tokens (1, T, H)
-    reset    drop the KV cache
-    ping     {n, epoch}, followed by a barrier tagged ``ping{n}`` (idle health check)
-    stats    {n}: the worker answers its expert store's report on tag ``edge.stats{n}`` (a
-             fresh tag per request, so a late answer can never match another request)
-    regroup  {epoch}: call quorum to form the next epoch
-    shutdown leave
-
-Failure handling: a dead worker makes the master's all-reduce raise ``PeerLost`` (or a
-deadline raise ``TransportTimeout``); the request fails with :class:`ClusterUnavailable`, the
-master marks itself unhealthy and a recovery thread asks survivors to regroup and calls
-``quorum(min_world=N)`` until the group is whole again (a restarted worker joins it), then
-assigns the missing slot. All-reduces are tagged ``f{fid}.{k}`` so a half-finished forward of
-an old epoch can never be matched with a new one.
+"""The master of a tensor-parallel cluster: slot 0 of the plan, the :class:`edge.engine.Runner`
+the HTTP server drives, and the recovery of a cluster that lost a device (see ``edge.cluster``).
 """
 
 from __future__ import annotations
@@ -35,55 +7,46 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
 import torch
 
+from edge.cluster.protocol import (
+    CTL,
+    READY,
+    Assign,
+    Bye,
+    Forward,
+    Msg,
+    Ping,
+    Ready,
+    Regroup,
+    Report,
+    Reset,
+    Shutdown,
+    Stats,
+    Yield,
+    master_rank,
+    stats_tag,
+)
+from edge.cluster.shard import Tags, load_slot, shard_logits, wire_codec
 from edge.engine import ClusterUnavailable
-from edge.moe.serve import ExpertServeConfig, is_nested_dir, load_nested_shard
-from edge.shardio import LoadedShard, WindowConfig, is_split_dir, load_shard
-from edge.tp import exact_reduce, gather_logits, make_reduce
-from lowband.codecs import Int8BlockCodec, get_codec
-from lowband.comm import Codec, Communicator, OpStats
+from edge.moe.serve import ExpertServeConfig
+from edge.shardio import WindowConfig, is_split_dir
+from lowband.comm import Communicator, OpStats
 from lowband.errors import (
     CommClosed,
     ConfigError,
-    CorruptWeights,
     LowbandError,
     PeerLost,
     ProtocolError,
     TransportTimeout,
 )
-from transport.starlink import StarHub, StarSpoke
+from transport.starlink import StarHub
 
 logger = logging.getLogger(__name__)
-
-CTL = "edge.ctl"
-READY = "edge.ready"
-MASTER_ID_PREFIX = "edge-master"  # peer id prefix of the master on a real transport
-
-
-def master_rank(peers: Sequence[str]) -> int:
-    """The master's rank: the peer whose id says so, else rank 0 (loopback groups)."""
-    for r, p in enumerate(peers):
-        if p.startswith(MASTER_ID_PREFIX):
-            return r
-    return 0
-
-
-WIRE_CODECS = ("fp32", "fp16", "bf16", "int8")
-
-
-def wire_codec(name: str) -> Codec | None:
-    """Activation codec for the all-reduces; ``None`` sends fp32 as is. int8 uses blocks of 64
-    values: activations are short vectors, a 256 block would be mostly padding."""
-    if name not in WIRE_CODECS:
-        raise ConfigError("wire", f"unknown activation encoding {name!r}; one of {WIRE_CODECS}")
-    if name == "fp32":
-        return None
-    return Int8BlockCodec(block=64) if name == "int8" else get_codec(name)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -143,84 +106,6 @@ class ClusterConfig:
         return WindowConfig(window=self.window, memory_budget_mb=self.memory_budget_mb)
 
 
-class _Tags:
-    """All-reduce tags ``f{fid}.{k}`` (see module docstring)."""
-
-    def __init__(self) -> None:
-        self.fid = 0
-        self.k = 0
-
-    def start(self, fid: int) -> None:
-        self.fid, self.k = fid, 0
-
-    def __call__(self) -> str:
-        self.k += 1
-        return f"f{self.fid}.{self.k}"
-
-
-def check_experts(model_dir: str | Path, experts: ExpertServeConfig | None) -> bool:
-    """Whether ``model_dir`` is a nested MoE; refuses a missing or a pointless expert budget."""
-    nested = is_nested_dir(model_dir)
-    if nested and experts is None:
-        raise ConfigError(
-            "expert_budget_mb",
-            f"{model_dir} is a bit-nested MoE: give the memory "
-            "its experts may use (--expert-budget-mb)",
-        )
-    if not nested and experts is not None:
-        raise ConfigError(
-            "expert_budget_mb",
-            f"{model_dir} is not a bit-nested MoE directory "
-            "(convert with 'lowband edge quantize MODEL --nested --out DIR')",
-        )
-    return nested
-
-
-def _load(
-    model_dir: str,
-    slot: int,
-    world: int,
-    weights,
-    dtype,
-    net,
-    codec,
-    algorithm: str,
-    timeout: float,
-    window: WindowConfig | None,
-    tags: _Tags,
-    experts: ExpertServeConfig | None = None,
-) -> LoadedShard:
-    """``net``: whatever carries the all-reduces (the communicator or a star link)."""
-    reduce = make_reduce(net, codec=codec, algorithm=algorithm, timeout=timeout, tags=tags)
-    if check_experts(model_dir, experts):
-        return load_nested_shard(
-            model_dir,
-            slot,
-            world,
-            experts=experts,
-            weights=weights,
-            reduce=reduce,
-            window=window,
-            dtype=dtype,
-        )
-    return load_shard(
-        model_dir, slot, world, weights=weights, dtype=dtype, reduce=reduce, window=window
-    )
-
-
-def shard_logits(shard: LoadedShard, h: torch.Tensor, top: int) -> torch.Tensor | None:
-    """Next-token logits from the last position of ``h`` (1, T, H): the master's (V,) float32
-    answer, None on a worker. With a vocabulary-parallel head every rank computes its rows and
-    takes part in :func:`edge.tp.gather_logits` (``top``: see there)."""
-    model, plan = shard.model, shard.plan
-    V = model.config.vocab_size
-    a, b = plan.vocab_rows(shard.rank, V)
-    local = model.head(h[:, -1]).float()[0] if b > a else None
-    if not plan.vocab_split or shard.reduce is None:
-        return local
-    return gather_logits(local, plan, shard.rank, V, top, exact_reduce(shard.reduce))
-
-
 class MasterRunner:
     """Runner (see ``edge.engine``) for the master of an N-device cluster."""
 
@@ -229,7 +114,7 @@ class MasterRunner:
         self.cfg = cfg
         self.model_dir = str(model_dir)
         self.codec = wire_codec(cfg.wire)
-        self.tags = _Tags()
+        self.tags = Tags()
         self._fid = 0
         self._lock = threading.RLock()  # one forward / ping / recovery at a time
         self._healthy = False
@@ -256,7 +141,7 @@ class MasterRunner:
             if cfg.link == "direct" and self.devices > 1
             else None
         )
-        self.shard = _load(
+        self.shard = load_slot(
             self.model_dir,
             0,
             self.devices,
@@ -299,12 +184,13 @@ class MasterRunner:
         dropped = [r for r in self._others() if r not in used]
         for r in dropped:
             why = plan.left_out.get(self.comm.membership.peers[r], "")
-            self._ctl(r, [], {"op": "shutdown", "reason": f"left out by the planner: {why}"})
+            self._ctl(r, [], Shutdown(reason=f"left out by the planner: {why}"))
         for r in dropped:
-            self.comm.recv(r, tag=READY, timeout=self.cfg.op_timeout)
+            _, meta = self.comm.recv(r, tag=READY, timeout=self.cfg.op_timeout)
+            Bye.decode(meta)
         if dropped:  # the next epoch is formed by the devices that stay
             for r in used:
-                self._ctl(r, [], {"op": "regroup", "epoch": self.comm.membership.epoch})
+                self._ctl(r, [], Regroup(epoch=self.comm.membership.epoch))
             self.comm.quorum(min_world=len(plan.devices), timeout=self.cfg.join_timeout)
         self.split, self.devices, self.weights = plan, len(plan.devices), plan.weights
         print(f"lowband edge: {plan.explain()}", flush=True)
@@ -315,7 +201,7 @@ class MasterRunner:
     def _slot(self, r: int) -> int | None:
         return self._slots.get(self.comm.membership.peers[r])
 
-    def _ctl(self, r: int, tensors: list[torch.Tensor], meta: dict) -> None:
+    def _ctl(self, r: int, tensors: list[torch.Tensor], msg: Msg) -> None:
         """A control message to rank ``r`` over the communicator. A worker polling its star
         link for the next forward is first told to go back to the communicator ("yield"): it
         then reads this message next, so the order of everything the master says is kept."""
@@ -323,38 +209,38 @@ class MasterRunner:
         if slot in self._on_link:
             self._on_link.discard(slot)
             assert self.hub is not None
-            self.hub.command(slot, {"op": "yield"}, timeout=self.cfg.op_timeout)
-        self.comm.send(r, tensors, meta, tag=CTL)
+            self.hub.command(slot, Yield().encode(), timeout=self.cfg.op_timeout)
+        self.comm.send(r, tensors, msg.encode(), tag=CTL)
 
     def _assign(self, ranks: Sequence[int], slots: Sequence[int]) -> None:
         cfg = self.cfg
         peers = self.comm.membership.peers
         for r, s in zip(ranks, slots):
-            meta = {
-                "op": "assign",
-                "slot": s,
-                "world": self.devices,
-                "weights": list(self.weights) if self.weights else None,
-                "model_dir": cfg.worker_model_dir or self.model_dir,
-                "dtype": cfg.dtype,
-                "wire": cfg.wire,
-                "algorithm": cfg.algorithm,
-                "op_timeout": cfg.op_timeout,
-                "window": cfg.window,
-                "memory_budget_mb": cfg.memory_budget_mb,
-                "experts": cfg.experts.to_dict() if cfg.experts else None,
-                "link_port": self.hub.port if self.hub else None,
-                "link_spin_us": self.cfg.link_spin_us,
-                "link_secret": self.hub.secret if self.hub else None,
+            msg = Assign(
+                slot=s,
+                world=self.devices,
+                weights=list(self.weights) if self.weights else None,
+                model_dir=cfg.worker_model_dir or self.model_dir,
+                dtype=cfg.dtype,
+                wire=cfg.wire,
+                algorithm=cfg.algorithm,
+                op_timeout=cfg.op_timeout,
+                window=cfg.window,
+                memory_budget_mb=cfg.memory_budget_mb,
+                experts=cfg.experts.to_dict() if cfg.experts else None,
+                link_port=self.hub.port if self.hub else None,
+                link_spin_us=cfg.link_spin_us,
+                link_secret=self.hub.secret if self.hub else None,
                 # an idle master pings every heartbeat_s: this much silence means it is gone
-                "silence_s": max(30.0, 10 * cfg.heartbeat_s) + cfg.op_timeout,
-            }
-            self._ctl(r, [], meta)
+                silence_s=max(30.0, 10 * cfg.heartbeat_s) + cfg.op_timeout,
+            )
+            self._ctl(r, [], msg)
         for r, s in zip(ranks, slots):
             _, meta = self.comm.recv(r, tag=READY, timeout=cfg.join_timeout)
-            if not meta.get("ok"):
+            ready = Ready.decode(meta)
+            if not ready.ok:
                 raise ConfigError(
-                    "worker", f"worker rank {r} could not load slot {s}: {meta.get('error')}"
+                    "worker", f"worker rank {r} could not load slot {s}: {ready.error}"
                 )
             if self.hub is not None:  # the worker dialled the link before saying ready
                 self.hub.accept(s, timeout=cfg.op_timeout)
@@ -401,7 +287,7 @@ class MasterRunner:
         epoch = self.comm.membership.epoch
         for r in self._others():
             try:
-                self._ctl(r, [], {"op": "regroup", "epoch": epoch})
+                self._ctl(r, [], Regroup(epoch=epoch))
             except (PeerLost, TransportTimeout):
                 pass  # that one is gone; the quorum goes on without it
 
@@ -450,7 +336,7 @@ class MasterRunner:
         self.shard.close()
         self.shard = self.model = None
         net = self.hub if (self.hub is not None and self.devices > 1) else self.comm
-        self.shard = _load(
+        self.shard = load_slot(
             self.model_dir,
             0,
             self.devices,
@@ -474,7 +360,7 @@ class MasterRunner:
         if self.hub is not None:
             self.hub.sync_send(timeout=self.cfg.op_timeout)
         for r in self._others():
-            self._ctl(r, [], {"op": "reset", "sync": self.hub is not None})
+            self._ctl(r, [], Reset(sync=self.hub is not None))
         if self.hub is not None:
             self.hub.sync_wait(timeout=self.cfg.op_timeout)
         self.cache = self.model.new_cache()
@@ -498,7 +384,7 @@ class MasterRunner:
                 self._ping_n += 1
                 m = self.comm.membership
                 for r in self._others():
-                    self._ctl(r, [], {"op": "ping", "n": self._ping_n, "epoch": m.epoch})
+                    self._ctl(r, [], Ping(n=self._ping_n, epoch=m.epoch))
                 self.comm.barrier(tag=f"ping{self._ping_n}", timeout=self.cfg.op_timeout)
             except (PeerLost, TransportTimeout) as exc:
                 self._fail(exc)
@@ -516,14 +402,13 @@ class MasterRunner:
             self.tags.start(self._fid)
             x = self.model.embed(torch.tensor([list(ids)], dtype=torch.long))
             try:
-                meta = {
-                    "op": "forward",
-                    "fid": self._fid,
-                    "start": start,
-                    "top": top,
-                    "epoch": self.comm.membership.epoch,
-                    "link": self.hub is not None,
-                }
+                meta = Forward(
+                    fid=self._fid,
+                    start=start,
+                    top=top,
+                    epoch=self.comm.membership.epoch,
+                    link=self.hub is not None,
+                ).encode()
                 for r in self._others():
                     # A decode step reaches a worker that already polls its link that way (no
                     # I/O or engine thread on either side); the first forward after any other
@@ -551,7 +436,7 @@ class MasterRunner:
                 return
             try:
                 for r in self._others():
-                    self._ctl(r, [], {"op": "reset"})
+                    self._ctl(r, [], Reset())
             except (PeerLost, TransportTimeout) as exc:
                 self._fail(exc)
 
@@ -577,15 +462,16 @@ class MasterRunner:
             if not self._healthy:
                 return merge_reports([own] if own else [])
             self._ping_n += 1
-            tag = f"edge.stats{self._ping_n}"
+            tag = stats_tag(self._ping_n)
             reports = [own] if own else []
             try:
                 for r in self._others():
-                    self._ctl(r, [], {"op": "stats", "n": self._ping_n})
+                    self._ctl(r, [], Stats(n=self._ping_n))
                 for r in self._others():
                     _, meta = self.comm.recv(r, tag=tag, timeout=self.cfg.op_timeout)
-                    if meta.get("report"):
-                        reports.append(meta["report"])
+                    report = Report.decode(meta).report
+                    if report:
+                        reports.append(report)
             except (PeerLost, TransportTimeout, ProtocolError) as exc:
                 self._fail(exc)
                 return merge_reports(reports[:1])
@@ -610,246 +496,15 @@ class MasterRunner:
             told = []
             for r in self._others():
                 try:
-                    self._ctl(r, [], {"op": "shutdown"})
+                    self._ctl(r, [], Shutdown())
                     told.append(r)
                 except LowbandError:
                     pass
             for r in told:  # wait for the goodbyes, so closing our socket cannot overtake them
                 try:
-                    self.comm.recv(r, tag=READY, timeout=5.0)
+                    Bye.decode(self.comm.recv(r, tag=READY, timeout=5.0)[1])
                 except LowbandError:
                     pass
         if self.hub is not None:
             self.hub.close()
         self.shard.close()
-
-
-@dataclass(frozen=True, kw_only=True)
-class WorkerConfig:
-    """A worker device."""
-
-    model_dir: str | None = None  # local copy of the model / split dir; default: the master's path
-    join_timeout: float = 600.0
-    master_host: str = "127.0.0.1"  # where the master's star link is (its --master host)
-
-
-@dataclass
-class WorkerState:
-    shard: LoadedShard | None = None
-    link: StarSpoke | None = None
-    silence_s: float | None = None  # from the master's assign message
-    cache: object = None
-    tags: _Tags = field(default_factory=_Tags)
-    forwards: int = 0
-    on_link: bool = False  # the next command comes on the star link (see MasterRunner.forward)
-
-
-def _regroup(comm: Communicator, cfg: WorkerConfig, *, rejoining: bool = False) -> None:
-    """Join the next epoch. A quorum can itself fail while the group is changing (e.g. a peer
-    lost notice arrives during it), so retry until ``join_timeout``. ``rejoining``: a quorum
-    that fails naming this very peer means it cannot come back (a communicator that rejoins
-    holds the quorum until it is registered again instead): give up at once."""
-    deadline = time.monotonic() + cfg.join_timeout
-    while True:
-        try:
-            comm.quorum(min_world=1, timeout=min(10.0, max(0.1, deadline - time.monotonic())))
-            return
-        except (PeerLost, TransportTimeout) as exc:
-            if time.monotonic() >= deadline or (
-                rejoining and isinstance(exc, PeerLost) and comm.membership.peer_id in exc.peers
-            ):
-                raise
-            logger.info("worker: quorum not complete yet (%s); retrying", exc)
-
-
-def _has_master(comm: Communicator) -> bool:
-    return any(p.startswith(MASTER_ID_PREFIX) for p in comm.membership.peers)
-
-
-def _regroup_with_master(comm: Communicator, cfg: WorkerConfig, *, rejoining: bool = False) -> None:
-    """Regroup, then, if the master is not in the new group (it was the peer declared lost and
-    is registering again), keep joining quorum rounds until it is: a worker without its master
-    would wait on itself. Bounded by ``join_timeout``."""
-    had_master = _has_master(comm)
-    _regroup(comm, cfg, rejoining=rejoining)
-    deadline = time.monotonic() + cfg.join_timeout
-    while had_master and not _has_master(comm):
-        if time.monotonic() > deadline:
-            raise PeerLost(f"the master did not come back within {cfg.join_timeout:.0f}s")
-        time.sleep(0.2)
-        _regroup(comm, cfg, rejoining=rejoining)
-
-
-def run_worker(comm: Communicator, cfg: WorkerConfig) -> int:
-    """Serve the master until it says shutdown (returns 0) or disappears (raises PeerLost)."""
-    comm.quorum(min_world=1, timeout=cfg.join_timeout)
-    st = WorkerState()
-    try:
-        while True:
-            src = master_rank(comm.membership.peers)
-            # One receive per message, never re-posted after a timeout: the transport numbers
-            # the uses of a tag, so an abandoned receive would shift every later match. A
-            # timeout therefore ends the worker.
-            wait = st.silence_s or cfg.join_timeout
-            if st.on_link:  # (only ever set with a link)
-                _next_on_link(comm, cfg, st, wait)
-                continue
-            try:
-                tensors, meta = comm.recv(src, tag=CTL, timeout=wait)
-            except TransportTimeout:
-                raise PeerLost(
-                    f"no word from the master for {wait:.0f}s: it is gone or stuck"
-                ) from None
-            except PeerLost as exc:
-                # This worker was declared lost (it was paused) and is rejoining, or the master
-                # was (and is rejoining): either way the group re-forms at the next quorum,
-                # where the master re-assigns or regroups (bounded by join_timeout).
-                _regroup_after(comm, cfg, st, exc, rejoining=True)
-                logger.warning("worker: rejoined the group (epoch %d)", comm.membership.epoch)
-                continue
-            op = meta.get("op")
-            if op == "shutdown":
-                if meta.get("reason"):
-                    print(f"lowband edge worker: {meta['reason']}", flush=True)
-                comm.send(src, [], {"op": "bye"}, tag=READY)
-                return 0
-            try:
-                _handle(comm, cfg, st, op, tensors, meta)
-                st.on_link = op == "forward" and bool(meta.get("link")) and st.link is not None
-            except (PeerLost, TransportTimeout, ProtocolError) as exc:
-                _regroup_after(comm, cfg, st, exc)
-    finally:
-        if st.shard is not None:
-            st.shard.close()
-        if st.link is not None:
-            st.link.close()
-
-
-def _next_on_link(comm: Communicator, cfg: WorkerConfig, st: WorkerState, wait: float) -> None:
-    """Serve the master's next command from the star link: a forward (then keep polling the
-    link) or "yield" (back to the communicator). A broken link or an ABORT is a failed
-    forward: regroup, as in :func:`run_worker`; silence for ``wait`` ends the worker, as the
-    communicator's does."""
-    assert st.link is not None
-    try:
-        tensors, meta = st.link.next_command(wait)
-    except TransportTimeout:  # (raised past the clause below: ends the worker)
-        raise PeerLost(f"no word from the master for {wait:.0f}s: it is gone or stuck") from None
-    except (PeerLost, ProtocolError) as exc:
-        # like a failed receive from the communicator: this worker may be the one declared lost
-        _regroup_after(comm, cfg, st, exc, rejoining=True)
-        return
-    if meta.get("op") != "forward":
-        st.on_link = False
-        return
-    try:
-        _handle(comm, cfg, st, "forward", tensors, meta)
-    except (PeerLost, TransportTimeout, ProtocolError) as exc:
-        _regroup_after(comm, cfg, st, exc)
-
-
-def _regroup_after(
-    comm: Communicator,
-    cfg: WorkerConfig,
-    st: WorkerState,
-    exc: Exception,
-    *,
-    rejoining: bool = False,
-) -> None:
-    """A forward failed (a peer died, or the master aborted): form the next epoch with whoever
-    is left, the master included (it may itself be the one that was lost and is rejoining)."""
-    st.on_link = False
-    logger.warning("worker: %s; regrouping", exc)
-    _regroup_with_master(comm, cfg, rejoining=rejoining)
-    st.cache = st.shard.model.new_cache() if st.shard else None
-
-
-def _handle(
-    comm: Communicator,
-    cfg: WorkerConfig,
-    st: WorkerState,
-    op: str,
-    tensors: list[torch.Tensor],
-    meta: dict,
-) -> None:
-    if op in ("forward", "ping") and int(meta["epoch"]) != comm.membership.epoch:
-        return  # sent before a regroup this worker already went through: stale
-    if op == "forward":
-        if st.shard is None:
-            raise ConfigError("worker", "forward before assign")
-        st.tags.start(int(meta["fid"]))
-        with torch.inference_mode():
-            h = st.shard.model.forward_layers(tensors[0], cache=st.cache, start=int(meta["start"]))
-            shard_logits(st.shard, h, int(meta.get("top", 0)))
-        st.forwards += 1
-    elif op == "assign":
-        try:
-            if st.shard is not None:
-                st.shard.close()
-            win = None
-            if meta.get("window") is not None or meta.get("memory_budget_mb") is not None:
-                win = WindowConfig(
-                    window=meta.get("window"), memory_budget_mb=meta.get("memory_budget_mb")
-                )
-            if st.link is not None:
-                st.link.close()
-                st.link = None
-            timeout = float(meta["op_timeout"])
-            if meta.get("link_port") is not None:
-                st.link = StarSpoke(
-                    cfg.master_host,
-                    int(meta["link_port"]),
-                    int(meta["slot"]),
-                    timeout,
-                    secret=str(meta.get("link_secret") or ""),
-                    spin_s=float(meta.get("link_spin_us") or 0.0) * 1e-6,
-                )
-            st.shard = _load(
-                cfg.model_dir or meta["model_dir"],
-                int(meta["slot"]),
-                int(meta["world"]),
-                meta.get("weights"),
-                meta.get("dtype"),
-                st.link or comm,
-                wire_codec(meta["wire"]),
-                meta["algorithm"],
-                timeout,
-                win,
-                st.tags,
-                ExpertServeConfig.from_dict(meta["experts"]) if meta.get("experts") else None,
-            )
-            st.cache = st.shard.model.new_cache()
-            st.silence_s = float(meta.get("silence_s") or cfg.join_timeout)
-            comm.send(
-                master_rank(comm.membership.peers),
-                [],
-                {"ok": True, "slot": int(meta["slot"])},
-                tag=READY,
-            )
-        except (ConfigError, CorruptWeights, OSError, RuntimeError, PeerLost) as exc:
-            comm.send(
-                master_rank(comm.membership.peers), [], {"ok": False, "error": str(exc)}, tag=READY
-            )
-    elif op == "reset":
-        st.cache = st.shard.model.new_cache() if st.shard else None
-        if meta.get("sync") and st.link is not None:
-            st.link.resync(timeout=30.0)
-    elif op == "ping":
-        comm.barrier(tag=f"ping{meta['n']}", timeout=30.0)
-    elif op == "stats":
-        report = st.shard.store_report() if st.shard is not None else None
-        comm.send(
-            master_rank(comm.membership.peers), [], {"report": report}, tag=f"edge.stats{meta['n']}"
-        )
-    elif op in ("echo", "profile"):  # the automatic split (edge.profile)
-        from edge.profile import answer
-
-        answer(
-            comm, master_rank(comm.membership.peers), meta, cfg.model_dir or meta.get("model_dir")
-        )
-    elif op == "regroup":
-        if int(meta["epoch"]) >= comm.membership.epoch:  # ignore a stale request
-            _regroup(comm, cfg)
-            st.cache = st.shard.model.new_cache() if st.shard else None
-    else:
-        logger.warning("worker: ignoring unknown op %r", op)

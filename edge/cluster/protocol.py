@@ -1,0 +1,333 @@
+"""The control protocol between the master and its workers: one frozen dataclass per message.
+
+Every message travels as a msgpack meta dict (``encode``) whose ``"op"`` names its class in
+:data:`MESSAGES`; :func:`decode` turns such a dict back into the message, checking that every
+field is present (or has a default) and has its declared type, and raises
+:class:`lowband.errors.ProtocolError` naming the op and the field otherwise. Tensors travel
+beside the meta, never in it.
+
+Channels (tags of :meth:`lowband.comm.Communicator.send`)::
+
+    edge.ctl     master -> worker: every message of TO_WORKER except ``yield``
+    star link    master -> worker (``transport.starlink`` CMD): ``forward`` and ``yield`` only
+    edge.ready   worker -> master: ``ready`` (answer to ``assign``), ``bye`` (to ``shutdown``)
+    edge.stats{n}  worker -> master: ``report`` (answer to ``stats`` n)
+
+``echo`` and ``profile`` are answered by :func:`edge.profile.answer` on ``edge.echo{n}`` /
+``edge.profile{n}`` with plain dicts that ``edge.profile`` reads itself.
+
+The ops and their fields (master -> worker down to ``yield``, then the workers' answers),
+generated from the dataclasses below by :func:`describe` (a test keeps the two in step)::
+
+    assign    slot: int, world: int, weights: list[float] | None, model_dir: str,
+              dtype: str | None, wire: str, algorithm: str, op_timeout: float,
+              window: int | None, memory_budget_mb: float | None, experts: dict | None,
+              link_port: int | None, link_spin_us: float, link_secret: str | None,
+              silence_s: float
+    forward   fid: int, start: int, epoch: int, top: int = 0, link: bool = False
+              + tensors: the embedded tokens (1, T, H)
+    reset     sync: bool = False
+    ping      n: int, epoch: int
+    stats     n: int
+    regroup   epoch: int
+    shutdown  reason: str | None = None
+    echo      n: int
+    profile   n: int, dtype: str | None, model_dir: str, memory_mb: float | None = None
+    yield
+    ready     ok: bool, slot: int | None = None, error: str | None = None
+    bye
+    report    report: dict | None
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass
+from typing import Any, ClassVar, Sequence, TypeVar, Union
+
+from lowband.errors import ProtocolError
+
+CTL = "edge.ctl"  # master -> worker control messages
+READY = "edge.ready"  # worker -> master: ready / bye
+MASTER_ID_PREFIX = "edge-master"  # peer id prefix of the master on a real transport
+
+
+def master_rank(peers: Sequence[str]) -> int:
+    """The master's rank: the peer whose id says so, else rank 0 (loopback groups)."""
+    for r, p in enumerate(peers):
+        if p.startswith(MASTER_ID_PREFIX):
+            return r
+    return 0
+
+
+def stats_tag(n: int) -> str:
+    """Tag of the answer to ``stats`` n: fresh per request, so a late answer matches no other."""
+    return f"edge.stats{n}"
+
+
+M = TypeVar("M", bound="Msg")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Msg:
+    """Base of every control message; ``OP`` is its name on the wire."""
+
+    OP: ClassVar[str] = ""
+    TENSORS: ClassVar[str] = ""  # what travels beside the meta, if anything
+
+    def encode(self) -> dict[str, Any]:
+        """The msgpack meta dict: ``op`` and every field (lists, never tuples)."""
+        out: dict[str, Any] = {"op": self.OP}
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            out[f.name] = list(v) if isinstance(v, tuple) else v
+        return out
+
+    @classmethod
+    def decode(cls: type[M], meta: dict) -> M:
+        """``meta`` as this message; :class:`ProtocolError` when it is another or malformed."""
+        msg = decode(meta)
+        if not isinstance(msg, cls):
+            raise ProtocolError(f"expected a {cls.OP!r} message, got {msg.OP!r}")
+        return msg
+
+
+MESSAGES: dict[str, type[Msg]] = {}  # op -> message class
+TO_WORKER: set[str] = set()  # ops the master sends (edge.ctl or the star link)
+TO_MASTER: set[str] = set()  # ops the workers answer with
+
+
+def _to_worker(cls: type[M]) -> type[M]:
+    MESSAGES[cls.OP] = cls
+    TO_WORKER.add(cls.OP)
+    return cls
+
+
+def _to_master(cls: type[M]) -> type[M]:
+    MESSAGES[cls.OP] = cls
+    TO_MASTER.add(cls.OP)
+    return cls
+
+
+@_to_worker
+@dataclass(frozen=True, kw_only=True)
+class Assign(Msg):
+    """Load slot ``slot`` of a ``world``-device plan and answer ``ready``."""
+
+    OP: ClassVar[str] = "assign"
+    slot: int
+    world: int  # N: devices of the plan
+    weights: list[float] | None  # relative device capacities (uneven split)
+    model_dir: str  # the master's idea of the path; a worker's own --model-dir wins
+    dtype: str | None
+    wire: str  # activation encoding of the all-reduces (edge.cluster.shard.WIRE_CODECS)
+    algorithm: str  # all-reduce schedule
+    op_timeout: float  # seconds
+    window: int | None  # sliding window (layer blocks resident)
+    memory_budget_mb: float | None
+    experts: dict | None  # edge.moe.serve.ExpertServeConfig.to_dict of a nested MoE
+    link_port: int | None  # the master's star link; None: all-reduce over the communicator
+    link_spin_us: float
+    link_secret: str | None
+    silence_s: float  # this much silence from the master means it is gone
+
+
+@_to_worker
+@dataclass(frozen=True, kw_only=True)
+class Forward(Msg):
+    """Run this slot's layers on the tensor sent along (embedded tokens (1, T, H))."""
+
+    OP: ClassVar[str] = "forward"
+    TENSORS: ClassVar[str] = "the embedded tokens (1, T, H)"
+    fid: int  # forward id: all-reduces are tagged f{fid}.{k}
+    start: int  # position of the first token in the KV cache
+    epoch: int  # membership epoch it was sent in (a stale one is dropped)
+    top: int = 0  # candidates per rank of the vocabulary-parallel head (edge.tp.gather_logits)
+    link: bool = False  # keep polling the star link for the next command
+
+
+@_to_worker
+@dataclass(frozen=True, kw_only=True)
+class Reset(Msg):
+    """Drop the KV cache."""
+
+    OP: ClassVar[str] = "reset"
+    sync: bool = False  # also restart the star link's sequence (after a regroup)
+
+
+@_to_worker
+@dataclass(frozen=True, kw_only=True)
+class Ping(Msg):
+    """Idle health check: followed by a barrier tagged ``ping{n}``."""
+
+    OP: ClassVar[str] = "ping"
+    n: int
+    epoch: int
+
+
+@_to_worker
+@dataclass(frozen=True, kw_only=True)
+class Stats(Msg):
+    """Answer the expert store's report on :func:`stats_tag` (n)."""
+
+    OP: ClassVar[str] = "stats"
+    n: int
+
+
+@_to_worker
+@dataclass(frozen=True, kw_only=True)
+class Regroup(Msg):
+    """Call quorum to form the next epoch (ignored when ``epoch`` is older than ours)."""
+
+    OP: ClassVar[str] = "regroup"
+    epoch: int
+
+
+@_to_worker
+@dataclass(frozen=True, kw_only=True)
+class Shutdown(Msg):
+    """Leave: answer ``bye`` and return."""
+
+    OP: ClassVar[str] = "shutdown"
+    reason: str | None = None  # printed by the worker (e.g. left out by the planner)
+
+
+@_to_worker
+@dataclass(frozen=True, kw_only=True)
+class Echo(Msg):
+    """Round-trip probe of the automatic split (edge.profile), answered on ``edge.echo{n}``."""
+
+    OP: ClassVar[str] = "echo"
+    n: int
+
+
+@_to_worker
+@dataclass(frozen=True, kw_only=True)
+class Profile(Msg):
+    """Profile this device (edge.profile), answered on ``edge.profile{n}``."""
+
+    OP: ClassVar[str] = "profile"
+    n: int
+    dtype: str | None
+    model_dir: str
+    memory_mb: float | None = None
+
+
+@_to_worker
+@dataclass(frozen=True, kw_only=True)
+class Yield(Msg):
+    """(star link only) Go back to the communicator for the next command."""
+
+    OP: ClassVar[str] = "yield"
+
+
+@_to_master
+@dataclass(frozen=True, kw_only=True)
+class Ready(Msg):
+    """Answer to ``assign``: loaded (``ok``) or why not (``error``)."""
+
+    OP: ClassVar[str] = "ready"
+    ok: bool
+    slot: int | None = None
+    error: str | None = None
+
+
+@_to_master
+@dataclass(frozen=True, kw_only=True)
+class Bye(Msg):
+    """Answer to ``shutdown``."""
+
+    OP: ClassVar[str] = "bye"
+
+
+@_to_master
+@dataclass(frozen=True, kw_only=True)
+class Report(Msg):
+    """Answer to ``stats``: the expert store's report (None for a dense model)."""
+
+    OP: ClassVar[str] = "report"
+    report: dict | None
+
+
+# ---- decoding ------------------------------------------------------------------------------------
+_HINTS: dict[type[Msg], dict[str, Any]] = {
+    cls: typing.get_type_hints(cls) for cls in MESSAGES.values()
+}
+
+
+def decode(meta: dict) -> Msg:
+    """The message ``meta`` encodes (see the module docstring); unknown extra keys are ignored."""
+    if not isinstance(meta, dict):
+        raise ProtocolError(f"a control message must be a dict, got {type(meta).__name__}")
+    op = meta.get("op")
+    cls = MESSAGES.get(op) if isinstance(op, str) else None
+    if cls is None:
+        raise ProtocolError(f"unknown control op {op!r}; one of {sorted(MESSAGES)}")
+    hints = _HINTS[cls]
+    kw: dict[str, Any] = {}
+    for f in dataclasses.fields(cls):
+        if f.name not in meta:
+            if f.default is dataclasses.MISSING:
+                raise ProtocolError(f"{op!r} message without its field {f.name!r}")
+            continue
+        kw[f.name] = _conform(op, f.name, meta[f.name], hints[f.name])
+    return cls(**kw)
+
+
+def _conform(op: str, name: str, value: Any, tp: Any) -> Any:
+    """``value`` as type ``tp`` (an int is a valid float; a list is a list of its items)."""
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin in (Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        for a in args:
+            if a is not type(None):
+                try:
+                    return _conform(op, name, value, a)
+                except ProtocolError:
+                    pass
+    elif origin is list:
+        if isinstance(value, (list, tuple)):
+            return [_conform(op, f"{name}[{i}]", v, args[0]) for i, v in enumerate(value)]
+    elif tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+    elif isinstance(value, tp) and not (tp is int and isinstance(value, bool)):
+        return value
+    want = getattr(tp, "__name__", None) or str(tp)
+    raise ProtocolError(
+        f"{op!r} message: field {name!r} must be {want}, got {type(value).__name__} {value!r:.80}"
+    )
+
+
+def describe() -> str:
+    """The op table of the module docstring, generated from the dataclasses."""
+    lines = []
+    for op, cls in MESSAGES.items():
+        hints = _HINTS[cls]
+        parts = [
+            f"{f.name}: {_type_name(hints[f.name])}"
+            + ("" if f.default is dataclasses.MISSING else f" = {f.default!r}")
+            for f in dataclasses.fields(cls)
+        ]
+        line = op
+        for i, part in enumerate(parts):
+            sep = "," if i < len(parts) - 1 else ""
+            if len(line) > 9 and len(line) + len(part) > 88:  # break between fields only
+                lines.append(line)
+                line = ""
+            line = f"{line:<9} {part}{sep}"
+        lines.append(line)
+        if cls.TENSORS:
+            lines.append(f"{'':9} + tensors: {cls.TENSORS}")
+    return "\n".join(lines)
+
+
+def _type_name(tp: Any) -> str:
+    if typing.get_origin(tp) in (Union, types.UnionType):
+        return " | ".join(_type_name(a) for a in typing.get_args(tp))
+    if typing.get_origin(tp) is list:
+        return f"list[{_type_name(typing.get_args(tp)[0])}]"
+    return "None" if tp is type(None) else tp.__name__

@@ -1,0 +1,364 @@
+"""A worker of a tensor-parallel cluster: holds one slot of the plan and serves the master's
+control messages (``edge.cluster.protocol``) through the dispatch table :data:`HANDLERS`.
+
+A malformed message (one that does not decode) never ends the worker: a broken ``assign``
+is answered ``ready {ok: False}`` (the master waits for that answer), anything else is logged
+and dropped. A slot that cannot be loaded (bad checkpoint, bad quantization) is answered the
+same way, and the worker waits for the next assignment.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from edge.cluster.protocol import (
+    CTL,
+    MASTER_ID_PREFIX,
+    READY,
+    Assign,
+    Bye,
+    Echo,
+    Forward,
+    Msg,
+    Ping,
+    Profile,
+    Ready,
+    Regroup,
+    Report,
+    Reset,
+    Shutdown,
+    Stats,
+    Yield,
+    decode,
+    master_rank,
+    stats_tag,
+)
+from edge.cluster.shard import Tags, load_slot, shard_logits, wire_codec
+from edge.moe.serve import ExpertServeConfig
+from edge.quant.formats import QuantError
+from edge.shardio import LoadedShard, WindowConfig
+from lowband.comm import Communicator
+from lowband.errors import (
+    CommClosed,
+    ConfigError,
+    LowbandError,
+    PeerLost,
+    ProtocolError,
+    TransportTimeout,
+)
+from transport.starlink import StarSpoke
+
+logger = logging.getLogger(__name__)
+
+Tensors = list[torch.Tensor]  # what travels beside a message's meta
+
+
+@dataclass(frozen=True, kw_only=True)
+class WorkerConfig:
+    """A worker device."""
+
+    model_dir: str | None = None  # local copy of the model / split dir; default: the master's path
+    join_timeout: float = 600.0
+    master_host: str = "127.0.0.1"  # where the master's star link is (its --master host)
+
+
+@dataclass
+class WorkerState:
+    shard: LoadedShard | None = None
+    link: StarSpoke | None = None
+    silence_s: float | None = None  # from the master's assign message
+    cache: object = None
+    tags: Tags = field(default_factory=Tags)
+    forwards: int = 0
+    on_link: bool = False  # the next command comes on the star link (see MasterRunner.forward)
+
+
+def _regroup(comm: Communicator, cfg: WorkerConfig, *, rejoining: bool = False) -> None:
+    """Join the next epoch. A quorum can itself fail while the group is changing (e.g. a peer
+    lost notice arrives during it), so retry until ``join_timeout``. ``rejoining``: a quorum
+    that fails naming this very peer means it cannot come back (a communicator that rejoins
+    holds the quorum until it is registered again instead): give up at once."""
+    deadline = time.monotonic() + cfg.join_timeout
+    while True:
+        try:
+            comm.quorum(min_world=1, timeout=min(10.0, max(0.1, deadline - time.monotonic())))
+            return
+        except (PeerLost, TransportTimeout) as exc:
+            if time.monotonic() >= deadline or (
+                rejoining and isinstance(exc, PeerLost) and comm.membership.peer_id in exc.peers
+            ):
+                raise
+            logger.info("worker: quorum not complete yet (%s); retrying", exc)
+
+
+def _has_master(comm: Communicator) -> bool:
+    return any(p.startswith(MASTER_ID_PREFIX) for p in comm.membership.peers)
+
+
+def _regroup_with_master(comm: Communicator, cfg: WorkerConfig, *, rejoining: bool = False) -> None:
+    """Regroup, then, if the master is not in the new group (it was the peer declared lost and
+    is registering again), keep joining quorum rounds until it is: a worker without its master
+    would wait on itself. Bounded by ``join_timeout``."""
+    had_master = _has_master(comm)
+    _regroup(comm, cfg, rejoining=rejoining)
+    deadline = time.monotonic() + cfg.join_timeout
+    while had_master and not _has_master(comm):
+        if time.monotonic() > deadline:
+            raise PeerLost(f"the master did not come back within {cfg.join_timeout:.0f}s")
+        time.sleep(0.2)
+        _regroup(comm, cfg, rejoining=rejoining)
+
+
+def run_worker(comm: Communicator, cfg: WorkerConfig) -> int:
+    """Serve the master until it says shutdown (returns 0) or disappears (raises PeerLost)."""
+    comm.quorum(min_world=1, timeout=cfg.join_timeout)
+    st = WorkerState()
+    try:
+        while True:
+            src = master_rank(comm.membership.peers)
+            # One receive per message, never re-posted after a timeout: the transport numbers
+            # the uses of a tag, so an abandoned receive would shift every later match. A
+            # timeout therefore ends the worker.
+            wait = st.silence_s or cfg.join_timeout
+            if st.on_link:  # (only ever set with a link)
+                _next_on_link(comm, cfg, st, wait)
+                continue
+            try:
+                tensors, meta = comm.recv(src, tag=CTL, timeout=wait)
+            except TransportTimeout:
+                raise PeerLost(
+                    f"no word from the master for {wait:.0f}s: it is gone or stuck"
+                ) from None
+            except PeerLost as exc:
+                # This worker was declared lost (it was paused) and is rejoining, or the master
+                # was (and is rejoining): either way the group re-forms at the next quorum,
+                # where the master re-assigns or regroups (bounded by join_timeout).
+                _regroup_after(comm, cfg, st, exc, rejoining=True)
+                logger.warning("worker: rejoined the group (epoch %d)", comm.membership.epoch)
+                continue
+            msg = _decode_or_answer(comm, meta)
+            if msg is None:
+                continue
+            if isinstance(msg, Shutdown):  # (outside the try: a master gone meanwhile ends us)
+                _dispatch(comm, cfg, st, msg, tensors)
+                return 0
+            try:
+                _dispatch(comm, cfg, st, msg, tensors)
+            except (PeerLost, TransportTimeout, ProtocolError) as exc:
+                _regroup_after(comm, cfg, st, exc)
+    finally:
+        if st.shard is not None:
+            st.shard.close()
+        if st.link is not None:
+            st.link.close()
+
+
+def _decode_or_answer(comm: Communicator, meta: Any) -> Msg | None:
+    """The message ``meta`` encodes, or None for one that does not decode: logged and dropped,
+    except a broken ``assign``, which is answered ``ready {ok: False}`` (the master waits)."""
+    try:
+        return decode(meta)
+    except ProtocolError as exc:
+        logger.warning("worker: dropping a malformed control message: %s", exc)
+        if isinstance(meta, dict) and meta.get("op") == Assign.OP:
+            answer = Ready(ok=False, error=f"malformed assign message: {exc}")
+            comm.send(master_rank(comm.membership.peers), [], answer.encode(), tag=READY)
+        return None
+
+
+def _dispatch(
+    comm: Communicator, cfg: WorkerConfig, st: WorkerState, msg: Msg, tensors: Tensors
+) -> None:
+    """Run ``msg``'s handler. A forward that says so keeps the worker polling its star link."""
+    handler = HANDLERS.get(msg.OP)
+    if handler is None:  # an answer (ready, bye, report) sent the wrong way
+        logger.warning("worker: ignoring a %r message, which workers do not handle", msg.OP)
+        return
+    handler(comm, cfg, st, msg, tensors)
+    st.on_link = isinstance(msg, Forward) and msg.link and st.link is not None
+
+
+def _next_on_link(comm: Communicator, cfg: WorkerConfig, st: WorkerState, wait: float) -> None:
+    """Serve the master's next command from the star link: a forward (then keep polling the
+    link) or "yield" (back to the communicator). A broken link or an ABORT is a failed
+    forward: regroup, as in :func:`run_worker`; silence for ``wait`` ends the worker, as the
+    communicator's does."""
+    assert st.link is not None
+    try:
+        tensors, meta = st.link.next_command(wait)
+    except TransportTimeout:  # (raised past the clause below: ends the worker)
+        raise PeerLost(f"no word from the master for {wait:.0f}s: it is gone or stuck") from None
+    except (PeerLost, ProtocolError) as exc:
+        # like a failed receive from the communicator: this worker may be the one declared lost
+        _regroup_after(comm, cfg, st, exc, rejoining=True)
+        return
+    try:
+        msg = decode(meta)
+    except ProtocolError as exc:
+        logger.warning("worker: dropping a malformed link command: %s", exc)
+        msg = Yield()  # back to the communicator, as for any command but a forward
+    if not isinstance(msg, Forward):
+        st.on_link = False
+        return
+    try:
+        _dispatch(comm, cfg, st, msg, tensors)
+    except (PeerLost, TransportTimeout, ProtocolError) as exc:
+        _regroup_after(comm, cfg, st, exc)
+
+
+def _regroup_after(
+    comm: Communicator,
+    cfg: WorkerConfig,
+    st: WorkerState,
+    exc: Exception,
+    *,
+    rejoining: bool = False,
+) -> None:
+    """A forward failed (a peer died, or the master aborted): form the next epoch with whoever
+    is left, the master included (it may itself be the one that was lost and is rejoining)."""
+    st.on_link = False
+    logger.warning("worker: %s; regrouping", exc)
+    _regroup_with_master(comm, cfg, rejoining=rejoining)
+    st.cache = st.shard.model.new_cache() if st.shard else None
+
+
+# ---- the handlers: one per op the master sends ---------------------------------------------------
+def _forward(
+    comm: Communicator, cfg: WorkerConfig, st: WorkerState, msg: Forward, tensors: Tensors
+) -> None:
+    if msg.epoch != comm.membership.epoch:
+        return  # sent before a regroup this worker already went through: stale
+    if st.shard is None:
+        raise ConfigError("worker", "forward before assign")
+    if len(tensors) != 1:
+        raise ProtocolError(f"a forward carries one tensor, got {len(tensors)}")
+    st.tags.start(msg.fid)
+    with torch.inference_mode():
+        h = st.shard.model.forward_layers(tensors[0], cache=st.cache, start=msg.start)
+        shard_logits(st.shard, h, msg.top)
+    st.forwards += 1
+
+
+def _assign(
+    comm: Communicator, cfg: WorkerConfig, st: WorkerState, msg: Assign, _: Tensors
+) -> None:
+    """Load the slot and answer ``ready``; a slot that cannot be loaded is answered
+    ``ok: False`` with the reason (the master reports it), and this worker waits on."""
+    master = master_rank(comm.membership.peers)
+    try:
+        _load_assigned(comm, cfg, st, msg)
+    except (TransportTimeout, ProtocolError, CommClosed):
+        raise  # the network, not the slot: regroup (run_worker) or end
+    except (LowbandError, QuantError, OSError, RuntimeError) as exc:
+        logger.warning("worker: cannot load slot %d: %s", msg.slot, exc)
+        comm.send(master, [], Ready(ok=False, error=str(exc)).encode(), tag=READY)
+        return
+    comm.send(master, [], Ready(ok=True, slot=msg.slot).encode(), tag=READY)
+
+
+def _load_assigned(comm: Communicator, cfg: WorkerConfig, st: WorkerState, msg: Assign) -> None:
+    if st.shard is not None:
+        st.shard.close()
+        st.shard = None
+    win = None
+    if msg.window is not None or msg.memory_budget_mb is not None:
+        win = WindowConfig(window=msg.window, memory_budget_mb=msg.memory_budget_mb)
+    if st.link is not None:
+        st.link.close()
+        st.link = None
+    if msg.link_port is not None:
+        st.link = StarSpoke(
+            cfg.master_host,
+            msg.link_port,
+            msg.slot,
+            msg.op_timeout,
+            secret=msg.link_secret or "",
+            spin_s=msg.link_spin_us * 1e-6,
+        )
+    st.shard = load_slot(
+        cfg.model_dir or msg.model_dir,
+        msg.slot,
+        msg.world,
+        msg.weights,
+        msg.dtype,
+        st.link or comm,
+        wire_codec(msg.wire),
+        msg.algorithm,
+        msg.op_timeout,
+        win,
+        st.tags,
+        ExpertServeConfig.from_dict(msg.experts) if msg.experts else None,
+    )
+    st.cache = st.shard.model.new_cache()
+    st.silence_s = msg.silence_s or cfg.join_timeout
+
+
+def _reset(comm: Communicator, cfg: WorkerConfig, st: WorkerState, msg: Reset, _: Tensors) -> None:
+    st.cache = st.shard.model.new_cache() if st.shard else None
+    if msg.sync and st.link is not None:
+        st.link.resync(timeout=30.0)
+
+
+def _ping(comm: Communicator, cfg: WorkerConfig, st: WorkerState, msg: Ping, _: Tensors) -> None:
+    if msg.epoch != comm.membership.epoch:
+        return  # sent before a regroup this worker already went through: stale
+    comm.barrier(tag=f"ping{msg.n}", timeout=30.0)
+
+
+def _stats(comm: Communicator, cfg: WorkerConfig, st: WorkerState, msg: Stats, _: Tensors) -> None:
+    report = st.shard.store_report() if st.shard is not None else None
+    comm.send(
+        master_rank(comm.membership.peers), [], Report(report=report).encode(), tag=stats_tag(msg.n)
+    )
+
+
+def _profile(
+    comm: Communicator, cfg: WorkerConfig, st: WorkerState, msg: Echo | Profile, _: Tensors
+) -> None:
+    """``echo`` and ``profile``: the automatic split (edge.profile)."""
+    from edge.profile import answer
+
+    model_dir = cfg.model_dir or (msg.model_dir if isinstance(msg, Profile) else None)
+    answer(comm, master_rank(comm.membership.peers), msg.encode(), model_dir)
+
+
+def _regroup_op(
+    comm: Communicator, cfg: WorkerConfig, st: WorkerState, msg: Regroup, _: Tensors
+) -> None:
+    if msg.epoch >= comm.membership.epoch:  # ignore a stale request
+        _regroup(comm, cfg)
+        st.cache = st.shard.model.new_cache() if st.shard else None
+
+
+def _shutdown(
+    comm: Communicator, cfg: WorkerConfig, st: WorkerState, msg: Shutdown, _: Tensors
+) -> None:
+    if msg.reason:
+        print(f"lowband edge worker: {msg.reason}", flush=True)
+    comm.send(master_rank(comm.membership.peers), [], Bye().encode(), tag=READY)
+
+
+def _yield(comm: Communicator, cfg: WorkerConfig, st: WorkerState, msg: Yield, _: Tensors) -> None:
+    st.on_link = False  # (normally seen on the link itself, see _next_on_link)
+
+
+Handler = Callable[[Communicator, WorkerConfig, WorkerState, Any, Tensors], None]
+
+# op -> handler; a test checks that these are exactly the ops the master sends
+HANDLERS: dict[str, Handler] = {
+    Assign.OP: _assign,
+    Forward.OP: _forward,
+    Reset.OP: _reset,
+    Ping.OP: _ping,
+    Stats.OP: _stats,
+    Regroup.OP: _regroup_op,
+    Shutdown.OP: _shutdown,
+    Echo.OP: _profile,
+    Profile.OP: _profile,
+    Yield.OP: _yield,
+}
