@@ -7,10 +7,14 @@ compiler flags, torch/Python versions and (for ``isa="native"``) the CPU.  Any f
 compiler, no ninja, compile error, unsupported machine) is logged once and ``gemv`` falls back to
 ``dequantize`` + ``F.linear``.
 
-Semantics: the kernel quantizes each activation row to int8 per weight group (Q8_0-style, fp32
-scale) and accumulates exact int32 group dot products scaled by ``d_w * d_x`` in fp32; the
-fallback multiplies by the exactly dequantized weight.  The two agree to about 1e-2 relative
-(the activation quantization error, see ``tests/edge/test_quant.py``).
+ggml block formats (``ggml``: Q4_1, Q5_0, Q5_1, Q2_K..Q6_K kept as in the GGUF file) go
+through ``ggml_gemv``: blocks are decoded on the fly and dotted with the fp32 activations
+(no activation quantization), so kernel and fallback agree to fp32 rounding.
+
+Semantics of the Q8/Q4 ``gemv``: the kernel quantizes each activation row to int8 per weight
+group (Q8_0-style, fp32 scale) and accumulates exact int32 group dot products scaled by
+``d_w * d_x`` in fp32; the fallback multiplies by the exactly dequantized weight.  The two agree
+to about 1e-2 relative (the activation quantization error, see ``tests/edge/test_quant.py``).
 
 Nothing here reads environment variables: use ``configure(enabled=False)`` to disable the kernel
 for the process, or ``gemv(..., force_fallback=True)`` per call.
@@ -33,6 +37,7 @@ import torch
 import torch.nn.functional as F
 
 from .formats import QuantShapeError, QuantSpec, check_spec, dequantize, validate_packed
+from .ggml import GGMLWeight, dequantize_ggml, narrow_ggml
 
 __all__ = [
     "KernelConfig",
@@ -44,12 +49,14 @@ __all__ = [
     "load",
     "gemv",
     "gemv_fallback",
+    "ggml_gemv",
+    "ggml_gemv_fallback",
 ]
 
 log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).resolve().parent / "csrc"
-SOURCES = ("gemv.cpp", "decode.cpp", "gemv_kernels.h")
+SOURCES = ("gemv.cpp", "decode.cpp", "gemv_kernels.h", "ggml_kernels.h")
 ISAS = ("native", "avx2", "portable")
 
 
@@ -294,3 +301,41 @@ def gemv(
     if bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()):
         bias = bias.to(torch.float32).contiguous()
     return mod.gemv(x, qweight, scales, bits, group, bias)
+
+
+def ggml_gemv_fallback(
+    x: torch.Tensor, w: GGMLWeight, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """PyTorch path for ggml blocks: dequantize ~1 MB of rows at a time, ``F.linear`` each."""
+    n, k = w.shape
+    x = x.to(torch.float32)
+    bn = max(32, (1 << 18) // max(k, 1))
+    y = torch.empty(x.shape[:-1] + (n,), dtype=torch.float32, device=x.device)
+    for n0 in range(0, n, bn):
+        rows = narrow_ggml(w, 0, n0, min(bn, n - n0))
+        y[..., n0 : n0 + rows.shape[0]] = F.linear(x, dequantize_ggml(rows).to(x.device))
+    if bias is not None:
+        y += bias.to(torch.float32)
+    return y
+
+
+def ggml_gemv(
+    x: torch.Tensor,
+    w: GGMLWeight,
+    bias: torch.Tensor | None = None,
+    *,
+    force_fallback: bool = False,
+) -> torch.Tensor:
+    """``y [M, N] = x [M, K] @ W^T (+ bias)`` in fp32 for a ``GGMLWeight``: the C++ kernel when
+    loaded and everything is on the CPU, else ``ggml_gemv_fallback``."""
+    k = w.shape[1]
+    if x.dim() != 2 or x.shape[1] != k:
+        raise QuantShapeError(f"x must be [M, {k}] for this weight, got {tuple(x.shape)}")
+    mod = None if force_fallback else load()
+    if mod is None or x.device.type != "cpu" or w.data.device.type != "cpu":
+        return ggml_gemv_fallback(x, w, bias)
+    if x.dtype != torch.float32 or not x.is_contiguous():
+        x = x.to(torch.float32).contiguous()
+    if bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()):
+        bias = bias.to(torch.float32).contiguous()
+    return mod.ggml_gemv(x, w.data, w.type.type_id, bias)

@@ -23,8 +23,9 @@ from .formats import (
     narrow,
     quantize,
 )
+from .ggml import GGMLWeight, dequantize_ggml, ggml_type, narrow_ggml
 
-__all__ = ["QuantLinear", "quantize_modules", "DEFAULT_MAX_KERNEL_ROWS"]
+__all__ = ["GGMLLinear", "QuantLinear", "quantize_modules", "DEFAULT_MAX_KERNEL_ROWS"]
 
 # Rows (tokens) up to which forward() uses the GEMV kernel; above it, blockwise dequantize +
 # F.linear (a BLAS GEMM).  Measured with ``benchmarks/quant_gemv.py --prefill`` at 1 thread
@@ -172,6 +173,84 @@ class QuantLinear(nn.Module):
         )
 
 
+class GGMLLinear(nn.Module):
+    """``y = x @ W^T + b`` with ``W`` kept as llama.cpp blocks exactly as in the GGUF file
+    (Q4_1, Q5_0, Q5_1, Q2_K .. Q6_K; see ``ggml``), never dequantized as a whole.
+
+    Buffers: ``blocks`` (``uint8 [N, K / qk * size]``) and optional fp32 ``bias``.  ``group`` is
+    the block size (32 or 256): tensor-parallel column splits must be multiples of it.  Inputs
+    with at most ``max_kernel_rows`` rows use the C++ kernel; larger ones dequantize ~1 MB of rows
+    at a time and use ``F.linear``.
+    """
+
+    blocks: torch.Tensor
+    bias: torch.Tensor | None
+
+    def __init__(
+        self,
+        weight: GGMLWeight,
+        bias: torch.Tensor | None = None,
+        *,
+        max_kernel_rows: int = DEFAULT_MAX_KERNEL_ROWS,
+        use_kernel: bool = True,
+    ) -> None:
+        super().__init__()
+        self.type = weight.type
+        self.out_features, self.in_features = weight.shape
+        self.group = weight.type.qk
+        self.max_kernel_rows = int(max_kernel_rows)
+        self.use_kernel = bool(use_kernel)
+        self.register_buffer("blocks", weight.data.contiguous())
+        if bias is not None and tuple(bias.shape) != (self.out_features,):
+            raise QuantShapeError(
+                f"bias must have shape ({self.out_features},), got {tuple(bias.shape)}"
+            )
+        b = None if bias is None else bias.detach().to(torch.float32).contiguous()
+        self.register_buffer("bias", b)
+
+    @classmethod
+    def from_blocks(cls, type_name: str, shape: tuple[int, int], data: torch.Tensor, **kw):
+        """Wrap raw block bytes ``uint8 [N, row_bytes]`` of ggml type ``type_name``."""
+        return cls(GGMLWeight(ggml_type(type_name), shape, data), **kw)
+
+    @property
+    def weight_blocks(self) -> GGMLWeight:
+        return GGMLWeight(self.type, (self.out_features, self.in_features), self.blocks)
+
+    def dequantize_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return dequantize_ggml(self.weight_blocks, dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lead = x.shape[:-1]
+        if x.shape[-1] != self.in_features:
+            raise QuantShapeError(f"expected last dim {self.in_features}, got {tuple(x.shape)}")
+        x2 = x.reshape(-1, self.in_features)
+        use = self.use_kernel and x2.shape[0] <= self.max_kernel_rows
+        y = kernel.ggml_gemv(x2, self.weight_blocks, self.bias, force_fallback=not use)
+        return y.to(x.dtype).reshape(*lead, self.out_features)
+
+    def _like(self, w: GGMLWeight, bias: torch.Tensor | None) -> "GGMLLinear":
+        return GGMLLinear(w, bias, max_kernel_rows=self.max_kernel_rows, use_kernel=self.use_kernel)
+
+    def narrow_out(self, start: int, length: int) -> "GGMLLinear":
+        """Output rows ``start:start+length`` (column-parallel shard): a plain row slice."""
+        b = None if self.bias is None else self.bias[start : start + length].contiguous()
+        return self._like(narrow_ggml(self.weight_blocks, 0, start, length), b)
+
+    def narrow_in(self, start: int, length: int, keep_bias: bool = False) -> "GGMLLinear":
+        """Input columns in whole blocks (row-parallel shard; else ``GroupBoundaryError``);
+        the bias is dropped unless ``keep_bias`` (partial sums get it once, after the sum)."""
+        w = narrow_ggml(self.weight_blocks, 1, start, length)
+        keep = keep_bias and self.bias is not None
+        return self._like(w, self.bias.clone() if keep else None)  # type: ignore[union-attr]
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, "
+            f"bias={self.bias is not None}, type={self.type.name}"
+        )
+
+
 def _matches(name: str, patterns: Iterable[str]) -> bool:
     last = name.rsplit(".", 1)[-1]
     return any(fnmatch.fnmatchcase(name, p) or fnmatch.fnmatchcase(last, p) for p in patterns)
@@ -186,8 +265,9 @@ def quantize_modules(
 ) -> nn.Module:
     """Replace every ``nn.Linear`` in ``model`` (in place) by a ``QuantLinear``; returns ``model``.
 
-    ``skip``: fnmatch patterns matched against each Linear's qualified name (``"model.layers.0.mlp"``
-    style) and its last component, e.g. ``skip=("lm_head",)`` or ``("*.down_proj",)``.
+    ``skip``: fnmatch patterns matched against each Linear's qualified name
+    (``"model.layers.0.mlp"`` style) and its last component, e.g. ``skip=("lm_head",)`` or
+    ``("*.down_proj",)``.
     A Linear whose ``in_features`` is not a multiple of ``group`` raises ``QuantShapeError``
     (skip it by name).  ``kwargs`` go to ``QuantLinear`` (``max_kernel_rows``, ``use_kernel``).
     """

@@ -5,6 +5,7 @@
 #include <vector>
 
 #include "gemv_kernels.h"
+#include "ggml_kernels.h"
 
 namespace {
 
@@ -65,6 +66,41 @@ torch::Tensor gemv(const torch::Tensor& x, const torch::Tensor& qweight, const t
   return y;
 }
 
+// y[M,N] = x[M,K] @ W^T (+ bias) for ggml blocks kept as in the GGUF file (ggml_kernels.h).
+torch::Tensor ggml_gemv(const torch::Tensor& x, const torch::Tensor& blocks, int64_t type,
+                        const c10::optional<torch::Tensor>& bias) {
+  int qk = 0, size = 0;
+  TORCH_CHECK(lbq::ggml::block_shape(static_cast<int>(type), &qk, &size), "unsupported ggml type id ", type);
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous() && x.device().is_cpu(),
+              "x must be a contiguous 2-D float32 CPU tensor");
+  TORCH_CHECK(blocks.dim() == 2 && blocks.is_contiguous() && blocks.scalar_type() == at::kByte && blocks.device().is_cpu(),
+              "blocks must be a contiguous 2-D uint8 CPU tensor");
+  const int64_t M = x.size(0), K = x.size(1), N = blocks.size(0);
+  TORCH_CHECK(K % qk == 0, "K=", K, " is not a multiple of the block size ", qk);
+  const int64_t row_bytes = K / qk * size;
+  TORCH_CHECK(blocks.size(1) == row_bytes, "blocks must be [N, ", row_bytes, "] for K=", K);
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == N && bias->scalar_type() == at::kFloat && bias->is_contiguous(),
+                "bias must be a contiguous float32 [N] tensor");
+  }
+  auto y = torch::zeros({M, N}, x.options());
+  if (M > 0 && N > 0 && K > 0) {
+    const float* xp = x.data_ptr<float>();
+    std::vector<float> xs16(static_cast<size_t>(M * (K / 16)));
+    lbq::ggml::sums16(xp, M, K, xs16.data());
+    const uint8_t* wp = blocks.data_ptr<uint8_t>();
+    float* yp = y.data_ptr<float>();
+    const int t = static_cast<int>(type);
+    const int64_t grain = std::max<int64_t>(8, (int64_t{1} << 16) / K);
+    at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
+      std::vector<float> acc(static_cast<size_t>(M));
+      lbq::ggml::gemv_rows(t, wp, row_bytes, xp, xs16.data(), M, K, N, n0, n1, yp, acc.data());
+    });
+  }
+  if (bias.has_value() && M > 0) y += bias->unsqueeze(0);
+  return y;
+}
+
 std::string isa() { return lbq::isa_name(); }
 
 }  // namespace
@@ -75,6 +111,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gemv", &gemv, "y[M,N] = x[M,K] @ dequant(W)^T (+ bias) for Q8/Q4 packed weights",
         py::arg("x"), py::arg("qweight"), py::arg("scales"), py::arg("bits"), py::arg("group"),
         py::arg("bias") = py::none());
+  m.def("ggml_gemv", &ggml_gemv, "y[M,N] = x[M,K] @ dequant(W)^T (+ bias) for ggml blocks (Q4_1..Q6_K)",
+        py::arg("x"), py::arg("blocks"), py::arg("type"), py::arg("bias") = py::none());
   m.def("isa", &isa, "SIMD path compiled in");
   init_decode(m);
 }

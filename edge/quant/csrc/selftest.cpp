@@ -6,10 +6,14 @@
 // Compares the kernel with a double-precision evaluation of the same integer semantics
 // (scalar activation quantization, exact int32 group dots) over many shapes; prints the ISA and
 // the worst relative error and exits non-zero on a mismatch.  Used by tests/edge/test_quant.py.
+// The ggml block kernels (ggml_kernels.h) are checked against a double-precision dot of the
+// decoded values (w = a*q + b) with the fp32 activations; the decoders themselves are checked
+// against edge/quant/ggml.py by tests/edge/test_ggml_quant.py.
 #include <cstdio>
 #include <vector>
 
 #include "gemv_kernels.h"
+#include "ggml_kernels.h"
 
 namespace {
 
@@ -94,6 +98,59 @@ int check(bool q4, int G, int64_t M, int64_t N, int64_t K, double* worst) {
   return 0;
 }
 
+void put_f16(uint8_t* p) {  // a normal half of magnitude ~2^-3..2^1 with a random sign
+  const uint16_t h = static_cast<uint16_t>(((next_u32() & 1) << 15) | ((12 + next_u32() % 4) << 10) | (next_u32() & 0x3ff));
+  std::memcpy(p, &h, 2);
+}
+
+int check_ggml(int type, int64_t M, int64_t N, int64_t nb, double* worst) {
+  int qk, size;
+  if (!lbq::ggml::block_shape(type, &qk, &size)) { std::printf("FAIL ggml type %d\n", type); return 1; }
+  const int64_t K = nb * qk, row_bytes = nb * size;
+  std::vector<uint8_t> w(N * row_bytes);
+  for (auto& b : w) b = static_cast<uint8_t>(next_u32() & 0xff);
+  const int f16_at[][2] = {{0, 2}, {0, -1}, {0, 2}, {80, 82}, {108, -1}, {0, 2}, {0, 2}, {208, -1}};
+  const int idx = type == 3 ? 0 : type == 6 ? 1 : type == 7 ? 2 : type - 7;
+  for (int64_t blk = 0; blk < N * nb; ++blk)
+    for (int f : f16_at[idx]) if (f >= 0) put_f16(w.data() + blk * size + f);
+  std::vector<float> x(M * K), xs16(M * (K / 16)), y(M * N, -1.f), acc(M);
+  for (auto& v : x) v = next_normalish();
+  lbq::ggml::sums16(x.data(), M, K, xs16.data());
+  lbq::ggml::gemv_rows(type, w.data(), row_bytes, x.data(), xs16.data(), M, K, N, 0, N, y.data(), acc.data());
+  std::vector<int8_t> q(qk);
+  std::vector<float> a(qk / 16), b(qk / 16);
+  for (int64_t n = 0; n < N; ++n)
+    for (int64_t m = 0; m < M; ++m) {
+      double ref = 0.0, mag = 0.0;
+      for (int64_t blk = 0; blk < nb; ++blk) {
+        const uint8_t* p = w.data() + n * row_bytes + blk * size;
+        switch (type) {
+          case 3: lbq::ggml::Traits<3>::decode(p, q.data(), a.data(), b.data()); break;
+          case 6: lbq::ggml::Traits<6>::decode(p, q.data(), a.data(), b.data()); break;
+          case 7: lbq::ggml::Traits<7>::decode(p, q.data(), a.data(), b.data()); break;
+          case 10: lbq::ggml::Traits<10>::decode(p, q.data(), a.data(), b.data()); break;
+          case 11: lbq::ggml::Traits<11>::decode(p, q.data(), a.data(), b.data()); break;
+          case 12: lbq::ggml::Traits<12>::decode(p, q.data(), a.data(), b.data()); break;
+          case 13: lbq::ggml::Traits<13>::decode(p, q.data(), a.data(), b.data()); break;
+          default: lbq::ggml::Traits<14>::decode(p, q.data(), a.data(), b.data()); break;
+        }
+        for (int i = 0; i < qk; ++i) {
+          const double t = (static_cast<double>(a[i / 16]) * q[i] + b[i / 16]) * x[m * K + blk * qk + i];
+          ref += t;
+          mag += std::fabs(t);
+        }
+      }
+      const double err = std::fabs(ref - y[m * N + n]) / (mag + 1e-30);
+      if (err > *worst) *worst = err;
+      if (err > 1e-5) {
+        std::printf("FAIL ggml type=%d M=%ld N=%ld nb=%ld m=%ld n=%ld: %g vs %g\n", type, (long)M, (long)N,
+                    (long)nb, (long)m, (long)n, (double)y[m * N + n], ref);
+        return 1;
+      }
+    }
+  return 0;
+}
+
 }  // namespace
 
 int main() {
@@ -109,6 +166,13 @@ int main() {
             fails += check(q4 != 0, G, M, N, nb * G, &worst);
             ++cases;
           }
+  for (int type : {3, 6, 7, 10, 11, 12, 13, 14})
+    for (int64_t nb : {1, 3})
+      for (int64_t M : {1, 2, 5})
+        for (int64_t N : {1, 4}) {
+          fails += check_ggml(type, M, N, nb, &worst);
+          ++cases;
+        }
   std::printf("isa=%s cases=%d fails=%d worst_rel=%.3g\n", lbq::isa_name(), cases, fails, worst);
   return fails ? 1 : 0;
 }
