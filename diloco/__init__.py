@@ -1,1 +1,1 @@
-"""lowband.diloco: Streaming DiLoCo training (and a DDP baseline) over any Communicator."""
+"""diloco (top-level package): Streaming DiLoCo and a DDP baseline over any Communicator."""

@@ -1,1 +1,1 @@
-"""lowband.edge: Llama-family inference on edge devices (tensor parallel, weight streaming)."""
+"""edge (top-level package): Llama-family inference on edge devices (tensor parallel, streaming)."""

@@ -1,9 +1,11 @@
 """The ``lowband`` command line: the composition root that wires transport to algorithms.
 
-Each group of subcommands lives in its own ``lowband.cmd_*`` module exposing
-``register(subparsers)``; a module adds parsers whose ``func(args) -> int`` parses the arguments
-into a config dataclass and calls the library. Heavy imports happen inside ``func`` so that
-``lowband --help`` stays fast on a Raspberry Pi.
+Each group of subcommands lives in its own ``lowband.cli.*`` module listed in
+``COMMAND_MODULES`` (``transport``: coordinator, keygen; ``train``: train, worker; ``edge``, which
+also registers ``edge_moe``; ``flower``; ``demo``, whose run is ``demo_run``), each exposing
+``register(subparsers)``. A module adds parsers whose ``func(args) -> int`` parses the arguments
+into a config dataclass and calls the library; ``liveness`` holds the deadline flags they share.
+Heavy imports happen inside ``func`` so that ``lowband --help`` stays fast on a Raspberry Pi.
 """
 
 from __future__ import annotations
