@@ -12,8 +12,9 @@ Timing: greedy decode of ``--tokens`` tokens after a ``--prompt-len`` prompt fed
 the first token (the prefill) excluded; each measurement is a child process pinned to core 0
 with one thread; lowband and llama.cpp alternate, ``--repeats`` rounds, medians with min/max.
 ``tp2_speedup``: lowband on 2 pinned devices (``edge worker`` + master over the real
-transport, cores 0 and 1, from a 2-way ``edge split`` directory) vs 1 (a 1-way split), with the master's time inside the all-reduces (link + waiting for
-the other shard) reported beside it. NOTE: this VM's two cores share one memory bus, so the two simulated
+transport, cores 0 and 1, from a 2-way ``edge split`` directory) vs 1 (a 1-way split), with
+the master's time inside the all-reduces (link + waiting for the other shard) reported beside
+it. NOTE: this VM's two cores share one memory bus, so the two simulated
 devices contend for bandwidth in a way two boards would not.
 
 Without llama-cpp-python installed the llama.cpp columns are reported as unavailable with the

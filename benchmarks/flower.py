@@ -9,7 +9,8 @@ without Flower's process start-up and 3 s polling; ``--deploy`` adds one real de
 first DiLoCo variant and reports its per-round wall time. ``fedavg`` is DiLoCo with outer SGD
 lr 1 and no momentum: θ_g ← θ_g − mean(θ_g − θ_m) = mean(θ_m), i.e. FedAvg with equal weights.
 Streaming variants sync one of P fragments per round (H/P steps), so they run P× the rounds
-for the same steps and bytes, at 1/P of the peak bytes per round. Prints a table, then one JSON line.
+for the same steps and bytes, at 1/P of the peak bytes per round. Prints a table, then one JSON
+line.
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """Transport benchmarks. Each mode prints one JSON line, the last line of its output.
 
     python -m benchmarks.transport allreduce --world 4 --size-mb 64 --connections 4 --vs-gloo --json
-    python -m benchmarks.transport emulator --size-mb 8 --rate-mbit 400 --delay-ms 50 --window-kb 256
+    python -m benchmarks.transport emulator --size-mb 8 --rate-mbit 400 --delay-ms 50 \
+        --window-kb 256
     python -m benchmarks.transport netns --size-mb 25 --rate-mbit 100        # needs root + iproute2
 
 ``allreduce`` starts ``world`` processes on this machine. Each joins a lowband group with the
@@ -53,7 +54,7 @@ TRANSPORTS = ("auto", "tcp", "ipc", "shm")
 _SAME_HOST = {"auto": "auto", "tcp": "off", "ipc": "ipc", "shm": "shm"}
 
 
-# ---- allreduce ---------------------------------------------------------------------------------------
+# ---- allreduce -----------------------------------------------------------------------------------
 @dataclass(frozen=True, kw_only=True)
 class AllReduceBench:
     world: int = 4
@@ -385,7 +386,7 @@ def allreduce(cfg: AllReduceBench) -> dict[str, Any]:
     return result
 
 
-# ---- emulator -------------------------------------------------------------------------------------
+# ---- emulator ------------------------------------------------------------------------------------
 @dataclass(frozen=True, kw_only=True)
 class EmulatorBench:
     size_mb: float = 8.0
@@ -469,7 +470,7 @@ def emulator(cfg: EmulatorBench) -> dict[str, Any]:
     }
 
 
-# ---- netns ----------------------------------------------------------------------------------------
+# ---- netns ---------------------------------------------------------------------------------------
 def netns(size_mb: float, rate_mbit: float, connections: list[int], repeats: int) -> dict[str, Any]:
     """Kernel TCP through tbf for each K in ``connections``: ``repeats`` rounds, each K once per
     round in an order rotated by one per round; goodput median (min/max) per K.
@@ -528,7 +529,7 @@ def netns(size_mb: float, rate_mbit: float, connections: list[int], repeats: int
     }
 
 
-# ---- command line ---------------------------------------------------------------------------------
+# ---- command line --------------------------------------------------------------------------------
 def _print(result: dict[str, Any], json_only: bool) -> None:
     if not json_only:
         for k, v in result.items():

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, fields, replace
-from typing import Callable, Iterable, Literal
+from typing import Any, Callable, Iterable, Literal
 
 import torch
 
@@ -348,9 +348,9 @@ class TrainConfig:
 
 
 # ---- JSON: how the launcher hands one configuration to every worker process -----------------
-def _plain(obj: object) -> dict:
+def _plain(obj: Any) -> dict:
     out = {}
-    for f in fields(obj):  # type: ignore[arg-type]
+    for f in fields(obj):
         if f.name == "factory":
             if getattr(obj, "factory") is not None:
                 raise ConfigError(
@@ -468,7 +468,8 @@ def with_overrides(cfg: TrainConfig, **changes: object) -> TrainConfig:
     ``data_kind``, ``data_path``, ComputeConfig's fields and ``hf_model`` (a path: the run
     trains that Hugging Face model instead of the preset's). Every result is validated like any
     config."""
-    ch = {k: v for k, v in changes.items() if v is not None}
+    # Values are checked by the dataclasses' __post_init__ when replaced in below.
+    ch: dict[str, Any] = {k: v for k, v in changes.items() if v is not None}
     unknown = (
         set(ch)
         - _MODE_KEYS
@@ -498,10 +499,10 @@ def with_overrides(cfg: TrainConfig, **changes: object) -> TrainConfig:
     if isinstance(mode, DilocoConfig):
         outer = mode.outer
         if "outer_lr" in ch or "outer_momentum" in ch:
-            momentum = float(ch.get("outer_momentum", outer.momentum))  # type: ignore[arg-type]
+            momentum = float(ch.get("outer_momentum", outer.momentum))
             outer = replace(
                 outer,
-                lr=float(ch.get("outer_lr", outer.lr)),  # type: ignore[arg-type]
+                lr=float(ch.get("outer_lr", outer.lr)),
                 momentum=momentum,
                 nesterov=outer.nesterov and momentum > 0,
             )
@@ -512,9 +513,9 @@ def with_overrides(cfg: TrainConfig, **changes: object) -> TrainConfig:
     if "data_kind" in ch or "data_path" in ch:
         data = replace(data, kind=ch.get("data_kind", "text"), path=ch.get("data_path"))
     data = replace(data, **{k: ch[k] for k in _DATA_KEYS if k in ch})
-    inner = replace(cfg.inner, lr=float(ch["inner_lr"])) if "inner_lr" in ch else cfg.inner  # type: ignore[arg-type]
+    inner = replace(cfg.inner, lr=float(ch["inner_lr"])) if "inner_lr" in ch else cfg.inner
     sched = (
-        replace(cfg.lr_schedule, warmup_steps=int(ch["warmup_steps"]))  # type: ignore[arg-type]
+        replace(cfg.lr_schedule, warmup_steps=int(ch["warmup_steps"]))
         if "warmup_steps" in ch
         else cfg.lr_schedule
     )
@@ -611,8 +612,8 @@ SCALE_VOCAB = 4096
 
 
 def scale() -> TrainConfig:
-    """A real experiment on 2 CPU cores in about 15 minutes (DDP and DiLoCo together, one seed: 464 s
-    + 435 s measured with ``benchmarks.diloco --scale``): a
+    """A real experiment on 2 CPU cores in about 15 minutes (DDP and DiLoCo together, one seed:
+    464 s + 435 s measured with ``benchmarks.diloco --scale``): a
     byte-level BPE of 4096 tokens trained here on the embedded sample, a 6.8 M-parameter Llama
     (hidden 256, 6 layers), M = 4 workers on disjoint slices, NF4 + error feedback, H = 60,
     P = 3, τ = 5. Splits train / validation (tuning) / test (reporting, 10 %). NF4, not int8:

@@ -40,7 +40,8 @@ class Task(Protocol):
 
 
 class LMTask(CorpusTask):
-    """Next-token prediction with :class:`lowband.models.llama.LlamaForCausalLM` (HF parameter names)."""
+    """Next-token prediction with :class:`lowband.models.llama.LlamaForCausalLM` (HF parameter
+    names)."""
 
     def __init__(self, cfg: TrainConfig, corpus: Corpus) -> None:
         if cfg.model is None:

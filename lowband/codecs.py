@@ -216,7 +216,7 @@ def codec_names() -> list[str]:
 
 
 def get_codec(name: str) -> Codec:
-    """Codec by its CLI name (``fp32``, ``fp16``, ``bf16``, ``int8``, ``fp4``, ``nf4``, ``e3m0``)."""
+    """Codec by its CLI name: ``fp32``, ``fp16``, ``bf16``, ``int8``, ``fp4``, ``nf4``, ``e3m0``."""
     try:
         return _REGISTRY[name]()
     except KeyError:

@@ -32,7 +32,8 @@ class AuthError(LowbandError):
 
 
 class IncompatiblePeer(LowbandError):
-    """A peer was refused at join: its run signature (model shapes, config) differs from the group's."""
+    """A peer was refused at join: its run signature (model shapes, config) differs from the
+    group's."""
 
 
 class TransportTimeout(LowbandError, TimeoutError):

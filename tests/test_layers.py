@@ -180,7 +180,9 @@ def test_a_planted_cycle_and_launcher_import_are_caught(tmp_path: Path) -> None:
             "lowband/__init__.py": "",
             "transport/__init__.py": "",
             "transport/a.py": "from transport.b import x\n",
-            "transport/b.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from . import a\n",
+            "transport/b.py": (
+                "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from . import a\n"
+            ),
             "diloco/__init__.py": "",
             "diloco/launch.py": "",
             "diloco/client.py": "from diloco.launch import f\n",

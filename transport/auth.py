@@ -42,7 +42,8 @@ DATA_DOMAIN = "lowband-data"
 
 @dataclass(frozen=True, kw_only=True)
 class CurveKeys:
-    """A CURVE keypair in Z85 text (40 characters each). ``secret`` is None for a public-only key."""
+    """A CURVE keypair in Z85 text (40 characters each). ``secret`` is None for a public-only
+    key."""
 
     public: bytes
     secret: bytes | None = None

@@ -140,7 +140,7 @@ class Liveness:
         )
 
 
-# ---- pure quorum logic ----------------------------------------------------------------------------
+# ---- pure quorum logic ---------------------------------------------------------------------------
 @dataclass(frozen=True)
 class View:
     """What one peer learns when a quorum completes (cf. :class:`lowband.comm.Membership`)."""
@@ -213,7 +213,7 @@ class MembershipBook:
         return result
 
 
-# ---- the server -------------------------------------------------------------------------------------
+# ---- the server ----------------------------------------------------------------------------------
 @dataclass
 class _Peer:
     addr: str
@@ -501,7 +501,8 @@ class Coordinator:
                 why = "different model shapes or config"
                 mine = peer_meta.get("layout")
                 if isinstance(mine, str) or isinstance(self._layout, str):
-                    why = f"this peer: {mine or 'not stated'}; the group: {self._layout or 'not stated'}"
+                    group = self._layout or "not stated"
+                    why = f"this peer: {mine or 'not stated'}; the group: {group}"
                 refusal = (
                     "incompatible",
                     f"run signature {signature[:16]!r}… differs from the group's "

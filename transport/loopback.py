@@ -360,7 +360,8 @@ _COMPLETERS = {
 
 
 class LoopbackComm(BlockingCollectives):
-    """One rank's handle on a :class:`LoopbackGroup`. Satisfies :class:`lowband.comm.Communicator`."""
+    """One rank's handle on a :class:`LoopbackGroup`; satisfies
+    :class:`lowband.comm.Communicator`."""
 
     def __init__(self, group: LoopbackGroup, peer_id: str, membership: Membership) -> None:
         self._group = group

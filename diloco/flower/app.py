@@ -69,7 +69,9 @@ def app_pyproject(
 
 
 APP_MODULES = {
-    "__init__.py": '"""Flower DiLoCo app: the ServerApp and ClientApp of lowband (diloco.flower)."""\n',
+    "__init__.py": (
+        '"""Flower DiLoCo app: the ServerApp and ClientApp of lowband (diloco.flower)."""\n'
+    ),
     "server_app.py": (
         '"""ServerApp: DiLoCoStrategy rounds, server-side evaluation, metrics and checkpoints."""\n'
         "\nfrom diloco.flower.server import make_server_app\n\napp = make_server_app()\n"

@@ -1,6 +1,6 @@
 """A two-device tensor-parallel edge cluster behind the OpenAI-compatible HTTP API, and a client.
 
-    python examples/edge_http/main.py                       # trains a small model first (~30 s in all)
+    python examples/edge_http/main.py        # trains a small model first (~30 s in all)
     python examples/edge_http/main.py --model run/model     # any Llama/Qwen2 HF checkpoint dir
     python examples/edge_http/main.py --tiny                # the smoke test's size
 

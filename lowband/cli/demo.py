@@ -1,8 +1,9 @@
-"""``lowband demo``: the multi-site DiLoCo-vs-DDP demo on this machine (see :mod:`lowband.cli.demo_run`).
+"""``lowband demo``: the multi-site DiLoCo-vs-DDP demo on this machine (see
+:mod:`lowband.cli.demo_run`).
 
 Thin: the training flags are those of ``lowband train`` (the same parser function and the same
-preset + overrides logic); they are parsed into a :class:`lowband.cli.demo_run.DemoConfig`, validated
-before any process starts, and handed to ``lowband.cli.demo_run.main``.
+preset + overrides logic); they are parsed into a :class:`lowband.cli.demo_run.DemoConfig`,
+validated before any process starts, and handed to ``lowband.cli.demo_run.main``.
 """
 
 from __future__ import annotations

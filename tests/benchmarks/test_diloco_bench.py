@@ -1,4 +1,5 @@
-"""Smoke run of ``python -m benchmarks.diloco`` at its tiny size: the JSON line and its invariants."""
+"""Smoke run of ``python -m benchmarks.diloco`` at its tiny size: the JSON line and its
+invariants."""
 
 from __future__ import annotations
 

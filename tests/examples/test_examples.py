@@ -1,8 +1,8 @@
 """Every example runs as a subprocess at its --tiny size and prints real, checked results.
 
-examples/flower_diloco is not run here: tests/diloco/test_flower.py checks it is exactly the app that
-``diloco.flower.app.write_app`` generates, and tests/diloco/test_flower_deploy.py deploys that app with
-a real SuperLink and SuperNodes.
+examples/flower_diloco is not run here: tests/diloco/test_flower.py checks it is exactly the app
+that ``diloco.flower.app.write_app`` generates, and tests/diloco/test_flower_deploy.py deploys that
+app with a real SuperLink and SuperNodes.
 """
 
 from __future__ import annotations

@@ -167,7 +167,7 @@ class Testbed:
         return ["ip", "netns", "exec", self.ns[site], *args]
 
 
-# ---- the measured transfer ------------------------------------------------------------------------
+# ---- the measured transfer -----------------------------------------------------------------------
 @dataclass(frozen=True, kw_only=True)
 class TransferConfig:
     size_mb: float = 25.0
