@@ -55,30 +55,35 @@ def load(results_dir: Path = RESULTS) -> list[tuple[str, dict]]:
     return sorted(out, key=lambda item: (item[1]["benchmark"], item[0]))
 
 
+def is_range(value: object) -> bool:
+    return isinstance(value, dict) and set(value) in ({"median", "min", "max"}, {"min", "max"})
+
+
 def fmt_value(value: object) -> str:
-    """A figure as text: ``median (min–max)`` for such dicts, lists joined with `` / ``."""
+    """A leaf figure as text: ``median (min–max)`` or ``min–max`` for ranges, lists with `` / ``."""
     if isinstance(value, bool):
         return "yes" if value else "no"
-    if isinstance(value, dict):
-        if set(value) == {"median", "min", "max"}:
-            median, low, high = (fmt_value(value[k]) for k in ("median", "min", "max"))
-            return f"{median} ({low}–{high})"
-        if set(value) == {"min", "max"}:
-            return f"{fmt_value(value['min'])}–{fmt_value(value['max'])}"
-        return "; ".join(f"{k}: {fmt_value(v)}" for k, v in value.items())
+    if isinstance(value, dict) and is_range(value):
+        low, high = fmt_value(value["min"]), fmt_value(value["max"])
+        if "median" in value:
+            return f"{fmt_value(value['median'])} ({low}–{high})"
+        return f"{low}–{high}"
     if isinstance(value, list):
         return " / ".join(fmt_value(v) for v in value)
     return str(value)
 
 
+def flatten(key: str, value: object) -> list[tuple[str, str]]:
+    """Nested figures as ``(dotted.key, text)`` pairs; list items of dicts get ``[i]``."""
+    if isinstance(value, dict) and not is_range(value):
+        return [p for k, v in value.items() for p in flatten(f"{key}.{k}" if key else k, v)]
+    if isinstance(value, list) and any(isinstance(v, dict) and not is_range(v) for v in value):
+        return [p for i, v in enumerate(value) for p in flatten(f"{key}[{i}]", v)]
+    return [(key, fmt_value(value))]
+
+
 def fmt_result(result: dict) -> str:
-    parts = []
-    for key, value in result.items():
-        text = fmt_value(value)
-        if isinstance(value, dict) and set(value) - {"median", "min", "max"}:
-            text = "{" + text + "}"
-        parts.append(f"`{key}` {text}")
-    return "<br>".join(parts)
+    return "<br>".join(f"`{key}` {text}" for key, text in flatten("", result))
 
 
 def cell(text: str) -> str:
