@@ -17,13 +17,14 @@ same on either device (IEEE division and round-half-even on both).
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
 
 from lowband.comm import Codec, Encoded
-from lowband.errors import ConfigError
+from lowband.errors import ConfigError, ProtocolError
 
 __all__ = [
     "Fp32Codec",
@@ -88,6 +89,40 @@ def _absmax_scales(blocks: torch.Tensor, top: float) -> torch.Tensor:
     return torch.where(scale > 0, scale, torch.ones_like(scale))
 
 
+# Largest tensor a decoder will produce from one peer's payload (elements). The real bound is the
+# payload itself (checked below); this only keeps a forged shape from overflowing the arithmetic.
+_MAX_NUMEL = 1 << 40
+
+
+def _checked_layout(
+    encoded: Encoded, block: int, codes: torch.Tensor, codes_per_elem: int
+) -> tuple[list[int], int, int]:
+    """``(shape, numel, n_blocks)`` of a received payload, checked against its frames before
+    anything is allocated: the peer's metadata is untrusted, and a block size or shape that the
+    frames do not carry would otherwise make decode allocate what the peer claims."""
+    meta = encoded.meta
+    raw_shape, raw_block = meta.get("shape"), meta.get("block")
+    if not isinstance(raw_shape, (list, tuple)) or not all(
+        isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in raw_shape
+    ):
+        raise ProtocolError(
+            f"codec payload: shape must be a list of non-negative ints, got {raw_shape!r}"
+        )
+    if raw_block != block:
+        raise ProtocolError(f"codec payload: block {raw_block!r}, this codec decodes block {block}")
+    numel = math.prod(raw_shape)
+    if numel > _MAX_NUMEL:
+        raise ProtocolError(f"codec payload: shape {raw_shape} has too many elements")
+    n_blocks = -(-numel // block)
+    scale = encoded.frames[1]
+    if codes.numel() * codes_per_elem != n_blocks * block or scale.numel() != n_blocks:
+        raise ProtocolError(
+            f"codec payload: {codes.numel()} code bytes and {scale.numel()} scales do not carry "
+            f"shape {raw_shape} in blocks of {block}"
+        )
+    return list(raw_shape), numel, n_blocks
+
+
 @dataclass(frozen=True)
 class Int8BlockCodec:
     """Symmetric int8 with one float32 absmax scale per block (8 + 32/block bits per element)."""
@@ -107,12 +142,11 @@ class Int8BlockCodec:
         return Encoded(frames=(q.reshape(-1), scale), meta=meta)
 
     def decode(self, encoded: Encoded) -> torch.Tensor:
+        if len(encoded.frames) != 2:
+            raise ProtocolError(f"int8 payload: 2 frames expected, got {len(encoded.frames)}")
         q, scale = encoded.frames
-        block = int(encoded.meta["block"])
-        shape = encoded.meta["shape"]
-        numel = 1
-        for s in shape:
-            numel *= int(s)
+        block = self.block
+        shape, numel, _ = _checked_layout(encoded, block, q, 1)
         out = q.to(torch.float32).view(-1, block) * scale.to(torch.float32)[:, None]
         return out.reshape(-1)[:numel].reshape(shape)
 
@@ -188,13 +222,15 @@ class FourBitCodec:
         return Encoded(frames=(packed, scale), meta=meta)
 
     def decode(self, encoded: Encoded) -> torch.Tensor:
+        if len(encoded.frames) != 2:
+            raise ProtocolError(f"4-bit payload: 2 frames expected, got {len(encoded.frames)}")
         packed, scale = encoded.frames
-        book = _codebook(encoded.meta["kind"], packed.device)
-        block = int(encoded.meta["block"])
-        shape = encoded.meta["shape"]
-        numel = 1
-        for s in shape:
-            numel *= int(s)
+        if encoded.meta.get("kind") != self.kind:
+            kind = encoded.meta.get("kind")
+            raise ProtocolError(f"4-bit payload of kind {kind!r}, this codec decodes {self.kind!r}")
+        book = _codebook(self.kind, packed.device)
+        block = self.block
+        shape, numel, _ = _checked_layout(encoded, block, packed, 2)
         idx = torch.stack([packed & 0x0F, packed >> 4], dim=1).reshape(-1).long()
         vals = book[idx].view(-1, block) * scale.to(torch.float32)[:, None]
         return vals.reshape(-1)[:numel].reshape(shape)
