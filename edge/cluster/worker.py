@@ -141,16 +141,16 @@ def run_worker(comm: Communicator, cfg: WorkerConfig) -> int:
                 _regroup_after(comm, cfg, st, exc, rejoining=True)
                 logger.warning("worker: rejoined the group (epoch %d)", comm.membership.epoch)
                 continue
-            msg = _decode_or_answer(comm, meta)
-            if msg is None:
+            try:
+                msg = _decode_or_answer(comm, meta)
+                if msg is not None and not isinstance(msg, Shutdown):
+                    _dispatch(comm, cfg, st, msg, tensors)
+            except (PeerLost, TransportTimeout, ProtocolError) as exc:
+                _regroup_after(comm, cfg, st, exc)
                 continue
             if isinstance(msg, Shutdown):  # (outside the try: a master gone meanwhile ends us)
                 _dispatch(comm, cfg, st, msg, tensors)
                 return 0
-            try:
-                _dispatch(comm, cfg, st, msg, tensors)
-            except (PeerLost, TransportTimeout, ProtocolError) as exc:
-                _regroup_after(comm, cfg, st, exc)
     finally:
         if st.shard is not None:
             st.shard.close()
