@@ -35,6 +35,7 @@ import torch
 from torch import nn
 
 from edge.quant import QuantLinear
+from edge.quant.linear import GGMLLinear
 from lowband.comm import Algorithm, Codec, Communicator
 from lowband.errors import ConfigError
 from lowband.models.config import ModelConfig
@@ -273,7 +274,7 @@ def _shard_quantized(model: nn.Module, plan: TPPlan, rank: int) -> None:
     """Packed linears keep their packing: rows and whole groups of columns are sliced out of
     the packed buffers (``QuantLinear.narrow_out`` / ``narrow_in``), never requantized."""
     for name, mod in list(model.named_modules()):
-        if not isinstance(mod, QuantLinear):
+        if not isinstance(mod, (QuantLinear, GGMLLinear)):  # GGMLLinear: group = block size
             continue
         spec = slice_of(name + ".weight", plan, rank)
         if spec is True:

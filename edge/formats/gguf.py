@@ -9,9 +9,12 @@ Reading maps each tensor onto what the runtime already has, without requantizing
 * ``Q4_0``: blocks of 32 = fp16 ``d`` + 16 bytes -> bits 4, group 32. Byte ``j`` holds element
   ``j`` in its low nibble and ``j + 16`` in its high nibble, which is exactly the packed layout
   of ``edge.quant.formats`` at group 32, so the bytes are copied as they are.
+* ``Q4_1``, ``Q5_0``, ``Q5_1``, ``Q2_K``, ``Q3_K``, ``Q4_K``, ``Q5_K``, ``Q6_K`` (what
+  ``Q4_K_M``/``*_K_S`` files mix): the blocks are kept exactly as in the file
+  (``edge.quant.ggml.GGMLWeight``) -> ``GGMLLinear``, decoded block by block at matmul time.
 
-Any other type (K-quants, IQ*, Q4_1, ...) is refused with a :class:`ConfigError` naming it.
-A quantized token embedding is dequantized once (it is a lookup table, not a matmul).
+Any other type (IQ*, TQ*, MXFP4, ...) is refused with a :class:`ConfigError` naming the tensor
+and the type. A quantized token embedding is dequantized once (a lookup table, not a matmul).
 
 llama.cpp stores ``attn_q`` / ``attn_k`` with the rows of each head permuted for its rotary
 kernel (pairs ``(i, i + D/2)`` interleaved); :func:`_unpermute` undoes it on rows, which works
@@ -28,6 +31,8 @@ import torch
 
 from edge.quant import QuantLinear
 from edge.quant.formats import PackedWeight, QuantSpec, dequantize
+from edge.quant.ggml import GGML_TYPES, GGMLWeight, dequantize_ggml
+from edge.quant.linear import GGMLLinear
 from edge.tp import Reduce, TPPlan, make_plan, shard
 from lowband.errors import ConfigError
 from lowband.models.config import ModelConfig
@@ -50,7 +55,7 @@ _TOP_NAMES = {
     "output_norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
 }
-SUPPORTED = ("F32", "F16", "BF16", "Q8_0", "Q4_0")
+SUPPORTED = ("F32", "F16", "BF16", "Q8_0", "Q4_0", *GGML_TYPES)
 
 
 def _import_gguf():
@@ -213,8 +218,12 @@ def read_config(reader: Any) -> ModelConfig:
     )
 
 
-def _tensor(t: Any) -> torch.Tensor | PackedWeight:
-    """One GGUF tensor as a float tensor (N, K) / (N,) or a PackedWeight, without requantizing."""
+Weight = torch.Tensor | PackedWeight | GGMLWeight
+
+
+def _tensor(t: Any) -> Weight:
+    """One GGUF tensor as a float tensor (N, K) / (N,), a PackedWeight or a GGMLWeight, without
+    requantizing."""
     kind = t.tensor_type.name
     shape = tuple(int(s) for s in reversed(t.shape))  # (N, K)
     data = np.asarray(t.data)
@@ -223,14 +232,19 @@ def _tensor(t: Any) -> torch.Tensor | PackedWeight:
     if kind == "BF16":
         u32 = data.view(np.uint16).reshape(shape).astype(np.uint32) << 16  # bf16 = top half of fp32
         return torch.from_numpy(u32.view(np.float32).copy())
-    if kind not in ("Q8_0", "Q4_0"):
+    if kind not in SUPPORTED:
         raise ConfigError(
             "model",
             f"GGUF tensor {t.name} has type {kind}, which lowband does not "
             f"load (supported: {', '.join(SUPPORTED)}); re-quantize the file with "
-            f"llama-quantize to Q8_0 or Q4_0",
+            f"llama-quantize to one of those (e.g. Q4_K_M or Q8_0)",
         )
+    if len(shape) != 2:
+        raise ConfigError("model", f"GGUF tensor {t.name}: a {kind} tensor must be 2-D")
     n, k = shape
+    if kind in GGML_TYPES:  # kept as the file's blocks: row n is K/qk blocks back to back
+        raw = data.view(np.uint8).reshape(n, -1)
+        return GGMLWeight(GGML_TYPES[kind], (n, k), torch.from_numpy(raw.copy()))
     blocks = data.view(np.uint8).reshape(n, k // 32, -1)  # (N, K/32, 34 | 18)
     scales = torch.from_numpy(
         np.ascontiguousarray(blocks[:, :, :2]).view(np.float16).reshape(n, k // 32)
@@ -242,14 +256,17 @@ def _tensor(t: Any) -> torch.Tensor | PackedWeight:
     return PackedWeight(QuantSpec(4, 32, (n, k)), torch.from_numpy(q.copy()), scales.clone())
 
 
-def _rows(x: torch.Tensor | PackedWeight, fn) -> torch.Tensor | PackedWeight:
+def _rows(x: Weight, fn) -> Weight:
+    if isinstance(x, GGMLWeight):  # a row's blocks run along K: permuting rows moves bytes
+        return GGMLWeight(x.type, x.shape, fn(x.data).contiguous())
     if isinstance(x, PackedWeight):
         return PackedWeight(x.spec, fn(x.qweight).contiguous(), fn(x.scales).contiguous())
     return fn(x).contiguous()
 
 
 def load_gguf(path: str | Path, dtype: torch.dtype | None = None) -> LlamaForCausalLM:
-    """The whole model of a llama-architecture GGUF, Q8_0/Q4_0 matrices as ``QuantLinear``."""
+    """The whole model of a llama-architecture GGUF: Q8_0/Q4_0 matrices as ``QuantLinear``,
+    the other block types (Q4_K, Q6_K, ...) as ``GGMLLinear``, float ones as ``nn.Linear``."""
     gguf = _import_gguf()
     reader = gguf.GGUFReader(str(path))
     cfg = read_config(reader)
@@ -271,13 +288,15 @@ def load_gguf(path: str | Path, dtype: torch.dtype | None = None) -> LlamaForCau
             x = _rows(x, lambda r: _unpermute(r, cfg.num_attention_heads))
         elif name.endswith("k_proj.weight"):
             x = _rows(x, lambda r: _unpermute(r, cfg.n_kv_heads))
-        if isinstance(x, PackedWeight):
+        if isinstance(x, (PackedWeight, GGMLWeight)):
             if name == "model.embed_tokens.weight":  # a lookup table: dequantize once
-                floats[name] = dequantize(x, dtype=dt)
+                deq = dequantize(x, dtype=dt) if isinstance(x, PackedWeight) else None
+                floats[name] = deq if deq is not None else dequantize_ggml(x, dtype=dt)
                 continue
             mod_name = name.rpartition(".")[0]
             parent, _, child = mod_name.rpartition(".")
-            setattr(model.get_submodule(parent), child, QuantLinear.from_packed(x))
+            mod = QuantLinear.from_packed(x) if isinstance(x, PackedWeight) else GGMLLinear(x)
+            setattr(model.get_submodule(parent), child, mod)
         else:
             floats[name] = x.to(dt)
     if cfg.tie_word_embeddings:
@@ -304,10 +323,11 @@ def load_gguf_shard(
     dtype: torch.dtype | None = None,
 ) -> tuple[LlamaForCausalLM, TPPlan]:
     """Rank ``rank``'s slice of a GGUF model (the whole file is read, then sliced: packed
-    matrices keep their packing through ``QuantLinear.narrow_out/narrow_in``)."""
+    matrices keep their packing through ``narrow_out/narrow_in``; a column split that cuts a
+    block, e.g. ``o_proj`` heads not on 256-value boundaries for Q4_K, is a ``ConfigError``)."""
     model = load_gguf(path, dtype)
-    quant = any(isinstance(m, QuantLinear) for m in model.modules())
-    plan = make_plan(model.config, world, weights, ffn_unit=32 if quant else 8)
+    groups = [m.group for m in model.modules() if isinstance(m, (QuantLinear, GGMLLinear))]
+    plan = make_plan(model.config, world, weights, ffn_unit=max(groups, default=8))
     return shard(model, plan, rank, world, reduce), plan
 
 
@@ -317,6 +337,13 @@ def convert_gguf(path: str | Path, out_dir: str | Path) -> Path:
     from edge.formats.quantized import QuantLayout, save_quantized
 
     model = load_gguf(path)
+    blocks = sorted({m.type.name for m in model.modules() if isinstance(m, GGMLLinear)})
+    if blocks:
+        raise ConfigError(
+            "model",
+            f"{path} holds {', '.join(blocks)} matrices, which a lowband checkpoint directory "
+            "cannot store; serve the .gguf directly (every edge command reads it)",
+        )
     packed = {n: m for n, m in model.named_modules() if isinstance(m, QuantLinear)}
     bits = {m.bits for m in packed.values()}
     if len(bits) > 1:

@@ -125,7 +125,7 @@ def test_unsupported_type_is_named(tmp_path) -> None:
         )
         if t.name == "blk.0.ffn_up.weight":
             a = a.reshape(tuple(int(s) for s in reversed(t.shape)))
-            qt = gguf.GGMLQuantizationType.Q5_0
+            qt = gguf.GGMLQuantizationType.MXFP4
             w.add_tensor(t.name, gguf.quants.quantize(a, qt), raw_dtype=qt)
         else:
             w.add_tensor(t.name, a)
@@ -133,5 +133,5 @@ def test_unsupported_type_is_named(tmp_path) -> None:
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    with pytest.raises(ConfigError, match="Q5_0"):
+    with pytest.raises(ConfigError, match="blk.0.ffn_up.weight has type MXFP4"):
         load_gguf(tmp_path / "bad.gguf")

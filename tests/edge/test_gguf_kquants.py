@@ -1,0 +1,212 @@
+"""GGUF files as published (Q4_K_M-style mixes of K-quants and the 32-blocks Q4_1/Q5_0/Q5_1):
+the matrices load as ``GGMLLinear`` with the file's bytes untouched, the model's logits equal a
+model built from gguf-py's dequantization of the same blocks, TP shards them on block
+boundaries (and refuses a split that cuts a block), IQ*/TQ* types are refused by name.
+
+The blocks are random bytes with valid fp16 scale fields: gguf-py (0.19) cannot quantize to
+K-quants, and any byte pattern is a valid block of these formats."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from edge.formats.gguf import _permute, convert_gguf, load_gguf, load_gguf_shard, write_gguf
+from edge.quant.ggml import GGML_TYPES
+from edge.quant.linear import GGMLLinear
+from edge.tp import make_reduce
+from lowband.errors import ConfigError
+from lowband.models.config import ModelConfig
+from lowband.models.llama import LlamaForCausalLM, init_weights
+from tests.conftest import run_ranks, tp_head
+from tests.edge.test_ggml_quant import random_blocks
+from transport.loopback import LoopbackGroup
+
+pytestmark = pytest.mark.timeout(600)  # may build the C++ extension first (minutes here)
+
+CFG = dict(
+    vocab_size=300,
+    hidden_size=512,
+    intermediate_size=512,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=64,
+)
+# A Q4_K_M-like mix that also covers every other supported block type.
+TYPES = {
+    "token_embd.weight": "Q6_K",
+    "output.weight": "Q6_K",
+    "blk.0.attn_q.weight": "Q4_K",
+    "blk.0.attn_k.weight": "Q5_K",
+    "blk.0.attn_v.weight": "Q6_K",
+    "blk.0.attn_output.weight": "Q3_K",
+    "blk.0.ffn_gate.weight": "Q2_K",
+    "blk.0.ffn_up.weight": "Q4_1",
+    "blk.0.ffn_down.weight": "Q5_0",
+    "blk.1.attn_q.weight": "Q5_1",
+    "blk.1.attn_k.weight": "Q4_K",
+    "blk.1.attn_v.weight": "Q6_K",
+    "blk.1.attn_output.weight": "Q4_K",
+    "blk.1.ffn_gate.weight": "Q4_K",
+    "blk.1.ffn_up.weight": "Q4_K",
+    "blk.1.ffn_down.weight": "Q6_K",
+}
+# |q * sc| of each format at most, so that d ~ 0.1 / MAG gives weights of ~0.1.
+MAG = {"Q2_K": 45, "Q3_K": 128, "Q4_K": 945, "Q5_K": 1953, "Q6_K": 4064}
+MAG |= {"Q4_1": 15, "Q5_0": 16, "Q5_1": 31}
+HF = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output.weight": "lm_head.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+
+
+def _hf_name(g: str) -> str:
+    if g in HF:
+        return HF[g]
+    _, i, rest = g.split(".", 2)
+    return f"model.layers.{i}.{HF[rest]}"
+
+
+def write_mixed(path: Path, types: dict[str, str], **over) -> tuple[LlamaForCausalLM, Path]:
+    """A GGUF whose listed tensors are random blocks of the given types (GGUF row order), and
+    the fp32 model with gguf-py's dequantization of those blocks in HF row order."""
+    ref = LlamaForCausalLM(ModelConfig(**{**CFG, **over})).eval()
+    init_weights(ref, std=0.1, seed=4)
+    cfg = ref.config
+    f32 = write_gguf(ref, path.with_suffix(".f32.gguf"))
+    r = gguf.GGUFReader(str(f32))
+    w = gguf.GGUFWriter(str(path), "llama")
+    for f in r.fields.values():
+        if f.name.startswith("GGUF.") or f.name == "general.architecture":
+            continue
+        sub = f.types[-1] if len(f.types) > 1 else None
+        w.add_key_value(f.name, f.contents(), f.types[0], sub_type=sub)
+    state = ref.state_dict()
+    for i, t in enumerate(r.tensors):
+        kind = types.get(t.name)
+        if kind is None:
+            w.add_tensor(t.name, np.array(t.data, dtype=np.float32))
+            continue
+        hf = _hf_name(t.name)
+        n, k = state[hf].shape
+        raw = random_blocks(kind, n, k, seed=i, scale=0.1 / MAG[kind])  # HF row order
+        qt = gguf.GGMLQuantizationType[kind]
+        state[hf].copy_(torch.from_numpy(gguf.quants.dequantize(raw, qt)))
+        rows = torch.from_numpy(raw)
+        if t.name.endswith("attn_q.weight"):
+            rows = _permute(rows, cfg.num_attention_heads)
+        elif t.name.endswith("attn_k.weight"):
+            rows = _permute(rows, cfg.n_kv_heads)
+        w.add_tensor(t.name, rows.contiguous().numpy(), raw_dtype=qt)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return ref, path
+
+
+def _ids() -> torch.Tensor:
+    return torch.randint(0, 300, (1, 7), generator=torch.Generator().manual_seed(2))
+
+
+def test_kquant_mix_loads_packed_and_matches_dequantized(tmp_path) -> None:
+    ref, path = write_mixed(tmp_path / "m.gguf", TYPES)
+    got = load_gguf(path)
+    r = gguf.GGUFReader(str(path))
+    by_name = {t.name: t for t in r.tensors}
+    for g, kind in TYPES.items():
+        if g == "token_embd.weight":
+            continue
+        mod = got.get_submodule(_hf_name(g).rpartition(".")[0])
+        assert isinstance(mod, GGMLLinear) and mod.type.name == kind, g
+        if "attn_q" not in g and "attn_k" not in g:  # q/k rows are un-permuted
+            want = np.asarray(by_name[g].data).view(np.uint8).reshape(mod.out_features, -1)
+            assert np.array_equal(mod.blocks.numpy(), want), g
+    with torch.no_grad():
+        want = ref(_ids())
+        logits = got(_ids())
+        for g in TYPES:  # every matrix equals gguf-py's dequantization (q/k rows un-permuted)
+            hf = _hf_name(g)
+            mod = got.get_submodule(hf.rpartition(".")[0])
+            w = got.model.embed_tokens.weight if g == "token_embd.weight" else None
+            w = w if w is not None else mod.dequantize_weight()
+            assert torch.equal(w, ref.state_dict()[hf]), g
+    scale = want.abs().max().item()
+    assert scale > 0.1
+    assert (logits - want).abs().max().item() <= 1e-5 * scale  # fp32 summation order only
+
+
+def test_kquant_tp_shards_on_block_boundaries(tmp_path) -> None:
+    ref, path = write_mixed(tmp_path / "m.gguf", TYPES)
+    with torch.no_grad():
+        want = ref(_ids())
+    x = ref.embed(_ids()).detach()
+    comms = LoopbackGroup(2, timeout=60).comms()
+
+    def rank_fn(r: int):
+        def body():
+            reduce = make_reduce(comms[r])
+            sh, plan = load_gguf_shard(path, r, 2, reduce=reduce)
+            down = sh.model.layers[1].mlp.down_proj
+            assert isinstance(down, GGMLLinear) and down.in_features == 256
+            with torch.no_grad():
+                h = sh.forward_layers(x, cache=None, start=0)
+                return tp_head(sh, plan, r, h, reduce)
+
+        return body
+
+    got = run_ranks([rank_fn(0), rank_fn(1)], timeout=120)[0]
+    assert (got - want).abs().max().item() <= 1e-4
+
+
+def test_split_that_cuts_a_block_is_refused(tmp_path) -> None:
+    # hidden 256 = 4 heads of 64: o_proj's columns split 128 + 128, inside one Q4_K block.
+    types = {"blk.0.attn_output.weight": "Q4_K", "blk.1.attn_output.weight": "Q4_K"}
+    _, path = write_mixed(tmp_path / "m.gguf", types, hidden_size=256)
+    assert isinstance(load_gguf(path).model.layers[0].self_attn.o_proj, GGMLLinear)
+    with pytest.raises(
+        ConfigError, match="attn.o_proj: columns .* cut a quantization group of 256"
+    ):
+        load_gguf_shard(path, 0, 2)
+    with pytest.raises(ConfigError, match="Q4_K .*serve the .gguf directly"):
+        convert_gguf(path, tmp_path / "out")
+
+
+@pytest.mark.parametrize("kind", ["IQ4_XS", "TQ2_0"])
+def test_unsupported_block_type_names_tensor_and_type(tmp_path, kind) -> None:
+    _, ok = write_mixed(tmp_path / "ok.gguf", {})
+    r = gguf.GGUFReader(str(ok))
+    w = gguf.GGUFWriter(str(tmp_path / "bad.gguf"), "llama")
+    for f in r.fields.values():
+        if f.name.startswith("GGUF.") or f.name == "general.architecture":
+            continue
+        sub = f.types[-1] if len(f.types) > 1 else None
+        w.add_key_value(f.name, f.contents(), f.types[0], sub_type=sub)
+    qt = gguf.GGMLQuantizationType[kind]
+    qk, size = gguf.GGML_QUANT_SIZES[qt]
+    for t in r.tensors:
+        a = np.array(t.data, dtype=np.float32)
+        if t.name == "blk.1.ffn_gate.weight":
+            n, k = a.shape
+            w.add_tensor(t.name, np.zeros((n, k // qk * size), np.uint8), raw_dtype=qt)
+        else:
+            w.add_tensor(t.name, a)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(ConfigError, match=f"blk.1.ffn_gate.weight has type {kind}"):
+        load_gguf(tmp_path / "bad.gguf")
+    assert kind not in GGML_TYPES
