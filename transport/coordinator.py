@@ -361,9 +361,15 @@ class Coordinator:
                 if sock in ready:
                     for _ in range(256):
                         try:
-                            frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                            # the peer's routing id, the header, its payload frames
+                            frames = wire.recv_bounded(
+                                sock, copy=False, max_frames=wire.MAX_PAYLOAD_FRAMES + 2
+                            )
                         except zmq.Again:
                             break
+                        if frames is None:
+                            logger.warning("dropped a message of too many frames")
+                            continue
                         self._on_frames(frames)
                 now = time.monotonic()
                 if now >= next_check:

@@ -46,7 +46,8 @@ def post_message(
     parts: list[list[tuple[int, int, int]]] = [[]]
     size = 0
     for p in pieces:
-        if parts[-1] and size + p[2] > chunk_bytes:
+        # a part is one message: within chunk_bytes and the receivers' frame limit
+        if parts[-1] and (size + p[2] > chunk_bytes or len(parts[-1]) >= wire.MAX_PAYLOAD_FRAMES):
             parts.append([])
             size = 0
         parts[-1].append(p)

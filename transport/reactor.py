@@ -319,9 +319,13 @@ class Reactor:
     def _drain(self, sock: zmq.Socket, handle: Callable[[Any], None], copy: bool) -> None:
         for _ in range(64):
             try:
-                frames = sock.recv_multipart(zmq.NOBLOCK, copy=copy)
+                # the header frame + at most MAX_PAYLOAD_FRAMES payload frames
+                frames = wire.recv_bounded(sock, copy=copy, max_frames=wire.MAX_PAYLOAD_FRAMES + 1)
             except zmq.Again:
                 return
+            if frames is None:
+                self._bad(f"dropped a message of more than {wire.MAX_PAYLOAD_FRAMES} frames")
+                continue
             handle(frames)
 
     def _run_commands(self) -> None:

@@ -34,6 +34,7 @@ from typing import Any, Iterable, Mapping, Sequence
 
 import msgpack
 import torch
+import zmq
 
 from lowband.errors import ProtocolError, VersionMismatch
 
@@ -43,6 +44,10 @@ HEADER = struct.Struct("<4sHBBIIQ")
 HEADER_SIZE = HEADER.size  # 24
 
 DEFAULT_MAX_META_BYTES = 4 * 1024 * 1024
+MAX_PAYLOAD_FRAMES = 4096
+"""Payload frames in one message. Senders split a message's tensors into parts that stay within
+it (:mod:`transport.messages`); receivers refuse a longer message part by part
+(:func:`recv_bounded`), before holding its frames."""
 """Metadata larger than this is refused (a named state dict of thousands of tensors fits)."""
 
 
@@ -175,6 +180,24 @@ def pack(mtype: MsgType, meta: Mapping[str, Any], payload: Sequence[Any] = ()) -
     return [head + body, *payload]
 
 
+def recv_bounded(sock: zmq.Socket, *, copy: bool, max_frames: int) -> list[Any] | None:
+    """One multipart message from ``sock`` (non-blocking; raises ``zmq.Again`` when there is
+    none), read frame by frame. A message of more than ``max_frames`` frames is read to its end
+    and dropped without keeping its frames (None): ``recv_multipart`` would first hold them all,
+    and a peer's million empty frames cost hundreds of MiB and seconds before any check."""
+    first = sock.recv(zmq.NOBLOCK, copy=copy)
+    frames: list[Any] | None = [first]
+    more = sock.getsockopt(zmq.RCVMORE)
+    while more:  # ZeroMQ delivers a message's parts together: the rest is already here
+        part = sock.recv(zmq.NOBLOCK, copy=copy)
+        more = sock.getsockopt(zmq.RCVMORE)
+        if frames is not None:
+            frames.append(part)
+            if len(frames) > max_frames:
+                frames = None
+    return frames
+
+
 def _buffer(frame: Any) -> memoryview:
     if isinstance(frame, (bytes, bytearray, memoryview)):
         return memoryview(frame)
@@ -210,6 +233,8 @@ def unpack(
         raise ProtocolError(
             f"header says {meta_len} metadata bytes, frame carries {len(first) - HEADER_SIZE}"
         )
+    if n_frames > MAX_PAYLOAD_FRAMES:
+        raise ProtocolError(f"{n_frames} payload frames exceed the limit of {MAX_PAYLOAD_FRAMES}")
     if n_frames != len(frames) - 1:
         raise ProtocolError(f"header says {n_frames} payload frames, message has {len(frames) - 1}")
     if payload_len > max_payload_bytes:
