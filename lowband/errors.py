@@ -57,3 +57,8 @@ class CorruptWeights(LowbandError):
 
     Raised before serving starts (or before a damaged block is used), never after a wrong answer.
     """
+
+
+class ChatTemplateError(LowbandError):
+    """A chat could not be rendered: the messages are malformed, or the model's chat template
+    refused them (its ``raise_exception``) or failed on them. A server answers 400."""

@@ -2,6 +2,8 @@
 
 A checkpoint directory says which one it uses: ``tokenizer.json`` (HF ``tokenizers``) wins;
 otherwise ``lowband_tokenizer.json`` with ``{"type": "bytes"}`` selects :class:`ByteTokenizer`.
+A tokenizer loaded from a directory carries the chat template the directory ships, if any
+(``chat_template``, as a HF tokenizer does); a server renders chats with it.
 """
 
 from __future__ import annotations
@@ -11,11 +13,15 @@ from pathlib import Path
 from typing import Protocol, Sequence
 
 from lowband.errors import ConfigError
+from lowband.models.chat_template import ChatTemplate, load_chat_template
 
 TOKENIZER_MARKER = "lowband_tokenizer.json"
 
 
 class Tokenizer(Protocol):
+    """What the engine needs. A tokenizer may also carry ``chat_template`` (a
+    :class:`ChatTemplate` or None); readers look it up with ``getattr``."""
+
     vocab_size: int
     eos_token_id: int | None
 
@@ -30,6 +36,7 @@ class ByteTokenizer:
 
     vocab_size = 256
     eos_token_id: int | None = None
+    chat_template: ChatTemplate | None = None
 
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))
@@ -54,6 +61,7 @@ class HFTokenizer:
         self._tok = _Tok.from_file(str(path))
         self.vocab_size = self._tok.get_vocab_size()
         self.eos_token_id = eos_token_id
+        self.chat_template: ChatTemplate | None = None
 
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text).ids
@@ -64,12 +72,15 @@ class HFTokenizer:
 
 def load_tokenizer(model_dir: str | Path, eos_token_id: int | None = None) -> Tokenizer:
     d = Path(model_dir)
+    tok: HFTokenizer | ByteTokenizer
     if (d / "tokenizer.json").exists():
-        return HFTokenizer(d / "tokenizer.json", eos_token_id)
-    marker = d / TOKENIZER_MARKER
-    if marker.exists():
+        tok = HFTokenizer(d / "tokenizer.json", eos_token_id)
+    elif (marker := d / TOKENIZER_MARKER).exists():
         kind = json.loads(marker.read_text()).get("type")
-        if kind == "bytes":
-            return ByteTokenizer()
-        raise ConfigError("tokenizer", f"{marker}: unknown tokenizer type {kind!r}")
-    raise ConfigError("tokenizer", f"{d} has neither tokenizer.json nor {TOKENIZER_MARKER}")
+        if kind != "bytes":
+            raise ConfigError("tokenizer", f"{marker}: unknown tokenizer type {kind!r}")
+        tok = ByteTokenizer()
+    else:
+        raise ConfigError("tokenizer", f"{d} has neither tokenizer.json nor {TOKENIZER_MARKER}")
+    tok.chat_template = load_chat_template(d)
+    return tok
