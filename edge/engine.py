@@ -237,7 +237,7 @@ class Engine:
             logits = self._prefill(ids, top)
             for i in range(params.max_tokens):
                 tok = sampler(logits)
-                if eos is not None and tok == eos:
+                if tok == eos or tok in params.stop_token_ids:
                     yield Event(stops.flush(), None, "stop")
                     return
                 out.append(tok)

@@ -23,6 +23,9 @@ class SamplingParams:
     top_p: float = 1.0  # 1.0: off
     seed: int | None = None
     stop: tuple[str, ...] = field(default=())
+    stop_token_ids: tuple[int, ...] = field(default=())
+    """Tokens that end the completion like EOS (a chat template's end of turn, e.g.
+    ``<|eot_id|>``: a special token that decodes to no text, so no stop string can see it)."""
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:

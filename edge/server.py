@@ -4,6 +4,11 @@
 ``GET /v1/models``, ``GET /health`` (503 while the cluster is degraded), ``GET /metrics`` (with
 ``expert_store``: hit rate, mean bits, bytes read, stall seconds, when serving a nested MoE).
 
+A chat is rendered with the model's own chat template when its tokenizer carries one
+(:mod:`lowband.models.chat_template`), and generation stops on the template's end-of-turn
+tokens; a model without one gets a plain ``role: content`` transcript. ``/v1/models`` says which
+(``chat_template``: ``"model"`` or ``"none"``).
+
 Concurrency: the engine decodes one sequence at a time on a single generation thread, so the
 event loop never blocks on the model. Requests beyond the one running wait in FIFO order;
 beyond ``max_queue`` waiting requests the server answers 429 instead of piling up memory. A
@@ -21,21 +26,25 @@ import threading
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from functools import partial
 from importlib import resources
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Callable
 
 from aiohttp import web
 
-from edge.engine import ClusterUnavailable, Engine, EngineError, Event
+from edge.engine import ClusterUnavailable, Engine, Event
 from edge.sampling import SamplingParams
-from lowband.errors import ConfigError
+from lowband.errors import ChatTemplateError, ConfigError, LowbandError
+from lowband.models.chat_template import ChatTemplate, normalize_messages
 
 logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, kw_only=True)
 class ServerConfig:
+    """The OpenAI-compatible HTTP server: where it listens and what requests it admits."""
+
     host: str = "127.0.0.1"
     port: int = 8000  # 0 picks a free port
     max_queue: int = 64  # waiting requests beyond the running one; more get 429
@@ -63,7 +72,9 @@ class ServerConfig:
             )
 
 
-class ApiError(Exception):
+class ApiError(LowbandError):
+    """A request failed: the HTTP ``status`` and the OpenAI-style error body to answer with."""
+
     def __init__(
         self,
         status: int,
@@ -92,24 +103,32 @@ _END = object()
 
 
 def chat_prompt(messages: Any) -> str:
-    """A plain role-tagged transcript ending with the assistant's turn. (HF Jinja chat templates
-    would need transformers on the device; this keeps the edge install small.)"""
-    if not isinstance(messages, list) or not messages:
-        raise ApiError(400, "'messages' must be a non-empty list", param="messages")
-    lines = []
-    for m in messages:
-        if (
-            not isinstance(m, dict)
-            or not isinstance(m.get("content"), str)
-            or m.get("role") not in ("system", "user", "assistant")
-        ):
-            raise ApiError(
-                400,
-                "each message needs a role (system/user/assistant) and string content",
-                param="messages",
-            )
-        lines.append(f"{m['role']}: {m['content']}\n")
+    """A plain role-tagged transcript ending with the assistant's turn: the prompt of a model
+    that ships no chat template (a base model, or one trained here)."""
+    try:
+        plain = normalize_messages(messages)
+    except ChatTemplateError as exc:
+        raise ApiError(400, str(exc), param="messages") from None
+    lines = [f"{m['role']}: {m.get('content', '')}\n" for m in plain]
     return "".join(lines) + "assistant:"
+
+
+def render_chat(template: ChatTemplate, body: dict) -> str:
+    """The prompt of a chat request in the model's own template, ending with the assistant's
+    header; ``tools`` and ``chat_template_kwargs`` (as vLLM and llama.cpp accept them) reach
+    the template. Raises :class:`ApiError` 400 for what the template or the checks refuse."""
+    tools, kwargs = body.get("tools"), body.get("chat_template_kwargs") or {}
+    if tools is not None and not (
+        isinstance(tools, list) and all(isinstance(t, dict) for t in tools)
+    ):
+        raise ApiError(400, "tools must be a list of objects", param="tools")
+    if not isinstance(kwargs, dict):
+        raise ApiError(400, "chat_template_kwargs must be an object", param="chat_template_kwargs")
+    try:
+        messages = normalize_messages(body.get("messages"))
+        return template.render(messages, add_generation_prompt=True, tools=tools, **kwargs)
+    except ChatTemplateError as exc:
+        raise ApiError(400, str(exc), param="messages", code="chat_template_error") from None
 
 
 class Server:
@@ -144,6 +163,8 @@ class Server:
             return await handler(request)
         except ApiError as exc:
             return exc.response()
+        except ChatTemplateError as exc:  # the messages' fault, wherever it surfaced
+            return ApiError(400, str(exc), param="messages", code="chat_template_error").response()
         except web.HTTPException as exc:  # 404/405 from routing: still a JSON body
             return ApiError(exc.status, exc.reason, kind="invalid_request_error").response()
 
@@ -221,7 +242,13 @@ class Server:
         except (TypeError, ValueError) as exc:
             raise ApiError(400, f"bad sampling parameter: {exc}") from None
 
-    async def _prepare(self, prompt: Any, params: SamplingParams) -> list[int]:
+    async def _prepare(
+        self,
+        prompt: Any,
+        params: SamplingParams,
+        encode: Callable[[str], list[int]] | None = None,
+    ) -> list[int]:
+        """Bound, tokenise (with ``encode``, a function of the text, when given) and admit."""
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
             prompt = prompt[0]
         context = self.engine.max_context
@@ -231,7 +258,8 @@ class Server:
         ):
             raise ApiError(
                 400,
-                f"the prompt ({len(prompt)} {'characters' if isinstance(prompt, str) else 'tokens'}) "
+                f"the prompt ({len(prompt)} "
+                f"{'characters' if isinstance(prompt, str) else 'tokens'}) "
                 f"cannot fit the context of {context} tokens",
                 param="prompt",
                 code="context_length_exceeded",
@@ -244,6 +272,8 @@ class Server:
             )
         ):
             raise ApiError(400, "prompt must be a string or a list of token ids", param="prompt")
+        if encode is not None and isinstance(prompt, str):
+            prompt = await self._off_loop(encode, prompt)
         try:
             return await self._off_loop(self.engine.prepare, prompt, params)
         except ConfigError as exc:
@@ -296,7 +326,7 @@ class Server:
                     return
                 if isinstance(item, ClusterUnavailable):
                     raise ApiError(503, str(item), kind="server_error", code="cluster_unavailable")
-                if isinstance(item, (EngineError, ConfigError)):
+                if isinstance(item, LowbandError):  # EngineError, ConfigError, CorruptWeights...
                     raise ApiError(500, str(item), kind="server_error")
                 if isinstance(item, BaseException):
                     logger.exception("generation crashed", exc_info=item)
@@ -324,6 +354,7 @@ class Server:
                         "created": 0,
                         "owned_by": "lowband",
                         "context_length": self.engine.max_context,
+                        "chat_template": "none" if self._template() is None else "model",
                     }
                 ],
             }
@@ -358,8 +389,23 @@ class Server:
     async def chat(self, request: web.Request) -> web.StreamResponse:
         body = await self._body(request)
         params = self._params(body)
-        ids = await self._prepare(chat_prompt(body.get("messages")), params)
+        template = self._template()
+        if template is None:
+            ids = await self._prepare(chat_prompt(body.get("messages")), params)
+            return await self._respond(request, body, ids, params, chat=True)
+        # A big conversation takes a while to render and tokenise: both off the event loop.
+        text = await self._off_loop(render_chat, template, body)
+        params = replace(
+            params,
+            stop=params.stop + tuple(s for s in template.stop_strings if s not in params.stop),
+            stop_token_ids=params.stop_token_ids + template.stop_token_ids,
+        )
+        encode = partial(template.encode, self.engine.tokenizer.encode)
+        ids = await self._prepare(text, params, encode)
         return await self._respond(request, body, ids, params, chat=True)
+
+    def _template(self) -> ChatTemplate | None:
+        return getattr(self.engine.tokenizer, "chat_template", None)
 
     async def _respond(
         self,
