@@ -330,6 +330,16 @@ class GGUFTokenizer:
         self.bos_token_id = vocab.bos_token_id
         self.eos_token_id = vocab.eos_token_id
         self._lock = threading.Lock()  # encode_special_tokens is state on the shared HF object
+        # The file's tokenizer.chat_template, set by whoever reads the rest of the file (the
+        # Tokenizer protocol's optional attribute); see lowband.models.chat_template.
+        self.chat_template: Any = None
+
+    @property
+    def special_tokens(self) -> dict[str, int]:
+        """Control, unknown and user-defined tokens by text: those matched whole in text."""
+        kinds = (CONTROL, UNKNOWN, USER_DEFINED)
+        pairs = zip(self.vocab.tokens, self.vocab.token_types)
+        return {t: i for i, (t, k) in enumerate(pairs) if k in kinds}
 
     def encode(
         self, text: str, *, add_special: bool = True, parse_special: bool = True

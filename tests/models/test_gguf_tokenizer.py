@@ -118,6 +118,7 @@ def test_gpt2_special_tokens_bos_and_decode(tmp_path: Path) -> None:
     assert plain == [hello] + [tok.hf.token_to_id(c) for c in "<|eot|>"] + [tool]
     assert tok.decode([hello, eot, tool, ghello]) == "hello<tool> hello"
     assert tok.decode([hello, eot], skip_special=False) == "hello<|eot|>"
+    assert tok.special_tokens == {"<|eot|>": eot, "<tool>": tool}
     with pytest.raises(ConfigError, match="outside the vocabulary"):
         tok.decode([eot + 2])
 
