@@ -49,7 +49,7 @@ from typing import Sequence
 
 import torch
 
-from edge.moe.checkpoint import load_dense, quantize_checkpoint
+from edge.moe.checkpoint import load_dense, quantize_nested_checkpoint
 from edge.moe.planes import VERSION
 from edge.moe.quant import WIDTHS, NestedQuantConfig, quantize_independent
 from edge.moe.train import (
@@ -132,9 +132,9 @@ def prepare(cfg: BenchConfig) -> tuple[Path, Path, Path, MoETrainConfig]:
         logger.info("training the benchmark MoE into %s", model_dir)
         train(tcfg)
     if not (nested_dir / "nested.json").exists():
-        quantize_checkpoint(model_dir, nested_dir, qcfg)
+        quantize_nested_checkpoint(model_dir, nested_dir, qcfg)
     if not (int8_dir / "nested.json").exists():
-        quantize_checkpoint(model_dir, int8_dir, replace(qcfg, layout="bytes"))
+        quantize_nested_checkpoint(model_dir, int8_dir, replace(qcfg, layout="bytes"))
     return model_dir, nested_dir, int8_dir, tcfg
 
 

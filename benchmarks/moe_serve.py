@@ -63,7 +63,7 @@ def prepare(cache_dir: Path, shape: Shape) -> tuple[Path, Path]:
     ``quantize --nested`` with the bit-plane layout and with the plain int8 byte layout)."""
     import torch
 
-    from edge.moe.checkpoint import quantize_checkpoint
+    from edge.moe.checkpoint import quantize_nested_checkpoint
     from edge.moe.quant import NestedQuantConfig
     from lowband.models.config import ModelConfig
     from lowband.models.llama import LlamaForCausalLM, init_weights
@@ -94,8 +94,8 @@ def prepare(cache_dir: Path, shape: Shape) -> tuple[Path, Path]:
     src = save_pretrained(model, cache_dir / tag / "src")
     ByteTokenizer().save(src)
     return (
-        quantize_checkpoint(src, out, NestedQuantConfig(group_size=64)),
-        quantize_checkpoint(src, int8, NestedQuantConfig(group_size=64, layout="bytes")),
+        quantize_nested_checkpoint(src, out, NestedQuantConfig(group_size=64)),
+        quantize_nested_checkpoint(src, int8, NestedQuantConfig(group_size=64, layout="bytes")),
     )
 
 

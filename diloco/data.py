@@ -65,8 +65,11 @@ BPE_SAMPLE_FRACTION = 0.8  # the embedded sample's training split under val = te
 
 
 @functools.lru_cache(maxsize=4)
-def load_tokenizer(spec: str) -> Any:
-    """A ``tokenizers.Tokenizer``: from a ``tokenizer.json`` path, or ``bpe:N`` — a byte-level
+def corpus_tokenizer(spec: str) -> Any:
+    """The tokenizer that turns a training corpus into ids (``DataConfig.tokenizer``; a checkpoint's
+    own tokenizer is ``lowband.models.tokenizer.load_tokenizer``).
+
+    A ``tokenizers.Tokenizer``: from a ``tokenizer.json`` path, or ``bpe:N`` — a byte-level
     BPE of N tokens trained here on the first 80 % of the embedded sample (deterministic: the
     same merges on every site, so no tokenizer file has to be shipped around)."""
     try:
@@ -101,7 +104,7 @@ def load_tokenizer(spec: str) -> Any:
 def _tokenize(texts: list[str], spec: str | None) -> np.ndarray:
     if spec is None:  # bytes: token = byte
         return np.frombuffer("".join(texts).encode("utf-8"), dtype=np.uint8)
-    tok = load_tokenizer(spec)
+    tok = corpus_tokenizer(spec)
     ids = [np.asarray(e.ids, dtype=np.int32) for e in tok.encode_batch(texts)]
     return np.concatenate(ids) if ids else np.zeros(0, np.int32)
 

@@ -21,7 +21,7 @@ from torch import nn
 
 from diloco.config import TrainConfig
 from diloco.corpus_task import CorpusTask
-from diloco.data import Corpus, load_corpus, load_tokenizer
+from diloco.data import Corpus, corpus_tokenizer, load_corpus
 from lowband.errors import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -104,5 +104,5 @@ def export_hf(model: nn.Module, out_dir: Path, tokenizer: str | None = None) -> 
     out_dir.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(str(out_dir), safe_serialization=True)
     if tokenizer is not None:
-        load_tokenizer(tokenizer).save(str(out_dir / "tokenizer.json"))
+        corpus_tokenizer(tokenizer).save(str(out_dir / "tokenizer.json"))
     return out_dir

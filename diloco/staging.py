@@ -54,7 +54,7 @@ class Outbound:
             self.event.synchronize()
 
 
-class BufferPool:
+class StagingBuffers:
     """Reusable host buffers, one per (key, slot), page-locked when ``pin`` (CUDA staging).
 
     A buffer is replaced only when the tensor it stages changes shape or dtype; the caller
@@ -79,8 +79,8 @@ class HostStaging:
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
-        self.outbound = BufferPool(pin=True)
-        self.inbound = BufferPool(pin=True)
+        self.outbound = StagingBuffers(pin=True)
+        self.inbound = StagingBuffers(pin=True)
         self._last_in: dict[Hashable, Any] = {}  # key -> event of its last H2D copy
         self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self._sender: ThreadPoolExecutor | None = None

@@ -1,6 +1,6 @@
 """Composition roots of ``lowband edge``: wire the ZeroMQ transport to the edge runtime.
 
-``serve_main`` (master: coordinator + HTTP API), ``worker_main`` (a device), ``run_main``
+``serve_main`` (master: coordinator + HTTP API), ``serve_worker_main`` (a device), ``run_main``
 (a local N-process cluster), ``generate_main`` (one completion on this device). Each takes a
 frozen config the CLI parsed; nothing here reads the environment.
 """
@@ -69,7 +69,10 @@ class DeviceConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
-class ServeConfig:
+class ServeMasterConfig:
+    """The master of ``lowband edge serve``: the model, its coordinator, the cluster of devices
+    and the HTTP API in front (``server``, an ``edge.server.ServerConfig``)."""
+
     model_dir: str
     name: str | None = None  # model id in the API; default: the directory name
     bind: str = "tcp://0.0.0.0:29500"  # where the master's coordinator listens (devices > 1)
@@ -106,7 +109,7 @@ def _zmq_config(token: str | None, timeout: float, register_timeout: float = 30.
     return ZmqConfig(connections=1, timeout=timeout, token=token, register_timeout=register_timeout)
 
 
-def _coordinator_config(cfg: ServeConfig):
+def _coordinator_config(cfg: ServeMasterConfig):
     from transport.coordinator import Liveness
 
     return (cfg.liveness or Liveness()).coordinator(bind=cfg.bind, token=cfg.token)
@@ -135,7 +138,7 @@ def lan_host() -> str:
     return lan[0] if lan else "127.0.0.1"
 
 
-def build_engine(cfg: ServeConfig, coord=None, master_host: str | None = None):
+def build_engine(cfg: ServeMasterConfig, coord=None, master_host: str | None = None):
     """The engine for ``cfg``; for a cluster also the coordinator (started here unless given)
     and this process's communicator, both to be closed by the caller."""
     cfg.device.apply()
@@ -215,7 +218,7 @@ def _exit_on_sigterm() -> None:
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(0))
 
 
-def serve_main(cfg: ServeConfig, coord=None) -> int:
+def serve_main(cfg: ServeMasterConfig, coord=None) -> int:
     _exit_on_sigterm()
     advert = None
     if cfg.discover is not None and cfg.cluster.devices > 1:  # edge.discovery: mDNS / DNS-SD
@@ -257,7 +260,9 @@ def serve_main(cfg: ServeConfig, coord=None) -> int:
 
 
 @dataclass(frozen=True, kw_only=True)
-class WorkerMainConfig:
+class ServeWorkerConfig:
+    """One device of a serving cluster (``lowband edge worker``): joins the master's coordinator."""
+
     master: str  # the master's coordinator address, tcp://HOST:PORT
     token: str | None = None
     worker: WorkerConfig = field(default_factory=WorkerConfig)
@@ -274,7 +279,7 @@ class WorkerMainConfig:
             raise ConfigError("master", f"must look like tcp://HOST:PORT, got {self.master!r}")
 
 
-def worker_main(cfg: WorkerMainConfig) -> int:
+def serve_worker_main(cfg: ServeWorkerConfig) -> int:
     from transport.zmq_comm import connect
 
     _exit_on_sigterm()
@@ -298,7 +303,7 @@ def worker_main(cfg: WorkerMainConfig) -> int:
 class RunConfig:
     """A local cluster of ``serve.cluster.devices`` processes (one per simulated device)."""
 
-    serve: ServeConfig
+    serve: ServeMasterConfig
     pin_cores: bool = False  # pin device i to core i (mod the core count), one thread each
 
 
@@ -377,7 +382,8 @@ def generate_main(cfg: GenerateConfig) -> int:
             ""
             if store is None
             else (
-                f", experts: hit rate {store['hit_rate']:.2f}, {store['mean_bits_per_call']} bits/call, "
+                f", experts: hit rate {store['hit_rate']:.2f}, "
+                f"{store['mean_bits_per_call']} bits/call, "
                 f"{store['bytes_read'] / 1e6:.1f} MB read, {store['stall_s']:.3f} s stalled"
             )
         )

@@ -28,7 +28,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from edge import fastpath
-from edge.formats.quantized import (
+from edge.formats.quantized_checkpoint import (
     QuantLayout,
     apply_quant_layout,
     fuse_quant_rows,

@@ -1,2 +1,2 @@
 """Weight file formats of the edge runtime beyond plain HF safetensors: quantized checkpoints
-(``quantized``, written by ``lowband edge quantize --bits``) and GGUF (``gguf``)."""
+(``quantized_checkpoint``, written by ``lowband edge quantize --bits``) and GGUF (``gguf``)."""

@@ -334,7 +334,7 @@ def load_gguf_shard(
 def convert_gguf(path: str | Path, out_dir: str | Path) -> Path:
     """``lowband edge convert FILE.gguf --out DIR``: a checkpoint directory every edge command
     (split, serve, run, TP, window) reads; Q8_0/Q4_0 blocks are copied, never requantized."""
-    from edge.formats.quantized import QuantLayout, save_quantized
+    from edge.formats.quantized_checkpoint import QuantLayout, save_quantized
 
     model = load_gguf(path)
     blocks = sorted({m.type.name for m in model.modules() if isinstance(m, GGMLLinear)})

@@ -1,6 +1,6 @@
 """Nested checkpoint directories: the converter, opening with checks, and reference loaders.
 
-``lowband edge quantize MODEL_DIR --nested --out DIR`` writes (``quantize_checkpoint``)::
+``lowband edge quantize MODEL_DIR --nested --out DIR`` writes (``quantize_nested_checkpoint``)::
 
     DIR/config.json, tokenizer files     copied
     DIR/model.safetensors                every non-expert tensor, unchanged
@@ -35,7 +35,7 @@ from edge.moe.planes import (
 from edge.moe.quant import (
     WIDTHS,
     NestedQuantConfig,
-    dequantize,
+    dequantize_nested,
     quantize_independent,
     quantize_int8,
     slice_codes,
@@ -59,7 +59,7 @@ def _err2(w: torch.Tensor, w_hat: torch.Tensor) -> float:
     return float((w.float() - w_hat).pow(2).sum())
 
 
-def quantize_checkpoint(
+def quantize_nested_checkpoint(
     model_dir: str | Path, out_dir: str | Path, cfg: NestedQuantConfig | None = None
 ) -> Path:
     """Convert a Mixtral-style checkpoint: experts to nested plane files, the rest copied as is.
@@ -105,7 +105,7 @@ def quantize_checkpoint(
         write_expert_file(out / rel, layer=layer, expert=expert, tensors=qs, layout=cfg.layout)
         nested = {
             b: sum(
-                _err2(ws[n], dequantize(slice_codes(q.codes, b), q.lo, q.step, b))
+                _err2(ws[n], dequantize_nested(slice_codes(q.codes, b), q.lo, q.step, b))
                 for n, q in qs.items()
             )
             for b in WIDTHS
@@ -243,7 +243,7 @@ class NestedCheckpoint:
         f.nbytes(bits)  # raises for a width the file cannot serve
         block, groups = f.read_scale_block(), f.n_groups
         codes = f.read_codes() if f.layout == "bytes" else planes_to_codes(f.read_planes(0, bits))
-        weights = dequantize(codes, block[:groups], block[groups:], bits)
+        weights = dequantize_nested(codes, block[:groups], block[groups:], bits)
         return {name: w.clone() for name, w in f.split(weights).items()}
 
     def close(self) -> None:

@@ -18,8 +18,8 @@ dropped bits and so is not a prefix. We keep the prefix (floor) and correct in t
   its levels sit inside the group's range, which shrinks the largest weights: on the model
   trained here the 2-bit slice had 22% lower relative weight error than native min/max 2-bit
   yet 3.6% higher perplexity. With ``e_b = 2^b / (2^b - 1)`` the slice *is* the native b-bit
-  min/max quantizer (same bins, same levels; ``tests/edge/moe/test_nested.py``). One grid serves every
-  width, so the default ``e = 8/7`` is exact at 3 bits and in between elsewhere: measured
+  min/max quantizer (same bins, same levels; ``tests/edge/moe/test_nested.py``). One grid serves
+  every width, so the default ``e = 8/7`` is exact at 3 bits and in between elsewhere: measured
   held-out perplexity within +1.1% (2 bits), -0.0% (3 bits) and +0.1% (4 bits) of native
   quantization (``python -m benchmarks.moe``), for 18% more error at 8 bits (0.52% -> 0.62%
   relative), where it does not matter.
@@ -142,13 +142,14 @@ def slice_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
 def slice_affine(
     lo: torch.Tensor, step: torch.Tensor, bits: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-group float32 (scale, offset) with ``W_b = offset + scale * q_b`` (mid-range correction)."""
+    """Per-group float32 (scale, offset) with ``W_b = offset + scale * q_b`` (mid-range
+    correction)."""
     k = 2 ** (8 - bits)
     s = step.float()
     return s * k, lo.float() + s * ((k - 1) / 2)
 
 
-def dequantize(
+def dequantize_nested(
     codes_b: torch.Tensor, lo: torch.Tensor, step: torch.Tensor, bits: int, *, scratch: bool = False
 ) -> torch.Tensor:
     """Float32 weight (out, in) from b-bit nested codes (out, in) and the int8 group parameters.
@@ -171,7 +172,8 @@ def apply_affine(
 
 
 def quantize_independent(w: torch.Tensor, bits: int, group_size: int) -> torch.Tensor:
-    """Baseline: a natively quantized b-bit min/max model (same g, same float16 lo/step), dequantized."""
+    """Baseline: a natively quantized b-bit min/max model (same g, same float16 lo/step),
+    dequantized."""
     _check_bits(bits)
     q, lo, step = _minmax_grid(w, group_size, 2**bits)
     return (lo.float()[..., None] + step.float()[..., None] * q.float()).reshape(w.shape)

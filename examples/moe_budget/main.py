@@ -5,7 +5,7 @@
 
 1. train a small MoE (8 experts, top-2) on Shakespeare bytes (``edge.moe.train``), saved as an
    HF checkpoint;
-2. convert it once to bit-nested experts (``edge.moe.checkpoint.quantize_checkpoint``): every
+2. convert it once to bit-nested experts (``edge.moe.checkpoint.quantize_nested_checkpoint``): every
    expert is per-group int8 stored as 8 bit-planes, so reading a prefix of its file gives the
    same expert at 4, 3 or 2 bits;
 3. serve it with only a fraction of the int8 experts' bytes resident (``open_store``):
@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 
 from edge.engine import Engine, LocalRunner
-from edge.moe.checkpoint import NestedCheckpoint, quantize_checkpoint
+from edge.moe.checkpoint import NestedCheckpoint, quantize_nested_checkpoint
 from edge.moe.quant import NestedQuantConfig
 from edge.moe.store import ExpertStoreConfig, HEBFConfig, LRUConfig, PrefetchConfig, open_store
 from edge.moe.train import heldout_ppl, load_splits, tiny_preset, train
@@ -93,7 +93,9 @@ def main() -> int:
     tcfg = tiny_preset(args.out / "model")  # 8 experts of 64->128->64, 2 layers, top-2
     tcfg = dataclasses.replace(tcfg, steps=40 if args.tiny else 400)
     model_dir = train(tcfg)
-    nested = quantize_checkpoint(model_dir, args.out / "nested", NestedQuantConfig(group_size=32))
+    nested = quantize_nested_checkpoint(
+        model_dir, args.out / "nested", NestedQuantConfig(group_size=32)
+    )
     full = int8_expert_bytes(nested)
     budget = int(args.budget * full)
     _, heldout = load_splits(tcfg.data, tcfg.heldout_frac)

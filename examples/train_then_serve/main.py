@@ -8,8 +8,8 @@ Steps:
 1. two DiLoCo workers (loopback threads) train a byte-level Llama on the embedded Shakespeare
    sample; worker 0 exports the global model to ``OUT/model``: ``config.json`` +
    ``model.safetensors`` (HF names, loadable by ``transformers``) + the byte-tokenizer marker;
-2. the export is loaded back (``lowband.models.weights.load_pretrained``) and must score the same held-out
-   loss as the trainer's final evaluation;
+2. the export is loaded back (``lowband.models.weights.load_pretrained``) and must score the same
+   held-out loss as the trainer's final evaluation;
 3. a coordinator and one ``lowband edge worker`` process (device 2) are started; this process is
    the master (device 1) and runs the engine: every layer's attention heads and MLP columns are
    split between the two devices, activations all-reduced over TCP;
@@ -43,7 +43,7 @@ from diloco.launch import run_threads
 from diloco.task import lm_task
 from edge.cluster import ClusterConfig
 from edge.engine import Engine, LocalRunner
-from edge.launch import ServeConfig, build_engine
+from edge.launch import ServeMasterConfig, build_engine
 from edge.sampling import SamplingParams
 from lowband.models.tokenizer import ByteTokenizer
 from lowband.models.weights import load_pretrained
@@ -101,7 +101,7 @@ def generate_tp2(model_dir: Path, prompt: str, params: SamplingParams) -> tuple[
     )
     engine = comm = None
     try:
-        serve = ServeConfig(model_dir=str(model_dir), cluster=ClusterConfig(devices=2))
+        serve = ServeMasterConfig(model_dir=str(model_dir), cluster=ClusterConfig(devices=2))
         engine, coord, comm = build_engine(serve, coord)  # waits for the worker, sends its slice
         text, _reason, n = engine.complete(prompt, params)
         print(f"TP-2 generated {n} tokens")

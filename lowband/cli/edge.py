@@ -354,10 +354,10 @@ def _generate(args) -> int:
 
 def _serve_config(args, devices: int):
     from edge.cluster import ClusterConfig
-    from edge.launch import ServeConfig
+    from edge.launch import ServeMasterConfig
     from edge.server import ServerConfig
 
-    return ServeConfig(
+    return ServeMasterConfig(
         model_dir=args.model_dir,
         name=args.name,
         bind=args.bind,
@@ -395,7 +395,7 @@ def _serve(args) -> int:
 
 def _worker(args) -> int:
     from edge.cluster import WorkerConfig
-    from edge.launch import WorkerMainConfig, worker_main
+    from edge.launch import ServeWorkerConfig, serve_worker_main
 
     try:
         if (args.master is None) == (args.discover is None):
@@ -411,8 +411,8 @@ def _worker(args) -> int:
                 flush=True,
             )
             master = found.address
-        return worker_main(
-            WorkerMainConfig(
+        return serve_worker_main(
+            ServeWorkerConfig(
                 master=master,
                 token=args.token,
                 worker=WorkerConfig(model_dir=args.model_dir),

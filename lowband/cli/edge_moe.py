@@ -1,7 +1,7 @@
 """``lowband edge quantize MODEL_DIR --nested --out DIR`` and ``lowband edge moe-generate``.
 
 Registered into the ``lowband edge`` subcommands by ``lowband.cli.edge``. Parsing only: the
-work is ``edge.moe.checkpoint.quantize_checkpoint`` and ``edge.moe.store.open_store``.
+work is ``edge.moe.checkpoint.quantize_nested_checkpoint`` and ``edge.moe.store.open_store``.
 """
 
 from __future__ import annotations
@@ -83,7 +83,7 @@ def register(edge_sub: argparse._SubParsersAction) -> None:
 
 
 def _quantize_dense(args: argparse.Namespace) -> int:
-    from edge.formats.quantized import QuantConfig, quantize_checkpoint
+    from edge.formats.quantized_checkpoint import QuantConfig, quantize_checkpoint
 
     try:
         t0 = time.perf_counter()
@@ -106,13 +106,13 @@ def _quantize_dense(args: argparse.Namespace) -> int:
 def _quantize(args: argparse.Namespace) -> int:
     if not args.nested:
         return _quantize_dense(args)
-    from edge.moe.checkpoint import quantize_checkpoint
+    from edge.moe.checkpoint import quantize_nested_checkpoint
     from edge.moe.quant import NestedQuantConfig
 
     try:
         cfg = NestedQuantConfig(group_size=args.group_size)
         t0 = time.perf_counter()
-        out = quantize_checkpoint(args.model_dir, args.out, cfg)
+        out = quantize_nested_checkpoint(args.model_dir, args.out, cfg)
     except (ConfigError, CorruptWeights) as exc:
         print(f"lowband edge quantize: {exc}", file=sys.stderr)
         return 2

@@ -84,7 +84,7 @@ def test_workers_take_a_register_timeout(argv):
 def test_worker_register_timeout_reaches_its_config():
     from diloco.config import preset
     from diloco.launch import WorkerLaunch
-    from edge.launch import WorkerMainConfig
+    from edge.launch import ServeWorkerConfig
 
     assert (
         WorkerLaunch(
@@ -94,7 +94,7 @@ def test_worker_register_timeout_reaches_its_config():
     )
     for make in (
         lambda: WorkerLaunch(train=preset("tiny"), coordinator="tcp://h:1", register_timeout=0),
-        lambda: WorkerMainConfig(master="tcp://h:1", register_timeout=-1),
+        lambda: ServeWorkerConfig(master="tcp://h:1", register_timeout=-1),
     ):
         with pytest.raises(ConfigError, match="register_timeout"):
             make()

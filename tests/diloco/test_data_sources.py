@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from diloco.config import DataConfig, DilocoConfig, tiny
-from diloco.data import load_corpus, load_tokenizer, slot_slice
+from diloco.data import corpus_tokenizer, load_corpus, slot_slice
 from diloco.launch import run_threads
 from diloco.task import lm_task
 from lowband import SAMPLE_TEXT
@@ -80,7 +80,7 @@ def test_slices_are_disjoint():
 
 
 def test_bpe_tokenizer_is_deterministic_and_round_trips():
-    a, b = load_tokenizer.__wrapped__("bpe:512"), load_tokenizer.__wrapped__("bpe:512")
+    a, b = corpus_tokenizer.__wrapped__("bpe:512"), corpus_tokenizer.__wrapped__("bpe:512")
     text = "ROMEO: But soft, what light through yonder window breaks?"
     assert a.encode(text).ids == b.encode(text).ids
     assert a.get_vocab_size() == 512
@@ -89,7 +89,7 @@ def test_bpe_tokenizer_is_deterministic_and_round_trips():
 
 
 def test_jsonl_and_text_through_a_tokenizer(tmp_path):
-    tok = load_tokenizer("bpe:512")
+    tok = corpus_tokenizer("bpe:512")
     tok.save(str(tmp_path / "tokenizer.json"))
     text = SAMPLE_TEXT.read_text()[:20000]
     docs = [text[i : i + 2000] for i in range(0, len(text), 2000)]

@@ -21,7 +21,7 @@ from diloco.common import InnerLoop
 from diloco.config import ComputeConfig, DilocoConfig, tiny
 from diloco.launch import run_threads
 from diloco.outer import FragmentSync
-from diloco.staging import BufferPool, HostStaging, Outbound
+from diloco.staging import HostStaging, Outbound, StagingBuffers
 from diloco.task import lm_task
 from diloco.trainer import DilocoWorker
 from lowband.codecs import codec_names, get_codec
@@ -101,7 +101,7 @@ def test_cpu_twin_launches_inline_and_propagates_errors():
 
 
 def test_buffer_pool_reuses_one_buffer_per_key_and_slot():
-    pool = BufferPool(pin=False)
+    pool = StagingBuffers(pin=False)
     a = pool.get("f0", 0, torch.zeros(8))
     assert pool.get("f0", 0, torch.ones(8)) is a  # same shape and dtype: reused
     b = pool.get("f0", 1, torch.zeros(1))

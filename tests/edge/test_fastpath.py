@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from edge import fastpath
-from edge.formats.quantized import fuse_quant_rows
+from edge.formats.quantized_checkpoint import fuse_quant_rows
 from edge.quant import kernel as qkernel
 from edge.quant import quantize_modules
 from edge.shardio import load_shard

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from edge.formats.gguf import convert_gguf, load_gguf, load_gguf_shard, write_gguf
-from edge.formats.quantized import QuantConfig, quantize_model
+from edge.formats.quantized_checkpoint import QuantConfig, quantize_model
 from edge.quant import QuantLinear, dequantize, quantize
 from edge.shardio import load_shard
 from edge.tp import make_reduce

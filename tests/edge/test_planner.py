@@ -200,7 +200,7 @@ def test_auto_split_cluster_matches_one_device(tmp_path) -> None:
         except BaseException as exc:  # noqa: BLE001 - reported by the assertion below
             errors.append(exc)
         finally:
-            c.close()  # as edge.launch.worker_main does: a dismissed device leaves the group
+            c.close()  # as edge.launch.serve_worker_main does: a dismissed device leaves the group
 
     threads = [threading.Thread(target=worker, args=(c,), daemon=True) for c in comms[1:]]
     for t in threads:

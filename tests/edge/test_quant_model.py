@@ -9,7 +9,12 @@ import json
 import pytest
 import torch
 
-from edge.formats.quantized import QuantConfig, quantize_checkpoint, quantize_model, read_layout
+from edge.formats.quantized_checkpoint import (
+    QuantConfig,
+    quantize_checkpoint,
+    quantize_model,
+    read_layout,
+)
 from edge.quant import QuantLinear
 from edge.shardio import WindowConfig, load_shard, split_checkpoint
 from edge.tp import make_plan, make_reduce, shard

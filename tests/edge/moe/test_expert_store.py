@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from edge.moe.checkpoint import NestedCheckpoint, load_dense, quantize_checkpoint
+from edge.moe.checkpoint import NestedCheckpoint, load_dense, quantize_nested_checkpoint
 from edge.moe.quant import NestedQuantConfig
 from edge.moe.store import (
     ExpertCache,
@@ -39,7 +39,7 @@ def nested_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
         for layer in model.model.layers:
             layer.block_sparse_moe.gate.weight.mul_(20)
     src = save_pretrained(model, root / "src")
-    return quantize_checkpoint(src, root / "nested", NestedQuantConfig(group_size=32))
+    return quantize_nested_checkpoint(src, root / "nested", NestedQuantConfig(group_size=32))
 
 
 @pytest.fixture(scope="module")
@@ -245,7 +245,7 @@ def test_store_serves_a_subset_of_experts(nested_dir: Path, sizes: dict) -> None
 
 def test_plain_int8_layout_serves_lru_only(nested_dir: Path, tmp_path: Path) -> None:
     src = nested_dir.parent / "src"
-    plain = quantize_checkpoint(
+    plain = quantize_nested_checkpoint(
         src, tmp_path / "int8", NestedQuantConfig(group_size=32, layout="bytes")
     )
     dense = load_dense(nested_dir, 8)

@@ -18,7 +18,7 @@ import torch
 from edge.cluster import ClusterConfig, MasterRunner, WorkerConfig, run_worker
 from edge.engine import Engine, LocalRunner
 from edge.launch import check_model
-from edge.moe.checkpoint import load_dense, quantize_checkpoint
+from edge.moe.checkpoint import load_dense, quantize_nested_checkpoint
 from edge.moe.quant import NestedQuantConfig
 from edge.moe.serve import (
     ExpertServeConfig,
@@ -63,7 +63,7 @@ def nested(tmp_path_factory: pytest.TempPathFactory) -> Path:
             layer.block_sparse_moe.gate.weight.mul_(20)
     src = save_pretrained(model, root / "src")
     ByteTokenizer().save(src)
-    return quantize_checkpoint(src, root / "nested", NestedQuantConfig(group_size=32))
+    return quantize_nested_checkpoint(src, root / "nested", NestedQuantConfig(group_size=32))
 
 
 def int8_mb(nested: Path) -> float:

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from edge.engine import Engine, LocalRunner
-from edge.moe.checkpoint import NestedCheckpoint, load_dense, quantize_checkpoint
+from edge.moe.checkpoint import NestedCheckpoint, load_dense, quantize_nested_checkpoint
 from edge.moe.quant import NestedQuantConfig
 from edge.moe.store import ExpertStoreConfig, HEBFConfig, LRUConfig, PrefetchConfig, open_store
 from edge.moe.train import TRAIN_LOG, tiny_preset, train
@@ -32,7 +32,9 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     root = tmp_path_factory.mktemp("moe")
     cfg = replace(tiny_preset(root / "model"), steps=30)
     model_dir = train(cfg)
-    nested = quantize_checkpoint(model_dir, root / "nested", NestedQuantConfig(group_size=32))
+    nested = quantize_nested_checkpoint(
+        model_dir, root / "nested", NestedQuantConfig(group_size=32)
+    )
     return model_dir, nested
 
 

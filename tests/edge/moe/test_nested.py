@@ -10,12 +10,17 @@ from pathlib import Path
 import pytest
 import torch
 
-from edge.moe.checkpoint import NestedCheckpoint, load_backbone, load_dense, quantize_checkpoint
+from edge.moe.checkpoint import (
+    NestedCheckpoint,
+    load_backbone,
+    load_dense,
+    quantize_nested_checkpoint,
+)
 from edge.moe.planes import ExpertFile, planes_to_codes, to_planes, write_expert_file
 from edge.moe.quant import (
     WIDTHS,
     NestedQuantConfig,
-    dequantize,
+    dequantize_nested,
     quantize_independent,
     quantize_int8,
     slice_codes,
@@ -57,7 +62,7 @@ def tiny_ckpt(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     init_weights(model, seed=3)
     src = save_pretrained(model, root / "src")
     ByteTokenizer().save(src)
-    out = quantize_checkpoint(src, root / "nested", NestedQuantConfig(group_size=32))
+    out = quantize_nested_checkpoint(src, root / "nested", NestedQuantConfig(group_size=32))
     return src, out
 
 
@@ -67,7 +72,7 @@ def test_int8_codes_reconstruct_within_half_a_step() -> None:
     w = torch.randn(48, 128) * 0.05
     q = quantize_int8(w, 64)
     assert q.codes.dtype == torch.uint8 and q.lo.dtype == torch.float16 and q.lo.shape == (48, 2)
-    w8 = dequantize(q.codes, q.lo, q.step, 8)
+    w8 = dequantize_nested(q.codes, q.lo, q.step, 8)
     step = q.step.float().repeat_interleave(64, dim=1)
     assert torch.all((w8 - w).abs() <= step * 0.5 + 1e-7)
 
@@ -77,7 +82,7 @@ def test_sliced_error_bound_is_half_a_b_bit_step(bits: int) -> None:
     torch.manual_seed(1)
     w = torch.randn(32, 64)
     q = quantize_int8(w, 32)
-    wb = dequantize(slice_codes(q.codes, bits), q.lo, q.step, bits)
+    wb = dequantize_nested(slice_codes(q.codes, bits), q.lo, q.step, bits)
     k = 2 ** (8 - bits)
     step = q.step.float().repeat_interleave(32, dim=1)
     # int8 rounding (half a step) plus the mid-range reconstruction of the dropped bits.
@@ -92,7 +97,7 @@ def test_range_extension_makes_the_slice_the_native_quantizer(bits: int) -> None
     w = torch.randn(128, 256) * 0.02
     ext = 2**bits / (2**bits - 1)
     q = quantize_int8(w, 64, range_ext=ext)
-    nested = dequantize(slice_codes(q.codes, bits), q.lo, q.step, bits)
+    nested = dequantize_nested(slice_codes(q.codes, bits), q.lo, q.step, bits)
     native = quantize_independent(w, bits, 64)
     step = (w.view(128, 4, 64).amax(-1) - w.view(128, 4, 64).amin(-1)) / (2**bits - 1)
     close = (nested - native).abs() <= step.repeat_interleave(64, dim=1) * 0.05
@@ -106,7 +111,9 @@ def test_default_grid_is_close_to_native_at_every_width() -> None:
     w = torch.randn(256, 256) * 0.02
     w[torch.rand_like(w) < 0.001] *= 8
     q = quantize_int8(w, 64)
-    errs = {b: rel_err(w, dequantize(slice_codes(q.codes, b), q.lo, q.step, b)) for b in WIDTHS}
+    errs = {
+        b: rel_err(w, dequantize_nested(slice_codes(q.codes, b), q.lo, q.step, b)) for b in WIDTHS
+    }
     for bits in (2, 3, 4):
         native = rel_err(w, quantize_independent(w, bits, 64))
         assert errs[bits] <= native * 1.15, (bits, errs[bits], native)
@@ -120,7 +127,7 @@ def test_constant_group_is_exact() -> None:
     q = quantize_int8(w, 64)
     for bits in WIDTHS:
         assert torch.allclose(
-            dequantize(slice_codes(q.codes, bits), q.lo, q.step, bits), w, atol=2**-24 * 256
+            dequantize_nested(slice_codes(q.codes, bits), q.lo, q.step, bits), w, atol=2**-24 * 256
         )
 
 
@@ -307,7 +314,7 @@ def test_converter_refuses_dense_models(tmp_path: Path) -> None:
     model = LlamaForCausalLM(tiny_moe_config(model_type="llama", num_local_experts=0))
     src = save_pretrained(model, tmp_path / "dense")
     with pytest.raises(ConfigError, match="not a mixture-of-experts"):
-        quantize_checkpoint(src, tmp_path / "out")
+        quantize_nested_checkpoint(src, tmp_path / "out")
 
 
 def test_bytes_layout_holds_the_same_int8_codes(tmp_path: Path) -> None:

@@ -1,4 +1,4 @@
-"""Weight-only quantized checkpoints: ``lowband edge quantize MODEL --bits 8|4 --group G``.
+"""Weight-only quantized checkpoint directories (I/O): ``lowband edge quantize MODEL --bits 8|4``.
 
 A quantized checkpoint is an ordinary HF directory (``config.json`` + ``model.safetensors``)
 whose quantized linears store ``<name>.qweight`` and ``<name>.scales`` (the packed layout of
