@@ -1,4 +1,5 @@
-"""Weight-only quantization formats (pure PyTorch maths, no I/O).
+"""Weight-only quantization formats: Q8/Q4 maths and the packed layout (pure PyTorch, no I/O;
+the checkpoint directories that store packed weights are ``edge.formats.quantized_checkpoint``).
 
 Two formats, both per output row, grouped along the input dimension K:
 
@@ -36,6 +37,8 @@ from dataclasses import dataclass
 
 import torch
 
+from lowband.errors import LowbandError
+
 __all__ = [
     "BITS",
     "GROUPS",
@@ -58,8 +61,9 @@ BITS = (4, 8)
 GROUPS = (32, 64, 128)
 
 
-class QuantError(ValueError):
-    """Base class for invalid quantization parameters or inputs."""
+class QuantError(LowbandError, ValueError):
+    """Base class for invalid quantization parameters or inputs (a ``ValueError`` too, as the
+    argument checks of PyTorch and NumPy raise)."""
 
 
 class UnsupportedBitsError(QuantError):
@@ -210,7 +214,7 @@ def quantize_q8(w: torch.Tensor, group: int = 32) -> PackedWeight:
 
 
 def quantize_q4(w: torch.Tensor, group: int = 32) -> PackedWeight:
-    """Quantize ``w [N, K]`` to Q4 (llama.cpp ``Q4_0`` per group of ``group``), packed 2 per byte."""
+    """Quantize ``w [N, K]`` to Q4 (llama.cpp ``Q4_0`` per group of ``group``), two per byte."""
     check_spec(4, group)
     g = _grouped(w, group)
     idx = g.abs().argmax(dim=-1, keepdim=True)  # first maximal |x|, like llama.cpp's strict '<'
@@ -235,7 +239,7 @@ def quantize(w: torch.Tensor, bits: int, group: int = 32) -> PackedWeight:
 
 
 def unpack_q4(qweight: torch.Tensor, group: int) -> torch.Tensor:
-    """``uint8 [N, K/2]`` packed nibbles -> ``uint8 [N, K]`` values 0..15 (inverse of the packing)."""
+    """``uint8 [N, K/2]`` packed nibbles -> ``uint8 [N, K]`` values 0..15 (the packing undone)."""
     n, kh = qweight.shape
     b = qweight.view(n, (2 * kh) // group, group // 2)
     return torch.cat((b & 0x0F, b >> 4), dim=-1).view(n, 2 * kh)

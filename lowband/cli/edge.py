@@ -11,7 +11,7 @@ import importlib
 import sys
 
 from lowband.cli.liveness import add_liveness, add_register_timeout, liveness
-from lowband.errors import ConfigError, CorruptWeights
+from lowband.errors import ConfigError, LowbandError
 
 
 def _weights(text: str | None) -> tuple[float, ...] | None:
@@ -281,7 +281,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     edge.set_defaults(func=lambda args: (edge.print_help(), 2)[1])
 
 
-def _fail(exc: ConfigError | CorruptWeights) -> int:
+def _fail(exc: LowbandError) -> int:
     print(f"lowband edge: {exc}", file=sys.stderr)
     return 2
 
@@ -299,7 +299,7 @@ def _split(args) -> int:
         out = split_checkpoint(
             args.model, args.out, args.devices, _weights(args.weights), args.dtype
         )
-    except ConfigError as exc:
+    except LowbandError as exc:
         return _fail(exc)
     print(
         f"wrote {args.devices} device shard(s) to {out}; copy {out}/rankN plus the json files "
@@ -313,7 +313,7 @@ def _convert(args) -> int:
 
     try:
         out = convert_gguf(args.gguf, args.out)
-    except ConfigError as exc:
+    except LowbandError as exc:
         return _fail(exc)
     print(
         f"wrote {out}; serve it with 'lowband edge serve {out}' (the file's vocabulary is not "
@@ -348,7 +348,7 @@ def _generate(args) -> int:
             ),
         )
         return generate_main(cfg)
-    except (ConfigError, CorruptWeights) as exc:
+    except LowbandError as exc:
         return _fail(exc)
 
 
@@ -389,7 +389,7 @@ def _serve(args) -> int:
 
     try:
         return serve_main(_serve_config(args, args.workers + 1))
-    except (ConfigError, CorruptWeights) as exc:
+    except LowbandError as exc:
         return _fail(exc)
 
 
@@ -421,7 +421,7 @@ def _worker(args) -> int:
                 register_timeout=args.register_timeout,
             )
         )
-    except ConfigError as exc:
+    except LowbandError as exc:
         return _fail(exc)
 
 
@@ -432,5 +432,5 @@ def _run(args) -> int:
         return run_main(
             RunConfig(serve=_serve_config(args, args.devices), pin_cores=args.pin_cores)
         )
-    except (ConfigError, CorruptWeights) as exc:
+    except LowbandError as exc:
         return _fail(exc)

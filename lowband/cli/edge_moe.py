@@ -11,7 +11,7 @@ import json
 import sys
 import time
 
-from lowband.errors import ConfigError, CorruptWeights
+from lowband.errors import LowbandError
 
 
 def register(edge_sub: argparse._SubParsersAction) -> None:
@@ -92,7 +92,7 @@ def _quantize_dense(args: argparse.Namespace) -> int:
             args.out,
             QuantConfig(bits=args.bits, group=args.group, skip=tuple(args.skip)),
         )
-    except (ConfigError, CorruptWeights) as exc:
+    except LowbandError as exc:
         print(f"lowband edge quantize: {exc}", file=sys.stderr)
         return 2
     mb = sum(f.stat().st_size for f in out.glob("*.safetensors")) / 1e6
@@ -113,7 +113,7 @@ def _quantize(args: argparse.Namespace) -> int:
         cfg = NestedQuantConfig(group_size=args.group_size)
         t0 = time.perf_counter()
         out = quantize_nested_checkpoint(args.model_dir, args.out, cfg)
-    except (ConfigError, CorruptWeights) as exc:
+    except LowbandError as exc:
         print(f"lowband edge quantize: {exc}", file=sys.stderr)
         return 2
     manifest = json.loads((out / "nested.json").read_text())
@@ -147,7 +147,7 @@ def _moe_generate(args: argparse.Namespace) -> int:
             max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed
         )
         model, cache = open_store(args.nested_dir, cfg)
-    except (ConfigError, CorruptWeights) as exc:
+    except LowbandError as exc:
         print(f"lowband edge moe-generate: {exc}", file=sys.stderr)
         return 2
     try:

@@ -47,6 +47,7 @@ from edge.quant import (
     quantize_q8,
 )
 from edge.quant.formats import unpack_q4
+from lowband.errors import LowbandError
 
 REPO = Path(__file__).resolve().parents[2]
 CSRC = REPO / "edge" / "quant" / "csrc"
@@ -229,6 +230,9 @@ def test_bad_inputs_raise():
     assert issubclass(QuantShapeError, ValueError) and issubclass(
         GroupBoundaryError, QuantShapeError
     )
+    # One hierarchy: ``except LowbandError`` catches a bad quantization as any other lowband error.
+    with pytest.raises(LowbandError, match="bits must be one of"):
+        QuantLinear(64, 8, bits=2)
 
 
 # ----------------------------------------------------------------------------------- kernel
@@ -291,7 +295,7 @@ def test_build_failure_falls_back_and_logs(tmp_path, restore_config, caplog):
 
 @pytest.mark.skipif(shutil.which("g++") is None, reason="no C++ compiler")
 def test_cpp_selftest_all_paths(tmp_path):
-    """gemv_kernels.h without torch: native SIMD and scalar paths (and NEON under qemu if present)."""
+    """gemv_kernels.h without torch: native SIMD and scalar paths (NEON under qemu if present)."""
     builds = [
         ("g++", ["-march=native"] if sys.platform == "linux" else [], None),
         ("g++", ["-DLOWBAND_QUANT_SCALAR"], None),

@@ -11,7 +11,8 @@ import pytest
 
 from edge.engine import Engine, LocalRunner
 from edge.sampling import SamplingParams
-from edge.server import ServerConfig, start
+from edge.server import ApiError, ServerConfig, start
+from lowband.errors import CorruptWeights, LowbandError
 from lowband.models.config import ModelConfig
 from lowband.models.llama import LlamaForCausalLM, init_weights
 from lowband.models.tokenizer import ByteTokenizer
@@ -203,6 +204,28 @@ def test_cluster_down_is_503() -> None:
         assert r.status == 503 and (await r.json())["healthy"] is False
         r = await s.post("/v1/completions", json={"prompt": "x", "stream": True})
         assert r.status == 503 and (await r.json())["error"]["code"] == "cluster_unavailable"
+
+    run(_with_server(body, engine=engine))
+
+
+class _DamagedEngine(Engine):
+    def generate(self, ids, params):
+        raise CorruptWeights("block 3 of model.safetensors: checksum mismatch")
+        yield  # a generator, like Engine.generate
+
+
+def test_a_lowband_error_during_generation_is_500_with_its_message() -> None:
+    """Any error of the lowband hierarchy is a server error the user can read, not a crash."""
+    assert issubclass(ApiError, LowbandError)
+    m = LlamaForCausalLM(ModelConfig(**CFG)).eval()
+    engine = _DamagedEngine(LocalRunner(m), ByteTokenizer(), model_name="tiny")
+
+    async def body(s, engine):
+        r = await s.post("/v1/completions", json={"prompt": "x", "max_tokens": 2})
+        err = (await r.json())["error"]
+        assert r.status == 500 and err["type"] == "server_error"
+        assert err["message"] == "block 3 of model.safetensors: checksum mismatch"
+        assert (await s.get("/health")).status == 200
 
     run(_with_server(body, engine=engine))
 
