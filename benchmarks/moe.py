@@ -28,7 +28,8 @@ Every serving configuration runs in its own subprocess (clean peak RSS), alterna
 over ``--repeats`` rounds; medians are reported, with every run's tokens/s and the decoding
 thread's CPU seconds (``decode_cpu_s``: compute, without waiting for reads or for the CPU on a
 busy machine). The trained model and its conversions are cached under ``--cache-dir`` (trained
-from scratch if absent).
+from scratch if absent) on ``--text``: the Shakespeare sample packaged in ``lowband/data/`` unless
+another corpus is passed; ``train_text`` in the result says which.
 """
 
 from __future__ import annotations
@@ -61,6 +62,7 @@ from edge.moe.train import (
     tiny_preset,
     train,
 )
+from lowband import SAMPLE_TEXT
 
 logger = logging.getLogger(__name__)
 
@@ -72,6 +74,7 @@ BASELINES = ("lru_int8", "lru_int8_prefetch")  # the headline is HEBF against th
 class BenchConfig:
     cache_dir: Path
     tiny: bool = False
+    text: Path = SAMPLE_TEXT  # the corpus the MoE is trained and evaluated on
     budget_frac: float = 0.4  # expert budget / bytes of every expert at int8
     read_mb_per_s: float = 100.0  # B_io of the modelled device (0 = unpaced)
     sweep_mb_per_s: tuple[float, ...] = (0.0, 1000.0, 300.0)  # 0 (unpaced) is always run
@@ -107,7 +110,7 @@ def tiny_bench(cache_dir: Path) -> BenchConfig:
 
 # ---- model preparation ---------------------------------------------------------------------------
 def _train_cfg(cfg: BenchConfig, out: Path) -> MoETrainConfig:
-    return (tiny_preset if cfg.tiny else bench_preset)(out)
+    return (tiny_preset if cfg.tiny else bench_preset)(out, cfg.text)
 
 
 def _digest(text: str) -> str:
@@ -412,6 +415,7 @@ def main(cfg: BenchConfig) -> dict:
     log = json.loads((model_dir / TRAIN_LOG).read_text())
     result: dict[str, object] = {
         "model_dir": str(model_dir),
+        "train_text": str(tcfg.data),
         "train_tokens": log["tokens"],
         "train_s": log["train_s"],
     }
@@ -429,6 +433,12 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--tiny", action="store_true", help="seconds-scale smoke run")
     p.add_argument(
         "--cache-dir", type=Path, default=Path.home() / ".cache" / "lowband" / "moe_bench"
+    )
+    p.add_argument(
+        "--text",
+        type=Path,
+        default=SAMPLE_TEXT,
+        help="UTF-8 corpus to train on (default: the packaged Shakespeare sample)",
     )
     p.add_argument("--budget-frac", type=float, default=None)
     p.add_argument("--read-mb-per-s", type=float, default=None)
@@ -459,6 +469,7 @@ if __name__ == "__main__":
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", stream=sys.stderr)
     torch.set_flush_denormal(True)
     bench = tiny_bench(ns.cache_dir) if ns.tiny else BenchConfig(cache_dir=ns.cache_dir)
+    bench = replace(bench, text=ns.text)
     overrides = {
         k: v
         for k, v in (

@@ -1,16 +1,19 @@
 """Train a small Mixtral-style MoE on Shakespeare bytes, so quantization quality has a meaning.
 
-The bit-nested expert work (``edge.moe.quant``, ``edge.moe.planes``, ``edge.moe.store``) is judged by held-out
-perplexity, which needs a model that has actually learned something: a randomly initialised
-MoE has perplexity ~256 at every precision. This module trains one with a plain AdamW loop on
-the byte tokenizer (vocabulary 256) in a few minutes on two CPU cores.
+The bit-nested expert work (``edge.moe.quant``, ``edge.moe.planes``, ``edge.moe.store``) is
+judged by held-out perplexity, which needs a model that has actually learned something: a
+randomly initialised MoE has perplexity ~256 at every precision. This module trains one with a
+plain AdamW loop on the byte tokenizer (vocabulary 256) in a few minutes on two CPU cores.
 
 Routers are trained with the Switch/Mixtral load-balancing loss (Fedus et al. 2021, eq. 4):
 ``aux = E * sum_e f_e * P_e`` where ``f_e`` is the fraction of routed slots that went to expert
 ``e`` and ``P_e`` the mean router probability of ``e``. Without it a few experts take almost
 every token, which would make expert caching look easier than it is on real MoE checkpoints.
 
-``python -m edge.moe.train --out DIR [--preset bench|tiny] [--steps N]``
+The corpus is ``MoETrainConfig.data``; the presets default to the Shakespeare sample packaged in
+``lowband/data/``, so a clone reproduces the same model (a larger text is passed explicitly).
+
+``python -m edge.moe.train --out DIR [--preset bench|tiny] [--steps N] [--data TEXT]``
 """
 
 from __future__ import annotations
@@ -36,8 +39,6 @@ from lowband.models.weights import save_pretrained
 
 logger = logging.getLogger(__name__)
 
-SHARED_TEXT = Path("/work/shared/data/shakespeare.txt")
-SAMPLE_TEXT = SAMPLE_TEXT
 TRAIN_LOG = "train_log.json"
 
 
@@ -114,10 +115,10 @@ def tiny_model() -> ModelConfig:
     )
 
 
-def bench_preset(out_dir: Path, data: Path | None = None) -> MoETrainConfig:
+def bench_preset(out_dir: Path, data: Path = SAMPLE_TEXT) -> MoETrainConfig:
     return MoETrainConfig(
         model=bench_model(),
-        data=data or default_text(),
+        data=data,
         out_dir=out_dir,
         steps=600,
         batch_size=16,
@@ -125,21 +126,16 @@ def bench_preset(out_dir: Path, data: Path | None = None) -> MoETrainConfig:
     )
 
 
-def tiny_preset(out_dir: Path, data: Path | None = None) -> MoETrainConfig:
+def tiny_preset(out_dir: Path, data: Path = SAMPLE_TEXT) -> MoETrainConfig:
     return MoETrainConfig(
         model=tiny_model(),
-        data=data or SAMPLE_TEXT,
+        data=data,
         out_dir=out_dir,
         steps=40,
         batch_size=8,
         seq_len=64,
         warmup=5,
     )
-
-
-def default_text() -> Path:
-    """The full 5 MB corpus when this machine has it, else the 1 MB sample shipped in the repo."""
-    return SHARED_TEXT if SHARED_TEXT.exists() else SAMPLE_TEXT
 
 
 def load_splits(path: Path, heldout_frac: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -275,7 +271,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--out", type=Path, required=True, help="checkpoint directory to write")
     p.add_argument("--preset", choices=("bench", "tiny"), default="bench")
     p.add_argument("--steps", type=int, default=None, help="override the preset's step count")
-    p.add_argument("--data", type=Path, default=None, help="text file (default: Shakespeare)")
+    p.add_argument(
+        "--data",
+        type=Path,
+        default=SAMPLE_TEXT,
+        help="UTF-8 text to train on (default: the packaged Shakespeare sample)",
+    )
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     # Router probabilities of unchosen experts underflow into float32 denormals, which make
