@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from typing import ContextManager, Iterable
+from typing import ContextManager
 
 import torch
 from torch import nn
@@ -133,7 +133,3 @@ def model_device(model: nn.Module) -> torch.device:
     for p in model.parameters():
         return p.device
     return torch.device("cpu")
-
-
-def count_parameters(params: Iterable[torch.Tensor]) -> int:
-    return sum(p.numel() for p in params)

@@ -1,4 +1,4 @@
-"""Shared fixtures. Multi-process tests use ``spawn_group`` so every child dies with the test."""
+"""Shared fixtures. Multi-process tests use ``spawn``, so every child dies with the test."""
 
 from __future__ import annotations
 
@@ -13,7 +13,6 @@ from typing import Callable, Iterator
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-SHAKESPEARE = REPO.parent / "shared" / "data" / "shakespeare.txt"
 
 
 @pytest.fixture

@@ -140,10 +140,6 @@ class QuantSpec:
         qn, qk = self.qweight_shape
         return qn * qk + 2 * self.shape[0] * self.n_groups
 
-    @property
-    def bits_per_weight(self) -> float:
-        return self.bits + 16.0 / self.group
-
 
 @dataclass(frozen=True, eq=False)
 class PackedWeight:
