@@ -28,6 +28,7 @@ from torch import nn
 from edge.quant import QuantLinear
 from edge.quant import kernel as qkernel
 from lowband.errors import PeerLost, ProtocolError, TransportTimeout
+from lowband.models.config import ModelConfig
 from lowband.models.llama import KVCache, LlamaForCausalLM
 from transport.starlink import native_table
 
@@ -66,9 +67,12 @@ def _lin_ok(mod: nn.Module | None) -> str | None:
 
 def unsupported_reason(model: LlamaForCausalLM) -> str | None:
     """Why :func:`install` would leave ``model`` on the eager path (None: it can be installed)."""
+    cfg = model.config
+    why = _family_reason(cfg)
+    if why is not None:
+        return f"{cfg.model_type}: {why} (the compiled step does Llama's maths only)"
     if not qkernel.available():
         return f"the C++ kernel is unavailable ({qkernel.unavailable_reason()})"
-    cfg = model.config
     if cfg.is_moe:
         return "routed-expert (MoE) layers run on the eager path"
     for i, layer in enumerate(model.model.layers):
@@ -91,6 +95,22 @@ def unsupported_reason(model: LlamaForCausalLM) -> str | None:
             if why is not None:
                 return f"layer {i}: {why}"
     return None
+
+
+def _family_reason(cfg: ModelConfig) -> str | None:
+    """The first of a family's departures from plain Llama maths (None: there are none)."""
+    checks = (
+        (cfg.qk_norm, "per-head q/k norms"),
+        (cfg.norm_unit_offset, "(1 + weight) norms"),
+        (cfg.sandwich_norms, "sandwich norms"),
+        (cfg.hidden_act not in ("silu", "swish"), f"{cfg.hidden_act} MLP"),
+        (cfg.query_pre_attn_scalar not in (None, cfg.dim_per_head), "query_pre_attn_scalar"),
+        (cfg.final_logit_softcapping is not None, "final logit softcapping"),
+        (cfg.no_rope_layers is not None and 0 in cfg.no_rope_layers, "NoPE layers"),
+        (cfg.rope_local_theta is not None, "a separate rope base for sliding layers"),
+        (cfg.cache_window != cfg.layer_window(0), "per-layer sliding windows"),
+    )
+    return next((why for bad, why in checks if bad), None)
 
 
 class FastDecode:

@@ -1,4 +1,5 @@
-"""Model configuration: the subset of a Hugging Face ``config.json`` a Llama-family decoder needs."""
+"""Model configuration: the subset of a Hugging Face ``config.json`` a Llama-family decoder
+needs."""
 
 from __future__ import annotations
 
@@ -9,12 +10,35 @@ from typing import Any
 
 from lowband.errors import ConfigError
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral", "mixtral")
+SUPPORTED_MODEL_TYPES = (
+    "llama",
+    "qwen2",
+    "mistral",
+    "mixtral",
+    "qwen3",
+    "gemma3_text",
+    "phi3",
+    "smollm3",
+)
+# Feed-forward activations the MLP implements (HF ``hidden_act`` / Gemma's ``hidden_activation``).
+ACTIVATIONS = ("silu", "swish", "gelu_pytorch_tanh")
+LAYER_TYPES = ("full_attention", "sliding_attention")
+ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "mixtral": "MixtralForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "gemma3_text": "Gemma3ForCausalLM",
+    "phi3": "Phi3ForCausalLM",
+    "smollm3": "SmolLM3ForCausalLM",
+}
 
 
 @dataclass(frozen=True, kw_only=True)
 class ModelConfig:
-    """Shape of a Llama-family decoder (Llama, Mistral, Qwen2, Mixtral)."""
+    """Shape of a Llama-family decoder (Llama, Mistral, Qwen2, Mixtral, Qwen3, Gemma 3 text,
+    Phi-3, SmolLM3). The family-specific fields below default to plain Llama maths."""
 
     model_type: str = "llama"
     vocab_size: int
@@ -36,6 +60,28 @@ class ModelConfig:
     # Mistral-style sliding-window attention: position i attends to keys j with i - j < W
     # (None: full causal attention).
     sliding_window: int | None = None
+    # Per-layer attention kind ("full_attention" | "sliding_attention"; Gemma 3 interleaves them).
+    # None: every layer uses ``sliding_window`` (None: full attention).
+    layer_types: tuple[str, ...] | None = None
+    # Rope base of the sliding layers (Gemma 3 ``rope_local_base_freq``; no scaling there).
+    # None: the sliding layers use ``rope_theta`` and ``rope_scaling`` like the others.
+    rope_local_theta: float | None = None
+    # SmolLM3 NoPE: no_rope_layers[i] == 0 means layer i applies no rotary embedding.
+    no_rope_layers: tuple[int, ...] | None = None
+    # Precomputed per-frequency divisors of the rope inverse frequencies (D/2 values; GGUF's
+    # ``rope_freqs.weight``, llama.cpp's form of Llama 3.1 scaling). None: none.
+    rope_freq_factors: tuple[float, ...] | None = None
+    hidden_act: str = "silu"  # SwiGLU's gate activation; Gemma: gelu_pytorch_tanh (GeGLU)
+    qk_norm: bool = False  # Qwen3 / Gemma 3: RMSNorm over each head of q and k before rope
+    # Gemma: norms multiply by (1 + weight), the checkpoint stores weight - 1.
+    norm_unit_offset: bool = False
+    # Gemma 2/3 sandwich: a norm after attention and around the MLP (pre and post).
+    sandwich_norms: bool = False
+    scale_embeddings: bool = False  # Gemma: embeddings times sqrt(hidden_size)
+    # Attention scores scaled by query_pre_attn_scalar**-0.5 (Gemma); None: head_dim**-0.5.
+    query_pre_attn_scalar: float | None = None
+    # Gemma: logits = cap * tanh(logits / cap). None: no capping.
+    final_logit_softcapping: float | None = None
     torch_dtype: str = "float32"
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
@@ -80,11 +126,71 @@ class ModelConfig:
                 "rope_scaling",
                 f"rope type {kind!r} is not implemented (default, linear, llama3 are)",
             )
+        self._check_families()
         if self.num_local_experts and not 1 <= self.num_experts_per_tok <= self.num_local_experts:
             raise ConfigError(
                 "num_experts_per_tok",
                 f"must be in [1, {self.num_local_experts}], got {self.num_experts_per_tok}",
             )
+
+    def _check_families(self) -> None:
+        """The per-layer and family fields: lengths match the layer count, values known."""
+        n = self.num_hidden_layers
+        if self.hidden_act not in ACTIVATIONS:
+            raise ConfigError(
+                "hidden_act", f"{self.hidden_act!r} is not implemented (supported: {ACTIVATIONS})"
+            )
+        if self.layer_types is not None:
+            if len(self.layer_types) != n or set(self.layer_types) - set(LAYER_TYPES):
+                raise ConfigError(
+                    "layer_types",
+                    f"need {n} entries of {LAYER_TYPES}, got {list(self.layer_types)}",
+                )
+            if "sliding_attention" in self.layer_types and not self.sliding_window:
+                raise ConfigError("sliding_window", "layer_types has sliding layers but no window")
+        if self.no_rope_layers is not None and (
+            len(self.no_rope_layers) != n or set(self.no_rope_layers) - {0, 1}
+        ):
+            raise ConfigError(
+                "no_rope_layers", f"need {n} entries of 0/1, got {list(self.no_rope_layers)}"
+            )
+        if self.rope_freq_factors is not None:
+            if len(self.rope_freq_factors) != self.dim_per_head // 2:
+                raise ConfigError(
+                    "rope_freq_factors",
+                    f"need head_dim/2 = {self.dim_per_head // 2} values, "
+                    f"got {len(self.rope_freq_factors)}",
+                )
+            if self.rope_scaling:
+                raise ConfigError(
+                    "rope_freq_factors", "precomputed factors replace rope_scaling: set only one"
+                )
+        for name in ("query_pre_attn_scalar", "final_logit_softcapping", "rope_local_theta"):
+            v = getattr(self, name)
+            if v is not None and not v > 0:
+                raise ConfigError(name, f"must be > 0 or None, got {v}")
+
+    def layer_window(self, i: int) -> int | None:
+        """The attention window W of layer i (None: full causal attention)."""
+        if self.layer_types is None:
+            return self.sliding_window
+        return self.sliding_window if self.layer_types[i] == "sliding_attention" else None
+
+    @property
+    def cache_window(self) -> int | None:
+        """The window a shared KV cache may drop positions by: only when every layer has the
+        same one (a full-attention layer needs every position)."""
+        ws = {self.layer_window(i) for i in range(self.num_hidden_layers)}
+        return ws.pop() if len(ws) == 1 else None
+
+    def layer_rope(self, i: int) -> str | None:
+        """Which rotary table layer i uses: "global", "local" (sliding layers with their own
+        base) or None (NoPE)."""
+        if self.no_rope_layers is not None and not self.no_rope_layers[i]:
+            return None
+        if self.rope_local_theta is not None and self.layer_window(i) is not None:
+            return "local"
+        return "global"
 
     @property
     def n_kv_heads(self) -> int:
@@ -126,10 +232,19 @@ class ModelConfig:
             if k not in kwargs:
                 raise ConfigError(k, "missing from config.json")
         _refuse_unimplemented(d)
-        if d.get("model_type") == "qwen2" or d.get("use_sliding_window") is False:
-            # Qwen2 configs carry a sliding_window that only applies with use_sliding_window
-            # (refused above when true).
+        if d.get("model_type") in ("qwen2", "qwen3", "smollm3") or (
+            d.get("use_sliding_window") is False
+        ):
+            # Qwen2/3 and SmolLM3 configs carry a sliding_window that only applies with
+            # use_sliding_window (refused above when true).
             kwargs.pop("sliding_window", None)
+            kwargs.pop("layer_types", None)
+        for k in ("layer_types", "no_rope_layers", "rope_freq_factors"):
+            if kwargs.get(k) is not None:
+                kwargs[k] = tuple(kwargs[k])
+        if kwargs.get("layer_types") and len(set(kwargs["layer_types"])) == 1:
+            kwargs["layer_types"] = None  # all alike: ``sliding_window`` says it (as before)
+        kwargs.update(_family_fields(d))
         extra = {k: v for k, v in d.items() if k not in known}
         return cls(**kwargs, extra=extra)
 
@@ -150,18 +265,68 @@ class ModelConfig:
         d = {k: v for k, v in asdict(self).items() if k != "extra"}
         d["num_key_value_heads"] = self.n_kv_heads
         d["head_dim"] = self.dim_per_head
-        d["hidden_act"] = "silu"
-        arch = {
-            "llama": "LlamaForCausalLM",
-            "qwen2": "Qwen2ForCausalLM",
-            "mistral": "MistralForCausalLM",
-            "mixtral": "MixtralForCausalLM",
-        }[self.model_type]
-        d["architectures"] = [arch]
+        d["architectures"] = [ARCHITECTURES[self.model_type]]
         if not self.is_moe:
             d.pop("num_local_experts")
             d.pop("num_experts_per_tok")
+        for k in ("layer_types", "no_rope_layers", "rope_freq_factors"):
+            if d[k] is None:
+                d.pop(k)
+            else:
+                d[k] = list(d[k])
+        if self.model_type == "gemma3_text":
+            d["hidden_activation"] = d["hidden_act"]
+            d["rope_local_base_freq"] = self.rope_local_theta or self.rope_theta
+            if self.layer_types is None:  # Gemma's config would otherwise interleave its own
+                kind = "sliding_attention" if self.sliding_window else "full_attention"
+                d["layer_types"] = [kind] * self.num_hidden_layers
+        for k in ("rope_local_theta", "query_pre_attn_scalar", "final_logit_softcapping"):
+            if d[k] is None:
+                d.pop(k)
+        d.pop("rope_local_theta", None)
         return {**self.extra, **d}
+
+
+def _family_fields(d: dict[str, Any]) -> dict[str, Any]:
+    """The fields a family implies (HF leaves them implicit in the model code)."""
+    mt = d.get("model_type")
+    out: dict[str, Any] = {}
+    if mt in ("qwen3", "gemma3_text"):
+        out["qk_norm"] = True
+    if mt != "gemma3_text":
+        return out
+    out.update(
+        norm_unit_offset=True,
+        sandwich_norms=True,
+        scale_embeddings=True,
+        hidden_act=d.get("hidden_activation", d.get("hidden_act", "gelu_pytorch_tanh")),
+        query_pre_attn_scalar=d.get("query_pre_attn_scalar", 256),
+        head_dim=d.get("head_dim", 256),
+        tie_word_embeddings=d.get("tie_word_embeddings", True),
+    )
+    types = d.get("layer_types")
+    if types is None:  # older configs: every `sliding_window_pattern`-th layer is global
+        pattern = int(d.get("sliding_window_pattern", 6))
+        n = int(d["num_hidden_layers"])
+        types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(n)]
+    out["layer_types"] = tuple(types)
+    out["sliding_window"] = d.get("sliding_window", 4096)
+    rp = d.get("rope_parameters")
+    if isinstance(rp, dict) and isinstance(rp.get("full_attention"), dict):
+        # transformers >= 5: one rope dict per layer type
+        full, local = rp["full_attention"], rp.get("sliding_attention") or {}
+        out["rope_theta"] = full.get("rope_theta", 1_000_000.0)
+        scaling = {k: v for k, v in full.items() if k != "rope_theta"}
+        out["rope_scaling"] = scaling if scaling.get("rope_type", "default") != "default" else None
+        if local.get("rope_type", "default") != "default":
+            raise ConfigError(
+                "rope_parameters", "scaled rope on the sliding layers is not implemented"
+            )
+        out["rope_local_theta"] = local.get("rope_theta", 10_000.0)
+    else:
+        out["rope_theta"] = d.get("rope_theta", 1_000_000.0)
+        out["rope_local_theta"] = d.get("rope_local_base_freq", 10_000.0)
+    return out
 
 
 def _refuse_unimplemented(d: dict[str, Any]) -> None:
@@ -169,22 +334,32 @@ def _refuse_unimplemented(d: dict[str, Any]) -> None:
     instead of silently diverging from transformers. Each entry: field -> the values that are
     harmless (what the implementation does anyway)."""
     harmless: dict[str, tuple[Any, ...]] = {
-        "hidden_act": ("silu", "swish"),
         "mlp_bias": (False,),
-        "use_sliding_window": (False,),  # Qwen2: per-layer windows (max_window_layers)
+        "use_sliding_window": (False,),  # Qwen2/3: per-layer windows (max_window_layers)
         "attn_logit_softcapping": (None,),
-        "final_logit_softcapping": (None,),
         "partial_rotary_factor": (None, 1, 1.0),
         "use_qk_norm": (False,),
         "qk_layernorm": (False,),
-        "no_rope_layers": (None,),
+        "use_bidirectional_attention": (None, False),  # Gemma 3 embedding models
     }
+    if d.get("model_type") != "gemma3_text" and (d.get("hidden_activation") or "silu") not in (
+        "silu",
+        "swish",
+    ):
+        raise ConfigError("hidden_activation", f"{d['hidden_activation']!r} is not implemented")
+    rp = d.get("rope_parameters")
+    if isinstance(rp, dict) and rp.get("partial_rotary_factor", 1.0) != 1.0:
+        raise ConfigError(
+            "partial_rotary_factor",
+            f"{rp['partial_rotary_factor']!r}: rotary on part of each head is not implemented",
+        )
     types = set(d.get("layer_types") or ())
-    if types - {"full_attention", "sliding_attention"} or len(types) > 1:
+    mixed_ok = d.get("model_type") == "gemma3_text"  # the family whose layers interleave
+    if types - {"full_attention", "sliding_attention"} or (len(types) > 1 and not mixed_ok):
         raise ConfigError(
             "layer_types",
             f"{sorted(types)}: per-layer attention types are not "
-            "implemented (all layers must be alike)",
+            f"implemented for {d.get('model_type')!r} (all layers must be alike)",
         )
     if types == {"sliding_attention"} and not d.get("sliding_window"):
         raise ConfigError("sliding_window", "layer_types says sliding_attention but no window")

@@ -1,15 +1,22 @@
 """A Llama-family decoder in plain single-device PyTorch, with Hugging Face parameter names.
 
 Covers Llama / Mistral / Qwen2 (attention bias) / Mixtral (top-k routed experts): RMSNorm,
-rotary embeddings (default, linear and llama3 scaling), grouped-query attention, SwiGLU, tied
-embeddings. The module tree mirrors the HF checkpoints so ``state_dict()`` keys are the
-safetensors keys. Tensor parallelism is applied afterwards by ``edge.tp.shard``, which changes
-the per-module head/column counts stored on the modules (``n_heads``, ``n_kv_heads``) and sets a
-``reduce`` hook where partial sums must be combined; this file never knows about the network.
+rotary embeddings (default, linear and llama3 scaling, or precomputed per-frequency factors),
+grouped-query attention, SwiGLU, tied embeddings; and the switches today's small families add
+(see ``ModelConfig``): per-head q/k norms (Qwen3, Gemma 3), Gemma's (1 + w) norms, sandwich
+norms, scaled embeddings, GeGLU, ``query_pre_attn_scalar``, logit softcapping, interleaved
+sliding/global layers with their own rope bases (Gemma 3) and NoPE layers (SmolLM3).
+
+The module tree mirrors the HF checkpoints so ``state_dict()`` keys are the safetensors keys
+(Phi-3's fused q/k/v and gate/up are split on load, ``weights.split_fused``). Tensor
+parallelism is applied afterwards by ``edge.tp.shard``, which changes the per-module head/column
+counts stored on the modules (``n_heads``, ``n_kv_heads``) and sets a ``reduce`` hook where
+partial sums must be combined; this file never knows about the network.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 from typing import TYPE_CHECKING, Any, Callable, Iterator, cast
@@ -18,18 +25,26 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lowband.errors import ConfigError
 from lowband.models.config import ModelConfig
 
 Reduce = Callable[[torch.Tensor], torch.Tensor]
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float) -> None:
+    """``unit_offset`` (Gemma): the scale is 1 + weight, applied before casting back."""
+
+    def __init__(self, dim: int, eps: float, unit_offset: bool = False) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
+        self.weight = nn.Parameter(torch.zeros(dim) if unit_offset else torch.ones(dim))
         self.eps = eps
+        self.unit_offset = unit_offset
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.unit_offset:  # Gemma: (x * (1 + w)).to(dtype), all in float32
+            xf = x.float()
+            xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+            return (xf * (1.0 + self.weight.float())).to(x.dtype)
         # Normalise in float32 and cast back, as the reference implementation does.
         if x.dtype == torch.float32:  # decode fast path: no casts, one fused scale
             return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps))
@@ -38,10 +53,17 @@ class RMSNorm(nn.Module):
         return self.weight * xf.to(x.dtype)
 
 
-def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
-    """Inverse frequencies (D/2,) including the configured rope scaling."""
+def rope_inv_freq(cfg: ModelConfig, local: bool = False) -> torch.Tensor:
+    """Inverse frequencies (D/2,) including the configured rope scaling (or the precomputed
+    ``rope_freq_factors``). ``local``: those of the sliding layers when they have their own
+    base (Gemma 3 ``rope_local_base_freq``, unscaled)."""
     d = cfg.dim_per_head
-    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+    theta = cfg.rope_local_theta if local and cfg.rope_local_theta is not None else cfg.rope_theta
+    inv = 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+    if local and cfg.rope_local_theta is not None:
+        return inv
+    if cfg.rope_freq_factors is not None:  # GGUF rope_freqs: theta_i = pos * inv_i / f_i
+        return inv / torch.tensor(cfg.rope_freq_factors, dtype=torch.float32)
     sc = cfg.rope_scaling or {}
     kind = sc.get("rope_type", sc.get("type", "default"))
     if kind == "linear":
@@ -62,6 +84,43 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
     elif kind != "default":
         raise NotImplementedError(f"rope scaling {kind!r} is not supported")
     return inv
+
+
+def llama3_rope_freq_factors(cfg: ModelConfig) -> torch.Tensor:
+    """The (D/2,) divisors that turn the unscaled inverse frequencies into Llama 3.1's scaled
+    ones, computed the way llama.cpp's converter writes GGUF ``rope_freqs.weight`` (wavelength
+    below original_ctx/high_freq_factor: 1; above original_ctx/low_freq_factor: factor; in
+    between the reciprocal of the smooth blend). ``with_rope_freq_factors`` applies them."""
+    sc = cfg.rope_scaling or {}
+    if sc.get("rope_type", sc.get("type")) != "llama3":
+        raise ConfigError("rope_scaling", f"not llama3 scaling: {sc!r}")
+    factor, lo, hi = (
+        float(sc["factor"]),
+        float(sc["low_freq_factor"]),
+        float(sc["high_freq_factor"]),
+    )
+    old_ctx = float(sc["original_max_position_embeddings"])
+    d = cfg.dim_per_head
+    out = []
+    for i in range(0, d, 2):
+        wavelen = 2 * math.pi * cfg.rope_theta ** (i / d)
+        if wavelen < old_ctx / hi:
+            out.append(1.0)
+        elif wavelen > old_ctx / lo:
+            out.append(factor)
+        else:
+            smooth = (old_ctx / wavelen - lo) / (hi - lo)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return torch.tensor(out, dtype=torch.float32)
+
+
+def with_rope_freq_factors(cfg: ModelConfig, factors: torch.Tensor) -> ModelConfig:
+    """``cfg`` with rope given by precomputed per-frequency divisors (a GGUF's
+    ``rope_freqs.weight``) in place of ``rope_scaling``: inv_freq_i = theta^(-2i/D) / f_i."""
+    flat = factors.detach().to(torch.float32).reshape(-1)
+    return dataclasses.replace(
+        cfg, rope_scaling=None, rope_freq_factors=tuple(float(v) for v in flat)
+    )
 
 
 def rope_cos_sin(
@@ -198,6 +257,8 @@ class Attention(nn.Module):
     k_proj: nn.Module
     v_proj: nn.Module
     o_proj: nn.Module
+    q_norm: RMSNorm
+    k_norm: RMSNorm
     qkv: nn.Module | None
 
     def __init__(self, cfg: ModelConfig, layer_idx: int) -> None:
@@ -206,8 +267,17 @@ class Attention(nn.Module):
         self.n_heads = cfg.num_attention_heads
         self.n_kv_heads = cfg.n_kv_heads
         self.head_dim = cfg.dim_per_head
-        self.window = cfg.sliding_window  # W: attend to keys j with i - j < W (None: all)
+        self.window = cfg.layer_window(layer_idx)  # W: keys j with i - j < W (None: all)
+        self.use_rope = cfg.layer_rope(layer_idx) is not None  # False: NoPE (SmolLM3)
+        # softmax scale: query_pre_attn_scalar**-0.5 (Gemma), None: SDPA's head_dim**-0.5
+        self.scale = (
+            cfg.query_pre_attn_scalar**-0.5 if cfg.query_pre_attn_scalar is not None else None
+        )
+        self.qk_norm = cfg.qk_norm
         h, d = cfg.hidden_size, cfg.dim_per_head
+        if cfg.qk_norm:  # one (D,) weight shared by every head: replicated under TP
+            self.q_norm = RMSNorm(d, cfg.rms_norm_eps, cfg.norm_unit_offset)
+            self.k_norm = RMSNorm(d, cfg.rms_norm_eps, cfg.norm_unit_offset)
         self.q_proj = nn.Linear(h, self.n_heads * d, bias=cfg.attention_bias)
         self.k_proj = nn.Linear(h, self.n_kv_heads * d, bias=cfg.attention_bias)
         self.v_proj = nn.Linear(h, self.n_kv_heads * d, bias=cfg.attention_bias)
@@ -234,37 +304,50 @@ class Attention(nn.Module):
         q = q.view(B, T, self.n_heads, self.head_dim).transpose(1, 2)
         k = k.view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
         v = v.view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if self.qk_norm:  # per head, before rope (Qwen3, Gemma 3)
+            q, k = self.q_norm(q), self.k_norm(k)
+        if self.use_rope:
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if cache is not None:
             k, v = cache.update(self.layer_idx, k, v, start)
         # (B, H, T, D) attention; GQA via enable_gqa avoids materialising repeated K/V.
-        S, W = k.shape[2], self.window
+        S, W, sc = k.shape[2], self.window, self.scale
         gqa = self.n_kv_heads != self.n_heads
         if T == 1:
             if W is not None and S > W:  # the window: only the last W keys (this one included)
                 k, v = k[:, :, S - W :], v[:, :, S - W :]
-            out = F.scaled_dot_product_attention(q, k, v, enable_gqa=gqa)
+            out = F.scaled_dot_product_attention(q, k, v, scale=sc, enable_gqa=gqa)
         elif start == 0 and (W is None or S <= W):
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=sc, enable_gqa=gqa)
         else:  # chunk after a prefix (causal in the chunk, full to the prefix) and/or a window
             mask = torch.ones(T, S, dtype=torch.bool, device=x.device).tril(S - T)
             if W is not None:  # query at S-T+t may see key j only if (S-T+t) - j < W
                 mask &= ~torch.ones(T, S, dtype=torch.bool, device=x.device).tril(S - T - W)
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=sc, enable_gqa=gqa)
         out = self.o_proj(out.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))
         return self.reduce(out) if self.reduce is not None else out
 
 
+def activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The gate activation named by HF ``hidden_act`` (see ``config.ACTIVATIONS``)."""
+    if name in ("silu", "swish"):
+        return F.silu
+    if name == "gelu_pytorch_tanh":
+        return lambda x: F.gelu(x, approximate="tanh")
+    raise ConfigError("hidden_act", f"{name!r} is not implemented")
+
+
 class MLP(nn.Module):
-    """SwiGLU feed-forward: down(silu(gate(x)) * up(x))."""
+    """Gated feed-forward: down(act(gate(x)) * up(x)); SwiGLU (silu) or GeGLU (Gemma)."""
 
     gate_proj: nn.Module
     up_proj: nn.Module
     down_proj: nn.Module
     gate_up: nn.Module | None
 
-    def __init__(self, hidden: int, inter: int) -> None:
+    def __init__(self, hidden: int, inter: int, act: str = "silu") -> None:
         super().__init__()
+        self.act = activation(act)
         self.gate_proj = nn.Linear(hidden, inter, bias=False)
         self.up_proj = nn.Linear(hidden, inter, bias=False)
         self.down_proj = nn.Linear(inter, hidden, bias=False)
@@ -274,9 +357,9 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up is not None:
             g, u = self.gate_up(x).chunk(2, dim=-1)
-            out = self.down_proj(F.silu(g) * u)
+            out = self.down_proj(self.act(g) * u)
         else:
-            out = self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+            out = self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
         return self.reduce(out) if self.reduce is not None else out
 
 
@@ -337,6 +420,8 @@ class DecoderLayer(nn.Module):
     block_sparse_moe: SparseMoE
     input_layernorm: RMSNorm
     post_attention_layernorm: RMSNorm
+    pre_feedforward_layernorm: RMSNorm
+    post_feedforward_layernorm: RMSNorm
 
     def __init__(self, cfg: ModelConfig, idx: int) -> None:
         super().__init__()
@@ -344,9 +429,16 @@ class DecoderLayer(nn.Module):
         if cfg.is_moe:
             self.block_sparse_moe = SparseMoE(cfg)
         else:
-            self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+            self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act)
+        h, eps, off = cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_unit_offset
+        self.input_layernorm = RMSNorm(h, eps, off)
+        # Llama: the norm before the MLP. Sandwich (Gemma): the norm of the attention output,
+        # and the MLP gets its own pre and post norms.
+        self.post_attention_layernorm = RMSNorm(h, eps, off)
+        self.sandwich = cfg.sandwich_norms
+        if cfg.sandwich_norms:
+            self.pre_feedforward_layernorm = RMSNorm(h, eps, off)
+            self.post_feedforward_layernorm = RMSNorm(h, eps, off)
 
     @property
     def ffn(self) -> nn.Module:
@@ -360,7 +452,11 @@ class DecoderLayer(nn.Module):
         cache: KVCache | None,
         start: int,
     ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, start)
+        a = self.self_attn(self.input_layernorm(x), cos, sin, cache, start)
+        if self.sandwich:
+            x = x + self.post_attention_layernorm(a)
+            return x + self.post_feedforward_layernorm(self.ffn(self.pre_feedforward_layernorm(x)))
+        x = x + a
         return x + self.ffn(self.post_attention_layernorm(x))
 
 
@@ -384,7 +480,7 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = LayerList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_unit_offset)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -402,7 +498,12 @@ class LlamaForCausalLM(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
-        self._rope_table: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._rope_tables: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        # the rotary table of each layer ("local": Gemma 3's sliding layers, own base)
+        self._layer_tables = [
+            "local" if cfg.layer_rope(i) == "local" else "global"
+            for i in range(cfg.num_hidden_layers)
+        ]
         # A compiled single-token step installed by the runtime after loading (see
         # ``edge.fastpath``): an object with ``layers(x, cache, start)`` and ``head(x)``; kept
         # out of the module tree. This file only calls it.
@@ -421,7 +522,10 @@ class LlamaForCausalLM(nn.Module):
     # The three pieces below let a tensor-parallel master run embed/head alone while every
     # rank runs ``forward_layers`` on its shard (workers never hold the embedding or LM head).
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.model.embed_tokens(input_ids)
+        x = self.model.embed_tokens(input_ids)
+        if self.config.scale_embeddings:  # Gemma: sqrt(H), rounded to the weights' dtype first
+            x = x * torch.tensor(self.config.hidden_size**0.5).to(x.dtype)
+        return x
 
     def forward_layers(self, x: torch.Tensor, *, cache: KVCache | None, start: int) -> torch.Tensor:
         """x: (B, T, H) hidden states at positions start..start+T-1."""
@@ -433,9 +537,9 @@ class LlamaForCausalLM(nn.Module):
             x = fast.layers(x, cache, start)
             cache.length = start + 1
             return x
-        cos, sin = self.rope(start, T, x.dtype)
-        for layer in self.model.layers:
-            x = layer(x, cos, sin, cache, start)
+        tables = {k: self.rope(start, T, x.dtype, k) for k in set(self._layer_tables)}
+        for layer, kind in zip(self.model.layers, self._layer_tables):
+            x = layer(x, *tables[kind], cache, start)
         if cache is not None:
             cache.length = start + T
         return x
@@ -444,21 +548,32 @@ class LlamaForCausalLM(nn.Module):
         fast: Any = self.fast_decode
         if fast is not None and x.numel() == x.shape[-1]:  # one token
             return fast.head(x)
-        return self.lm_head(self.model.norm(x))
+        logits = self.lm_head(self.model.norm(x))
+        cap = self.config.final_logit_softcapping
+        if cap is not None:  # elementwise: also right on a rank's rows of a split head
+            logits = torch.tanh(logits / cap) * cap
+        return logits
 
-    def rope(self, start: int, T: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    def rope(
+        self, start: int, T: int, dtype: torch.dtype, kind: str = "global"
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin (T, D) for positions start..start+T-1, sliced from a table that grows by
-        doubling, so a decode step does no trigonometry."""
+        doubling, so a decode step does no trigonometry. ``kind``: "global" (``inv_freq``) or
+        "local" (the sliding layers' own base)."""
         end = start + T
-        table = self._rope_table
+        table = self._rope_tables.get(kind)
         if table is None or table[0].shape[0] < end or table[0].dtype != dtype:
             n = max(end, 2 * (table[0].shape[0] if table is not None else 256))
             pos = torch.arange(n, device=self.inv_freq.device)
-            self._rope_table = table = rope_cos_sin(self.inv_freq, pos, dtype)
+            inv = self.inv_freq
+            if kind == "local":
+                inv = rope_inv_freq(self.config, local=True).to(inv.device)
+            self._rope_tables[kind] = table = rope_cos_sin(inv, pos, dtype)
         return table[0][start:end], table[1][start:end]
 
     def new_cache(self) -> KVCache:
-        return KVCache(self.config.num_hidden_layers, window=self.config.sliding_window)
+        # one window for the whole cache only when every layer shares it (else keep all)
+        return KVCache(self.config.num_hidden_layers, window=self.config.cache_window)
 
 
 Fuser = Callable[[list[nn.Module]], "nn.Module | None"]

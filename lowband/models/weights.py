@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from pathlib import Path
+from typing import Iterator
 
 import torch
 from safetensors import safe_open
@@ -39,6 +41,48 @@ def weight_files(model_dir: Path) -> list[Path]:
     return found
 
 
+FUSED_FAMILIES = ("phi3",)  # checkpoints with fused qkv_proj / gate_up_proj
+_FUSED = re.compile(r"^(model\.layers\.\d+\.)(self_attn\.qkv_proj|mlp\.gate_up_proj)\.weight$")
+
+
+def split_fused(cfg: ModelConfig, key: str, t: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
+    """A checkpoint tensor as the runtime's tensors. Phi-3 stores q/k/v as one ``qkv_proj``
+    (rows q | k | v) and gate/up as one ``gate_up_proj`` (rows gate | up); the runtime keeps
+    Llama's separate projections (so TP, quantization and the fused decode path are shared)
+    and re-fuses them itself for decode. Every other tensor passes through unchanged."""
+    m = _FUSED.match(key) if cfg.model_type in FUSED_FAMILIES else None
+    if m is None:
+        yield key, t
+        return
+    prefix, what = m.groups()
+    if what == "self_attn.qkv_proj":
+        nq, nkv = cfg.num_attention_heads * cfg.dim_per_head, cfg.n_kv_heads * cfg.dim_per_head
+        if t.shape[0] != nq + 2 * nkv:
+            raise ConfigError("weights", f"{key} has {t.shape[0]} rows, expected {nq + 2 * nkv}")
+        q, k, v = t.split((nq, nkv, nkv))
+        yield from ((f"{prefix}self_attn.{n}_proj.weight", x) for n, x in zip("qkv", (q, k, v)))
+    else:
+        if t.shape[0] != 2 * cfg.intermediate_size:
+            raise ConfigError(
+                "weights", f"{key} has {t.shape[0]} rows, expected {2 * cfg.intermediate_size}"
+            )
+        g, u = t.chunk(2)
+        yield f"{prefix}mlp.gate_proj.weight", g
+        yield f"{prefix}mlp.up_proj.weight", u
+
+
+def fuse_for_checkpoint(cfg: ModelConfig, state: dict[str, torch.Tensor]) -> None:
+    """The inverse of :func:`split_fused`, in place, for families whose checkpoints fuse."""
+    if cfg.model_type not in FUSED_FAMILIES:
+        return
+    for i in range(cfg.num_hidden_layers):
+        a, m = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
+        qkv = [state.pop(f"{a}{n}_proj.weight") for n in "qkv"]
+        state[f"{a}qkv_proj.weight"] = torch.cat(qkv).contiguous()
+        gu = [state.pop(f"{m}{n}_proj.weight") for n in ("gate", "up")]
+        state[f"{m}gate_up_proj.weight"] = torch.cat(gu).contiguous()
+
+
 def save_pretrained(
     model: LlamaForCausalLM, out_dir: str | Path, *, dtype: torch.dtype | None = None
 ) -> Path:
@@ -52,6 +96,7 @@ def save_pretrained(
             continue
         t = v.detach()
         state[k] = (t.to(dtype) if dtype is not None else t).contiguous()
+    fuse_for_checkpoint(model.config, state)
     if dtype is not None:
         cfg["torch_dtype"] = {v: k for k, v in DTYPES.items()}[dtype]
     (out / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True))
@@ -74,11 +119,14 @@ def load_pretrained(
     tensors: dict[str, torch.Tensor] = {}
     for f in weight_files(d):
         with safe_open(str(f), framework="pt") as sf:
-            for key in sf.keys():
-                if key in expected:
-                    tensors[key] = sf.get_tensor(key).to(dtype)
-                elif strict and not key.endswith("rotary_emb.inv_freq"):
-                    raise ConfigError("weights", f"{f.name} has unexpected tensor {key!r}")
+            for name in sf.keys():
+                fused = cfg.model_type in FUSED_FAMILIES and _FUSED.match(name) is not None
+                if not fused and name not in expected:
+                    if strict and not name.endswith("rotary_emb.inv_freq"):
+                        raise ConfigError("weights", f"{f.name} has unexpected tensor {name!r}")
+                    continue
+                for key, t in split_fused(cfg, name, sf.get_tensor(name)):
+                    tensors[key] = t.to(dtype)
     missing = expected - tensors.keys()
     if missing:
         raise ConfigError(
