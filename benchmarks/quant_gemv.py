@@ -5,7 +5,8 @@ prints a table and, with ``--json``, one JSON object as its last line::
 
     {"bench": "quant_gemv", "threads": 1, "rows": 1, "isa": ..., "kernel_available": ...,
      "results": {"1536x512": {"fp32": {"median_us", "min_us", "max_us", "runs_us"},
-                              "q8": {..., "speedup"}, "q4g32": ..., "q4g64": ..., "fallback_q4g32": ...},
+                              "q8": {..., "speedup"}, "q4g32": ..., "q4g64": ...,
+                              "fallback_q4g32": ...},
                  ...}}
 
 Shapes are ``N x K`` (out x in features) of a Llama-style decoder; the activation is ``[rows, K]``.
@@ -15,7 +16,10 @@ Methods: ``fp32`` = ``F.linear``; ``q8`` = Q8 G=32 kernel; ``q4g32``/``q4g64`` =
 sized to ~``--target-ms``.  Times are microseconds per call; ``speedup`` = fp32 median / median.
 
 ``--prefill`` instead times ``QuantLinear`` kernel vs dequantize+matmul for rows 1..128 (the data
-behind ``DEFAULT_MAX_KERNEL_ROWS``).  ``--tiny`` is a fast smoke run (small shapes, 2 rounds).
+behind ``DEFAULT_MAX_KERNEL_ROWS``).  ``--ggml`` instead times the GGUF block kernels
+(``kernel.ggml_gemv``: Q4_1 .. Q6_K on random blocks) against the Q4_0 kernel (``q4g32``) and
+fp32 at 2048x2048 and 2048x8192 (``speedup`` vs fp32 as above).  ``--tiny`` is a fast smoke run
+(small shapes, 2 rounds).
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ SHAPES = [(1536, 512), (512, 1536), (1408, 512), (32000, 512), (2048, 5632)]
 TINY_SHAPES = [(256, 256), (64, 512)]
 PREFILL_SHAPES = [(1536, 512), (2048, 5632)]
 PREFILL_ROWS = [1, 4, 16, 32, 64, 128, 256, 512]
+GGML_SHAPES = [(2048, 2048), (2048, 8192)]
 
 
 def _calls_for(fn: Callable[[], object], target_s: float) -> int:
@@ -128,6 +133,46 @@ def bench_prefill(shapes, rows_list, repeats: int, target_s: float) -> dict:
     return out
 
 
+def _ggml_weight(name: str, n: int, k: int, g: torch.Generator):
+    """Random blocks of ggml type ``name`` with finite fp16 scale fields (~0.01)."""
+    from edge.quant.ggml import GGML_TYPES, GGMLWeight
+
+    t = GGML_TYPES[name]
+    raw = torch.randint(0, 256, (n, k // t.qk, t.size), generator=g, dtype=torch.uint8)
+    fields = {"Q2_K": (80, 82), "Q3_K": (108,), "Q6_K": (208,), "Q5_0": (0,)}.get(name, (0, 2))
+    for at in fields:
+        d = (torch.randn(n, k // t.qk, 1, generator=g) * 1e-3).half()
+        raw[:, :, at : at + 2] = d.view(torch.uint8)
+    return GGMLWeight(t, (n, k), raw.reshape(n, -1))
+
+
+def bench_ggml(shapes, rows: int, repeats: int, target_s: float) -> dict:
+    from edge.quant.ggml import GGML_TYPES
+
+    g = torch.Generator().manual_seed(0)
+    out = {}
+    for n, k in shapes:
+        w = torch.randn(n, k, generator=g) / k**0.5
+        x = torch.randn(rows, k, generator=g)
+        p4 = quantize(w, 4, 32)
+        methods: dict[str, Callable[[], object]] = {
+            "fp32": lambda: F.linear(x, w),
+            "q4g32": lambda: kernel.gemv(x, p4.qweight, p4.scales, 4, 32),
+        }
+        for name in GGML_TYPES:
+            gw = _ggml_weight(name, n, k, g)
+            methods[name] = lambda gw=gw: kernel.ggml_gemv(x, gw)
+        runs = _time(methods, repeats, target_s)
+        base = statistics.median(runs["fp32"])
+        res = {}
+        for m, us in runs.items():
+            res[m] = _summary(us)
+            if m != "fp32":
+                res[m]["speedup"] = round(base / statistics.median(us), 2)
+        out[f"{n}x{k}"] = res
+    return out
+
+
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--json", action="store_true", help="print one JSON line last")
@@ -139,6 +184,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--isa", choices=["native", "avx2", "portable"], default="native")
     ap.add_argument("--no-fallback", action="store_true", help="skip the (slow) fallback timing")
     ap.add_argument("--prefill", action="store_true", help="kernel vs dequant+matmul over rows")
+    ap.add_argument("--ggml", action="store_true", help="GGUF block kernels (Q4_1..Q6_K) vs Q4_0")
     args = ap.parse_args(argv)
 
     torch.set_num_threads(args.threads)
@@ -166,9 +212,16 @@ def main(argv: list[str] | None = None) -> dict:
         for key, r in report["prefill"].items():
             print(f"{key:28s} " + "  ".join(f"{m}={v['median_us']:9.1f}us" for m, v in r.items()))
     else:
-        report["results"] = bench_decode(shapes, args.rows, repeats, target_s, not args.no_fallback)
+        if args.ggml:
+            gshapes = TINY_SHAPES if args.tiny else GGML_SHAPES
+            report["results"] = bench_ggml(gshapes, args.rows, repeats, target_s)
+        else:
+            report["results"] = bench_decode(
+                shapes, args.rows, repeats, target_s, not args.no_fallback
+            )
         print(
-            f"isa={report['isa']} threads={report['threads']} rows={args.rows} (us/call: median [min-max], speedup vs fp32)"
+            f"isa={report['isa']} threads={report['threads']} rows={args.rows} "
+            "(us/call: median [min-max], speedup vs fp32)"
         )
         for shape, r in report["results"].items():
             cells = [

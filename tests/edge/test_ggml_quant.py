@@ -2,9 +2,11 @@
 
 * our reference decoder equals ``gguf.quants.dequantize`` (gguf-py's numpy implementation of
   ggml's ``dequantize_row_*``) bit for bit on random blocks with valid fp16 scale fields;
-* the C++ kernel and the PyTorch fallback equal ``x @ dequantize(W)^T`` to fp32 rounding: both
-  use fp32 activations, so the only difference is the summation order (asserted as 1e-5 of
-  ``|x| @ |W|^T``, i.e. relative to the sum of the magnitudes of the terms);
+* the PyTorch fallback equals ``x @ dequantize(W)^T`` to fp32 rounding (1e-5 of ``|x| @ |W|^T``);
+* the C++ kernel quantizes the activations to int8 per 32 values (``d = max|x|/127``, as the
+  Q8/Q4 kernels do), so against the reference it is off by at most ``d/2 * |a q|`` per value
+  (``act_bound``; ~0.5% of ``|y|`` for Gaussian x, asserted < 1.5e-2 in norm), and it equals an
+  exact float64 emulation of its integer semantics (``emulate``) to 1e-5 of the sum of |terms|;
 * ``GGMLLinear`` slices rows freely and columns on block boundaries only.
 
 The scalar C++ path runs in ``tests/edge/test_quant.py::test_cpp_selftest_all_paths``
@@ -13,7 +15,11 @@ The scalar C++ path runs in ``tests/edge/test_quant.py::test_cpp_selftest_all_pa
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 from dataclasses import asdict
+from pathlib import Path
 
 import gguf
 import numpy as np
@@ -21,7 +27,7 @@ import pytest
 import torch
 
 from edge.quant import GroupBoundaryError, QuantShapeError, kernel
-from edge.quant.ggml import GGML_TYPES, GGMLWeight, dequantize_ggml, narrow_ggml
+from edge.quant.ggml import GGML_TYPES, GGMLWeight, decode, dequantize_ggml, narrow_ggml
 from edge.quant.linear import GGMLLinear
 
 pytestmark = pytest.mark.timeout(600)  # the first test may build the extension (minutes here)
@@ -86,6 +92,44 @@ def _bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return 1e-5 * (x.abs().double() @ w.abs().double().T) + 1e-6
 
 
+def _decoded(w: GGMLWeight) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q, a, b of every 16 values: [N, K/16, 16], [N, K/16], [N, K/16]."""
+    n, k = w.shape
+    q, a, b = decode(w.type, w.data.reshape(-1, w.type.size))
+    return q.reshape(n, k // 16, 16), a.reshape(n, k // 16), b.reshape(n, k // 16)
+
+
+def _act(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernel's int8 activations per 32 values: (xq [M, K/32, 32], d [M, K/32]), fp32."""
+    m, k = x.shape
+    xb = x.float().reshape(m, k // 32, 32)
+    d = xb.abs().amax(-1) / 127.0
+    inv = torch.where(d != 0, 1.0 / torch.where(d != 0, d, torch.ones_like(d)), 0.0)
+    return torch.round(xb * inv.unsqueeze(-1)), d  # round half to even, like cvtps2dq
+
+
+def emulate(x: torch.Tensor, w: GGMLWeight) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernel's semantics in float64: (y, sum of |terms|)."""
+    m, k = x.shape
+    q, a, b = _decoded(w)
+    xq, d = _act(x)
+    isum = torch.einsum("msi,nsi->mns", xq.reshape(m, k // 16, 16).double(), q.double())
+    scale = a.unsqueeze(0) * d.repeat_interleave(2, dim=1).unsqueeze(1)  # fp32 a * d_x
+    xs16 = x.float().reshape(m, k // 16, 16).sum(-1)  # per-16 sums of the fp32 activations
+    t = scale.double() * isum
+    u = b.double().unsqueeze(0) * xs16.double().unsqueeze(1)
+    return (t + u).sum(-1), (t.abs() + u.abs()).sum(-1)
+
+
+def act_bound(x: torch.Tensor, w: GGMLWeight) -> torch.Tensor:
+    """|kernel - reference| <= sum over 32-blocks c of d_c/2 * sum_{i in c} |a q_i| (+ slack)."""
+    m, k = x.shape
+    q, a, _ = _decoded(w)
+    aq = (a.unsqueeze(-1) * q.float()).abs().reshape(w.shape[0], k // 32, 32).sum(-1)
+    _, d = _act(x)
+    return (d.double() / 2) @ aq.double().T + _bound(x, dequantize_ggml(w))
+
+
 @pytest.mark.parametrize("name", TYPES)
 @pytest.mark.parametrize("m,n,blocks", [(1, 37, 1), (3, 64, 4), (17, 9, 9)])
 def test_kernel_matches_reference(mode, name, m, n, blocks) -> None:
@@ -96,11 +140,17 @@ def test_kernel_matches_reference(mode, name, m, n, blocks) -> None:
     deq = dequantize_ggml(w)
     ref = x.double() @ deq.double().T + bias.double()
     y = kernel.ggml_gemv(x, w, bias)
+    fb = kernel.ggml_gemv(x, w, bias, force_fallback=True)
     assert y.shape == (m, n) and y.dtype == torch.float32
-    assert bool(((y.double() - ref).abs() <= _bound(x, deq)).all())
-    assert ((y.double() - ref).norm() / ref.norm()).item() < 1e-6
+    assert bool(((fb.double() - ref).abs() <= _bound(x, deq)).all())
+    assert bool(((y.double() - ref).abs() <= act_bound(x, w)).all())
+    assert ((y.double() - ref).norm() / ref.norm()).item() < 1.5e-2
     if mode == "kernel":
         assert kernel.available(), kernel.unavailable_reason()
+        emu, mag = emulate(x, w)
+        assert bool(((y - bias).double() - emu).abs().le(1e-5 * mag + 1e-7).all())
+    else:
+        assert torch.equal(y, fb)
 
 
 def test_kernel_bigger_shape_and_threads() -> None:
@@ -116,7 +166,7 @@ def test_kernel_bigger_shape_and_threads() -> None:
         torch.set_num_threads(before)
     assert torch.equal(y1, y2)  # rows are independent
     deq = dequantize_ggml(w)
-    assert bool(((y1.double() - x.double() @ deq.double().T).abs() <= _bound(x, deq)).all())
+    assert bool(((y1.double() - x.double() @ deq.double().T).abs() <= act_bound(x, w)).all())
 
 
 def test_shape_errors() -> None:
@@ -152,17 +202,34 @@ def test_ggml_linear_forward_and_shards(mode) -> None:
         ref.bias.copy_(bias)
     x = torch.randn(2, 3, 512, generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
-        want = ref(x)
-        assert torch.allclose(lin(x), want, rtol=1e-5, atol=1e-5)
+        want, got = ref(x), lin(x)
+        assert ((got - want).norm() / want.norm()).item() < 1.5e-2
         long = GGMLLinear(w, bias, max_kernel_rows=2)  # 6 rows > 2: the dequantize path
         assert torch.allclose(long(x), want, rtol=1e-5, atol=1e-5)
         rows = lin.narrow_out(8, 8)
-        assert torch.allclose(rows(x), want[..., 8:16], rtol=1e-5, atol=1e-5)
+        assert torch.allclose(rows(x), got[..., 8:16], rtol=1e-5, atol=1e-5)
         a, b = lin.narrow_in(0, 256, keep_bias=True), lin.narrow_in(256, 256)
-        assert b.bias is None
-        assert torch.allclose(a(x[..., :256]) + b(x[..., 256:]), want, rtol=1e-5, atol=1e-5)
+        assert b.bias is None  # column halves: the same 32-value activation blocks
+        assert torch.allclose(a(x[..., :256]) + b(x[..., 256:]), got, rtol=1e-5, atol=1e-5)
     with pytest.raises(GroupBoundaryError):
         lin.narrow_in(0, 128)
     sd = lin.state_dict()
     assert sd["blocks"].dtype == torch.uint8 and torch.equal(sd["blocks"], w.data)
     assert "type=Q6_K" in repr(lin)
+
+
+def test_benchmark_ggml_tiny_smoke() -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "benchmarks.quant_gemv", "--ggml", "--tiny", "--json"],
+        cwd=Path(__file__).resolve().parents[2],
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    report = json.loads(out.stdout.strip().splitlines()[-1])
+    assert report["bench"] == "quant_gemv" and report["threads"] == 1
+    for shape, res in report["results"].items():
+        assert {"fp32", "q4g32", *GGML_TYPES} == set(res), shape
+        for stats in res.values():
+            assert 0 < stats["min_us"] <= stats["median_us"] <= stats["max_us"]

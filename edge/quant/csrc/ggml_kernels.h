@@ -2,16 +2,19 @@
 // y[M,N] = x[M,K] @ W^T with W row n = K/QK blocks back to back (edge/quant/ggml.py is the
 // reference; bit positions follow ggml's dequantize_row_*).
 //
-// Design: every format is decoded one block at a time into integers q[QK] (int8) and, per 16
-// values, an affine pair (a, b) with  w = a * q + b.  The dot product with fp32 activations is
-//   sum_s  a_s * (sum_{i in s} q_i x_i)  +  b_s * (sum_{i in s} x_i)
-// where the per-16 activation sums are computed once per call (xs16).  Activations stay fp32,
-// so the result equals the dequantized reference to fp32 rounding (no activation quantization).
-// A decoded block is reused for all M activation rows while it is hot in L1.
+// Design: every format is decoded one block at a time into integers q[QK] (int8, |q| <= 32)
+// and, per 16 values, an affine pair (a, b) with  w = a * q + b.  Activations are quantized
+// once per call to int8 per 32 values (quantize_act_row: d = max|x|/127, as the Q8/Q4 kernels
+// and llama.cpp's Q8 activations do), so with xq_i = round(x_i / d_c) the dot product is
+//   sum_s  a_s * d_c(s) * (sum_{i in s} q_i xq_i)   +   b_s * (sum_{i in s} x_i)
+// with exact int32 sub-block dots and the per-16 sums of the fp32 activations (xs16, computed
+// once per call).  The error against the dequantized reference is the activation rounding
+// only (<= d_c/2 per value), as for the Q8/Q4 kernels.  A decoded block stays in L1 for up to
+// 4 activation rows.
 //
-// The decoders are plain C++ shared by every path (GCC vectorizes the byte loops); only the
-// 16-value fp32 dot differs: AVX2+FMA, NEON (aarch64), scalar.  The ISA macros come from
-// gemv_kernels.h, which must be included first.
+// The decoders are plain C++ shared by every path (GCC vectorizes the byte loops; the 32-value
+// formats have an AVX2 decoder); the integer sub-block dot differs: AVX2 (maddubs or AVX-VNNI),
+// NEON (SDOT or vmull), scalar.  The ISA macros come from gemv_kernels.h.
 #pragma once
 
 #include <cstdint>
@@ -33,7 +36,7 @@ inline float f16(const uint8_t* p) {
 // ---- decoders: block -> q[QK], a[QK/16], b[QK/16] ------------------------------------------
 // Q4_1 / Q5_0 / Q5_1 (QK = 32): d [, m] [, qh[4]], qs[16]; value j in the low nibble of qs[j],
 // value j+16 in the high nibble; 5th bit of value j is bit j of qh.
-template <bool FIVE, bool MIN>
+template <bool FIVE, bool MIN, bool PORTABLE = false>
 inline void decode32(const uint8_t* blk, int8_t* q, float* a, float* b) {
   const float d = f16(blk);
   const float m = MIN ? f16(blk + 2) : 0.f;
@@ -43,6 +46,26 @@ inline void decode32(const uint8_t* blk, int8_t* q, float* a, float* b) {
     std::memcpy(&qh, p, 4);
     p += 4;
   }
+  a[0] = a[1] = d;
+  b[0] = b[1] = m;
+#if defined(LBQ_AVX2)
+  if (!PORTABLE) {
+  // One 32-byte store (a byte loop here stalls the vector loads that follow on store forwarding).
+  const __m128i t = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  const __m128i m4 = _mm_set1_epi8(0x0F);
+  __m256i v = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(t, 4), m4), _mm_and_si128(t, m4));
+  if (FIVE) {  // byte i = 0xFF where bit i of qh is set (llama.cpp's bytes_from_bits_32)
+    const __m256i shuf = _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202, 0x0101010101010101, 0);
+    __m256i bits = _mm256_shuffle_epi8(_mm256_set1_epi32(static_cast<int>(qh)), shuf);
+    bits = _mm256_or_si256(bits, _mm256_set1_epi64x(0x7fbfdfeff7fbfdfe));
+    bits = _mm256_cmpeq_epi8(bits, _mm256_set1_epi64x(-1));
+    v = _mm256_or_si256(v, _mm256_and_si256(bits, _mm256_set1_epi8(0x10)));
+    if (!MIN) v = _mm256_sub_epi8(v, _mm256_set1_epi8(16));
+  }
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), v);
+  return;
+  }
+#endif
   for (int j = 0; j < 16; ++j) {
     int lo = p[j] & 0x0F, hi = p[j] >> 4;
     if (FIVE) {
@@ -53,8 +76,6 @@ inline void decode32(const uint8_t* blk, int8_t* q, float* a, float* b) {
     q[j] = static_cast<int8_t>(lo);
     q[j + 16] = static_cast<int8_t>(hi);
   }
-  a[0] = a[1] = d;
-  b[0] = b[1] = m;
 }
 
 // Q2_K: scales[16] (low nibble scale, high nibble min), qs[64], d, dmin.
@@ -147,24 +168,163 @@ inline void decode_q6k(const uint8_t* blk, int8_t* q, float* a, float* b) {
   }
 }
 
+#if defined(LBQ_AVX2)
+// AVX2 decoders (same output as the portable ones above; selftest.cpp checks byte for byte):
+// whole 32-byte stores, so the vector loads of the dot that follows forward from them.
+inline __m256i ld32(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+inline void st32(int8_t* q, __m256i v) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), v); }
+inline __m256i srl16(__m256i v, int n) { return _mm256_srl_epi16(v, _mm_cvtsi32_si128(n)); }
+// 0xFF in each byte of v whose bit i is set.
+inline __m256i bit_set(__m256i v, int i) {
+  const __m256i m = _mm256_set1_epi8(static_cast<char>(1 << i));
+  return _mm256_cmpeq_epi8(_mm256_and_si256(v, m), m);
+}
+// a[16] = d * float(s[16]) from 16 int8 scales.
+inline void scale16(const int8_t* s, float d, float* a) {
+  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s));
+  const __m256 dv = _mm256_set1_ps(d);
+  _mm256_storeu_ps(a, _mm256_mul_ps(dv, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v))));
+  _mm256_storeu_ps(a + 8, _mm256_mul_ps(dv, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(v, 8)))));
+}
+
+inline void decode_q2k_avx2(const uint8_t* blk, int8_t* q, float* a, float* b) {
+  const __m256i m3 = _mm256_set1_epi8(3);
+  for (int h = 0; h < 2; ++h) {
+    const __m256i v = ld32(blk + 16 + 32 * h);
+    for (int j = 0; j < 4; ++j) st32(q + 128 * h + 32 * j, _mm256_and_si256(srl16(v, 2 * j), m3));
+  }
+  alignas(16) int8_t sc[16], mn[16];
+  const __m128i s = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk));
+  _mm_store_si128(reinterpret_cast<__m128i*>(sc), _mm_and_si128(s, _mm_set1_epi8(0x0F)));
+  _mm_store_si128(reinterpret_cast<__m128i*>(mn), _mm_and_si128(_mm_srli_epi16(s, 4), _mm_set1_epi8(0x0F)));
+  scale16(sc, f16(blk + 80), a);
+  scale16(mn, -f16(blk + 82), b);  // -(dmin * mn) == (-dmin) * mn exactly
+}
+
+inline void decode_q3k_avx2(const uint8_t* blk, int8_t* q, float* a, float* b) {
+  const __m256i m3 = _mm256_set1_epi8(3), four = _mm256_set1_epi8(4);
+  const __m256i hm = ld32(blk);
+  for (int h = 0; h < 2; ++h) {
+    const __m256i v = ld32(blk + 32 + 32 * h);
+    for (int j = 0; j < 4; ++j) {
+      const __m256i low = _mm256_and_si256(srl16(v, 2 * j), m3);
+      st32(q + 128 * h + 32 * j, _mm256_sub_epi8(low, _mm256_andnot_si256(bit_set(hm, 4 * h + j), four)));
+    }
+  }
+  // The 16 six-bit scales with 32-bit masks (llama.cpp's kmask trick): byte k of aux is scale k.
+  uint32_t aux[4];
+  std::memcpy(aux, blk + 96, 12);
+  const uint32_t km1 = 0x03030303u, km2 = 0x0f0f0f0fu, tmp = aux[2];
+  aux[2] = ((aux[0] >> 4) & km2) | (((tmp >> 4) & km1) << 4);
+  aux[3] = ((aux[1] >> 4) & km2) | (((tmp >> 6) & km1) << 4);
+  aux[0] = (aux[0] & km2) | ((tmp & km1) << 4);
+  aux[1] = (aux[1] & km2) | (((tmp >> 2) & km1) << 4);
+  alignas(16) int8_t sc[16];
+  _mm_store_si128(reinterpret_cast<__m128i*>(sc),
+                  _mm_sub_epi8(_mm_loadu_si128(reinterpret_cast<const __m128i*>(aux)), _mm_set1_epi8(32)));
+  scale16(sc, f16(blk + 108), a);
+  std::memset(b, 0, 16 * sizeof(float));
+}
+
+template <bool FIVE>
+inline void decode_q45k_avx2(const uint8_t* blk, int8_t* q, float* a, float* b) {
+  const __m256i m4 = _mm256_set1_epi8(0x0F), sixteen = _mm256_set1_epi8(16);
+  const uint8_t* qs = blk + (FIVE ? 48 : 16);
+  const __m256i qh = FIVE ? ld32(blk + 16) : _mm256_setzero_si256();
+  for (int j = 0; j < 4; ++j) {
+    const __m256i v = ld32(qs + 32 * j);
+    __m256i lo = _mm256_and_si256(v, m4), hi = _mm256_and_si256(srl16(v, 4), m4);
+    if (FIVE) {
+      lo = _mm256_or_si256(lo, _mm256_and_si256(bit_set(qh, 2 * j), sixteen));
+      hi = _mm256_or_si256(hi, _mm256_and_si256(bit_set(qh, 2 * j + 1), sixteen));
+    }
+    st32(q + 64 * j, lo);
+    st32(q + 64 * j + 32, hi);
+  }
+  // get_scale_min_k4 for all 8 with 32-bit masks (llama.cpp's utmp trick): bytes 0-7 of u are
+  // the scales, bytes 8-15 the mins.
+  uint32_t u[4];
+  std::memcpy(u, blk + 4, 12);
+  const uint32_t km1 = 0x3f3f3f3fu, km2 = 0x0f0f0f0fu, km3 = 0x03030303u;
+  u[3] = ((u[2] >> 4) & km2) | (((u[1] >> 6) & km3) << 4);
+  const uint32_t mins_lo = u[1] & km1;
+  u[1] = (u[2] & km2) | (((u[0] >> 6) & km3) << 4);
+  u[2] = mins_lo;
+  u[0] &= km1;
+  const __m128i sm = _mm_loadu_si128(reinterpret_cast<const __m128i*>(u));
+  const __m256 sc = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(sm));
+  const __m256 mn = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(sm, 8)));
+  const __m256i dup_lo = _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3), dup_hi = _mm256_setr_epi32(4, 4, 5, 5, 6, 6, 7, 7);
+  const __m256 av = _mm256_mul_ps(_mm256_set1_ps(f16(blk)), sc);
+  const __m256 bv = _mm256_mul_ps(_mm256_set1_ps(-f16(blk + 2)), mn);  // == -(dmin * mn)
+  _mm256_storeu_ps(a, _mm256_permutevar8x32_ps(av, dup_lo));
+  _mm256_storeu_ps(a + 8, _mm256_permutevar8x32_ps(av, dup_hi));
+  _mm256_storeu_ps(b, _mm256_permutevar8x32_ps(bv, dup_lo));
+  _mm256_storeu_ps(b + 8, _mm256_permutevar8x32_ps(bv, dup_hi));
+}
+
+inline void decode_q6k_avx2(const uint8_t* blk, int8_t* q, float* a, float* b) {
+  const __m256i m4 = _mm256_set1_epi8(0x0F), m30 = _mm256_set1_epi8(0x30), k32 = _mm256_set1_epi8(32);
+  for (int h = 0; h < 2; ++h) {
+    const __m256i l0 = ld32(blk + 64 * h), l1 = ld32(blk + 64 * h + 32), hv = ld32(blk + 128 + 32 * h);
+    // ((qh >> 2c) & 3) << 4 for c = 0..3, as (qh shifted) & 0x30 (16-bit shifts: the bits that
+    // cross into the neighbouring byte land outside 0x30)
+    const __m256i h0 = _mm256_and_si256(_mm256_slli_epi16(hv, 4), m30);
+    const __m256i h1 = _mm256_and_si256(_mm256_slli_epi16(hv, 2), m30);
+    const __m256i h2 = _mm256_and_si256(hv, m30);
+    const __m256i h3 = _mm256_and_si256(_mm256_srli_epi16(hv, 2), m30);
+    int8_t* o = q + 128 * h;
+    st32(o, _mm256_sub_epi8(_mm256_or_si256(_mm256_and_si256(l0, m4), h0), k32));
+    st32(o + 32, _mm256_sub_epi8(_mm256_or_si256(_mm256_and_si256(l1, m4), h1), k32));
+    st32(o + 64, _mm256_sub_epi8(_mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), m4), h2), k32));
+    st32(o + 96, _mm256_sub_epi8(_mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m4), h3), k32));
+  }
+  scale16(reinterpret_cast<const int8_t*>(blk + 192), f16(blk + 208), a);
+  std::memset(b, 0, 16 * sizeof(float));
+}
+#define LBQ_GGML_DEC(portable, avx2) avx2
+#else
+#define LBQ_GGML_DEC(portable, avx2) portable
+#endif
+
 template <int T>
 struct Traits;
 template <> struct Traits<Q4_1> { static constexpr int QK = 32, SIZE = 20; static constexpr bool MIN = true;
-  static void decode(const uint8_t* p, int8_t* q, float* a, float* b) { decode32<false, true>(p, q, a, b); } };
+  static void decode(const uint8_t* p, int8_t* q, float* a, float* b) { decode32<false, true>(p, q, a, b); }
+  static void portable(const uint8_t* p, int8_t* q, float* a, float* b) { decode32<false, true, true>(p, q, a, b); } };
 template <> struct Traits<Q5_0> { static constexpr int QK = 32, SIZE = 22; static constexpr bool MIN = false;
-  static void decode(const uint8_t* p, int8_t* q, float* a, float* b) { decode32<true, false>(p, q, a, b); } };
+  static void decode(const uint8_t* p, int8_t* q, float* a, float* b) { decode32<true, false>(p, q, a, b); }
+  static void portable(const uint8_t* p, int8_t* q, float* a, float* b) { decode32<true, false, true>(p, q, a, b); } };
 template <> struct Traits<Q5_1> { static constexpr int QK = 32, SIZE = 24; static constexpr bool MIN = true;
-  static void decode(const uint8_t* p, int8_t* q, float* a, float* b) { decode32<true, true>(p, q, a, b); } };
+  static void decode(const uint8_t* p, int8_t* q, float* a, float* b) { decode32<true, true>(p, q, a, b); }
+  static void portable(const uint8_t* p, int8_t* q, float* a, float* b) { decode32<true, true, true>(p, q, a, b); } };
 template <> struct Traits<Q2_K> { static constexpr int QK = 256, SIZE = 84; static constexpr bool MIN = true;
-  static void decode(const uint8_t* p, int8_t* q, float* a, float* b) { decode_q2k(p, q, a, b); } };
+  static void decode(const uint8_t* p, int8_t* q, float* a, float* b) { LBQ_GGML_DEC(decode_q2k, decode_q2k_avx2)(p, q, a, b); }
+  static void portable(const uint8_t* p, int8_t* q, float* a, float* b) { decode_q2k(p, q, a, b); } };
 template <> struct Traits<Q3_K> { static constexpr int QK = 256, SIZE = 110; static constexpr bool MIN = false;
-  static void decode(const uint8_t* p, int8_t* q, float* a, float* b) { decode_q3k(p, q, a, b); } };
+  static void decode(const uint8_t* p, int8_t* q, float* a, float* b) { LBQ_GGML_DEC(decode_q3k, decode_q3k_avx2)(p, q, a, b); }
+  static void portable(const uint8_t* p, int8_t* q, float* a, float* b) { decode_q3k(p, q, a, b); } };
 template <> struct Traits<Q4_K> { static constexpr int QK = 256, SIZE = 144; static constexpr bool MIN = true;
-  static void decode(const uint8_t* p, int8_t* q, float* a, float* b) { decode_q45k<false>(p, q, a, b); } };
+  static void decode(const uint8_t* p, int8_t* q, float* a, float* b) { LBQ_GGML_DEC(decode_q45k<false>, decode_q45k_avx2<false>)(p, q, a, b); }
+  static void portable(const uint8_t* p, int8_t* q, float* a, float* b) { decode_q45k<false>(p, q, a, b); } };
 template <> struct Traits<Q5_K> { static constexpr int QK = 256, SIZE = 176; static constexpr bool MIN = true;
-  static void decode(const uint8_t* p, int8_t* q, float* a, float* b) { decode_q45k<true>(p, q, a, b); } };
+  static void decode(const uint8_t* p, int8_t* q, float* a, float* b) { LBQ_GGML_DEC(decode_q45k<true>, decode_q45k_avx2<true>)(p, q, a, b); }
+  static void portable(const uint8_t* p, int8_t* q, float* a, float* b) { decode_q45k<true>(p, q, a, b); } };
 template <> struct Traits<Q6_K> { static constexpr int QK = 256, SIZE = 210; static constexpr bool MIN = false;
-  static void decode(const uint8_t* p, int8_t* q, float* a, float* b) { decode_q6k(p, q, a, b); } };
+  static void decode(const uint8_t* p, int8_t* q, float* a, float* b) { LBQ_GGML_DEC(decode_q6k, decode_q6k_avx2)(p, q, a, b); }
+  static void portable(const uint8_t* p, int8_t* q, float* a, float* b) { decode_q6k(p, q, a, b); } };
+
+// Decode one block of a type id with the compiled decoder (portable = false) or the plain C++
+// one; false for an unknown id.  Used by selftest.cpp to check the SIMD decoders.
+inline bool decode_block(int type, bool portable, const uint8_t* p, int8_t* q, float* a, float* b) {
+  switch (type) {
+#define LBQ_GGML_CASE(T) case T: portable ? Traits<T>::portable(p, q, a, b) : Traits<T>::decode(p, q, a, b); return true;
+    LBQ_GGML_CASE(Q4_1) LBQ_GGML_CASE(Q5_0) LBQ_GGML_CASE(Q5_1) LBQ_GGML_CASE(Q2_K)
+    LBQ_GGML_CASE(Q3_K) LBQ_GGML_CASE(Q4_K) LBQ_GGML_CASE(Q5_K) LBQ_GGML_CASE(Q6_K)
+#undef LBQ_GGML_CASE
+    default: return false;
+  }
+}
 
 // Block size and bytes per block of a type id, or false for an unknown id.
 inline bool block_shape(int type, int* qk, int* size) {
@@ -177,69 +337,131 @@ inline bool block_shape(int type, int* qk, int* size) {
   }
 }
 
-// ---- the 16-value dot: sum_s a_s * dot(q[16s:16s+16], x[16s:16s+16]) over NS sub-blocks ----
-template <int NS>
-inline float block_dot(const int8_t* q, const float* a, const float* x) {
+// ---- integer dot of one decoded block with MR quantized activation rows -------------------
+// acc[j] += sum_s a_s * dx_j[s/2] * dot(q[16s:16s+16], xq_j[16s:16s+16]), s = 0..QK/16-1.
 #if defined(LBQ_AVX2)
-  __m256 acc = _mm256_setzero_ps();
-  for (int s = 0; s < NS; ++s) {
-    const __m128i q16 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16 * s));
-    const __m256 lo = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q16));
-    const __m256 hi = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(q16, 8)));
-    __m256 t = _mm256_mul_ps(lo, _mm256_loadu_ps(x + 16 * s));
-    t = _mm256_fmadd_ps(hi, _mm256_loadu_ps(x + 16 * s + 8), t);
-    acc = _mm256_fmadd_ps(t, _mm256_set1_ps(a[s]), acc);
+using Acc = __m256;
+inline Acc acc_zero() { return _mm256_setzero_ps(); }
+inline float acc_sum(Acc v) { return hsum_ps(v); }
+
+template <int QK, int MR>
+inline void block_dot(const int8_t* q, const float* a, const int8_t* const* xq, const float* const* dx, Acc* acc) {
+  for (int c = 0; c < QK / 32; ++c) {
+    const __m256i qv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 32 * c));
+    const __m256i aq = _mm256_sign_epi8(qv, qv);  // |q| <= 32: maddubs pairs cannot saturate
+    const __m256 av = _mm256_set_m128(_mm_set1_ps(a[2 * c + 1]), _mm_set1_ps(a[2 * c]));
+    for (int j = 0; j < MR; ++j) {
+      const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq[j] + 32 * c));
+      // int32 lanes 0-3: values 0-15 of the chunk (sub-block 2c), lanes 4-7: sub-block 2c+1
+      const __m256i d = dot_u8s8(_mm256_setzero_si256(), aq, _mm256_sign_epi8(xv, qv));
+      acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), _mm256_mul_ps(av, _mm256_set1_ps(dx[j][c])), acc[j]);
+    }
   }
-  return hsum_ps(acc);
+}
 #elif defined(LBQ_NEON)
-  float32x4_t acc = vdupq_n_f32(0.f);
-  for (int s = 0; s < NS; ++s) {
-    const int8x16_t q16 = vld1q_s8(q + 16 * s);
-    const int16x8_t l16 = vmovl_s8(vget_low_s8(q16)), h16 = vmovl_s8(vget_high_s8(q16));
-    const float* xs = x + 16 * s;
-    float32x4_t t = vmulq_f32(vcvtq_f32_s32(vmovl_s16(vget_low_s16(l16))), vld1q_f32(xs));
-    t = vfmaq_f32(t, vcvtq_f32_s32(vmovl_s16(vget_high_s16(l16))), vld1q_f32(xs + 4));
-    t = vfmaq_f32(t, vcvtq_f32_s32(vmovl_s16(vget_low_s16(h16))), vld1q_f32(xs + 8));
-    t = vfmaq_f32(t, vcvtq_f32_s32(vmovl_s16(vget_high_s16(h16))), vld1q_f32(xs + 12));
-    acc = vfmaq_n_f32(acc, t, a[s]);
-  }
-  return vaddvq_f32(acc);
+using Acc = float32x4_t;
+inline Acc acc_zero() { return vdupq_n_f32(0.f); }
+inline float acc_sum(Acc v) { return vaddvq_f32(v); }
+
+inline int32x4_t dot16(int8x16_t w, int8x16_t x) {
+#if defined(__ARM_FEATURE_DOTPROD)
+  return vdotq_s32(vdupq_n_s32(0), w, x);
 #else
-  float acc = 0.f;
-  for (int s = 0; s < NS; ++s) {
-    float t = 0.f;
-    for (int i = 0; i < 16; ++i) t += static_cast<float>(q[16 * s + i]) * x[16 * s + i];
-    acc += a[s] * t;
-  }
-  return acc;
+  int16x8_t p = vmull_s8(vget_low_s8(w), vget_low_s8(x));
+  p = vmlal_s8(p, vget_high_s8(w), vget_high_s8(x));  // |w| <= 32: 2*32*127 fits int16
+  return vpaddlq_s16(p);
 #endif
 }
 
-// Rows n0..n1 of Y [M, N] (fp32).  w: N rows of row_bytes; x: [M, K]; xs16: [M, K/16] sums of
-// 16 consecutive activations (only read by types with a non-zero b).
-template <int T>
-inline void gemv_rows_t(const uint8_t* w, int64_t row_bytes, const float* x, const float* xs16,
-                        int64_t M, int64_t K, int64_t N, int64_t n0, int64_t n1, float* Y, float* acc) {
+template <int QK, int MR>
+inline void block_dot(const int8_t* q, const float* a, const int8_t* const* xq, const float* const* dx, Acc* acc) {
+  for (int s = 0; s < QK / 16; ++s) {
+    const int8x16_t qv = vld1q_s8(q + 16 * s);
+    for (int j = 0; j < MR; ++j) {
+      const int32x4_t d = dot16(qv, vld1q_s8(xq[j] + 16 * s));
+      acc[j] = vfmaq_n_f32(acc[j], vcvtq_f32_s32(d), a[s] * dx[j][s / 2]);
+    }
+  }
+}
+#else
+using Acc = float;
+inline Acc acc_zero() { return 0.f; }
+inline float acc_sum(Acc v) { return v; }
+
+template <int QK, int MR>
+inline void block_dot(const int8_t* q, const float* a, const int8_t* const* xq, const float* const* dx, Acc* acc) {
+  for (int s = 0; s < QK / 16; ++s)
+    for (int j = 0; j < MR; ++j) {
+      int32_t d = 0;
+      for (int i = 0; i < 16; ++i) d += static_cast<int32_t>(q[16 * s + i]) * xq[j][16 * s + i];
+      acc[j] += static_cast<float>(d) * (a[s] * dx[j][s / 2]);
+    }
+}
+#endif
+
+// Quantized activations for the ggml kernels: M rows of K int8 with one scale per 32 values
+// (quantize_act_row at G = 32), and the per-16 sums of the fp32 activations.
+struct GAct {
+  const int8_t* q;    // [M, K]
+  const float* d;     // [M, K/32]
+  const float* s16;   // [M, K/16]
+  int64_t M, K;
+};
+
+// One weight row n x MR activation rows m0..m0+MR-1.
+template <int T, int MR>
+inline void row_tile(const uint8_t* wr, const GAct& x, int64_t n, int64_t m0, float* Y, int64_t N) {
   using Tr = Traits<T>;
   constexpr int QK = Tr::QK, NS = QK / 16;
   alignas(32) int8_t q[QK];
   float a[NS], b[NS];
-  const int64_t nb = K / QK;
+  const int8_t* xq[MR];
+  const float* dx[MR];
+  Acc acc[MR];
+  float mins[MR];
+  for (int j = 0; j < MR; ++j) acc[j] = acc_zero(), mins[j] = 0.f;
+  for (int64_t blk = 0; blk < x.K / QK; ++blk) {
+    Tr::decode(wr + blk * Tr::SIZE, q, a, b);
+    for (int j = 0; j < MR; ++j) {
+      xq[j] = x.q + (m0 + j) * x.K + blk * QK;
+      dx[j] = x.d + (m0 + j) * (x.K / 32) + blk * (QK / 32);
+    }
+    block_dot<QK, MR>(q, a, xq, dx, acc);
+    if (Tr::MIN)
+      for (int j = 0; j < MR; ++j) {
+        const float* xs = x.s16 + (m0 + j) * (x.K / 16) + blk * NS;
+#if defined(LBQ_AVX2)
+        if constexpr (NS % 8 == 0) {
+          for (int s = 0; s < NS; s += 8)
+            acc[j] = _mm256_fmadd_ps(_mm256_loadu_ps(b + s), _mm256_loadu_ps(xs + s), acc[j]);
+          continue;
+        }
+#elif defined(LBQ_NEON)
+        if constexpr (NS % 4 == 0) {
+          for (int s = 0; s < NS; s += 4) acc[j] = vfmaq_f32(acc[j], vld1q_f32(b + s), vld1q_f32(xs + s));
+          continue;
+        }
+#endif
+        for (int s = 0; s < NS; ++s) mins[j] += b[s] * xs[s];
+      }
+  }
+  for (int j = 0; j < MR; ++j) Y[(m0 + j) * N + n] = acc_sum(acc[j]) + mins[j];
+}
+
+// Rows n0..n1 of Y [M, N] (fp32); w: N rows of row_bytes.
+template <int T>
+inline void gemv_rows_t(const uint8_t* w, int64_t row_bytes, const GAct& x, int64_t N, int64_t n0, int64_t n1,
+                        float* Y) {
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* wr = w + n * row_bytes;
-    for (int64_t m = 0; m < M; ++m) acc[m] = 0.f;
-    for (int64_t blk = 0; blk < nb; ++blk) {
-      Tr::decode(wr + blk * Tr::SIZE, q, a, b);
-      for (int64_t m = 0; m < M; ++m) {
-        float v = block_dot<NS>(q, a, x + m * K + blk * QK);
-        if (Tr::MIN) {
-          const float* xs = xs16 + m * (K / 16) + blk * NS;
-          for (int s = 0; s < NS; ++s) v += b[s] * xs[s];
-        }
-        acc[m] += v;
-      }
+    int64_t m0 = 0;
+    for (; m0 + 4 <= x.M; m0 += 4) row_tile<T, 4>(wr, x, n, m0, Y, N);
+    switch (x.M - m0) {
+      case 3: row_tile<T, 3>(wr, x, n, m0, Y, N); break;
+      case 2: row_tile<T, 2>(wr, x, n, m0, Y, N); break;
+      case 1: row_tile<T, 1>(wr, x, n, m0, Y, N); break;
+      default: break;
     }
-    for (int64_t m = 0; m < M; ++m) Y[m * N + n] = acc[m];
   }
 }
 
@@ -253,11 +475,11 @@ inline void sums16(const float* x, int64_t M, int64_t K, float* xs16) {
     }
 }
 
-// Dispatch on the type id; acc is scratch of M floats.  Returns false for an unknown type.
-inline bool gemv_rows(int type, const uint8_t* w, int64_t row_bytes, const float* x, const float* xs16,
-                      int64_t M, int64_t K, int64_t N, int64_t n0, int64_t n1, float* Y, float* acc) {
+// Dispatch on the type id.  Returns false for an unknown type.
+inline bool gemv_rows(int type, const uint8_t* w, int64_t row_bytes, const GAct& x, int64_t N, int64_t n0,
+                      int64_t n1, float* Y) {
   switch (type) {
-#define LBQ_GGML_CASE(T) case T: gemv_rows_t<T>(w, row_bytes, x, xs16, M, K, N, n0, n1, Y, acc); return true;
+#define LBQ_GGML_CASE(T) case T: gemv_rows_t<T>(w, row_bytes, x, N, n0, n1, Y); return true;
     LBQ_GGML_CASE(Q4_1) LBQ_GGML_CASE(Q5_0) LBQ_GGML_CASE(Q5_1) LBQ_GGML_CASE(Q2_K)
     LBQ_GGML_CASE(Q3_K) LBQ_GGML_CASE(Q4_K) LBQ_GGML_CASE(Q5_K) LBQ_GGML_CASE(Q6_K)
 #undef LBQ_GGML_CASE

@@ -6,8 +6,9 @@
 // Compares the kernel with a double-precision evaluation of the same integer semantics
 // (scalar activation quantization, exact int32 group dots) over many shapes; prints the ISA and
 // the worst relative error and exits non-zero on a mismatch.  Used by tests/edge/test_quant.py.
-// The ggml block kernels (ggml_kernels.h) are checked against a double-precision dot of the
-// decoded values (w = a*q + b) with the fp32 activations; the decoders themselves are checked
+// The ggml block kernels (ggml_kernels.h) are checked against a double-precision evaluation of
+// their semantics (exact int dots of decoded q with the int8 activations, a*d_x per 16 values,
+// b times the fp32 per-16 sums); the decoders themselves are checked
 // against edge/quant/ggml.py by tests/edge/test_ggml_quant.py.
 #include <cstdio>
 #include <vector>
@@ -113,10 +114,20 @@ int check_ggml(int type, int64_t M, int64_t N, int64_t nb, double* worst) {
   const int idx = type == 3 ? 0 : type == 6 ? 1 : type == 7 ? 2 : type - 7;
   for (int64_t blk = 0; blk < N * nb; ++blk)
     for (int f : f16_at[idx]) if (f >= 0) put_f16(w.data() + blk * size + f);
-  std::vector<float> x(M * K), xs16(M * (K / 16)), y(M * N, -1.f), acc(M);
+  std::vector<float> x(M * K), xs16(M * (K / 16)), y(M * N, -1.f);
   for (auto& v : x) v = next_normalish();
+  if (M > 1)  // an all-zero activation block (scale 0)
+    for (int j = 0; j < 32; ++j) x[K + j] = 0.f;
+  std::vector<int8_t> xq(M * K), rq(M * K);
+  std::vector<float> xd(M * (K / 32)), rd(M * (K / 32));
+  std::vector<int32_t> xs(M * (K / 32)), rs(M * (K / 32));
+  for (int64_t m = 0; m < M; ++m) {
+    lbq::quantize_act_row(x.data() + m * K, K, 32, xq.data() + m * K, xd.data() + m * (K / 32), xs.data() + m * (K / 32));
+    lbq::quantize_act_row_scalar(x.data() + m * K, K, 32, rq.data() + m * K, rd.data() + m * (K / 32), rs.data() + m * (K / 32));
+  }
   lbq::ggml::sums16(x.data(), M, K, xs16.data());
-  lbq::ggml::gemv_rows(type, w.data(), row_bytes, x.data(), xs16.data(), M, K, N, 0, N, y.data(), acc.data());
+  const lbq::ggml::GAct act{xq.data(), xd.data(), xs16.data(), M, K};
+  lbq::ggml::gemv_rows(type, w.data(), row_bytes, act, N, 0, N, y.data());
   std::vector<int8_t> q(qk);
   std::vector<float> a(qk / 16), b(qk / 16);
   for (int64_t n = 0; n < N; ++n)
@@ -124,20 +135,21 @@ int check_ggml(int type, int64_t M, int64_t N, int64_t nb, double* worst) {
       double ref = 0.0, mag = 0.0;
       for (int64_t blk = 0; blk < nb; ++blk) {
         const uint8_t* p = w.data() + n * row_bytes + blk * size;
-        switch (type) {
-          case 3: lbq::ggml::Traits<3>::decode(p, q.data(), a.data(), b.data()); break;
-          case 6: lbq::ggml::Traits<6>::decode(p, q.data(), a.data(), b.data()); break;
-          case 7: lbq::ggml::Traits<7>::decode(p, q.data(), a.data(), b.data()); break;
-          case 10: lbq::ggml::Traits<10>::decode(p, q.data(), a.data(), b.data()); break;
-          case 11: lbq::ggml::Traits<11>::decode(p, q.data(), a.data(), b.data()); break;
-          case 12: lbq::ggml::Traits<12>::decode(p, q.data(), a.data(), b.data()); break;
-          case 13: lbq::ggml::Traits<13>::decode(p, q.data(), a.data(), b.data()); break;
-          default: lbq::ggml::Traits<14>::decode(p, q.data(), a.data(), b.data()); break;
+        std::vector<int8_t> q2(qk);
+        std::vector<float> a2(qk / 16), b2(qk / 16);
+        lbq::ggml::decode_block(type, false, p, q.data(), a.data(), b.data());
+        lbq::ggml::decode_block(type, true, p, q2.data(), a2.data(), b2.data());
+        if (q != q2 || a != a2 || b != b2) {  // the SIMD decoder must equal the plain C++ one
+          std::printf("FAIL ggml decode type=%d block=%ld\n", type, (long)blk);
+          return 1;
         }
-        for (int i = 0; i < qk; ++i) {
-          const double t = (static_cast<double>(a[i / 16]) * q[i] + b[i / 16]) * x[m * K + blk * qk + i];
-          ref += t;
-          mag += std::fabs(t);
+        for (int s = 0; s < qk / 16; ++s) {  // exact int dot per 16, fp32 scale a_s * d_x
+          int64_t isum = 0;
+          for (int i = 16 * s; i < 16 * s + 16; ++i) isum += q[i] * rq[m * K + blk * qk + i];
+          const double t = static_cast<double>(a[s] * rd[m * (K / 32) + (blk * qk + 16 * s) / 32]) * isum;
+          const double u = static_cast<double>(b[s]) * xs16[m * (K / 16) + blk * qk / 16 + s];
+          ref += t + u;
+          mag += std::fabs(t) + std::fabs(u);
         }
       }
       const double err = std::fabs(ref - y[m * N + n]) / (mag + 1e-30);
