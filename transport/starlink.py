@@ -10,9 +10,10 @@ here: one TCP connection per worker, blocking reads on the compute thread, fixed
 framing. Membership, control messages, health checks and recovery stay on the
 ``lowband.comm.Communicator``.
 
-Wire format (little-endian): header ``<4sBBHIQ`` = magic ``LBSL``, version 1, kind
-(HELLO/DATA/RESULT/ABORT/SYNC/CMD), reserved, sequence number, payload length; a DATA/RESULT
-payload is a msgpack table of frame dtypes/sizes and codec metadata, then the raw frames.
+Wire format (little-endian, defined once in :mod:`transport.starlink_wire` for this module and
+the compiled decode step): header ``<4sBBHIQ`` = magic ``LBSL``, version 1, kind
+(HELLO/DATA/RESULT/ABORT/SYNC/CMD), reserved, sequence number, payload length; a payload is a
+u32 length and a msgpack table of frame dtypes/sizes and codec metadata, then the raw frames.
 Sequence numbers catch desynchronisation loudly (``ProtocolError``) instead of mixing layers.
 
 CMD carries a command from the master to one worker between two forwards (``StarHub.command``
@@ -32,7 +33,6 @@ import hmac
 import os
 import secrets
 import socket
-import struct
 import threading
 import time
 
@@ -41,12 +41,20 @@ import torch
 
 from lowband.comm import Codec, Encoded, OpStats
 from lowband.errors import PeerLost, ProtocolError, TransportTimeout
+from transport.starlink_wire import (
+    ABORT,
+    CMD,
+    DATA,
+    HEADER,
+    HELLO,
+    MAGIC,
+    MAX_PAYLOAD,
+    RESULT,
+    SYNC,
+    TABLE_LEN,
+    VERSION,
+)
 
-MAGIC = b"LBSL"
-VERSION = 1
-HEADER = struct.Struct("<4sBBHIQ")
-HELLO, DATA, RESULT, ABORT, SYNC, CMD = 1, 2, 3, 4, 5, 6
-MAX_PAYLOAD = 1 << 31
 _DTYPES = {
     "float32": torch.float32,
     "float16": torch.float16,
@@ -115,7 +123,7 @@ class _Conn:
         timeout: float | None = None,
     ) -> None:
         table = _table(meta, frames)
-        body = [struct.pack("<I", len(table)), table] + [
+        body = [TABLE_LEN.pack(len(table)), table] + [
             f.numpy().tobytes()
             if f.dtype != torch.bfloat16
             else f.view(torch.int16).numpy().tobytes()
@@ -168,9 +176,10 @@ class _Conn:
             raise TransportTimeout(f"no message from {self.who} within {timeout}s") from None
         except OSError as exc:
             raise PeerLost(f"link to {self.who} broke: {exc}", peers=(self.who,)) from None
-        (tlen,) = struct.unpack_from("<I", payload, 0)
-        table = msgpack.unpackb(bytes(payload[4 : 4 + tlen]))
-        frames, off = [], 4 + tlen
+        (tlen,) = TABLE_LEN.unpack_from(payload, 0)
+        start = TABLE_LEN.size
+        table = msgpack.unpackb(bytes(payload[start : start + tlen]))
+        frames, off = [], start + tlen
         for dname, nbytes in table["f"]:
             if dname not in _DTYPES or off + nbytes > n:
                 raise ProtocolError(f"bad frame table from {self.who}")

@@ -27,6 +27,7 @@
 #include <sys/socket.h>
 
 #include "gemv_kernels.h"
+#include "starlink_wire.h"
 
 namespace py = pybind11;
 
@@ -204,13 +205,12 @@ inline void rmsnorm(const float* x, const float* w, float* y, int64_t n, float e
 // ---- the star link, natively (transport/starlink.py's wire format) -------------------------
 // When the reduce hook is a star link carrying float32 (no codec), the partial sums go straight
 // over the link's sockets from here: no GIL, no Python, no msgpack per message. Messages are
-// byte-identical to the Python implementation's (header <4sBBHIQ, u32 table length, the
-// msgpack frame table, the raw float32 frame), so either end may be Python or C++; the table of
-// a (1, 1, H) float32 frame is fixed and comes from Python. Errors surface as RuntimeError with
-// a "lowband-link:<Kind>:" prefix, which edge/fastpath.py maps to the transport's error types.
-constexpr uint8_t LINK_DATA = 2, LINK_RESULT = 3, LINK_ABORT = 4;
-constexpr size_t LINK_HEADER = 20;
-constexpr uint64_t LINK_MAX_PAYLOAD = uint64_t{1} << 31;
+// byte-identical to the Python implementation's (header, u32 table length, the msgpack frame
+// table, the raw float32 frame), so either end may be Python or C++; the table of a (1, 1, H)
+// float32 frame is fixed and comes from Python. The format's constants come from
+// starlink_wire.h, generated from transport/starlink_wire.py. Errors surface as RuntimeError
+// with a "lowband-link:<Kind>:" prefix, which edge/fastpath.py maps to the transport's errors.
+namespace wire = starlink_wire;
 
 struct LinkError : std::runtime_error {
   LinkError(const std::string& kind, const std::string& msg) : std::runtime_error("lowband-link:" + kind + ":" + msg) {}
@@ -284,18 +284,19 @@ void link_write(int fd, const uint8_t* buf, size_t n, const Link& L, const char*
 
 void link_send(Link& L, int fd, uint8_t kind, const float* frame, int64_t H, const char* who) {
   const uint32_t tlen = static_cast<uint32_t>(L.table.size());
-  const uint64_t payload = 4 + tlen + 4 * static_cast<uint64_t>(H);
-  L.msg.resize(LINK_HEADER + payload);
+  wire::Header h{};
+  std::memcpy(h.magic, wire::MAGIC, sizeof h.magic);
+  h.version = wire::VERSION;
+  h.kind = kind;
+  h.seq = L.seq;  // little-endian hosts only (checked at set-up)
+  h.length = wire::TABLE_LEN_SIZE + tlen + 4 * static_cast<uint64_t>(H);
+  L.msg.resize(wire::HEADER_SIZE + h.length);
   uint8_t* p = L.msg.data();
-  std::memcpy(p, "LBSL", 4);
-  p[4] = 1;  // version
-  p[5] = kind;
-  p[6] = p[7] = 0;
-  std::memcpy(p + 8, &L.seq, 4);  // little-endian hosts only (checked at set-up)
-  std::memcpy(p + 12, &payload, 8);
-  std::memcpy(p + 20, &tlen, 4);
-  std::memcpy(p + 24, L.table.data(), tlen);
-  std::memcpy(p + 24 + tlen, frame, 4 * static_cast<size_t>(H));
+  std::memcpy(p, &h, wire::HEADER_SIZE);
+  std::memcpy(p + wire::HEADER_SIZE, &tlen, wire::TABLE_LEN_SIZE);
+  uint8_t* table = p + wire::HEADER_SIZE + wire::TABLE_LEN_SIZE;
+  std::memcpy(table, L.table.data(), tlen);
+  std::memcpy(table + tlen, frame, 4 * static_cast<size_t>(H));
   link_write(fd, p, L.msg.size(), L, who);
   L.sent += 4 * H;
 }
@@ -304,18 +305,19 @@ void link_send(Link& L, int fd, uint8_t kind, const float* frame, int64_t H, con
 // at frame_out. Any other message is consumed entirely before an error is raised, so the
 // stream stays aligned for the Python side's resynchronisation.
 uint8_t link_recv(Link& L, int fd, uint8_t want, int64_t H, float* frame_out, const char* who) {
-  uint8_t h[LINK_HEADER];
-  link_read(fd, h, LINK_HEADER, L, who);
-  uint32_t seq;
-  uint64_t n;
-  std::memcpy(&seq, h + 8, 4);
-  std::memcpy(&n, h + 12, 8);
-  if (std::memcmp(h, "LBSL", 4) != 0 || h[4] != 1 || n > LINK_MAX_PAYLOAD)
+  uint8_t raw[wire::HEADER_SIZE];
+  link_read(fd, raw, wire::HEADER_SIZE, L, who);
+  wire::Header h;
+  std::memcpy(&h, raw, wire::HEADER_SIZE);
+  const uint32_t seq = h.seq;
+  const uint64_t n = h.length;
+  if (std::memcmp(h.magic, wire::MAGIC, sizeof h.magic) != 0 || h.version != wire::VERSION ||
+      n > wire::MAX_PAYLOAD)
     throw LinkError("ProtocolError", std::string("bad link header from ") + who);
   L.in.resize(static_cast<size_t>(n));
   link_read(fd, L.in.data(), static_cast<size_t>(n), L, who);
-  const uint8_t kind = h[5];
-  if (kind == LINK_ABORT) return kind;
+  const uint8_t kind = h.kind;
+  if (kind == wire::KIND_ABORT) return kind;
   if (kind != want || seq != L.seq)
     throw LinkError("ProtocolError", std::string("link out of step with ") + who + ": got kind " +
                                          std::to_string(kind) + " seq " + std::to_string(seq) +
@@ -323,12 +325,12 @@ uint8_t link_recv(Link& L, int fd, uint8_t want, int64_t H, float* frame_out, co
                                          std::to_string(L.seq));
   const size_t tlen = L.table.size();
   uint32_t got_tlen = 0;
-  if (n >= 4) std::memcpy(&got_tlen, L.in.data(), 4);
-  if (n != 4 + tlen + 4 * static_cast<uint64_t>(H) || got_tlen != tlen ||
-      std::memcmp(L.in.data() + 4, L.table.data(), tlen) != 0)
+  if (n >= wire::TABLE_LEN_SIZE) std::memcpy(&got_tlen, L.in.data(), wire::TABLE_LEN_SIZE);
+  if (n != wire::TABLE_LEN_SIZE + tlen + 4 * static_cast<uint64_t>(H) || got_tlen != tlen ||
+      std::memcmp(L.in.data() + wire::TABLE_LEN_SIZE, L.table.data(), tlen) != 0)
     throw LinkError("ProtocolError", std::string("unexpected frame from ") + who +
                                          " (a different wire codec or hidden size on the other end?)");
-  std::memcpy(frame_out, L.in.data() + 4 + tlen, 4 * static_cast<size_t>(H));
+  std::memcpy(frame_out, L.in.data() + wire::TABLE_LEN_SIZE + tlen, 4 * static_cast<size_t>(H));
   L.received += 4 * H;
   return kind;
 }
@@ -346,17 +348,49 @@ void link_all_reduce(Link& L, float* x, int64_t H, std::vector<float>& tmp) {
   if (L.role == 1) {
     for (size_t i = 0; i < L.fds.size(); ++i) {  // slot order: the same sums every time
       const std::string who = "worker slot #" + std::to_string(i + 1);
-      if (link_recv(L, L.fds[i], LINK_DATA, H, tmp.data(), who.c_str()) == LINK_ABORT)
+      if (link_recv(L, L.fds[i], wire::KIND_DATA, H, tmp.data(), who.c_str()) == wire::KIND_ABORT)
         throw LinkError("ProtocolError", "a worker sent ABORT");
       for (int64_t j = 0; j < H; ++j) x[j] += tmp[j];
     }
-    for (size_t i = 0; i < L.fds.size(); ++i) link_send(L, L.fds[i], LINK_RESULT, x, H, "a worker");
+    for (size_t i = 0; i < L.fds.size(); ++i) link_send(L, L.fds[i], wire::KIND_RESULT, x, H, "a worker");
   } else {
-    link_send(L, L.fds[0], LINK_DATA, x, H, "the master");
-    if (link_recv(L, L.fds[0], LINK_RESULT, H, tmp.data(), "the master") == LINK_ABORT)
+    link_send(L, L.fds[0], wire::KIND_DATA, x, H, "the master");
+    if (link_recv(L, L.fds[0], wire::KIND_RESULT, H, tmp.data(), "the master") == wire::KIND_ABORT)
       throw LinkError("PeerLost", "the master aborted this forward (a device failed)");
     std::copy(tmp.begin(), tmp.end(), x);
   }
+}
+
+// link: (role, fds, seq, timeout|-1, spin_s, table), see StarHub.native_spec.
+void parse_link(const py::object& link, Link& L) {
+  auto t = link.cast<py::tuple>();
+  TORCH_CHECK(t.size() == 6, "link must be (role, fds, seq, timeout, spin_s, table)");
+  L.role = t[0].cast<int>();
+  TORCH_CHECK(L.role == 1 || L.role == 2, "link role must be 1 (hub) or 2 (spoke)");
+  L.fds = t[1].cast<std::vector<int>>();
+  TORCH_CHECK(L.role == 1 || L.fds.size() == 1, "a spoke has one link");
+  L.seq = t[2].cast<uint32_t>();
+  L.timeout = t[3].cast<double>();
+  L.spin = t[4].cast<double>();
+  L.table = t[5].cast<std::string>();
+  const uint16_t probe = 1;
+  TORCH_CHECK(*reinterpret_cast<const uint8_t*>(&probe) == 1, "the native link needs a little-endian host");
+}
+
+// Test hook (tests/edge/test_starlink_native.py): ONE all-reduce of the float32 tensor x, in
+// place, exactly as Decoder::layers runs it between layers, so a test can hold the native and
+// the Python ends of the wire format against each other byte for byte. Returns what
+// Decoder::link_state does.
+py::tuple link_all_reduce_once(torch::Tensor x, const py::object& link) {
+  check_f32(x, "x");
+  Link L;
+  parse_link(link, L);
+  std::vector<float> tmp;
+  {
+    py::gil_scoped_release nogil;
+    link_all_reduce(L, x.data_ptr<float>(), x.numel(), tmp);
+  }
+  return py::make_tuple(L.seq, L.sent, L.received, L.wait_s);
 }
 
 class Decoder {
@@ -432,20 +466,7 @@ class Decoder {
     link_.role = 0;
     link_.sent = link_.received = 0;
     link_.wait_s = 0.0;
-    if (!link.is_none()) {
-      auto t = link.cast<py::tuple>();
-      TORCH_CHECK(t.size() == 6, "link must be (role, fds, seq, timeout, spin_s, table)");
-      link_.role = t[0].cast<int>();
-      TORCH_CHECK(link_.role == 1 || link_.role == 2, "link role must be 1 (hub) or 2 (spoke)");
-      link_.fds = t[1].cast<std::vector<int>>();
-      TORCH_CHECK(link_.role == 1 || link_.fds.size() == 1, "a spoke has one link");
-      link_.seq = t[2].cast<uint32_t>();
-      link_.timeout = t[3].cast<double>();
-      link_.spin = t[4].cast<double>();
-      link_.table = t[5].cast<std::string>();
-      const uint16_t probe = 1;
-      TORCH_CHECK(*reinterpret_cast<const uint8_t*>(&probe) == 1, "the native link needs a little-endian host");
-    }
+    if (!link.is_none()) parse_link(link, link_);
     const bool tp = !reduce.is_none() || link_.role != 0;
     {
       py::gil_scoped_release nogil;
@@ -629,4 +650,6 @@ void init_decode(py::module_& m) {
       .def("link_state", &Decoder::link_state)
       .def("num_layers", &Decoder::num_layers);
   m.def("head", &head, "logits = lm_head(rmsnorm(x)) for one token");
+  m.def("link_all_reduce", &link_all_reduce_once, py::arg("x"), py::arg("link"),
+        "test hook: one native star-link all-reduce of x in place -> (seq, sent, received, seconds)");
 }
