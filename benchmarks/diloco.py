@@ -55,7 +55,7 @@ logger = logging.getLogger(__name__)
 @dataclass(frozen=True, kw_only=True)
 class BenchConfig:
     """Defaults: the comparison tuned on the embedded sample's *validation* split only (the
-    sweep, every setting with its validation figures: diloco/README.md and the session notes);
+    sweep and its validation figures: docs/training.md, benchmarks/results/);
     the losses it reports are the *test* split's, which no setting was tuned on."""
 
     workers: int = 2  # M

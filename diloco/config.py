@@ -578,7 +578,7 @@ def shakespeare() -> TrainConfig:
     need H ≥ 102); on validation, P ∈ {3, 6, 12}, τ ∈ {0, 2, 3, 5}, α, outer lr/μ and inner lr
     moved the loss by no more than the seed noise or made it worse, while doubling the budget
     from 1600 to 3200 steps cut the gap to DDP (at its best lr) from +3.0 % to +1.7 %
-    (the tuning log: diloco/README.md)."""
+    (the validation-split trials: docs/training.md and benchmarks/results/)."""
     return TrainConfig(
         model=byte_llama(64, 2, 4),
         data=DataConfig(seq_len=64, batch_size=8, eval_batches=16),

@@ -46,7 +46,7 @@ def base_config(tiny: bool, workers: int) -> TrainConfig:
 
 
 def streaming_diloco(tiny: bool) -> DilocoConfig:
-    """Settings tuned by ``python -m benchmarks.diloco`` (see diloco/README.md)."""
+    """Settings tuned by ``python -m benchmarks.diloco`` (see docs/training.md)."""
     return DilocoConfig(
         inner_steps=10 if tiny else 60,
         n_fragments=2 if tiny else 3,

@@ -20,7 +20,7 @@ from lowband import __version__
 
 # Module names, in the order their subcommands appear in --help.
 COMMAND_MODULES = (
-    "lowband.cli.transport",  # coordinator, keygen, bench
+    "lowband.cli.transport",  # coordinator, keygen
     "lowband.cli.train",  # train, worker
     "lowband.cli.edge",  # edge ...
     "lowband.cli.flower",  # flower ...
