@@ -18,11 +18,15 @@ import logging
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from diloco.common import WorkerResult, leave_together
 from diloco.config import DilocoConfig, TrainConfig
 from diloco.sharding import ENGINES, Engine, ShardLayout
 from lowband.errors import ConfigError, LowbandError
+
+if TYPE_CHECKING:
+    from transport.auth import CurveKeys
 
 logger = logging.getLogger(__name__)
 
@@ -119,6 +123,8 @@ class SiteLaunch:
     advertise_host: str | None = None
     connections: int = 4
     token: str | None = None
+    curve: CurveKeys | None = None  # this worker's keypair (None: a fresh one per connect)
+    curve_server_key: bytes | None = None  # the coordinator's public key: enables CURVE
     same_host: str = "auto"
     dist_timeout: float = 60.0  # seconds a site collective may wait for a dead rank
     # The rank's device is train.compute.device: cpu or cuda:N (site_device maps auto/cuda).
@@ -179,6 +185,8 @@ def site_main(cfg: SiteLaunch) -> WorkerResult:
         connections=cfg.connections,
         timeout=cfg.train.sync_timeout,
         token=cfg.token,
+        curve=cfg.curve,
+        curve_server_key=cfg.curve_server_key,
         same_host=cfg.same_host,
     )
     worker_id = f"{cfg.site_id}-r{cfg.rank}"

@@ -19,7 +19,9 @@ Failures are logged with the remote address and counted (``ZapHandler.rejected``
 from __future__ import annotations
 
 import hmac
+import ipaddress
 import logging
+import os
 import threading
 import time
 from dataclasses import dataclass
@@ -68,13 +70,122 @@ class CurveKeys:
         return cls(public=public, secret=secret)
 
 
+def _certificate(keys: CurveKeys, *, secret: bool) -> str:
+    """A key file in ZeroMQ's certificate format (what ``zmq.auth.load_certificate`` reads)."""
+    kind = "Secret" if secret else "Public"
+    lines = [
+        f"#   ZeroMQ CURVE {kind} Certificate (lowband keygen)",
+        *(["#   Keep this file private: it is this peer's identity."] if secret else []),
+        "",
+        "metadata",
+        "curve",
+        f'    public-key = "{keys.public.decode()}"',
+        *([f'    secret-key = "{keys.secret.decode()}"'] if secret and keys.secret else []),
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def _write_new(path: Path, text: str, mode: int) -> None:
+    """Create ``path`` with ``mode`` from the first byte on (O_EXCL: never over an existing file,
+    never a moment with wider permissions than ``mode``)."""
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
+    except FileExistsError:
+        raise ConfigError(
+            "keygen", f"{path} exists; refusing to overwrite a key (move it away first)"
+        ) from None
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
+        f.write(text)
+
+
 def keygen(directory: str | Path, name: str) -> tuple[Path, Path]:
-    """Write ``NAME.key`` (public) and ``NAME.key_secret`` (keep private) into ``directory``."""
+    """Write ``NAME.key`` (public, 0644) and ``NAME.key_secret`` (0600) into ``directory``;
+    refuses when either exists."""
     directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
-    public, secret = zmq.auth.create_certificates(str(directory), name)
-    Path(secret).chmod(0o600)
-    return Path(public), Path(secret)
+    directory.mkdir(parents=True, exist_ok=True, mode=0o700)
+    public, secret = directory / f"{name}.key", directory / f"{name}.key_secret"
+    for path in (public, secret):
+        if path.exists():
+            raise ConfigError(
+                "keygen", f"{path} exists; refusing to overwrite a key (move it away first)"
+            )
+    keys = CurveKeys.generate()
+    _write_new(secret, _certificate(keys, secret=True), 0o600)
+    _write_new(public, _certificate(keys, secret=False), 0o644)
+    return public, secret
+
+
+def parse_public_key(text: str) -> bytes:
+    """A CURVE public key given as 40 Z85 characters or as a key file (``NAME.key`` or
+    ``NAME.key_secret``)."""
+    if len(text) == 40 and not Path(text).exists():
+        try:
+            z85.decode(text.encode())
+        except (ValueError, KeyError):
+            raise ConfigError("curve-server-key", f"{text!r} is not a Z85 key") from None
+        return text.encode()
+    return CurveKeys.load(text).public
+
+
+# ---- exposure: who may listen where without authentication ------------------------------------
+
+AUTH_MODES = ("none", "token", "curve")
+
+
+def is_loopback(host: str) -> bool:
+    """True for an address only this machine can reach: 127.0.0.0/8, ::1, ``localhost``.
+    A wildcard (``0.0.0.0``, ``*``, ``::``, empty) or any other name is not loopback: a name
+    can resolve anywhere."""
+    host = host.strip("[]").lower()
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def endpoint_host(endpoint: str) -> str | None:
+    """The host of a ``tcp://HOST:PORT`` endpoint; None for ``ipc://`` and ``inproc://``,
+    which never leave this machine."""
+    if endpoint.startswith(("ipc://", "inproc://")):
+        return None
+    if not endpoint.startswith("tcp://"):
+        raise ConfigError("endpoint", f"must look like tcp://HOST:PORT, got {endpoint!r}")
+    return endpoint[len("tcp://") :].rsplit(":", 1)[0]
+
+
+KEYGEN_HINT = (
+    "make keys with 'lowband keygen --out ~/.config/lowband' (the coordinator then uses CURVE "
+    "by default; give peers its public key with --curve-server-key), or pass --insecure "
+    "on a lab network you trust"
+)
+
+
+def check_exposure(host: str | None, auth: str, insecure: bool) -> None:
+    """Refuse to listen on, or send credentials to, an address beyond this machine unless the
+    traffic is authenticated without giving the secret away.
+
+    ``host``: the address bound or dialled (None: ipc/inproc). ``auth``: ``none``, ``token``
+    (ZeroMQ PLAIN: the token crosses the network in clear) or ``curve``. Loopback is always
+    allowed (``lowband train``, ``edge run``, tests: zero-config); CURVE is allowed anywhere;
+    ``insecure`` allows the rest, and the caller warns."""
+    if auth not in AUTH_MODES:
+        raise ConfigError("auth", f"one of {', '.join(AUTH_MODES)}, got {auth!r}")
+    if host is None or is_loopback(host) or auth == "curve" or insecure:
+        return
+    where = "every interface" if host in ("", "*", "0.0.0.0", "::", "[::]") else host
+    if auth == "token":
+        raise ConfigError(
+            "auth",
+            f"a token without CURVE travels in clear text (ZeroMQ PLAIN) to/from {where}; "
+            f"use CURVE: {KEYGEN_HINT}",
+        )
+    raise ConfigError(
+        "auth",
+        f"refusing to expose {where} without authentication: anyone who can reach it could "
+        f"join; {KEYGEN_HINT}",
+    )
 
 
 Decision = Callable[[str, str, list[bytes]], "str | None"]

@@ -12,6 +12,7 @@ import json
 import sys
 from pathlib import Path
 
+from lowband.cli.auth import add_auth, resolve_auth
 from lowband.cli.liveness import add_liveness, add_register_timeout, liveness
 
 
@@ -238,10 +239,30 @@ def _worker(args: argparse.Namespace) -> int:
         return _fail(exc)
 
 
+def _worker_auth(args: argparse.Namespace, coordinators: list[str]):
+    """Resolve the worker's credentials and its data socket's interface, and refuse an exposed
+    unprotected setup (transport.auth.check_exposure) before anything connects. Without
+    --bind-host the data socket stays on loopback when every coordinator is."""
+    import os
+
+    from transport.auth import endpoint_host, is_loopback
+
+    auth = resolve_auth(args, os.environ, client=True, server=False)
+    hosts = [endpoint_host(c) for c in coordinators]
+    bind_host = args.bind_host
+    if bind_host is None:
+        local = all(h is None or is_loopback(h) for h in hosts)
+        bind_host = "127.0.0.1" if local else "0.0.0.0"
+    auth.check(bind_host, *hosts, what=f"this worker (data socket on {bind_host})")
+    return auth, bind_host
+
+
 def _worker_checked(args: argparse.Namespace) -> int:
     if args.site is not None:
         return _site_rank(args)
     from diloco.launch import WorkerLaunch, worker_main
+
+    auth, bind_host = _worker_auth(args, [args.coordinator])
 
     cfg = WorkerLaunch(
         train=_train_config(args, workers=args.workers),
@@ -251,9 +272,11 @@ def _worker_checked(args: argparse.Namespace) -> int:
         resume=args.resume,
         threads=args.threads,
         progress=args.progress,
-        bind_host=args.bind_host,
+        bind_host=bind_host,
         advertise_host=args.advertise_host,
-        token=args.token,
+        token=auth.token,
+        curve=auth.curve,
+        curve_server_key=auth.server_key,
         data_port=args.data_port,
         advertise_port=args.advertise_port,
         same_host=args.same_host,
@@ -284,6 +307,7 @@ def _site_rank(args: argparse.Namespace) -> int:
     if missing:
         raise ConfigError("site", f"--site runs under torchrun (missing {', '.join(missing)})")
     rank = int(env["RANK"])  # type: ignore[arg-type]
+    auth, bind_host = _worker_auth(args, args.coordinator.split(","))
     local_rank = int(os.environ.get("LOCAL_RANK", rank))
     train = _train_config(args, workers=args.workers)
     device = site_device(
@@ -305,9 +329,11 @@ def _site_rank(args: argparse.Namespace) -> int:
         site_id=args.id or "site",
         out_dir=args.out,
         threads=args.threads,
-        bind_host=args.bind_host,
+        bind_host=bind_host,
         advertise_host=args.advertise_host,
-        token=args.token,
+        token=auth.token,
+        curve=auth.curve,
+        curve_server_key=auth.server_key,
         same_host=args.same_host,
         dist_timeout=args.dist_timeout,
         resume=args.resume,
@@ -401,9 +427,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--resume", type=Path, help="a checkpoints/step-* directory to continue from")
     p.add_argument("--threads", type=int, help="torch intra-op threads")
     p.add_argument("--progress", action="store_true", help="show a progress bar")
-    p.add_argument("--bind-host", default="0.0.0.0", help="interface for the data socket")
+    p.add_argument(
+        "--bind-host",
+        help="interface for the data socket (default: 127.0.0.1 when the coordinator is on "
+        "loopback, else 0.0.0.0)",
+    )
     p.add_argument("--advertise-host", help="address other workers should connect to")
-    p.add_argument("--token", help="shared secret of the run")
+    add_auth(p, client=True, server=False)
     p.add_argument(
         "--data-port", type=int, default=0, help="data socket port (default: a free one)"
     )

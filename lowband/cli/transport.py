@@ -7,22 +7,14 @@ handlers so ``lowband --help`` stays fast on a Raspberry Pi.
 from __future__ import annotations
 
 import argparse
+import os
 import signal
+import sys
 from pathlib import Path
 
+from lowband.cli.auth import add_auth, resolve_auth
 from lowband.cli.liveness import add_liveness, liveness
 from lowband.errors import ConfigError
-
-
-def _token(args: argparse.Namespace) -> str | None:
-    if args.token and args.token_file:
-        raise ConfigError("token", "give --token or --token-file, not both")
-    if args.token_file:
-        text = Path(args.token_file).read_text().strip()
-        if not text:
-            raise ConfigError("token-file", f"{args.token_file} is empty")
-        return text
-    return args.token
 
 
 def _authorized(paths: list[str]) -> tuple[bytes, ...]:
@@ -39,24 +31,29 @@ def _authorized(paths: list[str]) -> tuple[bytes, ...]:
 
 
 def _coordinator(args: argparse.Namespace) -> int:
-    from transport.auth import CurveKeys
+    try:
+        return _coordinator_checked(args)
+    except ConfigError as exc:
+        print(f"lowband coordinator: {exc}", file=sys.stderr)
+        return 2
+
+
+def _coordinator_checked(args: argparse.Namespace) -> int:
+    from transport.auth import endpoint_host
     from transport.coordinator import Coordinator
 
-    curve = CurveKeys.load(args.curve_secret) if args.curve_secret else None
-    if curve is not None and curve.secret is None:
-        raise ConfigError(
-            "curve-secret",
-            f"{args.curve_secret} holds no secret key "
-            "(pass the NAME.key_secret file written by lowband keygen)",
-        )
+    auth = resolve_auth(args, os.environ, client=False, server=True)
+    exposed = auth.check(endpoint_host(args.bind), what=f"the coordinator on {args.bind}")
+    curve = auth.curve
     cfg = liveness(args, default_heartbeat=1.0).coordinator(
         bind=args.bind,
-        token=_token(args),
+        token=auth.token,
         curve=curve,
         curve_authorized=_authorized(args.curve_authorized or []),
     )
     coord = Coordinator(cfg).start()
     print(f"lowband coordinator listening on {coord.address}", flush=True)
+    print(f"auth: {auth.mode}" + (", insecure: true" if exposed else ""), flush=True)
     if curve is not None:
         print(f"CURVE public key (give it to peers): {curve.public.decode()}", flush=True)
 
@@ -72,7 +69,11 @@ def _coordinator(args: argparse.Namespace) -> int:
 def _keygen(args: argparse.Namespace) -> int:
     from transport.auth import CurveKeys, keygen
 
-    public, secret = keygen(args.out, args.name)
+    try:
+        public, secret = keygen(args.out, args.name)
+    except ConfigError as exc:
+        print(f"lowband keygen: {exc}", file=sys.stderr)
+        return 2
     print(f"public key file: {public}")
     print(f"secret key file: {secret}  (keep it private)")
     print(f"public key: {CurveKeys.load(public).public.decode()}")
@@ -87,9 +88,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="ZeroMQ endpoint to listen on (default tcp://0.0.0.0:29500)",
     )
     add_liveness(p, default_heartbeat=1.0)
-    p.add_argument("--token", help="shared secret every peer must present")
-    p.add_argument("--token-file", help="read the shared secret from this file")
-    p.add_argument("--curve-secret", help="coordinator key file (NAME.key_secret from keygen)")
+    add_auth(p, client=False, server=True, curve_secret_alias=True)
     p.add_argument(
         "--curve-authorized",
         nargs="*",
