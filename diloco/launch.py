@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Callable
 from diloco.common import WorkerResult, leave_together
 from diloco.config import DDPConfig, DilocoConfig, TrainConfig, config_to_dict
 from diloco.ddp import DDPWorker
-from diloco.metrics import MetricsLog, plot_runs, read_jsonl
+from diloco.metrics import MetricsLog, RunSummary, plot_runs, read_jsonl
 from diloco.task import Task, lm_task
 from diloco.trainer import DilocoWorker
 from lowband.comm import Communicator
@@ -32,7 +32,6 @@ from lowband.errors import ConfigError
 from lowband.proc import die_with_parent
 
 if TYPE_CHECKING:
-    from transport.auth import CurveKeys
     from transport.coordinator import Liveness
 
 logger = logging.getLogger(__name__)
@@ -159,8 +158,6 @@ class WorkerLaunch:
     advertise_host: str | None = None
     connections: int = 4
     token: str | None = None
-    curve: CurveKeys | None = None  # this worker's keypair (None: a fresh one per connect)
-    curve_server_key: bytes | None = None  # the coordinator's public key: enables CURVE
     data_port: int = 0  # port of the data socket (0: a free one)
     advertise_port: int | None = None  # port others dial when a relay sits in front (emulator)
     same_host: str = "auto"  # ZmqConfig.same_host: "off" when a shaped link must carry the bytes
@@ -198,8 +195,6 @@ def worker_main(cfg: WorkerLaunch) -> WorkerResult:
         connections=cfg.connections,
         timeout=cfg.train.sync_timeout,
         token=cfg.token,
-        curve=cfg.curve,
-        curve_server_key=cfg.curve_server_key,
         data_port=cfg.data_port,
         advertise_port=cfg.advertise_port,
         same_host=cfg.same_host,
@@ -337,20 +332,20 @@ def _summarize(cfg: LocalLaunch, codes: dict[int, int], wall_s: float) -> dict:
             )
         )
     names = {stem: stem.removeprefix("metrics-") for stem in records}
-    together = [
-        names[k]
-        for k, f in sorted(finals.items())
-        if f["steps"] == cfg.train.steps and codes.get(int(names[k].removeprefix("worker")), 0) == 0
-    ]
-    hashes = {f["state_hash"] for k, f in finals.items() if names[k] in together}
+    # Only workers that reached the last step together (exit 0) count: a worker that died or
+    # left early has an older state, and must not make the run look healthy.
+    run = RunSummary.from_finals(
+        [f"worker{i}" for i in range(cfg.train.workers)],
+        {names[k]: f for k, f in finals.items()},
+        steps=cfg.train.steps,
+        exit_codes={f"worker{i}": c for i, c in codes.items()},
+    )
     summary = {
         "workers": cfg.train.workers,
         "exit_codes": codes,
         "finished": sorted(finals),
-        # Only workers that reached the last step together (exit 0) are compared: a worker
-        # that died or left early has an older state, and must not make the run look healthy.
-        "finished_together": together,
-        "consistent": len(hashes) == 1 and len(together) == cfg.train.workers,
+        "finished_together": list(run.finished),
+        **run.to_dict(),
         "died": [{"worker": f"worker{i}", "exit_code": c} for i, c in sorted(codes.items()) if c],
         "rejoined": _outages(records, finals, names),
         "syncs_redone": max((f["retries"] for f in finals.values()), default=0),

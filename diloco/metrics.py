@@ -5,6 +5,10 @@ Record kinds (the ``event`` field):
 ``sync``  one fragment sync: fragment, round, bytes sent/received, wait seconds, valid workers;
 ``eval``  held-out loss of the global model with the cumulative bytes on the wire;
 ``membership``/``recovery``/``audit``  group events; ``final`` the summary of the run.
+
+:class:`RunSummary` reads the ``final`` records of a run's workers and says whether the run ended
+in one state; every command that reports a run (``lowband train``, ``lowband demo``, Flower, the
+compose demo's ``docker/compare.py``) uses it, so ``consistent`` means the same everywhere.
 """
 
 from __future__ import annotations
@@ -13,8 +17,10 @@ import json
 import sys
 import threading
 import time
+from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, Iterable, Mapping, Sequence
 
 
 class MetricsLog:
@@ -50,6 +56,89 @@ class MetricsLog:
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunSummary:
+    """Whether a run's workers ended in one state: ``consistent`` when every expected worker
+    reported a final state and all final state hashes are equal.
+
+    A worker without a final state that counts is *missing*, with the reason: no ``final``
+    record, a non-zero exit code, or a final record from before the last step. Its state is
+    older or unknown, so it must not make the run look healthy (comparing only the hashes that
+    exist would). Among the workers that reported, those whose hash is not the most common one
+    *differ*.
+    """
+
+    expected: tuple[str, ...]  # the workers that should have finished
+    hashes: Mapping[str, int]  # worker -> hash of its final state, for the states that count
+    missing: Mapping[str, str]  # worker -> why it has no final state that counts
+
+    @classmethod
+    def from_finals(
+        cls,
+        expected: Iterable[str],
+        finals: Mapping[str, Mapping[str, Any]],
+        *,
+        steps: int | None = None,
+        exit_codes: Mapping[str, int] | None = None,
+    ) -> RunSummary:
+        """From each worker's ``final`` record (``state_hash``, ``steps``). ``steps``: the step
+        every worker must have reached; ``exit_codes``: each worker's process exit status."""
+        codes = exit_codes or {}
+        hashes: dict[str, int] = {}
+        why: dict[str, str] = {}
+        for name in sorted(set(expected) | set(finals)):
+            final, code = finals.get(name), codes.get(name, 0)
+            if final is None:
+                why[name] = "no final record" + (f" (exit code {code})" if code else "")
+            elif code:
+                why[name] = f"exited with code {code}"
+            elif steps is not None and final.get("steps") != steps:
+                why[name] = f"stopped at step {final.get('steps')} of {steps}"
+            elif final.get("state_hash") is None:
+                why[name] = "its final record has no state_hash"
+            else:
+                hashes[name] = final["state_hash"]
+        return cls(expected=tuple(sorted(expected)), hashes=hashes, missing=why)
+
+    @property
+    def finished(self) -> tuple[str, ...]:
+        """The workers whose final state counts."""
+        return tuple(sorted(self.hashes))
+
+    @property
+    def differ(self) -> tuple[str, ...]:
+        """Workers whose final hash is not the most common one (ties: the first worker's)."""
+        if len(set(self.hashes.values())) <= 1:
+            return ()
+        counts = Counter(self.hashes.values())
+        top = max(counts.values())
+        common = next(h for _, h in sorted(self.hashes.items()) if counts[h] == top)
+        return tuple(sorted(w for w, h in self.hashes.items() if h != common))
+
+    @property
+    def consistent(self) -> bool:
+        return not self.missing and len(set(self.hashes.values())) == 1
+
+    @property
+    def reason(self) -> str | None:
+        """Why the run is not consistent, for a user to read; None when it is."""
+        if self.consistent:
+            return None
+        parts = [f"{w} missing ({why})" for w, why in sorted(self.missing.items())]
+        if self.differ:
+            parts.append("final state differs: " + ", ".join(self.differ))
+        return "; ".join(parts) or "no worker reported a final state"
+
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON keys every run report carries."""
+        return {
+            "consistent": self.consistent,
+            "missing": dict(sorted(self.missing.items())),
+            "differ": list(self.differ),
+            "inconsistency": self.reason,
+        }
 
 
 class Progress:

@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from diloco.metrics import plot_runs, read_jsonl
+from diloco.metrics import RunSummary, plot_runs, read_jsonl
 
 
 class MissingRun(Exception):
@@ -24,24 +24,34 @@ class MissingRun(Exception):
 
 
 def load_run(directory: Path) -> dict[str, Any]:
-    """Summary of one run: workers, final eval loss, bytes per worker, wall time, the curve."""
+    """Summary of one run: workers, final eval loss, bytes per worker, wall time, the curve.
+
+    Every worker that wrote a metrics file is expected to finish: one that started and has no
+    ``final`` record makes the run inconsistent (``missing`` says which)."""
     finals: list[dict[str, Any]] = []
     evals: list[dict[str, Any]] = []
+    started: list[str] = []
+    by_worker: dict[str, dict[str, Any]] = {}
     for path in sorted(directory.glob("metrics-*.jsonl")):
         records = read_jsonl(path)
-        finals += [r for r in records if r.get("event") == "final"]
+        done = [r for r in records if r.get("event") == "final"]
+        finals += done
         evals += [r for r in records if r.get("event") == "eval"]
+        started.append(path.stem.removeprefix("metrics-").removeprefix("worker"))
+        if done:
+            by_worker[started[-1]] = done[-1]
     if not finals:
         raise MissingRun(f"no finished worker in {directory} (metrics-*.jsonl with a final record)")
     losses = [r["final_eval"] for r in finals if r.get("final_eval") is not None]
     wall = max(r["wall_s"] for r in finals)
     steps = max(r.get("steps", 0) for r in finals)
+    run = RunSummary.from_finals(started, by_worker, steps=steps)
     return {
         "workers": len(finals),
         "steps": steps,
         "steps_per_s": steps / wall if wall > 0 and steps else None,
         # every worker of a run ends with the same parameters; a mismatch is a broken run
-        "consistent": len({r.get("state_hash") for r in finals}) == 1,
+        **run.to_dict(),
         "final_eval": losses[0] if losses else None,
         "bytes_per_worker": sum(r["bytes_sent"] for r in finals) / len(finals),
         "peak_sync_bytes": max(r.get("peak_sync_bytes", 0) for r in finals),

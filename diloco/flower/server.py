@@ -9,6 +9,9 @@ bytes moved whatever the clients do. With ``out-dir`` set it writes there:
   HF-format ``config.json`` + ``model.safetensors`` (loadable by ``edge`` and ``transformers``)
   plus ``outer.safetensors``/``outer.json`` (the Nesterov momentum of every fragment);
 * ``summary.json`` — the ``final`` record.
+
+The run's state lives on the server alone (a client keeps no θ_g between rounds), so the
+summary's :class:`~diloco.metrics.RunSummary` expects one final state, the server's.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from flwr.serverapp import Grid, ServerApp
 
 from diloco.flower.config import FlowerConfig, from_run_config
 from diloco.flower.strategy import DiLoCoStrategy
-from diloco.metrics import MetricsLog
+from diloco.metrics import MetricsLog, RunSummary
 from diloco.task import Task, lm_task
 
 
@@ -74,6 +77,8 @@ def run_server(grid: Grid, cfg: FlowerConfig, *, task: Task | None = None) -> di
     if out is not None:
         strategy.save_checkpoint(out / "checkpoint", cfg.federation.rounds)
     t = strategy.totals
+    final = {"state_hash": strategy.state_hash()}
+    run = RunSummary.from_finals(["server"], {"server": final})
     summary: dict[str, Any] = {
         "rounds": cfg.federation.rounds,
         "rounds_applied": sum(r["applied"] for r in strategy.history),
@@ -86,6 +91,8 @@ def run_server(grid: Grid, cfg: FlowerConfig, *, task: Task | None = None) -> di
         **t,
         "uplink_reduction": t["bytes_up_fp32"] / t["bytes_up"] if t["bytes_up"] else None,
         "wall_s": round(time.perf_counter() - t0, 3),
+        **final,
+        **run.to_dict(),
     }
     log.log("final", **summary)
     log.close()

@@ -53,6 +53,7 @@ from flwr.serverapp.strategy.strategy_utils import sample_nodes
 from torch import nn
 
 from diloco.checkpoint import export_model, optimizer_state, save_state
+from diloco.common import hash_state, optimizer_tensors
 from diloco.flower.config import FlowerConfig, sync_fragment
 from diloco.flower.records import (
     config_ints,
@@ -279,6 +280,14 @@ class DiLoCoStrategy(Strategy):
             p.copy_(params[name])
         self._arrays.clear()
         self._initialized = True
+
+    def state_hash(self) -> int:
+        """Digest of θ_g, every fragment's outer optimizer state and version: the state the run
+        ends in (``diloco.metrics.RunSummary``), comparable with a rerun's."""
+        tensors = list(self.model.parameters())
+        for f in self.fragments:
+            tensors += optimizer_tensors(f.outer_opt)
+        return hash_state(tensors, *self.versions)
 
     def global_record(self) -> ArrayRecord:
         """θ_g as a Flower ArrayRecord (numpy arrays, HF parameter names)."""

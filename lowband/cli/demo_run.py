@@ -55,7 +55,8 @@ class DemoFailed(LowbandError):
 def demo_train_config(sites: int) -> TrainConfig:
     """The default run: the bench-tuned ``shakespeare`` settings (NF4 + error feedback, α = 0.5,
     outer Nesterov lr 1.0) shortened to 300 steps so that both runs take ~2 minutes on two
-    cores (50 Mbit/s, 40 ms, 3 sites); H = 30, P = 3 gives ten outer rounds per fragment in that budget."""
+    cores (50 Mbit/s, 40 ms, 3 sites); H = 30, P = 3 gives ten outer rounds per fragment in
+    that budget."""
     base = shakespeare()
     return with_overrides(
         base, steps=300, inner_steps=30, eval_every=50, warmup_steps=30, workers=sites
@@ -260,7 +261,8 @@ class NetnsNetwork:
                 Site(
                     prefix=prefixes[i],
                     coordinator=f"tcp://{host}:{coordinator_port}",
-                    flags=("--bind-host", bed.addr(i), "--same-host", "off"),
+                    # --insecure: the testbed's namespaces and bridge exist only on this host
+                    flags=("--bind-host", bed.addr(i), "--same-host", "off", "--insecure"),
                 )
                 for i in range(len(bed.ns))
             ]
@@ -294,6 +296,7 @@ class NetnsNetwork:
                             str(relays[-1].port),
                             "--same-host",
                             "off",
+                            "--insecure",  # the testbed exists only on this host
                         ),
                     )
                 )
@@ -431,14 +434,18 @@ def _wait(procs: Sequence[subprocess.Popen], run_dir: Path, deadline: float) -> 
 
 
 # ---- the summary ----------------------------------------------------------------------------
-def load_run(run_dir: Path, steps: int, process_wall_s: float) -> dict[str, Any]:
+def load_run(run_dir: Path, steps: int, process_wall_s: float, sites: int) -> dict[str, Any]:
     """What the sites wrote: the ``final`` record of each and the evaluating site's curve."""
-    from diloco.metrics import read_jsonl
+    from diloco.metrics import RunSummary, read_jsonl
 
     finals, evals, waits = [], [], []
+    by_site: dict[str, dict[str, Any]] = {}
     for path in sorted(run_dir.glob("metrics-*.jsonl")):
         records = read_jsonl(path)
-        finals += [r for r in records if r["event"] == "final"]
+        done = [r for r in records if r["event"] == "final"]
+        finals += done
+        if done:  # metrics-worker<id>.jsonl, <id> the --id run_sites gave (make_worker's name)
+            by_site[path.stem.removeprefix("metrics-worker")] = done[-1]
         evals += [r for r in records if r["event"] == "eval"]
         syncs = [r["wait_s"] for r in records if r["event"] == "sync"]
         if syncs:  # DiLoCo only: time blocked waiting for fragment results
@@ -448,6 +455,8 @@ def load_run(run_dir: Path, steps: int, process_wall_s: float) -> dict[str, Any]
     losses = [f["final_eval"] for f in finals if f.get("final_eval") is not None]
     wall = max(f["wall_s"] for f in finals)  # training time, after the group formed
     n = len(finals)
+    expected = [f"site-{i + 1}" for i in range(sites)]  # the ids run_sites gives
+    run = RunSummary.from_finals(expected, by_site, steps=steps)
     return {
         "sites_finished": n,
         "final_eval": losses[0] if losses else None,
@@ -464,7 +473,7 @@ def load_run(run_dir: Path, steps: int, process_wall_s: float) -> dict[str, Any]
         # spent waiting for fragment results (what the overlap τ is meant to hide)
         "fragment_wait_s": round(sum(waits) / len(waits), 2) if waits else None,
         "tokens_per_s": round(sum(f["tokens"] for f in finals) / wall, 1) if wall > 0 else None,
-        "consistent": len({f["state_hash"] for f in finals}) == 1,
+        **run.to_dict(),
         "curve": [
             [e["step"], round(e["loss"], 4), e["bytes_sent"]]
             for e in sorted(evals, key=lambda r: r["step"])
@@ -585,7 +594,7 @@ def main(cfg: DemoConfig) -> dict[str, Any]:
         ):
             _say(cfg, f"{label}: {cfg.sites} sites x {train.steps} steps")
             took = run_sites(cfg, net, train, cfg.out_dir / key, label)
-            summary[key] = load_run(cfg.out_dir / key, train.steps, took)
+            summary[key] = load_run(cfg.out_dir / key, train.steps, took, cfg.sites)
             _say(cfg, f"{label}: done in {took:.1f} s, eval loss {summary[key]['final_eval']:.4f}")
     summary.update(_compare(summary["diloco"], summary["ddp"]))
     summary["plot"] = str(_plot(summary, cfg.out_dir / "eval_vs_bytes.png"))

@@ -322,6 +322,12 @@ def test_checkpoint_is_hf_format_plus_outer_state(tmp_path):
     tensors, meta = load_state(tmp_path / "checkpoint" / "outer")
     assert meta["round"] == 2 and meta["versions"] == [2]
     assert any(k.endswith("momentum_buffer") for k in tensors)
+    # RunSummary: the one final state of a Flower run is the server's
+    assert summary["consistent"] is True and summary["missing"] == {} and summary["differ"] == []
+    assert isinstance(summary["state_hash"], int)
+    assert (
+        json.loads((tmp_path / "summary.json").read_text())["state_hash"] == summary["state_hash"]
+    )
 
 
 # ---- whole federations in this process -------------------------------------------------------
