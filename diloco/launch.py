@@ -32,6 +32,7 @@ from lowband.errors import ConfigError
 from lowband.proc import die_with_parent
 
 if TYPE_CHECKING:
+    from transport.auth import CurveKeys
     from transport.coordinator import Liveness
 
 logger = logging.getLogger(__name__)
@@ -158,6 +159,8 @@ class WorkerLaunch:
     advertise_host: str | None = None
     connections: int = 4
     token: str | None = None
+    curve: CurveKeys | None = None  # this worker's keypair (None: a fresh one per connect)
+    curve_server_key: bytes | None = None  # the coordinator's public key: enables CURVE
     data_port: int = 0  # port of the data socket (0: a free one)
     advertise_port: int | None = None  # port others dial when a relay sits in front (emulator)
     same_host: str = "auto"  # ZmqConfig.same_host: "off" when a shaped link must carry the bytes
@@ -195,6 +198,8 @@ def worker_main(cfg: WorkerLaunch) -> WorkerResult:
         connections=cfg.connections,
         timeout=cfg.train.sync_timeout,
         token=cfg.token,
+        curve=cfg.curve,
+        curve_server_key=cfg.curve_server_key,
         data_port=cfg.data_port,
         advertise_port=cfg.advertise_port,
         same_host=cfg.same_host,
