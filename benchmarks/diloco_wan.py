@@ -184,6 +184,7 @@ def _run(bed: Testbed, cfg: TrainConfig, work: Path, timeout: float) -> dict[str
                             "1",
                             "--bind-host",
                             bed.addr(i),
+                            "--insecure",  # the namespaces and their bridge exist only here
                             "--out",
                             str(work),
                         ],

@@ -2,11 +2,15 @@
 
 ``lowband edge serve --discover`` advertises its coordinator as a ``_lowband-edge._tcp``
 service on every non-loopback IPv4 interface; ``lowband edge worker --discover`` browses for it
-and joins as if it had been given ``--master tcp://ADDR:PORT``. Discovery only says *where*
-the master is: joining still goes through the coordinator's authentication, so a master
-started with ``--token`` (or CURVE keys) stays closed to a device that lacks them. The
-advertisement carries no secret, only whether one is required (``auth``), the protocol
-signature, and the cluster name (``--cluster``), which lets two clusters share a LAN.
+and joins as if it had been given ``--master tcp://ADDR:PORT``.
+
+Anyone on the LAN can advertise anything, so an answer is only a hint of *where* a master is.
+A worker trusts it only through the master's CURVE public key, pinned with ``--master-key``:
+it picks an advertisement carrying that key (:func:`select_master`) and then connects with
+that key as the CURVE server key, so an impostor repeating the key fails the handshake (it
+lacks the secret). Without a pinned key, discovery needs ``--insecure``. The advertisement
+holds the cluster name (two clusters can share a LAN), the protocol signature and the public
+key; nothing about the authentication in force, and never a secret.
 
 Multicast needs nothing special on a flat LAN or a Linux bridge (it floods multicast frames
 to every port); it does not cross routers, and some Wi-Fi access points filter it (then give
@@ -34,8 +38,26 @@ class Found:
 
     address: str  # tcp://IP:PORT of its coordinator
     cluster: str
-    auth: str  # "token", "curve" or "none"
+    key: str | None  # the master's CURVE public key (Z85) as advertised; None: none advertised
     signature: str
+
+
+def select_master(
+    found: list[Found], *, cluster: str | None, master_key: str | None, insecure: bool
+) -> Found | None:
+    """The advertisement to join, in arrival order: of ``cluster`` when given, carrying
+    ``master_key`` when pinned. Without a pin only ``insecure`` takes the first one; refusing
+    is :func:`discover`'s job, before it listens. The key is compared, not trusted: the CURVE
+    handshake with it as the server key is what proves the master holds its secret."""
+    for f in found:
+        if cluster is not None and f.cluster != cluster:
+            continue
+        if master_key is not None:
+            if f.key == master_key:
+                return f
+        elif insecure:
+            return f
+    return None
 
 
 def _zeroconf():
@@ -70,7 +92,7 @@ class Advertisement:
         address: str,
         *,
         cluster: str = "lowband",
-        auth: str = "none",
+        key: str | None = None,
         signature: str = "",
         hosts: list[str] | None = None,
     ) -> None:
@@ -89,7 +111,11 @@ class Advertisement:
             f"{instance}.{SERVICE}",
             port=int(port),
             addresses=[socket.inet_aton(ip) for ip in ips],
-            properties={"cluster": cluster, "auth": auth, "sig": signature},
+            properties={
+                "cluster": cluster,
+                "sig": signature,
+                **({"key": key} if key is not None else {}),
+            },
             server=f"{instance}.local.",
         )
         self.zc = zc.Zeroconf(interfaces=zc.InterfaceChoice.All, ip_version=zc.IPVersion.V4Only)
@@ -131,10 +157,27 @@ def _nearest(addrs: list[str]) -> str:
     return max(v4, key=common) if v4 else addrs[0]
 
 
-def discover(*, cluster: str | None = None, timeout: float = 30.0) -> Found:
-    """The first master advertised on the LAN (of ``cluster`` when given) within ``timeout``."""
+def discover(
+    *,
+    cluster: str | None = None,
+    timeout: float = 30.0,
+    master_key: str | None = None,
+    insecure: bool = False,
+) -> Found:
+    """The first master advertised on the LAN (of ``cluster`` when given) within ``timeout``
+    that :func:`select_master` accepts: one advertising ``master_key``, or with ``insecure``
+    any. Without either, refused before listening: any host on the LAN could pose as the
+    master."""
+    if master_key is None and not insecure:
+        raise ConfigError(
+            "discover",
+            "any host on the LAN can answer discovery: pin the master with --master-key "
+            "(its CURVE public key, printed by 'edge serve' and 'lowband keygen'), give "
+            "--master tcp://HOST:PORT, or pass --insecure on a network you trust",
+        )
     zc = _zeroconf()
     found: list[Found] = []
+    chosen: list[Found] = []
     event = threading.Event()
     z = zc.Zeroconf(interfaces=zc.InterfaceChoice.All, ip_version=zc.IPVersion.V4Only)
 
@@ -145,31 +188,34 @@ def discover(*, cluster: str | None = None, timeout: float = 30.0) -> Found:
         if info is None or not info.parsed_addresses():
             return
         props = _decode(info.properties)
-        if cluster is not None and props.get("cluster") != cluster:
-            return
         found.append(
             Found(
                 address=f"tcp://{_nearest(info.parsed_addresses())}:{info.port}",
                 cluster=props.get("cluster", ""),
-                auth=props.get("auth", "none"),
+                key=props.get("key") or None,
                 signature=props.get("sig", ""),
             )
         )
-        event.set()
+        pick = select_master(found, cluster=cluster, master_key=master_key, insecure=insecure)
+        if pick is not None and not chosen:
+            chosen.append(pick)
+            event.set()
 
     browser = zc.ServiceBrowser(z, SERVICE, handlers=[on_change])
     try:
         t = time.monotonic()
         if not event.wait(timeout):
             what = f"cluster {cluster!r}" if cluster else "any lowband master"
+            if master_key is not None:
+                what += f" with key {master_key}"
             raise ConfigError(
                 "discover",
                 f"found no {what} on the LAN within {timeout:.0f}s "
                 "(is 'edge serve --discover' running on this network? multicast "
                 "may be filtered: give --master tcp://HOST:PORT instead)",
             )
-        logger.info("discovered %s in %.2f s", found[0], time.monotonic() - t)
-        return found[0]
+        logger.info("discovered %s in %.2f s", chosen[0], time.monotonic() - t)
+        return chosen[0]
     finally:
         browser.cancel()
         z.close()

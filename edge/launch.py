@@ -38,6 +38,7 @@ from lowband.models.tokenizer import ByteTokenizer, load_tokenizer
 from lowband.proc import die_with_parent
 
 if TYPE_CHECKING:
+    from transport.auth import CurveKeys
     from transport.coordinator import Liveness
 
 logger = logging.getLogger(__name__)
@@ -77,6 +78,9 @@ class ServeMasterConfig:
     name: str | None = None  # model id in the API; default: the directory name
     bind: str = "tcp://0.0.0.0:29500"  # where the master's coordinator listens (devices > 1)
     token: str | None = None  # shared secret every worker must present
+    # The master's CURVE keypair: its coordinator then encrypts and authenticates every
+    # connection, and workers are given its public key (--curve-server-key / --master-key).
+    curve: CurveKeys | None = None
     cluster: ClusterConfig
     discover: str | None = None  # advertise the coordinator on the LAN under this cluster name
     server: ServerConfig = field(default_factory=ServerConfig)
@@ -102,17 +106,40 @@ def _tokenizer(model_dir: str):
         raise
 
 
-def _zmq_config(token: str | None, timeout: float, register_timeout: float = 30.0):
+def _zmq_config(
+    token: str | None,
+    timeout: float,
+    register_timeout: float = 30.0,
+    *,
+    bind_host: str,
+    server_key: bytes | None = None,
+    curve: CurveKeys | None = None,
+):
     from transport.zmq_comm import ZmqConfig
 
     # Activations are a few KiB: one connection per pair, no striping needed.
-    return ZmqConfig(connections=1, timeout=timeout, token=token, register_timeout=register_timeout)
+    return ZmqConfig(
+        connections=1,
+        timeout=timeout,
+        token=token,
+        register_timeout=register_timeout,
+        bind_host=bind_host,
+        curve_server_key=server_key,
+        curve=curve,
+    )
+
+
+def listen_host(endpoint: str) -> str:
+    """The interface a ``tcp://HOST:PORT`` coordinator endpoint listens on, for the master's
+    other sockets (data socket, star link): a loopback coordinator keeps them all on loopback."""
+    host = endpoint[len("tcp://") :].rsplit(":", 1)[0].strip("[]")
+    return "0.0.0.0" if host in ("", "*") else host
 
 
 def _coordinator_config(cfg: ServeMasterConfig):
     from transport.coordinator import Liveness
 
-    return (cfg.liveness or Liveness()).coordinator(bind=cfg.bind, token=cfg.token)
+    return (cfg.liveness or Liveness()).coordinator(bind=cfg.bind, token=cfg.token, curve=cfg.curve)
 
 
 def lan_host() -> str:
@@ -157,7 +184,8 @@ def build_engine(cfg: ServeMasterConfig, coord=None, master_host: str | None = N
         coord = Coordinator(_coordinator_config(cfg)).start()
         print(
             f"lowband edge: waiting for {cc.devices - 1} worker(s): "
-            f"lowband edge worker --master {coord.address}",
+            f"lowband edge worker --master {coord.address}"
+            + (f" --curve-server-key {cfg.curve.public.decode()}" if cfg.curve else ""),
             flush=True,
         )
     # The coordinator tells the workers to reach the master at the address this connection
@@ -168,7 +196,12 @@ def build_engine(cfg: ServeMasterConfig, coord=None, master_host: str | None = N
     address = coord.address.replace("0.0.0.0", master_host)
     comm = connect(
         address,
-        _zmq_config(cfg.token, cc.op_timeout),
+        _zmq_config(
+            cfg.token,
+            cc.op_timeout,
+            bind_host=listen_host(cfg.bind),
+            server_key=cfg.curve.public if cfg.curve is not None else None,
+        ),
         signature=SIGNATURE,
         peer_id=f"{MASTER_ID_PREFIX}-{uuid.uuid4().hex[:8]}",
     )
@@ -231,11 +264,12 @@ def serve_main(cfg: ServeMasterConfig, coord=None) -> int:
             coord.address,
             cluster=cfg.discover,
             signature=SIGNATURE,
-            auth="token" if cfg.token else "none",
+            key=cfg.curve.public.decode() if cfg.curve is not None else None,
         )
         print(
             f"lowband edge: advertising cluster {cfg.discover!r}: "
-            f"lowband edge worker --discover {cfg.discover}",
+            f"lowband edge worker --discover {cfg.discover}"
+            + (f" --master-key {cfg.curve.public.decode()}" if cfg.curve else " --insecure"),
             flush=True,
         )
     try:
@@ -265,6 +299,9 @@ class ServeWorkerConfig:
 
     master: str  # the master's coordinator address, tcp://HOST:PORT
     token: str | None = None
+    curve_server_key: bytes | None = None  # the master's CURVE public key: enables CURVE
+    curve: CurveKeys | None = None  # this device's keypair (None: a fresh one per connect)
+    bind_host: str = "0.0.0.0"  # interface of this device's data socket
     worker: WorkerConfig = field(default_factory=WorkerConfig)
     device: DeviceConfig = field(default_factory=DeviceConfig)
     op_timeout: float = 30.0
@@ -286,7 +323,14 @@ def serve_worker_main(cfg: ServeWorkerConfig) -> int:
     cfg.device.apply()
     comm = connect(
         cfg.master,
-        _zmq_config(cfg.token, cfg.op_timeout, cfg.register_timeout),
+        _zmq_config(
+            cfg.token,
+            cfg.op_timeout,
+            cfg.register_timeout,
+            bind_host=cfg.bind_host,
+            server_key=cfg.curve_server_key,
+            curve=cfg.curve,
+        ),
         signature=SIGNATURE,
     )
     host = cfg.master[len("tcp://") :].rsplit(":", 1)[0].strip("[]")
@@ -318,16 +362,27 @@ def run_main(cfg: RunConfig) -> int:
     if cfg.pin_cores:
         serve = replace(serve, device=DeviceConfig(threads=1, cores=(0,)))
     if n > 1 and serve.bind == "tcp://0.0.0.0:29500":  # the default: keep a local run local
-        serve = replace(serve, bind="tcp://127.0.0.1:0")
+        serve = replace(
+            serve,
+            bind="tcp://127.0.0.1:0",
+            cluster=replace(serve.cluster, link_host="127.0.0.1"),
+        )
 
     def spawn_workers(address: str) -> None:
+        # The token goes through the environment, never argv (which every user sees in ps);
+        # the public key is no secret.
+        env = dict(os.environ)
+        if serve.token:
+            env["LOWBAND_TOKEN"] = serve.token
         for i in range(1, n):
             args = [sys.executable, "-m", "lowband", "edge", "worker", "--master", address]
-            if serve.token:
-                args += ["--token", serve.token]
+            if serve.curve is not None:
+                args += ["--curve-server-key", serve.curve.public.decode()]
             if cfg.pin_cores:
                 args += ["--threads", "1", "--cores", str(i % ncpu)]
-            procs.append(subprocess.Popen(args, start_new_session=True, preexec_fn=die_with_parent))
+            procs.append(
+                subprocess.Popen(args, start_new_session=True, preexec_fn=die_with_parent, env=env)
+            )
 
     check_model(serve.model_dir, serve.cluster)  # before any worker process starts
     try:

@@ -56,6 +56,9 @@ class ServerConfig:
     """A string prompt longer than context × this many characters is refused (400) before
     tokenizing: no tokenizer's tokens are that long on average, and tokenizing megabytes just
     to count them would occupy the server for seconds."""
+    insecure: bool = False
+    """The cluster behind this server was started with ``--insecure`` and is reachable from
+    the network without CURVE: reported by ``/health`` so that it is visible, not just logged."""
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
@@ -362,7 +365,12 @@ class Server:
 
     async def health(self, request: web.Request) -> web.Response:
         h = self.engine.runner.health()
-        body = {"status": "ok" if h.get("healthy") else "unavailable", **h, "queue": self._pending}
+        body = {
+            "status": "ok" if h.get("healthy") else "unavailable",
+            **h,
+            "queue": self._pending,
+            "insecure": self.cfg.insecure,
+        }
         return web.json_response(body, status=200 if h.get("healthy") else 503)
 
     async def metrics(self, request: web.Request) -> web.Response:

@@ -10,6 +10,7 @@ import argparse
 import importlib
 import sys
 
+from lowband.cli.auth import add_auth, resolve_auth
 from lowband.cli.liveness import add_liveness, add_register_timeout, liveness
 from lowband.errors import ConfigError, LowbandError
 
@@ -169,14 +170,14 @@ def _add_serve(p: argparse.ArgumentParser) -> None:
         help="microseconds each device polls the direct link for an all-reduce "
         "answer before sleeping (default 1000; 0 saves power, adds latency)",
     )
-    p.add_argument("--token", help="shared secret workers must present")
+    add_auth(p, client=False, server=True)
     p.add_argument(
         "--discover",
         nargs="?",
         const="lowband",
         metavar="CLUSTER",
-        help="advertise this master on the LAN (mDNS) so 'edge worker --discover' "
-        "finds it; the token is still required to join (default name: lowband)",
+        help="advertise this master on the LAN (mDNS) with its CURVE public key, so "
+        "'edge worker --discover --master-key KEY' finds it (default name: lowband)",
     )
     p.add_argument("--max-queue", type=int, default=64, help="waiting requests before 429")
     p.add_argument(
@@ -257,7 +258,13 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="seconds to look for the master (default 60)",
     )
     p.add_argument("--model-dir", help="local copy of the model/split dir (default: master's path)")
-    p.add_argument("--token")
+    add_auth(p, client=True, server=False)
+    p.add_argument(
+        "--master-key",
+        metavar="FILE|Z85",
+        help="the master's CURVE public key (printed by 'edge serve'): with --discover only "
+        "a master advertising it is joined, and the connection uses CURVE with it",
+    )
     p.add_argument("--op-timeout", type=float, default=30.0)
     add_register_timeout(p)
     _add_device(p)
@@ -267,7 +274,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("model_dir")
     p.add_argument("--devices", type=int, default=2)
     p.add_argument("--pin-cores", action="store_true", help="one core and one thread per device")
-    p.add_argument("--bind", default="tcp://0.0.0.0:29500")
+    p.add_argument(
+        "--bind",
+        default="tcp://127.0.0.1:0",
+        help="coordinator address (default: loopback, a free port; the devices' data sockets "
+        "and the star link follow it)",
+    )
     _add_serve(p)
     p.set_defaults(func=_run)
 
@@ -353,21 +365,30 @@ def _generate(args) -> int:
 
 
 def _serve_config(args, devices: int):
+    import os
+
     from edge.cluster import ClusterConfig
-    from edge.launch import ServeMasterConfig
+    from edge.launch import ServeMasterConfig, listen_host
     from edge.server import ServerConfig
 
+    auth = resolve_auth(args, os.environ, client=False, server=True)
+    host = listen_host(args.bind)  # coordinator, data socket and star link of the master
+    exposed = devices > 1 and auth.check(host, what=f"the master's coordinator on {args.bind}")
     return ServeMasterConfig(
         model_dir=args.model_dir,
         name=args.name,
         bind=args.bind,
-        token=args.token,
+        token=auth.token,
+        curve=auth.curve,
         discover=args.discover,
         liveness=liveness(args, default_heartbeat=1.0),
         device=_device(args),
-        server=ServerConfig(host=args.host, port=args.port, max_queue=args.max_queue),
+        server=ServerConfig(
+            host=args.host, port=args.port, max_queue=args.max_queue, insecure=exposed
+        ),
         cluster=ClusterConfig(
             devices=devices,
+            link_host=host,
             weights=_weights(args.weights),
             wire=args.wire,
             algorithm=args.algorithm,
@@ -393,28 +414,59 @@ def _serve(args) -> int:
         return _fail(exc)
 
 
+def _worker_auth(args):
+    """Credentials of an edge worker: ``--master-key`` pins the master and is its CURVE key."""
+    import dataclasses
+    import os
+
+    from transport.auth import parse_public_key
+
+    auth = resolve_auth(args, os.environ, client=True, server=False)
+    if args.master_key is None:
+        return auth
+    key = parse_public_key(args.master_key)
+    if auth.server_key is not None and auth.server_key != key and args.curve_server_key:
+        raise ConfigError("master-key", "differs from --curve-server-key; give one of them")
+    return dataclasses.replace(auth, server_key=key, mode="curve")
+
+
 def _worker(args) -> int:
     from edge.cluster import WorkerConfig
-    from edge.launch import ServeWorkerConfig, serve_worker_main
+    from edge.launch import ServeWorkerConfig, listen_host, serve_worker_main
+    from transport.auth import is_loopback
 
     try:
         if (args.master is None) == (args.discover is None):
             raise ConfigError("master", "give either --master tcp://HOST:PORT or --discover")
+        auth = _worker_auth(args)
         master = args.master
         if args.discover is not None:
             from edge.discovery import discover
 
-            found = discover(cluster=args.discover, timeout=args.discover_timeout)
+            found = discover(
+                cluster=args.discover,
+                timeout=args.discover_timeout,
+                master_key=auth.server_key.decode() if auth.server_key else None,
+                insecure=auth.insecure,
+            )
             print(
                 f"lowband edge worker: found master {found.address} (cluster "
-                f"{found.cluster!r}, auth {found.auth})",
+                f"{found.cluster!r}, key {found.key or 'none'})",
                 flush=True,
             )
             master = found.address
+        if not master.startswith("tcp://"):
+            raise ConfigError("master", f"must look like tcp://HOST:PORT, got {master!r}")
+        master_host = listen_host(master)
+        bind_host = "127.0.0.1" if is_loopback(master_host) else "0.0.0.0"
+        auth.check(bind_host, master_host, what=f"this device (data socket on {bind_host})")
         return serve_worker_main(
             ServeWorkerConfig(
                 master=master,
-                token=args.token,
+                token=auth.token,
+                curve_server_key=auth.server_key,
+                curve=auth.curve,
+                bind_host=bind_host,
                 worker=WorkerConfig(model_dir=args.model_dir),
                 device=_device(args),
                 op_timeout=args.op_timeout,

@@ -59,7 +59,19 @@ def test_every_launcher_parses_the_flags(argv, default):
 
 def test_edge_serve_config_carries_the_deadlines(tmp_path):
     args = build_parser().parse_args(
-        ["edge", "serve", str(tmp_path), "--workers", "1", "--heartbeat", "4", "--dead-after", "30"]
+        # --insecure: the default bind (every interface) without keys is refused since issue 25
+        [
+            "edge",
+            "serve",
+            str(tmp_path),
+            "--workers",
+            "1",
+            "--heartbeat",
+            "4",
+            "--dead-after",
+            "30",
+            "--insecure",
+        ]
     )
     cfg = _serve_config(args, 2)
     assert cfg.liveness == Liveness(heartbeat_interval=4, dead_after=30)

@@ -1,5 +1,6 @@
 """LAN discovery (edge/discovery.py): advertise + browse on this host, then a real zero-config
-cluster in two network namespaces on a bridge (multicast crosses it), token still required."""
+cluster in two network namespaces on a bridge (multicast crosses it): CURVE with the master's
+key pinned, token still required."""
 
 from __future__ import annotations
 
@@ -23,13 +24,14 @@ pytestmark = pytest.mark.timeout(240)
 
 
 def test_advertise_then_discover_by_cluster_name() -> None:
+    key = "k" * 40
     with Advertisement(
-        "tcp://0.0.0.0:23456", cluster=f"a{os.getpid()}", auth="token", signature="lowband-edge/1"
+        "tcp://0.0.0.0:23456", cluster=f"a{os.getpid()}", key=key, signature="lowband-edge/1"
     ):
-        found = discover(cluster=f"a{os.getpid()}", timeout=20)
+        found = discover(cluster=f"a{os.getpid()}", timeout=20, master_key=key)
     assert found.address.endswith(":23456") and found.address.startswith("tcp://")
     assert not found.address.startswith("tcp://127.") and not found.address.startswith("tcp://0.")
-    assert (found.auth, found.signature) == ("token", "lowband-edge/1")  # never the secret
+    assert (found.key, found.signature) == (key, "lowband-edge/1")  # a public key, no secret
 
 
 def test_nearest_address_is_on_our_subnet(monkeypatch) -> None:
@@ -42,7 +44,7 @@ def test_nearest_address_is_on_our_subnet(monkeypatch) -> None:
 
 def test_discover_times_out_with_an_actionable_message() -> None:
     with pytest.raises(ConfigError, match="--master"):
-        discover(cluster=f"nobody{os.getpid()}", timeout=1.0)
+        discover(cluster=f"nobody{os.getpid()}", timeout=1.0, insecure=True)
 
 
 def test_advertisement_rejects_a_bad_address() -> None:
@@ -111,6 +113,12 @@ def _bridge_forwarding(bridge: str):
 @pytest.mark.netns
 @pytest.mark.skipif(netns.available() is not None, reason=f"netns: {netns.available()}")
 def test_zero_config_cluster_in_two_namespaces(tmp_path) -> None:
+    from transport.auth import CurveKeys, keygen
+
+    public, secret = keygen(tmp_path / "keys", "master")
+    master_key = CurveKeys.load(public).public.decode()
+    tmp_path = tmp_path / "model"
+    tmp_path.mkdir()
     _ckpt(tmp_path)
     lb = [sys.executable, "-m", "lowband", "edge"]
     name = f"c{os.getpid()}"
@@ -145,6 +153,8 @@ def test_zero_config_cluster_in_two_namespaces(tmp_path) -> None:
                     name,
                     "--token",
                     "s3cret",
+                    "--curve-key",
+                    str(secret),
                     "--bind",
                     "tcp://0.0.0.0:29500",
                     "--host",
@@ -163,6 +173,8 @@ def test_zero_config_cluster_in_two_namespaces(tmp_path) -> None:
                     "worker",
                     "--discover",
                     name,
+                    "--master-key",
+                    master_key,
                     "--token",
                     "wrong",
                     "--discover-timeout",
@@ -182,6 +194,8 @@ def test_zero_config_cluster_in_two_namespaces(tmp_path) -> None:
                     "worker",
                     "--discover",
                     name,
+                    "--master-key",
+                    master_key,
                     "--token",
                     "s3cret",
                     "--discover-timeout",
@@ -202,6 +216,7 @@ def test_zero_config_cluster_in_two_namespaces(tmp_path) -> None:
                 time.sleep(0.3)
             status, h = _get(f"{url}/health")
             assert status == 200 and h["devices"] == 2 and h["connected"] == 2, h
+            assert h["insecure"] is False, h
             status, out = _get(
                 f"{url}/v1/completions", {"prompt": "Hi", "max_tokens": 4, "temperature": 0}
             )
