@@ -3,6 +3,9 @@
 //   g++ -std=c++17 -O2 -DLOWBAND_QUANT_SCALAR selftest.cpp && ./a.out       (scalar path)
 //   aarch64-linux-gnu-g++ -std=c++17 -O2 -static -march=armv8.2-a+dotprod selftest.cpp
 //       && qemu-aarch64 ./a.out                                            (NEON path)
+//   python -m ziglang c++ -target aarch64-linux-musl -mcpu=generic+dotprod -std=c++17 -O2 -static
+//       selftest.cpp && qemu-aarch64-static ./a.out     (NEON without a cross toolchain: pip
+//                                                       install ziglang; -mcpu=generic: no SDOT)
 // Compares the kernel with a double-precision evaluation of the same integer semantics
 // (scalar activation quantization, exact int32 group dots) over many shapes; prints the ISA and
 // the worst relative error and exits non-zero on a mismatch.  Used by tests/edge/test_quant.py.
