@@ -8,7 +8,7 @@ cannot drift apart in argument handling or result unwrapping.
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 import torch
 
@@ -19,6 +19,37 @@ from transport.work import FutureWork
 
 class BlockingCollectives:
     """Mixin: ``all_reduce``, ``broadcast``, ``broadcast_message``, ``all_gather``."""
+
+    if TYPE_CHECKING:  # what the communicator mixing this in provides
+
+        @property
+        def rank(self) -> int: ...
+
+        def _timeout(self, timeout: float | None) -> float: ...
+
+        def all_reduce_async(
+            self,
+            tensor: torch.Tensor,
+            op: ReduceOp = "sum",
+            *,
+            codec: Codec | None = None,
+            algorithm: Algorithm = "auto",
+            tag: str | None = None,
+            timeout: float | None = None,
+        ) -> FutureWork: ...
+
+        def _broadcast_async(
+            self,
+            tensors: Sequence[torch.Tensor] | None,
+            meta: Mapping | None,
+            root: int,
+            tag: str | None,
+            timeout: float | None,
+        ) -> FutureWork: ...
+
+        def all_gather_async(
+            self, tensor: torch.Tensor, *, tag: str | None = None, timeout: float | None = None
+        ) -> FutureWork: ...
 
     def all_reduce(
         self,

@@ -37,7 +37,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import zmq
 
@@ -282,7 +282,7 @@ class Coordinator:
             sock.close(0)
             self._shutdown_ctx()
             raise ConfigError("bind", f"cannot bind {cfg.bind}: {exc}") from None
-        self.address = sock.last_endpoint.decode()
+        self.address = cast(bytes, sock.get(zmq.LAST_ENDPOINT)).decode()
         self._sock = sock
         self._thread = threading.Thread(target=self._run, name="lowband-coordinator", daemon=True)
         self._thread.start()
@@ -562,7 +562,7 @@ class Coordinator:
             peers = {p: self._peers[p] for p in views}
         order = next(iter(views.values())).peers
         addrs = [peers[p].addr for p in order]
-        keys = [peers[p].key.decode() if peers[p].key else None for p in order]
+        keys = [k.decode() if (k := peers[p].key) else None for p in order]
         for pid, view in views.items():
             self._send(
                 pid,
@@ -639,6 +639,6 @@ class Coordinator:
 
 def _peer_address(frame: zmq.Frame) -> str:
     try:
-        return frame.get("Peer-Address")
+        return str(frame.get("Peer-Address"))
     except (zmq.ZMQError, AttributeError):
         return ""

@@ -343,6 +343,7 @@ class Reactor:
 
 def _user_id(frame: zmq.Frame) -> str | None:
     try:
-        return frame.get("User-Id")
+        user = frame.get("User-Id")
     except zmq.ZMQError:
         return None
+    return None if user is None else str(user)

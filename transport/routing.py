@@ -21,7 +21,7 @@ it waits in ``finishing``.
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Callable, Collection, Sequence
+from typing import TYPE_CHECKING, Callable, Collection, Sequence, cast
 
 from lowband.errors import PeerLost, ProtocolError, TransportTimeout
 from transport import wire
@@ -30,6 +30,7 @@ from transport.peerlinks import PeerLinks
 from transport.wire import MsgType
 
 if TYPE_CHECKING:
+    from transport.messages import RecvOp
     from transport.ops import Host, Op
 
 logger = logging.getLogger(__name__)
@@ -66,7 +67,9 @@ class Routing:
         self._done_keys: set[Key] = set()  # finished here: late messages for them are dropped
         self._aborted: dict[Key, wire.Message] = {}  # ABORTs for ops not started here yet
         self._rx_next: dict[tuple[int, str], int] = {}  # receive side of p2p: next message number
-        self._recvs: dict[tuple[int, str], list["Op"]] = {}  # bound, unfinished receives, in order
+        self._recvs: dict[
+            tuple[int, str], list["RecvOp"]
+        ] = {}  # bound, unfinished receives, in order
 
     # ---- starting and ending ---------------------------------------------------------------------
     def start(self, op: "Op", *, lost: Collection[str], crashed: Collection[str]) -> None:
@@ -74,7 +77,7 @@ class Routing:
         epoch, ``crashed`` those of them that left without a goodbye."""
         host = self._host
         if op.p2p_recv:
-            self.bind_recv(op)
+            self.bind_recv(cast("RecvOp", op))
         key = (op.epoch, op.key)
         if key in self._ops:
             op.fail(host, ProtocolError(f"two operations with key '{op.key}' in flight"))
@@ -129,7 +132,7 @@ class Routing:
     def forget(self, op: "Op") -> None:
         """Called by an op that failed."""
         self._ops.pop((op.epoch, op.key), None)
-        if op.p2p_recv and self.unbind_recv(op):
+        if op.p2p_recv and self.unbind_recv(cast("RecvOp", op)):
             return  # the number went back: its message, when it comes, is the next receive's
         self._done_keys.add((op.epoch, op.key))
         if op in self._finishing:
@@ -150,7 +153,7 @@ class Routing:
         self._finishing = still
 
     # ---- point-to-point receive numbering ------------------------------------------------------
-    def bind_recv(self, op: "Op") -> None:
+    def bind_recv(self, op: "RecvOp") -> None:
         """Give a receive the number of the next message from its source with its tag.
 
         Numbers are handed out here, on the reactor thread, in the order receives start; a
@@ -162,7 +165,7 @@ class Routing:
         self._recvs.setdefault(name, []).append(op)
         op.p2p_name, op.key = op.key, f"{op.key}#{n}"
 
-    def unbind_recv(self, op: "Op") -> bool:
+    def unbind_recv(self, op: "RecvOp") -> bool:
         """Called when a receive fails. True if its number went back: later receives of the
         same source and tag (none of which has seen a byte yet) move one number down."""
         name = (op.epoch, op.p2p_name)

@@ -147,16 +147,17 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
     flat = t.detach().contiguous().reshape(-1)
     if flat.numel() == 0:
         return memoryview(b"")
-    return memoryview(flat.view(torch.uint8).numpy())
+    return memoryview(flat.view(torch.uint8).numpy())  # type: ignore[arg-type]
 
 
 def tensor_from(buf: memoryview | bytes, dtype: torch.dtype, shape: Sequence[int]) -> torch.Tensor:
     """A tensor viewing ``buf`` (no copy). The caller keeps ``buf`` alive while it is used."""
     if len(buf) == 0:
         return torch.empty(tuple(shape), dtype=dtype)
+    data: memoryview | bytes | bytearray = buf
     if memoryview(buf).readonly:  # bytes (tests, control messages): torch wants writable memory
-        buf = bytearray(buf)
-    return torch.frombuffer(buf, dtype=torch.uint8).view(dtype).reshape(tuple(shape))
+        data = bytearray(buf)
+    return torch.frombuffer(data, dtype=torch.uint8).view(dtype).reshape(tuple(shape))
 
 
 def nbytes(t: torch.Tensor) -> int:

@@ -25,7 +25,7 @@ import socket
 import threading
 import time
 import uuid
-from typing import Any, Mapping, Sequence
+from typing import Any, Mapping, Sequence, cast
 
 import torch
 import zmq
@@ -104,7 +104,7 @@ def connect(
             data.rcvbuf = cfg.socket_buffer_bytes
         configure_server(data, domain=DATA_DOMAIN, token=cfg.token, curve=keys)
         data.bind(f"tcp://{cfg.bind_host}:{cfg.data_port}")
-        port = int(data.last_endpoint.decode().rsplit(":", 1)[1])
+        port = int(cast(bytes, data.get(zmq.LAST_ENDPOINT)).decode().rsplit(":", 1)[1])
         host = cfg.advertise_host or (
             cfg.bind_host if cfg.bind_host not in ("0.0.0.0", "*", "::") else "*"
         )
@@ -208,7 +208,7 @@ def _register(control: zmq.Socket, coordinator: str, cfg: ZmqConfig, meta: dict[
                         "incompatible": IncompatiblePeer,
                         "auth": AuthError,
                         "version": VersionMismatch,
-                    }.get(kind, ProtocolError)(reason)
+                    }.get(str(kind), ProtocolError)(reason)
                 raise ProtocolError(f"unexpected {msg.type.name} while registering")
         raise TransportTimeout(
             f"no answer from the coordinator at {coordinator} within "
@@ -498,9 +498,13 @@ class ZmqCommunicator(BlockingCollectives):
             # Withdraw it on the reactor thread before giving up: a message that arrives in
             # between must either complete this receive (and be returned) or stay for the next.
             settled = threading.Event()
-            self._reactor.call(
-                lambda e=exc: (o.finished or o.fail(self._reactor, e), settled.set())
-            )
+
+            def withdraw(e: BaseException = exc) -> None:
+                if not o.finished:
+                    o.fail(self._reactor, e)
+                settled.set()
+
+            self._reactor.call(withdraw)
             settled.wait(5.0)
             return o.work.wait(0)
 
