@@ -30,6 +30,7 @@ Both classes provide the ``all_reduce``/``stats`` subset of the Communicator pro
 from __future__ import annotations
 
 import hmac
+import logging
 import os
 import secrets
 import socket
@@ -40,20 +41,24 @@ import msgpack
 import torch
 
 from lowband.comm import Codec, Encoded, OpStats
-from lowband.errors import PeerLost, ProtocolError, TransportTimeout
+from lowband.errors import AuthError, PeerLost, ProtocolError, TransportTimeout
 from transport.starlink_wire import (
     ABORT,
     CMD,
     DATA,
     HEADER,
     HELLO,
+    HELLO_TIMEOUT_S,
     MAGIC,
+    MAX_HELLO,
     MAX_PAYLOAD,
     RESULT,
     SYNC,
     TABLE_LEN,
     VERSION,
 )
+
+logger = logging.getLogger(__name__)
 
 _DTYPES = {
     "float32": torch.float32,
@@ -76,6 +81,38 @@ def _decode(frames: list[torch.Tensor], meta: dict, codec: Codec | None) -> torc
     if codec is None:
         return frames[0].view(meta["shape"])
     return codec.decode(Encoded(frames=tuple(frames), meta=meta))
+
+
+def _parse_table(payload: bytearray, who: str) -> tuple[dict, list[tuple[str, int, int]]]:
+    """A payload's codec metadata and frames as ``(dtype name, offset, bytes)``, every field
+    checked: whatever a peer sends, a malformed table is a ProtocolError (never a TypeError or
+    a struct/msgpack error escaping to the caller)."""
+    n = len(payload)
+    if n < TABLE_LEN.size:
+        raise ProtocolError(f"a link message from {who} too short for its frame table")
+    (tlen,) = TABLE_LEN.unpack_from(payload, 0)
+    start = TABLE_LEN.size
+    if tlen > n - start:
+        raise ProtocolError(f"a link message from {who} announces a table past its end")
+    try:
+        table = msgpack.unpackb(bytes(payload[start : start + tlen]))
+    except (ValueError, TypeError, msgpack.UnpackException) as exc:
+        raise ProtocolError(f"an undecodable frame table from {who}: {exc}") from None
+    if not isinstance(table, dict) or not isinstance(table.get("f"), list):
+        raise ProtocolError(f"a frame table from {who} is not a table")
+    meta = table.get("m")
+    if not isinstance(meta, dict):
+        raise ProtocolError(f"a frame table from {who} carries no metadata table")
+    frames, off = [], start + tlen
+    for entry in table["f"]:
+        if not (isinstance(entry, list) and len(entry) == 2 and entry[0] in _DTYPES):
+            raise ProtocolError(f"bad frame table from {who}")
+        nbytes = entry[1]
+        if not isinstance(nbytes, int) or not 0 <= nbytes <= n - off:
+            raise ProtocolError(f"bad frame table from {who}")
+        frames.append((entry[0], off, nbytes))
+        off += nbytes
+    return meta, frames
 
 
 def _table(meta: dict | None, frames) -> bytes:
@@ -176,22 +213,57 @@ class _Conn:
             raise TransportTimeout(f"no message from {self.who} within {timeout}s") from None
         except OSError as exc:
             raise PeerLost(f"link to {self.who} broke: {exc}", peers=(self.who,)) from None
-        (tlen,) = TABLE_LEN.unpack_from(payload, 0)
-        start = TABLE_LEN.size
-        table = msgpack.unpackb(bytes(payload[start : start + tlen]))
-        frames, off = [], start + tlen
-        for dname, nbytes in table["f"]:
-            if dname not in _DTYPES or off + nbytes > n:
-                raise ProtocolError(f"bad frame table from {self.who}")
+        meta, table = _parse_table(payload, self.who)
+        frames = []
+        for dname, off, nbytes in table:
             raw = (
                 torch.frombuffer(payload, dtype=torch.uint8, offset=off, count=nbytes)
                 if nbytes
                 else torch.empty(0, dtype=torch.uint8)
             )
-            frames.append(raw.view(_DTYPES[dname]))
-            off += nbytes
+            try:
+                frames.append(raw.view(_DTYPES[dname]))
+            except RuntimeError:  # a byte count that is not a whole number of elements
+                raise ProtocolError(f"bad frame table from {self.who}") from None
             self.received += nbytes
-        return kind, seq, frames, table["m"]
+        return kind, seq, frames, meta
+
+    def read_hello(self, deadline: float) -> tuple[int, str]:
+        """A new connection's HELLO as ``(slot, secret)``, read by the monotonic ``deadline``.
+        Nothing is trusted before the length check: a HELLO announcing more than
+        ``MAX_HELLO`` bytes is refused without reading (or allocating) it."""
+        buf = bytearray(HEADER.size + MAX_HELLO)
+        got = self._read_by(buf, 0, HEADER.size, deadline)
+        magic, ver, kind, _, _, n = HEADER.unpack_from(buf, 0)
+        if magic != MAGIC or ver != VERSION or kind != HELLO:
+            raise ProtocolError(f"{self.who} did not open with a link HELLO (magic {magic!r})")
+        if n > MAX_HELLO:
+            raise ProtocolError(f"{self.who} announced a {n}-byte HELLO (at most {MAX_HELLO})")
+        need = HEADER.size + n
+        got = self._read_by(buf, got, need, deadline)
+        meta, _ = _parse_table(buf[HEADER.size : need], self.who)
+        slot, secret = meta.get("slot"), meta.get("secret")
+        if type(slot) is not int or not 0 <= slot < 1 << 16 or not isinstance(secret, str):
+            raise ProtocolError(f"a HELLO from {self.who} without a valid slot and secret")
+        return slot, secret
+
+    def _read_by(self, buf: bytearray, got: int, need: int, deadline: float) -> int:
+        view = memoryview(buf)
+        try:
+            while got < need:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise socket.timeout
+                self.sock.settimeout(left)
+                k = self.sock.recv_into(view[got:need])
+                if k == 0:
+                    raise PeerLost(f"{self.who} closed the link", peers=(self.who,))
+                got += k
+        except socket.timeout:
+            raise ProtocolError(f"{self.who} did not complete its HELLO in time") from None
+        except OSError as exc:
+            raise PeerLost(f"link to {self.who} broke: {exc}", peers=(self.who,)) from None
+        return got
 
     def close(self) -> None:
         try:
@@ -203,9 +275,17 @@ class _Conn:
 class StarHub:
     """The master's end: sums the workers' partial outputs and sends back the result."""
 
-    def __init__(self, host: str = "127.0.0.1", port: int = 0, *, spin_s: float = 0.0) -> None:
+    def __init__(
+        self,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        *,
+        spin_s: float = 0.0,
+        hello_timeout: float = HELLO_TIMEOUT_S,
+    ) -> None:
         self._srv = socket.create_server((host, port))
         self.spin_s = spin_s
+        self.hello_timeout = hello_timeout  # per connection, see starlink_wire.HELLO_TIMEOUT_S
         self.port = self._srv.getsockname()[1]
         # Handed to workers over the (authenticated) communicator; a connection that does not
         # present it is dropped, so a stranger on the LAN cannot take a slot. (No encryption:
@@ -218,25 +298,36 @@ class StarHub:
         self._lock = threading.Lock()
 
     def accept(self, slot: int, timeout: float) -> None:
-        """Wait for the worker holding ``slot`` to connect (other slots are kept for later)."""
-        self._srv.settimeout(timeout)
+        """Wait up to ``timeout`` seconds for the worker holding ``slot`` to connect (other
+        slots are kept for later). A connection that does not present a well-formed HELLO with
+        the secret within ``hello_timeout`` is logged and dropped; the wait goes on, so a
+        stranger can neither crash the caller (the master's recovery thread) nor hold it."""
+        deadline = time.monotonic() + timeout
         while slot not in self._pending:
+            left = deadline - time.monotonic()
             try:
+                if left <= 0:
+                    raise socket.timeout
+                self._srv.settimeout(left)
                 sock, addr = self._srv.accept()
             except socket.timeout:
                 raise TransportTimeout(
                     f"worker for slot {slot} did not connect its link within {timeout}s"
                 ) from None
-            conn = _Conn(sock, f"{addr[0]}:{addr[1]}")
+            who = f"{addr[0]}:{addr[1]}"
             try:
-                kind, _, _, meta = conn.recv(timeout)
-            except (PeerLost, TransportTimeout, ProtocolError):
-                conn.close()
+                conn = _Conn(sock, who)
+                got, secret = conn.read_hello(time.monotonic() + min(self.hello_timeout, left))
+                if not hmac.compare_digest(secret.encode(), self.secret.encode()):
+                    raise AuthError(f"{who} presented a wrong link secret")
+            except (ProtocolError, AuthError, PeerLost, OSError) as exc:
+                logger.warning("star link: dropped a connection from %s: %s", who, exc)
+                sock.close()
                 continue
-            if kind != HELLO or not hmac.compare_digest(str(meta.get("secret", "")), self.secret):
-                conn.close()
-                continue
-            self._pending[int(meta["slot"])] = conn
+            stale = self._pending.pop(got, None)
+            if stale is not None:
+                stale.close()
+            self._pending[got] = conn
         old = self._conns.pop(slot, None)
         if old is not None:
             old.close()

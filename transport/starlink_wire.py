@@ -48,6 +48,12 @@ HEADER_FIELDS: tuple[tuple[str, str], ...] = (
 HEADER = struct.Struct("<" + "".join(code for _, code in HEADER_FIELDS))
 TABLE_LEN = struct.Struct("<I")  # first thing in a payload: the msgpack table's length
 MAX_PAYLOAD = 1 << 31  # a longer announced payload is a ProtocolError (not an allocation)
+# A HELLO ({slot, secret}: ~60 bytes) announcing a longer payload is refused before anything is
+# read or allocated: the hub reads HELLOs from connections nobody has authenticated yet.
+MAX_HELLO = 4096
+# Seconds a new connection has to deliver its whole HELLO (a deadline, not a per-read timeout, so
+# a peer trickling one byte at a time cannot hold the hub's accept either).
+HELLO_TIMEOUT_S = 5.0
 
 _C_TYPES = {"4s": "char", "B": "uint8_t", "H": "uint16_t", "I": "uint32_t", "Q": "uint64_t"}
 _C_COUNTS = {"4s": 4}
