@@ -19,6 +19,7 @@ SUPPORTED_MODEL_TYPES = (
     "gemma3_text",
     "phi3",
     "smollm3",
+    "qwen3_moe",
 )
 # Feed-forward activations the MLP implements (HF ``hidden_act`` / Gemma's ``hidden_activation``).
 ACTIVATIONS = ("silu", "swish", "gelu_pytorch_tanh")
@@ -32,6 +33,7 @@ ARCHITECTURES = {
     "gemma3_text": "Gemma3ForCausalLM",
     "phi3": "Phi3ForCausalLM",
     "smollm3": "SmolLM3ForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
 }
 
 
@@ -54,9 +56,11 @@ class ModelConfig:
     rope_scaling: dict[str, Any] | None = None
     attention_bias: bool = False  # Qwen2: bias on q/k/v projections
     tie_word_embeddings: bool = False
-    # Mixture of experts (Mixtral): 0 experts means a dense SwiGLU MLP.
+    # Mixture of experts (Mixtral, Qwen3-MoE): 0 experts means a dense SwiGLU MLP. With
+    # experts, intermediate_size is each expert's width (Qwen3-MoE's moe_intermediate_size).
     num_local_experts: int = 0
     num_experts_per_tok: int = 2
+    norm_topk_prob: bool = True  # renormalise the top-k routing weights (Qwen3-MoE: optional)
     # Mistral-style sliding-window attention: position i attends to keys j with i - j < W
     # (None: full causal attention).
     sliding_window: int | None = None
@@ -232,7 +236,7 @@ class ModelConfig:
             if k not in kwargs:
                 raise ConfigError(k, "missing from config.json")
         _refuse_unimplemented(d)
-        if d.get("model_type") in ("qwen2", "qwen3", "smollm3") or (
+        if d.get("model_type") in ("qwen2", "qwen3", "qwen3_moe", "smollm3") or (
             d.get("use_sliding_window") is False
         ):
             # Qwen2/3 and SmolLM3 configs carry a sliding_window that only applies with
@@ -284,15 +288,31 @@ class ModelConfig:
             if d[k] is None:
                 d.pop(k)
         d.pop("rope_local_theta", None)
+        if self.model_type == "qwen3_moe":
+            d["moe_intermediate_size"] = self.intermediate_size
+            d["num_experts"] = self.num_local_experts
+        elif self.norm_topk_prob:  # the only routing Mixtral knows
+            d.pop("norm_topk_prob")
+        for f in fields(self):  # family switches left at Llama's value need not be written
+            if f.name in _FAMILY_SWITCHES and d.get(f.name) == f.default:
+                d.pop(f.name)
         return {**self.extra, **d}
+
+
+# Fields ``from_hf_dict`` derives from model_type (written to config.json only when set).
+_FAMILY_SWITCHES = ("qk_norm", "norm_unit_offset", "sandwich_norms", "scale_embeddings")
 
 
 def _family_fields(d: dict[str, Any]) -> dict[str, Any]:
     """The fields a family implies (HF leaves them implicit in the model code)."""
     mt = d.get("model_type")
     out: dict[str, Any] = {}
-    if mt in ("qwen3", "gemma3_text"):
+    if mt in ("qwen3", "gemma3_text", "qwen3_moe"):
         out["qk_norm"] = True
+    if mt == "qwen3_moe":  # every layer routed (refused otherwise): the dense width is unused
+        out["intermediate_size"] = d.get("moe_intermediate_size", d["intermediate_size"])
+        out["num_local_experts"] = d.get("num_experts", d.get("num_local_experts", 0))
+        out["norm_topk_prob"] = bool(d.get("norm_topk_prob", False))
     if mt != "gemma3_text":
         return out
     out.update(
@@ -341,6 +361,9 @@ def _refuse_unimplemented(d: dict[str, Any]) -> None:
         "use_qk_norm": (False,),
         "qk_layernorm": (False,),
         "use_bidirectional_attention": (None, False),  # Gemma 3 embedding models
+        "decoder_sparse_step": (1,),  # Qwen3-MoE: dense layers between routed ones
+        "mlp_only_layers": ([],),
+        "shared_expert_intermediate_size": (None, 0),  # Qwen2-MoE style shared expert
     }
     if d.get("model_type") != "gemma3_text" and (d.get("hidden_activation") or "silu") not in (
         "silu",

@@ -379,7 +379,8 @@ class Expert(nn.Module):
 class SparseMoE(nn.Module):
     """Mixtral-style top-k routed experts (HF name ``block_sparse_moe``).
 
-    Routing: softmax over all experts in float32, keep the top k, renormalise them to sum to 1.
+    Routing: softmax over all experts in float32, keep the top k, renormalise them to sum to 1
+    (unless ``norm_topk_prob`` is off: Qwen3-MoE may keep the raw probabilities).
     ``expert_fn``, when set (by the expert store of the bit-nested runtime), replaces the call of
     ``experts[e]`` so weights can live outside the module; ``on_route`` receives the chosen
     expert ids, which feeds hotness statistics.
@@ -389,6 +390,7 @@ class SparseMoE(nn.Module):
         super().__init__()
         self.top_k = cfg.num_experts_per_tok
         self.num_experts = cfg.num_local_experts
+        self.norm_topk_prob = cfg.norm_topk_prob
         self.gate = nn.Linear(cfg.hidden_size, cfg.num_local_experts, bias=False)
         self.experts = nn.ModuleList(
             Expert(cfg.hidden_size, cfg.intermediate_size) for _ in range(cfg.num_local_experts)
@@ -402,7 +404,9 @@ class SparseMoE(nn.Module):
         flat = x.reshape(-1, H)
         probs = F.softmax(self.gate(flat), dim=-1, dtype=torch.float32)
         weights, chosen = torch.topk(probs, self.top_k, dim=-1)
-        weights = (weights / weights.sum(dim=-1, keepdim=True)).to(x.dtype)
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        weights = weights.to(x.dtype)
         if self.on_route is not None:
             self.on_route(chosen)
         out = torch.zeros_like(flat)

@@ -43,18 +43,39 @@ def weight_files(model_dir: Path) -> list[Path]:
 
 FUSED_FAMILIES = ("phi3",)  # checkpoints with fused qkv_proj / gate_up_proj
 _FUSED = re.compile(r"^(model\.layers\.\d+\.)(self_attn\.qkv_proj|mlp\.gate_up_proj)\.weight$")
+# Qwen3-MoE's names for the routed experts -> the runtime's (Mixtral's) names, so tensor
+# parallelism, the expert store and quantization see one layout.
+_QWEN_MOE = re.compile(
+    r"^(model\.layers\.\d+\.)mlp\.(gate|experts\.\d+\.(gate|up|down)_proj)\.weight$"
+)
+_EXPERT_NAMES = {"gate": "w1", "up": "w3", "down": "w2"}
+
+
+def is_renamed(cfg: ModelConfig, key: str) -> bool:
+    """Whether :func:`split_fused` turns checkpoint tensor ``key`` into other names."""
+    if cfg.model_type in FUSED_FAMILIES:
+        return _FUSED.match(key) is not None
+    return cfg.model_type == "qwen3_moe" and _QWEN_MOE.match(key) is not None
 
 
 def split_fused(cfg: ModelConfig, key: str, t: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
     """A checkpoint tensor as the runtime's tensors. Phi-3 stores q/k/v as one ``qkv_proj``
     (rows q | k | v) and gate/up as one ``gate_up_proj`` (rows gate | up); the runtime keeps
     Llama's separate projections (so TP, quantization and the fused decode path are shared)
-    and re-fuses them itself for decode. Every other tensor passes through unchanged."""
-    m = _FUSED.match(key) if cfg.model_type in FUSED_FAMILIES else None
-    if m is None:
+    and re-fuses them itself for decode. Qwen3-MoE's ``mlp.experts.E.gate_proj`` etc. become
+    ``block_sparse_moe.experts.E.w1`` etc. Every other tensor passes through unchanged."""
+    if not is_renamed(cfg, key):
         yield key, t
         return
-    prefix, what = m.groups()
+    if cfg.model_type == "qwen3_moe":
+        prefix, what, proj = _QWEN_MOE.match(key).groups()  # type: ignore[union-attr]
+        if proj is None:
+            yield f"{prefix}block_sparse_moe.gate.weight", t
+        else:
+            e = what.split(".")[1]
+            yield f"{prefix}block_sparse_moe.experts.{e}.{_EXPERT_NAMES[proj]}.weight", t
+        return
+    prefix, what = _FUSED.match(key).groups()  # type: ignore[union-attr]
     if what == "self_attn.qkv_proj":
         nq, nkv = cfg.num_attention_heads * cfg.dim_per_head, cfg.n_kv_heads * cfg.dim_per_head
         if t.shape[0] != nq + 2 * nkv:
@@ -72,7 +93,18 @@ def split_fused(cfg: ModelConfig, key: str, t: torch.Tensor) -> Iterator[tuple[s
 
 
 def fuse_for_checkpoint(cfg: ModelConfig, state: dict[str, torch.Tensor]) -> None:
-    """The inverse of :func:`split_fused`, in place, for families whose checkpoints fuse."""
+    """The inverse of :func:`split_fused`, in place: the family's own checkpoint names."""
+    if cfg.model_type == "qwen3_moe":
+        back = {v: k for k, v in _EXPERT_NAMES.items()}
+        for key in list(state):
+            hit = re.match(r"^(model\.layers\.\d+\.)block_sparse_moe\.(.*)\.weight$", key)
+            if hit is None:
+                continue
+            prefix, rest = hit.groups()
+            if rest != "gate":  # experts.E.wN -> experts.E.{gate,up,down}_proj
+                e, w = rest.split(".")[1:]
+                rest = f"experts.{e}.{back[w]}_proj"
+            state[f"{prefix}mlp.{rest}.weight"] = state.pop(key)
     if cfg.model_type not in FUSED_FAMILIES:
         return
     for i in range(cfg.num_hidden_layers):
@@ -120,8 +152,7 @@ def load_pretrained(
     for f in weight_files(d):
         with safe_open(str(f), framework="pt") as sf:
             for name in sf.keys():
-                fused = cfg.model_type in FUSED_FAMILIES and _FUSED.match(name) is not None
-                if not fused and name not in expected:
+                if not is_renamed(cfg, name) and name not in expected:
                     if strict and not name.endswith("rotary_emb.inv_freq"):
                         raise ConfigError("weights", f"{f.name} has unexpected tensor {name!r}")
                     continue

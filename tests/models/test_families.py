@@ -6,6 +6,7 @@ the compiled step's refusals and tensor parallelism are checked on the same chec
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -77,26 +78,44 @@ def _hf_config(kind: str):
         return transformers.SmolLM3Config(
             **TINY, no_rope_layers=[1, 0, 1], pad_token_id=0, bos_token_id=1, eos_token_id=2
         )
+    if kind == "qwen3_moe":  # raw top-k probabilities (Mixtral's renormalised ones are tested)
+        return transformers.Qwen3MoeConfig(
+            **TINY, moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2
+        )
     raise AssertionError(kind)
 
 
-KINDS = ["llama3", "mistral", "qwen3", "gemma3", "phi3", "smollm3"]
+KINDS = ["llama3", "mistral", "qwen3", "gemma3", "phi3", "smollm3", "qwen3_moe"]
+
+
+@pytest.fixture(scope="module")
+def loader(tmp_path_factory):
+    """kind -> (transformers model, our model loaded from its checkpoint), float32, cached."""
+    made: dict[str, tuple] = {}
+
+    def get(kind: str) -> tuple:
+        if kind not in made:
+            torch.manual_seed(0)
+            cfg = _hf_config(kind)
+            cfg._attn_implementation = "eager"  # explicit masks: the sliding-window reference
+            hf = transformers.AutoModelForCausalLM.from_config(cfg).float().eval()
+            with torch.no_grad():  # norms start at 1 (0 for Gemma's 1 + w): make them matter
+                for n, p in hf.named_parameters():
+                    if p.dim() == 1:
+                        p.normal_(0, 0.3) if "norm" in n else p.normal_(0, 0.1)
+                    elif any(k in n for k in ("q_proj", "k_proj", "qkv_proj")):
+                        p.mul_(8)  # sharper attention: positions (rope, NoPE, windows) matter
+            d = tmp_path_factory.mktemp(kind)
+            hf.save_pretrained(d)
+            made[kind] = (hf, load_pretrained(d))
+        return made[kind]
+
+    return get
 
 
 @pytest.fixture(scope="module", params=KINDS)
-def pair(request, tmp_path_factory):
-    """(transformers model, our model loaded from its checkpoint) in float32."""
-    torch.manual_seed(0)
-    cfg = _hf_config(request.param)
-    cfg._attn_implementation = "eager"  # explicit masks: the reference for sliding windows
-    hf = transformers.AutoModelForCausalLM.from_config(cfg).float().eval()
-    with torch.no_grad():  # norms start at 1 (or 0 for Gemma's 1 + w): make them matter
-        for n, p in hf.named_parameters():
-            if p.dim() == 1:
-                p.normal_(0, 0.3) if "norm" in n else p.normal_(0, 0.1)
-    d = tmp_path_factory.mktemp(request.param)
-    hf.save_pretrained(d)
-    return request.param, hf, load_pretrained(d)
+def pair(request, loader):
+    return (request.param, *loader(request.param))
 
 
 def _ids(n: int, batch: int = 1) -> torch.Tensor:
@@ -179,8 +198,36 @@ def test_family_fields_are_read(pair) -> None:
         and cfg.tie_word_embeddings,
         "phi3": cfg.model_type == "phi3",
         "smollm3": cfg.no_rope_layers == (1, 0, 1) and cfg.layer_rope(1) is None,
+        "qwen3_moe": cfg.is_moe
+        and cfg.num_local_experts == 4
+        and cfg.intermediate_size == 32
+        and not cfg.norm_topk_prob
+        and cfg.qk_norm,
     }
     assert expect[kind], cfg
+
+
+@pytest.mark.parametrize(
+    "kind,field,value",
+    [
+        ("qwen3", "qk_norm", False),
+        ("gemma3", "rope_local_theta", None),
+        ("gemma3", "final_logit_softcapping", None),
+        ("gemma3", "query_pre_attn_scalar", None),
+        ("gemma3", "layer_types", None),  # every layer sliding
+        ("smollm3", "no_rope_layers", None),
+        ("qwen3_moe", "norm_topk_prob", True),
+    ],
+)
+def test_each_family_switch_matters(loader, kind, field, value) -> None:
+    """The parity tests above could not pass with the switch ignored: flipping it moves the
+    logits by several times their tolerance (1e-4)."""
+    hf, ours = loader(kind)
+    m = LlamaForCausalLM(dataclasses.replace(ours.config, **{field: value})).eval()
+    m.load_state_dict(ours.state_dict(), strict=False)
+    ids = _ids(70, batch=2)
+    with torch.no_grad():
+        assert _maxdiff(m(ids), hf(ids).logits) > 5e-4
 
 
 def test_llama3_scaling_matters_and_factors_are_equivalent(tmp_path) -> None:
@@ -211,19 +258,26 @@ def test_llama3_scaling_matters_and_factors_are_equivalent(tmp_path) -> None:
         ModelConfig(**TINY, rope_freq_factors=(1.0, 2.0))
 
 
-def test_phi3_save_pretrained_writes_fused_tensors(tmp_path) -> None:
-    """Our Phi-3 keeps q/k/v and gate/up apart; what it saves is fused again, as transformers
-    reads it."""
-    torch.manual_seed(0)
-    hf = transformers.Phi3ForCausalLM(_hf_config("phi3")).eval()
-    hf.save_pretrained(tmp_path / "hf")
-    ours = load_pretrained(tmp_path / "hf")
-    assert "model.layers.0.self_attn.q_proj.weight" in ours.state_dict()
-    save_pretrained(ours, tmp_path / "ours")
-    back = transformers.Phi3ForCausalLM.from_pretrained(tmp_path / "ours").float().eval()
+@pytest.mark.parametrize(
+    "kind,runtime_key",
+    [
+        ("phi3", "model.layers.0.self_attn.q_proj.weight"),
+        ("qwen3_moe", "model.layers.0.block_sparse_moe.experts.1.w3.weight"),
+    ],
+)
+def test_save_pretrained_writes_the_family_names(loader, kind, runtime_key, tmp_path) -> None:
+    """Phi-3's fused q/k/v and gate/up are split at load and fused again at save; Qwen3-MoE's
+    experts take Mixtral's names at load and their own at save: transformers reads it back."""
+    hf, ours = loader(kind)
+    assert runtime_key in ours.state_dict()
+    save_pretrained(ours, tmp_path)
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).float().eval()
+    want, got = hf.state_dict(), back.state_dict()
+    assert want.keys() == got.keys()
+    assert all(torch.equal(want[k], got[k]) for k in want)  # bit for bit
     ids = _ids(16)
-    with torch.no_grad():
-        assert _maxdiff(back(ids).logits, hf(ids).logits) == 0.0
+    with torch.no_grad():  # (back runs transformers' default attention kernel, hf eager)
+        assert _maxdiff(back(ids).logits, hf(ids).logits) <= 1e-6
 
 
 @pytest.mark.parametrize(
@@ -237,7 +291,9 @@ def test_phi3_save_pretrained_writes_fused_tensors(tmp_path) -> None:
         ({"model_type": "qwen3", "hidden_act": "relu"}, "hidden_act"),
         ({"model_type": "phi3", "rope_scaling": {"rope_type": "longrope"}}, "rope_scaling"),
         ({"model_type": "smollm3", "no_rope_layers": [1, 0]}, "no_rope_layers"),
-        ({"model_type": "qwen3_moe"}, "model_type"),
+        ({"model_type": "qwen3_moe", "mlp_only_layers": [0]}, "mlp_only_layers"),
+        ({"model_type": "qwen3_moe", "decoder_sparse_step": 2}, "decoder_sparse_step"),
+        ({"model_type": "gemma2"}, "model_type"),
     ],
 )
 def test_unimplemented_family_fields_refused(d, field) -> None:
