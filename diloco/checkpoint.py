@@ -4,6 +4,15 @@ Tensors go to safetensors, everything else to JSON: loading never runs ``torch.l
 files or messages that might come from someone else. The same flat form travels on the wire
 (``Communicator.send`` of tensors + msgpack metadata) when a joining worker is brought up to date.
 
+Every file is written durably (:func:`durable_write`: a temp file in the same directory, fsync,
+rename, fsync of the directory), so a crash leaves the old file or the new one, never a torn
+one. A checkpoint of two files is complete only when its manifest (``stem.manifest.json``,
+written last) names both: the safetensors header carries the manifest's random id and the JSON
+its SHA-256, so a crash between the two files (or between them and the manifest) leaves a stem
+that :func:`is_complete` rejects, and :func:`latest_state` resumes from the newest complete one.
+Exports (:func:`export_model`) are built in a temp directory and renamed into place: complete
+or absent.
+
 A multi-rank site checkpoints with ``torch.distributed.checkpoint`` (DCP) instead
 (:func:`save_sharded`/:func:`load_sharded`): one directory per site, every rank writing its own
 shard in parallel, the metadata as JSON beside it. DCP's own ``.metadata`` index is a pickle
@@ -12,15 +21,23 @@ written by torch, so resume a site only from checkpoints your own run wrote.
 
 from __future__ import annotations
 
+import hashlib
 import json
+import logging
 import os
+import secrets
+import shutil
+import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
 from lowband.errors import ConfigError
+
+logger = logging.getLogger(__name__)
 
 State = tuple[dict[str, torch.Tensor], dict[str, Any]]
 
@@ -64,23 +81,111 @@ def load_optimizer_state(
     opt.load_state_dict({"state": state, "param_groups": groups})
 
 
+def _fsync_dir(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_file(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def durable_write(path: Path, write: Callable[[Path], object]) -> None:
+    """``write(tmp)`` a temp file beside ``path``, fsync it, rename it over ``path``, fsync the
+    directory: after a crash ``path`` is the old file or the new one (the rename is atomic, and
+    the fsyncs order the data before the name on disk)."""
+    tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
+    try:
+        write(tmp)
+        _fsync_file(tmp)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    _fsync_dir(path.parent)
+
+
+def _files(stem: Path) -> tuple[Path, Path, Path]:
+    """A checkpoint's tensors, metadata and manifest."""
+    name = stem.name
+    return (
+        stem.with_name(name + ".safetensors"),
+        stem.with_name(name + ".json"),
+        stem.with_name(name + ".manifest.json"),
+    )
+
+
 def save_state(stem: Path, state: State) -> None:
-    """Write ``stem.safetensors`` + ``stem.json`` atomically (temp files, then rename)."""
+    """Write ``stem.safetensors`` + ``stem.json`` durably, then the manifest naming them."""
     tensors, meta = state
     stem.parent.mkdir(parents=True, exist_ok=True)
-    tmp_t = stem.with_name(stem.name + ".safetensors.tmp")
-    tmp_j = stem.with_name(stem.name + ".json.tmp")
-    save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp_t))
-    tmp_j.write_text(json.dumps(meta, sort_keys=True))
-    os.replace(tmp_t, stem.with_name(stem.name + ".safetensors"))
-    os.replace(tmp_j, stem.with_name(stem.name + ".json"))
+    t, j, m = _files(stem)
+    cid = secrets.token_hex(16)  # this checkpoint's id, in the safetensors header and manifest
+    tensors = {k: v.contiguous() for k, v in tensors.items()}
+    durable_write(t, lambda tmp: save_file(tensors, str(tmp), metadata={"checkpoint": cid}))
+    body = json.dumps(meta, sort_keys=True).encode()
+    durable_write(j, lambda tmp: tmp.write_bytes(body))
+    manifest = {
+        "format": 1,
+        "checkpoint": cid,
+        "tensors": t.name,
+        "meta": j.name,
+        "meta_sha256": hashlib.sha256(body).hexdigest(),
+        "written_ns": time.time_ns(),
+    }
+    durable_write(m, lambda tmp: tmp.write_text(json.dumps(manifest, sort_keys=True)))
+
+
+def _manifest(stem: Path) -> dict[str, Any] | None:
+    """The manifest of a complete checkpoint at ``stem``, else None (missing, torn, or naming
+    files from another save)."""
+    t, j, m = _files(stem)
+    try:
+        doc = json.loads(m.read_text())
+        if not isinstance(doc, dict) or doc.get("format") != 1:
+            return None
+        if hashlib.sha256(j.read_bytes()).hexdigest() != doc.get("meta_sha256"):
+            return None
+        with safe_open(str(t), framework="pt") as sf:
+            if (sf.metadata() or {}).get("checkpoint") != doc.get("checkpoint"):
+                return None
+    except (OSError, ValueError, SafetensorError):
+        return None
+    return doc
+
+
+def is_complete(stem: Path) -> bool:
+    """Whether ``stem``'s manifest names the ``.safetensors`` and ``.json`` beside it."""
+    return _manifest(stem) is not None
+
+
+def latest_state(directory: Path, name: str) -> Path | None:
+    """The newest complete checkpoint ``name`` in ``directory`` itself or in one of its
+    subdirectories (``checkpoints/step-*``, ``checkpoints/final``), by when its manifest was
+    written; None when there is none."""
+    candidates = [directory / name]
+    if directory.is_dir():
+        candidates += [d / name for d in sorted(directory.iterdir()) if d.is_dir()]
+    found = [(doc["written_ns"], stem) for stem in candidates if (doc := _manifest(stem))]
+    return max(found, key=lambda f: f[0])[1] if found else None
 
 
 def load_state(stem: Path) -> State:
-    t = stem.with_name(stem.name + ".safetensors")
-    j = stem.with_name(stem.name + ".json")
+    t, j, m = _files(stem)
     if not t.exists() or not j.exists():
         raise ConfigError("resume", f"no checkpoint at {stem} (.safetensors + .json)")
+    if m.exists() and not is_complete(stem):
+        raise ConfigError(
+            "resume",
+            f"the checkpoint at {stem} is incomplete (its files do not match {m.name}: a save "
+            "was interrupted); resume from an earlier one",
+        )
     return load_file(str(t)), json.loads(j.read_text())
 
 
@@ -116,10 +221,8 @@ def save_sharded(directory: Path, state: State, *, key: str, process_group: Any 
         process_group=process_group,
     )
     specs = {k: [list(v.shape), str(v.dtype).removeprefix("torch.")] for k, v in tensors.items()}
-    path = _site_meta(directory, key)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps({"meta": meta, "tensors": specs}, sort_keys=True))
-    os.replace(tmp, path)
+    body = json.dumps({"meta": meta, "tensors": specs}, sort_keys=True)
+    durable_write(_site_meta(directory, key), lambda tmp: tmp.write_text(body))
 
 
 def load_sharded(directory: Path, *, key: str, process_group: Any = None) -> State:
@@ -150,10 +253,36 @@ def load_sharded(directory: Path, *, key: str, process_group: Any = None) -> Sta
 def export_model(model: torch.nn.Module, out_dir: Path, *, byte_tokenizer: bool) -> Path:
     """Save the model in the format ``edge`` loads: HF ``config.json`` + ``model.safetensors``
     (+ the byte-tokenizer marker when the run trained on bytes) for the Llama family, a bare
-    safetensors file otherwise."""
+    safetensors file otherwise. Complete or absent: written into a temp directory beside
+    ``out_dir``, every file fsynced, then renamed into place (a previous export is replaced
+    only once the new one is whole)."""
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out_dir.with_name(f".{out_dir.name}.{secrets.token_hex(4)}.tmp")
+    old = out_dir.with_name(f".{out_dir.name}.{secrets.token_hex(4)}.old")
+    try:
+        tmp.mkdir()
+        _write_export(model, tmp, byte_tokenizer=byte_tokenizer)
+        for f in tmp.rglob("*"):
+            if f.is_file():
+                _fsync_file(f)
+        if out_dir.is_dir():  # keep what else lives there (a Flower checkpoint's outer.*)
+            for f in out_dir.iterdir():
+                if f.is_file() and not (tmp / f.name).exists():
+                    os.link(f, tmp / f.name)
+        _fsync_dir(tmp)
+        if out_dir.exists():
+            os.replace(out_dir, old)
+        os.replace(tmp, out_dir)
+        _fsync_dir(out_dir.parent)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(old, ignore_errors=True)
+    return out_dir
+
+
+def _write_export(model: torch.nn.Module, out_dir: Path, *, byte_tokenizer: bool) -> Path:
     from lowband.models.llama import LlamaForCausalLM
 
-    out_dir.mkdir(parents=True, exist_ok=True)
     if hasattr(model, "save_pretrained"):  # a Hugging Face model: its own format
         from diloco.hf import export_hf
 

@@ -29,6 +29,7 @@ import torch
 from diloco.checkpoint import (
     State,
     export_model,
+    latest_state,
     load_optimizer_state,
     load_state,
     optimizer_state,
@@ -395,12 +396,19 @@ class DilocoWorker:
             self.slot = int(meta.get("slot", -1))
 
     def _resume(self, directory: Path) -> None:
-        stem = directory / f"worker-{self.worker_id}"
-        if not stem.with_name(stem.name + ".json").exists():
+        """From ``directory``'s complete checkpoint of this worker, or (a checkpoints
+        directory) the newest complete one among its subdirectories."""
+        name = f"worker-{self.worker_id}"
+        stem = latest_state(directory, name)
+        if stem is None:
             logger.warning(
-                "no %s in %s: this worker will take its state from a peer", stem.name, directory
+                "no complete %s in %s: this worker will take its state from a peer",
+                name,
+                directory,
             )
             return
+        if stem.parent != directory:
+            logger.warning("resuming %s from %s, the newest complete checkpoint", name, stem)
         tensors, meta = load_state(stem)
         self.load(tensors, meta, own=True)
 
