@@ -106,6 +106,26 @@ PRE_TOKENIZERS: dict[str, _Pre] = {
 }
 MODELS = ("gpt2", "llama")
 
+# llama.cpp (llama_vocab::impl::load) makes these texts control tokens whatever their type says,
+# and stops generation on the EOG ones (end of turn/text, FIM pad/repo/file separator).
+_EOG_TEXTS = frozenset(
+    "<|eot_id|> <|im_end|> <|end|> <|return|> <|call|> <|flush|> <|calls|> <end_of_turn> "
+    "<|endoftext|> </s> <|eom_id|> <EOT> _<EOT> [EOT] [EOS] <|end_of_text|> <end_of_utterance> "
+    "<eos> <turn|> <|tool_response> <｜end▁of▁sentence｜> [e~[ "
+    "<|fim_pad|> <fim-pad> <fim_pad> <PAD> [PAD] "
+    "<|fim_repo|> <|repo_name|> <fim-repo> <REPO> <reponame> <|file_sep|>".split()
+)
+_FIM_TEXTS = frozenset(
+    "<|fim_prefix|> <fim-prefix> <fim_prefix> <｜fim▁begin｜> <PRE> ▁<PRE> <|code_prefix|> "
+    "<|prefix|> <|fim_suffix|> <fim-suffix> <fim_suffix> <｜fim▁hole｜> <SUF> ▁<SUF> "
+    "<|code_suffix|> <|suffix|> <|fim_middle|> <fim-middle> <fim_middle> <｜fim▁end｜> <MID> "
+    "▁<MID> <|code_middle|> <|middle|>".split()
+)
+# Phi-3's special tokens eat the whitespace after them (rstrip in its tokenizer.json); llama.cpp
+# does it for files whose general.name says Phi-3, except for these.
+_PHI3_NAMES = ("phi-3", "phi3")
+_PHI3_NO_RSTRIP = frozenset(("<unk>", "<s>", "<|endoftext|>"))
+
 
 @dataclass(frozen=True, kw_only=True)
 class GGUFVocab:
@@ -114,7 +134,9 @@ class GGUFVocab:
     model: str  # tokenizer.ggml.model: "gpt2" (byte-level BPE) or "llama" (SentencePiece BPE)
     pre: str | None  # tokenizer.ggml.pre: the pre-tokenizer of a "gpt2" model
     tokens: list[str]
-    token_types: list[int]  # NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE
+    # NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE as llama.cpp uses them: the file's
+    # types, with the end-of-generation and FIM texts made CONTROL.
+    token_types: list[int]
     scores: list[float] | None  # SentencePiece scores: higher merges first
     merges: list[str]  # "left right", best first
     bos_token_id: int | None
@@ -123,6 +145,8 @@ class GGUFVocab:
     add_bos: bool
     add_eos: bool
     add_space_prefix: bool
+    eog_token_ids: tuple[int, ...]  # generation ends on these: EOS, EOT, EOM, EOG texts
+    rstrip_special: bool  # special tokens strip the whitespace after them (Phi-3)
 
 
 def _field(reader: Any, key: str) -> Any:
@@ -174,6 +198,20 @@ def _token_id(reader: Any, key: str, n: int, default: int | None) -> int | None:
     return int(v)
 
 
+def _llamacpp_types(tokens: list[str], types: list[Any]) -> list[int]:
+    out = [int(t) for t in types]
+    for i, t in enumerate(tokens):
+        if (t in _EOG_TEXTS or t in _FIM_TEXTS) and out[i] in (NORMAL, USER_DEFINED):
+            out[i] = CONTROL
+    return out
+
+
+def _eog_ids(reader: Any, tokens: list[str], n: int) -> tuple[int, ...]:
+    ids = [_token_id(reader, k, n, None) for k in ("eos_token_id", "eot_token_id", "eom_token_id")]
+    ids += [i for i, t in enumerate(tokens) if t in _EOG_TEXTS]
+    return tuple(dict.fromkeys(i for i in ids if i is not None))
+
+
 def read_vocab(reader: Any) -> GGUFVocab:
     """Read (and check) the tokenizer metadata of an open ``gguf.GGUFReader``."""
     model, pre = _model_and_pre(reader)
@@ -189,6 +227,7 @@ def read_vocab(reader: Any) -> GGUFVocab:
     merges = _field(reader, "tokenizer.ggml.merges") or []
     if model == "gpt2" and not merges:
         raise ConfigError("tokenizer.ggml.merges", "is missing: a gpt2 vocabulary needs merges")
+    types = _llamacpp_types(tokens, types[:n])
     spm = model == "llama"
     # llama.cpp's defaults where the file is silent: SentencePiece <unk> <s> </s> = 0 1 2 and
     # adds BOS and a space prefix; Llama 3's pre-tokenizer adds BOS.
@@ -198,7 +237,7 @@ def read_vocab(reader: Any) -> GGUFVocab:
         model=model,
         pre=pre,
         tokens=tokens,
-        token_types=[int(t) for t in types[:n]],
+        token_types=types,
         scores=None if scores is None else [float(s) for s in scores[:n]],
         merges=merges,
         bos_token_id=_token_id(reader, "bos_token_id", n, 1 if spm else None),
@@ -207,6 +246,8 @@ def read_vocab(reader: Any) -> GGUFVocab:
         add_bos=bool((spm or PRE_TOKENIZERS[pre or ""].add_bos) if add_bos is None else add_bos),
         add_eos=bool(_field(reader, "tokenizer.ggml.add_eos_token")),
         add_space_prefix=spm if prefix is None else bool(prefix),
+        eog_token_ids=_eog_ids(reader, tokens, n),
+        rstrip_special=any(k in str(_field(reader, "general.name")).lower() for k in _PHI3_NAMES),
     )
     if vocab.add_bos and vocab.bos_token_id is None:
         raise ConfigError("tokenizer.ggml.add_bos_token", "is true but there is no bos_token_id")
@@ -263,7 +304,15 @@ def _added_tokens(vocab: GGUFVocab) -> list[AddedToken]:
     kinds = {CONTROL: True, UNKNOWN: True, USER_DEFINED: False}
     found = [(t, kinds[k]) for t, k in zip(vocab.tokens, vocab.token_types) if k in kinds]
     found.sort(key=lambda x: -len(x[0].encode("utf-8")))
-    return [AddedToken(t, special=s, normalized=False) for t, s in found]
+    return [
+        AddedToken(
+            t,
+            special=s,
+            normalized=False,
+            rstrip=vocab.rstrip_special and t not in _PHI3_NO_RSTRIP,
+        )
+        for t, s in found
+    ]
 
 
 def _post_processor(vocab: GGUFVocab) -> Any:

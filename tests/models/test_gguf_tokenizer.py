@@ -156,6 +156,25 @@ def test_spm_space_prefix_byte_fallback_and_specials(tmp_path: Path) -> None:
     assert tok.encode("hi hi") == [ids["hi"], ids["▁hi"]]
 
 
+def test_llamacpp_overrides_end_of_turn_types_and_phi3_rstrip(tmp_path: Path) -> None:
+    # "<|im_end|>" typed user-defined: llama.cpp makes it a control token and an EOG token.
+    tokens = sorted(pre_tokenizers.ByteLevel.alphabet()) + ["<|im_end|>", "<x>"]
+    types = [N] * 256 + [USER, USER]
+    path = write_vocab(
+        tmp_path / "eog.gguf", "gpt2", tokens, types, pre="qwen2", merges=["a b"], eos_token_id=0
+    )
+    tok = tokenizer_from_gguf(path)
+    assert tok.vocab.eog_token_ids == (0, 256)
+    assert tok.encode("<|im_end|><x>") == [256, 257]
+    assert len(tok.encode("<|im_end|><x>", parse_special=False)) == len("<|im_end|>") + 1
+    assert tok.decode([256, 257]) == "<x>"
+    # Phi-3: whitespace after a special token is dropped, the space prefix comes back.
+    ids = tokenizer_from_gguf(spm_vocab(tmp_path)).encode("<t>  hi", add_special=False)
+    assert len(ids) == 4  # <t> ▁ ▁ ▁hi
+    phi3 = tokenizer_from_gguf(spm_vocab(tmp_path, name="Phi3"))
+    assert phi3.encode("<t>  hi", add_special=False) == [ids[0], ids[-1]]
+
+
 def test_refuses_unknown_model_and_pre(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="tokenizer.ggml.model: 'bert' is not supported"):
         tokenizer_from_gguf(write_vocab(tmp_path / "a.gguf", "bert", ["a"], [N]))
