@@ -337,7 +337,7 @@ def convert_gguf(path: str | Path, out_dir: str | Path) -> Path:
     from edge.formats.quantized_checkpoint import QuantLayout, save_quantized
 
     model = load_gguf(path)
-    blocks = sorted({m.type.name for m in model.modules() if isinstance(m, GGMLLinear)})
+    blocks = sorted({m.qtype.name for m in model.modules() if isinstance(m, GGMLLinear)})
     if blocks:
         raise ConfigError(
             "model",

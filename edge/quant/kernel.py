@@ -51,6 +51,7 @@ __all__ = [
     "load",
     "gemv",
     "gemv_fallback",
+    "ggml_dequantize",
     "ggml_gemv",
     "ggml_gemv_fallback",
 ]
@@ -305,17 +306,34 @@ def gemv(
     return mod.gemv(x, qweight, scales, bits, group, bias)
 
 
+def ggml_dequantize(w: GGMLWeight, *, force_fallback: bool = False) -> torch.Tensor:
+    """The fp32 ``[N, K]`` matrix: the C++ decoders when the kernel is loaded and the blocks are
+    on the CPU (~100x faster), else the PyTorch reference ``dequantize_ggml``.  The two agree to
+    fp32 rounding (C++ may fuse ``a * q + b`` into one FMA)."""
+    mod = None if force_fallback else load()
+    if mod is None or w.data.device.type != "cpu" or w.shape[0] * w.shape[1] == 0:
+        return dequantize_ggml(w)
+    return mod.ggml_dequantize(w.data.contiguous(), w.type.type_id, w.shape[1])
+
+
 def ggml_gemv_fallback(
-    x: torch.Tensor, w: GGMLWeight, bias: torch.Tensor | None = None
+    x: torch.Tensor,
+    w: GGMLWeight,
+    bias: torch.Tensor | None = None,
+    *,
+    native_dequant: bool = False,
 ) -> torch.Tensor:
-    """PyTorch path for ggml blocks: dequantize ~1 MB of rows at a time, ``F.linear`` each."""
+    """Dequantize ~1 MB of rows at a time and ``F.linear`` each (exact fp32 activations): with
+    ``native_dequant`` the rows are decoded by the C++ kernel when loaded (the prefill path of
+    ``GGMLLinear``), else by the PyTorch reference."""
     n, k = w.shape
     x = x.to(torch.float32)
     bn = max(32, (1 << 18) // max(k, 1))
     y = torch.empty(x.shape[:-1] + (n,), dtype=torch.float32, device=x.device)
     for n0 in range(0, n, bn):
         rows = narrow_ggml(w, 0, n0, min(bn, n - n0))
-        y[..., n0 : n0 + rows.shape[0]] = F.linear(x, dequantize_ggml(rows).to(x.device))
+        deq = ggml_dequantize(rows, force_fallback=not native_dequant)
+        y[..., n0 : n0 + rows.shape[0]] = F.linear(x, deq.to(x.device))
     if bias is not None:
         y += bias.to(torch.float32)
     return y

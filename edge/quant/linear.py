@@ -180,7 +180,7 @@ class GGMLLinear(nn.Module):
     Buffers: ``blocks`` (``uint8 [N, K / qk * size]``) and optional fp32 ``bias``.  ``group`` is
     the block size (32 or 256): tensor-parallel column splits must be multiples of it.  Inputs
     with at most ``max_kernel_rows`` rows use the C++ kernel; larger ones dequantize ~1 MB of rows
-    at a time and use ``F.linear``.
+    at a time (with the C++ decoders when the kernel is loaded) and use ``F.linear``.
     """
 
     blocks: torch.Tensor
@@ -195,7 +195,7 @@ class GGMLLinear(nn.Module):
         use_kernel: bool = True,
     ) -> None:
         super().__init__()
-        self.type = weight.type
+        self.qtype = weight.type  # not "type": that is nn.Module.type()
         self.out_features, self.in_features = weight.shape
         self.group = weight.type.qk
         self.max_kernel_rows = int(max_kernel_rows)
@@ -215,7 +215,7 @@ class GGMLLinear(nn.Module):
 
     @property
     def weight_blocks(self) -> GGMLWeight:
-        return GGMLWeight(self.type, (self.out_features, self.in_features), self.blocks)
+        return GGMLWeight(self.qtype, (self.out_features, self.in_features), self.blocks)
 
     def dequantize_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return dequantize_ggml(self.weight_blocks, dtype)
@@ -225,8 +225,11 @@ class GGMLLinear(nn.Module):
         if x.shape[-1] != self.in_features:
             raise QuantShapeError(f"expected last dim {self.in_features}, got {tuple(x.shape)}")
         x2 = x.reshape(-1, self.in_features)
-        use = self.use_kernel and x2.shape[0] <= self.max_kernel_rows
-        y = kernel.ggml_gemv(x2, self.weight_blocks, self.bias, force_fallback=not use)
+        w = self.weight_blocks
+        if self.use_kernel and x2.shape[0] <= self.max_kernel_rows:
+            y = kernel.ggml_gemv(x2, w, self.bias)
+        else:  # prefill (or use_kernel=False: the PyTorch reference decoder)
+            y = kernel.ggml_gemv_fallback(x2, w, self.bias, native_dequant=self.use_kernel)
         return y.to(x.dtype).reshape(*lead, self.out_features)
 
     def _like(self, w: GGMLWeight, bias: torch.Tensor | None) -> "GGMLLinear":
@@ -247,7 +250,7 @@ class GGMLLinear(nn.Module):
     def extra_repr(self) -> str:
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, "
-            f"bias={self.bias is not None}, type={self.type.name}"
+            f"bias={self.bias is not None}, type={self.qtype.name}"
         )
 
 

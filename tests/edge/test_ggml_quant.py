@@ -153,6 +153,19 @@ def test_kernel_matches_reference(mode, name, m, n, blocks) -> None:
         assert torch.equal(y, fb)
 
 
+@pytest.mark.parametrize("name", TYPES)
+def test_native_dequantize_matches_reference(mode, name) -> None:
+    w = weight(name, 33, GGML_TYPES[name].qk * 3, seed=11)
+    want = dequantize_ggml(w)
+    got = kernel.ggml_dequantize(w)
+    assert torch.allclose(got, want, rtol=1e-6, atol=0)  # C++ may fuse a * q + b (one FMA)
+    if mode == "fallback":
+        assert torch.equal(got, want)
+    x = torch.randn(5, w.shape[1], generator=torch.Generator().manual_seed(1))
+    y = kernel.ggml_gemv_fallback(x, w, native_dequant=True)
+    assert bool(((y.double() - x.double() @ want.double().T).abs() <= _bound(x, want)).all())
+
+
 def test_kernel_bigger_shape_and_threads() -> None:
     w = weight("Q4_K", 700, 2048, seed=3, scale=0.01)
     x = torch.randn(2, 2048, generator=torch.Generator().manual_seed(1))

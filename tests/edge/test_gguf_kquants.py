@@ -153,7 +153,7 @@ def test_kquant_mix_loads_packed_and_matches_dequantized(tmp_path, no_kernel) ->
         if g == "token_embd.weight":
             continue
         mod = got.get_submodule(_hf_name(g).rpartition(".")[0])
-        assert isinstance(mod, GGMLLinear) and mod.type.name == kind, g
+        assert isinstance(mod, GGMLLinear) and mod.qtype.name == kind, g
         if "attn_q" not in g and "attn_k" not in g:  # q/k rows are un-permuted
             want = np.asarray(by_name[g].data).view(np.uint8).reshape(mod.out_features, -1)
             assert np.array_equal(mod.blocks.numpy(), want), g

@@ -107,6 +107,31 @@ torch::Tensor ggml_gemv(const torch::Tensor& x, const torch::Tensor& blocks, int
   return y;
 }
 
+// W [N, K] fp32 from ggml blocks (the prefill path: blockwise dequantize + GEMM).
+torch::Tensor ggml_dequantize(const torch::Tensor& blocks, int64_t type, int64_t K) {
+  int qk = 0, size = 0;
+  TORCH_CHECK(lbq::ggml::block_shape(static_cast<int>(type), &qk, &size), "unsupported ggml type id ", type);
+  TORCH_CHECK(blocks.dim() == 2 && blocks.is_contiguous() && blocks.scalar_type() == at::kByte && blocks.device().is_cpu(),
+              "blocks must be a contiguous 2-D uint8 CPU tensor");
+  TORCH_CHECK(K >= 0 && K % qk == 0, "K=", K, " is not a multiple of the block size ", qk);
+  const int64_t N = blocks.size(0), nb = K / qk;
+  TORCH_CHECK(blocks.size(1) == nb * size, "blocks must be [N, ", nb * size, "] for K=", K);
+  auto w = torch::empty({N, K}, torch::dtype(torch::kFloat));
+  const uint8_t* bp = blocks.data_ptr<uint8_t>();
+  float* wp = w.data_ptr<float>();
+  const int t = static_cast<int>(type);
+  at::parallel_for(0, N * nb, 256, [&](int64_t b0, int64_t b1) {
+    alignas(32) int8_t q[256];
+    float a[16], b[16];
+    for (int64_t blk = b0; blk < b1; ++blk) {
+      lbq::ggml::decode_block(t, false, bp + blk * size, q, a, b);
+      float* out = wp + blk * qk;  // rows are whole blocks, so block blk starts at blk * qk
+      for (int i = 0; i < qk; ++i) out[i] = a[i / 16] * static_cast<float>(q[i]) + b[i / 16];
+    }
+  });
+  return w;
+}
+
 std::string isa() { return lbq::isa_name(); }
 
 }  // namespace
@@ -119,6 +144,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("bias") = py::none());
   m.def("ggml_gemv", &ggml_gemv, "y[M,N] = x[M,K] @ dequant(W)^T (+ bias) for ggml blocks (Q4_1..Q6_K)",
         py::arg("x"), py::arg("blocks"), py::arg("type"), py::arg("bias") = py::none());
+  m.def("ggml_dequantize", &ggml_dequantize, "W[N,K] fp32 from ggml blocks", py::arg("blocks"), py::arg("type"),
+        py::arg("K"));
   m.def("isa", &isa, "SIMD path compiled in");
   init_decode(m);
 }
