@@ -8,7 +8,7 @@ import random
 import pytest
 
 from lowband.errors import ConfigError
-from transport.links.tun_shape import GilbertElliott, Path, PathConfig
+from transport.links.tun.shape import GilbertElliott, Path, PathConfig
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -1,6 +1,6 @@
 """What one direction of an emulated WAN path does to each IP packet (pure; no sockets, no clock).
 
-The TUN forwarder (:mod:`transport.links.tun_forward`) asks a :class:`Path` when each packet it
+The TUN forwarder (:mod:`transport.links.tun.forward`) asks a :class:`Path` when each packet it
 reads from one site should be written into the other site, or whether it is dropped. The model,
 in the order a packet meets it:
 

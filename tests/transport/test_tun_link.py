@@ -1,0 +1,117 @@
+"""Calibration of the TUN WAN emulator with kernel TCP/UDP in namespaces (tier 3: root +
+iproute2 + /dev/net/tun). The tolerances are the point: the emulator must give the sites' TCP the
+configured RTT, rate and loss."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from dataclasses import replace
+
+import pytest
+
+from transport.links.tun.calibrate import (
+    measure_goodput,
+    measure_outage,
+    measure_rtt,
+    measure_udp_loss,
+)
+from transport.links.tun.shape import PathConfig
+from transport.links.tun.testbed import TunConfig, TunTestbed, available
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.netns,
+    pytest.mark.timeout(120),
+    pytest.mark.skipif(available() is not None, reason=f"tun: {available()}"),
+]
+
+WAN = PathConfig(delay_ms=20.0, rate_mbit=50.0)  # RTT 40 ms, BDP 250 kB
+
+
+def _namespaces() -> str:
+    return subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+
+
+@pytest.fixture(scope="module")
+def wan():
+    with TunTestbed(TunConfig(path=WAN, seed=3)) as bed:
+        yield bed
+    assert not any(ns in _namespaces() for ns in bed.ns)
+
+
+def test_rtt_is_twice_the_one_way_delay(wan):
+    rtt = measure_rtt(wan)["median_ms"]
+    assert abs(rtt - 40.0) <= 0.15 * 40.0 + 2.0, rtt
+
+
+def test_one_flow_fills_the_rate_when_the_window_allows(wan):
+    # Default socket buffers: autotuning grows the window past the 250 kB BDP.
+    out = measure_goodput(wan, 4.0)
+    assert out["goodput_mbit"] <= 50.0  # IP rate: TCP/IP headers come out of it
+    assert out["steady_goodput_mbit"] >= 0.85 * 50.0, out
+
+
+def test_a_small_window_caps_one_flow_at_window_over_rtt(wan):
+    # SO_RCVBUF 32 KiB (the kernel doubles it): at most 64 KiB in flight per 40 ms RTT, 13 Mbit/s,
+    # far under the rate. A link that hid the RTT from TCP (a relay) would give ~48 Mbit/s here.
+    out = measure_goodput(wan, 3.0, rcvbuf=32 << 10, port=5310)
+    bound = 2 * (32 << 10) * 8 / 0.040 / 1e6
+    assert out["steady_goodput_mbit"] <= bound * 1.1, out
+    assert out["steady_goodput_mbit"] >= 0.1 * bound, out  # the flow did run
+
+
+def test_nothing_passes_while_the_link_is_down_and_tcp_resumes(wan):
+    out = measure_outage(wan, at=1.0, down_s=1.0, seconds=4.0)
+    assert out["down_s"] >= 1.0
+    assert out["packets_forwarded_while_down"] == 0
+    assert out["bytes_received_while_down"] == 0
+    assert out["bytes_received_after_up"] > 0 and out["resumed_after_s"] is not None, out
+
+
+def test_random_loss_matches_the_configured_rate():
+    n, q = 4000, 0.01
+    with TunTestbed(TunConfig(path=replace(WAN, loss=q), seed=5)) as bed:
+        out = measure_udp_loss(bed, count=n)
+    assert out["queue_drops"] == 0  # paced: every missing datagram is the link's loss
+    assert out["forwarder_lost"] == n - out["received"]
+    assert abs(out["loss"] - q) <= 4 * math.sqrt(q * (1 - q) / n), out
+
+
+def test_each_direction_of_each_pair_has_its_own_path():
+    near = PathConfig(delay_ms=5.0)
+    cfg = TunConfig(sites=3, path=WAN, paths={(2, 0): near, (0, 2): near}, seed=1)
+    with TunTestbed(cfg) as bed:
+        far = measure_rtt(bed, count=10, src=1, dst=0)["median_ms"]
+        close = measure_rtt(bed, count=10, src=2, dst=0, port=5311)["median_ms"]
+        forwarded = bed.stats()["paths"]
+    assert abs(far - 40.0) <= 0.15 * 40.0 + 2.0
+    assert abs(close - 10.0) <= 0.15 * 10.0 + 2.0
+    assert forwarded["1->2"]["received"] == 0  # nothing crossed a path it was not addressed to
+
+
+def test_everything_is_removed_even_if_the_body_fails():
+    with pytest.raises(RuntimeError, match="boom"):
+        with TunTestbed(TunConfig(path=WAN)) as bed:
+            names, fwd = bed.ns, bed._fwd
+            raise RuntimeError("boom")
+    assert fwd is not None and fwd.poll() is not None  # the forwarder is gone
+    assert not any(ns in _namespaces() for ns in names)
+    links = subprocess.run(["ip", "link"], capture_output=True, text=True).stdout
+    assert not any(t in links for t in bed.tuns)
+
+
+def test_calibrate_cli_prints_one_json_line():
+    proc = subprocess.run(
+        [sys.executable, "-m", "transport.links.tun", "--calibrate", "--json", "--seconds", "1"],
+        capture_output=True,
+        text=True,
+        timeout=110,
+    )
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert abs(out["rtt"]["median_ms"] - 40.0) <= 8.0
+    assert out["outage"]["packets_forwarded_while_down"] == 0
+    assert out["ceiling"]["goodput_mbit"] > 0

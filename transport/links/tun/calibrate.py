@@ -1,0 +1,230 @@
+"""Calibration of the TUN WAN emulator: what kernel TCP and UDP in the sites actually measure.
+
+Each ``measure_*`` runs :mod:`transport.links.tun.probe` ends in two sites of a running
+:class:`~transport.links.tun.testbed.TunTestbed` (receiver in site 0, sender in site 1) and returns
+figures; :func:`calibrate` runs them on the reference links and ``python -m transport.links.tun
+--calibrate --json`` prints the result as one JSON line last. Tests assert on these figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import replace
+from typing import Any, Sequence
+
+from transport.links.tun.shape import PathConfig
+from transport.links.tun.testbed import TunConfig, TunTestbed
+
+_PROBE = [sys.executable, "-m", "transport.links.tun.probe"]
+
+
+def _start(bed: TunTestbed, site: int, args: list[str]) -> subprocess.Popen[str]:
+    """A probe server, returned once it listens."""
+    proc = bed.popen(site, [*_PROBE, *args], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout is not None
+    if not json.loads(proc.stdout.readline() or "{}").get("ready"):
+        proc.kill()
+        proc.wait()
+        raise RuntimeError(f"probe {args[0]} did not start in site {site}")
+    return proc
+
+
+def _finish(proc: subprocess.Popen[str], timeout: float) -> dict[str, Any]:
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    if proc.returncode != 0 or not out.strip():
+        raise RuntimeError(f"probe failed (exit code {proc.returncode})")
+    result: dict[str, Any] = json.loads(out.strip().splitlines()[-1])
+    return result
+
+
+def _client(bed: TunTestbed, site: int, args: list[str], timeout: float) -> dict[str, Any]:
+    return _finish(bed.popen(site, [*_PROBE, *args], stdout=subprocess.PIPE, text=True), timeout)
+
+
+def measure_rtt(
+    bed: TunTestbed, count: int = 20, port: int = 5301, *, src: int = 1, dst: int = 0
+) -> dict[str, Any]:
+    """Site ``src`` connects ``count`` times to site ``dst``: TCP handshake round trips."""
+    host = bed.addr(dst)
+    sink = _start(
+        bed, dst, ["tcp-sink", "--bind", host, "--port", str(port), "--conns", str(count)]
+    )
+    try:
+        args = ["connect-rtt", "--host", host, "--port", str(port), "--count", str(count)]
+        rtt = _client(bed, src, args, 60)["rtt_s"]
+    finally:
+        _finish(sink, 10)
+    ms = [r * 1e3 for r in rtt]
+    return {
+        "median_ms": round(statistics.median(ms), 2),
+        "min_ms": round(min(ms), 2),
+        "max_ms": round(max(ms), 2),
+    }
+
+
+def _flow(
+    bed: TunTestbed, seconds: float, *, rcvbuf: int, sndbuf: int, port: int, during: Any = None
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    sink = _start(
+        bed, 0, ["tcp-sink", "--bind", bed.addr(0), "--port", str(port), "--rcvbuf", str(rcvbuf)]
+    )
+    try:
+        src = bed.popen(
+            1,
+            [
+                *_PROBE,
+                "tcp-source",
+                "--host",
+                bed.addr(0),
+                "--port",
+                str(port),
+                "--seconds",
+                str(seconds),
+                "--sndbuf",
+                str(sndbuf),
+            ],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        extra = during() if during is not None else {}
+        sent = _finish(src, seconds + 60)
+    finally:
+        conn = _finish(sink, 60)["conns"][0]
+    return {**conn, "sent": sent["bytes"]}, extra
+
+
+def measure_goodput(
+    bed: TunTestbed,
+    seconds: float = 4.0,
+    *,
+    rcvbuf: int = 0,
+    sndbuf: int = 0,
+    warmup: float = 1.0,
+    port: int = 5302,
+) -> dict[str, Any]:
+    """One TCP flow site 1 → site 0 for ``seconds``: goodput over the whole flow and after the
+    first ``warmup`` seconds (congestion control's start-up excluded)."""
+    warmup = min(warmup, seconds / 4)  # a short flow keeps most of its length
+    conn, _ = _flow(bed, seconds, rcvbuf=rcvbuf, sndbuf=sndbuf, port=port)
+    first, last = conn["first"], conn["last"]
+    late = sum(v for k, v in conn["buckets"].items() if int(k) * 0.05 >= first + warmup)
+    late_start = (int((first + warmup) / 0.05) + 1) * 0.05
+    return {
+        "bytes": conn["bytes"],
+        "goodput_mbit": round(conn["bytes"] * 8 / (last - first) / 1e6, 2),
+        "steady_goodput_mbit": round(late * 8 / (last - late_start) / 1e6, 2),
+        "rcvbuf": rcvbuf,
+        "sndbuf": sndbuf,
+    }
+
+
+def measure_udp_loss(
+    bed: TunTestbed, count: int = 4000, pps: float = 2000.0, port: int = 5303
+) -> dict[str, Any]:
+    """``count`` paced datagrams site 1 → site 0; the fraction that did not arrive."""
+    before = bed.stats()["paths"]["1->0"]
+    sink = _start(bed, 0, ["udp-sink", "--bind", bed.addr(0), "--port", str(port)])
+    try:
+        _client(
+            bed,
+            1,
+            [
+                "udp-source",
+                "--host",
+                bed.addr(0),
+                "--port",
+                str(port),
+                "--count",
+                str(count),
+                "--pps",
+                str(pps),
+            ],
+            120,
+        )
+    finally:
+        got = _finish(sink, 30)
+    after = bed.stats()["paths"]["1->0"]
+    return {
+        "sent": count,
+        "received": got["received"],
+        "loss": round(1 - got["received"] / count, 5),
+        "forwarder_lost": after["lost"] - before["lost"],
+        "queue_drops": after["queue_drops"] - before["queue_drops"],
+    }
+
+
+def measure_outage(
+    bed: TunTestbed, *, at: float = 1.5, down_s: float = 1.0, seconds: float = 5.0, port: int = 5304
+) -> dict[str, Any]:
+    """A TCP flow site 1 → site 0 during which the link goes down for ``down_s``: what passed
+    while it was down (forwarder count and receiver bytes) and when data flowed again."""
+    marks: dict[str, Any] = {}
+
+    def cut() -> dict[str, Any]:
+        time.sleep(at)  # the flow's own pace: nothing to await, the cut is at a time into it
+        bed.down()
+        marks["down"] = time.monotonic()
+        marks["before"] = bed.stats()["paths"]
+        time.sleep(down_s)
+        marks["during"] = bed.stats()["paths"]
+        marks["up"] = time.monotonic()
+        bed.up()
+        return marks
+
+    conn, m = _flow(bed, seconds, rcvbuf=0, sndbuf=0, port=port, during=cut)
+    delivered = sum(m["during"][k]["delivered"] - m["before"][k]["delivered"] for k in m["before"])
+    b = {int(k) * 0.05: v for k, v in conn["buckets"].items()}
+    inside = sum(v for t, v in b.items() if t >= m["down"] + 0.05 and t + 0.05 <= m["up"])
+    after = sorted(t for t in b if t >= m["up"])
+    return {
+        "down_s": round(m["up"] - m["down"], 3),
+        "packets_forwarded_while_down": delivered,
+        "bytes_received_while_down": inside,
+        "bytes_received_after_up": sum(b[t] for t in after),
+        "resumed_after_s": round(after[0] - m["up"], 3) if after else None,
+    }
+
+
+def calibrate(*, seconds: float = 4.0, seed: int | None = 1) -> dict[str, Any]:
+    """The reference figures: 20 ms each way at 50 Mbit/s (RTT, goodput with default and with
+    small buffers, a 1 s outage), 1 % random loss, and the forwarder's own ceiling."""
+    wan = PathConfig(delay_ms=20.0, rate_mbit=50.0)
+    out: dict[str, Any] = {
+        "configured": {"one_way_delay_ms": 20.0, "rate_mbit": 50.0, "loss": 0.01}
+    }
+    with TunTestbed(TunConfig(path=wan, seed=seed)) as bed:
+        out["rtt"] = measure_rtt(bed)
+        out["goodput_default_buffers"] = measure_goodput(bed, seconds)
+        out["goodput_rcvbuf_32k"] = measure_goodput(bed, seconds, rcvbuf=32 << 10, port=5305)
+        out["outage"] = measure_outage(bed)
+    with TunTestbed(TunConfig(path=replace(wan, loss=0.01), seed=seed)) as bed:
+        out["udp_loss"] = measure_udp_loss(bed)
+    with TunTestbed(TunConfig(path=PathConfig(), seed=seed)) as bed:
+        out["ceiling"] = measure_goodput(bed, seconds)
+        out["ceiling"]["rtt"] = measure_rtt(bed, port=5306)
+    out["bdp_bytes"] = int(50e6 / 8 * 0.040)
+    return out
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m transport.links.tun")
+    p.add_argument("--calibrate", action="store_true", required=True, help="measure the emulator")
+    p.add_argument("--seconds", type=float, default=4.0, help="length of each TCP flow")
+    p.add_argument("--json", action="store_true", help="only the JSON line")
+    args = p.parse_args(argv)
+    result = calibrate(seconds=args.seconds)
+    if not args.json:
+        for k, v in result.items():
+            print(f"{k}: {v}")
+    print(json.dumps(result))
+    return 0

@@ -1,0 +1,135 @@
+"""The TUN forwarder: one process that moves IP packets between the sites' TUN devices.
+
+Started by :class:`transport.links.tun.testbed.TunTestbed` with the TUN file descriptors inherited
+(``pass_fds``) and its description as JSON on the command line. Each packet read from site
+``s``'s TUN goes to the site owning its destination address ``d``, through the
+:class:`~transport.links.tun.shape.Path` ``(s, d)``, which says when it is due (or drops it);
+due packets wait in one heap ordered by due time and are written into ``d``'s TUN then.
+
+Control is JSON lines on stdin, each answered by one JSON line on stdout, so the caller knows a
+change is in force when the call returns: ``{"op": "set", "src": s, "dst": d, "path": {...}}``
+and ``{"op": "stats"}``. End of stdin (the testbed closed it, or died) ends the forwarder, and
+with it the TUN devices, whose only file descriptors it holds.
+
+Single-threaded Python (epoll, ``os.read``/``os.write`` per packet): its ceiling is what
+``python -m transport.links.tun --calibrate`` reports as ``ceiling``.
+"""
+
+from __future__ import annotations
+
+import heapq
+import json
+import os
+import random
+import select
+import sys
+import time
+from typing import Any
+
+from transport.links.tun.shape import Path, PathConfig
+
+_MAX_PACKET = 65536
+_BATCH = 64  # packets read from one TUN per wake-up before the others get their turn
+
+
+class Forwarder:
+    def __init__(self, fds: list[int], addrs: list[str], paths: dict[tuple[int, int], Path]):
+        self.fds = fds
+        self.site_of = {bytes(int(o) for o in a.split(".")): i for i, a in enumerate(addrs)}
+        self.paths = paths
+        self.heap: list[tuple[float, int, int, Path, bytes]] = []
+        self.seq = 0
+        self.other = 0  # packets that are not IPv4 or not addressed to a site (dropped)
+        self._ctl = b""
+
+    def run(self, ctl_in: int, ctl_out: int) -> None:
+        ep = select.epoll()
+        src_of = {}
+        for i, fd in enumerate(self.fds):
+            os.set_blocking(fd, False)
+            ep.register(fd, select.EPOLLIN)
+            src_of[fd] = i
+        os.set_blocking(ctl_in, False)
+        ep.register(ctl_in, select.EPOLLIN)
+        self._reply(ctl_out, {"ready": True})
+        heap = self.heap
+        while True:
+            timeout = max(0.0, heap[0][0] - time.monotonic()) if heap else None
+            for fd, _ in ep.poll(timeout):
+                if fd == ctl_in:
+                    if not self._control(ctl_in, ctl_out):
+                        return
+                else:
+                    self._read(fd, src_of[fd])
+            now = time.monotonic()
+            while heap and heap[0][0] <= now:
+                _, _, dst, path, pkt = heapq.heappop(heap)
+                if path.deliverable():
+                    os.write(self.fds[dst], pkt)
+                    path.stats.delivered += 1
+                    path.stats.delivered_bytes += len(pkt)
+
+    def _read(self, fd: int, src: int) -> None:
+        now = time.monotonic()
+        for _ in range(_BATCH):
+            try:
+                pkt = os.read(fd, _MAX_PACKET)
+            except BlockingIOError:
+                return
+            dst = self.site_of.get(pkt[16:20]) if pkt and pkt[0] >> 4 == 4 else None
+            if dst is None or dst == src:
+                self.other += 1  # IPv6 autoconfiguration chatter, or no such site
+                continue
+            path = self.paths[(src, dst)]
+            due = path.admit(now, len(pkt))
+            if due is not None:
+                heapq.heappush(self.heap, (due, self.seq, dst, path, pkt))
+                self.seq += 1
+
+    def _control(self, ctl_in: int, ctl_out: int) -> bool:
+        chunk = os.read(ctl_in, 65536)
+        if not chunk:
+            return False
+        self._ctl += chunk
+        while b"\n" in self._ctl:
+            line, self._ctl = self._ctl.split(b"\n", 1)
+            msg = json.loads(line)
+            if msg["op"] == "set":
+                keys = list(self.paths)
+                if msg.get("src") is not None:
+                    keys = [(int(msg["src"]), int(msg["dst"]))]
+                for key in keys:
+                    self.paths[key].config = PathConfig.from_dict(msg["path"])
+                self._reply(ctl_out, {"ok": True})
+            elif msg["op"] == "stats":
+                self._reply(ctl_out, self.stats())
+            else:
+                self._reply(ctl_out, {"error": f"unknown op {msg['op']!r}"})
+        return True
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            "paths": {f"{s}->{d}": vars(p.stats) for (s, d), p in self.paths.items()},
+            "other": self.other,
+            "queued": len(self.heap),
+        }
+
+    @staticmethod
+    def _reply(fd: int, msg: dict[str, Any]) -> None:
+        os.write(fd, (json.dumps(msg) + "\n").encode())
+
+
+def main(argv: list[str]) -> int:
+    spec = json.loads(argv[0])
+    seed = spec.get("seed")
+    paths = {}
+    for k, cfg in spec["paths"].items():
+        s, d = (int(x) for x in k.split("->"))
+        rng = random.Random(None if seed is None else seed * 1000 + s * 100 + d)
+        paths[(s, d)] = Path(PathConfig.from_dict(cfg), rng=rng)
+    Forwarder(spec["fds"], spec["addrs"], paths).run(sys.stdin.fileno(), sys.stdout.fileno())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

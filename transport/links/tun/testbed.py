@@ -1,0 +1,256 @@
+"""A packet-level WAN emulator: sites in network namespaces joined through TUN devices.
+
+The other testbeds cannot show a sender's TCP a real round trip: ``tc tbf`` between namespaces
+(:mod:`transport.links.netns`) limits the rate with no propagation delay (this kernel has no
+``netem``), and the user-space relay (:mod:`transport.links.emulator`) terminates TCP, so the
+sender's kernel never sees the RTT, the window or the loss. Here each site is a namespace whose
+only way out is a TUN device; a forwarder process in the root namespace
+(:mod:`transport.links.tun.forward`) reads every IP packet a site sends and writes it into the
+destination site's TUN when the path's model says (:mod:`transport.links.tun.shape`: one-way
+delay, jitter, bottleneck rate and queue, random and Gilbert-Elliott loss, reordering, link
+down). Kernel TCP (bbr or cubic) in the sites then runs end to end over that path.
+
+Addressing: site ``i`` is 10.<net>.0.<i+1>/24 on its TUN ``<base>t<i>`` (point-to-point, no
+ARP): the /24 route sends every other site's address through the TUN. Every ordered pair of
+sites is its own path (a full mesh of independent links); the root namespace has no address on
+it. :class:`TunTestbed` has the shape of :class:`transport.links.netns.Testbed` (a context
+manager, ``ns``, ``addr(i)``, ``addrs``, ``command``) plus ``run_in``/``popen`` and run-time
+control (``set_path``, ``down``, ``up``, ``stats``). Requires root, iproute2 and
+``/dev/net/tun``; ``python -m transport.links.tun --calibrate --json`` measures it
+(:mod:`transport.links.tun.calibrate`).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import itertools
+import json
+import os
+import shutil
+import struct
+import subprocess
+import sys
+import threading
+from dataclasses import dataclass, field, replace
+from typing import Any, Mapping, Sequence
+
+from lowband.errors import ConfigError
+from transport.links.tun.shape import PathConfig
+
+_TUNSETIFF = 0x400454CA
+_IFF_TUN = 0x0001
+_IFF_NO_PI = 0x1000
+_instances = itertools.count()
+
+
+@dataclass(frozen=True, kw_only=True)
+class TunConfig:
+    sites: int = 2
+    """Number of namespaces (each with one TUN)."""
+    path: PathConfig = field(default_factory=PathConfig)
+    """Every direction of every pair of sites, unless ``paths`` says otherwise."""
+    paths: Mapping[tuple[int, int], PathConfig] = field(default_factory=dict)
+    """Per direction ``(src, dst)`` overrides of ``path``."""
+    mtu: int = 1500
+    """The TUN devices' MTU (what a WAN path usually carries)."""
+    congestion: str = ""
+    """TCP congestion control set in every site (``bbr``, ``cubic``, ``reno``); empty: the
+    namespace's default."""
+    seed: int | None = None
+    """Seed of the loss/jitter/reordering draws; None: fresh each run."""
+    net: int = 229
+    """Second octet of the 10.<net>.0.0/24 site addresses."""
+    name: str = ""
+    """Name prefix of namespaces and TUNs (at most 8 alphanumerics); empty: unique per testbed."""
+
+    def __post_init__(self) -> None:
+        if not 2 <= self.sites <= 200:
+            raise ConfigError("sites", f"must be in [2, 200], got {self.sites}")
+        if not 1 <= self.net <= 254:
+            raise ConfigError("net", f"must be in [1, 254], got {self.net}")
+        if not 576 <= self.mtu <= 65535:
+            raise ConfigError("mtu", f"must be in [576, 65535], got {self.mtu}")
+        if self.name and (len(self.name) > 8 or not self.name.isalnum()):
+            raise ConfigError("name", "at most 8 alphanumeric characters")
+        for s, d in self.paths:
+            if not (0 <= s < self.sites and 0 <= d < self.sites and s != d):
+                raise ConfigError("paths", f"({s}, {d}) is not a direction between two sites")
+
+    def path_of(self, src: int, dst: int) -> PathConfig:
+        return self.paths.get((src, dst), self.path)
+
+
+def available() -> str | None:
+    """None if the TUN testbed can be made here, else the reason it cannot."""
+    if os.geteuid() != 0:
+        return "needs root"
+    if shutil.which("ip") is None:
+        return "needs iproute2 (ip)"
+    if not os.path.exists("/dev/net/tun"):
+        return "needs /dev/net/tun"
+    return None
+
+
+def _run(*args: str) -> None:
+    proc = subprocess.run(args, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(args)} failed: {proc.stderr.strip()}")
+
+
+def _open_tun(name: str) -> int:
+    fd = os.open("/dev/net/tun", os.O_RDWR | os.O_CLOEXEC)
+    try:
+        fcntl.ioctl(fd, _TUNSETIFF, struct.pack("16sH", name.encode(), _IFF_TUN | _IFF_NO_PI))
+    except OSError:
+        os.close(fd)
+        raise
+    return fd
+
+
+class TunTestbed:
+    """Context manager owning the namespaces, the TUN devices and the forwarder process."""
+
+    __test__ = False  # a testbed, not a pytest test class
+
+    def __init__(self, config: TunConfig) -> None:
+        self.config = config
+        base = config.name or f"lt{os.getpid() % 100000}{next(_instances) % 100}"
+        self.ns = [f"{base}s{i}" for i in range(config.sites)]
+        self.tuns = [f"{base}t{i}" for i in range(config.sites)]
+        self._paths = {
+            (s, d): config.path_of(s, d)
+            for s in range(config.sites)
+            for d in range(config.sites)
+            if s != d
+        }
+        self._fwd: subprocess.Popen[bytes] | None = None
+        self._lock = threading.Lock()
+        self._up = False
+
+    def addr(self, i: int) -> str:
+        return f"10.{self.config.net}.0.{i + 1}"
+
+    @property
+    def addrs(self) -> list[str]:
+        return [self.addr(i) for i in range(len(self.ns))]
+
+    # ---- setup and teardown ----------------------------------------------------------------
+    def __enter__(self) -> "TunTestbed":
+        reason = available()
+        if reason:
+            raise ConfigError("tun", f"TUN testbed unavailable: {reason}")
+        fds: list[int] = []
+        self._up = True
+        try:
+            for i, (ns, tun) in enumerate(zip(self.ns, self.tuns)):
+                _run("ip", "netns", "add", ns)
+                _run("ip", "-n", ns, "link", "set", "lo", "up")
+                if self.config.congestion:
+                    _run(*self.command(i, ["sysctl", "-q", "-w", self._cc_setting()]))
+                fds.append(_open_tun(tun))
+                _run("ip", "link", "set", tun, "netns", ns)
+                _run("ip", "-n", ns, "addr", "add", f"{self.addr(i)}/24", "dev", tun)
+                _run("ip", "-n", ns, "link", "set", tun, "mtu", str(self.config.mtu), "up")
+            self._start_forwarder(fds)
+        except BaseException:
+            self.__exit__()
+            raise
+        finally:
+            for fd in fds:  # the forwarder holds its own copies; the TUNs live as long as it
+                os.close(fd)
+        return self
+
+    def _cc_setting(self) -> str:
+        return f"net.ipv4.tcp_congestion_control={self.config.congestion}"
+
+    def _start_forwarder(self, fds: list[int]) -> None:
+        spec = {
+            "fds": fds,
+            "addrs": self.addrs,
+            "seed": self.config.seed,
+            "paths": {f"{s}->{d}": p.to_dict() for (s, d), p in self._paths.items()},
+        }
+        self._fwd = subprocess.Popen(
+            [sys.executable, "-m", "transport.links.tun.forward", json.dumps(spec)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            pass_fds=fds,
+            start_new_session=True,
+        )
+        if not self._read_reply().get("ready"):
+            raise RuntimeError("TUN forwarder did not start")
+
+    def __exit__(self, *exc: object) -> None:
+        if not self._up:
+            return
+        fwd, self._fwd = self._fwd, None
+        if fwd is not None:
+            assert fwd.stdin is not None and fwd.stdout is not None
+            fwd.stdin.close()  # end of its control input ends it
+            try:
+                fwd.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                fwd.kill()
+                fwd.wait()
+            fwd.stdout.close()
+        for ns in self.ns:  # deleting a namespace deletes the TUN in it
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+        self._up = False
+
+    # ---- running things in the sites -------------------------------------------------------
+    def command(self, site: int, args: Sequence[str]) -> list[str]:
+        """``args`` to be run inside site ``site``'s namespace."""
+        return ["ip", "netns", "exec", self.ns[site], *args]
+
+    def run_in(self, site: int, args: Sequence[str], **kwargs: Any) -> subprocess.CompletedProcess:
+        """:func:`subprocess.run` of ``args`` inside site ``site``."""
+        return subprocess.run(self.command(site, args), **kwargs)
+
+    def popen(self, site: int, args: Sequence[str], **kwargs: Any) -> subprocess.Popen:
+        """:class:`subprocess.Popen` of ``args`` inside site ``site``."""
+        return subprocess.Popen(self.command(site, args), **kwargs)
+
+    # ---- changing the paths during a run ---------------------------------------------------
+    def path(self, src: int, dst: int) -> PathConfig:
+        return self._paths[(src, dst)]
+
+    def set_path(self, src: int, dst: int, config: PathConfig) -> None:
+        """Replace direction ``src → dst``; in force when this returns. Queues and loss state
+        carry over (a rate change does not drop what is in flight)."""
+        self._paths[(src, dst)] = config
+        self._call({"op": "set", "src": src, "dst": dst, "path": config.to_dict()})
+
+    def down(self, pairs: Sequence[tuple[int, int]] | None = None) -> None:
+        """Cut the link (both directions of every pair unless ``pairs`` names directions):
+        nothing passes, packets in flight included, until :meth:`up`."""
+        for s, d in pairs if pairs is not None else list(self._paths):
+            self.set_path(s, d, replace(self._paths[(s, d)], down=True))
+
+    def up(self, pairs: Sequence[tuple[int, int]] | None = None) -> None:
+        for s, d in pairs if pairs is not None else list(self._paths):
+            self.set_path(s, d, replace(self._paths[(s, d)], down=False))
+
+    def stats(self) -> dict[str, Any]:
+        """Forwarder counters per direction ``"s->d"``: received, delivered, delivered_bytes,
+        lost, queue_drops, down_drops, reordered."""
+        return self._call({"op": "stats"})
+
+    def _call(self, msg: dict[str, Any]) -> dict[str, Any]:
+        with self._lock:
+            fwd = self._fwd
+            if fwd is None or fwd.stdin is None:
+                raise RuntimeError("the TUN testbed is not running")
+            fwd.stdin.write((json.dumps(msg) + "\n").encode())
+            fwd.stdin.flush()
+            reply = self._read_reply()
+        if "error" in reply:
+            raise RuntimeError(f"TUN forwarder: {reply['error']}")
+        return reply
+
+    def _read_reply(self) -> dict[str, Any]:
+        assert self._fwd is not None and self._fwd.stdout is not None
+        line = self._fwd.stdout.readline()
+        if not line:
+            raise RuntimeError(f"TUN forwarder exited (code {self._fwd.poll()})")
+        reply: dict[str, Any] = json.loads(line)
+        return reply
