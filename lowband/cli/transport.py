@@ -52,16 +52,18 @@ def _coordinator_checked(args: argparse.Namespace) -> int:
         curve_authorized=_authorized(args.curve_authorized or []),
     )
     coord = Coordinator(cfg).start()
-    print(f"lowband coordinator listening on {coord.address}", flush=True)
-    print(f"auth: {auth.mode}" + (", insecure: true" if exposed else ""), flush=True)
-    if curve is not None:
-        print(f"CURVE public key (give it to peers): {curve.public.decode()}", flush=True)
 
     def stop(signum: int, frame: object) -> None:
         coord.stop()
 
+    # Before the address is printed: whoever reads it may stop us at once, and must get a
+    # clean exit rather than the default SIGTERM death.
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
+    print(f"lowband coordinator listening on {coord.address}", flush=True)
+    print(f"auth: {auth.mode}" + (", insecure: true" if exposed else ""), flush=True)
+    if curve is not None:
+        print(f"CURVE public key (give it to peers): {curve.public.decode()}", flush=True)
     coord.wait()
     return 0
 
