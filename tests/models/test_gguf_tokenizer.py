@@ -3,6 +3,7 @@ the metadata handling (special tokens, BOS/EOS, refusals) on small files written
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import gguf
@@ -31,6 +32,7 @@ VOCABS = [
     "qwen35",
 ]
 SEP = "\n__ggml_vocab_test__\n"
+SPECIAL_VECTORS = Path(__file__).with_name("gguf_special_vectors.json")
 
 
 def read_vectors(d: Path, name: str) -> list[tuple[str, list[int]]]:
@@ -69,6 +71,17 @@ def test_llamacpp_vectors(llamacpp_vocab_dir: Path, name: str) -> None:
         (text, d) for text, ids in vectors if (d := tok.decode(ids)) != (text and prefix + text)
     ]
     assert not wrong, f"{name}: {len(wrong)} texts decode differently, e.g. {wrong[:3]}"
+    # BOS/EOS and special tokens in the text, as a prompt is tokenized: llama.cpp's ids recorded
+    # by make_gguf_special_vectors.py.
+    special = json.loads(SPECIAL_VECTORS.read_text(encoding="utf-8"))
+    assert special["modes"] == [[True, True], [False, True], [True, False]]
+    bad = [
+        (text, mode, want, got)
+        for text, *ids in special["vectors"][name]
+        for mode, want in zip(special["modes"], ids)
+        if (got := tok.encode(text, add_special=mode[0], parse_special=mode[1])) != want
+    ]
+    assert not bad, f"{name}: {len(bad)} special-token texts differ from llama.cpp: {bad[:3]}"
 
 
 # ---- small files written here ---------------------------------------------------------------
