@@ -16,8 +16,10 @@ are supported, as llama.cpp (``src/llama-vocab.cpp``) reads them:
 Control and unknown tokens become special added tokens and user-defined tokens plain added tokens,
 so both are matched whole in text before the model runs, as llama.cpp's
 ``tokenizer_st_partition`` does; ``parse_special=False`` leaves control tokens as text (llama.cpp
-matches user-defined tokens either way). Anything else is refused with :class:`ConfigError`
-rather than tokenized differently from llama.cpp.
+matches user-defined tokens either way). llama.cpp's load-time fixes are applied too: end-of-turn
+and FIM texts (``<|im_end|>``, ``</s>``, ...) are control tokens whatever the file says, and
+Phi-3's special tokens eat the whitespace after them. Anything else is refused with
+:class:`ConfigError` rather than tokenized differently from llama.cpp.
 """
 
 from __future__ import annotations
@@ -378,6 +380,7 @@ class GGUFTokenizer:
         self.vocab_size = len(vocab.tokens)
         self.bos_token_id = vocab.bos_token_id
         self.eos_token_id = vocab.eos_token_id
+        self.eog_token_ids = vocab.eog_token_ids  # llama.cpp stops generating on any of these
         self._lock = threading.Lock()  # encode_special_tokens is state on the shared HF object
         # The file's tokenizer.chat_template, set by whoever reads the rest of the file (the
         # Tokenizer protocol's optional attribute); see lowband.models.chat_template.
