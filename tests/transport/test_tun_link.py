@@ -92,6 +92,18 @@ def test_each_direction_of_each_pair_has_its_own_path():
     assert forwarded["1->2"]["received"] == 0  # nothing crossed a path it was not addressed to
 
 
+def test_the_host_joins_as_one_more_endpoint():
+    cfg = TunConfig(path=WAN, host=True, paths={(2, 0): PathConfig(delay_ms=10.0)}, seed=2)
+    with TunTestbed(cfg) as bed:
+        assert bed.addr(2) == bed.host and bed.command(2, ["true"]) == ["true"]
+        rtt = measure_rtt(bed, count=10, src=0, dst=2, port=5312)["median_ms"]  # sink in the host
+        forwarded = bed.stats()["paths"]
+    assert abs(rtt - 30.0) <= 0.15 * 30.0 + 2.0  # 20 ms there, 10 ms back
+    assert forwarded["0->2"]["delivered"] >= 10 and forwarded["2->0"]["delivered"] >= 10
+    links = subprocess.run(["ip", "link"], capture_output=True, text=True).stdout
+    assert bed.host_tun not in links
+
+
 def test_everything_is_removed_even_if_the_body_fails():
     with pytest.raises(RuntimeError, match="boom"):
         with TunTestbed(TunConfig(path=WAN)) as bed:

@@ -12,9 +12,12 @@ down). Kernel TCP (bbr or cubic) in the sites then runs end to end over that pat
 
 Addressing: site ``i`` is 10.<net>.0.<i+1>/24 on its TUN ``<base>t<i>`` (point-to-point, no
 ARP): the /24 route sends every other site's address through the TUN. Every ordered pair of
-sites is its own path (a full mesh of independent links); the root namespace has no address on
-it. :class:`TunTestbed` has the shape of :class:`transport.links.netns.Testbed` (a context
-manager, ``ns``, ``addr(i)``, ``addrs``, ``command``) plus ``run_in``/``popen`` and run-time
+sites is its own path (a full mesh of independent links). With ``host=True`` the root namespace
+joins as one more endpoint, index ``sites``, at 10.<net>.0.254 (like ``Testbed.host``: where a
+coordinator runs), behind its own TUN and paths.
+
+:class:`TunTestbed` has the shape of :class:`transport.links.netns.Testbed` (a context manager,
+``ns``, ``addr(i)``, ``addrs``, ``host``, ``command``) plus ``run_in``/``popen`` and run-time
 control (``set_path``, ``down``, ``up``, ``stats``). Requires root, iproute2 and
 ``/dev/net/tun``; ``python -m transport.links.tun --calibrate --json`` measures it
 (:mod:`transport.links.tun.calibrate`).
@@ -62,6 +65,8 @@ class TunConfig:
     """Second octet of the 10.<net>.0.0/24 site addresses."""
     name: str = ""
     """Name prefix of namespaces and TUNs (at most 8 alphanumerics); empty: unique per testbed."""
+    host: bool = False
+    """Also put the root namespace on the emulated network (index ``sites``, 10.<net>.0.254)."""
 
     def __post_init__(self) -> None:
         if not 2 <= self.sites <= 200:
@@ -72,9 +77,15 @@ class TunConfig:
             raise ConfigError("mtu", f"must be in [576, 65535], got {self.mtu}")
         if self.name and (len(self.name) > 8 or not self.name.isalnum()):
             raise ConfigError("name", "at most 8 alphanumeric characters")
+        n = self.endpoints
         for s, d in self.paths:
-            if not (0 <= s < self.sites and 0 <= d < self.sites and s != d):
+            if not (0 <= s < n and 0 <= d < n and s != d):
                 raise ConfigError("paths", f"({s}, {d}) is not a direction between two sites")
+
+    @property
+    def endpoints(self) -> int:
+        """Sites, plus the root namespace when ``host``."""
+        return self.sites + int(self.host)
 
     def path_of(self, src: int, dst: int) -> PathConfig:
         return self.paths.get((src, dst), self.path)
@@ -117,10 +128,13 @@ class TunTestbed:
         base = config.name or f"lt{os.getpid() % 100000}{next(_instances) % 100}"
         self.ns = [f"{base}s{i}" for i in range(config.sites)]
         self.tuns = [f"{base}t{i}" for i in range(config.sites)]
+        self.host_tun = f"{base}th"
+        self.host = f"10.{config.net}.0.254" if config.host else None
+        """The root namespace's address on the emulated network (``host=True``), else None."""
         self._paths = {
             (s, d): config.path_of(s, d)
-            for s in range(config.sites)
-            for d in range(config.sites)
+            for s in range(config.endpoints)
+            for d in range(config.endpoints)
             if s != d
         }
         self._fwd: subprocess.Popen[bytes] | None = None
@@ -128,6 +142,9 @@ class TunTestbed:
         self._up = False
 
     def addr(self, i: int) -> str:
+        """Site ``i``'s address; ``i == sites`` is the host's (``host=True``)."""
+        if i == self.config.sites and self.host is not None:
+            return self.host
         return f"10.{self.config.net}.0.{i + 1}"
 
     @property
@@ -151,6 +168,10 @@ class TunTestbed:
                 _run("ip", "link", "set", tun, "netns", ns)
                 _run("ip", "-n", ns, "addr", "add", f"{self.addr(i)}/24", "dev", tun)
                 _run("ip", "-n", ns, "link", "set", tun, "mtu", str(self.config.mtu), "up")
+            if self.host is not None:
+                fds.append(_open_tun(self.host_tun))
+                _run("ip", "addr", "add", f"{self.host}/24", "dev", self.host_tun)
+                _run("ip", "link", "set", self.host_tun, "mtu", str(self.config.mtu), "up")
             self._start_forwarder(fds)
         except BaseException:
             self.__exit__()
@@ -166,7 +187,7 @@ class TunTestbed:
     def _start_forwarder(self, fds: list[int]) -> None:
         spec = {
             "fds": fds,
-            "addrs": self.addrs,
+            "addrs": [self.addr(i) for i in range(self.config.endpoints)],
             "seed": self.config.seed,
             "paths": {f"{s}->{d}": p.to_dict() for (s, d), p in self._paths.items()},
         }
@@ -195,11 +216,15 @@ class TunTestbed:
             fwd.stdout.close()
         for ns in self.ns:  # deleting a namespace deletes the TUN in it
             subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+        if self.host is not None:  # gone with the forwarder's fds already; make sure
+            subprocess.run(["ip", "link", "del", self.host_tun], capture_output=True)
         self._up = False
 
     # ---- running things in the sites -------------------------------------------------------
     def command(self, site: int, args: Sequence[str]) -> list[str]:
-        """``args`` to be run inside site ``site``'s namespace."""
+        """``args`` to be run inside site ``site``'s namespace (the host: as they are)."""
+        if site == self.config.sites and self.host is not None:
+            return list(args)
         return ["ip", "netns", "exec", self.ns[site], *args]
 
     def run_in(self, site: int, args: Sequence[str], **kwargs: Any) -> subprocess.CompletedProcess:
