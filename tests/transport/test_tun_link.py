@@ -12,6 +12,7 @@ from dataclasses import replace
 
 import pytest
 
+from lowband.errors import ConfigError
 from transport.links.tun.calibrate import (
     measure_goodput,
     measure_outage,
@@ -47,9 +48,11 @@ def test_rtt_is_twice_the_one_way_delay(wan):
     assert abs(rtt - 40.0) <= 0.15 * 40.0 + 2.0, rtt
 
 
-def test_one_flow_fills_the_rate_when_the_window_allows(wan):
-    # Default socket buffers: autotuning grows the window past the 250 kB BDP.
-    out = measure_goodput(wan, 4.0)
+@pytest.mark.parametrize("cc", ["", "cubic"])
+def test_one_flow_fills_the_rate_when_the_window_allows(wan, cc):
+    # Default socket buffers: autotuning grows the window past the 250 kB BDP. The 50 ms queue
+    # (1.25 BDP) keeps even cubic's window above the BDP after it halves.
+    out = measure_goodput(wan, 4.0, cc=cc, port=5313 if cc else 5302)
     assert out["goodput_mbit"] <= 50.0  # IP rate: TCP/IP headers come out of it
     assert out["steady_goodput_mbit"] >= 0.85 * 50.0, out
 
@@ -90,6 +93,22 @@ def test_each_direction_of_each_pair_has_its_own_path():
     assert abs(far - 40.0) <= 0.15 * 40.0 + 2.0
     assert abs(close - 10.0) <= 0.15 * 10.0 + 2.0
     assert forwarded["1->2"]["received"] == 0  # nothing crossed a path it was not addressed to
+
+
+def test_congestion_control_is_set_per_site_where_the_host_allows_it():
+    allowed = subprocess.run(
+        ["sysctl", "-n", "net.ipv4.tcp_allowed_congestion_control"], capture_output=True, text=True
+    ).stdout.split()
+    assert "reno" in allowed  # the kernel always allows reno
+    with TunTestbed(TunConfig(path=WAN, congestion="reno")) as bed:
+        got = bed.run_in(
+            1, ["sysctl", "-n", "net.ipv4.tcp_congestion_control"], capture_output=True
+        )
+    assert got.stdout.strip() == b"reno"
+    if "cubic" not in allowed:  # a namespace cannot default to it: said, not ignored
+        with pytest.raises(ConfigError, match="TCP_CONGESTION"):
+            with TunTestbed(TunConfig(path=WAN, congestion="cubic")):
+                pass
 
 
 def test_the_host_joins_as_one_more_endpoint():

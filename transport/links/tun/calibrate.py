@@ -73,7 +73,14 @@ def measure_rtt(
 
 
 def _flow(
-    bed: TunTestbed, seconds: float, *, rcvbuf: int, sndbuf: int, port: int, during: Any = None
+    bed: TunTestbed,
+    seconds: float,
+    *,
+    rcvbuf: int,
+    sndbuf: int,
+    port: int,
+    cc: str = "",
+    during: Any = None,
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     sink = _start(
         bed, 0, ["tcp-sink", "--bind", bed.addr(0), "--port", str(port), "--rcvbuf", str(rcvbuf)]
@@ -92,6 +99,7 @@ def _flow(
                 str(seconds),
                 "--sndbuf",
                 str(sndbuf),
+                *(["--cc", cc] if cc else []),
             ],
             stdout=subprocess.PIPE,
             text=True,
@@ -111,11 +119,15 @@ def measure_goodput(
     sndbuf: int = 0,
     warmup: float = 1.0,
     port: int = 5302,
+    cc: str = "",
 ) -> dict[str, Any]:
-    """One TCP flow site 1 → site 0 for ``seconds``: goodput over the whole flow and after the
-    first ``warmup`` seconds (congestion control's start-up excluded)."""
+    """One TCP flow site 1 → site 0 for ``seconds`` (congestion control ``cc``, empty: the
+    namespace's default): goodput over the whole flow and after the first ``warmup`` seconds
+    (start-up excluded), and how many packets the bottleneck queue dropped."""
     warmup = min(warmup, seconds / 4)  # a short flow keeps most of its length
-    conn, _ = _flow(bed, seconds, rcvbuf=rcvbuf, sndbuf=sndbuf, port=port)
+    before = bed.stats()["paths"]["1->0"]["queue_drops"]
+    conn, _ = _flow(bed, seconds, rcvbuf=rcvbuf, sndbuf=sndbuf, port=port, cc=cc)
+    drops = bed.stats()["paths"]["1->0"]["queue_drops"] - before
     first, last = conn["first"], conn["last"]
     late = sum(v for k, v in conn["buckets"].items() if int(k) * 0.05 >= first + warmup)
     late_start = (int((first + warmup) / 0.05) + 1) * 0.05
@@ -125,6 +137,8 @@ def measure_goodput(
         "steady_goodput_mbit": round(late * 8 / (last - late_start) / 1e6, 2),
         "rcvbuf": rcvbuf,
         "sndbuf": sndbuf,
+        "cc": cc or "default",
+        "queue_drops": drops,
     }
 
 
@@ -206,12 +220,16 @@ def calibrate(*, seconds: float = 4.0, seed: int | None = 1) -> dict[str, Any]:
         out["rtt"] = measure_rtt(bed)
         out["goodput_default_buffers"] = measure_goodput(bed, seconds)
         out["goodput_rcvbuf_32k"] = measure_goodput(bed, seconds, rcvbuf=32 << 10, port=5305)
+        out["goodput_cubic"] = measure_goodput(bed, seconds, cc="cubic", port=5307)
         out["outage"] = measure_outage(bed)
     with TunTestbed(TunConfig(path=replace(wan, loss=0.01), seed=seed)) as bed:
         out["udp_loss"] = measure_udp_loss(bed)
+    # The forwarder's own limit (no rate configured, MTU 1500): with no delay and at 40 ms RTT.
     with TunTestbed(TunConfig(path=PathConfig(), seed=seed)) as bed:
         out["ceiling"] = measure_goodput(bed, seconds)
         out["ceiling"]["rtt"] = measure_rtt(bed, port=5306)
+    with TunTestbed(TunConfig(path=PathConfig(delay_ms=20.0), seed=seed)) as bed:
+        out["ceiling_rtt40"] = measure_goodput(bed, seconds)
     out["bdp_bytes"] = int(50e6 / 8 * 0.040)
     return out
 

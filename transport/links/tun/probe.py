@@ -59,6 +59,8 @@ def tcp_source(args: argparse.Namespace) -> None:
     s = socket.socket()
     if args.sndbuf:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, args.sndbuf)
+    if args.cc:  # per socket: any available algorithm, even one a namespace may not default to
+        s.setsockopt(socket.IPPROTO_TCP, socket.TCP_CONGESTION, args.cc.encode())
     s.connect((args.host, args.port))
     chunk = b"\0" * (64 << 10)
     n, t0 = 0, time.monotonic()
@@ -132,6 +134,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     m.add_argument("--port", type=int, required=True)
     m.add_argument("--seconds", type=float, required=True)
     m.add_argument("--sndbuf", type=int, default=0)
+    m.add_argument("--cc", default="", help="TCP congestion control of this socket")
     m.set_defaults(run=tcp_source)
     m = sub.add_parser("connect-rtt")
     m.add_argument("--host", required=True)

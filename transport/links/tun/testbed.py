@@ -57,8 +57,8 @@ class TunConfig:
     mtu: int = 1500
     """The TUN devices' MTU (what a WAN path usually carries)."""
     congestion: str = ""
-    """TCP congestion control set in every site (``bbr``, ``cubic``, ``reno``); empty: the
-    namespace's default."""
+    """Default TCP congestion control of every site; only those the host allows
+    (``net.ipv4.tcp_allowed_congestion_control``); empty: the namespace's default."""
     seed: int | None = None
     """Seed of the loss/jitter/reordering draws; None: fresh each run."""
     net: int = 229
@@ -163,7 +163,7 @@ class TunTestbed:
                 _run("ip", "netns", "add", ns)
                 _run("ip", "-n", ns, "link", "set", "lo", "up")
                 if self.config.congestion:
-                    _run(*self.command(i, ["sysctl", "-q", "-w", self._cc_setting()]))
+                    self._set_congestion(i)
                 fds.append(_open_tun(tun))
                 _run("ip", "link", "set", tun, "netns", ns)
                 _run("ip", "-n", ns, "addr", "add", f"{self.addr(i)}/24", "dev", tun)
@@ -181,8 +181,20 @@ class TunTestbed:
                 os.close(fd)
         return self
 
-    def _cc_setting(self) -> str:
-        return f"net.ipv4.tcp_congestion_control={self.config.congestion}"
+    def _set_congestion(self, site: int) -> None:
+        cc = self.config.congestion
+        setting = f"net.ipv4.tcp_congestion_control={cc}"
+        proc = self.run_in(site, ["sysctl", "-q", "-w", setting], capture_output=True, text=True)
+        if proc.returncode != 0:
+            # A namespace may only default to what the host lists in
+            # net.ipv4.tcp_allowed_congestion_control (cubic is not, here); a root process
+            # can still pick any available algorithm for its own socket.
+            raise ConfigError(
+                "congestion",
+                f"{cc!r} cannot be a namespace's default ({proc.stderr.strip()}); it must be in "
+                "the host's net.ipv4.tcp_allowed_congestion_control, or set it per socket "
+                "(setsockopt TCP_CONGESTION, as the calibration probe's --cc does)",
+            )
 
     def _start_forwarder(self, fds: list[int]) -> None:
         spec = {
