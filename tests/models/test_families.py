@@ -263,11 +263,15 @@ def test_llama3_scaling_matters_and_factors_are_equivalent(tmp_path) -> None:
     [
         ("phi3", "model.layers.0.self_attn.q_proj.weight"),
         ("qwen3_moe", "model.layers.0.block_sparse_moe.experts.1.w3.weight"),
+        ("gemma3", "model.layers.0.pre_feedforward_layernorm.weight"),
+        ("qwen3", "model.layers.0.self_attn.q_norm.weight"),
+        ("smollm3", "model.layers.0.self_attn.q_proj.weight"),
     ],
 )
 def test_save_pretrained_writes_the_family_names(loader, kind, runtime_key, tmp_path) -> None:
-    """Phi-3's fused q/k/v and gate/up are split at load and fused again at save; Qwen3-MoE's
-    experts take Mixtral's names at load and their own at save: transformers reads it back."""
+    """What we save, transformers reads back as the same model: Phi-3's fused q/k/v and
+    gate/up are split at load and fused again at save, Qwen3-MoE's experts take Mixtral's
+    names at load and their own at save, and every family's config.json keeps its maths."""
     hf, ours = loader(kind)
     assert runtime_key in ours.state_dict()
     save_pretrained(ours, tmp_path)
@@ -278,6 +282,18 @@ def test_save_pretrained_writes_the_family_names(loader, kind, runtime_key, tmp_
     ids = _ids(16)
     with torch.no_grad():  # (back runs transformers' default attention kernel, hf eager)
         assert _maxdiff(back(ids).logits, hf(ids).logits) <= 1e-6
+
+
+def test_config_json_round_trip(loader) -> None:
+    """A family's config.json as we write it reads back as the same ModelConfig, also for a
+    config built by hand (no transformers keys carried in ``extra``)."""
+    for kind in KINDS:
+        cfg = loader(kind)[1].config
+        bare = ModelConfig(**{f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)[:-1]})
+        for c in (cfg, bare):
+            back = ModelConfig.from_hf_dict(c.to_hf_dict())
+            # head_dim is written out even where the checkpoint left it implicit
+            assert dataclasses.replace(back, head_dim=c.head_dim) == c, kind
 
 
 @pytest.mark.parametrize(
