@@ -29,6 +29,7 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
+from edge.formats.bounds import open_gguf
 from edge.quant import QuantLinear
 from edge.quant.formats import PackedWeight, QuantSpec, dequantize
 from edge.quant.ggml import GGML_TYPES, GGMLWeight, dequantize_ggml
@@ -268,7 +269,7 @@ def load_gguf(path: str | Path, dtype: torch.dtype | None = None) -> LlamaForCau
     """The whole model of a llama-architecture GGUF: Q8_0/Q4_0 matrices as ``QuantLinear``,
     the other block types (Q4_K, Q6_K, ...) as ``GGMLLinear``, float ones as ``nn.Linear``."""
     gguf = _import_gguf()
-    reader = gguf.GGUFReader(str(path))
+    reader = open_gguf(gguf, path)  # header bounded by the file before anything is built
     cfg = read_config(reader)
     dt = dtype or torch.float32
     hf_of = dict(_TOP_NAMES)

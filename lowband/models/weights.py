@@ -18,6 +18,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from lowband.errors import ConfigError
+from lowband.models.bounds import check_checkpoint
 from lowband.models.config import ModelConfig
 from lowband.models.llama import LlamaForCausalLM, rope_inv_freq
 
@@ -142,6 +143,7 @@ def load_pretrained(
     """Load a checkpoint into :class:`LlamaForCausalLM` (dtype defaults to the checkpoint's)."""
     d = Path(model_dir)
     cfg = ModelConfig.from_json(d)
+    check_checkpoint(cfg, weight_files(d))  # config bounded by the headers, before building
     dtype = dtype or DTYPES.get(cfg.torch_dtype, torch.float32)
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg)
