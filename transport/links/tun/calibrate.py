@@ -17,7 +17,7 @@ import time
 from dataclasses import replace
 from typing import Any, Sequence
 
-from transport.links.tun.shape import PathConfig
+from transport.links.tun.shape import GilbertElliott, PathConfig
 from transport.links.tun.testbed import TunConfig, TunTestbed
 
 _PROBE = [sys.executable, "-m", "transport.links.tun.probe"]
@@ -145,34 +145,26 @@ def measure_goodput(
 def measure_udp_loss(
     bed: TunTestbed, count: int = 4000, pps: float = 2000.0, port: int = 5303
 ) -> dict[str, Any]:
-    """``count`` paced datagrams site 1 → site 0; the fraction that did not arrive."""
+    """``count`` paced datagrams site 1 → site 0: the fraction that did not arrive, the mean
+    length of a run of lost ones, and how many arrived after a later one."""
     before = bed.stats()["paths"]["1->0"]
-    sink = _start(bed, 0, ["udp-sink", "--bind", bed.addr(0), "--port", str(port)])
+    host, p, n = bed.addr(0), str(port), str(count)
+    sink = _start(bed, 0, ["udp-sink", "--bind", host, "--port", p, "--count", n])
     try:
-        _client(
-            bed,
-            1,
-            [
-                "udp-source",
-                "--host",
-                bed.addr(0),
-                "--port",
-                str(port),
-                "--count",
-                str(count),
-                "--pps",
-                str(pps),
-            ],
-            120,
-        )
+        args = ["udp-source", "--host", host, "--port", p, "--count", n, "--pps", str(pps)]
+        _client(bed, 1, args, 120)
     finally:
         got = _finish(sink, 30)
     after = bed.stats()["paths"]["1->0"]
+    runs = got["loss_runs"]
     return {
         "sent": count,
         "received": got["received"],
         "loss": round(1 - got["received"] / count, 5),
+        "mean_loss_run": round(sum(runs) / len(runs), 3) if runs else 0.0,
+        "reordered": got["reordered"],
         "forwarder_lost": after["lost"] - before["lost"],
+        "forwarder_reordered": after["reordered"] - before["reordered"],
         "queue_drops": after["queue_drops"] - before["queue_drops"],
     }
 
@@ -211,7 +203,8 @@ def measure_outage(
 
 def calibrate(*, seconds: float = 4.0, seed: int | None = 1) -> dict[str, Any]:
     """The reference figures: 20 ms each way at 50 Mbit/s (RTT, goodput with default and with
-    small buffers, a 1 s outage), 1 % random loss, and the forwarder's own ceiling."""
+    small buffers and with cubic, a 1 s outage), 1 % random loss, Gilbert-Elliott loss with
+    reordering, and the forwarder's own ceiling."""
     wan = PathConfig(delay_ms=20.0, rate_mbit=50.0)
     out: dict[str, Any] = {
         "configured": {"one_way_delay_ms": 20.0, "rate_mbit": 50.0, "loss": 0.01}
@@ -224,6 +217,15 @@ def calibrate(*, seconds: float = 4.0, seed: int | None = 1) -> dict[str, Any]:
         out["outage"] = measure_outage(bed)
     with TunTestbed(TunConfig(path=replace(wan, loss=0.01), seed=seed)) as bed:
         out["udp_loss"] = measure_udp_loss(bed)
+    ge = GilbertElliott(p=0.01, r=0.25)
+    bursty = replace(wan, burst=ge, reorder=0.05, reorder_ms=3.0)
+    with TunTestbed(TunConfig(path=bursty, seed=seed)) as bed:
+        out["bursty_loss"] = measure_udp_loss(bed, count=6000, pps=3000)
+        out["bursty_loss"]["configured"] = {
+            "mean_loss": round(ge.mean_loss, 5),
+            "mean_loss_run": 1 / ge.r,
+            "reorder": 0.05,
+        }
     # The forwarder's own limit (no rate configured, MTU 1500): with no delay and at 40 ms RTT.
     with TunTestbed(TunConfig(path=PathConfig(), seed=seed)) as bed:
         out["ceiling"] = measure_goodput(bed, seconds)

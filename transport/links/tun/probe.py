@@ -83,24 +83,39 @@ def connect_rtt(args: argparse.Namespace) -> None:
 
 
 def udp_sink(args: argparse.Namespace) -> None:
-    """Count the distinct sequence numbers received until the end marker (or ``idle`` s of
-    silence)."""
+    """Until ``linger`` s after the end marker (or ``idle`` s of silence): distinct sequence
+    numbers received, arrivals that came after a higher number (reordered), and the runs of
+    missing numbers below ``count`` (loss bursts)."""
     s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
     s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4 << 20)
     s.bind((args.bind, args.port))
     s.settimeout(args.idle)
     _print({"ready": True})
     seen: set[int] = set()
+    top, reordered = -1, 0
     while True:
         try:
             data = s.recv(65536)
         except socket.timeout:
             break
         (seq,) = struct.unpack_from("!I", data)
-        if seq == _END:
-            break
+        if seq == _END:  # datagrams held back (reordering) may still come after it
+            s.settimeout(args.linger)
+            continue
+        reordered += seq < top
+        top = max(top, seq)
         seen.add(seq)
-    _print({"received": len(seen), "max_seq": max(seen, default=-1)})
+    runs, run = [], 0
+    for i in range(args.count or top + 1):
+        if i in seen:
+            if run:
+                runs.append(run)
+            run = 0
+        else:
+            run += 1
+    if run:
+        runs.append(run)
+    _print({"received": len(seen), "reordered": reordered, "loss_runs": runs})
 
 
 def udp_source(args: argparse.Namespace) -> None:
@@ -145,6 +160,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     m.add_argument("--bind", required=True)
     m.add_argument("--port", type=int, required=True)
     m.add_argument("--idle", type=float, default=3.0)
+    m.add_argument("--linger", type=float, default=0.3)
+    m.add_argument("--count", type=int, default=0, help="datagrams sent (0: up to the last seen)")
     m.set_defaults(run=udp_sink)
     m = sub.add_parser("udp-source")
     m.add_argument("--host", required=True)
