@@ -8,6 +8,7 @@ import json
 import math
 import subprocess
 import sys
+import time
 from dataclasses import replace
 
 import pytest
@@ -133,6 +134,21 @@ def test_the_host_joins_as_one_more_endpoint():
     assert forwarded["0->2"]["delivered"] >= 10 and forwarded["2->0"]["delivered"] >= 10
     links = subprocess.run(["ip", "link"], capture_output=True, text=True).stdout
     assert bed.host_tun not in links
+
+
+def test_a_site_setting_its_tun_down_does_not_stop_the_forwarder():
+    with TunTestbed(TunConfig(path=PathConfig(delay_ms=5.0))) as bed:
+        bed.run_in(0, ["ip", "link", "set", bed.tuns[0], "down"], check=True)
+        send = "import socket,sys; s=socket.socket(socket.AF_INET, socket.SOCK_DGRAM); " + (
+            "[s.sendto(b'x', (sys.argv[1], 9)) for _ in range(5)]"
+        )
+        bed.run_in(1, [sys.executable, "-c", send, bed.addr(0)], check=True)
+        deadline = time.monotonic() + 10
+        while bed.stats()["write_errors"] < 5 and time.monotonic() < deadline:
+            time.sleep(0.01)  # polling the forwarder's counter: the 5 ms delay must pass
+        assert bed.stats()["write_errors"] == 5
+        bed.run_in(0, ["ip", "link", "set", bed.tuns[0], "up"], check=True)
+        assert abs(measure_rtt(bed, count=5, port=5314)["median_ms"] - 10.0) <= 3.5
 
 
 def test_everything_is_removed_even_if_the_body_fails():

@@ -40,6 +40,7 @@ class Forwarder:
         self.heap: list[tuple[float, int, int, Path, bytes]] = []
         self.seq = 0
         self.other = 0  # packets that are not IPv4 or not addressed to a site (dropped)
+        self.write_errors = 0  # due packets the destination TUN refused (dropped)
         self._ctl = b""
 
     def run(self, ctl_in: int, ctl_out: int) -> None:
@@ -65,7 +66,11 @@ class Forwarder:
             while heap and heap[0][0] <= now:
                 _, _, dst, path, pkt = heapq.heappop(heap)
                 if path.deliverable():
-                    os.write(self.fds[dst], pkt)
+                    try:
+                        os.write(self.fds[dst], pkt)
+                    except OSError:  # e.g. the site's TUN set down: lost there, as on a wire
+                        self.write_errors += 1
+                        continue
                     path.stats.delivered += 1
                     path.stats.delivered_bytes += len(pkt)
 
@@ -111,6 +116,7 @@ class Forwarder:
         return {
             "paths": {f"{s}->{d}": vars(p.stats) for (s, d), p in self.paths.items()},
             "other": self.other,
+            "write_errors": self.write_errors,
             "queued": len(self.heap),
         }
 
