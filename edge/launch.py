@@ -32,9 +32,8 @@ from edge.moe.serve import ExpertServeConfig, load_nested_shard, plan_ranks
 from edge.sampling import SamplingParams
 from edge.server import ServerConfig, serve_forever
 from edge.shardio import WindowConfig, is_split_dir, load_shard
+from edge.source import check_model_path, resolve_model
 from lowband.errors import ConfigError, PeerLost
-from lowband.models.config import ModelConfig
-from lowband.models.tokenizer import ByteTokenizer, load_tokenizer
 from lowband.proc import die_with_parent
 
 if TYPE_CHECKING:
@@ -90,20 +89,11 @@ class ServeMasterConfig:
     liveness: Liveness | None = None
 
     def __post_init__(self) -> None:
-        if not Path(self.model_dir).is_dir():
-            raise ConfigError("model_dir", f"{self.model_dir} is not a directory")
+        check_model_path(self.model_dir)  # a directory or a GGUF file
 
 
 def _tokenizer(model_dir: str):
-    cfg = ModelConfig.from_json(model_dir)
-    try:
-        eos = cfg.eos_token_id if isinstance(cfg.eos_token_id, int) else None
-        return load_tokenizer(model_dir, eos)
-    except ConfigError:
-        if cfg.vocab_size == 256:
-            logger.warning("%s ships no tokenizer; using bytes (vocabulary 256)", model_dir)
-            return ByteTokenizer()
-        raise
+    return resolve_model(model_dir).tokenizer()  # a GGUF file's own, or the directory's
 
 
 def _zmq_config(

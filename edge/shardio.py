@@ -28,6 +28,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from edge import fastpath
+from edge.formats.gguf_arch import is_gguf
 from edge.formats.quantized_checkpoint import (
     QuantLayout,
     apply_quant_layout,
@@ -69,8 +70,12 @@ def is_split_dir(path: str | Path) -> bool:
     return (Path(path) / SPLIT_MARKER).exists()
 
 
+def _split_meta(path: str | Path) -> dict[str, Any]:
+    return json.loads((Path(path) / SPLIT_MARKER).read_text())
+
+
 def read_split_meta(path: str | Path) -> tuple[TPPlan, str]:
-    meta = json.loads((Path(path) / SPLIT_MARKER).read_text())
+    meta = _split_meta(path)
     if meta.get("format") != 1:
         raise ConfigError("model_dir", f"{path}: unknown split format {meta.get('format')}")
     return TPPlan.from_dict(meta["plan"]), meta["dtype"]
@@ -112,6 +117,10 @@ def split_checkpoint(
     """Write per-device, per-layer shard files for a ``devices``-way tensor-parallel split.
     Reads the checkpoint one layer at a time through the safetensors memory map."""
     src, out = Path(model_dir), Path(out_dir)
+    if is_gguf(src):  # the file's blocks kept as they are (edge.formats.gguf_split)
+        from edge.formats.gguf_split import split_gguf
+
+        return split_gguf(src, out, devices, weights, dtype)
     cfg = ModelConfig.from_json(src)
     dname = dtype or cfg.torch_dtype
     dt = _dtype(dname)
@@ -233,7 +242,7 @@ def load_shard(
     compiled step (``edge.fastpath``) where the model qualifies; weights streamed through a
     window (fewer blocks resident than layers) stay on the eager path."""
     d = Path(model_dir)
-    if d.suffix == ".gguf":
+    if is_gguf(d):
         if window is not None:
             raise ConfigError(
                 "window",
@@ -245,14 +254,24 @@ def load_shard(
         model, plan = load_gguf_shard(
             d, rank, world, weights=weights, reduce=reduce, dtype=_dtype(dtype) if dtype else None
         )
-        if model.config.tie_word_embeddings and rank == 0:
-            tie_head(model, plan)  # as below: rank 0's head rows are a view, not a copy
-        if fuse:
-            fuse_projections(model, fuse_quant_rows)
-        if fast:
-            fastpath.install(model)
-        return LoadedShard(model=model.eval(), plan=plan, rank=rank, reduce=reduce)
+        return _in_memory(model, plan, rank, reduce, fuse, fast)
     cfg = ModelConfig.from_json(d)
+    packed = _split_meta(d).get("packed") if is_split_dir(d) else None
+    if packed is not None:  # a split of a GGUF file: its blocks as stored
+        from edge.formats.gguf_split import load_gguf_split
+
+        if window is not None:
+            raise ConfigError(
+                "window",
+                f"{d} is a split of a GGUF file, which loads whole; for the sliding window "
+                "split the output of 'lowband edge convert' instead",
+            )
+        plan, file_dtype = read_split_meta(d)
+        if plan.world != world:
+            raise ConfigError("devices", f"{d} was split for {plan.world} devices, not {world}")
+        dt = _dtype(dtype or file_dtype)
+        model = load_gguf_split(d, cfg, plan, packed[str(rank)], rank, dt, reduce)
+        return _in_memory(model, plan, rank, reduce, fuse, fast)
     layout = read_layout(cfg)
     if is_split_dir(d):
         plan, file_dtype = read_split_meta(d)
@@ -293,6 +312,19 @@ def load_shard(
         # blocks in and out around each layer's hooks, which the compiled step would bypass.
         fastpath.install(model)
     return LoadedShard(model=model.eval(), plan=plan, rank=rank, scheduler=sched, reduce=reduce)
+
+
+def _in_memory(
+    model: LlamaForCausalLM, plan: TPPlan, rank: int, reduce: Reduce | None, fuse: bool, fast: bool
+) -> LoadedShard:
+    """A shard whose weights are all in memory (a GGUF file or a split of one), made ready."""
+    if model.config.tie_word_embeddings and rank == 0:
+        tie_head(model, plan)  # rank 0's head rows are a view of the embedding, not a copy
+    if fuse:
+        fuse_projections(model, fuse_quant_rows)
+    if fast:
+        fastpath.install(model)
+    return LoadedShard(model=model.eval(), plan=plan, rank=rank, reduce=reduce)
 
 
 def tie_head(model: LlamaForCausalLM, plan: TPPlan) -> None:

@@ -1,4 +1,5 @@
-"""GGUF files (llama.cpp's format): read a Llama-architecture ``.gguf`` into the edge runtime,
+"""GGUF files (llama.cpp's format): read a ``.gguf`` (llama, qwen2, qwen3 architectures: see
+``edge.formats.gguf_arch``) into the edge runtime,
 and write one (for the llama.cpp benchmark and for users who want to take a lowband model there).
 
 Reading maps each tensor onto what the runtime already has, without requantizing:
@@ -16,9 +17,9 @@ Reading maps each tensor onto what the runtime already has, without requantizing
 Any other type (IQ*, TQ*, MXFP4, ...) is refused with a :class:`ConfigError` naming the tensor
 and the type. A quantized token embedding is dequantized once (a lookup table, not a matmul).
 
-llama.cpp stores ``attn_q`` / ``attn_k`` with the rows of each head permuted for its rotary
-kernel (pairs ``(i, i + D/2)`` interleaved); :func:`_unpermute` undoes it on rows, which works
-on packed rows too (a row's blocks run along K).
+For the llama architecture llama.cpp stores ``attn_q`` / ``attn_k`` with the rows of each head
+permuted for its rotary kernel (pairs ``(i, i + D/2)`` interleaved); :func:`_unpermute` undoes
+it on rows, which works on packed rows too (a row's blocks run along K).
 """
 
 from __future__ import annotations
@@ -30,6 +31,8 @@ import numpy as np
 import torch
 
 from edge.formats.bounds import open_gguf
+from edge.formats.gguf_arch import ROPE_FREQS, architecture, hf_names
+from edge.formats.gguf_arch import read_config as read_config
 from edge.quant import QuantLinear
 from edge.quant.formats import PackedWeight, QuantSpec, dequantize
 from edge.quant.ggml import GGML_TYPES, GGMLWeight, dequantize_ggml
@@ -39,23 +42,6 @@ from lowband.errors import ConfigError
 from lowband.models.config import ModelConfig
 from lowband.models.llama import LlamaForCausalLM, rope_inv_freq
 
-# GGUF tensor name <-> HF name (per layer ``{i}``).
-_LAYER_NAMES = {
-    "attn_norm.weight": "input_layernorm.weight",
-    "ffn_norm.weight": "post_attention_layernorm.weight",
-    "attn_q.weight": "self_attn.q_proj.weight",
-    "attn_k.weight": "self_attn.k_proj.weight",
-    "attn_v.weight": "self_attn.v_proj.weight",
-    "attn_output.weight": "self_attn.o_proj.weight",
-    "ffn_gate.weight": "mlp.gate_proj.weight",
-    "ffn_up.weight": "mlp.up_proj.weight",
-    "ffn_down.weight": "mlp.down_proj.weight",
-}
-_TOP_NAMES = {
-    "token_embd.weight": "model.embed_tokens.weight",
-    "output_norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-}
 SUPPORTED = ("F32", "F16", "BF16", "Q8_0", "Q4_0", *GGML_TYPES)
 
 
@@ -116,10 +102,7 @@ def write_gguf(model: LlamaForCausalLM, path: str | Path, *, ftype: str = "f32")
     w.add_file_type({"f32": 0, "f16": 1, "q8_0": 7, "q4_0": 2}[ftype])
     _add_vocab(w, cfg)
     state = model.state_dict()
-    names = {v: k for k, v in _TOP_NAMES.items()}
-    for i in range(cfg.num_hidden_layers):
-        for g, h in _LAYER_NAMES.items():
-            names[f"model.layers.{i}.{h}"] = f"blk.{i}.{g}"
+    names = {h: g for g, h in hf_names(cfg.num_hidden_layers).items() if h in state}
     for hf, g in names.items():
         if hf == "lm_head.weight" and cfg.tie_word_embeddings:
             continue
@@ -166,59 +149,6 @@ def _add_vocab(w: Any, cfg: ModelConfig) -> None:
 
 
 # ---- reading ----------------------------------------------------------------------------------
-def _field(reader: Any, key: str, default: Any = None) -> Any:
-    f = reader.fields.get(key)
-    if f is None:
-        return default
-    v = f.contents()
-    return v
-
-
-def read_config(reader: Any) -> ModelConfig:
-    arch = _field(reader, "general.architecture")
-    if arch != "llama":
-        raise ConfigError("model", f"GGUF architecture {arch!r} is not supported (only 'llama')")
-    pre = "llama."
-    need = {
-        "hidden_size": "embedding_length",
-        "num_hidden_layers": "block_count",
-        "intermediate_size": "feed_forward_length",
-        "num_attention_heads": "attention.head_count",
-    }
-    kw: dict[str, Any] = {}
-    for k, g in need.items():
-        v = _field(reader, pre + g)
-        if v is None:
-            raise ConfigError("model", f"GGUF lacks {pre + g}")
-        kw[k] = int(v)
-    names = {t.name for t in reader.tensors}
-    embd = next(t for t in reader.tensors if t.name == "token_embd.weight")
-    kw["vocab_size"] = int(embd.shape[1])  # GGUF shapes are (K, N): innermost first
-    kw["num_key_value_heads"] = int(
-        _field(reader, pre + "attention.head_count_kv", kw["num_attention_heads"])
-    )
-    hd = _field(reader, pre + "attention.key_length")
-    if hd is not None:
-        kw["head_dim"] = int(hd)
-    kw["max_position_embeddings"] = int(_field(reader, pre + "context_length", 2048))
-    kw["rope_theta"] = float(_field(reader, pre + "rope.freq_base", 10000.0))
-    kw["rms_norm_eps"] = float(_field(reader, pre + "attention.layer_norm_rms_epsilon", 1e-6))
-    scaling = _field(reader, pre + "rope.scaling.type")
-    if scaling not in (None, "none"):
-        raise ConfigError("rope_scaling", f"GGUF rope scaling {scaling!r} is not supported")
-    kw["tie_word_embeddings"] = "output.weight" not in names
-    bos, eos = (
-        _field(reader, "tokenizer.ggml.bos_token_id"),
-        _field(reader, "tokenizer.ggml.eos_token_id"),
-    )
-    return ModelConfig(
-        model_type="llama",
-        bos_token_id=None if bos is None else int(bos),
-        eos_token_id=None if eos is None else int(eos),
-        **kw,
-    )
-
-
 Weight = torch.Tensor | PackedWeight | GGMLWeight
 
 
@@ -265,41 +195,58 @@ def _rows(x: Weight, fn) -> Weight:
     return fn(x).contiguous()
 
 
+def _read_tensors(reader: Any, cfg: ModelConfig, permuted: bool) -> dict[str, Weight]:
+    """Every tensor of the file by HF name, q/k rows back in HF order where llama.cpp's
+    converter permuted them (the llama architecture: weights and biases)."""
+    arch = architecture(reader)[0]
+    hf_of = hf_names(cfg.num_hidden_layers)
+    out: dict[str, Weight] = {}
+    for t in reader.tensors:
+        if t.name == ROPE_FREQS:  # read into cfg.rope_freq_factors by read_config
+            continue
+        name = hf_of.get(t.name)
+        if name is None:
+            raise ConfigError(
+                "model", f"GGUF tensor {t.name!r} is not part of a {arch!r} model lowband runs"
+            )
+        x = _tensor(t)
+        if permuted and ".q_proj." in name:
+            x = _rows(x, lambda r: _unpermute(r, cfg.num_attention_heads))
+        elif permuted and ".k_proj." in name:
+            x = _rows(x, lambda r: _unpermute(r, cfg.n_kv_heads))
+        out[name] = x
+    return out
+
+
 def load_gguf(path: str | Path, dtype: torch.dtype | None = None) -> LlamaForCausalLM:
-    """The whole model of a llama-architecture GGUF: Q8_0/Q4_0 matrices as ``QuantLinear``,
-    the other block types (Q4_K, Q6_K, ...) as ``GGMLLinear``, float ones as ``nn.Linear``."""
+    """The whole model of a GGUF file: Q8_0/Q4_0 matrices as ``QuantLinear``, the other block
+    types (Q4_K, Q6_K, ...) as ``GGMLLinear`` (with their biases), float ones as ``nn.Linear``."""
     gguf = _import_gguf()
     reader = open_gguf(gguf, path)  # header bounded by the file before anything is built
     cfg = read_config(reader)
     dt = dtype or torch.float32
-    hf_of = dict(_TOP_NAMES)
-    for i in range(cfg.num_hidden_layers):
-        hf_of.update({f"blk.{i}.{g}": f"model.layers.{i}.{h}" for g, h in _LAYER_NAMES.items()})
+    tensors = _read_tensors(reader, cfg, architecture(reader)[2])
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg)
+    packed = {n for n, x in tensors.items() if not isinstance(x, torch.Tensor)}
     floats: dict[str, torch.Tensor] = {}
-    for t in reader.tensors:
-        name = hf_of.get(t.name)
-        if name is None:
-            if t.name.startswith("rope_freqs"):
-                raise ConfigError("rope_scaling", f"GGUF {path} carries rope frequency factors")
-            raise ConfigError("model", f"GGUF tensor {t.name!r} is not part of a Llama model")
-        x = _tensor(t)
-        if name.endswith("q_proj.weight"):
-            x = _rows(x, lambda r: _unpermute(r, cfg.num_attention_heads))
-        elif name.endswith("k_proj.weight"):
-            x = _rows(x, lambda r: _unpermute(r, cfg.n_kv_heads))
-        if isinstance(x, (PackedWeight, GGMLWeight)):
-            if name == "model.embed_tokens.weight":  # a lookup table: dequantize once
-                deq = dequantize(x, dtype=dt) if isinstance(x, PackedWeight) else None
-                floats[name] = deq if deq is not None else dequantize_ggml(x, dtype=dt)
-                continue
-            mod_name = name.rpartition(".")[0]
-            parent, _, child = mod_name.rpartition(".")
-            mod = QuantLinear.from_packed(x) if isinstance(x, PackedWeight) else GGMLLinear(x)
-            setattr(model.get_submodule(parent), child, mod)
-        else:
-            floats[name] = x.to(dt)
+    for name, x in tensors.items():
+        if isinstance(x, torch.Tensor):
+            if name.removesuffix(".bias") + ".weight" not in packed:  # else the module's bias
+                floats[name] = x.to(dt)
+            continue
+        if name == "model.embed_tokens.weight":  # a lookup table: dequantize once
+            if isinstance(x, PackedWeight):
+                floats[name] = dequantize(x, dtype=dt)
+            else:
+                floats[name] = dequantize_ggml(x, dtype=dt)
+            continue
+        mod_name = name.rpartition(".")[0]
+        bias = tensors.get(mod_name + ".bias")
+        b = bias if isinstance(bias, torch.Tensor) else None
+        parent, _, child = mod_name.rpartition(".")
+        mod = QuantLinear.from_packed(x, b) if isinstance(x, PackedWeight) else GGMLLinear(x, b)
+        setattr(model.get_submodule(parent), child, mod)
     if cfg.tie_word_embeddings:
         floats.pop("lm_head.weight", None)
     missing = {k for k, p in model.named_parameters() if p.is_meta} - floats.keys()

@@ -1,0 +1,199 @@
+"""What a GGUF file's metadata says about its model: the architecture (``general.architecture``)
+as a lowband :class:`ModelConfig`, llama.cpp's tensor names as the runtime's HF names, and the
+tokenizer with its chat template.
+
+Architectures (llama.cpp's ``gguf-py`` ``MODEL_TENSORS`` give the tensor names of each):
+
+* ``llama`` (Llama 1-3, Mistral, SmolLM...): llama.cpp's converter permutes the rows of
+  ``attn_q`` / ``attn_k`` (weights and biases) for its interleaved rotary kernel; Llama 3.1's
+  rope scaling is stored as ``rope_freqs.weight``, the (D/2,) divisors of the inverse
+  frequencies, applied here as ``ModelConfig.rope_freq_factors``.
+* ``qwen2`` (Qwen2 / Qwen2.5): q/k/v biases (``attn_q.bias`` ...), a head of its own unless
+  ``output.weight`` is absent (then tied).
+* ``qwen3``: per-head RMSNorms ``attn_q_norm`` / ``attn_k_norm`` and a head_dim of its own
+  (``qwen3.attention.key_length``).
+
+qwen2/qwen3 use llama.cpp's NEOX rotary kernel, which pairs (i, i + D/2) as HF does, so their
+converter writes q/k rows unpermuted. Any other architecture is refused naming the value.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from lowband.errors import ConfigError
+from lowband.models.config import ModelConfig
+from lowband.models.llama import with_rope_freq_factors
+
+# general.architecture -> (lowband model_type, q/k rows permuted by llama.cpp's converter)
+ARCHS: dict[str, tuple[str, bool]] = {
+    "llama": ("llama", True),
+    "qwen2": ("qwen2", False),
+    "qwen3": ("qwen3", False),
+}
+
+# GGUF tensor name <-> HF name (per layer ``blk.{i}.`` <-> ``model.layers.{i}.``).
+LAYER_NAMES = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
+}
+TOP_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+ROPE_FREQS = "rope_freqs.weight"
+MAGIC = b"GGUF"
+# A split of a GGUF file keeps the file's tokenizer metadata in this GGUF without tensors.
+TOKENIZER_GGUF = "tokenizer.gguf"
+
+
+def is_gguf(path: str | Path) -> bool:
+    """Whether ``path`` is a GGUF file, by its magic bytes (not by its name)."""
+    p = Path(path)
+    if not p.is_file():
+        return False
+    with p.open("rb") as f:
+        return f.read(4) == MAGIC
+
+
+def field(reader: Any, key: str, default: Any = None) -> Any:
+    f = reader.fields.get(key)
+    return default if f is None else f.contents()
+
+
+def architecture(reader: Any) -> tuple[str, str, bool]:
+    """(GGUF architecture, lowband model_type, whether q/k rows are permuted)."""
+    arch = field(reader, "general.architecture")
+    if arch not in ARCHS:
+        raise ConfigError(
+            "general.architecture",
+            f"GGUF architecture {arch!r} is not supported (supported: {', '.join(ARCHS)})",
+        )
+    return (arch, *ARCHS[arch])
+
+
+def hf_names(num_layers: int) -> dict[str, str]:
+    """Every GGUF tensor name the runtime knows -> its HF name."""
+    out = dict(TOP_NAMES)
+    for i in range(num_layers):
+        out.update({f"blk.{i}.{g}": f"model.layers.{i}.{h}" for g, h in LAYER_NAMES.items()})
+    return out
+
+
+def _need(reader: Any, key: str) -> int:
+    v = field(reader, key)
+    if v is None:
+        raise ConfigError("model", f"GGUF lacks {key}")
+    return int(v)
+
+
+def _rope_scaling(reader: Any, pre: str) -> dict[str, Any] | None:
+    kind = field(reader, pre + "rope.scaling.type")
+    if kind in (None, "none"):
+        return None
+    if kind == "linear":
+        return {"rope_type": "linear", "factor": float(field(reader, pre + "rope.scaling.factor"))}
+    raise ConfigError(pre + "rope.scaling.type", f"GGUF rope scaling {kind!r} is not supported")
+
+
+def read_config(reader: Any) -> ModelConfig:
+    """The model of a GGUF file's metadata (``{arch}.*`` keys) and tensor list."""
+    arch, model_type, _ = architecture(reader)
+    pre = arch + "."
+    tensors = {t.name: t for t in reader.tensors}
+    embd = tensors.get("token_embd.weight")
+    if embd is None:
+        raise ConfigError("model", "GGUF lacks token_embd.weight")
+    heads = _need(reader, pre + "attention.head_count")
+    kw: dict[str, Any] = dict(
+        hidden_size=_need(reader, pre + "embedding_length"),
+        num_hidden_layers=_need(reader, pre + "block_count"),
+        intermediate_size=_need(reader, pre + "feed_forward_length"),
+        num_attention_heads=heads,
+        num_key_value_heads=int(field(reader, pre + "attention.head_count_kv", heads)),
+        vocab_size=int(embd.shape[1]),  # GGUF shapes are (K, N): innermost first
+        max_position_embeddings=int(field(reader, pre + "context_length", 2048)),
+        rope_theta=float(field(reader, pre + "rope.freq_base", 10000.0)),
+        rms_norm_eps=float(field(reader, pre + "attention.layer_norm_rms_epsilon", 1e-6)),
+        rope_scaling=_rope_scaling(reader, pre),
+        tie_word_embeddings="output.weight" not in tensors,
+        attention_bias="blk.0.attn_q.bias" in tensors,
+        qk_norm="blk.0.attn_q_norm.weight" in tensors,
+    )
+    hd, vd = (
+        field(reader, pre + "attention.key_length"),
+        field(reader, pre + "attention.value_length"),
+    )
+    if hd is not None:
+        kw["head_dim"] = int(hd)
+    if vd is not None and hd is not None and int(vd) != int(hd):
+        raise ConfigError(pre + "attention.value_length", f"{vd} != key_length {hd}")
+    bos, eos = (
+        field(reader, "tokenizer.ggml.bos_token_id"),
+        field(reader, "tokenizer.ggml.eos_token_id"),
+    )
+    cfg = ModelConfig(
+        model_type=model_type,
+        bos_token_id=None if bos is None else int(bos),
+        eos_token_id=None if eos is None else int(eos),
+        **kw,
+    )
+    if ROPE_FREQS in tensors:  # llama.cpp's Llama 3.1 rope: divisors of the inverse frequencies
+        t = tensors[ROPE_FREQS]
+        if t.tensor_type.name != "F32":
+            raise ConfigError("model", f"GGUF {ROPE_FREQS} must be F32, got {t.tensor_type.name}")
+        cfg = with_rope_freq_factors(cfg, torch.from_numpy(np.array(t.data, dtype=np.float32)))
+    return cfg
+
+
+def read_tokenizer(reader: Any):
+    """The file's tokenizer (``tokenizer.ggml.*``) with its chat template
+    (``tokenizer.chat_template``) attached, as ``load_tokenizer`` does for a directory."""
+    from lowband.models.chat_template import template_from_gguf_metadata
+    from lowband.models.gguf_tokenizer import tokenizer_from_gguf
+
+    tok = tokenizer_from_gguf(reader)
+    source = field(reader, "tokenizer.chat_template")
+    if source is not None:
+        tokens = tok.vocab.tokens
+
+        def text(i: int | None) -> str | None:
+            return tokens[i] if i is not None and 0 <= i < len(tokens) else None
+
+        tok.chat_template = template_from_gguf_metadata(
+            source,
+            bos_token=text(tok.bos_token_id),
+            eos_token=text(tok.eos_token_id),
+            vocabulary=tok.special_tokens,
+            eos_token_ids=[] if tok.eos_token_id is None else [tok.eos_token_id],
+        )
+    return tok
+
+
+__all__ = [
+    "is_gguf",
+    "TOKENIZER_GGUF",
+    "ARCHS",
+    "architecture",
+    "read_config",
+    "read_tokenizer",
+    "hf_names",
+    "field",
+]

@@ -1,0 +1,155 @@
+"""``lowband edge split FILE.gguf``: per-device, per-layer shard files that keep the file's
+quantized blocks as they are.
+
+The split directory has the layout of ``edge.shardio`` (``config.json``, ``lowband_split.json``,
+``rank{r}/head.safetensors``, ``rank{r}/layer{i}.safetensors``) plus ``tokenizer.gguf``: the
+file's metadata without tensors, so every device gets the same tokenizer and chat template.
+A packed matrix is stored as its raw buffers (``GGMLLinear``: ``.blocks`` uint8 rows of ggml
+blocks; ``QuantLinear`` from Q8_0/Q4_0: ``.qweight`` / ``.scales``), already sliced for the
+rank on block boundaries, and ``lowband_split.json`` lists, per rank, each packed module with
+its type and shape (``"packed"``), which safetensors cannot say. Nothing is requantized.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from edge.formats.gguf import _import_gguf, load_gguf_shard
+from edge.formats.gguf_arch import TOKENIZER_GGUF
+from edge.quant import QuantLinear
+from edge.quant.formats import PackedWeight, QuantSpec
+from edge.quant.ggml import GGMLWeight, ggml_type
+from edge.quant.linear import GGMLLinear
+from edge.tp import Reduce, TPPlan, shard
+from lowband.errors import ConfigError
+from lowband.models.config import ModelConfig
+from lowband.models.llama import LlamaForCausalLM, rope_inv_freq
+
+
+def _packed_spec(mod: Any) -> dict[str, Any] | None:
+    if isinstance(mod, GGMLLinear):
+        w = mod.weight_blocks
+        return {"ggml": w.type.name, "shape": list(w.shape)}
+    if isinstance(mod, QuantLinear):
+        return {"bits": mod.bits, "group": mod.group, "shape": [mod.out_features, mod.in_features]}
+    return None
+
+
+def _write_metadata(reader: Any, path: Path) -> None:
+    """The file's ``tokenizer.*`` metadata (and its architecture) in a GGUF with no tensors."""
+    gguf = _import_gguf()
+    arch = reader.fields["general.architecture"].contents()
+    w = gguf.GGUFWriter(str(path), arch)
+    for f in reader.fields.values():
+        if f.name.startswith("tokenizer."):
+            sub = f.types[-1] if len(f.types) > 1 else None
+            w.add_key_value(f.name, f.contents(), f.types[0], sub_type=sub)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def split_gguf(
+    src: Path, out: Path, devices: int, weights: Sequence[float] | None, dtype: str | None
+) -> Path:
+    """Rank r's slice of every tensor of ``src``, one file per layer (see the module doc)."""
+    from edge.shardio import SPLIT_MARKER, _dtype, head_file, layer_file
+
+    dname = dtype or "float32"
+    dt = _dtype(dname)
+    out.mkdir(parents=True, exist_ok=True)
+    packed: dict[str, dict[str, Any]] = {}
+    plan: TPPlan | None = None
+    for r in range(devices):
+        model, plan = load_gguf_shard(src, r, devices, weights=weights, dtype=dt)
+        packed[str(r)] = {
+            n: s for n, m in model.named_modules() if (s := _packed_spec(m)) is not None
+        }
+        state = model.state_dict()
+        if model.config.tie_word_embeddings and r == 0:
+            state.pop("lm_head.weight", None)  # the embedding itself, tied again at load
+        files: dict[Path, dict[str, torch.Tensor]] = {head_file(out, r): {}}
+        for i in range(model.config.num_hidden_layers):
+            files[layer_file(out, r, i)] = {}
+        for key, t in state.items():
+            if t.is_meta:
+                continue
+            parts = key.split(".")
+            f = layer_file(out, r, int(parts[2])) if parts[1] == "layers" else head_file(out, r)
+            files[f][key] = t.contiguous()
+        (out / f"rank{r}").mkdir(exist_ok=True)
+        for f, tensors in files.items():
+            if tensors or f == head_file(out, 0):
+                save_file(tensors, str(f), metadata={"format": "pt"})
+        cfg = model.config
+    assert plan is not None  # devices >= 1
+    (out / "config.json").write_text(
+        json.dumps({**cfg.to_hf_dict(), "torch_dtype": dname}, indent=2, sort_keys=True)
+    )
+    meta = {"format": 1, "dtype": dname, "plan": plan.to_dict(), "packed": packed}
+    (out / SPLIT_MARKER).write_text(json.dumps(meta, indent=2))
+    _write_metadata(_import_gguf().GGUFReader(str(src)), out / TOKENIZER_GGUF)
+    return out
+
+
+def _packed_module(spec: dict[str, Any], tensors: dict[str, torch.Tensor], name: str) -> Any:
+    bias = tensors.pop(name + ".bias", None)
+    n, k = spec["shape"]
+    if "ggml" in spec:
+        w = GGMLWeight(ggml_type(spec["ggml"]), (n, k), tensors.pop(name + ".blocks"))
+        return GGMLLinear(w, bias)
+    q = QuantSpec(spec["bits"], spec["group"], (n, k))
+    pw = PackedWeight(q, tensors.pop(name + ".qweight"), tensors.pop(name + ".scales"))
+    return QuantLinear.from_packed(pw, bias)
+
+
+def load_gguf_split(
+    d: Path,
+    cfg: ModelConfig,
+    plan: TPPlan,
+    packed: dict[str, dict[str, Any]],
+    rank: int,
+    dt: torch.dtype,
+    reduce: Reduce | None,
+) -> LlamaForCausalLM:
+    """Rank ``rank``'s model from a split of a GGUF file: the packed modules rebuilt from their
+    stored buffers, everything else loaded as floats."""
+    from edge.shardio import _assign, _wanted, head_file, layer_file
+
+    with torch.device("meta"):
+        model = LlamaForCausalLM(cfg)
+    shard(model, plan, rank, plan.world, reduce)
+    model.to(dtype=dt)
+    tensors: dict[str, torch.Tensor] = {}
+    paths = [head_file(d, rank)] + [layer_file(d, rank, i) for i in range(cfg.num_hidden_layers)]
+    for p in paths:
+        if not p.exists():
+            if p == head_file(d, rank) and rank > 0:
+                continue
+            raise ConfigError(
+                "model_dir", f"missing shard file {p}: copy rank{rank}/ from the split"
+            )
+        with safe_open(str(p), framework="pt") as sf:
+            tensors.update({k: sf.get_tensor(k) for k in sf.keys()})
+    for name, spec in packed.items():
+        parent, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent), child, _packed_module(spec, tensors, name))
+    floats = {k: t.to(dt) if t.is_floating_point() else t for k, t in tensors.items()}
+    _assign(model, floats, partial=True)  # the packed modules' buffers are set already
+    left = {k for k, t in _wanted(model).items() if t.is_meta and t.numel()}
+    if cfg.tie_word_embeddings and rank == 0:
+        left.discard("lm_head.weight")
+    if left:
+        raise ConfigError("model_dir", f"{d} rank{rank} lacks {sorted(left)[:3]}")
+    model.inv_freq = rope_inv_freq(cfg)
+    return model
+
+
+__all__ = ["split_gguf", "load_gguf_split"]
