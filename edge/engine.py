@@ -139,19 +139,17 @@ class Metrics:
         def mean(d: deque) -> float | None:
             return sum(d) / len(d) if d else None
 
-        def pct(d: deque, q: float) -> float | None:
-            if not d:
-                return None
+        def pct(d: deque, q: float) -> float:  # d is not empty (the callers check)
             s = sorted(d)
             return s[min(len(s) - 1, int(q * len(s)))]
 
-        tok = mean(self.token_s)
+        tok, ttft = mean(self.token_s), mean(self.ttft_s)
         return {
             "requests_total": self.requests,
             "requests_failed": self.failed,
             "prompt_tokens_total": self.prompt_tokens,
             "completion_tokens_total": self.completion_tokens,
-            "ttft_ms_mean": None if not self.ttft_s else 1e3 * mean(self.ttft_s),
+            "ttft_ms_mean": None if ttft is None else 1e3 * ttft,
             "ttft_ms_p90": None if not self.ttft_s else 1e3 * pct(self.ttft_s, 0.9),
             "token_latency_ms_mean": None if tok is None else 1e3 * tok,
             "token_latency_ms_p90": None if not self.token_s else 1e3 * pct(self.token_s, 0.9),

@@ -262,8 +262,7 @@ def decode(meta: dict) -> Msg:
     if not isinstance(meta, dict):
         raise ProtocolError(f"a control message must be a dict, got {type(meta).__name__}")
     op = meta.get("op")
-    cls = MESSAGES.get(op) if isinstance(op, str) else None
-    if cls is None:
+    if not isinstance(op, str) or (cls := MESSAGES.get(op)) is None:
         raise ProtocolError(f"unknown control op {op!r}; one of {sorted(MESSAGES)}")
     hints = _HINTS[cls]
     kw: dict[str, Any] = {}

@@ -53,7 +53,9 @@ def _spread_lut(bits: int) -> tuple[torch.Tensor, torch.Tensor]:
     if sys.byteorder != "little":  # the int64 -> uint8 view in planes_to_codes relies on it
         raise RuntimeError("bit-plane decoding assumes a little-endian host")
     v = torch.arange(256, dtype=torch.int64)
-    spread = sum(((v >> t) & 1) << (8 * t) for t in range(8))
+    spread = torch.zeros_like(v)
+    for t in range(8):
+        spread |= ((v >> t) & 1) << (8 * t)
     table = torch.cat([spread << (bits - 1 - j) for j in range(bits)])
     return table, (torch.arange(bits, dtype=torch.int32) * 256).view(bits, 1)
 

@@ -43,7 +43,7 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterable, Union
+from typing import Callable, Iterable, TypeVar, Union
 
 import torch
 import torch.nn.functional as F
@@ -52,7 +52,7 @@ from edge.moe.checkpoint import ExpertKey, NestedCheckpoint, load_backbone
 from edge.moe.hebf import hebf_plan
 from edge.moe.planes import ExpertFile, page_buffer, planes_to_codes
 from edge.moe.quant import WIDTHS, apply_affine
-from lowband.errors import ConfigError
+from lowband.errors import ConfigError, CorruptWeights
 from lowband.models.llama import LlamaForCausalLM
 
 logger = logging.getLogger(__name__)
@@ -124,6 +124,9 @@ class ExpertStoreConfig:
 
 
 # ---- storage and resident experts ----------------------------------------------------------------
+_T = TypeVar("_T")
+
+
 class StorageDevice:
     """Serialises reads like one storage device; optionally paces them to ``bytes_per_s``.
 
@@ -137,7 +140,7 @@ class StorageDevice:
         self.bytes_read = 0
         self.busy_s = 0.0
 
-    def read(self, fn: Callable[[], object], nbytes: int) -> object:
+    def read(self, fn: Callable[[], _T], nbytes: int) -> _T:
         with self._lock:
             t0 = time.perf_counter()
             out = fn()
@@ -305,7 +308,7 @@ class ExpertCache:
         self._worker = threading.Thread(target=self._work, name="expert-io", daemon=True)
         self._worker.start()
 
-    # -- public API ---------------------------------------------------------------------------------
+    # -- public API --------------------------------------------------------------------------------
     @property
     def keys(self) -> list[ExpertKey]:
         return list(self.sizes)
@@ -412,7 +415,7 @@ class ExpertCache:
         )
         return out
 
-    # -- demand path ----------------------------------------------------------------------------------
+    # -- demand path -------------------------------------------------------------------------------
     def _acquire(self, key: ExpertKey) -> Resident:
         if key not in self.sizes:
             raise ConfigError("expert", f"layer/expert {key} is not held by this expert store")
@@ -450,7 +453,7 @@ class ExpertCache:
         self.stats.calls_by_bits[res.bits] = self.stats.calls_by_bits.get(res.bits, 0) + 1
         return res
 
-    # -- budget ---------------------------------------------------------------------------------------
+    # -- budget ------------------------------------------------------------------------------------
     def _reserve(self, key: ExpertKey, bits: int, *, mode: str) -> bool:
         """Under the lock: make room for ``key`` at ``bits`` and reserve it (marks it pending).
 
@@ -497,7 +500,8 @@ class ExpertCache:
         free = self.cfg.budget_bytes - self._used - self._reserved
         if free >= need:
             return True
-        plan, bits_now = [], {}
+        plan: list[tuple[ExpertKey, int]] = []
+        bits_now: dict[ExpertKey, int] = {}
         for k, to in self._victims(key, mode):  # dry run: take nothing unless enough
             was = bits_now.get(k, self._res[k].bits)
             if to >= was:
@@ -525,7 +529,7 @@ class ExpertCache:
         self._used -= res.nbytes - new.nbytes
         self.stats.downgrades += 1
 
-    # -- reads ----------------------------------------------------------------------------------------
+    # -- reads -------------------------------------------------------------------------------------
     def _load(self, key: ExpertKey, bits: int, *, pin: bool = False) -> Resident:
         """Read planes ``cur..bits-1`` (or the int8 codes) of a reserved, pending expert and
         install it."""
@@ -571,17 +575,19 @@ class ExpertCache:
         f: ExpertFile,
     ) -> Resident:
         if cur is not None:
-            data = _paged_rows(cur.data, data)
+            data, scales = _paged_rows(cur.data, data), cur.scales
+        elif scales is None:  # a first read carries the expert's scales
+            raise CorruptWeights(f"expert {key}: no scale block read")
         return Resident(
             bits=bits,
-            scales=scales if cur is None else cur.scales,
+            scales=scales,
             index=f.index,
             data=data,
             nbytes=self.sizes[key][bits],
             codes=f.layout == "bytes",
         )
 
-    # -- background work ------------------------------------------------------------------------------
+    # -- background work ---------------------------------------------------------------------------
     def _next_seq(self) -> int:
         self._seq += 1
         return self._seq
@@ -625,7 +631,10 @@ class ExpertCache:
         with torch.no_grad():
             logits = self._gates[nxt](x.reshape(-1, x.shape[-1]))
             probs = torch.softmax(logits.float(), dim=-1).mean(0)
-        top = probs.topk(min(self.cfg.prefetch.top, probs.numel())).indices.tolist()
+        prefetch = self.cfg.prefetch
+        if prefetch is None:
+            return
+        top = probs.topk(min(prefetch.top, probs.numel())).indices.tolist()
         with self._cv:
             for e in top:
                 key = (nxt, e)
@@ -633,7 +642,7 @@ class ExpertCache:
                     self.stats.prefetched += 1
                     self._push(_Job(0, self._next_seq(), key, self.floor, self._tokens))
 
-    # -- HEBF planning --------------------------------------------------------------------------------
+    # -- HEBF planning -----------------------------------------------------------------------------
     def _replan(self) -> None:
         """Under the lock: new plan; queue the reads it wants, hottest first.
 
