@@ -137,6 +137,7 @@ def test_parity_with_transformers(pair) -> None:
     assert _maxdiff(got, ref) <= 1e-4, kind
 
 
+@pytest.mark.timeout(900)  # the first install may build the C++ extension (minutes on 2 cores)
 def test_cached_decode_equals_transformers(pair) -> None:
     """Chunked prefill, then one token at a time through the KV cache, with the compiled step
     installed where the family allows it (its refusal otherwise leaves the eager path)."""
