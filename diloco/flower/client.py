@@ -107,7 +107,7 @@ class DilocoClient:
         if int(config["fragment"]) != p:  # type: ignore[arg-type]
             raise ProtocolError(
                 f"round {server_round} must sync fragment {p}, the server "
-                f"asked for {config['fragment']}: different P on the two sides?"
+                f"asked for {config['fragment']!s}: different P on the two sides?"
             )
         down, current = self._apply(msg)
         if not current:

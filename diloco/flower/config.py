@@ -201,6 +201,8 @@ def from_run_config(run_config: Mapping[str, Any]) -> FlowerConfig:
         dataclasses.replace(base.data, seq_len=c["seq-len"], batch_size=c["batch-size"]),
     )
     model = base.model
+    if model is None:  # every preset in diloco.config.PRESETS names its model shape
+        raise ConfigError("preset", f"preset {c['preset']!r} names no model shape")
     if model.max_position_embeddings < data.seq_len:
         model = dataclasses.replace(model, max_position_embeddings=data.seq_len)
     train = dataclasses.replace(

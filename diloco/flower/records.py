@@ -21,7 +21,7 @@ from typing import Iterable, Mapping
 import msgpack
 import numpy as np
 import torch
-from flwr.app import Array, ArrayRecord, ConfigRecord
+from flwr.app import Array, ArrayRecord, ConfigRecord, MetricRecord
 
 from lowband.comm import Encoded
 from lowband.errors import ProtocolError
@@ -128,8 +128,17 @@ def payload_bytes(record: ArrayRecord) -> int:
 def config_ints(config: ConfigRecord, key: str) -> list[int]:
     """A list-of-int field of a ConfigRecord (an empty list may come back as any list type)."""
     value = config.get(key)
-    if not isinstance(value, list) or not all(
-        isinstance(v, int) and not isinstance(v, bool) for v in value
-    ):
-        raise ProtocolError(f"config field {key!r} must be a list of integers, got {value!r}")
-    return list(value)
+    if isinstance(value, list):
+        ints = [v for v in value if isinstance(v, int) and not isinstance(v, bool)]
+        if len(ints) == len(value):
+            return ints
+    raise ProtocolError(f"config field {key!r} must be a list of integers, got {value!r}")
+
+
+def metric_float(record: MetricRecord, key: str) -> float:
+    """A number field of a MetricRecord as a float: KeyError if absent, TypeError if a list
+    (what ``float(record[key])`` raises)."""
+    value = record[key]
+    if isinstance(value, list):
+        raise TypeError(f"metric {key!r} must be a number, got a list")
+    return float(value)

@@ -44,6 +44,7 @@ from flwr.app import (
     Message,
     MessageType,
     MetricRecord,
+    MetricRecordValues,
     RecordDict,
 )
 from flwr.common.logger import log as flwr_log
@@ -57,6 +58,7 @@ from diloco.common import hash_state, optimizer_tensors
 from diloco.flower.config import FlowerConfig, sync_fragment
 from diloco.flower.records import (
     config_ints,
+    metric_float,
     params_to_record,
     payload_bytes,
     record_to_params,
@@ -255,7 +257,7 @@ class DiLoCoStrategy(Strategy):
         if not weights:
             return None
         total = sum(weights)
-        out: dict[str, float | int] = {
+        out: dict[str, MetricRecordValues] = {
             k: sum(w * v for w, v in zip(weights, vs)) / total for k, vs in values.items()
         }
         out["num-examples"] = int(total)
@@ -284,7 +286,7 @@ class DiLoCoStrategy(Strategy):
     def state_hash(self) -> int:
         """Digest of θ_g, every fragment's outer optimizer state and version: the state the run
         ends in (``diloco.metrics.RunSummary``), comparable with a rerun's."""
-        tensors = list(self.model.parameters())
+        tensors: list[torch.Tensor] = list(self.model.parameters())
         for f in self.fragments:
             tensors += optimizer_tensors(f.outer_opt)
         return hash_state(tensors, *self.versions)
@@ -434,7 +436,7 @@ class DiLoCoStrategy(Strategy):
         update_norm: float,
     ) -> dict[str, Any]:
         def total(key: str) -> float:
-            return sum(float(m.get(key, 0.0)) for _, _, m in valid)  # type: ignore[arg-type]
+            return sum(metric_float(m, key) if key in m else 0.0 for _, _, m in valid)
 
         weights = sum(w for w, _, _ in valid)
         up, up32 = int(total("bytes-up")), int(total("bytes-up-fp32"))
@@ -443,7 +445,7 @@ class DiLoCoStrategy(Strategy):
         self.totals["bytes_up_fp32"] += up32
         self.totals["bytes_down"] += down
         loss = (
-            sum(w * float(m["train-loss"]) for w, _, m in valid) / weights  # type: ignore[arg-type]
+            sum(w * metric_float(m, "train-loss") for w, _, m in valid) / weights
             if weights
             else None
         )  # no valid reply: no loss (MetricRecord leaves it out)
