@@ -26,7 +26,7 @@ import threading
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from functools import partial
 from importlib import resources
 from typing import Any, AsyncIterator, Callable
@@ -34,6 +34,7 @@ from typing import Any, AsyncIterator, Callable
 from aiohttp import web
 
 from edge.engine import ClusterUnavailable, Engine, Event
+from edge.http_guard import BadJson, CappedSite, guard, parse_json
 from edge.sampling import SamplingParams
 from lowband.errors import ChatTemplateError, ConfigError, LowbandError
 from lowband.models.chat_template import ChatTemplate, normalize_messages
@@ -60,7 +61,27 @@ class ServerConfig:
     """The cluster behind this server was started with ``--insecure`` and is reachable from
     the network without CURVE: reported by ``/health`` so that it is visible, not just logged."""
 
+    api_key: str | None = field(default=None, repr=False)
+    """When set, every path but ``/health`` and ``/`` needs ``Authorization: Bearer KEY``
+    (compared in constant time); see :mod:`edge.http_guard`."""
+    allowed_hosts: tuple[str, ...] = ()
+    """Host names (besides loopback names, IP literals and ``host``) a request's Host or a
+    cross-site Origin may carry: the names clients use to reach a server bound beyond loopback.
+    Anything else is a 403 (DNS rebinding, cross-site POSTs)."""
+    idle_timeout_s: float = 30.0
+    """A connection idle this long, or this long into sending a request's headers, is closed."""
+    body_timeout_s: float = 60.0
+    """A request body not received within this long is refused (408)."""
+    max_connections: int = 256
+    """Open connections at a time; one more gets a 503 and is closed."""
+
     def __post_init__(self) -> None:
+        if self.api_key is not None and not self.api_key.strip():
+            raise ConfigError("api_key", "must not be empty (leave it unset for no key)")
+        if min(self.idle_timeout_s, self.body_timeout_s) <= 0:
+            raise ConfigError("idle_timeout_s", "timeouts must be > 0")
+        if self.max_connections < 1:
+            raise ConfigError("max_connections", f"must be >= 1, got {self.max_connections}")
         if not 0 <= self.port < 65536:
             raise ConfigError("port", f"must be in [0, 65535], got {self.port}")
         if self.max_queue < 0:
@@ -157,6 +178,9 @@ class Server:
             ]
         )
         self.app.middlewares.append(self._errors)
+        self.app.middlewares.append(
+            guard(api_key=cfg.api_key, bound=cfg.host, allowed_hosts=cfg.allowed_hosts)
+        )
         self.app.on_shutdown.append(self._shutdown)
 
     # ---- plumbing ------------------------------------------------------------------------------
@@ -190,13 +214,15 @@ class Server:
         if request.content_length is not None and request.content_length > self.cfg.max_body_bytes:
             raise self._too_large()  # refused before a byte of it is read
         try:
-            raw = await request.read()
+            raw = await asyncio.wait_for(request.read(), self.cfg.body_timeout_s)
         except web.HTTPRequestEntityTooLarge:
             raise self._too_large() from None
+        except asyncio.TimeoutError:
+            raise ApiError(408, "the request body did not arrive in time") from None
         try:
-            body = await self._off_loop(json.loads, raw) if len(raw) > 65536 else json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            raise ApiError(400, "the request body is not valid JSON") from None
+            body = await self._off_loop(parse_json, raw) if len(raw) > 65536 else parse_json(raw)
+        except BadJson as exc:
+            raise ApiError(400, str(exc)) from None
         if not isinstance(body, dict):
             raise ApiError(400, "the request body must be a JSON object")
         model = body.get("model", self.engine.model_name)
@@ -232,17 +258,23 @@ class Server:
                 400, "stop must be a string or a list of at most 8 strings", param="stop"
             )
         try:
+            top_k = int(body.get("top_k", 0))
+            seed = None if body.get("seed") is None else int(body["seed"])
+            if not 0 <= top_k < 2**31:
+                raise ConfigError("top_k", f"must be in [0, 2^31), got {top_k}")
+            if seed is not None and not 0 <= seed < 2**63:  # what torch's generator takes
+                raise ConfigError("seed", f"must be in [0, 2^63), got {seed}")
             return SamplingParams(
                 max_tokens=mt,
                 temperature=float(body.get("temperature", 1.0)),
                 top_p=float(body.get("top_p", 1.0)),
-                top_k=int(body.get("top_k", 0)),
-                seed=None if body.get("seed") is None else int(body["seed"]),
+                top_k=top_k,
+                seed=seed,
                 stop=tuple(stop),
             )
         except ConfigError as exc:
             raise ApiError(400, str(exc), param=exc.field) from None
-        except (TypeError, ValueError) as exc:
+        except (TypeError, ValueError, OverflowError) as exc:
             raise ApiError(400, f"bad sampling parameter: {exc}") from None
 
     async def _prepare(
@@ -508,9 +540,10 @@ class Server:
 async def start(engine: Engine, cfg: ServerConfig) -> tuple[web.AppRunner, int]:
     """Start serving in the running loop; returns the runner (for cleanup) and the port."""
     server = Server(engine, cfg)
-    runner = web.AppRunner(server.app)
+    # aiohttp's keep-alive timer also runs while a request's headers are half-sent
+    runner = web.AppRunner(server.app, keepalive_timeout=cfg.idle_timeout_s)
     await runner.setup()
-    site = web.TCPSite(runner, cfg.host, cfg.port)
+    site = CappedSite(runner, cfg.host, cfg.port, max_connections=cfg.max_connections)
     await site.start()
     port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
     return runner, port
