@@ -43,6 +43,7 @@ from lowband.models.weights import save_pretrained
 from transport.loopback import LoopbackGroup
 
 pytestmark = pytest.mark.timeout(120)
+LOAD_S = 480.0  # a worker's answer to assign, which loads a checkpoint
 
 
 def _assign(**over) -> Assign:
@@ -281,7 +282,8 @@ class _Worker:
         self.master.send(1, [], meta, tag=CTL)
 
     def ready(self) -> Ready:
-        return Ready.decode(self.master.recv(1, tag=READY, timeout=60)[1])
+        # generous: the first load on a fresh machine compiles the C++ kernels (minutes)
+        return Ready.decode(self.master.recv(1, tag=READY, timeout=LOAD_S)[1])
 
     def alive(self, n: int) -> None:
         """The worker still answers, in order: a ``stats`` request gets its report."""
@@ -295,6 +297,7 @@ class _Worker:
         assert not self.thread.is_alive() and self.error is None and self.result == 0
 
 
+@pytest.mark.timeout(2 * LOAD_S)
 def test_malformed_messages_do_not_kill_the_worker(ckpt) -> None:
     w = _Worker()
     # a broken assign is answered (the master waits for it), naming the field
@@ -317,6 +320,7 @@ def test_malformed_messages_do_not_kill_the_worker(ckpt) -> None:
     w.shutdown()
 
 
+@pytest.mark.timeout(2 * LOAD_S)
 def test_an_unloadable_checkpoint_is_answered_not_fatal(ckpt, bad_bits, tmp_path) -> None:
     w = _Worker()
     w.send(_loadable(bad_bits))
