@@ -29,7 +29,7 @@ import secrets
 import shutil
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, cast
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -284,9 +284,10 @@ def _write_export(model: torch.nn.Module, out_dir: Path, *, byte_tokenizer: bool
     from lowband.models.llama import LlamaForCausalLM
 
     if hasattr(model, "save_pretrained"):  # a Hugging Face model: its own format
-        from diloco.hf import export_hf
+        from diloco.hf import SavesPretrained, export_hf
 
-        return export_hf(model, out_dir)
+        # cast: checked just above; nn.Module's __getattr__ types the method as Tensor | Module
+        return export_hf(cast(SavesPretrained, model), out_dir)
     if isinstance(model, LlamaForCausalLM):
         from lowband.models.tokenizer import ByteTokenizer
         from lowband.models.weights import save_pretrained

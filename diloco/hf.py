@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -99,7 +99,13 @@ def hf_task(cfg: TrainConfig) -> HFTask:
     return HFTask(cfg, load_corpus(cfg.data, config.vocab_size), config.vocab_size)
 
 
-def export_hf(model: nn.Module, out_dir: Path, tokenizer: str | None = None) -> Path:
+class SavesPretrained(Protocol):
+    """What :func:`export_hf` needs of a ``transformers.PreTrainedModel``."""
+
+    def save_pretrained(self, save_directory: str, *, safe_serialization: bool) -> Any: ...
+
+
+def export_hf(model: SavesPretrained, out_dir: Path, tokenizer: str | None = None) -> Path:
     """``save_pretrained`` (safetensors) + ``tokenizer.json`` when the run used one."""
     out_dir.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(str(out_dir), safe_serialization=True)

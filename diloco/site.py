@@ -44,7 +44,7 @@ import logging
 import re
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, cast
 
 import torch
 import torch.distributed as dist
@@ -144,7 +144,10 @@ def parallelize(
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import fully_shard
 
-    mesh = DeviceMesh.from_group(group or dist.group.WORLD, device.type)
+    pg = group or dist.group.WORLD
+    if pg is None:  # no group given and no default one: init_process_group was not called
+        raise RuntimeError("parallelize needs torch.distributed initialised (init_process_group)")
+    mesh = DeviceMesh.from_group(pg, device.type)
     for name, module in model.named_modules():
         if BLOCK_MODULE.search(name):
             fully_shard(module, mesh=mesh)
@@ -340,7 +343,7 @@ class SiteWorker(DilocoWorker):
     def state_hash(self) -> int:
         """Digest of this shard of θ_g, its outer optimizer state, step and syncs applied: what
         rank r must share with rank r of every other site."""
-        tensors = [g for f in self.fragments for g in f.global_]
+        tensors: list[torch.Tensor] = [g for f in self.fragments for g in f.global_]
         for f in self.fragments:
             tensors += optimizer_tensors(f.outer_opt)
         return hash_state(tensors, self.step, self.applied)
@@ -415,7 +418,8 @@ class SiteWorker(DilocoWorker):
 
     @property
     def _key(self) -> str:
-        return self.worker_id  # type: ignore[return-value] - always set (__init__)
+        # cast: never None here, __init__ passes a default id and DilocoWorker keeps a given one
+        return cast(str, self.worker_id)
 
     # ---- evaluation and export: θ_g assembled on every rank, used by one -------------------------
     def _evaluate(self) -> float | None:
