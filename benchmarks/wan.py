@@ -1,0 +1,416 @@
+"""All-reduce over named WAN profiles, lowband (K connections) vs Gloo, through the TUN emulator.
+
+    python -m benchmarks.wan --json                                  # every profile
+    python -m benchmarks.wan --profiles home --size-mb 16 --repeats 3 --json
+
+Each profile (:data:`PROFILES`: ``lan``, ``continent``, ``intercontinental``, ``home``) is a full
+mesh of ``sites`` network namespaces joined by the packet-level TUN emulator
+(:mod:`transport.links.tun`): every direction of every pair has the profile's one-way delay
+(RTT / 2), bottleneck rate and random loss, and kernel TCP (the namespace default, bbr here) runs
+end to end over it. The root namespace joins as the host endpoint, where the lowband coordinators
+run. Per profile:
+
+1. **calibration** – TCP handshake RTT, one TCP flow's goodput against the configured rate, and
+   the loss of paced UDP datagrams, measured between sites 1 and 0;
+2. **all-reduce** of a ``size_mb`` fp32 tensor among the sites: lowband with each K in
+   ``connections`` (one coordinator per K, ``same_host="off"``, ring at this size) and Gloo
+   (``torch.distributed``, TCP store on site 0, ``GLOO_SOCKET_IFNAME`` = the site's TUN, its
+   default algorithm, in place on a persistent buffer refilled untimed, as DDP uses it). The
+   same worker processes run every arm; each iteration runs every arm once, in an order rotated
+   by one per iteration, after an untimed barrier. An iteration's time is its slowest site's.
+   Reported: seconds per all-reduce (median, min, max), the best K, lowband/Gloo speed ratio
+   (Gloo seconds / lowband seconds: > 1 means lowband is faster) and link utilisation = IP bytes
+   a site's TUN sent during the operation / seconds / the rate the link ran at.
+
+Rate scaling: the forwarder is one Python process; on the 2-core machine these figures come from
+it forwards a few hundred Mbit/s in all (every path together). A profile's rate is therefore
+capped at ``max_rate_mbit`` per direction (default 50, so that a ring's ``sites`` concurrent
+flows stay under the forwarder's ceiling); the output records the configured rate, the rate run
+and a label such as "1 Gbit/s profile run at 50 Mbit/s". RTT and loss are never scaled.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import functools
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+from lowband.errors import ConfigError
+
+MiB = 1 << 20
+GLOO_PORT = 29511
+
+
+@dataclass(frozen=True, kw_only=True)
+class Profile:
+    """A WAN path as the issue names it (each direction of each pair of sites)."""
+
+    rate_mbit: float
+    """Bottleneck rate per direction, as configured on a real link."""
+    rtt_ms: float
+    """Round-trip propagation delay (each direction gets half)."""
+    loss: float = 0.0
+    """Random loss per packet, each direction."""
+
+
+PROFILES: dict[str, Profile] = {
+    "lan": Profile(rate_mbit=1000.0, rtt_ms=1.0),
+    "continent": Profile(rate_mbit=1000.0, rtt_ms=40.0),
+    "intercontinental": Profile(rate_mbit=1000.0, rtt_ms=160.0, loss=0.001),
+    "home": Profile(rate_mbit=100.0, rtt_ms=30.0, loss=0.005),
+}
+
+
+@dataclass(frozen=True, kw_only=True)
+class WanBench:
+    profiles: tuple[str, ...] = tuple(PROFILES)
+    sites: int = 4
+    size_mb: float = 16.0
+    """Tensor size (fp32) of one all-reduce."""
+    connections: tuple[int, ...] = (1, 4, 16)
+    """K values of lowband's transport, each its own arm."""
+    gloo: bool = True
+    repeats: int = 3
+    """Timed iterations (every arm once each)."""
+    warmup: int = 1
+    """Untimed iterations first (connections set up, windows opened)."""
+    max_rate_mbit: float = 50.0
+    """Cap on each direction's rate (what the forwarder sustains for ``sites`` flows at once)."""
+    chunk_kb: int = 256
+    """lowband chunk size: small enough that a ring segment stripes over 16 connections."""
+    calib_seconds: float = 3.0
+    udp_count: int = 4000
+    timeout: float = 600.0
+    net: int = 231
+    seed: int = 1
+
+    def __post_init__(self) -> None:
+        unknown = set(self.profiles) - set(PROFILES)
+        if not self.profiles or unknown:
+            raise ConfigError("profiles", f"a non-empty subset of {list(PROFILES)}")
+        if not 2 <= self.sites <= 16:
+            raise ConfigError("sites", f"must be in [2, 16], got {self.sites}")
+        if self.size_mb <= 0 or self.max_rate_mbit <= 0 or self.chunk_kb < 4:
+            raise ConfigError("size_mb", "need size_mb > 0, max_rate_mbit > 0, chunk_kb >= 4")
+        if not self.connections or not all(1 <= k <= 64 for k in self.connections):
+            raise ConfigError("connections", "K values in [1, 64]")
+        if self.repeats < 1 or self.warmup < 0:
+            raise ConfigError("repeats", "need repeats >= 1 and warmup >= 0")
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.size_mb * MiB) // 4 * 4
+
+    @property
+    def arms(self) -> list[str]:
+        ks = [f"lowband_k{k}" for k in dict.fromkeys(self.connections)]
+        return ks + (["gloo"] if self.gloo else [])
+
+
+def run_rate(profile: Profile, max_rate_mbit: float) -> tuple[float, str]:
+    """The rate a profile runs at here and the label that says so."""
+    rate = min(profile.rate_mbit, max_rate_mbit)
+
+    def mbit(r: float) -> str:
+        return f"{r / 1000:g} Gbit/s" if r >= 1000 else f"{r:g} Mbit/s"
+
+    if rate < profile.rate_mbit:
+        return rate, f"{mbit(profile.rate_mbit)} profile run at {mbit(rate)}"
+    return rate, f"{mbit(rate)} (as configured)"
+
+
+def arm_order(arms: Sequence[str], iteration: int) -> list[str]:
+    """Iteration ``i`` runs every arm once, starting with arm ``i mod n`` (every site agrees)."""
+    s = iteration % len(arms)
+    return list(arms[s:]) + list(arms[:s])
+
+
+def _spread(xs: Sequence[float], nd: int = 4) -> dict[str, float]:
+    return {
+        "median": round(statistics.median(xs), nd),
+        "min": round(min(xs), nd),
+        "max": round(max(xs), nd),
+    }
+
+
+def summarize(
+    ranks: Sequence[dict[str, Any]], arms: Sequence[str], rate_mbit: float
+) -> dict[str, Any]:
+    """Per arm: slowest-site seconds per iteration (median/min/max), bytes a site sent per
+    operation and link utilisation; then the best K and the lowband/Gloo ratio."""
+    out: dict[str, Any] = {}
+    for arm in arms:
+        iters = len(ranks[0]["rows"][arm])
+        secs = [max(r["rows"][arm][i][0] for r in ranks) for i in range(iters)]
+        sent = [statistics.mean(r["rows"][arm][i][1] for r in ranks) for i in range(iters)]
+        util = [b * 8 / s / (rate_mbit * 1e6) for b, s in zip(sent, secs)]
+        out[arm] = {
+            "seconds": _spread(secs),
+            "site_tx_bytes": int(statistics.median(sent)),
+            "link_utilisation": _spread(util, 3),
+            "all_seconds": [round(s, 4) for s in secs],
+        }
+    lows = [a for a in arms if a.startswith("lowband_k")]
+    if lows:
+        best = min(lows, key=lambda a: out[a]["seconds"]["median"])
+        out["best_k"] = int(best.removeprefix("lowband_k"))
+        if "gloo" in out:
+            g = out["gloo"]["seconds"]["median"]
+            out["ratio_vs_gloo"] = {  # Gloo seconds / lowband seconds: > 1, lowband faster
+                a.removeprefix("lowband_"): round(g / out[a]["seconds"]["median"], 3) for a in lows
+            }
+            out["best_ratio_vs_gloo"] = out["ratio_vs_gloo"][f"k{out['best_k']}"]
+    return out
+
+
+# ---- one profile ---------------------------------------------------------------------------------
+def calibrate(bed: Any, cfg: WanBench) -> dict[str, Any]:
+    from transport.links.tun.calibrate import measure_goodput, measure_rtt, measure_udp_loss
+
+    return {
+        "rtt_ms": measure_rtt(bed, count=10),
+        "tcp_flow": measure_goodput(bed, cfg.calib_seconds, warmup=1.0),
+        "udp": measure_udp_loss(bed, count=cfg.udp_count, pps=2000.0),
+    }
+
+
+def _spawn(bed: Any, cfg: WanBench, coords: dict[str, str], tmp: str) -> list[dict[str, Any]]:
+    """One worker per site (its namespace); their JSON results. Killed on failure or timeout."""
+    spec = {
+        "sites": cfg.sites,
+        "nbytes": cfg.nbytes,
+        "arms": cfg.arms,
+        "coords": coords,
+        "chunk_bytes": cfg.chunk_kb * 1024,
+        "iters": cfg.warmup + cfg.repeats,
+        "warmup": cfg.warmup,
+        "timeout": cfg.timeout,
+        "gloo_init": f"tcp://{bed.addr(0)}:{GLOO_PORT}",
+    }
+    procs, outs = [], []
+    for i in range(cfg.sites):
+        out = os.path.join(tmp, f"site{i}.json")
+        site = {**spec, "site": i, "addr": bed.addr(i), "tun": bed.tuns[i], "out": out}
+        args = [sys.executable, "-m", "benchmarks.wan", "--worker", json.dumps(site)]
+        env = {**os.environ, "GLOO_SOCKET_IFNAME": bed.tuns[i]}
+        procs.append(bed.popen(i, args, start_new_session=True, env=env))
+        outs.append(out)
+    try:
+        deadline = time.monotonic() + cfg.timeout
+        for p in procs:
+            p.wait(timeout=max(1.0, deadline - time.monotonic()))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, 9)
+                p.wait()
+    bad = [p.returncode for p in procs if p.returncode != 0]
+    if bad:
+        raise RuntimeError(f"wan benchmark workers failed with exit codes {bad}")
+    results = []
+    for out in outs:
+        with open(out) as f:
+            results.append(json.load(f))
+    return results
+
+
+def run_profile(cfg: WanBench, name: str) -> dict[str, Any]:
+    from transport.coordinator import Coordinator, CoordinatorConfig
+    from transport.links.tun.shape import PathConfig
+    from transport.links.tun.testbed import TunConfig, TunTestbed
+
+    prof = PROFILES[name]
+    rate, label = run_rate(prof, cfg.max_rate_mbit)
+    path = PathConfig(delay_ms=prof.rtt_ms / 2, rate_mbit=rate, loss=prof.loss)
+    tun = TunConfig(sites=cfg.sites, path=path, host=True, seed=cfg.seed, net=cfg.net)
+    t0 = time.monotonic()
+    with (
+        TunTestbed(tun) as bed,
+        contextlib.ExitStack() as stack,
+        tempfile.TemporaryDirectory() as tmp,
+    ):
+        calib = calibrate(bed, cfg)
+        before = bed.stats()["paths"]
+        coords = {
+            arm: stack.enter_context(
+                Coordinator(CoordinatorConfig(bind=f"tcp://{bed.host}:0", heartbeat_interval=5.0))
+            ).address
+            for arm in cfg.arms
+            if arm != "gloo"
+        }
+        ranks = _spawn(bed, cfg, coords, tmp)
+        after = bed.stats()["paths"]
+    drops = {k: sum(after[p][k] - before[p][k] for p in after) for k in ("lost", "queue_drops")}
+    allreduce = summarize(ranks, cfg.arms, rate)
+    allreduce["forwarder_drops_all_paths"] = drops
+    allreduce["algorithm"] = ranks[0]["algorithm"]
+    calib["tcp_flow"]["goodput_vs_rate"] = round(calib["tcp_flow"]["goodput_mbit"] / rate, 3)
+    return {
+        "configured": {"rate_mbit": prof.rate_mbit, "rtt_ms": prof.rtt_ms, "loss": prof.loss},
+        "rate_mbit_run": rate,
+        "rate_label": label,
+        "calibration": calib,
+        "allreduce": allreduce,
+        "profile_wall_s": round(time.monotonic() - t0, 1),
+    }
+
+
+def run(cfg: WanBench) -> dict[str, Any]:
+    from transport.links.tun.testbed import available
+
+    if (reason := available()) is not None:
+        raise SystemExit(f"wan benchmark unavailable: {reason}")
+    return {
+        "mode": "tun",
+        "link": "REAL: kernel TCP between namespaces through the TUN forwarder (full mesh)",
+        "sites": cfg.sites,
+        "bytes": cfg.nbytes,
+        "dtype": "float32",
+        "connections": list(dict.fromkeys(cfg.connections)),
+        "chunk_bytes": cfg.chunk_kb * 1024,
+        "repeats": cfg.repeats,
+        "warmup": cfg.warmup,
+        "max_rate_mbit": cfg.max_rate_mbit,
+        "order": "every arm once per iteration, order rotated by one per iteration",
+        "gloo_mode": "TCP store on site 0, GLOO_SOCKET_IFNAME = site TUN, default algorithm, "
+        "in place on a persistent buffer refilled untimed",
+        "utilisation_is": "IP bytes a site's TUN sent during the operation / seconds / rate run",
+        "ratio_is": "Gloo seconds / lowband seconds (> 1: lowband faster)",
+        "profiles": {name: run_profile(cfg, name) for name in cfg.profiles},
+    }
+
+
+# ---- the worker (one per site, inside its namespace) -----------------------------------------
+def _tx_bytes(tun: str) -> int:
+    with open(f"/sys/class/net/{tun}/statistics/tx_bytes") as f:
+        return int(f.read())
+
+
+def worker(spec: dict[str, Any]) -> dict[str, Any]:
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+
+    from transport.config import ZmqConfig
+    from transport.zmq_comm import connect
+
+    torch.set_num_threads(1)
+    n, tun = spec["sites"], spec["tun"]
+    comms = {
+        arm: connect(
+            coord,
+            ZmqConfig(
+                connections=int(arm.removeprefix("lowband_k")),
+                chunk_bytes=spec["chunk_bytes"],
+                timeout=spec["timeout"],
+                bind_host=spec["addr"],
+                same_host="off",
+                max_message_bytes=max(64 * MiB, spec["chunk_bytes"] + MiB),
+            ),
+            signature="wan-bench",
+        )
+        for arm, coord in spec["coords"].items()
+    }
+    gloo = "gloo" in spec["arms"]
+    try:
+        for comm in comms.values():
+            comm.quorum(min_world=n, timeout=spec["timeout"])
+        if gloo:
+            dist.init_process_group(
+                "gloo",
+                init_method=spec["gloo_init"],
+                rank=spec["site"],
+                world_size=n,
+                timeout=datetime.timedelta(seconds=spec["timeout"]),
+            )
+        x = torch.randn(spec["nbytes"] // 4)
+        y = torch.empty_like(x)
+        ops: dict[str, tuple[Callable[[], Any], Callable[[], Any]]] = {
+            arm: (functools.partial(c.all_reduce, x, "sum", algorithm="auto"), c.barrier)
+            for arm, c in comms.items()
+        }
+        if gloo:
+            ops["gloo"] = (lambda: dist.all_reduce(y), dist.barrier)
+        rows: dict[str, list[tuple[float, int]]] = {arm: [] for arm in spec["arms"]}
+        for i in range(spec["iters"]):
+            for arm in arm_order(spec["arms"], i):
+                op, barrier = ops[arm]
+                y.copy_(x)  # Gloo's in-place buffer; untimed for every arm alike
+                barrier()
+                b0, t0 = _tx_bytes(tun), time.perf_counter()
+                op()
+                dt, sent = time.perf_counter() - t0, _tx_bytes(tun) - b0
+                if i >= spec["warmup"]:
+                    rows[arm].append((dt, sent))
+        for _, barrier in ops.values():
+            # A ring rank can finish while its last chunks still sit in its send queues: close
+            # only once every site has its result, or a slow link loses them (PeerLost).
+            barrier()
+        return {
+            "site": spec["site"],
+            "rows": rows,
+            "algorithm": {arm: c.choose_algorithm(x, None, "auto") for arm, c in comms.items()},
+        }
+    finally:
+        if gloo and dist.is_initialized():
+            dist.destroy_process_group()
+        for comm in comms.values():
+            comm.close()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.wan", description=__doc__.split("\n")[0])
+    p.add_argument("--profiles", nargs="+", default=list(PROFILES), choices=list(PROFILES))
+    p.add_argument("--sites", type=int, default=4)
+    p.add_argument("--size-mb", type=float, default=16.0)
+    p.add_argument("--connections", type=int, nargs="+", default=[1, 4, 16])
+    p.add_argument("--no-gloo", action="store_true")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--max-rate-mbit", type=float, default=50.0)
+    p.add_argument("--chunk-kb", type=int, default=256)
+    p.add_argument("--calib-seconds", type=float, default=3.0)
+    p.add_argument("--udp-count", type=int, default=4000)
+    p.add_argument("--timeout", type=float, default=600.0)
+    p.add_argument("--json", action="store_true", help="only the JSON line")
+    p.add_argument("--worker", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.worker:
+        spec = json.loads(args.worker)
+        result = worker(spec)
+        with open(spec["out"], "w") as f:
+            json.dump(result, f)
+        return 0
+    cfg = WanBench(
+        profiles=tuple(args.profiles),
+        sites=args.sites,
+        size_mb=args.size_mb,
+        connections=tuple(args.connections),
+        gloo=not args.no_gloo,
+        repeats=args.repeats,
+        warmup=args.warmup,
+        max_rate_mbit=args.max_rate_mbit,
+        chunk_kb=args.chunk_kb,
+        calib_seconds=args.calib_seconds,
+        udp_count=args.udp_count,
+        timeout=args.timeout,
+    )
+    result = run(cfg)
+    if not args.json:
+        for k, v in result.items():
+            print(f"{k:>16}: {v}")
+    print(json.dumps(result), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,86 @@
+"""``benchmarks.wan``: rate scaling, arm order and the summary are pure and tested here; one tiny
+profile over the TUN emulator (2 sites, 1 MB, 1 repeat) needs root + iproute2 + /dev/net/tun."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from benchmarks.wan import PROFILES, WanBench, arm_order, run_rate, summarize
+from lowband.errors import ConfigError
+from transport.links.tun.testbed import available
+
+pytestmark = pytest.mark.timeout(240)
+
+
+def test_fast_profiles_are_capped_and_labelled_slow_ones_kept():
+    assert run_rate(PROFILES["continent"], 50.0) == (50.0, "1 Gbit/s profile run at 50 Mbit/s")
+    assert run_rate(PROFILES["home"], 200.0) == (100.0, "100 Mbit/s (as configured)")
+    assert PROFILES["intercontinental"].rtt_ms == 160.0 and PROFILES["home"].loss == 0.005
+
+
+def test_every_arm_takes_every_position():
+    arms = ["a", "b", "c"]
+    assert [arm_order(arms, i) for i in range(3)] == [
+        ["a", "b", "c"],
+        ["b", "c", "a"],
+        ["c", "a", "b"],
+    ]
+
+
+def test_summary_takes_the_slowest_site_and_compares_with_gloo():
+    # rows: per arm, per iteration (seconds, bytes the site's TUN sent)
+    ranks = [
+        {"rows": {"lowband_k1": [(2.0, 10**6), (4.0, 10**6)], "gloo": [(3.0, 10**6)] * 2}},
+        {"rows": {"lowband_k1": [(3.0, 3 * 10**6), (1.0, 3 * 10**6)], "gloo": [(6.0, 10**6)] * 2}},
+    ]
+    s = summarize(ranks, ["lowband_k1", "gloo"], rate_mbit=8.0)
+    assert s["lowband_k1"]["all_seconds"] == [3.0, 4.0]
+    assert s["lowband_k1"]["seconds"] == {"median": 3.5, "min": 3.0, "max": 4.0}
+    assert s["lowband_k1"]["site_tx_bytes"] == 2 * 10**6
+    # 2 MB in 3 s at 8 Mbit/s: 16e6 bits / 3 s / 8e6 = 0.667; in 4 s: 0.5
+    assert s["lowband_k1"]["link_utilisation"] == {"median": 0.583, "min": 0.5, "max": 0.667}
+    assert s["best_k"] == 1 and s["ratio_vs_gloo"] == {"k1": round(6.0 / 3.5, 3)}
+
+
+def test_config_is_validated():
+    with pytest.raises(ConfigError, match="profiles"):
+        WanBench(profiles=("moon",))
+    with pytest.raises(ConfigError, match="connections"):
+        WanBench(connections=(0,))
+    assert WanBench(gloo=False, connections=(4, 4)).arms == ["lowband_k4"]
+
+
+@pytest.mark.slow
+@pytest.mark.netns
+@pytest.mark.skipif(available() is not None, reason=f"tun: {available()}")
+def test_tiny_profile_over_the_tun_emulator():
+    args = ["--profiles", "home", "--sites", "2", "--size-mb", "1", "--repeats", "1"]
+    args += ["--connections", "1", "2", "--calib-seconds", "1", "--udp-count", "500"]
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks.wan", *args, "--max-rate-mbit", "20", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=220,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["bytes"] == 1 << 20 and out["max_rate_mbit"] == 20.0
+    home = out["profiles"]["home"]
+    assert home["rate_mbit_run"] == 20.0
+    assert home["rate_label"] == "100 Mbit/s profile run at 20 Mbit/s"
+    calib = home["calibration"]
+    assert abs(calib["rtt_ms"]["median_ms"] - 30.0) <= 0.15 * 30.0 + 2.0
+    assert 0 < calib["tcp_flow"]["goodput_mbit"] <= 20.0 * 1.05
+    assert calib["udp"]["sent"] == 500 and 0 <= calib["udp"]["loss"] < 0.05
+    ar = home["allreduce"]
+    assert set(ar) >= {"lowband_k1", "lowband_k2", "gloo", "best_k", "ratio_vs_gloo"}
+    for arm in ("lowband_k1", "lowband_k2", "gloo"):
+        assert len(ar[arm]["all_seconds"]) == 1 and ar[arm]["seconds"]["median"] > 0
+        # two sites: each sends its whole tensor once (plus headers/ACKs/retransmissions)
+        assert ar[arm]["site_tx_bytes"] >= 1 << 20
+        assert ar[arm]["link_utilisation"]["median"] > 0
+    assert ar["best_k"] in (1, 2) and ar["best_ratio_vs_gloo"] > 0
