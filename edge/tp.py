@@ -29,14 +29,14 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Literal, Protocol, Sequence
 
 import torch
 from torch import nn
 
 from edge.quant import QuantLinear
 from edge.quant.linear import GGMLLinear
-from lowband.comm import Algorithm, Codec, Communicator
+from lowband.comm import Algorithm, Codec
 from lowband.errors import ConfigError
 from lowband.models.config import ModelConfig
 from lowband.models.llama import LlamaForCausalLM, unfuse_projections
@@ -44,6 +44,23 @@ from lowband.models.llama import LlamaForCausalLM, unfuse_projections
 Reduce = Callable[[torch.Tensor], torch.Tensor]
 
 HEAD_KEYS = ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight")
+
+
+class AllReduceLink(Protocol):
+    """What :func:`make_reduce` needs of a link: a ``lowband.comm.Communicator`` or a star link
+    (``transport.starlink.StarHub`` / ``StarSpoke``)."""
+
+    def all_reduce(
+        self,
+        x: torch.Tensor,
+        op: Literal["sum"],
+        /,
+        *,
+        codec: Codec | None,
+        algorithm: Algorithm,
+        tag: str | None,
+        timeout: float | None,
+    ) -> torch.Tensor: ...
 
 
 def apportion(total: int, weights: Sequence[float], unit: int = 1) -> list[int]:
@@ -116,7 +133,7 @@ class TPPlan:
         """The LM-head rows rank ``rank`` holds. When the proportional split would leave the rows
         on one rank only (a tiny weight rounds to none), the head is not split and rank 0 holds
         it whole, as :func:`slice_of` loads it."""
-        if not self.vocab_split:
+        if self.vocab is None or not self.vocab_split:
             return (0, vocab_size) if rank == 0 else (vocab_size, vocab_size)
         return self.vocab[rank]
 
@@ -188,15 +205,15 @@ _FFN = re.compile(
 )
 
 
-def slice_of(name: str, plan: TPPlan, rank: int) -> tuple[int, int, int] | None | bool:
+def slice_of(name: str, plan: TPPlan, rank: int) -> tuple[int, int, int] | bool:
     """How rank ``rank`` holds tensor ``name``: ``(dim, start, end)`` for a slice, ``True`` for
     the whole tensor (replicated), ``False`` when the rank does not hold it at all."""
     if name in HEAD_KEYS:
-        if not plan.vocab_split or name == "model.embed_tokens.weight":
+        if plan.vocab is None or not plan.vocab_split or name == "model.embed_tokens.weight":
             return rank == 0
         if name == "model.norm.weight":  # every rank applies it before its rows of the head
             return True
-        a, b = plan.vocab[rank]  # type: ignore[index]
+        a, b = plan.vocab[rank]
         return (0, a, b) if b > a else False
     m = _ATTN.search(name)
     if m:
@@ -300,7 +317,7 @@ def _shard_quantized(model: nn.Module, plan: TPPlan, rank: int) -> None:
 
 
 def make_reduce(
-    comm: Communicator,
+    comm: AllReduceLink,
     *,
     codec: Codec | None = None,
     algorithm: Algorithm = "star",

@@ -9,7 +9,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import torch
 
@@ -45,6 +45,9 @@ from lowband.errors import (
     TransportTimeout,
 )
 from transport.starlink import StarHub
+
+if TYPE_CHECKING:
+    from edge.planner import SplitPlan
 
 logger = logging.getLogger(__name__)
 
@@ -133,7 +136,7 @@ class MasterRunner:
             raise ConfigError(
                 "master", f"another peer ({m.peers[master_rank(m.peers)]}) is the master"
             )
-        self.split = None  # edge.planner.SplitPlan when cfg.auto_split
+        self.split: SplitPlan | None = None  # set when cfg.auto_split
         if cfg.auto_split and cfg.devices > 1:
             self._auto_split()
         self.hub = (
@@ -265,11 +268,13 @@ class MasterRunner:
 
     def _recover(self) -> None:
         since = time.monotonic()
-        can_replan = self.cfg.replan_after_s is not None and not is_split_dir(self.model_dir)
+        replan_after = self.cfg.replan_after_s
+        if replan_after is not None and is_split_dir(self.model_dir):
+            replan_after = None  # a split directory is cut for one device count: no re-plan
         while not self._closed.is_set():
             with self._lock:
                 try:
-                    if can_replan and time.monotonic() - since >= self.cfg.replan_after_s:
+                    if replan_after is not None and time.monotonic() - since >= replan_after:
                         self._replan()
                     else:
                         self._regroup_once()

@@ -12,11 +12,12 @@ from edge.moe.serve import ExpertServeConfig, is_nested_dir, load_nested_shard
 from edge.shardio import LoadedShard, WindowConfig, load_shard
 from edge.tp import exact_reduce, gather_logits, make_reduce
 from lowband.codecs import Int8BlockCodec, get_codec
-from lowband.comm import Codec, Communicator
+from lowband.comm import Algorithm, Codec, Communicator
 from lowband.errors import ConfigError
 from transport.starlink import StarHub, StarSpoke
 
 WIRE_CODECS = ("fp32", "fp16", "bf16", "int8")
+_ALGORITHMS: dict[str, Algorithm] = {"auto": "auto", "ring": "ring", "star": "star"}
 
 
 def wire_codec(name: str) -> Codec | None:
@@ -79,8 +80,13 @@ def load_slot(
 ) -> LoadedShard:
     """Slot ``slot`` of a ``world``-device plan of ``model_dir``, its all-reduces over ``net``
     (whatever carries them: the communicator or a star link)."""
-    reduce = make_reduce(net, codec=codec, algorithm=algorithm, timeout=timeout, tags=tags)
-    if check_experts(model_dir, experts):
+    if algorithm not in _ALGORITHMS:
+        raise ConfigError("algorithm", f"must be star, ring or auto, got {algorithm!r}")
+    reduce = make_reduce(
+        net, codec=codec, algorithm=_ALGORITHMS[algorithm], timeout=timeout, tags=tags
+    )
+    # experts is not None when the directory is nested: check_experts refuses that
+    if check_experts(model_dir, experts) and experts is not None:
         return load_nested_shard(
             model_dir,
             slot,

@@ -51,6 +51,7 @@ from lowband.errors import (
     ProtocolError,
     TransportTimeout,
 )
+from lowband.models.llama import KVCache
 from transport.starlink import StarSpoke
 
 logger = logging.getLogger(__name__)
@@ -72,7 +73,7 @@ class WorkerState:
     shard: LoadedShard | None = None
     link: StarSpoke | None = None
     silence_s: float | None = None  # from the master's assign message
-    cache: object = None
+    cache: KVCache | None = None
     tags: Tags = field(default_factory=Tags)
     forwards: int = 0
     on_link: bool = False  # the next command comes on the star link (see MasterRunner.forward)

@@ -445,7 +445,7 @@ class DecoderLayer(nn.Module):
             self.post_feedforward_layernorm = RMSNorm(h, eps, off)
 
     @property
-    def ffn(self) -> nn.Module:
+    def ffn(self) -> MLP | SparseMoE:
         return self.block_sparse_moe if hasattr(self, "block_sparse_moe") else self.mlp
 
     def forward(
