@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from edge.formats.bounds import open_gguf
-from edge.formats.gguf_arch import ROPE_FREQS, architecture, hf_names
+from edge.formats.gguf_arch import ROPE_FREQS, TOKENIZER_GGUF, architecture, hf_names
 from edge.formats.gguf_arch import read_config as read_config
 from edge.quant import QuantLinear
 from edge.quant.formats import PackedWeight, QuantSpec, dequantize
@@ -146,6 +146,24 @@ def _add_vocab(w: Any, cfg: ModelConfig) -> None:
         w.add_eos_token_id(2)
         w.add_unk_token_id(0)
     w.add_add_bos_token(False)
+
+
+def write_tokenizer_gguf(src: str | Path, path: str | Path) -> Path:
+    """``src``'s ``tokenizer.*`` metadata (and its architecture) in a GGUF with no tensors: what
+    a directory made from a GGUF file (split, convert, quantize) keeps as its tokenizer."""
+    gguf = _import_gguf()
+    reader = gguf.GGUFReader(str(src))
+    arch = reader.fields["general.architecture"].contents()
+    w = gguf.GGUFWriter(str(path), arch)
+    for f in reader.fields.values():
+        if f.name.startswith("tokenizer."):
+            sub = f.types[-1] if len(f.types) > 1 else None
+            w.add_key_value(f.name, f.contents(), f.types[0], sub_type=sub)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return Path(path)
 
 
 # ---- reading ----------------------------------------------------------------------------------
@@ -307,8 +325,19 @@ def convert_gguf(path: str | Path, out_dir: str | Path) -> Path:
     if layout is None:
         from lowband.models.weights import save_pretrained
 
-        return save_pretrained(model, out)
-    return save_quantized(model, layout, out)
+        save_pretrained(model, out)
+    else:
+        save_quantized(model, layout, out)
+    write_tokenizer_gguf(path, out / TOKENIZER_GGUF)
+    return out
 
 
-__all__ = ["write_gguf", "load_gguf", "load_gguf_shard", "convert_gguf", "read_config", "SUPPORTED"]
+__all__ = [
+    "write_gguf",
+    "write_tokenizer_gguf",
+    "load_gguf",
+    "load_gguf_shard",
+    "convert_gguf",
+    "read_config",
+    "SUPPORTED",
+]

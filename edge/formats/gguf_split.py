@@ -20,7 +20,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from edge.formats.gguf import _import_gguf, load_gguf_shard
+from edge.formats.gguf import load_gguf_shard, write_tokenizer_gguf
 from edge.formats.gguf_arch import TOKENIZER_GGUF
 from edge.quant import QuantLinear
 from edge.quant.formats import PackedWeight, QuantSpec
@@ -39,21 +39,6 @@ def _packed_spec(mod: Any) -> dict[str, Any] | None:
     if isinstance(mod, QuantLinear):
         return {"bits": mod.bits, "group": mod.group, "shape": [mod.out_features, mod.in_features]}
     return None
-
-
-def _write_metadata(reader: Any, path: Path) -> None:
-    """The file's ``tokenizer.*`` metadata (and its architecture) in a GGUF with no tensors."""
-    gguf = _import_gguf()
-    arch = reader.fields["general.architecture"].contents()
-    w = gguf.GGUFWriter(str(path), arch)
-    for f in reader.fields.values():
-        if f.name.startswith("tokenizer."):
-            sub = f.types[-1] if len(f.types) > 1 else None
-            w.add_key_value(f.name, f.contents(), f.types[0], sub_type=sub)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
 
 
 def split_gguf(
@@ -95,7 +80,7 @@ def split_gguf(
     )
     meta = {"format": 1, "dtype": dname, "plan": plan.to_dict(), "packed": packed}
     (out / SPLIT_MARKER).write_text(json.dumps(meta, indent=2))
-    _write_metadata(_import_gguf().GGUFReader(str(src)), out / TOKENIZER_GGUF)
+    write_tokenizer_gguf(src, out / TOKENIZER_GGUF)
     return out
 
 

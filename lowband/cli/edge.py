@@ -195,6 +195,9 @@ def _add_serve(p: argparse.ArgumentParser) -> None:
     add_liveness(p, default_heartbeat=1.0)
 
 
+_MODEL_HELP = "checkpoint or split directory, or a .gguf file (read as it is, no conversion)"
+
+
 def register(sub: argparse._SubParsersAction) -> None:
     edge = sub.add_parser(
         "edge",
@@ -204,7 +207,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     es = edge.add_subparsers(dest="edge_command", metavar="EDGE_COMMAND")
 
     p = es.add_parser("split", help="write per-device, per-layer shard files")
-    p.add_argument("model", help="HF checkpoint directory (config.json + *.safetensors)")
+    p.add_argument(
+        "model",
+        help="HF checkpoint directory (config.json + *.safetensors) or a .gguf file (each "
+        "device's tensors keep the file's quantization)",
+    )
     p.add_argument("--devices", type=int, required=True)
     p.add_argument("--weights", help="relative device capacities, e.g. 2,1,1")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"])
@@ -216,12 +223,12 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="a GGUF file (F32/F16/BF16/Q8_0/Q4_0) to a checkpoint "
         "directory every edge command reads (quantized blocks kept as they are)",
     )
-    p.add_argument("gguf", help="a llama-architecture .gguf file")
+    p.add_argument("gguf", help="a .gguf file (llama, qwen2 or qwen3 architecture)")
     p.add_argument("--out", required=True)
     p.set_defaults(func=_convert)
 
     p = es.add_parser("generate", help="one completion on this device")
-    p.add_argument("model_dir")
+    p.add_argument("model_dir", help=_MODEL_HELP)
     p.add_argument("--prompt", required=True)
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=0.0)
@@ -235,7 +242,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_generate)
 
     p = es.add_parser("serve", help="the master: OpenAI-compatible HTTP API (+ coordinator)")
-    p.add_argument("model_dir", help="checkpoint or split directory")
+    p.add_argument("model_dir", help=_MODEL_HELP)
     p.add_argument("--workers", type=int, default=0, help="number of worker devices to wait for")
     p.add_argument("--bind", default="tcp://0.0.0.0:29500", help="coordinator address for workers")
     _add_serve(p)
@@ -271,7 +278,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_worker)
 
     p = es.add_parser("run", help="a local N-process cluster with the HTTP API")
-    p.add_argument("model_dir")
+    p.add_argument("model_dir", help=_MODEL_HELP)
     p.add_argument("--devices", type=int, default=2)
     p.add_argument("--pin-cores", action="store_true", help="one core and one thread per device")
     p.add_argument(
@@ -328,8 +335,8 @@ def _convert(args) -> int:
     except LowbandError as exc:
         return _fail(exc)
     print(
-        f"wrote {out}; serve it with 'lowband edge serve {out}' (the file's vocabulary is not "
-        "converted: add a tokenizer.json, or send token ids)"
+        f"wrote {out} (the file's tokenizer and chat template in {out}/tokenizer.gguf); serve "
+        f"it with 'lowband edge serve {out}'"
     )
     return 0
 

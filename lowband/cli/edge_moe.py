@@ -24,7 +24,9 @@ def register(edge_sub: argparse._SubParsersAction) -> None:
         "by reading a prefix of its file; non-expert weights are copied unchanged.",
     )
     p.add_argument(
-        "model_dir", metavar="MODEL_DIR", help="HF checkpoint (config.json + *.safetensors)"
+        "model_dir",
+        metavar="MODEL_DIR",
+        help="HF checkpoint (config.json + *.safetensors), or with --bits a float .gguf file",
     )
     mode = p.add_mutually_exclusive_group(required=True)
     mode.add_argument("--bits", type=int, choices=(8, 4), help="dense weight-only quantization")

@@ -418,3 +418,58 @@ def test_split_of_a_q4_k_file_keeps_blocks_and_greedy_tokens(tmp_path) -> None:
 
     got = run_ranks([rank_fn(0), rank_fn(1)], timeout=300)[0]
     assert torch.equal(got[0].argmax(-1), want)
+
+
+def test_quantize_a_float_file_and_refuse_a_quantized_one(tmp_path) -> None:
+    """``edge quantize FILE.gguf --bits 8``: a float file becomes a Q8 checkpoint directory
+    that keeps the file's tokenizer; a file of K-quant blocks is refused, not requantized."""
+    from edge.formats.quantized_checkpoint import QuantConfig, quantize_checkpoint, quantize_model
+    from edge.quant import QuantLinear
+    from edge.shardio import load_shard
+
+    hf = hf_qwen25()
+    path = write_file(tmp_path / "f.gguf", hf, "qwen2", "qwen2")
+    out = quantize_checkpoint(path, tmp_path / "q8", QuantConfig(bits=8, group=32))
+    got = load_shard(out, fast=False, fuse=False).model
+    assert isinstance(got.model.layers[0].self_attn.q_proj, QuantLinear)
+    ref = load_gguf(path)  # the same file quantized in memory: the directory holds exactly it
+    quantize_model(ref, QuantConfig(bits=8, group=32))
+    with torch.no_grad():
+        want, logits = hf(_ids()).logits, got(_ids())
+        assert torch.equal(logits, ref(_ids()))
+    assert ((logits - want).norm() / want.norm()).item() < 5e-2  # int8 weights and activations
+    src = resolve_model(out)
+    assert not src.gguf and src.tokenizer().encode("hello world") == resolve_model(
+        path
+    ).tokenizer().encode("hello world")
+    kq = write_file(tmp_path / "k.gguf", hf_qwen25(256, 256), "qwen2", "qwen2", quant="Q4_K")
+    with pytest.raises(ConfigError, match="already quantized"):
+        quantize_checkpoint(kq, tmp_path / "no", QuantConfig(bits=8, group=32))
+
+
+def test_cli_run_two_devices_on_a_q4_k_file(tmp_path, spawn) -> None:
+    """``lowband edge run FILE.gguf --devices 2``: tensor parallel over the star link on the
+    file's Q4_K blocks answers the one-device greedy text, and /v1/models reports the file's
+    chat template."""
+    from edge.engine import Engine, LocalRunner
+    from edge.sampling import SamplingParams
+    from edge.shardio import load_shard
+    from lowband.proc import free_port
+    from tests.cli.test_edge_cli import _http, _wait_health
+
+    path = write_file(tmp_path / "q.gguf", hf_qwen25(512, 512), "qwen2", "qwen2", quant="Q4_K")
+    src = resolve_model(path)
+    eng = Engine(LocalRunner(load_shard(path).model), src.tokenizer(), model_name="q")
+    want = eng.complete("hello world", SamplingParams(max_tokens=8))[0]
+    port = free_port()
+    master = spawn(
+        [sys.executable, "-m", "lowband", "edge", "run", str(path), "--devices", "2"]
+        + ["--port", str(port), "--threads", "1"]
+    )
+    _wait_health(port, master, timeout=400)
+    status, models = _http(port, "/v1/models")
+    assert status == 200 and models["data"][0]["chat_template"] == "model"
+    body = {"prompt": "hello world", "max_tokens": 8, "temperature": 0}
+    status, out = _http(port, "/v1/completions", body)
+    assert status == 200, out
+    assert out["choices"][0]["text"] == want
