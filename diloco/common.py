@@ -15,8 +15,11 @@ from typing import Any, Callable, Iterable
 
 import torch
 from torch import nn
+from torch.profiler import record_function
 
 from diloco.config import TrainConfig
+from diloco.prefetch import BatchPrefetcher
+from diloco.profiling import INNER_STEP, StepProfiler
 from diloco.task import Task
 from lowband.errors import PeerLost, TransportTimeout
 
@@ -32,6 +35,12 @@ class InnerLoop:
     ``compute.micro_batches`` forward/backward passes under autocast (gradients accumulate,
     each micro-loss scaled by 1/n so the sum is the batch mean), the fp16 loss scaler if any,
     ``grad_hook`` (DDP averages gradients there), clipping, the optimizer.
+
+    On CUDA the forward is compiled by default (static shapes: every micro-batch has
+    the same (B/n, T)), AdamW is the fused kernel and the step makes no host read: the loss is
+    returned as a device tensor (read in batches at log steps), clipping scales by a device
+    tensor, the next batch is drawn and pinned on a helper thread (``diloco.prefetch``). The one
+    exception is fp16, whose ``GradScaler.step`` reads its overflow flag on the host.
     """
 
     def __init__(
@@ -47,13 +56,19 @@ class InnerLoop:
         if c.activation_checkpointing:
             dev.enable_checkpointing(model)
         # The compiled module shares the parameters; names and export keep using ``model``.
-        self.forward_model: nn.Module = torch.compile(model) if c.compile else model  # type: ignore[assignment]
+        self.forward_model: nn.Module = model
+        if dev.compiles(c.compile, self.device):
+            self.forward_model = torch.compile(  # type: ignore[assignment]
+                model, backend=c.compile_backend, dynamic=False
+            )
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.opt = cfg.inner.build(
             self.params, dev.optimizer_kernels(cfg.inner.name, self.device, c.optimizer_impl)
         )
         self.scaler = dev.grad_scaler(self.device, c.precision)
         self.base_lrs = [g["lr"] for g in self.opt.param_groups]
+        self.batches = BatchPrefetcher(task.train_batch, self.device)
+        self.profiler = StepProfiler(c.profile, self.device)
         self.step = 0  # completed inner steps
 
     def lr(self) -> float:
@@ -63,12 +78,21 @@ class InnerLoop:
         """One inner step; the batch-mean training loss as a 0-dim tensor on the device (turning
         it into a float is a host sync on a GPU, so callers defer it, see
         :meth:`WorkerResult.record_step`)."""
+        self.profiler.tick(slot, self.step)
+        with record_function(INNER_STEP):
+            loss = self._step(slot, grad_hook)
+        self.step += 1
+        if self.step >= self.cfg.steps:
+            self.profiler.finish()
+        return loss
+
+    def _step(self, slot: int, grad_hook: GradHook | None) -> torch.Tensor:
         factor = self.cfg.lr_schedule.factor(self.step, self.cfg.steps)
         for group, base in zip(self.opt.param_groups, self.base_lrs):
             group["lr"] = base * factor
-        from diloco.device import autocast, to_device
+        from diloco.device import autocast
 
-        batch = to_device(self.task.train_batch(slot, self.step), self.device)
+        batch = self.batches.get(slot, self.step)
         self.model.train()
         self.opt.zero_grad(set_to_none=True)
         n = self.cfg.compute.micro_batches
@@ -90,8 +114,12 @@ class InnerLoop:
             self.scaler.update()
         else:
             self.opt.step()
-        self.step += 1
         return total
+
+    def close(self) -> None:
+        """Write a trace still being recorded and stop the batch thread."""
+        self.profiler.finish()
+        self.batches.close()
 
 
 def record_inner_step(

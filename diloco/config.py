@@ -184,6 +184,27 @@ class DataConfig:
             raise ConfigError("data.eval_batches", f"must be >= 1, got {self.eval_batches}")
 
 
+@dataclass(frozen=True, kw_only=True)
+class ProfileConfig:
+    """A ``torch.profiler`` (Kineto) trace of ``steps`` inner steps after ``wait`` steps, with
+    the SEND/APPLY work between them (ranges ``lowband.inner_step``, ``lowband.outer_step``,
+    ``lowband.encode``, ``lowband.merge``): ``dir/trace-slot{slot}-step{first}.json``, opened
+    in chrome://tracing or Perfetto. One worker per process is profiled (Kineto is one per
+    process); choose ``steps`` ≥ H/P so that the window holds a fragment sync."""
+
+    dir: str  # where the trace is written (created if missing)
+    steps: int = 12  # inner steps recorded
+    wait: int = 2  # steps run before recording starts (compilation, allocator warm-up)
+
+    def __post_init__(self) -> None:
+        if not self.dir:
+            raise ConfigError("compute.profile.dir", "needs a directory")
+        if self.steps < 1:
+            raise ConfigError("compute.profile.steps", f"must be >= 1, got {self.steps}")
+        if self.wait < 0:
+            raise ConfigError("compute.profile.wait", f"must be >= 0, got {self.wait}")
+
+
 PRECISIONS = ("fp32", "bf16", "fp16")
 OPTIMIZER_IMPLS = ("auto", "fused", "foreach", "loop")
 
@@ -200,9 +221,12 @@ class ComputeConfig:
     device: str = "auto"  # auto | cpu | cuda | cuda:N (auto: the first GPU if any)
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"
     micro_batches: int = 1  # gradient accumulation: B is split into this many micro-batches
-    compile: bool = False  # torch.compile the model's forward
+    # torch.compile the model's forward (static shapes); None: on for CUDA, off on the CPU
+    compile: bool | None = None
+    compile_backend: str = "inductor"  # torch.compile backend ("aot_eager": no codegen)
     activation_checkpointing: bool = False  # recompute block activations in backward
     optimizer_impl: Literal["auto", "fused", "foreach", "loop"] = "auto"  # torch kernels
+    profile: ProfileConfig | None = None  # a Kineto trace of a few steps (None: no profiler)
 
     def __post_init__(self) -> None:
         dev = self.device
@@ -212,6 +236,8 @@ class ComputeConfig:
             raise ConfigError("compute.precision", f"one of {PRECISIONS}, got {self.precision!r}")
         if self.micro_batches < 1:
             raise ConfigError("compute.micro_batches", f"must be >= 1, got {self.micro_batches}")
+        if not self.compile_backend:
+            raise ConfigError("compute.compile_backend", "needs a torch.compile backend name")
         if self.optimizer_impl not in OPTIMIZER_IMPLS:
             raise ConfigError(
                 "compute.optimizer_impl", f"one of {OPTIMIZER_IMPLS}, got {self.optimizer_impl!r}"
@@ -360,6 +386,8 @@ def _plain(obj: Any) -> dict:
                 )
             continue
         value = getattr(obj, f.name)
+        if isinstance(value, ProfileConfig):
+            value = _plain(value)
         out[f.name] = list(value) if isinstance(value, tuple) else value
     return out
 
@@ -393,6 +421,13 @@ def _optim(d: dict) -> OptimizerConfig:
     return OptimizerConfig(**d)
 
 
+def _compute(d: dict) -> ComputeConfig:
+    d = dict(d)
+    if d.get("profile") is not None:
+        d["profile"] = ProfileConfig(**d["profile"])
+    return ComputeConfig(**d)
+
+
 def config_from_dict(d: dict) -> TrainConfig:
     try:
         mode_d = dict(d["mode"])
@@ -412,7 +447,7 @@ def config_from_dict(d: dict) -> TrainConfig:
             mode=mode,
             inner=_optim(d["inner"]),
             lr_schedule=LrSchedule(**d["lr_schedule"]),
-            compute=ComputeConfig(**d.get("compute", {})),
+            compute=_compute(d.get("compute", {})),
             **rest,
         )
     except (KeyError, TypeError) as exc:
@@ -456,6 +491,8 @@ _COMPUTE_KEYS = {
     "precision",
     "micro_batches",
     "compile",
+    "compile_backend",
+    "profile",
     "activation_checkpointing",
     "optimizer_impl",
 }
@@ -550,6 +587,29 @@ def byte_llama(
         intermediate_size=inter,
         num_hidden_layers=layers,
         num_attention_heads=heads,
+        max_position_embeddings=seq_len,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+    )
+
+
+def llama_350m(seq_len: int = 1024) -> ModelConfig:
+    """The 368 M-parameter Llama of the H100 overhead figures (docs/benchmarks.md): hidden 1024,
+    24 layers, 16 heads (no GQA), SwiGLU 2736, vocabulary 32000, untied head."""
+    return byte_llama(1024, 24, 16, seq_len=seq_len, vocab_size=32000)
+
+
+def llama_1b(seq_len: int = 2048) -> ModelConfig:
+    """A 1.1 B-parameter Llama in TinyLlama's shape: hidden 2048, 22 layers, 32 query heads
+    over 4 KV heads (GQA), SwiGLU 5632, vocabulary 32000, untied head (1,100,048,384 weights)."""
+    return ModelConfig(
+        model_type="llama",
+        vocab_size=32000,
+        hidden_size=2048,
+        intermediate_size=5632,
+        num_hidden_layers=22,
+        num_attention_heads=32,
+        num_key_value_heads=4,
         max_position_embeddings=seq_len,
         rms_norm_eps=1e-5,
         tie_word_embeddings=False,

@@ -73,18 +73,26 @@ def grad_scaler(device: torch.device, precision: str) -> torch.amp.GradScaler | 
 def optimizer_kernels(name: str, device: torch.device, impl: str) -> dict[str, bool]:
     """Keyword arguments selecting torch's optimizer implementation.
 
-    ``auto``: fused on CUDA (one kernel for all parameters), torch's own default on the CPU
-    (where it is the per-parameter loop; the plain-loop baseline of the overhead bench uses the
-    same), ``fused`` / ``foreach`` / ``loop`` force one."""
+    ``auto``: fused on CUDA (one kernel for all parameters), foreach on the CPU (one
+    ``torch._foreach_*`` call per operation over all parameters instead of a Python loop per
+    tensor; every arm of the overhead bench uses the same); ``fused`` / ``foreach`` / ``loop``
+    force one."""
     if name not in ("adamw", "adam", "sgd"):
         return {}
     if impl == "auto":
-        return {"fused": True} if device.type == "cuda" else {}
+        return {"fused": True} if device.type == "cuda" else {"foreach": True}
     if impl == "fused":
         return {"fused": True}
     if impl == "foreach":
         return {"foreach": True}
     return {"foreach": False}
+
+
+def compiles(compile: bool | None, device: torch.device) -> bool:
+    """Whether the inner step runs compiled: ``None`` (the default) means on CUDA,
+    where it fuses the elementwise work between the matrix products, and off on the CPU, where
+    compiling costs more than a short run gains."""
+    return device.type == "cuda" if compile is None else compile
 
 
 def enable_checkpointing(model: nn.Module) -> None:
@@ -120,13 +128,6 @@ def _checkpointed(forward):  # type: ignore[no-untyped-def]
         return checkpoint(forward, *args, use_reentrant=False, **kwargs)
 
     return run
-
-
-def to_device(batch: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A host batch onto the device; asynchronous from pinned memory on CUDA."""
-    if device.type != "cuda":
-        return batch if batch.device == device else batch.to(device)
-    return batch.pin_memory().to(device, non_blocking=True)
 
 
 def model_device(model: nn.Module) -> torch.device:

@@ -21,10 +21,12 @@ side reads one batch of finiteness flags in ``merge`` (see there).
 from __future__ import annotations
 
 import logging
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
+from torch.profiler import record_function
 
+from diloco.profiling import ENCODE, MERGE, OUTER_STEP
 from lowband.comm import Codec
 
 logger = logging.getLogger(__name__)
@@ -60,16 +62,23 @@ class FragmentSync:
         self.outer_opt = outer_opt
         self.codec = codec
         self.error_feedback = error_feedback and codec is not None
-        self.numel = sum(p.numel() for p in self.local)
+        self.sizes = [p.numel() for p in self.local]
+        self.numel = sum(self.sizes)
         self.residual: torch.Tensor | None = None  # e_m, flat float32, created lazily
 
     # ---- the sending side ----------------------------------------------------------------------
     @torch.no_grad()
     def pseudo_gradient(self) -> torch.Tensor:
-        """Δ = θ_g − θ_local, flattened to float32 (numel,)."""
-        return torch.cat(
-            [(g.float() - m.float()).reshape(-1) for g, m in zip(self.global_, self.local)]
-        )
+        """Δ = θ_g − θ_local, flattened to float32 (numel,): written straight into the flat
+        buffer by two ``_foreach_*`` calls over the fragment's tensors (no per-tensor
+        temporaries and no concatenation; the same rounding as ``g.float() − m.float()``)."""
+        if not self.local:
+            return torch.zeros(0)
+        out = torch.empty(self.numel, dtype=torch.float32, device=self.local[0].device)
+        views = [v.view(g.shape) for v, g in zip(out.split(self.sizes), self.global_)]
+        torch._foreach_copy_(views, [g.float() for g in self.global_])
+        torch._foreach_sub_(views, [m.float() for m in self.local])
+        return out
 
     def contribution(self) -> tuple[torch.Tensor, bool]:
         """:meth:`device_contribution` with the flag read on the host (a sync on a GPU; for
@@ -81,39 +90,62 @@ class FragmentSync:
         return x, valid
 
     @torch.no_grad()
-    def device_contribution(self) -> tuple[torch.Tensor, torch.Tensor]:
+    def device_contribution(self, stream: Any = None) -> tuple[torch.Tensor, torch.Tensor]:
         """What this worker puts on the wire for this sync, and its validity flag.
 
         Both stay on the parameters' device and nothing here waits for it (this runs between
         two inner steps): x is (numel,) float32, the flag a (1,) float32 tensor, 1.0 if Δ is
         finite. An invalid Δ is sent as zeros and leaves e_m as it was; the host learns of it
-        when the staged flag reaches the transport (the trainer logs it at APPLY)."""
-        delta = self.pseudo_gradient()
-        finite = torch.isfinite(delta).all()  # 0-dim bool on the device, never read here
-        flag = finite.to(torch.float32).reshape(1)
-        codec = self.codec
-        if not self.error_feedback or codec is None:
-            return delta.masked_fill_(~finite, 0.0), flag
+        when the staged flag reaches the transport (the trainer logs it at APPLY).
+
+        ``stream`` (a ``torch.cuda.Stream``, the staging's side stream): Δ is still taken on
+        the current stream, since the next inner step overwrites θ_m there, but the error
+        feedback (x = Δ + e_m, the codec's encode and decode, e_m's update: the costly part)
+        is queued on ``stream``, where it overlaps the next inner steps; stage x and the flag
+        on the same stream. Only this method touches e_m between a SEND and its APPLY, and the
+        APPLY waits on the host for the staged copies that follow it on ``stream``, so a
+        checkpoint or a state transfer (after an APPLY) reads a complete e_m."""
+        with record_function(ENCODE):
+            delta = self.pseudo_gradient()
+            finite = torch.isfinite(delta).all()  # 0-dim bool on the device, never read here
+            flag = finite.to(torch.float32).reshape(1)
+            if not self.error_feedback or self.codec is None:
+                return delta.masked_fill_(~finite, 0.0), flag
+            if stream is None:
+                return self._feedback(self.codec, delta, finite), flag
+            stream.wait_stream(torch.cuda.current_stream(delta.device))
+            for t in (delta, finite, self.residual):  # made on this stream, read on the side one
+                if t is not None:
+                    t.record_stream(stream)
+            with torch.cuda.stream(stream):
+                return self._feedback(self.codec, delta, finite), flag
+
+    def _feedback(self, codec: Codec, delta: torch.Tensor, finite: torch.Tensor) -> torch.Tensor:
+        """x = Δ + e_m and e_m ← x − Q(x), on the device: the codec is pure torch
+        (lowband.codecs). Zeros for a non-finite Δ, whose e_m stays as it was."""
         x = delta if self.residual is None else delta + self.residual
-        # e_m ← x − Q(x), on the device: the codec is pure torch (lowband.codecs).
         residual = x - codec.decode(codec.encode(x)).reshape(-1)
         if self.residual is None:
             self.residual = residual.masked_fill_(~finite, 0.0)
         else:
             self.residual = torch.where(finite, residual, self.residual)
-        return x.masked_fill_(~finite, 0.0), flag
+        return x.masked_fill_(~finite, 0.0)
 
     # ---- the receiving side --------------------------------------------------------------------
     @torch.no_grad()
     def outer_step(self, avg_delta: torch.Tensor) -> None:
-        """θ_g ← OuterOpt(θ_g, Δ̄): the averaged pseudo-gradient is the outer gradient."""
-        offset = 0
-        for g in self.global_:
-            n = g.numel()
-            g.grad = avg_delta[offset : offset + n].view_as(g).to(g.dtype)
-            offset += n
-        self.outer_opt.step()
-        self.outer_opt.zero_grad(set_to_none=True)
+        """θ_g ← OuterOpt(θ_g, Δ̄): the averaged pseudo-gradient is the outer gradient.
+
+        The gradients are views into ``avg_delta`` (no copy for float32 parameters); the
+        optimizer's kernels are ``diloco.device.optimizer_kernels``' (foreach on the CPU, fused
+        on CUDA: Nesterov SGD is a handful of ``_foreach_*`` calls over the whole fragment).
+        ``avg_delta`` is consumed: torch's foreach Nesterov step may overwrite it."""
+        with record_function(OUTER_STEP):
+            parts = avg_delta.split(self.sizes)
+            for g, part in zip(self.global_, parts):
+                g.grad = part.view_as(g).to(g.dtype)
+            self.outer_opt.step()
+            self.outer_opt.zero_grad(set_to_none=True)
 
     @torch.no_grad()
     def merge(self, alpha: float) -> list[torch.nn.Parameter]:
@@ -121,17 +153,19 @@ class FragmentSync:
         those are returned so the caller can drop their (equally poisoned) inner optimizer
         state. Knowing which ones is the one host read of an APPLY: one flag per tensor, read
         together (not one synchronising ``bool()`` per tensor)."""
-        local = self.local
-        if not local:
+        if not self.local:
             return []
-        finite = torch.stack([torch.isfinite(m).all() for m in local]).tolist()
-        reset = []
-        for g, m, ok in zip(self.global_, local, finite):
-            if not ok:
-                m.copy_(g)
-                reset.append(m)
-            elif alpha == 0.0:
-                m.copy_(g)
-            else:
-                m.mul_(alpha).add_(g, alpha=1.0 - alpha)
+        local: list[torch.Tensor] = list(self.local)
+        glob: list[torch.Tensor] = list(self.global_)
+        with record_function(MERGE):
+            finite = torch.stack([torch.isfinite(m).all() for m in local]).tolist()
+            if alpha == 0.0:
+                torch._foreach_copy_(local, glob)
+            else:  # the same two roundings as m.mul_(α).add_(g, alpha=1 − α), per tensor
+                torch._foreach_mul_(local, alpha)
+                torch._foreach_add_(local, glob, alpha=1.0 - alpha)
+            reset = [m for m, ok in zip(self.local, finite) if not ok]
+            for g, m, ok in zip(glob, local, finite):
+                if not ok:  # α·NaN stays NaN: restart that tensor from θ_g
+                    m.copy_(g)
         return reset

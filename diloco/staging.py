@@ -4,9 +4,9 @@ The transport (``lowband.comm.Communicator``) reads and writes host tensors from
 threads. On CUDA a fragment sync therefore crosses PCIe twice, and neither crossing may stall
 the inner steps (Streaming DiLoCo, arXiv 2501.18512, §2.3: the sync overlaps τ inner steps):
 
-SEND  (step t)      main stream:  … inner step t │ Δ, EF encode/decode │ inner step t+1 │ …
-                    side stream:                  └ wait ─ D2H into pinned buf ─ event E
-                    sender thread:                         E.synchronize() → all_reduce_async
+SEND  (step t)      main stream:  … inner step t │ Δ │ inner step t+1 │ …
+                    side stream:          └ wait ─ EF encode/decode ─ D2H to pinned buf ─ event E
+                    sender thread:                                   E.synchronize() → all_reduce
 APPLY (step t+τ)    host:   Work.wait()  (the schedule needs Δ̄ here: the one blocking point)
                     side stream:  H2D from pinned buf ─ event F
                     main stream:  wait F │ outer step │ merge │ inner step t+τ+1 …
@@ -84,6 +84,12 @@ class HostStaging:
         self._last_in: dict[Hashable, Any] = {}  # key -> event of its last H2D copy
         self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self._sender: ThreadPoolExecutor | None = None
+
+    @property
+    def stream(self) -> Any:
+        """The side stream (``None`` on the CPU). The SEND's error feedback is queued on it
+        before the copies (``diloco.outer.FragmentSync.device_contribution``)."""
+        return self._stream
 
     # ---- device → host ---------------------------------------------------------------------------
     def stage_out(self, key: Hashable, *tensors: torch.Tensor) -> Outbound:

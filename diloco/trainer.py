@@ -176,8 +176,10 @@ class DilocoWorker:
                 if self.inflight is not None:
                     self._timed(lambda a=action: self._do(a))
         finally:
-            # Stop the sender thread (CUDA) on every way out, not only after the final drain.
+            # Stop the sender and batch threads (CUDA) on every way out, not only after the
+            # final drain, and write a profile still being recorded.
             self.staging.close()
+            self.inner.close()
         self.result.wall_s = time.perf_counter() - t0
         return self._finish()
 
@@ -194,11 +196,12 @@ class DilocoWorker:
 
     # ---- SEND / APPLY --------------------------------------------------------------------------
     def _send(self, action: Action) -> None:
-        # No host sync here (it runs between two inner steps): Δ, its validity flag and the
-        # error-feedback residual are computed on the device, copied to pinned host buffers on
-        # a side stream, and handed to the transport by the staging's sender thread once the
-        # copies' event completes (CPU: the same calls, inline and without copies).
-        x, flag = self.fragments[action.fragment].device_contribution()
+        # No host sync here (it runs between two inner steps): Δ and its validity flag are
+        # computed on the device, the error-feedback residual on the staging's side stream,
+        # copied to pinned host buffers on that stream, and handed to the transport by the
+        # staging's sender thread once the copies' event completes (CPU: the same calls,
+        # inline and without copies).
+        x, flag = self.fragments[action.fragment].device_contribution(self.staging.stream)
         out = self.staging.stage_out(action.fragment, x, flag)
         sync = _Sync(action.fragment, action.round, *out.host)
         tag = f"frag/{action.fragment}/{action.round}"

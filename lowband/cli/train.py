@@ -118,7 +118,17 @@ def _add_run_options(p: argparse.ArgumentParser) -> None:
         "--compile",
         action=argparse.BooleanOptionalAction,
         default=None,
-        help="torch.compile the model",
+        help="torch.compile the model's forward (default: on with CUDA, off on the CPU)",
+    )
+    c.add_argument(
+        "--profile",
+        type=Path,
+        metavar="DIR",
+        help="write a torch.profiler (Kineto) trace of --profile-steps inner steps, with the "
+        "fragment syncs among them, to DIR/trace-slot*-step*.json",
+    )
+    c.add_argument(
+        "--profile-steps", type=int, default=12, help="inner steps the trace records (>= H/P)"
     )
     c.add_argument(
         "--activation-checkpointing",
@@ -141,7 +151,7 @@ def _add_run_options(p: argparse.ArgumentParser) -> None:
 def _train_config(args: argparse.Namespace, base=None, **extra: object):
     """``--config`` or ``--preset`` (or ``base`` when the caller has its own default and neither
     was given) with the flat overrides applied; validated like any TrainConfig."""
-    from diloco.config import config_from_dict, preset, with_overrides
+    from diloco.config import ProfileConfig, config_from_dict, preset, with_overrides
     from lowband.errors import ConfigError
 
     if args.config:
@@ -165,6 +175,11 @@ def _train_config(args: argparse.Namespace, base=None, **extra: object):
         precision=args.precision,
         micro_batches=args.micro_batches,
         compile=args.compile,
+        profile=(
+            None
+            if args.profile is None
+            else ProfileConfig(dir=str(args.profile), steps=args.profile_steps)
+        ),
         activation_checkpointing=args.activation_checkpointing,
         optimizer_impl=args.optimizer_impl,
         tokenizer=args.tokenizer,

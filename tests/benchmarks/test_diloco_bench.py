@@ -117,3 +117,54 @@ def test_overhead_bench_tiny_prints_its_json_line(capsys):
     assert out["tokens_per_s_plain"] > 0 and out["tokens_per_s_diloco"] > 0
     assert out["outer_syncs_per_run"] >= 2 and out["outer_step_ms"] > 0
     assert len(out["pairs_overhead"]) == out["repeats"]
+    # the peer arm (nanoGPT-style loop) ran in the same alternation
+    assert out["tokens_per_s_peer"] > 0 and len(out["peer"]) == 3
+    assert out["peer"]["min"] <= out["tokens_per_s_peer"] <= out["peer"]["max"]
+    assert out["overhead_vs_peer"] == pytest.approx(
+        1 - out["tokens_per_s_diloco"] / out["tokens_per_s_peer"]
+    )
+    assert out["warmup"] == 1 and out["compiled"] is False  # CPU default: eager
+    assert out["mfu_peer"] is None and out["peak_tflops"] is None  # no CPU peak given
+    assert isinstance(out["exposed_outer_ms"], float)
+
+
+def test_overhead_bench_mfu_with_a_peak(capsys):
+    from benchmarks.diloco_overhead import main
+
+    assert main(["--json", "--tiny", "--repeats", "1", "--peak-tflops", "0.5"]) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    for arm in ("peer", "plain", "diloco"):
+        mfu = out["tokens_per_s_" + arm] * out["flops_per_token"] / 0.5e12
+        assert out["mfu_" + arm] == pytest.approx(mfu)
+    assert out["mfu"] == out["mfu_diloco"]
+
+
+def test_overhead_presets_are_the_350m_and_1b_llamas():
+    """Built on the meta device (nothing allocated): TinyLlama's 1.1 B and the 368 M model of
+    the H100 figures; FLOPs per token as 6·N (embedding lookup left out) + attention."""
+    import torch
+
+    from benchmarks.diloco_overhead import flops_per_token, preset_1b, preset_350m
+    from diloco.config import llama_1b, llama_350m
+    from lowband.models.llama import LlamaForCausalLM
+
+    counts = {}
+    for bench, model in ((preset_350m(), llama_350m(1024)), (preset_1b(), llama_1b(2048))):
+        assert bench.model_config() == model
+        with torch.device("meta"):
+            m = LlamaForCausalLM(model)
+        assert all(p.device.type == "meta" for p in m.parameters())
+        counts[model.hidden_size] = sum(p.numel() for p in m.parameters())
+        cfg = bench.train_config()
+        assert cfg.data.seq_len == model.max_position_embeddings
+        n = counts[model.hidden_size]
+        assert flops_per_token(cfg, n) == 6 * (n - 32000 * model.hidden_size) + 12 * (
+            model.num_hidden_layers * cfg.data.seq_len * model.hidden_size
+        )
+    assert counts == {1024: 367_969_280, 2048: 1_100_048_384}
+    m1b = llama_1b()
+    assert (m1b.num_attention_heads, m1b.num_key_value_heads, m1b.intermediate_size) == (
+        32,
+        4,
+        5632,
+    )

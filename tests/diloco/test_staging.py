@@ -241,8 +241,8 @@ def test_the_audit_catches_a_host_read(monkeypatch):
     calls = _audit_host_reads(monkeypatch)
     orig = FragmentSync.device_contribution
 
-    def syncing(self):
-        x, flag = orig(self)
+    def syncing(self, stream=None):
+        x, flag = orig(self, stream)
         if flag:  # the old code's host-side validity check
             pass
         return x, flag
