@@ -38,8 +38,7 @@ inline float dot_f32(const float* a, const float* b, int64_t n) {
   int64_t i = 0;
   float s = 0.f;
 #if defined(LBQ_AVX2)
-  __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(),
-         a3 = _mm256_setzero_ps();
+  __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
   for (; i + 32 <= n; i += 32) {
     a0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), a0);
     a1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), a1);
@@ -126,8 +125,8 @@ Lin parse_lin(const py::handle& h) {
     TORCH_CHECK(l.G == 32 || l.G == 64 || l.G == 128, "group must be 32, 64 or 128");
     l.q = t[1].cast<torch::Tensor>();
     l.s = t[2].cast<torch::Tensor>();
-    TORCH_CHECK(l.q.is_contiguous() && l.q.dim() == 2 && l.s.is_contiguous() &&
-                    l.s.scalar_type() == at::kHalf && l.q.device().is_cpu(),
+    TORCH_CHECK(l.q.is_contiguous() && l.q.dim() == 2 && l.s.is_contiguous() && l.s.scalar_type() == at::kHalf &&
+                    l.q.device().is_cpu(),
                 "packed weights must be contiguous CPU tensors with float16 scales");
     l.N = l.q.size(0);
     l.K = l.kind == 8 ? l.q.size(1) : 2 * l.q.size(1);
@@ -201,7 +200,6 @@ inline void rmsnorm(const float* x, const float* w, float* y, int64_t n, float e
   for (int64_t i = 0; i < n; ++i) y[i] = w[i] * (x[i] * r);
 }
 
-
 // ---- the star link, natively (transport/starlink.py's wire format) -------------------------
 // When the reduce hook is a star link carrying float32 (no codec), the partial sums go straight
 // over the link's sockets from here: no GIL, no Python, no msgpack per message. Messages are
@@ -217,7 +215,7 @@ struct LinkError : std::runtime_error {
 };
 
 struct Link {
-  int role = 0;  // 0: none (Python callback), 1: hub (master), 2: spoke (worker)
+  int role = 0;          // 0: none (Python callback), 1: hub (master), 2: spoke (worker)
   std::vector<int> fds;  // hub: one per worker slot, in slot order; spoke: the master's
   uint32_t seq = 0;
   double timeout = -1.0, spin = 0.0;
@@ -258,8 +256,8 @@ void link_read(int fd, uint8_t* buf, size_t n, const Link& L, const char* who) {
       throw LinkError("PeerLost", std::string(who) + " closed the link");
     } else if (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR) {
       if (!link_wait(fd, POLLIN, t0, L))
-        throw LinkError("TransportTimeout", std::string("no message from ") + who + " within " +
-                                                std::to_string(L.timeout) + "s");
+        throw LinkError("TransportTimeout",
+                        std::string("no message from ") + who + " within " + std::to_string(L.timeout) + "s");
     } else {
       throw LinkError("PeerLost", std::string("link to ") + who + " broke: " + std::strerror(errno));
     }
@@ -311,8 +309,7 @@ uint8_t link_recv(Link& L, int fd, uint8_t want, int64_t H, float* frame_out, co
   std::memcpy(&h, raw, wire::HEADER_SIZE);
   const uint32_t seq = h.seq;
   const uint64_t n = h.length;
-  if (std::memcmp(h.magic, wire::MAGIC, sizeof h.magic) != 0 || h.version != wire::VERSION ||
-      n > wire::MAX_PAYLOAD)
+  if (std::memcmp(h.magic, wire::MAGIC, sizeof h.magic) != 0 || h.version != wire::VERSION || n > wire::MAX_PAYLOAD)
     throw LinkError("ProtocolError", std::string("bad link header from ") + who);
   L.in.resize(static_cast<size_t>(n));
   link_read(fd, L.in.data(), static_cast<size_t>(n), L, who);
@@ -320,9 +317,8 @@ uint8_t link_recv(Link& L, int fd, uint8_t want, int64_t H, float* frame_out, co
   if (kind == wire::KIND_ABORT) return kind;
   if (kind != want || seq != L.seq)
     throw LinkError("ProtocolError", std::string("link out of step with ") + who + ": got kind " +
-                                         std::to_string(kind) + " seq " + std::to_string(seq) +
-                                         ", expected kind " + std::to_string(want) + " seq " +
-                                         std::to_string(L.seq));
+                                         std::to_string(kind) + " seq " + std::to_string(seq) + ", expected kind " +
+                                         std::to_string(want) + " seq " + std::to_string(L.seq));
   const size_t tlen = L.table.size();
   uint32_t got_tlen = 0;
   if (n >= wire::TABLE_LEN_SIZE) std::memcpy(&got_tlen, L.in.data(), wire::TABLE_LEN_SIZE);
@@ -402,8 +398,8 @@ class Decoder {
     inv_freq_.assign(inv_freq.data_ptr<float>(), inv_freq.data_ptr<float>() + inv_freq.numel());
   }
 
-  void add_layer(torch::Tensor ln1, torch::Tensor ln2, py::list qkv, py::tuple o, py::list gate_up,
-                 py::tuple down, int64_t nq, int64_t nkv) {
+  void add_layer(torch::Tensor ln1, torch::Tensor ln2, py::list qkv, py::tuple o, py::list gate_up, py::tuple down,
+                 int64_t nq, int64_t nkv) {
     Layer L;
     check_f32(ln1, "input_layernorm");
     check_f32(ln2, "post_attention_layernorm");
@@ -455,11 +451,11 @@ class Decoder {
     check_f32(x_in, "x");
     TORCH_CHECK(x_in.numel() == H_, "x must hold hidden_size values (one token)");
     TORCH_CHECK(pos >= 0 && base >= 0 && base <= pos, "need 0 <= base <= position");
-    TORCH_CHECK(base == 0 || (window_ > 0 && pos - window_ + 1 >= base),
-                "the cache no longer holds the keys position ", pos, " attends to");
+    TORCH_CHECK(base == 0 || (window_ > 0 && pos - window_ + 1 >= base), "the cache no longer holds the keys position ",
+                pos, " attends to");
     for (size_t i = 0; i < layers_.size(); ++i)
-      TORCH_CHECK(k_[i].defined() && k_[i].size(2) > pos - base, "KV cache of layer ", i,
-                  " cannot hold position ", pos, " (call set_cache)");
+      TORCH_CHECK(k_[i].defined() && k_[i].size(2) > pos - base, "KV cache of layer ", i, " cannot hold position ", pos,
+                  " (call set_cache)");
     base_ = base;
     torch::Tensor x = x_in.clone();
     float* xp = x.data_ptr<float>();
@@ -502,8 +498,7 @@ class Decoder {
       // a copy: the transport may still be sending from the tensor it was given
       summed = reduce(part_.clone().view({1, 1, H_})).cast<torch::Tensor>();
       TORCH_CHECK(summed.numel() == H_, "the reduce hook must return hidden_size values");
-      if (summed.scalar_type() != at::kFloat || !summed.is_contiguous())
-        summed = summed.to(at::kFloat).contiguous();
+      if (summed.scalar_type() != at::kFloat || !summed.is_contiguous()) summed = summed.to(at::kFloat).contiguous();
       src = summed.data_ptr<float>();
     }
     for (int64_t i = 0; i < H_; ++i) xp[i] += src[i];

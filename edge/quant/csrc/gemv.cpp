@@ -9,8 +9,8 @@
 
 namespace {
 
-torch::Tensor gemv(const torch::Tensor& x, const torch::Tensor& qweight, const torch::Tensor& scales,
-                   int64_t bits, int64_t group, const c10::optional<torch::Tensor>& bias) {
+torch::Tensor gemv(const torch::Tensor& x, const torch::Tensor& qweight, const torch::Tensor& scales, int64_t bits,
+                   int64_t group, const c10::optional<torch::Tensor>& bias) {
   TORCH_CHECK(bits == 4 || bits == 8, "bits must be 4 or 8, got ", bits);
   TORCH_CHECK(group == 32 || group == 64 || group == 128, "group must be 32, 64 or 128, got ", group);
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous() && x.device().is_cpu(),
@@ -48,7 +48,10 @@ torch::Tensor gemv(const torch::Tensor& x, const torch::Tensor& qweight, const t
     lbq::prepare_act(bits == 4, static_cast<int>(group), xq.data(), M, K);
     const lbq::Act a{xq.data(), xd.data(), xs.data(), M, K, nb};
     const lbq::Wt w{reinterpret_cast<const uint8_t*>(qweight.data_ptr()),
-                    reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>()), N, K, nb,
+                    reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>()),
+                    N,
+                    K,
+                    nb,
                     bits == 8 ? K : K / 2};
     float* yp = y.data_ptr<float>();
     const bool q4 = bits == 4;
@@ -73,8 +76,9 @@ torch::Tensor ggml_gemv(const torch::Tensor& x, const torch::Tensor& blocks, int
   TORCH_CHECK(lbq::ggml::block_shape(static_cast<int>(type), &qk, &size), "unsupported ggml type id ", type);
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous() && x.device().is_cpu(),
               "x must be a contiguous 2-D float32 CPU tensor");
-  TORCH_CHECK(blocks.dim() == 2 && blocks.is_contiguous() && blocks.scalar_type() == at::kByte && blocks.device().is_cpu(),
-              "blocks must be a contiguous 2-D uint8 CPU tensor");
+  TORCH_CHECK(
+      blocks.dim() == 2 && blocks.is_contiguous() && blocks.scalar_type() == at::kByte && blocks.device().is_cpu(),
+      "blocks must be a contiguous 2-D uint8 CPU tensor");
   const int64_t M = x.size(0), K = x.size(1), N = blocks.size(0);
   TORCH_CHECK(K % qk == 0, "K=", K, " is not a multiple of the block size ", qk);
   const int64_t row_bytes = K / qk * size;
@@ -91,17 +95,15 @@ torch::Tensor ggml_gemv(const torch::Tensor& x, const torch::Tensor& blocks, int
     std::vector<float> xd(static_cast<size_t>(M * (K / 32))), xs16(static_cast<size_t>(M * (K / 16)));
     std::vector<int32_t> xsum(static_cast<size_t>(M * (K / 32)));
     for (int64_t m = 0; m < M; ++m)
-      lbq::quantize_act_row(xp + m * K, K, 32, xq.data() + m * K, xd.data() + m * (K / 32),
-                            xsum.data() + m * (K / 32));
+      lbq::quantize_act_row(xp + m * K, K, 32, xq.data() + m * K, xd.data() + m * (K / 32), xsum.data() + m * (K / 32));
     lbq::ggml::sums16(xp, M, K, xs16.data());
     const lbq::ggml::GAct a{xq.data(), xd.data(), xs16.data(), M, K};
     const uint8_t* wp = blocks.data_ptr<uint8_t>();
     float* yp = y.data_ptr<float>();
     const int t = static_cast<int>(type);
     const int64_t grain = std::max<int64_t>(8, (int64_t{1} << 16) / K);
-    at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
-      lbq::ggml::gemv_rows(t, wp, row_bytes, a, N, n0, n1, yp);
-    });
+    at::parallel_for(0, N, grain,
+                     [&](int64_t n0, int64_t n1) { lbq::ggml::gemv_rows(t, wp, row_bytes, a, N, n0, n1, yp); });
   }
   if (bias.has_value() && M > 0) y += bias->unsqueeze(0);
   return y;
@@ -111,8 +113,9 @@ torch::Tensor ggml_gemv(const torch::Tensor& x, const torch::Tensor& blocks, int
 torch::Tensor ggml_dequantize(const torch::Tensor& blocks, int64_t type, int64_t K) {
   int qk = 0, size = 0;
   TORCH_CHECK(lbq::ggml::block_shape(static_cast<int>(type), &qk, &size), "unsupported ggml type id ", type);
-  TORCH_CHECK(blocks.dim() == 2 && blocks.is_contiguous() && blocks.scalar_type() == at::kByte && blocks.device().is_cpu(),
-              "blocks must be a contiguous 2-D uint8 CPU tensor");
+  TORCH_CHECK(
+      blocks.dim() == 2 && blocks.is_contiguous() && blocks.scalar_type() == at::kByte && blocks.device().is_cpu(),
+      "blocks must be a contiguous 2-D uint8 CPU tensor");
   TORCH_CHECK(K >= 0 && K % qk == 0, "K=", K, " is not a multiple of the block size ", qk);
   const int64_t N = blocks.size(0), nb = K / qk;
   TORCH_CHECK(blocks.size(1) == nb * size, "blocks must be [N, ", nb * size, "] for K=", K);
@@ -132,18 +135,19 @@ torch::Tensor ggml_dequantize(const torch::Tensor& blocks, int64_t type, int64_t
   return w;
 }
 
-std::string isa() { return lbq::isa_name(); }
+std::string isa() {
+  return lbq::isa_name();
+}
 
 }  // namespace
 
 void init_decode(pybind11::module_& m);  // decode.cpp
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("gemv", &gemv, "y[M,N] = x[M,K] @ dequant(W)^T (+ bias) for Q8/Q4 packed weights",
-        py::arg("x"), py::arg("qweight"), py::arg("scales"), py::arg("bits"), py::arg("group"),
-        py::arg("bias") = py::none());
-  m.def("ggml_gemv", &ggml_gemv, "y[M,N] = x[M,K] @ dequant(W)^T (+ bias) for ggml blocks (Q4_1..Q6_K)",
-        py::arg("x"), py::arg("blocks"), py::arg("type"), py::arg("bias") = py::none());
+  m.def("gemv", &gemv, "y[M,N] = x[M,K] @ dequant(W)^T (+ bias) for Q8/Q4 packed weights", py::arg("x"),
+        py::arg("qweight"), py::arg("scales"), py::arg("bits"), py::arg("group"), py::arg("bias") = py::none());
+  m.def("ggml_gemv", &ggml_gemv, "y[M,N] = x[M,K] @ dequant(W)^T (+ bias) for ggml blocks (Q4_1..Q6_K)", py::arg("x"),
+        py::arg("blocks"), py::arg("type"), py::arg("bias") = py::none());
   m.def("ggml_dequantize", &ggml_dequantize, "W[N,K] fp32 from ggml blocks", py::arg("blocks"), py::arg("type"),
         py::arg("K"));
   m.def("isa", &isa, "SIMD path compiled in");

@@ -85,24 +85,23 @@ inline float fp16_to_fp32(uint16_t h) {
 
 // Quantized activations: M rows of K int8, per-row nb = K/G block scales and block sums.
 struct Act {
-  const int8_t* q;    // [M, K]
-  const float* d;     // [M, nb]
-  const int32_t* s;   // [M, nb]  sum of the int8 values of each block (Q4 zero-point fix)
+  const int8_t* q;   // [M, K]
+  const float* d;    // [M, nb]
+  const int32_t* s;  // [M, nb]  sum of the int8 values of each block (Q4 zero-point fix)
   int64_t M, K, nb;
 };
 
 // Packed weights.
 struct Wt {
-  const uint8_t* q;    // Q8: int8 [N, K] (as bytes); Q4: uint8 [N, K/2]
-  const uint16_t* s;   // fp16 bits [N, nb]
+  const uint8_t* q;   // Q8: int8 [N, K] (as bytes); Q4: uint8 [N, K/2]
+  const uint16_t* s;  // fp16 bits [N, nb]
   int64_t N, K, nb, row_bytes;
 };
 
 // ---------------------------------------------------------------------------------------
 // Activation quantization (one row, block size G, G a multiple of 32).
 // ---------------------------------------------------------------------------------------
-inline void quantize_act_row_scalar(const float* x, int64_t K, int G, int8_t* q, float* d,
-                                    int32_t* s) {
+inline void quantize_act_row_scalar(const float* x, int64_t K, int G, int8_t* q, float* d, int32_t* s) {
   const int64_t nb = K / G;
   for (int64_t b = 0; b < nb; ++b) {
     const float* xb = x + b * G;
@@ -143,8 +142,7 @@ inline void quantize_act_row(const float* x, int64_t K, int G, int8_t* q, float*
   for (int64_t b = 0; b < nb; ++b) {
     const float* xb = x + b * G;
     __m256 mx = _mm256_setzero_ps();
-    for (int j = 0; j < G; j += 8)
-      mx = _mm256_max_ps(mx, _mm256_andnot_ps(signbit, _mm256_loadu_ps(xb + j)));
+    for (int j = 0; j < G; j += 8) mx = _mm256_max_ps(mx, _mm256_andnot_ps(signbit, _mm256_loadu_ps(xb + j)));
     __m128 m4 = _mm_max_ps(_mm256_extractf128_ps(mx, 1), _mm256_castps256_ps128(mx));
     m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
     m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
@@ -206,8 +204,7 @@ inline void q4_group(const uint8_t* wb, const int8_t* const* xr, int64_t off, __
     const __m128i t = _mm_loadu_si128(reinterpret_cast<const __m128i*>(wb));
     const __m256i wv = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(t, 4), t), m4);
     for (int j = 0; j < MR; ++j)
-      out[j] = dot_u8s8(_mm256_setzero_si256(), wv,
-                        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr[j] + off)));
+      out[j] = dot_u8s8(_mm256_setzero_si256(), wv, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr[j] + off)));
   } else {
 #if defined(LBQ_VNNI)
     for (int j = 0; j < MR; ++j) out[j] = _mm256_setzero_si256();
@@ -226,8 +223,7 @@ inline void q4_group(const uint8_t* wb, const int8_t* const* xr, int64_t off, __
 #if defined(LBQ_VNNI)
         out[j] = LBQ_DPBUSD(LBQ_DPBUSD(out[j], lo, xl), hi, xh);
 #else
-        s16[j] = _mm256_add_epi16(s16[j], _mm256_add_epi16(_mm256_maddubs_epi16(lo, xl),
-                                                           _mm256_maddubs_epi16(hi, xh)));
+        s16[j] = _mm256_add_epi16(s16[j], _mm256_add_epi16(_mm256_maddubs_epi16(lo, xl), _mm256_maddubs_epi16(hi, xh)));
 #endif
       }
     }
@@ -251,9 +247,8 @@ inline void q4_pair32(const uint8_t* wb, const int8_t* const* xr, int64_t off, _
 #if defined(LBQ_VNNI)
     out[j] = LBQ_DPBUSD(LBQ_DPBUSD(_mm256_setzero_si256(), lo, xa), hi, xb);
 #else
-    out[j] = _mm256_madd_epi16(
-        _mm256_add_epi16(_mm256_maddubs_epi16(lo, xa), _mm256_maddubs_epi16(hi, xb)),
-        _mm256_set1_epi16(1));
+    out[j] = _mm256_madd_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(lo, xa), _mm256_maddubs_epi16(hi, xb)),
+                               _mm256_set1_epi16(1));
 #endif
   }
 }
@@ -304,8 +299,7 @@ inline void row_tile(const Wt& w, const Act& a, int64_t n, int64_t m0, float* Y,
       q4_pair32<MR>(wr + b * 16 + 96, xr, b * 32 + 192, p1);
       const __m256i perm = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
       for (int j = 0; j < MR; ++j)  // hadd order is [g0 g2 g4 g6 | g1 g3 g5 g7]
-        r[j] = _mm256_permutevar8x32_epi32(
-            _mm256_hadd_epi32(h0[j], _mm256_hadd_epi32(p0[j], p1[j])), perm);
+        r[j] = _mm256_permutevar8x32_epi32(_mm256_hadd_epi32(h0[j], _mm256_hadd_epi32(p0[j], p1[j])), perm);
     } else {
       __m256i quad[2][MR];
       for (int h = 0; h < 2; ++h) {
@@ -336,8 +330,8 @@ inline void row_tile(const Wt& w, const Act& a, int64_t n, int64_t m0, float* Y,
     const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sr + b)));
     for (int j = 0; j < MR; ++j) {
       if constexpr (Q4)  // dot(q - 8, x) = dot(q, x) - 8*sum(x)
-        r[j] = _mm256_sub_epi32(
-            r[j], _mm256_slli_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs[j] + b)), 3));
+        r[j] = _mm256_sub_epi32(r[j],
+                                _mm256_slli_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs[j] + b)), 3));
       acc[j] = _mm256_fmadd_ps(_mm256_mul_ps(dw, _mm256_loadu_ps(dr[j] + b)), _mm256_cvtepi32_ps(r[j]), acc[j]);
     }
   }
@@ -420,8 +414,7 @@ inline void row_tile(const Wt& w, const Act& a, int64_t n, int64_t m0, float* Y,
 #if defined(LBQ_NEON)
         int32x4_t v = vdupq_n_s32(0);
         for (int c = 0; c < G; c += 32)
-          v = dot_s8x32(v, vld1q_s8(wb + c), vld1q_s8(xb + c), vld1q_s8(wb + c + 16),
-                        vld1q_s8(xb + c + 16));
+          v = dot_s8x32(v, vld1q_s8(wb + c), vld1q_s8(xb + c), vld1q_s8(wb + c + 16), vld1q_s8(xb + c + 16));
         isum = vaddvq_s32(v);
 #else
         isum = 0;
@@ -446,10 +439,17 @@ inline void gemv_rows_g(const Wt& w, const Act& a, int64_t n0, int64_t n1, float
     int64_t m0 = 0;
     for (; m0 + 4 <= a.M; m0 += 4) row_tile<Q4, 4, G>(w, a, n, m0, Y, ldy);
     switch (a.M - m0) {
-      case 3: row_tile<Q4, 3, G>(w, a, n, m0, Y, ldy); break;
-      case 2: row_tile<Q4, 2, G>(w, a, n, m0, Y, ldy); break;
-      case 1: row_tile<Q4, 1, G>(w, a, n, m0, Y, ldy); break;
-      default: break;
+      case 3:
+        row_tile<Q4, 3, G>(w, a, n, m0, Y, ldy);
+        break;
+      case 2:
+        row_tile<Q4, 2, G>(w, a, n, m0, Y, ldy);
+        break;
+      case 1:
+        row_tile<Q4, 1, G>(w, a, n, m0, Y, ldy);
+        break;
+      default:
+        break;
     }
   }
 }
@@ -457,10 +457,17 @@ inline void gemv_rows_g(const Wt& w, const Act& a, int64_t n0, int64_t n1, float
 // Returns false for an unsupported group size.
 inline bool gemv_rows(bool q4, int G, const Wt& w, const Act& a, int64_t n0, int64_t n1, float* Y) {
   switch (G) {
-    case 32: q4 ? gemv_rows_g<true, 32>(w, a, n0, n1, Y) : gemv_rows_g<false, 32>(w, a, n0, n1, Y); return true;
-    case 64: q4 ? gemv_rows_g<true, 64>(w, a, n0, n1, Y) : gemv_rows_g<false, 64>(w, a, n0, n1, Y); return true;
-    case 128: q4 ? gemv_rows_g<true, 128>(w, a, n0, n1, Y) : gemv_rows_g<false, 128>(w, a, n0, n1, Y); return true;
-    default: return false;
+    case 32:
+      q4 ? gemv_rows_g<true, 32>(w, a, n0, n1, Y) : gemv_rows_g<false, 32>(w, a, n0, n1, Y);
+      return true;
+    case 64:
+      q4 ? gemv_rows_g<true, 64>(w, a, n0, n1, Y) : gemv_rows_g<false, 64>(w, a, n0, n1, Y);
+      return true;
+    case 128:
+      q4 ? gemv_rows_g<true, 128>(w, a, n0, n1, Y) : gemv_rows_g<false, 128>(w, a, n0, n1, Y);
+      return true;
+    default:
+      return false;
   }
 }
 

@@ -50,20 +50,20 @@ inline void decode32(const uint8_t* blk, int8_t* q, float* a, float* b) {
   b[0] = b[1] = m;
 #if defined(LBQ_AVX2)
   if (!PORTABLE) {
-  // One 32-byte store (a byte loop here stalls the vector loads that follow on store forwarding).
-  const __m128i t = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  const __m128i m4 = _mm_set1_epi8(0x0F);
-  __m256i v = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(t, 4), m4), _mm_and_si128(t, m4));
-  if (FIVE) {  // byte i = 0xFF where bit i of qh is set (llama.cpp's bytes_from_bits_32)
-    const __m256i shuf = _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202, 0x0101010101010101, 0);
-    __m256i bits = _mm256_shuffle_epi8(_mm256_set1_epi32(static_cast<int>(qh)), shuf);
-    bits = _mm256_or_si256(bits, _mm256_set1_epi64x(0x7fbfdfeff7fbfdfe));
-    bits = _mm256_cmpeq_epi8(bits, _mm256_set1_epi64x(-1));
-    v = _mm256_or_si256(v, _mm256_and_si256(bits, _mm256_set1_epi8(0x10)));
-    if (!MIN) v = _mm256_sub_epi8(v, _mm256_set1_epi8(16));
-  }
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), v);
-  return;
+    // One 32-byte store (a byte loop here stalls the vector loads that follow on store forwarding).
+    const __m128i t = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    const __m128i m4 = _mm_set1_epi8(0x0F);
+    __m256i v = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(t, 4), m4), _mm_and_si128(t, m4));
+    if (FIVE) {  // byte i = 0xFF where bit i of qh is set (llama.cpp's bytes_from_bits_32)
+      const __m256i shuf = _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202, 0x0101010101010101, 0);
+      __m256i bits = _mm256_shuffle_epi8(_mm256_set1_epi32(static_cast<int>(qh)), shuf);
+      bits = _mm256_or_si256(bits, _mm256_set1_epi64x(0x7fbfdfeff7fbfdfe));
+      bits = _mm256_cmpeq_epi8(bits, _mm256_set1_epi64x(-1));
+      v = _mm256_or_si256(v, _mm256_and_si256(bits, _mm256_set1_epi8(0x10)));
+      if (!MIN) v = _mm256_sub_epi8(v, _mm256_set1_epi8(16));
+    }
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), v);
+    return;
   }
 #endif
   for (int j = 0; j < 16; ++j) {
@@ -171,9 +171,15 @@ inline void decode_q6k(const uint8_t* blk, int8_t* q, float* a, float* b) {
 #if defined(LBQ_AVX2)
 // AVX2 decoders (same output as the portable ones above; selftest.cpp checks byte for byte):
 // whole 32-byte stores, so the vector loads of the dot that follows forward from them.
-inline __m256i ld32(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
-inline void st32(int8_t* q, __m256i v) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), v); }
-inline __m256i srl16(__m256i v, int n) { return _mm256_srl_epi16(v, _mm_cvtsi32_si128(n)); }
+inline __m256i ld32(const uint8_t* p) {
+  return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+}
+inline void st32(int8_t* q, __m256i v) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), v);
+}
+inline __m256i srl16(__m256i v, int n) {
+  return _mm256_srl_epi16(v, _mm_cvtsi32_si128(n));
+}
 // 0xFF in each byte of v whose bit i is set.
 inline __m256i bit_set(__m256i v, int i) {
   const __m256i m = _mm256_set1_epi8(static_cast<char>(1 << i));
@@ -289,51 +295,102 @@ inline void decode_q6k_avx2(const uint8_t* blk, int8_t* q, float* a, float* b) {
 
 template <int T>
 struct Traits;
-template <> struct Traits<Q4_1> { static constexpr int QK = 32, SIZE = 20; static constexpr bool MIN = true;
+template <>
+struct Traits<Q4_1> {
+  static constexpr int QK = 32, SIZE = 20;
+  static constexpr bool MIN = true;
   static void decode(const uint8_t* p, int8_t* q, float* a, float* b) { decode32<false, true>(p, q, a, b); }
-  static void portable(const uint8_t* p, int8_t* q, float* a, float* b) { decode32<false, true, true>(p, q, a, b); } };
-template <> struct Traits<Q5_0> { static constexpr int QK = 32, SIZE = 22; static constexpr bool MIN = false;
+  static void portable(const uint8_t* p, int8_t* q, float* a, float* b) { decode32<false, true, true>(p, q, a, b); }
+};
+template <>
+struct Traits<Q5_0> {
+  static constexpr int QK = 32, SIZE = 22;
+  static constexpr bool MIN = false;
   static void decode(const uint8_t* p, int8_t* q, float* a, float* b) { decode32<true, false>(p, q, a, b); }
-  static void portable(const uint8_t* p, int8_t* q, float* a, float* b) { decode32<true, false, true>(p, q, a, b); } };
-template <> struct Traits<Q5_1> { static constexpr int QK = 32, SIZE = 24; static constexpr bool MIN = true;
+  static void portable(const uint8_t* p, int8_t* q, float* a, float* b) { decode32<true, false, true>(p, q, a, b); }
+};
+template <>
+struct Traits<Q5_1> {
+  static constexpr int QK = 32, SIZE = 24;
+  static constexpr bool MIN = true;
   static void decode(const uint8_t* p, int8_t* q, float* a, float* b) { decode32<true, true>(p, q, a, b); }
-  static void portable(const uint8_t* p, int8_t* q, float* a, float* b) { decode32<true, true, true>(p, q, a, b); } };
-template <> struct Traits<Q2_K> { static constexpr int QK = 256, SIZE = 84; static constexpr bool MIN = true;
-  static void decode(const uint8_t* p, int8_t* q, float* a, float* b) { LBQ_GGML_DEC(decode_q2k, decode_q2k_avx2)(p, q, a, b); }
-  static void portable(const uint8_t* p, int8_t* q, float* a, float* b) { decode_q2k(p, q, a, b); } };
-template <> struct Traits<Q3_K> { static constexpr int QK = 256, SIZE = 110; static constexpr bool MIN = false;
-  static void decode(const uint8_t* p, int8_t* q, float* a, float* b) { LBQ_GGML_DEC(decode_q3k, decode_q3k_avx2)(p, q, a, b); }
-  static void portable(const uint8_t* p, int8_t* q, float* a, float* b) { decode_q3k(p, q, a, b); } };
-template <> struct Traits<Q4_K> { static constexpr int QK = 256, SIZE = 144; static constexpr bool MIN = true;
-  static void decode(const uint8_t* p, int8_t* q, float* a, float* b) { LBQ_GGML_DEC(decode_q45k<false>, decode_q45k_avx2<false>)(p, q, a, b); }
-  static void portable(const uint8_t* p, int8_t* q, float* a, float* b) { decode_q45k<false>(p, q, a, b); } };
-template <> struct Traits<Q5_K> { static constexpr int QK = 256, SIZE = 176; static constexpr bool MIN = true;
-  static void decode(const uint8_t* p, int8_t* q, float* a, float* b) { LBQ_GGML_DEC(decode_q45k<true>, decode_q45k_avx2<true>)(p, q, a, b); }
-  static void portable(const uint8_t* p, int8_t* q, float* a, float* b) { decode_q45k<true>(p, q, a, b); } };
-template <> struct Traits<Q6_K> { static constexpr int QK = 256, SIZE = 210; static constexpr bool MIN = false;
-  static void decode(const uint8_t* p, int8_t* q, float* a, float* b) { LBQ_GGML_DEC(decode_q6k, decode_q6k_avx2)(p, q, a, b); }
-  static void portable(const uint8_t* p, int8_t* q, float* a, float* b) { decode_q6k(p, q, a, b); } };
+  static void portable(const uint8_t* p, int8_t* q, float* a, float* b) { decode32<true, true, true>(p, q, a, b); }
+};
+template <>
+struct Traits<Q2_K> {
+  static constexpr int QK = 256, SIZE = 84;
+  static constexpr bool MIN = true;
+  static void decode(const uint8_t* p, int8_t* q, float* a, float* b) {
+    LBQ_GGML_DEC(decode_q2k, decode_q2k_avx2)(p, q, a, b);
+  }
+  static void portable(const uint8_t* p, int8_t* q, float* a, float* b) { decode_q2k(p, q, a, b); }
+};
+template <>
+struct Traits<Q3_K> {
+  static constexpr int QK = 256, SIZE = 110;
+  static constexpr bool MIN = false;
+  static void decode(const uint8_t* p, int8_t* q, float* a, float* b) {
+    LBQ_GGML_DEC(decode_q3k, decode_q3k_avx2)(p, q, a, b);
+  }
+  static void portable(const uint8_t* p, int8_t* q, float* a, float* b) { decode_q3k(p, q, a, b); }
+};
+template <>
+struct Traits<Q4_K> {
+  static constexpr int QK = 256, SIZE = 144;
+  static constexpr bool MIN = true;
+  static void decode(const uint8_t* p, int8_t* q, float* a, float* b) {
+    LBQ_GGML_DEC(decode_q45k<false>, decode_q45k_avx2<false>)(p, q, a, b);
+  }
+  static void portable(const uint8_t* p, int8_t* q, float* a, float* b) { decode_q45k<false>(p, q, a, b); }
+};
+template <>
+struct Traits<Q5_K> {
+  static constexpr int QK = 256, SIZE = 176;
+  static constexpr bool MIN = true;
+  static void decode(const uint8_t* p, int8_t* q, float* a, float* b) {
+    LBQ_GGML_DEC(decode_q45k<true>, decode_q45k_avx2<true>)(p, q, a, b);
+  }
+  static void portable(const uint8_t* p, int8_t* q, float* a, float* b) { decode_q45k<true>(p, q, a, b); }
+};
+template <>
+struct Traits<Q6_K> {
+  static constexpr int QK = 256, SIZE = 210;
+  static constexpr bool MIN = false;
+  static void decode(const uint8_t* p, int8_t* q, float* a, float* b) {
+    LBQ_GGML_DEC(decode_q6k, decode_q6k_avx2)(p, q, a, b);
+  }
+  static void portable(const uint8_t* p, int8_t* q, float* a, float* b) { decode_q6k(p, q, a, b); }
+};
 
 // Decode one block of a type id with the compiled decoder (portable = false) or the plain C++
 // one; false for an unknown id.  Used by selftest.cpp to check the SIMD decoders.
 inline bool decode_block(int type, bool portable, const uint8_t* p, int8_t* q, float* a, float* b) {
   switch (type) {
-#define LBQ_GGML_CASE(T) case T: portable ? Traits<T>::portable(p, q, a, b) : Traits<T>::decode(p, q, a, b); return true;
-    LBQ_GGML_CASE(Q4_1) LBQ_GGML_CASE(Q5_0) LBQ_GGML_CASE(Q5_1) LBQ_GGML_CASE(Q2_K)
-    LBQ_GGML_CASE(Q3_K) LBQ_GGML_CASE(Q4_K) LBQ_GGML_CASE(Q5_K) LBQ_GGML_CASE(Q6_K)
+#define LBQ_GGML_CASE(T)                                                        \
+  case T:                                                                       \
+    portable ? Traits<T>::portable(p, q, a, b) : Traits<T>::decode(p, q, a, b); \
+    return true;
+    LBQ_GGML_CASE(Q4_1)
+    LBQ_GGML_CASE(Q5_0) LBQ_GGML_CASE(Q5_1) LBQ_GGML_CASE(Q2_K) LBQ_GGML_CASE(Q3_K) LBQ_GGML_CASE(Q4_K)
+        LBQ_GGML_CASE(Q5_K) LBQ_GGML_CASE(Q6_K)
 #undef LBQ_GGML_CASE
-    default: return false;
+            default : return false;
   }
 }
 
 // Block size and bytes per block of a type id, or false for an unknown id.
 inline bool block_shape(int type, int* qk, int* size) {
   switch (type) {
-#define LBQ_GGML_CASE(T) case T: *qk = Traits<T>::QK; *size = Traits<T>::SIZE; return true;
-    LBQ_GGML_CASE(Q4_1) LBQ_GGML_CASE(Q5_0) LBQ_GGML_CASE(Q5_1) LBQ_GGML_CASE(Q2_K)
-    LBQ_GGML_CASE(Q3_K) LBQ_GGML_CASE(Q4_K) LBQ_GGML_CASE(Q5_K) LBQ_GGML_CASE(Q6_K)
+#define LBQ_GGML_CASE(T)     \
+  case T:                    \
+    *qk = Traits<T>::QK;     \
+    *size = Traits<T>::SIZE; \
+    return true;
+    LBQ_GGML_CASE(Q4_1)
+    LBQ_GGML_CASE(Q5_0) LBQ_GGML_CASE(Q5_1) LBQ_GGML_CASE(Q2_K) LBQ_GGML_CASE(Q3_K) LBQ_GGML_CASE(Q4_K)
+        LBQ_GGML_CASE(Q5_K) LBQ_GGML_CASE(Q6_K)
 #undef LBQ_GGML_CASE
-    default: return false;
+            default : return false;
   }
 }
 
@@ -341,8 +398,12 @@ inline bool block_shape(int type, int* qk, int* size) {
 // acc[j] += sum_s a_s * dx_j[s/2] * dot(q[16s:16s+16], xq_j[16s:16s+16]), s = 0..QK/16-1.
 #if defined(LBQ_AVX2)
 using Acc = __m256;
-inline Acc acc_zero() { return _mm256_setzero_ps(); }
-inline float acc_sum(Acc v) { return hsum_ps(v); }
+inline Acc acc_zero() {
+  return _mm256_setzero_ps();
+}
+inline float acc_sum(Acc v) {
+  return hsum_ps(v);
+}
 
 template <int QK, int MR>
 inline void block_dot(const int8_t* q, const float* a, const int8_t* const* xq, const float* const* dx, Acc* acc) {
@@ -360,8 +421,12 @@ inline void block_dot(const int8_t* q, const float* a, const int8_t* const* xq, 
 }
 #elif defined(LBQ_NEON)
 using Acc = float32x4_t;
-inline Acc acc_zero() { return vdupq_n_f32(0.f); }
-inline float acc_sum(Acc v) { return vaddvq_f32(v); }
+inline Acc acc_zero() {
+  return vdupq_n_f32(0.f);
+}
+inline float acc_sum(Acc v) {
+  return vaddvq_f32(v);
+}
 
 inline int32x4_t dot16(int8x16_t w, int8x16_t x) {
 #if defined(__ARM_FEATURE_DOTPROD)
@@ -385,8 +450,12 @@ inline void block_dot(const int8_t* q, const float* a, const int8_t* const* xq, 
 }
 #else
 using Acc = float;
-inline Acc acc_zero() { return 0.f; }
-inline float acc_sum(Acc v) { return v; }
+inline Acc acc_zero() {
+  return 0.f;
+}
+inline float acc_sum(Acc v) {
+  return v;
+}
 
 template <int QK, int MR>
 inline void block_dot(const int8_t* q, const float* a, const int8_t* const* xq, const float* const* dx, Acc* acc) {
@@ -402,9 +471,9 @@ inline void block_dot(const int8_t* q, const float* a, const int8_t* const* xq, 
 // Quantized activations for the ggml kernels: M rows of K int8 with one scale per 32 values
 // (quantize_act_row at G = 32), and the per-16 sums of the fp32 activations.
 struct GAct {
-  const int8_t* q;    // [M, K]
-  const float* d;     // [M, K/32]
-  const float* s16;   // [M, K/16]
+  const int8_t* q;   // [M, K]
+  const float* d;    // [M, K/32]
+  const float* s16;  // [M, K/16]
   int64_t M, K;
 };
 
@@ -457,10 +526,17 @@ inline void gemv_rows_t(const uint8_t* w, int64_t row_bytes, const GAct& x, int6
     int64_t m0 = 0;
     for (; m0 + 4 <= x.M; m0 += 4) row_tile<T, 4>(wr, x, n, m0, Y, N);
     switch (x.M - m0) {
-      case 3: row_tile<T, 3>(wr, x, n, m0, Y, N); break;
-      case 2: row_tile<T, 2>(wr, x, n, m0, Y, N); break;
-      case 1: row_tile<T, 1>(wr, x, n, m0, Y, N); break;
-      default: break;
+      case 3:
+        row_tile<T, 3>(wr, x, n, m0, Y, N);
+        break;
+      case 2:
+        row_tile<T, 2>(wr, x, n, m0, Y, N);
+        break;
+      case 1:
+        row_tile<T, 1>(wr, x, n, m0, Y, N);
+        break;
+      default:
+        break;
     }
   }
 }
@@ -476,14 +552,18 @@ inline void sums16(const float* x, int64_t M, int64_t K, float* xs16) {
 }
 
 // Dispatch on the type id.  Returns false for an unknown type.
-inline bool gemv_rows(int type, const uint8_t* w, int64_t row_bytes, const GAct& x, int64_t N, int64_t n0,
-                      int64_t n1, float* Y) {
+inline bool gemv_rows(int type, const uint8_t* w, int64_t row_bytes, const GAct& x, int64_t N, int64_t n0, int64_t n1,
+                      float* Y) {
   switch (type) {
-#define LBQ_GGML_CASE(T) case T: gemv_rows_t<T>(w, row_bytes, x, N, n0, n1, Y); return true;
-    LBQ_GGML_CASE(Q4_1) LBQ_GGML_CASE(Q5_0) LBQ_GGML_CASE(Q5_1) LBQ_GGML_CASE(Q2_K)
-    LBQ_GGML_CASE(Q3_K) LBQ_GGML_CASE(Q4_K) LBQ_GGML_CASE(Q5_K) LBQ_GGML_CASE(Q6_K)
+#define LBQ_GGML_CASE(T)                           \
+  case T:                                          \
+    gemv_rows_t<T>(w, row_bytes, x, N, n0, n1, Y); \
+    return true;
+    LBQ_GGML_CASE(Q4_1)
+    LBQ_GGML_CASE(Q5_0) LBQ_GGML_CASE(Q5_1) LBQ_GGML_CASE(Q2_K) LBQ_GGML_CASE(Q3_K) LBQ_GGML_CASE(Q4_K)
+        LBQ_GGML_CASE(Q5_K) LBQ_GGML_CASE(Q6_K)
 #undef LBQ_GGML_CASE
-    default: return false;
+            default : return false;
   }
 }
 

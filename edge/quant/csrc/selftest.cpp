@@ -45,12 +45,15 @@ int check(bool q4, int G, int64_t M, int64_t N, int64_t K, double* worst) {
   const int64_t row_bytes = q4 ? K / 2 : K;
   std::vector<uint8_t> wq(N * row_bytes);
   std::vector<uint16_t> ws(N * nb);
-  for (auto& b : wq) b = q4 ? static_cast<uint8_t>(next_u32() & 0xff) : static_cast<uint8_t>(static_cast<int8_t>(next_u32() % 255 - 127));
-  for (auto& s : ws) s = static_cast<uint16_t>(((next_u32() & 1) << 15) | ((10 + next_u32() % 5) << 10) | (next_u32() & 0x3ff));
+  for (auto& b : wq)
+    b = q4 ? static_cast<uint8_t>(next_u32() & 0xff)
+           : static_cast<uint8_t>(static_cast<int8_t>(next_u32() % 255 - 127));
+  for (auto& s : ws)
+    s = static_cast<uint16_t>(((next_u32() & 1) << 15) | ((10 + next_u32() % 5) << 10) | (next_u32() & 0x3ff));
   std::vector<float> x(M * K);
   for (auto& v : x) v = next_normalish();
   if (K >= 64) x[5] = 0.f, x[7] = 1e-30f;  // odd values
-  if (M > 1)  // an all-zero activation block (scale 0)
+  if (M > 1)                               // an all-zero activation block (scale 0)
     for (int j = 0; j < G; ++j) x[K + j] = 0.f;
 
   std::vector<int8_t> xq(M * K), rq(M * K);
@@ -61,14 +64,23 @@ int check(bool q4, int G, int64_t M, int64_t N, int64_t K, double* worst) {
     lbq::quantize_act_row_scalar(x.data() + m * K, K, G, rq.data() + m * K, rd.data() + m * nb, rs.data() + m * nb);
   }
   for (int64_t i = 0; i < M * K; ++i)
-    if (xq[i] != rq[i]) { std::printf("FAIL act quant q4=%d G=%d i=%ld\n", q4, G, (long)i); return 1; }
+    if (xq[i] != rq[i]) {
+      std::printf("FAIL act quant q4=%d G=%d i=%ld\n", q4, G, (long)i);
+      return 1;
+    }
   for (int64_t i = 0; i < M * nb; ++i)
-    if (xd[i] != rd[i] || xs[i] != rs[i]) { std::printf("FAIL act scale q4=%d G=%d\n", q4, G); return 1; }
+    if (xd[i] != rd[i] || xs[i] != rs[i]) {
+      std::printf("FAIL act scale q4=%d G=%d\n", q4, G);
+      return 1;
+    }
   lbq::prepare_act(q4, G, xq.data(), M, K);
   const lbq::Act a{xq.data(), xd.data(), xs.data(), M, K, nb};
   const lbq::Wt w{wq.data(), ws.data(), N, K, nb, row_bytes};
   std::vector<float> y(M * N, -1.f);
-  if (!lbq::gemv_rows(q4, G, w, a, 0, N, y.data())) { std::printf("FAIL group %d\n", G); return 1; }
+  if (!lbq::gemv_rows(q4, G, w, a, 0, N, y.data())) {
+    std::printf("FAIL group %d\n", G);
+    return 1;
+  }
 
   for (int64_t m = 0; m < M; ++m)
     for (int64_t n = 0; n < N; ++n) {
@@ -94,8 +106,8 @@ int check(bool q4, int G, int64_t M, int64_t N, int64_t K, double* worst) {
       const double err = std::fabs(ref - y[m * N + n]) / (mag + 1e-30);
       if (err > *worst) *worst = err;
       if (err > 1e-5) {
-        std::printf("FAIL q4=%d G=%d M=%ld N=%ld K=%ld m=%ld n=%ld: %g vs %g\n", q4, G, (long)M, (long)N,
-                    (long)K, (long)m, (long)n, (double)y[m * N + n], ref);
+        std::printf("FAIL q4=%d G=%d M=%ld N=%ld K=%ld m=%ld n=%ld: %g vs %g\n", q4, G, (long)M, (long)N, (long)K,
+                    (long)m, (long)n, (double)y[m * N + n], ref);
         return 1;
       }
     }
@@ -103,20 +115,25 @@ int check(bool q4, int G, int64_t M, int64_t N, int64_t K, double* worst) {
 }
 
 void put_f16(uint8_t* p) {  // a normal half of magnitude ~2^-3..2^1 with a random sign
-  const uint16_t h = static_cast<uint16_t>(((next_u32() & 1) << 15) | ((12 + next_u32() % 4) << 10) | (next_u32() & 0x3ff));
+  const uint16_t h =
+      static_cast<uint16_t>(((next_u32() & 1) << 15) | ((12 + next_u32() % 4) << 10) | (next_u32() & 0x3ff));
   std::memcpy(p, &h, 2);
 }
 
 int check_ggml(int type, int64_t M, int64_t N, int64_t nb, double* worst) {
   int qk, size;
-  if (!lbq::ggml::block_shape(type, &qk, &size)) { std::printf("FAIL ggml type %d\n", type); return 1; }
+  if (!lbq::ggml::block_shape(type, &qk, &size)) {
+    std::printf("FAIL ggml type %d\n", type);
+    return 1;
+  }
   const int64_t K = nb * qk, row_bytes = nb * size;
   std::vector<uint8_t> w(N * row_bytes);
   for (auto& b : w) b = static_cast<uint8_t>(next_u32() & 0xff);
   const int f16_at[][2] = {{0, 2}, {0, -1}, {0, 2}, {80, 82}, {108, -1}, {0, 2}, {0, 2}, {208, -1}};
   const int idx = type == 3 ? 0 : type == 6 ? 1 : type == 7 ? 2 : type - 7;
   for (int64_t blk = 0; blk < N * nb; ++blk)
-    for (int f : f16_at[idx]) if (f >= 0) put_f16(w.data() + blk * size + f);
+    for (int f : f16_at[idx])
+      if (f >= 0) put_f16(w.data() + blk * size + f);
   std::vector<float> x(M * K), xs16(M * (K / 16)), y(M * N, -1.f);
   for (auto& v : x) v = next_normalish();
   if (M > 1)  // an all-zero activation block (scale 0)
@@ -125,8 +142,10 @@ int check_ggml(int type, int64_t M, int64_t N, int64_t nb, double* worst) {
   std::vector<float> xd(M * (K / 32)), rd(M * (K / 32));
   std::vector<int32_t> xs(M * (K / 32)), rs(M * (K / 32));
   for (int64_t m = 0; m < M; ++m) {
-    lbq::quantize_act_row(x.data() + m * K, K, 32, xq.data() + m * K, xd.data() + m * (K / 32), xs.data() + m * (K / 32));
-    lbq::quantize_act_row_scalar(x.data() + m * K, K, 32, rq.data() + m * K, rd.data() + m * (K / 32), rs.data() + m * (K / 32));
+    lbq::quantize_act_row(x.data() + m * K, K, 32, xq.data() + m * K, xd.data() + m * (K / 32),
+                          xs.data() + m * (K / 32));
+    lbq::quantize_act_row_scalar(x.data() + m * K, K, 32, rq.data() + m * K, rd.data() + m * (K / 32),
+                                 rs.data() + m * (K / 32));
   }
   lbq::ggml::sums16(x.data(), M, K, xs16.data());
   const lbq::ggml::GAct act{xq.data(), xd.data(), xs16.data(), M, K};
@@ -158,8 +177,8 @@ int check_ggml(int type, int64_t M, int64_t N, int64_t nb, double* worst) {
       const double err = std::fabs(ref - y[m * N + n]) / (mag + 1e-30);
       if (err > *worst) *worst = err;
       if (err > 1e-5) {
-        std::printf("FAIL ggml type=%d M=%ld N=%ld nb=%ld m=%ld n=%ld: %g vs %g\n", type, (long)M, (long)N,
-                    (long)nb, (long)m, (long)n, (double)y[m * N + n], ref);
+        std::printf("FAIL ggml type=%d M=%ld N=%ld nb=%ld m=%ld n=%ld: %g vs %g\n", type, (long)M, (long)N, (long)nb,
+                    (long)m, (long)n, (double)y[m * N + n], ref);
         return 1;
       }
     }
