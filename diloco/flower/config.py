@@ -69,6 +69,10 @@ class FederationConfig:
     evaluate_every: int = 0
     round_timeout: float = 600.0
     checkpoint_every: int = 0
+    # The largest ``num-examples`` a client may report. Replies are averaged by it, so one
+    # client claiming inf (or 1e308) would own or overflow the mean: a larger weight refuses
+    # that client's reply for the round.
+    max_num_examples: float = 2.0**40
 
     def __post_init__(self) -> None:
         if self.rounds < 1:
@@ -87,6 +91,10 @@ class FederationConfig:
             raise ConfigError("round-timeout", f"must be > 0 seconds, got {self.round_timeout}")
         if self.checkpoint_every < 0:
             raise ConfigError("checkpoint-every", f"must be >= 0, got {self.checkpoint_every}")
+        if not (math.isfinite(self.max_num_examples) and self.max_num_examples >= 1):
+            raise ConfigError(
+                "max-num-examples", f"must be a finite number >= 1, got {self.max_num_examples}"
+            )
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -86,6 +86,11 @@ def records_to_encoded(arrays: ArrayRecord, meta: bytes) -> Encoded:
         raise ProtocolError(
             f"codec frames must be keyed 0..{len(arrays) - 1}: missing {exc}"
         ) from None
+    for i, f in enumerate(frames):
+        # A float frame (values, scales, a code book) holding inf/NaN would decode into a
+        # non-finite Δ, or a finite one by luck (0·inf is caught, 1/inf is not): refuse it here.
+        if f.is_floating_point() and not bool(torch.isfinite(f).all()):
+            raise ProtocolError(f"codec frame {i} holds non-finite values")
     try:
         decoded_meta = msgpack.unpackb(meta, raw=False)
     except (ValueError, msgpack.ExtraData) as exc:

@@ -30,6 +30,7 @@ or non-finite payloads and stale clients all count as failures.
 
 from __future__ import annotations
 
+import math
 import random
 import time
 from logging import INFO, WARNING
@@ -242,10 +243,18 @@ class DiLoCoStrategy(Strategy):
             try:
                 status = self._read_status(msg)
                 metrics = msg.content.metric_records[METRICS]
-                n = float(metrics["num-examples"])  # type: ignore[arg-type]
-                row = {k: float(metrics[k]) for k in values}  # type: ignore[arg-type]
+                n = self._num_examples(metrics, allow_zero=True)
+                row = {k: metric_float(metrics, k) for k in values}
+                if not all(math.isfinite(v) for v in row.values()):
+                    raise ProtocolError(f"non-finite evaluation loss {row}")
             except (KeyError, TypeError, ValueError, ProtocolError) as exc:
-                flwr_log(WARNING, "round %d: bad evaluation reply: %s", server_round, exc)
+                flwr_log(
+                    WARNING,
+                    "round %d: bad evaluation reply from node %d: %s",
+                    server_round,
+                    msg.metadata.src_node_id,
+                    exc,
+                )
                 continue
             if status != "ok" or n <= 0:
                 continue
@@ -381,6 +390,27 @@ class DiLoCoStrategy(Strategy):
             raise ProtocolError(f"unknown reply status {status!r}")
         return str(status)
 
+    def _num_examples(self, metrics: MetricRecord, *, allow_zero: bool) -> float:
+        """A reply's ``num-examples``: the weight of its Δ (or loss) in the round's mean.
+
+        A finite number in [0, max_num_examples] (> 0 for training): inf, NaN, a negative or an
+        absurd count would let one client turn the mean into NaN or own it outright.
+        """
+        value = metrics["num-examples"]
+        if isinstance(value, (bool, list)):
+            raise ProtocolError(f"num-examples must be a number, got {value!r}")
+        try:
+            n = float(value)
+        except OverflowError:  # an int beyond float's range
+            n = math.inf
+        cap = self.fed.max_num_examples
+        if not (math.isfinite(n) and (n >= 0 if allow_zero else n > 0) and n <= cap):
+            raise ProtocolError(
+                f"num-examples must be a finite number in {'[' if allow_zero else '('}0, "
+                f"{cap:g}], got {value!r}"
+            )
+        return n
+
     def _read_train_reply(self, msg: Message, p: int) -> tuple[float, torch.Tensor, MetricRecord]:
         """(weight, decoded Δ, metrics) of one reply; raises _Stale or ProtocolError."""
         try:
@@ -389,7 +419,7 @@ class DiLoCoStrategy(Strategy):
             reply = msg.content.config_records[REPLY]
             metrics = msg.content.metric_records[METRICS]
             arrays = msg.content.array_records[DELTA]
-            weight = float(metrics["num-examples"])  # type: ignore[arg-type]
+            weight = self._num_examples(metrics, allow_zero=False)
             fragment, base = int(reply["fragment"]), int(reply["base-version"])  # type: ignore[arg-type]
             codec, meta, ok = str(reply["codec"]), reply["codec-meta"], bool(reply["valid"])
         except (KeyError, TypeError, ValueError) as exc:
@@ -403,8 +433,6 @@ class DiLoCoStrategy(Strategy):
             raise ProtocolError(f"Δ encoded with {codec!r}; the run uses {self.mode.codec!r}")
         if not ok:
             raise ProtocolError("the client's pseudo-gradient was not finite")
-        if not weight > 0:
-            raise ProtocolError(f"num-examples must be > 0, got {weight}")
         delta = get_codec(codec).decode(records_to_encoded(arrays, meta)).reshape(-1)
         if delta.numel() != self.fragments[p].numel or not bool(torch.isfinite(delta).all()):
             raise ProtocolError(
