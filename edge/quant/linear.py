@@ -224,6 +224,13 @@ class GGMLLinear(nn.Module):
         lead = x.shape[:-1]
         if x.shape[-1] != self.in_features:
             raise QuantShapeError(f"expected last dim {self.in_features}, got {tuple(x.shape)}")
+        if self.in_features == 0 or self.out_features == 0:
+            # A TP rank that holds no heads of this layer (GQA with fewer KV heads than
+            # devices): a zero (or empty) partial sum, as QuantLinear answers.
+            y = torch.zeros(*lead, self.out_features, dtype=torch.float32, device=x.device)
+            if self.bias is not None:
+                y += self.bias
+            return y.to(x.dtype)
         x2 = x.reshape(-1, self.in_features)
         w = self.weight_blocks
         if self.use_kernel and x2.shape[0] <= self.max_kernel_rows:

@@ -377,16 +377,19 @@ def test_cli_generate_on_a_gguf_file(tmp_path) -> None:
     assert "8 tokens" in proc.stderr or tok.eos_token_id in out[0].tolist()
 
 
-def test_split_of_a_q4_k_file_keeps_blocks_and_greedy_tokens(tmp_path) -> None:
+@pytest.mark.parametrize("make,arch", [(hf_qwen25, "qwen2"), (hf_llama32, "llama")])
+def test_split_of_a_q4_k_file_keeps_blocks_and_greedy_tokens(tmp_path, make, arch) -> None:
     """``edge split FILE.gguf --devices 2``: each device's files hold its Q4_K rows/columns as
-    the file's blocks, and the 2-way split picks the one-device model's greedy tokens."""
+    the file's blocks, and the 2-way split picks the one-device model's greedy tokens (Qwen2:
+    biases, own head; Llama 3.2: rope_freqs, one KV head on both devices, tied head split by
+    vocabulary rows)."""
     from edge.shardio import load_shard, split_checkpoint
     from edge.tp import make_reduce
     from tests.conftest import run_ranks, tp_head
     from transport.loopback import LoopbackGroup
 
-    hf = hf_qwen25(hidden=512, inter=512)  # 2 heads of 128 per device: whole Q4_K blocks
-    path = write_file(tmp_path / "q.gguf", hf, "qwen2", "qwen2", quant="Q4_K")
+    hf = make(hidden=512, inter=512)  # 2 heads of 128 per device: whole Q4_K blocks
+    path = write_file(tmp_path / "q.gguf", hf, arch, "qwen2", quant="Q4_K")
     out = split_checkpoint(path, tmp_path / "split", 2)
     one = load_shard(path).model
     # Greedy continuation on one device (recomputed from scratch each step: no cache involved).
