@@ -157,6 +157,7 @@ class Soak:
         self.round, self.rounds_consistent, self.rounds_inconsistent = 0, 0, 0
         self.lost_steps, self._top = 0, 0
         self.live = ["--heartbeat", str(dead_after / 2), "--dead-after", str(dead_after)]
+        self.edge_model = ""  # the edge master's checkpoint, served by the edge worker too
 
     def _spawn(self, name: str, args: list[str]) -> None:
         log = open(self.work / f"{name}.log", "a")
@@ -203,6 +204,7 @@ class Soak:
         return self.work / f"train-round{self.round}"
 
     def start_edge_master(self, ckpt: Path) -> None:
+        self.edge_model = str(ckpt)
         self._spawn(
             "edge_master",
             [
@@ -223,7 +225,15 @@ class Soak:
 
     def start_edge_worker(self) -> None:
         self._spawn(
-            "edge_worker", ["edge", "worker", "--master", f"tcp://127.0.0.1:{self.edge_bind}"]
+            "edge_worker",
+            [
+                "edge",
+                "worker",
+                "--master",
+                f"tcp://127.0.0.1:{self.edge_bind}",
+                "--model-dir",
+                self.edge_model,
+            ],
         )
 
     def kill(self, name: str) -> None:

@@ -304,6 +304,14 @@ class ServeWorkerConfig:
             )
         if not self.master.startswith("tcp://"):
             raise ConfigError("master", f"must look like tcp://HOST:PORT, got {self.master!r}")
+        if self.worker.model_dir is None:
+            # A device on the network serves only the model it was given: the path in a
+            # master's assign is checked against it (edge.cluster.worker.served_path).
+            raise ConfigError(
+                "model_dir",
+                "a worker serves only its own model: give --model-dir (the master's path on "
+                "this device: the same directory, split dir or GGUF file)",
+            )
 
 
 def serve_worker_main(cfg: ServeWorkerConfig) -> int:
@@ -366,6 +374,7 @@ def run_main(cfg: RunConfig) -> int:
             env["LOWBAND_TOKEN"] = serve.token
         for i in range(1, n):
             args = [sys.executable, "-m", "lowband", "edge", "worker", "--master", address]
+            args += ["--model-dir", serve.model_dir]  # same machine, same working directory
             if serve.curve is not None:
                 args += ["--curve-server-key", serve.curve.public.decode()]
             if cfg.pin_cores:

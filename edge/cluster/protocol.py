@@ -42,6 +42,7 @@ generated from the dataclasses below by :func:`describe` (a test keeps the two i
 from __future__ import annotations
 
 import dataclasses
+import math
 import types
 import typing
 from dataclasses import dataclass
@@ -52,6 +53,7 @@ from lowband.errors import ProtocolError
 CTL = "edge.ctl"  # master -> worker control messages
 READY = "edge.ready"  # worker -> master: ready / bye
 MASTER_ID_PREFIX = "edge-master"  # peer id prefix of the master on a real transport
+MAX_WORLD = 4096  # devices of a plan: far beyond any cluster, small enough to bound every list
 
 
 def master_rank(peers: Sequence[str]) -> int:
@@ -120,7 +122,7 @@ class Assign(Msg):
     slot: int
     world: int  # N: devices of the plan
     weights: list[float] | None  # relative device capacities (uneven split)
-    model_dir: str  # the master's idea of the path; a worker's own --model-dir wins
+    model_dir: str  # must be the worker's own --model-dir or inside it (worker.served_path)
     dtype: str | None
     wire: str  # activation encoding of the all-reduces (edge.cluster.shard.WIRE_CODECS)
     algorithm: str  # all-reduce schedule
@@ -132,6 +134,38 @@ class Assign(Msg):
     link_spin_us: float
     link_secret: str | None
     silence_s: float  # this much silence from the master means it is gone
+
+    def __post_init__(self) -> None:
+        # A worker acts on these numbers (sizes a split, sleeps, dials a port): refuse what
+        # no master sends, so a forged or corrupted assign is answered, never half carried out.
+        def bad(name: str, why: str) -> ProtocolError:
+            return ProtocolError(
+                f"'assign' message: field {name!r} {why}, got {getattr(self, name)!r:.80}"
+            )
+
+        if not 1 <= self.world <= MAX_WORLD:
+            raise bad("world", f"must be in [1, {MAX_WORLD}]")
+        if not 0 <= self.slot < self.world:
+            raise bad("slot", f"must be in [0, world = {self.world})")
+        if self.weights is not None and (
+            len(self.weights) != self.world
+            or not all(math.isfinite(w) and w > 0 for w in self.weights)
+        ):
+            raise bad("weights", f"must be {self.world} finite numbers > 0")
+        if not self.model_dir or "\0" in self.model_dir:
+            raise bad("model_dir", "must be a non-empty path without NUL")
+        for name, low in (("op_timeout", False), ("silence_s", True), ("link_spin_us", True)):
+            v = getattr(self, name)
+            if not (math.isfinite(v) and (v >= 0 if low else v > 0)):
+                raise bad(name, "must be a finite number " + (">= 0" if low else "> 0"))
+        if self.window is not None and self.window < 1:
+            raise bad("window", "must be >= 1")
+        if self.memory_budget_mb is not None and not (
+            math.isfinite(self.memory_budget_mb) and self.memory_budget_mb > 0
+        ):
+            raise bad("memory_budget_mb", "must be a finite number > 0")
+        if self.link_port is not None and not 1 <= self.link_port <= 65535:
+            raise bad("link_port", "must be a TCP port")
 
 
 @_to_worker

@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable
 
 import torch
@@ -63,7 +64,11 @@ Tensors = list[torch.Tensor]  # what travels beside a message's meta
 class WorkerConfig:
     """A worker device."""
 
-    model_dir: str | None = None  # local copy of the model / split dir; default: the master's path
+    # The one model (directory, split dir or GGUF file) this worker serves: an assign naming
+    # a path outside it is answered ``ok: False``. None only for ranks that are threads of the
+    # master's own process (loopback): they load the master's path. A networked worker
+    # (edge.launch.ServeWorkerConfig, ``lowband edge worker --model-dir``) must set it.
+    model_dir: str | None = None
     join_timeout: float = 600.0
     master_host: str = "127.0.0.1"  # where the master's star link is (its --master host)
 
@@ -262,7 +267,27 @@ def _assign(
     comm.send(master, [], Ready(ok=True, slot=msg.slot).encode(), tag=READY)
 
 
+def served_path(assigned: str, own: str | None) -> str:
+    """The path an ``assign`` naming ``assigned`` loads on a worker serving ``own``.
+
+    Both are made absolute and normalised (``..`` and symbolic links resolved) before the
+    check, so neither ``own/../secret`` nor a link out of ``own`` passes: the result is ``own``
+    itself or a path inside it, else a :class:`ConfigError` naming both.
+    """
+    if own is None:
+        return assigned  # a thread of the master's own process (see WorkerConfig.model_dir)
+    allowed, target = Path(own).resolve(), Path(assigned).resolve()
+    if target != allowed and allowed not in target.parents:
+        raise ConfigError(
+            "model_dir",
+            f"the master asked for {assigned!r}, but this worker serves only {own!r} "
+            "(its --model-dir): give the master and its workers the same model path",
+        )
+    return str(target)
+
+
 def _load_assigned(comm: Communicator, cfg: WorkerConfig, st: WorkerState, msg: Assign) -> None:
+    model_dir = served_path(msg.model_dir, cfg.model_dir)  # before anything is closed or dialled
     if st.shard is not None:
         st.shard.close()
         st.shard = None
@@ -282,7 +307,7 @@ def _load_assigned(comm: Communicator, cfg: WorkerConfig, st: WorkerState, msg: 
             spin_s=msg.link_spin_us * 1e-6,
         )
     st.shard = load_slot(
-        cfg.model_dir or msg.model_dir,
+        model_dir,
         msg.slot,
         msg.world,
         msg.weights,

@@ -264,7 +264,11 @@ def register(sub: argparse._SubParsersAction) -> None:
         default=60.0,
         help="seconds to look for the master (default 60)",
     )
-    p.add_argument("--model-dir", help="local copy of the model/split dir (default: master's path)")
+    p.add_argument(
+        "--model-dir",
+        help="the model (directory, split dir or GGUF file) this device serves, required: "
+        "an assign from the master naming any other path is refused",
+    )
     add_auth(p, client=True, server=False)
     p.add_argument(
         "--master-key",

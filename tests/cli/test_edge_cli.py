@@ -208,6 +208,7 @@ def test_worker_kill_and_return(ckpt, spawn) -> None:
         ]
     )
     worker = [PY, "-m", "lowband", "-v", "edge", "worker", "--master", bind, "--threads", "1"]
+    worker += ["--model-dir", str(d)]
     w1, w2 = spawn(worker), spawn(worker)
     _wait_health(port, master)
     status, out = _complete(port)
