@@ -30,7 +30,7 @@ from transport.loopback import LoopbackGroup
 pytestmark = pytest.mark.timeout(120)
 LOAD_S = 480.0  # the one real load may compile the C++ kernels on a fresh machine
 
-CFG = dict(
+CFG = ModelConfig(
     vocab_size=256,
     hidden_size=64,
     intermediate_size=128,
@@ -67,7 +67,7 @@ def models(tmp_path_factory) -> tuple[Path, Path]:
     """(the worker's own model, another loadable model next to it)."""
     root = tmp_path_factory.mktemp("models")
     own, other = root / "own", root / "other"
-    m = LlamaForCausalLM(ModelConfig(**CFG)).eval()
+    m = LlamaForCausalLM(CFG).eval()
     init_weights(m, std=0.2, seed=5)
     save_pretrained(m, own)
     shutil.copytree(own, other)
