@@ -37,6 +37,15 @@ RUN command -v tc >/dev/null \
         && rm -rf /var/lib/apt/lists/*) \
     && python3 -m venv /opt/venv
 
+# The user every command runs as: docker/shape-egress.sh shapes the egress as root (tc needs
+# CAP_NET_ADMIN), then drops to it with setpriv (util-linux, in every Debian base).
+RUN groupadd --system --gid 10001 lowband \
+    && useradd --system --uid 10001 --gid lowband --create-home --home-dir /home/lowband \
+        --shell /usr/sbin/nologin lowband \
+    && mkdir -p /runs && chown lowband:lowband /runs
+ENV LOWBAND_USER=lowband \
+    LOWBAND_DATA=/runs
+
 WORKDIR /opt/lowband
 
 # CPU-only torch first: the default index resolves torch to the CUDA build (several GB).
@@ -76,6 +85,7 @@ COPY examples/ examples/
 COPY docker/shape-egress.sh docker/compare.py docker/site-config.json docker/
 RUN chmod +x docker/shape-egress.sh
 
-# Every container shapes its own egress from RATE/DELAY (if set), then runs the command.
+# Every container shapes its own egress from RATE/DELAY (if set), then runs the command as
+# LOWBAND_USER, never as root.
 ENTRYPOINT ["/opt/lowband/docker/shape-egress.sh"]
 CMD ["lowband", "--help"]

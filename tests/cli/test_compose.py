@@ -328,6 +328,70 @@ def test_entrypoint_without_settings_only_runs_the_command(fake_tc):
     assert r.returncode == 0 and r.stdout == "ran the command\n" and not log.exists()
 
 
+def test_dockerfile_creates_a_user_and_the_entrypoint_drops_root_after_tc():
+    # the image: an unprivileged user, named to the entrypoint, created before it is used
+    m = re.search(
+        r"^RUN groupadd .*\n(?:.*\\\n)*?.*useradd .*--uid (\d+).* lowband", DOCKERFILE, re.M
+    )
+    assert m and int(m.group(1)) >= 1000, "the Dockerfile creates no unprivileged user"
+    assert re.search(r"^ENV LOWBAND_USER=lowband", DOCKERFILE, flags=re.M)
+    assert DOCKERFILE.index("useradd") < DOCKERFILE.index("ENTRYPOINT")
+    assert not re.search(r"^USER root", DOCKERFILE, flags=re.M)
+    # the script: every tc call, then setpriv, and the command only after it (or without a user)
+    lines = SHAPE.read_text().splitlines()
+    code = [(i, l.strip()) for i, l in enumerate(lines) if l.strip() and not l.startswith("#")]
+    tc = [i for i, l in code if l.startswith('"$TC"') or 'if "$TC"' in l]
+    (drop,) = [i for i, l in code if "exec setpriv" in l]
+    execs = [i for i, l in code if l.startswith("exec ") or " exec " in l]
+    assert tc and max(tc) < drop and execs[-1] > drop and execs[:-1] == [drop]
+    for opt in ("--reuid=", "--regid=", "--no-new-privs"):
+        assert opt in lines[drop]
+
+
+def _as_root_dropping(tc: Path, tmp_path: Path, **env: str) -> subprocess.CompletedProcess:
+    if os.geteuid() != 0:
+        pytest.skip("dropping privileges needs root")
+    return subprocess.run(
+        ["sh", str(SHAPE), "sh", "-c", 'id -u; id -g; id -G; echo "$HOME"'],
+        env={"PATH": os.environ["PATH"], "TC": str(tc), "RATE": "10mbit", **env},
+        capture_output=True,
+        text=True,
+        timeout=30,
+        cwd=tmp_path,
+    )
+
+
+def test_entrypoint_runs_tc_as_root_and_the_command_as_the_user(fake_tc, tmp_path):
+    tc, log = fake_tc
+    tc.write_text(tc.read_text() + f"id -u >> {log}.uid\n")
+    r = _as_root_dropping(tc, tmp_path, LOWBAND_USER="nobody")
+    assert r.returncode == 0, r.stderr
+    nobody = subprocess.run(["id", "-u", "nobody"], capture_output=True, text=True).stdout
+    uid, gid, groups, home = r.stdout.splitlines()
+    assert uid == nobody.strip() != "0" and gid != "0" and "0" not in groups.split()
+    assert Path(f"{log}.uid").read_text() == "0\n"  # tc itself ran as root
+    # a user that does not exist: the command does not run at all (never as root)
+    r = _as_root_dropping(tc, tmp_path, LOWBAND_USER="no-such-user-lb")
+    assert r.returncode != 0 and r.stdout == ""
+
+
+def test_entrypoint_writes_results_as_the_owner_of_the_data_dir(fake_tc, tmp_path):
+    tc, _ = fake_tc
+    runs = tmp_path / "runs"
+    runs.mkdir()
+    (runs / "old.json").write_text("{}")
+    # a mount point Docker created (root's): handed to the user, then the command runs as it
+    r = _as_root_dropping(tc, tmp_path, LOWBAND_USER="nobody", LOWBAND_DATA=str(runs))
+    assert r.returncode == 0, r.stderr
+    uid = int(r.stdout.splitlines()[0])
+    assert uid != 0 and runs.stat().st_uid == uid and (runs / "old.json").stat().st_uid == uid
+    # a host user's directory: the command runs as that uid:gid, with no other groups
+    os.chown(runs, 12345, 12346)
+    r = _as_root_dropping(tc, tmp_path, LOWBAND_USER="nobody", LOWBAND_DATA=str(runs))
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.splitlines()[:3] == ["12345", "12346", "12346"]
+
+
 @pytest.mark.netns
 def test_entrypoint_shapes_a_real_interface(tmp_path):
     if os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("tc") is None:
