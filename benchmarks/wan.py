@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import functools
 import json
 import os
@@ -288,6 +289,85 @@ def run(cfg: WanBench) -> dict[str, Any]:
     }
 
 
+# ---- Streaming DiLoCo vs DDP on one profile ------------------------------------------------------
+@dataclass(frozen=True, kw_only=True)
+class DilocoWan:
+    """``benchmarks.diloco_wan``'s runs (``lowband worker`` per site, same model and settings as
+    ``benchmarks.diloco``'s ``BenchConfig``) on a TUN profile instead of tbf links."""
+
+    profile: str = "intercontinental"
+    workers: int = 3
+    steps: int = 120
+    """Inner steps of DiLoCo and steps of DDP alike: the same tokens for both."""
+    repeats: int = 3
+    max_rate_mbit: float = 50.0
+    timeout: float = 900.0
+    net: int = 232
+    seed: int = 1
+
+    def __post_init__(self) -> None:
+        if self.profile not in PROFILES:
+            raise ConfigError("profile", f"one of {list(PROFILES)}")
+        if not 2 <= self.workers <= 16 or self.steps < 1 or self.repeats < 1:
+            raise ConfigError("workers", "need 2..16 workers, steps >= 1, repeats >= 1")
+
+
+def diloco_vs_ddp(d: DilocoWan) -> dict[str, Any]:
+    from pathlib import Path
+
+    from benchmarks.diloco import BenchConfig
+    from benchmarks.diloco_wan import _run, run_order
+    from benchmarks.diloco_wan import summarize as summarize_runs
+    from diloco.config import DDPConfig
+    from transport.links.tun.shape import PathConfig
+    from transport.links.tun.testbed import TunConfig, TunTestbed, available
+
+    if (reason := available()) is not None:
+        raise SystemExit(f"wan benchmark unavailable: {reason}")
+    prof = PROFILES[d.profile]
+    rate, label = run_rate(prof, d.max_rate_mbit)
+    b = BenchConfig(workers=d.workers)
+    configs = {
+        "ddp": b.train_config(DDPConfig(), d.steps),
+        "streaming_overlap": b.train_config(b.diloco_mode(), d.steps),
+    }
+    path = PathConfig(delay_ms=prof.rtt_ms / 2, rate_mbit=rate, loss=prof.loss)
+    tun = TunConfig(sites=d.workers, path=path, host=True, seed=d.seed, net=d.net)
+    runs: dict[str, list[dict[str, Any]]] = {v: [{}] * d.repeats for v in configs}
+    with tempfile.TemporaryDirectory(prefix="wandiloco") as tmp, TunTestbed(tun) as bed:
+        link: Any = bed  # _run reads ns, host and addr(i): the netns Testbed's shape
+        for r, name in run_order(tuple(configs), d.repeats):
+            cfg = dataclasses.replace(
+                configs[name], eval_every=0, audit_every=0, sync_timeout=300.0
+            )
+            runs[name][r] = _run(link, cfg, Path(tmp) / f"{name}-{r}", d.timeout)
+            print(f"repeat {r} {name}: {json.dumps(runs[name][r])}", file=sys.stderr, flush=True)
+    return {
+        "mode": "diloco",
+        "link": "REAL: lowband workers in TUN-emulated sites (kernel TCP, full mesh)",
+        "profile": d.profile,
+        "configured": {"rate_mbit": prof.rate_mbit, "rtt_ms": prof.rtt_ms, "loss": prof.loss},
+        "rate_mbit_run": rate,
+        "rate_label": label,
+        "workers": d.workers,
+        "steps": d.steps,
+        "H": b.inner_steps,
+        "P": b.n_fragments,
+        "tau": b.tau,
+        "codec": b.codec,
+        "model": {
+            "hidden": b.hidden,
+            "layers": b.layers,
+            "seq_len": b.seq_len,
+            "batch": b.batch_size,
+        },
+        "repeats": d.repeats,
+        "order": "interleaved, rotated by one per repeat",
+        **summarize_runs(runs),
+        "raw": runs,
+    }
+
+
 # ---- the worker (one per site, inside its namespace) -----------------------------------------
 def _tx_bytes(tun: str) -> int:
     with open(f"/sys/class/net/{tun}/statistics/tx_bytes") as f:
@@ -382,8 +462,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--udp-count", type=int, default=4000)
     p.add_argument("--timeout", type=float, default=600.0)
     p.add_argument("--json", action="store_true", help="only the JSON line")
+    p.add_argument("--diloco", action="store_true", help="Streaming DiLoCo vs DDP instead")
+    p.add_argument("--diloco-profile", default="intercontinental", choices=list(PROFILES))
+    p.add_argument("--diloco-workers", type=int, default=3)
+    p.add_argument("--diloco-steps", type=int, default=120)
     p.add_argument("--worker", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.diloco:
+        d = DilocoWan(
+            profile=args.diloco_profile,
+            workers=args.diloco_workers,
+            steps=args.diloco_steps,
+            repeats=args.repeats,
+            max_rate_mbit=args.max_rate_mbit,
+        )
+        print(json.dumps(diloco_vs_ddp(d)), flush=True)
+        return 0
     if args.worker:
         spec = json.loads(args.worker)
         result = worker(spec)

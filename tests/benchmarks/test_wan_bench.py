@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from benchmarks.wan import PROFILES, WanBench, arm_order, run_rate, summarize
+from benchmarks.wan import PROFILES, DilocoWan, WanBench, arm_order, run_rate, summarize
 from lowband.errors import ConfigError
 from transport.links.tun.testbed import available
 
@@ -52,6 +52,10 @@ def test_config_is_validated():
     with pytest.raises(ConfigError, match="connections"):
         WanBench(connections=(0,))
     assert WanBench(gloo=False, connections=(4, 4)).arms == ["lowband_k4"]
+    with pytest.raises(ConfigError, match="profile"):
+        DilocoWan(profile="moon")
+    with pytest.raises(ConfigError, match="workers"):
+        DilocoWan(workers=1)
 
 
 @pytest.mark.slow
