@@ -1,5 +1,5 @@
-"""GGUF files (llama.cpp's format): read a ``.gguf`` (llama, qwen2, qwen3 architectures: see
-``edge.formats.gguf_arch``) into the edge runtime,
+"""GGUF files (llama.cpp's format): read a ``.gguf`` (llama, qwen2, qwen3 and gemma3
+architectures: see ``edge.formats.gguf_arch``) into the edge runtime,
 and write one (for the llama.cpp benchmark and for users who want to take a lowband model there).
 
 Reading maps each tensor onto what the runtime already has, without requantizing:
@@ -213,11 +213,12 @@ def _rows(x: Weight, fn) -> Weight:
     return fn(x).contiguous()
 
 
-def _read_tensors(reader: Any, cfg: ModelConfig, permuted: bool) -> dict[str, Weight]:
+def _read_tensors(reader: Any, cfg: ModelConfig) -> dict[str, Weight]:
     """Every tensor of the file by HF name, q/k rows back in HF order where llama.cpp's
-    converter permuted them (the llama architecture: weights and biases)."""
-    arch = architecture(reader)[0]
-    hf_of = hf_names(cfg.num_hidden_layers)
+    converter permuted them (the llama architecture: weights and biases) and norm weights
+    back in HF's form (Gemma: the file stores 1 + w)."""
+    arch, spec = architecture(reader)
+    hf_of = hf_names(cfg.num_hidden_layers, spec)
     out: dict[str, Weight] = {}
     for t in reader.tensors:
         if t.name == ROPE_FREQS:  # read into cfg.rope_freq_factors by read_config
@@ -228,9 +229,11 @@ def _read_tensors(reader: Any, cfg: ModelConfig, permuted: bool) -> dict[str, We
                 "model", f"GGUF tensor {t.name!r} is not part of a {arch!r} model lowband runs"
             )
         x = _tensor(t)
-        if permuted and ".q_proj." in name:
+        if spec.norm_shift and t.name.endswith("norm.weight") and isinstance(x, torch.Tensor):
+            x = x - spec.norm_shift
+        if spec.permuted and ".q_proj." in name:
             x = _rows(x, lambda r: _unpermute(r, cfg.num_attention_heads))
-        elif permuted and ".k_proj." in name:
+        elif spec.permuted and ".k_proj." in name:
             x = _rows(x, lambda r: _unpermute(r, cfg.n_kv_heads))
         out[name] = x
     return out
@@ -243,7 +246,7 @@ def load_gguf(path: str | Path, dtype: torch.dtype | None = None) -> LlamaForCau
     reader = open_gguf(gguf, path)  # header bounded by the file before anything is built
     cfg = read_config(reader)
     dt = dtype or torch.float32
-    tensors = _read_tensors(reader, cfg, architecture(reader)[2])
+    tensors = _read_tensors(reader, cfg)
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg)
     packed = {n for n, x in tensors.items() if not isinstance(x, torch.Tensor)}

@@ -12,13 +12,17 @@ Architectures (llama.cpp's ``gguf-py`` ``MODEL_TENSORS`` give the tensor names o
   ``output.weight`` is absent (then tied).
 * ``qwen3``: per-head RMSNorms ``attn_q_norm`` / ``attn_k_norm`` and a head_dim of its own
   (``qwen3.attention.key_length``).
+* ``gemma3`` (Gemma 3 text): sandwich norms (``post_attention_norm``, ``ffn_norm`` before the
+  MLP, ``post_ffw_norm``), stored as 1 + w by the converter; q/k norms; the layer pattern,
+  local rope base and attention scale that llama.cpp fixes for the architecture.
 
-qwen2/qwen3 use llama.cpp's NEOX rotary kernel, which pairs (i, i + D/2) as HF does, so their
+qwen2/qwen3/gemma3 use llama.cpp's NEOX rotary kernel, which pairs (i, i + D/2) as HF does, so their
 converter writes q/k rows unpermuted. Any other architecture is refused naming the value.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -29,11 +33,30 @@ from lowband.errors import ConfigError
 from lowband.models.config import ModelConfig
 from lowband.models.llama import with_rope_freq_factors
 
-# general.architecture -> (lowband model_type, q/k rows permuted by llama.cpp's converter)
-ARCHS: dict[str, tuple[str, bool]] = {
-    "llama": ("llama", True),
-    "qwen2": ("qwen2", False),
-    "qwen3": ("qwen3", False),
+
+@dataclass(frozen=True)
+class Arch:
+    """How llama.cpp's converter wrote one ``general.architecture``."""
+
+    model_type: str  # the lowband / HF family
+    permuted: bool = False  # q/k rows permuted for llama.cpp's interleaved rotary kernel
+    norm_shift: float = 0.0  # added to every norm weight (Gemma's (1 + w) norms store w + 1)
+    names: tuple[tuple[str, str], ...] = ()  # per-layer names that differ from LAYER_NAMES
+
+
+ARCHS: dict[str, Arch] = {
+    "llama": Arch("llama", permuted=True),
+    "qwen2": Arch("qwen2"),
+    "qwen3": Arch("qwen3"),
+    "gemma3": Arch(
+        "gemma3_text",
+        norm_shift=1.0,
+        names=(
+            ("post_attention_norm.weight", "post_attention_layernorm.weight"),
+            ("ffn_norm.weight", "pre_feedforward_layernorm.weight"),
+            ("post_ffw_norm.weight", "post_feedforward_layernorm.weight"),
+        ),
+    ),
 }
 
 # GGUF tensor name <-> HF name (per layer ``blk.{i}.`` <-> ``model.layers.{i}.``).
@@ -78,22 +101,23 @@ def field(reader: Any, key: str, default: Any = None) -> Any:
     return default if f is None else f.contents()
 
 
-def architecture(reader: Any) -> tuple[str, str, bool]:
-    """(GGUF architecture, lowband model_type, whether q/k rows are permuted)."""
+def architecture(reader: Any) -> tuple[str, Arch]:
+    """The file's ``general.architecture`` and how its converter wrote it."""
     arch = field(reader, "general.architecture")
     if arch not in ARCHS:
         raise ConfigError(
             "general.architecture",
             f"GGUF architecture {arch!r} is not supported (supported: {', '.join(ARCHS)})",
         )
-    return (arch, *ARCHS[arch])
+    return arch, ARCHS[arch]
 
 
-def hf_names(num_layers: int) -> dict[str, str]:
+def hf_names(num_layers: int, arch: Arch = ARCHS["llama"]) -> dict[str, str]:
     """Every GGUF tensor name the runtime knows -> its HF name."""
     out = dict(TOP_NAMES)
+    layer = {**LAYER_NAMES, **dict(arch.names)}
     for i in range(num_layers):
-        out.update({f"blk.{i}.{g}": f"model.layers.{i}.{h}" for g, h in LAYER_NAMES.items()})
+        out.update({f"blk.{i}.{g}": f"model.layers.{i}.{h}" for g, h in layer.items()})
     return out
 
 
@@ -115,7 +139,7 @@ def _rope_scaling(reader: Any, pre: str) -> dict[str, Any] | None:
 
 def read_config(reader: Any) -> ModelConfig:
     """The model of a GGUF file's metadata (``{arch}.*`` keys) and tensor list."""
-    arch, model_type, _ = architecture(reader)
+    arch, spec = architecture(reader)
     pre = arch + "."
     tensors = {t.name: t for t in reader.tensors}
     embd = tensors.get("token_embd.weight")
@@ -149,8 +173,10 @@ def read_config(reader: Any) -> ModelConfig:
         field(reader, "tokenizer.ggml.bos_token_id"),
         field(reader, "tokenizer.ggml.eos_token_id"),
     )
+    if spec.model_type == "gemma3_text":
+        kw.update(_gemma3(reader, pre, kw))
     cfg = ModelConfig(
-        model_type=model_type,
+        model_type=spec.model_type,
         bos_token_id=None if bos is None else int(bos),
         eos_token_id=None if eos is None else int(eos),
         **kw,
@@ -161,6 +187,37 @@ def read_config(reader: Any) -> ModelConfig:
             raise ConfigError("model", f"GGUF {ROPE_FREQS} must be F32, got {t.tensor_type.name}")
         cfg = with_rope_freq_factors(cfg, torch.from_numpy(np.array(t.data, dtype=np.float32)))
     return cfg
+
+
+def _gemma3(reader: Any, pre: str, kw: dict[str, Any]) -> dict[str, Any]:
+    """Gemma 3's fields as llama.cpp (``llama-model.cpp``, LLM_ARCH_GEMMA3) sets them: every
+    6th layer global, the others sliding with a rope base of 10000 (``rope.freq_base_swa`` when
+    the file has it); attention scaled by 1/sqrt(head_dim), or 1/sqrt(hidden/heads) for the
+    62-layer 27B; embeddings times sqrt(hidden); GeGLU; (1 + w) sandwich norms."""
+    if field(reader, pre + "attn_logit_softcapping") is not None:
+        raise ConfigError(
+            pre + "attn_logit_softcapping", "attention softcapping is not implemented"
+        )
+    n, hd = (
+        kw["num_hidden_layers"],
+        kw.get("head_dim") or kw["hidden_size"] // kw["num_attention_heads"],
+    )
+    cap = field(reader, pre + "final_logit_softcapping")
+    return dict(
+        norm_unit_offset=True,
+        sandwich_norms=True,
+        scale_embeddings=True,
+        hidden_act="gelu_pytorch_tanh",
+        sliding_window=int(field(reader, pre + "attention.sliding_window", 4096)),
+        layer_types=tuple(
+            "sliding_attention" if (i + 1) % 6 else "full_attention" for i in range(n)
+        ),
+        rope_local_theta=float(field(reader, pre + "rope.freq_base_swa", 10000.0)),
+        query_pre_attn_scalar=float(
+            kw["hidden_size"] // kw["num_attention_heads"] if n == 62 else hd
+        ),
+        final_logit_softcapping=None if cap is None else float(cap),
+    )
 
 
 def read_tokenizer(reader: Any):

@@ -223,7 +223,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="a GGUF file (F32/F16/BF16/Q8_0/Q4_0) to a checkpoint "
         "directory every edge command reads (quantized blocks kept as they are)",
     )
-    p.add_argument("gguf", help="a .gguf file (llama, qwen2 or qwen3 architecture)")
+    p.add_argument("gguf", help="a .gguf file (llama, qwen2, qwen3 or gemma3 architecture)")
     p.add_argument("--out", required=True)
     p.set_defaults(func=_convert)
 

@@ -139,11 +139,20 @@ TOP = {
 }
 
 
-def gguf_name(hf: str) -> str:
+# Gemma 3's sandwich norms (convert_hf_to_gguf / gguf-py MODEL_TENSORS[GEMMA3]).
+GG_GEMMA3 = {
+    "post_attention_layernorm.weight": "post_attention_norm.weight",
+    "pre_feedforward_layernorm.weight": "ffn_norm.weight",
+    "post_feedforward_layernorm.weight": "post_ffw_norm.weight",
+}
+
+
+def gguf_name(hf: str, arch: str = "llama") -> str:
     if hf in TOP:
         return TOP[hf]
     _, _, i, rest = hf.split(".", 3)
-    return f"blk.{i}.{GG[rest]}"
+    names = {**GG, **GG_GEMMA3} if arch == "gemma3" else GG
+    return f"blk.{i}.{names[rest]}"
 
 
 def write_file(path: Path, hf_model, arch: str, pre: str, quant: str | None = None) -> Path:
@@ -160,11 +169,14 @@ def write_file(path: Path, hf_model, arch: str, pre: str, quant: str | None = No
     w.add_head_count_kv(cfg.num_key_value_heads)
     w.add_key_length(head_dim)
     w.add_value_length(head_dim)
-    w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
+    rope = cfg.rope_parameters
+    w.add_rope_freq_base(rope.get("full_attention", rope)["rope_theta"])
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     w.add_file_type(0 if quant is None else 15)
     add_tokenizer(w, bpe(), cfg.vocab_size, pre)
-    if cfg.rope_parameters["rope_type"] == "llama3":
+    if arch == "gemma3":
+        w.add_sliding_window(cfg.sliding_window)
+    if rope.get("rope_type") == "llama3":
         w.add_tensor("rope_freqs.weight", llama3_factors(cfg))
     state = hf_model.state_dict()
     for i, (hf, t) in enumerate(state.items()):
@@ -181,7 +193,9 @@ def write_file(path: Path, hf_model, arch: str, pre: str, quant: str | None = No
             a = converter_permute(a, cfg.num_attention_heads)
         elif arch == "llama" and ".k_proj." in hf:
             a = converter_permute(a, cfg.num_key_value_heads)
-        w.add_tensor(gguf_name(hf), np.ascontiguousarray(a), raw_dtype=qt)
+        if arch == "gemma3" and hf.endswith("norm.weight"):
+            a = a + 1  # Gemma3Model.modify_tensors: the file stores 1 + w
+        w.add_tensor(gguf_name(hf, arch), np.ascontiguousarray(a), raw_dtype=qt)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -247,6 +261,31 @@ def hf_qwen3():
     return _random(transformers.Qwen3ForCausalLM(cfg))
 
 
+def hf_gemma3():
+    """Gemma-3-1B-style: 6 layers (every 6th global), a sliding window shorter than the
+    prompt, a local rope base, GeGLU, sandwich (1 + w) norms, q/k norms, tied head."""
+    cfg = transformers.Gemma3TextConfig(
+        vocab_size=320,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=6,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        head_dim=16,
+        query_pre_attn_scalar=16,  # = head_dim, as llama.cpp assumes below 62 layers
+        sliding_window=4,
+        max_position_embeddings=128,
+        rope_parameters={
+            "full_attention": {"rope_type": "default", "rope_theta": 1e6},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+        },
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    return _random(transformers.Gemma3ForCausalLM(cfg))
+
+
 def _random(model):
     torch.manual_seed(0)
     with torch.no_grad():
@@ -273,6 +312,7 @@ def no_kernel():
 @pytest.mark.parametrize(
     "make,arch,pre",
     [
+        (hf_gemma3, "gemma3", "llama-bpe"),
         (hf_llama32, "llama", "llama-bpe"),
         (hf_qwen25, "qwen2", "qwen2"),
         (hf_qwen3, "qwen3", "qwen2"),
@@ -283,7 +323,7 @@ def test_f32_file_matches_transformers(tmp_path, make, arch, pre) -> None:
     path = write_file(tmp_path / f"{arch}.gguf", hf, arch, pre)
     got = load_gguf(path)
     cfg = got.config
-    assert cfg.model_type == arch
+    assert cfg.model_type == {"gemma3": "gemma3_text"}.get(arch, arch)
     assert cfg.tie_word_embeddings == hf.config.tie_word_embeddings
     if arch == "llama":  # the file's factors, not a recomputation from a config
         assert cfg.rope_freq_factors is not None and max(cfg.rope_freq_factors) == 8.0
