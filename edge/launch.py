@@ -27,7 +27,7 @@ from edge.cluster import (
     check_experts,
     run_worker,
 )
-from edge.engine import Engine, LocalRunner
+from edge.engine import Engine, LocalRunner, Runner
 from edge.moe.serve import ExpertServeConfig, load_nested_shard, plan_ranks
 from edge.sampling import SamplingParams
 from edge.server import ServerConfig, serve_forever
@@ -165,7 +165,7 @@ def build_engine(cfg: ServeMasterConfig, coord=None, master_host: str | None = N
     check_model(cfg.model_dir, cc)
     if cc.devices == 1:
         shard = _load_local(cfg.model_dir, cc.dtype, cc.window_config(), cc.experts)
-        runner = LocalRunner(shard.model, shard.close, report=shard.store_report)
+        runner: Runner = LocalRunner(shard.model, shard.close, report=shard.store_report)
         return Engine(runner, tok, model_name=name), None, None
     from transport.coordinator import Coordinator
     from transport.zmq_comm import connect
@@ -208,7 +208,8 @@ def check_model(model_dir: str, cc: ClusterConfig) -> None:
     """Refuse what cannot be served before any process or socket starts: for a nested MoE the
     expert budget of every device (a share smaller than its largest expert at the narrowest
     width) and the window across devices."""
-    if check_experts(model_dir, cc.experts):
+    # cc.experts is not None when the directory is nested: check_experts refuses that
+    if check_experts(model_dir, cc.experts) and cc.experts is not None:
         if cc.window_config() is not None and cc.devices > 1:
             raise ConfigError(
                 "window",
@@ -224,7 +225,8 @@ def _load_local(
     window: WindowConfig | None,
     experts: ExpertServeConfig | None,
 ):
-    if check_experts(model_dir, experts):
+    # experts is not None when the directory is nested: check_experts refuses that
+    if check_experts(model_dir, experts) and experts is not None:
         return load_nested_shard(model_dir, experts=experts, window=window, dtype=dtype)
     if window is not None and not is_split_dir(model_dir):
         raise ConfigError(

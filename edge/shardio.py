@@ -20,7 +20,7 @@ import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Sequence, cast
 
 import torch
 from safetensors import safe_open
@@ -88,7 +88,9 @@ def _plan(
     return make_plan(cfg, world, weights, ffn_unit=max(8, layout.group) if layout else 8)
 
 
-def _spec(key: str, plan: TPPlan, rank: int, layout: QuantLayout | None):
+def _spec(
+    key: str, plan: TPPlan, rank: int, layout: QuantLayout | None
+) -> tuple[int, int, int] | bool:
     """:func:`slice_of` for any stored tensor, packed ones included."""
     if layout is not None and is_quant_tensor(key):
         base = key.rpartition(".")[0] + ".weight"
@@ -194,7 +196,9 @@ class WindowConfig:
         ``fixed_bytes`` of always-resident weights; never more than there are blocks."""
         w = self.window
         if w is None:
-            w = window_for_budget(int(self.memory_budget_mb * 2**20), block_bytes, fixed_bytes)
+            # cast: exactly one of window and memory_budget_mb is set (__post_init__)
+            budget_mb = cast(float, self.memory_budget_mb)
+            w = window_for_budget(int(budget_mb * 2**20), block_bytes, fixed_bytes)
         return min(w, len(block_bytes))
 
 
@@ -340,7 +344,7 @@ def tie_head(model: LlamaForCausalLM, plan: TPPlan) -> None:
 
 def _wanted(model: nn.Module) -> dict[str, torch.Tensor]:
     """Every tensor a checkpoint fills: parameters and persistent buffers (packed weights)."""
-    out = dict(model.named_parameters(remove_duplicate=False))
+    out: dict[str, torch.Tensor] = dict(model.named_parameters(remove_duplicate=False))
     for mname, mod in model.named_modules(remove_duplicate=False):
         for bname, b in mod._buffers.items():
             if b is not None and bname not in mod._non_persistent_buffers_set:

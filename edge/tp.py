@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Any, Callable, Literal, Protocol, Sequence
+from typing import Any, Callable, Literal, Protocol, Sequence, overload
 
 import torch
 from torch import nn
@@ -236,6 +236,12 @@ def slice_of(name: str, plan: TPPlan, rank: int) -> tuple[int, int, int] | bool:
     return True
 
 
+@overload
+def take(t: torch.Tensor, spec: tuple[int, int, int] | Literal[True]) -> torch.Tensor: ...
+@overload
+def take(t: torch.Tensor, spec: Literal[False]) -> None: ...
+@overload
+def take(t: torch.Tensor, spec: tuple[int, int, int] | bool) -> torch.Tensor | None: ...
 def take(t: torch.Tensor, spec: tuple[int, int, int] | bool) -> torch.Tensor | None:
     """Apply a :func:`slice_of` answer to a full tensor (a meta tensor stays meta)."""
     if spec is False:

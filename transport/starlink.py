@@ -36,6 +36,7 @@ import secrets
 import socket
 import threading
 import time
+from typing import Sequence
 
 import msgpack
 import torch
@@ -155,7 +156,7 @@ class _Conn:
         self,
         kind: int,
         seq: int,
-        frames: list[torch.Tensor] = (),
+        frames: Sequence[torch.Tensor] = (),
         meta: dict | None = None,
         timeout: float | None = None,
     ) -> None:
@@ -370,7 +371,11 @@ class StarHub:
         return out.to(x.dtype).reshape(x.shape)
 
     def command(
-        self, slot: int, meta: dict, frames: list[torch.Tensor] = (), timeout: float | None = None
+        self,
+        slot: int,
+        meta: dict,
+        frames: Sequence[torch.Tensor] = (),
+        timeout: float | None = None,
     ) -> None:
         """Send a command (a CMD message) to the worker holding ``slot``; its frames keep their
         dtype (a bf16/fp16 model's activations arrive as the model computes them)."""

@@ -90,6 +90,8 @@ def apply_quant_layout(model: nn.Module, layout: QuantLayout) -> None:
     the model is), ready for ``load_state_dict(..., assign=True)``."""
     for name in layout.modules:
         lin = model.get_submodule(name)
+        if not isinstance(lin, nn.Linear):
+            raise ConfigError(QUANT_KEY, f"{name} (in its modules) is not a linear layer")
         meta = lin.weight.is_meta
         with torch.device("meta" if meta else "cpu"):
             q = QuantLinear(
@@ -214,36 +216,36 @@ def quant_slice(
 def fuse_quant_rows(mods: Sequence[nn.Module]) -> nn.Module | None:
     """Row-concatenate ``QuantLinear``s sharing bits, group and input width into one (rows are
     independent in the packed layout, so this is exact); the originals are re-pointed at views."""
-    first = mods[0]
+    qs = [m for m in mods if isinstance(m, QuantLinear)]
+    if len(qs) != len(mods):
+        return None
+    first = qs[0]
     if not all(
-        isinstance(m, QuantLinear)
-        and m.bits == first.bits
-        and m.group == first.group
-        and m.in_features == first.in_features
-        for m in mods
+        m.bits == first.bits and m.group == first.group and m.in_features == first.in_features
+        for m in qs
     ):
         return None
-    if any(m.qweight.is_meta for m in mods):
+    if any(m.qweight.is_meta for m in qs):
         return None
-    n = sum(m.out_features for m in mods)
+    n = sum(m.out_features for m in qs)
     packed = PackedWeight(
         QuantSpec(first.bits, first.group, (n, first.in_features)),
-        torch.cat([m.qweight for m in mods]),
-        torch.cat([m.scales for m in mods]),
+        torch.cat([m.qweight for m in qs]),
+        torch.cat([m.scales for m in qs]),
     )
     bias = None
-    if any(m.bias is not None for m in mods):
+    if any(m.bias is not None for m in qs):
         bias = torch.cat(
-            [m.bias if m.bias is not None else torch.zeros(m.out_features) for m in mods]
+            [m.bias if m.bias is not None else torch.zeros(m.out_features) for m in qs]
         )
     fused = QuantLinear.from_packed(
         packed, bias, max_kernel_rows=first.max_kernel_rows, use_kernel=first.use_kernel
     )
     a = 0
-    for m in mods:
+    for m in qs:
         k = m.out_features
         m.qweight, m.scales = fused.qweight[a : a + k], fused.scales[a : a + k]
-        if m.bias is not None:
+        if m.bias is not None and fused.bias is not None:  # fused has one when any of them has
             m.bias = fused.bias[a : a + k]
         a += k
     return fused

@@ -45,7 +45,7 @@ from edge.moe.store import (
     attach,
 )
 from edge.shardio import LoadedShard, WindowConfig, _assign
-from edge.tp import Reduce, make_plan, shard, slice_of
+from edge.tp import Reduce, TPPlan, make_plan, shard, slice_of
 from edge.window import MappedFile, MappedRegion, WindowScheduler
 from lowband.errors import ConfigError, CorruptWeights
 from lowband.models.config import ModelConfig
@@ -238,7 +238,8 @@ def plan_ranks(
                 )
                 raise ConfigError(
                     "expert_budget_mb",
-                    f"{cfg.budget_mb:g} MB of experts{'' if world == 1 else f' over {world} devices'} "
+                    f"{cfg.budget_mb:g} MB of experts"
+                    f"{'' if world == 1 else f' over {world} devices'} "
                     f"cannot hold one expert at {cfg.floor_bits} bits on device {r} (its share "
                     f"{shares[r] / MB:.3f} MB, one expert {biggest / MB:.3f} MB); raise "
                     f"--expert-budget-mb to at least {need / MB:.3f}",
@@ -318,11 +319,11 @@ def load_nested_shard(
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg)
     shard(model, plan, rank, world, reduce)
-    sched = (
-        _load_backbone_window(model, d, window)
-        if window is not None
-        else _load_backbone(model, d, plan, rank)
-    )
+    sched: WindowScheduler | None = None
+    if window is not None:
+        sched = _load_backbone_window(model, d, window)
+    else:
+        _load_backbone(model, d, plan, rank)
     model.inv_freq = rope_inv_freq(cfg)
     if cfg.tie_word_embeddings and rank == 0:
         model.lm_head.weight = model.model.embed_tokens.weight
@@ -369,7 +370,7 @@ def _backbone_names(model: LlamaForCausalLM) -> set[str]:
     }
 
 
-def _load_backbone(model: LlamaForCausalLM, d: Path, plan, rank: int) -> None:
+def _load_backbone(model: LlamaForCausalLM, d: Path, plan: TPPlan, rank: int) -> None:
     """Read this rank's slice of every backbone tensor through the safetensors memory map."""
     wanted = _backbone_names(model)
     tensors: dict[str, torch.Tensor] = {}
@@ -380,6 +381,8 @@ def _load_backbone(model: LlamaForCausalLM, d: Path, plan, rank: int) -> None:
             spec = slice_of(key, plan, rank)
             if spec is True:
                 t = sf.get_tensor(key)
+            elif spec is False:  # not held: shard() left it empty, so it is not wanted
+                continue
             else:
                 dim, a, b = spec
                 sl = sf.get_slice(key)

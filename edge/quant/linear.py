@@ -157,7 +157,7 @@ class QuantLinear(nn.Module):
         return self._like(p, self.bias.clone() if (keep_bias and self.bias is not None) else None)
 
     # -- housekeeping ------------------------------------------------------------------------
-    def _apply(self, fn, recurse: bool = True):  # type: ignore[override]
+    def _apply(self, fn, recurse: bool = True):
         # Module.half()/.to(dtype) cast every floating buffer; the fp16 scales are part of the
         # packed format, so keep their dtype (device moves still apply).
         scales = self.scales

@@ -134,7 +134,7 @@ def resolve_link(kind: LinkKind) -> Literal["netns", "emulator", "none"]:
         return "netns" if available() is None else "emulator"
     if kind == "netns" and (reason := available()) is not None:
         raise ConfigError("link", f"netns {reason}; use --link emulator")
-    return kind  # type: ignore[return-value]
+    return kind
 
 
 # ---- the network: where the coordinator binds and how each site is started ------------------
