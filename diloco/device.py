@@ -102,8 +102,9 @@ def enable_checkpointing(model: nn.Module) -> None:
     ``layers`` ModuleList of blocks) gets each block's forward wrapped in
     ``torch.utils.checkpoint`` (non-reentrant, so keyword arguments and no-grad inputs work).
     """
-    if hasattr(model, "gradient_checkpointing_enable"):
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    enable = getattr(model, "gradient_checkpointing_enable", None)  # a Hugging Face model
+    if enable is not None:
+        enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         return
     blocks = [
         m
@@ -116,13 +117,13 @@ def enable_checkpointing(model: nn.Module) -> None:
             f"{type(model).__name__} has no `layers` ModuleList of blocks to wrap",
         )
     for block in blocks[0]:
-        block.forward = _checkpointed(block.forward)  # type: ignore[method-assign]
+        block.forward = _checkpointed(block.forward)
 
 
-def _checkpointed(forward):  # type: ignore[no-untyped-def]
+def _checkpointed(forward):
     from torch.utils.checkpoint import checkpoint
 
-    def run(*args, **kwargs):  # type: ignore[no-untyped-def]
+    def run(*args, **kwargs):
         if not torch.is_grad_enabled():  # eval / generation: nothing to save memory on
             return forward(*args, **kwargs)
         return checkpoint(forward, *args, use_reentrant=False, **kwargs)

@@ -336,7 +336,7 @@ class DilocoWorker:
     def state_hash(self) -> int:
         """Digest of everything that must be identical across workers: θ_g, outer optimizer
         states, step and syncs applied."""
-        tensors = [p for p in self.global_model.parameters()]
+        tensors: list[torch.Tensor] = [p for p in self.global_model.parameters()]
         for f in self.fragments:
             tensors += optimizer_tensors(f.outer_opt)
         return hash_state(tensors, self.step, self.applied)
