@@ -5,6 +5,7 @@ the HTTP server drives, and the recovery of a cluster that lost a device (see ``
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from dataclasses import dataclass
@@ -91,6 +92,9 @@ class ClusterConfig:
             raise ConfigError("devices", f"must be >= 1, got {self.devices}")
         if self.weights is not None and len(self.weights) != self.devices:
             raise ConfigError("weights", f"{len(self.weights)} weights for {self.devices} devices")
+        if self.weights is not None and not all(math.isfinite(w) and w > 0 for w in self.weights):
+            # (a worker refuses such an assign: edge.cluster.protocol.Assign)
+            raise ConfigError("weights", f"must be finite and > 0, got {list(self.weights)}")
         wire_codec(self.wire)
         if self.algorithm not in ("star", "ring", "auto"):
             raise ConfigError("algorithm", f"must be star, ring or auto, got {self.algorithm!r}")

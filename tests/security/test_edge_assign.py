@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from edge.cluster import WorkerConfig, run_worker
+from edge.cluster import ClusterConfig, WorkerConfig, run_worker
 from edge.cluster.protocol import CTL, READY, Assign, Bye, Ready, Shutdown, decode
 from edge.cluster.worker import served_path
 from edge.launch import ServeWorkerConfig
@@ -131,6 +131,12 @@ def test_a_networked_worker_needs_its_model_dir(models) -> None:
 def test_an_assign_out_of_range_does_not_decode(over) -> None:
     with pytest.raises(ProtocolError, match="assign"):
         decode({**_assign("/m"), **over})
+
+
+@pytest.mark.parametrize("bad", [math.inf, math.nan, 0.0, -1.0])
+def test_the_master_refuses_weights_its_workers_would(bad) -> None:
+    with pytest.raises(ConfigError, match="weights"):
+        ClusterConfig(devices=2, weights=(1.0, bad))
 
 
 def test_a_sane_assign_decodes() -> None:
