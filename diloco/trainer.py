@@ -17,6 +17,7 @@ most-advanced worker lost, a state transfer to those behind, a hash check). The 
 from __future__ import annotations
 
 import copy
+import functools
 import logging
 import time
 from concurrent.futures import Future
@@ -170,11 +171,11 @@ class DilocoWorker:
                 loss = self.inner.run_step(self.slot)
                 self.result.compute_s += time.perf_counter() - tc
                 for action in fragment_actions(self.step, m.n_fragments, m.inner_steps, m.tau):
-                    self._timed(lambda a=action: self._do(a))
+                    self._timed(functools.partial(self._do, action))
                 self._after_step(loss)
             for action in drain_actions(self.cfg.steps, m.n_fragments, m.inner_steps, m.tau):
                 if self.inflight is not None:
-                    self._timed(lambda a=action: self._do(a))
+                    self._timed(functools.partial(self._do, action))
         finally:
             # Stop the sender and batch threads (CUDA) on every way out, not only after the
             # final drain, and write a profile still being recorded.
@@ -203,7 +204,8 @@ class DilocoWorker:
         # inline and without copies).
         x, flag = self.fragments[action.fragment].device_contribution(self.staging.stream)
         out = self.staging.stage_out(action.fragment, x, flag)
-        sync = _Sync(action.fragment, action.round, *out.host)
+        x_host, flag_host = out.host  # the two tensors staged above, in order
+        sync = _Sync(action.fragment, action.round, x_host, flag_host)
         tag = f"frag/{action.fragment}/{action.round}"
         sync.launched = self.staging.launch(out, lambda: self._launch(sync, tag))
         self.inflight = sync
