@@ -13,7 +13,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Iterator, Protocol, Sequence
+from typing import Generator, Iterator, Protocol, Sequence
 
 import torch
 
@@ -214,7 +214,9 @@ class Engine:
             )
         return ids
 
-    def generate(self, prompt: str | Sequence[int], params: SamplingParams) -> Iterator[Event]:
+    def generate(
+        self, prompt: str | Sequence[int], params: SamplingParams
+    ) -> Generator[Event, None, None]:
         """Stream a completion. Raises :class:`ConfigError` for a bad request and
         :class:`EngineError` when the runtime fails mid-way."""
         ids = self.prepare(prompt, params)
