@@ -38,6 +38,7 @@ import functools
 import json
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -368,6 +369,224 @@ def diloco_vs_ddp(d: DilocoWan) -> dict[str, Any]:
     }
 
 
+# ---- torchft's Streaming DiLoCo on the same profile (the algorithm-level peer) ---------------
+LIGHTHOUSE_PORT = 29512
+
+
+def torchft_diloco(d: DilocoWan, python: str) -> dict[str, Any]:
+    """torchft's Streaming DiLoCo against lowband's on one TUN testbed, runs interleaved.
+
+    torchft: Lighthouse on the host endpoint, one replica group of one rank per site,
+    ProcessGroupGloo over the site's TUN, the same model, batches, H, P, tau, alpha and steps as
+    lowband's ``streaming_overlap`` run (``--diloco``); ``python`` is an interpreter that imports
+    torchft (a separate environment: a benchmark-only dependency). Both arms: wall clock of the
+    slowest site and the IP bytes a site's TUN sent during the run (headers, ACKs and control
+    traffic included, so the two are counted alike)."""
+    from pathlib import Path
+
+    from benchmarks.diloco import BenchConfig
+    from benchmarks.diloco_wan import _run
+    from transport.links.tun.shape import PathConfig
+    from transport.links.tun.testbed import TunConfig, TunTestbed
+
+    prof = PROFILES[d.profile]
+    rate, label = run_rate(prof, d.max_rate_mbit)
+    path = PathConfig(delay_ms=prof.rtt_ms / 2, rate_mbit=rate, loss=prof.loss)
+    tun = TunConfig(sites=d.workers, path=path, host=True, seed=d.seed, net=d.net)
+    b = BenchConfig(workers=d.workers)
+    lowband_cfg = dataclasses.replace(
+        b.train_config(b.diloco_mode(), d.steps), eval_every=0, audit_every=0, sync_timeout=300.0
+    )
+    runs: dict[str, list[dict[str, Any]]] = {"lowband": [], "torchft": []}
+    with TunTestbed(tun) as bed, tempfile.TemporaryDirectory(prefix="wantorchft") as tmp:
+
+        def tx() -> int:
+            cat = [f"/sys/class/net/{t}/statistics/tx_bytes" for t in bed.tuns]
+            return sum(
+                int(bed.run_in(i, ["cat", c], capture_output=True, text=True).stdout)
+                for i, c in enumerate(cat)
+            )
+
+        serve = (
+            "import sys; from torchft.coordination import LighthouseServer; "
+            f"s = LighthouseServer(bind='0.0.0.0:{LIGHTHOUSE_PORT}', min_replicas={d.workers}); "
+            "print('ready', flush=True); sys.stdin.read(); s.shutdown()"
+        )
+        lh = subprocess.Popen(
+            [python, "-c", serve], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+        )
+        lighthouse = f"http://{bed.host}:{LIGHTHOUSE_PORT}"
+        try:
+            assert lh.stdout is not None and lh.stdin is not None
+            if lh.stdout.readline().strip() != "ready":
+                raise RuntimeError("torchft Lighthouse did not start")
+            for r in range(d.repeats):
+                for arm in ("lowband", "torchft")[r % 2 :] + ("lowband", "torchft")[: r % 2]:
+                    tx0 = tx()
+                    if arm == "torchft":
+                        row = _torchft_run(bed, d, python, lighthouse, tmp, r)
+                    else:
+                        link: Any = bed  # _run reads ns, host and addr(i), as --diloco
+                        out = _run(link, lowband_cfg, Path(tmp) / f"lowband-{r}", d.timeout)
+                        row = {"wall_s": out["wall_s"], "outer_steps": None}
+                    row["site_tx_bytes"] = (tx() - tx0) // d.workers
+                    runs[arm].append(row)
+                    print(f"repeat {r} {arm}: {json.dumps(row)}", file=sys.stderr, flush=True)
+        finally:
+            if lh.stdin is not None:
+                lh.stdin.close()
+            try:
+                lh.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                lh.kill()
+                lh.wait()
+    summary = {
+        arm: {
+            "wall_s": _spread([x["wall_s"] for x in rows], 3),
+            "site_tx_bytes": _spread([x["site_tx_bytes"] for x in rows], 0),
+        }
+        for arm, rows in runs.items()
+    }
+    return {
+        "mode": "torchft_vs_lowband_diloco",
+        "link": "REAL: worker processes in TUN-emulated sites (kernel TCP, full mesh)",
+        "profile": d.profile,
+        "configured": {"rate_mbit": prof.rate_mbit, "rtt_ms": prof.rtt_ms, "loss": prof.loss},
+        "rate_mbit_run": rate,
+        "rate_label": label,
+        "workers": d.workers,
+        "steps": d.steps,
+        "H": b.inner_steps,
+        "P": b.n_fragments,
+        "tau": b.tau,
+        "alpha": b.alpha,
+        "lowband_codec": b.codec,
+        "torchft_codec": "none (fp32 pseudo-gradients; its should_quantize needs CUDA)",
+        "repeats": d.repeats,
+        **summary,
+        "wall_ratio_torchft_over_lowband": _spread(
+            [t["wall_s"] / lo["wall_s"] for t, lo in zip(runs["torchft"], runs["lowband"])], 3
+        ),
+        "torchft_outer_steps": runs["torchft"][0]["outer_steps"],
+        "raw": runs,
+    }
+
+
+def _torchft_run(
+    bed: Any, d: DilocoWan, python: str, lighthouse: str, tmp: str, r: int
+) -> dict[str, Any]:
+    procs, outs = [], []
+    for i in range(d.workers):
+        out = os.path.join(tmp, f"tft-{r}-{i}.json")
+        spec = {
+            "site": i,
+            "addr": bed.addr(i),
+            "tun": bed.tuns[i],
+            "out": out,
+            "lighthouse": lighthouse,
+            "workers": d.workers,
+            "steps": d.steps,
+        }
+        env = {**os.environ, "GLOO_SOCKET_IFNAME": bed.tuns[i]}
+        args = [python, "-m", "benchmarks.wan", "--torchft-worker", json.dumps(spec)]
+        procs.append(bed.popen(i, args, start_new_session=True, env=env))
+        outs.append(out)
+    try:
+        for p in procs:
+            p.wait(timeout=d.timeout)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, 9)
+                p.wait()
+    if any(p.returncode for p in procs):
+        raise RuntimeError(f"torchft workers failed: {[p.returncode for p in procs]}")
+    res = []
+    for out in outs:
+        with open(out) as f:
+            res.append(json.load(f))
+    return {"wall_s": round(max(x["wall_s"] for x in res), 3), "outer_steps": res[0]["outer_steps"]}
+
+
+def torchft_worker(spec: dict[str, Any]) -> dict[str, Any]:
+    """One torchft replica group (one rank) in its site: the --diloco model and batches."""
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+    from torchft.local_sgd import DiLoCo
+    from torchft.manager import Manager
+    from torchft.process_group import ProcessGroupGloo
+
+    from benchmarks.diloco import BenchConfig
+    from diloco.config import DDPConfig
+    from diloco.task import lm_task
+
+    torch.set_num_threads(1)
+    b = BenchConfig(workers=spec["workers"])
+    task = lm_task(b.train_config(DDPConfig(), spec["steps"]))
+    model: Any = task.build_model()  # lowband's LlamaForCausalLM (HF names)
+    inner = torch.optim.AdamW(model.parameters(), lr=b.inner_lr, weight_decay=0.1)
+    # P fragments as in lowband's run: embedding + first layer, the middle, the rest
+    mods = [model.model.embed_tokens, *model.model.layers, model.model.norm]
+    if model.lm_head.weight is not model.model.embed_tokens.weight:  # tied: synced once
+        mods.append(model.lm_head)
+    k = -(-len(mods) // b.n_fragments)
+    frags = [torch.nn.ModuleList(mods[j : j + k]) for j in range(0, len(mods), k)]
+    outer = [
+        torch.optim.SGD(f.parameters(), lr=b.outer_lr, momentum=b.outer_momentum, nesterov=True)
+        for f in frags
+    ]
+    store = dist.TCPStore(spec["addr"], 0, is_master=True, wait_for_workers=False)
+    manager = Manager(
+        pg=ProcessGroupGloo(timeout=timedelta(seconds=120)),
+        min_replica_size=spec["workers"],
+        use_async_quorum=False,
+        # Every site builds the same model from the same seed, as in lowband's runs; a step-0
+        # sync would fetch it over torchft's HTTP checkpoint server, which advertises
+        # socket.gethostname(): the machine's name, not the site's TUN address.
+        init_sync=False,
+        load_state_dict=lambda sd: model.load_state_dict(sd["model"]),
+        state_dict=lambda: {"model": model.state_dict()},
+        replica_id=f"site{spec['site']}",
+        store_addr=spec["addr"],
+        store_port=store.port,
+        rank=0,
+        world_size=1,
+        lighthouse_addr=spec["lighthouse"],
+        hostname=spec["addr"],
+        port=19530,
+        timeout=timedelta(seconds=120),
+        quorum_timeout=timedelta(seconds=120),
+        connect_timeout=timedelta(seconds=60),
+    )
+    tx0, t0 = _tx_bytes(spec["tun"]), time.perf_counter()
+    with DiLoCo(
+        manager,
+        list(frags),
+        inner,
+        outer,
+        sync_every=b.inner_steps,
+        backup_device=torch.device("cpu"),
+        pin_memory=False,
+        fragment_sync_delay=b.tau,
+        fragment_update_alpha=b.alpha,
+    ):
+        for step in range(spec["steps"]):
+            loss = task.loss(model, task.train_batch(spec["site"], step))
+            inner.zero_grad()
+            loss.backward()
+            inner.step()
+    wall = time.perf_counter() - t0
+    out = {
+        "wall_s": wall,
+        "tx_bytes": _tx_bytes(spec["tun"]) - tx0,
+        "outer_steps": manager.current_step(),
+    }
+    manager.shutdown()
+    return out
+
+
 # ---- the worker (one per site, inside its namespace) -----------------------------------------
 def _tx_bytes(tun: str) -> int:
     with open(f"/sys/class/net/{tun}/statistics/tx_bytes") as f:
@@ -466,6 +685,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--diloco-profile", default="intercontinental", choices=list(PROFILES))
     p.add_argument("--diloco-workers", type=int, default=3)
     p.add_argument("--diloco-steps", type=int, default=120)
+    p.add_argument("--torchft", metavar="PYTHON", help="torchft's DiLoCo instead, run by PYTHON")
+    p.add_argument("--torchft-worker", help=argparse.SUPPRESS)
     p.add_argument("--worker", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.diloco:
@@ -477,6 +698,23 @@ def main(argv: Sequence[str] | None = None) -> int:
             max_rate_mbit=args.max_rate_mbit,
         )
         print(json.dumps(diloco_vs_ddp(d)), flush=True)
+        return 0
+    if args.torchft:
+        d = DilocoWan(
+            profile=args.diloco_profile,
+            workers=args.diloco_workers,
+            steps=args.diloco_steps,
+            repeats=args.repeats,
+            max_rate_mbit=args.max_rate_mbit,
+            net=233,
+        )
+        print(json.dumps(torchft_diloco(d, args.torchft)), flush=True)
+        return 0
+    if args.torchft_worker:
+        spec = json.loads(args.torchft_worker)
+        result = torchft_worker(spec)
+        with open(spec["out"], "w") as f:
+            json.dump(result, f)
         return 0
     if args.worker:
         spec = json.loads(args.worker)
