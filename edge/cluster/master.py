@@ -10,7 +10,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Any, Sequence, cast
 
 import torch
 
@@ -343,7 +343,9 @@ class MasterRunner:
                 self.hub.drop(s)
             self._on_link.clear()
         self.shard.close()
-        self.shard = self.model = None
+        # Drop the old slice before loading the new one (peak memory of one slice, not two);
+        # a failed reload leaves the runner without a model, which store_report checks.
+        self.shard = self.model = cast(Any, None)
         net = self.hub if (self.hub is not None and self.devices > 1) else self.comm
         self.shard = load_slot(
             self.model_dir,

@@ -43,7 +43,7 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterable, TypeVar, Union
+from typing import Any, Callable, Iterable, TypeVar, Union
 
 import torch
 import torch.nn.functional as F
@@ -233,7 +233,7 @@ class CacheStats:
     peak_bytes: int = 0
     calls_by_bits: dict[int, int] = field(default_factory=dict)
 
-    def as_dict(self) -> dict[str, object]:
+    def as_dict(self) -> dict[str, Any]:  # a JSON report: numbers and a dict of counts
         calls = sum(self.calls_by_bits.values())
         mean = sum(b * n for b, n in self.calls_by_bits.items()) / calls if calls else 0.0
         return {
@@ -405,7 +405,7 @@ class ExpertCache:
         self._worker.join(timeout=10)
         self.ckpt.close()
 
-    def report(self) -> dict[str, object]:
+    def report(self) -> dict[str, Any]:
         out = self.stats.as_dict()
         out.update(
             bytes_read=self.device.bytes_read,

@@ -153,7 +153,8 @@ def _moe_generate(args: argparse.Namespace) -> int:
         print(f"lowband edge moe-generate: {exc}", file=sys.stderr)
         return 2
     try:
-        tok = load_tokenizer(args.nested_dir, model.config.eos_token_id)
+        eos = model.config.eos_token_id
+        tok = load_tokenizer(args.nested_dir, eos if isinstance(eos, int) else None)
         engine = Engine(LocalRunner(model), tok, model_name=str(args.nested_dir))
         t0 = time.perf_counter()
         text, _reason, n = engine.complete(args.prompt, params)
