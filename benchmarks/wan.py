@@ -461,7 +461,7 @@ def torchft_diloco(d: DilocoWan, python: str) -> dict[str, Any]:
         "tau": b.tau,
         "alpha": b.alpha,
         "lowband_codec": b.codec,
-        "torchft_codec": "none (fp32 pseudo-gradients; its should_quantize needs CUDA)",
+        "torchft_codec": "none (fp32 pseudo-gradients; its should_quantize is Triton GPU kernels)",
         "repeats": d.repeats,
         **summary,
         "wall_ratio_torchft_over_lowband": _spread(
