@@ -37,16 +37,23 @@ from edge.formats.quantized_checkpoint import (
     quant_slice,
     read_layout,
 )
+from edge.formats.split_layout import (
+    SPLIT_MARKER,
+    assign_tensors,
+    head_file,
+    layer_file,
+    split_dtype,
+    wanted_tensors,
+)
 from edge.tp import HEAD_KEYS, Reduce, TPPlan, make_plan, shard, slice_of, take
 from edge.window import MappedFile, WindowScheduler, attach, window_for_budget
 from lowband.errors import ConfigError
 from lowband.models.config import ModelConfig
 from lowband.models.llama import LlamaForCausalLM, fuse_projections, rope_inv_freq
-from lowband.models.weights import DTYPES, weight_files
+from lowband.models.weights import weight_files
 
 logger = logging.getLogger(__name__)
 
-SPLIT_MARKER = "lowband_split.json"
 TOKENIZER_FILES = (
     "tokenizer.json",
     "tokenizer_config.json",
@@ -54,16 +61,6 @@ TOKENIZER_FILES = (
     "generation_config.json",
 )
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
-
-
-def layer_file(out: Path, rank: int, layer: int) -> Path:
-    return out / f"rank{rank}" / f"layer{layer:05d}.safetensors"
-
-
-def head_file(out: Path, rank: int = 0) -> Path:
-    """Rank 0: embedding, final norm and its LM-head rows; rank r > 0 (a vocabulary-parallel
-    head): the final norm and its LM-head rows."""
-    return out / f"rank{rank}" / "head.safetensors"
 
 
 def is_split_dir(path: str | Path) -> bool:
@@ -103,12 +100,6 @@ def _cast(key: str, t: torch.Tensor, dt: torch.dtype) -> torch.Tensor:
     return t if is_quant_tensor(key) or not t.is_floating_point() else t.to(dt)
 
 
-def _dtype(name: str) -> torch.dtype:
-    if name not in DTYPES:
-        raise ConfigError("dtype", f"unknown dtype {name!r}; one of {sorted(DTYPES)}")
-    return DTYPES[name]
-
-
 def split_checkpoint(
     model_dir: str | Path,
     out_dir: str | Path,
@@ -125,7 +116,7 @@ def split_checkpoint(
         return split_gguf(src, out, devices, weights, dtype)
     cfg = ModelConfig.from_json(src)
     dname = dtype or cfg.torch_dtype
-    dt = _dtype(dname)
+    dt = split_dtype(dname)
     layout = read_layout(cfg)
     plan = _plan(cfg, devices, weights, layout)
     by_layer: dict[int | None, list[tuple[Path, str]]] = {}
@@ -256,7 +247,12 @@ def load_shard(
         from edge.formats.gguf import load_gguf_shard
 
         model, plan = load_gguf_shard(
-            d, rank, world, weights=weights, reduce=reduce, dtype=_dtype(dtype) if dtype else None
+            d,
+            rank,
+            world,
+            weights=weights,
+            reduce=reduce,
+            dtype=split_dtype(dtype) if dtype else None,
         )
         return _in_memory(model, plan, rank, reduce, fuse, fast)
     cfg = ModelConfig.from_json(d)
@@ -273,7 +269,7 @@ def load_shard(
         plan, file_dtype = read_split_meta(d)
         if plan.world != world:
             raise ConfigError("devices", f"{d} was split for {plan.world} devices, not {world}")
-        dt = _dtype(dtype or file_dtype)
+        dt = split_dtype(dtype or file_dtype)
         model = load_gguf_split(d, cfg, plan, packed[str(rank)], rank, dt, reduce)
         return _in_memory(model, plan, rank, reduce, fuse, fast)
     layout = read_layout(cfg)
@@ -291,7 +287,7 @@ def load_shard(
                 f"the sliding window streams per-layer files: run "
                 f"'lowband edge split {d} --devices {world} --out DIR' first",
             )
-    dt = _dtype(dtype or file_dtype)
+    dt = split_dtype(dtype or file_dtype)
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg)
     if layout is not None:
@@ -342,16 +338,6 @@ def tie_head(model: LlamaForCausalLM, plan: TPPlan) -> None:
         model.lm_head.weight = nn.Parameter(emb.detach()[a:b], requires_grad=False)
 
 
-def _wanted(model: nn.Module) -> dict[str, torch.Tensor]:
-    """Every tensor a checkpoint fills: parameters and persistent buffers (packed weights)."""
-    out: dict[str, torch.Tensor] = dict(model.named_parameters(remove_duplicate=False))
-    for mname, mod in model.named_modules(remove_duplicate=False):
-        for bname, b in mod._buffers.items():
-            if b is not None and bname not in mod._non_persistent_buffers_set:
-                out[f"{mname}.{bname}" if mname else bname] = b
-    return out
-
-
 def _load_from_checkpoint(
     model: LlamaForCausalLM,
     d: Path,
@@ -360,7 +346,7 @@ def _load_from_checkpoint(
     dt: torch.dtype,
     layout: QuantLayout | None = None,
 ) -> None:
-    wanted = _wanted(model)
+    wanted = wanted_tensors(model)
     tensors: dict[str, torch.Tensor] = {}
     for f in weight_files(d):
         with safe_open(str(f), framework="pt") as sf:
@@ -384,7 +370,7 @@ def _load_from_checkpoint(
                     sl = sf.get_slice(src)
                     t = sl[a:b] if dim == 0 else sl[:, a:b]
                 tensors[key] = _cast(key, t, dt).contiguous()
-    _assign(model, tensors, tied_head=rank == 0)
+    assign_tensors(model, tensors, tied_head=rank == 0)
 
 
 def _load_split(
@@ -407,7 +393,7 @@ def _load_split(
             raise ConfigError(
                 "model_dir", f"missing shard file {p}: copy rank{rank}/ from the split"
             )
-    if dt != _dtype(file_dtype):
+    if dt != split_dtype(file_dtype):
         if window is not None:
             raise ConfigError(
                 "dtype",
@@ -417,9 +403,9 @@ def _load_split(
         for p in paths:  # converting: copy into memory
             with safe_open(str(p), framework="pt") as sf:
                 tensors.update({k: _cast(k, sf.get_tensor(k), dt) for k in sf.keys()})
-        _assign(model, tensors)
+        assign_tensors(model, tensors)
         return None
-    _assign(model, tensors, partial=True)
+    assign_tensors(model, tensors, partial=True)
     files = [MappedFile(p) for p in paths]
     for i, (layer, f) in enumerate(zip(model.model.layers, files)):
         attach(layer, f.tensors, f"model.layers.{i}.")
@@ -431,23 +417,6 @@ def _load_split(
     w = window.blocks([f.size for f in files], fixed)
     logger.info("sliding window: %d of %d layer blocks resident", w, n)
     return WindowScheduler(list(model.model.layers), files, w, window.loader_cores)
-
-
-def _assign(
-    model: LlamaForCausalLM,
-    tensors: dict[str, torch.Tensor],
-    partial: bool = False,
-    tied_head: bool = True,
-) -> None:
-    """``tied_head``: the LM head will be tied to the embedding afterwards (rank 0)."""
-    missing = {k for k, p in _wanted(model).items() if not p.is_meta or p.numel()} - tensors.keys()
-    if model.config.tie_word_embeddings and tied_head:
-        missing.discard("lm_head.weight")
-    if not partial and missing:
-        raise ConfigError(
-            "weights", f"checkpoint lacks {len(missing)} tensors, e.g. {sorted(missing)[:3]}"
-        )
-    model.load_state_dict(tensors, strict=False, assign=True)
 
 
 __all__ = [

@@ -33,6 +33,13 @@ import torch
 from edge.formats.bounds import open_gguf
 from edge.formats.gguf_arch import ROPE_FREQS, TOKENIZER_GGUF, architecture, hf_names
 from edge.formats.gguf_arch import read_config as read_config
+from edge.formats.quantized_checkpoint import (
+    QuantConfig,
+    QuantLayout,
+    quantize_model,
+    save_quantized,
+    untied_config,
+)
 from edge.quant import QuantLinear
 from edge.quant.formats import PackedWeight, QuantSpec, dequantize
 from edge.quant.ggml import GGML_TYPES, GGMLWeight, dequantize_ggml
@@ -303,8 +310,6 @@ def load_gguf_shard(
 def convert_gguf(path: str | Path, out_dir: str | Path) -> Path:
     """``lowband edge convert FILE.gguf --out DIR``: a checkpoint directory every edge command
     (split, serve, run, TP, window) reads; Q8_0/Q4_0 blocks are copied, never requantized."""
-    from edge.formats.quantized_checkpoint import QuantLayout, save_quantized
-
     model = load_gguf(path)
     blocks = sorted({m.qtype.name for m in model.modules() if isinstance(m, GGMLLinear)})
     if blocks:
@@ -335,12 +340,31 @@ def convert_gguf(path: str | Path, out_dir: str | Path) -> Path:
     return out
 
 
+def quantize_gguf(src: Path, out: Path, cfg: QuantConfig) -> Path:
+    """A float GGUF file (F32/F16/BF16 matrices) quantized like a checkpoint; its tokenizer
+    kept as ``tokenizer.gguf``. A file with quantized blocks is served as it is instead."""
+    model = load_gguf(src)
+    if any(isinstance(m, (QuantLinear, GGMLLinear)) for m in model.modules()):
+        raise ConfigError(
+            "model_dir",
+            f"{src} is already quantized; serve the .gguf directly (every edge command reads it)",
+        )
+    mcfg = model.config
+    layout = quantize_model(model, cfg)
+    if mcfg.tie_word_embeddings and "lm_head" in layout.modules:
+        model.config = untied_config(mcfg)
+    save_quantized(model, layout, out)
+    write_tokenizer_gguf(src, out / TOKENIZER_GGUF)
+    return out
+
+
 __all__ = [
     "write_gguf",
     "write_tokenizer_gguf",
     "load_gguf",
     "load_gguf_shard",
     "convert_gguf",
+    "quantize_gguf",
     "read_config",
     "SUPPORTED",
 ]

@@ -22,6 +22,14 @@ from safetensors.torch import save_file
 
 from edge.formats.gguf import load_gguf_shard, write_tokenizer_gguf
 from edge.formats.gguf_arch import TOKENIZER_GGUF
+from edge.formats.split_layout import (
+    SPLIT_MARKER,
+    assign_tensors,
+    head_file,
+    layer_file,
+    split_dtype,
+    wanted_tensors,
+)
 from edge.quant import QuantLinear
 from edge.quant.formats import PackedWeight, QuantSpec
 from edge.quant.ggml import GGMLWeight, ggml_type
@@ -45,10 +53,9 @@ def split_gguf(
     src: Path, out: Path, devices: int, weights: Sequence[float] | None, dtype: str | None
 ) -> Path:
     """Rank r's slice of every tensor of ``src``, one file per layer (see the module doc)."""
-    from edge.shardio import SPLIT_MARKER, _dtype, head_file, layer_file
 
     dname = dtype or "float32"
-    dt = _dtype(dname)
+    dt = split_dtype(dname)
     out.mkdir(parents=True, exist_ok=True)
     packed: dict[str, dict[str, Any]] = {}
     plan: TPPlan | None = None
@@ -106,7 +113,6 @@ def load_gguf_split(
 ) -> LlamaForCausalLM:
     """Rank ``rank``'s model from a split of a GGUF file: the packed modules rebuilt from their
     stored buffers, everything else loaded as floats."""
-    from edge.shardio import _assign, _wanted, head_file, layer_file
 
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg)
@@ -127,8 +133,8 @@ def load_gguf_split(
         parent, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent), child, _packed_module(spec, tensors, name))
     floats = {k: t.to(dt) if t.is_floating_point() else t for k, t in tensors.items()}
-    _assign(model, floats, partial=True)  # the packed modules' buffers are set already
-    left = {k for k, t in _wanted(model).items() if t.is_meta and t.numel()}
+    assign_tensors(model, floats, partial=True)  # the packed modules' buffers are set already
+    left = {k for k, t in wanted_tensors(model).items() if t.is_meta and t.numel()}
     if cfg.tie_word_embeddings and rank == 0:
         left.discard("lm_head.weight")
     if left:

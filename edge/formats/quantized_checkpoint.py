@@ -25,10 +25,9 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
-from edge.formats.gguf_arch import TOKENIZER_GGUF, is_gguf
+from edge.formats.gguf_arch import is_gguf
 from edge.quant import QuantLinear, quantize_modules
 from edge.quant.formats import GROUPS, PackedWeight, QuantError, QuantSpec
-from edge.quant.linear import GGMLLinear
 from lowband.errors import ConfigError
 from lowband.models.config import ModelConfig
 from lowband.models.llama import LlamaForCausalLM
@@ -145,8 +144,10 @@ def quantize_checkpoint(model_dir: str | Path, out_dir: str | Path, cfg: QuantCo
     """``lowband edge quantize MODEL --bits B --group G --out DIR``."""
     from lowband.models.weights import load_pretrained
 
-    if is_gguf(model_dir):
-        return _quantize_gguf(Path(model_dir), Path(out_dir), cfg)
+    if is_gguf(model_dir):  # its own format: edge.formats.gguf.quantize_gguf
+        raise ConfigError(
+            "model_dir", f"{model_dir} is a GGUF file: quantize it with quantize_gguf"
+        )
     mcfg = ModelConfig.from_json(model_dir)
     if read_layout(mcfg) is not None:
         raise ConfigError("model_dir", f"{model_dir} is already quantized")
@@ -156,31 +157,11 @@ def quantize_checkpoint(model_dir: str | Path, out_dir: str | Path, cfg: QuantCo
     layout = quantize_model(model, cfg)
     if mcfg.tie_word_embeddings and "lm_head" in layout.modules:
         # The head is now packed and the embedding is not: they are no longer one tensor.
-        model.config = _untied(mcfg)
+        model.config = untied_config(mcfg)
     return save_quantized(model, layout, out_dir, model_dir)
 
 
-def _quantize_gguf(src: Path, out: Path, cfg: QuantConfig) -> Path:
-    """A float GGUF file (F32/F16/BF16 matrices) quantized like a checkpoint; its tokenizer
-    kept as ``tokenizer.gguf``. A file with quantized blocks is served as it is instead."""
-    from edge.formats.gguf import load_gguf, write_tokenizer_gguf
-
-    model = load_gguf(src)
-    if any(isinstance(m, (QuantLinear, GGMLLinear)) for m in model.modules()):
-        raise ConfigError(
-            "model_dir",
-            f"{src} is already quantized; serve the .gguf directly (every edge command reads it)",
-        )
-    mcfg = model.config
-    layout = quantize_model(model, cfg)
-    if mcfg.tie_word_embeddings and "lm_head" in layout.modules:
-        model.config = _untied(mcfg)
-    save_quantized(model, layout, out)
-    write_tokenizer_gguf(src, out / TOKENIZER_GGUF)
-    return out
-
-
-def _untied(cfg: ModelConfig) -> ModelConfig:
+def untied_config(cfg: ModelConfig) -> ModelConfig:
     from dataclasses import replace
 
     return replace(cfg, tie_word_embeddings=False)

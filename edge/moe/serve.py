@@ -33,6 +33,7 @@ from typing import Any, Sequence
 import torch
 from safetensors import safe_open
 
+from edge.formats.split_layout import assign_tensors
 from edge.moe.checkpoint import MANIFEST, ExpertKey, NestedCheckpoint
 from edge.moe.planes import is_expert_key
 from edge.moe.quant import WIDTHS
@@ -44,7 +45,7 @@ from edge.moe.store import (
     PrefetchConfig,
     attach,
 )
-from edge.shardio import LoadedShard, WindowConfig, _assign
+from edge.shardio import LoadedShard, WindowConfig
 from edge.tp import Reduce, TPPlan, make_plan, shard, slice_of
 from edge.window import MappedFile, MappedRegion, WindowScheduler
 from lowband.errors import ConfigError, CorruptWeights
@@ -389,7 +390,7 @@ def _load_backbone(model: LlamaForCausalLM, d: Path, plan: TPPlan, rank: int) ->
                 t = sl[a:b] if dim == 0 else sl[:, a:b]
             tensors[key] = t.float().contiguous()
     _check_backbone(d, wanted, tensors.keys())
-    _assign(model, tensors, partial=True)
+    assign_tensors(model, tensors, partial=True)
 
 
 def _check_backbone(d: Path, wanted: set[str], got) -> None:
@@ -417,7 +418,7 @@ def _load_backbone_window(
     _check_backbone(d, wanted, mapped.tensors.keys())
     n = model.config.num_hidden_layers
     head = {k: mapped.tensors[k].clone() for k in wanted if not k.startswith("model.layers.")}
-    _assign(model, head, partial=True)
+    assign_tensors(model, head, partial=True)
     mapped.evict()  # the copy above mapped the head's pages; from here only blocks are mapped
     regions = []
     for i in range(n):

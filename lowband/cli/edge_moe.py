@@ -10,6 +10,7 @@ import argparse
 import json
 import sys
 import time
+from pathlib import Path
 
 from lowband.errors import LowbandError
 
@@ -85,15 +86,17 @@ def register(edge_sub: argparse._SubParsersAction) -> None:
 
 
 def _quantize_dense(args: argparse.Namespace) -> int:
+    from edge.formats.gguf import quantize_gguf
+    from edge.formats.gguf_arch import is_gguf
     from edge.formats.quantized_checkpoint import QuantConfig, quantize_checkpoint
 
     try:
         t0 = time.perf_counter()
-        out = quantize_checkpoint(
-            args.model_dir,
-            args.out,
-            QuantConfig(bits=args.bits, group=args.group, skip=tuple(args.skip)),
-        )
+        cfg = QuantConfig(bits=args.bits, group=args.group, skip=tuple(args.skip))
+        if is_gguf(args.model_dir):
+            out = quantize_gguf(Path(args.model_dir), Path(args.out), cfg)
+        else:
+            out = quantize_checkpoint(args.model_dir, args.out, cfg)
     except LowbandError as exc:
         print(f"lowband edge quantize: {exc}", file=sys.stderr)
         return 2

@@ -466,13 +466,14 @@ def test_split_of_a_q4_k_file_keeps_blocks_and_greedy_tokens(tmp_path, make, arc
 def test_quantize_a_float_file_and_refuse_a_quantized_one(tmp_path) -> None:
     """``edge quantize FILE.gguf --bits 8``: a float file becomes a Q8 checkpoint directory
     that keeps the file's tokenizer; a file of K-quant blocks is refused, not requantized."""
-    from edge.formats.quantized_checkpoint import QuantConfig, quantize_checkpoint, quantize_model
+    from edge.formats.gguf import quantize_gguf
+    from edge.formats.quantized_checkpoint import QuantConfig, quantize_model
     from edge.quant import QuantLinear
     from edge.shardio import load_shard
 
     hf = hf_qwen25()
     path = write_file(tmp_path / "f.gguf", hf, "qwen2", "qwen2")
-    out = quantize_checkpoint(path, tmp_path / "q8", QuantConfig(bits=8, group=32))
+    out = quantize_gguf(path, tmp_path / "q8", QuantConfig(bits=8, group=32))
     got = load_shard(out, fast=False, fuse=False).model
     assert isinstance(got.model.layers[0].self_attn.q_proj, QuantLinear)
     ref = load_gguf(path)  # the same file quantized in memory: the directory holds exactly it
@@ -487,7 +488,7 @@ def test_quantize_a_float_file_and_refuse_a_quantized_one(tmp_path) -> None:
     ).tokenizer().encode("hello world")
     kq = write_file(tmp_path / "k.gguf", hf_qwen25(256, 256), "qwen2", "qwen2", quant="Q4_K")
     with pytest.raises(ConfigError, match="already quantized"):
-        quantize_checkpoint(kq, tmp_path / "no", QuantConfig(bits=8, group=32))
+        quantize_gguf(kq, tmp_path / "no", QuantConfig(bits=8, group=32))
 
 
 def test_cli_run_two_devices_on_a_q4_k_file(tmp_path, spawn) -> None:
