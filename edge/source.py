@@ -39,13 +39,13 @@ class ModelSource:
     def tokenizer(self) -> Tokenizer:
         if self.gguf:
             return read_tokenizer(self.reader)
-        if (self.path / TOKENIZER_GGUF).exists():
-            return read_tokenizer(_reader(self.path / TOKENIZER_GGUF))
         cfg = self.config
-        try:
+        try:  # the directory's own tokenizer files first: what its owner put there
             eos = cfg.eos_token_id if isinstance(cfg.eos_token_id, int) else None
             return load_tokenizer(self.path, eos)
         except ConfigError:
+            if (self.path / TOKENIZER_GGUF).exists():  # kept from the GGUF it was made from
+                return read_tokenizer(_reader(self.path / TOKENIZER_GGUF))
             if cfg.vocab_size == 256:
                 logger.warning("%s ships no tokenizer; using bytes (vocabulary 256)", self.path)
                 return ByteTokenizer()
