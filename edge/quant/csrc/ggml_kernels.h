@@ -365,21 +365,30 @@ struct Traits<Q6_K> {
 // Decode one block of a type id with the compiled decoder (portable = false) or the plain C++
 // one; false for an unknown id.  Used by selftest.cpp to check the SIMD decoders.
 inline bool decode_block(int type, bool portable, const uint8_t* p, int8_t* q, float* a, float* b) {
+  // clang-format off: one case per type (the formatter runs macro-made cases together)
   switch (type) {
 #define LBQ_GGML_CASE(T)                                                        \
   case T:                                                                       \
     portable ? Traits<T>::portable(p, q, a, b) : Traits<T>::decode(p, q, a, b); \
     return true;
     LBQ_GGML_CASE(Q4_1)
-    LBQ_GGML_CASE(Q5_0) LBQ_GGML_CASE(Q5_1) LBQ_GGML_CASE(Q2_K) LBQ_GGML_CASE(Q3_K) LBQ_GGML_CASE(Q4_K)
-        LBQ_GGML_CASE(Q5_K) LBQ_GGML_CASE(Q6_K)
+    LBQ_GGML_CASE(Q5_0)
+    LBQ_GGML_CASE(Q5_1)
+    LBQ_GGML_CASE(Q2_K)
+    LBQ_GGML_CASE(Q3_K)
+    LBQ_GGML_CASE(Q4_K)
+    LBQ_GGML_CASE(Q5_K)
+    LBQ_GGML_CASE(Q6_K)
 #undef LBQ_GGML_CASE
-            default : return false;
+    default:
+      return false;
   }
+  // clang-format on
 }
 
 // Block size and bytes per block of a type id, or false for an unknown id.
 inline bool block_shape(int type, int* qk, int* size) {
+  // clang-format off: one case per type (the formatter runs macro-made cases together)
   switch (type) {
 #define LBQ_GGML_CASE(T)     \
   case T:                    \
@@ -387,11 +396,18 @@ inline bool block_shape(int type, int* qk, int* size) {
     *size = Traits<T>::SIZE; \
     return true;
     LBQ_GGML_CASE(Q4_1)
-    LBQ_GGML_CASE(Q5_0) LBQ_GGML_CASE(Q5_1) LBQ_GGML_CASE(Q2_K) LBQ_GGML_CASE(Q3_K) LBQ_GGML_CASE(Q4_K)
-        LBQ_GGML_CASE(Q5_K) LBQ_GGML_CASE(Q6_K)
+    LBQ_GGML_CASE(Q5_0)
+    LBQ_GGML_CASE(Q5_1)
+    LBQ_GGML_CASE(Q2_K)
+    LBQ_GGML_CASE(Q3_K)
+    LBQ_GGML_CASE(Q4_K)
+    LBQ_GGML_CASE(Q5_K)
+    LBQ_GGML_CASE(Q6_K)
 #undef LBQ_GGML_CASE
-            default : return false;
+    default:
+      return false;
   }
+  // clang-format on
 }
 
 // ---- integer dot of one decoded block with MR quantized activation rows -------------------
@@ -554,17 +570,25 @@ inline void sums16(const float* x, int64_t M, int64_t K, float* xs16) {
 // Dispatch on the type id.  Returns false for an unknown type.
 inline bool gemv_rows(int type, const uint8_t* w, int64_t row_bytes, const GAct& x, int64_t N, int64_t n0, int64_t n1,
                       float* Y) {
+  // clang-format off: one case per type (the formatter runs macro-made cases together)
   switch (type) {
 #define LBQ_GGML_CASE(T)                           \
   case T:                                          \
     gemv_rows_t<T>(w, row_bytes, x, N, n0, n1, Y); \
     return true;
     LBQ_GGML_CASE(Q4_1)
-    LBQ_GGML_CASE(Q5_0) LBQ_GGML_CASE(Q5_1) LBQ_GGML_CASE(Q2_K) LBQ_GGML_CASE(Q3_K) LBQ_GGML_CASE(Q4_K)
-        LBQ_GGML_CASE(Q5_K) LBQ_GGML_CASE(Q6_K)
+    LBQ_GGML_CASE(Q5_0)
+    LBQ_GGML_CASE(Q5_1)
+    LBQ_GGML_CASE(Q2_K)
+    LBQ_GGML_CASE(Q3_K)
+    LBQ_GGML_CASE(Q4_K)
+    LBQ_GGML_CASE(Q5_K)
+    LBQ_GGML_CASE(Q6_K)
 #undef LBQ_GGML_CASE
-            default : return false;
+    default:
+      return false;
   }
+  // clang-format on
 }
 
 }  // namespace ggml
