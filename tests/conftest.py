@@ -113,3 +113,50 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
         import json
 
         Path(path).write_text("".join(json.dumps(s) + "\n" for s in _SKIPS))
+
+
+# The fast tier (`pytest -m "not slow"`, the edit loop, under 3 minutes on two idle cores) leaves
+# out the folders whose tests start processes end to end (command lines, examples, benchmark
+# smoke runs, chaos runs) and the tests below, the slowest of the rest (measured with
+# --durations): C++ self-tests of every ISA, llama.cpp's tokenizer vectors (large vocabularies),
+# benchmark smoke runs, MoE training and multi-process serving. Other tests that take long carry
+# @pytest.mark.slow themselves. CI runs both tiers.
+SLOW_DIRS = ("chaos", "cli", "benchmarks", "examples")
+SLOW_TESTS = (
+    "models/test_gguf_tokenizer.py::test_llamacpp_vectors",
+    "edge/test_quant.py::test_cpp_selftest_all_paths",
+    "edge/test_quant.py::test_benchmark_tiny_smoke",
+    "edge/test_ggml_quant.py::test_benchmark_ggml_tiny_smoke",
+    "edge/test_cluster_protocol.py::test_malformed_messages_do_not_kill_the_worker",
+    "edge/test_cluster_protocol.py::test_an_unloadable_checkpoint_is_answered_not_fatal",
+    "diloco/test_site_chaos.py::",
+    "edge/moe/test_moe_serve.py::test_training_learns_bytes",
+    "edge/moe/test_moe_serve.py::test_cli_quantize_and_generate",
+    "edge/moe/test_moe_http.py::test_http_",
+    "edge/moe/test_moe_http.py::test_engine_cluster_two_devices_under_budget",
+    "edge/moe/test_expert_store.py::test_lru_decode_equals_dequantized_model",
+    "edge/moe/test_expert_store.py::test_hebf_expert_calls_use_exactly_the_resident_bits",
+    "edge/moe/test_expert_store.py::test_prefetch_on_a_slow_device",
+    "core/test_proc.py::test_child_dies_with_a_killed_launcher",
+    "edge/test_gguf_models.py::test_cli_",
+    "edge/test_edge_cluster.py::test_engine_generates_and_reuses_prefix",
+    "edge/moe/test_moe_serve.py::",
+    "diloco/test_fast_path.py::test_compiled_step_gives_the_eager_losses",
+    "security/test_edge_run_loopback.py::",
+    "security/test_cli_auth.py::",
+    "security/test_http_api.py::",
+    "security/test_keygen.py::test_keygen_command",
+    "security/test_discovery_pin.py::test_two_advertisements",
+    "security/test_wire_bounds.py::test_an_oversized_message",
+)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    tests = Path(__file__).parent
+    for item in items:
+        if not item.path.is_relative_to(tests):
+            continue
+        rel = item.path.relative_to(tests)
+        nodeid = "/".join(rel.parts) + "::" + item.name
+        if rel.parts[0] in SLOW_DIRS or nodeid.startswith(SLOW_TESTS):
+            item.add_marker(pytest.mark.slow)
