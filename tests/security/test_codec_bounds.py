@@ -26,9 +26,10 @@ def _rss_mib() -> float:
 
 @pytest.mark.parametrize("codec", CODECS, ids=lambda c: c.name)
 def test_honest_payload_round_trips(codec):
-    x = torch.randn(3, 1000)
+    x = torch.randn(3, 1000, generator=torch.Generator().manual_seed(0))
     y = codec.decode(codec.encode(x))
-    assert y.shape == x.shape and (y - x).abs().max() < 0.5
+    # the coarsest grid (e2m1) has a step of 1/3 of the block's absmax near the top
+    assert y.shape == x.shape and (y - x).abs().max() <= x.abs().max() / 6 + 1e-6
 
 
 @pytest.mark.parametrize("codec", CODECS, ids=lambda c: c.name)
