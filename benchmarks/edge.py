@@ -206,7 +206,7 @@ def role_master(a) -> dict:
     coord = Coordinator(CoordinatorConfig(bind=a.bind)).start()
     comm = connect(
         coord.address,
-        _zmq_config(None, 120.0),
+        _zmq_config(None, 120.0, bind_host="127.0.0.1"),
         signature=SIGNATURE,
         peer_id=f"{MASTER_ID_PREFIX}-bench",
     )
@@ -460,6 +460,8 @@ def _run_tp(model: str, a, devices: int = 2) -> dict:
                 str(i % (os.cpu_count() or 1)),
                 "--op-timeout",
                 "120",
+                "--model-dir",
+                str(model),
             ],
             start_new_session=True,
             stdout=subprocess.DEVNULL,
