@@ -96,6 +96,8 @@ def generate_tp2(model_dir: Path, prompt: str, params: SamplingParams) -> tuple[
             coord.address,
             "--threads",
             "1",
+            "--model-dir",
+            str(model_dir),
         ],
         start_new_session=True,
     )
