@@ -8,51 +8,40 @@ cannot drift apart in argument handling or result unwrapping.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Mapping, Sequence
+from typing import Any, Mapping, Protocol, Sequence
 
 import torch
 
-from lowband.comm import Algorithm, Codec, ReduceOp
+from lowband.comm import Algorithm, Codec, Communicator, ReduceOp
 from lowband.errors import ProtocolError
 from transport.work import FutureWork
 
 
+class _AsyncComm(Communicator, Protocol):
+    """The self-type of :class:`BlockingCollectives`: a :class:`~lowband.comm.Communicator`
+    (its async collectives are what the blocking ones wait on) plus two hooks of its own."""
+
+    def _timeout(self, timeout: float | None) -> float: ...
+
+    def _broadcast_async(
+        self,
+        tensors: Sequence[torch.Tensor] | None,
+        meta: Mapping | None,
+        root: int,
+        tag: str | None,
+        timeout: float | None,
+    ) -> FutureWork: ...
+
+
 class BlockingCollectives:
-    """Mixin: ``all_reduce``, ``broadcast``, ``broadcast_message``, ``all_gather``."""
+    """Mixin: ``all_reduce``, ``broadcast``, ``broadcast_message``, ``all_gather``.
 
-    if TYPE_CHECKING:  # what the communicator mixing this in provides
-
-        @property
-        def rank(self) -> int: ...
-
-        def _timeout(self, timeout: float | None) -> float: ...
-
-        def all_reduce_async(
-            self,
-            tensor: torch.Tensor,
-            op: ReduceOp = "sum",
-            *,
-            codec: Codec | None = None,
-            algorithm: Algorithm = "auto",
-            tag: str | None = None,
-            timeout: float | None = None,
-        ) -> FutureWork: ...
-
-        def _broadcast_async(
-            self,
-            tensors: Sequence[torch.Tensor] | None,
-            meta: Mapping | None,
-            root: int,
-            tag: str | None,
-            timeout: float | None,
-        ) -> FutureWork: ...
-
-        def all_gather_async(
-            self, tensor: torch.Tensor, *, tag: str | None = None, timeout: float | None = None
-        ) -> FutureWork: ...
+    Its methods take ``self`` as :class:`_AsyncComm`, so mypy checks every class mixing it in
+    for the async collectives and hooks they call, without the mixin repeating their signatures.
+    """
 
     def all_reduce(
-        self,
+        self: _AsyncComm,
         tensor: torch.Tensor,
         op: ReduceOp = "sum",
         *,
@@ -66,7 +55,7 @@ class BlockingCollectives:
         ).wait()
 
     def broadcast(
-        self,
+        self: _AsyncComm,
         tensor: torch.Tensor | None,
         root: int = 0,
         *,
@@ -76,7 +65,7 @@ class BlockingCollectives:
         return self.broadcast_async(tensor, root, tag=tag, timeout=timeout).wait()
 
     def broadcast_message(
-        self,
+        self: _AsyncComm,
         tensors: Sequence[torch.Tensor] | None,
         meta: Mapping[str, Any] | None,
         root: int = 0,
@@ -89,7 +78,7 @@ class BlockingCollectives:
         return self._broadcast_async(tensors, meta, root, tag, timeout).wait()
 
     def broadcast_async(
-        self,
+        self: _AsyncComm,
         tensor: torch.Tensor | None,
         root: int = 0,
         *,
@@ -119,6 +108,10 @@ class BlockingCollectives:
         return outer
 
     def all_gather(
-        self, tensor: torch.Tensor, *, tag: str | None = None, timeout: float | None = None
+        self: _AsyncComm,
+        tensor: torch.Tensor,
+        *,
+        tag: str | None = None,
+        timeout: float | None = None,
     ) -> list[torch.Tensor]:
         return self.all_gather_async(tensor, tag=tag, timeout=timeout).wait()
