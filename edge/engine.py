@@ -1,26 +1,38 @@
-"""Text generation on top of a :class:`Runner` (one device, or the master of a TP cluster).
+"""Text generation with continuous batching on top of a :class:`Runner` (one device, or the
+master of a TP cluster).
 
-The engine serves one sequence at a time (a device this small is memory-bound: a second
-sequence would cost a second KV cache for little throughput); the HTTP server queues requests
-in front of it. It keeps the tokens behind the KV cache, so a follow-up request that extends
-the previous prompt (a chat turn) only prefills the new tokens.
+One scheduler thread owns the model. Every step it runs all active sequences as one ragged
+batch: each decoding sequence contributes its next token, and prompts are prefilled in chunks
+that ride along in the same step (SARATHI-style piggybacking: a long prompt never stalls the
+running streams, and the decodes share the chunk's weight reads). New requests are admitted
+between steps, up to ``parallel`` at a time, in arrival order; a cancelled request leaves at
+the next step.
+
+Each sequence decodes in a KV-cache *slot* of the runner. Slots outlive their requests: a
+finished sequence's cache stays behind (``prefix_cache`` of them, least recently used evicted
+first), so a request whose prompt starts with tokens some slot already holds (a system prompt,
+the chat history of a follow-up turn) reuses those keys and values instead of recomputing them.
+
+A runner that cannot batch (only :meth:`Runner.forward`) is served one sequence at a time
+through :class:`SerialRunner`, with the same prefix reuse on its one cache.
 """
 
 from __future__ import annotations
 
 import logging
+import queue
 import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Generator, Iterator, Protocol, Sequence
+from typing import Callable, Generator, Literal, Protocol, Sequence
 
 import torch
 
 from edge.sampling import Sampler, SamplingParams, StopMatcher
 from lowband.errors import ConfigError, LowbandError
 from lowband.models.config import ModelConfig
-from lowband.models.llama import KVCache, LlamaForCausalLM
+from lowband.models.llama import KVCache, LlamaForCausalLM, Span
 from lowband.models.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -35,7 +47,7 @@ class ClusterUnavailable(EngineError):
 
 
 class Runner(Protocol):
-    """Runs the model forward; owns the KV cache."""
+    """Runs the model forward on one sequence; owns the KV cache."""
 
     config: ModelConfig
 
@@ -73,15 +85,67 @@ class Runner(Protocol):
     def close(self) -> None: ...
 
 
+Want = Literal["none", "last", "all"]
+
+
+@dataclass(frozen=True)
+class Work:
+    """One sequence's share of a batched step: ``ids`` at positions ``start..`` of slot
+    ``slot``'s cache; ``logits``: which rows' logits the caller needs."""
+
+    slot: int
+    ids: Sequence[int]
+    start: int
+    logits: Want = "last"
+
+
+class BatchRunner(Runner, Protocol):
+    """A runner that holds one KV cache per slot and runs many sequences per step."""
+
+    def forward_batch(self, work: Sequence[Work], top: int = 0) -> list[torch.Tensor | None]:
+        """Run every item in one pass (distinct slots); per item its logits: (V,) of the last
+        row, (T, V) of every row, or None, as ``Work.logits`` asks. ``top`` as in
+        :meth:`Runner.forward`, for every item."""
+        ...
+
+    def slot_length(self, slot: int) -> int:
+        """Positions slot ``slot`` holds (0 when empty or dropped)."""
+        ...
+
+    def slot_floor(self, slot: int) -> int:
+        """The lowest position slot ``slot`` may restart from other than 0."""
+        ...
+
+    def copy_prefix(self, src: int, dst: int, n: int) -> None:
+        """Make slot ``dst`` hold positions 0..n-1 of slot ``src`` (shared prompt prefix);
+        raises ``RuntimeError`` when ``src`` no longer holds them."""
+        ...
+
+    def drop(self, slot: int) -> None:
+        """Free slot ``slot``'s memory."""
+        ...
+
+
 class LocalRunner:
-    """Everything on this device (optionally streaming weights through a sliding window)."""
+    """Everything on this device (optionally streaming weights through a sliding window).
+    Slot 0 is the cache of the single-sequence :meth:`forward`."""
 
     def __init__(self, model: LlamaForCausalLM, on_close=None, report=None) -> None:
         self.model = model
         self.config = model.config
-        self.cache: KVCache = model.new_cache()
+        self._caches: dict[int, KVCache] = {0: model.new_cache()}
         self._on_close = on_close
         self._report = report
+
+    @property
+    def cache(self) -> KVCache:
+        return self._caches[0]
+
+    def _slot(self, slot: int) -> KVCache:
+        c = self._caches.get(slot)
+        if c is None:
+            c = self._caches[slot] = self.model.new_cache()
+        return c
 
     def forward(self, ids: Sequence[int], start: int, top: int = 0) -> torch.Tensor:
         x = torch.tensor([list(ids)], dtype=torch.long)
@@ -89,8 +153,57 @@ class LocalRunner:
             h = self.model.forward_layers(self.model.embed(x), cache=self.cache, start=start)
             return self.model.head(h[:, -1]).float()[0]
 
+    def forward_batch(self, work: Sequence[Work], top: int = 0) -> list[torch.Tensor | None]:
+        spans = [Span(self._slot(w.slot), w.start, len(w.ids)) for w in work]
+        ids = torch.tensor([i for w in work for i in w.ids], dtype=torch.long)
+        rows: list[int] = []  # hidden rows whose logits are wanted
+        off = 0
+        for w in work:
+            n = len(w.ids)
+            if w.logits == "all":
+                rows.extend(range(off, off + n))
+            elif w.logits == "last":
+                rows.append(off + n - 1)
+            off += n
+        with torch.inference_mode():
+            h = self.model.forward_ragged(self.model.embed(ids[None]), spans)
+            logits = self.model.head(h[0, rows]).float() if rows else None
+        out: list[torch.Tensor | None] = []
+        r = 0
+        for w in work:
+            if w.logits == "all":
+                assert logits is not None
+                out.append(logits[r : r + len(w.ids)])
+                r += len(w.ids)
+            elif w.logits == "last":
+                assert logits is not None
+                out.append(logits[r])
+                r += 1
+            else:
+                out.append(None)
+        return out
+
+    def slot_length(self, slot: int) -> int:
+        c = self._caches.get(slot)
+        return 0 if c is None else c.length
+
+    def slot_floor(self, slot: int) -> int:
+        c = self._caches.get(slot)
+        return 0 if c is None else c.restart_floor()
+
+    def copy_prefix(self, src: int, dst: int, n: int) -> None:
+        if src == dst:
+            raise RuntimeError("a slot cannot copy from itself")
+        self._slot(dst).copy_prefix(self._slot(src), n)
+
+    def drop(self, slot: int) -> None:
+        if slot == 0:
+            self._caches[0] = self.model.new_cache()
+        else:
+            self._caches.pop(slot, None)
+
     def reset(self) -> None:
-        self.cache = self.model.new_cache()
+        self._caches = {0: self.model.new_cache()}
 
     def cached_tokens(self) -> int:
         return self.cache.length
@@ -112,13 +225,65 @@ class LocalRunner:
             self._on_close()
 
 
+class SerialRunner:
+    """A :class:`BatchRunner` of one slot over a runner that only has :meth:`Runner.forward`
+    (the engine then runs one sequence at a time)."""
+
+    def __init__(self, runner: Runner) -> None:
+        self.inner = runner
+        self.config = runner.config
+
+    def forward_batch(self, work: Sequence[Work], top: int = 0) -> list[torch.Tensor | None]:
+        out: list[torch.Tensor | None] = []
+        for w in work:
+            if w.slot != 0:
+                raise RuntimeError("this runner has one slot")
+            if w.logits == "all":  # row by row: forward returns the last row's logits only
+                out.append(
+                    torch.stack(
+                        [self.inner.forward([t], w.start + j, top) for j, t in enumerate(w.ids)]
+                    )
+                )
+            else:
+                lg = self.inner.forward(w.ids, w.start, top)
+                out.append(lg if w.logits == "last" else None)
+        return out
+
+    def slot_length(self, slot: int) -> int:
+        return self.inner.cached_tokens()
+
+    def slot_floor(self, slot: int) -> int:
+        floor = getattr(self.inner, "restart_floor", None)
+        return floor() if floor is not None else 0
+
+    def copy_prefix(self, src: int, dst: int, n: int) -> None:
+        raise RuntimeError("this runner has one slot")
+
+    def drop(self, slot: int) -> None:
+        self.inner.reset()
+
+
+def as_batch_runner(runner: Runner) -> BatchRunner:
+    """``runner`` itself when it batches, else a one-slot :class:`SerialRunner` over it."""
+    if hasattr(runner, "forward_batch"):
+        return runner  # type: ignore[return-value]
+    return SerialRunner(runner)  # type: ignore[return-value]
+
+
 @dataclass
 class Event:
-    """One streamed piece of a completion."""
+    """One streamed piece of a completion. With ``SamplingParams.logprobs`` set, ``logprob``
+    is the chosen token's log-probability under the model (natural log, before temperature)
+    and ``top_logprobs`` the ``logprobs`` most likely (token id, log-probability) pairs. With
+    ``prompt_logprobs``, the first event carries one entry per prompt token (the first token
+    has no logprob: None)."""
 
     text: str
     token: int | None = None
     finish_reason: str | None = None  # "stop" | "length" once finished
+    logprob: float | None = None
+    top_logprobs: tuple[tuple[int, float], ...] = ()
+    prompt_logprobs: list[tuple[int, float | None, tuple[tuple[int, float], ...]]] | None = None
 
 
 @dataclass
@@ -128,8 +293,18 @@ class Metrics:
     window: int = 512
     requests: int = 0
     failed: int = 0
+    cancelled: int = 0
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    prefix_lookups: int = 0
+    prefix_hits: int = 0
+    prefix_tokens_reused: int = 0
+    prompt_tokens_computed: int = 0
+    steps: int = 0
+    step_sequences: int = 0  # summed over steps: mean batch = step_sequences / steps
+    step_tokens: int = 0
+    running: int = 0
+    waiting: int = 0
     ttft_s: deque = field(default_factory=lambda: deque(maxlen=512))
     token_s: deque = field(default_factory=lambda: deque(maxlen=512))
     wire_bytes_per_token: deque = field(default_factory=lambda: deque(maxlen=512))
@@ -147,8 +322,18 @@ class Metrics:
         return {
             "requests_total": self.requests,
             "requests_failed": self.failed,
+            "requests_cancelled": self.cancelled,
+            "requests_running": self.running,
+            "requests_waiting": self.waiting,
             "prompt_tokens_total": self.prompt_tokens,
             "completion_tokens_total": self.completion_tokens,
+            "prompt_tokens_computed_total": self.prompt_tokens_computed,
+            "prefix_cache_lookups_total": self.prefix_lookups,
+            "prefix_cache_hits_total": self.prefix_hits,
+            "prefix_cache_tokens_reused_total": self.prefix_tokens_reused,
+            "steps_total": self.steps,
+            "batch_sequences_mean": self.step_sequences / self.steps if self.steps else None,
+            "batch_tokens_mean": self.step_tokens / self.steps if self.steps else None,
             "ttft_ms_mean": None if ttft is None else 1e3 * ttft,
             "ttft_ms_p90": None if not self.ttft_s else 1e3 * pct(self.ttft_s, 0.9),
             "token_latency_ms_mean": None if tok is None else 1e3 * tok,
@@ -159,45 +344,97 @@ class Metrics:
         }
 
 
+Sink = Callable[["Event | BaseException | None"], None]
+"""Receives a request's events, then None when it ended, or the exception that ended it.
+Called on the engine's thread: it must not block."""
+
+
+class Request:
+    """A submitted completion; :meth:`cancel` ends it at the next step."""
+
+    def __init__(self, ids: list[int], params: SamplingParams, sink: Sink) -> None:
+        self.ids, self.params, self.sink = ids, params, sink
+        self.cancelled = False
+        self.slot = -1
+        self.pos = 0  # positions of this sequence whose K/V are in the slot
+        self.next_in = -1  # the token to feed next once decoding
+        self.out: list[int] = []
+        self.shown = ""
+        self.sampler = Sampler(params)
+        self.stops = StopMatcher(params.stop)
+        self.prompt_lp: list[tuple[int, float | None, tuple[tuple[int, float], ...]]] = []
+        self.t_submit = time.perf_counter()
+        self.t_last = 0.0
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+    @property
+    def decoding(self) -> bool:
+        return self.pos >= len(self.ids)
+
+
+@dataclass
+class _Slot:
+    tokens: list[int] = field(default_factory=list)  # whose K/V the runner's slot holds
+    owner: Request | None = None
+    used: float = 0.0  # last release time (LRU)
+
+
+def _common_prefix(a: Sequence[int], b: Sequence[int], limit: int) -> int:
+    n, m = 0, min(len(a), len(b), limit)
+    while n < m and a[n] == b[n]:
+        n += 1
+    return n
+
+
 class Engine:
-    """Tokenise, prefill, decode, sample, detokenise, stop. Thread-safe (one at a time)."""
+    """Tokenise, schedule, batch, sample, detokenise, stop. Thread-safe."""
 
     def __init__(
-        self, runner: Runner, tokenizer: Tokenizer, *, model_name: str, prefill_chunk: int = 256
+        self,
+        runner: Runner,
+        tokenizer: Tokenizer,
+        *,
+        model_name: str,
+        prefill_chunk: int = 256,
+        parallel: int = 1,
+        prefix_cache: int | None = None,
     ) -> None:
+        """``parallel``: sequences decoded together; ``prefill_chunk``: prompt tokens per
+        step (shared by the prompts being prefilled); ``prefix_cache``: finished sequences
+        whose caches are kept for prefix reuse (default: ``parallel``)."""
         if prefill_chunk < 1:
             raise ConfigError("prefill_chunk", f"must be >= 1, got {prefill_chunk}")
+        if parallel < 1:
+            raise ConfigError("parallel", f"must be >= 1, got {parallel}")
+        if prefix_cache is not None and prefix_cache < 0:
+            raise ConfigError("prefix_cache", f"must be >= 0, got {prefix_cache}")
         self.runner = runner
+        self.batch = as_batch_runner(runner)
+        if isinstance(self.batch, SerialRunner) and parallel > 1:
+            logger.warning(
+                "this runner decodes one sequence at a time: --parallel %d ignored", parallel
+            )
+            parallel = 1
+        self.parallel = parallel
+        n_cached = parallel if prefix_cache is None else prefix_cache
+        if isinstance(self.batch, SerialRunner):
+            n_cached = 0  # its one slot is reused by the next request anyway
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.max_context = runner.config.max_position_embeddings
         self.prefill_chunk = prefill_chunk
         self.metrics = Metrics()
-        self.lock = threading.Lock()
-        self._cached: list[int] = []  # tokens whose K/V are in the runner's cache
+        self._slots = [_Slot() for _ in range(parallel + n_cached)]
+        self._last_slot = 0
+        self._cv = threading.Condition()
+        self._waiting: deque[Request] = deque()
+        self._active: list[Request] = []
+        self._thread: threading.Thread | None = None
+        self._closed = False
 
-    def _prefill(self, ids: list[int], top: int = 0) -> torch.Tensor:
-        # Reuse the longest cached prefix, but recompute at least the last prompt token. The
-        # runner may have dropped its cache since (a cluster regrouped or re-planned while
-        # idle): then nothing is cached, whatever this engine remembers.
-        if self.runner.cached_tokens() != len(self._cached):
-            self._cached = []
-        p = 0
-        limit = min(len(self._cached), len(ids) - 1)
-        while p < limit and self._cached[p] == ids[p]:
-            p += 1
-        floor = getattr(self.runner, "restart_floor", None)
-        if p > 0 and floor is not None and p < floor():
-            p = 0  # a sliding-window cache dropped keys that restarting at p would need
-        self._cached = self._cached[:p]
-        logits = None
-        for a in range(p, len(ids), self.prefill_chunk):
-            chunk = ids[a : a + self.prefill_chunk]
-            logits = self.runner.forward(chunk, a, top)
-            self._cached.extend(chunk)
-        assert logits is not None  # ids is never empty (checked by generate)
-        return logits
-
+    # ---- requests ------------------------------------------------------------------------------
     def prepare(self, prompt: str | Sequence[int], params: SamplingParams) -> list[int]:
         """Tokenise and check that the request fits the context; raises :class:`ConfigError`."""
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else [int(i) for i in prompt]
@@ -214,64 +451,41 @@ class Engine:
             )
         return ids
 
+    def submit(self, ids: list[int], params: SamplingParams, sink: Sink) -> Request:
+        """Queue a prepared request (see :meth:`prepare`); its events go to ``sink``."""
+        req = Request(ids, params, sink)
+        with self._cv:
+            if self._closed:
+                raise EngineError("the engine is closed")
+            self._waiting.append(req)
+            self.metrics.waiting = len(self._waiting)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._loop, name="edge-engine", daemon=True)
+                self._thread.start()
+            self._cv.notify()
+        return req
+
     def generate(
         self, prompt: str | Sequence[int], params: SamplingParams
     ) -> Generator[Event, None, None]:
         """Stream a completion. Raises :class:`ConfigError` for a bad request and
-        :class:`EngineError` when the runtime fails mid-way."""
+        :class:`EngineError` when the runtime fails mid-way. Closing the generator early
+        cancels the request."""
         ids = self.prepare(prompt, params)
-        with self.lock:
-            yield from self._generate_locked(ids, params)
-
-    def _generate_locked(self, ids: list[int], params: SamplingParams) -> Iterator[Event]:
-        m = self.metrics
-        m.requests += 1
-        m.prompt_tokens += len(ids)
-        sampler, stops = Sampler(params), StopMatcher(params.stop)
-        eos = self.tokenizer.eos_token_id
-        out: list[int] = []
-        shown = ""
-        t0 = time.perf_counter()
+        q: queue.SimpleQueue = queue.SimpleQueue()
+        req = self.submit(ids, params, q.put)
         try:
-            top = params.candidates
-            logits = self._prefill(ids, top)
-            for i in range(params.max_tokens):
-                tok = sampler(logits)
-                if tok == eos or tok in params.stop_token_ids:
-                    yield Event(stops.flush(), None, "stop")
+            while True:
+                item = q.get()
+                if item is None:
                     return
-                out.append(tok)
-                now = time.perf_counter()
-                if i == 0:
-                    m.ttft_s.append(now - t0)
-                m.completion_tokens += 1
-                text = self.tokenizer.decode(out)
-                if text.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for more
-                    piece = ""
-                else:
-                    piece, shown = text[len(shown) :], text
-                visible = stops.feed(piece)
-                if stops.stopped:
-                    yield Event(visible, tok, "stop")
-                    return
-                if i == params.max_tokens - 1:
-                    yield Event(visible + stops.flush(), tok, "length")
-                    return
-                yield Event(visible, tok)
-                b0, t1 = self.runner.wire_bytes(), time.perf_counter()
-                logits = self.runner.forward([tok], len(self._cached), top)
-                self._cached.append(tok)
-                m.token_s.append(time.perf_counter() - t1)
-                m.wire_bytes_per_token.append(self.runner.wire_bytes() - b0)
-        except (LowbandError, RuntimeError) as exc:
-            m.failed += 1
-            self._cached = []
-            self.runner.reset()
-            if isinstance(exc, EngineError):
-                raise
-            raise EngineError(f"generation failed: {exc}") from exc
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
         finally:
-            m.busy_s += time.perf_counter() - t0
+            req.cancel()
+            with self._cv:
+                self._cv.notify()
 
     def complete(self, prompt: str | Sequence[int], params: SamplingParams) -> tuple[str, str, int]:
         """Non-streaming: (text, finish_reason, completion token count)."""
@@ -281,3 +495,251 @@ class Engine:
             n += ev.token is not None
             reason = ev.finish_reason or reason
         return "".join(parts), reason, n
+
+    def cached_prefix(self) -> list[int]:
+        """The tokens held by the cache slot of the most recently finished request."""
+        with self._cv:
+            return list(self._slots[self._last_slot].tokens)
+
+    def close(self) -> None:
+        """Stop the scheduler; waiting and running requests end with :class:`EngineError`."""
+        with self._cv:
+            self._closed = True
+            self._cv.notify()
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+
+    # ---- the scheduler -------------------------------------------------------------------------
+    def _loop(self) -> None:
+        while True:
+            with self._cv:
+                while not self._closed and not self._waiting and not self._active:
+                    self._cv.wait()
+                if self._closed:
+                    pending = list(self._waiting) + self._active
+                    self._waiting.clear()
+                    self._active.clear()
+                    break
+                self._admit()
+                work = self._plan()
+            if work:
+                self._step(work)
+        for r in pending:
+            r.sink(EngineError("the engine is closed"))
+
+    def _admit(self) -> None:
+        """Move waiting requests into free slots (called with the lock held)."""
+        for r in [r for r in self._active if r.cancelled]:
+            self._finish(r, None, cancelled=True)
+        while self._waiting and len(self._active) < self.parallel:
+            r = self._waiting[0]
+            if r.cancelled:
+                self._waiting.popleft()
+                self.metrics.requests += 1
+                self.metrics.cancelled += 1
+                r.sink(None)
+                continue
+            if not self._place(r):
+                break
+            self._waiting.popleft()
+            self._active.append(r)
+            m = self.metrics
+            m.requests += 1
+            m.prompt_tokens += len(r.ids)
+        self.metrics.waiting = len(self._waiting)
+        self.metrics.running = len(self._active)
+
+    def _place(self, r: Request) -> bool:
+        """Give ``r`` a slot, reusing the longest cached prefix of its prompt."""
+        b = self.batch
+        # at least the last prompt token is recomputed (its logits start the completion);
+        # prompt logprobs need every position's logits
+        limit = 0 if r.params.prompt_logprobs else len(r.ids) - 1
+        best, best_p = -1, 0
+        for i, s in enumerate(self._slots):
+            held = b.slot_length(i)
+            if held < len(s.tokens):  # the runner dropped it (a cluster regrouped)
+                s.tokens = s.tokens[:held] if held else []
+            p = _common_prefix(s.tokens, r.ids, limit)
+            if 0 < p < b.slot_floor(i):
+                p = 0  # a sliding-window cache dropped keys that restarting at p needs
+            if p > best_p:
+                best, best_p = i, p
+        self.metrics.prefix_lookups += 1
+        free = [i for i, s in enumerate(self._slots) if s.owner is None]
+        if not free:
+            return False
+        if best >= 0 and self._slots[best].owner is None:
+            target = best
+        else:  # an empty slot, else the least recently used finished one
+            target = min(free, key=lambda i: (bool(self._slots[i].tokens), self._slots[i].used))
+            if best >= 0:  # the prefix is held by a running sequence: copy it
+                try:
+                    b.copy_prefix(best, target, best_p)
+                except RuntimeError:
+                    best_p = 0
+            else:
+                best_p = 0
+        slot = self._slots[target]
+        slot.tokens = list(r.ids[:best_p])
+        slot.owner = r
+        r.slot, r.pos = target, best_p
+        if best_p:
+            self.metrics.prefix_hits += 1
+            self.metrics.prefix_tokens_reused += best_p
+        return True
+
+    def _plan(self) -> list[tuple[Request, Work]]:
+        """This step's batch: every decoding sequence's next token, then prompt chunks up to
+        ``prefill_chunk`` tokens, oldest request first (called with the lock held)."""
+        work: list[tuple[Request, Work]] = []
+        for r in self._active:
+            if r.decoding:
+                work.append((r, Work(r.slot, (r.next_in,), r.pos, "last")))
+        budget = self.prefill_chunk
+        for r in self._active:
+            if r.decoding or budget <= 0:
+                continue
+            n = min(budget, len(r.ids) - r.pos)
+            last = r.pos + n == len(r.ids)
+            want: Want = "all" if r.params.prompt_logprobs else ("last" if last else "none")
+            work.append((r, Work(r.slot, tuple(r.ids[r.pos : r.pos + n]), r.pos, want)))
+            budget -= n
+        return work
+
+    def _step(self, work: list[tuple[Request, Work]]) -> None:
+        reqs = [r for r, _ in work]
+        needs_all = any(r.params.logprobs is not None or r.params.prompt_logprobs for r in reqs)
+        tops = [r.params.candidates for r in reqs]
+        top = 0 if needs_all or 0 in tops else max(tops)
+        t0, b0 = time.perf_counter(), self.runner.wire_bytes()
+        try:
+            logits = self.batch.forward_batch([w for _, w in work], top)
+        except (LowbandError, RuntimeError) as exc:
+            self._fail_all(exc)
+            return
+        finally:
+            self.metrics.busy_s += time.perf_counter() - t0
+        m = self.metrics
+        m.steps += 1
+        m.step_sequences += len(work)
+        m.step_tokens += sum(len(w.ids) for _, w in work)
+        if all(r.decoding for r in reqs):  # a decode step: the wire cost of one token each
+            m.wire_bytes_per_token.append((self.runner.wire_bytes() - b0) / len(work))
+        with self._cv:
+            for (r, w), lg in zip(work, logits):
+                slot = self._slots[r.slot]
+                slot.tokens.extend(w.ids)
+                if not r.decoding:
+                    m.prompt_tokens_computed += len(w.ids)
+                r.pos += len(w.ids)
+                if r.cancelled:
+                    continue  # leaves at the next admission pass
+                try:
+                    if w.logits == "all":
+                        assert lg is not None
+                        self._prompt_logprobs(r, w, lg)
+                        lg = lg[-1]
+                    if lg is not None and r.decoding:
+                        self._emit_next(r, lg)
+                    elif r.decoding and r.params.max_tokens == 0:
+                        self._finish(r, Event("", None, "length", prompt_logprobs=r.prompt_lp))
+                except (LowbandError, RuntimeError) as exc:  # e.g. a tokenizer that fails
+                    self._finish(r, EngineError(f"generation failed: {exc}"), failed=True)
+
+    def _prompt_logprobs(self, r: Request, w: Work, lg: torch.Tensor) -> None:
+        """Log-probabilities of the prompt tokens predicted by rows of this chunk."""
+        lp = torch.log_softmax(lg.float(), dim=-1)
+        k = r.params.logprobs or 0
+        if w.start == 0:
+            r.prompt_lp.append((w.ids[0], None, ()))
+        for j in range(len(w.ids)):  # row j predicts prompt token start + j + 1
+            t = w.start + j + 1
+            if t >= len(r.ids):
+                break
+            tok = r.ids[t]
+            r.prompt_lp.append((tok, float(lp[j, tok]), _top(lp[j], k)))
+
+    def _emit_next(self, r: Request, logits: torch.Tensor) -> None:
+        p, m = r.params, self.metrics
+        if p.max_tokens == 0:  # prompt logprobs only (echo)
+            self._finish(r, Event("", None, "length", prompt_logprobs=r.prompt_lp))
+            return
+        tok = r.sampler(logits)
+        lp: float | None = None
+        tops: tuple[tuple[int, float], ...] = ()
+        if p.logprobs is not None:
+            logp = torch.log_softmax(logits.float(), dim=-1)
+            lp, tops = float(logp[tok]), _top(logp, p.logprobs)
+        extra = {"prompt_logprobs": r.prompt_lp} if p.prompt_logprobs and not r.out else {}
+        eos = self.tokenizer.eos_token_id
+        if not p.ignore_eos and (tok == eos or tok in p.stop_token_ids):
+            self._finish(r, Event(r.stops.flush(), None, "stop", lp, tops, **extra))
+            return
+        now = time.perf_counter()
+        if not r.out:
+            m.ttft_s.append(now - r.t_submit)
+        else:
+            m.token_s.append(now - r.t_last)
+        r.t_last = now
+        r.out.append(tok)
+        m.completion_tokens += 1
+        text = self.tokenizer.decode(r.out)
+        if text.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for more
+            piece = ""
+        else:
+            piece, r.shown = text[len(r.shown) :], text
+        visible = r.stops.feed(piece)
+        if r.stops.stopped:
+            self._finish(r, Event(visible, tok, "stop", lp, tops, **extra))
+            return
+        if len(r.out) == p.max_tokens:
+            self._finish(r, Event(visible + r.stops.flush(), tok, "length", lp, tops, **extra))
+            return
+        r.sink(Event(visible, tok, None, lp, tops, **extra))
+        r.next_in = tok
+
+    def _finish(
+        self,
+        r: Request,
+        last: Event | BaseException | None,
+        *,
+        failed: bool = False,
+        cancelled: bool = False,
+    ) -> None:
+        """End ``r`` (called with the lock held): its last event, then the end mark."""
+        if r in self._active:
+            self._active.remove(r)
+        slot = self._slots[r.slot]
+        slot.owner, slot.used = None, time.perf_counter()
+        self._last_slot = r.slot
+        m = self.metrics
+        m.failed += failed
+        m.cancelled += cancelled
+        m.running = len(self._active)
+        if last is not None:
+            r.sink(last)
+        if not isinstance(last, BaseException):
+            r.sink(None)
+
+    def _fail_all(self, exc: BaseException) -> None:
+        """The runtime failed mid-step: every running request fails, every cache is dropped."""
+        err = exc if isinstance(exc, EngineError) else EngineError(f"generation failed: {exc}")
+        if not isinstance(exc, EngineError):
+            err.__cause__ = exc
+        with self._cv:
+            for r in list(self._active):
+                self._finish(r, err, failed=True)
+            for s in self._slots:
+                s.tokens = []
+        try:
+            self.runner.reset()
+        except (LowbandError, RuntimeError) as e:  # the next request reports it
+            logger.warning("resetting the runner failed: %s", e)
+
+
+def _top(logp: torch.Tensor, k: int) -> tuple[tuple[int, float], ...]:
+    if k <= 0:
+        return ()
+    v, i = torch.topk(logp, min(k, logp.shape[-1]))
+    return tuple(zip(i.tolist(), v.tolist()))

@@ -12,6 +12,8 @@ import torch
 
 from lowband.errors import ConfigError
 
+MAX_LOGPROBS = 20  # alternatives per token, as OpenAI allows
+
 
 @dataclass(frozen=True, kw_only=True)
 class SamplingParams:
@@ -26,10 +28,22 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = field(default=())
     """Tokens that end the completion like EOS (a chat template's end of turn, e.g.
     ``<|eot_id|>``: a special token that decodes to no text, so no stop string can see it)."""
+    logprobs: int | None = None
+    """None: no log-probabilities; k >= 0: each generated token's log-probability and the k
+    most likely alternatives (at most ``MAX_LOGPROBS``)."""
+    prompt_logprobs: bool = False
+    """Also the log-probability of every prompt token (``echo`` with ``logprobs``: what
+    evaluation harnesses score with); the prompt is then computed in full, not reused."""
+    ignore_eos: bool = False
+    """Keep generating past the end-of-sequence token (benchmarks: a fixed output length)."""
 
     def __post_init__(self) -> None:
-        if self.max_tokens < 1:
-            raise ConfigError("max_tokens", f"must be >= 1, got {self.max_tokens}")
+        if self.max_tokens < 0 or (self.max_tokens == 0 and not self.prompt_logprobs):
+            raise ConfigError(
+                "max_tokens", f"must be >= 1 (0 only with prompt logprobs), got {self.max_tokens}"
+            )
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise ConfigError("logprobs", f"must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
         if not 0.0 <= self.temperature <= 100.0:
             raise ConfigError("temperature", f"must be in [0, 100], got {self.temperature}")
         if self.top_k < 0:

@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
-from typing import TYPE_CHECKING, Any, Callable, Iterator, cast
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence, cast
 
 import torch
 import torch.nn.functional as F
@@ -249,6 +249,35 @@ class KVCache:
         self.base = 0
         self.generation = next(_generations)
 
+    def copy_prefix(self, other: "KVCache", n: int) -> None:
+        """Hold positions 0..n-1 of ``other`` (a shared prompt prefix), dropping what this
+        cache held. ``other`` must still hold them (``other.base == 0``)."""
+        if not 0 <= n <= other.length or other.base != 0:
+            raise RuntimeError(f"the source cache does not hold positions 0..{n - 1}")
+        self.base = 0
+        self.generation = next(_generations)
+        for layer, (k, v) in enumerate(zip(other.k, other.v)):
+            if k is None or v is None:
+                raise RuntimeError("the source cache is empty")
+            mine = self.k[layer]
+            if mine is None or mine.shape[2] < n or mine.shape[1:] != k.shape[1:]:
+                cap = max(n, 64, k.shape[2])
+                self.k[layer] = k.new_zeros(k.shape[0], k.shape[1], cap, k.shape[3])
+                self.v[layer] = v.new_zeros(v.shape[0], v.shape[1], cap, v.shape[3])
+            self.k[layer][:, :, :n] = k[:, :, :n]  # type: ignore[index]
+            self.v[layer][:, :, :n] = v[:, :, :n]  # type: ignore[index]
+        self.length = n
+
+
+@dataclasses.dataclass(frozen=True)
+class Span:
+    """One sequence's run of tokens in a ragged batch: ``length`` tokens at positions
+    ``start..start+length-1``, whose keys and values go into (and attend over) ``cache``."""
+
+    cache: KVCache
+    start: int
+    length: int
+
 
 class Attention(nn.Module):
     # Declared for type checkers: nn.Module's __getattr__ would type submodules as
@@ -310,7 +339,45 @@ class Attention(nn.Module):
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if cache is not None:
             k, v = cache.update(self.layer_idx, k, v, start)
-        # (B, H, T, D) attention; GQA via enable_gqa avoids materialising repeated K/V.
+        out = self._attend(q, k, v, start)
+        out = self.o_proj(out.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))
+        return self.reduce(out) if self.reduce is not None else out
+
+    def forward_ragged(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, spans: Sequence[Span]
+    ) -> torch.Tensor:
+        """x: (1, N, H) holding the tokens of several sequences back to back (``spans`` in
+        order); cos/sin: (N, D) at each token's own position. The projections run once for
+        all N rows (each weight read once per step); attention runs per sequence."""
+        N = x.shape[1]
+        nh, nkv, D = self.n_heads, self.n_kv_heads, self.head_dim
+        if self.qkv is not None:
+            q, k, v = self.qkv(x).split((nh * D, nkv * D, nkv * D), dim=-1)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q = q.view(N, nh, D).transpose(0, 1)  # (heads, N, D)
+        k = k.view(N, nkv, D).transpose(0, 1)
+        v = v.view(N, nkv, D).transpose(0, 1)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        if self.use_rope:
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        outs, off = [], 0
+        for s in spans:
+            sl = slice(off, off + s.length)
+            ks, vs = s.cache.update(self.layer_idx, k[None, :, sl], v[None, :, sl], s.start)
+            outs.append(self._attend(q[None, :, sl], ks, vs, s.start)[0])
+            off += s.length
+        out = torch.cat(outs, dim=1) if len(outs) > 1 else outs[0]  # (heads, N, D)
+        out = self.o_proj(out.transpose(0, 1).reshape(1, N, nh * D))
+        return self.reduce(out) if self.reduce is not None else out
+
+    def _attend(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int
+    ) -> torch.Tensor:
+        """(B, H, T, D) attention of T queries at start.. over the S cached keys (the last T
+        of them being the queries' own); GQA via enable_gqa avoids repeating K/V."""
+        T = q.shape[2]
         S, W, sc = k.shape[2], self.window, self.scale
         gqa = self.n_kv_heads != self.n_heads
         if T == 1:
@@ -320,12 +387,11 @@ class Attention(nn.Module):
         elif start == 0 and (W is None or S <= W):
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=sc, enable_gqa=gqa)
         else:  # chunk after a prefix (causal in the chunk, full to the prefix) and/or a window
-            mask = torch.ones(T, S, dtype=torch.bool, device=x.device).tril(S - T)
+            mask = torch.ones(T, S, dtype=torch.bool, device=q.device).tril(S - T)
             if W is not None:  # query at S-T+t may see key j only if (S-T+t) - j < W
-                mask &= ~torch.ones(T, S, dtype=torch.bool, device=x.device).tril(S - T - W)
+                mask &= ~torch.ones(T, S, dtype=torch.bool, device=q.device).tril(S - T - W)
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=sc, enable_gqa=gqa)
-        out = self.o_proj(out.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))
-        return self.reduce(out) if self.reduce is not None else out
+        return out
 
 
 def activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -455,8 +521,13 @@ class DecoderLayer(nn.Module):
         sin: torch.Tensor,
         cache: KVCache | None,
         start: int,
+        spans: Sequence[Span] | None = None,
     ) -> torch.Tensor:
-        a = self.self_attn(self.input_layernorm(x), cos, sin, cache, start)
+        h = self.input_layernorm(x)
+        if spans is None:
+            a = self.self_attn(h, cos, sin, cache, start)
+        else:
+            a = self.self_attn.forward_ragged(h, cos, sin, spans)
         if self.sandwich:
             x = x + self.post_attention_layernorm(a)
             return x + self.post_feedforward_layernorm(self.ffn(self.pre_feedforward_layernorm(x)))
@@ -548,9 +619,49 @@ class LlamaForCausalLM(nn.Module):
             cache.length = start + T
         return x
 
+    def forward_ragged(self, x: torch.Tensor, spans: Sequence[Span]) -> torch.Tensor:
+        """Several sequences in one pass: x (1, N, H) holds ``spans[0].length`` tokens of the
+        first, then the second's, ... (N = the sum); returns (1, N, H). Each span appends to
+        its own cache. Every matmul runs once for the N rows (continuous batching, and a
+        prompt chunk piggybacking on decodes); a batch of single tokens goes through the
+        compiled step when one is installed."""
+        if not spans or sum(s.length for s in spans) != x.shape[1] or x.shape[0] != 1:
+            raise ValueError("x must be (1, N, H) with N the spans' total length")
+        if len({id(s.cache) for s in spans}) != len(spans):
+            raise ValueError("each span needs its own cache")
+        for s in spans:
+            if s.length < 1 or s.start < 0:
+                raise ValueError(f"bad span: start {s.start}, length {s.length}")
+            s.cache.prepare(s.start, s.length)
+        fast: Any = self.fast_decode
+        if fast is not None and all(s.length == 1 for s in spans):
+            if len(spans) == 1:
+                x = fast.layers(x, spans[0].cache, spans[0].start)
+            elif hasattr(fast, "layers_batch"):
+                x = fast.layers_batch(
+                    x.view(len(spans), 1, -1), [s.cache for s in spans], [s.start for s in spans]
+                ).view(1, len(spans), -1)
+            else:
+                fast = None
+            if fast is not None:
+                for s in spans:
+                    s.cache.length = s.start + 1
+                return x
+        pos = torch.cat([torch.arange(s.start, s.start + s.length) for s in spans])
+        end = max(s.start + s.length for s in spans)
+        tables = {}
+        for kind in set(self._layer_tables):
+            cos, sin = self.rope(0, end, x.dtype, kind)
+            tables[kind] = (cos[pos], sin[pos])
+        for layer, kind in zip(self.model.layers, self._layer_tables):
+            x = layer(x, *tables[kind], None, 0, spans)
+        for s in spans:
+            s.cache.length = s.start + s.length
+        return x
+
     def head(self, x: torch.Tensor) -> torch.Tensor:
         fast: Any = self.fast_decode
-        if fast is not None and x.numel() == x.shape[-1]:  # one token
+        if fast is not None and (x.numel() == x.shape[-1] or hasattr(fast, "layers_batch")):
             return fast.head(x)
         logits = self.lm_head(self.model.norm(x))
         cap = self.config.final_logit_softcapping

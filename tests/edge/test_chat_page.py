@@ -218,9 +218,7 @@ def test_chat_in_a_real_browser(tmp_path) -> None:
                     shot = await cdp.call("Page.captureScreenshot", format="png")
             # the server stops generating at the next token once the client is gone
             deadline = time.monotonic() + 10
-            while (
-                engine.metrics.snapshot().get("requests_active", 0) and time.monotonic() < deadline
-            ):
+            while engine.metrics.snapshot()["requests_running"] and time.monotonic() < deadline:
                 await asyncio.sleep(0.05)
             await asyncio.sleep(0.5)
             second = engine.metrics.snapshot()["completion_tokens_total"] - first_done

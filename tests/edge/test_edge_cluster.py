@@ -62,7 +62,7 @@ def test_engine_generates_and_reuses_prefix(ckpt) -> None:
     assert reason == "length" and n == 12
     again, _, _ = eng.complete("Hello there", p)
     assert again == text
-    assert eng._cached[:11] == list(b"Hello there")
+    assert eng.cached_prefix()[:11] == list(b"Hello there")
     # a stop sequence taken from the greedy output ends the completion early
     cut = text.encode("utf-8", "replace")
     eng2 = _local_engine(ckpt)

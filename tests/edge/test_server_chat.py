@@ -117,13 +117,13 @@ def test_chat_prompt_is_the_rendered_template(tmp_path) -> None:
         out = await r.json()
         assert r.status == 200, out
         assert out["usage"]["prompt_tokens"] == len(want_ids)
-        assert engine._cached[: len(want_ids)] == want_ids  # the K/V behind the reply
+        assert engine.cached_prefix()[: len(want_ids)] == want_ids  # the K/V behind the reply
         assert out["choices"][0]["message"]["content"] == expected
         assert (
             out["choices"][0]["finish_reason"] == reason and out["usage"]["completion_tokens"] == n
         )
         # the plain transcript is no longer what the model sees
-        assert engine._cached[: len(want_ids)] != list(chat_prompt(MESSAGES).encode())
+        assert engine.cached_prefix()[: len(want_ids)] != list(chat_prompt(MESSAGES).encode())
 
     run(body, engine)
 
@@ -180,7 +180,7 @@ def test_template_raise_exception_and_bad_messages_are_400(tmp_path) -> None:
         assert r.status == 200
         text = _template(engine).render(normalize_messages(MESSAGES[1:]))
         assert text.startswith("<bos><start_of_turn>user\nhello<end_of_turn>\n")
-        assert engine._cached[: len(text.encode())] == list(text.encode())
+        assert engine.cached_prefix()[: len(text.encode())] == list(text.encode())
 
     run(body, engine)
 
@@ -197,7 +197,7 @@ def test_model_without_template_keeps_the_plain_transcript(tmp_path) -> None:
         req = {"messages": MESSAGES, "max_tokens": 3, "temperature": 0}
         out = await (await s.post("/v1/chat/completions", json=req)).json()
         assert out["usage"]["prompt_tokens"] == len(want)
-        assert engine._cached[: len(want)] == want
+        assert engine.cached_prefix()[: len(want)] == want
         r = await s.post("/v1/chat/completions", json={"messages": [{"role": "x"}]})
         assert r.status == 400 and "error" in await r.json()
 
