@@ -1,7 +1,9 @@
 """Authentication flags every networked command shares, and where their secrets come from.
 
 Secrets never need argv: ``--token-file FILE`` or the ``LOWBAND_TOKEN`` environment variable
-(``--token`` still works but warns, since any user of the machine sees it in ``ps``). CURVE
+(``--token`` still works but warns, since any user of the machine sees it in ``ps``); the same
+for the HTTP API key (``--api-key-file``, ``LOWBAND_API_KEY``, ``--api-key``). A secret file
+that other users may read or write is refused, as ssh refuses such a private key. CURVE
 keys come from ``--curve-key`` / ``--curve-server-key`` or, when present, from the default key
 directory ``$XDG_CONFIG_HOME/lowband`` (``~/.config/lowband``): ``lowband.key_secret`` is this
 peer's keypair (the coordinator's, on the coordinator), ``coordinator.key`` the coordinator's
@@ -15,6 +17,8 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
+import stat
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,6 +32,8 @@ if TYPE_CHECKING:  # transport (and ZeroMQ) load inside the handlers: a fast --h
 logger = logging.getLogger(__name__)
 
 TOKEN_ENV = "LOWBAND_TOKEN"
+API_KEY_ENV = "LOWBAND_API_KEY"
+MAX_SECRET_BYTES = 4096  # a token or an API key; a larger file is not one
 KEYPAIR_FILE = "lowband.key_secret"  # this peer's keypair in the default key directory
 SERVER_KEY_FILE = "coordinator.key"  # the coordinator's public key, on a peer
 
@@ -82,7 +88,7 @@ def add_auth(
         help="shared secret (visible to other users in ps: prefer --token-file or "
         f"${TOKEN_ENV}); without CURVE only allowed on loopback or with --insecure",
     )
-    g.add_argument("--token-file", help="read the shared secret from this file")
+    g.add_argument("--token-file", help="read the shared secret from this file (mode 0600)")
     names = ["--curve-key", "--curve-secret"] if curve_secret_alias else ["--curve-key"]
     g.add_argument(
         *names,
@@ -108,26 +114,84 @@ def add_auth(
     )
 
 
-def _token(args: argparse.Namespace, env: Mapping[str, str]) -> str | None:
-    if args.token and args.token_file:
-        raise ConfigError("token", "give --token or --token-file, not both")
-    if args.token_file:
-        try:
-            text = Path(args.token_file).read_text().strip()
-        except OSError as exc:
-            raise ConfigError("token-file", f"cannot read {args.token_file}: {exc}") from None
-        if not text:
-            raise ConfigError("token-file", f"{args.token_file} is empty")
-        return text
-    if args.token:
+def read_secret_file(path: str, flag: str) -> str:
+    """The secret held in ``path`` (surrounding whitespace stripped).
+
+    Refused (ConfigError naming ``flag``): a regular file that group or others may read or
+    write (``chmod 600`` it), an empty one, one over :data:`MAX_SECRET_BYTES`, or one that
+    is not UTF-8. The mode is taken from the opened file, so the file checked is the file
+    read; a pipe (``--token-file <(pass show x)``) has no such mode and is read as it is.
+    The secret itself is never part of a message."""
+    try:
+        with open(path, "rb") as f:
+            mode = os.fstat(f.fileno()).st_mode
+            if stat.S_ISREG(mode) and mode & 0o077:
+                raise ConfigError(
+                    flag,
+                    f"{path} may be read or written by other users (mode "
+                    f"{stat.S_IMODE(mode):04o}); a secret file must be private: chmod 600 {path}",
+                )
+            data = f.read(MAX_SECRET_BYTES + 1)
+    except OSError as exc:
+        raise ConfigError(flag, f"cannot read {path}: {exc.strerror or exc}") from None
+    if len(data) > MAX_SECRET_BYTES:
+        raise ConfigError(flag, f"{path} is over {MAX_SECRET_BYTES} bytes: not a secret")
+    try:
+        text = data.decode("utf-8").strip()
+    except UnicodeDecodeError:
+        raise ConfigError(flag, f"{path} is not UTF-8 text") from None
+    if not text:
+        raise ConfigError(flag, f"{path} is empty")
+    return text
+
+
+def _secret(
+    given: str | None, file: str | None, env: Mapping[str, str], *, flag: str, var: str
+) -> str | None:
+    """A secret from ``--FLAG-file``, else ``--FLAG`` (with a warning: argv is public),
+    else the environment variable ``var``; None when none is set."""
+    if given and file:
+        raise ConfigError(flag, f"give --{flag} or --{flag}-file, not both")
+    if file:
+        return read_secret_file(file, f"{flag}-file")
+    if given:
         print(
-            "lowband: WARNING: --token is visible to every user of this machine (ps, "
-            f"/proc); use --token-file FILE or {TOKEN_ENV}",
+            f"lowband: WARNING: --{flag} is visible to every user of this machine (ps, "
+            f"/proc); use --{flag}-file FILE or {var}",
             file=sys.stderr,
             flush=True,
         )
-        return str(args.token)
-    return env.get(TOKEN_ENV) or None
+        return str(given)
+    return env.get(var) or None
+
+
+def _token(args: argparse.Namespace, env: Mapping[str, str]) -> str | None:
+    return _secret(args.token, args.token_file, env, flag="token", var=TOKEN_ENV)
+
+
+def add_api_key(p: argparse.ArgumentParser) -> None:
+    """The HTTP API key flags of a command that serves the API."""
+    g = p.add_argument_group("HTTP API key (see docs/security.md)")
+    g.add_argument(
+        "--api-key-file",
+        metavar="FILE",
+        help="require 'Authorization: Bearer KEY' on the API, KEY read from this file "
+        f"(mode 0600); or set ${API_KEY_ENV}",
+    )
+    g.add_argument(
+        "--api-key",
+        metavar="KEY",
+        help=f"the same, on the command line (visible to other users in ps: prefer "
+        f"--api-key-file or ${API_KEY_ENV})",
+    )
+
+
+def resolve_api_key(args: argparse.Namespace, env: Mapping[str, str]) -> str | None:
+    """The HTTP API key from the flags of :func:`add_api_key` or ``LOWBAND_API_KEY``."""
+    key = _secret(args.api_key, args.api_key_file, env, flag="api-key", var=API_KEY_ENV)
+    if key is not None and not key.strip():
+        raise ConfigError("api-key", "must not be blank")
+    return key
 
 
 def _default(env: Mapping[str, str], name: str) -> Path | None:

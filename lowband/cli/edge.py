@@ -10,7 +10,7 @@ import argparse
 import importlib
 import sys
 
-from lowband.cli.auth import add_auth, resolve_auth
+from lowband.cli.auth import add_api_key, add_auth, resolve_api_key, resolve_auth
 from lowband.cli.liveness import add_liveness, add_register_timeout, liveness
 from lowband.errors import ConfigError, LowbandError
 
@@ -171,6 +171,7 @@ def _add_serve(p: argparse.ArgumentParser) -> None:
         "answer before sleeping (default 1000; 0 saves power, adds latency)",
     )
     add_auth(p, client=False, server=True)
+    add_api_key(p)
     p.add_argument(
         "--discover",
         nargs="?",
@@ -180,6 +181,23 @@ def _add_serve(p: argparse.ArgumentParser) -> None:
         "'edge worker --discover --master-key KEY' finds it (default name: lowband)",
     )
     p.add_argument("--max-queue", type=int, default=64, help="waiting requests before 429")
+    g = p.add_argument_group("batching")
+    g.add_argument(
+        "--parallel",
+        type=int,
+        help="sequences decoded together in one batch (default: sized from free memory, 1..16)",
+    )
+    g.add_argument(
+        "--prefill-chunk",
+        type=int,
+        default=256,
+        help="prompt tokens per step, prefilled alongside the running decodes (default 256)",
+    )
+    g.add_argument(
+        "--prefix-cache",
+        type=int,
+        help="finished sequences whose KV caches are kept for prefix reuse (default: --parallel)",
+    )
     p.add_argument(
         "--op-timeout",
         type=float,
@@ -379,7 +397,7 @@ def _serve_config(args, devices: int):
     import os
 
     from edge.cluster import ClusterConfig
-    from edge.launch import ServeMasterConfig, listen_host
+    from edge.launch import BatchConfig, ServeMasterConfig, listen_host
     from edge.server import ServerConfig
 
     auth = resolve_auth(args, os.environ, client=False, server=True)
@@ -395,7 +413,16 @@ def _serve_config(args, devices: int):
         liveness=liveness(args, default_heartbeat=1.0),
         device=_device(args),
         server=ServerConfig(
-            host=args.host, port=args.port, max_queue=args.max_queue, insecure=exposed
+            host=args.host,
+            port=args.port,
+            max_queue=args.max_queue,
+            insecure=exposed,
+            api_key=resolve_api_key(args, os.environ),
+        ),
+        batch=BatchConfig(
+            parallel=args.parallel,
+            prefill_chunk=args.prefill_chunk,
+            prefix_cache=args.prefix_cache,
         ),
         cluster=ClusterConfig(
             devices=devices,

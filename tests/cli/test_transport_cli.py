@@ -46,6 +46,7 @@ def _start(spawn, args):
 def test_coordinator_command_with_token_file_serves_a_group(spawn, tmp_path):
     token_file = tmp_path / "token"
     token_file.write_text("cli-secret\n")
+    token_file.chmod(0o600)  # a secret file others can read is refused
     proc, address = _start(spawn, ["--token-file", str(token_file), "--heartbeat", "0.5"])
     cfg = ZmqConfig(
         bind_host="127.0.0.1",

@@ -70,6 +70,7 @@ def test_open_setups_are_refused_with_keygen_advice(argv, env, tmp_path) -> None
 )
 def test_a_plain_token_beyond_loopback_is_refused(argv, env, tmp_path) -> None:
     (tmp_path / "tok").write_text("s3cret\n")
+    (tmp_path / "tok").chmod(0o600)
     out = _lowband([*argv, "--token-file", str(tmp_path / "tok")], env)
     assert out.returncode == 2 and "clear text" in out.stderr, out.stderr
     assert "s3cret" not in out.stderr + out.stdout
@@ -145,6 +146,7 @@ def _args(argv: list[str]):
 
 def test_token_from_file_env_and_argv(tmp_path, capsys) -> None:
     (tmp_path / "t").write_text("from-file\n")
+    (tmp_path / "t").chmod(0o600)
     coord = ["coordinator", "--bind", "tcp://127.0.0.1:0"]
     a = resolve_auth(
         _args([*coord, "--token-file", str(tmp_path / "t")]), {}, client=False, server=True
