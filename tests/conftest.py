@@ -8,9 +8,12 @@ import subprocess
 import sys
 import threading
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import pytest
+
+if TYPE_CHECKING:
+    from lowband.models.config import ModelConfig
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -38,6 +41,26 @@ def spawn() -> Iterator[Callable[..., subprocess.Popen]]:
             pass
 
 
+TINY_LLAMA: dict[str, Any] = dict(
+    vocab_size=256,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=64,
+)
+
+
+def tiny_llama(**over: Any) -> ModelConfig:
+    """The two-layer Llama most edge tests build: a byte vocabulary, 4 query heads sharing 2
+    KV heads (so GQA paths run), ``over`` replacing any field (a wider one: ``hidden_size=64,
+    intermediate_size=128``)."""
+    from lowband.models.config import ModelConfig
+
+    return ModelConfig(**{**TINY_LLAMA, **over})
+
+
 def tp_head(model, plan, rank: int, h, reduce):
     """Logits of every position of ``h`` (1, T, H) under tensor parallelism: each rank applies
     its rows of the (vocabulary-parallel) LM head and rank 0 gathers them exactly
@@ -58,8 +81,12 @@ def tp_head(model, plan, rank: int, h, reduce):
     return torch.stack(rows).unsqueeze(0) if rank == 0 else None
 
 
-def run_ranks(fns: list[Callable[[], object]], timeout: float = 60.0) -> list[object]:
-    """Run one callable per rank in threads; return results by rank, re-raising the first error."""
+def rank_outcomes(
+    fns: list[Callable[[], object]], timeout: float = 60.0
+) -> tuple[list[object], list[BaseException | None]]:
+    """Run one callable per rank in threads; return ``(results, errors)`` by rank, an error in
+    place of a result where the callable raised. A thread still running after ``timeout``
+    raises :class:`TimeoutError`."""
     results: list[object] = [None] * len(fns)
     errors: list[BaseException | None] = [None] * len(fns)
 
@@ -76,6 +103,12 @@ def run_ranks(fns: list[Callable[[], object]], timeout: float = 60.0) -> list[ob
         t.join(timeout)
         if t.is_alive():
             raise TimeoutError(f"rank thread still running after {timeout}s")
+    return results, errors
+
+
+def run_ranks(fns: list[Callable[[], object]], timeout: float = 60.0) -> list[object]:
+    """Run one callable per rank in threads; return results by rank, re-raising the first error."""
+    results, errors = rank_outcomes(fns, timeout)
     for e in errors:
         if e is not None:
             raise e

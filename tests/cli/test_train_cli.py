@@ -14,8 +14,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from diloco.config import DilocoConfig, config_to_dict, tiny
+from diloco.config import DilocoConfig, config_to_dict
 from diloco.metrics import read_jsonl
+from tests.diloco.configs import small_lm
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
@@ -23,25 +24,14 @@ PY = sys.executable
 
 
 def small_cfg(**over):
-    base = tiny()
-    model = dataclasses.replace(
-        base.model,
-        hidden_size=32,
-        intermediate_size=64,
-        num_attention_heads=2,
-        max_position_embeddings=32,
-    )
     kw = dict(
-        model=model,
         workers=3,
         steps=160,
-        eval_every=0,
         log_every=5,
-        data=dataclasses.replace(base.data, seq_len=16, batch_size=4, eval_batches=2),
         mode=DilocoConfig(inner_steps=8, n_fragments=2, tau=1, codec="int8", error_feedback=True),
         sync_timeout=10.0,
     )
-    return dataclasses.replace(base, **{**kw, **over})
+    return small_lm(**{**kw, **over})
 
 
 def _wait_for(pred, timeout, what):

@@ -6,7 +6,6 @@ marker and are skipped, with the reason printed, where torch sees none.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 
 import pytest
@@ -15,11 +14,9 @@ import torch
 from diloco.common import InnerLoop, hash_state
 from diloco.config import (
     ComputeConfig,
-    DilocoConfig,
     TrainConfig,
     config_from_dict,
     config_to_dict,
-    tiny,
     with_overrides,
 )
 from diloco.device import autocast, optimizer_kernels, resolve_device
@@ -27,33 +24,12 @@ from diloco.launch import run_threads
 from diloco.staging import HostStaging
 from diloco.task import lm_task
 from lowband.errors import ConfigError
+from tests.diloco.configs import small_lm
 
 pytestmark = pytest.mark.timeout(120)
 
 NO_CUDA = not torch.cuda.is_available()
 NO_CUDA_REASON = "no CUDA device visible to torch (CPU build or no GPU): CUDA path not exercised"
-
-
-def small(**over) -> TrainConfig:
-    base = tiny()
-    model = dataclasses.replace(
-        base.model,
-        hidden_size=32,
-        intermediate_size=64,
-        num_attention_heads=2,
-        max_position_embeddings=32,
-    )
-    kw = dict(
-        mode=DilocoConfig(
-            inner_steps=6, n_fragments=2, tau=1, alpha=0.5, codec="int8", error_feedback=True
-        ),
-        workers=2,
-        steps=18,
-        eval_every=0,
-        model=model,
-        data=dataclasses.replace(base.data, seq_len=16, batch_size=4, eval_batches=2),
-    )
-    return dataclasses.replace(base, **{**kw, **over})
 
 
 def test_compute_config_is_validated():
@@ -62,7 +38,7 @@ def test_compute_config_is_validated():
     with pytest.raises(ConfigError, match="compute.precision"):
         ComputeConfig(precision="int4")  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match="micro_batches"):
-        small(compute=ComputeConfig(micro_batches=3))  # 3 does not divide B = 4
+        small_lm(compute=ComputeConfig(micro_batches=3))  # 3 does not divide B = 4
     assert resolve_device("cpu") == torch.device("cpu")
     if NO_CUDA:
         with pytest.raises(ConfigError, match="no CUDA"):
@@ -72,7 +48,7 @@ def test_compute_config_is_validated():
 
 def test_compute_survives_json_and_overrides():
     cfg = with_overrides(
-        small(),
+        small_lm(),
         device="cpu",
         precision="bf16",
         micro_batches=2,
@@ -87,7 +63,7 @@ def test_compute_survives_json_and_overrides():
         optimizer_impl="foreach",
     )
     assert config_from_dict(json.loads(json.dumps(config_to_dict(cfg)))) == cfg
-    old = config_to_dict(small())
+    old = config_to_dict(small_lm())
     del old["compute"]  # a config.json written before the field existed
     assert config_from_dict(old).compute == ComputeConfig()
 
@@ -102,20 +78,20 @@ def _train(cfg: TrainConfig, steps: int = 4) -> list[torch.Tensor]:
 
 
 def test_micro_batches_equal_one_large_batch():
-    one = _train(small())
-    two = _train(small(compute=ComputeConfig(device="cpu", micro_batches=2)))
+    one = _train(small_lm())
+    two = _train(small_lm(compute=ComputeConfig(device="cpu", micro_batches=2)))
     for a, b in zip(one, two):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
 
 
 def test_activation_checkpointing_and_optimizer_kernels_match_the_plain_step():
-    ref = _train(small(compute=ComputeConfig(device="cpu", optimizer_impl="loop")))
+    ref = _train(small_lm(compute=ComputeConfig(device="cpu", optimizer_impl="loop")))
     for compute in (
         ComputeConfig(device="cpu", activation_checkpointing=True),
         ComputeConfig(device="cpu", optimizer_impl="foreach"),
         ComputeConfig(device="cpu", optimizer_impl="fused"),
     ):
-        got = _train(small(compute=compute))
+        got = _train(small_lm(compute=compute))
         for a, b in zip(ref, got):
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
 
@@ -135,7 +111,7 @@ def test_host_staging_cpu_twin_is_the_identity():
 
 
 def test_bf16_autocast_run_converges():
-    cfg = small(compute=ComputeConfig(device="cpu", precision="bf16"), steps=36)
+    cfg = small_lm(compute=ComputeConfig(device="cpu", precision="bf16"), steps=36)
     task = lm_task(cfg)
     start = task.evaluate(task.build_model())
     results = run_threads(cfg, task=task)
@@ -150,7 +126,7 @@ def test_bf16_autocast_run_converges():
 
 
 def test_fp16_scaler_path_trains():
-    cfg = small(compute=ComputeConfig(device="cpu", precision="fp16"), steps=12)
+    cfg = small_lm(compute=ComputeConfig(device="cpu", precision="fp16"), steps=12)
     task = lm_task(cfg)
     start = task.evaluate(task.build_model())
     results = run_threads(cfg, task=task)
@@ -204,8 +180,8 @@ def test_cuda_state_hash_equals_the_cpu_one():
 @pytest.mark.cuda
 @pytest.mark.skipif(NO_CUDA, reason=NO_CUDA_REASON)
 def test_cuda_run_matches_cpu_within_tolerance():
-    cpu = run_threads(small(compute=ComputeConfig(device="cpu")))
-    gpu = run_threads(small(compute=ComputeConfig(device="cuda")))
+    cpu = run_threads(small_lm(compute=ComputeConfig(device="cpu")))
+    gpu = run_threads(small_lm(compute=ComputeConfig(device="cuda")))
     assert abs(cpu[0].final_eval - gpu[0].final_eval) < 0.05
     assert len({r.state_hash for r in gpu}) == 1
 
@@ -225,7 +201,7 @@ def test_cuda_staging_round_trip():
 @pytest.mark.cuda
 @pytest.mark.skipif(NO_CUDA, reason=NO_CUDA_REASON)
 def test_cuda_bf16_run_converges():
-    cfg = small(compute=ComputeConfig(device="cuda", precision="bf16"), steps=36)
+    cfg = small_lm(compute=ComputeConfig(device="cuda", precision="bf16"), steps=36)
     task = lm_task(cfg)
     start = task.evaluate(task.build_model())
     results = run_threads(cfg, task=task)

@@ -16,6 +16,7 @@ from diloco.launch import run_threads
 from diloco.task import lm_task
 from lowband import SAMPLE_TEXT
 from lowband.errors import ConfigError
+from tests.diloco.configs import small_model
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -121,16 +122,9 @@ def test_jsonl_and_text_through_a_tokenizer(tmp_path):
 def test_shard_run_resumes_exactly(tmp_path):
     d, _ = write_shards(tmp_path, "uint32", n=20000, vocab=256)
     base = tiny()
-    model = dataclasses.replace(
-        base.model,
-        hidden_size=32,
-        intermediate_size=64,
-        num_attention_heads=2,
-        max_position_embeddings=32,
-    )
     cfg = dataclasses.replace(
         base,
-        model=model,
+        model=small_model(),
         steps=16,
         checkpoint_every=8,
         eval_every=0,

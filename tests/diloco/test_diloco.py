@@ -29,6 +29,8 @@ from diloco.task import lm_task
 from diloco.trainer import DilocoWorker
 from lowband.codecs import get_codec
 from lowband.errors import IncompatiblePeer
+from tests.conftest import rank_outcomes
+from tests.diloco.configs import small_lm
 from transport.loopback import LoopbackGroup
 
 pytestmark = pytest.mark.timeout(120)
@@ -78,23 +80,9 @@ def reg_cfg(**mode) -> TrainConfig:
 
 
 def lm_cfg(**over) -> TrainConfig:
-    base = tiny()
-    small = dataclasses.replace(
-        base.model,
-        hidden_size=32,
-        intermediate_size=64,
-        num_attention_heads=2,
-        max_position_embeddings=32,
-    )
-    kw = dict(
-        mode=DilocoConfig(inner_steps=6, n_fragments=2, tau=1, alpha=0.5),
-        workers=2,
-        steps=18,
-        eval_every=0,
-        model=small,
-        data=dataclasses.replace(base.data, seq_len=16, batch_size=4, eval_batches=2),
-    )
-    return dataclasses.replace(base, **{**kw, **over})
+    """The shared small run with this file's outer step: fp32 on the wire, no error feedback."""
+    mode = DilocoConfig(inner_steps=6, n_fragments=2, tau=1, alpha=0.5)
+    return small_lm(**{"mode": mode, **over})
 
 
 def run_group(cfg, task, comms, **kw):
@@ -108,21 +96,7 @@ def run_group(cfg, task, comms, **kw):
 
 
 def run_all(fns, timeout=100.0):
-    results, errors = [None] * len(fns), [None] * len(fns)
-
-    def body(i):
-        try:
-            results[i] = fns[i]()
-        except BaseException as e:  # noqa: BLE001 - reported below
-            errors[i] = e
-
-    threads = [threading.Thread(target=body, args=(i,), daemon=True) for i in range(len(fns))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout)
-        assert not t.is_alive(), "worker thread hung"
-    return results, errors
+    return rank_outcomes(fns, timeout)
 
 
 def reference_streaming(cfg: TrainConfig, task, world: int) -> nn.Module:

@@ -7,7 +7,6 @@ replaced, and the profiler's trace. CUDA-only checks carry the ``cuda`` marker.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 
 import pytest
@@ -15,13 +14,14 @@ import torch
 import torch.nn.functional as F
 
 from diloco.common import InnerLoop
-from diloco.config import ComputeConfig, DilocoConfig, OptimizerConfig, ProfileConfig, tiny
+from diloco.config import ComputeConfig, OptimizerConfig, ProfileConfig
 from diloco.launch import run_threads
 from diloco.outer import FragmentSync
 from diloco.prefetch import BatchPrefetcher
 from diloco.profiling import ENCODE, INNER_STEP, MERGE, OUTER_STEP
 from diloco.task import lm_task
 from lowband.codecs import get_codec
+from tests.diloco.configs import small_lm
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -29,30 +29,8 @@ NO_CUDA = not torch.cuda.is_available()
 NO_CUDA_REASON = "no CUDA device visible to torch (CPU build or no GPU): CUDA path not exercised"
 
 
-def small(**over):
-    base = tiny()
-    model = dataclasses.replace(
-        base.model,
-        hidden_size=32,
-        intermediate_size=64,
-        num_attention_heads=2,
-        max_position_embeddings=32,
-    )
-    kw = dict(
-        mode=DilocoConfig(
-            inner_steps=6, n_fragments=2, tau=1, alpha=0.5, codec="int8", error_feedback=True
-        ),
-        workers=2,
-        steps=18,
-        eval_every=0,
-        model=model,
-        data=dataclasses.replace(base.data, seq_len=16, batch_size=4, eval_batches=2),
-    )
-    return dataclasses.replace(base, **{**kw, **over})
-
-
 def _losses(compute: ComputeConfig, steps: int = 4) -> list[float]:
-    cfg = small(compute=compute)
+    cfg = small_lm(compute=compute)
     task = lm_task(cfg)
     loop = InnerLoop(cfg, task, task.build_model(), torch.device("cpu"))
     out = [loop.run_step(0) for _ in range(steps)]
@@ -66,7 +44,7 @@ def test_compile_defaults_on_for_cuda_only():
     cpu, gpu = torch.device("cpu"), torch.device("cuda")
     assert compiles(None, gpu) and not compiles(None, cpu)
     assert not compiles(False, gpu) and compiles(True, cpu)
-    loop = InnerLoop(small(), lm_task(small()), lm_task(small()).build_model(), cpu)
+    loop = InnerLoop(small_lm(), lm_task(small_lm()), lm_task(small_lm()).build_model(), cpu)
     assert loop.forward_model is loop.model  # CPU default: eager
 
 
@@ -99,7 +77,7 @@ def test_inner_step_makes_no_host_read(monkeypatch):
         ComputeConfig(device="cpu"),
         ComputeConfig(device="cpu", precision="bf16", micro_batches=2, optimizer_impl="fused"),
     ):
-        cfg = small(compute=compute)
+        cfg = small_lm(compute=compute)
         task = lm_task(cfg)
         loop = InnerLoop(cfg, task, task.build_model(), torch.device("cpu"))
         loop.run_step(0)  # lazy state (optimizer moments) made outside the watched steps
@@ -138,7 +116,7 @@ def test_training_attention_is_causal_sdpa_without_a_mask(monkeypatch):
         return sdpa(q, k, v, attn_mask=attn_mask, is_causal=is_causal, **kw)
 
     monkeypatch.setattr(F, "scaled_dot_product_attention", spy)
-    cfg = small()
+    cfg = small_lm()
     task = lm_task(cfg)
     InnerLoop(cfg, task, task.build_model(), torch.device("cpu")).run_step(0)
     layers = cfg.model.num_hidden_layers
@@ -237,7 +215,7 @@ def test_error_feedback_residual_unchanged_by_the_foreach_delta():
 def test_profile_writes_a_kineto_trace_with_the_outer_step(tmp_path):
     """A window of 6 steps (H/P = 3) holds a SEND and an APPLY: the trace names them."""
     prof = ProfileConfig(dir=str(tmp_path / "prof"), steps=6, wait=2)
-    results = run_threads(small(compute=ComputeConfig(device="cpu", profile=prof)), timeout=200)
+    results = run_threads(small_lm(compute=ComputeConfig(device="cpu", profile=prof)), timeout=200)
     assert len({r.state_hash for r in results}) == 1
     traces = list((tmp_path / "prof").glob("trace-slot*-step2.json"))
     assert len(traces) == 1  # one worker per process is profiled
@@ -256,7 +234,7 @@ def test_cuda_compiled_step_syncs_nothing_and_matches_eager():
     losses stay within bf16 tolerance of the eager step's."""
 
     def losses(compile: bool, watch: bool) -> list[float]:
-        cfg = small(compute=ComputeConfig(device="cuda", precision="bf16", compile=compile))
+        cfg = small_lm(compute=ComputeConfig(device="cuda", precision="bf16", compile=compile))
         task = lm_task(cfg)
         loop = InnerLoop(cfg, task, task.build_model().cuda(), torch.device("cuda"))
         out = [loop.run_step(0) for _ in range(2)]  # compilation and lazy state
@@ -307,7 +285,7 @@ def test_cuda_side_stream_error_feedback_equals_the_main_stream_one():
 @pytest.mark.skipif(NO_CUDA, reason=NO_CUDA_REASON)
 def test_cuda_profile_has_kernels(tmp_path):
     prof = ProfileConfig(dir=str(tmp_path), steps=6, wait=2)
-    run_threads(small(compute=ComputeConfig(device="cuda", profile=prof)), timeout=200)
+    run_threads(small_lm(compute=ComputeConfig(device="cuda", profile=prof)), timeout=200)
     (trace,) = tmp_path.glob("trace-*.json")
     events = json.loads(trace.read_text())["traceEvents"]
     assert any(e.get("cat") == "kernel" for e in events)

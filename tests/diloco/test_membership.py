@@ -24,6 +24,7 @@ from diloco.membership import (
 from diloco.metrics import MetricsLog
 from lowband.comm import Communicator
 from lowband.errors import ConfigError, IncompatiblePeer, ProtocolError
+from tests.conftest import rank_outcomes
 from transport.loopback import LoopbackGroup
 
 pytestmark = pytest.mark.timeout(60)
@@ -99,21 +100,8 @@ class Member:
 
 
 def run_ranks(fns: list[Callable[[], Any]], timeout: float = 30.0) -> list[BaseException | None]:
-    errors: list[BaseException | None] = [None] * len(fns)
-
-    def body(i: int) -> None:
-        try:
-            fns[i]()
-        except BaseException as e:  # noqa: BLE001 - reported to the test
-            errors[i] = e
-
-    threads = [threading.Thread(target=body, args=(i,), daemon=True) for i in range(len(fns))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout)
-        assert not t.is_alive(), "rank hung"
-    return errors
+    """Each rank's error (None where it returned)."""
+    return rank_outcomes(fns, timeout)[1]
 
 
 def reconcilers(members: list[Member]) -> list[Reconciler]:

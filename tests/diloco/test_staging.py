@@ -8,7 +8,6 @@ none (listed in .ci/allowed-skips).
 
 from __future__ import annotations
 
-import dataclasses
 import sys
 import threading
 from pathlib import Path
@@ -18,13 +17,14 @@ import torch
 from torch import nn
 
 from diloco.common import InnerLoop
-from diloco.config import ComputeConfig, DilocoConfig, tiny
+from diloco.config import ComputeConfig, DilocoConfig
 from diloco.launch import run_threads
 from diloco.outer import FragmentSync
 from diloco.staging import HostStaging, Outbound, StagingBuffers
 from diloco.task import lm_task
 from diloco.trainer import DilocoWorker
 from lowband.codecs import codec_names, get_codec
+from tests.diloco.configs import small_lm
 from transport.loopback import LoopbackGroup
 
 pytestmark = pytest.mark.timeout(120)
@@ -36,26 +36,7 @@ CPU = torch.device("cpu")
 
 
 def small(**over):
-    base = tiny()
-    model = dataclasses.replace(
-        base.model,
-        hidden_size=32,
-        intermediate_size=64,
-        num_attention_heads=2,
-        max_position_embeddings=32,
-    )
-    kw = dict(
-        mode=DilocoConfig(
-            inner_steps=6, n_fragments=2, tau=1, alpha=0.5, codec="int8", error_feedback=True
-        ),
-        workers=2,
-        steps=18,
-        eval_every=0,
-        log_every=1000,
-        model=model,
-        data=dataclasses.replace(base.data, seq_len=16, batch_size=4, eval_batches=2),
-    )
-    return dataclasses.replace(base, **{**kw, **over})
+    return small_lm(**{"log_every": 1000, **over})
 
 
 def fragment(
