@@ -37,9 +37,9 @@ from edge.cluster.protocol import (
 )
 from edge.cluster.worker import HANDLERS
 from lowband.errors import ProtocolError
-from lowband.models.config import ModelConfig
 from lowband.models.llama import LlamaForCausalLM, init_weights
 from lowband.models.weights import save_pretrained
+from tests.conftest import tiny_llama
 from transport.loopback import LoopbackGroup
 
 pytestmark = pytest.mark.timeout(120)
@@ -209,21 +209,13 @@ def test_the_master_sends_what_the_worker_handles() -> None:
 
 
 # ---- a worker driven by a hand-written master ----
-CFG = dict(
-    vocab_size=256,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=64,
-)
+CFG = tiny_llama(hidden_size=64, intermediate_size=128)
 
 
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory) -> Path:
     d = tmp_path_factory.mktemp("ck")
-    m = LlamaForCausalLM(ModelConfig(**CFG)).eval()
+    m = LlamaForCausalLM(CFG).eval()
     init_weights(m, std=0.2, seed=5)
     save_pretrained(m, d)
     return d

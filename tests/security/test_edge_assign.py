@@ -22,23 +22,15 @@ from edge.cluster.protocol import CTL, READY, Assign, Bye, Ready, Shutdown, deco
 from edge.cluster.worker import served_path
 from edge.launch import ServeWorkerConfig
 from lowband.errors import ConfigError, ProtocolError
-from lowband.models.config import ModelConfig
 from lowband.models.llama import LlamaForCausalLM, init_weights
 from lowband.models.weights import save_pretrained
+from tests.conftest import tiny_llama
 from transport.loopback import LoopbackGroup
 
 pytestmark = pytest.mark.timeout(120)
 LOAD_S = 480.0  # the one real load may compile the C++ kernels on a fresh machine
 
-CFG = ModelConfig(
-    vocab_size=256,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=64,
-)
+CFG = tiny_llama(hidden_size=64, intermediate_size=128)
 
 
 def _assign(model_dir: str, **over) -> dict:

@@ -13,12 +13,11 @@ import urllib.request
 import psutil
 import pytest
 
-from lowband.models.config import ModelConfig
 from lowband.models.llama import LlamaForCausalLM, init_weights
 from lowband.models.tokenizer import ByteTokenizer
 from lowband.models.weights import save_pretrained
 from lowband.proc import free_port
-from tests.conftest import PY
+from tests.conftest import PY, tiny_llama
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -32,17 +31,7 @@ def _health(port: int) -> dict | None:
 
 
 def test_edge_run_listens_only_on_loopback(tmp_path, spawn) -> None:
-    m = LlamaForCausalLM(
-        ModelConfig(
-            vocab_size=256,
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            max_position_embeddings=64,
-        )
-    ).eval()
+    m = LlamaForCausalLM(tiny_llama()).eval()
     init_weights(m, std=0.2, seed=3)
     save_pretrained(m, tmp_path)
     ByteTokenizer().save(tmp_path)

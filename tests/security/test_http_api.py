@@ -20,9 +20,9 @@ import pytest
 
 from edge.engine import Engine, LocalRunner
 from edge.server import ServerConfig, start
-from lowband.models.config import ModelConfig
 from lowband.models.llama import LlamaForCausalLM, init_weights
 from lowband.models.tokenizer import ByteTokenizer
+from tests.conftest import tiny_llama
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -30,16 +30,7 @@ KEY = "s3cret-key-for-tests"
 
 
 def _engine() -> Engine:
-    cfg = ModelConfig(
-        vocab_size=256,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=128,
-    )
-    m = LlamaForCausalLM(cfg).eval()
+    m = LlamaForCausalLM(tiny_llama(max_position_embeddings=128)).eval()
     init_weights(m, std=0.3, seed=1)
     return Engine(LocalRunner(m), ByteTokenizer(), model_name="tiny")
 
