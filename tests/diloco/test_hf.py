@@ -14,24 +14,15 @@ from diloco.hf import build_hf_model
 from diloco.launch import make_worker
 from diloco.task import lm_task
 from lowband.errors import ConfigError
+from tests.conftest import TINY_LLAMA
 from transport.loopback import LoopbackGroup
 
 pytestmark = pytest.mark.timeout(180)
 
-SMALL = dict(
-    vocab_size=256,
-    hidden_size=32,
-    intermediate_size=64,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=64,
-)
-
 
 def write_config(tmp_path, kind: str):
     cls = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config}[kind]
-    cfg = cls(**SMALL, tie_word_embeddings=False)
+    cfg = cls(**TINY_LLAMA, tie_word_embeddings=False)
     d = tmp_path / kind
     cfg.save_pretrained(str(d))
     return d / "config.json"

@@ -20,21 +20,13 @@ import pytest
 
 from edge.engine import Engine, LocalRunner
 from edge.server import ServerConfig, start
-from lowband.models.config import ModelConfig
 from lowband.models.llama import LlamaForCausalLM, init_weights
 from lowband.models.tokenizer import ByteTokenizer
+from tests.conftest import tiny_llama
 
 pytestmark = pytest.mark.timeout(180)
 
-CFG = dict(
-    vocab_size=256,
-    hidden_size=32,
-    intermediate_size=64,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=1024,
-)
+CFG = tiny_llama(max_position_embeddings=1024)
 ARTIFACTS = Path(__file__).resolve().parents[1] / "artifacts"
 
 
@@ -54,7 +46,7 @@ class _SlowRunner:
 
 
 def _engine(delay: float = 0.0) -> Engine:
-    m = LlamaForCausalLM(ModelConfig(**CFG)).eval()
+    m = LlamaForCausalLM(CFG).eval()
     init_weights(m, std=0.3, seed=1)
     runner = LocalRunner(m)
     return Engine(

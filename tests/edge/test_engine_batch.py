@@ -12,19 +12,11 @@ from edge.engine import Engine, EngineError, LocalRunner, SerialRunner, Work
 from edge.quant.linear import quantize_modules
 from edge.sampling import SamplingParams
 from lowband.errors import ConfigError
-from lowband.models.config import ModelConfig
 from lowband.models.llama import LlamaForCausalLM, init_weights
 from lowband.models.tokenizer import ByteTokenizer
+from tests.conftest import tiny_llama
 
-CFG = dict(
-    vocab_size=256,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=512,
-)
+WIDE = dict(hidden_size=64, intermediate_size=128, max_position_embeddings=512)
 
 PROMPTS = [
     "Once upon a time",
@@ -39,7 +31,7 @@ PROMPTS = [
 
 
 def _model(quant: int | None = None, **kw) -> LlamaForCausalLM:
-    m = LlamaForCausalLM(ModelConfig(**{**CFG, **kw})).eval()
+    m = LlamaForCausalLM(tiny_llama(**{**WIDE, **kw})).eval()
     init_weights(m, std=0.3, seed=1)
     if quant is not None:
         quantize_modules(m.model.layers, quant, 32)

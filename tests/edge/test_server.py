@@ -9,27 +9,19 @@ import json
 import aiohttp
 import pytest
 
-from edge.engine import Engine, LocalRunner
+from edge.engine import Engine, LocalRunner, Request
 from edge.sampling import SamplingParams
 from edge.server import ApiError, ServerConfig, start
 from lowband.errors import CorruptWeights, LowbandError
-from lowband.models.config import ModelConfig
 from lowband.models.llama import LlamaForCausalLM, init_weights
 from lowband.models.tokenizer import ByteTokenizer
+from tests.conftest import tiny_llama
 
-CFG = dict(
-    vocab_size=256,
-    hidden_size=32,
-    intermediate_size=64,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=128,
-)
+CFG = tiny_llama(max_position_embeddings=128)
 
 
 def _engine() -> Engine:
-    m = LlamaForCausalLM(ModelConfig(**CFG)).eval()
+    m = LlamaForCausalLM(CFG).eval()
     init_weights(m, std=0.3, seed=1)
     return Engine(LocalRunner(m), ByteTokenizer(), model_name="tiny")
 
@@ -196,7 +188,7 @@ class _DownRunner(LocalRunner):
 
 
 def test_cluster_down_is_503() -> None:
-    m = LlamaForCausalLM(ModelConfig(**CFG)).eval()
+    m = LlamaForCausalLM(CFG).eval()
     engine = Engine(_DownRunner(m), ByteTokenizer(), model_name="tiny")
 
     async def body(s, engine):
@@ -209,15 +201,16 @@ def test_cluster_down_is_503() -> None:
 
 
 class _DamagedEngine(Engine):
-    def generate(self, ids, params):
-        raise CorruptWeights("block 3 of model.safetensors: checksum mismatch")
-        yield  # a generator, like Engine.generate
+    def submit(self, ids, params, sink):  # the request fails at its first step
+        req = Request(ids, params, sink)
+        sink(CorruptWeights("block 3 of model.safetensors: checksum mismatch"))
+        return req
 
 
 def test_a_lowband_error_during_generation_is_500_with_its_message() -> None:
     """Any error of the lowband hierarchy is a server error the user can read, not a crash."""
     assert issubclass(ApiError, LowbandError)
-    m = LlamaForCausalLM(ModelConfig(**CFG)).eval()
+    m = LlamaForCausalLM(CFG).eval()
     engine = _DamagedEngine(LocalRunner(m), ByteTokenizer(), model_name="tiny")
 
     async def body(s, engine):
@@ -250,7 +243,7 @@ def test_huge_prompt_is_refused_before_tokenizing() -> None:
             Counting.calls += 1
             return super().encode(text)
 
-    m = LlamaForCausalLM(ModelConfig(**CFG)).eval()
+    m = LlamaForCausalLM(CFG).eval()
     init_weights(m, std=0.3, seed=1)
     engine = Engine(LocalRunner(m), Counting(), model_name="tiny")
 

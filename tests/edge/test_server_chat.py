@@ -16,10 +16,10 @@ from edge.engine import Engine, LocalRunner
 from edge.sampling import SamplingParams
 from edge.server import ServerConfig, chat_prompt, start
 from lowband.models.chat_template import ChatTemplate, normalize_messages
-from lowband.models.config import ModelConfig
 from lowband.models.llama import LlamaForCausalLM, init_weights
 from lowband.models.tokenizer import ByteTokenizer, load_tokenizer
 from lowband.models.weights import load_pretrained, save_pretrained
+from tests.conftest import tiny_llama
 
 # ChatML as Qwen2.5 writes it, without the tools branch.
 CHATML = (
@@ -40,15 +40,7 @@ GEMMA_LIKE = (
     "{% for m in messages %}<start_of_turn>{{ m.role }}\n{{ m.content }}<end_of_turn>\n"
     "{% endfor %}{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}"
 )
-CFG = dict(
-    vocab_size=256,
-    hidden_size=32,
-    intermediate_size=64,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=512,
-)
+CFG = tiny_llama(max_position_embeddings=512)
 MESSAGES = [
     {"role": "system", "content": "Be brief."},
     {"role": "user", "content": "hello"},
@@ -59,7 +51,7 @@ MESSAGES = [
 
 def _model_dir(d: Path, template: str | None, **extra: object) -> Path:
     """A tiny random checkpoint with a byte tokenizer, as `lowband edge serve` loads one."""
-    m = LlamaForCausalLM(ModelConfig(**CFG)).eval()  # type: ignore[arg-type]
+    m = LlamaForCausalLM(CFG).eval()
     init_weights(m, std=0.3, seed=1)
     save_pretrained(m, d)
     ByteTokenizer().save(d)

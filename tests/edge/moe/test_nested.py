@@ -30,6 +30,7 @@ from lowband.models.config import ModelConfig
 from lowband.models.llama import LlamaForCausalLM, init_weights
 from lowband.models.tokenizer import ByteTokenizer
 from lowband.models.weights import save_pretrained
+from tests.conftest import tiny_llama
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -39,19 +40,15 @@ def rel_err(w: torch.Tensor, w_hat: torch.Tensor) -> float:
 
 
 def tiny_moe_config(**kw) -> ModelConfig:
-    base = dict(
+    """The tests' tiny Llama as a Mixtral with 4 experts, 2 per token, and ModelConfig's
+    default 2048 positions."""
+    moe = dict(
         model_type="mixtral",
-        vocab_size=256,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+        max_position_embeddings=2048,
         num_local_experts=4,
         num_experts_per_tok=2,
     )
-    base.update(kw)
-    return ModelConfig(**base)
+    return tiny_llama(**{**moe, **kw})
 
 
 @pytest.fixture(scope="module")
