@@ -155,7 +155,7 @@ class WorkerLaunch:
     resume: Path | None = None
     threads: int | None = None  # torch intra-op threads of this process
     progress: bool = False
-    bind_host: str = "0.0.0.0"
+    bind_host: str = "127.0.0.1"  # the data socket; the CLI picks 0.0.0.0 for a remote group
     advertise_host: str | None = None
     connections: int = 4
     token: str | None = None

@@ -119,7 +119,7 @@ class SiteLaunch:
     site_id: str = "site"  # names the site's files; the rank is appended
     out_dir: Path | None = None
     threads: int | None = None
-    bind_host: str = "0.0.0.0"
+    bind_host: str = "127.0.0.1"  # the data socket; the CLI picks 0.0.0.0 for a remote group
     advertise_host: str | None = None
     connections: int = 4
     token: str | None = None

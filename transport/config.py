@@ -24,8 +24,10 @@ class ZmqConfig:
     """Default per-operation deadline in seconds (every call can override it)."""
     register_timeout: float = 30.0
     """Seconds to wait for the coordinator to answer the registration."""
-    bind_host: str = "0.0.0.0"
-    """Interface the data socket listens on."""
+    bind_host: str = "127.0.0.1"
+    """Interface the data socket listens on. Loopback by default: a peer that others reach
+    over a network names its interface (or ``0.0.0.0``), and then should use CURVE (see
+    :func:`transport.auth.check_exposure`, which the command line applies)."""
     data_port: int = 0
     """Port of the data socket; 0 picks a free one."""
     advertise_host: str | None = None

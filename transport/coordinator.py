@@ -61,8 +61,10 @@ logger = logging.getLogger(__name__)
 class CoordinatorConfig:
     """Where the coordinator listens and how it judges peers."""
 
-    bind: str = "tcp://0.0.0.0:29500"
-    """ZeroMQ endpoint to bind; port 0 picks a free port (read it back from ``address``)."""
+    bind: str = "tcp://127.0.0.1:29500"
+    """ZeroMQ endpoint to bind; port 0 picks a free port (read it back from ``address``).
+    Loopback by default: a coordinator for other machines names its interface (or
+    ``tcp://0.0.0.0:PORT``), with CURVE (see :func:`transport.auth.check_exposure`)."""
     heartbeat_interval: float = 1.0
     """Seconds. Peers heartbeat three times per interval; silence for ``dead_after`` is death."""
     dead_after: float | None = None
