@@ -34,6 +34,7 @@ from edge.server import ServerConfig, serve_forever
 from edge.shardio import WindowConfig, is_split_dir, load_shard
 from edge.source import check_model_path, resolve_model
 from lowband.errors import ConfigError, PeerLost
+from lowband.models.config import ModelConfig
 from lowband.proc import die_with_parent
 
 if TYPE_CHECKING:
@@ -69,6 +70,67 @@ class DeviceConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
+class BatchConfig:
+    """How the engine batches requests (see :mod:`edge.engine`)."""
+
+    parallel: int | None = None
+    """Sequences decoded together; None: sized from this device's free memory (a KV cache per
+    sequence at ``sizing_context`` tokens, a quarter of the available memory, 1..16)."""
+    prefill_chunk: int = 256  # prompt tokens per step, riding along with the decodes
+    prefix_cache: int | None = None  # finished sequences kept for prefix reuse (default parallel)
+    sizing_context: int = 4096
+
+    def __post_init__(self) -> None:
+        if self.parallel is not None and not 1 <= self.parallel <= 256:
+            raise ConfigError("parallel", f"must be in [1, 256], got {self.parallel}")
+        if not 1 <= self.prefill_chunk <= 65536:
+            raise ConfigError("prefill_chunk", f"must be in [1, 65536], got {self.prefill_chunk}")
+        if self.prefix_cache is not None and not 0 <= self.prefix_cache <= 1024:
+            raise ConfigError("prefix_cache", f"must be in [0, 1024], got {self.prefix_cache}")
+        if self.sizing_context < 1:
+            raise ConfigError("sizing_context", f"must be >= 1, got {self.sizing_context}")
+
+    def slots(self, model: ModelConfig, available_bytes: int | None = None) -> int:
+        """``parallel``, or the number of sequences whose caches fit a quarter of the memory
+        available now (each sequence may also leave a prefix-cache slot behind: twice)."""
+        if self.parallel is not None:
+            return self.parallel
+        if available_bytes is None:
+            available_bytes = _available_memory()
+        ctx = min(self.sizing_context, model.max_position_embeddings)
+        kv = 2 * model.num_hidden_layers * model.n_kv_heads * model.dim_per_head * 4 * ctx
+        return max(1, min(16, available_bytes // 4 // (2 * max(kv, 1))))
+
+
+def _available_memory() -> int:
+    """MemAvailable from /proc/meminfo (bytes); 1 GiB where that cannot be read."""
+    try:
+        with open("/proc/meminfo") as fh:
+            for line in fh:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return 2**30
+
+
+def make_engine(runner: Runner, tok, name: str, batch: "BatchConfig") -> Engine:
+    parallel = batch.slots(runner.config)
+    engine = Engine(
+        runner,
+        tok,
+        model_name=name,
+        parallel=parallel,
+        prefill_chunk=batch.prefill_chunk,
+        prefix_cache=batch.prefix_cache,
+    )
+    logger.info(
+        "engine: %d parallel sequences, prefill chunk %d", engine.parallel, batch.prefill_chunk
+    )
+    return engine
+
+
+@dataclass(frozen=True, kw_only=True)
 class ServeMasterConfig:
     """The master of ``lowband edge serve``: the model, its coordinator, the cluster of devices
     and the HTTP API in front (``server``, an ``edge.server.ServerConfig``)."""
@@ -84,6 +146,7 @@ class ServeMasterConfig:
     cluster: ClusterConfig
     discover: str | None = None  # advertise the coordinator on the LAN under this cluster name
     server: ServerConfig = field(default_factory=ServerConfig)
+    batch: BatchConfig = field(default_factory=BatchConfig)
     device: DeviceConfig = field(default_factory=DeviceConfig)
     # The master's coordinator deadlines; None: the coordinator's defaults (1 s heartbeat, a
     # worker with a dead connection lost after 2 s, a hung one after 60 s).
@@ -167,7 +230,7 @@ def build_engine(cfg: ServeMasterConfig, coord=None, master_host: str | None = N
     if cc.devices == 1:
         shard = _load_local(cfg.model_dir, cc.dtype, cc.window_config(), cc.experts)
         runner: Runner = LocalRunner(shard.model, shard.close, report=shard.store_report)
-        return Engine(runner, tok, model_name=name), None, None
+        return make_engine(runner, tok, name, cfg.batch), None, None
     from transport.coordinator import Coordinator
     from transport.zmq_comm import connect
 
@@ -202,7 +265,7 @@ def build_engine(cfg: ServeMasterConfig, coord=None, master_host: str | None = N
         comm.close()
         coord.stop()
         raise
-    return Engine(runner, tok, model_name=name), coord, comm
+    return make_engine(runner, tok, name, cfg.batch), coord, comm
 
 
 def check_model(model_dir: str, cc: ClusterConfig) -> None:
@@ -278,6 +341,7 @@ def serve_main(cfg: ServeMasterConfig, coord=None) -> int:
     finally:
         if advert is not None:
             advert.close()
+        engine.close()
         engine.runner.close()
         if comm is not None:
             comm.close()
