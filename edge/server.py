@@ -1,18 +1,33 @@
 """OpenAI-compatible HTTP API (aiohttp) in front of an :class:`edge.engine.Engine`.
 
 ``POST /v1/completions``, ``POST /v1/chat/completions`` (both with ``"stream": true`` SSE),
-``GET /v1/models``, ``GET /health`` (503 while the cluster is degraded), ``GET /metrics`` (with
-``expert_store``: hit rate, mean bits, bytes read, stall seconds, when serving a nested MoE).
+``GET /v1/models``, ``GET /health`` (503 while the cluster is degraded), ``GET /metrics`` (JSON;
+the Prometheus text format when the client asks for it: ``Accept: text/plain`` or OpenMetrics
+without ``application/json``, or ``?format=prometheus``), and vLLM's ``POST /tokenize``,
+``POST /detokenize``, ``GET /tokenizer_info`` (what lm-evaluation-harness's ``local-completions``
+tokenises with when it finds them).
+
+Request fields beyond the basics, shaped as OpenAI's: ``n`` choices (with a ``seed``, choice
+``i`` draws with ``seed + i``), ``logprobs`` (completions: the k most likely alternatives per
+token, ``{tokens, token_logprobs, top_logprobs, text_offset}``; chat: ``logprobs: true`` with
+``top_logprobs: k``, ``{content: [{token, logprob, bytes, top_logprobs}]}``), ``echo`` on
+completions (the prompt prepended, with its tokens' logprobs, the first one null: what
+evaluation harnesses score with; ``max_tokens: 0`` only then), ``stop`` strings (matched
+across token boundaries by the engine), ``ignore_eos`` (as vLLM and llama.cpp take it),
+``stream_options.include_usage`` (a last chunk with ``choices: []`` and the usage). A
+completions ``prompt`` may be a batch (a list of strings or of token-id lists): choice
+``p * n + i`` is the ``i``-th of prompt ``p``.
 
 A chat is rendered with the model's own chat template when its tokenizer carries one
 (:mod:`lowband.models.chat_template`), and generation stops on the template's end-of-turn
 tokens; a model without one gets a plain ``role: content`` transcript. ``/v1/models`` says which
 (``chat_template``: ``"model"`` or ``"none"``).
 
-Concurrency: the engine decodes one sequence at a time on a single generation thread, so the
-event loop never blocks on the model. Requests beyond the one running wait in FIFO order;
-beyond ``max_queue`` waiting requests the server answers 429 instead of piling up memory. A
-streaming client that disconnects cancels its generation at the next token.
+Concurrency: every choice is one request to the engine's scheduler thread (``Engine.submit``),
+which decodes up to ``engine.parallel`` of them together; their events come back to the event
+loop, which never blocks on the model. Beyond the running ones, ``max_queue`` requests may wait;
+more get 429. A client that disconnects, streaming or not, cancels its requests: they leave the
+batch at the next step.
 
 Every error is a JSON body ``{"error": {"message", "type", "param", "code"}}`` as OpenAI's.
 """
@@ -20,26 +35,34 @@ Every error is a JSON body ``{"error": {"message", "type", "param", "code"}}`` a
 from __future__ import annotations
 
 import asyncio
+import inspect
 import json
 import logging
-import threading
+import math
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from functools import partial
 from importlib import resources
-from typing import Any, AsyncIterator, Callable
+from typing import Any, AsyncIterator, Callable, Sequence
 
 from aiohttp import web
 
-from edge.engine import ClusterUnavailable, Engine, Event
+from edge.engine import ClusterUnavailable, Engine, EngineError, Event, Request
 from edge.http_guard import BadJson, CappedSite, guard, parse_json
-from edge.sampling import SamplingParams
+from edge.sampling import MAX_LOGPROBS, SamplingParams
 from lowband.errors import ChatTemplateError, ConfigError, LowbandError
 from lowband.models.chat_template import ChatTemplate, normalize_messages
+from lowband.models.tokenizer import ByteTokenizer
 
 logger = logging.getLogger(__name__)
+
+MAX_N = 16  # choices per prompt (``n``)
+MAX_STOP = 16  # stop strings per request
+PROMETHEUS_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+PIECE_CONTEXT = 4  # tokens before one whose text is wanted: a leading space or a whole
+# character often shows only in context (SentencePiece's "▁", multi-byte characters)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -123,7 +146,367 @@ class ApiError(LowbandError):
         return web.json_response(body, status=self.status)
 
 
-_END = object()
+# ---- request fields -----------------------------------------------------------------------------
+def _opt_int(body: dict, name: str, default: int | None, lo: int, hi: int) -> int | None:
+    """``body[name]``: an integer in [lo, hi], or ``default`` when absent or null."""
+    v = body.get(name)
+    if v is None:
+        return default
+    if not isinstance(v, int) or isinstance(v, bool) or not lo <= v <= hi:
+        raise ApiError(400, f"{name} must be an integer in [{lo}, {hi}], got {v!r}", param=name)
+    return v
+
+
+def _opt_float(body: dict, name: str, default: float) -> float:
+    v = body.get(name)
+    if v is None:
+        return default
+    if not isinstance(v, (int, float)) or isinstance(v, bool):
+        raise ApiError(400, f"{name} must be a number, got {v!r}", param=name)
+    return float(v)
+
+
+def _opt_bool(body: dict, name: str, default: bool = False) -> bool:
+    v = body.get(name)
+    if v is None:
+        return default
+    if not isinstance(v, bool):
+        raise ApiError(400, f"{name} must be true or false, got {v!r}", param=name)
+    return v
+
+
+@dataclass(frozen=True)
+class Options:
+    """What one request asks for beyond its prompt."""
+
+    params: SamplingParams  # the first choice's (others differ in their seed)
+    n: int = 1
+    stream: bool = False
+    include_usage: bool = False
+    echo: bool = False
+    logprobs: int | None = None  # alternatives per token to report; None: no logprobs
+
+    def choice_params(self, index: int) -> SamplingParams:
+        """Choice ``index``'s sampling: with a seed, ``seed + index`` (so choices differ)."""
+        seed = self.params.seed
+        if seed is None or index == 0:
+            return self.params
+        return replace(self.params, seed=(seed + index) % 2**63)
+
+
+def parse_options(body: dict, *, chat: bool, cfg: ServerConfig) -> Options:
+    """The request's fields, checked: :class:`ApiError` 400 naming the bad ``param``."""
+    stream = _opt_bool(body, "stream")
+    include_usage = False
+    so = body.get("stream_options")
+    if so is not None:
+        if not isinstance(so, dict):
+            raise ApiError(400, "stream_options must be an object", param="stream_options")
+        if not stream:
+            raise ApiError(
+                400, "stream_options is only allowed with stream: true", param="stream_options"
+            )
+        include_usage = _opt_bool(so, "include_usage")
+    n = _opt_int(body, "n", 1, 1, MAX_N)
+    assert n is not None
+    if chat:
+        if body.get("echo") is not None:
+            raise ApiError(400, "echo is not a chat completions field", param="echo")
+        echo = False
+        want = _opt_bool(body, "logprobs")
+        k = _opt_int(body, "top_logprobs", None, 0, MAX_LOGPROBS)
+        if k is not None and not want:
+            raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+        logprobs = (k or 0) if want else None
+    else:
+        echo = _opt_bool(body, "echo")
+        logprobs = _opt_int(body, "logprobs", None, 0, MAX_LOGPROBS)
+    mt_name = "max_tokens" if body.get("max_tokens") is not None else "max_completion_tokens"
+    max_tokens = _opt_int(
+        body, mt_name, cfg.default_max_tokens, 0 if echo else 1, cfg.max_tokens_limit
+    )
+    assert max_tokens is not None
+    stop = body.get("stop")
+    stop = () if stop is None else (stop,) if isinstance(stop, str) else stop
+    if (
+        not isinstance(stop, list | tuple)
+        or len(stop) > MAX_STOP
+        or not all(isinstance(x, str) and x for x in stop)
+    ):
+        raise ApiError(
+            400,
+            f"stop must be a string or a list of at most {MAX_STOP} non-empty strings",
+            param="stop",
+        )
+    try:
+        params = SamplingParams(
+            max_tokens=max_tokens,
+            temperature=_opt_float(body, "temperature", 1.0),
+            top_p=_opt_float(body, "top_p", 1.0),
+            top_k=_opt_int(body, "top_k", 0, 0, 2**31 - 1) or 0,
+            seed=_opt_int(body, "seed", None, 0, 2**63 - 1),  # what torch's generator takes
+            stop=tuple(stop),
+            logprobs=logprobs,
+            # echo with max_tokens 0 runs the prompt only: the prompt-logprob path does that
+            prompt_logprobs=echo and (logprobs is not None or max_tokens == 0),
+            ignore_eos=_opt_bool(body, "ignore_eos"),
+        )
+    except ConfigError as exc:
+        raise ApiError(400, str(exc), param=exc.field) from None
+    return Options(params, n, stream, include_usage, echo, logprobs)
+
+
+def completion_prompts(prompt: Any) -> list[str | list[int]]:
+    """A completions ``prompt``: one string or token-id list, or a batch of either."""
+    if isinstance(prompt, str):
+        return [prompt]
+    if isinstance(prompt, list) and prompt:
+        if all(isinstance(i, int) and not isinstance(i, bool) for i in prompt):
+            return [prompt]
+        if all(isinstance(p, str) for p in prompt):
+            return list(prompt)
+        if all(
+            isinstance(p, list) and all(isinstance(i, int) and not isinstance(i, bool) for i in p)
+            for p in prompt
+        ):
+            return list(prompt)
+    raise ApiError(
+        400,
+        "prompt must be a string, a list of token ids, or a non-empty list of either",
+        param="prompt",
+    )
+
+
+# ---- token texts for logprobs -------------------------------------------------------------------
+class Pieces:
+    """The text and bytes of single tokens in their context, for logprobs.
+
+    A token's text is what decoding it adds after the ``PIECE_CONTEXT`` tokens before it (so
+    a SentencePiece word keeps its leading space); a token that is part of a multi-byte
+    character decodes to U+FFFD. Its ``bytes`` are exact for a byte tokenizer (a
+    tokenizer's ``token_bytes(id)`` when it has one), else the UTF-8 of its text."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tok = tokenizer
+        self._bytes = getattr(tokenizer, "token_bytes", None)
+        self._is_bytes = isinstance(tokenizer, ByteTokenizer)
+
+    def text(self, before: Sequence[int], tok: int) -> str:
+        ctx = list(before[-PIECE_CONTEXT:])
+        if ctx:
+            head = self.tok.decode(ctx)
+            full = self.tok.decode(ctx + [tok])
+            if full.startswith(head) and not head.endswith("\ufffd"):
+                return full[len(head) :]
+        return self.tok.decode([tok])
+
+    def bytes(self, tok: int, text: str) -> list[int]:
+        if self._bytes is not None:
+            return list(self._bytes(tok))
+        if self._is_bytes:
+            return [tok & 0xFF]
+        return list(text.encode("utf-8"))
+
+
+def eos_token_of(ev: Event, tokenizer: Any, params: SamplingParams) -> int | None:
+    """The token that ended a completion with ``finish_reason`` "stop" and no ``Event.token``
+    (EOS or an end-of-turn id), whose logprob the event carries: the one of those ids among
+    its top logprobs with the same log-probability, else the tokenizer's EOS."""
+    ends = [t for t in (getattr(tokenizer, "eos_token_id", None),) if t is not None]
+    ends += list(params.stop_token_ids)
+    for t, lp in ev.top_logprobs:
+        if t in ends and lp == ev.logprob:
+            return t
+    return ends[0] if ends else None
+
+
+def _completion_logprobs(
+    entries: Sequence[tuple[int, float | None, Sequence[tuple[int, float]]]],
+    before: list[int],
+    pieces: Pieces,
+    offset: int,
+) -> tuple[dict, int]:
+    """OpenAI's legacy ``logprobs`` object for ``entries`` (token, logprob, top), each decoded
+    after ``before`` (extended in place); returns it and the text offset after the last."""
+    out: dict[str, list] = {
+        "tokens": [],
+        "token_logprobs": [],
+        "top_logprobs": [],
+        "text_offset": [],
+    }
+    for tok, lp, top in entries:
+        piece = pieces.text(before, tok)
+        alts: dict[str, float] | None = None
+        if lp is not None:
+            alts = {}
+            for t, v in top:
+                alts.setdefault(pieces.text(before, t), v)
+        out["tokens"].append(piece)
+        out["token_logprobs"].append(lp)
+        out["top_logprobs"].append(alts)
+        out["text_offset"].append(offset)
+        offset += len(piece)
+        before.append(tok)
+    return out, offset
+
+
+def _chat_logprobs(
+    entries: Sequence[tuple[int, float | None, Sequence[tuple[int, float]]]],
+    before: list[int],
+    pieces: Pieces,
+) -> list[dict]:
+    """Chat ``logprobs.content`` items for ``entries``."""
+    content = []
+    for tok, lp, top in entries:
+        piece = pieces.text(before, tok)
+        alts = []
+        for t, v in top:
+            s = pieces.text(before, t)
+            alts.append({"token": s, "logprob": v, "bytes": pieces.bytes(t, s)})
+        content.append(
+            {"token": piece, "logprob": lp, "bytes": pieces.bytes(tok, piece), "top_logprobs": alts}
+        )
+        before.append(tok)
+    return content
+
+
+# ---- Prometheus ---------------------------------------------------------------------------------
+# (snapshot key, metric name, type, help, scale); keys not listed are exported generically
+_PROM: tuple[tuple[str, str, str, str, float], ...] = (
+    ("requests_total", "requests_total", "counter", "Requests admitted by the engine", 1),
+    ("requests_failed", "requests_failed_total", "counter", "Requests that failed", 1),
+    ("requests_cancelled", "requests_cancelled_total", "counter", "Requests cancelled", 1),
+    ("requests_running", "requests_running", "gauge", "Sequences in the running batch", 1),
+    ("requests_waiting", "requests_waiting", "gauge", "Requests waiting for a slot", 1),
+    ("prompt_tokens_total", "prompt_tokens_total", "counter", "Prompt tokens admitted", 1),
+    ("completion_tokens_total", "completion_tokens_total", "counter", "Tokens generated", 1),
+    (
+        "prompt_tokens_computed_total",
+        "prompt_tokens_computed_total",
+        "counter",
+        "Prompt tokens run through the model (the rest came from the prefix cache)",
+        1,
+    ),
+    (
+        "prefix_cache_lookups_total",
+        "prefix_cache_lookups_total",
+        "counter",
+        "Prefix cache lookups",
+        1,
+    ),
+    ("prefix_cache_hits_total", "prefix_cache_hits_total", "counter", "Prefix cache hits", 1),
+    (
+        "prefix_cache_tokens_reused_total",
+        "prefix_cache_tokens_reused_total",
+        "counter",
+        "Prompt tokens whose keys and values were reused from the prefix cache",
+        1,
+    ),
+    ("steps_total", "steps_total", "counter", "Batched model steps", 1),
+    ("batch_sequences_mean", "batch_sequences_mean", "gauge", "Mean sequences per step", 1),
+    ("batch_tokens_mean", "batch_tokens_mean", "gauge", "Mean tokens per step", 1),
+    (
+        "ttft_ms_mean",
+        "time_to_first_token_seconds_mean",
+        "gauge",
+        "Mean time to first token (recent requests)",
+        1e-3,
+    ),
+    (
+        "ttft_ms_p90",
+        "time_to_first_token_seconds_p90",
+        "gauge",
+        "90th percentile time to first token (recent requests)",
+        1e-3,
+    ),
+    (
+        "token_latency_ms_mean",
+        "inter_token_latency_seconds_mean",
+        "gauge",
+        "Mean time between two tokens of a stream (recent tokens)",
+        1e-3,
+    ),
+    (
+        "token_latency_ms_p90",
+        "inter_token_latency_seconds_p90",
+        "gauge",
+        "90th percentile time between two tokens of a stream (recent tokens)",
+        1e-3,
+    ),
+    (
+        "decode_tokens_per_s",
+        "decode_tokens_per_second",
+        "gauge",
+        "Tokens per second of one stream (from the mean inter-token latency)",
+        1,
+    ),
+    (
+        "wire_bytes_per_token",
+        "wire_bytes_per_token",
+        "gauge",
+        "Network bytes per decoded token on this device (a cluster)",
+        1,
+    ),
+    ("busy_s", "busy_seconds_total", "counter", "Seconds the model spent in steps", 1),
+)
+_PROM_KEYS = {k for k, *_ in _PROM}
+
+
+def _prom_value(v: float | None) -> str:
+    if v is None:
+        return "NaN"
+    v = float(v)
+    if math.isnan(v):
+        return "NaN"
+    if math.isinf(v):
+        return "+Inf" if v > 0 else "-Inf"
+    return repr(v) if not v.is_integer() else str(int(v))
+
+
+def _prom_name(key: str) -> str:
+    return "".join(c if c.isalnum() or c == "_" else "_" for c in key).lower()
+
+
+def _prom_label(value: str) -> str:
+    return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
+
+
+def prometheus_text(snapshot: dict, extra: dict[str, tuple[str, str, float]], model: str) -> str:
+    """``snapshot`` (``Metrics.snapshot()``) and ``extra`` (name: (type, help, value)) in the
+    Prometheus text exposition format 0.0.4, every name prefixed ``lowband_``."""
+    lines: list[str] = []
+
+    def metric(name: str, kind: str, help_: str, value: float | None, labels: str = "") -> None:
+        full = "lowband_" + name
+        lines.append(f"# HELP {full} {help_}")
+        lines.append(f"# TYPE {full} {kind}")
+        lines.append(f"{full}{labels} {_prom_value(value)}")
+
+    metric("model_info", "gauge", "The model served", 1, f'{{model="{_prom_label(model)}"}}')
+    for key, name, kind, help_, scale in _PROM:
+        if key in snapshot:
+            v = snapshot[key]
+            metric(name, kind, help_, None if v is None else v * scale)
+    for key, v in snapshot.items():  # figures the table does not know yet
+        if key in _PROM_KEYS or isinstance(v, bool) or not isinstance(v, int | float | None):
+            continue
+        name = _prom_name(key)
+        metric(name, "counter" if name.endswith("_total") else "gauge", key, v)
+    for name, (kind, help_, v) in extra.items():
+        metric(_prom_name(name), kind, help_, v)
+    return "\n".join(lines) + "\n"
+
+
+def wants_prometheus(request: web.Request) -> bool:
+    """``?format=prometheus`` (``json`` forces JSON), else an Accept header asking for text or
+    OpenMetrics and not for JSON (a Prometheus scraper's)."""
+    fmt = request.query.get("format")
+    if fmt is not None:
+        return fmt.lower() in ("prometheus", "text", "openmetrics")
+    accept = request.headers.get("Accept", "").lower()
+    if "application/json" in accept:
+        return False
+    return "text/plain" in accept or "openmetrics" in accept
 
 
 def chat_prompt(messages: Any) -> str:
@@ -155,16 +538,95 @@ def render_chat(template: ChatTemplate, body: dict) -> str:
         raise ApiError(400, str(exc), param="messages", code="chat_template_error") from None
 
 
+def _engine_error(item: BaseException) -> ApiError:
+    if isinstance(item, ClusterUnavailable):
+        return ApiError(503, str(item), kind="server_error", code="cluster_unavailable")
+    if isinstance(item, LowbandError):  # EngineError, ConfigError, CorruptWeights...
+        return ApiError(500, str(item), kind="server_error")
+    logger.error("generation crashed", exc_info=item)
+    return ApiError(500, f"internal error: {item}", kind="server_error")
+
+
+class _Run:
+    """The engine requests behind one HTTP request (one per choice). Their sinks run on the
+    engine's thread and hand each item to the event loop; ``server.in_flight`` counts every
+    request until its end mark arrives there."""
+
+    def __init__(self, server: Server) -> None:
+        self.server = server
+        self.loop = asyncio.get_running_loop()
+        self.q: asyncio.Queue[tuple[int, Event | BaseException | None]] = asyncio.Queue()
+        self.reqs: dict[int, Request] = {}
+        self.open: set[int] = set()  # choices whose end mark has not arrived
+
+    def submit(self, index: int, ids: list[int], params: SamplingParams) -> None:
+        try:
+            req = self.server.engine.submit(ids, params, self._sink(index))
+        except EngineError as exc:  # closed: shutting down
+            raise ApiError(503, str(exc), kind="server_error", code="shutting_down") from None
+        self.reqs[index] = req
+        self.open.add(index)
+        self.server.in_flight += 1
+
+    def _sink(self, index: int) -> Callable[[Event | BaseException | None], None]:
+        def sink(item: Event | BaseException | None) -> None:  # on the engine's thread
+            try:
+                self.loop.call_soon_threadsafe(self._deliver, index, item)
+            except RuntimeError:  # the loop is closed: nobody waits for this any more
+                pass
+
+        return sink
+
+    def _deliver(self, index: int, item: Event | BaseException | None) -> None:
+        if (item is None or isinstance(item, BaseException)) and index in self.open:
+            self.open.discard(index)
+            self.server.in_flight -= 1
+        self.q.put_nowait((index, item))
+
+    async def events(self) -> AsyncIterator[tuple[int, Event]]:
+        """(choice, event) until every choice ended; the first failure raises ApiError."""
+        left = len(self.reqs)
+        while left:
+            index, item = await self.q.get()
+            if item is None:
+                left -= 1
+            elif isinstance(item, BaseException):
+                raise _engine_error(item)
+            else:
+                yield index, item
+
+    def cancel(self) -> None:
+        """Cancel every choice still running or waiting (the client left, or one failed)."""
+        for i in self.open:
+            self.reqs[i].cancel()
+
+
+@dataclass
+class _Choice:
+    """What one choice has produced so far."""
+
+    before: list[int]  # tokens decoded before the next one (for token texts)
+    text: list[str] = field(default_factory=list)
+    entries: list[tuple[int, float | None, Sequence[tuple[int, float]]]] = field(
+        default_factory=list
+    )
+    tokens: int = 0
+    finish: str = "length"
+    prompt_lp: list | None = None
+    started: bool = False
+    offset: int = 0  # characters streamed so far (completions' text_offset)
+
+
 class Server:
-    """Owns the aiohttp application and the generation thread."""
+    """Owns the aiohttp application; generation runs on the engine's scheduler thread."""
 
     def __init__(self, engine: Engine, cfg: ServerConfig) -> None:
         self.engine = engine
         self.cfg = cfg
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="edge-gen")
-        self._pending = 0  # admitted requests not finished (running + waiting)
+        self.in_flight = 0  # engine requests of this server not ended (running + waiting)
+        self.pieces = Pieces(engine.tokenizer)
         # Parsing and tokenizing big bodies runs here, off the event loop (which must keep
-        # answering /health) and off the generation thread.
+        # answering /health) and off the engine's thread.
         self._prep = ThreadPoolExecutor(max_workers=2, thread_name_prefix="edge-prep")
         self.app = web.Application(client_max_size=cfg.max_body_bytes)
         self.app.add_routes(
@@ -175,6 +637,9 @@ class Server:
                 web.get("/metrics", self.metrics),
                 web.post("/v1/completions", self.completions),
                 web.post("/v1/chat/completions", self.chat),
+                web.post("/tokenize", self.tokenize),
+                web.post("/detokenize", self.detokenize),
+                web.get("/tokenizer_info", self.tokenizer_info),
             ]
         )
         self.app.middlewares.append(self._errors)
@@ -196,7 +661,6 @@ class Server:
             return ApiError(exc.status, exc.reason, kind="invalid_request_error").response()
 
     async def _shutdown(self, app: web.Application) -> None:
-        self._executor.shutdown(wait=False, cancel_futures=True)
         self._prep.shutdown(wait=False, cancel_futures=True)
 
     def _too_large(self) -> ApiError:
@@ -210,7 +674,7 @@ class Server:
     async def _off_loop(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self._prep, fn, *args)
 
-    async def _body(self, request: web.Request) -> dict:
+    async def _json(self, request: web.Request) -> dict:
         if request.content_length is not None and request.content_length > self.cfg.max_body_bytes:
             raise self._too_large()  # refused before a byte of it is read
         try:
@@ -225,6 +689,10 @@ class Server:
             raise ApiError(400, str(exc)) from None
         if not isinstance(body, dict):
             raise ApiError(400, "the request body must be a JSON object")
+        return body
+
+    async def _body(self, request: web.Request) -> dict:
+        body = await self._json(request)
         model = body.get("model", self.engine.model_name)
         if model != self.engine.model_name:
             raise ApiError(
@@ -235,47 +703,16 @@ class Server:
             )
         return body
 
-    def _params(self, body: dict) -> SamplingParams:
-        mt = body.get("max_tokens", body.get("max_completion_tokens", self.cfg.default_max_tokens))
-        if (
-            not isinstance(mt, int)
-            or isinstance(mt, bool)
-            or not 1 <= mt <= self.cfg.max_tokens_limit
-        ):
+    def _check_text(self, text: str, param: str) -> None:
+        """Cheap bound before tokenizing: no tokenizer's tokens are this long on average."""
+        context = self.engine.max_context
+        if len(text) > context * self.cfg.max_chars_per_token:
             raise ApiError(
                 400,
-                f"max_tokens must be an integer in [1, {self.cfg.max_tokens_limit}]",
-                param="max_tokens",
+                f"the {param} ({len(text)} characters) cannot fit the context of {context} tokens",
+                param=param,
+                code="context_length_exceeded",
             )
-        stop = body.get("stop") or ()
-        stop = (stop,) if isinstance(stop, str) else stop
-        if (
-            not isinstance(stop, (list, tuple))
-            or len(stop) > 8
-            or not all(isinstance(x, str) for x in stop)
-        ):
-            raise ApiError(
-                400, "stop must be a string or a list of at most 8 strings", param="stop"
-            )
-        try:
-            top_k = int(body.get("top_k", 0))
-            seed = None if body.get("seed") is None else int(body["seed"])
-            if not 0 <= top_k < 2**31:
-                raise ConfigError("top_k", f"must be in [0, 2^31), got {top_k}")
-            if seed is not None and not 0 <= seed < 2**63:  # what torch's generator takes
-                raise ConfigError("seed", f"must be in [0, 2^63), got {seed}")
-            return SamplingParams(
-                max_tokens=mt,
-                temperature=float(body.get("temperature", 1.0)),
-                top_p=float(body.get("top_p", 1.0)),
-                top_k=top_k,
-                seed=seed,
-                stop=tuple(stop),
-            )
-        except ConfigError as exc:
-            raise ApiError(400, str(exc), param=exc.field) from None
-        except (TypeError, ValueError, OverflowError) as exc:
-            raise ApiError(400, f"bad sampling parameter: {exc}") from None
 
     async def _prepare(
         self,
@@ -283,19 +720,18 @@ class Server:
         params: SamplingParams,
         encode: Callable[[str], list[int]] | None = None,
     ) -> list[int]:
-        """Bound, tokenise (with ``encode``, a function of the text, when given) and admit."""
+        """Bound, tokenise (with ``encode``, a function of the text, when given) and check
+        that the request fits the context."""
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
             prompt = prompt[0]
         context = self.engine.max_context
         # Cheap bounds first: the length of a list, the characters of a string.
-        if isinstance(prompt, (list, str)) and len(prompt) > context * (
-            self.cfg.max_chars_per_token if isinstance(prompt, str) else 1
-        ):
+        if isinstance(prompt, str):
+            self._check_text(prompt, "prompt")
+        elif isinstance(prompt, list) and len(prompt) > context:
             raise ApiError(
                 400,
-                f"the prompt ({len(prompt)} "
-                f"{'characters' if isinstance(prompt, str) else 'tokens'}) "
-                f"cannot fit the context of {context} tokens",
+                f"the prompt ({len(prompt)} tokens) cannot fit the context of {context} tokens",
                 param="prompt",
                 code="context_length_exceeded",
             )
@@ -315,12 +751,21 @@ class Server:
             code = "context_length_exceeded" if exc.field == "max_tokens" else None
             raise ApiError(400, str(exc), param=exc.field, code=code) from None
 
-    async def _events(self, ids: list[int], params: SamplingParams) -> AsyncIterator[Event]:
-        """Run the generation on the engine thread, yielding its events here."""
-        if self._pending > self.cfg.max_queue:
+    def _admit(self, k: int, param: str) -> None:
+        """Refuse ``k`` more engine requests when the queue is full (429), or when they could
+        never fit at once (400), or when the cluster is down (503)."""
+        cap = self.engine.parallel + self.cfg.max_queue
+        if k > cap:
+            raise ApiError(
+                400,
+                f"{k} choices cannot be served at once: this server runs "
+                f"{self.engine.parallel} and queues {self.cfg.max_queue}",
+                param=param,
+            )
+        if self.in_flight + k > cap:
             raise ApiError(
                 429,
-                f"{self._pending} requests are queued; retry later",
+                f"{max(0, self.in_flight - self.engine.parallel)} requests are queued; retry later",
                 kind="rate_limit_error",
                 code="queue_full",
             )
@@ -332,45 +777,6 @@ class Server:
                 kind="server_error",
                 code="cluster_unavailable",
             )
-        loop = asyncio.get_running_loop()
-        q: asyncio.Queue = asyncio.Queue()
-        cancel = threading.Event()
-
-        def put(item: Any) -> None:
-            loop.call_soon_threadsafe(q.put_nowait, item)
-
-        def work() -> None:
-            gen = self.engine.generate(ids, params)
-            try:
-                for ev in gen:
-                    if cancel.is_set():
-                        break
-                    put(ev)
-                put(_END)
-            except Exception as exc:  # noqa: BLE001 - handed to the request's coroutine
-                put(exc)
-            finally:
-                gen.close()  # releases the engine lock even when cancelled mid-way
-
-        self._pending += 1
-        fut = loop.run_in_executor(self._executor, work)
-        try:
-            while True:
-                item = await q.get()
-                if item is _END:
-                    return
-                if isinstance(item, ClusterUnavailable):
-                    raise ApiError(503, str(item), kind="server_error", code="cluster_unavailable")
-                if isinstance(item, LowbandError):  # EngineError, ConfigError, CorruptWeights...
-                    raise ApiError(500, str(item), kind="server_error")
-                if isinstance(item, BaseException):
-                    logger.exception("generation crashed", exc_info=item)
-                    raise ApiError(500, f"internal error: {item}", kind="server_error")
-                yield item
-        finally:
-            cancel.set()
-            self._pending -= 1
-            del fut
 
     # ---- endpoints -----------------------------------------------------------------------------
     async def chat_page(self, request: web.Request) -> web.Response:
@@ -400,135 +806,321 @@ class Server:
         body = {
             "status": "ok" if h.get("healthy") else "unavailable",
             **h,
-            "queue": self._pending,
+            "queue": self.in_flight,
             "insecure": self.cfg.insecure,
         }
         return web.json_response(body, status=200 if h.get("healthy") else 503)
 
     async def metrics(self, request: web.Request) -> web.Response:
-        body = {
-            **self.engine.metrics.snapshot(),
-            "queue": self._pending,
-            "model": self.engine.model_name,
-        }
+        snap = self.engine.metrics.snapshot()
+        store = None
         report = getattr(self.engine.runner, "store_report", None)
         if report is not None:
-            # A cluster asks its workers: off the event loop (and off the generation thread,
-            # so the figures arrive between two tokens, not after the running request).
+            # A cluster asks its workers: off the event loop (and off the engine's thread,
+            # so the figures arrive between two steps, not after the running batch).
             store = await asyncio.get_running_loop().run_in_executor(None, report)
-            if store is not None:
-                body["expert_store"] = store
+        if wants_prometheus(request):
+            extra: dict[str, tuple[str, str, float]] = {
+                "server_requests_in_flight": (
+                    "gauge",
+                    "Engine requests of this server running or waiting",
+                    self.in_flight,
+                ),
+                "parallel": ("gauge", "Sequences decoded together at most", self.engine.parallel),
+                "server_max_queue": (
+                    "gauge",
+                    "Requests that may wait beyond the running ones",
+                    self.cfg.max_queue,
+                ),
+            }
+            for k, v in (store or {}).items():
+                if isinstance(v, int | float) and not isinstance(v, bool):
+                    extra[f"expert_store_{k}"] = ("gauge", f"Expert store: {k}", v)
+            text = prometheus_text(snap, extra, self.engine.model_name)
+            return web.Response(body=text.encode(), headers={"Content-Type": PROMETHEUS_TYPE})
+        body = {**snap, "queue": self.in_flight, "model": self.engine.model_name}
+        if store is not None:
+            body["expert_store"] = store
         return web.json_response(body)
+
+    async def tokenize(self, request: web.Request) -> web.Response:
+        """vLLM's ``/tokenize``: ``{"prompt", "add_special_tokens"}`` -> ``{"tokens", "count",
+        "max_model_len"}``."""
+        body = await self._json(request)
+        text = body.get("prompt")
+        if not isinstance(text, str):
+            raise ApiError(400, "prompt must be a string", param="prompt")
+        self._check_text(text, "prompt")
+        special = _opt_bool(body, "add_special_tokens", True)
+        ids = await self._off_loop(_encode, self.engine.tokenizer, text, special)
+        return web.json_response(
+            {"tokens": ids, "count": len(ids), "max_model_len": self.engine.max_context}
+        )
+
+    async def detokenize(self, request: web.Request) -> web.Response:
+        """vLLM's ``/detokenize``: ``{"tokens"}`` -> ``{"prompt"}``."""
+        body = await self._json(request)
+        ids = body.get("tokens")
+        vocab = self.engine.runner.config.vocab_size
+        if not (
+            isinstance(ids, list)
+            and len(ids) <= self.engine.max_context * 16
+            and all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < vocab for i in ids)
+        ):
+            raise ApiError(400, f"tokens must be a list of ids in [0, {vocab})", param="tokens")
+        text = await self._off_loop(self.engine.tokenizer.decode, ids)
+        return web.json_response({"prompt": text})
+
+    async def tokenizer_info(self, request: web.Request) -> web.Response:
+        """vLLM's ``/tokenizer_info``: the special tokens' texts and the chat template."""
+        tok = self.engine.tokenizer
+
+        def text_of(name: str) -> str | None:
+            i = getattr(tok, name, None)
+            return None if i is None else tok.decode([i]) or None
+
+        template = self._template()
+        return web.json_response(
+            {
+                "tokenizer_class": type(tok).__name__,
+                "eos_token": text_of("eos_token_id"),
+                "bos_token": text_of("bos_token_id"),
+                "pad_token": None,
+                "vocab_size": getattr(tok, "vocab_size", None),
+                "model_max_length": self.engine.max_context,
+                "chat_template": getattr(template, "source", None),
+            }
+        )
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         body = await self._body(request)
-        params = self._params(body)
-        ids = await self._prepare(body.get("prompt"), params)
-        return await self._respond(request, body, ids, params, chat=False)
+        opts = parse_options(body, chat=False, cfg=self.cfg)
+        prompts = completion_prompts(body.get("prompt"))
+        self._admit(len(prompts) * opts.n, "n" if opts.n > 1 else "prompt")
+        ids = [await self._prepare(p, opts.params) for p in prompts]
+        echo = (
+            [
+                p if isinstance(p, str) else await self._off_loop(self.engine.tokenizer.decode, i)
+                for p, i in zip(prompts, ids)
+            ]
+            if opts.echo
+            else None
+        )
+        return await self._respond(request, opts, ids, chat=False, echo=echo)
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
         body = await self._body(request)
-        params = self._params(body)
+        opts = parse_options(body, chat=True, cfg=self.cfg)
+        self._admit(opts.n, "n")
         template = self._template()
         if template is None:
-            ids = await self._prepare(chat_prompt(body.get("messages")), params)
-            return await self._respond(request, body, ids, params, chat=True)
+            ids = await self._prepare(chat_prompt(body.get("messages")), opts.params)
+            return await self._respond(request, opts, [ids], chat=True)
         # A big conversation takes a while to render and tokenise: both off the event loop.
         text = await self._off_loop(render_chat, template, body)
-        params = replace(
-            params,
-            stop=params.stop + tuple(s for s in template.stop_strings if s not in params.stop),
-            stop_token_ids=params.stop_token_ids + template.stop_token_ids,
+        p = opts.params
+        opts = replace(
+            opts,
+            params=replace(
+                p,
+                stop=p.stop + tuple(s for s in template.stop_strings if s not in p.stop),
+                stop_token_ids=p.stop_token_ids + template.stop_token_ids,
+            ),
         )
         encode = partial(template.encode, self.engine.tokenizer.encode)
-        ids = await self._prepare(text, params, encode)
-        return await self._respond(request, body, ids, params, chat=True)
+        ids = await self._prepare(text, opts.params, encode)
+        return await self._respond(request, opts, [ids], chat=True)
 
     def _template(self) -> ChatTemplate | None:
         return getattr(self.engine.tokenizer, "chat_template", None)
 
+    # ---- answers -------------------------------------------------------------------------------
     async def _respond(
         self,
         request: web.Request,
-        body: dict,
-        ids: list[int],
-        params: SamplingParams,
+        opts: Options,
+        prompts: list[list[int]],
         *,
         chat: bool,
+        echo: list[str] | None = None,
     ) -> web.StreamResponse:
-        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
-        created = int(time.time())
-        obj = "chat.completion" if chat else "text_completion"
-        events = self._events(ids, params)
-        if not body.get("stream"):
-            parts, reason, n = [], "length", 0
-            async for ev in events:
-                parts.append(ev.text)
-                n += ev.token is not None
-                reason = ev.finish_reason or reason
-            text = "".join(parts)
-            choice = (
-                {
-                    "index": 0,
-                    "message": {"role": "assistant", "content": text},
-                    "finish_reason": reason,
-                }
-                if chat
-                else {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}
-            )
-            return web.json_response(
-                {
-                    "id": rid,
-                    "object": obj,
-                    "created": created,
-                    "model": self.engine.model_name,
-                    "choices": [choice],
-                    "usage": {
-                        "prompt_tokens": len(ids),
-                        "completion_tokens": n,
-                        "total_tokens": len(ids) + n,
-                    },
-                }
-            )
-        # Streaming: pull the first event before committing to a 200, so queue-full and
-        # cluster-down errors still arrive as proper HTTP statuses.
-        it = events.__aiter__()
+        self._admit(len(prompts) * opts.n, "n")  # again: others were admitted meanwhile
+        run = _Run(self)
+        choices: list[_Choice] = []
         try:
-            first = await it.__anext__()
+            for p, ids in enumerate(prompts):
+                for j in range(opts.n):
+                    i = p * opts.n + j
+                    choices.append(_Choice(before=list(ids[-PIECE_CONTEXT:])))
+                    run.submit(i, ids, opts.choice_params(i))
+            head = {
+                "id": ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24],
+                "created": int(time.time()),
+                "model": self.engine.model_name,
+            }
+            usage = {"prompt_tokens": sum(len(ids) for ids in prompts)}
+            if opts.stream:
+                return await self._stream(request, run, opts, choices, head, usage, chat, echo)
+            async for i, ev in run.events():
+                self._take(choices[i], ev, opts)
+            return web.json_response(self._final(opts, prompts, choices, head, usage, chat, echo))
+        finally:
+            run.cancel()  # a disconnect (handler cancelled), a failure: the rest stop
+
+    def _take(self, c: _Choice, ev: Event, opts: Options) -> list:
+        """Record ``ev`` in ``c``; returns its logprob entries (token, logprob, top)."""
+        c.text.append(ev.text)
+        c.finish = ev.finish_reason or c.finish
+        if ev.prompt_logprobs is not None and c.prompt_lp is None:
+            c.prompt_lp = ev.prompt_logprobs
+        new: list = []
+        if ev.token is not None:
+            c.tokens += 1
+            if ev.logprob is not None:
+                new.append((ev.token, ev.logprob, ev.top_logprobs))
+        elif ev.logprob is not None and ev.finish_reason == "stop":
+            end = eos_token_of(ev, self.engine.tokenizer, opts.params)
+            if end is not None:  # the end-of-sequence token scored (what evaluators expect)
+                new.append((end, ev.logprob, ev.top_logprobs))
+        c.entries.extend(new)
+        return new
+
+    def _final(
+        self,
+        opts: Options,
+        prompts: list[list[int]],
+        choices: list[_Choice],
+        head: dict,
+        usage: dict,
+        chat: bool,
+        echo: list[str] | None,
+    ) -> dict:
+        out = []
+        for i, c in enumerate(choices):
+            text = "".join(c.text)
+            ids = prompts[i // opts.n]
+            if chat:
+                lp = None
+                if opts.logprobs is not None:
+                    content = _chat_logprobs(c.entries, list(ids[-PIECE_CONTEXT:]), self.pieces)
+                    lp = {"content": content, "refusal": None}
+                out.append(
+                    {
+                        "index": i,
+                        "message": {"role": "assistant", "content": text},
+                        "logprobs": lp,
+                        "finish_reason": c.finish,
+                    }
+                )
+                continue
+            entries: list = []
+            offset = 0
+            before: list[int] = []
+            if echo is not None:
+                if opts.logprobs is not None:
+                    entries = list(c.prompt_lp or [])
+                else:
+                    offset = len(echo[i // opts.n])
+                text = echo[i // opts.n] + text
+            if opts.logprobs is not None:
+                if echo is None:
+                    before = list(ids[-PIECE_CONTEXT:])
+                lp, _ = _completion_logprobs(entries + c.entries, before, self.pieces, offset)
+            out.append(
+                {
+                    "index": i,
+                    "text": text,
+                    "logprobs": lp if opts.logprobs is not None else None,
+                    "finish_reason": c.finish,
+                }
+            )
+        n = sum(c.tokens for c in choices)
+        return {
+            **head,
+            "object": "chat.completion" if chat else "text_completion",
+            "choices": out,
+            "usage": {**usage, "completion_tokens": n, "total_tokens": usage["prompt_tokens"] + n},
+        }
+
+    async def _stream(
+        self,
+        request: web.Request,
+        run: _Run,
+        opts: Options,
+        choices: list[_Choice],
+        head: dict,
+        usage: dict,
+        chat: bool,
+        echo: list[str] | None,
+    ) -> web.StreamResponse:
+        obj = "chat.completion.chunk" if chat else "text_completion"
+        extra = {"usage": None} if opts.include_usage else {}
+
+        def data(choice: dict) -> bytes:
+            body = {**head, "object": obj, "choices": [choice], **extra}
+            return b"data: " + json.dumps(body).encode() + b"\n\n"
+
+        def chunks(i: int, ev: Event) -> list[bytes]:
+            c = choices[i]
+            first = not c.started
+            c.started = True
+            new = self._take(c, ev, opts)
+            out = []
+            if chat:
+                delta: dict[str, Any] = {"content": ev.text}
+                if first:
+                    delta = {"role": "assistant", **delta}
+                lp = None
+                if opts.logprobs is not None:
+                    lp = {"content": _chat_logprobs(new, c.before, self.pieces), "refusal": None}
+                    del c.before[:-PIECE_CONTEXT]
+                choice = {"index": i, "delta": delta, "logprobs": lp}
+                out.append(data({**choice, "finish_reason": ev.finish_reason}))
+                return out
+            if first and echo is not None:
+                prompt = echo[i // opts.n]
+                lp = None
+                if opts.logprobs is not None:
+                    lp, c.offset = _completion_logprobs(c.prompt_lp or [], [], self.pieces, 0)
+                else:
+                    c.offset = len(prompt)
+                out.append(
+                    data({"index": i, "text": prompt, "logprobs": lp, "finish_reason": None})
+                )
+            lp = None
+            if opts.logprobs is not None:
+                lp, c.offset = _completion_logprobs(new, c.before, self.pieces, c.offset)
+                del c.before[:-PIECE_CONTEXT]
+            out.append(
+                data(
+                    {"index": i, "text": ev.text, "logprobs": lp, "finish_reason": ev.finish_reason}
+                )
+            )
+            return out
+
+        # Pull the first event before committing to a 200, so a failure at the first step
+        # still arrives as a proper HTTP status.
+        it = run.events().__aiter__()
+        try:
+            first: tuple[int, Event] | None = await it.__anext__()
         except StopAsyncIteration:
-            first = Event("", None, "stop")
+            first = None
         resp = web.StreamResponse(
             headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
         )
         await resp.prepare(request)
-        obj_chunk = "chat.completion.chunk" if chat else "text_completion"
-
-        def chunk(ev: Event, first_chunk: bool) -> bytes:
-            if chat:
-                delta = {"content": ev.text}
-                if first_chunk:
-                    delta["role"] = "assistant"
-                choice = {"index": 0, "delta": delta, "finish_reason": ev.finish_reason}
-            else:
-                choice = {
-                    "index": 0,
-                    "text": ev.text,
-                    "logprobs": None,
-                    "finish_reason": ev.finish_reason,
-                }
-            data = {
-                "id": rid,
-                "object": obj_chunk,
-                "created": created,
-                "model": self.engine.model_name,
-                "choices": [choice],
-            }
-            return b"data: " + json.dumps(data).encode() + b"\n\n"
-
         try:
-            await resp.write(chunk(first, True))
-            async for ev in it:
-                await resp.write(chunk(ev, False))
+            if first is not None:
+                for b in chunks(*first):
+                    await resp.write(b)
+                async for i, ev in it:
+                    for b in chunks(i, ev):
+                        await resp.write(b)
+            if opts.include_usage:
+                n = sum(c.tokens for c in choices)
+                u = {**usage, "completion_tokens": n, "total_tokens": usage["prompt_tokens"] + n}
+                body = {**head, "object": obj, "choices": [], "usage": u}
+                await resp.write(b"data: " + json.dumps(body).encode() + b"\n\n")
         except ApiError as exc:  # failed mid-stream: the status is sent; report in-band
             err = {"error": {"message": str(exc), "type": exc.kind, "code": exc.code}}
             await resp.write(b"data: " + json.dumps(err).encode() + b"\n\n")
@@ -537,11 +1129,27 @@ class Server:
         return resp
 
 
+def _encode(tokenizer: Any, text: str, special: bool) -> list[int]:
+    """``tokenizer.encode``, told whether to add special tokens when it takes that flag
+    (a GGUF file's tokenizer does: ``add_special``)."""
+    try:
+        sig = inspect.signature(tokenizer.encode)
+    except (TypeError, ValueError):
+        return tokenizer.encode(text)
+    if "add_special" in sig.parameters:
+        return tokenizer.encode(text, add_special=special)
+    return tokenizer.encode(text)
+
+
 async def start(engine: Engine, cfg: ServerConfig) -> tuple[web.AppRunner, int]:
-    """Start serving in the running loop; returns the runner (for cleanup) and the port."""
+    """Start serving in the running loop; returns the runner (for cleanup) and the port. The
+    engine stays the caller's: cleanup leaves it running (see :func:`serve_forever`)."""
     server = Server(engine, cfg)
-    # aiohttp's keep-alive timer also runs while a request's headers are half-sent
-    runner = web.AppRunner(server.app, keepalive_timeout=cfg.idle_timeout_s)
+    # aiohttp's keep-alive timer also runs while a request's headers are half-sent; a client
+    # that disconnects cancels its handler, which cancels its engine requests
+    runner = web.AppRunner(
+        server.app, keepalive_timeout=cfg.idle_timeout_s, handler_cancellation=True
+    )
     await runner.setup()
     site = CappedSite(runner, cfg.host, cfg.port, max_connections=cfg.max_connections)
     await site.start()
@@ -550,7 +1158,8 @@ async def start(engine: Engine, cfg: ServerConfig) -> tuple[web.AppRunner, int]:
 
 
 def serve_forever(engine: Engine, cfg: ServerConfig) -> None:
-    """Blocking entry point for the CLI."""
+    """Blocking entry point for the CLI. On the way out it stops the engine's scheduler thread
+    (``Engine.close``); the runner under it stays the caller's to close."""
 
     async def main() -> None:
         runner, port = await start(engine, cfg)
@@ -562,4 +1171,7 @@ def serve_forever(engine: Engine, cfg: ServerConfig) -> None:
         finally:
             await runner.cleanup()
 
-    asyncio.run(main())
+    try:
+        asyncio.run(main())
+    finally:
+        engine.close()
