@@ -1158,8 +1158,8 @@ async def start(engine: Engine, cfg: ServerConfig) -> tuple[web.AppRunner, int]:
 
 
 def serve_forever(engine: Engine, cfg: ServerConfig) -> None:
-    """Blocking entry point for the CLI. On the way out it stops the engine's scheduler thread
-    (``Engine.close``); the runner under it stays the caller's to close."""
+    """Blocking entry point for the CLI. The engine stays the caller's to close (``edge.launch``
+    closes it, then its runner)."""
 
     async def main() -> None:
         runner, port = await start(engine, cfg)
@@ -1171,7 +1171,4 @@ def serve_forever(engine: Engine, cfg: ServerConfig) -> None:
         finally:
             await runner.cleanup()
 
-    try:
-        asyncio.run(main())
-    finally:
-        engine.close()
+    asyncio.run(main())
