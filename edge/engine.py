@@ -19,6 +19,7 @@ through :class:`SerialRunner`, with the same prefix reuse on its one cache.
 
 from __future__ import annotations
 
+import atexit
 import logging
 import queue
 import threading
@@ -462,6 +463,9 @@ class Engine:
             if self._thread is None:
                 self._thread = threading.Thread(target=self._loop, name="edge-engine", daemon=True)
                 self._thread.start()
+                # stop between two steps at exit, not in the middle of one (a daemon thread
+                # inside torch while the interpreter finalises can abort the process)
+                atexit.register(self.close)
             self._cv.notify()
         return req
 
@@ -507,7 +511,9 @@ class Engine:
             self._closed = True
             self._cv.notify()
         if self._thread is not None:
-            self._thread.join(timeout=30)
+            atexit.unregister(self.close)
+            if self._thread is not threading.current_thread():
+                self._thread.join(timeout=30)
 
     # ---- the scheduler -------------------------------------------------------------------------
     def _loop(self) -> None:

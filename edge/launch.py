@@ -515,5 +515,6 @@ def generate_main(cfg: GenerateConfig) -> int:
             file=sys.stderr,
         )
     finally:
+        engine.close()
         engine.runner.close()
     return 0
