@@ -118,6 +118,19 @@ def run_ranks(fns: list[Callable[[], object]], timeout: float = 60.0) -> list[ob
 PY = sys.executable
 
 
+def run_json_module(module: str, *args: str, timeout: float) -> Any:
+    """Run ``python -m MODULE ARGS`` from the repository root (a benchmark, a command that
+    prints one JSON line last); it must exit 0, with the end of its stderr as the failure
+    message. Returns its last line of stdout, parsed."""
+    import json
+
+    out = subprocess.run(
+        [PY, "-m", module, *args], cwd=REPO, capture_output=True, text=True, timeout=timeout
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
 # ---- skips are recorded, so CI can refuse an unexpected one -------------------------------------
 # A broken install must fail, not turn tests into skips: required modules are imported plainly, and
 # the few skips left (root, iproute2, Linux-only) are listed in .ci/allowed-skips. With

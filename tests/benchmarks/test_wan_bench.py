@@ -3,14 +3,11 @@ profile over the TUN emulator (2 sites, 1 MB, 1 repeat) needs root + iproute2 + 
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-
 import pytest
 
 from benchmarks.wan import PROFILES, DilocoWan, WanBench, arm_order, run_rate, summarize
 from lowband.errors import ConfigError
+from tests.conftest import run_json_module
 from transport.links.tun.testbed import available
 
 pytestmark = pytest.mark.timeout(240)
@@ -64,14 +61,7 @@ def test_config_is_validated():
 def test_tiny_profile_over_the_tun_emulator():
     args = ["--profiles", "home", "--sites", "2", "--size-mb", "1", "--repeats", "1"]
     args += ["--connections", "1", "2", "--calib-seconds", "1", "--udp-count", "500"]
-    proc = subprocess.run(
-        [sys.executable, "-m", "benchmarks.wan", *args, "--max-rate-mbit", "20", "--json"],
-        capture_output=True,
-        text=True,
-        timeout=220,
-    )
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    out = run_json_module("benchmarks.wan", *args, "--max-rate-mbit", "20", "--json", timeout=220)
     assert out["bytes"] == 1 << 20 and out["max_rate_mbit"] == 20.0
     home = out["profiles"]["home"]
     assert home["rate_mbit_run"] == 20.0

@@ -15,11 +15,7 @@ The scalar C++ path runs in ``tests/edge/test_quant.py::test_cpp_selftest_all_pa
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 from dataclasses import asdict
-from pathlib import Path
 
 import gguf
 import numpy as np
@@ -29,6 +25,7 @@ import torch
 from edge.quant import GroupBoundaryError, QuantShapeError, kernel
 from edge.quant.ggml import GGML_TYPES, GGMLWeight, decode, dequantize_ggml, narrow_ggml
 from edge.quant.linear import GGMLLinear
+from tests.conftest import run_json_module
 
 pytestmark = pytest.mark.timeout(600)  # the first test may build the extension (minutes here)
 
@@ -232,15 +229,7 @@ def test_ggml_linear_forward_and_shards(mode) -> None:
 
 
 def test_benchmark_ggml_tiny_smoke() -> None:
-    out = subprocess.run(
-        [sys.executable, "-m", "benchmarks.quant_gemv", "--ggml", "--tiny", "--json"],
-        cwd=Path(__file__).resolve().parents[2],
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
-    assert out.returncode == 0, out.stderr[-2000:]
-    report = json.loads(out.stdout.strip().splitlines()[-1])
+    report = run_json_module("benchmarks.quant_gemv", "--ggml", "--tiny", "--json", timeout=240)
     assert report["bench"] == "quant_gemv" and report["threads"] == 1
     for shape, res in report["results"].items():
         assert {"fp32", "q4g32", *GGML_TYPES} == set(res), shape

@@ -18,7 +18,6 @@ Every test runs with the kernel (if it builds here) and with the kernel disabled
 
 from __future__ import annotations
 
-import json
 import shutil
 import subprocess
 import sys
@@ -48,6 +47,7 @@ from edge.quant import (
 )
 from edge.quant.formats import unpack_q4
 from lowband.errors import LowbandError
+from tests.conftest import run_json_module
 
 REPO = Path(__file__).resolve().parents[2]
 CSRC = REPO / "edge" / "quant" / "csrc"
@@ -441,15 +441,7 @@ def test_quantize_modules(mode):
 
 # -------------------------------------------------------------------------------- benchmark
 def test_benchmark_tiny_smoke():
-    out = subprocess.run(
-        [sys.executable, "-m", "benchmarks.quant_gemv", "--tiny", "--json"],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
-    assert out.returncode == 0, out.stderr[-2000:]
-    report = json.loads(out.stdout.strip().splitlines()[-1])
+    report = run_json_module("benchmarks.quant_gemv", "--tiny", "--json", timeout=240)
     assert report["bench"] == "quant_gemv" and report["threads"] == 1
     assert {"isa", "kernel_available", "results"} <= set(report)
     for shape, res in report["results"].items():

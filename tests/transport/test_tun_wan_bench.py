@@ -2,12 +2,9 @@
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-
 import pytest
 
+from tests.conftest import run_json_module
 from transport.links.tun.testbed import available
 
 pytestmark = [
@@ -20,14 +17,7 @@ pytestmark = [
 
 def test_tun_wan_bench_moves_bytes_over_a_real_rtt():
     args = ["--size-mb", "1", "--rate-mbit", "20", "--delay-ms", "10", "--connections", "1", "2"]
-    proc = subprocess.run(
-        [sys.executable, "-m", "benchmarks.tun_wan", *args, "--rounds", "1", "--json"],
-        capture_output=True,
-        text=True,
-        timeout=140,
-    )
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    out = run_json_module("benchmarks.tun_wan", *args, "--rounds", "1", "--json", timeout=140)
     assert out["bytes"] == 1 << 20
     assert abs(out["measured_rtt_ms"]["median_ms"] - 20.0) <= 0.15 * 20.0 + 2.0
     assert [r["connections"] for r in out["results"]] == [1, 2]
