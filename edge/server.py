@@ -206,7 +206,13 @@ def parse_options(body: dict, *, chat: bool, cfg: ServerConfig) -> Options:
             raise ApiError(
                 400, "stream_options is only allowed with stream: true", param="stream_options"
             )
-        include_usage = _opt_bool(so, "include_usage")
+        if not isinstance(so.get("include_usage", False), bool):
+            raise ApiError(
+                400,
+                "stream_options.include_usage must be true or false",
+                param="stream_options.include_usage",
+            )
+        include_usage = bool(so.get("include_usage", False))
     n = _opt_int(body, "n", 1, 1, MAX_N)
     assert n is not None
     if chat:
@@ -221,10 +227,10 @@ def parse_options(body: dict, *, chat: bool, cfg: ServerConfig) -> Options:
     else:
         echo = _opt_bool(body, "echo")
         logprobs = _opt_int(body, "logprobs", None, 0, MAX_LOGPROBS)
-    mt_name = "max_tokens" if body.get("max_tokens") is not None else "max_completion_tokens"
-    max_tokens = _opt_int(
-        body, mt_name, cfg.default_max_tokens, 0 if echo else 1, cfg.max_tokens_limit
-    )
+    # chat's max_completion_tokens supersedes max_tokens; either given is checked
+    lo = 0 if echo else 1
+    max_tokens = _opt_int(body, "max_tokens", cfg.default_max_tokens, lo, cfg.max_tokens_limit)
+    max_tokens = _opt_int(body, "max_completion_tokens", max_tokens, lo, cfg.max_tokens_limit)
     assert max_tokens is not None
     stop = body.get("stop")
     stop = () if stop is None else (stop,) if isinstance(stop, str) else stop
