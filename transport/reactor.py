@@ -28,7 +28,7 @@ import os
 import threading
 import time
 from collections import deque
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable
 
 import zmq
 
@@ -88,6 +88,8 @@ class Reactor:
             poller=self._poller,
             heartbeat_interval=heartbeat_interval,
         )
+        # operations send through the links (transport.ops.Host.send), under the same signature
+        self.send = self.links.send
         self._poller.register(data, zmq.POLLIN)
         self._poller.register(control, zmq.POLLIN)
         self._poller.register(self._wake_fd, zmq.POLLIN)
@@ -171,19 +173,6 @@ class Reactor:
             return OpStats(self.sent, self.received)
 
     # ---- what operations see (transport.ops.Host; reactor thread) -------------------------------
-    def send(
-        self,
-        peer: str,
-        mtype: MsgType,
-        meta: dict[str, Any],
-        payload: Sequence[Any] = (),
-        *,
-        stripe: int | None = None,
-        track: bool = False,
-    ) -> list[Any]:
-        """See :meth:`transport.peerlinks.PeerLinks.send`."""
-        return self.links.send(peer, mtype, meta, payload, stripe=stripe, track=track)
-
     def count(self, sent: int = 0, received: int = 0) -> None:
         with self.stats_lock:
             self.sent += sent
