@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 
 import aiohttp
 import pytest
@@ -262,3 +263,111 @@ def test_huge_prompt_is_refused_before_tokenizing() -> None:
         assert r.status == 400 and (await r.json())["error"]["param"] == "prompt"
 
     run(_with_server(body, engine=engine, max_body_bytes=8 << 20))
+
+
+class _SlowRunner(LocalRunner):
+    """Sleeps ``delay`` seconds per batched step (so requests overlap) and records the largest
+    batch it ran."""
+
+    def __init__(self, model, delay: float) -> None:
+        super().__init__(model)
+        self.delay, self.widest = delay, 0
+
+    def forward_batch(self, work, top=0):
+        self.widest = max(self.widest, len(work))
+        time.sleep(self.delay)
+        return super().forward_batch(work, top)
+
+
+def _slow_engine(delay: float, **kw) -> Engine:
+    m = LlamaForCausalLM(CFG).eval()
+    init_weights(m, std=0.3, seed=1)
+    return Engine(_SlowRunner(m, delay), ByteTokenizer(), model_name="tiny", **kw)
+
+
+async def _until(pred, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not pred():
+        assert time.monotonic() < deadline, "timed out waiting"
+        await asyncio.sleep(0.01)
+
+
+def test_concurrent_greedy_requests_batch_and_equal_one_at_a_time() -> None:
+    """Eight concurrent requests (mixed prompt lengths, streamed and not) through an engine of
+    four slots: the batches hold several sequences and every text equals the same request sent
+    alone."""
+    engine = _slow_engine(0.005, parallel=4)
+    prompts = [f"client {i}: " + "x" * (3 * i) for i in range(8)]
+
+    async def body(s, engine):
+        async def one(i: int, stream: bool) -> str:
+            req = {"prompt": prompts[i], "max_tokens": 10, "temperature": 0, "stream": stream}
+            r = await s.post("/v1/completions", json=req)
+            assert r.status == 200
+            if stream:
+                return "".join(e["choices"][0]["text"] for e in (await _sse(r))[:-1])
+            return (await r.json())["choices"][0]["text"]
+
+        together = await asyncio.gather(*(one(i, i % 2 == 0) for i in range(8)))
+        assert engine.runner.widest >= 2
+        widest, engine.runner.widest = engine.runner.widest, 0
+        alone = [await one(i, False) for i in range(8)]
+        assert engine.runner.widest == 1 and widest > 1
+        assert together == alone
+        m = await (await s.get("/metrics")).json()
+        assert m["requests_running"] == 0 and m["requests_waiting"] == 0
+
+    run(_with_server(body, engine=engine))
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_client_that_disconnects_cancels_its_request(stream) -> None:
+    engine = _slow_engine(0.02, parallel=2)
+
+    async def body(s, engine):
+        port = s._base_url.port
+        req = {"prompt": "x", "max_tokens": 100, "temperature": 0, "stream": stream}
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True)) as c:
+
+            async def call() -> None:
+                r = await c.post(f"http://127.0.0.1:{port}/v1/completions", json=req)
+                await r.content.readline()  # the first chunk (streaming); else waits
+
+            task = asyncio.ensure_future(call())
+            await _until(lambda: engine.metrics.completion_tokens >= 3)
+            if stream:
+                await asyncio.wait_for(task, 30)  # read one chunk; leaving drops the connection
+            else:
+                task.cancel()
+        await _until(lambda: engine.metrics.running == 0)
+        done = engine.metrics.completion_tokens
+        await asyncio.sleep(0.2)  # ten steps' time: nothing more is generated
+        assert engine.metrics.completion_tokens == done < 100
+        assert engine.metrics.cancelled == 1
+        h = await (await s.get("/health")).json()
+        assert h["queue"] == 0
+        # the server still serves
+        r = await s.post("/v1/completions", json={"prompt": "y", "max_tokens": 2})
+        assert r.status == 200
+
+    run(_with_server(body, engine=engine))
+
+
+def test_max_queue_bounds_the_waiting_beyond_the_running() -> None:
+    """Two running, one waiting (max_queue=1): a fourth request is 429 until one ends."""
+    engine = _slow_engine(0.02, parallel=2)
+
+    async def body(s, engine):
+        req = {"prompt": "x", "max_tokens": 30, "temperature": 0}
+        held = [asyncio.ensure_future(s.post("/v1/completions", json=req)) for _ in range(3)]
+        await _until(lambda: engine.metrics.running == 2 and engine.metrics.waiting == 1)
+        r = await s.post("/v1/completions", json=req)
+        err = (await r.json())["error"]
+        assert r.status == 429 and err["code"] == "queue_full" and err["type"] == "rate_limit_error"
+        r = await s.post("/v1/completions", json={**req, "n": 4})  # can never fit
+        assert r.status == 400 and (await r.json())["error"]["param"] == "n"
+        assert [(await h).status for h in held] == [200, 200, 200]
+        r = await s.post("/v1/completions", json={**req, "n": 3, "max_tokens": 2})
+        assert r.status == 200 and len((await r.json())["choices"]) == 3
+
+    run(_with_server(body, engine=engine, max_queue=1))
