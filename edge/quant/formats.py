@@ -268,6 +268,16 @@ def dequantize(
     return w.view(n, k).to(dtype)
 
 
+def check_slice(shape: tuple[int, int], dim: int, start: int, length: int) -> None:
+    """Refuse (``QuantShapeError``) a ``dim`` other than 0 (rows) or 1 (columns), or a slice
+    ``[start, start + length)`` outside that dimension of ``shape``."""
+    if dim not in (0, 1):
+        raise QuantShapeError(f"dim must be 0 (rows) or 1 (columns), got {dim}")
+    size = shape[dim]
+    if start < 0 or length < 0 or start + length > size:
+        raise QuantShapeError(f"slice [{start}, {start + length}) out of range for size {size}")
+
+
 def narrow(packed: PackedWeight, dim: int, start: int, length: int) -> PackedWeight:
     """Slice a packed weight without requantizing.
 
@@ -276,11 +286,7 @@ def narrow(packed: PackedWeight, dim: int, start: int, length: int) -> PackedWei
     """
     spec = packed.spec
     n, k = spec.shape
-    if dim not in (0, 1):
-        raise QuantShapeError(f"dim must be 0 (rows) or 1 (columns), got {dim}")
-    size = n if dim == 0 else k
-    if start < 0 or length < 0 or start + length > size:
-        raise QuantShapeError(f"slice [{start}, {start + length}) out of range for size {size}")
+    check_slice(spec.shape, dim, start, length)
     if dim == 0:
         return PackedWeight(
             QuantSpec(spec.bits, spec.group, (length, k)),

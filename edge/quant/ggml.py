@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .formats import GroupBoundaryError, QuantShapeError
+from .formats import GroupBoundaryError, QuantShapeError, check_slice
 
 __all__ = ["GGML_TYPES", "GGMLType", "GGMLWeight", "decode", "dequantize_ggml", "narrow_ggml"]
 
@@ -219,11 +219,7 @@ def narrow_ggml(w: GGMLWeight, dim: int, start: int, length: int) -> GGMLWeight:
     """Rows ``start:start+length`` (``dim=0``) or columns in whole blocks (``dim=1``; else
     ``GroupBoundaryError``), without touching the blocks."""
     n, k = w.shape
-    if dim not in (0, 1):
-        raise QuantShapeError(f"dim must be 0 (rows) or 1 (columns), got {dim}")
-    size = n if dim == 0 else k
-    if start < 0 or length < 0 or start + length > size:
-        raise QuantShapeError(f"slice [{start}, {start + length}) out of range for size {size}")
+    check_slice(w.shape, dim, start, length)
     if dim == 0:
         return GGMLWeight(w.type, (length, k), w.data[start : start + length].contiguous())
     qk, sz = w.type.qk, w.type.size

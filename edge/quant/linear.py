@@ -35,6 +35,22 @@ __all__ = ["GGMLLinear", "QuantLinear", "quantize_modules", "DEFAULT_MAX_KERNEL_
 DEFAULT_MAX_KERNEL_ROWS = 256
 
 
+def _checked_input(
+    x: torch.Tensor, in_features: int, out_features: int, bias: torch.Tensor | None
+) -> torch.Tensor | None:
+    """Refuse an ``x`` whose last dim is not ``in_features`` (``QuantShapeError``). For a layer
+    with no rows or no columns, a TP rank that holds no heads of it (GQA with fewer KV heads
+    than devices), return its output: a zero (or empty) partial sum plus the bias. Else None."""
+    if x.shape[-1] != in_features:
+        raise QuantShapeError(f"expected last dim {in_features}, got {tuple(x.shape)}")
+    if in_features and out_features:
+        return None
+    y = torch.zeros(*x.shape[:-1], out_features, dtype=torch.float32, device=x.device)
+    if bias is not None:
+        y += bias
+    return y.to(x.dtype)
+
+
 class QuantLinear(nn.Module):
     """``y = x @ dequant(W)^T + b`` with ``W`` stored as Q8 or Q4 groups (see ``formats``).
 
@@ -113,15 +129,10 @@ class QuantLinear(nn.Module):
 
     # -- forward -----------------------------------------------------------------------------
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        empty = _checked_input(x, self.in_features, self.out_features, self.bias)
+        if empty is not None:
+            return empty
         lead = x.shape[:-1]
-        if x.shape[-1] != self.in_features:
-            raise QuantShapeError(f"expected last dim {self.in_features}, got {tuple(x.shape)}")
-        if self.in_features == 0 or self.out_features == 0:
-            # A TP rank that holds no heads of this layer: a zero (or empty) partial sum.
-            y = torch.zeros(*lead, self.out_features, dtype=torch.float32, device=x.device)
-            if self.bias is not None:
-                y += self.bias
-            return y.to(x.dtype)
         x2 = x.reshape(-1, self.in_features)
         use = self.use_kernel and x2.shape[0] <= self.max_kernel_rows
         y = kernel.gemv(
@@ -221,16 +232,10 @@ class GGMLLinear(nn.Module):
         return dequantize_ggml(self.weight_blocks, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        empty = _checked_input(x, self.in_features, self.out_features, self.bias)
+        if empty is not None:
+            return empty
         lead = x.shape[:-1]
-        if x.shape[-1] != self.in_features:
-            raise QuantShapeError(f"expected last dim {self.in_features}, got {tuple(x.shape)}")
-        if self.in_features == 0 or self.out_features == 0:
-            # A TP rank that holds no heads of this layer (GQA with fewer KV heads than
-            # devices): a zero (or empty) partial sum, as QuantLinear answers.
-            y = torch.zeros(*lead, self.out_features, dtype=torch.float32, device=x.device)
-            if self.bias is not None:
-                y += self.bias
-            return y.to(x.dtype)
         x2 = x.reshape(-1, self.in_features)
         w = self.weight_blocks
         if self.use_kernel and x2.shape[0] <= self.max_kernel_rows:
