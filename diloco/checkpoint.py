@@ -81,15 +81,8 @@ def load_optimizer_state(
     opt.load_state_dict({"state": state, "param_groups": groups})
 
 
-def _fsync_dir(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _fsync_file(path: Path) -> None:
+def _fsync(path: Path) -> None:
+    """Flush a file's data, or a directory's entries, to disk (both open read-only on Linux)."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -104,11 +97,11 @@ def durable_write(path: Path, write: Callable[[Path], object]) -> None:
     tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
     try:
         write(tmp)
-        _fsync_file(tmp)
+        _fsync(tmp)
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
-    _fsync_dir(path.parent)
+    _fsync(path.parent)
 
 
 def _files(stem: Path) -> tuple[Path, Path, Path]:
@@ -264,16 +257,16 @@ def export_model(model: torch.nn.Module, out_dir: Path, *, byte_tokenizer: bool)
         _write_export(model, tmp, byte_tokenizer=byte_tokenizer)
         for f in tmp.rglob("*"):
             if f.is_file():
-                _fsync_file(f)
+                _fsync(f)
         if out_dir.is_dir():  # keep what else lives there (a Flower checkpoint's outer.*)
             for f in out_dir.iterdir():
                 if f.is_file() and not (tmp / f.name).exists():
                     os.link(f, tmp / f.name)
-        _fsync_dir(tmp)
+        _fsync(tmp)
         if out_dir.exists():
             os.replace(out_dir, old)
         os.replace(tmp, out_dir)
-        _fsync_dir(out_dir.parent)
+        _fsync(out_dir.parent)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
         shutil.rmtree(old, ignore_errors=True)
