@@ -193,7 +193,14 @@ def listen_host(endpoint: str) -> str:
 def _coordinator_config(cfg: ServeMasterConfig):
     from transport.coordinator import Liveness
 
-    return (cfg.liveness or Liveness()).coordinator(bind=cfg.bind, token=cfg.token, curve=cfg.curve)
+    # Under CURVE the master registers with the coordinator's own keypair, and the ids workers
+    # know the master by are reserved to that key: no other peer can pose as the master.
+    return (cfg.liveness or Liveness()).coordinator(
+        bind=cfg.bind,
+        token=cfg.token,
+        curve=cfg.curve,
+        reserved_prefix=MASTER_ID_PREFIX if cfg.curve is not None else None,
+    )
 
 
 def lan_host() -> str:
@@ -255,6 +262,7 @@ def build_engine(cfg: ServeMasterConfig, coord=None, master_host: str | None = N
             cc.op_timeout,
             bind_host=listen_host(cfg.bind),
             server_key=cfg.curve.public if cfg.curve is not None else None,
+            curve=cfg.curve,  # the master is the peer holding the coordinator's key
         ),
         signature=SIGNATURE,
         peer_id=f"{MASTER_ID_PREFIX}-{uuid.uuid4().hex[:8]}",

@@ -22,6 +22,7 @@ import hmac
 import ipaddress
 import logging
 import os
+import secrets
 import threading
 import time
 from dataclasses import dataclass
@@ -125,6 +126,41 @@ def parse_public_key(text: str) -> bytes:
             raise ConfigError("curve-server-key", f"{text!r} is not a Z85 key") from None
         return text.encode()
     return CurveKeys.load(text).public
+
+
+# ---- control routes: a peer's routing id at the coordinator ----------------------------------
+
+ROUTE_SEP = b"/"
+ROUTE_NONCE_HEX = 32  # 128 random bits
+MAX_PEER_ID_BYTES = 255 - 1 - ROUTE_NONCE_HEX  # a ZeroMQ routing id holds at most 255 bytes
+
+
+def control_route(peer_id: str) -> bytes:
+    """The routing id of a peer's control connection: its id, ``/`` and 128 random bits.
+
+    The coordinator's ROUTER hands a routing id over to the newest connection presenting it
+    (so that a peer reconnecting after a pause gets its replies again). Were the routing id
+    the bare peer id, anyone able to connect could take a member's replies over and have it
+    declared lost; the random part, which travels inside the ZeroMQ handshake (encrypted
+    under CURVE) and is told to nobody else, makes a member's route unguessable."""
+    pid = peer_id.encode()
+    if not pid or len(pid) > MAX_PEER_ID_BYTES:
+        raise ConfigError("peer_id", f"must be 1 to {MAX_PEER_ID_BYTES} bytes, got {len(pid)}")
+    return pid + ROUTE_SEP + secrets.token_hex(ROUTE_NONCE_HEX // 2).encode()
+
+
+def route_peer(route: bytes) -> str:
+    """The peer id a control routing id names (the whole of it when it has no random part:
+    a bare id, or one ZeroMQ made up for a socket that set none)."""
+    head, sep, nonce = route.rpartition(ROUTE_SEP)
+    if (
+        sep
+        and head
+        and len(nonce) == ROUTE_NONCE_HEX
+        and all(c in b"0123456789abcdef" for c in nonce)
+    ):
+        route = head
+    return route.decode(errors="replace")
 
 
 # ---- exposure: who may listen where without authentication ------------------------------------

@@ -23,6 +23,18 @@ peer that reports leaving is removed at once. Every remaining peer then gets PEE
 its pending collectives of that epoch. A peer that saw a data connection drop sends SUSPECT; a
 suspected peer is probed after one silent interval instead of two.
 
+Identity: a peer's control routing id is its id plus 128 random bits
+(:func:`transport.auth.control_route`), told to nobody else, and under CURVE a peer also is the
+public key its connection authenticated with (the ZAP handler's User-Id). REGISTER must name that
+same key as the peer's data key; every later message in a registered peer's name must come on
+its registered route and, under CURVE, from a connection authenticated with its key. Anything
+else is dropped and counted (``counters["forged"]``): no peer can leave, cancel a quorum,
+suspect or heartbeat in another's name, nor take its replies over (the ROUTER's handover needs
+the whole routing id). ``reserved_prefix`` keeps a family of peer ids for the coordinator's
+own key (the edge master). Under a shared token (PLAIN) or no authentication the route is the
+only proof, and it crosses the network in clear: those modes are for loopback and trusted
+networks.
+
 A peer declared lost is not banned: its next message is answered REFUSED "expelled", and the
 peer re-registers under the same id and joins the next quorum as a newcomer
 (:mod:`transport.reactor`). A restarted coordinator starts empty; every peer's heartbeat is
@@ -50,6 +62,7 @@ from transport.auth import (
     ZapHandler,
     configure_server,
     curve_policy,
+    route_peer,
     token_policy,
 )
 from transport.wire import MsgType
@@ -77,6 +90,11 @@ class CoordinatorConfig:
     """Z85 public keys allowed to connect under CURVE; empty admits any key (then use a token)."""
     max_message_bytes: int = 1 << 20
     """Largest control message accepted (enforced by ZMQ_MAXMSGSIZE and the header check)."""
+    reserved_prefix: str | None = None
+    """Under CURVE, peer ids starting with this may only be registered by a peer authenticated
+    with the coordinator's own public key (``curve``): the process running the coordinator.
+    The edge master reserves ``edge-master`` so that workers, who know the master by that id,
+    follow only it. No effect without CURVE (nothing to tell peers apart by)."""
     unresponsive_after: float = 60.0
     """Seconds a peer whose connection still answers ZMTP pings (its process runs, its Python
     threads may be starved) may stay silent before it is declared lost anyway (a hung peer).
@@ -103,6 +121,8 @@ class CoordinatorConfig:
             raise ConfigError("curve_authorized", "needs curve (the coordinator's keypair)")
         if self.max_message_bytes < 4096:
             raise ConfigError("max_message_bytes", "must be >= 4096")
+        if self.reserved_prefix is not None and not self.reserved_prefix:
+            raise ConfigError("reserved_prefix", "must be non-empty when given")
         if self.unresponsive_after < (self.dead_after or 2 * self.heartbeat_interval):
             raise ConfigError(
                 "unresponsive_after",
@@ -224,6 +244,8 @@ class _Peer:
     last_seen: float
     local: list[str] | None = None  # [host key, ipc endpoint] for same-host peers
     suspected_at: float | None = None
+    auth: str | None = None  # who its connection authenticated as (ZAP User-Id); None: no auth
+    route: bytes = b""  # the routing id it registered from (peer id + random part)
 
 
 class Coordinator:
@@ -244,7 +266,15 @@ class Coordinator:
         self._layout: str | None = None  # what the first peer said its signature covers
         self._chunk: int | None = None
         self.address = ""
-        self.counters = {"refused": 0, "bad_messages": 0, "lost": 0, "left": 0, "registered": 0}
+        self.counters = {
+            "refused": 0,
+            "bad_messages": 0,
+            "lost": 0,
+            "left": 0,
+            "registered": 0,
+            "forged": 0,  # messages in a registered peer's name from another identity
+        }
+        self._forged_logged: set[str] = set()  # peer ids whose forgeries were logged (once)
         self._suspected: set[str] = set()  # silent but connected: logged once per silence
 
     # ---- lifecycle ------------------------------------------------------------------------------
@@ -384,11 +414,18 @@ class Coordinator:
             watch.close()
             sock.close(0)
 
-    def _send(self, pid: str, mtype: MsgType, meta: dict[str, Any]) -> bool:
-        """Send to ``pid``; False when it has no live connection (or its queue is full)."""
+    def _send(
+        self, pid: str, mtype: MsgType, meta: dict[str, Any], route: bytes | None = None
+    ) -> bool:
+        """Send to ``pid`` (on its registered route, or ``route``: the connection a message
+        being answered came on); False when it has no live connection."""
         assert self._sock is not None
+        if route is None:
+            with self._lock:
+                peer = self._peers.get(pid)
+            route = peer.route if peer is not None else pid.encode()
         try:
-            self._sock.send_multipart([pid.encode(), *wire.pack(mtype, meta)], zmq.NOBLOCK)
+            self._sock.send_multipart([route, *wire.pack(mtype, meta)], zmq.NOBLOCK)
             return True
         except zmq.Again:
             return True  # connected but its queue is full: alive, just slow
@@ -399,7 +436,7 @@ class Coordinator:
 
     def _on_frames(self, frames: list[zmq.Frame]) -> None:
         ident = frames[0].bytes
-        pid = ident.decode(errors="replace")
+        pid = route_peer(ident)
         try:
             msg = wire.unpack(
                 frames[1:], max_payload_bytes=0, max_meta_bytes=self.config.max_message_bytes
@@ -407,7 +444,7 @@ class Coordinator:
         except VersionMismatch as exc:
             self.counters["refused"] += 1
             self._bad(f"refused {pid!r}: {exc}")
-            self._send(pid, MsgType.REFUSED, {"kind": "version", "reason": str(exc)})
+            self._send(pid, MsgType.REFUSED, {"kind": "version", "reason": str(exc)}, ident)
             return
         except ProtocolError as exc:
             self._bad(
@@ -415,7 +452,7 @@ class Coordinator:
             )
             return
         try:
-            self._dispatch(pid, msg, frames[-1])
+            self._dispatch(pid, ident, msg, frames[-1], self._identity(frames[-1]))
         except ProtocolError as exc:
             self._bad(f"dropped a {msg.type.name} from {pid!r}: {exc}")
         except Exception as exc:  # never let one message take the coordinator down
@@ -430,10 +467,36 @@ class Coordinator:
         if n <= 20 or n % 1000 == 0:  # a flood must not flood the log too
             logger.warning("%s (bad messages so far: %d)", what, n)
 
-    def _dispatch(self, pid: str, msg: wire.Message, frame: zmq.Frame) -> None:
+    def _identity(self, frame: zmq.Frame) -> str | None:
+        """Who the connection a frame came on authenticated as (the ZAP User-Id: under CURVE
+        the peer's Z85 public key, under PLAIN the user name it chose); None without auth."""
+        if self._zap is None:
+            return None
+        try:
+            user = frame.get("User-Id")
+        except (zmq.ZMQError, AttributeError):
+            return ""
+        return "" if user is None else str(user)
+
+    def _forged(self, pid: str, user: str | None, what: str) -> None:
+        """Drop a message in ``pid``'s name from a connection authenticated as someone else."""
+        self.counters["forged"] += 1
+        if pid not in self._forged_logged and len(self._forged_logged) < 4096:
+            self._forged_logged.add(pid)  # once per id: a flood must not flood the log
+            logger.warning(
+                "dropped %s in the name of %r from a connection authenticated as %.12r… "
+                "(not that peer's identity; further ones are only counted)",
+                what,
+                pid,
+                user,
+            )
+
+    def _dispatch(
+        self, pid: str, route: bytes, msg: wire.Message, frame: zmq.Frame, user: str | None
+    ) -> None:
         now = time.monotonic()
         if msg.type == MsgType.REGISTER:
-            self._register(pid, msg.meta, frame, now)
+            self._register(pid, route, msg.meta, frame, now, user)
             return
         with self._lock:
             peer = self._peers.get(pid)
@@ -446,9 +509,13 @@ class Coordinator:
                         "kind": "expelled",
                         "reason": "this peer is not registered (declared lost or never registered)",
                     },
+                    route,
                 )
             else:
                 logger.debug("ignored %s from unregistered %r", msg.type.name, pid)
+            return
+        if route != peer.route or peer.auth != user:  # first: not even a heartbeat counts
+            self._forged(pid, user, msg.type.name)
             return
         peer.last_seen = now
         peer.suspected_at = None
@@ -474,7 +541,15 @@ class Coordinator:
         else:
             raise ProtocolError(f"unexpected {msg.type.name} on the control channel")
 
-    def _register(self, pid: str, meta: dict[str, Any], frame: zmq.Frame, now: float) -> None:
+    def _register(
+        self,
+        pid: str,
+        route: bytes,
+        meta: dict[str, Any],
+        frame: zmq.Frame,
+        now: float,
+        user: str | None,
+    ) -> None:
         cfg = self.config
         addr = wire.field(meta, "addr", str)
         signature = wire.field(meta, "signature", str)
@@ -501,6 +576,21 @@ class Coordinator:
                 str(meta.get("token", "")).encode(), cfg.token.encode()
             ):
                 refusal = ("auth", "wrong or missing token")
+            elif cfg.curve is not None and key != user:
+                # Other peers' data sockets admit this key as this peer id: it must be the key
+                # this connection proved it holds.
+                refusal = ("auth", "the key in REGISTER is not the one this connection uses")
+            elif (
+                cfg.curve is not None
+                and cfg.reserved_prefix is not None
+                and pid.startswith(cfg.reserved_prefix)
+                and user != cfg.curve.public.decode()
+            ):
+                refusal = (
+                    "auth",
+                    f"peer ids starting with {cfg.reserved_prefix!r} are reserved to the "
+                    "coordinator's own key",
+                )
             elif pid in self._peers:
                 refusal = ("duplicate", f"peer id {pid!r} is already registered")
             elif self._signature is not None and signature != self._signature:
@@ -531,7 +621,15 @@ class Coordinator:
                     self._chunk = chunk
                 if "://*:" in addr:  # the peer asked us to fill in the host we see it from
                     addr = addr.replace("*", _peer_address(frame) or "127.0.0.1", 1)
-                self._peers[pid] = _Peer(addr, key.encode() if key else None, peer_meta, now, local)
+                self._peers[pid] = _Peer(
+                    addr,
+                    key.encode() if key else None,
+                    peer_meta,
+                    now,
+                    local,
+                    auth=user,
+                    route=route,
+                )
                 self._book.register(pid)
                 if not self._book.view and last_epoch > self._book.epoch:
                     # A restarted coordinator: go on above the epochs the group has used, so a
@@ -542,7 +640,7 @@ class Coordinator:
             logger.warning(
                 "refused registration of %r from %s: %s", pid, _peer_address(frame), refusal[1]
             )
-            self._send(pid, MsgType.REFUSED, {"kind": refusal[0], "reason": refusal[1]})
+            self._send(pid, MsgType.REFUSED, {"kind": refusal[0], "reason": refusal[1]}, route)
             return
         self.counters["registered"] += 1
         self._suspected.discard(pid)
@@ -553,7 +651,7 @@ class Coordinator:
             peer_meta,
             ", rejoining" if last_epoch >= 0 else "",
         )
-        self._send(pid, MsgType.REGISTERED, {"heartbeat_interval": cfg.heartbeat_interval})
+        self._send(pid, MsgType.REGISTERED, {"heartbeat_interval": cfg.heartbeat_interval}, route)
         self._complete_quorum()  # a newcomer can unblock nothing, but a dead peer's slot may
 
     def _complete_quorum(self) -> None:

@@ -50,6 +50,7 @@ from transport.auth import (
     ZapHandler,
     configure_client,
     configure_server,
+    control_route,
     curve_policy,
     token_policy,
 )
@@ -121,7 +122,7 @@ def connect(
         sockets.append(control)
         # LEAVE is tiny, and a dead coordinator must not stall close() for long.
         control.linger = int(min(cfg.linger, 1.0) * 1000)
-        control.routing_id = pid.encode()
+        control.routing_id = control_route(pid)  # pid + an unguessable part: see there
         control.maxmsgsize = wire.DEFAULT_MAX_META_BYTES + wire.HEADER_SIZE
         configure_client(
             control, user=pid, token=cfg.token, curve=keys, server_key=cfg.curve_server_key
