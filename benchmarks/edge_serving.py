@@ -10,7 +10,7 @@ source release (:func:`build_llama_server`, cached under ``--cache``), or ``--ll
 Arms, each a child server process pinned to the same cores (``--threads`` T: cores 0..T-1):
 
 * ``lowband``: ``lowband edge serve FILE --threads T --cores ... [--parallel N]``;
-* ``llama-server``: ``llama-server -m FILE -t T -tb T -np N -c N*(max prompt+max tokens+64)``;
+* ``llama-server``: ``llama-server -m FILE -t T -tb T -np N -c N*(longest prompt+max tokens+64)``;
 * ``lowband-tp2`` (``--devices 1,2``): ``lowband edge run FILE --devices 2 --pin-cores``, one
   device per core on cores 0 and 1 (compared with the 1-device arm at the same levels).
 
@@ -25,7 +25,7 @@ TTFT and inter-token latency (gaps between streamed tokens) p50/p99, requests do
 median with min/max over the rounds.
 
 ``interference`` (chunked prefill): ``--interference-concurrency`` streams of 32-token prompts
-decode; once each has streamed 8 tokens a ``--max-prompt``-token prompt arrives. Reported: the
+decode; once each has streamed 8 tokens a ``--long-prompt``-token prompt arrives. Reported: the
 p99 of the short streams' inter-token gaps that overlap the long request, their overall p99 and
 largest gap, the long request's TTFT, and a single short stream's inter-token latency alone.
 
@@ -527,7 +527,7 @@ def make_arms(file: Path, a, flags: dict[str, bool], llama_server: Path | None) 
         argv += ["--cores", ",".join(map(str, cores)), "--max-queue", "256"]
         arms.append(Arm("lowband", argv + (par if flags["serve"] else []), cores, a.threads))
     if llama_server is not None:
-        ctx = a.parallel * (a.max_prompt + a.max_tokens + 64)
+        ctx = a.parallel * (max(a.max_prompt, a.long_prompt) + a.max_tokens + 64)
         argv = [str(llama_server), "-m", str(file), "-t", str(a.threads), "-tb", str(a.threads)]
         argv += ["-np", str(a.parallel), "-c", str(ctx), "--host", "127.0.0.1"]
         argv += ["--port", "{port}", "--no-webui"]
@@ -641,7 +641,7 @@ def workload_for(vocab: int, a) -> dict:
         # the first is the stream timed alone, the others decode while the long prompt arrives
         n = a.interference_concurrency + 1
         shorts = requests(n, vocab, SHORT_PROMPT, SHORT_PROMPT, a.max_tokens, a.seed + 7)
-        long = requests(1, vocab, a.max_prompt, a.max_prompt, 8, a.seed + 8)[0]
+        long = requests(1, vocab, a.long_prompt, a.long_prompt, 8, a.seed + 8)[0]
         inter = (shorts, long)
     warmup = requests(1, vocab, SHORT_PROMPT, SHORT_PROMPT, 4, a.seed + 9)[0]
     return {"levels": levels, "interference": inter, "warmup": warmup}
@@ -718,6 +718,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-prompt", type=int, default=2048)
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--interference-concurrency", type=int, default=8, help="0: skip it")
+    p.add_argument("--long-prompt", type=int, default=2048, help="the prompt that arrives")
     p.add_argument("--parallel", type=int, default=16, help="server slots (-np, --parallel)")
     p.add_argument("--threads", type=int, default=1, help="cores 0..T-1, T threads")
     p.add_argument("--devices", default="1,2", help="lowband arms: 1 device, 2 (TP) or both")

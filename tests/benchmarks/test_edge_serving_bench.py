@@ -38,6 +38,8 @@ def test_bench_tiny_lowband_only(spawn, tmp_path) -> None:
             str(max_tokens),
             "--interference-concurrency",
             "2",
+            "--long-prompt",
+            "64",
             "--parallel",
             "2",
             "--repeats",
