@@ -113,11 +113,11 @@ def build_llama_server(cache_dir: Path, sdist: str | None = None, jobs: int = 2)
         with tarfile.open(_sdist(cache_dir, sdist), "r:gz") as tar:
             members = []
             for m in tar.getmembers():
-                # the tokenizer vocabularies under models/ are not needed to build
-                if m.name.startswith(prefix) and "/models/" not in m.name[len(prefix) - 1 :]:
-                    m.name = m.name[len(prefix) :]
-                    if m.name:
-                        members.append(m)
+                rel = m.name[len(prefix) :]
+                # the top-level models/ holds tokenizer vocabularies, not needed to build
+                if m.name.startswith(prefix) and rel and not rel.startswith("models/"):
+                    m.name = rel
+                    members.append(m)
             tar.extractall(part, members=members, filter="data")
         shutil.rmtree(src, ignore_errors=True)
         part.rename(src)
