@@ -45,6 +45,7 @@ from edge.formats.split_layout import (
     split_dtype,
     wanted_tensors,
 )
+from edge.quant.embedding import GGMLEmbedding, QuantEmbedding
 from edge.tp import HEAD_KEYS, Reduce, TPPlan, make_plan, shard, slice_of, take
 from edge.window import MappedFile, WindowScheduler, attach, window_for_budget
 from lowband.errors import ConfigError
@@ -329,9 +330,14 @@ def _in_memory(
 
 def tie_head(model: LlamaForCausalLM, plan: TPPlan) -> None:
     """Rank 0 of a model with tied embeddings: its LM head is (its rows of) the embedding, a
-    view, never a copy."""
-    emb = model.model.embed_tokens.weight
+    view, never a copy. A quantized embedding (a GGUF file's) gives a quantized head over the
+    same bytes."""
     a, b = plan.vocab_rows(0, model.config.vocab_size)
+    table = model.model.embed_tokens
+    if isinstance(table, (GGMLEmbedding, QuantEmbedding)):
+        model.lm_head = table.tied_head(a, b - a)
+        return
+    emb = table.weight
     if (a, b) == (0, emb.shape[0]):
         model.lm_head.weight = emb
     else:

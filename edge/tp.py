@@ -35,6 +35,7 @@ import torch
 from torch import nn
 
 from edge.quant import QuantLinear
+from edge.quant.embedding import GGMLEmbedding, QuantEmbedding
 from edge.quant.linear import GGMLLinear
 from lowband.comm import Algorithm, Codec
 from lowband.errors import ConfigError
@@ -295,8 +296,14 @@ def shard(
 
 def _shard_quantized(model: nn.Module, plan: TPPlan, rank: int) -> None:
     """Packed linears keep their packing: rows and whole groups of columns are sliced out of
-    the packed buffers (``QuantLinear.narrow_out`` / ``narrow_in``), never requantized."""
+    the packed buffers (``QuantLinear.narrow_out`` / ``narrow_in``), never requantized. A packed
+    token embedding stays whole on rank 0 and leaves the others."""
     for name, mod in list(model.named_modules()):
+        if isinstance(mod, (GGMLEmbedding, QuantEmbedding)):
+            if not slice_of(name + ".weight", plan, rank):  # the master embeds; nobody slices
+                parent, _, child = name.rpartition(".")
+                setattr(model.get_submodule(parent), child, nn.Embedding(0, 0, device="meta"))
+            continue
         if not isinstance(mod, (QuantLinear, GGMLLinear)):  # GGMLLinear: group = block size
             continue
         spec = slice_of(name + ".weight", plan, rank)

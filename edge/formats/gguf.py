@@ -15,7 +15,11 @@ Reading maps each tensor onto what the runtime already has, without requantizing
   (``edge.quant.ggml.GGMLWeight``) -> ``GGMLLinear``, decoded block by block at matmul time.
 
 Any other type (IQ*, TQ*, MXFP4, ...) is refused with a :class:`ConfigError` naming the tensor
-and the type. A quantized token embedding is dequantized once (a lookup table, not a matmul).
+and the type. A quantized token embedding stays in the file's type too
+(``edge.quant.embedding``: a lookup dequantizes the rows it reads); when the head is tied to it
+(no ``output.weight``: Llama 3.2, Qwen2.5) the head is a ``GGMLLinear`` / ``QuantLinear`` over
+the same bytes, as in llama.cpp, instead of a float32 copy of the whole vocabulary read every
+decode step.
 
 For the llama architecture llama.cpp stores ``attn_q`` / ``attn_k`` with the rows of each head
 permuted for its rotary kernel (pairs ``(i, i + D/2)`` interleaved); :func:`_unpermute` undoes
@@ -29,6 +33,7 @@ from typing import Any, Sequence
 
 import numpy as np
 import torch
+from torch import nn
 
 from edge.formats.bounds import open_gguf
 from edge.formats.gguf_arch import ROPE_FREQS, TOKENIZER_GGUF, architecture, hf_names
@@ -41,8 +46,9 @@ from edge.formats.quantized_checkpoint import (
     untied_config,
 )
 from edge.quant import QuantLinear
-from edge.quant.formats import PackedWeight, QuantSpec, dequantize
-from edge.quant.ggml import GGML_TYPES, GGMLWeight, dequantize_ggml
+from edge.quant.embedding import GGMLEmbedding, QuantEmbedding, packed_embedding
+from edge.quant.formats import PackedWeight, QuantSpec
+from edge.quant.ggml import GGML_TYPES, GGMLWeight
 from edge.quant.linear import GGMLLinear
 from edge.tp import Reduce, TPPlan, make_plan, shard
 from lowband.errors import ConfigError
@@ -263,11 +269,11 @@ def load_gguf(path: str | Path, dtype: torch.dtype | None = None) -> LlamaForCau
             if name.removesuffix(".bias") + ".weight" not in packed:  # else the module's bias
                 floats[name] = x.to(dt)
             continue
-        if name == "model.embed_tokens.weight":  # a lookup table: dequantize once
-            if isinstance(x, PackedWeight):
-                floats[name] = dequantize(x, dtype=dt)
-            else:
-                floats[name] = dequantize_ggml(x, dtype=dt)
+        if name == "model.embed_tokens.weight":  # the file's bytes; a tied head shares them
+            emb = packed_embedding(x, dt)
+            model.model.embed_tokens = emb  # type: ignore[assignment]
+            if cfg.tie_word_embeddings:
+                model.lm_head = emb.tied_head()
             continue
         mod_name = name.rpartition(".")[0]
         bias = tensors.get(mod_name + ".bias")
@@ -284,9 +290,24 @@ def load_gguf(path: str | Path, dtype: torch.dtype | None = None) -> LlamaForCau
         raise ConfigError("model", f"GGUF {path} lacks {sorted(missing)[:3]}")
     model.load_state_dict(floats, strict=False, assign=True)
     model.inv_freq = rope_inv_freq(cfg)
-    if cfg.tie_word_embeddings:
+    if cfg.tie_word_embeddings and "model.embed_tokens.weight" not in packed:
         model.lm_head.weight = model.model.embed_tokens.weight
     return model.eval()
+
+
+def float_embedding(model: LlamaForCausalLM) -> None:
+    """Replace a quantized token embedding (and the head tied to it) by float tensors, in
+    place: what a checkpoint directory stores (``convert``, ``quantize``)."""
+    emb = model.model.embed_tokens
+    if not isinstance(emb, (GGMLEmbedding, QuantEmbedding)):
+        return
+    w = emb.dequantize_weight(emb.dtype_ref.dtype)
+    model.model.embed_tokens = nn.Embedding.from_pretrained(w, freeze=True)
+    if model.config.tie_word_embeddings:
+        with torch.device("meta"):
+            head = nn.Linear(emb.embedding_dim, emb.num_embeddings, bias=False)
+        head.weight = model.model.embed_tokens.weight
+        model.lm_head = head
 
 
 def load_gguf_shard(
@@ -302,7 +323,9 @@ def load_gguf_shard(
     matrices keep their packing through ``narrow_out/narrow_in``; a column split that cuts a
     block, e.g. ``o_proj`` heads not on 256-value boundaries for Q4_K, is a ``ConfigError``)."""
     model = load_gguf(path, dtype)
-    groups = [m.group for m in model.modules() if isinstance(m, (QuantLinear, GGMLLinear))]
+    # the FFN columns split on whole blocks of the layers' matrices (the head splits by rows)
+    layers = model.model.layers.modules()
+    groups = [m.group for m in layers if isinstance(m, (QuantLinear, GGMLLinear))]
     plan = make_plan(model.config, world, weights, ffn_unit=max(groups, default=8))
     return shard(model, plan, rank, world, reduce), plan
 
@@ -311,6 +334,7 @@ def convert_gguf(path: str | Path, out_dir: str | Path) -> Path:
     """``lowband edge convert FILE.gguf --out DIR``: a checkpoint directory every edge command
     (split, serve, run, TP, window) reads; Q8_0/Q4_0 blocks are copied, never requantized."""
     model = load_gguf(path)
+    float_embedding(model)
     blocks = sorted({m.qtype.name for m in model.modules() if isinstance(m, GGMLLinear)})
     if blocks:
         raise ConfigError(
@@ -344,6 +368,7 @@ def quantize_gguf(src: Path, out: Path, cfg: QuantConfig) -> Path:
     """A float GGUF file (F32/F16/BF16 matrices) quantized like a checkpoint; its tokenizer
     kept as ``tokenizer.gguf``. A file with quantized blocks is served as it is instead."""
     model = load_gguf(src)
+    float_embedding(model)
     if any(isinstance(m, (QuantLinear, GGMLLinear)) for m in model.modules()):
         raise ConfigError(
             "model_dir",

@@ -7,7 +7,9 @@ file's metadata without tensors, so every device gets the same tokenizer and cha
 A packed matrix is stored as its raw buffers (``GGMLLinear``: ``.blocks`` uint8 rows of ggml
 blocks; ``QuantLinear`` from Q8_0/Q4_0: ``.qweight`` / ``.scales``), already sliced for the
 rank on block boundaries, and ``lowband_split.json`` lists, per rank, each packed module with
-its type and shape (``"packed"``), which safetensors cannot say. Nothing is requantized.
+its type and shape (``"packed"``), which safetensors cannot say. Nothing is requantized. A
+quantized token embedding (rank 0) is stored the same way with ``"embedding": true``; a head
+tied to it is not stored on rank 0 (it is the embedding's rows again at load).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from edge.formats.split_layout import (
     wanted_tensors,
 )
 from edge.quant import QuantLinear
+from edge.quant.embedding import GGMLEmbedding, QuantEmbedding, packed_embedding
 from edge.quant.formats import PackedWeight, QuantSpec
 from edge.quant.ggml import GGMLWeight, ggml_type
 from edge.quant.linear import GGMLLinear
@@ -46,7 +49,13 @@ def _packed_spec(mod: Any) -> dict[str, Any] | None:
         return {"ggml": w.type.name, "shape": list(w.shape)}
     if isinstance(mod, QuantLinear):
         return {"bits": mod.bits, "group": mod.group, "shape": [mod.out_features, mod.in_features]}
-    return None
+    if isinstance(mod, GGMLEmbedding):
+        kind: dict[str, Any] = {"ggml": mod.qtype.name}
+    elif isinstance(mod, QuantEmbedding):
+        kind = {"bits": mod.bits, "group": mod.group}
+    else:
+        return None
+    return {**kind, "shape": [mod.num_embeddings, mod.embedding_dim], "embedding": True}
 
 
 def split_gguf(
@@ -66,7 +75,9 @@ def split_gguf(
         }
         state = model.state_dict()
         if model.config.tie_word_embeddings and r == 0:
-            state.pop("lm_head.weight", None)  # the embedding itself, tied again at load
+            # the embedding itself (float or packed), tied again at load (shardio.tie_head)
+            packed[str(r)].pop("lm_head", None)
+            state = {k: t for k, t in state.items() if not k.startswith("lm_head.")}
         files: dict[Path, dict[str, torch.Tensor]] = {head_file(out, r): {}}
         for i in range(model.config.num_hidden_layers):
             files[layer_file(out, r, i)] = {}
@@ -91,15 +102,20 @@ def split_gguf(
     return out
 
 
-def _packed_module(spec: dict[str, Any], tensors: dict[str, torch.Tensor], name: str) -> Any:
+def _packed_module(
+    spec: dict[str, Any], tensors: dict[str, torch.Tensor], name: str, dt: torch.dtype
+) -> Any:
     bias = tensors.pop(name + ".bias", None)
     n, k = spec["shape"]
+    w: GGMLWeight | PackedWeight
     if "ggml" in spec:
         w = GGMLWeight(ggml_type(spec["ggml"]), (n, k), tensors.pop(name + ".blocks"))
-        return GGMLLinear(w, bias)
-    q = QuantSpec(spec["bits"], spec["group"], (n, k))
-    pw = PackedWeight(q, tensors.pop(name + ".qweight"), tensors.pop(name + ".scales"))
-    return QuantLinear.from_packed(pw, bias)
+    else:
+        q = QuantSpec(spec["bits"], spec["group"], (n, k))
+        w = PackedWeight(q, tensors.pop(name + ".qweight"), tensors.pop(name + ".scales"))
+    if spec.get("embedding"):
+        return packed_embedding(w, dt)
+    return GGMLLinear(w, bias) if isinstance(w, GGMLWeight) else QuantLinear.from_packed(w, bias)
 
 
 def load_gguf_split(
@@ -131,7 +147,7 @@ def load_gguf_split(
             tensors.update({k: sf.get_tensor(k) for k in sf.keys()})
     for name, spec in packed.items():
         parent, _, child = name.rpartition(".")
-        setattr(model.get_submodule(parent), child, _packed_module(spec, tensors, name))
+        setattr(model.get_submodule(parent), child, _packed_module(spec, tensors, name, dt))
     floats = {k: t.to(dt) if t.is_floating_point() else t for k, t in tensors.items()}
     assign_tensors(model, floats, partial=True)  # the packed modules' buffers are set already
     left = {k for k, t in wanted_tensors(model).items() if t.is_meta and t.numel()}

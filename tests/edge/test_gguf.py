@@ -10,9 +10,16 @@ import gguf
 import pytest
 import torch
 
-from edge.formats.gguf import convert_gguf, load_gguf, load_gguf_shard, write_gguf
+from edge.formats.gguf import (
+    convert_gguf,
+    float_embedding,
+    load_gguf,
+    load_gguf_shard,
+    write_gguf,
+)
 from edge.formats.quantized_checkpoint import QuantConfig, quantize_model
-from edge.quant import QuantLinear, dequantize, quantize
+from edge.quant import QuantLinear, dequantize, kernel, quantize
+from edge.quant.embedding import QuantEmbedding
 from edge.shardio import load_shard
 from edge.tp import make_reduce
 from lowband.errors import ConfigError
@@ -67,17 +74,22 @@ def test_quant_blocks_map_without_requantizing(tmp_path, ftype, bits) -> None:
             other = got.get_submodule(name)
             assert torch.equal(other.qweight, mod.qweight), name
             assert torch.equal(other.scales, mod.scales), name
-    # The quantized token embedding is dequantized once (a lookup table, not a matmul).
-    emb = dequantize(quantize(m.model.embed_tokens.weight.detach(), bits, 32))
-    assert torch.equal(got.model.embed_tokens.weight, emb)
+    # The quantized token embedding keeps the file's groups; a lookup dequantizes its rows.
+    packed = quantize(m.model.embed_tokens.weight.detach(), bits, 32)
+    table = got.model.embed_tokens
+    assert isinstance(table, QuantEmbedding)
+    assert torch.equal(table.qweight, packed.qweight) and torch.equal(table.scales, packed.scales)
+    emb = dequantize(packed)
+    assert torch.equal(table(_ids()), emb[_ids()])
     with torch.no_grad():
         ours.model.embed_tokens.weight.copy_(emb)
         assert (got(_ids()) - ours(_ids())).abs().max().item() <= 1e-4
     assert ref.bits == bits
 
 
-def test_gguf_serves_through_shard_and_tp(tmp_path) -> None:
-    m = _model()
+@pytest.mark.parametrize("tied", [False, True])
+def test_gguf_serves_through_shard_and_tp(tmp_path, tied) -> None:
+    m = _model(tie_word_embeddings=tied)
     path = write_gguf(m, tmp_path / "m.gguf", ftype="q4_0")
     ref = load_shard(path).model  # the runtime's loader takes a .gguf directly
     with torch.no_grad():
@@ -99,8 +111,41 @@ def test_gguf_serves_through_shard_and_tp(tmp_path) -> None:
     got = run_ranks([rank_fn(0), rank_fn(1)], timeout=60)[0]
     assert (got - want).abs().max().item() <= 1e-4
     d = convert_gguf(path, tmp_path / "conv")
+    stored = load_gguf(
+        path
+    )  # what the directory holds: the table in float32 (a float head if tied)
+    float_embedding(stored)
     with torch.no_grad():
-        assert (load_shard(d).model(_ids()) - want).abs().max().item() <= 1e-4
+        assert (load_shard(d).model(_ids()) - stored(_ids())).abs().max().item() <= 1e-4
+
+
+@pytest.mark.parametrize("ftype", ["q8_0", "q4_0"])
+def test_tied_q8_0_q4_0_embedding_is_the_packed_head(tmp_path, ftype) -> None:
+    """No output.weight and a Q8_0/Q4_0 token_embd: the head is a QuantLinear over the
+    embedding's own groups (no float32 table); with exact fp32 matmuls the logits equal the
+    float32 table's that the loader built before; ``edge convert`` still writes that table."""
+    m = _model(tie_word_embeddings=True)
+    path = write_gguf(m, tmp_path / "t.gguf", ftype=ftype)
+    got = load_gguf(path)
+    emb, head = got.model.embed_tokens, got.lm_head
+    assert isinstance(emb, QuantEmbedding) and isinstance(head, QuantLinear)
+    assert head.qweight.data_ptr() == emb.qweight.data_ptr()
+    assert head.scales.data_ptr() == emb.scales.data_ptr()
+    assert all(p.dim() == 1 for p in got.parameters())  # the norms alone
+    before = load_gguf(path)
+    float_embedding(before)
+    assert before.lm_head.weight is before.model.embed_tokens.weight
+    saved = kernel.get_config()
+    kernel.configure(enabled=False)
+    try:
+        with torch.no_grad():
+            want, logits = before(_ids()), got(_ids())
+            assert torch.equal(emb(_ids()), before.model.embed_tokens(_ids()))
+            conv = load_shard(convert_gguf(path, tmp_path / "conv"), fuse=False, fast=False)
+            assert torch.equal(conv.model(_ids()), want)
+    finally:
+        kernel.configure(enabled=saved.enabled)
+    torch.testing.assert_close(logits, want, rtol=0, atol=1e-5 * want.abs().max().item())
 
 
 def test_unsupported_type_is_named(tmp_path) -> None:

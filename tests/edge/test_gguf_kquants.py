@@ -1,24 +1,38 @@
 """GGUF files as published (Q4_K_M-style mixes of K-quants and the 32-blocks Q4_1/Q5_0/Q5_1):
 the matrices load as ``GGMLLinear`` with the file's bytes untouched, the model's logits equal a
 model built from gguf-py's dequantization of the same blocks, TP shards them on block
-boundaries (and refuses a split that cuts a block), IQ*/TQ* types are refused by name.
+boundaries (and refuses a split that cuts a block), IQ*/TQ* types are refused by name. A tied
+head (no ``output.weight``) is a ``GGMLLinear`` over the quantized embedding's own blocks.
 
 The blocks are random bytes with valid fp16 scale fields: gguf-py (0.19) cannot quantize to
 K-quants, and any byte pattern is a valid block of these formats."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import gguf
 import numpy as np
 import pytest
 import torch
+from safetensors import safe_open
+from torch import nn
 
-from edge.formats.gguf import _permute, convert_gguf, load_gguf, load_gguf_shard, write_gguf
+from edge.formats.gguf import (
+    _permute,
+    convert_gguf,
+    float_embedding,
+    load_gguf,
+    load_gguf_shard,
+    write_gguf,
+)
+from edge.formats.split_layout import SPLIT_MARKER, head_file
 from edge.quant import kernel
+from edge.quant.embedding import GGMLEmbedding
 from edge.quant.ggml import GGML_TYPES
 from edge.quant.linear import GGMLLinear
+from edge.shardio import load_shard, split_checkpoint
 from edge.tp import make_reduce
 from lowband.errors import ConfigError
 from lowband.models.config import ModelConfig
@@ -38,6 +52,7 @@ CFG = dict(
     num_key_value_heads=2,
     max_position_embeddings=64,
 )
+TIE = dict(tie_word_embeddings=True)
 # A Q4_K_M-like mix that also covers every other supported block type.
 TYPES = {
     "token_embd.weight": "Q6_K",
@@ -163,9 +178,8 @@ def test_kquant_mix_loads_packed_and_matches_dequantized(tmp_path, no_kernel) ->
         for g in TYPES:  # every matrix equals gguf-py's dequantization (q/k rows un-permuted)
             hf = _hf_name(g)
             mod = got.get_submodule(hf.rpartition(".")[0])
-            w = got.model.embed_tokens.weight if g == "token_embd.weight" else None
-            w = w if w is not None else mod.dequantize_weight()
-            assert torch.equal(w, ref.state_dict()[hf]), g
+            # GGMLLinear, or GGMLEmbedding for token_embd
+            assert torch.equal(mod.dequantize_weight(), ref.state_dict()[hf]), g
     scale = want.abs().max().item()
     assert scale > 0.1
     assert (logits - want).abs().max().item() <= 1e-5 * scale  # fp32 summation order only
@@ -206,6 +220,123 @@ def test_split_that_cuts_a_block_is_refused(tmp_path) -> None:
         load_gguf_shard(path, 0, 2)
     with pytest.raises(ConfigError, match="Q4_K .*serve the .gguf directly"):
         convert_gguf(path, tmp_path / "out")
+
+
+# Llama 3.2 / Qwen2.5 as llama.cpp quantizes them: no output.weight, the head is token_embd.
+TIED = {k: v for k, v in TYPES.items() if k != "output.weight"}
+
+
+def _greedy(model: LlamaForCausalLM, n: int = 8) -> list[int]:
+    """Greedy continuation of ``_ids()`` through the KV cache (prefill, then one token a step)."""
+    cache, out = model.new_cache(), []
+    with torch.no_grad():
+        logits = model(_ids(), cache=cache)
+        for _ in range(n):
+            out.append(int(logits[0, -1].argmax()))
+            logits = model(torch.tensor([[out[-1]]]), cache=cache)
+    return out
+
+
+def _storage_bytes(model: nn.Module) -> int:
+    """Bytes of every distinct storage behind the model's parameters and buffers."""
+    seen = {}
+    for t in [*model.parameters(), *model.buffers()]:
+        seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+    return sum(seen.values())
+
+
+@pytest.mark.parametrize("embd", ["Q6_K", "Q4_K"])
+def test_tied_quantized_embedding_is_the_packed_head(tmp_path, no_kernel, embd) -> None:
+    """The tied head is a GGMLLinear over the embedding's blocks: no float32 table anywhere
+    (the parameters are the norms alone; every storage together fits in the file), and with
+    exact fp32 matmuls the logits and greedy tokens are those of the float32 table that the
+    loader built before (``float_embedding``)."""
+    ref, path = write_mixed(tmp_path / "t.gguf", {**TIED, "token_embd.weight": embd}, **TIE)
+    got = load_gguf(path)
+    assert got.config.tie_word_embeddings
+    emb, head = got.model.embed_tokens, got.lm_head
+    assert isinstance(emb, GGMLEmbedding) and isinstance(head, GGMLLinear)
+    assert emb.qtype.name == head.qtype.name == embd
+    assert (head.out_features, head.in_features) == (300, 512)
+    assert head.blocks.data_ptr() == emb.blocks.data_ptr()  # one copy of the bytes
+    norms = (2 * 2 + 1) * 512
+    assert sum(p.numel() * p.element_size() for p in got.parameters()) == 4 * norms
+    assert _storage_bytes(got) <= path.stat().st_size
+    before = load_gguf(path)
+    float_embedding(before)
+    assert isinstance(before.lm_head, nn.Linear)
+    assert before.lm_head.weight is before.model.embed_tokens.weight
+    assert sum(p.numel() for p in before.parameters()) == 300 * 512 + norms
+    assert _storage_bytes(before) > path.stat().st_size  # the float32 table did not fit
+    with torch.no_grad():
+        assert torch.equal(emb(_ids()), before.model.embed_tokens(_ids()))
+        assert torch.equal(before.model.embed_tokens.weight, ref.model.embed_tokens.weight)
+        want, logits = before(_ids()), got(_ids())
+    scale = want.abs().max().item()
+    assert scale > 0.1
+    torch.testing.assert_close(logits, want, rtol=0, atol=1e-5 * scale)  # fp32 sum order only
+    assert _greedy(got) == _greedy(before)
+
+
+def test_tied_quantized_head_with_the_kernel(tmp_path) -> None:
+    """The runtime's loader (fused projections, the compiled step where it applies): the C++
+    row decoders give the float table's rows to fp32 rounding, and the head's int8 activations
+    move the logits by well under the layers' own kernel error (test above: 3e-2)."""
+    _, path = write_mixed(tmp_path / "t.gguf", {**TIED, "token_embd.weight": "Q6_K"}, **TIE)
+    got = load_shard(path).model
+    assert isinstance(got.lm_head, GGMLLinear) and kernel.available()
+    before = load_gguf(path)
+    float_embedding(before)
+    with torch.no_grad():
+        torch.testing.assert_close(
+            got.model.embed_tokens(_ids()), before.model.embed_tokens(_ids())
+        )
+        want, logits = before(_ids()), got(_ids())
+    assert ((logits - want).norm() / want.norm()).item() < 3e-2
+
+
+def test_tied_quantized_head_splits_by_vocabulary(tmp_path) -> None:
+    """2-way TP straight from the file and from ``edge split``: rank 0 embeds with the packed
+    table and its head rows are a view of it; rank 1 holds only its head rows; the gathered
+    logits equal the one-device model's."""
+    _, path = write_mixed(tmp_path / "t.gguf", {**TIED, "token_embd.weight": "Q6_K"}, **TIE)
+    whole = load_gguf(path)
+    with torch.no_grad():
+        want = whole(_ids())
+        x = whole.embed(_ids())
+    out = split_checkpoint(path, tmp_path / "split", 2)
+    meta = json.loads((out / SPLIT_MARKER).read_text())["packed"]
+    assert meta["0"]["model.embed_tokens"] == {
+        "ggml": "Q6_K",
+        "shape": [300, 512],
+        "embedding": True,
+    }
+    assert "lm_head" not in meta["0"] and "model.embed_tokens" not in meta["1"]
+    with safe_open(str(head_file(out, 0)), framework="pt") as sf:
+        assert not any(k.startswith("lm_head.") for k in sf.keys())
+        assert sf.get_tensor("model.embed_tokens.blocks").dtype == torch.uint8
+
+    def rank_fn(r: int, src: Path, comms):
+        def body():
+            reduce = make_reduce(comms[r])
+            sh = load_shard(src, r, 2, reduce=reduce)
+            m, (a, b) = sh.model, sh.plan.vocab_rows(r, 300)
+            assert isinstance(m.lm_head, GGMLLinear) and m.lm_head.out_features == b - a > 0
+            if r == 0:
+                assert isinstance(m.model.embed_tokens, GGMLEmbedding)
+                assert m.lm_head.blocks.data_ptr() == m.model.embed_tokens.blocks.data_ptr()
+            else:
+                assert m.model.embed_tokens.weight.numel() == 0
+            with torch.no_grad():
+                h = m.forward_layers(x, cache=None, start=0)
+                return tp_head(m, sh.plan, r, h, reduce)
+
+        return body
+
+    for src in (path, out):
+        comms = LoopbackGroup(2, timeout=60).comms()
+        got = run_ranks([rank_fn(0, src, comms), rank_fn(1, src, comms)], timeout=120)[0]
+        assert (got - want).abs().max().item() <= 1e-5 * want.abs().max().item(), src
 
 
 @pytest.mark.parametrize("kind", ["IQ4_XS", "TQ2_0"])
