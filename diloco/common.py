@@ -295,6 +295,8 @@ class WorkerResult:
     tokens: int = 0
     state_hash: int = 0
     fragment_bytes: dict[int, int] = field(default_factory=dict)  # fragment -> bytes sent
+    group: tuple[str, ...] = ()  # peer ids of the final membership (who it finished with)
+    finished_at: float = 0.0  # wall clock (time.time()) when its final state was taken
 
     def summary(self) -> dict[str, Any]:
         keys = (
@@ -317,6 +319,8 @@ class WorkerResult:
             "state_hash",
         )
         out = {k: getattr(self, k) for k in keys}
+        out["group"] = list(self.group)
+        out["finished_at"] = self.finished_at
         out["tokens_per_s"] = self.tokens / self.wall_s if self.wall_s > 0 else math.nan
         return out
 

@@ -337,6 +337,9 @@ class TrainConfig:
     checkpoint_every: int = 0  # steps between checkpoints (0: only the final one)
     log_every: int = 10  # steps between per-step JSONL records
     sync_timeout: float = 60.0  # seconds one collective may take before TransportTimeout
+    # Seconds a worker lost near the end has to come back before the others finish without it
+    # (then it receives the final state instead of finishing apart); 0: nobody waits.
+    final_grace: float = 30.0
 
     def __post_init__(self) -> None:
         if self.steps < 1:
@@ -352,6 +355,8 @@ class TrainConfig:
             raise ConfigError("log_every", f"must be >= 1, got {self.log_every}")
         if not self.sync_timeout > 0:
             raise ConfigError("sync_timeout", f"must be > 0 seconds, got {self.sync_timeout}")
+        if not 0 <= self.final_grace <= 86400:
+            raise ConfigError("final_grace", f"must be in [0, 86400] s, got {self.final_grace}")
         if self.data.batch_size % self.compute.micro_batches:
             raise ConfigError(
                 "compute.micro_batches",
@@ -474,6 +479,7 @@ _TOP_KEYS = {
     "audit_every",
     "log_every",
     "sync_timeout",
+    "final_grace",
     "grad_clip",
 }
 _DATA_KEYS = {

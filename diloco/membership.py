@@ -18,6 +18,15 @@ changed (a peer died or joined), or on the periodic audit, all members *reconcil
 A collective that fails inside this procedure (another peer lost) restarts it after a new quorum,
 so it terminates once the membership stops changing.
 
+The end of a run is one more sync point (:meth:`Reconciler.finish`). A worker paused or cut off
+during the last sync period is declared lost; when it comes back the others may be gone, and
+it would rejoin a group of one, redo its lost sync alone and finish with a state of its own.
+So a group that finishes with fewer than the run's ``workers`` members holds: each peer lost
+less than ``final_grace`` seconds ago gets until then to come back, and one that does is
+reconciled like any newcomer (it receives the final state). A peer lost earlier than that
+(kill -9 mid-run) delays nobody. Every member holds with the same membership history, so their
+deadlines agree to within one quorum round.
+
 The reconciler reaches the network only through :class:`lowband.comm.Communicator` and the
 worker only through :class:`Replica` (progress counters, the state, its hash, redoing a sync).
 """
@@ -25,6 +34,7 @@ worker only through :class:`Replica` (progress counters, the state, its hash, re
 from __future__ import annotations
 
 import logging
+import time
 from collections import Counter
 from dataclasses import dataclass
 from typing import Protocol
@@ -106,6 +116,7 @@ class ReconcileConfig:
     sync_timeout: float  # s, deadline of one collective (a quorum waits QUORUM_TIMEOUT_FACTOR×)
     audit_every: int  # reconcile every this many sync points without a change (0: never)
     stride: int  # inner steps between two sync points (H/P)
+    final_grace: float = 0.0  # s a lost peer has to come back before the group finishes (0: none)
 
     def __post_init__(self) -> None:
         if not self.sync_timeout > 0:
@@ -114,6 +125,8 @@ class ReconcileConfig:
             raise ConfigError("audit_every", f"must be >= 0, got {self.audit_every}")
         if self.stride < 1:
             raise ConfigError("stride", f"must be >= 1, got {self.stride}")
+        if not 0 <= self.final_grace <= 86400:
+            raise ConfigError("final_grace", f"must be in [0, 86400] s, got {self.final_grace}")
 
     @property
     def quorum_timeout(self) -> float:
@@ -140,19 +153,27 @@ class Reconciler:
         self.transfers = 0
         self._rec_epoch: int | None = None
         self._rec_count = 0
+        self._lost_at: dict[str, float] = {}  # peer -> when it left the group (monotonic)
 
     # ---- quorums -------------------------------------------------------------------------------
     def form(self, min_world: int) -> Membership:
         """The first quorum of a run: wait for ``min_world`` founding members (not logged)."""
         return self.comm.quorum(min_world=min_world, timeout=self.cfg.quorum_timeout)
 
-    def quorum(self) -> Membership:
+    def quorum(self, *, min_world: int = 1, timeout: float | None = None) -> Membership:
         """Every quorum a worker takes while training (at a sync point, after a reconciliation
-        lost a peer, after refusing workers, while admitting a site): a ``membership`` line in
-        the metrics log when the epoch moved."""
+        lost a peer, after refusing workers, while admitting a site, while holding at the end):
+        a ``membership`` line in the metrics log when the epoch moved."""
         before = self.comm.membership.epoch
-        m = self.comm.quorum(timeout=self.cfg.quorum_timeout)
+        m = self.comm.quorum(
+            min_world=min_world, timeout=self.cfg.quorum_timeout if timeout is None else timeout
+        )
         if m.epoch != before:
+            now = time.monotonic()
+            for peer in m.left:
+                self._lost_at.setdefault(peer, now)
+            for peer in m.joined:
+                self._lost_at.pop(peer, None)
             self.log.log(
                 "membership",
                 step=self.replica.step,
@@ -178,6 +199,52 @@ class Reconciler:
             self.reconcile("audit")
         elif self.replica.lost_sync is not None:
             logger.warning("lost sync with an unchanged membership; the next audit heals it")
+
+    def finish(self, workers: int) -> None:
+        """The last sync point of a run (after the drain): while fewer than ``workers`` are
+        members, wait for the peers lost less than ``final_grace`` ago to come back and reconcile
+        them (they receive the final state); see the module docstring. Logs a ``hold`` record
+        when it waits, with who came back and who did not."""
+        held_since: float | None = None
+        while self.comm.world_size < workers:
+            now = time.monotonic()
+            recent = {p: t for p, t in self._lost_at.items() if now - t < self.cfg.final_grace}
+            if not recent:
+                break
+            if held_since is None:
+                held_since = now
+                logger.warning(
+                    "finishing with %d of %d workers: waiting up to %.0fs for %s to come back "
+                    "and take the final state",
+                    self.comm.world_size,
+                    workers,
+                    max(recent.values()) + self.cfg.final_grace - now,
+                    ", ".join(sorted(recent)),
+                )
+                self.log.log("hold", step=self.replica.step, waiting_for=sorted(recent))
+            before = self.comm.membership.epoch
+            remaining = max(recent.values()) + self.cfg.final_grace - now
+            try:
+                m = self.quorum(min_world=workers, timeout=remaining)
+            except TransportTimeout:
+                break
+            if m.epoch != before:
+                self.reconcile("final")
+        if held_since is not None:
+            missing = sorted(self._lost_at)
+            if missing:
+                logger.warning(
+                    "finishing without %s: not back within final_grace (%.0fs)",
+                    ", ".join(missing),
+                    self.cfg.final_grace,
+                )
+            self.log.log(
+                "hold",
+                step=self.replica.step,
+                waited_s=round(time.monotonic() - held_since, 3),
+                world=self.comm.world_size,
+                missing=missing,
+            )
 
     # ---- reconciliation ------------------------------------------------------------------------
     def reconcile(self, reason: str) -> None:

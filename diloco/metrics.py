@@ -18,7 +18,7 @@ import sys
 import threading
 import time
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
@@ -68,11 +68,18 @@ class RunSummary:
     older or unknown, so it must not make the run look healthy (comparing only the hashes that
     exist would). Among the workers that reported, those whose hash is not the most common one
     *differ*.
+
+    A worker that finished in a group without some of the others (its final record's ``group``
+    lacks their ``peer_id``) finished *apart*: it was out of the group when they finished (a
+    pause or an outage in the last sync period that outlasted their ``final_grace``). The
+    reason names it, with how much later it finished (``finished_at``), so a differing hash
+    comes with its cause.
     """
 
     expected: tuple[str, ...]  # the workers that should have finished
     hashes: Mapping[str, int]  # worker -> hash of its final state, for the states that count
     missing: Mapping[str, str]  # worker -> why it has no final state that counts
+    apart: Mapping[str, str] = field(default_factory=dict)  # worker -> whom it finished without
 
     @classmethod
     def from_finals(
@@ -100,7 +107,12 @@ class RunSummary:
                 why[name] = "its final record has no state_hash"
             else:
                 hashes[name] = final["state_hash"]
-        return cls(expected=tuple(sorted(expected)), hashes=hashes, missing=why)
+        return cls(
+            expected=tuple(sorted(expected)),
+            hashes=hashes,
+            missing=why,
+            apart=_apart(sorted(expected), finals),
+        )
 
     @property
     def finished(self) -> tuple[str, ...]:
@@ -128,7 +140,10 @@ class RunSummary:
             return None
         parts = [f"{w} missing ({why})" for w, why in sorted(self.missing.items())]
         if self.differ:
-            parts.append("final state differs: " + ", ".join(self.differ))
+            parts.append(
+                "final state differs: "
+                + ", ".join(f"{w} ({self.apart[w]})" if w in self.apart else w for w in self.differ)
+            )
         return "; ".join(parts) or "no worker reported a final state"
 
     def to_dict(self) -> dict[str, Any]:
@@ -139,6 +154,32 @@ class RunSummary:
             "differ": list(self.differ),
             "inconsistency": self.reason,
         }
+
+
+def _apart(expected: Sequence[str], finals: Mapping[str, Mapping[str, Any]]) -> dict[str, str]:
+    """Worker -> whom it finished without and how much later, for the workers whose final
+    record's ``group`` lacks another expected worker's ``peer_id``."""
+    ids = {name: f.get("peer_id") for name, f in finals.items()}
+    out: dict[str, str] = {}
+    for name, final in finals.items():
+        group = final.get("group")
+        if not group:  # a record from before groups were reported, or the DDP baseline
+            continue
+        without = [w for w in expected if w != name and ids.get(w) not in (None, *group)]
+        if not without:
+            continue
+        text = "finished in a group without " + ", ".join(without)
+        mine = final.get("finished_at")
+        theirs = [finals[w].get("finished_at") for w in without]
+        if mine is not None and all(t is not None for t in theirs):
+            late = mine - max(t for t in theirs if t is not None)
+            if late > 0:
+                text += (
+                    f", {late:.0f}s after they finished: it was out of the group when they "
+                    "finished and not back within their final_grace"
+                )
+        out[name] = text
+    return out
 
 
 class Progress:

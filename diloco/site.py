@@ -225,6 +225,13 @@ class SiteReconciler(Reconciler):
             else:
                 time.sleep(ADMIT_POLL_S)
 
+    def finish(self, workers: int) -> None:
+        """A site does not hold at the end. Its ranks would have to agree on holding and on
+        every group admitting the late site at the same round (as :meth:`_admit_together` does
+        at a sync point), or one rank would reconcile while another checkpoints (a site
+        collective each): a site lost in the last sync period finishes apart, and the run
+        summary names it."""
+
     def reconcile(self, reason: str) -> None:
         super().reconcile(reason)
         me = self.replica

@@ -140,7 +140,10 @@ class DilocoWorker:
             peer_id=comm.membership.peer_id, rank=comm.rank, mode="diloco", start_step=0, steps=0
         )
         rc = ReconcileConfig(
-            sync_timeout=cfg.sync_timeout, audit_every=cfg.audit_every, stride=self.mode.stride
+            sync_timeout=cfg.sync_timeout,
+            audit_every=cfg.audit_every,
+            stride=self.mode.stride,
+            final_grace=cfg.final_grace,
         )
         self.reconciler = Reconciler(rc, comm, self, self.log)  # membership and state agreement
         self._checkpoint_due = False
@@ -176,6 +179,8 @@ class DilocoWorker:
             for action in drain_actions(self.cfg.steps, m.n_fragments, m.inner_steps, m.tau):
                 if self.inflight is not None:
                     self._timed(functools.partial(self._do, action))
+            # A peer lost in the last sync period may still come back for the final state.
+            self._timed(lambda: self.reconciler.finish(self.cfg.workers))
         finally:
             # Stop the sender and batch threads (CUDA) on every way out, not only after the
             # final drain, and write a profile still being recorded.
@@ -459,6 +464,7 @@ class DilocoWorker:
     def _finish(self) -> WorkerResult:
         r = self.result
         r.steps, r.rank = self.step, self.comm.rank
+        r.group, r.finished_at = self.comm.membership.peers, time.time()
         r.transfers = self.reconciler.transfers
         r.final_eval = self._evaluate()
         stats = self.comm.stats()

@@ -146,6 +146,13 @@ def _add_run_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--checkpoint-every", type=int)
     g.add_argument("--audit-every", type=int, help="syncs between state-hash audits")
     g.add_argument("--sync-timeout", type=float, help="seconds a collective may take")
+    g.add_argument(
+        "--final-grace",
+        type=float,
+        metavar="S",
+        help="seconds a worker lost near the end has to come back for the final state before "
+        "the others finish without it (default 30; 0: none)",
+    )
 
 
 def _train_config(args: argparse.Namespace, base=None, **extra: object):
@@ -209,6 +216,7 @@ def _train_config(args: argparse.Namespace, base=None, **extra: object):
         checkpoint_every=args.checkpoint_every,
         audit_every=args.audit_every,
         sync_timeout=args.sync_timeout,
+        final_grace=args.final_grace,
         **extra,
     )
 

@@ -278,7 +278,13 @@ class _Killed(Exception):
 
 
 def test_killed_worker_does_not_stop_the_others():
-    cfg = lm_cfg(workers=3, steps=24, mode=DilocoConfig(inner_steps=10, n_fragments=2, tau=2))
+    # final_grace 0: the killed worker never comes back, so nobody holds for it at the end.
+    cfg = lm_cfg(
+        workers=3,
+        steps=24,
+        final_grace=0.0,
+        mode=DilocoConfig(inner_steps=10, n_fragments=2, tau=2),
+    )
     task = lm_task(cfg)
     group = LoopbackGroup(3, timeout=30)
     comms = group.comms()
@@ -305,7 +311,11 @@ def test_worker_lost_during_an_audit_is_logged_as_left(tmp_path):
     from diloco.metrics import MetricsLog, read_jsonl
 
     cfg = lm_cfg(
-        workers=3, steps=24, audit_every=1, mode=DilocoConfig(inner_steps=10, n_fragments=2, tau=2)
+        workers=3,
+        steps=24,
+        audit_every=1,
+        final_grace=0.0,  # the victim never comes back
+        mode=DilocoConfig(inner_steps=10, n_fragments=2, tau=2),
     )
     task = lm_task(cfg)
     group = LoopbackGroup(3, timeout=30)
