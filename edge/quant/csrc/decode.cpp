@@ -1,19 +1,30 @@
-// The lean decode step: every decoder layer of a dense Llama for ONE token, in C++.
+// The lean decode step: every decoder layer of a dense Llama for one token of each of B
+// sequences, in C++.
 //
 // Eager PyTorch spends most of a small model's decode step outside the matrix kernels: ~25
 // operator dispatches per layer, each a Python call, an allocation and a dispatcher round trip
 // (profiled in edge/fastpath.py). This file runs the same arithmetic straight on the weights'
-// memory with preallocated scratch buffers: RMSNorm, the q/k/v projections (fp32 or Q8/Q4
-// packed, see gemv_kernels.h), rotary embedding, the new K/V written into the caller's cache,
-// grouped-query attention over the cached positions (optionally a sliding window), o_proj,
-// SwiGLU and down_proj. Tensor parallelism: after o_proj and after down_proj the partial sums
-// go through a Python callback (the transport's all-reduce), so the network code stays in
-// Python and the GIL is held only for that call.
+// memory with preallocated scratch buffers: RMSNorm, the q/k/v projections (fp32, Q8/Q4 packed
+// or ggml blocks, see gemv_kernels.h and ggml_kernels.h), rotary embedding, the new K/V written
+// into the caller's cache, grouped-query attention over the cached positions (optionally a
+// sliding window), o_proj, SwiGLU and down_proj. Tensor parallelism: after o_proj and after
+// down_proj the partial sums go through a Python callback (the transport's all-reduce), so the
+// network code stays in Python and the GIL is held only for that call.
+//
+// Batches: decode reads every weight once per token and does a few flops per byte, so it is
+// bound by memory bandwidth. With B sequences decoding together (Decoder::layers_batch) each
+// linear is ONE call of the M-row kernels for all B rows: a weight row is read from memory once
+// and dotted with every row's activations while it sits in L1. Everything that depends on the
+// sequence (rotary angle, cache slot, the keys attended to) is per row; each row has its own KV
+// cache. A batch row computes exactly what the same token alone computes (the kernels treat the
+// rows independently and in the same order), and the TP partial sums of all B rows travel as
+// one (1, B, H) all-reduce per block.
 //
 // Bound into the same extension as gemv.cpp (edge/quant/kernel.py builds both).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include <atomic>
 #include <cerrno>
 #include <chrono>
 #include <cmath>
@@ -27,6 +38,7 @@
 #include <sys/socket.h>
 
 #include "gemv_kernels.h"
+#include "ggml_kernels.h"
 #include "starlink_wire.h"
 
 namespace py = pybind11;
@@ -62,6 +74,57 @@ inline float dot_f32(const float* a, const float* b, int64_t n) {
   return s;
 }
 
+// out[j] = dot_f32(w, x[j], n) for MR activation rows that share each load of w. Per row the
+// accumulators and the order of the additions are dot_f32's, so a batch row gets the same bits
+// as a lone row. (MR <= 2 keeps the 4 * MR accumulators in registers.)
+template <int MR>
+inline void dot_f32_multi(const float* w, const float* const* x, int64_t n, float* out) {
+  int64_t i = 0;
+  float s[MR];
+  for (int j = 0; j < MR; ++j) s[j] = 0.f;
+#if defined(LBQ_AVX2)
+  __m256 a0[MR], a1[MR], a2[MR], a3[MR];
+  for (int j = 0; j < MR; ++j) a0[j] = a1[j] = a2[j] = a3[j] = _mm256_setzero_ps();
+  for (; i + 32 <= n; i += 32) {
+    const __m256 w0 = _mm256_loadu_ps(w + i), w1 = _mm256_loadu_ps(w + i + 8);
+    const __m256 w2 = _mm256_loadu_ps(w + i + 16), w3 = _mm256_loadu_ps(w + i + 24);
+    for (int j = 0; j < MR; ++j) {
+      a0[j] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x[j] + i), a0[j]);
+      a1[j] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(x[j] + i + 8), a1[j]);
+      a2[j] = _mm256_fmadd_ps(w2, _mm256_loadu_ps(x[j] + i + 16), a2[j]);
+      a3[j] = _mm256_fmadd_ps(w3, _mm256_loadu_ps(x[j] + i + 24), a3[j]);
+    }
+  }
+  for (; i + 8 <= n; i += 8) {
+    const __m256 w0 = _mm256_loadu_ps(w + i);
+    for (int j = 0; j < MR; ++j) a0[j] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x[j] + i), a0[j]);
+  }
+  for (int j = 0; j < MR; ++j)
+    s[j] = lbq::hsum_ps(_mm256_add_ps(_mm256_add_ps(a0[j], a1[j]), _mm256_add_ps(a2[j], a3[j])));
+#elif defined(LBQ_NEON)
+  float32x4_t a0[MR], a1[MR], a2[MR], a3[MR];
+  for (int j = 0; j < MR; ++j) a0[j] = a1[j] = a2[j] = a3[j] = vdupq_n_f32(0.f);
+  for (; i + 16 <= n; i += 16) {
+    const float32x4_t w0 = vld1q_f32(w + i), w1 = vld1q_f32(w + i + 4);
+    const float32x4_t w2 = vld1q_f32(w + i + 8), w3 = vld1q_f32(w + i + 12);
+    for (int j = 0; j < MR; ++j) {
+      a0[j] = vfmaq_f32(a0[j], w0, vld1q_f32(x[j] + i));
+      a1[j] = vfmaq_f32(a1[j], w1, vld1q_f32(x[j] + i + 4));
+      a2[j] = vfmaq_f32(a2[j], w2, vld1q_f32(x[j] + i + 8));
+      a3[j] = vfmaq_f32(a3[j], w3, vld1q_f32(x[j] + i + 12));
+    }
+  }
+  for (; i + 4 <= n; i += 4) {
+    const float32x4_t w0 = vld1q_f32(w + i);
+    for (int j = 0; j < MR; ++j) a0[j] = vfmaq_f32(a0[j], w0, vld1q_f32(x[j] + i));
+  }
+  for (int j = 0; j < MR; ++j) s[j] = vaddvq_f32(vaddq_f32(vaddq_f32(a0[j], a1[j]), vaddq_f32(a2[j], a3[j])));
+#endif
+  for (; i < n; ++i)
+    for (int j = 0; j < MR; ++j) s[j] += w[i] * x[j][i];
+  for (int j = 0; j < MR; ++j) out[j] = s[j];
+}
+
 // y += a * x
 inline void axpy_f32(float a, const float* x, float* y, int64_t n) {
   int64_t i = 0;
@@ -76,19 +139,51 @@ inline void axpy_f32(float a, const float* x, float* y, int64_t n) {
   for (; i < n; ++i) y[i] += a * x[i];
 }
 
-// y[n0:n1] = W[n0:n1, :] @ x for a row-major fp32 W [N, K]. Row after row is one sequential
-// stream through memory, which the hardware prefetcher follows best; four accumulators per row
-// hide the FMA latency. (Measured on the benchmark's 32000 x 512 head, one core: ~40 GB/s
-// against ~29 GB/s for four interleaved rows sharing each load of x.)
-inline void gemv_f32_rows(const float* W, int64_t K, const float* x, float* y, int64_t n0, int64_t n1) {
-  for (int64_t n = n0; n < n1; ++n) y[n] = dot_f32(W + n * K, x, K);
+// The loop nest of every M-row linear over its weight rows [n0, n1): tile(n, m0, m1) computes
+// Y[m0:m1, n]. Weight rows go in blocks of ~32 KB and, inside a block, activation rows in
+// groups of 32, so with many rows a block is read from memory once and then served from cache
+// for every group; with up to 32 rows this is simply "each weight row once, all rows against
+// it" (row after row is one sequential stream through memory, which the prefetcher follows
+// best: measured on the benchmark's 32000 x 512 head, one core, ~40 GB/s for fp32 against ~29
+// GB/s for four interleaved rows sharing each load of x).
+template <typename Tile>
+inline void tiled_rows(int64_t n0, int64_t n1, int64_t M, int64_t row_bytes, const Tile& tile) {
+  constexpr int64_t kBlockBytes = int64_t{32} << 10, kRowGroup = 32;
+  const int64_t nb = std::max<int64_t>(1, kBlockBytes / std::max<int64_t>(row_bytes, 1));
+  for (int64_t a = n0; a < n1; a += nb) {
+    const int64_t b = std::min(n1, a + nb);
+    for (int64_t m = 0; m < M; m += kRowGroup) {
+      const int64_t me = std::min(M, m + kRowGroup);
+      for (int64_t n = a; n < b; ++n) tile(n, m, me);
+    }
+  }
 }
 
-// ---- one linear layer (fp32 or packed) -----------------------------------------------------
+// Y[m, n] (row stride ldy) for a row-major fp32 W [N, K] and activation rows x + m * ldx.
+void gemv_f32_rows(const float* W, int64_t K, const float* x, int64_t ldx, int64_t M, float* Y, int64_t ldy, int64_t n0,
+                   int64_t n1) {
+  tiled_rows(n0, n1, M, 4 * K, [&](int64_t n, int64_t m0, int64_t m1) {
+    const float* wr = W + n * K;
+    int64_t m = m0;
+    for (; m + 2 <= m1; m += 2) {
+      const float* xr[2] = {x + m * ldx, x + (m + 1) * ldx};
+      float out[2];
+      dot_f32_multi<2>(wr, xr, K, out);
+      Y[m * ldy + n] = out[0];
+      Y[(m + 1) * ldy + n] = out[1];
+    }
+    if (m < m1) Y[m * ldy + n] = dot_f32(wr, x + m * ldx, K);
+  });
+}
+
+// ---- one linear layer (fp32, Q8/Q4 packed or ggml blocks) ----------------------------------
+constexpr int kGGML = 0;  // Lin::kind of ggml blocks (the type id is in Lin::G)
+
 struct Lin {
-  int kind = 32;  // 32: fp32 [N, K]; 8 / 4: packed (gemv_kernels.h layouts)
-  int G = 32;
+  int kind = 32;  // 32: fp32 [N, K]; 8 / 4: packed (gemv_kernels.h layouts); kGGML: ggml blocks
+  int G = 32;     // group of a packed weight; the ggml type id of blocks
   int64_t N = 0, K = 0;
+  int64_t row_bytes = 0;     // ggml: bytes per weight row
   torch::Tensor w, q, s, b;  // kept alive here
   const float* wp = nullptr;
   const uint8_t* qp = nullptr;
@@ -101,7 +196,8 @@ void check_f32(const torch::Tensor& t, const char* what) {
               " must be a contiguous float32 CPU tensor");
 }
 
-// (kind, tensor0, tensor1 | None, group, bias | None)
+// (kind, tensor0, tensor1 | None, group, bias | None): kind 32 (fp32 weight, None, 0), 8 / 4
+// (qweight, fp16 scales, group) or 0 (ggml blocks uint8 [N, row_bytes], None, ggml type id).
 Lin parse_lin(const py::handle& h) {
   auto t = h.cast<py::tuple>();
   TORCH_CHECK(t.size() == 5, "a linear is (kind, w_or_qweight, scales|None, group, bias|None)");
@@ -120,8 +216,19 @@ Lin parse_lin(const py::handle& h) {
     l.N = l.w.size(0);
     l.K = l.w.size(1);
     l.wp = l.w.data_ptr<float>();
+  } else if (l.kind == kGGML) {
+    int qk = 0, size = 0;
+    TORCH_CHECK(lbq::ggml::block_shape(l.G, &qk, &size), "unsupported ggml type id ", l.G);
+    l.q = t[1].cast<torch::Tensor>();
+    TORCH_CHECK(l.q.dim() == 2 && l.q.is_contiguous() && l.q.scalar_type() == at::kByte && l.q.device().is_cpu(),
+                "ggml blocks must be a contiguous 2-D uint8 CPU tensor");
+    l.N = l.q.size(0);
+    l.row_bytes = l.q.size(1);
+    TORCH_CHECK(l.row_bytes % size == 0, "ggml rows of ", l.row_bytes, " bytes are not whole blocks of ", size);
+    l.K = l.row_bytes / size * qk;
+    l.qp = l.q.data_ptr<uint8_t>();
   } else {
-    TORCH_CHECK(l.kind == 8 || l.kind == 4, "kind must be 32, 8 or 4, got ", l.kind);
+    TORCH_CHECK(l.kind == 8 || l.kind == 4, "kind must be 32, 8, 4 or 0 (ggml), got ", l.kind);
     TORCH_CHECK(l.G == 32 || l.G == 64 || l.G == 128, "group must be 32, 64 or 128");
     l.q = t[1].cast<torch::Tensor>();
     l.s = t[2].cast<torch::Tensor>();
@@ -139,44 +246,152 @@ Lin parse_lin(const py::handle& h) {
   return l;
 }
 
-// Scratch for the activation quantization of the packed kernels.
+// Scratch for the activation quantization of the packed and ggml kernels (M rows).
 struct QScratch {
   std::vector<int8_t> q;
   std::vector<float> d;
   std::vector<int32_t> s;
+  std::vector<float> s16;  // ggml: per-16 sums of the fp32 activations
 };
 
-// y[0:N] = lin(x) (x has K elements).
-void run_lin(const Lin& l, const float* x, float* y, QScratch& qs) {
-  if (l.N == 0) return;
-  if (l.K == 0) {
-    std::fill(y, y + l.N, 0.f);
-  } else if (l.kind == 32) {
-    const int64_t grain = std::max<int64_t>(16, (int64_t{1} << 16) / l.K);
-    at::parallel_for(0, l.N, grain, [&](int64_t n0, int64_t n1) { gemv_f32_rows(l.wp, l.K, x, y, n0, n1); });
-  } else {
-    const int64_t nb = l.K / l.G;
-    qs.q.resize(static_cast<size_t>(l.K));
-    qs.d.resize(static_cast<size_t>(nb));
-    qs.s.resize(static_cast<size_t>(nb));
-    lbq::quantize_act_row(x, l.K, l.G, qs.q.data(), qs.d.data(), qs.s.data());
-    const bool q4 = l.kind == 4;
-    lbq::prepare_act(q4, l.G, qs.q.data(), 1, l.K);
-    const lbq::Act a{qs.q.data(), qs.d.data(), qs.s.data(), 1, l.K, nb};
-    const lbq::Wt w{l.qp, l.sp, l.N, l.K, nb, l.kind == 8 ? l.K : l.K / 2};
-    const int G = l.G;
-    const int64_t grain = std::max<int64_t>(8, (int64_t{1} << 16) / l.K);
-    at::parallel_for(0, l.N, grain, [&](int64_t n0, int64_t n1) { lbq::gemv_rows(q4, G, w, a, n0, n1, y); });
+// Y[m0:m1, n] of a packed weight: the kernel's row tiles of <= 4 activation rows.
+template <bool Q4, int G>
+inline void packed_tile(const lbq::Wt& w, const lbq::Act& a, int64_t n, int64_t m0, int64_t m1, float* Y, int64_t ldy) {
+  int64_t m = m0;
+  for (; m + 4 <= m1; m += 4) lbq::row_tile<Q4, 4, G>(w, a, n, m, Y, ldy);
+  switch (m1 - m) {
+    case 3:
+      lbq::row_tile<Q4, 3, G>(w, a, n, m, Y, ldy);
+      break;
+    case 2:
+      lbq::row_tile<Q4, 2, G>(w, a, n, m, Y, ldy);
+      break;
+    case 1:
+      lbq::row_tile<Q4, 1, G>(w, a, n, m, Y, ldy);
+      break;
+    default:
+      break;
   }
-  if (l.bp != nullptr)
-    for (int64_t n = 0; n < l.N; ++n) y[n] += l.bp[n];
 }
 
-// Several linears reading the same input, outputs concatenated (unfused q/k/v or gate/up).
-void run_parts(const std::vector<Lin>& parts, const float* x, float* y, QScratch& qs) {
+template <bool Q4, int G>
+void packed_rows(const lbq::Wt& w, const lbq::Act& a, int64_t n0, int64_t n1, float* Y, int64_t ldy) {
+  tiled_rows(n0, n1, a.M, w.row_bytes,
+             [&](int64_t n, int64_t m0, int64_t m1) { packed_tile<Q4, G>(w, a, n, m0, m1, Y, ldy); });
+}
+
+void packed_dispatch(bool q4, int G, const lbq::Wt& w, const lbq::Act& a, int64_t n0, int64_t n1, float* Y,
+                     int64_t ldy) {
+  switch (G) {  // parse_lin admits 32, 64 and 128 only
+    case 32:
+      q4 ? packed_rows<true, 32>(w, a, n0, n1, Y, ldy) : packed_rows<false, 32>(w, a, n0, n1, Y, ldy);
+      break;
+    case 64:
+      q4 ? packed_rows<true, 64>(w, a, n0, n1, Y, ldy) : packed_rows<false, 64>(w, a, n0, n1, Y, ldy);
+      break;
+    default:
+      q4 ? packed_rows<true, 128>(w, a, n0, n1, Y, ldy) : packed_rows<false, 128>(w, a, n0, n1, Y, ldy);
+      break;
+  }
+}
+
+// Y[m0:m1, n] of ggml blocks of type T (row tiles of <= 4 activation rows per decoded block).
+template <int T>
+void ggml_rows(const uint8_t* w, int64_t row_bytes, const lbq::ggml::GAct& a, int64_t n0, int64_t n1, float* Y,
+               int64_t ldy) {
+  tiled_rows(n0, n1, a.M, row_bytes, [&](int64_t n, int64_t m0, int64_t m1) {
+    const uint8_t* wr = w + n * row_bytes;
+    int64_t m = m0;
+    for (; m + 4 <= m1; m += 4) lbq::ggml::row_tile<T, 4>(wr, a, n, m, Y, ldy);
+    switch (m1 - m) {
+      case 3:
+        lbq::ggml::row_tile<T, 3>(wr, a, n, m, Y, ldy);
+        break;
+      case 2:
+        lbq::ggml::row_tile<T, 2>(wr, a, n, m, Y, ldy);
+        break;
+      case 1:
+        lbq::ggml::row_tile<T, 1>(wr, a, n, m, Y, ldy);
+        break;
+      default:
+        break;
+    }
+  });
+}
+
+void ggml_dispatch(int type, const uint8_t* w, int64_t row_bytes, const lbq::ggml::GAct& a, int64_t n0, int64_t n1,
+                   float* Y, int64_t ldy) {
+  namespace g = lbq::ggml;
+  // clang-format off: one case per type (the formatter runs macro-made cases together)
+  switch (type) {  // parse_lin admits known type ids only
+#define LBQ_GGML_CASE(T)                                  \
+  case g::T:                                              \
+    ggml_rows<g::T>(w, row_bytes, a, n0, n1, Y, ldy);     \
+    break;
+    LBQ_GGML_CASE(Q4_1)
+    LBQ_GGML_CASE(Q5_0)
+    LBQ_GGML_CASE(Q5_1)
+    LBQ_GGML_CASE(Q2_K)
+    LBQ_GGML_CASE(Q3_K)
+    LBQ_GGML_CASE(Q4_K)
+    LBQ_GGML_CASE(Q5_K)
+    LBQ_GGML_CASE(Q6_K)
+#undef LBQ_GGML_CASE
+    default:
+      break;
+  }
+  // clang-format on
+}
+
+// Y[m, 0:N] = lin(x + m * ldx) for the M activation rows (K values each), rows of Y ldy apart:
+// one kernel pass over the weight for all M rows, split over threads by output rows.
+void run_lin(const Lin& l, const float* x, int64_t ldx, int64_t M, float* Y, int64_t ldy, QScratch& qs) {
+  if (l.N == 0 || M == 0) return;
+  if (l.K == 0) {
+    for (int64_t m = 0; m < M; ++m) std::fill(Y + m * ldy, Y + m * ldy + l.N, 0.f);
+  } else if (l.kind == 32) {
+    const int64_t grain = std::max<int64_t>(16, (int64_t{1} << 16) / l.K);
+    at::parallel_for(0, l.N, grain,
+                     [&](int64_t n0, int64_t n1) { gemv_f32_rows(l.wp, l.K, x, ldx, M, Y, ldy, n0, n1); });
+  } else {
+    // int8 activations, one scale per G values (32 for ggml), quantized once for all rows.
+    const int G = l.kind == kGGML ? 32 : l.G;
+    const int64_t K = l.K, nb = K / G;
+    qs.q.resize(static_cast<size_t>(M * K));
+    qs.d.resize(static_cast<size_t>(M * nb));
+    qs.s.resize(static_cast<size_t>(M * nb));
+    if (l.kind == kGGML) qs.s16.resize(static_cast<size_t>(M * (K / 16)));
+    at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
+      for (int64_t m = m0; m < m1; ++m) {
+        lbq::quantize_act_row(x + m * ldx, K, G, qs.q.data() + m * K, qs.d.data() + m * nb, qs.s.data() + m * nb);
+        if (l.kind == kGGML) lbq::ggml::sums16(x + m * ldx, 1, K, qs.s16.data() + m * (K / 16));
+      }
+    });
+    const int64_t grain = std::max<int64_t>(8, (int64_t{1} << 16) / K);
+    if (l.kind == kGGML) {
+      const lbq::ggml::GAct a{qs.q.data(), qs.d.data(), qs.s16.data(), M, K};
+      at::parallel_for(0, l.N, grain,
+                       [&](int64_t n0, int64_t n1) { ggml_dispatch(l.G, l.qp, l.row_bytes, a, n0, n1, Y, ldy); });
+    } else {
+      const bool q4 = l.kind == 4;
+      lbq::prepare_act(q4, l.G, qs.q.data(), M, K);
+      const lbq::Act a{qs.q.data(), qs.d.data(), qs.s.data(), M, K, nb};
+      const lbq::Wt w{l.qp, l.sp, l.N, K, nb, l.kind == 8 ? K : K / 2};
+      at::parallel_for(0, l.N, grain, [&](int64_t n0, int64_t n1) { packed_dispatch(q4, l.G, w, a, n0, n1, Y, ldy); });
+    }
+  }
+  if (l.bp != nullptr)
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t n = 0; n < l.N; ++n) Y[m * ldy + n] += l.bp[n];
+}
+
+// Several linears reading the same input, outputs concatenated per row (unfused q/k/v or
+// gate/up): Y is [M, sum of N].
+void run_parts(const std::vector<Lin>& parts, const float* x, int64_t ldx, int64_t M, float* Y, int64_t ldy,
+               QScratch& qs) {
   int64_t off = 0;
   for (const Lin& l : parts) {
-    run_lin(l, x, y + off, qs);
+    run_lin(l, x, ldx, M, Y + off, ldy, qs);
     off += l.N;
   }
 }
@@ -389,10 +604,19 @@ py::tuple link_all_reduce_once(torch::Tensor x, const py::object& link) {
   return py::make_tuple(L.seq, L.sent, L.received, L.wait_s);
 }
 
+// Where one sequence's K/V of one layer live: the (1, n_kv, cap, D) float32 buffers of its cache.
+struct KVRef {
+  float* k = nullptr;
+  float* v = nullptr;
+  int64_t cap = 0;
+};
+
+std::atomic<int64_t> g_decoder_ids{1};
+
 class Decoder {
  public:
   Decoder(int64_t hidden, int64_t head_dim, double eps, torch::Tensor inv_freq, int64_t window)
-      : H_(hidden), D_(head_dim), eps_(static_cast<float>(eps)), window_(window) {
+      : H_(hidden), D_(head_dim), eps_(static_cast<float>(eps)), window_(window), id_(g_decoder_ids++) {
     check_f32(inv_freq, "inv_freq");
     TORCH_CHECK(inv_freq.numel() == head_dim / 2 && head_dim % 2 == 0, "inv_freq must have head_dim/2 entries");
     inv_freq_.assign(inv_freq.data_ptr<float>(), inv_freq.data_ptr<float>() + inv_freq.numel());
@@ -426,20 +650,39 @@ class Decoder {
     v_.emplace_back();
   }
 
-  // The caller's KV cache: per layer (1, n_kv, cap, D) float32 tensors (the same capacity).
+  // The caller's KV cache for layers(): per layer (1, n_kv, cap, D) float32 tensors.
   void set_cache(py::list k, py::list v) {
     TORCH_CHECK(static_cast<size_t>(k.size()) == layers_.size() && v.size() == k.size(),
                 "one K and one V tensor per layer");
     for (size_t i = 0; i < layers_.size(); ++i) {
       torch::Tensor kt = k[i].cast<torch::Tensor>(), vt = v[i].cast<torch::Tensor>();
-      check_f32(kt, "K cache");
-      check_f32(vt, "V cache");
-      TORCH_CHECK(kt.dim() == 4 && kt.size(0) == 1 && kt.size(1) == layers_[i].nkv && kt.size(3) == D_ &&
-                      vt.sizes() == kt.sizes(),
-                  "K/V cache of layer ", i, " must be (1, n_kv, capacity, head_dim)");
+      check_kv(kt, vt, i);
       k_[i] = kt;
       v_[i] = vt;
     }
+  }
+
+  // One sequence's cache for layers_batch(): an int64 (L + 1, 3) table of (K address, V
+  // address, capacity) per layer and a last row naming this decoder. The caller keeps the
+  // tensors alive and asks again whenever the cache reallocates (KVCache.generation); the
+  // shapes are checked here, once, not on every step.
+  torch::Tensor cache_table(py::list k, py::list v) {
+    TORCH_CHECK(static_cast<size_t>(k.size()) == layers_.size() && v.size() == k.size(),
+                "one K and one V tensor per layer");
+    const int64_t L = num_layers();
+    auto t = torch::empty({L + 1, 3}, torch::kLong);
+    int64_t* p = t.data_ptr<int64_t>();
+    for (int64_t i = 0; i < L; ++i) {
+      torch::Tensor kt = k[i].cast<torch::Tensor>(), vt = v[i].cast<torch::Tensor>();
+      check_kv(kt, vt, static_cast<size_t>(i));
+      p[3 * i] = reinterpret_cast<intptr_t>(kt.data_ptr<float>());
+      p[3 * i + 1] = reinterpret_cast<intptr_t>(vt.data_ptr<float>());
+      p[3 * i + 2] = kt.size(2);
+    }
+    p[3 * L] = id_;
+    p[3 * L + 1] = L;
+    p[3 * L + 2] = D_;
+    return t;
   }
 
   // x: (1, 1, H) hidden state of the token at position pos -> (1, 1, H) after every layer.
@@ -450,31 +693,56 @@ class Decoder {
                        int64_t base) {
     check_f32(x_in, "x");
     TORCH_CHECK(x_in.numel() == H_, "x must hold hidden_size values (one token)");
-    TORCH_CHECK(pos >= 0 && base >= 0 && base <= pos, "need 0 <= base <= position");
-    TORCH_CHECK(base == 0 || (window_ > 0 && pos - window_ + 1 >= base), "the cache no longer holds the keys position ",
-                pos, " attends to");
-    for (size_t i = 0; i < layers_.size(); ++i)
+    check_position(pos, base, "");
+    const size_t L = layers_.size();
+    kv_.resize(L);
+    for (size_t i = 0; i < L; ++i) {
       TORCH_CHECK(k_[i].defined() && k_[i].size(2) > pos - base, "KV cache of layer ", i, " cannot hold position ", pos,
                   " (call set_cache)");
-    base_ = base;
-    torch::Tensor x = x_in.clone();
-    float* xp = x.data_ptr<float>();
-    link_.role = 0;
-    link_.sent = link_.received = 0;
-    link_.wait_s = 0.0;
-    if (!link.is_none()) parse_link(link, link_);
-    const bool tp = !reduce.is_none() || link_.role != 0;
-    {
-      py::gil_scoped_release nogil;
-      rope_tables(pos);
-      for (size_t i = 0; i < layers_.size(); ++i) {
-        attention_block(layers_[i], i, xp, pos);
-        combine(xp, tp, reduce);
-        ffn_block(layers_[i], xp);
-        combine(xp, tp, reduce);
+      kv_[i] = KVRef{k_[i].data_ptr<float>(), v_[i].data_ptr<float>(), k_[i].size(2)};
+    }
+    pos_.assign(1, pos);
+    base_.assign(1, base);
+    return run(x_in, reduce, link);
+  }
+
+  // B tokens of B different sequences in one pass: x (B, H) (any shape of B * H values), row b
+  // at position pos[b] of the sequence whose cache is described by tables[b] (cache_table),
+  // whose slot 0 holds position base[b]. Returns the rows after every layer, shaped like x.
+  torch::Tensor layers_batch(const torch::Tensor& x_in, const std::vector<int64_t>& pos,
+                             const std::vector<int64_t>& base, const std::vector<torch::Tensor>& tables,
+                             const py::object& reduce, const py::object& link) {
+    const int64_t B = static_cast<int64_t>(pos.size());
+    TORCH_CHECK(B >= 1, "a batch needs at least one row");
+    TORCH_CHECK(base.size() == pos.size() && tables.size() == pos.size(), "got ", pos.size(), " positions, ",
+                base.size(), " bases and ", tables.size(), " cache tables: one of each per row");
+    check_f32(x_in, "x");
+    TORCH_CHECK(x_in.numel() == B * H_, "x must hold ", B, " rows of hidden_size=", H_, " values, got ", x_in.numel(),
+                " values");
+    const int64_t L = num_layers();
+    kv_.resize(static_cast<size_t>(B * L));
+    for (int64_t b = 0; b < B; ++b) {
+      const torch::Tensor& t = tables[static_cast<size_t>(b)];
+      TORCH_CHECK(t.defined() && t.device().is_cpu() && t.scalar_type() == at::kLong && t.is_contiguous() &&
+                      t.dim() == 2 && t.size(0) == L + 1 && t.size(1) == 3,
+                  "row ", b, ": not a cache table of this decoder (see cache_table)");
+      const int64_t* p = t.data_ptr<int64_t>();
+      TORCH_CHECK(p[3 * L] == id_ && p[3 * L + 1] == L && p[3 * L + 2] == D_, "row ", b,
+                  ": the cache table belongs to another decoder");
+      check_position(pos[b], base[b], "row " + std::to_string(b) + ": ");
+      for (int64_t i = 0; i < L; ++i) {
+        TORCH_CHECK(p[3 * i + 2] > pos[b] - base[b], "row ", b, ": KV cache of layer ", i, " cannot hold position ",
+                    pos[b], " (reserve it and take a new cache_table)");
+        kv_[b * L + i] =
+            KVRef{reinterpret_cast<float*>(p[3 * i]), reinterpret_cast<float*>(p[3 * i + 1]), p[3 * i + 2]};
       }
     }
-    return x;
+    for (int64_t b = 0; b < B; ++b)
+      for (int64_t c = 0; c < b; ++c)
+        TORCH_CHECK(L == 0 || kv_[b * L].k != kv_[c * L].k, "rows ", c, " and ", b, " share one KV cache");
+    pos_ = pos;
+    base_ = base;
+    return run(x_in, reduce, link);
   }
 
   int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
@@ -484,24 +752,65 @@ class Decoder {
   py::tuple link_state() const { return py::make_tuple(link_.seq, link_.sent, link_.received, link_.wait_s); }
 
  private:
-  // part_ holds a partial sum (o_proj or down_proj output); add it (all-reduced under TP) to x.
-  void combine(float* xp, bool tp, const py::object& reduce) {
+  void check_kv(const torch::Tensor& kt, const torch::Tensor& vt, size_t i) const {
+    check_f32(kt, "K cache");
+    check_f32(vt, "V cache");
+    TORCH_CHECK(kt.dim() == 4 && kt.size(0) == 1 && kt.size(1) == layers_[i].nkv && kt.size(3) == D_ &&
+                    vt.sizes() == kt.sizes(),
+                "K/V cache of layer ", i, " must be (1, n_kv, capacity, head_dim)");
+  }
+
+  void check_position(int64_t pos, int64_t base, const std::string& row) const {
+    TORCH_CHECK(pos >= 0 && base >= 0 && base <= pos, row, "need 0 <= base <= position");
+    TORCH_CHECK(base == 0 || (window_ > 0 && pos - window_ + 1 >= base), row,
+                "the cache no longer holds the keys position ", pos, " attends to");
+  }
+
+  // Every layer for the rows described by pos_, base_ and kv_ (row-major [B, L]).
+  torch::Tensor run(const torch::Tensor& x_in, const py::object& reduce, const py::object& link) {
+    const int64_t B = static_cast<int64_t>(pos_.size());
+    torch::Tensor x = x_in.clone();
+    float* xp = x.data_ptr<float>();
+    link_.role = 0;
+    link_.sent = link_.received = 0;
+    link_.wait_s = 0.0;
+    if (!link.is_none()) parse_link(link, link_);
+    const bool tp = !reduce.is_none() || link_.role != 0;
+    if (!part_.defined() || part_.numel() < B * H_) part_ = torch::empty({B * H_}, torch::kFloat);
+    {
+      py::gil_scoped_release nogil;
+      rope_tables(B);
+      for (size_t i = 0; i < layers_.size(); ++i) {
+        attention_block(layers_[i], i, xp, B);
+        combine(xp, B, tp, reduce);
+        ffn_block(layers_[i], xp, B);
+        combine(xp, B, tp, reduce);
+      }
+    }
+    return x;
+  }
+
+  // part_ holds B partial sums (o_proj or down_proj outputs); add them (all-reduced under TP,
+  // one exchange for the whole batch, shaped (1, B, H) like the eager path's ragged batch of B
+  // single tokens, so a rank on either path can sum with the other) to x.
+  void combine(float* xp, int64_t B, bool tp, const py::object& reduce) {
+    const int64_t n = B * H_;
     const float* src = part_.data_ptr<float>();
     torch::Tensor summed;
     if (link_.role != 0) {
-      link_all_reduce(link_, part_.data_ptr<float>(), H_, link_tmp_);
-      for (int64_t i = 0; i < H_; ++i) xp[i] += src[i];
+      link_all_reduce(link_, part_.data_ptr<float>(), n, link_tmp_);
+      for (int64_t i = 0; i < n; ++i) xp[i] += src[i];
       return;
     }
     if (tp) {
       py::gil_scoped_acquire gil;
       // a copy: the transport may still be sending from the tensor it was given
-      summed = reduce(part_.clone().view({1, 1, H_})).cast<torch::Tensor>();
-      TORCH_CHECK(summed.numel() == H_, "the reduce hook must return hidden_size values");
+      summed = reduce(part_.narrow(0, 0, n).clone().view({1, B, H_})).cast<torch::Tensor>();
+      TORCH_CHECK(summed.numel() == n, "the reduce hook must return as many values as it was given");
       if (summed.scalar_type() != at::kFloat || !summed.is_contiguous()) summed = summed.to(at::kFloat).contiguous();
       src = summed.data_ptr<float>();
     }
-    for (int64_t i = 0; i < H_; ++i) xp[i] += src[i];
+    for (int64_t i = 0; i < n; ++i) xp[i] += src[i];
     if (tp) {
       py::gil_scoped_acquire gil;  // drop the tensor under the GIL (it may own Python state)
       summed = torch::Tensor();
@@ -512,62 +821,70 @@ class Decoder {
     if (static_cast<int64_t>(v.size()) < n) v.resize(static_cast<size_t>(n));
   }
 
-  void rope_tables(int64_t pos) {
+  // cos/sin of every row's own position: [B, D/2].
+  void rope_tables(int64_t B) {
     const int64_t h = D_ / 2;
-    ensure(cos_, h);
-    ensure(sin_, h);
-    for (int64_t i = 0; i < h; ++i) {
-      const float f = static_cast<float>(pos) * inv_freq_[i];
-      cos_[i] = std::cos(f);
-      sin_[i] = std::sin(f);
-    }
-    if (!part_.defined()) part_ = torch::empty({H_}, torch::kFloat);
-  }
-
-  void rope(float* v) const {
-    const int64_t h = D_ / 2;
-    for (int64_t i = 0; i < h; ++i) {
-      const float a = v[i], b = v[i + h];
-      v[i] = a * cos_[i] - b * sin_[i];
-      v[i + h] = b * cos_[i] + a * sin_[i];
-    }
-  }
-
-  void attention_block(const Layer& L, size_t li, const float* xp, int64_t pos) {
-    ensure(xn_, H_);
-    rmsnorm(xp, L.ln1.data_ptr<float>(), xn_.data(), H_, eps_);
-    const int64_t nq = L.nq, nkv = L.nkv, D = D_;
-    ensure(qkv_, (nq + 2 * nkv) * D);
-    run_parts(L.qkv, xn_.data(), qkv_.data(), qs_);
-    float* q = qkv_.data();
-    float* k = q + nq * D;
-    float* v = k + nkv * D;
-    for (int64_t h = 0; h < nq; ++h) rope(q + h * D);
-    for (int64_t h = 0; h < nkv; ++h) rope(k + h * D);
-    ensure(att_, nq * D);
-    if (nkv > 0) {
-      const int64_t cap = k_[li].size(2);
-      float* kc = k_[li].data_ptr<float>();
-      float* vc = v_[li].data_ptr<float>();
-      for (int64_t g = 0; g < nkv; ++g) {
-        std::copy(k + g * D, k + (g + 1) * D, kc + (g * cap + pos - base_) * D);
-        std::copy(v + g * D, v + (g + 1) * D, vc + (g * cap + pos - base_) * D);
+    ensure(cos_, B * h);
+    ensure(sin_, B * h);
+    for (int64_t b = 0; b < B; ++b)
+      for (int64_t i = 0; i < h; ++i) {
+        const float f = static_cast<float>(pos_[b]) * inv_freq_[i];
+        cos_[b * h + i] = std::cos(f);
+        sin_[b * h + i] = std::sin(f);
       }
-      const int64_t first = window_ > 0 ? std::max<int64_t>(0, pos - window_ + 1) : 0;
-      const int64_t lo = first - base_;  // slot of the first key this token sees
-      const int64_t S = pos + 1 - first;
+  }
+
+  void rope(float* v, int64_t b) const {
+    const int64_t h = D_ / 2;
+    const float* c = cos_.data() + b * h;
+    const float* s = sin_.data() + b * h;
+    for (int64_t i = 0; i < h; ++i) {
+      const float a = v[i], w = v[i + h];
+      v[i] = a * c[i] - w * s[i];
+      v[i + h] = w * c[i] + a * s[i];
+    }
+  }
+
+  void attention_block(const Layer& L, size_t li, const float* xp, int64_t B) {
+    const int64_t nq = L.nq, nkv = L.nkv, D = D_, QKV = (nq + 2 * nkv) * D, nl = num_layers();
+    ensure(xn_, B * H_);
+    for (int64_t b = 0; b < B; ++b) rmsnorm(xp + b * H_, L.ln1.data_ptr<float>(), xn_.data() + b * H_, H_, eps_);
+    ensure(qkv_, B * QKV);
+    run_parts(L.qkv, xn_.data(), H_, B, qkv_.data(), QKV, qs_);
+    ensure(att_, B * nq * D);
+    int64_t max_s = 0;
+    for (int64_t b = 0; b < B; ++b) {
+      float* q = qkv_.data() + b * QKV;
+      float* k = q + nq * D;
+      float* v = k + nkv * D;
+      for (int64_t h = 0; h < nq; ++h) rope(q + h * D, b);
+      for (int64_t h = 0; h < nkv; ++h) rope(k + h * D, b);
+      if (nkv == 0) continue;
+      const KVRef& c = kv_[b * nl + static_cast<int64_t>(li)];
+      const int64_t slot = pos_[b] - base_[b];
+      for (int64_t g = 0; g < nkv; ++g) {
+        std::copy(k + g * D, k + (g + 1) * D, c.k + (g * c.cap + slot) * D);
+        std::copy(v + g * D, v + (g + 1) * D, c.v + (g * c.cap + slot) * D);
+      }
+      max_s = std::max(max_s, pos_[b] + 1 - first_key(b));
+    }
+    if (nkv > 0) {
       const int64_t group = nq / nkv;
       const float scale = 1.f / std::sqrt(static_cast<float>(D));
-      ensure(scores_, nq * S);
-      float* sc_all = scores_.data();
-      float* out_all = att_.data();
-      at::parallel_for(0, nq, 1, [&](int64_t h0, int64_t h1) {
-        for (int64_t h = h0; h < h1; ++h) {
-          const int64_t g = h / group;
-          const float* qh = q + h * D;
-          const float* kg = kc + (g * cap + lo) * D;
-          const float* vg = vc + (g * cap + lo) * D;
-          float* sc = sc_all + h * S;
+      // one task per (row, query head); the scores of a task live in its thread's scratch
+      at::parallel_for(0, B * nq, 1, [&](int64_t t0, int64_t t1) {
+        thread_local std::vector<float> scores;
+        if (static_cast<int64_t>(scores.size()) < max_s) scores.resize(static_cast<size_t>(max_s));
+        float* sc = scores.data();
+        for (int64_t t = t0; t < t1; ++t) {
+          const int64_t b = t / nq, h = t % nq, g = h / group;
+          const KVRef& c = kv_[b * nl + static_cast<int64_t>(li)];
+          const int64_t first = first_key(b);
+          const int64_t lo = first - base_[b];  // slot of the first key this token sees
+          const int64_t S = pos_[b] + 1 - first;
+          const float* qh = qkv_.data() + b * QKV + h * D;
+          const float* kg = c.k + (g * c.cap + lo) * D;
+          const float* vg = c.v + (g * c.cap + lo) * D;
           float mx = -INFINITY;
           for (int64_t s = 0; s < S; ++s) {
             sc[s] = dot_f32(qh, kg + s * D, D) * scale;
@@ -579,55 +896,70 @@ class Decoder {
             sum += sc[s];
           }
           const float inv = 1.f / sum;
-          float* out = out_all + h * D;
+          float* out = att_.data() + (b * nq + h) * D;
           std::fill(out, out + D, 0.f);
           for (int64_t s = 0; s < S; ++s) axpy_f32(sc[s] * inv, vg + s * D, out, D);
         }
       });
     }
-    run_lin(L.o, att_.data(), part_.data_ptr<float>(), qs_);
-    if (L.o.N == 0) part_.zero_();
+    float* part = part_.data_ptr<float>();
+    run_lin(L.o, att_.data(), nq * D, B, part, H_, qs_);
+    if (L.o.N == 0) std::fill(part, part + B * H_, 0.f);
   }
 
-  void ffn_block(const Layer& L, const float* xp) {
-    rmsnorm(xp, L.ln2.data_ptr<float>(), xn_.data(), H_, eps_);
+  // The first absolute position row b's token attends to (the sliding window's start).
+  int64_t first_key(int64_t b) const { return window_ > 0 ? std::max<int64_t>(0, pos_[b] - window_ + 1) : 0; }
+
+  void ffn_block(const Layer& L, const float* xp, int64_t B) {
+    for (int64_t b = 0; b < B; ++b) rmsnorm(xp + b * H_, L.ln2.data_ptr<float>(), xn_.data() + b * H_, H_, eps_);
     const int64_t I = L.inter;
-    ensure(gu_, 2 * I);
-    run_parts(L.gate_up, xn_.data(), gu_.data(), qs_);
-    float* g = gu_.data();
-    const float* u = g + I;
-    for (int64_t i = 0; i < I; ++i) g[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
-    run_lin(L.down, g, part_.data_ptr<float>(), qs_);
+    ensure(gu_, B * 2 * I);
+    run_parts(L.gate_up, xn_.data(), H_, B, gu_.data(), 2 * I, qs_);
+    at::parallel_for(0, B, 4, [&](int64_t b0, int64_t b1) {
+      for (int64_t b = b0; b < b1; ++b) {
+        float* g = gu_.data() + b * 2 * I;
+        const float* u = g + I;
+        for (int64_t i = 0; i < I; ++i) g[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
+      }
+    });
+    // SwiGLU wrote each row's product over its gate half: rows 2I apart
+    run_lin(L.down, gu_.data(), 2 * I, B, part_.data_ptr<float>(), H_, qs_);
   }
 
   int64_t H_, D_;
   float eps_;
   int64_t window_;
-  int64_t base_ = 0;
+  int64_t id_;  // names this decoder in its cache tables
   std::vector<float> inv_freq_, cos_, sin_;
   std::vector<Layer> layers_;
-  std::vector<torch::Tensor> k_, v_;
+  std::vector<torch::Tensor> k_, v_;  // the cache of layers() (set_cache)
+  std::vector<int64_t> pos_, base_;   // per row of the running call
+  std::vector<KVRef> kv_;             // [B, L] of the running call
   torch::Tensor part_;
-  std::vector<float> xn_, qkv_, att_, scores_, gu_;
+  std::vector<float> xn_, qkv_, att_, gu_;
   QScratch qs_;
   Link link_;
   std::vector<float> link_tmp_;
 };
 
-// logits (1, N) = lin(rmsnorm(x)) for the LM head.
+// logits (M, N) = lin(rmsnorm(x)) for the LM head: x holds M rows of H values; one pass over
+// the head's weights for all of them.
 torch::Tensor head(const torch::Tensor& x, const torch::Tensor& norm_w, double eps, py::tuple lin) {
   check_f32(x, "x");
   check_f32(norm_w, "norm weight");
   const Lin l = parse_lin(lin);
-  const int64_t H = x.numel();
-  TORCH_CHECK(norm_w.numel() == H && l.K == H, "head shapes do not match");
-  auto y = torch::empty({1, l.N}, torch::kFloat);
-  std::vector<float> xn(static_cast<size_t>(H));
+  const int64_t H = norm_w.numel();
+  TORCH_CHECK(l.K == H && H > 0 && x.numel() % H == 0 && x.numel() > 0, "head shapes do not match (x has ", x.numel(),
+              " values, the head reads rows of ", l.K, ")");
+  const int64_t M = x.numel() / H;
+  auto y = torch::empty({M, l.N}, torch::kFloat);
+  std::vector<float> xn(static_cast<size_t>(M * H));
   QScratch qs;
   {
     py::gil_scoped_release nogil;
-    rmsnorm(x.data_ptr<float>(), norm_w.data_ptr<float>(), xn.data(), H, static_cast<float>(eps));
-    run_lin(l, xn.data(), y.data_ptr<float>(), qs);
+    for (int64_t m = 0; m < M; ++m)
+      rmsnorm(x.data_ptr<float>() + m * H, norm_w.data_ptr<float>(), xn.data() + m * H, H, static_cast<float>(eps));
+    run_lin(l, xn.data(), H, M, y.data_ptr<float>(), l.N, qs);
   }
   return y;
 }
@@ -640,11 +972,14 @@ void init_decode(py::module_& m) {
            py::arg("eps"), py::arg("inv_freq"), py::arg("window"))
       .def("add_layer", &Decoder::add_layer)
       .def("set_cache", &Decoder::set_cache)
+      .def("cache_table", &Decoder::cache_table, py::arg("k"), py::arg("v"))
       .def("layers", &Decoder::layers, py::arg("x"), py::arg("pos"), py::arg("reduce") = py::none(),
            py::arg("link") = py::none(), py::arg("base") = 0)
+      .def("layers_batch", &Decoder::layers_batch, py::arg("x"), py::arg("pos"), py::arg("base"), py::arg("tables"),
+           py::arg("reduce") = py::none(), py::arg("link") = py::none())
       .def("link_state", &Decoder::link_state)
       .def("num_layers", &Decoder::num_layers);
-  m.def("head", &head, "logits = lm_head(rmsnorm(x)) for one token");
+  m.def("head", &head, "logits = lm_head(rmsnorm(x)) for rows of x");
   m.def("link_all_reduce", &link_all_reduce_once, py::arg("x"), py::arg("link"),
         "test hook: one native star-link all-reduce of x in place -> (seq, sent, received, seconds)");
 }
