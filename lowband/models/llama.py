@@ -387,6 +387,8 @@ class Attention(nn.Module):
             # cost a few microseconds where SDPA's flash kernel spends a quarter millisecond.
             B, H, _, D = q.shape
             nkv = k.shape[1]
+            if nkv == 0:  # a tensor-parallel rank that holds no heads of this layer
+                return q.new_zeros(B, H, 1, D)
             qg = q.reshape(B, nkv, H // nkv, D)
             w = torch.matmul(qg, k.transpose(-1, -2)) * (sc if sc is not None else D**-0.5)
             w = torch.softmax(w.float(), dim=-1).to(v.dtype)
