@@ -42,7 +42,6 @@ from edge.quant.linear import DEFAULT_MAX_KERNEL_ROWS, GGMLLinear
 from lowband.errors import PeerLost, ProtocolError, TransportTimeout
 from lowband.models.config import ModelConfig
 from lowband.models.llama import KVCache, LlamaForCausalLM
-from transport import starlink
 from transport.starlink import native_table
 
 logger = logging.getLogger(__name__)
@@ -303,9 +302,7 @@ class FastDecode:
             return self._table
         table = self._batch_tables.get(rows)
         if table is None:
-            frame = torch.empty(rows * self.hidden, dtype=torch.float32)
-            table = starlink._table({"shape": [1, rows, self.hidden]}, [frame])
-            self._batch_tables[rows] = table
+            table = self._batch_tables[rows] = native_table(self.hidden, rows)
         return table
 
     def head(self, x: torch.Tensor) -> torch.Tensor:

@@ -129,11 +129,13 @@ def _table(meta: dict | None, frames) -> bytes:
     )
 
 
-def native_table(hidden: int) -> bytes:
-    """The table of a DATA/RESULT message carrying one (1, 1, hidden) float32 activation with no
-    codec: fixed per model, so a native implementation of this link (the compiled decode step,
-    ``edge/quant/csrc/decode.cpp``) can send and check it byte for byte."""
-    return _table({"shape": [1, 1, hidden]}, [torch.empty(hidden, dtype=torch.float32)])
+def native_table(hidden: int, rows: int = 1) -> bytes:
+    """The table of a DATA/RESULT message carrying a (1, rows, hidden) float32 activation (one
+    token, or a batch of ``rows`` sequences' tokens) with no codec: fixed per shape, so a native
+    implementation of this link (the compiled decode step, ``edge/quant/csrc/decode.cpp``) can
+    send and check it byte for byte."""
+    frame = torch.empty(rows * hidden, dtype=torch.float32)
+    return _table({"shape": [1, rows, hidden]}, [frame])
 
 
 class _Conn:
