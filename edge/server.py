@@ -968,13 +968,15 @@ class Server:
             if opts.stream:
                 return await self._stream(request, run, opts, choices, head, usage, chat, echo)
             async for i, ev in run.events():
-                self._take(choices[i], ev, opts)
+                self._take(choices[i], ev, opts, chat)
             return web.json_response(self._final(opts, prompts, choices, head, usage, chat, echo))
         finally:
             run.cancel()  # a disconnect (handler cancelled), a failure: the rest stop
 
-    def _take(self, c: _Choice, ev: Event, opts: Options) -> list:
-        """Record ``ev`` in ``c``; returns its logprob entries (token, logprob, top)."""
+    def _take(self, c: _Choice, ev: Event, opts: Options, chat: bool) -> list:
+        """Record ``ev`` in ``c``; returns its logprob entries (token, logprob, top). A
+        completion that ended on EOS also scores that token (one entry per generated position,
+        as evaluators expect); a chat reply does not show its end of turn (as OpenAI's)."""
         c.text.append(ev.text)
         c.finish = ev.finish_reason or c.finish
         if ev.prompt_logprobs is not None and c.prompt_lp is None:
@@ -984,7 +986,7 @@ class Server:
             c.tokens += 1
             if ev.logprob is not None:
                 new.append((ev.token, ev.logprob, ev.top_logprobs))
-        elif ev.logprob is not None and ev.finish_reason == "stop":
+        elif ev.logprob is not None and ev.finish_reason == "stop" and not chat:
             end = eos_token_of(ev, self.engine.tokenizer, opts.params)
             if end is not None:  # the end-of-sequence token scored (what evaluators expect)
                 new.append((end, ev.logprob, ev.top_logprobs))
@@ -1070,7 +1072,7 @@ class Server:
             c = choices[i]
             first = not c.started
             c.started = True
-            new = self._take(c, ev, opts)
+            new = self._take(c, ev, opts, chat)
             out = []
             if chat:
                 delta: dict[str, Any] = {"content": ev.text}
