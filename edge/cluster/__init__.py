@@ -6,6 +6,13 @@ only run decoder layers. Per forward pass the master sends the embedded tokens t
 worker (star, ``send``/``recv`` on the ``edge.ctl`` tag) and all ranks run their layers with
 two all-reduces per layer (the ``reduce`` hooks installed by ``edge.tp.shard``).
 
+Continuous batching (``edge.engine``): every rank keeps one KV cache per sequence of the
+engine. A step of many sequences is one ``batch`` message (each sequence's cache, start and
+length, and the rows whose logits the master wants), one ragged pass per rank with the same
+two all-reduces per layer carrying the whole batch, and one exchange of the vocabulary-parallel
+head for all wanted rows. ``copy`` and ``drop`` keep the caches the same on every rank; a
+regroup drops them all (the engine then recomputes).
+
 Slots are not comm ranks: a sum does not care who contributes what, so after a failure the
 survivors keep their slots and a returning worker is assigned the missing one.
 

@@ -1,5 +1,10 @@
 """The master of a tensor-parallel cluster: slot 0 of the plan, the :class:`edge.engine.Runner`
 the HTTP server drives, and the recovery of a cluster that lost a device (see ``edge.cluster``).
+
+It is a :class:`edge.engine.BatchRunner`: every rank keeps one KV cache per sequence of the
+engine, and a batched step is one ``batch`` message, one ragged pass on every rank (two
+all-reduces per layer for the whole batch, whatever its size) and one exchange of the
+vocabulary-parallel head for every row the engine wants.
 """
 
 from __future__ import annotations
@@ -16,9 +21,13 @@ import torch
 
 from edge.cluster.protocol import (
     CTL,
+    MAX_SEQS,
     READY,
     Assign,
+    Batch,
     Bye,
+    Copy,
+    Drop,
     Forward,
     Msg,
     Ping,
@@ -32,8 +41,15 @@ from edge.cluster.protocol import (
     master_rank,
     stats_tag,
 )
-from edge.cluster.shard import Tags, load_slot, shard_logits, wire_codec
-from edge.engine import ClusterUnavailable
+from edge.cluster.shard import (
+    Tags,
+    append_problem,
+    load_slot,
+    shard_logits,
+    shard_rows_logits,
+    wire_codec,
+)
+from edge.engine import ClusterUnavailable, Work
 from edge.moe.serve import ExpertServeConfig
 from edge.shardio import WindowConfig, is_split_dir
 from lowband.comm import Communicator, OpStats
@@ -45,6 +61,7 @@ from lowband.errors import (
     ProtocolError,
     TransportTimeout,
 )
+from lowband.models.llama import KVCache, Span
 from transport.starlink import StarHub
 
 if TYPE_CHECKING:
@@ -166,7 +183,10 @@ class MasterRunner:
         )
         self.model = self.shard.model
         self.config = self.model.config
-        self.cache = self.model.new_cache()
+        # The engine's KV caches (made on first use; ``forward`` is cache 0). The workers keep
+        # the same ids in step (batch / copy / drop / reset messages), so the lengths here are
+        # every rank's: slot_length answers from them.
+        self._kv: dict[int, KVCache] = {}
         self._slots[comm.membership.peer_id] = 0
         self._assign(self._others(), list(range(1, self.devices)))
         self._healthy, self._status = True, "ok"
@@ -376,7 +396,7 @@ class MasterRunner:
             self._ctl(r, [], Reset(sync=self.hub is not None))
         if self.hub is not None:
             self.hub.sync_wait(timeout=self.cfg.op_timeout)
-        self.cache = self.model.new_cache()
+        self._kv = {}  # every cache is gone everywhere: the engine recomputes
 
     def _heartbeat_loop(self) -> None:
         rejoins = getattr(self.comm, "rejoins", 0)
@@ -406,11 +426,40 @@ class MasterRunner:
             finally:
                 self._lock.release()
 
-    # ---- Runner --------------------------------------------------------------------------------
+    # ---- Runner / BatchRunner -----------------------------------------------------------------
+    @property
+    def cache(self) -> KVCache:
+        """The KV cache of :meth:`forward` (cache 0)."""
+        return self._cache(0)
+
+    def _cache(self, i: int) -> KVCache:
+        c = self._kv.get(i)
+        if c is None:
+            c = self._kv[i] = self.model.new_cache()
+        return c
+
+    def _check_ready(self) -> None:
+        if not self._healthy:
+            raise ClusterUnavailable(f"the cluster is not ready ({self._status}); retry later")
+
+    def _send_step(self, meta: dict, x: torch.Tensor) -> None:
+        """Start a forward or batch on every worker. A decode step reaches a worker that
+        already polls its link that way (no I/O or engine thread on either side); the first
+        step after any other message goes through the communicator and puts the worker on its
+        link."""
+        for r in self._others():
+            slot = self._slot(r)
+            if slot in self._on_link:
+                assert self.hub is not None
+                self.hub.command(slot, meta, [x], timeout=self.cfg.op_timeout)
+            else:
+                self.comm.send(r, [x], meta, tag=CTL)
+                if self.hub is not None and slot is not None:
+                    self._on_link.add(slot)
+
     def forward(self, ids: Sequence[int], start: int, top: int = 0) -> torch.Tensor:
         with self._lock:
-            if not self._healthy:
-                raise ClusterUnavailable(f"the cluster is not ready ({self._status}); retry later")
+            self._check_ready()
             self._fid += 1
             self.tags.start(self._fid)
             x = self.model.embed(torch.tensor([list(ids)], dtype=torch.long))
@@ -422,18 +471,7 @@ class MasterRunner:
                     epoch=self.comm.membership.epoch,
                     link=self.hub is not None,
                 ).encode()
-                for r in self._others():
-                    # A decode step reaches a worker that already polls its link that way (no
-                    # I/O or engine thread on either side); the first forward after any other
-                    # message goes through the communicator and puts the worker on its link.
-                    slot = self._slot(r)
-                    if slot in self._on_link:
-                        assert self.hub is not None
-                        self.hub.command(slot, meta, [x], timeout=self.cfg.op_timeout)
-                    else:
-                        self.comm.send(r, [x], meta, tag=CTL)
-                        if self.hub is not None and slot is not None:
-                            self._on_link.add(slot)
+                self._send_step(meta, x)
                 with torch.inference_mode():
                     h = self.model.forward_layers(x, cache=self.cache, start=start)
                     out = shard_logits(self.shard, h, top)
@@ -442,9 +480,111 @@ class MasterRunner:
             except (PeerLost, TransportTimeout, ProtocolError) as exc:
                 raise self._fail(exc) from exc
 
+    def forward_batch(self, work: Sequence[Work], top: int = 0) -> list[torch.Tensor | None]:
+        """One step of continuous batching on every rank (see the module docstring)."""
+        rows: list[int] = []  # hidden rows whose logits are wanted
+        off = 0
+        for w in work:
+            n = len(w.ids)
+            if w.logits == "all":
+                rows.extend(range(off, off + n))
+            elif w.logits == "last":
+                rows.append(off + n - 1)
+            off += n
+        with self._lock:
+            self._check_ready()
+            # A bad batch is refused here, before any rank computes (RuntimeError: the engine
+            # fails its requests, the cluster stays in step).
+            for w in work:
+                why = append_problem(self._kv.get(w.slot), w.start) if w.ids else "is empty"
+                if why is not None:
+                    raise RuntimeError(f"batch item on cache {w.slot} {why}")
+            self._fid += 1
+            try:
+                msg = Batch(
+                    fid=self._fid,
+                    epoch=self.comm.membership.epoch,
+                    caches=[w.slot for w in work],
+                    starts=[w.start for w in work],
+                    lengths=[len(w.ids) for w in work],
+                    rows=rows,
+                    top=top,
+                    link=self.hub is not None,
+                )
+            except ProtocolError as exc:  # e.g. a cache named twice
+                raise RuntimeError(str(exc)) from None
+            self.tags.start(self._fid)
+            x = self.model.embed(torch.tensor([[t for w in work for t in w.ids]]))
+            spans = [Span(self._cache(w.slot), w.start, len(w.ids)) for w in work]
+            try:
+                self._send_step(msg.encode(), x)
+                with torch.inference_mode():
+                    h = self.model.forward_ragged(x, spans)
+                    logits = shard_rows_logits(self.shard, h[0, rows], top) if rows else None
+            except (PeerLost, TransportTimeout, ProtocolError, RuntimeError) as exc:
+                # Half a step leaves the ranks' caches and link sequences out of step: only
+                # the regroup of the recovery path puts them back.
+                raise self._fail(exc) from exc
+        out: list[torch.Tensor | None] = []
+        r = 0
+        for w in work:
+            want = len(w.ids) if w.logits == "all" else int(w.logits == "last")
+            if want:
+                assert logits is not None  # rank 0 always gets the logits
+                out.append(logits[r : r + want] if w.logits == "all" else logits[r])
+            else:
+                out.append(None)
+            r += want
+        return out
+
+    def slot_length(self, slot: int) -> int:
+        c = self._kv.get(slot)
+        return 0 if c is None else c.length
+
+    def slot_floor(self, slot: int) -> int:
+        c = self._kv.get(slot)
+        return 0 if c is None else c.restart_floor()
+
+    def copy_prefix(self, src: int, dst: int, n: int) -> None:
+        """Copy on this rank, then tell every worker (``copy``). ``RuntimeError`` when the
+        copy cannot be made, the cluster is not ready included (the engine then computes the
+        prefix; the step after reports the cluster's state)."""
+        if src == dst:
+            raise RuntimeError("a cache cannot copy from itself")
+        with self._lock:
+            if not self._healthy:
+                raise RuntimeError(f"the cluster is not ready ({self._status})")
+            source = self._kv.get(src)
+            if source is None:
+                raise RuntimeError(f"cache {src} is empty")
+            try:
+                msg = Copy(epoch=self.comm.membership.epoch, src=src, dst=dst, n=n)
+            except ProtocolError as exc:  # a cache id beyond protocol.MAX_SEQS
+                raise RuntimeError(str(exc)) from None
+            self._cache(dst).copy_prefix(source, n)
+            try:
+                for r in self._others():
+                    self._ctl(r, [], msg)
+            except (PeerLost, TransportTimeout, ProtocolError) as exc:
+                self._kv.pop(dst, None)
+                self._fail(exc)
+                raise RuntimeError(f"the cluster failed while copying a prefix: {exc}") from exc
+
+    def drop(self, slot: int) -> None:
+        with self._lock:
+            self._kv.pop(slot, None)
+            if not self._healthy or slot not in range(MAX_SEQS):
+                return  # (a regroup drops every cache anyway; no worker holds such an id)
+            msg = Drop(epoch=self.comm.membership.epoch, cache=slot)
+            try:
+                for r in self._others():
+                    self._ctl(r, [], msg)
+            except (PeerLost, TransportTimeout, ProtocolError) as exc:
+                self._fail(exc)
+
     def reset(self) -> None:
         with self._lock:
-            self.cache = self.model.new_cache()
+            self._kv = {}
             if not self._healthy:
                 return
             try:
@@ -454,10 +594,10 @@ class MasterRunner:
                 self._fail(exc)
 
     def cached_tokens(self) -> int:
-        return self.cache.length
+        return self.slot_length(0)
 
     def restart_floor(self) -> int:
-        return self.cache.restart_floor()
+        return self.slot_floor(0)
 
     def wire_bytes(self) -> int:
         s = self.comm.stats()

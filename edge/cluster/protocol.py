@@ -9,7 +9,8 @@ beside the meta, never in it.
 Channels (tags of :meth:`lowband.comm.Communicator.send`)::
 
     edge.ctl     master -> worker: every message of TO_WORKER except ``yield``
-    star link    master -> worker (``transport.starlink`` CMD): ``forward`` and ``yield`` only
+    star link    master -> worker (``transport.starlink`` CMD): ``forward``, ``batch`` and
+                 ``yield`` only
     edge.ready   worker -> master: ``ready`` (answer to ``assign``), ``bye`` (to ``shutdown``)
     edge.stats{n}  worker -> master: ``report`` (answer to ``stats`` n)
 
@@ -26,6 +27,11 @@ generated from the dataclasses below by :func:`describe` (a test keeps the two i
               silence_s: float
     forward   fid: int, start: int, epoch: int, top: int = 0, link: bool = False
               + tensors: the embedded tokens (1, T, H)
+    batch     fid: int, epoch: int, caches: list[int], starts: list[int], lengths: list[int],
+              rows: list[int], top: int = 0, link: bool = False
+              + tensors: every item's embedded tokens, back to back (1, N, H)
+    copy      epoch: int, src: int, dst: int, n: int
+    drop      epoch: int, cache: int
     reset     sync: bool = False
     ping      n: int, epoch: int
     stats     n: int
@@ -54,6 +60,9 @@ CTL = "edge.ctl"  # master -> worker control messages
 READY = "edge.ready"  # worker -> master: ready / bye
 MASTER_ID_PREFIX = "edge-master"  # peer id prefix of the master on a real transport
 MAX_WORLD = 4096  # devices of a plan: far beyond any cluster, small enough to bound every list
+# KV-cache ids of the engine (``edge.engine.Work.slot``; not the plan's device slots) a batch
+# may name: far beyond any --parallel, small enough to bound a worker's caches
+MAX_SEQS = 4096
 
 
 def master_rank(peers: Sequence[str]) -> int:
@@ -184,8 +193,94 @@ class Forward(Msg):
 
 @_to_worker
 @dataclass(frozen=True, kw_only=True)
+class Batch(Msg):
+    """Continuous batching: run this slot's layers once over several sequences. Item i appends
+    ``lengths[i]`` tokens at positions ``starts[i]..`` to KV cache ``caches[i]``; the tensor
+    holds every item's embedded tokens back to back (1, N, H), N = sum(lengths). Then the
+    final hidden rows ``rows`` (indices into N, ascending) go through the vocabulary-parallel
+    head together (edge.cluster.shard.shard_rows_logits)."""
+
+    OP: ClassVar[str] = "batch"
+    TENSORS: ClassVar[str] = "every item's embedded tokens, back to back (1, N, H)"
+    fid: int  # forward id: all-reduces are tagged f{fid}.{k}
+    epoch: int  # membership epoch it was sent in (a stale one is dropped)
+    caches: list[int]  # the engine's KV-cache ids, distinct (not the plan's device slots)
+    starts: list[int]  # position of each item's first token in its cache
+    lengths: list[int]  # tokens of each item (>= 1)
+    rows: list[int]  # hidden rows whose logits the master wants
+    top: int = 0  # candidates per rank and row (edge.tp.gather_logits)
+    link: bool = False  # keep polling the star link for the next command
+
+    def __post_init__(self) -> None:
+        # Bounds before a worker allocates anything for these numbers (see Assign).
+        def bad(name: str, why: str) -> ProtocolError:
+            return ProtocolError(
+                f"'batch' message: field {name!r} {why}, got {getattr(self, name)!r:.80}"
+            )
+
+        n = len(self.caches)
+        if not 1 <= n <= MAX_SEQS:
+            raise bad("caches", f"must name 1 to {MAX_SEQS} caches")
+        if len(set(self.caches)) != n or not all(0 <= c < MAX_SEQS for c in self.caches):
+            raise bad("caches", f"must be distinct ids in [0, {MAX_SEQS})")
+        if len(self.starts) != n or any(s < 0 for s in self.starts):
+            raise bad("starts", f"must be {n} positions >= 0")
+        if len(self.lengths) != n or any(t < 1 for t in self.lengths):
+            raise bad("lengths", f"must be {n} lengths >= 1")
+        total = sum(self.lengths)
+        if any(not 0 <= r < total for r in self.rows) or any(
+            a >= b for a, b in zip(self.rows, self.rows[1:])
+        ):
+            raise bad("rows", f"must ascend strictly within [0, {total})")
+        if self.top < 0:
+            raise bad("top", "must be >= 0")
+
+
+@_to_worker
+@dataclass(frozen=True, kw_only=True)
+class Copy(Msg):
+    """Make KV cache ``dst`` hold positions 0..n-1 of cache ``src`` (a shared prompt prefix)."""
+
+    OP: ClassVar[str] = "copy"
+    epoch: int  # membership epoch it was sent in (a stale one is dropped)
+    src: int
+    dst: int
+    n: int
+
+    def __post_init__(self) -> None:
+        for name in ("src", "dst"):
+            if not 0 <= getattr(self, name) < MAX_SEQS:
+                raise ProtocolError(
+                    f"'copy' message: field {name!r} must be in [0, {MAX_SEQS}), "
+                    f"got {getattr(self, name)!r}"
+                )
+        if self.src == self.dst or self.n < 0:
+            raise ProtocolError(
+                f"'copy' message: needs two caches and n >= 0, got {self.src} -> {self.dst}, "
+                f"n {self.n}"
+            )
+
+
+@_to_worker
+@dataclass(frozen=True, kw_only=True)
+class Drop(Msg):
+    """Free KV cache ``cache`` (the next batch naming it starts it empty)."""
+
+    OP: ClassVar[str] = "drop"
+    epoch: int  # membership epoch it was sent in (a stale one is dropped)
+    cache: int
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.cache < MAX_SEQS:
+            raise ProtocolError(
+                f"'drop' message: field 'cache' must be in [0, {MAX_SEQS}), got {self.cache!r}"
+            )
+
+
+@_to_worker
+@dataclass(frozen=True, kw_only=True)
 class Reset(Msg):
-    """Drop the KV cache."""
+    """Drop every KV cache."""
 
     OP: ClassVar[str] = "reset"
     sync: bool = False  # also restart the star link's sequence (after a regroup)

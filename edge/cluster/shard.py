@@ -1,5 +1,6 @@
 """What master and workers both do with their slice of the model: load it, encode the
-all-reduces, tag them, and compute the logits of the vocabulary-parallel head."""
+all-reduces, tag them, check where a batch may append to a KV cache, and compute the logits
+of the vocabulary-parallel head (one row, or several rows of a batch at once)."""
 
 from __future__ import annotations
 
@@ -10,10 +11,11 @@ import torch
 
 from edge.moe.serve import ExpertServeConfig, is_nested_dir, load_nested_shard
 from edge.shardio import LoadedShard, WindowConfig, load_shard
-from edge.tp import exact_reduce, gather_logits, make_reduce
+from edge.tp import Reduce, TPPlan, exact_reduce, gather_logits, make_reduce
 from lowband.codecs import Int8BlockCodec, get_codec
 from lowband.comm import Algorithm, Codec, Communicator
 from lowband.errors import ConfigError
+from lowband.models.llama import KVCache
 from transport.starlink import StarHub, StarSpoke
 
 WIRE_CODECS = ("fp32", "fp16", "bf16", "int8")
@@ -113,3 +115,77 @@ def shard_logits(shard: LoadedShard, h: torch.Tensor, top: int) -> torch.Tensor 
     if not plan.vocab_split or shard.reduce is None:
         return local
     return gather_logits(local, plan, shard.rank, V, top, exact_reduce(shard.reduce))
+
+
+def append_problem(cache: KVCache | None, start: int) -> str | None:
+    """Why a forward may not append at ``start`` to ``cache`` (None when it may): positions
+    follow on what the cache holds (no gap), and a sliding-window cache restarts only at 0 or
+    from its floor. Master and workers check the same caches before a batch, so a bad one is
+    refused everywhere before any rank computes (else the ranks would leave step)."""
+    held = cache.length if cache is not None else 0
+    if start > held:
+        return f"appends at position {start}, but the cache holds {held}"
+    floor = cache.restart_floor() if cache is not None else 0
+    if 0 < start < floor:
+        return f"restarts at {start}, below the sliding window's floor {floor}"
+    return None
+
+
+def shard_rows_logits(shard: LoadedShard, h: torch.Tensor, top: int) -> torch.Tensor | None:
+    """Next-token logits of every row of ``h`` (R, H), R >= 1, in one exchange: the master's
+    (R, V) float32 answer, None on a worker (see :func:`shard_logits`, its one-row case)."""
+    model, plan = shard.model, shard.plan
+    V = model.config.vocab_size
+    a, b = plan.vocab_rows(shard.rank, V)
+    local = model.head(h).float().reshape(h.shape[0], -1) if b > a else None
+    if not plan.vocab_split or shard.reduce is None:
+        return local
+    return gather_rows(local, plan, shard.rank, V, h.shape[0], top, exact_reduce(shard.reduce))
+
+
+def gather_rows(
+    local: torch.Tensor | None,
+    plan: TPPlan,
+    rank: int,
+    vocab_size: int,
+    n_rows: int,
+    top: int,
+    reduce: Reduce,
+) -> torch.Tensor | None:
+    """:func:`edge.tp.gather_logits` for ``n_rows`` rows at once, in one all-reduce: a batch
+    pays the link's round trip once, not once per sequence. ``local``: (R, V_r) logits of
+    this rank's vocabulary rows (None when it holds none). Rank 0 gets (R, V) float32, each
+    row exactly what ``gather_logits`` gives for it (the same candidates, the same bytes per
+    row); other ranks None."""
+    R, V, world = n_rows, vocab_size, plan.world
+    k = top if 0 < top and 2 * top * world < V and V < 2**24 else 0
+    a, b = plan.vocab_rows(rank, V)
+    if local is not None and tuple(local.shape) != (R, b - a):
+        raise ValueError(f"rank {rank} holds rows [{a}, {b}) of {R} rows, got {tuple(local.shape)}")
+    if k == 0:
+        buf = torch.zeros(R, V, dtype=torch.float32)
+        if local is not None:
+            buf[:, a:b] = local.float()
+        total = reduce(buf.view(-1)).view(R, V)
+        return total if rank == 0 else None
+    # as in gather_logits: [row, r, 0, :] rank r's best values, [row, r, 1, :] their ids + 1
+    buf = torch.zeros(R, world, 2, k, dtype=torch.float32)
+    if local is not None and b > a:
+        n = min(k, b - a)
+        lf = local.float()
+        if n == 1:
+            i = torch.argmax(lf, dim=-1, keepdim=True)  # first of equal maxima, like argmax
+            v = lf.gather(-1, i)
+        else:
+            v, i = torch.topk(lf, n, dim=-1)
+        buf[:, rank, 0, :n] = v
+        buf[:, rank, 1, :n] = (i + a + 1).float()
+    total = reduce(buf.view(-1)).view(R, world, 2, k)
+    if rank != 0:
+        return None
+    ids, vals = total[:, :, 1].reshape(R, -1), total[:, :, 0].reshape(R, -1)
+    keep = ids > 0
+    row = torch.arange(R).view(R, 1).expand_as(ids)
+    out = torch.full((R, V), float("-inf"), dtype=torch.float32)
+    out[row[keep], ids[keep].long() - 1] = vals[keep]
+    return out

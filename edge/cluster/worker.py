@@ -22,7 +22,10 @@ from edge.cluster.protocol import (
     MASTER_ID_PREFIX,
     READY,
     Assign,
+    Batch,
     Bye,
+    Copy,
+    Drop,
     Echo,
     Forward,
     Msg,
@@ -39,7 +42,14 @@ from edge.cluster.protocol import (
     master_rank,
     stats_tag,
 )
-from edge.cluster.shard import Tags, load_slot, shard_logits, wire_codec
+from edge.cluster.shard import (
+    Tags,
+    append_problem,
+    load_slot,
+    shard_logits,
+    shard_rows_logits,
+    wire_codec,
+)
 from edge.moe.serve import ExpertServeConfig
 from edge.quant.formats import QuantError
 from edge.shardio import LoadedShard, WindowConfig
@@ -52,7 +62,7 @@ from lowband.errors import (
     ProtocolError,
     TransportTimeout,
 )
-from lowband.models.llama import KVCache
+from lowband.models.llama import KVCache, Span
 from transport.starlink import StarSpoke
 
 logger = logging.getLogger(__name__)
@@ -78,10 +88,21 @@ class WorkerState:
     shard: LoadedShard | None = None
     link: StarSpoke | None = None
     silence_s: float | None = None  # from the master's assign message
-    cache: KVCache | None = None
+    # One KV cache per sequence the master batches (the engine's cache ids; ``forward`` uses
+    # 0), made on first use. Every rank runs the same batches, copies and drops, so each cache
+    # holds the same positions as the master's of that id (MasterRunner.slot_length).
+    caches: dict[int, KVCache] = field(default_factory=dict)
     tags: Tags = field(default_factory=Tags)
     forwards: int = 0
     on_link: bool = False  # the next command comes on the star link (see MasterRunner.forward)
+
+    def cache(self, i: int) -> KVCache:
+        c = self.caches.get(i)
+        if c is None:
+            if self.shard is None:
+                raise ConfigError("worker", "forward before assign")
+            c = self.caches[i] = self.shard.model.new_cache()
+        return c
 
 
 def _regroup(comm: Communicator, cfg: WorkerConfig, *, rejoining: bool = False) -> None:
@@ -186,12 +207,12 @@ def _dispatch(
         logger.warning("worker: ignoring a %r message, which workers do not handle", msg.OP)
         return
     handler(comm, cfg, st, msg, tensors)
-    st.on_link = isinstance(msg, Forward) and msg.link and st.link is not None
+    st.on_link = isinstance(msg, (Forward, Batch)) and msg.link and st.link is not None
 
 
 def _next_on_link(comm: Communicator, cfg: WorkerConfig, st: WorkerState, wait: float) -> None:
-    """Serve the master's next command from the star link: a forward (then keep polling the
-    link) or "yield" (back to the communicator). A broken link or an ABORT is a failed
+    """Serve the master's next command from the star link: a forward or a batch (then keep
+    polling the link) or "yield" (back to the communicator). A broken link or an ABORT is a failed
     forward: regroup, as in :func:`run_worker`; silence for ``wait`` ends the worker, as the
     communicator's does."""
     assert st.link is not None
@@ -208,7 +229,7 @@ def _next_on_link(comm: Communicator, cfg: WorkerConfig, st: WorkerState, wait: 
     except ProtocolError as exc:
         logger.warning("worker: dropping a malformed link command: %s", exc)
         msg = Yield()  # back to the communicator, as for any command but a forward
-    if not isinstance(msg, Forward):
+    if not isinstance(msg, (Forward, Batch)):
         st.on_link = False
         return
     try:
@@ -230,7 +251,7 @@ def _regroup_after(
     st.on_link = False
     logger.warning("worker: %s; regrouping", exc)
     _regroup_with_master(comm, cfg, rejoining=rejoining)
-    st.cache = st.shard.model.new_cache() if st.shard else None
+    st.caches.clear()
 
 
 # ---- the handlers: one per op the master sends ---------------------------------------------------
@@ -245,9 +266,53 @@ def _forward(
         raise ProtocolError(f"a forward carries one tensor, got {len(tensors)}")
     st.tags.start(msg.fid)
     with torch.inference_mode():
-        h = st.shard.model.forward_layers(tensors[0], cache=st.cache, start=msg.start)
+        h = st.shard.model.forward_layers(tensors[0], cache=st.cache(0), start=msg.start)
         shard_logits(st.shard, h, msg.top)
     st.forwards += 1
+
+
+def _batch(
+    comm: Communicator, cfg: WorkerConfig, st: WorkerState, msg: Batch, tensors: Tensors
+) -> None:
+    """Continuous batching: one ragged pass over every item's cache (two all-reduces per
+    layer for the whole batch), then the wanted rows through the head in one exchange."""
+    if msg.epoch != comm.membership.epoch:
+        return  # sent before a regroup this worker already went through: stale
+    if st.shard is None:
+        raise ConfigError("worker", "batch before assign")
+    H = st.shard.model.config.hidden_size
+    if len(tensors) != 1 or tuple(tensors[0].shape) != (1, sum(msg.lengths), H):
+        shapes = [tuple(t.shape) for t in tensors]
+        raise ProtocolError(f"a batch of {sum(msg.lengths)} tokens carries tensors {shapes}")
+    for c, start in zip(msg.caches, msg.starts):
+        why = append_problem(st.caches.get(c), start)
+        if why is not None:  # the master checked its own copy: we are out of step with it
+            raise ProtocolError(f"batch item on cache {c} {why}")
+    spans = [Span(st.cache(c), s, n) for c, s, n in zip(msg.caches, msg.starts, msg.lengths)]
+    st.tags.start(msg.fid)
+    with torch.inference_mode():
+        h = st.shard.model.forward_ragged(tensors[0], spans)
+        if msg.rows:
+            shard_rows_logits(st.shard, h[0, msg.rows], msg.top)
+    st.forwards += 1
+
+
+def _copy(comm: Communicator, cfg: WorkerConfig, st: WorkerState, msg: Copy, _: Tensors) -> None:
+    if msg.epoch != comm.membership.epoch:
+        return  # stale: the regroup since dropped every cache anyway
+    src = st.caches.get(msg.src)
+    try:
+        if src is None:
+            raise RuntimeError("the source cache is empty")
+        st.cache(msg.dst).copy_prefix(src, msg.n)
+    except RuntimeError as exc:  # the master's copy succeeded: we are out of step with it
+        st.caches.pop(msg.dst, None)
+        raise ProtocolError(f"copy of {msg.n} positions from cache {msg.src}: {exc}") from None
+
+
+def _drop(comm: Communicator, cfg: WorkerConfig, st: WorkerState, msg: Drop, _: Tensors) -> None:
+    if msg.epoch == comm.membership.epoch:  # (a stale one: the regroup dropped it already)
+        st.caches.pop(msg.cache, None)
 
 
 def _assign(
@@ -320,12 +385,12 @@ def _load_assigned(comm: Communicator, cfg: WorkerConfig, st: WorkerState, msg: 
         st.tags,
         ExpertServeConfig.from_dict(msg.experts) if msg.experts else None,
     )
-    st.cache = st.shard.model.new_cache()
+    st.caches.clear()  # (shaped for the slice this worker held before)
     st.silence_s = msg.silence_s or cfg.join_timeout
 
 
 def _reset(comm: Communicator, cfg: WorkerConfig, st: WorkerState, msg: Reset, _: Tensors) -> None:
-    st.cache = st.shard.model.new_cache() if st.shard else None
+    st.caches.clear()
     if msg.sync and st.link is not None:
         st.link.resync(timeout=30.0)
 
@@ -358,7 +423,7 @@ def _regroup_op(
 ) -> None:
     if msg.epoch >= comm.membership.epoch:  # ignore a stale request
         _regroup(comm, cfg)
-        st.cache = st.shard.model.new_cache() if st.shard else None
+        st.caches.clear()
 
 
 def _shutdown(
@@ -379,6 +444,9 @@ Handler = Callable[[Communicator, WorkerConfig, WorkerState, Any, Tensors], None
 HANDLERS: dict[str, Handler] = {
     Assign.OP: _assign,
     Forward.OP: _forward,
+    Batch.OP: _batch,
+    Copy.OP: _copy,
+    Drop.OP: _drop,
     Reset.OP: _reset,
     Ping.OP: _ping,
     Stats.OP: _stats,

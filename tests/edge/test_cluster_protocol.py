@@ -82,6 +82,12 @@ EXAMPLES: list[Msg] = [
     ),
     Forward(fid=7, start=12, epoch=3, top=8, link=True),
     Forward(fid=1, start=0, epoch=0),
+    protocol.Batch(
+        fid=8, epoch=3, caches=[0, 5], starts=[12, 0], lengths=[1, 7], rows=[0, 7], top=1, link=True
+    ),
+    protocol.Batch(fid=9, epoch=0, caches=[2], starts=[30], lengths=[4], rows=[]),
+    protocol.Copy(epoch=3, src=5, dst=1, n=16),
+    protocol.Drop(epoch=3, cache=5),
     protocol.Reset(sync=True),
     protocol.Reset(),
     protocol.Ping(n=4, epoch=2),
@@ -169,6 +175,32 @@ def test_decode_converts_an_int_to_float() -> None:
     assert isinstance(msg, Assign)
     assert msg.op_timeout == 5.0 and type(msg.op_timeout) is float
     assert msg.weights == [1.0, 2.0] and all(type(w) is float for w in msg.weights)
+
+
+_BATCH = protocol.Batch(fid=1, epoch=0, caches=[0, 1], starts=[3, 0], lengths=[1, 2], rows=[0])
+
+
+@pytest.mark.parametrize(
+    "meta,field",
+    [
+        ({**_BATCH.encode(), "caches": []}, "caches"),
+        ({**_BATCH.encode(), "caches": [1, 1]}, "caches"),  # one cache appended to twice
+        ({**_BATCH.encode(), "caches": [0, protocol.MAX_SEQS]}, "caches"),
+        ({**_BATCH.encode(), "starts": [3]}, "starts"),
+        ({**_BATCH.encode(), "starts": [3, -1]}, "starts"),
+        ({**_BATCH.encode(), "lengths": [1, 0]}, "lengths"),
+        ({**_BATCH.encode(), "rows": [3]}, "rows"),  # past the 3 tokens
+        ({**_BATCH.encode(), "rows": [1, 0]}, "rows"),
+        ({**_BATCH.encode(), "top": -1}, "top"),
+        ({"op": "copy", "epoch": 0, "src": 1, "dst": 1, "n": 4}, "copy"),
+        ({"op": "copy", "epoch": 0, "src": -1, "dst": 1, "n": 4}, "src"),
+        ({"op": "drop", "epoch": 0, "cache": protocol.MAX_SEQS}, "cache"),
+    ],
+)
+def test_decode_refuses_impossible_batch_numbers(meta: dict, field: str) -> None:
+    """A worker allocates caches for these ids and positions: refused before it does."""
+    with pytest.raises(ProtocolError, match=field):
+        decode(meta)
 
 
 @pytest.mark.parametrize("meta", [{"op": "launch"}, {"op": 3}, {"slot": 1}, [1, 2], None])
