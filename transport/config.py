@@ -40,7 +40,8 @@ class ZmqConfig:
     max_message_bytes: int = 64 * MiB
     """Largest payload of one received message; larger frames are refused (ZMQ_MAXMSGSIZE)."""
     max_pending_bytes: int = 2 << 30
-    """Bytes kept for operations another peer started before this one did."""
+    """Bytes kept for operations another peer started before this one did (payload, decoded
+    metadata and a per-message overhead: ``wire.Message.held_bytes``)."""
     max_tensor_bytes: int = 1 << 36
     """Largest logical message (e.g. a broadcast state dict) this peer will allocate for."""
     send_hwm: int = 1000

@@ -77,8 +77,17 @@ def post_message(
         )
 
 
+MAX_OPEN_PER_SOURCE = 64
+"""Messages of one source partly here at a time, in one operation (every collective sends one
+per source and operation)."""
+PARTIAL_SLACK = 64 << 20
+"""Held for one source beyond ``max_bytes``: the overheads and metadata of its open messages
+and of parts that came before their header (a few KiB to a few MiB for a real message)."""
+
+
 class _Partial:
     def __init__(self) -> None:
+        self.charged = 0  # bytes counted against its source (Assembler.held)
         self.tensors: list[torch.Tensor] | None = None
         self.flat: list[torch.Tensor] = []
         self.meta: dict[str, Any] = {}
@@ -90,53 +99,121 @@ class _Partial:
 
 
 class Assembler:
-    """Reassembles logical messages from MSG / MSG_PART, keyed by (source rank, index)."""
+    """Reassembles logical messages from MSG / MSG_PART, keyed by (source rank, index).
+
+    What one source has here at a time, the tensors of its messages being filled and the
+    parts that came before their header (``wire.Message.held_bytes``), plus a fixed overhead
+    per open message, is bounded by ``max_bytes`` (the largest message this peer takes) plus
+    ``PARTIAL_SLACK``, checked before anything is allocated: a peer cannot make this one hold
+    more for it by opening many messages or sending parts with no header."""
 
     def __init__(self, max_bytes: int) -> None:
         self.max_bytes = max_bytes
+        self.limit = max_bytes + PARTIAL_SLACK
         self._partial: dict[tuple[int, int], _Partial] = {}
+        self._held: dict[int, int] = {}  # source rank -> bytes charged to it
+        self._open_count: dict[int, int] = {}  # source rank -> its messages open here
 
     @property
     def busy(self) -> bool:
         """Some message is partly here."""
         return bool(self._partial)
 
+    def held(self, src: int) -> int:
+        """Bytes of partial messages kept for ``src``."""
+        return self._held.get(src, 0)
+
+    def _charge(self, src: int, part: _Partial, n: int) -> None:
+        held = self._held.get(src, 0) + n
+        if held > self.limit:
+            raise ProtocolError(
+                f"rank {src} would have more than {self.limit} bytes of partial messages "
+                "here (ZmqConfig.max_tensor_bytes + 64 MiB)"
+            )
+        self._held[src] = held
+        part.charged += n
+
+    def _release(self, src: int, part: _Partial, n: int) -> None:
+        part.charged -= n
+        held = self._held.get(src, 0) - n
+        if held > 0:
+            self._held[src] = held
+        else:
+            self._held.pop(src, None)
+
     def feed(
         self, src: int, msg: wire.Message, pool: "BufferPool"
     ) -> tuple[int, list[torch.Tensor], dict, dict] | None:
         """Returns (index, tensors, user meta, header meta) once a message is complete."""
         index = wire.int_field(msg.meta, "i", 0, 1 << 30)
-        part = self._partial.setdefault((src, index), _Partial())
+        key = (src, index)
+        part = self._partial.get(key)
+        if part is not None:
+            return self._feed(src, key, part, msg, pool)
+        if self._open_count.get(src, 0) >= MAX_OPEN_PER_SOURCE:
+            raise ProtocolError(f"rank {src} has {MAX_OPEN_PER_SOURCE} messages open here already")
+        part = _Partial()
+        self._charge(src, part, wire.MESSAGE_OVERHEAD)
+        self._partial[key] = part
+        self._open_count[src] = self._open_count.get(src, 0) + 1
+        try:
+            return self._feed(src, key, part, msg, pool)
+        except ProtocolError:
+            if part.tensors is None and not part.early:  # a refused first message: no trace
+                self._forget(src, key, part)
+            raise
+
+    def _forget(self, src: int, key: tuple[int, int], part: _Partial) -> None:
+        del self._partial[key]
+        self._release(src, part, part.charged)
+        left = self._open_count.get(src, 0) - 1
+        if left > 0:
+            self._open_count[src] = left
+        else:
+            self._open_count.pop(src, None)
+
+    def _feed(
+        self,
+        src: int,
+        key: tuple[int, int],
+        part: _Partial,
+        msg: wire.Message,
+        pool: "BufferPool",
+    ) -> tuple[int, list[torch.Tensor], dict, dict] | None:
         if msg.type == MsgType.MSG:
             if part.tensors is not None:
                 raise ProtocolError(f"duplicate message header from rank {src}")
-            self._open(part, msg, pool)
+            self._open(src, part, msg, pool)
             self._place(part, msg)
-            for early in part.early:
-                self._part(part, early)
-            part.early = []
+            early, part.early = part.early, []
+            self._release(src, part, sum(e.held_bytes for e in early))  # now in the tensors
+            for e in early:
+                self._part(part, e)
         elif part.tensors is None:
             if len(part.early) > 1 << 16:
                 raise ProtocolError("too many message parts before their header")
+            self._charge(src, part, msg.held_bytes)
             part.early.append(msg)
             return None
         else:
             self._part(part, msg)
         if part.tensors is not None and part.remaining == 0 and part.parts_left == 0:
-            del self._partial[(src, index)]
-            return index, part.tensors, part.meta, part.extra
+            self._forget(src, key, part)  # the tensors are the caller's now
+            return key[1], part.tensors, part.meta, part.extra
         return None
 
-    def _open(self, part: _Partial, msg: wire.Message, pool: "BufferPool") -> None:
+    def _open(self, src: int, part: _Partial, msg: wire.Message, pool: "BufferPool") -> None:
         descs = wire.field(msg.meta, "t", list)
         total = 0
-        tensors = []
-        for d in descs:
+        parsed = []
+        for d in descs:  # every size is known and checked before the first allocation
             dtype, shape, size = wire.parse_descriptor(d, self.max_bytes)
             total += size
             if total > self.max_bytes:
                 raise ProtocolError(f"message of more than {self.max_bytes} bytes refused")
-            tensors.append(pool.empty(shape, dtype))
+            parsed.append((shape, dtype))
+        self._charge(src, part, total)
+        tensors = [pool.empty(shape, dtype) for shape, dtype in parsed]
         part.tensors = tensors
         part.flat = [
             t.reshape(-1).view(torch.uint8) if t.numel() else t.reshape(-1) for t in tensors

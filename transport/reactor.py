@@ -258,7 +258,9 @@ class Reactor:
         if msg.type == MsgType.BYE:
             self.members.on_bye(sender, expected)
             return
-        self.routing.route(msg, epoch, key, self.members.epoch)
+        self.routing.route(
+            msg, epoch, key, self.members.epoch, member=self.members.expelled is None
+        )
 
     def _bad(self, what: str) -> None:
         self.bad_messages += 1

@@ -86,6 +86,7 @@ class Routing:
         try:
             abort = self._aborted.pop(key, None)
             if abort is not None:  # another participant already gave this operation up
+                self._early_bytes -= _msg_bytes(abort)
                 self._drop_early(key)
                 self.deliver(op, abort)
                 return
@@ -188,8 +189,16 @@ class Routing:
         return True
 
     # ---- messages ------------------------------------------------------------------------------
-    def route(self, msg: wire.Message, epoch: int, key: str, current_epoch: int) -> None:
-        """Hand a data message to its operation, or keep it until that starts here."""
+    def route(
+        self, msg: wire.Message, epoch: int, key: str, current_epoch: int, *, member: bool = True
+    ) -> None:
+        """Hand a data message to its operation, or keep it until that starts here.
+
+        ``member``: this peer is a member of ``current_epoch`` (not expelled, not rejoining).
+        A member is never more than one epoch behind a peer that sends to it (a quorum needs
+        every member's request, made after it applied the previous epoch), so a message of
+        a later epoch is refused; a peer out of the group may be sent the epoch it rejoins
+        at, however far ahead, before it knows it (bounded by ``max_pending_bytes``)."""
         op = self._ops.get((epoch, key))
         if op is not None:
             self.deliver(op, msg)
@@ -198,15 +207,27 @@ class Routing:
             return  # a late or duplicate message for an operation that already ended here
         if epoch < current_epoch:
             return  # a straggler of a finished or abandoned epoch
-        if msg.type == MsgType.ABORT:
-            # Kept apart from early data (and capped): when this peer starts the operation,
-            # it fails at once instead of waiting for data that will never come.
-            if len(self._aborted) >= _MAX_ABORTED:
-                self._bad(f"dropped an ABORT for '{key}': {_MAX_ABORTED} are pending already")
-            else:
-                self._aborted[(epoch, key)] = msg
+        if member and current_epoch >= 0 and epoch > current_epoch + 1:
+            self._bad(
+                f"dropped a message for '{key}' of epoch {epoch}: this peer is in epoch "
+                f"{current_epoch}, and no peer is more than one epoch ahead"
+            )
             return
         n = _msg_bytes(msg)
+        if msg.type == MsgType.ABORT:
+            # Kept apart from early data (capped in number, counted in bytes with it): when
+            # this peer starts the operation, it fails at once instead of waiting for data
+            # that will never come.
+            old = self._aborted.get((epoch, key))
+            held = self._early_bytes - (_msg_bytes(old) if old is not None else 0)
+            if old is None and len(self._aborted) >= _MAX_ABORTED:
+                self._bad(f"dropped an ABORT for '{key}': {_MAX_ABORTED} are pending already")
+            elif held + n > self.cfg.max_pending_bytes:
+                self._bad(f"dropped an ABORT for '{key}': max_pending_bytes reached")
+            else:
+                self._aborted[(epoch, key)] = msg
+                self._early_bytes = held + n
+            return
         if self._early_bytes + n > self.cfg.max_pending_bytes:
             self._bad(
                 f"dropped a message for '{key}' (epoch {epoch}): more than "
@@ -249,12 +270,15 @@ class Routing:
             self._bad(f"{op.describe()}: dropped a message that raised {type(exc).__name__}: {exc}")
 
     def new_epoch(self, epoch: int) -> None:
-        """Forget what belongs to epochs before ``epoch``."""
-        self._early = {k: v for k, v in self._early.items() if k[0] >= epoch}
+        """Forget what belongs to epochs before ``epoch``, and what was kept for epochs beyond
+        ``epoch + 1`` (only a peer out of the group takes those: see :meth:`route`)."""
+        self._early = {k: v for k, v in self._early.items() if epoch <= k[0] <= epoch + 1}
         self._done_keys = {k for k in self._done_keys if k[0] >= epoch}
-        self._aborted = {k: v for k, v in self._aborted.items() if k[0] >= epoch}
+        self._aborted = {k: v for k, v in self._aborted.items() if epoch <= k[0] <= epoch + 1}
         self._rx_next = {k: v for k, v in self._rx_next.items() if k[0] >= epoch}
-        self._early_bytes = sum(_msg_bytes(m) for v in self._early.values() for m in v)
+        self._early_bytes = sum(_msg_bytes(m) for v in self._early.values() for m in v) + sum(
+            _msg_bytes(m) for m in self._aborted.values()
+        )
 
     # ---- failing -------------------------------------------------------------------------------
     def fail_lost(self, op: "Op", lost: Sequence[str], how: str) -> None:
@@ -301,4 +325,4 @@ class Routing:
 
 
 def _msg_bytes(msg: wire.Message) -> int:
-    return sum(len(p) for p in msg.payload)
+    return msg.held_bytes  # metadata and a per-message overhead count too
