@@ -1,9 +1,10 @@
 """Authentication flags every networked command shares, and where their secrets come from.
 
-Secrets never need argv: ``--token-file FILE`` or the ``LOWBAND_TOKEN`` environment variable
-(``--token`` still works but warns, since any user of the machine sees it in ``ps``); the same
-for the HTTP API key (``--api-key-file``, ``LOWBAND_API_KEY``, ``--api-key``). A secret file
-that other users may read or write is refused, as ssh refuses such a private key. CURVE
+Secrets never come from argv, which every user of the machine sees in ``ps``: the token from
+``--token-file FILE`` or the ``LOWBAND_TOKEN`` environment variable, the HTTP API key from
+``--api-key-file FILE`` or ``LOWBAND_API_KEY``. ``--token VALUE`` and ``--api-key VALUE`` are
+still parsed (hidden from ``--help``) only to refuse them with that advice. A secret file that
+other users may read or write is refused, as ssh refuses such a private key. CURVE
 keys come from ``--curve-key`` / ``--curve-server-key`` or, when present, from the default key
 directory ``$XDG_CONFIG_HOME/lowband`` (``~/.config/lowband``): ``lowband.key_secret`` is this
 peer's keypair (the coordinator's, on the coordinator), ``coordinator.key`` the coordinator's
@@ -83,12 +84,13 @@ def add_auth(
     """The authentication flags of a command that connects to (``client``) and/or runs
     (``server``) a coordinator."""
     g = p.add_argument_group("authentication (see docs/security.md)")
+    # --token VALUE is parsed only to be refused with advice: argv is public (ps, /proc).
+    g.add_argument("--token", help=argparse.SUPPRESS)
     g.add_argument(
-        "--token",
-        help="shared secret (visible to other users in ps: prefer --token-file or "
-        f"${TOKEN_ENV}); without CURVE only allowed on loopback or with --insecure",
+        "--token-file",
+        help=f"read the shared secret from this file (mode 0600), or set ${TOKEN_ENV}; "
+        "without CURVE a token is only allowed on loopback or with --insecure",
     )
-    g.add_argument("--token-file", help="read the shared secret from this file (mode 0600)")
     names = ["--curve-key", "--curve-secret"] if curve_secret_alias else ["--curve-key"]
     g.add_argument(
         *names,
@@ -148,20 +150,18 @@ def read_secret_file(path: str, flag: str) -> str:
 def _secret(
     given: str | None, file: str | None, env: Mapping[str, str], *, flag: str, var: str
 ) -> str | None:
-    """A secret from ``--FLAG-file``, else ``--FLAG`` (with a warning: argv is public),
-    else the environment variable ``var``; None when none is set."""
-    if given and file:
-        raise ConfigError(flag, f"give --{flag} or --{flag}-file, not both")
+    """A secret from ``--FLAG-file``, else the environment variable ``var``; None when
+    neither is set. A value given as ``--FLAG VALUE`` is refused (ConfigError, without the
+    value): every user of the machine can read a command line."""
+    if given is not None:
+        raise ConfigError(
+            flag,
+            f"a secret on the command line is visible to every user of this machine (ps, "
+            f"/proc): put it in a file only you can read and pass --{flag}-file FILE, or set "
+            f"{var}",
+        )
     if file:
         return read_secret_file(file, f"{flag}-file")
-    if given:
-        print(
-            f"lowband: WARNING: --{flag} is visible to every user of this machine (ps, "
-            f"/proc); use --{flag}-file FILE or {var}",
-            file=sys.stderr,
-            flush=True,
-        )
-        return str(given)
     return env.get(var) or None
 
 
@@ -178,12 +178,8 @@ def add_api_key(p: argparse.ArgumentParser) -> None:
         help="require 'Authorization: Bearer KEY' on the API, KEY read from this file "
         f"(mode 0600); or set ${API_KEY_ENV}",
     )
-    g.add_argument(
-        "--api-key",
-        metavar="KEY",
-        help=f"the same, on the command line (visible to other users in ps: prefer "
-        f"--api-key-file or ${API_KEY_ENV})",
-    )
+    # --api-key VALUE is parsed only to be refused with advice, as --token is.
+    g.add_argument("--api-key", help=argparse.SUPPRESS)
 
 
 def resolve_api_key(args: argparse.Namespace, env: Mapping[str, str]) -> str | None:

@@ -141,6 +141,7 @@ def test_zero_config_cluster_in_two_namespaces(tmp_path) -> None:
         _bridge_forwarding(bed.bridge),
     ):
         try:
+            # the token reaches each process through its environment, never argv (ps)
             master = spawn(
                 bed,
                 0,
@@ -151,8 +152,6 @@ def test_zero_config_cluster_in_two_namespaces(tmp_path) -> None:
                     "1",
                     "--discover",
                     name,
-                    "--token",
-                    "s3cret",
                     "--curve-key",
                     str(secret),
                     "--bind",
@@ -164,6 +163,7 @@ def test_zero_config_cluster_in_two_namespaces(tmp_path) -> None:
                     "--op-timeout",
                     "20",
                 ],
+                env={**os.environ, "LOWBAND_TOKEN": "s3cret"},
             )
             # a device with the wrong token finds the master but is refused
             bad = spawn(
@@ -175,8 +175,6 @@ def test_zero_config_cluster_in_two_namespaces(tmp_path) -> None:
                     name,
                     "--master-key",
                     master_key,
-                    "--token",
-                    "wrong",
                     "--model-dir",
                     str(tmp_path),
                     "--discover-timeout",
@@ -184,6 +182,7 @@ def test_zero_config_cluster_in_two_namespaces(tmp_path) -> None:
                     "--op-timeout",
                     "10",
                 ],
+                env={**os.environ, "LOWBAND_TOKEN": "wrong"},
             )
             out, _ = bad.communicate(timeout=120)
             assert bad.returncode != 0
@@ -198,8 +197,6 @@ def test_zero_config_cluster_in_two_namespaces(tmp_path) -> None:
                     name,
                     "--master-key",
                     master_key,
-                    "--token",
-                    "s3cret",
                     "--model-dir",
                     str(tmp_path),
                     "--discover-timeout",
@@ -207,6 +204,7 @@ def test_zero_config_cluster_in_two_namespaces(tmp_path) -> None:
                     "--op-timeout",
                     "20",
                 ],
+                env={**os.environ, "LOWBAND_TOKEN": "s3cret"},
             )
             deadline = time.monotonic() + 120
             while time.monotonic() < deadline:

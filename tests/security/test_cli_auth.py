@@ -155,15 +155,40 @@ def test_token_from_file_env_and_argv(tmp_path, capsys) -> None:
     a = resolve_auth(_args(coord), {"LOWBAND_TOKEN": "from-env"}, client=False, server=True)
     assert (a.token, a.mode) == ("from-env", "token")
     assert "WARNING" not in capsys.readouterr().err
-    a = resolve_auth(_args([*coord, "--token", "on-argv"]), {}, client=False, server=True)
-    assert a.token == "on-argv" and "visible" in capsys.readouterr().err
-    with pytest.raises(ConfigError, match="not both"):
-        resolve_auth(
-            _args([*coord, "--token", "x", "--token-file", str(tmp_path / "t")]),
-            {},
-            client=False,
-            server=True,
-        )
+    # a token on argv is refused, alone or with a file or the environment, without echoing it
+    for extra in ([], ["--token-file", str(tmp_path / "t")]):
+        with pytest.raises(ConfigError, match="--token-file FILE, or set LOWBAND_TOKEN") as err:
+            resolve_auth(
+                _args([*coord, "--token", "on-argv", *extra]),
+                {"LOWBAND_TOKEN": "from-env"},
+                client=False,
+                server=True,
+            )
+        assert "on-argv" not in str(err.value)
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["coordinator", "--bind", "tcp://127.0.0.1:0"],
+        ["worker", "--coordinator", "tcp://127.0.0.1:1", "--preset", "tiny"],
+        ["edge", "worker", "--master", "tcp://127.0.0.1:1", "--model-dir", "MODEL"],
+        ["edge", "serve", "MODEL", "--workers", "1", "--bind", "tcp://127.0.0.1:0"],
+        ["edge", "run", "MODEL", "--devices", "1"],
+    ],
+)
+def test_a_token_on_the_command_line_is_refused(argv, env, tmp_path) -> None:
+    """Even on loopback, where no token is needed: a secret on argv is readable by every user
+    of the machine (issue 25: secrets from a file or the environment, never argv)."""
+    argv = [str(tmp_path) if a == "MODEL" else a for a in argv]
+    out = _lowband([*argv, "--token", "argv-s3cret"], env)
+    assert out.returncode == 2, (out.stdout, out.stderr)
+    assert "--token-file" in out.stderr and "LOWBAND_TOKEN" in out.stderr
+    assert "argv-s3cret" not in out.stdout + out.stderr
+    assert "listening" not in out.stdout
+    helped = _lowband([*argv[: 2 if argv[0] == "edge" else 1], "--help"], env)
+    assert helped.returncode == 0 and "--token-file" in helped.stdout
+    assert "--token " not in helped.stdout  # not offered
 
 
 def test_curve_flags_of_a_worker(tmp_path) -> None:
