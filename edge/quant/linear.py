@@ -8,7 +8,7 @@ dtype cast (``model.half()``) leaves ``qweight`` and the fp16 ``scales`` untouch
 from __future__ import annotations
 
 import fnmatch
-from typing import Iterable
+from typing import Callable, Iterable
 
 import torch
 import torch.nn as nn
@@ -35,20 +35,27 @@ __all__ = ["GGMLLinear", "QuantLinear", "quantize_modules", "DEFAULT_MAX_KERNEL_
 DEFAULT_MAX_KERNEL_ROWS = 256
 
 
-def _checked_input(
-    x: torch.Tensor, in_features: int, out_features: int, bias: torch.Tensor | None
-) -> torch.Tensor | None:
-    """Refuse an ``x`` whose last dim is not ``in_features`` (``QuantShapeError``). For a layer
-    with no rows or no columns, a TP rank that holds no heads of it (GQA with fewer KV heads
-    than devices), return its output: a zero (or empty) partial sum plus the bias. Else None."""
+def _linear(
+    x: torch.Tensor,
+    in_features: int,
+    out_features: int,
+    bias: torch.Tensor | None,
+    matmul: Callable[[torch.Tensor], torch.Tensor],
+) -> torch.Tensor:
+    """The forward of both quantized linears: ``x`` of shape ``(..., in_features)`` flattened to
+    rows for ``matmul`` (rows -> float32 outputs, bias added), the result back in ``x``'s dtype
+    and leading shape. A layer with no rows or no columns (a TP rank that holds no heads of it:
+    GQA with fewer KV heads than devices) answers a zero (or empty) partial sum plus the bias."""
     if x.shape[-1] != in_features:
         raise QuantShapeError(f"expected last dim {in_features}, got {tuple(x.shape)}")
-    if in_features and out_features:
-        return None
-    y = torch.zeros(*x.shape[:-1], out_features, dtype=torch.float32, device=x.device)
-    if bias is not None:
-        y += bias
-    return y.to(x.dtype)
+    lead = x.shape[:-1]
+    if in_features == 0 or out_features == 0:
+        y = torch.zeros(*lead, out_features, dtype=torch.float32, device=x.device)
+        if bias is not None:
+            y += bias
+        return y.to(x.dtype)
+    y = matmul(x.reshape(-1, in_features))
+    return y.to(x.dtype).reshape(*lead, out_features)
 
 
 class QuantLinear(nn.Module):
@@ -129,16 +136,13 @@ class QuantLinear(nn.Module):
 
     # -- forward -----------------------------------------------------------------------------
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        empty = _checked_input(x, self.in_features, self.out_features, self.bias)
-        if empty is not None:
-            return empty
-        lead = x.shape[:-1]
-        x2 = x.reshape(-1, self.in_features)
+        return _linear(x, self.in_features, self.out_features, self.bias, self._matmul)
+
+    def _matmul(self, x2: torch.Tensor) -> torch.Tensor:
         use = self.use_kernel and x2.shape[0] <= self.max_kernel_rows
-        y = kernel.gemv(
+        return kernel.gemv(
             x2, self.qweight, self.scales, self.bits, self.group, self.bias, force_fallback=not use
         )
-        return y.to(x.dtype).reshape(*lead, self.out_features)
 
     # -- sharding ----------------------------------------------------------------------------
     def _like(self, packed: PackedWeight, bias: torch.Tensor | None) -> "QuantLinear":
@@ -232,17 +236,14 @@ class GGMLLinear(nn.Module):
         return dequantize_ggml(self.weight_blocks, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        empty = _checked_input(x, self.in_features, self.out_features, self.bias)
-        if empty is not None:
-            return empty
-        lead = x.shape[:-1]
-        x2 = x.reshape(-1, self.in_features)
+        return _linear(x, self.in_features, self.out_features, self.bias, self._matmul)
+
+    def _matmul(self, x2: torch.Tensor) -> torch.Tensor:
         w = self.weight_blocks
         if self.use_kernel and x2.shape[0] <= self.max_kernel_rows:
-            y = kernel.ggml_gemv(x2, w, self.bias)
-        else:  # prefill (or use_kernel=False: the PyTorch reference decoder)
-            y = kernel.ggml_gemv_fallback(x2, w, self.bias, native_dequant=self.use_kernel)
-        return y.to(x.dtype).reshape(*lead, self.out_features)
+            return kernel.ggml_gemv(x2, w, self.bias)
+        # prefill (or use_kernel=False: the PyTorch reference decoder)
+        return kernel.ggml_gemv_fallback(x2, w, self.bias, native_dequant=self.use_kernel)
 
     def _like(self, w: GGMLWeight, bias: torch.Tensor | None) -> "GGMLLinear":
         return GGMLLinear(w, bias, max_kernel_rows=self.max_kernel_rows, use_kernel=self.use_kernel)
