@@ -6,11 +6,13 @@ and joins as if it had been given ``--master tcp://ADDR:PORT``.
 
 Anyone on the LAN can advertise anything, so an answer is only a hint of *where* a master is.
 A worker trusts it only through the master's CURVE public key, pinned with ``--master-key``:
-it picks an advertisement carrying that key (:func:`select_master`) and then connects with
-that key as the CURVE server key, so an impostor repeating the key fails the handshake (it
-lacks the secret). Without a pinned key, discovery needs ``--insecure``. The advertisement
-holds the cluster name (two clusters can share a LAN), the protocol signature and the public
-key; nothing about the authentication in force, and never a secret.
+it picks an advertisement carrying that key's fingerprint (:func:`select_master`) and then
+connects with the pinned key as the CURVE server key, so an impostor repeating the fingerprint
+fails the handshake (it lacks the secret). Without a pinned key, discovery needs
+``--insecure``. The advertisement holds the cluster name (two clusters can share a LAN), the
+protocol signature and the key's fingerprint (:func:`key_fingerprint`), not the key itself: a
+client needs the master's public key to complete a CURVE handshake with it, so the LAN is not
+handed it. Nothing about the authentication in force, and never a secret.
 
 Multicast needs nothing special on a flat LAN or a Linux bridge (it floods multicast frames
 to every port); it does not cross routers, and some Wi-Fi access points filter it (then give
@@ -19,6 +21,7 @@ to every port); it does not cross routers, and some Wi-Fi access points filter i
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import socket
 import threading
@@ -38,22 +41,30 @@ class Found:
 
     address: str  # tcp://IP:PORT of its coordinator
     cluster: str
-    key: str | None  # the master's CURVE public key (Z85) as advertised; None: none advertised
+    fingerprint: str | None  # of the master's CURVE public key (key_fingerprint); None: none
     signature: str
+
+
+def key_fingerprint(key: str) -> str:
+    """What an advertisement says of the master's CURVE public key (Z85): the first 16 bytes of
+    its SHA-256, in hex. Enough to recognise a pinned key, useless for a handshake."""
+    return hashlib.sha256(key.encode()).hexdigest()[:32]
 
 
 def select_master(
     found: list[Found], *, cluster: str | None, master_key: str | None, insecure: bool
 ) -> Found | None:
-    """The advertisement to join, in arrival order: of ``cluster`` when given, carrying
-    ``master_key`` when pinned. Without a pin only ``insecure`` takes the first one; refusing
-    is :func:`discover`'s job, before it listens. The key is compared, not trusted: the CURVE
-    handshake with it as the server key is what proves the master holds its secret."""
+    """The advertisement to join, in arrival order: of ``cluster`` when given, carrying the
+    fingerprint of ``master_key`` when pinned. Without a pin only ``insecure`` takes the first
+    one; refusing is :func:`discover`'s job, before it listens. The fingerprint is compared, not
+    trusted: the CURVE handshake with the pinned key as the server key is what proves the master
+    holds its secret."""
+    pinned = key_fingerprint(master_key) if master_key is not None else None
     for f in found:
         if cluster is not None and f.cluster != cluster:
             continue
-        if master_key is not None:
-            if f.key == master_key:
+        if pinned is not None:
+            if f.fingerprint == pinned:
                 return f
         elif insecure:
             return f
@@ -114,7 +125,7 @@ class Advertisement:
             properties={
                 "cluster": cluster,
                 "sig": signature,
-                **({"key": key} if key is not None else {}),
+                **({"fp": key_fingerprint(key)} if key is not None else {}),
             },
             server=f"{instance}.local.",
         )
@@ -192,7 +203,7 @@ def discover(
             Found(
                 address=f"tcp://{_nearest(info.parsed_addresses())}:{info.port}",
                 cluster=props.get("cluster", ""),
-                key=props.get("key") or None,
+                fingerprint=props.get("fp") or None,
                 signature=props.get("sig", ""),
             )
         )

@@ -489,7 +489,7 @@ def _worker(args) -> int:
             )
             print(
                 f"lowband edge worker: found master {found.address} (cluster "
-                f"{found.cluster!r}, key {found.key or 'none'})",
+                f"{found.cluster!r}, key fingerprint {found.fingerprint or 'none'})",
                 flush=True,
             )
             master = found.address

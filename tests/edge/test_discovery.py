@@ -16,7 +16,7 @@ from contextlib import contextmanager
 
 import pytest
 
-from edge.discovery import Advertisement, discover
+from edge.discovery import Advertisement, discover, key_fingerprint
 from lowband.errors import ConfigError
 from transport.links import netns
 
@@ -31,7 +31,8 @@ def test_advertise_then_discover_by_cluster_name() -> None:
         found = discover(cluster=f"a{os.getpid()}", timeout=20, master_key=key)
     assert found.address.endswith(":23456") and found.address.startswith("tcp://")
     assert not found.address.startswith("tcp://127.") and not found.address.startswith("tcp://0.")
-    assert (found.key, found.signature) == (key, "lowband-edge/1")  # a public key, no secret
+    # the key's fingerprint, not the key itself, and no secret
+    assert (found.fingerprint, found.signature) == (key_fingerprint(key), "lowband-edge/1")
 
 
 def test_nearest_address_is_on_our_subnet(monkeypatch) -> None:

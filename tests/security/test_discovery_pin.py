@@ -1,6 +1,7 @@
 """mDNS discovery cannot be hijacked by another host of the LAN (issue 25): a worker joins only a
 master advertising the pinned CURVE key, discovery without a pin needs ``--insecure``, and the
-advertisement tells an attacker nothing about the authentication in force."""
+advertisement tells an attacker nothing about the authentication in force, and not the key a
+CURVE client needs (only its fingerprint)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import os
 import pytest
 import zmq
 
-from edge.discovery import Advertisement, Found, discover, select_master
+from edge.discovery import Advertisement, Found, discover, key_fingerprint, select_master
 from lowband.errors import ConfigError
 
 pytestmark = pytest.mark.timeout(120)
@@ -18,7 +19,10 @@ A, B = (zmq.curve_keypair()[0].decode() for _ in range(2))
 
 
 def _found(port: int, key: str | None, cluster: str = "c") -> Found:
-    return Found(address=f"tcp://10.0.0.{port}:{port}", cluster=cluster, key=key, signature="s")
+    fp = key_fingerprint(key) if key is not None else None
+    return Found(
+        address=f"tcp://10.0.0.{port}:{port}", cluster=cluster, fingerprint=fp, signature="s"
+    )
 
 
 def test_select_master_takes_only_the_pinned_key() -> None:
@@ -49,10 +53,13 @@ def test_two_advertisements_the_worker_joins_the_pinned_one() -> None:
         Advertisement("tcp://0.0.0.0:23462", cluster=cluster, key=B, signature="sig"),
     ):
         props = {k.decode(): v for k, v in fake.info.properties.items()}
-        assert props == {"cluster": cluster.encode(), "sig": b"sig", "key": A.encode()}
+        fp = key_fingerprint(A).encode()
+        assert props == {"cluster": cluster.encode(), "sig": b"sig", "fp": fp}
+        # the LAN learns nothing that completes a CURVE handshake with the master: not its key
+        assert not any(A.encode() in v or A[:20].encode() in v for v in props.values())
         found = discover(cluster=cluster, timeout=20, master_key=B)
-        assert found.address.endswith(":23462") and found.key == B
+        assert found.address.endswith(":23462") and found.fingerprint == key_fingerprint(B)
         found = discover(cluster=cluster, timeout=20, master_key=A)
-        assert found.address.endswith(":23461") and found.key == A
+        assert found.address.endswith(":23461") and found.fingerprint == fp.decode()
         with pytest.raises(ConfigError, match="found no cluster"):
             discover(cluster=cluster, timeout=3, master_key="x" * 40)
