@@ -35,6 +35,9 @@ own key (the edge master). Under a shared token (PLAIN) or no authentication the
 only proof, and it crosses the network in clear: those modes are for loopback and trusted
 networks.
 
+The first peer to register sets the run signature and chunk size that every later peer must
+match (else REFUSED "incompatible"); they are released when the last peer is gone.
+
 A peer declared lost is not banned: its next message is answered REFUSED "expelled", and the
 peer re-registers under the same id and joins the next quorum as a newcomer
 (:mod:`transport.reactor`). A restarted coordinator starts empty; every peer's heartbeat is
@@ -685,6 +688,11 @@ class Coordinator:
             if not self._book.remove(pid):
                 return
             self._peers.pop(pid, None)
+            if not self._peers:
+                # Nobody is left to agree with: the next peer to register sets the run
+                # signature and chunk size afresh, so no peer (a wrong config, or one that
+                # joined only to claim them) holds them after it is gone.
+                self._signature = self._layout = self._chunk = None
             epoch = self._book.epoch
             others = list(self._peers)
         self.counters["left" if left else "lost"] += 1
