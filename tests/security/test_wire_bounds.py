@@ -113,3 +113,68 @@ def test_the_coordinator_survives_a_flood_message_and_still_registers_peers():
         s.close(0)
         ctx.term()
         coord.stop()
+
+
+# ---- a peer's data socket, end to end: the victim's memory ---------------------------------------
+MILLION = 1_000_000  # empty frames in one message: ~2 MB on the wire
+
+SENDER = """
+import sys, zmq
+from transport import wire
+from transport.wire import MsgType
+ctx = zmq.Context()
+s = ctx.socket(zmq.PUSH)
+s.sndhwm = 0
+s.connect(sys.argv[1])
+head = wire.pack(MsgType.CHUNK, {"e": 0, "o": "x", "p": "y", "k": "all_reduce"})[0]
+s.send_multipart([head, *([b""] * int(sys.argv[2]))])
+s.close(linger=60_000)
+ctx.term()
+"""
+
+
+def test_a_million_frame_message_to_a_data_socket_holds_bounded_memory() -> None:
+    """The finding as reported: one message of a million empty frames sent to a peer's data
+    socket held 253 MiB and stalled its reactor for 17 s. The sender runs in its own process, so
+    the RSS sampled here during the flood is the victim's alone."""
+    import subprocess
+    import threading
+    import time
+
+    import psutil
+
+    from tests.conftest import PY, run_ranks
+    from transport.launch import local_group
+    from transport.zmq_comm import ZmqConfig
+
+    cfg = ZmqConfig(bind_host="127.0.0.1", connections=1, timeout=30.0, same_host="off")
+    with local_group(2, cfg) as (_, comms):
+        victim = comms[1]
+        me = psutil.Process()
+        base, peak, stop = me.memory_info().rss, [0], threading.Event()
+
+        def sample() -> None:
+            while not stop.is_set():
+                peak[0] = max(peak[0], me.memory_info().rss)
+                time.sleep(0.005)
+
+        sampler = threading.Thread(target=sample, daemon=True)
+        sampler.start()
+        bad0 = victim.bad_messages
+        try:
+            subprocess.run(
+                [PY, "-c", SENDER, victim.address, str(MILLION)], check=True, timeout=120
+            )
+            deadline = time.monotonic() + 60
+            while victim.bad_messages == bad0 and time.monotonic() < deadline:
+                time.sleep(0.05)
+        finally:
+            stop.set()
+            sampler.join(5)
+        assert victim.bad_messages == bad0 + 1  # dropped, counted
+        grown = (peak[0] - base) / 2**20
+        # libzmq itself queues the message's million frames (~64 B each) before delivering it;
+        # holding them as Python frames as well took 253 MiB
+        assert grown < 160, f"victim RSS grew by {grown:.0f} MiB"
+        outs = run_ranks([lambda c=c: c.all_reduce(torch.ones(4) * (c.rank + 1)) for c in comms])
+        assert all(torch.equal(o, torch.full((4,), 3.0)) for o in outs)
