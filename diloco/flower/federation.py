@@ -445,13 +445,26 @@ class SubmitConfig:
     superlink: str  # HOST:PORT of the SuperLink's API
     run_config: Mapping[str, Any] = field(default_factory=dict)
     app_dir: str | None = None  # None: the built-in app
-    root_certificates: str | None = None  # CA bundle for a TLS SuperLink; None: --insecure
+    root_certificates: str | None = None  # CA bundle for a TLS SuperLink; None: no TLS
     timeout: float = 24 * 3600.0
+    insecure: bool = False  # allow a SuperLink beyond loopback without TLS (a trusted network)
 
     def __post_init__(self) -> None:
+        from transport.auth import is_loopback
+
         host, sep, port = self.superlink.rpartition(":")
         if not sep or not host or not port.isdigit():
             raise ConfigError("superlink", f"expected HOST:PORT, got {self.superlink!r}")
+        if self.root_certificates is None and not self.insecure and not is_loopback(host):
+            # Without TLS the app (code every SuperNode runs) and the model cross the network
+            # in clear, and whoever answers at HOST:PORT gets them.
+            raise ConfigError(
+                "superlink",
+                f"{self.superlink} is not loopback and no --root-certificates was given: "
+                "without TLS the app and the model travel in clear to whoever answers there. "
+                "Pass the CA of a TLS SuperLink (--root-certificates CA.pem), or --insecure "
+                "on a network you trust",
+            )
         if not self.timeout > 0:
             raise ConfigError("timeout", f"must be > 0, got {self.timeout}")
         if self.app_dir is not None and not (Path(self.app_dir) / "pyproject.toml").exists():

@@ -107,7 +107,15 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="out-dir on the SuperLink's machine (ServerApp writes "
         "metrics, summary, checkpoint there); printed here when visible",
     )
-    run.add_argument("--root-certificates", help="CA bundle of a TLS SuperLink (default: insecure)")
+    run.add_argument(
+        "--root-certificates",
+        help="CA bundle of a TLS SuperLink (needed beyond loopback unless --insecure)",
+    )
+    run.add_argument(
+        "--insecure",
+        action="store_true",
+        help="talk to a SuperLink beyond loopback without TLS: a network you trust only",
+    )
     run.add_argument("--timeout", type=float, default=24 * 3600.0, help="seconds")
     run.add_argument("--quiet", action="store_true", help="do not stream the Flower run log")
     _add_set(run)
@@ -206,6 +214,7 @@ def submit_config(args: argparse.Namespace):
         app_dir=str(args.app) if args.app else None,
         root_certificates=args.root_certificates,
         timeout=args.timeout,
+        insecure=args.insecure,
     )
 
 

@@ -20,7 +20,8 @@ import yaml
 
 REPO = Path(__file__).resolve().parents[2]
 IMAGE_ROOT = "/opt/lowband"  # WORKDIR of the Dockerfile
-COMPOSE = yaml.safe_load((REPO / "docker-compose.yml").read_text())
+COMPOSE_TEXT = (REPO / "docker-compose.yml").read_text()
+COMPOSE = yaml.safe_load(COMPOSE_TEXT)
 SERVICES = COMPOSE["services"]
 DOCKERFILE = (REPO / "Dockerfile").read_text()
 SHAPE = REPO / "docker" / "shape-egress.sh"
@@ -173,6 +174,19 @@ def test_flower_profile_is_a_shaped_federation():
     assert (
         flag(job, "--out").startswith("/runs/") and RUNS_MOUNT in SERVICES["superlink"]["volumes"]
     )
+
+
+def test_the_insecure_lab_stays_on_the_private_compose_network():
+    """Every process here runs without authentication or TLS (--insecure): that is only honest
+    while nothing is reachable from beyond this host. No service publishes a port or shares the
+    host's network, and the header comment says so."""
+    insecure = [n for n, s in SERVICES.items() for a in commands(s) if "--insecure" in a]
+    assert {"coordinator", "superlink", "supernode-1", "flower-run"} <= set(insecure)
+    for name, svc in SERVICES.items():
+        assert "ports" not in svc, f"{name} publishes {svc['ports']}"
+        assert svc.get("network_mode") is None and "networks" not in svc, name
+    head = COMPOSE_TEXT.split("services:", 1)[0]
+    assert "no service publishes a port" in head and "without TLS" in head
 
 
 # ---- every command against the real command lines -------------------------------------------

@@ -505,7 +505,15 @@ def test_flower_cli_parses_into_validated_configs(capsys):
     assert from_run_config(rc).mode.error_feedback
     sub = submit_config(
         build_parser().parse_args(
-            ["flower", "run", "--superlink", "superlink:9093", "--out", "/runs/flower"]
+            [
+                "flower",
+                "run",
+                "--superlink",
+                "superlink:9093",
+                "--out",
+                "/runs/flower",
+                "--insecure",
+            ]
         )
     )
     assert sub.superlink == "superlink:9093" and sub.run_config["out-dir"] == "/runs/flower"
