@@ -488,7 +488,9 @@ class SparseMoE(nn.Module):
         for e in torch.unique(chosen).tolist():
             rows, slot = torch.nonzero(chosen == e, as_tuple=True)
             y = self.expert_fn(e, flat[rows]) if self.expert_fn else self.experts[e](flat[rows])
-            out.index_add_(0, rows, y * weights[rows, slot, None])
+            # index_put_ with accumulate: the same sums as index_add_ at a fraction of its
+            # cost on small CPU tensors (index_add_ took milliseconds per call here)
+            out.index_put_((rows,), y * weights[rows, slot, None], accumulate=True)
         out = out.view(B, T, H)
         return self.reduce(out) if self.reduce is not None else out
 
