@@ -143,6 +143,9 @@ class ServeMasterConfig:
     # The master's CURVE keypair: its coordinator then encrypts and authenticates every
     # connection, and workers are given its public key (--curve-server-key / --master-key).
     curve: CurveKeys | None = None
+    # The workers' CURVE public keys the coordinator admits (the master's own key always);
+    # empty: any client that has the master's public key.
+    curve_authorized: tuple[bytes, ...] = ()
     cluster: ClusterConfig
     discover: str | None = None  # advertise the coordinator on the LAN under this cluster name
     server: ServerConfig = field(default_factory=ServerConfig)
@@ -154,6 +157,8 @@ class ServeMasterConfig:
 
     def __post_init__(self) -> None:
         check_model_path(self.model_dir)  # a directory or a GGUF file
+        if self.curve_authorized and self.curve is None:
+            raise ConfigError("curve-authorized", "needs the master's CURVE keypair (--curve-key)")
 
 
 def _tokenizer(model_dir: str):
@@ -199,6 +204,12 @@ def _coordinator_config(cfg: ServeMasterConfig):
         bind=cfg.bind,
         token=cfg.token,
         curve=cfg.curve,
+        # the master registers with the coordinator's own key: on the allow-list too
+        curve_authorized=(
+            (*cfg.curve_authorized, cfg.curve.public)
+            if cfg.curve is not None and cfg.curve_authorized
+            else ()
+        ),
         reserved_prefix=MASTER_ID_PREFIX if cfg.curve is not None else None,
     )
 

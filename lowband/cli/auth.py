@@ -116,6 +116,30 @@ def add_auth(
     )
 
 
+def add_curve_authorized(p: argparse.ArgumentParser, *, who: str) -> None:
+    """``--curve-authorized``: the CURVE allow-list of a command that runs a coordinator."""
+    p.add_argument(
+        "--curve-authorized",
+        nargs="*",
+        metavar="KEY",
+        help=f"only admit {who} with these CURVE public keys (NAME.key files or directories "
+        "of them); without it anyone who has the coordinator's public key may join",
+    )
+
+
+def authorized_keys(paths: list[str]) -> tuple[bytes, ...]:
+    """Public keys from key files and/or directories of ``*.key`` files."""
+    from transport.auth import CurveKeys
+
+    keys: list[bytes] = []
+    for p in map(Path, paths):
+        files = sorted(p.glob("*.key")) if p.is_dir() else [p]
+        if not files:
+            raise ConfigError("curve-authorized", f"no *.key files in {p}")
+        keys.extend(CurveKeys.load(f).public for f in files)
+    return tuple(keys)
+
+
 def read_secret_file(path: str, flag: str) -> str:
     """The secret held in ``path`` (surrounding whitespace stripped).
 

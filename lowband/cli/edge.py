@@ -10,7 +10,14 @@ import argparse
 import importlib
 import sys
 
-from lowband.cli.auth import add_api_key, add_auth, resolve_api_key, resolve_auth
+from lowband.cli.auth import (
+    add_api_key,
+    add_auth,
+    add_curve_authorized,
+    authorized_keys,
+    resolve_api_key,
+    resolve_auth,
+)
 from lowband.cli.liveness import add_liveness, add_register_timeout, liveness
 from lowband.errors import ConfigError, LowbandError
 
@@ -177,7 +184,7 @@ def _add_serve(p: argparse.ArgumentParser) -> None:
         nargs="?",
         const="lowband",
         metavar="CLUSTER",
-        help="advertise this master on the LAN (mDNS) with its CURVE public key, so "
+        help="advertise this master on the LAN (mDNS) with its CURVE public key's fingerprint, so "
         "'edge worker --discover --master-key KEY' finds it (default name: lowband)",
     )
     p.add_argument("--max-queue", type=int, default=64, help="waiting requests before 429")
@@ -264,6 +271,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--workers", type=int, default=0, help="number of worker devices to wait for")
     p.add_argument("--bind", default="tcp://0.0.0.0:29500", help="coordinator address for workers")
     _add_serve(p)
+    add_curve_authorized(p, who="workers")
     p.set_defaults(func=_serve)
 
     p = es.add_parser("worker", help="a device serving one shard for a master")
@@ -409,6 +417,7 @@ def _serve_config(args, devices: int):
         bind=args.bind,
         token=auth.token,
         curve=auth.curve,
+        curve_authorized=authorized_keys(getattr(args, "curve_authorized", None) or []),
         discover=args.discover,
         liveness=liveness(args, default_heartbeat=1.0),
         device=_device(args),

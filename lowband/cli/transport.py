@@ -10,24 +10,10 @@ import argparse
 import os
 import signal
 import sys
-from pathlib import Path
 
-from lowband.cli.auth import add_auth, resolve_auth
+from lowband.cli.auth import add_auth, add_curve_authorized, authorized_keys, resolve_auth
 from lowband.cli.liveness import add_liveness, liveness
 from lowband.errors import ConfigError
-
-
-def _authorized(paths: list[str]) -> tuple[bytes, ...]:
-    """Public keys from key files and/or directories of ``*.key`` files."""
-    from transport.auth import CurveKeys
-
-    keys: list[bytes] = []
-    for p in map(Path, paths):
-        files = sorted(p.glob("*.key")) if p.is_dir() else [p]
-        if not files:
-            raise ConfigError("curve-authorized", f"no *.key files in {p}")
-        keys.extend(CurveKeys.load(f).public for f in files)
-    return tuple(keys)
 
 
 def _coordinator(args: argparse.Namespace) -> int:
@@ -49,7 +35,7 @@ def _coordinator_checked(args: argparse.Namespace) -> int:
         bind=args.bind,
         token=auth.token,
         curve=curve,
-        curve_authorized=_authorized(args.curve_authorized or []),
+        curve_authorized=authorized_keys(args.curve_authorized or []),
     )
     coord = Coordinator(cfg).start()
 
@@ -91,11 +77,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     add_liveness(p, default_heartbeat=1.0)
     add_auth(p, client=False, server=True, curve_secret_alias=True)
-    p.add_argument(
-        "--curve-authorized",
-        nargs="*",
-        help="only admit these peer public keys (key files or directories)",
-    )
+    add_curve_authorized(p, who="peers")
     p.set_defaults(func=_coordinator)
 
     p = sub.add_parser("keygen", help="write a CURVE keypair (NAME.key, NAME.key_secret)")
