@@ -169,3 +169,43 @@ def test_config_checks() -> None:
 
     with pytest.raises(ConfigError, match="reserved_prefix"):
         CoordinatorConfig(bind="tcp://127.0.0.1:0", reserved_prefix="")
+
+
+def test_a_member_cannot_send_data_in_another_members_name() -> None:
+    """On a data socket under CURVE a message's sender field must be the peer id its
+    connection's key belongs to: member 0, with its own key, cannot pass a chunk off as member
+    1's to member 2 (which would then apply it as 1's part of a reduction)."""
+    server = CurveKeys.generate()
+    with Coordinator(CoordinatorConfig(bind="tcp://127.0.0.1:0", curve=server)) as coord:
+        comms = connect_all(coord.address, 3, _peer_config(server, same_host="off"))
+        try:
+            m = comms[2].membership
+            a, b, victim = comms[0], comms[1], comms[2]
+            ctx = zmq.Context()
+            s = ctx.socket(zmq.PUSH)
+            s.linger = 0
+            configure_client(
+                s,
+                user=a.peer_id,
+                token=None,
+                curve=a._reactor.links.keys,  # member 0's own, registered keypair
+                server_key=victim._reactor.links.keys.public,
+            )
+            s.connect(victim.address)
+            meta = {"e": m.epoch, "o": "x:1", "k": "all_reduce", "st": 0, "g": 0, "c": 0}
+            try:
+                bad0 = victim.bad_messages
+                s.send_multipart(wire.pack(MsgType.CHUNK, {**meta, "p": b.peer_id}, [b"\0" * 8]))
+                assert _wait(lambda: victim.bad_messages == bad0 + 1), "forged sender accepted"
+                # the same message in its own name is not refused for its sender
+                s.send_multipart(wire.pack(MsgType.CHUNK, {**meta, "p": a.peer_id}, [b"\0" * 8]))
+                time.sleep(1.0)
+                assert victim.bad_messages == bad0 + 1
+            finally:
+                s.close(0)
+                ctx.term()
+            outs = run_ranks([lambda c=c: c.all_reduce(torch.ones(4)) for c in comms])
+            assert all(torch.equal(o, torch.full((4,), 3.0)) for o in outs)
+        finally:
+            for c in comms:
+                c.close()
