@@ -51,7 +51,7 @@ from edge.window import MappedFile, WindowScheduler, attach, window_for_budget
 from lowband.errors import ConfigError
 from lowband.models.config import ModelConfig
 from lowband.models.llama import LlamaForCausalLM, fuse_projections, rope_inv_freq
-from lowband.models.weights import weight_files
+from lowband.models.weights import is_renamed, split_fused, weight_files
 
 logger = logging.getLogger(__name__)
 
@@ -138,6 +138,9 @@ def split_checkpoint(
                 full[key] = sf.get_tensor(key)
         if layer is not None and not full:
             raise ConfigError("model_dir", f"{src} has no tensors for layer {layer}")
+        # the runtime's names (Phi-3's fused q/k/v and gate/up split, Qwen3-MoE's experts
+        # renamed): what slice_of knows and what the split's loader fills
+        full = {k: t for key, whole in full.items() for k, t in split_fused(cfg, key, whole)}
         for r in range(devices):
             part = {}
             for key, t in full.items():
@@ -357,6 +360,14 @@ def _load_from_checkpoint(
     for f in weight_files(d):
         with safe_open(str(f), framework="pt") as sf:
             for key in sf.keys():
+                if is_renamed(model.config, key):
+                    # Phi-3's fused q/k/v and gate/up (read whole: each part is cut on its own
+                    # heads or columns), Qwen3-MoE's expert names: the runtime's tensors
+                    for name, whole in split_fused(model.config, key, sf.get_tensor(key)):
+                        spec = _spec(name, plan, rank, layout)
+                        if spec is not False:
+                            tensors[name] = _cast(name, take(whole, spec), dt).contiguous()
+                    continue
                 if key not in wanted:
                     continue
                 src, spec = key, _spec(key, plan, rank, layout)
