@@ -671,6 +671,8 @@ def bench(file: Path, a) -> dict:
         for i in range(a.repeats):  # alternate, swapping who goes first each round
             for arm in arms if i % 2 == 0 else arms[::-1]:
                 rounds[arm.name].append(run_arm(arm, workload, work / f"{arm.name}.log", a))
+                if a.keep_logs:  # what a run cut short has measured so far
+                    (work / "rounds.json").write_text(json.dumps(rounds))
     finally:
         if a.keep_logs:
             print(f"server logs kept in {work}", file=sys.stderr)
@@ -726,7 +728,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--cache", default="~/.cache/lowband/bench")
     p.add_argument("--workdir", default=None)
-    p.add_argument("--keep-logs", action="store_true")
+    p.add_argument(
+        "--keep-logs",
+        action="store_true",
+        help="keep the servers' logs and each round's figures (rounds.json) in the work dir",
+    )
     p.add_argument(
         "--kernels",
         default=None,
