@@ -32,6 +32,34 @@ _LAYER_SHAPES = {
     "ffn_up.weight": ("hidden", "ff"),
     "ffn_down.weight": ("ff", "hidden"),
 }
+# Phi-3: q/k/v may come fused (rows q | k | v), gate/up always do (rows gate | up).
+_FUSED_QKV = {"attn_qkv.weight": ("hidden", "qkv")}
+_PHI3_FFN = {"ffn_up.weight": ("hidden", "ff2"), "ffn_down.weight": ("ff", "hidden")}
+# Qwen3-MoE: a router and each projection's experts stacked in one 3-D tensor.
+_MOE_FFN = {
+    "ffn_gate_inp.weight": ("hidden", "experts"),
+    "ffn_gate_exps.weight": ("hidden", "ffe", "experts"),
+    "ffn_up_exps.weight": ("hidden", "ffe", "experts"),
+    "ffn_down_exps.weight": ("ffe", "hidden", "experts"),
+}
+
+
+def _layer_shapes(arch: str, shapes: dict[str, tuple[int, ...]]) -> dict[str, tuple[str, ...]]:
+    """The per-layer tensors architecture ``arch`` must have, with their shapes' widths."""
+    out = dict(_LAYER_SHAPES)
+    if arch == "phi3":
+        for g in ("ffn_gate.weight", "ffn_up.weight", "ffn_down.weight"):
+            del out[g]
+        out.update(_PHI3_FFN)
+        if "blk.0.attn_qkv.weight" in shapes:
+            for g in ("attn_q.weight", "attn_k.weight", "attn_v.weight"):
+                del out[g]
+            out.update(_FUSED_QKV)
+    elif arch == "qwen3moe":
+        for g in ("ffn_gate.weight", "ffn_up.weight", "ffn_down.weight"):
+            del out[g]
+        out.update(_MOE_FFN)
+    return out
 
 
 def open_gguf(gguf: Any, path: str | Path) -> Any:
@@ -97,14 +125,22 @@ def check_gguf(reader: Any, size: int) -> None:
     kv = _int(reader, pre + "attention.head_count_kv", heads, hi=heads)
     head_dim = _int(reader, pre + "attention.key_length", max(1, hidden // heads))
     _int(reader, pre + "context_length", 2048, hi=MAX_CONTEXT)
+    ff = _int(reader, pre + "feed_forward_length")
     widths = {
         "hidden": hidden,
         "q": heads * head_dim,
         "kv": kv * head_dim,
-        "ff": _int(reader, pre + "feed_forward_length"),
+        "qkv": (heads + 2 * kv) * head_dim,
+        "ff": ff,
+        "ff2": 2 * ff,
     }
+    per_layer = _layer_shapes(arch, shapes)
+    if "experts" in {d for dims in per_layer.values() for d in dims}:
+        # bounded by the stacked tensors' shapes below, which lie inside the file
+        widths["experts"] = _int(reader, pre + "expert_count")
+        widths["ffe"] = _int(reader, pre + "expert_feed_forward_length", ff)
     for i in range(layers):
-        for g, dims in _LAYER_SHAPES.items():
+        for g, dims in per_layer.items():
             name, want = f"blk.{i}.{g}", tuple(widths[d] for d in dims)
             got = shapes.get(name)
             if got is None:

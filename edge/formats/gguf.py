@@ -1,5 +1,5 @@
-"""GGUF files (llama.cpp's format): read a ``.gguf`` (llama, qwen2, qwen3 and gemma3
-architectures: see ``edge.formats.gguf_arch``) into the edge runtime,
+"""GGUF files (llama.cpp's format): read a ``.gguf`` (llama, qwen2, qwen3, gemma3, phi3,
+smollm3 and qwen3moe architectures: see ``edge.formats.gguf_arch``) into the edge runtime,
 and write one (for the llama.cpp benchmark and for users who want to take a lowband model there).
 
 Reading maps each tensor onto what the runtime already has, without requantizing:
@@ -36,7 +36,7 @@ import torch
 from torch import nn
 
 from edge.formats.bounds import open_gguf
-from edge.formats.gguf_arch import ROPE_FREQS, TOKENIZER_GGUF, architecture, hf_names
+from edge.formats.gguf_arch import EXPERTS, ROPE_FREQS, TOKENIZER_GGUF, architecture, hf_names
 from edge.formats.gguf_arch import read_config as read_config
 from edge.formats.quantized_checkpoint import (
     QuantConfig,
@@ -188,6 +188,8 @@ def _tensor(t: Any) -> Weight:
     requantizing."""
     kind = t.tensor_type.name
     shape = tuple(int(s) for s in reversed(t.shape))  # (N, K)
+    if len(shape) == 3:  # a stack of (N, K) matrices (a MoE layer's experts): all their rows
+        shape = (shape[0] * shape[1], shape[2])
     data = np.asarray(t.data)
     if kind in ("F32", "F16"):
         return torch.from_numpy(data.astype(np.float32).reshape(shape))
@@ -226,6 +228,50 @@ def _rows(x: Weight, fn) -> Weight:
     return fn(x).contiguous()
 
 
+def _split_rows(x: Weight, sizes: Sequence[int]) -> list[Weight]:
+    """``x`` cut into consecutive row blocks (a packed row is whole blocks along K)."""
+    out: list[Weight] = []
+    start = 0
+    for n in sizes:
+        if isinstance(x, GGMLWeight):
+            out.append(GGMLWeight(x.type, (n, x.shape[1]), x.data[start : start + n].clone()))
+        elif isinstance(x, PackedWeight):
+            spec = QuantSpec(x.spec.bits, x.spec.group, (n, x.spec.shape[1]))
+            rows = slice(start, start + n)
+            out.append(PackedWeight(spec, x.qweight[rows].clone(), x.scales[rows].clone()))
+        else:
+            out.append(x[start : start + n].clone())
+        start += n
+    return out
+
+
+def _rows_of(x: Weight) -> int:
+    return x.shape[0] if isinstance(x, (GGMLWeight, torch.Tensor)) else x.spec.shape[0]
+
+
+def _unfuse(name: str, x: Weight, cfg: ModelConfig) -> list[tuple[str, Weight]]:
+    """The runtime's tensors of a fused GGUF tensor: Phi-3's ``attn_qkv`` (rows q | k | v) and
+    ``ffn_up`` (rows gate | up), a MoE layer's stacked experts (rows expert by expert)."""
+    prefix, _, what = name.rpartition(".")
+    if what in ("w1", "w2", "w3") and prefix.endswith(EXPERTS):
+        e = cfg.num_local_experts
+        if _rows_of(x) % e:
+            raise ConfigError("model", f"GGUF {name}: {_rows_of(x)} rows for {e} experts")
+        parts = _split_rows(x, [_rows_of(x) // e] * e)
+        return [(f"{prefix}.{i}.{what}.weight", p) for i, p in enumerate(parts)]
+    if name.endswith("self_attn.qkv_proj.weight"):
+        nq, nkv = cfg.num_attention_heads * cfg.dim_per_head, cfg.n_kv_heads * cfg.dim_per_head
+        sizes, names = [nq, nkv, nkv], ["q_proj", "k_proj", "v_proj"]
+    elif name.endswith("mlp.gate_up_proj.weight"):
+        sizes, names = [cfg.intermediate_size] * 2, ["gate_proj", "up_proj"]
+    else:
+        return [(name, x)]
+    if _rows_of(x) != sum(sizes):
+        raise ConfigError("model", f"GGUF {name}: {_rows_of(x)} rows, expected {sum(sizes)}")
+    base = name.rsplit(".", 2)[0]
+    return [(f"{base}.{n}.weight", p) for n, p in zip(names, _split_rows(x, sizes))]
+
+
 def _read_tensors(reader: Any, cfg: ModelConfig) -> dict[str, Weight]:
     """Every tensor of the file by HF name, q/k rows back in HF order where llama.cpp's
     converter permuted them (the llama architecture: weights and biases) and norm weights
@@ -248,7 +294,7 @@ def _read_tensors(reader: Any, cfg: ModelConfig) -> dict[str, Weight]:
             x = _rows(x, lambda r: _unpermute(r, cfg.num_attention_heads))
         elif spec.permuted and ".k_proj." in name:
             x = _rows(x, lambda r: _unpermute(r, cfg.n_kv_heads))
-        out[name] = x
+        out.update(_unfuse(name, x, cfg))
     return out
 
 

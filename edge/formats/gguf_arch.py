@@ -16,8 +16,18 @@ Architectures (llama.cpp's ``gguf-py`` ``MODEL_TENSORS`` give the tensor names o
   MLP, ``post_ffw_norm``), stored as 1 + w by the converter; q/k norms; the layer pattern,
   local rope base and attention scale that llama.cpp fixes for the architecture.
 
-qwen2/qwen3/gemma3 use llama.cpp's NEOX rotary kernel, which pairs (i, i + D/2) as HF does, so their
-converter writes q/k rows unpermuted. Any other architecture is refused naming the value.
+* ``phi3`` (Phi-3, Phi-4-mini): q/k/v fused in ``attn_qkv`` (rows q | k | v) and gate/up in
+  ``ffn_up`` (rows gate | up), split at load into the runtime's projections; no sliding window
+  (llama.cpp disables Phi-3's); long-context ``rope_factors_long/short`` files are refused.
+* ``smollm3``: the llama layout (q/k permuted), every 4th layer without rope (NoPE), as
+  llama.cpp fixes it for the architecture.
+* ``qwen3moe`` (Qwen3-MoE): q/k norms, a router ``ffn_gate_inp`` and each layer's experts
+  stacked in 3-D ``ffn_{gate,up,down}_exps`` tensors (split into Mixtral's per-expert
+  ``w1``/``w3``/``w2`` at load); the top-k routing weights renormalised, as llama.cpp does.
+
+qwen2/qwen3/qwen3moe/gemma3/phi3 use llama.cpp's NEOX rotary kernel, which pairs (i, i + D/2) as
+HF does, so their converter writes q/k rows unpermuted. Any other architecture is refused
+naming the value.
 """
 
 from __future__ import annotations
@@ -32,6 +42,10 @@ import torch
 from lowband.errors import ConfigError
 from lowband.models.config import ModelConfig
 from lowband.models.llama import with_rope_freq_factors
+
+# A GGUF MoE layer's experts are one 3-D tensor per projection (E, rows, K): this prefix + ".w1"
+# etc. names the stack, cut into ``block_sparse_moe.experts.{e}.w1.weight`` at load.
+EXPERTS = "block_sparse_moe.experts"
 
 
 @dataclass(frozen=True)
@@ -57,7 +71,26 @@ ARCHS: dict[str, Arch] = {
             ("post_ffw_norm.weight", "post_feedforward_layernorm.weight"),
         ),
     ),
+    "phi3": Arch(
+        "phi3",
+        names=(
+            ("attn_qkv.weight", "self_attn.qkv_proj.weight"),
+            ("ffn_up.weight", "mlp.gate_up_proj.weight"),
+        ),
+    ),
+    "smollm3": Arch("smollm3", permuted=True),
+    "qwen3moe": Arch(
+        "qwen3_moe",
+        names=(
+            ("ffn_gate_inp.weight", "block_sparse_moe.gate.weight"),
+            ("ffn_gate_exps.weight", f"{EXPERTS}.w1"),
+            ("ffn_up_exps.weight", f"{EXPERTS}.w3"),
+            ("ffn_down_exps.weight", f"{EXPERTS}.w2"),
+        ),
+    ),
 }
+# SmolLM3 in llama.cpp: layer i applies no rope when (i + 1) is a multiple of this.
+SMOLLM3_NOPE_STEP = 4
 
 # GGUF tensor name <-> HF name (per layer ``blk.{i}.`` <-> ``model.layers.{i}.``).
 LAYER_NAMES = {
@@ -173,8 +206,23 @@ def read_config(reader: Any) -> ModelConfig:
         field(reader, "tokenizer.ggml.bos_token_id"),
         field(reader, "tokenizer.ggml.eos_token_id"),
     )
+    rot = field(reader, pre + "rope.dimension_count")
+    if rot is not None and int(rot) != (kw.get("head_dim") or kw["hidden_size"] // heads):
+        raise ConfigError(pre + "rope.dimension_count", f"{rot}: partial rotary is not implemented")
     if spec.model_type == "gemma3_text":
         kw.update(_gemma3(reader, pre, kw))
+    elif spec.model_type == "smollm3":
+        n = kw["num_hidden_layers"]
+        kw["no_rope_layers"] = tuple(int((i + 1) % SMOLLM3_NOPE_STEP != 0) for i in range(n))
+    elif spec.model_type == "qwen3_moe":
+        kw.update(
+            num_local_experts=_need(reader, pre + "expert_count"),
+            num_experts_per_tok=_need(reader, pre + "expert_used_count"),
+            intermediate_size=int(
+                field(reader, pre + "expert_feed_forward_length", kw["intermediate_size"])
+            ),
+            norm_topk_prob=True,  # llama.cpp's qwen3moe graph always renormalises
+        )
     cfg = ModelConfig(
         model_type=spec.model_type,
         bos_token_id=None if bos is None else int(bos),
@@ -245,6 +293,7 @@ def read_tokenizer(reader: Any):
 
 
 __all__ = [
+    "EXPERTS",
     "is_gguf",
     "TOKENIZER_GGUF",
     "ARCHS",
