@@ -375,6 +375,39 @@ class Request:
         return self.pos >= len(self.ids)
 
 
+class Pace:
+    """Sizes prompt chunks so running streams keep their pace (SARATHI's token budget, from
+    measurements): exponential averages of a plain decode step's time and of what each prompt
+    token adds to a step; while sequences decode, a step may carry as many prompt tokens as
+    fit ``(stall - 1)`` decode steps' time."""
+
+    FIRST = 16  # the budget before anything was measured
+
+    def __init__(self, stall: float, weight: float = 0.2) -> None:
+        self.stall, self.weight = stall, weight
+        self.decode_s: float | None = None
+        self.token_s: float | None = None
+
+    def _avg(self, old: float | None, new: float) -> float:
+        return new if old is None else (1 - self.weight) * old + self.weight * new
+
+    def observe(self, n_decode: int, n_prompt: int, seconds: float) -> None:
+        if n_prompt == 0:
+            if n_decode:
+                self.decode_s = self._avg(self.decode_s, seconds)
+        elif n_decode and self.decode_s is not None:
+            self.token_s = self._avg(self.token_s, max(seconds - self.decode_s, 0.0) / n_prompt)
+        elif not n_decode and self.token_s is None:  # pure prefill: an upper bound per token
+            self.token_s = seconds / n_prompt
+
+    def budget(self, cap: int) -> int:
+        """Prompt tokens for a step that also runs decodes (at most ``cap``)."""
+        if self.decode_s is None or not self.token_s:
+            return min(cap, self.FIRST)
+        fit = int((self.stall - 1.0) * self.decode_s / self.token_s)
+        return max(1, min(cap, fit))
+
+
 @dataclass
 class _Slot:
     tokens: list[int] = field(default_factory=list)  # whose K/V the runner's slot holds
@@ -401,12 +434,17 @@ class Engine:
         prefill_chunk: int = 256,
         parallel: int = 1,
         prefix_cache: int | None = None,
+        decode_stall: float = 2.0,
     ) -> None:
-        """``parallel``: sequences decoded together; ``prefill_chunk``: prompt tokens per
-        step (shared by the prompts being prefilled); ``prefix_cache``: finished sequences
-        whose caches are kept for prefix reuse (default: ``parallel``)."""
+        """``parallel``: sequences decoded together; ``prefill_chunk``: the most prompt tokens
+        per step (shared by the prompts being prefilled); ``decode_stall``: while sequences
+        are decoding, a step that also prefills may take about this many times a plain decode
+        step (the chunk is sized from the measured cost of both); ``prefix_cache``: finished
+        sequences whose caches are kept for prefix reuse (default: ``parallel``)."""
         if prefill_chunk < 1:
             raise ConfigError("prefill_chunk", f"must be >= 1, got {prefill_chunk}")
+        if not 1.0 < decode_stall <= 1000.0:
+            raise ConfigError("decode_stall", f"must be in (1, 1000], got {decode_stall}")
         if parallel < 1:
             raise ConfigError("parallel", f"must be >= 1, got {parallel}")
         if prefix_cache is not None and prefix_cache < 0:
@@ -426,6 +464,7 @@ class Engine:
         self.model_name = model_name
         self.max_context = runner.config.max_position_embeddings
         self.prefill_chunk = prefill_chunk
+        self.pace = Pace(decode_stall)
         self.metrics = Metrics()
         self._slots = [_Slot() for _ in range(parallel + n_cached)]
         self._last_slot = 0
@@ -602,7 +641,7 @@ class Engine:
         for r in self._active:
             if r.decoding:
                 work.append((r, Work(r.slot, (r.next_in,), r.pos, "last")))
-        budget = self.prefill_chunk
+        budget = self.pace.budget(self.prefill_chunk) if work else self.prefill_chunk
         for r in self._active:
             if r.decoding or budget <= 0:
                 continue
@@ -626,6 +665,10 @@ class Engine:
             return
         finally:
             self.metrics.busy_s += time.perf_counter() - t0
+        n_decode = sum(r.decoding for r in reqs)
+        self.pace.observe(
+            n_decode, sum(len(w.ids) for r, w in work if not r.decoding), time.perf_counter() - t0
+        )
         m = self.metrics
         m.steps += 1
         m.step_sequences += len(work)

@@ -76,7 +76,8 @@ class BatchConfig:
     parallel: int | None = None
     """Sequences decoded together; None: sized from this device's free memory (a KV cache per
     sequence at ``sizing_context`` tokens, a quarter of the available memory, 1..16)."""
-    prefill_chunk: int = 256  # prompt tokens per step, riding along with the decodes
+    prefill_chunk: int = 256  # the most prompt tokens per step, riding along with the decodes
+    decode_stall: float = 2.0  # a step that prefills beside decodes: <= this x a decode step
     prefix_cache: int | None = None  # finished sequences kept for prefix reuse (default parallel)
     sizing_context: int = 4096
 
@@ -85,6 +86,8 @@ class BatchConfig:
             raise ConfigError("parallel", f"must be in [1, 256], got {self.parallel}")
         if not 1 <= self.prefill_chunk <= 65536:
             raise ConfigError("prefill_chunk", f"must be in [1, 65536], got {self.prefill_chunk}")
+        if not 1.0 < self.decode_stall <= 1000.0:
+            raise ConfigError("decode_stall", f"must be in (1, 1000], got {self.decode_stall}")
         if self.prefix_cache is not None and not 0 <= self.prefix_cache <= 1024:
             raise ConfigError("prefix_cache", f"must be in [0, 1024], got {self.prefix_cache}")
         if self.sizing_context < 1:
@@ -123,6 +126,7 @@ def make_engine(runner: Runner, tok, name: str, batch: "BatchConfig") -> Engine:
         parallel=parallel,
         prefill_chunk=batch.prefill_chunk,
         prefix_cache=batch.prefix_cache,
+        decode_stall=batch.decode_stall,
     )
     logger.info(
         "engine: %d parallel sequences, prefill chunk %d", engine.parallel, batch.prefill_chunk

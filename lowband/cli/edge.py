@@ -201,6 +201,14 @@ def _add_serve(p: argparse.ArgumentParser) -> None:
         help="prompt tokens per step, prefilled alongside the running decodes (default 256)",
     )
     g.add_argument(
+        "--decode-stall",
+        type=float,
+        default=2.0,
+        help="while streams decode, a step that also prefills a prompt may take about this "
+        "many times a plain decode step (the chunk is sized from measured step times; "
+        "default 2.0)",
+    )
+    g.add_argument(
         "--prefix-cache",
         type=int,
         help="finished sequences whose KV caches are kept for prefix reuse (default: --parallel)",
@@ -432,6 +440,7 @@ def _serve_config(args, devices: int):
             parallel=args.parallel,
             prefill_chunk=args.prefill_chunk,
             prefix_cache=args.prefix_cache,
+            decode_stall=args.decode_stall,
         ),
         cluster=ClusterConfig(
             devices=devices,

@@ -306,3 +306,28 @@ def test_sliding_window_model_batches() -> None:
     want = [alone.complete(p, params)[0] for p in PROMPTS[:5]]
     eng = Engine(LocalRunner(model), ByteTokenizer(), model_name="m", parallel=3, prefill_chunk=8)
     assert _concurrently(eng, PROMPTS[:5], params) == want
+
+
+def test_pace_sizes_prompt_chunks_from_measured_step_times() -> None:
+    from edge.engine import Pace
+
+    pace = Pace(stall=3.0)
+    assert pace.budget(256) == Pace.FIRST  # nothing measured yet
+    pace.observe(4, 0, 0.100)  # a decode step of 4 sequences: 100 ms
+    pace.observe(4, 50, 0.600)  # 50 prompt tokens beside them added 500 ms: 10 ms each
+    # a step may take 3x a decode step: 200 ms of prompt work, 20 tokens
+    assert pace.budget(256) == 20
+    assert pace.budget(8) == 8  # never beyond the configured chunk
+    pace.observe(4, 0, 0.010)  # decode steps got much faster
+    for _ in range(50):
+        pace.observe(4, 0, 0.010)
+    assert pace.budget(256) == 2
+    slow = Pace(stall=1.5)
+    slow.observe(1, 0, 0.01)
+    slow.observe(1, 10, 1.01)
+    assert slow.budget(256) == 1  # at least one token, so a prompt always progresses
+
+
+def test_bad_decode_stall() -> None:
+    with pytest.raises(ConfigError):
+        Engine(LocalRunner(_model()), ByteTokenizer(), model_name="m", decode_stall=1.0)
