@@ -43,7 +43,7 @@ from edge.moe.quant import (
 from lowband.errors import ConfigError, CorruptWeights
 from lowband.models.config import ModelConfig
 from lowband.models.llama import LlamaForCausalLM, rope_inv_freq
-from lowband.models.weights import weight_files
+from lowband.models.weights import is_renamed, split_fused, weight_files
 
 MANIFEST = "nested.json"
 _COPIED = (
@@ -57,6 +57,23 @@ _COPIED = (
 
 def _err2(w: torch.Tensor, w_hat: torch.Tensor) -> float:
     return float((w.float() - w_hat).pow(2).sum())
+
+
+def _runtime_names(cfg: ModelConfig, handle) -> dict[str, str]:
+    """The runtime's name of every tensor of an open safetensors file -> its key there. A
+    family that names its experts otherwise (Qwen3-MoE: ``mlp.experts.E.gate_proj``,
+    ``mlp.gate``) is renamed one to one (shapes only: nothing is read)."""
+    out: dict[str, str] = {}
+    for key in handle.keys():
+        if not is_renamed(cfg, key):
+            out[key] = key
+            continue
+        shape = handle.get_slice(key).get_shape()
+        parts = list(split_fused(cfg, key, torch.empty(shape, device="meta")))
+        if len(parts) != 1:  # a fused tensor (Phi-3) is no MoE's
+            raise ConfigError("model_dir", f"{key}: a fused tensor in a mixture-of-experts model")
+        out[parts[0][0]] = key
+    return out
 
 
 def quantize_nested_checkpoint(
@@ -81,12 +98,12 @@ def quantize_nested_checkpoint(
     where: dict[tuple[int, int], dict[str, tuple[int, str]]] = {}
     rest: dict[str, torch.Tensor] = {}
     for i, h in enumerate(handles):
-        keys = list(h.keys())
+        stored = _runtime_names(mcfg, h)  # runtime (Mixtral) name -> the file's key
         expert_keys = set()
-        for layer, expert, name, key in iter_expert_keys(keys):
-            where.setdefault((layer, expert), {})[name] = (i, key)
+        for layer, expert, name, key in iter_expert_keys(list(stored)):
+            where.setdefault((layer, expert), {})[name] = (i, stored[key])
             expert_keys.add(key)
-        rest.update({k: h.get_tensor(k) for k in keys if k not in expert_keys})
+        rest.update({k: h.get_tensor(v) for k, v in stored.items() if k not in expert_keys})
     wanted = {(i, e) for i in range(mcfg.num_hidden_layers) for e in range(mcfg.num_local_experts)}
     bad = sorted(k for k in wanted if len(where.get(k, {})) != 3) or sorted(set(where) - wanted)
     if bad:

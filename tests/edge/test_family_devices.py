@@ -25,6 +25,9 @@ import transformers
 from edge.cluster import ClusterConfig, MasterRunner, WorkerConfig, run_worker
 from edge.engine import LocalRunner, Runner
 from edge.formats.gguf import load_gguf
+from edge.moe.checkpoint import load_dense, quantize_nested_checkpoint
+from edge.moe.quant import NestedQuantConfig
+from edge.moe.serve import ExpertServeConfig, load_nested_shard
 from edge.quant import QuantLinear, kernel
 from edge.quant.linear import GGMLLinear
 from edge.shardio import load_shard, split_checkpoint
@@ -288,7 +291,9 @@ def greedy(runner: Runner, prompt: list[int], n: int) -> list[int]:
     return out
 
 
-def cluster_tokens(path: Path, prompt: list[int], n: int) -> list[int]:
+def cluster_tokens(
+    path: Path, prompt: list[int], n: int, experts: ExpertServeConfig | None = None
+) -> list[int]:
     """Greedy tokens of a 2-device cluster (master + one worker thread) serving ``path``."""
     comms = LoopbackGroup(2, timeout=60).comms()
     errors: list[BaseException] = []
@@ -303,7 +308,9 @@ def cluster_tokens(path: Path, prompt: list[int], n: int) -> list[int]:
     worker.start()
     runner = None
     try:
-        cfg = ClusterConfig(devices=2, op_timeout=60.0, join_timeout=60, heartbeat_s=1.0)
+        cfg = ClusterConfig(
+            devices=2, op_timeout=60.0, join_timeout=60, heartbeat_s=1.0, experts=experts
+        )
         runner = MasterRunner(comms[0], path, cfg)
         return greedy(runner, prompt, n)
     finally:
@@ -453,3 +460,28 @@ def test_unsupported_gguf_variants_are_refused(tmp_path, models) -> None:
     partial = copy(tmp_path / "p.gguf", {"phi3.rope.dimension_count": 8}, {})
     with pytest.raises(ConfigError, match="rope.dimension_count"):
         load_shard(partial)
+
+
+# ---- bit-nested experts (``lowband edge quantize MODEL --nested``) ---------------------------
+EXPERT_SERVE = ExpertServeConfig(budget_mb=64.0, policy="lru", lru_bits=8)
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+def test_nested_experts_one_and_two_devices(models, family, tmp_path) -> None:
+    """A MoE checkpoint quantized to bit-nested expert planes (Qwen3-MoE's own expert and
+    router names included) serves, on one device and on two, the greedy tokens of the same
+    experts dequantized at 8 bits; that model is transformers' up to int8 weight error."""
+    cfg = NestedQuantConfig(group_size=16)  # divides every width here
+    out = quantize_nested_checkpoint(models(family)["hf"], tmp_path / "nested", cfg)
+    dense = load_dense(out, 8)
+    want = greedy(LocalRunner(dense), PROMPT, NEW)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(models(family)["hf"]).float().eval()
+    with torch.no_grad():
+        ref, got = hf(torch.tensor([PROMPT])).logits, dense(torch.tensor([PROMPT]))
+    assert ((got - ref).norm() / ref.norm()).item() < 0.05
+    one = load_nested_shard(out, experts=EXPERT_SERVE)
+    try:
+        assert greedy(LocalRunner(one.model), PROMPT, NEW) == want
+    finally:
+        one.close()
+    assert cluster_tokens(out, PROMPT, NEW, experts=EXPERT_SERVE) == want
