@@ -12,6 +12,8 @@ architecture (F32, so the tokens can be compared exactly)."""
 
 from __future__ import annotations
 
+import json
+import sys
 import threading
 from pathlib import Path
 from typing import Callable
@@ -31,10 +33,14 @@ from edge.moe.serve import ExpertServeConfig, load_nested_shard
 from edge.quant import QuantLinear, kernel
 from edge.quant.linear import GGMLLinear
 from edge.shardio import load_shard, split_checkpoint
+from edge.source import resolve_model
 from lowband.errors import ConfigError
+from lowband.proc import free_port
+from tests.cli.test_edge_cli import _http, _wait_health
 from tests.edge.test_gguf_models import (
     GG,
     GG_GEMMA3,
+    TEMPLATE,
     TOP,
     _random,
     add_tokenizer,
@@ -272,6 +278,7 @@ def models(tmp_path_factory):
             assert len(set(ref)) >= 3, ref  # a continuation that can tell models apart
             made[family] = {
                 "ref": ref,
+                "model": hf,
                 "hf": d / "hf",
                 "gguf": write_gguf_file(d / "m.gguf", hf, arch) if arch else None,
             }
@@ -485,3 +492,52 @@ def test_nested_experts_one_and_two_devices(models, family, tmp_path) -> None:
     finally:
         one.close()
     assert cluster_tokens(out, PROMPT, NEW, experts=EXPERT_SERVE) == want
+
+
+# ---- the command a user runs, and the OpenAI API with the model's chat template ---------------
+def add_hf_tokenizer(d: Path) -> None:
+    """The GGUF files' BPE tokenizer and Llama-3-style chat template, as an HF directory
+    carries them (``tokenizer.json``, ``tokenizer_config.json``)."""
+    bpe().save(str(d / "tokenizer.json"))
+    config = {
+        "chat_template": TEMPLATE,
+        "bos_token": "<|begin_of_text|>",
+        "eos_token": "<|end_of_text|>",
+    }
+    (d / "tokenizer_config.json").write_text(json.dumps(config))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family,fmt", [("phi3", "hf"), ("qwen3_moe", "gguf")])
+def test_cli_run_two_devices_chat(models, family: str, fmt: str, spawn) -> None:
+    """``lowband edge run MODEL --devices 2``: /v1/chat/completions renders the model's own
+    template and answers transformers' greedy reply to the rendered prompt, stopping on the
+    template's end of turn."""
+    m = models(family)
+    path = m[fmt]
+    if fmt == "hf":
+        add_hf_tokenizer(path)
+    tok = resolve_model(path).tokenizer()
+    tpl = tok.chat_template
+    assert tpl is not None
+    messages = [{"role": "user", "content": "hello world, the lazy fox"}]
+    ids = tpl.encode(tok.encode, tpl.render(messages, add_generation_prompt=True))
+    reply = reference_tokens(m["model"], ids, NEW)
+    stops = {*tpl.stop_token_ids, tok.eos_token_id}
+    cut = next((i for i, t in enumerate(reply) if t in stops), len(reply))
+    assert cut >= 3, reply  # a reply to compare, not an immediate end of turn
+    # (a reply cut by max_tokens inside a UTF-8 character: the server leaves the bytes out)
+    want = tok.decode(reply[:cut]).rstrip("\ufffd")
+    port = free_port()
+    master = spawn(
+        [sys.executable, "-m", "lowband", "edge", "run", str(path), "--devices", "2"]
+        + ["--port", str(port), "--threads", "1"]
+    )
+    _wait_health(port, master, timeout=400)
+    status, listed = _http(port, "/v1/models")
+    assert status == 200 and listed["data"][0]["chat_template"] == "model"
+    body = {"messages": messages, "max_tokens": NEW, "temperature": 0}
+    status, out = _http(port, "/v1/chat/completions", body)
+    assert status == 200, out
+    assert out["choices"][0]["message"]["content"] == want
+    assert out["usage"]["prompt_tokens"] == len(ids)
