@@ -328,12 +328,10 @@ def cluster_tokens(
 
 
 def _source(models, family: str, fmt: str) -> Path:
-    m = models(family)
-    if fmt == "gguf" and m["gguf"] is None:
-        pytest.skip(f"llama.cpp has no {family} architecture of its own")
-    return m[fmt]
+    return models(family)[fmt]
 
 
+# (Mixtral has no GGUF architecture of its own: llama.cpp writes it as 'llama' with experts.)
 CASES = [(f, fmt) for f in FAMILIES for fmt in ("hf", "gguf") if fmt == "hf" or FAMILIES[f][1]]
 
 
