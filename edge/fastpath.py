@@ -13,7 +13,8 @@ which is already efficient there, and both paths share one ``KVCache``.
 :func:`install` attaches it to a loaded model (``model.fast_decode``, which
 ``LlamaForCausalLM.forward_layers`` and ``head`` use for one token) when everything it needs is
 there: the C++ extension, float32 activations, a dense (non-MoE) model whose linears are float32
-``nn.Linear``, ``QuantLinear`` or ``GGMLLinear`` (K-quant blocks as in a GGUF file) in memory.
+``nn.Linear``, ``QuantLinear`` or ``GGMLLinear`` (K-quant blocks as in a GGUF file) in memory,
+of Llama's maths or Qwen3's (per-head q/k RMSNorm before rotary).
 Otherwise the eager path keeps running and the reason is returned (and logged), never an error.
 Tensor parallelism: the model's ``reduce`` hooks are called from C++ between the blocks, so the
 same transport carries the partial sums.
@@ -99,10 +100,13 @@ def unsupported_reason(model: LlamaForCausalLM) -> str | None:
     if not qkernel.available():
         return f"the C++ kernel is unavailable ({qkernel.unavailable_reason()})"
     if cfg.is_moe:
-        return "routed-expert (MoE) layers run on the eager path"
+        return f"{cfg.model_type}: routed-expert (MoE) layers run on the eager path"
     for i, layer in enumerate(model.model.layers):
         attn = layer.self_attn
-        for norm in (layer.input_layernorm, layer.post_attention_layernorm):
+        norms = [layer.input_layernorm, layer.post_attention_layernorm]
+        if cfg.qk_norm:
+            norms += [attn.q_norm, attn.k_norm]
+        for norm in norms:
             if (
                 norm.weight.is_meta
                 or norm.weight.dtype != torch.float32
@@ -125,7 +129,6 @@ def unsupported_reason(model: LlamaForCausalLM) -> str | None:
 def _family_reason(cfg: ModelConfig) -> str | None:
     """The first of a family's departures from plain Llama maths (None: there are none)."""
     checks = (
-        (cfg.qk_norm, "per-head q/k norms"),
         (cfg.norm_unit_offset, "(1 + weight) norms"),
         (cfg.sandwich_norms, "sandwich norms"),
         (cfg.hidden_act not in ("silu", "swish"), f"{cfg.hidden_act} MLP"),
@@ -174,6 +177,7 @@ class FastDecode:
                 raise ValueError("every layer must use the same reduce hook")
             qkv = [attn.qkv] if attn.qkv is not None else [attn.q_proj, attn.k_proj, attn.v_proj]
             gu = [mlp.gate_up] if mlp.gate_up is not None else [mlp.gate_proj, mlp.up_proj]
+            qk = (attn.q_norm.weight.detach(), attn.k_norm.weight.detach()) if attn.qk_norm else ()
             self._dec.add_layer(
                 layer.input_layernorm.weight.detach(),
                 layer.post_attention_layernorm.weight.detach(),
@@ -183,6 +187,7 @@ class FastDecode:
                 _lin(mlp.down_proj),
                 attn.n_heads,
                 attn.n_kv_heads,
+                *qk,
             )
         self._norm = None
         self._head: tuple | None = None

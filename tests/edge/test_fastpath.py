@@ -44,6 +44,8 @@ def _model(bits=None, fuse=True, **over) -> LlamaForCausalLM:
         for n, p in m.named_parameters():
             if n.endswith("bias"):
                 p.normal_(0, 0.1)
+            elif ".q_norm." in n or ".k_norm." in n:  # Qwen3: per-head norms that matter
+                p.normal_(1, 0.3)
     if bits:
         quantize_modules(m, bits=bits, group=32)
     if fuse:
@@ -77,8 +79,9 @@ def _decode(m: LlamaForCausalLM, ids: torch.Tensor, prefill: int) -> torch.Tenso
         {"sliding_window": 5, "model_type": "qwen2", "attention_bias": True},
         {"num_key_value_heads": 4},
         {"tie_word_embeddings": True},
+        {"model_type": "qwen3", "qk_norm": True, "head_dim": 48},
     ],
-    ids=["llama", "window+bias", "mha", "tied"],
+    ids=["llama", "window+bias", "mha", "tied", "qwen3"],
 )
 @pytest.mark.parametrize("fuse", [True, False], ids=["fused", "unfused"])
 def test_compiled_step_matches_eager(bits, over, fuse) -> None:
@@ -91,6 +94,49 @@ def test_compiled_step_matches_eager(bits, over, fuse) -> None:
     assert (got - ref).abs().max().item() <= _tol(bits) * max(1.0, ref.abs().max().item())
     if bits is None:
         assert torch.equal(got.argmax(-1), ref.argmax(-1))
+
+
+def test_qwen3_qk_norm_matters_and_runs_under_tp() -> None:
+    """The compiled step applies Qwen3's per-head q/k norms: without them it would not match
+    (the parity case above could fail), and on a 2-way TP split (heads on both ranks, the
+    (D,) weights replicated) it gives the unsplit model's logits."""
+    over = {"model_type": "qwen3", "qk_norm": True, "head_dim": 48}
+    full = _model(fuse=False, **over)
+    ids = torch.randint(0, 97, (1, 16), generator=torch.Generator().manual_seed(6))
+    ref = _decode(full, ids, 5)
+    plain = copy.deepcopy(full)
+    for layer in plain.model.layers:
+        layer.self_attn.qk_norm = False
+    assert (_decode(plain, ids, 5) - ref).abs().max().item() > 1e-2
+    world = 2
+    plan = make_plan(full.config, world)
+    links = _star(world)
+    x_all = full.embed(ids).detach()
+
+    def rank_fn(r: int):
+        def body():
+            reduce = make_reduce(links[r], timeout=20)
+            m = shard(copy.deepcopy(full), plan, r, world, reduce)
+            fuse_projections(m)
+            assert fastpath.install(m) is None
+            cache, outs = m.new_cache(), []
+            with torch.inference_mode():
+                h = m.forward_layers(x_all[:, :5], cache=cache, start=0)
+                for t in range(5, ids.shape[1]):
+                    h = m.forward_layers(x_all[:, t : t + 1], cache=cache, start=t)
+                    out = tp_head(m, plan, r, h, reduce)
+                    if r == 0:
+                        outs.append(out[0, -1])
+            return torch.stack(outs) if outs else None
+
+        return body
+
+    try:
+        got = run_ranks([rank_fn(r) for r in range(world)], timeout=60)[0]
+    finally:
+        for link in links:
+            link.close()
+    assert (got - ref).abs().max().item() <= _tol(None) * max(1.0, ref.abs().max().item())
 
 
 def test_cache_growth_and_mixed_prefill() -> None:

@@ -145,6 +145,20 @@ def test_batch_rows_equal_single_rows(kind, fuse) -> None:
     assert torch.equal(flat, logits.view(len(lengths), -1))
 
 
+def test_qwen3_batch_rows_equal_single_rows() -> None:
+    """Qwen3's per-head q/k norms in the batched step: each row as the same token alone."""
+    m = _model("Q4_K", model_type="qwen3", qk_norm=True, head_dim=128)
+    with torch.no_grad():
+        for layer in m.model.layers:
+            layer.self_attn.q_norm.weight.normal_(1, 0.3)
+            layer.self_attn.k_norm.weight.normal_(1, 0.3)
+    assert fastpath.install(m) is None, fastpath.unsupported_reason(m)
+    caches = _prefilled(m, [3, 11, 1, 7, 18])
+    gen = torch.Generator().manual_seed(8)
+    for _ in range(2):
+        _check_step(m, caches, torch.randn(5, 1, m.config.hidden_size, generator=gen))
+
+
 @pytest.mark.parametrize("kind", ["fp32", "q4"])
 def test_head_of_many_rows(kind) -> None:
     """Past 32 rows an fp32 head runs on PyTorch's GEMM (faster there); packed heads stay

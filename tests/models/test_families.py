@@ -145,7 +145,7 @@ def test_cached_decode_equals_transformers(pair) -> None:
     m = copy.deepcopy(ours)
     fuse_projections(m)
     why = fastpath.install(m)
-    compiled = kind in ("llama3", "mistral", "phi3")
+    compiled = kind in ("llama3", "mistral", "phi3", "qwen3")
     if compiled and qkernel.available():
         assert why is None and fastpath.active(m)
     elif not compiled:

@@ -7,9 +7,10 @@
 // memory with preallocated scratch buffers: RMSNorm, the q/k/v projections (fp32, Q8/Q4 packed
 // or ggml blocks, see gemv_kernels.h and ggml_kernels.h), rotary embedding, the new K/V written
 // into the caller's cache, grouped-query attention over the cached positions (optionally a
-// sliding window), o_proj, SwiGLU and down_proj. Tensor parallelism: after o_proj and after
-// down_proj the partial sums go through a Python callback (the transport's all-reduce), so the
-// network code stays in Python and the GIL is held only for that call.
+// sliding window), o_proj, SwiGLU and down_proj; Qwen3's per-head RMSNorm of q and k (one (D,)
+// weight shared by every head, before rotary) where a layer has it. Tensor parallelism: after
+// o_proj and after down_proj the partial sums go through a Python callback (the transport's
+// all-reduce), so the network code stays in Python and the GIL is held only for that call.
 //
 // Batches: decode reads every weight once per token and does a few flops per byte, so it is
 // bound by memory bandwidth. With B sequences decoding together (Decoder::layers_batch) each
@@ -404,6 +405,7 @@ int64_t parts_n(const std::vector<Lin>& parts) {
 
 struct Layer {
   torch::Tensor ln1, ln2;
+  torch::Tensor qn, kn;  // per-head q/k RMSNorm weights (D,); undefined: none (plain Llama)
   std::vector<Lin> qkv, gate_up;
   Lin o, down;
   int64_t nq = 0, nkv = 0, inter = 0;
@@ -623,13 +625,21 @@ class Decoder {
   }
 
   void add_layer(torch::Tensor ln1, torch::Tensor ln2, py::list qkv, py::tuple o, py::list gate_up, py::tuple down,
-                 int64_t nq, int64_t nkv) {
+                 int64_t nq, int64_t nkv, const py::object& q_norm, const py::object& k_norm) {
     Layer L;
     check_f32(ln1, "input_layernorm");
     check_f32(ln2, "post_attention_layernorm");
     TORCH_CHECK(ln1.numel() == H_ && ln2.numel() == H_, "norm weights must have hidden_size entries");
     L.ln1 = ln1;
     L.ln2 = ln2;
+    TORCH_CHECK(q_norm.is_none() == k_norm.is_none(), "q_norm and k_norm come together");
+    if (!q_norm.is_none()) {
+      L.qn = q_norm.cast<torch::Tensor>();
+      L.kn = k_norm.cast<torch::Tensor>();
+      check_f32(L.qn, "q_norm");
+      check_f32(L.kn, "k_norm");
+      TORCH_CHECK(L.qn.numel() == D_ && L.kn.numel() == D_, "q/k norm weights must have head_dim entries");
+    }
     for (auto h : qkv) L.qkv.push_back(parse_lin(h));
     for (auto h : gate_up) L.gate_up.push_back(parse_lin(h));
     L.o = parse_lin(o);
@@ -857,6 +867,10 @@ class Decoder {
       float* q = qkv_.data() + b * QKV;
       float* k = q + nq * D;
       float* v = k + nkv * D;
+      if (L.qn.defined()) {  // per head, before rotary; in place (rmsnorm reads x[i], then writes y[i])
+        for (int64_t h = 0; h < nq; ++h) rmsnorm(q + h * D, L.qn.data_ptr<float>(), q + h * D, D, eps_);
+        for (int64_t h = 0; h < nkv; ++h) rmsnorm(k + h * D, L.kn.data_ptr<float>(), k + h * D, D, eps_);
+      }
       for (int64_t h = 0; h < nq; ++h) rope(q + h * D, b);
       for (int64_t h = 0; h < nkv; ++h) rope(k + h * D, b);
       if (nkv == 0) continue;
@@ -970,7 +984,9 @@ void init_decode(py::module_& m) {
   py::class_<Decoder>(m, "Decoder")
       .def(py::init<int64_t, int64_t, double, torch::Tensor, int64_t>(), py::arg("hidden"), py::arg("head_dim"),
            py::arg("eps"), py::arg("inv_freq"), py::arg("window"))
-      .def("add_layer", &Decoder::add_layer)
+      .def("add_layer", &Decoder::add_layer, py::arg("ln1"), py::arg("ln2"), py::arg("qkv"), py::arg("o"),
+           py::arg("gate_up"), py::arg("down"), py::arg("nq"), py::arg("nkv"), py::arg("q_norm") = py::none(),
+           py::arg("k_norm") = py::none())
       .def("set_cache", &Decoder::set_cache)
       .def("cache_table", &Decoder::cache_table, py::arg("k"), py::arg("v"))
       .def("layers", &Decoder::layers, py::arg("x"), py::arg("pos"), py::arg("reduce") = py::none(),
