@@ -734,15 +734,16 @@ class Engine:
         r.out.append(tok)
         m.completion_tokens += 1
         text = self.tokenizer.decode(r.out)
-        if text.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for more
+        last = len(r.out) == p.max_tokens
+        if text.endswith("\ufffd") and not last:  # an incomplete UTF-8 sequence: wait for more
             piece = ""
-        else:
+        else:  # (the last token shows what it has: U+FFFD for a cut sequence, as OpenAI's)
             piece, r.shown = text[len(r.shown) :], text
         visible = r.stops.feed(piece)
         if r.stops.stopped:
             self._finish(r, Event(visible, tok, "stop", lp, tops, **extra))
             return
-        if len(r.out) == p.max_tokens:
+        if last:
             self._finish(r, Event(visible + r.stops.flush(), tok, "length", lp, tops, **extra))
             return
         r.sink(Event(visible, tok, None, lp, tops, **extra))
