@@ -100,6 +100,35 @@ class Work:
     logits: Want = "last"
 
 
+def wanted_rows(work: Sequence[Work]) -> list[int]:
+    """The rows of a step's (N, H) hidden states whose logits its items ask for."""
+    rows: list[int] = []
+    off = 0
+    for w in work:
+        n = len(w.ids)
+        if w.logits == "all":
+            rows.extend(range(off, off + n))
+        elif w.logits == "last":
+            rows.append(off + n - 1)
+        off += n
+    return rows
+
+
+def split_logits(work: Sequence[Work], logits: torch.Tensor | None) -> list[torch.Tensor | None]:
+    """Each item's share of the logits of :func:`wanted_rows` (in that order)."""
+    out: list[torch.Tensor | None] = []
+    r = 0
+    for w in work:
+        want = len(w.ids) if w.logits == "all" else int(w.logits == "last")
+        if want:
+            assert logits is not None
+            out.append(logits[r : r + want] if w.logits == "all" else logits[r])
+        else:
+            out.append(None)
+        r += want
+    return out
+
+
 class BatchRunner(Runner, Protocol):
     """A runner that holds one KV cache per slot and runs many sequences per step."""
 
@@ -157,32 +186,11 @@ class LocalRunner:
     def forward_batch(self, work: Sequence[Work], top: int = 0) -> list[torch.Tensor | None]:
         spans = [Span(self._slot(w.slot), w.start, len(w.ids)) for w in work]
         ids = torch.tensor([i for w in work for i in w.ids], dtype=torch.long)
-        rows: list[int] = []  # hidden rows whose logits are wanted
-        off = 0
-        for w in work:
-            n = len(w.ids)
-            if w.logits == "all":
-                rows.extend(range(off, off + n))
-            elif w.logits == "last":
-                rows.append(off + n - 1)
-            off += n
+        rows = wanted_rows(work)
         with torch.inference_mode():
             h = self.model.forward_ragged(self.model.embed(ids[None]), spans)
             logits = self.model.head(h[0, rows]).float() if rows else None
-        out: list[torch.Tensor | None] = []
-        r = 0
-        for w in work:
-            if w.logits == "all":
-                assert logits is not None
-                out.append(logits[r : r + len(w.ids)])
-                r += len(w.ids)
-            elif w.logits == "last":
-                assert logits is not None
-                out.append(logits[r])
-                r += 1
-            else:
-                out.append(None)
-        return out
+        return split_logits(work, logits)
 
     def slot_length(self, slot: int) -> int:
         c = self._caches.get(slot)

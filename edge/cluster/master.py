@@ -49,7 +49,7 @@ from edge.cluster.shard import (
     shard_rows_logits,
     wire_codec,
 )
-from edge.engine import ClusterUnavailable, Work
+from edge.engine import ClusterUnavailable, Work, split_logits, wanted_rows
 from edge.moe.serve import ExpertServeConfig
 from edge.shardio import WindowConfig, is_split_dir
 from lowband.comm import Communicator, OpStats
@@ -482,15 +482,7 @@ class MasterRunner:
 
     def forward_batch(self, work: Sequence[Work], top: int = 0) -> list[torch.Tensor | None]:
         """One step of continuous batching on every rank (see the module docstring)."""
-        rows: list[int] = []  # hidden rows whose logits are wanted
-        off = 0
-        for w in work:
-            n = len(w.ids)
-            if w.logits == "all":
-                rows.extend(range(off, off + n))
-            elif w.logits == "last":
-                rows.append(off + n - 1)
-            off += n
+        rows = wanted_rows(work)
         with self._lock:
             self._check_ready()
             # A bad batch is refused here, before any rank computes (RuntimeError: the engine
@@ -525,17 +517,7 @@ class MasterRunner:
                 # Half a step leaves the ranks' caches and link sequences out of step: only
                 # the regroup of the recovery path puts them back.
                 raise self._fail(exc) from exc
-        out: list[torch.Tensor | None] = []
-        r = 0
-        for w in work:
-            want = len(w.ids) if w.logits == "all" else int(w.logits == "last")
-            if want:
-                assert logits is not None  # rank 0 always gets the logits
-                out.append(logits[r : r + want] if w.logits == "all" else logits[r])
-            else:
-                out.append(None)
-            r += want
-        return out
+        return split_logits(work, logits)  # rank 0 always gets the logits
 
     def slot_length(self, slot: int) -> int:
         c = self._kv.get(slot)

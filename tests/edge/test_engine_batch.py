@@ -116,19 +116,24 @@ def test_long_prompt_is_prefilled_in_chunks_beside_the_decodes() -> None:
     texts["long"] = eng.complete(long_prompt, SamplingParams(max_tokens=4))[0]
     for t in threads:
         t.join(timeout=120)
-    n_long = len(long_prompt.encode())
-    chunks = [
+    long_ids = tuple(long_prompt.encode())
+    n_long = len(long_ids)
+    first = next(
+        w for step in runner.steps for w in step if w.start == 0 and w.ids == long_ids[: len(w.ids)]
+    )
+    long_chunks = [
         (w, step)
         for step in runner.steps
         for w in step
-        if len(w.ids) > 1 or (w.start == 0 and len(w.ids) == 1 and n_long == 1)
+        if w.slot == first.slot
+        and w.start < n_long
+        and w.ids == long_ids[w.start : w.start + len(w.ids)]
     ]
-    long_chunks = [(w, step) for w, step in chunks if w.start + len(w.ids) <= n_long]
-    assert sum(len(w.ids) for w, _ in long_chunks) >= n_long - 8
+    assert sum(len(w.ids) for w, _ in long_chunks) == n_long
     assert all(len(w.ids) <= 8 for w, _ in long_chunks)  # never more than the chunk budget
     # while the long prompt was being prefilled the short streams kept decoding in the
     # same steps (one token each)
-    mixed = [step for w, step in long_chunks if any(len(x.ids) == 1 for x in step)]
+    mixed = [step for w, step in long_chunks if any(x.slot != first.slot for x in step)]
     assert len(mixed) >= len(long_chunks) // 2
     # and the outputs are those of each request alone
     alone = Engine(LocalRunner(model), ByteTokenizer(), model_name="m")
