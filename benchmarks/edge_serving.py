@@ -667,10 +667,16 @@ def bench(file: Path, a) -> dict:
     }
     work = Path(tempfile.mkdtemp(prefix="lowband-edge-serving-", dir=a.workdir))
     rounds: dict[str, list[dict]] = {arm.name: [] for arm in arms}
+    failed: dict[str, str] = {}  # an arm that failed a round is reported, not retried
     try:
         for i in range(a.repeats):  # alternate, swapping who goes first each round
             for arm in arms if i % 2 == 0 else arms[::-1]:
-                rounds[arm.name].append(run_arm(arm, workload, work / f"{arm.name}.log", a))
+                if arm.name in failed:
+                    continue
+                try:
+                    rounds[arm.name].append(run_arm(arm, workload, work / f"{arm.name}.log", a))
+                except (RuntimeError, TimeoutError, OSError) as exc:
+                    failed[arm.name] = f"round {i}: {exc}"[:2000]
                 if a.keep_logs:  # what a run cut short has measured so far
                     (work / "rounds.json").write_text(json.dumps(rounds))
     finally:
@@ -682,6 +688,7 @@ def bench(file: Path, a) -> dict:
         arm.name: {
             "argv": [x.replace(str(Path.home()), "~") for x in arm.argv],
             "cores": list(arm.cores),
+            **({"error": failed[arm.name]} if arm.name in failed else {}),
             **summarize(rounds[arm.name], workload, costs, machines[arm.cores]),
         }
         for arm in arms
