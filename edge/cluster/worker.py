@@ -144,6 +144,16 @@ def _regroup_with_master(comm: Communicator, cfg: WorkerConfig, *, rejoining: bo
 def run_worker(comm: Communicator, cfg: WorkerConfig) -> int:
     """Serve the master until it says shutdown (returns 0) or disappears (raises PeerLost)."""
     comm.quorum(min_world=1, timeout=cfg.join_timeout)
+    # Registered before the master (which may still be loading a big model): a group of this
+    # worker alone would have it wait on itself, and the master's quorum for the whole
+    # cluster would never see it again. Join quorum rounds until another peer is there (the
+    # master by its id; in a loopback group of tests, rank 0).
+    deadline = time.monotonic() + cfg.join_timeout
+    while not _has_master(comm) and len(comm.membership.peers) < 2:
+        if time.monotonic() > deadline:
+            raise PeerLost(f"no master joined within {cfg.join_timeout:.0f}s")
+        time.sleep(0.2)
+        _regroup(comm, cfg)
     st = WorkerState()
     try:
         while True:
