@@ -329,14 +329,7 @@ void ggml_dispatch(int type, const uint8_t* w, int64_t row_bytes, const lbq::ggm
   case g::T:                                              \
     ggml_rows<g::T>(w, row_bytes, a, n0, n1, Y, ldy);     \
     break;
-    LBQ_GGML_CASE(Q4_1)
-    LBQ_GGML_CASE(Q5_0)
-    LBQ_GGML_CASE(Q5_1)
-    LBQ_GGML_CASE(Q2_K)
-    LBQ_GGML_CASE(Q3_K)
-    LBQ_GGML_CASE(Q4_K)
-    LBQ_GGML_CASE(Q5_K)
-    LBQ_GGML_CASE(Q6_K)
+    LBQ_GGML_TYPES(LBQ_GGML_CASE)
 #undef LBQ_GGML_CASE
     default:
       break;

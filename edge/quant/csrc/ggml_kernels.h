@@ -26,6 +26,8 @@ namespace lbq {
 namespace ggml {
 
 enum Type : int { Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q2_K = 10, Q3_K = 11, Q4_K = 12, Q5_K = 13, Q6_K = 14 };
+// X(T) for every type above: the one list each dispatch on a type id expands.
+#define LBQ_GGML_TYPES(X) X(Q4_1) X(Q5_0) X(Q5_1) X(Q2_K) X(Q3_K) X(Q4_K) X(Q5_K) X(Q6_K)
 
 inline float f16(const uint8_t* p) {
   uint16_t h;
@@ -371,14 +373,7 @@ inline bool decode_block(int type, bool portable, const uint8_t* p, int8_t* q, f
   case T:                                                                       \
     portable ? Traits<T>::portable(p, q, a, b) : Traits<T>::decode(p, q, a, b); \
     return true;
-    LBQ_GGML_CASE(Q4_1)
-    LBQ_GGML_CASE(Q5_0)
-    LBQ_GGML_CASE(Q5_1)
-    LBQ_GGML_CASE(Q2_K)
-    LBQ_GGML_CASE(Q3_K)
-    LBQ_GGML_CASE(Q4_K)
-    LBQ_GGML_CASE(Q5_K)
-    LBQ_GGML_CASE(Q6_K)
+    LBQ_GGML_TYPES(LBQ_GGML_CASE)
 #undef LBQ_GGML_CASE
     default:
       return false;
@@ -395,14 +390,7 @@ inline bool block_shape(int type, int* qk, int* size) {
     *qk = Traits<T>::QK;     \
     *size = Traits<T>::SIZE; \
     return true;
-    LBQ_GGML_CASE(Q4_1)
-    LBQ_GGML_CASE(Q5_0)
-    LBQ_GGML_CASE(Q5_1)
-    LBQ_GGML_CASE(Q2_K)
-    LBQ_GGML_CASE(Q3_K)
-    LBQ_GGML_CASE(Q4_K)
-    LBQ_GGML_CASE(Q5_K)
-    LBQ_GGML_CASE(Q6_K)
+    LBQ_GGML_TYPES(LBQ_GGML_CASE)
 #undef LBQ_GGML_CASE
     default:
       return false;
@@ -576,14 +564,7 @@ inline bool gemv_rows(int type, const uint8_t* w, int64_t row_bytes, const GAct&
   case T:                                          \
     gemv_rows_t<T>(w, row_bytes, x, N, n0, n1, Y); \
     return true;
-    LBQ_GGML_CASE(Q4_1)
-    LBQ_GGML_CASE(Q5_0)
-    LBQ_GGML_CASE(Q5_1)
-    LBQ_GGML_CASE(Q2_K)
-    LBQ_GGML_CASE(Q3_K)
-    LBQ_GGML_CASE(Q4_K)
-    LBQ_GGML_CASE(Q5_K)
-    LBQ_GGML_CASE(Q6_K)
+    LBQ_GGML_TYPES(LBQ_GGML_CASE)
 #undef LBQ_GGML_CASE
     default:
       return false;
