@@ -133,10 +133,24 @@ def _regroup_with_master(comm: Communicator, cfg: WorkerConfig, *, rejoining: bo
     would wait on itself. Bounded by ``join_timeout``."""
     had_master = _has_master(comm)
     _regroup(comm, cfg, rejoining=rejoining)
+    _regroup_until(
+        comm,
+        cfg,
+        lambda: not had_master or _has_master(comm),
+        "the master did not come back",
+        rejoining=rejoining,
+    )
+
+
+def _regroup_until(
+    comm: Communicator, cfg: WorkerConfig, ready, what: str, *, rejoining: bool = False
+) -> None:
+    """Join quorum rounds until ``ready()``; ``PeerLost`` ("``what`` within ...") after
+    ``join_timeout``."""
     deadline = time.monotonic() + cfg.join_timeout
-    while had_master and not _has_master(comm):
+    while not ready():
         if time.monotonic() > deadline:
-            raise PeerLost(f"the master did not come back within {cfg.join_timeout:.0f}s")
+            raise PeerLost(f"{what} within {cfg.join_timeout:.0f}s")
         time.sleep(0.2)
         _regroup(comm, cfg, rejoining=rejoining)
 
@@ -148,12 +162,12 @@ def run_worker(comm: Communicator, cfg: WorkerConfig) -> int:
     # worker alone would have it wait on itself, and the master's quorum for the whole
     # cluster would never see it again. Join quorum rounds until another peer is there (the
     # master by its id; in a loopback group of tests, rank 0).
-    deadline = time.monotonic() + cfg.join_timeout
-    while not _has_master(comm) and len(comm.membership.peers) < 2:
-        if time.monotonic() > deadline:
-            raise PeerLost(f"no master joined within {cfg.join_timeout:.0f}s")
-        time.sleep(0.2)
-        _regroup(comm, cfg)
+    _regroup_until(
+        comm,
+        cfg,
+        lambda: _has_master(comm) or len(comm.membership.peers) >= 2,
+        "no master joined",
+    )
     st = WorkerState()
     try:
         while True:
