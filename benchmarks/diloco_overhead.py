@@ -222,10 +222,14 @@ def _threads(fn, n: int) -> list[Any]:  # type: ignore[no-untyped-def]
 
 class _Window:
     """Wall time of steps ``warmup+1 .. steps`` of one worker: stamped after step ``warmup``
-    and after the last step, the device drained first so queued kernels are counted."""
+    and after the last step, the device drained first so queued kernels are counted. The M
+    workers of a run share ``start``: each waits there after its warm-up, so no worker's timed
+    steps overlap another's compilation or lazy set-up (that would flatter every arm)."""
 
-    def __init__(self, cfg: TrainConfig, warmup: int, device: torch.device) -> None:
-        self.cfg, self.warmup, self.device = cfg, warmup, device
+    def __init__(
+        self, cfg: TrainConfig, warmup: int, device: torch.device, start: threading.Barrier
+    ) -> None:
+        self.cfg, self.warmup, self.device, self.start = cfg, warmup, device, start
         self.t0 = self.t1 = 0.0
 
     def __call__(self, step: int) -> None:
@@ -234,6 +238,7 @@ class _Window:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         if step == self.warmup:
+            self.start.wait(timeout=600)
             self.t0 = time.perf_counter()
         if step == self.cfg.steps:
             self.t1 = time.perf_counter()
@@ -248,6 +253,7 @@ def peer_run(cfg: TrainConfig, task: Task, warmup: int) -> dict[str, float]:
     device = resolve_device(cfg.compute.device)
     c, inner = cfg.compute, cfg.inner
     n = c.micro_batches
+    start = threading.Barrier(cfg.workers)
 
     def one(r: int) -> float:
         model = task.build_model().to(device)
@@ -268,7 +274,7 @@ def peer_run(cfg: TrainConfig, task: Task, warmup: int) -> dict[str, float]:
             b = task.train_batch(r, step)
             return b.pin_memory() if device.type == "cuda" else b
 
-        window = _Window(cfg, warmup, device)
+        window = _Window(cfg, warmup, device, start)
         nxt = pool.submit(fetch, 0)
         for step in range(cfg.steps):
             batch = nxt.result().to(device, non_blocking=True)
@@ -302,10 +308,11 @@ def peer_run(cfg: TrainConfig, task: Task, warmup: int) -> dict[str, float]:
 def plain_run(cfg: TrainConfig, task: Task, warmup: int) -> dict[str, float]:
     """M plain loops: the same InnerLoop step (model, batch, autocast, clip, AdamW kernels)."""
     device = resolve_device(cfg.compute.device)
+    start = threading.Barrier(cfg.workers)
 
     def one(r: int) -> float:
         loop = InnerLoop(cfg, task, task.build_model().to(device), device)
-        window = _Window(cfg, warmup, device)
+        window = _Window(cfg, warmup, device, start)
         while loop.step < cfg.steps:
             loop.run_step(r)
             window(loop.step)
@@ -323,6 +330,7 @@ def diloco_run(cfg: TrainConfig, task: Task, warmup: int) -> dict[str, float]:
 
     device = resolve_device(cfg.compute.device)
     sig = run_signature(cfg, task.build_model()).hex()
+    start = threading.Barrier(cfg.workers)
     with Coordinator(CoordinatorConfig(bind="tcp://127.0.0.1:0", heartbeat_interval=1.0)) as co:
 
         def one(r: int) -> Any:
@@ -331,7 +339,7 @@ def diloco_run(cfg: TrainConfig, task: Task, warmup: int) -> dict[str, float]:
                 ZmqConfig(bind_host="127.0.0.1", same_host="off", timeout=cfg.sync_timeout),
                 signature=sig,
             )
-            window = _Window(cfg, warmup, device)
+            window = _Window(cfg, warmup, device, start)
             try:
                 result = DilocoWorker(cfg, comm, task, on_step=window).run()
                 comm.barrier(tag="bench/done", timeout=cfg.sync_timeout)
