@@ -427,8 +427,13 @@ def torchft_diloco(d: DilocoWan, python: str) -> dict[str, Any]:
                         row = _torchft_run(bed, d, python, lighthouse, tmp, r)
                     else:
                         link: Any = bed  # _run reads ns, host and addr(i), as --diloco
-                        out = _run(link, lowband_cfg, Path(tmp) / f"lowband-{r}", d.timeout)
-                        row = {"wall_s": out["wall_s"], "outer_steps": None}
+                        work = Path(tmp) / f"lowband-{r}"
+                        out = _run(link, lowband_cfg, work, d.timeout)
+                        row = {
+                            "wall_s": out["wall_s"],
+                            "outer_steps": None,
+                            "eval_loss": _lowband_final_eval(work, d.workers),
+                        }
                     row["site_tx_bytes"] = (tx() - tx0) // d.workers
                     runs[arm].append(row)
                     print(f"repeat {r} {arm}: {json.dumps(row)}", file=sys.stderr, flush=True)
@@ -440,13 +445,7 @@ def torchft_diloco(d: DilocoWan, python: str) -> dict[str, Any]:
             except subprocess.TimeoutExpired:
                 lh.kill()
                 lh.wait()
-    summary = {
-        arm: {
-            "wall_s": _spread([x["wall_s"] for x in rows], 3),
-            "site_tx_bytes": _spread([x["site_tx_bytes"] for x in rows], 0),
-        }
-        for arm, rows in runs.items()
-    }
+    summary = summarize_torchft(runs)
     return {
         "mode": "torchft_vs_lowband_diloco",
         "link": "REAL: worker processes in TUN-emulated sites (kernel TCP, full mesh)",
@@ -456,20 +455,62 @@ def torchft_diloco(d: DilocoWan, python: str) -> dict[str, Any]:
         "rate_label": label,
         "workers": d.workers,
         "steps": d.steps,
+        "tokens_per_worker": d.steps * b.batch_size * b.seq_len,
         "H": b.inner_steps,
         "P": b.n_fragments,
         "tau": b.tau,
         "alpha": b.alpha,
+        "inner": "AdamW lr 6e-3 betas (0.9, 0.95) wd 0.1, linear warm-up then cosine: both arms",
         "lowband_codec": b.codec,
         "torchft_codec": "none (fp32 pseudo-gradients; its should_quantize is Triton GPU kernels)",
+        "eval": f"mean cross-entropy over {b.eval_batches} held-out batches (the {b.eval_split} "
+        "split), the same for both arms; lowband: the global model after the final drain "
+        "(rank 0); torchft: site 0's global parameters (each fragment's last outer step), and "
+        "its local model beside it",
         "repeats": d.repeats,
         **summary,
-        "wall_ratio_torchft_over_lowband": _spread(
-            [t["wall_s"] / lo["wall_s"] for t, lo in zip(runs["torchft"], runs["lowband"])], 3
-        ),
         "torchft_outer_steps": runs["torchft"][0]["outer_steps"],
         "raw": runs,
     }
+
+
+def summarize_torchft(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
+    """Per arm wall, bytes and eval loss (median, min, max over repeats); the paired wall ratio
+    and whether the issue's goal holds: lowband's wall <= 0.8x torchft's at an equal or lower
+    eval loss (medians; the must: <= 1.0x)."""
+    out: dict[str, Any] = {}
+    for arm, rows in runs.items():
+        out[arm] = {
+            "wall_s": _spread([x["wall_s"] for x in rows], 3),
+            "site_tx_bytes": _spread([x["site_tx_bytes"] for x in rows], 0),
+        }
+        for key in ("eval_loss", "eval_loss_local", "init_eval_loss"):
+            vals = [x[key] for x in rows if x.get(key) is not None]
+            if vals:
+                out[arm][key] = _spread(vals, 4)
+    pairs = list(zip(runs["lowband"], runs["torchft"]))
+    out["wall_ratio_torchft_over_lowband"] = _spread(
+        [t["wall_s"] / lo["wall_s"] for lo, t in pairs], 3
+    )
+    ratio = statistics.median(lo["wall_s"] / t["wall_s"] for lo, t in pairs)
+    out["wall_ratio_lowband_over_torchft"] = round(ratio, 3)
+    if "eval_loss" in out["lowband"] and "eval_loss" in out["torchft"]:
+        lo_loss = out["lowband"]["eval_loss"]["median"]
+        tf_loss = out["torchft"]["eval_loss"]["median"]
+        out["eval_loss_gap"] = round((lo_loss - tf_loss) / tf_loss, 4)  # < 0: lowband lower
+        out["goal_wall_le_0.8x_at_le_loss"] = bool(ratio <= 0.8 and lo_loss <= tf_loss)
+        out["must_wall_le_1.0x_at_le_loss"] = bool(ratio <= 1.0 and lo_loss <= tf_loss)
+    return out
+
+
+def _lowband_final_eval(work: Any, workers: int) -> float | None:
+    """The held-out loss rank 0 took of the final global model (each worker's last stdout line
+    is its summary; only rank 0 evaluates)."""
+    for i in range(workers):
+        final = json.loads((work / f"out{i}.txt").read_text().strip().splitlines()[-1])
+        if final.get("final_eval") is not None:
+            return float(final["final_eval"])
+    return None
 
 
 def _torchft_run(
@@ -505,7 +546,11 @@ def _torchft_run(
     for out in outs:
         with open(out) as f:
             res.append(json.load(f))
-    return {"wall_s": round(max(x["wall_s"] for x in res), 3), "outer_steps": res[0]["outer_steps"]}
+    return {
+        "wall_s": round(max(x["wall_s"] for x in res), 3),
+        "outer_steps": res[0]["outer_steps"],
+        **{k: res[0][k] for k in ("eval_loss", "eval_loss_local", "init_eval_loss")},
+    }
 
 
 def torchft_worker(spec: dict[str, Any]) -> dict[str, Any]:
@@ -519,14 +564,22 @@ def torchft_worker(spec: dict[str, Any]) -> dict[str, Any]:
     from torchft.process_group import ProcessGroupGloo
 
     from benchmarks.diloco import BenchConfig
-    from diloco.config import DDPConfig
     from diloco.task import lm_task
 
     torch.set_num_threads(1)
     b = BenchConfig(workers=spec["workers"])
-    task = lm_task(b.train_config(DDPConfig(), spec["steps"]))
+    # lowband's run config: the same task, inner optimizer and learning-rate schedule
+    cfg = b.train_config(b.diloco_mode(), spec["steps"])
+    task = lm_task(cfg)
     model: Any = task.build_model()  # lowband's LlamaForCausalLM (HF names)
-    inner = torch.optim.AdamW(model.parameters(), lr=b.inner_lr, weight_decay=0.1)
+    opt = cfg.inner
+    inner = torch.optim.AdamW(
+        model.parameters(),
+        lr=opt.lr,
+        betas=opt.betas,
+        eps=opt.eps,
+        weight_decay=opt.weight_decay,
+    )
     # P fragments as in lowband's run: embedding + first layer, the middle, the rest
     mods = [model.model.embed_tokens, *model.model.layers, model.model.norm]
     if model.lm_head.weight is not model.model.embed_tokens.weight:  # tied: synced once
@@ -571,18 +624,32 @@ def torchft_worker(spec: dict[str, Any]) -> dict[str, Any]:
         pin_memory=False,
         fragment_sync_delay=b.tau,
         fragment_update_alpha=b.alpha,
-    ):
+    ) as diloco:
         for step in range(spec["steps"]):
+            for group in inner.param_groups:
+                group["lr"] = opt.lr * cfg.lr_schedule.factor(step, spec["steps"])
             loss = task.loss(model, task.train_batch(spec["site"], step))
             inner.zero_grad()
             loss.backward()
             inner.step()
-    wall = time.perf_counter() - t0
-    out = {
-        "wall_s": wall,
-        "tx_bytes": _tx_bytes(spec["tun"]) - tx0,
-        "outer_steps": manager.current_step(),
-    }
+        wall = time.perf_counter() - t0
+        out: dict[str, Any] = {
+            "wall_s": wall,
+            "tx_bytes": _tx_bytes(spec["tun"]) - tx0,
+            "outer_steps": manager.current_step(),
+            "eval_loss": None,
+            "eval_loss_local": None,
+            "init_eval_loss": None,
+        }
+        if spec["site"] == 0:  # untimed, as lowband's final evaluation
+            out["eval_loss_local"] = task.evaluate(model)
+            local = {k: v.clone() for k, v in model.state_dict().items()}
+            # torchft keeps each fragment's global parameters (after its last outer step) as
+            # the backup it computes pseudo-gradients against: load those to evaluate them.
+            diloco._restore_parameters()
+            out["eval_loss"] = task.evaluate(model)
+            model.load_state_dict(local)
+            out["init_eval_loss"] = task.evaluate(task.build_model())
     manager.shutdown()
     return out
 
