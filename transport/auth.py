@@ -41,6 +41,7 @@ logger = logging.getLogger(__name__)
 ZAP_ENDPOINT = "inproc://zeromq.zap.01"
 COORD_DOMAIN = "lowband-coordinator"
 DATA_DOMAIN = "lowband-data"
+RELAY_DOMAIN = "lowband-relay"
 
 
 @dataclass(frozen=True, kw_only=True)

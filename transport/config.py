@@ -9,6 +9,7 @@ from transport.auth import CurveKeys
 
 MiB = 1 << 20
 SAME_HOST_MODES = ("auto", "shm", "ipc", "off")
+RELAY_MODES = ("auto", "always", "off")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -90,6 +91,17 @@ class ZmqConfig:
     the deadline) or restarted: pending operations still fail with PeerLost, the next quorum
     admits the peer as a newcomer. False: stay out (the caller must connect again)."""
 
+    reachable: bool | None = None
+    """Whether other peers can open connections to this peer's data address. None: the
+    coordinator finds out by dialling it back when it registers; False: a site behind NAT or a
+    firewall that admits nothing in (no dial-back). Links into a peer that cannot be dialled
+    go through the coordinator's relay (:mod:`transport.relay`)."""
+    relay: str = "auto"
+    """``auto``: reach peers that cannot be dialled through the coordinator's relay, the rest
+    directly; ``always``: reach every peer through the relay (measuring its cost, or a network
+    where no peer can dial another); ``off``: never (a peer that cannot be dialled is then
+    unreachable from this one)."""
+
     def __post_init__(self) -> None:
         if not 1 <= self.connections <= 64:
             raise ConfigError("connections", f"must be in [1, 64], got {self.connections}")
@@ -120,6 +132,8 @@ class ZmqConfig:
             raise ConfigError("curve_server_key", "must be a 40-character Z85 public key")
         if self.curve is not None and self.curve.secret is None:
             raise ConfigError("curve", "this peer's keypair needs its secret key")
+        if self.relay not in RELAY_MODES:
+            raise ConfigError("relay", f"one of {', '.join(RELAY_MODES)}, got {self.relay!r}")
         if self.same_host not in SAME_HOST_MODES:
             raise ConfigError(
                 "same_host", f"one of {', '.join(SAME_HOST_MODES)}, got {self.same_host!r}"

@@ -49,6 +49,8 @@ from __future__ import annotations
 
 import hmac
 import logging
+import os
+import socket
 import threading
 import time
 from dataclasses import dataclass, field
@@ -60,6 +62,7 @@ from lowband.errors import ConfigError, ProtocolError, VersionMismatch
 from transport import wire
 from transport.auth import (
     COORD_DOMAIN,
+    RELAY_DOMAIN,
     CurveKeys,
     HandshakeWatch,
     ZapHandler,
@@ -68,6 +71,7 @@ from transport.auth import (
     route_peer,
     token_policy,
 )
+from transport.relay import Member, Relay
 from transport.wire import MsgType
 
 logger = logging.getLogger(__name__)
@@ -102,6 +106,23 @@ class CoordinatorConfig:
     """Seconds a peer whose connection still answers ZMTP pings (its process runs, its Python
     threads may be starved) may stay silent before it is declared lost anyway (a hung peer).
     A WAN or a phone deployment may raise ``heartbeat_interval``; this bounds a livelock."""
+    relay: bool = True
+    """Run a relay (:mod:`transport.relay`) for peers that cannot be dialled (behind NAT): the
+    data links into such a peer go through this process. Only with a ``tcp://`` bind."""
+    relay_bind: str | None = None
+    """Endpoint of the relay socket; None: the host of ``bind``, a free port (peers learn it
+    when they register). Name a fixed port where a firewall must let it in."""
+    relay_max_message_bytes: int = 64 * (1 << 20) + (1 << 16)
+    """Largest relayed data message (one frame, and the payload of one message); must cover
+    the peers' ``ZmqConfig.chunk_bytes`` plus their metadata."""
+    relay_hwm: int = 64
+    """Messages the relay queues per connection in each direction: with the frame limit this
+    bounds its memory (connections x 2 x relay_hwm x relay_max_message_bytes)."""
+    relay_send_timeout: float = 10.0
+    """Seconds the relay waits for a destination's full queue before dropping a message."""
+    probe_timeout: float = 3.0
+    """Seconds the dial-back to a newly registered peer's data address may take. A peer that
+    states ``reachable`` is not probed; 0 disables probing (undeclared peers are reachable)."""
 
     def __post_init__(self) -> None:
         if not self.bind.startswith(("tcp://", "ipc://", "inproc://")):
@@ -126,6 +147,16 @@ class CoordinatorConfig:
             raise ConfigError("max_message_bytes", "must be >= 4096")
         if self.reserved_prefix is not None and not self.reserved_prefix:
             raise ConfigError("reserved_prefix", "must be non-empty when given")
+        if self.relay_bind is not None and not self.relay_bind.startswith("tcp://"):
+            raise ConfigError("relay_bind", f"must be tcp://HOST:PORT, got {self.relay_bind!r}")
+        if not 1 << 16 <= self.relay_max_message_bytes <= 1 << 31:
+            raise ConfigError("relay_max_message_bytes", "must be in [64 KiB, 2 GiB]")
+        if not 1 <= self.relay_hwm <= 100_000:
+            raise ConfigError("relay_hwm", f"must be in [1, 100000], got {self.relay_hwm}")
+        if self.relay_send_timeout <= 0:
+            raise ConfigError("relay_send_timeout", "must be > 0 seconds")
+        if not 0 <= self.probe_timeout <= 60:
+            raise ConfigError("probe_timeout", f"must be in [0, 60] s, got {self.probe_timeout}")
         if self.unresponsive_after < (self.dead_after or 2 * self.heartbeat_interval):
             raise ConfigError(
                 "unresponsive_after",
@@ -249,6 +280,7 @@ class _Peer:
     suspected_at: float | None = None
     auth: str | None = None  # who its connection authenticated as (ZAP User-Id); None: no auth
     route: bytes = b""  # the routing id it registered from (peer id + random part)
+    reachable: bool | None = None  # None: the dial-back has not answered yet
 
 
 class Coordinator:
@@ -277,6 +309,11 @@ class Coordinator:
             "registered": 0,
             "forged": 0,  # messages in a registered peer's name from another identity
         }
+        self._relay: Relay | None = None
+        self.relay_address = ""
+        self._probe_fd = -1
+        self._probed: list[tuple[str, bytes, str | None]] = []  # pid, route, why not reachable
+        self._probing = 0
         self._forged_logged: set[str] = set()  # peer ids whose forgeries were logged (once)
         self._suspected: set[str] = set()  # silent but connected: logged once per silence
 
@@ -319,6 +356,14 @@ class Coordinator:
             raise ConfigError("bind", f"cannot bind {cfg.bind}: {exc}") from None
         self.address = cast(bytes, sock.get(zmq.LAST_ENDPOINT)).decode()
         self._sock = sock
+        self._probe_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        if cfg.relay and self.address.startswith("tcp://"):
+            try:
+                self._start_relay()
+            except BaseException:
+                sock.close(0)
+                self._shutdown_ctx()
+                raise
         self._thread = threading.Thread(target=self._run, name="lowband-coordinator", daemon=True)
         self._thread.start()
         logger.info(
@@ -329,12 +374,66 @@ class Coordinator:
         )
         return self
 
+    def _start_relay(self) -> None:
+        """Bind the relay socket (same mechanism and keys as the coordinator's) and start it."""
+        cfg = self.config
+        assert self._ctx is not None
+        if self._zap is not None:
+            if cfg.curve is not None:
+                # Only registered peers' keys; a key registering right now is held a moment.
+                self._zap.set_policy(
+                    RELAY_DOMAIN, curve_policy(self._registered_key, defer_unknown=True)
+                )
+            else:
+                assert cfg.token is not None
+                self._zap.set_policy(RELAY_DOMAIN, token_policy(cfg.token))
+        sock = self._ctx.socket(zmq.ROUTER)
+        sock.linger = 0
+        sock.maxmsgsize = cfg.relay_max_message_bytes
+        sock.rcvhwm = sock.sndhwm = cfg.relay_hwm
+        sock.sndtimeo = int(cfg.relay_send_timeout * 1000)
+        sock.router_handover = True
+        sock.router_mandatory = True
+        configure_server(sock, domain=RELAY_DOMAIN, token=cfg.token, curve=cfg.curve)
+        bind = cfg.relay_bind or f"{self.address.rsplit(':', 1)[0]}:0"
+        try:
+            sock.bind(bind)
+        except zmq.ZMQError as exc:
+            sock.close(0)
+            raise ConfigError("relay_bind", f"cannot bind {bind}: {exc}") from None
+        self.relay_address = cast(bytes, sock.get(zmq.LAST_ENDPOINT)).decode()
+        self._relay = Relay(
+            sock,
+            self._relay_member,
+            max_message_bytes=cfg.relay_max_message_bytes,
+            identity=self._identity,
+        )
+        self._relay.start()
+        logger.info("relay for peers that cannot be dialled on %s", self.relay_address)
+
+    def _registered_key(self, key: bytes) -> str | None:
+        with self._lock:
+            if any(p.key == key for p in self._peers.values()):
+                return key.decode()
+        return None
+
+    def _relay_member(self, pid: str) -> Member | None:
+        with self._lock:
+            peer = self._peers.get(pid)
+            return None if peer is None else Member(peer.route, peer.auth)
+
     def stop(self) -> None:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(5.0)
             self._thread = None
+        if self._relay is not None:
+            self._relay.stop()
+            self._relay = None
         self._shutdown_ctx()
+        if self._probe_fd >= 0:
+            os.close(self._probe_fd)
+            self._probe_fd = -1
 
     def _shutdown_ctx(self) -> None:
         if self._zap is not None:
@@ -372,6 +471,16 @@ class Coordinator:
             return tuple(self._book.alive)
 
     @property
+    def unreachable(self) -> tuple[str, ...]:
+        """Registered peers that cannot be dialled: links into them go through the relay."""
+        with self._lock:
+            return tuple(p for p, peer in self._peers.items() if peer.reachable is False)
+
+    def relay_stats(self) -> dict[str, Any]:
+        """What the relay forwarded and dropped (empty without a relay)."""
+        return self._relay.stats() if self._relay is not None else {}
+
+    @property
     def auth_rejections(self) -> int:
         """Connections refused at the ZeroMQ handshake (bad credentials or wrong mechanism)."""
         watch = self._watch
@@ -386,6 +495,7 @@ class Coordinator:
         watch = HandshakeWatch(sock, "the coordinator")
         self._watch = watch
         poller.register(watch.socket, zmq.POLLIN)
+        poller.register(self._probe_fd, zmq.POLLIN)
         tick = self.config.heartbeat_interval / 6
         next_check = time.monotonic() + tick
         try:
@@ -393,6 +503,8 @@ class Coordinator:
                 ready = dict(poller.poll(max(1, int(1000 * (next_check - time.monotonic())))))
                 if watch.socket in ready:
                     watch.drain()
+                if self._probe_fd in ready:
+                    self._on_probes()
                 if sock in ready:
                     for _ in range(256):
                         try:
@@ -573,6 +685,9 @@ class Coordinator:
             and all(isinstance(v, str) for v in local)
         ):
             raise ProtocolError("field 'local' must be [host key, ipc endpoint, shm flag]")
+        reachable = meta.get("reachable")
+        if reachable is not None and not isinstance(reachable, bool):
+            raise ProtocolError("field 'reachable' must be a boolean or nil")
         refusal = None
         with self._lock:
             if cfg.token is not None and not hmac.compare_digest(
@@ -624,6 +739,11 @@ class Coordinator:
                     self._chunk = chunk
                 if "://*:" in addr:  # the peer asked us to fill in the host we see it from
                     addr = addr.replace("*", _peer_address(frame) or "127.0.0.1", 1)
+                probe = reachable is None and cfg.probe_timeout > 0 and addr.startswith("tcp://")
+                if probe and self._probing >= MAX_PROBES:
+                    probe, reachable = False, False  # a flood of registrations: relay them
+                elif reachable is None and not probe:
+                    reachable = True
                 self._peers[pid] = _Peer(
                     addr,
                     key.encode() if key else None,
@@ -632,6 +752,7 @@ class Coordinator:
                     local,
                     auth=user,
                     route=route,
+                    reachable=reachable,
                 )
                 self._book.register(pid)
                 if not self._book.view and last_epoch > self._book.epoch:
@@ -654,8 +775,60 @@ class Coordinator:
             peer_meta,
             ", rejoining" if last_epoch >= 0 else "",
         )
-        self._send(pid, MsgType.REGISTERED, {"heartbeat_interval": cfg.heartbeat_interval}, route)
+        if reachable is None:
+            # Answered once the dial-back is done (the peer waits for REGISTERED, so no
+            # quorum can complete without it meanwhile).
+            self._probing += 1
+            threading.Thread(
+                target=self._probe, args=(pid, route, addr), name="lowband-dial-back", daemon=True
+            ).start()
+            return
+        self._admitted(pid, route)
+
+    def _admitted(self, pid: str, route: bytes) -> None:
+        with self._lock:
+            peer = self._peers.get(pid)
+        if peer is not None and peer.reachable is False:
+            logger.warning(
+                "peer %s cannot be dialled at %s: links into it go through %s",
+                pid,
+                peer.addr,
+                f"the relay {self.relay_address}" if self._relay else "nothing (no relay runs)",
+            )
+        answer: dict[str, Any] = {"heartbeat_interval": self.config.heartbeat_interval}
+        if self._relay is not None:
+            answer["relay"] = int(self.relay_address.rsplit(":", 1)[1])
+        self._send(pid, MsgType.REGISTERED, answer, route)
         self._complete_quorum()  # a newcomer can unblock nothing, but a dead peer's slot may
+
+    # ---- dial-back -------------------------------------------------------------------------------
+    def _probe(self, pid: str, route: bytes, addr: str) -> None:
+        """Probe thread: can this process open a TCP connection to ``addr``?"""
+        why = dial_back(addr, self.config.probe_timeout)
+        with self._lock:
+            self._probed.append((pid, route, why))
+        if self._probe_fd >= 0:
+            os.eventfd_write(self._probe_fd, 1)
+
+    def _on_probes(self) -> None:
+        try:
+            os.eventfd_read(self._probe_fd)
+        except BlockingIOError:
+            pass
+        with self._lock:
+            done, self._probed = self._probed, []
+        now = time.monotonic()
+        for pid, route, why in done:
+            self._probing -= 1
+            with self._lock:
+                peer = self._peers.get(pid)
+                if peer is None or peer.route != route:
+                    continue  # gone (or registered again) meanwhile
+                peer.reachable = why is None
+                peer.last_seen = now
+            if why is not None:
+                logger.info("dial-back to %s (%s) failed: %s", pid, peer.addr, why)
+            self._admitted(pid, route)
 
     def _complete_quorum(self) -> None:
         with self._lock:
@@ -666,6 +839,7 @@ class Coordinator:
         order = next(iter(views.values())).peers
         addrs = [peers[p].addr for p in order]
         keys = [k.decode() if (k := peers[p].key) else None for p in order]
+        relayed = [peers[p].reachable is False for p in order]
         for pid, view in views.items():
             self._send(
                 pid,
@@ -677,6 +851,7 @@ class Coordinator:
                     "addrs": addrs,
                     "keys": keys,
                     "locals": [peers[p].local for p in order],
+                    "relayed": relayed,
                     "joined": list(view.joined),
                     "left": list(view.left),
                 },
@@ -713,8 +888,11 @@ class Coordinator:
             silent = {
                 p: now - peer.last_seen
                 for p, peer in self._peers.items()
-                if now - peer.last_seen > limit
-                or (peer.suspected_at is not None and now - peer.last_seen > interval)
+                if peer.reachable is not None  # a dial-back pending: not answered yet
+                and (
+                    now - peer.last_seen > limit
+                    or (peer.suspected_at is not None and now - peer.last_seen > interval)
+                )
             }
         for pid, quiet in silent.items():
             if quiet > cfg.unresponsive_after:
@@ -743,6 +921,32 @@ class Coordinator:
             if pid not in silent:
                 self._suspected.discard(pid)
                 logger.info("peer %s is heartbeating again", pid)
+
+
+MAX_PROBES = 64
+"""Dial-backs running at once; registrations beyond it are taken as not reachable (relayed)."""
+
+
+def dial_back(addr: str, timeout: float) -> str | None:
+    """None if a TCP connection to ``tcp://HOST:PORT`` opens within ``timeout``, else why not.
+
+    The connection is closed in order (our FIN, then we wait for the peer's): the peer's libzmq
+    has let go of it before the peer is told it registered, so the probe is not counted as a
+    failed handshake on its data socket (the peer starts watching those after registering)."""
+    host, _, port = addr[len("tcp://") :].rpartition(":")
+    host = host.strip("[]")
+    try:
+        with socket.create_connection((host, int(port)), timeout=timeout) as s:
+            s.shutdown(socket.SHUT_WR)
+            s.settimeout(timeout)
+            try:
+                while s.recv(4096):
+                    pass
+            except OSError:
+                pass
+    except (OSError, ValueError) as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return None
 
 
 def _peer_address(frame: zmq.Frame) -> str:

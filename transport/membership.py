@@ -72,6 +72,8 @@ class Members:
         bad: Callable[[str], None],
     ) -> None:
         self.peer_id = peer_id
+        self._relay_mode = config.relay
+        self._relay_warned: set[str] = set()
         self._links = links
         self._routing = routing
         self._local = local
@@ -160,6 +162,9 @@ class Members:
                     self._register_meta = None
                 self._expel(str(msg.meta.get("reason", "refused")))
             elif msg.type == MsgType.REGISTERED:
+                port = msg.meta.get("relay")
+                if isinstance(port, int) and not isinstance(port, bool) and 0 < port < 65536:
+                    self._links.relay_to(port)
                 self._rejoined()
             elif msg.type != MsgType.HEARTBEAT_ACK:
                 raise ProtocolError(f"unexpected {msg.type.name} from the coordinator")
@@ -185,7 +190,14 @@ class Members:
         locals_ = tuple(meta.get("locals") or [None] * len(peers))
         if len(locals_) != len(peers):
             raise ProtocolError("inconsistent MEMBERSHIP message")
-        table = PeerTable(m, addrs, keys, locals_)
+        relayed = meta.get("relayed") or [False] * len(peers)
+        if (
+            not isinstance(relayed, list)
+            or len(relayed) != len(peers)
+            or not all(isinstance(v, bool) for v in relayed)
+        ):
+            raise ProtocolError("field 'relayed' must be one boolean per peer")
+        table = PeerTable(m, addrs, keys, locals_, tuple(relayed))
         old = self._table
         if self._register_meta is not None and not self.rejoining:
             self.expelled = None  # rejoined: a member again
@@ -200,8 +212,36 @@ class Members:
         for pid in self._links.peers():
             if pid not in table.index:
                 self._links.disconnect(pid)
-        for pid, addr, key, local in zip(peers, addrs, keys, locals_):
-            if pid != self.peer_id and not self._links.connected(pid):
+        for pid, addr, key, local, far in zip(peers, addrs, keys, locals_, relayed):
+            if pid == self.peer_id:
+                continue
+            via_relay = self._links.relay is not None and (
+                self._relay_mode == "always" or (far and self._relay_mode == "auto")
+            )
+            if self._links.connected(pid) and (pid in self._links.relayed) != via_relay:
+                self._links.disconnect(pid)  # its reachability changed (it registered again)
+            if self._links.connected(pid):
+                continue
+            if via_relay:
+                if pid not in self._relay_warned and len(self._relay_warned) < 4096:
+                    self._relay_warned.add(pid)
+                    logger.info(
+                        "links from %s to %s go through the coordinator's relay (%s)",
+                        self.peer_id,
+                        pid,
+                        "it cannot be dialled" if far else "relay=always",
+                    )
+                self._links.connect_relayed(pid)
+            else:
+                if far and pid not in self._relay_warned and len(self._relay_warned) < 4096:
+                    self._relay_warned.add(pid)
+                    logger.warning(
+                        "%s cannot be dialled and %s has no relay (relay=%s, or the coordinator "
+                        "runs none): dialling it directly anyway",
+                        pid,
+                        self.peer_id,
+                        self._relay_mode,
+                    )
                 self._links.connect(pid, data_address(self._local, addr, local), key)
         if old is None or old.membership.epoch != epoch:
             self._routing.new_epoch(epoch)
@@ -275,9 +315,13 @@ class Members:
         if self._quorum_waiters:
             self._held_quorum = 1
         logger.info("rejoining: registering again with the coordinator as %s", self.peer_id)
-        self._links.send_control(
-            MsgType.REGISTER, {**self._register_meta, "last_epoch": self.epoch}
-        )
+        again = {**self._register_meta, "last_epoch": self.epoch}
+        table = self._table
+        if again.get("reachable") is None and table is not None and table.relayed:
+            # Known from the dial-back already: no second probe of a running data socket
+            # (it would count as a failed handshake here).
+            again["reachable"] = not table.relayed[table.membership.rank]
+        self._links.send_control(MsgType.REGISTER, again)
 
     def _rejoined(self) -> None:
         if not self.rejoining:

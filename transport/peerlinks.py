@@ -12,6 +12,10 @@ thread-safe.
   once, and telling the coordinator (SUSPECT) gets it declared lost after one silent heartbeat
   interval instead of two.
 * The coordinator is reached on a DEALER socket, which also carries the heartbeats.
+* A peer that cannot be dialled (behind NAT) is reached through the coordinator's relay
+  (:mod:`transport.relay`): one more DEALER socket, dialled out by every peer when the
+  coordinator offers a relay, carries what this peer sends to such peers (one connection, one
+  shared backlog) and what the relay brings from others.
 """
 
 from __future__ import annotations
@@ -19,11 +23,12 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from typing import Any, Sequence
+from typing import Any, Sequence, cast
 
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
+from transport import relay as relay_wire
 from transport import wire
 from transport.auth import CurveKeys, HandshakeWatch, configure_client
 from transport.config import ZmqConfig
@@ -57,6 +62,7 @@ class PeerLinks:
         control: zmq.Socket,
         poller: zmq.Poller,
         heartbeat_interval: float,
+        relay: zmq.Socket | None = None,
     ) -> None:
         self.ctx = ctx
         self.cfg = config
@@ -72,6 +78,9 @@ class PeerLinks:
         self._out: dict[str, _Out] = {}
         self._by_socket: dict[zmq.Socket, tuple[_Out, int]] = {}
         self._monitors: dict[zmq.Socket, str] = {}
+        self.relay = relay
+        self._relay_backlog: deque = deque()
+        self.relayed: frozenset[str] = frozenset()  # replaced, never mutated: read by users
 
     # ---- data ------------------------------------------------------------------------------------
     def send(
@@ -88,6 +97,8 @@ class PeerLinks:
 
         Payload buffers are sent zero-copy. With ``track`` the returned list holds them: pass
         it to :func:`still_sending` to learn when ZeroMQ has released them."""
+        if peer in self.relayed:
+            return self._send_relayed(peer, mtype, meta, payload, track)
         out = self._out.get(peer)
         if out is None:
             # The peer is gone. Whatever needs data from it fails through PEER_LOST; what only
@@ -111,8 +122,31 @@ class PeerLinks:
             self._poller.register(out.sockets[i], zmq.POLLIN | zmq.POLLOUT)
         return trackers
 
+    def _send_relayed(
+        self,
+        peer: str,
+        mtype: MsgType,
+        meta: dict[str, Any],
+        payload: Sequence[Any],
+        track: bool,
+    ) -> list[Any]:
+        assert self.relay is not None
+        frames = relay_wire.wrap(peer, wire.pack(mtype, meta, payload))
+        trackers = list(payload) if track else []
+        if self._relay_backlog:
+            self._relay_backlog.append(frames)
+            return trackers
+        try:
+            self.relay.send_multipart(frames, zmq.NOBLOCK, copy=False)
+        except zmq.Again:
+            self._relay_backlog.append(frames)
+            self._poller.register(self.relay, zmq.POLLIN | zmq.POLLOUT)
+        return trackers
+
     def send_byes(self) -> None:
         """BYE on every connection, after all data sent so far (see ``Reactor.close``)."""
+        for pid in self.relayed:
+            self.send(pid, MsgType.BYE, {"e": 0, "o": "", "p": self.peer_id, "n": 1})
         for pid, out in self._out.items():
             for i in range(len(out.sockets)):
                 self.send(
@@ -124,6 +158,15 @@ class PeerLinks:
 
     def flush(self, sock: zmq.Socket) -> None:
         """``sock`` can take more: send its backlog until empty or full again."""
+        if sock is self.relay:
+            while self._relay_backlog:
+                try:
+                    sock.send_multipart(self._relay_backlog[0], zmq.NOBLOCK, copy=False)
+                except zmq.Again:
+                    return
+                self._relay_backlog.popleft()
+            self._poller.register(sock, zmq.POLLIN)  # receiving only again
+            return
         out, i = self._by_socket[sock]
         backlog = out.backlog[i]
         while backlog:
@@ -135,10 +178,10 @@ class PeerLinks:
         self._poller.unregister(sock)
 
     def connected(self, peer: str) -> bool:
-        return peer in self._out
+        return peer in self._out or peer in self.relayed
 
     def peers(self) -> list[str]:
-        return list(self._out)
+        return [*self._out, *self.relayed]
 
     # ---- the coordinator -------------------------------------------------------------------------
     def send_control(self, mtype: MsgType, meta: dict[str, Any]) -> None:
@@ -187,8 +230,30 @@ class PeerLinks:
         for i, s in enumerate(sockets):
             self._by_socket[s] = (out, i)
 
+    def connect_relayed(self, pid: str) -> None:
+        """Reach ``pid`` through the relay (needs ``relay``)."""
+        assert self.relay is not None
+        self.relayed = self.relayed | {pid}
+
+    def relay_to(self, port: int) -> None:
+        """The relay moved (a restarted coordinator picked another port): dial the new one."""
+        if self.relay is None:
+            return
+        old = cast(bytes, self.relay.get(zmq.LAST_ENDPOINT)).decode()
+        endpoint = f"{old.rsplit(':', 1)[0]}:{port}"
+        if old == endpoint:
+            return
+        try:
+            self.relay.disconnect(old)
+        except zmq.ZMQError:
+            pass
+        logger.info("the coordinator's relay is now at %s", endpoint)
+        self.relay.connect(endpoint)
+
     def disconnect(self, pid: str) -> None:
         """Close the connections to ``pid`` now, dropping what they still queue."""
+        if pid in self.relayed:
+            self.relayed = self.relayed - {pid}
         out = self._out.pop(pid, None)
         if out is None:
             return
@@ -231,6 +296,9 @@ class PeerLinks:
             self._drop_monitor(out)
             for s in out.sockets:
                 s.close()
+        self.relayed = frozenset()
+        if self.relay is not None:
+            self.relay.close()  # keeps its linger: BYEs sent through it still leave
 
     def close(self) -> None:
         """Close this peer's own sockets (after :meth:`close_peers`)."""

@@ -16,6 +16,8 @@ class PeerTable:
     addrs: tuple[str, ...]
     keys: tuple[str | None, ...]
     locals: tuple[list[str] | None, ...] = ()
+    relayed: tuple[bool, ...] = ()
+    """Per peer: it cannot be dialled, so links into it go through the coordinator's relay."""
     index: dict[str, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:

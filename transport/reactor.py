@@ -34,6 +34,7 @@ import zmq
 
 from lowband.comm import OpStats
 from lowband.errors import CommClosed, ProtocolError
+from transport import relay as relay_wire
 from transport import wire
 from transport.auth import CurveKeys
 from transport.buffers import BufferPool
@@ -71,6 +72,7 @@ class Reactor:
         register_meta: dict[str, Any] | None = None,
         local: list[str] | None = None,
         on_membership: Callable[[PeerTable], None] | None = None,
+        relay: zmq.Socket | None = None,
     ) -> None:
         self.cfg = config
         self.peer_id = peer_id
@@ -87,6 +89,7 @@ class Reactor:
             control=control,
             poller=self._poller,
             heartbeat_interval=heartbeat_interval,
+            relay=relay,
         )
         # operations send through the links (transport.ops.Host.send), under the same signature
         self.send = self.links.send
@@ -94,6 +97,8 @@ class Reactor:
         self._poller.register(control, zmq.POLLIN)
         self._poller.register(self._wake_fd, zmq.POLLIN)
         self._poller.register(self.links.watch.socket, zmq.POLLIN)
+        if relay is not None:
+            self._poller.register(relay, zmq.POLLIN)
         self.routing = Routing(
             host=self, links=self.links, config=config, peer_id=peer_id, bad=self._bad
         )
@@ -234,7 +239,18 @@ class Reactor:
         self.routing.fail_all(exc)
         self.members.fail_waiters(exc)
 
-    def _on_data(self, frames: list[zmq.Frame]) -> None:
+    def _on_relayed(self, frames: list[zmq.Frame]) -> None:
+        """A data message the coordinator's relay brought, with the sender it vouches for."""
+        try:
+            sender, inner = relay_wire.envelope(frames, "from")
+        except ProtocolError as exc:
+            self._bad(f"dropped a relayed message: {exc}")
+            return
+        self._on_data(inner, vouched=sender)
+
+    def _on_data(self, frames: list[zmq.Frame], vouched: str | None = None) -> None:
+        """A data message; ``vouched``: the sender the relay authenticated (else the data
+        socket's ZAP User-Id is the proof, when authentication is on)."""
         try:
             msg = wire.unpack(frames, max_payload_bytes=self.cfg.max_message_bytes)
             if msg.type < MsgType.CHUNK:
@@ -247,7 +263,14 @@ class Reactor:
         except ProtocolError as exc:
             self._bad(f"dropped a data message: {exc}")
             return
-        if self.cfg.token is not None or self.cfg.curve_server_key is not None:
+        if vouched is not None:
+            if vouched != sender:
+                self._bad(
+                    f"dropped a relayed message claiming to be from {sender!r}, "
+                    f"relayed for {vouched!r}"
+                )
+                return
+        elif self.cfg.token is not None or self.cfg.curve_server_key is not None:
             user = _user_id(frames[0])
             if user != sender:
                 self._bad(
@@ -279,6 +302,11 @@ class Reactor:
                         self._drain(links.data, self._on_data, copy=False)
                     elif sock is links.control:
                         self._drain(links.control, self.members.on_control, copy=True)
+                    elif links.relay is not None and sock is links.relay:
+                        if ev & zmq.POLLIN:
+                            self._drain(links.relay, self._on_relayed, copy=False, envelope=1)
+                        if ev & zmq.POLLOUT:
+                            links.flush(links.relay)
                     elif sock == self._wake_fd:
                         self._run_commands()
                     elif sock is links.watch.socket:
@@ -307,11 +335,15 @@ class Reactor:
                 self._slabs.close()
             links.close()
 
-    def _drain(self, sock: zmq.Socket, handle: Callable[[Any], None], copy: bool) -> None:
+    def _drain(
+        self, sock: zmq.Socket, handle: Callable[[Any], None], copy: bool, envelope: int = 0
+    ) -> None:
         for _ in range(64):
             try:
-                # the header frame + at most MAX_PAYLOAD_FRAMES payload frames
-                frames = wire.recv_bounded(sock, copy=copy, max_frames=wire.MAX_PAYLOAD_FRAMES + 1)
+                # (a relay envelope,) the header frame + at most MAX_PAYLOAD_FRAMES payload frames
+                frames = wire.recv_bounded(
+                    sock, copy=copy, max_frames=wire.MAX_PAYLOAD_FRAMES + 1 + envelope
+                )
             except zmq.Again:
                 return
             if frames is None:

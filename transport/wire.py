@@ -65,6 +65,7 @@ class MsgType(enum.IntEnum):
     PEER_LOST = 9
     LEAVE = 10
     SUSPECT = 11
+    RELAY = 12  # envelope of a data message carried by the coordinator's relay (transport.relay)
     CHUNK = 16  # one chunk of a reduction (all_reduce)
     MSG = 17  # a logical message: descriptor, plus its bytes when it fits one frame set
     MSG_PART = 18  # a later chunk of a logical message, placed by (message id, tensor, offset)

@@ -135,8 +135,14 @@ def connect(
             "token": cfg.token or "",
             "local": local,
             "chunk": cfg.chunk_bytes,
+            "reachable": cfg.reachable,
         }
-        interval = _register(control, coordinator, cfg, register)
+        interval, relay_port = _register(control, coordinator, cfg, register)
+        relay = None
+        if relay_port is not None and cfg.relay != "off" and coordinator.startswith("tcp://"):
+            relay = _dial_relay(ctx, cfg, pid, keys, control.routing_id, coordinator, relay_port)
+            if relay is not None:
+                sockets.append(relay)
 
         def allow(table: PeerTable) -> None:
             allowed[0] = {k.encode(): p for p, k in zip(table.membership.peers, table.keys) if k}
@@ -152,6 +158,7 @@ def connect(
             register_meta=register if cfg.rejoin else None,
             local=local,
             on_membership=allow if keys is not None else None,
+            relay=relay,
         )
         reactor.start()
         return ZmqCommunicator(reactor, ctx, zap, cfg, pid, addr)
@@ -176,8 +183,59 @@ def host_key() -> str:
     return f"{socket.gethostname()}-{boot}-{netns}"
 
 
-def _register(control: zmq.Socket, coordinator: str, cfg: ZmqConfig, meta: dict[str, Any]) -> float:
-    """Connect, send REGISTER, wait for the answer; returns the coordinator's heartbeat interval."""
+def _dial_relay(
+    ctx: zmq.Context,
+    cfg: ZmqConfig,
+    pid: str,
+    keys: CurveKeys | None,
+    route: bytes,
+    coordinator: str,
+    port: int,
+) -> zmq.Socket | None:
+    """Dial the coordinator's relay (:mod:`transport.relay`) and wait for the handshake, so
+    that messages relayed to this peer from the first epoch on find its connection there.
+    None (and a warning) when it cannot: peers that cannot be dialled are then out of reach."""
+    endpoint = f"{coordinator.rsplit(':', 1)[0]}:{port}"
+    sock = ctx.socket(zmq.DEALER)
+    sock.linger = int(cfg.linger * 1000)
+    sock.routing_id = route  # the relay knows this peer by its control route, like the coordinator
+    sock.sndhwm = sock.rcvhwm = cfg.send_hwm
+    sock.maxmsgsize = cfg.max_message_bytes + wire.DEFAULT_MAX_META_BYTES + wire.HEADER_SIZE
+    configure_client(sock, user=pid, token=cfg.token, curve=keys, server_key=cfg.curve_server_key)
+    monitor = sock.get_monitor_socket(
+        zmq.EVENT_HANDSHAKE_SUCCEEDED
+        | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+        | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+        | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+    )
+    try:
+        sock.connect(endpoint)
+        if monitor.poll(int(cfg.register_timeout * 1000)):
+            event = recv_monitor_message(monitor)["event"]
+            if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                return sock
+            why = f"the handshake failed ({zmq.Event(event).name})"
+        else:
+            why = f"no handshake within {cfg.register_timeout:.1f}s"
+    finally:
+        sock.disable_monitor()
+        monitor.close(0)
+    logger.warning(
+        "cannot use the coordinator's relay at %s: %s; peers that cannot be dialled will be out "
+        "of reach of %s",
+        endpoint,
+        why,
+        pid,
+    )
+    sock.close(0)
+    return None
+
+
+def _register(
+    control: zmq.Socket, coordinator: str, cfg: ZmqConfig, meta: dict[str, Any]
+) -> tuple[float, int | None]:
+    """Connect, send REGISTER, wait for the answer; returns the coordinator's heartbeat interval
+    and the port of its relay (None: it runs none)."""
     monitor = control.get_monitor_socket(
         zmq.EVENT_HANDSHAKE_FAILED_AUTH
         | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
@@ -201,7 +259,11 @@ def _register(control: zmq.Socket, coordinator: str, cfg: ZmqConfig, meta: dict[
             if control in ready:
                 msg = wire.unpack(control.recv_multipart(), max_payload_bytes=0)
                 if msg.type == MsgType.REGISTERED:
-                    return float(wire.field(msg.meta, "heartbeat_interval", (int, float)))
+                    interval = float(wire.field(msg.meta, "heartbeat_interval", (int, float)))
+                    port = None
+                    if "relay" in msg.meta:
+                        port = wire.int_field(msg.meta, "relay", 1, 65535)
+                    return interval, port
                 if msg.type == MsgType.REFUSED:
                     kind = msg.meta.get("kind")
                     reason = f"coordinator refused this peer: {msg.meta.get('reason', kind)}"
@@ -352,18 +414,28 @@ class ZmqCommunicator(BlockingCollectives):
         self, tensor: torch.Tensor, codec: Codec | None = None, algorithm: Algorithm = "auto"
     ) -> str:
         """How an ``all_reduce`` of ``tensor`` travels in the current epoch: ``shm`` (shared
-        memory), ``ipc`` (Unix sockets), ``tcp``, or ``ipc+tcp`` for a mixed group."""
+        memory), ``ipc`` (Unix sockets), ``tcp``, ``relay`` (through the coordinator), or a mix
+        such as ``relay+tcp``."""
         if self.choose_algorithm(tensor, codec, algorithm) == "shm":
             return "shm"
         table = self._reactor.members.table
         if table is None or table.membership.world_size <= 1:
             return "local"
+        relayed = self._reactor.links.relayed
         kinds = {
-            data_address(self._reactor.local, addr, loc).split("://", 1)[0]
+            "relay"
+            if pid in relayed
+            else data_address(self._reactor.local, addr, loc).split("://", 1)[0]
             for pid, addr, loc in zip(table.membership.peers, table.addrs, table.locals)
             if pid != self.peer_id
         }
         return "+".join(sorted(kinds))
+
+    @property
+    def relayed_peers(self) -> tuple[str, ...]:
+        """Peers this one reaches through the coordinator's relay (they cannot be dialled, or
+        ``ZmqConfig.relay`` is ``always``)."""
+        return tuple(sorted(self._reactor.links.relayed))
 
     # ---- collectives ---------------------------------------------------------------------------
     def all_reduce_async(
