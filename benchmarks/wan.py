@@ -91,6 +91,9 @@ class WanBench:
     calib_seconds: float = 3.0
     udp_count: int = 4000
     timeout: float = 600.0
+    congestion: str = ""
+    """Every site's default TCP congestion control (lowband and Gloo alike); empty: the
+    namespace's default (the host's, bbr here). ``cubic`` is the stock Linux default."""
     net: int = 231
     seed: int = 1
 
@@ -232,7 +235,14 @@ def run_profile(cfg: WanBench, name: str) -> dict[str, Any]:
     prof = PROFILES[name]
     rate, label = run_rate(prof, cfg.max_rate_mbit)
     path = PathConfig(delay_ms=prof.rtt_ms / 2, rate_mbit=rate, loss=prof.loss)
-    tun = TunConfig(sites=cfg.sites, path=path, host=True, seed=cfg.seed, net=cfg.net)
+    tun = TunConfig(
+        sites=cfg.sites,
+        path=path,
+        host=True,
+        seed=cfg.seed,
+        net=cfg.net,
+        congestion=cfg.congestion,
+    )
     t0 = time.monotonic()
     with (
         TunTestbed(tun) as bed,
@@ -281,6 +291,7 @@ def run(cfg: WanBench) -> dict[str, Any]:
         "repeats": cfg.repeats,
         "warmup": cfg.warmup,
         "max_rate_mbit": cfg.max_rate_mbit,
+        "congestion": cfg.congestion or "namespace default (the host's)",
         "order": "every arm once per iteration, order rotated by one per iteration",
         "gloo_mode": "TCP store on site 0, GLOO_SOCKET_IFNAME = site TUN, default algorithm, "
         "in place on a persistent buffer refilled untimed",
@@ -747,6 +758,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--calib-seconds", type=float, default=3.0)
     p.add_argument("--udp-count", type=int, default=4000)
     p.add_argument("--timeout", type=float, default=600.0)
+    p.add_argument("--congestion", default="", help="sites' TCP congestion control (bbr, cubic)")
     p.add_argument("--json", action="store_true", help="only the JSON line")
     p.add_argument("--diloco", action="store_true", help="Streaming DiLoCo vs DDP instead")
     p.add_argument("--diloco-profile", default="intercontinental", choices=list(PROFILES))
@@ -802,6 +814,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         calib_seconds=args.calib_seconds,
         udp_count=args.udp_count,
         timeout=args.timeout,
+        congestion=args.congestion,
     )
     result = run(cfg)
     if not args.json:

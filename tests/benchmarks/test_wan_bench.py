@@ -5,7 +5,15 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks.wan import PROFILES, DilocoWan, WanBench, arm_order, run_rate, summarize
+from benchmarks.wan import (
+    PROFILES,
+    DilocoWan,
+    WanBench,
+    arm_order,
+    run_rate,
+    summarize,
+    summarize_torchft,
+)
 from lowband.errors import ConfigError
 from tests.conftest import run_json_module
 from transport.links.tun.testbed import available
@@ -41,6 +49,27 @@ def test_summary_takes_the_slowest_site_and_compares_with_gloo():
     # 2 MB in 3 s at 8 Mbit/s: 16e6 bits / 3 s / 8e6 = 0.667; in 4 s: 0.5
     assert s["lowband_k1"]["link_utilisation"] == {"median": 0.583, "min": 0.5, "max": 0.667}
     assert s["best_k"] == 1 and s["ratio_vs_gloo"] == {"k1": round(6.0 / 3.5, 3)}
+
+
+def test_torchft_summary_reports_eval_loss_and_the_goal():
+    def row(wall: float, loss: float) -> dict[str, float]:
+        return {"wall_s": wall, "site_tx_bytes": 100, "eval_loss": loss}
+
+    runs = {
+        "lowband": [row(2.0, 3.0), row(4.0, 3.2), row(3.0, 3.1)],
+        "torchft": [row(10.0, 3.3), row(8.0, 3.1), row(12.0, 3.2)],
+    }
+    s = summarize_torchft(runs)
+    assert s["lowband"]["eval_loss"] == {"median": 3.1, "min": 3.0, "max": 3.2}
+    assert s["torchft"]["eval_loss"]["median"] == 3.2
+    # paired lowband/torchft walls 0.2, 0.5, 0.25: median 0.25
+    assert s["wall_ratio_lowband_over_torchft"] == 0.25
+    assert s["eval_loss_gap"] == round((3.1 - 3.2) / 3.2, 4)
+    assert s["goal_wall_le_0.8x_at_le_loss"] and s["must_wall_le_1.0x_at_le_loss"]
+    # a higher loss fails the comparison whatever the wall clock
+    runs["lowband"] = [row(1.0, 3.5)] * 3
+    s = summarize_torchft(runs)
+    assert not s["goal_wall_le_0.8x_at_le_loss"] and not s["must_wall_le_1.0x_at_le_loss"]
 
 
 def test_config_is_validated():
