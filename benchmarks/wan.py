@@ -94,6 +94,11 @@ class WanBench:
     congestion: str = ""
     """Every site's default TCP congestion control (lowband and Gloo alike); empty: the
     namespace's default (the host's, bbr here). ``cubic`` is the stock Linux default."""
+    scale_tcp_buffers: bool = False
+    """Cap every site's TCP buffers (``tcp_wmem``/``tcp_rmem`` max) at the stock kernel's
+    (4 MiB / 6 MiB) times rate run / configured rate: one flow's window then covers the same
+    share of the path's BDP as a stock kernel's at the configured rate (a 1 Gbit/s, 160 ms path
+    has a 20 MB BDP that a 4 MiB send buffer covers a fifth of). Off: the kernel's buffers."""
     net: int = 231
     seed: int = 1
 
@@ -118,6 +123,19 @@ class WanBench:
     def arms(self) -> list[str]:
         ks = [f"lowband_k{k}" for k in dict.fromkeys(self.connections)]
         return ks + (["gloo"] if self.gloo else [])
+
+
+STOCK_TCP_WMEM_MAX = 4 * MiB
+STOCK_TCP_RMEM_MAX = 6 * MiB
+
+
+def tcp_buffer_sysctls(scale: float) -> tuple[tuple[str, str], ...]:
+    """A site's tcp_wmem / tcp_rmem with the stock kernel's maxima times ``scale`` (<= 1)."""
+    w, r = int(STOCK_TCP_WMEM_MAX * scale), int(STOCK_TCP_RMEM_MAX * scale)
+    return (
+        ("net.ipv4.tcp_wmem", f"4096 {min(16384, w)} {w}"),
+        ("net.ipv4.tcp_rmem", f"4096 {min(131072, r)} {r}"),
+    )
 
 
 def run_rate(profile: Profile, max_rate_mbit: float) -> tuple[float, str]:
@@ -242,6 +260,7 @@ def run_profile(cfg: WanBench, name: str) -> dict[str, Any]:
         seed=cfg.seed,
         net=cfg.net,
         congestion=cfg.congestion,
+        sysctls=tcp_buffer_sysctls(rate / prof.rate_mbit) if cfg.scale_tcp_buffers else (),
     )
     t0 = time.monotonic()
     with (
@@ -269,6 +288,7 @@ def run_profile(cfg: WanBench, name: str) -> dict[str, Any]:
         "configured": {"rate_mbit": prof.rate_mbit, "rtt_ms": prof.rtt_ms, "loss": prof.loss},
         "rate_mbit_run": rate,
         "rate_label": label,
+        "tcp_buffers": dict(tun.sysctls) or "the kernel's",
         "calibration": calib,
         "allreduce": allreduce,
         "profile_wall_s": round(time.monotonic() - t0, 1),
@@ -759,6 +779,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--udp-count", type=int, default=4000)
     p.add_argument("--timeout", type=float, default=600.0)
     p.add_argument("--congestion", default="", help="sites' TCP congestion control (bbr, cubic)")
+    p.add_argument(
+        "--scale-tcp-buffers",
+        action="store_true",
+        help="stock kernel TCP buffer maxima scaled by rate run / configured rate",
+    )
     p.add_argument("--json", action="store_true", help="only the JSON line")
     p.add_argument("--diloco", action="store_true", help="Streaming DiLoCo vs DDP instead")
     p.add_argument("--diloco-profile", default="intercontinental", choices=list(PROFILES))
@@ -815,6 +840,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         udp_count=args.udp_count,
         timeout=args.timeout,
         congestion=args.congestion,
+        scale_tcp_buffers=args.scale_tcp_buffers,
     )
     result = run(cfg)
     if not args.json:

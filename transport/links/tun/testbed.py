@@ -59,6 +59,9 @@ class TunConfig:
     congestion: str = ""
     """Default TCP congestion control of every site; only those the host allows
     (``net.ipv4.tcp_allowed_congestion_control``); empty: the namespace's default."""
+    sysctls: tuple[tuple[str, str], ...] = ()
+    """Further settings of every site's network namespace, as ``(name, value)`` pairs of
+    namespace-scoped ``net.`` sysctls (e.g. ``("net.ipv4.tcp_wmem", "4096 16384 204800")``)."""
     seed: int | None = None
     """Seed of the loss/jitter/reordering draws; None: fresh each run."""
     net: int = 229
@@ -77,6 +80,9 @@ class TunConfig:
             raise ConfigError("mtu", f"must be in [576, 65535], got {self.mtu}")
         if self.name and (len(self.name) > 8 or not self.name.isalnum()):
             raise ConfigError("name", "at most 8 alphanumeric characters")
+        for key, _ in self.sysctls:
+            if not key.startswith("net.") or not key.replace(".", "").replace("_", "").isalnum():
+                raise ConfigError("sysctls", f"{key!r} is not a namespace-scoped net.* setting")
         n = self.endpoints
         for s, d in self.paths:
             if not (0 <= s < n and 0 <= d < n and s != d):
@@ -164,6 +170,8 @@ class TunTestbed:
                 _run("ip", "-n", ns, "link", "set", "lo", "up")
                 if self.config.congestion:
                     self._set_congestion(i)
+                for key, value in self.config.sysctls:
+                    self._sysctl(i, key, value)
                 fds.append(_open_tun(tun))
                 _run("ip", "link", "set", tun, "netns", ns)
                 _run("ip", "-n", ns, "addr", "add", f"{self.addr(i)}/24", "dev", tun)
@@ -180,6 +188,12 @@ class TunTestbed:
             for fd in fds:  # the forwarder holds its own copies; the TUNs live as long as it
                 os.close(fd)
         return self
+
+    def _sysctl(self, site: int, key: str, value: str) -> None:
+        cmd = ["sysctl", "-q", "-w", f"{key}={value}"]
+        proc = self.run_in(site, cmd, capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise ConfigError("sysctls", f"{key}={value!r} in site {site}: {proc.stderr.strip()}")
 
     def _set_congestion(self, site: int) -> None:
         cc = self.config.congestion
