@@ -252,7 +252,7 @@ struct QScratch {
   std::vector<int8_t> q;
   std::vector<float> d;
   std::vector<int32_t> s;
-  std::vector<float> s16;  // ggml: per-16 sums of the fp32 activations
+  lbq::ggml::GActBuf g;  // ggml: the int8 activations and their sums
 };
 
 // Y[m0:m1, n] of a packed weight: the kernel's row tiles of <= 4 activation rows.
@@ -296,27 +296,13 @@ void packed_dispatch(bool q4, int G, const lbq::Wt& w, const lbq::Act& a, int64_
   }
 }
 
-// Y[m0:m1, n] of ggml blocks of type T (row tiles of <= 4 activation rows per decoded block).
+// Y[m0:m1, n] of ggml blocks of type T (ggml_kernels.h's tile_rows: the fused kernel where
+// the type has one, else row tiles of <= 4 activation rows per decoded block).
 template <int T>
 void ggml_rows(const uint8_t* w, int64_t row_bytes, const lbq::ggml::GAct& a, int64_t n0, int64_t n1, float* Y,
                int64_t ldy) {
   tiled_rows(n0, n1, a.M, row_bytes, [&](int64_t n, int64_t m0, int64_t m1) {
-    const uint8_t* wr = w + n * row_bytes;
-    int64_t m = m0;
-    for (; m + 4 <= m1; m += 4) lbq::ggml::row_tile<T, 4>(wr, a, n, m, Y, ldy);
-    switch (m1 - m) {
-      case 3:
-        lbq::ggml::row_tile<T, 3>(wr, a, n, m, Y, ldy);
-        break;
-      case 2:
-        lbq::ggml::row_tile<T, 2>(wr, a, n, m, Y, ldy);
-        break;
-      case 1:
-        lbq::ggml::row_tile<T, 1>(wr, a, n, m, Y, ldy);
-        break;
-      default:
-        break;
-    }
+    lbq::ggml::tile_rows<T>(w + n * row_bytes, a, n, m0, m1, Y, ldy);
   });
 }
 
@@ -351,19 +337,23 @@ void run_lin(const Lin& l, const float* x, int64_t ldx, int64_t M, float* Y, int
     // int8 activations, one scale per G values (32 for ggml), quantized once for all rows.
     const int G = l.kind == kGGML ? 32 : l.G;
     const int64_t K = l.K, nb = K / G;
-    qs.q.resize(static_cast<size_t>(M * K));
-    qs.d.resize(static_cast<size_t>(M * nb));
-    qs.s.resize(static_cast<size_t>(M * nb));
-    if (l.kind == kGGML) qs.s16.resize(static_cast<size_t>(M * (K / 16)));
-    at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
-      for (int64_t m = m0; m < m1; ++m) {
-        lbq::quantize_act_row(x + m * ldx, K, G, qs.q.data() + m * K, qs.d.data() + m * nb, qs.s.data() + m * nb);
-        if (l.kind == kGGML) lbq::ggml::sums16(x + m * ldx, 1, K, qs.s16.data() + m * (K / 16));
-      }
-    });
+    if (l.kind == kGGML) {
+      qs.g.resize(M, K);
+      at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
+        for (int64_t m = m0; m < m1; ++m) qs.g.row(x + m * ldx, m, K);
+      });
+    } else {
+      qs.q.resize(static_cast<size_t>(M * K));
+      qs.d.resize(static_cast<size_t>(M * nb));
+      qs.s.resize(static_cast<size_t>(M * nb));
+      at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
+        for (int64_t m = m0; m < m1; ++m)
+          lbq::quantize_act_row(x + m * ldx, K, G, qs.q.data() + m * K, qs.d.data() + m * nb, qs.s.data() + m * nb);
+      });
+    }
     const int64_t grain = std::max<int64_t>(8, (int64_t{1} << 16) / K);
     if (l.kind == kGGML) {
-      const lbq::ggml::GAct a{qs.q.data(), qs.d.data(), qs.s16.data(), M, K};
+      const lbq::ggml::GAct a = qs.g.view(M, K);
       at::parallel_for(0, l.N, grain,
                        [&](int64_t n0, int64_t n1) { ggml_dispatch(l.G, l.qp, l.row_bytes, a, n0, n1, Y, ldy); });
     } else {

@@ -89,15 +89,12 @@ torch::Tensor ggml_gemv(const torch::Tensor& x, const torch::Tensor& blocks, int
   }
   auto y = torch::zeros({M, N}, x.options());
   if (M > 0 && N > 0 && K > 0) {
-    // int8 activations per 32 values (as the Q8/Q4 kernels) and exact per-16 sums.
+    // int8 activations per 32 values (as the Q8/Q4 kernels) and their sums.
     const float* xp = x.data_ptr<float>();
-    std::vector<int8_t> xq(static_cast<size_t>(M * K));
-    std::vector<float> xd(static_cast<size_t>(M * (K / 32))), xs16(static_cast<size_t>(M * (K / 16)));
-    std::vector<int32_t> xsum(static_cast<size_t>(M * (K / 32)));
-    for (int64_t m = 0; m < M; ++m)
-      lbq::quantize_act_row(xp + m * K, K, 32, xq.data() + m * K, xd.data() + m * (K / 32), xsum.data() + m * (K / 32));
-    lbq::ggml::sums16(xp, M, K, xs16.data());
-    const lbq::ggml::GAct a{xq.data(), xd.data(), xs16.data(), M, K};
+    lbq::ggml::GActBuf buf;
+    buf.resize(M, K);
+    for (int64_t m = 0; m < M; ++m) buf.row(xp + m * K, m, K);
+    const lbq::ggml::GAct a = buf.view(M, K);
     const uint8_t* wp = blocks.data_ptr<uint8_t>();
     float* yp = y.data_ptr<float>();
     const int t = static_cast<int>(type);

@@ -17,8 +17,10 @@
 // NEON (SDOT or vmull), scalar.  The ISA macros come from gemv_kernels.h.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 #include "gemv_kernels.h"
 
@@ -209,6 +211,19 @@ inline void decode_q2k_avx2(const uint8_t* blk, int8_t* q, float* a, float* b) {
   scale16(mn, -f16(blk + 82), b);  // -(dmin * mn) == (-dmin) * mn exactly
 }
 
+// The 16 six-bit Q3_K scales minus 32, as int8, with 32-bit masks (llama.cpp's kmask trick):
+// byte k of aux is scale k.
+inline __m128i q3k_scales(const uint8_t* blk) {
+  uint32_t aux[4];
+  std::memcpy(aux, blk + 96, 12);
+  const uint32_t km1 = 0x03030303u, km2 = 0x0f0f0f0fu, tmp = aux[2];
+  aux[2] = ((aux[0] >> 4) & km2) | (((tmp >> 4) & km1) << 4);
+  aux[3] = ((aux[1] >> 4) & km2) | (((tmp >> 6) & km1) << 4);
+  aux[0] = (aux[0] & km2) | ((tmp & km1) << 4);
+  aux[1] = (aux[1] & km2) | (((tmp >> 2) & km1) << 4);
+  return _mm_sub_epi8(_mm_loadu_si128(reinterpret_cast<const __m128i*>(aux)), _mm_set1_epi8(32));
+}
+
 inline void decode_q3k_avx2(const uint8_t* blk, int8_t* q, float* a, float* b) {
   const __m256i m3 = _mm256_set1_epi8(3), four = _mm256_set1_epi8(4);
   const __m256i hm = ld32(blk);
@@ -219,19 +234,30 @@ inline void decode_q3k_avx2(const uint8_t* blk, int8_t* q, float* a, float* b) {
       st32(q + 128 * h + 32 * j, _mm256_sub_epi8(low, _mm256_andnot_si256(bit_set(hm, 4 * h + j), four)));
     }
   }
-  // The 16 six-bit scales with 32-bit masks (llama.cpp's kmask trick): byte k of aux is scale k.
-  uint32_t aux[4];
-  std::memcpy(aux, blk + 96, 12);
-  const uint32_t km1 = 0x03030303u, km2 = 0x0f0f0f0fu, tmp = aux[2];
-  aux[2] = ((aux[0] >> 4) & km2) | (((tmp >> 4) & km1) << 4);
-  aux[3] = ((aux[1] >> 4) & km2) | (((tmp >> 6) & km1) << 4);
-  aux[0] = (aux[0] & km2) | ((tmp & km1) << 4);
-  aux[1] = (aux[1] & km2) | (((tmp >> 2) & km1) << 4);
   alignas(16) int8_t sc[16];
-  _mm_store_si128(reinterpret_cast<__m128i*>(sc),
-                  _mm_sub_epi8(_mm_loadu_si128(reinterpret_cast<const __m128i*>(aux)), _mm_set1_epi8(32)));
+  _mm_store_si128(reinterpret_cast<__m128i*>(sc), q3k_scales(blk));
   scale16(sc, f16(blk + 108), a);
   std::memset(b, 0, 16 * sizeof(float));
+}
+
+// Q4_K / Q5_K per-32 scales av = d * sc and min terms bv = -dmin * mn (natural order) from the
+// 12 bytes b of get_scale_min_k4, in SSE registers: scale j < 4 is b[j] & 63, min j < 4 is
+// b[j+4] & 63; for j >= 4 the low 4 bits come from b[j+4] (scale: low nibble, min: high
+// nibble) and the top 2 from bits 6-7 of b[j-4] (scale) / b[j] (min).
+inline void q45k_scales(const uint8_t* blk, __m256* av, __m256* bv) {
+  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 4));  // 12 bytes used
+  const __m128i low =
+      _mm_and_si128(_mm_shuffle_epi8(v, _mm_setr_epi8(0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, -1, -1, -1, -1)),
+                    _mm_setr_epi8(63, 63, 63, 63, 15, 15, 15, 15, 63, 63, 63, 63, 0, 0, 0, 0));
+  const __m128i mhi = _mm_shuffle_epi8(_mm_and_si128(_mm_srli_epi16(v, 4), _mm_set1_epi8(15)),
+                                       _mm_setr_epi8(-1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, 8, 9, 10, 11));
+  const __m128i top = _mm_shuffle_epi8(_mm_and_si128(_mm_srli_epi16(v, 2), _mm_set1_epi8(0x30)),
+                                       _mm_setr_epi8(-1, -1, -1, -1, 0, 1, 2, 3, -1, -1, -1, -1, 4, 5, 6, 7));
+  const __m128i sm = _mm_or_si128(_mm_or_si128(low, mhi), top);  // bytes 0-7 scales, 8-15 mins
+  const __m256 sc = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(sm));
+  const __m256 mn = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(sm, 8)));
+  *av = _mm256_mul_ps(_mm256_set1_ps(f16(blk)), sc);
+  *bv = _mm256_mul_ps(_mm256_set1_ps(-f16(blk + 2)), mn);  // == -(dmin * mn)
 }
 
 template <bool FIVE>
@@ -249,22 +275,9 @@ inline void decode_q45k_avx2(const uint8_t* blk, int8_t* q, float* a, float* b) 
     st32(q + 64 * j, lo);
     st32(q + 64 * j + 32, hi);
   }
-  // get_scale_min_k4 for all 8 with 32-bit masks (llama.cpp's utmp trick): bytes 0-7 of u are
-  // the scales, bytes 8-15 the mins.
-  uint32_t u[4];
-  std::memcpy(u, blk + 4, 12);
-  const uint32_t km1 = 0x3f3f3f3fu, km2 = 0x0f0f0f0fu, km3 = 0x03030303u;
-  u[3] = ((u[2] >> 4) & km2) | (((u[1] >> 6) & km3) << 4);
-  const uint32_t mins_lo = u[1] & km1;
-  u[1] = (u[2] & km2) | (((u[0] >> 6) & km3) << 4);
-  u[2] = mins_lo;
-  u[0] &= km1;
-  const __m128i sm = _mm_loadu_si128(reinterpret_cast<const __m128i*>(u));
-  const __m256 sc = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(sm));
-  const __m256 mn = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(sm, 8)));
+  __m256 av, bv;
+  q45k_scales(blk, &av, &bv);
   const __m256i dup_lo = _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3), dup_hi = _mm256_setr_epi32(4, 4, 5, 5, 6, 6, 7, 7);
-  const __m256 av = _mm256_mul_ps(_mm256_set1_ps(f16(blk)), sc);
-  const __m256 bv = _mm256_mul_ps(_mm256_set1_ps(-f16(blk + 2)), mn);  // == -(dmin * mn)
   _mm256_storeu_ps(a, _mm256_permutevar8x32_ps(av, dup_lo));
   _mm256_storeu_ps(a + 8, _mm256_permutevar8x32_ps(av, dup_hi));
   _mm256_storeu_ps(b, _mm256_permutevar8x32_ps(bv, dup_lo));
@@ -473,13 +486,239 @@ inline void block_dot(const int8_t* q, const float* a, const int8_t* const* xq, 
 #endif
 
 // Quantized activations for the ggml kernels: M rows of K int8 with one scale per 32 values
-// (quantize_act_row at G = 32), and the per-16 sums of the fp32 activations.
+// (quantize_act_row at G = 32), the per-16 and per-32 sums of the fp32 activations, and the
+// per-16 sums of the int8 values (in "fold order", see fused kernels below).
 struct GAct {
-  const int8_t* q;   // [M, K]
-  const float* d;    // [M, K/32]
-  const float* s16;  // [M, K/16]
+  const int8_t* q;     // [M, K]
+  const float* d;      // [M, K/32]
+  const float* s16;    // [M, K/16]
+  const float* s32;    // [M, K/32]
+  const int32_t* i16;  // [M, K/16]
   int64_t M, K;
 };
+
+// Order of the 8 per-16 sums of 128 values after the fused kernels' hadd fold:
+// sub-blocks [0 2 4 6 1 3 5 7] (chunk c of 32 values holds sub-blocks 2c and 2c+1).
+constexpr int kFold[8] = {0, 2, 4, 6, 1, 3, 5, 7};
+
+// The sums of one activation row (x fp32, q its int8 quantization, K values): s16, s32 and
+// i16 (per-16 integer sums, each full group of 8 in kFold order, a tail in natural order).
+inline void act_sums(const float* x, const int8_t* q, int64_t K, float* s16, float* s32, int32_t* i16) {
+  const int64_t n16 = K / 16;
+  for (int64_t s = 0; s < n16; ++s) {
+    float t = 0.f;
+    for (int i = 0; i < 16; ++i) t += x[16 * s + i];
+    s16[s] = t;
+  }
+  for (int64_t c = 0; c < K / 32; ++c) s32[c] = s16[2 * c] + s16[2 * c + 1];
+  for (int64_t s = 0; s < n16; ++s) {
+    const int64_t g = s / 8, src = (g + 1) * 8 <= n16 ? 8 * g + kFold[s % 8] : s;
+    int32_t t = 0;
+    for (int i = 0; i < 16; ++i) t += q[16 * src + i];
+    i16[s] = t;
+  }
+}
+
+// Owner of the activation arrays of M rows (x: M rows ldx apart, K values each).
+struct GActBuf {
+  std::vector<int8_t> q;
+  std::vector<float> d, s16, s32;
+  std::vector<int32_t> i16, isum;
+  void resize(int64_t M, int64_t K) {
+    q.resize(static_cast<size_t>(M * K));
+    d.resize(static_cast<size_t>(M * (K / 32)));
+    isum.resize(static_cast<size_t>(M * (K / 32)));
+    s16.resize(static_cast<size_t>(M * (K / 16)));
+    s32.resize(static_cast<size_t>(M * (K / 32)));
+    i16.resize(static_cast<size_t>(M * (K / 16)));
+  }
+  // Row m (after resize): quantize and sum.
+  void row(const float* x, int64_t m, int64_t K) {
+    quantize_act_row(x, K, 32, q.data() + m * K, d.data() + m * (K / 32), isum.data() + m * (K / 32));
+    act_sums(x, q.data() + m * K, K, s16.data() + m * (K / 16), s32.data() + m * (K / 32), i16.data() + m * (K / 16));
+  }
+  GAct view(int64_t M, int64_t K) const { return GAct{q.data(), d.data(), s16.data(), s32.data(), i16.data(), M, K}; }
+};
+
+// ---- fused AVX2 kernels for the K-quants ---------------------------------------------------
+// A super-block (256 weights) of one weight row is unpacked in registers into 8 chunks of 32
+// unsigned bytes (q + offset, so the u8 x s8 dot instructions apply directly) and float scale
+// vectors; each activation row then costs 8 integer dots of 32 values, a hadd fold of the 8
+// int32 lane vectors into the per-16 (or per-32) sums, and 1-2 FMAs.  No decoded block goes
+// through memory, and one unpack serves every activation row of a tile (prefill).  The
+// arithmetic is the decode + block_dot route's: exact int32 sub-block dots (the offset removed
+// with the integer activation sums i16), times a_s * d_x in fp32, plus b_s times the fp32 sums;
+// only the order of the fp32 additions differs.  Every activation row of every tile goes
+// through the same kdot, so an output does not depend on how many rows share a call.
+template <int T>
+struct Fused {
+  static constexpr bool ok = false;
+};
+
+#if defined(LBQ_AVX2)
+struct KUnp {
+  __m256i w[8];   // chunk c: the unsigned values 32c..32c+31
+  __m256 a0, a1;  // SUB32: a0 per-32 scales; else scales of sub-blocks 0-7 / 8-15 in kFold order
+  __m256 b0, b1;  // SUB32 with MIN: b0 per-32 min terms; Q2_K: per-16 min terms 0-7 / 8-15
+};
+
+// a0, a1 = d * s in kFold order from the 16 int8 scales s of sub-blocks 0-15.
+inline void fold_scales(__m128i s, float d, KUnp& u) {
+  const __m128i p = _mm_shuffle_epi8(s, _mm_setr_epi8(0, 2, 4, 6, 1, 3, 5, 7, 8, 10, 12, 14, 9, 11, 13, 15));
+  const __m256 dv = _mm256_set1_ps(d);
+  u.a0 = _mm256_mul_ps(dv, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(p)));
+  u.a1 = _mm256_mul_ps(dv, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(p, 8))));
+}
+
+template <bool FIVE>
+inline void unpack_q45k(const uint8_t* blk, KUnp& u) {
+  const __m256i m4 = _mm256_set1_epi8(0x0F), sixteen = _mm256_set1_epi8(16);
+  const uint8_t* qs = blk + (FIVE ? 48 : 16);
+  const __m256i qh = FIVE ? ld32(blk + 16) : _mm256_setzero_si256();
+  for (int j = 0; j < 4; ++j) {
+    const __m256i v = ld32(qs + 32 * j);
+    __m256i lo = _mm256_and_si256(v, m4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+    if (FIVE) {
+      lo = _mm256_or_si256(lo, _mm256_and_si256(bit_set(qh, 2 * j), sixteen));
+      hi = _mm256_or_si256(hi, _mm256_and_si256(bit_set(qh, 2 * j + 1), sixteen));
+    }
+    u.w[2 * j] = lo;
+    u.w[2 * j + 1] = hi;
+  }
+  q45k_scales(blk, &u.a0, &u.b0);
+}
+
+inline void unpack_q6k(const uint8_t* blk, KUnp& u) {  // values q + 32 in 0..63
+  const __m256i m4 = _mm256_set1_epi8(0x0F), m30 = _mm256_set1_epi8(0x30);
+  for (int h = 0; h < 2; ++h) {
+    const __m256i l0 = ld32(blk + 64 * h), l1 = ld32(blk + 64 * h + 32), hv = ld32(blk + 128 + 32 * h);
+    const __m256i h0 = _mm256_and_si256(_mm256_slli_epi16(hv, 4), m30);
+    const __m256i h1 = _mm256_and_si256(_mm256_slli_epi16(hv, 2), m30);
+    const __m256i h2 = _mm256_and_si256(hv, m30);
+    const __m256i h3 = _mm256_and_si256(_mm256_srli_epi16(hv, 2), m30);
+    u.w[4 * h] = _mm256_or_si256(_mm256_and_si256(l0, m4), h0);
+    u.w[4 * h + 1] = _mm256_or_si256(_mm256_and_si256(l1, m4), h1);
+    u.w[4 * h + 2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), m4), h2);
+    u.w[4 * h + 3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m4), h3);
+  }
+  fold_scales(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 192)), f16(blk + 208), u);
+}
+
+inline void unpack_q3k(const uint8_t* blk, KUnp& u) {  // values q + 4 in 0..7
+  const __m256i m3 = _mm256_set1_epi8(3), four = _mm256_set1_epi8(4);
+  const __m256i hm = ld32(blk);
+  for (int h = 0; h < 2; ++h) {
+    const __m256i v = ld32(blk + 32 + 32 * h);
+    for (int j = 0; j < 4; ++j)
+      u.w[4 * h + j] =
+          _mm256_or_si256(_mm256_and_si256(srl16(v, 2 * j), m3), _mm256_and_si256(bit_set(hm, 4 * h + j), four));
+  }
+  fold_scales(q3k_scales(blk), f16(blk + 108), u);
+}
+
+inline void unpack_q2k(const uint8_t* blk, KUnp& u) {
+  const __m256i m3 = _mm256_set1_epi8(3);
+  for (int h = 0; h < 2; ++h) {
+    const __m256i v = ld32(blk + 16 + 32 * h);
+    for (int j = 0; j < 4; ++j) u.w[4 * h + j] = _mm256_and_si256(srl16(v, 2 * j), m3);
+  }
+  const __m128i s = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk));
+  const __m128i mn = _mm_and_si128(_mm_srli_epi16(s, 4), _mm_set1_epi8(0x0F));
+  fold_scales(_mm_and_si128(s, _mm_set1_epi8(0x0F)), f16(blk + 80), u);
+  const __m256 nd = _mm256_set1_ps(-f16(blk + 82));  // -(dmin * mn) == (-dmin) * mn exactly
+  u.b0 = _mm256_mul_ps(nd, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(mn)));
+  u.b1 = _mm256_mul_ps(nd, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(mn, 8))));
+}
+
+// SUB32: per-32 scales; SHIFT: the values carry an offset 1 << SHIFT (-1: none); MIN: b terms.
+template <>
+struct Fused<Q4_K> {
+  static constexpr bool ok = true, SUB32 = true, MIN = true;
+  static constexpr int SHIFT = -1;
+  static void unpack(const uint8_t* p, KUnp& u) { unpack_q45k<false>(p, u); }
+};
+template <>
+struct Fused<Q5_K> {
+  static constexpr bool ok = true, SUB32 = true, MIN = true;
+  static constexpr int SHIFT = -1;
+  static void unpack(const uint8_t* p, KUnp& u) { unpack_q45k<true>(p, u); }
+};
+template <>
+struct Fused<Q6_K> {
+  static constexpr bool ok = true, SUB32 = false, MIN = false;
+  static constexpr int SHIFT = 5;
+  static void unpack(const uint8_t* p, KUnp& u) { unpack_q6k(p, u); }
+};
+template <>
+struct Fused<Q3_K> {
+  static constexpr bool ok = true, SUB32 = false, MIN = false;
+  static constexpr int SHIFT = 2;
+  static void unpack(const uint8_t* p, KUnp& u) { unpack_q3k(p, u); }
+};
+template <>
+struct Fused<Q2_K> {
+  static constexpr bool ok = true, SUB32 = false, MIN = true;
+  static constexpr int SHIFT = -1;
+  static void unpack(const uint8_t* p, KUnp& u) { unpack_q2k(p, u); }
+};
+
+// One super-block of one activation row (xq: its 256 int8, dx: 8 scales, x32/x16: its fp32
+// sums per 32 / 16, i16: its integer per-16 sums in kFold order) added to acc.
+template <int T>
+inline __m256 kdot(const KUnp& u, const int8_t* xq, const float* dx, const float* x32, const float* x16,
+                   const int32_t* i16, __m256 acc) {
+  using F = Fused<T>;
+  __m256i v[8];
+  for (int c = 0; c < 8; ++c)
+    v[c] = dot_u8s8(_mm256_setzero_si256(), u.w[c], _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + 32 * c)));
+  // [s0 s2 s4 s6 | s1 s3 s5 s7]: the per-16 sums of chunks 0-3 (q0) and 4-7 (q1)
+  __m256i q0 = _mm256_hadd_epi32(_mm256_hadd_epi32(v[0], v[1]), _mm256_hadd_epi32(v[2], v[3]));
+  __m256i q1 = _mm256_hadd_epi32(_mm256_hadd_epi32(v[4], v[5]), _mm256_hadd_epi32(v[6], v[7]));
+  if constexpr (F::SUB32) {
+    const __m256i t =
+        _mm256_add_epi32(_mm256_permute2x128_si256(q0, q1, 0x20), _mm256_permute2x128_si256(q0, q1, 0x31));
+    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t), _mm256_mul_ps(u.a0, _mm256_loadu_ps(dx)), acc);
+    if constexpr (F::MIN) acc = _mm256_fmadd_ps(u.b0, _mm256_loadu_ps(x32), acc);
+  } else {
+    if constexpr (F::SHIFT >= 0) {
+      q0 = _mm256_sub_epi32(q0, _mm256_slli_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(i16)), F::SHIFT));
+      q1 = _mm256_sub_epi32(q1,
+                            _mm256_slli_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(i16 + 8)), F::SHIFT));
+    }
+    const __m256 d0 = _mm256_broadcast_ps(reinterpret_cast<const __m128*>(dx));
+    const __m256 d1 = _mm256_broadcast_ps(reinterpret_cast<const __m128*>(dx + 4));
+    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q0), _mm256_mul_ps(u.a0, d0), acc);
+    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q1), _mm256_mul_ps(u.a1, d1), acc);
+    if constexpr (F::MIN) {
+      acc = _mm256_fmadd_ps(u.b0, _mm256_loadu_ps(x16), acc);
+      acc = _mm256_fmadd_ps(u.b1, _mm256_loadu_ps(x16 + 8), acc);
+    }
+  }
+  (void)x32;
+  (void)x16;
+  (void)i16;
+  return acc;
+}
+
+// Y[m, n] for one weight row n (bytes wr) and the activation rows m0..m0+rows-1 (rows <= MAXR):
+// each super-block is unpacked once for all of them.
+template <int T, int MAXR>
+inline void fused_rows(const uint8_t* wr, const GAct& x, int64_t n, int64_t m0, int64_t rows, float* Y, int64_t ldy) {
+  const int64_t R = MAXR == 1 ? 1 : rows, K = x.K;
+  __m256 acc[MAXR];
+  for (int64_t j = 0; j < R; ++j) acc[j] = _mm256_setzero_ps();
+  for (int64_t blk = 0; blk < K / 256; ++blk) {
+    KUnp u;
+    Fused<T>::unpack(wr + blk * Traits<T>::SIZE, u);
+    for (int64_t j = 0; j < R; ++j) {
+      const int64_t m = m0 + j;
+      acc[j] = kdot<T>(u, x.q + m * K + blk * 256, x.d + m * (K / 32) + blk * 8, x.s32 + m * (K / 32) + blk * 8,
+                       x.s16 + m * (K / 16) + blk * 16, x.i16 + m * (K / 16) + blk * 16, acc[j]);
+    }
+  }
+  for (int64_t j = 0; j < R; ++j) Y[(m0 + j) * ldy + n] = hsum_ps(acc[j]);
+}
+#endif
 
 // One weight row n x MR activation rows m0..m0+MR-1.
 template <int T, int MR>
@@ -521,38 +760,49 @@ inline void row_tile(const uint8_t* wr, const GAct& x, int64_t n, int64_t m0, fl
   for (int j = 0; j < MR; ++j) Y[(m0 + j) * N + n] = acc_sum(acc[j]) + mins[j];
 }
 
+// Maximum activation rows per call of tile_rows (the fused kernels' accumulator array).
+constexpr int64_t kTileRows = 32;
+
+// Y[m0:m1, n] for weight row n (bytes wr): the fused kernel where the type has one, else decoded blocks dotted with row
+// tiles of <= 4 activation rows.
+template <int T>
+inline void tile_rows(const uint8_t* wr, const GAct& x, int64_t n, int64_t m0, int64_t m1, float* Y, int64_t ldy) {
+#if defined(LBQ_AVX2)
+  if constexpr (Fused<T>::ok) {
+    if (m1 - m0 == 1) {
+      fused_rows<T, 1>(wr, x, n, m0, 1, Y, ldy);
+    } else {
+      for (int64_t m = m0; m < m1; m += kTileRows)
+        fused_rows<T, kTileRows>(wr, x, n, m, std::min(kTileRows, m1 - m), Y, ldy);
+    }
+    return;
+  }
+#endif
+  int64_t m = m0;
+  for (; m + 4 <= m1; m += 4) row_tile<T, 4>(wr, x, n, m, Y, ldy);
+  switch (m1 - m) {
+    case 3:
+      row_tile<T, 3>(wr, x, n, m, Y, ldy);
+      break;
+    case 2:
+      row_tile<T, 2>(wr, x, n, m, Y, ldy);
+      break;
+    case 1:
+      row_tile<T, 1>(wr, x, n, m, Y, ldy);
+      break;
+    default:
+      break;
+  }
+}
+
 // Rows n0..n1 of Y [M, N] (fp32); w: N rows of row_bytes.
 template <int T>
 inline void gemv_rows_t(const uint8_t* w, int64_t row_bytes, const GAct& x, int64_t N, int64_t n0, int64_t n1,
                         float* Y) {
-  for (int64_t n = n0; n < n1; ++n) {
-    const uint8_t* wr = w + n * row_bytes;
-    int64_t m0 = 0;
-    for (; m0 + 4 <= x.M; m0 += 4) row_tile<T, 4>(wr, x, n, m0, Y, N);
-    switch (x.M - m0) {
-      case 3:
-        row_tile<T, 3>(wr, x, n, m0, Y, N);
-        break;
-      case 2:
-        row_tile<T, 2>(wr, x, n, m0, Y, N);
-        break;
-      case 1:
-        row_tile<T, 1>(wr, x, n, m0, Y, N);
-        break;
-      default:
-        break;
-    }
+  for (int64_t m0 = 0; m0 < x.M; m0 += kTileRows) {
+    const int64_t m1 = std::min(x.M, m0 + kTileRows);
+    for (int64_t n = n0; n < n1; ++n) tile_rows<T>(w + n * row_bytes, x, n, m0, m1, Y, N);
   }
-}
-
-// Per-16 sums of each activation row: xs16 [M, K/16].
-inline void sums16(const float* x, int64_t M, int64_t K, float* xs16) {
-  for (int64_t m = 0; m < M; ++m)
-    for (int64_t s = 0; s < K / 16; ++s) {
-      float t = 0.f;
-      for (int i = 0; i < 16; ++i) t += x[m * K + 16 * s + i];
-      xs16[m * (K / 16) + s] = t;
-    }
 }
 
 // Dispatch on the type id.  Returns false for an unknown type.

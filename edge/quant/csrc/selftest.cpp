@@ -134,7 +134,7 @@ int check_ggml(int type, int64_t M, int64_t N, int64_t nb, double* worst) {
   for (int64_t blk = 0; blk < N * nb; ++blk)
     for (int f : f16_at[idx])
       if (f >= 0) put_f16(w.data() + blk * size + f);
-  std::vector<float> x(M * K), xs16(M * (K / 16)), y(M * N, -1.f);
+  std::vector<float> x(M * K), y(M * N, -1.f);
   for (auto& v : x) v = next_normalish();
   if (M > 1)  // an all-zero activation block (scale 0)
     for (int j = 0; j < 32; ++j) x[K + j] = 0.f;
@@ -147,9 +147,29 @@ int check_ggml(int type, int64_t M, int64_t N, int64_t nb, double* worst) {
     lbq::quantize_act_row_scalar(x.data() + m * K, K, 32, rq.data() + m * K, rd.data() + m * (K / 32),
                                  rs.data() + m * (K / 32));
   }
-  lbq::ggml::sums16(x.data(), M, K, xs16.data());
-  const lbq::ggml::GAct act{xq.data(), xd.data(), xs16.data(), M, K};
+  lbq::ggml::GActBuf buf;
+  buf.resize(M, K);
+  for (int64_t m = 0; m < M; ++m) buf.row(x.data() + m * K, m, K);
+  const lbq::ggml::GAct act = buf.view(M, K);
+  const std::vector<float>& xs16 = buf.s16;
   lbq::ggml::gemv_rows(type, w.data(), row_bytes, act, N, 0, N, y.data());
+  for (int64_t m = 0; m < M; ++m) {  // one row alone gives the same bits as in the M-row call
+    const lbq::ggml::GAct one{buf.q.data() + m * K,
+                              buf.d.data() + m * (K / 32),
+                              buf.s16.data() + m * (K / 16),
+                              buf.s32.data() + m * (K / 32),
+                              buf.i16.data() + m * (K / 16),
+                              1,
+                              K};
+    std::vector<float> y1(N, -1.f);
+    lbq::ggml::gemv_rows(type, w.data(), row_bytes, one, N, 0, N, y1.data());
+    for (int64_t n = 0; n < N; ++n)
+      if (std::memcmp(&y1[n], &y[m * N + n], sizeof(float)) != 0) {
+        std::printf("FAIL ggml type=%d M=%ld m=%ld n=%ld: alone %.9g, in the batch %.9g\n", type, (long)M, (long)m,
+                    (long)n, (double)y1[n], (double)y[m * N + n]);
+        return 1;
+      }
+  }
   std::vector<int8_t> q(qk);
   std::vector<float> a(qk / 16), b(qk / 16);
   for (int64_t n = 0; n < N; ++n)
@@ -202,7 +222,7 @@ int main() {
           }
   for (int type : {3, 6, 7, 10, 11, 12, 13, 14})
     for (int64_t nb : {1, 3})
-      for (int64_t M : {1, 2, 5})
+      for (int64_t M : {1, 2, 5, 33})
         for (int64_t N : {1, 4}) {
           fails += check_ggml(type, M, N, nb, &worst);
           ++cases;
