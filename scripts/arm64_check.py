@@ -8,7 +8,7 @@ Needs root, qemu-user-static and mmdebstrap or debootstrap (Debian packages); on
 
 1. An arm64 Debian bookworm root (``mmdebstrap``, else ``debootstrap --foreign`` and its second
    stage under qemu-aarch64-static), cached in ``--root`` outside the checkout: python3, venv,
-   pip, g++ and ninja from Debian.
+   pip and g++ from Debian (ninja comes with the edge extra).
 2. Inside it, the checkout installed as the README tells a Pi user: a venv, then
    ``pip install -c constraints.txt '.[edge]'`` with the constraint file's torch pin replaced by
    ``torch==2.9.1``: PyPI's CPU build for aarch64 (constraints.txt pins the x86 release the
@@ -46,7 +46,7 @@ from typing import Any, Iterator
 REPO = Path(__file__).resolve().parent.parent
 SUITE = "bookworm"
 MIRROR = "http://deb.debian.org/debian"
-PACKAGES = ("python3", "python3-venv", "python3-pip", "python3-dev", "g++", "ninja-build")
+PACKAGES = ("python3", "python3-venv", "python3-pip", "python3-dev", "g++")
 ARM_TORCH = "torch==2.9.1"  # PyPI's aarch64 CPU build (constraints.txt's pin is x86 only here)
 GUEST_SRC = "/opt/lowband-src"
 GUEST_VENV = "/opt/lowband-venv"

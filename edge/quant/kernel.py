@@ -28,7 +28,9 @@ import contextlib
 import fcntl
 import hashlib
 import logging
+import os
 import platform
+import shutil
 import sys
 import threading
 from dataclasses import dataclass, replace
@@ -176,6 +178,21 @@ def _build_lock(build_dir: Path) -> Iterator[None]:
             fcntl.flock(fh, fcntl.LOCK_UN)
 
 
+def _ninja_on_path() -> None:
+    """Put the ``ninja`` wheel's binary (a dependency of the ``edge`` extra) on PATH: torch
+    builds extensions with whatever ``ninja`` PATH finds, and a virtualenv's ``bin`` is on PATH
+    only while it is activated. A system ninja already on PATH is left first."""
+    if shutil.which("ninja"):
+        return
+    try:
+        import ninja
+    except ImportError:
+        return
+    bin_dir = getattr(ninja, "BIN_DIR", None)
+    if bin_dir and os.path.isfile(os.path.join(bin_dir, "ninja")):
+        os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
+
+
 def load() -> Any:
     """The loaded extension module (building it if needed), or ``None`` if unavailable."""
     global _module, _reason, _tried
@@ -191,6 +208,7 @@ def load() -> Any:
             try:
                 from torch.utils import cpp_extension
 
+                _ninja_on_path()
                 if not cpp_extension.is_ninja_available():
                     raise RuntimeError("ninja is not installed")
                 flags = _flags(cfg)
