@@ -25,7 +25,7 @@ from torch import nn
 from . import kernel
 from .formats import PackedWeight, QuantShapeError, QuantSpec, dequantize
 from .ggml import GGMLWeight, dequantize_ggml
-from .linear import GGMLLinear, QuantLinear
+from .linear import GGMLLinear, QuantLinear, keep_fp16_scales
 
 __all__ = ["GGMLEmbedding", "QuantEmbedding", "PackedEmbedding", "packed_embedding"]
 
@@ -138,12 +138,7 @@ class QuantEmbedding(_RowsEmbedding):
         )
 
     def _apply(self, fn, recurse: bool = True):
-        # As QuantLinear: a model-wide dtype cast must leave the fp16 scales of the format alone.
-        scales = self.scales
-        out = super()._apply(fn, recurse)
-        if self.scales.dtype != torch.float16:
-            self.scales = scales.to(device=self.scales.device)
-        return out
+        return keep_fp16_scales(self, lambda: super(QuantEmbedding, self)._apply(fn, recurse))
 
     def extra_repr(self) -> str:
         return f"{self.num_embeddings}, {self.embedding_dim}, bits={self.bits}, group={self.group}"

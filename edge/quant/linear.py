@@ -58,6 +58,20 @@ def _linear(
     return y.to(x.dtype).reshape(*lead, out_features)
 
 
+def keep_fp16_scales(module: nn.Module, apply: Callable[[], nn.Module]) -> nn.Module:
+    """Run ``apply`` (a module's ``_apply``) keeping ``module.scales`` fp16. Module.half() and
+    .to(dtype) cast every floating buffer, but the fp16 scales are part of the packed format:
+    only device moves apply to them."""
+    scales = module.scales
+    assert isinstance(scales, torch.Tensor)
+    out = apply()
+    now = module.scales
+    assert isinstance(now, torch.Tensor)
+    if now.dtype != torch.float16:
+        module.scales = scales.to(device=now.device)
+    return out
+
+
 class QuantLinear(nn.Module):
     """``y = x @ dequant(W)^T + b`` with ``W`` stored as Q8 or Q4 groups (see ``formats``).
 
@@ -173,13 +187,7 @@ class QuantLinear(nn.Module):
 
     # -- housekeeping ------------------------------------------------------------------------
     def _apply(self, fn, recurse: bool = True):
-        # Module.half()/.to(dtype) cast every floating buffer; the fp16 scales are part of the
-        # packed format, so keep their dtype (device moves still apply).
-        scales = self.scales
-        out = super()._apply(fn, recurse)
-        if self.scales.dtype != torch.float16:
-            self.scales = scales.to(device=self.scales.device)
-        return out
+        return keep_fp16_scales(self, lambda: super(QuantLinear, self)._apply(fn, recurse))
 
     def extra_repr(self) -> str:
         return (
