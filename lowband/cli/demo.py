@@ -85,8 +85,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--link",
         default="auto",
-        choices=["auto", "netns", "emulator", "none"],
-        help="auto (default): netns when root, else emulator; none: unshaped",
+        choices=["auto", "netns", "emulator", "tun", "none"],
+        help="auto (default): netns when root, else emulator; tun: namespaces joined through "
+        "TUN devices, delay and rate per packet (root); none: unshaped",
     )
     p.add_argument("--out", type=Path, default=Path("lowband-demo"), help="output directory")
     p.add_argument("--threads", type=int, default=1, help="torch threads per site (default 1)")

@@ -12,6 +12,11 @@ same model on the same data and token budget twice: Streaming DiLoCo, then the D
 * ``emulator`` (no root needed): every site binds on 127.0.0.1 behind its own user-space relay
   of ``rate_mbit`` and ``delay_ms``; everything a site receives crosses its relay (its downlink;
   in a ring all-reduce that is also every other site's uplink).
+* ``tun`` (root + iproute2 + ``/dev/net/tun``): each site in its own namespace whose only way
+  out is a TUN device; a forwarder applies ``delay_ms`` one way and ``rate_mbit`` per packet
+  (:class:`transport.links.tun.TunTestbed`), so kernel TCP end to end sees the round trip,
+  the window and the queue (the other modes cannot: no ``netem`` here, and the relay
+  terminates TCP). The coordinator joins the emulated network as one more endpoint.
 * ``none``: plain loopback TCP, unshaped (a control run).
 
 ``auto`` picks ``netns`` when it can and ``emulator`` otherwise. Same-host shortcuts of the
@@ -42,8 +47,8 @@ from lowband.proc import die_with_parent, free_port
 
 logger = logging.getLogger(__name__)
 
-LinkKind = Literal["auto", "netns", "emulator", "none"]
-LINKS = ("auto", "netns", "emulator", "none")
+LinkKind = Literal["auto", "netns", "emulator", "tun", "none"]
+LINKS = ("auto", "netns", "emulator", "tun", "none")
 DATA_PORT = 29700  # a site's data port inside its own namespace (nothing else listens there)
 UNLIMITED_MBIT = 100_000.0  # the delay relay's rate in netns mode: tbf does the shaping
 
@@ -125,15 +130,18 @@ class DemoConfig:
         return with_overrides(self.train, mode="ddp", inner_lr=self.ddp_inner_lr)
 
 
-def resolve_link(kind: LinkKind) -> Literal["netns", "emulator", "none"]:
+def resolve_link(kind: LinkKind) -> Literal["netns", "emulator", "tun", "none"]:
     """``auto`` → ``netns`` when namespaces can be made here, else ``emulator``. Asking for
-    ``netns`` where it cannot work is a ConfigError (before anything starts)."""
+    ``netns`` or ``tun`` where it cannot work is a ConfigError (before anything starts)."""
     from transport.links.netns import available
+    from transport.links.tun.testbed import available as tun_available
 
     if kind == "auto":
         return "netns" if available() is None else "emulator"
     if kind == "netns" and (reason := available()) is not None:
         raise ConfigError("link", f"netns {reason}; use --link emulator")
+    if kind == "tun" and (reason := tun_available()) is not None:
+        raise ConfigError("link", f"tun {reason}; use --link emulator")
     return kind
 
 
@@ -306,6 +314,41 @@ class NetnsNetwork:
                 r.stop()
 
 
+class TunNetwork:
+    """Sites in namespaces joined through TUN devices (:class:`transport.links.tun.TunTestbed`):
+    every packet between two endpoints waits ``delay_ms`` and queues behind ``rate_mbit`` in
+    the forwarder, so no relay is needed for the delay and kernel TCP sees the real RTT."""
+
+    kind = "tun"
+
+    def __init__(self, bed: Any, rate_mbit: float, delay_ms: float) -> None:
+        self.bed, self.rate, self.delay = bed, rate_mbit, delay_ms
+
+    def coordinator_bind(self) -> str:
+        return f"tcp://{self.bed.host}:0"
+
+    def description(self) -> str:
+        return (
+            f"tun: each site in its own network namespace behind a TUN device; every packet "
+            f"between two endpoints is delayed {self.delay:g} ms one way and paced at "
+            f"{self.rate:g} Mbit/s per direction by a user-space forwarder (kernel TCP end to "
+            "end sees the round trip)"
+        )
+
+    @contextlib.contextmanager
+    def sites(self, coordinator_port: int) -> Iterator[list[Site]]:
+        bed = self.bed
+        yield [
+            Site(
+                prefix=("ip", "netns", "exec", ns),
+                coordinator=f"tcp://{bed.host}:{coordinator_port}",
+                # --insecure: the emulated network exists only inside this host
+                flags=("--bind-host", bed.addr(i), "--same-host", "off", "--insecure"),
+            )
+            for i, ns in enumerate(bed.ns)
+        ]
+
+
 def _free_net() -> int:
     """A 10.<net>.0.0/24 no interface of this namespace uses (two demos can run at once)."""
     used = subprocess.run(
@@ -328,6 +371,15 @@ def open_network(cfg: DemoConfig, kind: str) -> Iterator[Network]:
             )
         ) as bed:
             yield NetnsNetwork(bed, cfg.rate_mbit, cfg.delay_ms)
+    elif kind == "tun":
+        from transport.links.tun.shape import PathConfig
+        from transport.links.tun.testbed import TunConfig, TunTestbed
+
+        path = PathConfig(delay_ms=cfg.delay_ms, rate_mbit=cfg.rate_mbit)
+        with TunTestbed(
+            TunConfig(sites=cfg.sites, path=path, net=cfg.net or _free_net(), host=True)
+        ) as tun:
+            yield TunNetwork(tun, cfg.rate_mbit, cfg.delay_ms)
     else:
         yield LoopbackNetwork(cfg.sites, cfg.rate_mbit, cfg.delay_ms, shaped=kind == "emulator")
 

@@ -233,6 +233,47 @@ def test_demo_runs_in_shaped_namespaces(spawn, tmp_path):
     assert _namespaces(p.pid) == []
 
 
+def _tun_reason() -> str | None:
+    from transport.links.tun.testbed import available
+
+    return available()
+
+
+@pytest.mark.slow
+@pytest.mark.netns
+@pytest.mark.timeout(240)
+@pytest.mark.skipif(_tun_reason() is not None, reason=f"tun: {_tun_reason()}")
+def test_demo_runs_over_the_tun_emulator(spawn, tmp_path):
+    out = tmp_path / "out"
+    p = spawn(
+        [
+            PY,
+            "-m",
+            "lowband",
+            "demo",
+            *TINY,
+            "--link",
+            "tun",
+            "--delay-ms",
+            "10",
+            "--rate-mbit",
+            "20",
+            "--out",
+            str(out),
+            "--quiet",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    stdout, _ = p.communicate(timeout=210)
+    assert p.returncode == 0, stdout[-3000:]
+    s = _check_summary(out, "tun")
+    assert "delayed 10 ms one way and paced at 20 Mbit/s" in s["link"]["description"]
+    names = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    assert not [n for n in names.split() if n.startswith(f"lt{p.pid % 100000}")]
+
+
 def _namespaces(pid: int) -> list[str]:
     names = subprocess.run(
         ["ip", "netns", "list"], capture_output=True, text=True, check=False
