@@ -310,6 +310,9 @@ class Coordinator:
             "forged": 0,  # messages in a registered peer's name from another identity
         }
         self._relay: Relay | None = None
+        # peers removed a moment ago -> (who they were, until when the relay still forwards
+        # what they sent before leaving)
+        self._gone: dict[str, tuple[Member, float]] = {}
         self.relay_address = ""
         self._probe_fd = -1
         self._probed: list[tuple[str, bytes, str | None]] = []  # pid, route, why not reachable
@@ -417,10 +420,15 @@ class Coordinator:
                 return key.decode()
         return None
 
-    def _relay_member(self, pid: str) -> Member | None:
+    def _relay_member(self, pid: str, sender: bool) -> Member | None:
         with self._lock:
             peer = self._peers.get(pid)
-            return None if peer is None else Member(peer.route, peer.auth)
+            if peer is not None:
+                return Member(peer.route, peer.auth)
+            gone = self._gone.get(pid) if sender else None
+            if gone is not None and time.monotonic() < gone[1]:
+                return gone[0]
+            return None
 
     def stop(self) -> None:
         self._stop.set()
@@ -862,7 +870,12 @@ class Coordinator:
         with self._lock:
             if not self._book.remove(pid):
                 return
-            self._peers.pop(pid, None)
+            peer = self._peers.pop(pid, None)
+            if peer is not None and self._relay is not None:
+                grace = max(5.0, 2 * self.config.heartbeat_interval)
+                if len(self._gone) >= 4096:  # bounded: forget the oldest
+                    self._gone.pop(next(iter(self._gone)))
+                self._gone[pid] = (Member(peer.route, peer.auth), time.monotonic() + grace)
             if not self._peers:
                 # Nobody is left to agree with: the next peer to register sets the run
                 # signature and chunk size afresh, so no peer (a wrong config, or one that
@@ -885,6 +898,8 @@ class Coordinator:
         cfg = self.config
         limit, interval = cfg.silence_limit, cfg.heartbeat_interval
         with self._lock:
+            for pid in [p for p, (_, until) in self._gone.items() if now > until]:
+                del self._gone[pid]
             silent = {
                 p: now - peer.last_seen
                 for p, peer in self._peers.items()

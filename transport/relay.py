@@ -79,13 +79,15 @@ class Member:
 class Relay:
     """Forwards relayed data messages between registered peers; one thread, one ROUTER socket.
 
-    ``lookup(peer id)`` returns the peer's :class:`Member` (None: not registered), read under
-    the coordinator's lock. The socket is configured (auth, bind) by the coordinator."""
+    ``lookup(peer id, sender)`` returns the peer's :class:`Member` (None: not registered),
+    read under the coordinator's lock; as a sender, a peer that left a moment ago still counts
+    (what it sent before it left, its BYEs included, is still queued here). The socket is
+    configured (auth, bind) by the coordinator."""
 
     def __init__(
         self,
         sock: zmq.Socket,
-        lookup: Callable[[str], Member | None],
+        lookup: Callable[[str, bool], Member | None],
         *,
         max_message_bytes: int,
         identity: Callable[[Any], str | None],
@@ -157,7 +159,7 @@ class Relay:
     def _forward(self, frames: list[Any]) -> None:
         route = frames[0].bytes
         sender = route_peer(route)
-        member = self._lookup(sender)
+        member = self._lookup(sender, True)
         user = self._identity(frames[-1])
         if member is None:
             # not (or no longer) registered: a peer that just left may have BYEs in flight
@@ -180,7 +182,7 @@ class Relay:
         if claimed != sender:
             self._drop("forged", f"a message from {sender!r} claiming to be from {claimed!r}")
             return
-        dest = self._lookup(to)
+        dest = self._lookup(to, False)
         if dest is None:
             self._drop("undeliverable", f"a message from {sender!r} to unregistered {to!r}")
             return
