@@ -200,25 +200,32 @@ class GroupConfig:
     timeout: float = 60.0
 
 
-def run_group(bed: NatTestbed, cfg: GroupConfig, port: int) -> list[dict[str, Any]]:
-    """One process per site of ``bed`` (public sites first, then NAT sites), each in its
-    namespace; returns their JSON reports (the coordinator's site adds ``relay`` counters)."""
+def run_group(
+    bed: NatTestbed, cfg: GroupConfig, port: int, sites: Sequence[str] | None = None
+) -> list[dict[str, Any]]:
+    """One process per site (namespace names; default every site of ``bed``, public ones
+    first), each in its namespace; the first must be public (it runs the coordinator). Returns
+    their JSON reports in that order (the first adds the coordinator's ``relay`` counters)."""
     from transport.auth import CurveKeys
 
     keys = CurveKeys.generate() if cfg.curve else None
     coord = f"tcp://{bed.public_addr(0)}:{port}"
-    sites = [(ns, bed.public_addr(i)) for i, ns in enumerate(bed.public)]
-    sites += [(ns, bed.nat_addr(i)) for i, ns in enumerate(bed.nat)]
+    where = {ns: bed.public_addr(i) for i, ns in enumerate(bed.public)}
+    where.update({ns: bed.nat_addr(i) for i, ns in enumerate(bed.nat)})
+    chosen = list(sites) if sites is not None else [*bed.public, *bed.nat]
+    if not chosen or chosen[0] not in bed.public or any(ns not in where for ns in chosen):
+        raise ConfigError("sites", "names of the testbed's sites, a public one first")
+    site_addrs = [(ns, where[ns]) for ns in chosen]
     procs = []
     env = dict(os.environ)
     if keys is not None:
         assert keys.secret is not None
         env["LOWBAND_NAT_CURVE"] = f"{keys.public.decode()} {keys.secret.decode()}"
     try:
-        for i, (ns, addr) in enumerate(sites):
+        for i, (ns, addr) in enumerate(site_addrs):
             args = [
                 sys.executable, "-m", "transport.links.nat", "_peer",
-                "--coord", coord, "--bind", addr, "--world", str(len(sites)),
+                "--coord", coord, "--bind", addr, "--world", str(len(site_addrs)),
                 "--size-mb", str(cfg.size_mb), "--repeats", str(cfg.repeats),
                 "--connections", str(cfg.connections), "--relay", cfg.relay,
                 "--timeout", str(cfg.timeout), "--id", f"s{i}",
