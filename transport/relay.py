@@ -47,6 +47,10 @@ from transport.wire import MsgType
 logger = logging.getLogger(__name__)
 
 
+MAX_PAIRS = 4096
+"""(sender, receiver) pairs whose bytes the relay counts; beyond, only the totals."""
+
+
 # ---- the envelope --------------------------------------------------------------------------------
 def wrap(to: str, frames: Sequence[Any]) -> list[Any]:
     """The frames a sender gives the relay for ``to``: envelope, then the message's frames."""
@@ -204,4 +208,5 @@ class Relay:
         with self._lock:
             self.counters["messages"] += 1
             self.counters["bytes"] += size
-            self.pairs[(sender, to)] = self.pairs.get((sender, to), 0) + size
+            if (sender, to) in self.pairs or len(self.pairs) < MAX_PAIRS:
+                self.pairs[(sender, to)] = self.pairs.get((sender, to), 0) + size
