@@ -409,3 +409,21 @@ def test_the_nat_testbed_leaves_nothing_behind_on_failure():
             assert len(nat.namespaces_left(prefix)) == 4
             raise RuntimeError("boom")
     assert nat.namespaces_left(prefix) == []
+
+
+@pytest.mark.netns
+@netns
+@pytest.mark.timeout(300)
+def test_the_relay_benchmark_runs_tiny():
+    from tests.conftest import run_json_module
+
+    out = run_json_module(
+        "benchmarks.nat_relay",
+        *("--size-mb", "0.25", "--repeats", "1", "--iters", "1", "--net", "175", "--json"),
+        timeout=280,
+    )
+    assert set(out["seconds"]) == {"direct", "nat", "relay_all"}
+    assert out["routes"]["direct"] == ["tcp"] * 3
+    assert out["routes"]["relay_all"] == ["relay"] * 3
+    assert "relay" in out["routes"]["nat"][0]
+    assert out["relay_bytes_per_group"]["direct"] == 0 < out["relay_bytes_per_group"]["nat"]
