@@ -296,14 +296,12 @@ void packed_dispatch(bool q4, int G, const lbq::Wt& w, const lbq::Act& a, int64_
   }
 }
 
-// Y[m0:m1, n] of ggml blocks of type T (ggml_kernels.h's tile_rows: the fused kernel where
-// the type has one, else row tiles of <= 4 activation rows per decoded block).
+// Y[:, n0:n1] of ggml blocks of type T (ggml_kernels.h's rows_range: fused kernels where the
+// type has one, with weight x activation row blocks for many rows; else decoded row tiles).
 template <int T>
 void ggml_rows(const uint8_t* w, int64_t row_bytes, const lbq::ggml::GAct& a, int64_t n0, int64_t n1, float* Y,
                int64_t ldy) {
-  tiled_rows(n0, n1, a.M, row_bytes, [&](int64_t n, int64_t m0, int64_t m1) {
-    lbq::ggml::tile_rows<T>(w + n * row_bytes, a, n, m0, m1, Y, ldy);
-  });
+  lbq::ggml::rows_range<T>(w, row_bytes, a, n0, n1, Y, ldy);
 }
 
 void ggml_dispatch(int type, const uint8_t* w, int64_t row_bytes, const lbq::ggml::GAct& a, int64_t n0, int64_t n1,

@@ -700,23 +700,33 @@ inline __m256 kdot(const KUnp& u, const int8_t* xq, const float* dx, const float
   return acc;
 }
 
-// Y[m, n] for one weight row n (bytes wr) and the activation rows m0..m0+rows-1 (rows <= MAXR):
-// each super-block is unpacked once for all of them.
-template <int T, int MAXR>
-inline void fused_rows(const uint8_t* wr, const GAct& x, int64_t n, int64_t m0, int64_t rows, float* Y, int64_t ldy) {
+// Y[m, n..n+NW-1] for NW weight rows (bytes wr, row_bytes apart) and the activation rows
+// m0..m0+rows-1 (rows <= MAXR): each super-block is unpacked once for all the activation rows,
+// and each activation chunk is read once for the NW weight rows.
+template <int T, int MAXR, int NW>
+inline void fused_rows(const uint8_t* wr, int64_t row_bytes, const GAct& x, int64_t n, int64_t m0, int64_t rows,
+                       float* Y, int64_t ldy) {
   const int64_t R = MAXR == 1 ? 1 : rows, K = x.K;
-  __m256 acc[MAXR];
-  for (int64_t j = 0; j < R; ++j) acc[j] = _mm256_setzero_ps();
+  __m256 acc[NW][MAXR];
+  for (int r = 0; r < NW; ++r)
+    for (int64_t j = 0; j < R; ++j) acc[r][j] = _mm256_setzero_ps();
   for (int64_t blk = 0; blk < K / 256; ++blk) {
-    KUnp u;
-    Fused<T>::unpack(wr + blk * Traits<T>::SIZE, u);
+    KUnp u[NW];
+    for (int r = 0; r < NW; ++r) Fused<T>::unpack(wr + r * row_bytes + blk * Traits<T>::SIZE, u[r]);
     for (int64_t j = 0; j < R; ++j) {
       const int64_t m = m0 + j;
-      acc[j] = kdot<T>(u, x.q + m * K + blk * 256, x.d + m * (K / 32) + blk * 8, x.s32 + m * (K / 32) + blk * 8,
-                       x.s16 + m * (K / 16) + blk * 16, x.i16 + m * (K / 16) + blk * 16, acc[j]);
+      const int8_t* xq = x.q + m * K + blk * 256;
+      const float* dx = x.d + m * (K / 32) + blk * 8;
+      const float* x32 = x.s32 + m * (K / 32) + blk * 8;
+      const float* x16 = x.s16 + m * (K / 16) + blk * 16;
+      const int32_t* i16 = x.i16 + m * (K / 16) + blk * 16;
+      __m256 out[NW];  // no stores between the NW dots: the activation loads are shared
+      for (int r = 0; r < NW; ++r) out[r] = kdot<T>(u[r], xq, dx, x32, x16, i16, acc[r][j]);
+      for (int r = 0; r < NW; ++r) acc[r][j] = out[r];
     }
   }
-  for (int64_t j = 0; j < R; ++j) Y[(m0 + j) * ldy + n] = hsum_ps(acc[j]);
+  for (int r = 0; r < NW; ++r)
+    for (int64_t j = 0; j < R; ++j) Y[(m0 + j) * ldy + n + r] = hsum_ps(acc[r][j]);
 }
 #endif
 
@@ -760,24 +770,41 @@ inline void row_tile(const uint8_t* wr, const GAct& x, int64_t n, int64_t m0, fl
   for (int j = 0; j < MR; ++j) Y[(m0 + j) * N + n] = acc_sum(acc[j]) + mins[j];
 }
 
-// Maximum activation rows per call of tile_rows (the fused kernels' accumulator array).
-constexpr int64_t kTileRows = 32;
+#if defined(LBQ_AVX2)
+// Y[m0:m1, n0:n1] (n1 - n0 <= NB, m1 - m0 <= MB) for many activation rows (prefill): the loop
+// over super-blocks is outermost, so one super-block column of the MB activation rows (MB x 256
+// bytes) stays in L1 while the NB weight rows are unpacked and applied to it, and the NB x MB
+// accumulators live in L1 too.  Each output goes through the same kdot sequence as fused_rows.
+template <int T, int NB, int MB>
+inline void fused_block(const uint8_t* w, int64_t row_bytes, const GAct& x, int64_t n0, int64_t n1, int64_t m0,
+                        int64_t m1, float* Y, int64_t ldy) {
+  const int64_t K = x.K, nn = n1 - n0, mm = m1 - m0;
+  __m256 acc[NB][MB];
+  for (int64_t i = 0; i < nn; ++i)
+    for (int64_t j = 0; j < mm; ++j) acc[i][j] = _mm256_setzero_ps();
+  for (int64_t blk = 0; blk < K / 256; ++blk) {
+    for (int64_t i = 0; i < nn; ++i) {
+      KUnp u;
+      Fused<T>::unpack(w + (n0 + i) * row_bytes + blk * Traits<T>::SIZE, u);
+      for (int64_t j = 0; j < mm; ++j) {
+        const int64_t m = m0 + j;
+        acc[i][j] = kdot<T>(u, x.q + m * K + blk * 256, x.d + m * (K / 32) + blk * 8, x.s32 + m * (K / 32) + blk * 8,
+                            x.s16 + m * (K / 16) + blk * 16, x.i16 + m * (K / 16) + blk * 16, acc[i][j]);
+      }
+    }
+  }
+  for (int64_t i = 0; i < nn; ++i)
+    for (int64_t j = 0; j < mm; ++j) Y[(m0 + j) * ldy + n0 + i] = hsum_ps(acc[i][j]);
+}
+#endif
 
-// Y[m0:m1, n] for weight row n (bytes wr): the fused kernel where the type has one, else decoded blocks dotted with row
-// tiles of <= 4 activation rows.
+// Tiles of the many-row (prefill) path: weight rows x activation rows per fused_block.
+constexpr int64_t kBlockN = 32, kBlockM = 8;
+
+// Y[m0:m1, n] for weight row n (bytes wr) on the decode + block_dot route: row tiles of <= 4
+// activation rows per decoded block.
 template <int T>
 inline void tile_rows(const uint8_t* wr, const GAct& x, int64_t n, int64_t m0, int64_t m1, float* Y, int64_t ldy) {
-#if defined(LBQ_AVX2)
-  if constexpr (Fused<T>::ok) {
-    if (m1 - m0 == 1) {
-      fused_rows<T, 1>(wr, x, n, m0, 1, Y, ldy);
-    } else {
-      for (int64_t m = m0; m < m1; m += kTileRows)
-        fused_rows<T, kTileRows>(wr, x, n, m, std::min(kTileRows, m1 - m), Y, ldy);
-    }
-    return;
-  }
-#endif
   int64_t m = m0;
   for (; m + 4 <= m1; m += 4) row_tile<T, 4>(wr, x, n, m, Y, ldy);
   switch (m1 - m) {
@@ -795,14 +822,42 @@ inline void tile_rows(const uint8_t* wr, const GAct& x, int64_t n, int64_t m0, i
   }
 }
 
+// Y[:, n0:n1] (Y is [M, ldy] fp32) for all M activation rows; w: weight rows of row_bytes.
+// Fused types: one row at a time for M = 1, else kBlockN x kBlockM blocks (fused_block); both
+// run the same kdot per output, so a row's result does not depend on M.  Other types: weight
+// rows in groups of ~32 KiB (L1) against 32 activation rows at a time, decoded per row tile.
+template <int T>
+inline void rows_range(const uint8_t* w, int64_t row_bytes, const GAct& x, int64_t n0, int64_t n1, float* Y,
+                       int64_t ldy) {
+#if defined(LBQ_AVX2)
+  if constexpr (Fused<T>::ok) {
+    if (x.M == 1) {
+      for (int64_t n = n0; n < n1; ++n) fused_rows<T, 1, 1>(w + n * row_bytes, row_bytes, x, n, 0, 1, Y, ldy);
+    } else {
+      for (int64_t n = n0; n < n1; n += kBlockN)
+        for (int64_t m = 0; m < x.M; m += kBlockM)
+          fused_block<T, kBlockN, kBlockM>(w, row_bytes, x, n, std::min(n1, n + kBlockN), m, std::min(x.M, m + kBlockM),
+                                           Y, ldy);
+    }
+    return;
+  }
+#endif
+  constexpr int64_t kBlockBytes = int64_t{32} << 10, kRowGroup = 32;
+  const int64_t nb = std::max<int64_t>(1, kBlockBytes / std::max<int64_t>(row_bytes, 1));
+  for (int64_t a = n0; a < n1; a += nb) {
+    const int64_t b = std::min(n1, a + nb);
+    for (int64_t m = 0; m < x.M; m += kRowGroup) {
+      const int64_t me = std::min(x.M, m + kRowGroup);
+      for (int64_t n = a; n < b; ++n) tile_rows<T>(w + n * row_bytes, x, n, m, me, Y, ldy);
+    }
+  }
+}
+
 // Rows n0..n1 of Y [M, N] (fp32); w: N rows of row_bytes.
 template <int T>
 inline void gemv_rows_t(const uint8_t* w, int64_t row_bytes, const GAct& x, int64_t N, int64_t n0, int64_t n1,
                         float* Y) {
-  for (int64_t m0 = 0; m0 < x.M; m0 += kTileRows) {
-    const int64_t m1 = std::min(x.M, m0 + kTileRows);
-    for (int64_t n = n0; n < n1; ++n) tile_rows<T>(w + n * row_bytes, x, n, m0, m1, Y, N);
-  }
+  rows_range<T>(w, row_bytes, x, n0, n1, Y, N);
 }
 
 // Dispatch on the type id.  Returns false for an unknown type.

@@ -223,7 +223,7 @@ int main() {
   for (int type : {3, 6, 7, 10, 11, 12, 13, 14})
     for (int64_t nb : {1, 3})
       for (int64_t M : {1, 2, 5, 33})
-        for (int64_t N : {1, 4}) {
+        for (int64_t N : {1, 4, 37}) {
           fails += check_ggml(type, M, N, nb, &worst);
           ++cases;
         }
