@@ -165,7 +165,9 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
 # out the folders whose tests start processes end to end (command lines, examples, benchmark
 # smoke runs, chaos runs) and the tests below, the slowest of the rest (measured with
 # --durations): C++ self-tests of every ISA, llama.cpp's tokenizer vectors (large vocabularies),
-# benchmark smoke runs, MoE training and multi-process serving. Other tests that take long carry
+# benchmark smoke runs, MoE training, multi-process serving and training, the flood tests that
+# sample a victim's memory, the link-shaping measurement and the SIGKILL sweep over every
+# collective (test_zmq_kill keeps one kill in the fast tier). Other tests that take long carry
 # @pytest.mark.slow themselves. CI runs both tiers.
 SLOW_DIRS = ("chaos", "cli", "benchmarks", "examples")
 SLOW_TESTS = (
@@ -194,6 +196,12 @@ SLOW_TESTS = (
     "security/test_keygen.py::test_keygen_command",
     "security/test_discovery_pin.py::test_two_advertisements",
     "security/test_wire_bounds.py::test_an_oversized_message",
+    "security/test_wire_bounds.py::test_a_million_frame_message",
+    "security/test_train_loopback.py::",
+    "security/test_api_key_cli.py::test_edge_run_with_an_api_key_file",
+    "security/test_data_accounting.py::test_headerless_parts_for_a_posted_receive",
+    "transport/test_netns.py::test_tbf_link_is_shaped",
+    "transport/test_zmq_peerlost.py::test_sigkill_mid_collective",
 )
 
 
