@@ -27,6 +27,24 @@ it forwards a few hundred Mbit/s in all (every path together). A profile's rate 
 capped at ``max_rate_mbit`` per direction (default 50, so that a ring's ``sites`` concurrent
 flows stay under the forwarder's ceiling); the output records the configured rate, the rate run
 and a label such as "1 Gbit/s profile run at 50 Mbit/s". RTT and loss are never scaled.
+
+What one TCP flow gets on such a path depends on the sites' kernel, and so does which K wins:
+``--congestion`` sets every site's congestion control (bbr, the host's default here, is not
+slowed by random loss, so one flow fills the link and K = 1 wins; cubic, the stock Linux
+default, is loss-limited to a few Mbit/s per flow at 160 ms and 0.1 %, and K connections
+multiply that), and ``--scale-tcp-buffers`` caps the TCP buffers at the stock kernel's times
+rate run / configured rate, so that one flow's window covers the share of the BDP that it would
+at the configured rate. Both apply to lowband and Gloo alike.
+
+    python -m benchmarks.wan --profiles intercontinental --congestion cubic --timeout 1500 --json
+    python -m benchmarks.wan --profiles intercontinental --scale-tcp-buffers --json
+
+``--torchft PYTHON`` runs torchft's Streaming DiLoCo beside lowband's instead (``PYTHON`` imports
+torchft: ``python -m venv /tmp/tftvenv && /tmp/tftvenv/bin/pip install -c constraints.txt torch
+torchft``), both on the same model, batches, optimizers and steps, and reports wall clock, bytes
+and the held-out loss of each arm's final global model:
+
+    python -m benchmarks.wan --torchft /tmp/tftvenv/bin/python --diloco-steps 360 --json
 """
 
 from __future__ import annotations
@@ -131,7 +149,7 @@ STOCK_TCP_RMEM_MAX = 6 * MiB
 
 def tcp_buffer_sysctls(scale: float) -> tuple[tuple[str, str], ...]:
     """A site's tcp_wmem / tcp_rmem with the stock kernel's maxima times ``scale`` (<= 1)."""
-    w, r = int(STOCK_TCP_WMEM_MAX * scale), int(STOCK_TCP_RMEM_MAX * scale)
+    w, r = (max(4096, int(m * scale)) for m in (STOCK_TCP_WMEM_MAX, STOCK_TCP_RMEM_MAX))
     return (
         ("net.ipv4.tcp_wmem", f"4096 {min(16384, w)} {w}"),
         ("net.ipv4.tcp_rmem", f"4096 {min(131072, r)} {r}"),

@@ -13,6 +13,7 @@ from benchmarks.wan import (
     run_rate,
     summarize,
     summarize_torchft,
+    tcp_buffer_sysctls,
 )
 from lowband.errors import ConfigError
 from tests.conftest import run_json_module
@@ -70,6 +71,13 @@ def test_torchft_summary_reports_eval_loss_and_the_goal():
     runs["lowband"] = [row(1.0, 3.5)] * 3
     s = summarize_torchft(runs)
     assert not s["goal_wall_le_0.8x_at_le_loss"] and not s["must_wall_le_1.0x_at_le_loss"]
+
+
+def test_scaled_tcp_buffers_keep_the_stock_window_share_of_the_bdp():
+    # 1 Gbit/s run at 50 Mbit/s: the stock maxima (4 MiB send, 6 MiB receive) times 1/20
+    wmem, rmem = dict(tcp_buffer_sysctls(50.0 / 1000.0)).values()
+    assert wmem == "4096 16384 209715" and rmem == "4096 131072 314572"
+    assert dict(tcp_buffer_sysctls(0.001))["net.ipv4.tcp_wmem"] == "4096 4194 4194"
 
 
 def test_config_is_validated():

@@ -124,6 +124,21 @@ def test_congestion_control_is_set_per_site_where_the_host_allows_it():
                 pass
 
 
+def test_namespace_sysctls_are_set_in_every_site_and_checked():
+    wmem = "4096 16384 204800"
+    with TunTestbed(TunConfig(path=WAN, sysctls=(("net.ipv4.tcp_wmem", wmem),))) as bed:
+        got = [
+            bed.run_in(i, ["sysctl", "-n", "net.ipv4.tcp_wmem"], capture_output=True, text=True)
+            for i in range(2)
+        ]
+    assert [g.stdout.split() for g in got] == [wmem.split()] * 2
+    with pytest.raises(ConfigError, match="sysctls"):
+        TunConfig(sysctls=(("kernel.hostname", "x"),))
+    with pytest.raises(ConfigError, match="sysctls"):  # the kernel refuses it: said, not ignored
+        with TunTestbed(TunConfig(path=WAN, sysctls=(("net.ipv4.no_such_knob", "1"),))):
+            pass
+
+
 def test_the_host_joins_as_one_more_endpoint():
     cfg = TunConfig(path=WAN, host=True, paths={(2, 0): PathConfig(delay_ms=10.0)}, seed=2)
     with TunTestbed(cfg) as bed:
