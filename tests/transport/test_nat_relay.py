@@ -14,6 +14,7 @@ import subprocess
 import sys
 import threading
 import time
+from typing import Callable
 
 import pytest
 import torch
@@ -49,8 +50,9 @@ def _group(address: str, configs: list[ZmqConfig]) -> list[ZmqCommunicator]:
 
     def one(i: int) -> None:
         try:
-            comms[i] = connect(address, configs[i], signature="nat", peer_id=f"p{i}")
-            comms[i].quorum(min_world=len(configs), timeout=20)
+            comm = connect(address, configs[i], signature="nat", peer_id=f"p{i}")
+            comms[i] = comm
+            comm.quorum(min_world=len(configs), timeout=20)
         except BaseException as exc:  # noqa: BLE001 - re-raised below after cleanup
             errors.append(exc)
 
@@ -64,7 +66,7 @@ def _group(address: str, configs: list[ZmqConfig]) -> list[ZmqCommunicator]:
         for c in made:
             c.close()
         raise errors[0] if errors else TimeoutError("the group did not form")
-    return made  # type: ignore[return-value]
+    return made
 
 
 def _close(comms: list[ZmqCommunicator]) -> None:
@@ -74,8 +76,14 @@ def _close(comms: list[ZmqCommunicator]) -> None:
 
 def _all_reduce_everywhere(comms: list[ZmqCommunicator], n: int = 300_000) -> list[torch.Tensor]:
     xs = [torch.randn(n, generator=torch.Generator().manual_seed(i)) for i in range(len(comms))]
-    outs = run_ranks([lambda c=c, x=x: c.all_reduce(x.clone(), "sum") for c, x in zip(comms, xs)])
-    return outs  # type: ignore[return-value]
+
+    def reduce(c: ZmqCommunicator, x: torch.Tensor) -> Callable[[], torch.Tensor]:
+        return lambda: c.all_reduce(x.clone(), "sum")
+
+    outs = run_ranks([reduce(c, x) for c, x in zip(comms, xs)])
+    tensors = [o for o in outs if isinstance(o, torch.Tensor)]
+    assert len(tensors) == len(comms)
+    return tensors
 
 
 # ---- automatic selection -----------------------------------------------------------------------
@@ -168,8 +176,10 @@ def _relay_endpoint(coord: Coordinator) -> str:
     return coord.relay_address
 
 
-def _dealer(endpoint: str, *, route: bytes, curve: CurveKeys | None, server: bytes | None):
-    s = zmq.Context.instance().socket(zmq.DEALER)
+def _dealer(
+    endpoint: str, *, route: bytes, curve: CurveKeys | None, server: bytes | None
+) -> tuple[zmq.Socket, int | None]:
+    s: zmq.Socket = zmq.Context.instance().socket(zmq.DEALER)
     s.linger = 0
     s.routing_id = route
     if curve is not None and curve.secret is not None and server is not None:
