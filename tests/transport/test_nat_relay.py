@@ -9,6 +9,9 @@ and still all-reduces to the same bytes as everyone else.
 
 from __future__ import annotations
 
+import json
+import os
+import signal
 import socket
 import subprocess
 import sys
@@ -437,3 +440,82 @@ def test_the_relay_benchmark_runs_tiny():
     assert out["routes"]["relay_all"] == ["relay"] * 3
     assert "relay" in out["routes"]["nat"][0]
     assert out["relay_bytes_per_group"]["direct"] == 0 < out["relay_bytes_per_group"]["nat"]
+
+
+@pytest.mark.netns
+@pytest.mark.slow
+@netns
+@pytest.mark.timeout(300)
+def test_diloco_training_with_two_sites_behind_nat_ends_with_equal_hashes(tmp_path):
+    """`lowband coordinator` and three `lowband worker`s (CURVE): one public site, two behind
+    their own NAT. Nothing is configured for NAT: the dial-back finds the two sites, their
+    incoming links go through the relay, and the run ends with one state hash."""
+    keys = tmp_path / "keys"
+    subprocess.run(
+        [sys.executable, "-m", "lowband", "keygen", "--out", str(keys)], check=True, timeout=60
+    )
+    prefix = f"lt{free_port() % 10000}"
+    with nat.NatTestbed(nat.NatConfig(public=2, nat=2, net=200, name=prefix)) as bed:
+        port = free_port()
+        coord_addr = f"tcp://{bed.public_addr(0)}:{port}"
+        logs = {name: open(tmp_path / f"{name}.log", "w") for name in ("coord", "w0", "w1", "w2")}
+        procs = []
+        try:
+            procs.append(
+                subprocess.Popen(
+                    bed.command(
+                        bed.public[0],
+                        [
+                            *(sys.executable, "-m", "lowband", "coordinator"),
+                            *("--bind", coord_addr, "--heartbeat", "2"),
+                            *("--curve-key", str(keys / "lowband.key_secret")),
+                        ],
+                    ),
+                    stdout=logs["coord"],
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                )
+            )
+            sites = [
+                (bed.public[1], bed.public_addr(1)),
+                (bed.nat[0], bed.nat_addr(0)),
+                (bed.nat[1], bed.nat_addr(1)),
+            ]
+            for i, (ns, addr) in enumerate(sites):
+                procs.append(
+                    subprocess.Popen(
+                        bed.command(
+                            ns,
+                            [
+                                *(sys.executable, "-m", "lowband", "worker"),
+                                *("--coordinator", coord_addr, "--bind-host", addr),
+                                *("--curve-server-key", str(keys / "lowband.key")),
+                                *("--preset", "tiny", "--workers", "3", "--steps", "24"),
+                                *("--eval-every", "0", "--id", str(i), "--out", str(tmp_path)),
+                                *("--threads", "1", "--register-timeout", "60"),
+                            ],
+                        ),
+                        stdout=logs[f"w{i}"],
+                        stderr=subprocess.STDOUT,
+                        start_new_session=True,
+                    )
+                )
+            for i, w in enumerate(procs[1:]):
+                assert w.wait(240) == 0, (tmp_path / f"w{i}.log").read_text()[-3000:]
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    os.killpg(p.pid, signal.SIGKILL)
+                    p.wait(10)
+            for f in logs.values():
+                f.close()
+    assert nat.namespaces_left(prefix) == []
+    finals = []
+    for i in range(3):
+        lines = (tmp_path / f"metrics-worker{i}.jsonl").read_text().splitlines()
+        finals.append([json.loads(x) for x in lines if '"final"' in x][-1])
+    assert all(f["steps"] == 24 for f in finals), finals
+    assert len({f["state_hash"] for f in finals}) == 1
+    coord_log = (tmp_path / "coord.log").read_text()
+    assert coord_log.count("cannot be dialled") == 2, coord_log[-3000:]
+    assert coord_log.count(": links into it go through the relay tcp://") == 2
