@@ -437,6 +437,17 @@ class Coordinator:
             self._thread = None
         if self._relay is not None:
             self._relay.stop()
+            stats = self._relay.stats()
+            if stats["messages"] or stats["forged"] or stats["bad"]:
+                logger.info(
+                    "relay: forwarded %d messages (%.1f MB); dropped %d forged, %d malformed, "
+                    "%d undeliverable",
+                    stats["messages"],
+                    stats["bytes"] / 1e6,
+                    stats["forged"],
+                    stats["bad"],
+                    stats["undeliverable"],
+                )
             self._relay = None
         self._shutdown_ctx()
         if self._probe_fd >= 0:
@@ -796,6 +807,15 @@ class Coordinator:
     def _admitted(self, pid: str, route: bytes) -> None:
         with self._lock:
             peer = self._peers.get(pid)
+        if peer is not None and peer.reachable is False and self._relay is not None:
+            frame = self._chunk or 0
+            if frame + (1 << 16) > self.config.relay_max_message_bytes:
+                logger.warning(
+                    "the group's chunk_bytes (%d) exceeds what the relay takes "
+                    "(relay_max_message_bytes %d): relayed links will fail",
+                    frame,
+                    self.config.relay_max_message_bytes,
+                )
         if peer is not None and peer.reachable is False:
             logger.warning(
                 "peer %s cannot be dialled at %s: links into it go through %s",
