@@ -425,6 +425,7 @@ def test_the_nat_testbed_leaves_nothing_behind_on_failure():
 
 
 @pytest.mark.netns
+@pytest.mark.slow
 @netns
 @pytest.mark.timeout(300)
 def test_the_relay_benchmark_runs_tiny():
