@@ -167,6 +167,8 @@ class WorkerLaunch:
     # Seconds to wait for the coordinator at join; the heartbeat deadlines are the coordinator's
     # (it tells them at registration), so this is a worker's only liveness knob of its own.
     register_timeout: float = 30.0
+    reachable: bool | None = None  # ZmqConfig.reachable: None lets the coordinator dial back
+    relay: str = "auto"  # ZmqConfig.relay: auto | always | off
 
     def __post_init__(self) -> None:
         if self.register_timeout <= 0:
@@ -204,6 +206,8 @@ def worker_main(cfg: WorkerLaunch) -> WorkerResult:
         advertise_port=cfg.advertise_port,
         same_host=cfg.same_host,
         register_timeout=cfg.register_timeout,
+        reachable=cfg.reachable,
+        relay=cfg.relay,
     )
     comm = connect(
         cfg.coordinator, zcfg, signature=signature, meta={"worker_id": cfg.worker_id or ""}

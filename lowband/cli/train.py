@@ -304,6 +304,8 @@ def _worker_checked(args: argparse.Namespace) -> int:
         advertise_port=args.advertise_port,
         same_host=args.same_host,
         register_timeout=args.register_timeout,
+        reachable={"auto": None, "yes": True, "no": False}[args.reachable],
+        relay=args.relay,
     )
     result = worker_main(cfg)
     print(json.dumps(result.summary()))
@@ -470,6 +472,21 @@ def register(sub: argparse._SubParsersAction) -> None:
         default="auto",
         choices=["auto", "shm", "ipc", "off"],
         help="shortcuts to workers on this host (off: TCP only, for shaped links)",
+    )
+    p.add_argument(
+        "--reachable",
+        default="auto",
+        choices=["auto", "yes", "no"],
+        help="can other workers dial this one's data port? auto (default): the coordinator "
+        "dials back at registration; no (behind NAT): links into this worker go through the "
+        "coordinator's relay",
+    )
+    p.add_argument(
+        "--relay",
+        default="auto",
+        choices=["auto", "always", "off"],
+        help="auto (default): peers that cannot be dialled are reached through the "
+        "coordinator's relay; always: every peer through it; off: direct only",
     )
     add_register_timeout(p)
     _add_run_options(p)

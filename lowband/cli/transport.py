@@ -7,6 +7,7 @@ handlers so ``lowband --help`` stays fast on a Raspberry Pi.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import signal
 import sys
@@ -37,6 +38,7 @@ def _coordinator_checked(args: argparse.Namespace) -> int:
         curve=curve,
         curve_authorized=authorized_keys(args.curve_authorized or []),
     )
+    cfg = dataclasses.replace(cfg, relay=not args.no_relay, relay_bind=args.relay_bind)
     coord = Coordinator(cfg).start()
 
     def stop(signum: int, frame: object) -> None:
@@ -48,6 +50,8 @@ def _coordinator_checked(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGINT, stop)
     print(f"lowband coordinator listening on {coord.address}", flush=True)
     print(f"auth: {auth.mode}" + (", insecure: true" if exposed else ""), flush=True)
+    if coord.relay_address:
+        print(f"relay for peers behind NAT on {coord.relay_address}", flush=True)
     if curve is not None:
         print(f"CURVE public key (give it to peers): {curve.public.decode()}", flush=True)
     coord.wait()
@@ -76,6 +80,14 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="ZeroMQ endpoint to listen on (default tcp://0.0.0.0:29500)",
     )
     add_liveness(p, default_heartbeat=1.0)
+    p.add_argument(
+        "--relay-bind",
+        help="endpoint of the relay for workers behind NAT, e.g. tcp://0.0.0.0:29501 where a "
+        "firewall must let it in (default: the --bind host, a free port; workers learn it)",
+    )
+    p.add_argument(
+        "--no-relay", action="store_true", help="run no relay: every worker must be dialable"
+    )
     add_auth(p, client=False, server=True, curve_secret_alias=True)
     add_curve_authorized(p, who="peers")
     p.set_defaults(func=_coordinator)
