@@ -181,7 +181,8 @@ def _check_summary(out: Path, link: str) -> dict:
     return s
 
 
-def _run_demo(spawn, out: Path, link: str) -> subprocess.CompletedProcess:
+def _run_demo(spawn, out: Path, link: str, *extra: str, timeout: float = 150) -> tuple[str, int]:
+    """Run the tiny demo over ``link``; its output (asserting exit 0) and its pid."""
     p = spawn(
         [
             PY,
@@ -191,6 +192,7 @@ def _run_demo(spawn, out: Path, link: str) -> subprocess.CompletedProcess:
             *TINY,
             "--link",
             link,
+            *extra,
             "--out",
             str(out),
             "--quiet",
@@ -200,15 +202,15 @@ def _run_demo(spawn, out: Path, link: str) -> subprocess.CompletedProcess:
         stderr=subprocess.STDOUT,
         text=True,
     )
-    stdout, _ = p.communicate(timeout=150)
+    stdout, _ = p.communicate(timeout=timeout)
     assert p.returncode == 0, stdout[-3000:]
-    return stdout
+    return stdout, p.pid
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_demo_runs_with_the_emulator(spawn, tmp_path):
-    stdout = _run_demo(spawn, tmp_path / "out", "emulator")
+    stdout, _ = _run_demo(spawn, tmp_path / "out", "emulator")
     s = _check_summary(tmp_path / "out", "emulator")
     assert "Streaming DiLoCo" in stdout and json.loads(stdout.strip().splitlines()[-1]) == s
     assert "10 ms one-way" in s["link"]["description"]
@@ -219,18 +221,10 @@ def test_demo_runs_with_the_emulator(spawn, tmp_path):
 @pytest.mark.timeout(180)
 @pytest.mark.skipif(_netns_reason() is not None, reason=f"netns: {_netns_reason()}")
 def test_demo_runs_in_shaped_namespaces(spawn, tmp_path):
-    out = tmp_path / "out"
-    p = spawn(
-        [PY, "-m", "lowband", "demo", *TINY, "--link", "netns", "--out", str(out), "--quiet"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    stdout, _ = p.communicate(timeout=150)
-    assert p.returncode == 0, stdout[-3000:]
-    s = _check_summary(out, "netns")
+    _, pid = _run_demo(spawn, tmp_path / "out", "netns")
+    s = _check_summary(tmp_path / "out", "netns")
     assert "tc tbf at 50 Mbit/s" in s["link"]["description"]
-    assert _namespaces(p.pid) == []
+    assert _namespaces(pid) == []
 
 
 def _tun_reason() -> str | None:
@@ -244,34 +238,12 @@ def _tun_reason() -> str | None:
 @pytest.mark.timeout(240)
 @pytest.mark.skipif(_tun_reason() is not None, reason=f"tun: {_tun_reason()}")
 def test_demo_runs_over_the_tun_emulator(spawn, tmp_path):
-    out = tmp_path / "out"
-    p = spawn(
-        [
-            PY,
-            "-m",
-            "lowband",
-            "demo",
-            *TINY,
-            "--link",
-            "tun",
-            "--delay-ms",
-            "10",
-            "--rate-mbit",
-            "20",
-            "--out",
-            str(out),
-            "--quiet",
-        ],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    stdout, _ = p.communicate(timeout=210)
-    assert p.returncode == 0, stdout[-3000:]
-    s = _check_summary(out, "tun")
+    extra = ("--delay-ms", "10", "--rate-mbit", "20")
+    _, pid = _run_demo(spawn, tmp_path / "out", "tun", *extra, timeout=210)
+    s = _check_summary(tmp_path / "out", "tun")
     assert "delayed 10 ms one way and paced at 20 Mbit/s" in s["link"]["description"]
     names = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
-    assert not [n for n in names.split() if n.startswith(f"lt{p.pid % 100000}")]
+    assert not [n for n in names.split() if n.startswith(f"lt{pid % 100000}")]
 
 
 def _namespaces(pid: int) -> list[str]:

@@ -33,18 +33,9 @@ def _line(proc: subprocess.Popen, pattern: str, timeout: float) -> re.Match:
 
 def test_a_worker_that_cannot_be_dialled_trains_through_the_relay(tmp_path, spawn):
     relay_port = free_port()
+    args = f"-v coordinator --bind tcp://127.0.0.1:0 --relay-bind tcp://127.0.0.1:{relay_port}"
     coord = spawn(
-        [
-            PY,
-            "-m",
-            "lowband",
-            "-v",
-            "coordinator",
-            "--bind",
-            "tcp://127.0.0.1:0",
-            "--relay-bind",
-            f"tcp://127.0.0.1:{relay_port}",
-        ],
+        [PY, "-m", "lowband", *args.split()],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
@@ -55,34 +46,12 @@ def test_a_worker_that_cannot_be_dialled_trains_through_the_relay(tmp_path, spaw
     )
 
     def worker(i: int, *extra: str) -> subprocess.Popen:
+        args = (
+            f"worker --coordinator {address} --preset tiny --workers 2 --steps 24 -H 8 -P 2 "
+            f"--id {i} --out {tmp_path / f'w{i}'} --threads 1 --bind-host 127.0.0.1"
+        )
         return spawn(
-            [
-                PY,
-                "-m",
-                "lowband",
-                "worker",
-                "--coordinator",
-                address,
-                "--preset",
-                "tiny",
-                "--workers",
-                "2",
-                "--steps",
-                "24",
-                "-H",
-                "8",
-                "-P",
-                "2",
-                "--id",
-                str(i),
-                "--out",
-                str(tmp_path / f"w{i}"),
-                "--threads",
-                "1",
-                "--bind-host",
-                "127.0.0.1",
-                *extra,
-            ],
+            [PY, "-m", "lowband", *args.split(), *extra],
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
@@ -101,26 +70,12 @@ def test_a_worker_that_cannot_be_dialled_trains_through_the_relay(tmp_path, spaw
 
 
 def test_relay_flags_are_checked_before_anything_listens():
-    bad = subprocess.run(
-        [
-            PY,
-            "-m",
-            "lowband",
-            "coordinator",
-            "--bind",
-            "tcp://127.0.0.1:0",
-            "--relay-bind",
-            "127.0.0.1:1",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert bad.returncode == 2 and "relay_bind" in bad.stderr, bad.stderr
-    bad = subprocess.run(
-        [PY, "-m", "lowband", "worker", "--coordinator", "tcp://127.0.0.1:1", "--relay", "x"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert bad.returncode == 2 and "--relay" in bad.stderr
+    for args, needle in (
+        ("coordinator --bind tcp://127.0.0.1:0 --relay-bind 127.0.0.1:1", "relay_bind"),
+        ("worker --coordinator tcp://127.0.0.1:1 --relay x", "--relay"),
+        ("worker --coordinator tcp://127.0.0.1:1 --reachable maybe", "--reachable"),
+    ):
+        bad = subprocess.run(
+            [PY, "-m", "lowband", *args.split()], capture_output=True, text=True, timeout=60
+        )
+        assert bad.returncode == 2 and needle in bad.stderr, (args, bad.stderr)
