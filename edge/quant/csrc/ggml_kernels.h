@@ -9,12 +9,16 @@
 //   sum_s  a_s * d_c(s) * (sum_{i in s} q_i xq_i)   +   b_s * (sum_{i in s} x_i)
 // with exact int32 sub-block dots and the per-16 sums of the fp32 activations (xs16, computed
 // once per call).  The error against the dequantized reference is the activation rounding
-// only (<= d_c/2 per value), as for the Q8/Q4 kernels.  A decoded block stays in L1 for up to
-// 4 activation rows.
+// only (<= d_c/2 per value), as for the Q8/Q4 kernels.
 //
-// The decoders are plain C++ shared by every path (GCC vectorizes the byte loops; the 32-value
-// formats have an AVX2 decoder); the integer sub-block dot differs: AVX2 (maddubs or AVX-VNNI),
-// NEON (SDOT or vmull), scalar.  The ISA macros come from gemv_kernels.h.
+// Two routes compute this.  On AVX2 the K-quants (Q2_K..Q6_K) take the fused kernels (Fused,
+// kdot): a super-block is unpacked in registers and dotted with the int8 activations directly,
+// one weight row at a time for a single activation row (decode), in 32 x 8 blocks of weight x
+// activation rows for more (prefill).  Everything else (the 32-value formats; NEON and scalar
+// builds) decodes a block into q[QK], a, b and dots it with up to 4 activation rows: the
+// decoders are plain C++ shared by every path (GCC vectorizes the byte loops; AVX2 has its own
+// decoders), the integer sub-block dot is AVX2 (maddubs or AVX-VNNI), NEON (SDOT or vmull) or
+// scalar.  The ISA macros come from gemv_kernels.h.
 #pragma once
 
 #include <algorithm>
