@@ -8,9 +8,11 @@ compiler, no ninja, compile error, unsupported machine) is logged once and ``gem
 ``dequantize`` + ``F.linear``.
 
 ggml block formats (``ggml``: Q4_1, Q5_0, Q5_1, Q2_K..Q6_K kept as in the GGUF file) go
-through ``ggml_gemv``: blocks are decoded on the fly (``csrc/ggml_kernels.h``) and dotted with
-activations quantized to int8 per 32 values like the Q8/Q4 kernel below (the min/offset terms
-use exact fp32 sums); the fallback multiplies by the exactly dequantized weight, and the two agree
+through ``ggml_gemv`` (``csrc/ggml_kernels.h``): on AVX2 the K-quant super-blocks are unpacked
+in registers and dotted directly (one unpack serving up to 8 activation rows in prefill), other
+types and other ISAs decode a block to int8 first; either way against activations quantized to
+int8 per 32 values like the Q8/Q4 kernel below (the min/offset terms use exact fp32 sums); the
+fallback multiplies by the exactly dequantized weight, and the two agree
 to about 1e-2 relative (``tests/edge/test_ggml_quant.py``).
 
 Semantics of the Q8/Q4 ``gemv``: the kernel quantizes each activation row to int8 per weight
