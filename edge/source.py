@@ -52,14 +52,22 @@ class ModelSource:
             raise
 
 
+_PARSE_ERRORS = (ValueError, KeyError, IndexError, TypeError, ArithmeticError)
+
+
 def _reader(path: Path) -> Any:
+    """A GGUF reader for ``path``; a file the parser trips on is a ConfigError (the tensors'
+    bounds are checked where they are loaded: :func:`edge.formats.bounds.open_gguf`)."""
     try:
         import gguf
     except ModuleNotFoundError:
         raise ConfigError(
             "model", f"{path} is a GGUF file: reading it needs 'gguf' (pip install 'lowband[edge]')"
         ) from None
-    return gguf.GGUFReader(str(path))
+    try:
+        return gguf.GGUFReader(str(path))
+    except _PARSE_ERRORS as exc:
+        raise ConfigError("model", f"{path} is not a readable GGUF file: {exc}") from None
 
 
 def check_model_path(path: str | Path) -> None:
@@ -78,7 +86,13 @@ def resolve_model(path: str | Path) -> ModelSource:
     if p.is_dir():
         return ModelSource(p, False, ModelConfig.from_json(p))
     reader = _reader(p)
-    return ModelSource(p, True, read_config(reader), reader)
+    try:  # strings are decoded lazily: a metadata string that is not UTF-8 fails in here
+        config = read_config(reader)
+    except ConfigError:
+        raise
+    except _PARSE_ERRORS as exc:
+        raise ConfigError("model", f"{p} is not a readable GGUF file: {exc}") from None
+    return ModelSource(p, True, config, reader)
 
 
 __all__ = ["ModelSource", "resolve_model", "check_model_path", "is_gguf", "TOKENIZER_GGUF"]

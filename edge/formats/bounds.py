@@ -67,9 +67,13 @@ def open_gguf(gguf: Any, path: str | Path) -> Any:
     reader cannot parse is a ConfigError too, not whatever the parser tripped on."""
     try:
         reader = gguf.GGUFReader(str(path))
+        # The reader decodes strings lazily: a metadata string that is not UTF-8 fails inside
+        # the check (UnicodeDecodeError, a ValueError), so the check is inside the try too.
+        check_gguf(reader, os.path.getsize(path))
+    except ConfigError:
+        raise
     except (ValueError, KeyError, IndexError, TypeError, ArithmeticError) as exc:
         raise ConfigError("model", f"{path} is not a readable GGUF file: {exc}") from None
-    check_gguf(reader, os.path.getsize(path))
     return reader
 
 

@@ -244,3 +244,20 @@ def test_gguf_reader_raises_only_config_errors(tiny_gguf, data) -> None:
         load_gguf(path)
     except ConfigError:
         pass
+
+
+def test_a_metadata_string_that_is_not_utf8_is_a_config_error(tiny_gguf) -> None:
+    """Found by the fuzzer above: the reader decodes strings lazily, so a bad byte in the
+    architecture's name surfaced as a UnicodeDecodeError from the header check."""
+    d, good = tiny_gguf
+    at = good.index(b"llama", good.index(b"general.architecture"))
+    buf = bytearray(good)
+    buf[at] = 0xFF
+    path = d / "bad-utf8.gguf"
+    path.write_bytes(bytes(buf))
+    with pytest.raises(ConfigError, match="not a readable GGUF"):
+        load_gguf(path)
+    from edge.source import resolve_model  # what `lowband edge run FILE.gguf` opens first
+
+    with pytest.raises(ConfigError, match="not a readable GGUF"):
+        resolve_model(path)
