@@ -22,7 +22,8 @@ rounds, each measurement a child process pinned to cores ``0..threads-1``:
   (the same prompt ids fed to both), and the first position where they differ;
 * ``kl_vs_f32``: mean KL(F32 || width) of the next-token distributions, teacher-forced over a
   ``--kl-len`` random-token sequence, for each runtime against its own F32 logits (llama.cpp's
-  with ``logits_all=True``); ``kl_lowband_vs_llamacpp``: the two runtimes on the same file;
+  with ``logits_all=True``); ``kl_lowband_vs_llamacpp``: the two runtimes on the same file
+  (and ``top1_lowband_vs_llamacpp_same_file``: how often their argmax agrees there);
 * ``tp2``: with ``--tp``, lowband on 2 pinned devices (``edge worker`` + master over the real
   transport, cores 0 and 1, from a 2-way ``edge split`` of the file) vs 1 (a 1-way split);
   otherwise, or when the file cannot be split, ``null`` with the reason. This VM's two cores
@@ -464,7 +465,18 @@ def _kl_table(files: dict[str, Path], runtimes: list[str], work: Path, a) -> dic
         res["lowband_vs_llamacpp_same_file"] = {
             w: float(f"{_kl(logits['llamacpp', w], logits['lowband', w]):.3g}") for w in files
         }
+        # Teacher-forced top-1 agreement on the same file: where greedy decoding diverges
+        # because the kernels round differently, this says how often the runtimes would pick
+        # the same next token at every position of the same context.
+        res["top1_lowband_vs_llamacpp_same_file"] = {
+            w: round(_top1(logits["llamacpp", w], logits["lowband", w]), 4) for w in files
+        }
     return res
+
+
+def _top1(p_logits: np.ndarray, q_logits: np.ndarray) -> float:
+    """Fraction of positions whose argmax is the same in both."""
+    return float(np.mean(p_logits.argmax(-1) == q_logits.argmax(-1)))
 
 
 def _tp(file: Path, work: Path, a) -> dict:
