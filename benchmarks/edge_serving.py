@@ -90,7 +90,15 @@ def _sdist(cache: Path, given: str | None) -> Path:
         return cache / name
     cache.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=cache) as tmp:
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "--no-deps",
+            "--no-binary",
+            "llama-cpp-python",
+        ]
         subprocess.run([*cmd, LLAMA_CPP_PYTHON, "-d", tmp], check=True, capture_output=True)
         (Path(tmp) / name).rename(cache / name)
     return cache / name

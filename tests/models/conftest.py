@@ -21,7 +21,9 @@ _VOCAB_PREFIX = "vendor/llama.cpp/models/ggml-vocab-"
 
 
 def _download_sdist(dest: Path) -> Path:
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:"]
+    # Only the package itself from source: ":all:" would also build its build backend's
+    # dependencies (cmake, ...) from source to prepare its metadata, minutes on a fresh machine.
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", "llama-cpp-python"]
     cmd += [LLAMA_CPP_PYTHON, "-d", str(dest)]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     sdists = sorted(dest.glob("llama_cpp_python-*.tar.gz"))
