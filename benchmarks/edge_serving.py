@@ -62,7 +62,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from benchmarks.edge_vs_llamacpp import LLAMA_CPP_PYTHON, MODELS, make_files
+from benchmarks.edge_vs_llamacpp import LLAMA_CPP_PYTHON, MODELS, download_sdist, make_files
 from lowband.proc import die_with_parent, free_port
 
 LLAMA_SERVER_VERSION = LLAMA_CPP_PYTHON.split("==")[1]
@@ -90,17 +90,7 @@ def _sdist(cache: Path, given: str | None) -> Path:
         return cache / name
     cache.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=cache) as tmp:
-        cmd = [
-            sys.executable,
-            "-m",
-            "pip",
-            "download",
-            "--no-deps",
-            "--no-binary",
-            "llama-cpp-python",
-        ]
-        subprocess.run([*cmd, LLAMA_CPP_PYTHON, "-d", tmp], check=True, capture_output=True)
-        (Path(tmp) / name).rename(cache / name)
+        download_sdist(Path(tmp)).rename(cache / name)
     return cache / name
 
 

@@ -143,6 +143,15 @@ def _ids(vocab: int, n: int, seed: int) -> list[int]:
 
 
 # ---- writing the files ------------------------------------------------------------------------
+def download_sdist(dest: Path) -> Path:
+    """The llama-cpp-python source release, downloaded by pip into ``dest``. Only the package
+    itself from source: ``--no-binary :all:`` would also build its build backend's dependencies
+    (cmake, ...) from source to prepare its metadata, minutes on a fresh machine."""
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", "llama-cpp-python"]
+    subprocess.run([*cmd, LLAMA_CPP_PYTHON, "-d", str(dest)], check=True, capture_output=True)
+    return next(dest.glob("llama_cpp_python-*.tar.gz"))
+
+
 def _vocab_file(name: str, cache: Path) -> Path:
     """llama.cpp's ``ggml-vocab-NAME.gguf``: from the cache, the tests' cache
     (tests/models/conftest.py keeps the same files), or the source release via pip."""
@@ -157,18 +166,7 @@ def _vocab_file(name: str, cache: Path) -> Path:
             shutil.copyfile(src, out)
             return out
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
-        cmd = [
-            sys.executable,
-            "-m",
-            "pip",
-            "download",
-            "--no-deps",
-            "--no-binary",
-            "llama-cpp-python",
-        ]
-        subprocess.run([*cmd, LLAMA_CPP_PYTHON, "-d", tmp], check=True, capture_output=True)
-        sdist = next(Path(tmp).glob("llama_cpp_python-*.tar.gz"))
-        with tarfile.open(sdist, "r:gz") as tar:
+        with tarfile.open(download_sdist(Path(tmp)), "r:gz") as tar:
             for m in tar:
                 if m.isfile() and m.name.endswith("/vendor/llama.cpp/models/" + out.name):
                     data = tar.extractfile(m)
