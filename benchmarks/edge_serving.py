@@ -63,6 +63,7 @@ from typing import Any, Callable
 import numpy as np
 
 from benchmarks.edge_vs_llamacpp import LLAMA_CPP_PYTHON, MODELS, download_sdist, make_files
+from lowband.models.gguf_reader import open_reader
 from lowband.proc import die_with_parent, free_port
 
 LLAMA_SERVER_VERSION = LLAMA_CPP_PYTHON.split("==")[1]
@@ -438,9 +439,8 @@ def measure_machine(cores: tuple[int, ...], timeout: float) -> dict:
 
 def model_costs(file: Path) -> dict:
     """Bytes and FLOPs a decode step costs, from the GGUF file's tensors and shapes."""
-    import gguf
 
-    r = gguf.GGUFReader(str(file))
+    r = open_reader(str(file))
     arch = str(r.fields["general.architecture"].contents())
 
     def meta(key: str) -> int:
@@ -646,9 +646,8 @@ def workload_for(vocab: int, a) -> dict:
 
 
 def _vocab(file: Path) -> int:
-    import gguf
 
-    r = gguf.GGUFReader(str(file))
+    r = open_reader(str(file))
     return len(r.fields["tokenizer.ggml.tokens"].data)
 
 

@@ -52,6 +52,8 @@ from pathlib import Path
 
 import numpy as np
 
+from lowband.models.gguf_reader import open_reader
+
 LLAMA_CPP_PYTHON = "llama-cpp-python==0.3.36"
 FORMAT = "v1"  # bump when the written files change, so stale caches are not reused
 
@@ -231,7 +233,7 @@ def _add_tokenizer(w, spec: dict, cache: Path) -> None:
         w.add_eos_token_id(2)
         w.add_add_bos_token(False)
         return
-    r = gguf.GGUFReader(str(_vocab_file(spec["vocab"], cache)))
+    r = open_reader(str(_vocab_file(spec["vocab"], cache)))
     for key, f in r.fields.items():
         if key.startswith("tokenizer."):
             sub = f.types[1] if f.types[0] == gguf.GGUFValueType.ARRAY else None
@@ -305,7 +307,7 @@ def _reference_quantize(src: Path, dst: Path, width: str) -> None:
     if width not in ("q8_0", "q4_0"):
         raise SystemExit(f"--widths {width} needs llama.cpp's quantizer (drop --lowband-only)")
     qt = getattr(gguf.GGMLQuantizationType, width.upper())
-    r = gguf.GGUFReader(str(src))
+    r = open_reader(str(src))
     w = gguf.GGUFWriter(str(dst), str(r.fields["general.architecture"].contents()))
     for key, f in r.fields.items():
         if key.startswith("GGUF.") or key == "general.architecture":

@@ -17,6 +17,7 @@ from typing import Any
 from edge.formats.gguf_arch import TOKENIZER_GGUF, is_gguf, read_config, read_tokenizer
 from lowband.errors import ConfigError
 from lowband.models.config import ModelConfig
+from lowband.models.gguf_reader import open_reader
 from lowband.models.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -59,13 +60,13 @@ def _reader(path: Path) -> Any:
     """A GGUF reader for ``path``; a file the parser trips on is a ConfigError (the tensors'
     bounds are checked where they are loaded: :func:`edge.formats.bounds.open_gguf`)."""
     try:
-        import gguf
+        import gguf  # noqa: F401  (whether it is installed)
     except ModuleNotFoundError:
         raise ConfigError(
             "model", f"{path} is a GGUF file: reading it needs 'gguf' (pip install 'lowband[edge]')"
         ) from None
     try:
-        return gguf.GGUFReader(str(path))
+        return open_reader(str(path))
     except _PARSE_ERRORS as exc:
         raise ConfigError("model", f"{path} is not a readable GGUF file: {exc}") from None
 

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from lowband.errors import ConfigError
+from lowband.models.gguf_reader import open_reader
 
 MAX_CONTEXT = 1 << 24  # context_length: positions a KV cache or rope table may be sized for
 
@@ -63,10 +64,10 @@ def _layer_shapes(arch: str, shapes: dict[str, tuple[int, ...]]) -> dict[str, tu
 
 
 def open_gguf(gguf: Any, path: str | Path) -> Any:
-    """``gguf.GGUFReader(path)`` with its header checked (:func:`check_gguf`); a file the
+    """``open_reader(path)`` with its header checked (:func:`check_gguf`); a file the
     reader cannot parse is a ConfigError too, not whatever the parser tripped on."""
     try:
-        reader = gguf.GGUFReader(str(path))
+        reader = open_reader(str(path))
         # The reader decodes strings lazily: a metadata string that is not UTF-8 fails inside
         # the check (UnicodeDecodeError, a ValueError), so the check is inside the try too.
         check_gguf(reader, os.path.getsize(path))

@@ -53,6 +53,7 @@ from edge.quant.linear import GGMLLinear
 from edge.tp import Reduce, TPPlan, make_plan, shard
 from lowband.errors import ConfigError
 from lowband.models.config import ModelConfig
+from lowband.models.gguf_reader import open_reader
 from lowband.models.llama import LlamaForCausalLM, rope_inv_freq
 
 SUPPORTED = ("F32", "F16", "BF16", "Q8_0", "Q4_0", *GGML_TYPES)
@@ -165,7 +166,7 @@ def write_tokenizer_gguf(src: str | Path, path: str | Path) -> Path:
     """``src``'s ``tokenizer.*`` metadata (and its architecture) in a GGUF with no tensors: what
     a directory made from a GGUF file (split, convert, quantize) keeps as its tokenizer."""
     gguf = _import_gguf()
-    reader = gguf.GGUFReader(str(src))
+    reader = open_reader(str(src))
     arch = reader.fields["general.architecture"].contents()
     w = gguf.GGUFWriter(str(path), arch)
     for f in reader.fields.values():

@@ -34,6 +34,7 @@ import tokenizers
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, processors
 
 from lowband.errors import ConfigError
+from lowband.models.gguf_reader import open_reader
 
 logger = logging.getLogger(__name__)
 
@@ -424,7 +425,5 @@ def tokenizer_from_gguf(path_or_reader: str | Path | Any) -> GGUFTokenizer:
     """The tokenizer of a GGUF file, from its path or an open ``gguf.GGUFReader`` (pass the
     reader when the weights are read too: parsing a 150k-token vocabulary takes seconds)."""
     if isinstance(path_or_reader, (str, Path)):
-        import gguf
-
-        path_or_reader = gguf.GGUFReader(path_or_reader)
+        path_or_reader = open_reader(path_or_reader)
     return GGUFTokenizer(read_vocab(path_or_reader))

@@ -35,6 +35,7 @@ from edge.quant.linear import GGMLLinear
 from edge.shardio import load_shard, split_checkpoint
 from edge.source import resolve_model
 from lowband.errors import ConfigError
+from lowband.models.gguf_reader import open_reader
 from lowband.proc import free_port
 from tests.cli.test_edge_cli import _http, _wait_health
 from tests.edge.test_gguf_models import (
@@ -437,7 +438,7 @@ def test_packed_fused_and_stacked_tensors(tmp_path, exact_matmuls, family, quant
 def test_unsupported_gguf_variants_are_refused(tmp_path, models) -> None:
     """Long-context Phi-3 (per-frequency ``rope_factors_long/short``) and partial rotary
     (``rope.dimension_count`` below the head size) change the maths: refused by name."""
-    src = gguf.GGUFReader(str(models("phi3")["gguf"]))
+    src = open_reader(str(models("phi3")["gguf"]))
 
     def copy(path: Path, extra_kv: dict, extra_tensors: dict) -> Path:
         w = gguf.GGUFWriter(str(path), "phi3")

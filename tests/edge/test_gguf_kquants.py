@@ -36,6 +36,7 @@ from edge.shardio import load_shard, split_checkpoint
 from edge.tp import make_reduce
 from lowband.errors import ConfigError
 from lowband.models.config import ModelConfig
+from lowband.models.gguf_reader import open_reader
 from lowband.models.llama import LlamaForCausalLM, init_weights
 from tests.conftest import run_ranks, tp_head
 from tests.edge.test_ggml_quant import random_blocks
@@ -102,7 +103,7 @@ def write_mixed(path: Path, types: dict[str, str], **over) -> tuple[LlamaForCaus
     init_weights(ref, std=0.1, seed=4)
     cfg = ref.config
     f32 = write_gguf(ref, path.with_suffix(".f32.gguf"))
-    r = gguf.GGUFReader(str(f32))
+    r = open_reader(str(f32))
     w = gguf.GGUFWriter(str(path), "llama")
     for f in r.fields.values():
         if f.name.startswith("GGUF.") or f.name == "general.architecture":
@@ -162,7 +163,7 @@ def test_kquant_mix_loads_packed_and_matches_dequantized(tmp_path, no_kernel) ->
     """With exact fp32 matmuls (the fallback) the logits equal the dequantized model's."""
     ref, path = write_mixed(tmp_path / "m.gguf", TYPES)
     got = load_gguf(path)
-    r = gguf.GGUFReader(str(path))
+    r = open_reader(str(path))
     by_name = {t.name: t for t in r.tensors}
     for g, kind in TYPES.items():
         if g == "token_embd.weight":
@@ -342,7 +343,7 @@ def test_tied_quantized_head_splits_by_vocabulary(tmp_path) -> None:
 @pytest.mark.parametrize("kind", ["IQ4_XS", "TQ2_0"])
 def test_unsupported_block_type_names_tensor_and_type(tmp_path, kind) -> None:
     _, ok = write_mixed(tmp_path / "ok.gguf", {})
-    r = gguf.GGUFReader(str(ok))
+    r = open_reader(str(ok))
     w = gguf.GGUFWriter(str(tmp_path / "bad.gguf"), "llama")
     for f in r.fields.values():
         if f.name.startswith("GGUF.") or f.name == "general.architecture":

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import gguf
 
+from lowband.models.gguf_reader import open_reader
 from lowband.models.gguf_tokenizer import CONTROL, UNKNOWN, USER_DEFINED, read_vocab
 
 OUT = Path(__file__).with_name("gguf_special_vectors.json")
@@ -102,7 +103,7 @@ def main(llama_cpp: Path, build: Path, vocab_dir: Path, names: list[str]) -> Non
         vectors: dict[str, list[list[object]]] = {}
         for name in names:
             path = vocab_dir / f"ggml-vocab-{name}.gguf"
-            texts = texts_for(name, gguf.GGUFReader(path))
+            texts = texts_for(name, open_reader(path))
             (Path(tmp) / "in.txt").write_bytes(SEP.join(texts).encode("utf-8"))
             r = subprocess.run(
                 [str(exe), str(path), str(Path(tmp) / "in.txt")],

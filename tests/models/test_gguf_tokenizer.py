@@ -11,6 +11,7 @@ import pytest
 from tokenizers import pre_tokenizers
 
 from lowband.errors import ConfigError
+from lowband.models.gguf_reader import open_reader
 from lowband.models.gguf_tokenizer import GGUFTokenizer, tokenizer_from_gguf
 
 # Every llama.cpp test vocabulary of a family lowband supports (gpt2 byte-level BPE with a known
@@ -55,7 +56,7 @@ def read_vectors(d: Path, name: str) -> list[tuple[str, list[int]]]:
 @pytest.mark.timeout(1200)  # the first test downloads the 76 MB release
 @pytest.mark.parametrize("name", VOCABS)
 def test_llamacpp_vectors(llamacpp_vocab_dir: Path, name: str) -> None:
-    tok = tokenizer_from_gguf(gguf.GGUFReader(llamacpp_vocab_dir / f"ggml-vocab-{name}.gguf"))
+    tok = tokenizer_from_gguf(open_reader(llamacpp_vocab_dir / f"ggml-vocab-{name}.gguf"))
     vectors = read_vectors(llamacpp_vocab_dir, name)
     assert len(vectors) >= 40
     # test-tokenizer-0 tokenizes with add_special=false, parse_special=false.

@@ -22,6 +22,7 @@ import pytest
 from edge.formats.gguf import load_gguf, write_gguf
 from lowband.errors import ConfigError
 from lowband.models.config import ModelConfig
+from lowband.models.gguf_reader import open_reader
 from lowband.models.llama import LlamaForCausalLM
 from lowband.models.weights import load_pretrained, save_pretrained
 
@@ -56,7 +57,7 @@ def _rewrite(
 ) -> Path:
     """A copy of ``src`` with some ``llama.*`` fields replaced and some tensors dropped."""
     fields = fields or {}
-    r = gguf.GGUFReader(str(src))
+    r = open_reader(str(src))
     w = gguf.GGUFWriter(str(dst), "llama")
     for f in r.fields.values():
         if f.name.startswith("GGUF.") or f.name == "general.architecture":
