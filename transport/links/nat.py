@@ -302,6 +302,10 @@ def _peer(args: argparse.Namespace) -> int:
         m = comm.quorum(min_world=args.world, timeout=args.timeout)
         # how this site's links go, read before anyone leaves (a peer gone is no link)
         report.update(route=comm.route(torch.zeros(1 << 20)), relayed_peers=comm.relayed_peers)
+        if coord is not None:
+            # registered peers only: read while the whole group is in (a site may leave after
+            # the last barrier before this process reads it again)
+            report["unreachable"] = list(coord.unreachable)
         n = int(args.size_mb * (1 << 20)) // 4
         gen = torch.Generator().manual_seed(1234 + m.rank)
         x = torch.randn(n, generator=gen)
@@ -322,7 +326,6 @@ def _peer(args: argparse.Namespace) -> int:
         )
         if coord is not None:
             report["relay"] = coord.relay_stats()
-            report["unreachable"] = list(coord.unreachable)
             report["coordinator"] = dict(coord.counters)
     finally:
         comm.close()
