@@ -201,20 +201,6 @@ inline void scale16(const int8_t* s, float d, float* a) {
   _mm256_storeu_ps(a + 8, _mm256_mul_ps(dv, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(v, 8)))));
 }
 
-inline void decode_q2k_avx2(const uint8_t* blk, int8_t* q, float* a, float* b) {
-  const __m256i m3 = _mm256_set1_epi8(3);
-  for (int h = 0; h < 2; ++h) {
-    const __m256i v = ld32(blk + 16 + 32 * h);
-    for (int j = 0; j < 4; ++j) st32(q + 128 * h + 32 * j, _mm256_and_si256(srl16(v, 2 * j), m3));
-  }
-  alignas(16) int8_t sc[16], mn[16];
-  const __m128i s = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk));
-  _mm_store_si128(reinterpret_cast<__m128i*>(sc), _mm_and_si128(s, _mm_set1_epi8(0x0F)));
-  _mm_store_si128(reinterpret_cast<__m128i*>(mn), _mm_and_si128(_mm_srli_epi16(s, 4), _mm_set1_epi8(0x0F)));
-  scale16(sc, f16(blk + 80), a);
-  scale16(mn, -f16(blk + 82), b);  // -(dmin * mn) == (-dmin) * mn exactly
-}
-
 // The 16 six-bit Q3_K scales minus 32, as int8, with 32-bit masks (llama.cpp's kmask trick):
 // byte k of aux is scale k.
 inline __m128i q3k_scales(const uint8_t* blk) {
@@ -226,22 +212,6 @@ inline __m128i q3k_scales(const uint8_t* blk) {
   aux[0] = (aux[0] & km2) | ((tmp & km1) << 4);
   aux[1] = (aux[1] & km2) | (((tmp >> 2) & km1) << 4);
   return _mm_sub_epi8(_mm_loadu_si128(reinterpret_cast<const __m128i*>(aux)), _mm_set1_epi8(32));
-}
-
-inline void decode_q3k_avx2(const uint8_t* blk, int8_t* q, float* a, float* b) {
-  const __m256i m3 = _mm256_set1_epi8(3), four = _mm256_set1_epi8(4);
-  const __m256i hm = ld32(blk);
-  for (int h = 0; h < 2; ++h) {
-    const __m256i v = ld32(blk + 32 + 32 * h);
-    for (int j = 0; j < 4; ++j) {
-      const __m256i low = _mm256_and_si256(srl16(v, 2 * j), m3);
-      st32(q + 128 * h + 32 * j, _mm256_sub_epi8(low, _mm256_andnot_si256(bit_set(hm, 4 * h + j), four)));
-    }
-  }
-  alignas(16) int8_t sc[16];
-  _mm_store_si128(reinterpret_cast<__m128i*>(sc), q3k_scales(blk));
-  scale16(sc, f16(blk + 108), a);
-  std::memset(b, 0, 16 * sizeof(float));
 }
 
 // Q4_K / Q5_K per-32 scales av = d * sc and min terms bv = -dmin * mn (natural order) from the
@@ -264,46 +234,125 @@ inline void q45k_scales(const uint8_t* blk, __m256* av, __m256* bv) {
   *bv = _mm256_mul_ps(_mm256_set1_ps(-f16(blk + 2)), mn);  // == -(dmin * mn)
 }
 
+struct KUnp {
+  __m256i w[8];   // chunk c: the unsigned values 32c..32c+31
+  __m256 a0, a1;  // SUB32: a0 per-32 scales; else scales of sub-blocks 0-7 / 8-15 in kFold order
+  __m256 b0, b1;  // SUB32 with MIN: b0 per-32 min terms; Q2_K: per-16 min terms 0-7 / 8-15
+};
+
+// a0, a1 = d * s in kFold order from the 16 int8 scales s of sub-blocks 0-15.
+inline void fold_scales(__m128i s, float d, KUnp& u) {
+  const __m128i p = _mm_shuffle_epi8(s, _mm_setr_epi8(0, 2, 4, 6, 1, 3, 5, 7, 8, 10, 12, 14, 9, 11, 13, 15));
+  const __m256 dv = _mm256_set1_ps(d);
+  u.a0 = _mm256_mul_ps(dv, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(p)));
+  u.a1 = _mm256_mul_ps(dv, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(p, 8))));
+}
+
 template <bool FIVE>
-inline void decode_q45k_avx2(const uint8_t* blk, int8_t* q, float* a, float* b) {
+inline void unpack_q45k(const uint8_t* blk, KUnp& u) {
   const __m256i m4 = _mm256_set1_epi8(0x0F), sixteen = _mm256_set1_epi8(16);
   const uint8_t* qs = blk + (FIVE ? 48 : 16);
   const __m256i qh = FIVE ? ld32(blk + 16) : _mm256_setzero_si256();
   for (int j = 0; j < 4; ++j) {
     const __m256i v = ld32(qs + 32 * j);
-    __m256i lo = _mm256_and_si256(v, m4), hi = _mm256_and_si256(srl16(v, 4), m4);
+    __m256i lo = _mm256_and_si256(v, m4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
     if (FIVE) {
       lo = _mm256_or_si256(lo, _mm256_and_si256(bit_set(qh, 2 * j), sixteen));
       hi = _mm256_or_si256(hi, _mm256_and_si256(bit_set(qh, 2 * j + 1), sixteen));
     }
-    st32(q + 64 * j, lo);
-    st32(q + 64 * j + 32, hi);
+    u.w[2 * j] = lo;
+    u.w[2 * j + 1] = hi;
   }
-  __m256 av, bv;
-  q45k_scales(blk, &av, &bv);
-  const __m256i dup_lo = _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3), dup_hi = _mm256_setr_epi32(4, 4, 5, 5, 6, 6, 7, 7);
-  _mm256_storeu_ps(a, _mm256_permutevar8x32_ps(av, dup_lo));
-  _mm256_storeu_ps(a + 8, _mm256_permutevar8x32_ps(av, dup_hi));
-  _mm256_storeu_ps(b, _mm256_permutevar8x32_ps(bv, dup_lo));
-  _mm256_storeu_ps(b + 8, _mm256_permutevar8x32_ps(bv, dup_hi));
+  q45k_scales(blk, &u.a0, &u.b0);
 }
 
-inline void decode_q6k_avx2(const uint8_t* blk, int8_t* q, float* a, float* b) {
-  const __m256i m4 = _mm256_set1_epi8(0x0F), m30 = _mm256_set1_epi8(0x30), k32 = _mm256_set1_epi8(32);
+inline void unpack_q6k(const uint8_t* blk, KUnp& u) {  // values q + 32 in 0..63
+  const __m256i m4 = _mm256_set1_epi8(0x0F), m30 = _mm256_set1_epi8(0x30);
   for (int h = 0; h < 2; ++h) {
     const __m256i l0 = ld32(blk + 64 * h), l1 = ld32(blk + 64 * h + 32), hv = ld32(blk + 128 + 32 * h);
-    // ((qh >> 2c) & 3) << 4 for c = 0..3, as (qh shifted) & 0x30 (16-bit shifts: the bits that
-    // cross into the neighbouring byte land outside 0x30)
     const __m256i h0 = _mm256_and_si256(_mm256_slli_epi16(hv, 4), m30);
     const __m256i h1 = _mm256_and_si256(_mm256_slli_epi16(hv, 2), m30);
     const __m256i h2 = _mm256_and_si256(hv, m30);
     const __m256i h3 = _mm256_and_si256(_mm256_srli_epi16(hv, 2), m30);
-    int8_t* o = q + 128 * h;
-    st32(o, _mm256_sub_epi8(_mm256_or_si256(_mm256_and_si256(l0, m4), h0), k32));
-    st32(o + 32, _mm256_sub_epi8(_mm256_or_si256(_mm256_and_si256(l1, m4), h1), k32));
-    st32(o + 64, _mm256_sub_epi8(_mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), m4), h2), k32));
-    st32(o + 96, _mm256_sub_epi8(_mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m4), h3), k32));
+    u.w[4 * h] = _mm256_or_si256(_mm256_and_si256(l0, m4), h0);
+    u.w[4 * h + 1] = _mm256_or_si256(_mm256_and_si256(l1, m4), h1);
+    u.w[4 * h + 2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), m4), h2);
+    u.w[4 * h + 3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m4), h3);
   }
+  fold_scales(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 192)), f16(blk + 208), u);
+}
+
+inline void unpack_q3k(const uint8_t* blk, KUnp& u) {  // values q + 4 in 0..7
+  const __m256i m3 = _mm256_set1_epi8(3), four = _mm256_set1_epi8(4);
+  const __m256i hm = ld32(blk);
+  for (int h = 0; h < 2; ++h) {
+    const __m256i v = ld32(blk + 32 + 32 * h);
+    for (int j = 0; j < 4; ++j)
+      u.w[4 * h + j] =
+          _mm256_or_si256(_mm256_and_si256(srl16(v, 2 * j), m3), _mm256_and_si256(bit_set(hm, 4 * h + j), four));
+  }
+  fold_scales(q3k_scales(blk), f16(blk + 108), u);
+}
+
+inline void unpack_q2k(const uint8_t* blk, KUnp& u) {
+  const __m256i m3 = _mm256_set1_epi8(3);
+  for (int h = 0; h < 2; ++h) {
+    const __m256i v = ld32(blk + 16 + 32 * h);
+    for (int j = 0; j < 4; ++j) u.w[4 * h + j] = _mm256_and_si256(srl16(v, 2 * j), m3);
+  }
+  const __m128i s = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk));
+  const __m128i mn = _mm_and_si128(_mm_srli_epi16(s, 4), _mm_set1_epi8(0x0F));
+  fold_scales(_mm_and_si128(s, _mm_set1_epi8(0x0F)), f16(blk + 80), u);
+  const __m256 nd = _mm256_set1_ps(-f16(blk + 82));  // -(dmin * mn) == (-dmin) * mn exactly
+  u.b0 = _mm256_mul_ps(nd, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(mn)));
+  u.b1 = _mm256_mul_ps(nd, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(mn, 8))));
+}
+
+// The AVX2 decoders: a fused kernel's unpack (below), the offset taken off the values, and the
+// scales in natural order (the unpack folds them for the hadd order of the fused dots).
+inline void store_minus(const KUnp& u, int8_t* q, int offset) {
+  const __m256i o = _mm256_set1_epi8(static_cast<char>(offset));
+  for (int c = 0; c < 8; ++c) st32(q + 32 * c, _mm256_sub_epi8(u.w[c], o));
+}
+
+inline void decode_q2k_avx2(const uint8_t* blk, int8_t* q, float* a, float* b) {
+  KUnp u;
+  unpack_q2k(blk, u);
+  store_minus(u, q, 0);
+  alignas(16) int8_t sc[16], mn[16];
+  const __m128i s = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk));
+  _mm_store_si128(reinterpret_cast<__m128i*>(sc), _mm_and_si128(s, _mm_set1_epi8(0x0F)));
+  _mm_store_si128(reinterpret_cast<__m128i*>(mn), _mm_and_si128(_mm_srli_epi16(s, 4), _mm_set1_epi8(0x0F)));
+  scale16(sc, f16(blk + 80), a);
+  scale16(mn, -f16(blk + 82), b);  // -(dmin * mn) == (-dmin) * mn exactly
+}
+
+inline void decode_q3k_avx2(const uint8_t* blk, int8_t* q, float* a, float* b) {
+  KUnp u;
+  unpack_q3k(blk, u);
+  store_minus(u, q, 4);
+  alignas(16) int8_t sc[16];
+  _mm_store_si128(reinterpret_cast<__m128i*>(sc), q3k_scales(blk));
+  scale16(sc, f16(blk + 108), a);
+  std::memset(b, 0, 16 * sizeof(float));
+}
+
+template <bool FIVE>
+inline void decode_q45k_avx2(const uint8_t* blk, int8_t* q, float* a, float* b) {
+  KUnp u;
+  unpack_q45k<FIVE>(blk, u);  // a0, b0: the 8 per-32 scales and min terms, natural order
+  store_minus(u, q, 0);
+  const __m256i dup_lo = _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3), dup_hi = _mm256_setr_epi32(4, 4, 5, 5, 6, 6, 7, 7);
+  _mm256_storeu_ps(a, _mm256_permutevar8x32_ps(u.a0, dup_lo));
+  _mm256_storeu_ps(a + 8, _mm256_permutevar8x32_ps(u.a0, dup_hi));
+  _mm256_storeu_ps(b, _mm256_permutevar8x32_ps(u.b0, dup_lo));
+  _mm256_storeu_ps(b + 8, _mm256_permutevar8x32_ps(u.b0, dup_hi));
+}
+
+inline void decode_q6k_avx2(const uint8_t* blk, int8_t* q, float* a, float* b) {
+  KUnp u;
+  unpack_q6k(blk, u);
+  store_minus(u, q, 32);
   scale16(reinterpret_cast<const int8_t*>(blk + 192), f16(blk + 208), a);
   std::memset(b, 0, 16 * sizeof(float));
 }
@@ -560,80 +609,6 @@ struct Fused {
 };
 
 #if defined(LBQ_AVX2)
-struct KUnp {
-  __m256i w[8];   // chunk c: the unsigned values 32c..32c+31
-  __m256 a0, a1;  // SUB32: a0 per-32 scales; else scales of sub-blocks 0-7 / 8-15 in kFold order
-  __m256 b0, b1;  // SUB32 with MIN: b0 per-32 min terms; Q2_K: per-16 min terms 0-7 / 8-15
-};
-
-// a0, a1 = d * s in kFold order from the 16 int8 scales s of sub-blocks 0-15.
-inline void fold_scales(__m128i s, float d, KUnp& u) {
-  const __m128i p = _mm_shuffle_epi8(s, _mm_setr_epi8(0, 2, 4, 6, 1, 3, 5, 7, 8, 10, 12, 14, 9, 11, 13, 15));
-  const __m256 dv = _mm256_set1_ps(d);
-  u.a0 = _mm256_mul_ps(dv, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(p)));
-  u.a1 = _mm256_mul_ps(dv, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(p, 8))));
-}
-
-template <bool FIVE>
-inline void unpack_q45k(const uint8_t* blk, KUnp& u) {
-  const __m256i m4 = _mm256_set1_epi8(0x0F), sixteen = _mm256_set1_epi8(16);
-  const uint8_t* qs = blk + (FIVE ? 48 : 16);
-  const __m256i qh = FIVE ? ld32(blk + 16) : _mm256_setzero_si256();
-  for (int j = 0; j < 4; ++j) {
-    const __m256i v = ld32(qs + 32 * j);
-    __m256i lo = _mm256_and_si256(v, m4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
-    if (FIVE) {
-      lo = _mm256_or_si256(lo, _mm256_and_si256(bit_set(qh, 2 * j), sixteen));
-      hi = _mm256_or_si256(hi, _mm256_and_si256(bit_set(qh, 2 * j + 1), sixteen));
-    }
-    u.w[2 * j] = lo;
-    u.w[2 * j + 1] = hi;
-  }
-  q45k_scales(blk, &u.a0, &u.b0);
-}
-
-inline void unpack_q6k(const uint8_t* blk, KUnp& u) {  // values q + 32 in 0..63
-  const __m256i m4 = _mm256_set1_epi8(0x0F), m30 = _mm256_set1_epi8(0x30);
-  for (int h = 0; h < 2; ++h) {
-    const __m256i l0 = ld32(blk + 64 * h), l1 = ld32(blk + 64 * h + 32), hv = ld32(blk + 128 + 32 * h);
-    const __m256i h0 = _mm256_and_si256(_mm256_slli_epi16(hv, 4), m30);
-    const __m256i h1 = _mm256_and_si256(_mm256_slli_epi16(hv, 2), m30);
-    const __m256i h2 = _mm256_and_si256(hv, m30);
-    const __m256i h3 = _mm256_and_si256(_mm256_srli_epi16(hv, 2), m30);
-    u.w[4 * h] = _mm256_or_si256(_mm256_and_si256(l0, m4), h0);
-    u.w[4 * h + 1] = _mm256_or_si256(_mm256_and_si256(l1, m4), h1);
-    u.w[4 * h + 2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), m4), h2);
-    u.w[4 * h + 3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m4), h3);
-  }
-  fold_scales(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 192)), f16(blk + 208), u);
-}
-
-inline void unpack_q3k(const uint8_t* blk, KUnp& u) {  // values q + 4 in 0..7
-  const __m256i m3 = _mm256_set1_epi8(3), four = _mm256_set1_epi8(4);
-  const __m256i hm = ld32(blk);
-  for (int h = 0; h < 2; ++h) {
-    const __m256i v = ld32(blk + 32 + 32 * h);
-    for (int j = 0; j < 4; ++j)
-      u.w[4 * h + j] =
-          _mm256_or_si256(_mm256_and_si256(srl16(v, 2 * j), m3), _mm256_and_si256(bit_set(hm, 4 * h + j), four));
-  }
-  fold_scales(q3k_scales(blk), f16(blk + 108), u);
-}
-
-inline void unpack_q2k(const uint8_t* blk, KUnp& u) {
-  const __m256i m3 = _mm256_set1_epi8(3);
-  for (int h = 0; h < 2; ++h) {
-    const __m256i v = ld32(blk + 16 + 32 * h);
-    for (int j = 0; j < 4; ++j) u.w[4 * h + j] = _mm256_and_si256(srl16(v, 2 * j), m3);
-  }
-  const __m128i s = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk));
-  const __m128i mn = _mm_and_si128(_mm_srli_epi16(s, 4), _mm_set1_epi8(0x0F));
-  fold_scales(_mm_and_si128(s, _mm_set1_epi8(0x0F)), f16(blk + 80), u);
-  const __m256 nd = _mm256_set1_ps(-f16(blk + 82));  // -(dmin * mn) == (-dmin) * mn exactly
-  u.b0 = _mm256_mul_ps(nd, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(mn)));
-  u.b1 = _mm256_mul_ps(nd, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(mn, 8))));
-}
-
 // SUB32: per-32 scales; SHIFT: the values carry an offset 1 << SHIFT (-1: none); MIN: b terms.
 template <>
 struct Fused<Q4_K> {
