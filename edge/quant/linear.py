@@ -28,11 +28,13 @@ from .ggml import GGMLWeight, dequantize_ggml, ggml_type, narrow_ggml
 __all__ = ["GGMLLinear", "QuantLinear", "quantize_modules", "DEFAULT_MAX_KERNEL_ROWS"]
 
 # Rows (tokens) up to which forward() uses the GEMV kernel; above it, blockwise dequantize +
-# F.linear (a BLAS GEMM).  Measured with ``benchmarks/quant_gemv.py --prefill`` at 1 thread
-# (AVX2+VNNI): the kernel beat dequantize+matmul at every M in 1..128 (2-50x) and still matched
+# F.linear (a BLAS GEMM).  Measured at 1 thread (AVX2+VNNI): ``benchmarks/quant_gemv.py
+# --prefill``: the kernel beat dequantize+matmul at every M in 1..128 (2-50x) and still matched
 # or beat even a plain fp32 GEMM at M=512 (2048x5632: Q8 107 ms vs 109-117 ms, Q4 76 ms vs
-# 110-122 ms), so the switch only matters for long prompts.
-DEFAULT_MAX_KERNEL_ROWS = 256
+# 110-122 ms); the fused K-quant kernels on Llama-3.2-1B's Q4_K_M layers beat dequantize+matmul
+# at M = 264, 512 and 1024 by 1.15-1.5x (Q4_K 2048x2048 at 1024 rows: 81.5 vs 94.1 ms; Q6_K
+# 2048x8192: 388 vs 542 ms).  1024 keeps a prefill chunk (256) plus a decode batch on the kernel.
+DEFAULT_MAX_KERNEL_ROWS = 1024
 
 
 def _linear(

@@ -1,8 +1,10 @@
 """The fused K-quant kernels (csrc/ggml_kernels.h: Q2_K..Q6_K unpacked in registers, one row at
-a time for a single activation row, weight x activation row blocks for many rows).
+a time for one activation row, a weight row at a time against tiles of 8 activation rows up to
+128 rows, weight x activation row blocks beyond).
 
 * an activation row gives the same bits whether it is alone in a call or one of many, at shapes
-  that cross the kernels' tiles (32 weight rows x 8 activation rows): the compiled step's
+  that cross the kernels' tiles (32 weight rows x 8 activation rows) on both many-row routes
+  (19 rows: row by row; 131 rows: blocks): the compiled step's
   batched == single-step identity rests on this;
 * at those shapes the kernel still equals the float64 emulation of its integer semantics
   (``tests/edge/test_ggml_quant.emulate``) to 1e-5 of the sum of |terms|.
@@ -28,8 +30,9 @@ def _needs_kernel():
 
 
 @pytest.mark.parametrize("name", K_TYPES)
-def test_rows_alone_equal_rows_in_a_batch(name) -> None:
-    m, n, k = 19, 70, 512  # 70 = 2 x 32 + 6 weight rows, 19 = 2 x 8 + 3 activation rows
+@pytest.mark.parametrize("m", [19, 131])  # 2 x 8 + 3 rows (decode-batch route), 16 x 8 + 3 (blocks)
+def test_rows_alone_equal_rows_in_a_batch(name, m) -> None:
+    n, k = 70, 512  # 70 = 2 x 32 + 6 weight rows
     w = weight(name, n, k, seed=4, scale=0.02)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(5))
     x[3] = 0.0  # an all-zero row (every activation scale 0)
@@ -38,7 +41,7 @@ def test_rows_alone_equal_rows_in_a_batch(name) -> None:
         alone = kernel.ggml_gemv(x[i : i + 1].contiguous(), w)
         assert torch.equal(alone[0], many[i]), (name, i)
     assert torch.equal(many[3], torch.zeros(n))
-    for start, count in ((0, 2), (5, 8)):  # a partial block and a whole one, at other offsets
+    for start, count in ((0, 2), (5, 8), (2, m - 2)):  # partial and whole tiles, other offsets
         got = kernel.ggml_gemv(x[start : start + count].contiguous(), w)
         assert torch.equal(got, many[start : start + count])
 
