@@ -47,6 +47,7 @@ import hashlib
 import json
 import math
 import os
+import shlex
 import shutil
 import signal
 import statistics
@@ -517,13 +518,15 @@ _LOWBAND = (
 def make_arms(file: Path, a, flags: dict[str, bool], llama_server: Path | None) -> list[Arm]:
     cores = tuple(range(a.threads))
     par = ["--parallel", str(a.parallel)]
+    extra = shlex.split(a.lowband_args)
     lb = [sys.executable, "-c", _LOWBAND, a.kernels, "edge"] if a.kernels else []
     lb = lb or [sys.executable, "-m", "lowband", "edge"]
     arms = []
     if 1 in a.devices:
         argv = [*lb, "serve", str(file), "--port", "{port}", "--threads", str(a.threads)]
         argv += ["--cores", ",".join(map(str, cores)), "--max-queue", "256"]
-        arms.append(Arm("lowband", argv + (par if flags["serve"] else []), cores, a.threads))
+        argv += par if flags["serve"] else []
+        arms.append(Arm("lowband", argv + extra, cores, a.threads))
     if llama_server is not None:
         ctx = a.parallel * (max(a.max_prompt, a.long_prompt) + a.max_tokens + 64)
         argv = [str(llama_server), "-m", str(file), "-t", str(a.threads), "-tb", str(a.threads)]
@@ -533,7 +536,8 @@ def make_arms(file: Path, a, flags: dict[str, bool], llama_server: Path | None) 
     if 2 in a.devices:  # (its worker processes use the default kernels root)
         argv = [*lb, "run", str(file), "--devices", "2", "--pin-cores", "--port", "{port}"]
         argv += ["--max-queue", "256"]
-        arms.append(Arm("lowband-tp2", argv + (par if flags["run"] else []), (0, 1), 2))
+        argv += par if flags["run"] else []
+        arms.append(Arm("lowband-tp2", argv + extra, (0, 1), 2))
     return arms
 
 
@@ -727,6 +731,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--long-prompt", type=int, default=2048, help="the prompt that arrives")
     p.add_argument("--parallel", type=int, default=16, help="server slots (-np, --parallel)")
     p.add_argument("--threads", type=int, default=1, help="cores 0..T-1, T threads")
+    p.add_argument(
+        "--lowband-args",
+        default="",
+        help="more arguments for the lowband servers, e.g. '--decode-stall 3 --prefill-chunk 512'",
+    )
     p.add_argument("--devices", default="1,2", help="lowband arms: 1 device, 2 (TP) or both")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--seed", type=int, default=0)
