@@ -7,8 +7,9 @@ theta 500000 with Llama 3's ``rope_freqs``) and Qwen2.5-0.5B (hidden 896, 24 lay
 FFN 4864, vocab 151936, tied, q/k/v biases, ``qwen2`` architecture), carrying the real
 tokenizer's metadata (llama.cpp's ``ggml-vocab-llama-bpe.gguf`` / ``ggml-vocab-qwen2.gguf``,
 from the llama-cpp-python source release). ``small``, ``360m``, ``tiny`` and ``tiny-qwen2`` are
-smaller shapes with a placeholder vocabulary. Each is written as an F32 GGUF with
-``gguf.GGUFWriter`` (tensors streamed, never all in memory), then llama.cpp's own quantizer
+smaller shapes with a placeholder vocabulary; ``markov-512`` is trained here (a few minutes on one
+core, :func:`write_trained_f32`) so that its logits have margins. Each is written as an F32
+GGUF with ``gguf.GGUFWriter`` (tensors streamed, never all in memory), then llama.cpp's quantizer
 (``llama_model_quantize``) makes each ``--widths`` file (``q4_k_m``: its Q4_K/Q6_K mix; ``q8_0``;
 ``q4_0`` pure). Files are cached under ``--cache`` (default ``~/.cache/lowband/bench``).
 
@@ -101,6 +102,20 @@ MODELS: dict[str, dict] = {
         ffn=512,
         vocab_size=512,
         llama3_rope=dict(factor=32.0, low=1.0, high=4.0, original=8192),
+    ),
+    # Trained here (a few minutes on one core), so its logits have margins: an order-1 Markov
+    # chain over 512 tokens where each token's favoured successor has probability 0.85. Random
+    # init leaves near-ties that any two kernels' rounding breaks differently; this model is
+    # where greedy decoding and top-1 agreement between the two runtimes mean something.
+    "markov-512": dict(
+        arch="llama",
+        hidden=512,
+        layers=4,
+        heads=8,
+        kv_heads=4,
+        ffn=1536,
+        vocab_size=512,
+        train=dict(steps=240, batch=16, seq=64, lr=3e-3, favoured=0.85),
     ),
     "tiny-qwen2": dict(
         arch="qwen2",
@@ -278,6 +293,63 @@ def write_f32(spec: dict, path: Path, cache: Path, seed: int = 0) -> Path:
     return path
 
 
+def markov_chain(vocab: int, seed: int) -> np.ndarray:
+    """Each token's favoured successor (a fixed random permutation of the vocabulary)."""
+    return np.random.default_rng(seed + 7).permutation(vocab)
+
+
+def markov_ids(succ: np.ndarray, favoured: float, n: int, rng: np.random.Generator) -> list[int]:
+    """``n`` ids of the chain: the favoured successor with probability ``favoured``, else any."""
+    out = [int(rng.integers(len(succ)))]
+    for _ in range(n - 1):
+        nxt = succ[out[-1]] if rng.random() < favoured else rng.integers(len(succ))
+        out.append(int(nxt))
+    return out
+
+
+def write_trained_f32(spec: dict, path: Path, seed: int = 0) -> Path:
+    """Train ``spec`` (a dense Llama with a placeholder vocabulary) on its Markov chain with
+    AdamW and write it as an F32 GGUF (:func:`edge.formats.gguf.write_gguf`)."""
+    import torch
+
+    from edge.formats.gguf import write_gguf
+    from lowband.models.config import ModelConfig
+    from lowband.models.llama import LlamaForCausalLM, init_weights
+
+    t = spec["train"]
+    torch.manual_seed(seed)
+    cfg = ModelConfig(
+        vocab_size=spec["vocab_size"],
+        hidden_size=spec["hidden"],
+        intermediate_size=spec["ffn"],
+        num_hidden_layers=spec["layers"],
+        num_attention_heads=spec["heads"],
+        num_key_value_heads=spec["kv_heads"],
+        max_position_embeddings=4096,
+    )
+    model = LlamaForCausalLM(cfg)
+    init_weights(model, std=0.02, seed=seed)
+    succ = markov_chain(spec["vocab_size"], seed)
+    rng = np.random.default_rng(seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=t["lr"], weight_decay=0.0)
+    model.train()
+    for step in range(t["steps"]):
+        x = torch.tensor(
+            [markov_ids(succ, t["favoured"], t["seq"] + 1, rng) for _ in range(t["batch"])]
+        )
+        logits = model(x[:, :-1])
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), x[:, 1:].flatten())
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        if step % 40 == 0 or step == t["steps"] - 1:
+            print(f"train {path.name} step {step} loss {loss.item():.3f}", file=sys.stderr)
+    tmp = path.with_suffix(".part")
+    write_gguf(model.eval(), tmp)
+    tmp.rename(path)
+    return path
+
+
 def quantize(src: Path, dst: Path, width: str, use_llamacpp: bool) -> Path:
     """llama.cpp's quantizer (``q4_0`` pure, as the earlier runs; ``q4_k_m``/``q8_0`` as it
     ships them), or, with ``use_llamacpp`` false, gguf's reference code (q8_0 / q4_0 only)."""
@@ -333,7 +405,10 @@ def make_files(name: str, widths: list[str], a) -> dict[str, Path]:
     d.mkdir(parents=True, exist_ok=True)
     f32 = d / "f32.gguf"
     if not f32.exists():
-        write_f32(MODELS[name], f32, Path(a.cache).expanduser(), a.seed)
+        if "train" in MODELS[name]:
+            write_trained_f32(MODELS[name], f32, a.seed)
+        else:
+            write_f32(MODELS[name], f32, Path(a.cache).expanduser(), a.seed)
     files = {"f32": f32}
     for wd in widths:
         if wd != "f32":

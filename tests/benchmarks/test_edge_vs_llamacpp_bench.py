@@ -55,3 +55,23 @@ def test_bench_tiny_lowband_only(spawn, tmp_path) -> None:
         # Q8_0 is closer to the F32 model than Q4_0, and both are close to it.
         assert 0 <= kl["q8_0"] < kl["q4_0"] < 0.1
         assert m["file_mb"]["q4_0"] < m["file_mb"]["q8_0"] < m["file_mb"]["f32"]
+
+
+def test_trained_model_learns_its_chain_and_loads_from_gguf(tmp_path) -> None:
+    """``markov-512``'s recipe at a toy size: the written GGUF loads in lowband and predicts the
+    chain's favoured successor (what gives the parity comparison its margins)."""
+    import numpy as np
+    import torch
+
+    from benchmarks.edge_vs_llamacpp import MODELS, markov_chain, write_trained_f32
+    from edge.formats.gguf import load_gguf
+
+    spec = dict(MODELS["markov-512"], hidden=256, layers=1, heads=4, kv_heads=2, ffn=256)
+    spec.update(vocab_size=32, train=dict(spec["train"], steps=60, seq=32, lr=1e-2))
+    path = write_trained_f32(spec, tmp_path / "m.gguf", seed=3)
+    model = load_gguf(path)
+    ids = list(range(32))
+    with torch.inference_mode():
+        pred = model(torch.tensor([ids])).argmax(-1)[0].numpy()
+    hits = float(np.mean(pred == markov_chain(32, 3)[ids]))
+    assert hits >= 0.9, hits  # chance: 1/32
