@@ -34,6 +34,7 @@ import os
 import platform
 import shutil
 import sys
+import sysconfig
 import threading
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -195,6 +196,23 @@ def _ninja_on_path() -> None:
         os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
 
 
+def missing_build_tools(include_dir: str | None = None, cxx: str | None = None) -> str | None:
+    """Why the kernels cannot be compiled here (``None``: they can): Python's C headers and a
+    C++ compiler, checked before a build so the reason names the package instead of ending a
+    compiler error dump. Defaults: this interpreter's include directory and ``$CXX`` or ``c++``
+    (what torch's extension builder runs)."""
+    include_dir = include_dir or sysconfig.get_paths().get("include") or ""
+    if not os.path.isfile(os.path.join(include_dir, "Python.h")):
+        return (
+            "Python's C headers are missing: install them to build the kernels (Debian, "
+            f"Ubuntu, Raspberry Pi OS: apt install python3-dev); no Python.h in {include_dir!r}"
+        )
+    cxx = cxx or os.environ.get("CXX") or "c++"
+    if shutil.which(cxx) is None:
+        return f"no C++ compiler ({cxx!r} is not on PATH): install one (Debian: apt install g++)"
+    return None
+
+
 def load() -> Any:
     """The loaded extension module (building it if needed), or ``None`` if unavailable."""
     global _module, _reason, _tried
@@ -216,6 +234,10 @@ def load() -> Any:
                 flags = _flags(cfg)
                 name, build_dir = _build_dir(cfg, flags)
                 build_dir.mkdir(parents=True, exist_ok=True)
+                if name not in _built and not (build_dir / f"{name}.so").exists():
+                    why = missing_build_tools()
+                    if why is not None:
+                        raise RuntimeError(why)
                 if name not in _built:
                     log.info(
                         "loading quantized GEMV kernel %s (compiles once, ~30 s) in %s",

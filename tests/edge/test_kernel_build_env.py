@@ -27,3 +27,33 @@ def test_a_ninja_already_on_path_is_left_first(tmp_path, monkeypatch):
     monkeypatch.setenv("PATH", str(tmp_path))
     kernel._ninja_on_path()
     assert os.environ["PATH"] == str(tmp_path)
+
+
+def test_missing_python_headers_or_compiler_are_named(tmp_path, monkeypatch):
+    bare = tmp_path / "include"
+    bare.mkdir()
+    why = kernel.missing_build_tools(include_dir=str(bare))
+    assert why is not None and "python3-dev" in why and "Python.h" in why
+    (bare / "Python.h").write_text("")
+    monkeypatch.setenv("PATH", str(tmp_path))  # no compiler anywhere
+    why = kernel.missing_build_tools(include_dir=str(bare), cxx="c++")
+    assert why is not None and "g++" in why
+    cxx = tmp_path / "c++"
+    cxx.write_text("#!/bin/sh\n")
+    cxx.chmod(0o755)
+    assert kernel.missing_build_tools(include_dir=str(bare), cxx="c++") is None
+
+
+def test_a_machine_without_python_headers_gets_the_fallback_and_the_reason(tmp_path, monkeypatch):
+    """No build is attempted (no compiler error dump): the loader says what to install."""
+    saved = kernel.get_config()
+    monkeypatch.setattr(kernel.sysconfig, "get_paths", lambda: {"include": str(tmp_path)})
+    kernel.configure(build_root=tmp_path / "kernels")  # nothing built there
+    try:
+        assert kernel.load() is None
+        reason = kernel.unavailable_reason()
+        assert reason is not None and "python3-dev" in reason
+        assert not list((tmp_path / "kernels").rglob("*.o"))  # no compiler ran
+    finally:
+        monkeypatch.undo()
+        kernel.configure(build_root=saved.build_root)
