@@ -20,7 +20,7 @@ from __future__ import annotations
 import struct
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 _READER_CLASS: Any = None
 
@@ -43,19 +43,19 @@ def _reader_class() -> Any:
                 flat = self._plain = self.data.view(np.ndarray)
             return flat
 
-        def _get(self, offset, dtype, count=1, override_order=None):  # noqa: ANN001
+        def _get(self, offset: int, dtype: Any, count: int = 1, override_order: Any = None) -> Any:
             count = int(count)
             dt = np.dtype(dtype)
             arr = self._flat()[offset : offset + dt.itemsize * count].view(dt)[:count]
             order = self.byte_order if override_order is None else override_order
             return arr.view(arr.dtype.newbyteorder(order))
 
-        def _get_field_parts(self, orig_offs, raw_type):  # noqa: ANN001
+        def _get_field_parts(self, orig_offs: int, raw_type: int) -> Any:
             if raw_type != array or not little or self.byte_order != "I":
                 return super()._get_field_parts(orig_offs, raw_type)
             raw_itype = self._get(orig_offs, np.uint32)
             itype = int(raw_itype[0])
-            scalar = self.gguf_scalar_to_np.get(itype)
+            scalar = cast(dict[int, Any], self.gguf_scalar_to_np).get(itype)  # IntEnum keys
             if itype != string and scalar is None:  # arrays of arrays: the stock code
                 return super()._get_field_parts(orig_offs, raw_type)
             alen = self._get(orig_offs + 4, np.uint64)
