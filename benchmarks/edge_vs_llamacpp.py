@@ -476,12 +476,14 @@ def role_logits(a) -> dict:
         from edge.formats.gguf import load_gguf
 
         model = load_gguf(a.model)
-        ids = _ids(model.config.vocab_size, a.kl_len, a.seed + 1)
+        ids = json.loads(Path(a.ids).read_text()) if a.ids else None
+        ids = ids or _ids(model.config.vocab_size, a.kl_len, a.seed + 1)
         with torch.inference_mode():
             logits = model(torch.tensor([ids])).float()[0].numpy()
     else:
         llm = _llama(a, a.kl_len + 8, logits_all=True)
-        ids = _ids(llm.n_vocab(), a.kl_len, a.seed + 1)
+        ids = json.loads(Path(a.ids).read_text()) if a.ids else None
+        ids = ids or _ids(llm.n_vocab(), a.kl_len, a.seed + 1)
         llm.eval(ids)
         logits = np.asarray(llm.scores[: len(ids)], dtype=np.float32)
     np.save(a.out, logits)
@@ -527,15 +529,27 @@ def _kl(p_logits: np.ndarray, q_logits: np.ndarray) -> float:
     return float((np.exp(lp) * (lp - lq)).sum(-1).mean())
 
 
-def _kl_table(files: dict[str, Path], runtimes: list[str], work: Path, a) -> dict:
-    """KL of each width vs the F32 file, per runtime, and lowband vs llama.cpp per file."""
+def _kl_table(
+    files: dict[str, Path], runtimes: list[str], work: Path, a, spec: dict | None = None
+) -> dict:
+    """KL of each width vs the F32 file, per runtime, and lowband vs llama.cpp per file. For a
+    model trained here (``spec["train"]``) the ids are a held-out sequence of its chain (a seed
+    training never used) and each width's perplexity on it is reported too."""
     logits: dict[tuple[str, str], np.ndarray] = {}
+    ids: list[int] | None = None
+    if spec is not None and "train" in spec:
+        succ = markov_chain(spec["vocab_size"], a.seed)
+        held_out = np.random.default_rng(a.seed + 1_000_003)
+        ids = markov_ids(succ, spec["train"]["favoured"], a.kl_len, held_out)
     for w, f in files.items():
         for rt in runtimes:
             out = work / f"logits-{rt}-{w}.npy"
             args = ["--role", "logits", "--runtime", rt, "--model", str(f), "--out", str(out)]
             args += ["--kl-len", str(a.kl_len), "--seed", str(a.seed), "--threads", "2"]
             args += ["--kernels", a.kernels]
+            if ids is not None:
+                (work / "ids.json").write_text(json.dumps(ids))
+                args += ["--ids", str(work / "ids.json")]
             _run_role(args, a.timeout)
             logits[rt, w] = np.load(out)
             out.unlink()
@@ -554,7 +568,19 @@ def _kl_table(files: dict[str, Path], runtimes: list[str], work: Path, a) -> dic
         res["top1_lowband_vs_llamacpp_same_file"] = {
             w: round(_top1(logits["llamacpp", w], logits["lowband", w]), 4) for w in files
         }
+    if ids is not None:
+        res["heldout_ppl"] = {
+            rt: {w: round(_perplexity(logits[rt, w], ids), 4) for w in files} for rt in runtimes
+        }
     return res
+
+
+def _perplexity(logits: np.ndarray, ids: list[int]) -> float:
+    """exp of the mean negative log-likelihood of ids[1:] under the logits at ids[:-1]."""
+    x = logits[:-1].astype(np.float64)
+    x = x - x.max(-1, keepdims=True)
+    logp = x - np.log(np.exp(x).sum(-1, keepdims=True))
+    return float(np.exp(-logp[np.arange(len(ids) - 1), ids[1:]].mean()))
 
 
 def _top1(p_logits: np.ndarray, q_logits: np.ndarray) -> float:
@@ -638,7 +664,7 @@ def bench_model(name: str, files: dict[str, Path], runtimes: list[str], a) -> di
             else:
                 res["widths"][w]["tp2"] = {"tp2_speedup": None, "reason": "not run (no --tp)"}
         if "f32" in files and not a.no_kl:
-            res["kl_vs_f32"] = _kl_table(files, runtimes, work, a)
+            res["kl_vs_f32"] = _kl_table(files, runtimes, work, a, MODELS.get(name))
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return res
@@ -675,6 +701,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--runtime", help=argparse.SUPPRESS)
     p.add_argument("--model", help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)
+    p.add_argument("--ids", help=argparse.SUPPRESS)  # the logits role's token ids (JSON)
     a = p.parse_args(argv)
     a.threads_list = [int(t) for t in a.threads.split(",")]
     a.threads = a.threads_list[0]
