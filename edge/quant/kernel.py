@@ -153,6 +153,10 @@ def _build_dir(cfg: KernelConfig, flags: list[str]) -> tuple[str, Path]:
         h.update((CSRC / name).read_bytes())
     h.update(" ".join(flags).encode())
     h.update(f"{torch.__version__}|{sys.version}|{platform.machine()}".encode())
+    # The build's command line names this checkout's sources and this environment's torch and
+    # Python headers: two checkouts or venvs sharing one directory would each rewrite it and
+    # make the other rebuild (ninja rebuilds on a changed command line), so each gets its own.
+    h.update(f"{CSRC.resolve()}|{sys.prefix}".encode())
     if cfg.isa == "native":
         h.update(_cpu_id().encode())
     digest = h.hexdigest()[:16]

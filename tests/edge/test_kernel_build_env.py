@@ -57,3 +57,19 @@ def test_a_machine_without_python_headers_gets_the_fallback_and_the_reason(tmp_p
     finally:
         monkeypatch.undo()
         kernel.configure(build_root=saved.build_root)
+
+
+def test_each_checkout_and_environment_builds_in_its_own_directory(tmp_path, monkeypatch):
+    """Two checkouts (or venvs) on one machine do not share a build directory: each would
+    rewrite the other's build command line and make it rebuild."""
+    cfg = kernel.get_config()
+    flags = kernel._flags(cfg)
+    name, here = kernel._build_dir(cfg, flags)
+    assert kernel._build_dir(cfg, flags) == (name, here)  # stable
+    monkeypatch.setattr(kernel.sys, "prefix", str(tmp_path / "other-venv"))
+    assert kernel._build_dir(cfg, flags)[1] != here
+    monkeypatch.undo()
+    copy = tmp_path / "csrc"
+    shutil.copytree(kernel.CSRC, copy)
+    monkeypatch.setattr(kernel, "CSRC", copy)  # the same sources in another checkout
+    assert kernel._build_dir(cfg, flags)[1] != here
