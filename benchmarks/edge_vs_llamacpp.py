@@ -108,14 +108,7 @@ MODELS: dict[str, dict] = {
     # init leaves near-ties that any two kernels' rounding breaks differently; this model is
     # where greedy decoding and top-1 agreement between the two runtimes mean something.
     "markov-512": dict(
-        arch="llama",
-        hidden=512,
-        layers=4,
-        heads=8,
-        kv_heads=4,
-        ffn=1536,
-        vocab_size=512,
-        train=dict(steps=240, batch=16, seq=64, lr=3e-3, favoured=0.85),
+        arch="llama", hidden=512, layers=4, heads=8, kv_heads=4, ffn=1536, vocab_size=512
     ),
     "tiny-qwen2": dict(
         arch="qwen2",
@@ -128,6 +121,7 @@ MODELS: dict[str, dict] = {
         qkv_bias=True,
     ),
 }
+MODELS["markov-512"]["train"] = dict(steps=240, batch=16, seq=64, lr=3e-3, favoured=0.85)
 WIDTHS = ("f32", "q8_0", "q4_0", "q4_k_m")
 
 
@@ -318,14 +312,12 @@ def write_trained_f32(spec: dict, path: Path, seed: int = 0) -> Path:
 
     t = spec["train"]
     torch.manual_seed(seed)
+    names = dict(hidden_size="hidden", intermediate_size="ffn", num_hidden_layers="layers")
+    names.update(num_attention_heads="heads", num_key_value_heads="kv_heads")
     cfg = ModelConfig(
         vocab_size=spec["vocab_size"],
-        hidden_size=spec["hidden"],
-        intermediate_size=spec["ffn"],
-        num_hidden_layers=spec["layers"],
-        num_attention_heads=spec["heads"],
-        num_key_value_heads=spec["kv_heads"],
         max_position_embeddings=4096,
+        **{field: spec[key] for field, key in names.items()},
     )
     model = LlamaForCausalLM(cfg)
     init_weights(model, std=0.02, seed=seed)
