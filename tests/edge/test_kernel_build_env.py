@@ -48,6 +48,7 @@ def test_a_machine_without_python_headers_gets_the_fallback_and_the_reason(tmp_p
     """No build is attempted (no compiler error dump): the loader says what to install."""
     saved = kernel.get_config()
     monkeypatch.setattr(kernel.sysconfig, "get_paths", lambda: {"include": str(tmp_path)})
+    monkeypatch.setattr(kernel, "_built", {})  # as in a process that has loaded no kernel yet
     kernel.configure(build_root=tmp_path / "kernels")  # nothing built there
     try:
         assert kernel.load() is None
