@@ -154,13 +154,20 @@ def _ids(vocab: int, n: int, seed: int) -> list[int]:
 
 
 # ---- writing the files ------------------------------------------------------------------------
-def download_sdist(dest: Path) -> Path:
+def download_sdist(dest: Path, timeout: float = 900) -> Path:
     """The llama-cpp-python source release, downloaded by pip into ``dest``. Only the package
     itself from source: ``--no-binary :all:`` would also build its build backend's dependencies
-    (cmake, ...) from source to prepare its metadata, minutes on a fresh machine."""
+    (cmake, ...) from source to prepare its metadata, minutes on a fresh machine. A failure is a
+    RuntimeError carrying the command and pip's output."""
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", "llama-cpp-python"]
-    subprocess.run([*cmd, LLAMA_CPP_PYTHON, "-d", str(dest)], check=True, capture_output=True)
-    return next(dest.glob("llama_cpp_python-*.tar.gz"))
+    cmd += [LLAMA_CPP_PYTHON, "-d", str(dest)]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    sdists = sorted(dest.glob("llama_cpp_python-*.tar.gz"))
+    if r.returncode != 0 or not sdists:
+        raise RuntimeError(
+            f"{' '.join(cmd)} exited {r.returncode}:\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
+        )
+    return sdists[0]
 
 
 def _vocab_file(name: str, cache: Path) -> Path:

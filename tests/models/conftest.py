@@ -9,30 +9,24 @@ keeps only those files. Without network the tests fail (with pip's output), they
 from __future__ import annotations
 
 import subprocess
-import sys
 import tarfile
 import tempfile
 from pathlib import Path
 
 import pytest
 
-LLAMA_CPP_PYTHON = "llama-cpp-python==0.3.36"
+from benchmarks.edge_vs_llamacpp import LLAMA_CPP_PYTHON, download_sdist
+
 _VOCAB_PREFIX = "vendor/llama.cpp/models/ggml-vocab-"
 
 
 def _download_sdist(dest: Path) -> Path:
-    # Only the package itself from source: ":all:" would also build its build backend's
-    # dependencies (cmake, ...) from source to prepare its metadata, minutes on a fresh machine.
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", "llama-cpp-python"]
-    cmd += [LLAMA_CPP_PYTHON, "-d", str(dest)]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
-    sdists = sorted(dest.glob("llama_cpp_python-*.tar.gz"))
-    if r.returncode != 0 or not sdists:
+    try:
+        return download_sdist(dest)
+    except (RuntimeError, subprocess.TimeoutExpired) as exc:
         pytest.fail(
-            f"could not fetch llama.cpp's tokenizer test vectors ({' '.join(cmd)} exited "
-            f"{r.returncode}); these tests need PyPI:\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
+            f"could not fetch llama.cpp's tokenizer test vectors; these tests need PyPI: {exc}"
         )
-    return sdists[0]
 
 
 def _extract_vocab_files(sdist: Path, out: Path) -> int:
