@@ -440,7 +440,6 @@ def measure_machine(cores: tuple[int, ...], timeout: float) -> dict:
 
 def model_costs(file: Path) -> dict:
     """Bytes and FLOPs a decode step costs, from the GGUF file's tensors and shapes."""
-
     r = open_reader(str(file))
     arch = str(r.fields["general.architecture"].contents())
 
@@ -650,7 +649,6 @@ def workload_for(vocab: int, a) -> dict:
 
 
 def _vocab(file: Path) -> int:
-
     r = open_reader(str(file))
     return len(r.fields["tokenizer.ggml.tokens"].data)
 

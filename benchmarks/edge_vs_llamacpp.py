@@ -469,20 +469,19 @@ def role_llamacpp(a) -> dict:
 def role_logits(a) -> dict:
     """Teacher-forced logits over ``--kl-len`` random ids, saved as ``--out`` (.npy, fp32)."""
     _pin(a.threads, a.kernels if a.runtime == "lowband" else None)
+    given = json.loads(Path(a.ids).read_text()) if a.ids else None  # else random ids
     if a.runtime == "lowband":
         import torch
 
         from edge.formats.gguf import load_gguf
 
         model = load_gguf(a.model)
-        ids = json.loads(Path(a.ids).read_text()) if a.ids else None
-        ids = ids or _ids(model.config.vocab_size, a.kl_len, a.seed + 1)
+        ids = given or _ids(model.config.vocab_size, a.kl_len, a.seed + 1)
         with torch.inference_mode():
             logits = model(torch.tensor([ids])).float()[0].numpy()
     else:
         llm = _llama(a, a.kl_len + 8, logits_all=True)
-        ids = json.loads(Path(a.ids).read_text()) if a.ids else None
-        ids = ids or _ids(llm.n_vocab(), a.kl_len, a.seed + 1)
+        ids = given or _ids(llm.n_vocab(), a.kl_len, a.seed + 1)
         llm.eval(ids)
         logits = np.asarray(llm.scores[: len(ids)], dtype=np.float32)
     np.save(a.out, logits)
@@ -540,6 +539,7 @@ def _kl_table(
         succ = markov_chain(spec["vocab_size"], a.seed)
         held_out = np.random.default_rng(a.seed + 1_000_003)
         ids = markov_ids(succ, spec["train"]["favoured"], a.kl_len, held_out)
+        (work / "ids.json").write_text(json.dumps(ids))
     for w, f in files.items():
         for rt in runtimes:
             out = work / f"logits-{rt}-{w}.npy"
@@ -547,7 +547,6 @@ def _kl_table(
             args += ["--kl-len", str(a.kl_len), "--seed", str(a.seed), "--threads", "2"]
             args += ["--kernels", a.kernels]
             if ids is not None:
-                (work / "ids.json").write_text(json.dumps(ids))
                 args += ["--ids", str(work / "ids.json")]
             _run_role(args, a.timeout)
             logits[rt, w] = np.load(out)

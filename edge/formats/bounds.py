@@ -63,7 +63,7 @@ def _layer_shapes(arch: str, shapes: dict[str, tuple[int, ...]]) -> dict[str, tu
     return out
 
 
-def open_gguf(gguf: Any, path: str | Path) -> Any:
+def open_gguf(path: str | Path) -> Any:
     """``open_reader(path)`` with its header checked (:func:`check_gguf`); a file the
     reader cannot parse is a ConfigError too, not whatever the parser tripped on."""
     try:

@@ -302,8 +302,8 @@ def _read_tensors(reader: Any, cfg: ModelConfig) -> dict[str, Weight]:
 def load_gguf(path: str | Path, dtype: torch.dtype | None = None) -> LlamaForCausalLM:
     """The whole model of a GGUF file: Q8_0/Q4_0 matrices as ``QuantLinear``, the other block
     types (Q4_K, Q6_K, ...) as ``GGMLLinear`` (with their biases), float ones as ``nn.Linear``."""
-    gguf = _import_gguf()
-    reader = open_gguf(gguf, path)  # header bounded by the file before anything is built
+    _import_gguf()  # a ConfigError naming the extra when gguf is not installed
+    reader = open_gguf(path)  # header bounded by the file before anything is built
     cfg = read_config(reader)
     dt = dtype or torch.float32
     tensors = _read_tensors(reader, cfg)

@@ -238,11 +238,11 @@ def load() -> Any:
                 flags = _flags(cfg)
                 name, build_dir = _build_dir(cfg, flags)
                 build_dir.mkdir(parents=True, exist_ok=True)
-                if name not in _built and not (build_dir / f"{name}.so").exists():
-                    why = missing_build_tools()
-                    if why is not None:
-                        raise RuntimeError(why)
                 if name not in _built:
+                    if not (build_dir / f"{name}.so").exists():  # a build: can it run here?
+                        why = missing_build_tools()
+                        if why is not None:
+                            raise RuntimeError(why)
                     log.info(
                         "loading quantized GEMV kernel %s (compiles once, ~30 s) in %s",
                         name,
