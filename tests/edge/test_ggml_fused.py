@@ -1,13 +1,18 @@
 """The fused K-quant kernels (csrc/ggml_kernels.h: Q2_K..Q6_K unpacked in registers, one row at
-a time for one activation row, a weight row at a time against tiles of 8 activation rows up to
-128 rows, weight x activation row blocks beyond).
+a time for one activation row, a weight row at a time against tiles of 8 activation rows for a
+few rows; beyond that the AVX-512 build's GEMM (16 weight rows per zmm lane group, K tiles of 4
+super-blocks) or, on AVX2 alone, weight x activation row blocks).
 
 * an activation row gives the same bits whether it is alone in a call or one of many, at shapes
-  that cross the kernels' tiles (32 weight rows x 8 activation rows) on both many-row routes
-  (19 rows: row by row; 131 rows: blocks): the compiled step's
-  batched == single-step identity rests on this;
+  that cross every route's tiles (6 rows: Q6_K's GEMM, row tiles for the others; 9 rows: row
+  tiles; 19 and 131 rows: the GEMM, or on AVX2 row tiles and blocks; 70 weight rows = 4 x 16 + 6;
+  K = 5 super-blocks = a K tile and a tail): the compiled step's batched == single-step
+  identity rests on this;
 * at those shapes the kernel still equals the float64 emulation of its integer semantics
   (``tests/edge/test_ggml_quant.emulate``) to 1e-5 of the sum of |terms|.
+
+The AVX2-only routes an AVX-512 build does not take are checked by ``selftest.cpp`` built with
+``-mavx2`` (``tests/edge/test_quant.py::test_cpp_selftest_all_paths``).
 """
 
 from __future__ import annotations
@@ -30,9 +35,9 @@ def _needs_kernel():
 
 
 @pytest.mark.parametrize("name", K_TYPES)
-@pytest.mark.parametrize("m", [19, 131])  # 2 x 8 + 3 rows (decode-batch route), 16 x 8 + 3 (blocks)
+@pytest.mark.parametrize("m", [6, 9, 19, 131])
 def test_rows_alone_equal_rows_in_a_batch(name, m) -> None:
-    n, k = 70, 512  # 70 = 2 x 32 + 6 weight rows
+    n, k = 70, 1280  # 70 = 4 x 16 + 6 = 2 x 32 + 6 weight rows; 5 super-blocks
     w = weight(name, n, k, seed=4, scale=0.02)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(5))
     x[3] = 0.0  # an all-zero row (every activation scale 0)
@@ -47,7 +52,7 @@ def test_rows_alone_equal_rows_in_a_batch(name, m) -> None:
 
 
 @pytest.mark.parametrize("name", K_TYPES)
-@pytest.mark.parametrize("m", [1, 9])
+@pytest.mark.parametrize("m", [1, 9, 19])
 def test_tiles_match_emulation(name, m) -> None:
     w = weight(name, 45, 768, seed=6, scale=0.05)
     x = torch.randn(m, 768, generator=torch.Generator().manual_seed(m))

@@ -18,6 +18,7 @@ Every test runs with the kernel (if it builds here) and with the kernel disabled
 
 from __future__ import annotations
 
+import platform
 import shutil
 import subprocess
 import sys
@@ -300,6 +301,8 @@ def test_cpp_selftest_all_paths(tmp_path):
         ("g++", ["-march=native"] if sys.platform == "linux" else [], None),
         ("g++", ["-DLOWBAND_QUANT_SCALAR"], None),
     ]
+    if platform.machine() in ("x86_64", "AMD64"):  # the AVX2 routes an AVX-512 build skips
+        builds.append(("g++", ["-mavx2", "-mfma", "-mf16c"], None))
     if shutil.which("aarch64-linux-gnu-g++") and shutil.which("qemu-aarch64"):
         builds.append(
             ("aarch64-linux-gnu-g++", ["-static", "-march=armv8.2-a+dotprod"], "qemu-aarch64")

@@ -43,7 +43,9 @@
 namespace lbq {
 
 inline const char* isa_name() {
-#if defined(LBQ_AVX2) && defined(LBQ_VNNI)
+#if defined(LBQ_AVX2) && defined(LBQ_VNNI) && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+  return "avx2+fma+avxvnni+avx512vnni";  // ggml_kernels.h's many-row GEMM (LBQ_GEMM512)
+#elif defined(LBQ_AVX2) && defined(LBQ_VNNI)
   return "avx2+fma+avxvnni";
 #elif defined(LBQ_AVX2)
   return "avx2+fma";

@@ -13,8 +13,10 @@
 //
 // Two routes compute this.  On AVX2 the K-quants (Q2_K..Q6_K) take the fused kernels (Fused,
 // kdot): a super-block is unpacked in registers and dotted with the int8 activations directly,
-// one weight row at a time for a single activation row (decode), in 32 x 8 blocks of weight x
-// activation rows for more (prefill).  Everything else (the 32-value formats; NEON and scalar
+// one weight row at a time for a single activation row (decode) and a few (decode batches);
+// for more (prefill) an AVX-512 VNNI build runs gemm_rows (16 weight rows in the lanes of a
+// zmm, no horizontal sums), an AVX2 build 32 x 8 blocks of weight x activation rows.  All of
+// them do kdot's float arithmetic in kdot's order, so an output's bits do not depend on M.  Everything else (the 32-value formats; NEON and scalar
 // builds) decodes a block into q[QK], a, b and dots it with up to 4 activation rows: the
 // decoders are plain C++ shared by every path (GCC vectorizes the byte loops; AVX2 has its own
 // decoders), the integer sub-block dot is AVX2 (maddubs or AVX-VNNI), NEON (SDOT or vmull) or
@@ -777,11 +779,248 @@ inline void fused_block(const uint8_t* w, int64_t row_bytes, const GAct& x, int6
 }
 #endif
 
+#if defined(LBQ_AVX2) && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define LBQ_GEMM512 1
+// ---- many-row GEMM for the K-quants (AVX-512 VNNI) ------------------------------------------
+// kdot spends most of its instructions folding each activation row's 8 lane vectors into
+// sub-block sums (hadd, permutes) before 1-2 FMAs.  Here the zmm lanes are 16 weight rows
+// instead: a group of 16 rows is unpacked once into a scratch where each dword holds 4
+// consecutive values of one row (16 rows side by side), so a vpdpbusd of that zmm with 4
+// activation bytes broadcast adds 4 products to each row's own sum, and a sub-block's sum for
+// 16 rows is 4 or 8 vpdpbusd with no horizontal step.  The float side keeps kdot's
+// arithmetic exactly: one accumulator per kdot lane (8 per output, a zmm each for the 16
+// rows), the same FMAs with the same operands in the same order per lane, and at the end
+// hsum_ps's addition tree across the 8 accumulators.  So an output has the same bits on every
+// route (decode, decode batch, prefill), which the batched == single-step identity needs.
+constexpr int kGemmRows = 16;         // weight rows per group (one zmm lane each)
+constexpr int64_t kGemmTileBlk = 4;   // super-blocks per K tile: 16 KB of unpacked weights (L1)
+// kdot's lane for sub-block s % 8 of a half super-block (the inverse of kFold).
+constexpr int kUnfold[8] = {0, 4, 1, 5, 2, 6, 3, 7};
+
+// Scratch of one thread: the unpacked, row-interleaved weights of a group of 16 rows (K bytes
+// per row), their scales per scale unit (per 32 values for SUB32 types, else per 16) and min
+// terms, and the accumulators of every activation row between K tiles.
+struct GemmScratch {
+  std::vector<int32_t> w;  // [K/4][16]: dword of values 4i..4i+3 of each row
+  std::vector<float> a, b;  // [units][16]
+  std::vector<float> acc;  // [M][8][16]: kdot's 8 lanes for the 16 rows, per activation row
+};
+
+inline GemmScratch& gemm_scratch() {
+  static thread_local GemmScratch s;
+  return s;
+}
+
+// out[g] = lane g of r[0..7] (an 8 x 8 transpose of 32-bit lanes).
+inline void transpose8(const __m256i* r, __m256i* out) {
+  __m256i t[8], u[8];
+  for (int i = 0; i < 4; ++i) {
+    t[2 * i] = _mm256_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm256_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+  }
+  for (int h = 0; h < 2; ++h) {  // rows 0-3 (h = 0) and 4-7
+    const __m256i* q = t + 4 * h;
+    u[4 * h] = _mm256_unpacklo_epi64(q[0], q[2]);
+    u[4 * h + 1] = _mm256_unpackhi_epi64(q[0], q[2]);
+    u[4 * h + 2] = _mm256_unpacklo_epi64(q[1], q[3]);
+    u[4 * h + 3] = _mm256_unpackhi_epi64(q[1], q[3]);
+  }
+  for (int i = 0; i < 4; ++i) {
+    out[i] = _mm256_permute2x128_si256(u[i], u[4 + i], 0x20);
+    out[4 + i] = _mm256_permute2x128_si256(u[i], u[4 + i], 0x31);
+  }
+}
+inline void transpose8(const __m256* r, __m256* out) {
+  __m256i ri[8], oi[8];
+  for (int i = 0; i < 8; ++i) ri[i] = _mm256_castps_si256(r[i]);
+  transpose8(ri, oi);
+  for (int i = 0; i < 8; ++i) out[i] = _mm256_castsi256_ps(oi[i]);
+}
+
+// Unpack weight rows n0..n0+rows-1 (rows <= 16; the others zero) into s, 8 rows at a time:
+// each super-block of the 8 rows is unpacked in registers (Fused<T>::unpack) and transposed
+// into the interleaved layout.
+template <int T>
+inline void gemm_unpack(const uint8_t* w, int64_t row_bytes, int64_t K, int64_t n0, int64_t rows, GemmScratch& s) {
+  using F = Fused<T>;
+  constexpr int NS = F::SUB32 ? 8 : 16;  // scale units per super-block
+  const int64_t nblk = K / 256;
+  s.w.resize(static_cast<size_t>(K / 4 * kGemmRows));
+  s.a.resize(static_cast<size_t>(nblk * NS * kGemmRows));
+  s.b.resize(static_cast<size_t>(nblk * NS * kGemmRows));
+  for (int64_t r0 = 0; r0 < kGemmRows; r0 += 8) {
+    for (int64_t blk = 0; blk < nblk; ++blk) {
+      KUnp u[8];
+      for (int64_t r = 0; r < 8; ++r) {
+        if (r0 + r < rows) {
+          F::unpack(w + (n0 + r0 + r) * row_bytes + blk * Traits<T>::SIZE, u[r]);
+        } else {
+          for (int c = 0; c < 8; ++c) u[r].w[c] = _mm256_setzero_si256();
+          u[r].a0 = u[r].a1 = u[r].b0 = u[r].b1 = _mm256_setzero_ps();
+        }
+      }
+      int32_t* wd = s.w.data() + blk * 64 * kGemmRows + r0;
+      for (int c = 0; c < 8; ++c) {
+        __m256i in[8], out[8];
+        for (int r = 0; r < 8; ++r) in[r] = u[r].w[c];
+        transpose8(in, out);
+        for (int g = 0; g < 8; ++g)
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(wd + (c * 8 + g) * kGemmRows), out[g]);
+      }
+      float* ad = s.a.data() + blk * NS * kGemmRows + r0;
+      float* bd = s.b.data() + blk * NS * kGemmRows + r0;
+      __m256 in[8], out[8];
+      for (int r = 0; r < 8; ++r) in[r] = u[r].a0;
+      transpose8(in, out);
+      if constexpr (F::SUB32) {  // lane c: chunk c
+        for (int c = 0; c < 8; ++c) _mm256_storeu_ps(ad + c * kGemmRows, out[c]);
+        if constexpr (F::MIN) {
+          for (int r = 0; r < 8; ++r) in[r] = u[r].b0;
+          transpose8(in, out);
+          for (int c = 0; c < 8; ++c) _mm256_storeu_ps(bd + c * kGemmRows, out[c]);
+        }
+      } else {  // a0 lane l: sub-block kFold[l]; a1: 8 + kFold[l]
+        for (int l = 0; l < 8; ++l) _mm256_storeu_ps(ad + kFold[l] * kGemmRows, out[l]);
+        for (int r = 0; r < 8; ++r) in[r] = u[r].a1;
+        transpose8(in, out);
+        for (int l = 0; l < 8; ++l) _mm256_storeu_ps(ad + (8 + kFold[l]) * kGemmRows, out[l]);
+        if constexpr (F::MIN) {  // natural order (kdot adds b0 * x16[0:8], b1 * x16[8:16])
+          for (int r = 0; r < 8; ++r) in[r] = u[r].b0;
+          transpose8(in, out);
+          for (int l = 0; l < 8; ++l) _mm256_storeu_ps(bd + l * kGemmRows, out[l]);
+          for (int r = 0; r < 8; ++r) in[r] = u[r].b1;
+          transpose8(in, out);
+          for (int l = 0; l < 8; ++l) _mm256_storeu_ps(bd + (8 + l) * kGemmRows, out[l]);
+        }
+      }
+    }
+  }
+}
+
+// vpdpbusd acc, w, dword [p]{1to16}: the broadcast is the instruction's memory operand (a
+// separate vpbroadcastd per dot costs a shuffle-pipe slot each).
+inline __m512i dpbusd_bcast(__m512i acc, __m512i w, const int8_t* p) {
+  __asm__("vpdpbusd %[x]%{1to16%}, %[w], %[acc]" : [acc] "+v"(acc) : [w] "v"(w), [x] "m"(*reinterpret_cast<const int32_t*>(p)));
+  return acc;
+}
+
+// acc[j][0..7] (kdot's 8 lanes for 16 weight rows) += super-blocks blk0..blk1-1 of activation
+// rows m..m+R-1.
+template <int T, int R>
+inline void gemm_tile(const GemmScratch& s, const GAct& x, int64_t m, int64_t blk0, int64_t blk1, float* acc) {
+  using F = Fused<T>;
+  constexpr int NS = F::SUB32 ? 8 : 16;
+  const int64_t K = x.K;
+  __m512 A[R][8];
+  for (int j = 0; j < R; ++j)
+    for (int l = 0; l < 8; ++l) A[j][l] = _mm512_loadu_ps(acc + (j * 8 + l) * 16);
+  for (int64_t blk = blk0; blk < blk1; ++blk) {
+    const int32_t* wb = s.w.data() + blk * 64 * kGemmRows;
+    const float* ab = s.a.data() + blk * NS * kGemmRows;
+    const float* bb = s.b.data() + blk * NS * kGemmRows;
+    const int8_t* xq[R];
+    const float* dx[R];
+    for (int j = 0; j < R; ++j) {
+      xq[j] = x.q + (m + j) * K + blk * 256;
+      dx[j] = x.d + (m + j) * (K / 32) + blk * 8;
+    }
+#pragma GCC unroll 8
+    for (int c = 0; c < 8; ++c) {  // unrolled: A[j][lane] stays in registers
+      __m512i i0[R], i1[R];
+      for (int j = 0; j < R; ++j) i0[j] = i1[j] = _mm512_setzero_si512();
+#pragma GCC unroll 4
+      for (int g = 0; g < 4; ++g) {
+        const __m512i w0 = _mm512_loadu_si512(wb + (c * 8 + g) * kGemmRows);
+        const __m512i w1 = _mm512_loadu_si512(wb + (c * 8 + g + 4) * kGemmRows);
+        for (int j = 0; j < R; ++j) {
+          i0[j] = dpbusd_bcast(i0[j], w0, xq[j] + 32 * c + 4 * g);
+          i1[j] = dpbusd_bcast(i1[j], w1, xq[j] + 32 * c + 16 + 4 * g);
+        }
+      }
+      if constexpr (F::SUB32) {
+        const __m512 a = _mm512_loadu_ps(ab + c * kGemmRows);
+        for (int j = 0; j < R; ++j) {
+          const __m512 t = _mm512_cvtepi32_ps(_mm512_add_epi32(i0[j], i1[j]));
+          A[j][c] = _mm512_fmadd_ps(t, _mm512_mul_ps(a, _mm512_set1_ps(dx[j][c])), A[j][c]);
+          if constexpr (F::MIN) {
+            const float* x32 = x.s32 + (m + j) * (K / 32) + blk * 8;
+            A[j][c] = _mm512_fmadd_ps(_mm512_loadu_ps(bb + c * kGemmRows), _mm512_set1_ps(x32[c]), A[j][c]);
+          }
+        }
+      } else {
+        // sub-blocks 2c and 2c + 1 (same half: c < 4 in half 0): kdot lanes kUnfold[s % 8]
+        const int s0 = 2 * c, s1 = 2 * c + 1, h = c / 4, l0 = kUnfold[s0 % 8], l1 = kUnfold[s1 % 8];
+        const __m512 a0 = _mm512_loadu_ps(ab + s0 * kGemmRows), a1 = _mm512_loadu_ps(ab + s1 * kGemmRows);
+        for (int j = 0; j < R; ++j) {
+          if constexpr (F::SHIFT >= 0) {
+            const int32_t* i16 = x.i16 + (m + j) * (K / 16) + blk * 16 + 8 * h;  // kFold order
+            i0[j] = _mm512_sub_epi32(i0[j], _mm512_set1_epi32(i16[l0] << F::SHIFT));
+            i1[j] = _mm512_sub_epi32(i1[j], _mm512_set1_epi32(i16[l1] << F::SHIFT));
+          }
+          const __m512 d = _mm512_set1_ps(dx[j][c]);
+          A[j][l0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i0[j]), _mm512_mul_ps(a0, d), A[j][l0]);
+          A[j][l1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i1[j]), _mm512_mul_ps(a1, d), A[j][l1]);
+        }
+      }
+    }
+    if constexpr (!F::SUB32 && F::MIN) {
+      for (int j = 0; j < R; ++j) {
+        const float* x16 = x.s16 + (m + j) * (K / 16) + blk * 16;
+        for (int l = 0; l < 8; ++l)
+          A[j][l] = _mm512_fmadd_ps(_mm512_loadu_ps(bb + l * kGemmRows), _mm512_set1_ps(x16[l]), A[j][l]);
+        for (int l = 0; l < 8; ++l)
+          A[j][l] = _mm512_fmadd_ps(_mm512_loadu_ps(bb + (8 + l) * kGemmRows), _mm512_set1_ps(x16[8 + l]), A[j][l]);
+      }
+    }
+  }
+  for (int j = 0; j < R; ++j)
+    for (int l = 0; l < 8; ++l) _mm512_storeu_ps(acc + (j * 8 + l) * 16, A[j][l]);
+}
+
+// Y[:, n0:n1] for all M activation rows, groups of 16 weight rows, K tiles of kGemmTileBlk
+// super-blocks (the tile's unpacked weights stay in L1 while every activation row passes).
+template <int T>
+inline void gemm_rows(const uint8_t* w, int64_t row_bytes, const GAct& x, int64_t n0, int64_t n1, float* Y,
+                      int64_t ldy) {
+  GemmScratch& s = gemm_scratch();
+  const int64_t M = x.M, nblk = x.K / 256;
+  s.acc.resize(static_cast<size_t>(M * 8 * 16));
+  for (int64_t n = n0; n < n1; n += kGemmRows) {
+    const int64_t rows = std::min<int64_t>(kGemmRows, n1 - n);
+    gemm_unpack<T>(w, row_bytes, x.K, n, rows, s);
+    std::fill(s.acc.begin(), s.acc.end(), 0.f);
+    for (int64_t b0 = 0; b0 < nblk; b0 += kGemmTileBlk) {
+      const int64_t b1 = std::min(nblk, b0 + kGemmTileBlk);
+      int64_t m = 0;
+      for (; m + 2 <= M; m += 2) gemm_tile<T, 2>(s, x, m, b0, b1, s.acc.data() + m * 128);
+      if (m < M) gemm_tile<T, 1>(s, x, m, b0, b1, s.acc.data() + m * 128);
+    }
+    const __mmask16 mask = static_cast<__mmask16>((1u << rows) - 1u);
+    for (int64_t m = 0; m < M; ++m) {
+      __m512 a[8];  // hsum_ps's tree: ((0 + 4) + (2 + 6)) + ((1 + 5) + (3 + 7))
+      for (int l = 0; l < 8; ++l) a[l] = _mm512_loadu_ps(s.acc.data() + (m * 8 + l) * 16);
+      const __m512 y = _mm512_add_ps(_mm512_add_ps(_mm512_add_ps(a[0], a[4]), _mm512_add_ps(a[2], a[6])),
+                                     _mm512_add_ps(_mm512_add_ps(a[1], a[5]), _mm512_add_ps(a[3], a[7])));
+      _mm512_mask_storeu_ps(Y + m * ldy + n, mask, y);
+    }
+  }
+}
+#endif
+
 // Tiles of the many-row (prefill) path: weight rows x activation rows per fused_block.
 constexpr int64_t kBlockN = 32, kBlockM = 8;
 // Up to this many activation rows (a decode batch, a short prefill chunk) go weight row by weight
 // row (fused_rows): measured level with or better than fused_block up to 128 rows, below at 264.
 constexpr int64_t kSmallM = 128;
+#if defined(LBQ_GEMM512)
+// From this many activation rows the AVX-512 build takes gemm_rows (one core, Llama-3.2-1B's
+// shapes: Q4_K level with fused_rows at 8-10 rows, 1.2x faster at 16, 1.8x at 128; Q6_K's
+// per-16 scales make its kdot slower, and gemm_rows is 1.3-1.8x faster already at 4 rows).
+template <int T>
+constexpr int64_t gemm_min_m() {
+  return Fused<T>::SUB32 ? 10 : 4;
+}
+#endif
 
 // Y[m0:m1, n] for weight row n (bytes wr) on the decode + block_dot route: row tiles of <= 4
 // activation rows per decoded block.
@@ -805,9 +1044,10 @@ inline void tile_rows(const uint8_t* wr, const GAct& x, int64_t n, int64_t m0, i
 }
 
 // Y[:, n0:n1] (Y is [M, ldy] fp32) for all M activation rows; w: weight rows of row_bytes.
-// Fused types: one row at a time for M = 1, a weight row at a time against tiles of kBlockM
-// activation rows up to kSmallM rows, else kBlockN x kBlockM blocks (fused_block); all run the
-// same kdot sequence per output, so a row's result does not depend on M.  Other types: weight
+// Fused types: one row at a time for M = 1; with AVX-512 VNNI gemm_rows from gemm_min_m<T>()
+// rows; else a weight row at a time against tiles of kBlockM activation rows up to kSmallM
+// rows, and kBlockN x kBlockM blocks (fused_block) beyond; all run kdot's float sequence per
+// output, so a row's result does not depend on M.  Other types: weight
 // rows in groups of ~32 KiB (L1) against 32 activation rows at a time, decoded per row tile.
 template <int T>
 inline void rows_range(const uint8_t* w, int64_t row_bytes, const GAct& x, int64_t n0, int64_t n1, float* Y,
@@ -816,6 +1056,10 @@ inline void rows_range(const uint8_t* w, int64_t row_bytes, const GAct& x, int64
   if constexpr (Fused<T>::ok) {
     if (x.M == 1) {
       for (int64_t n = n0; n < n1; ++n) fused_rows<T, 1, 1>(w + n * row_bytes, row_bytes, x, n, 0, 1, Y, ldy);
+#if defined(LBQ_GEMM512)
+    } else if (x.M >= gemm_min_m<T>()) {
+      gemm_rows<T>(w, row_bytes, x, n0, n1, Y, ldy);
+#endif
     } else if (x.M <= kSmallM) {
       // A decode batch: each weight row is read once, front to back (the prefetcher's one
       // stream; fused_block's 32 rows at a time read uncached weights at a tenth of the
