@@ -19,6 +19,9 @@ rounds, each measurement a child process pinned to cores ``0..threads-1``:
 * ``ms_per_token``: greedy decode of ``--tokens`` tokens after a ``--prompt-len`` prompt of
   token ids, the first token (the prefill) excluded; median with min/max over the rounds;
 * ``ratio_vs_llamacpp``: lowband's median / llama.cpp's;
+* ``prefill_ms``: the ``--prompt-len`` prompt in one call to its first logits (lowband's
+  ``forward``; llama.cpp's whole-prompt batch and first token), median with min/max, and
+  ``prefill_ratio_vs_llamacpp``;
 * ``greedy_agreement``: fraction of the ``--tokens`` greedy tokens equal between the runtimes
   (the same prompt ids fed to both), and the first position where they differ;
 * ``kl_vs_f32``: mean KL(F32 || width) of the next-token distributions, teacher-forced over a
@@ -426,7 +429,9 @@ def role_lowband(a) -> dict:
 
     runner = LocalRunner(load_shard(a.model).model)
     prompt = _ids(runner.config.vocab_size, a.prompt_len, a.seed)
+    t0 = time.perf_counter()
     logits = runner.forward(prompt, 0)
+    prefill_ms = 1e3 * (time.perf_counter() - t0)
     tok, pos, times, out = int(torch.argmax(logits)), len(prompt), [], []
     for _ in range(a.tokens):
         out.append(tok)
@@ -435,7 +440,7 @@ def role_lowband(a) -> dict:
         times.append(time.perf_counter() - t)
         pos += 1
         tok = int(torch.argmax(logits))
-    return {"ms_per_token": 1e3 * statistics.median(times), "tokens": out}
+    return {"ms_per_token": 1e3 * statistics.median(times), "tokens": out, "prefill_ms": prefill_ms}
 
 
 def _llama(a, n_ctx: int, logits_all: bool = False):
@@ -457,13 +462,18 @@ def role_llamacpp(a) -> dict:
     llm = _llama(a, a.prompt_len + a.tokens + 8)
     prompt = _ids(llm.n_vocab(), a.prompt_len, a.seed)
     out, stamps = [], []
+    t0 = time.perf_counter()
     for tok in llm.generate(prompt, top_k=1, temp=0.0, repeat_penalty=1.0):
         stamps.append(time.perf_counter())
         out.append(int(tok))
         if len(out) == a.tokens + 1:
             break
     gaps = [b - s for s, b in zip(stamps, stamps[1:])]  # first token (prefill) excluded
-    return {"ms_per_token": 1e3 * statistics.median(gaps), "tokens": out[: a.tokens]}
+    return {
+        "ms_per_token": 1e3 * statistics.median(gaps),
+        "tokens": out[: a.tokens],
+        "prefill_ms": 1e3 * (stamps[0] - t0),  # the prompt's batch and the first token
+    }
 
 
 def role_logits(a) -> dict:
@@ -633,11 +643,15 @@ def bench_file(file: Path, threads: int, runtimes: list[str], a) -> dict:
         for rt in runtimes if i % 2 == 0 else runtimes[::-1]:
             runs[rt].append(_run_role(["--role", rt, *common], a.timeout))
     res: dict = {
-        "ms_per_token": {rt: _stats([r["ms_per_token"] for r in runs[rt]]) for rt in runtimes}
+        "ms_per_token": {rt: _stats([r["ms_per_token"] for r in runs[rt]]) for rt in runtimes},
+        "prefill_ms": {rt: _stats([r["prefill_ms"] for r in runs[rt]]) for rt in runtimes},
     }
     if len(runtimes) == 2:
-        ms = res["ms_per_token"]
+        ms, pf = res["ms_per_token"], res["prefill_ms"]
         res["ratio_vs_llamacpp"] = round(ms["lowband"]["median"] / ms["llamacpp"]["median"], 3)
+        res["prefill_ratio_vs_llamacpp"] = round(
+            pf["lowband"]["median"] / pf["llamacpp"]["median"], 3
+        )
         res["greedy_agreement"] = _agreement(
             runs["lowband"][0]["tokens"], runs["llamacpp"][0]["tokens"]
         )

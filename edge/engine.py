@@ -387,7 +387,13 @@ class Pace:
     """Sizes prompt chunks so running streams keep their pace (SARATHI's token budget, from
     measurements): exponential averages of a plain decode step's time and of what each prompt
     token adds to a step; while sequences decode, a step may carry as many prompt tokens as
-    fit ``(stall - 1)`` decode steps' time."""
+    fit ``(stall - 1)`` decode steps' time.
+
+    The stall is at least ``stall`` and grows with the requests waiting for their first token:
+    a step's time is shared between prompts and decodes in proportion to the requests in each
+    phase (``1 + prefilling / decoding``), so one long prompt beside eight streams takes the
+    configured share, and fifteen prompts behind one stream are not held to that stream's pace
+    (each of them waits as much as it does)."""
 
     FIRST = 16  # the budget before anything was measured
 
@@ -408,11 +414,13 @@ class Pace:
         elif not n_decode and self.token_s is None:  # pure prefill: an upper bound per token
             self.token_s = seconds / n_prompt
 
-    def budget(self, cap: int) -> int:
-        """Prompt tokens for a step that also runs decodes (at most ``cap``)."""
+    def budget(self, cap: int, decoding: int = 1, prefilling: int = 0) -> int:
+        """Prompt tokens for a step that also runs ``decoding`` sequences' next tokens while
+        ``prefilling`` prompts wait for theirs (at most ``cap``)."""
         if self.decode_s is None or not self.token_s:
             return min(cap, self.FIRST)
-        fit = int((self.stall - 1.0) * self.decode_s / self.token_s)
+        stall = max(self.stall, 1.0 + prefilling / max(decoding, 1))
+        fit = int((stall - 1.0) * self.decode_s / self.token_s)
         return max(1, min(cap, fit))
 
 
@@ -649,7 +657,9 @@ class Engine:
         for r in self._active:
             if r.decoding:
                 work.append((r, Work(r.slot, (r.next_in,), r.pos, "last")))
-        budget = self.pace.budget(self.prefill_chunk) if work else self.prefill_chunk
+        prefilling = len(self._active) - len(work)
+        chunk = self.prefill_chunk
+        budget = self.pace.budget(chunk, len(work), prefilling) if work else chunk
         for r in self._active:
             if r.decoding or budget <= 0:
                 continue

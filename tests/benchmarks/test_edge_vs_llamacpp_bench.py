@@ -49,7 +49,9 @@ def test_bench_tiny_lowband_only(spawn, tmp_path) -> None:
         for w in ("q8_0", "q4_0"):
             cell = m["widths"][w]
             assert cell["threads_1"]["ms_per_token"]["lowband"]["median"] > 0
+            assert cell["threads_1"]["prefill_ms"]["lowband"]["median"] > 0
             assert "ratio_vs_llamacpp" not in cell["threads_1"]
+            assert "prefill_ratio_vs_llamacpp" not in cell["threads_1"]
             assert cell["tp2"]["tp2_speedup"] is None and cell["tp2"]["reason"]
         kl = m["kl_vs_f32"]["lowband"]
         # Q8_0 is closer to the F32 model than Q4_0, and both are close to it.

@@ -322,6 +322,10 @@ def test_pace_sizes_prompt_chunks_from_measured_step_times() -> None:
     pace.observe(4, 50, 0.600)  # 50 prompt tokens beside them added 500 ms: 10 ms each
     # a step may take 3x a decode step: 200 ms of prompt work, 20 tokens
     assert pace.budget(256) == 20
+    assert pace.budget(256, decoding=4, prefilling=1) == 20  # one prompt: the configured share
+    # seven prompts behind one stream: their share of the step is 7/8 (7 decode steps' time)
+    assert pace.budget(256, decoding=1, prefilling=7) == 70
+    assert pace.budget(256, decoding=8, prefilling=8) == 20  # 1 + 8/8 = 2 < 3: the stall rules
     assert pace.budget(8) == 8  # never beyond the configured chunk
     pace.observe(4, 0, 0.010)  # decode steps got much faster
     for _ in range(50):
