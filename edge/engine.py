@@ -385,43 +385,50 @@ class Request:
 
 class Pace:
     """Sizes prompt chunks so running streams keep their pace (SARATHI's token budget, from
-    measurements): exponential averages of a plain decode step's time and of what each prompt
-    token adds to a step; while sequences decode, a step may carry as many prompt tokens as
-    fit ``(stall - 1)`` decode steps' time.
-
-    The stall is at least ``stall`` and grows with the requests waiting for their first token:
-    a step's time is shared between prompts and decodes in proportion to the requests in each
-    phase (``1 + prefilling / decoding``), so one long prompt beside eight streams takes the
-    configured share, and fifteen prompts behind one stream are not held to that stream's pace
-    (each of them waits as much as it does)."""
+    measurements).  A step's time is modelled as ``base + per_row * rows`` (rows: decoding
+    sequences plus prompt tokens), fitted by least squares over recent steps with exponential
+    forgetting, so the decode rows' own cost is not charged to the prompt tokens beside them.
+    While fewer prompts wait for their first token than sequences decode, a step may carry as
+    many prompt tokens as fit ``(stall - 1)`` times the predicted plain decode step of the
+    running batch.  While at least as many wait as decode, the waiting requests are the
+    majority and the step carries a whole chunk (as llama.cpp's server always does): a queue
+    of prompts is then prefilled in efficient large batches, not a few tokens per step."""
 
     FIRST = 16  # the budget before anything was measured
 
     def __init__(self, stall: float, weight: float = 0.2) -> None:
         self.stall, self.weight = stall, weight
-        self.decode_s: float | None = None
-        self.token_s: float | None = None
-
-    def _avg(self, old: float | None, new: float) -> float:
-        return new if old is None else (1 - self.weight) * old + self.weight * new
+        self._s = [0.0] * 5  # decayed sums of w, w x, w x^2, w y, w x y (x: rows, y: seconds)
 
     def observe(self, n_decode: int, n_prompt: int, seconds: float) -> None:
-        if n_prompt == 0:
-            if n_decode:
-                self.decode_s = self._avg(self.decode_s, seconds)
-        elif n_decode and self.decode_s is not None:
-            self.token_s = self._avg(self.token_s, max(seconds - self.decode_s, 0.0) / n_prompt)
-        elif not n_decode and self.token_s is None:  # pure prefill: an upper bound per token
-            self.token_s = seconds / n_prompt
+        x, keep = float(n_decode + n_prompt), 1.0 - self.weight
+        if x <= 0:
+            return
+        for i, v in enumerate((1.0, x, x * x, seconds, x * seconds)):
+            self._s[i] = keep * self._s[i] + v
+
+    def fit(self) -> tuple[float, float] | None:
+        """(base seconds, seconds per row), or None until steps of two sizes were seen."""
+        w, sx, sxx, sy, sxy = self._s
+        den = w * sxx - sx * sx
+        if w <= 0 or den <= 1e-9 * max(w * sxx, 1e-30):
+            return None
+        per_row = (w * sxy - sx * sy) / den
+        if per_row <= 0:
+            return None
+        return max((sy - per_row * sx) / w, 0.0), per_row
 
     def budget(self, cap: int, decoding: int = 1, prefilling: int = 0) -> int:
         """Prompt tokens for a step that also runs ``decoding`` sequences' next tokens while
         ``prefilling`` prompts wait for theirs (at most ``cap``)."""
-        if self.decode_s is None or not self.token_s:
+        if prefilling >= decoding:
+            return cap
+        fit = self.fit()
+        if fit is None:
             return min(cap, self.FIRST)
-        stall = max(self.stall, 1.0 + prefilling / max(decoding, 1))
-        fit = int((stall - 1.0) * self.decode_s / self.token_s)
-        return max(1, min(cap, fit))
+        base, per_row = fit
+        tokens = round((self.stall - 1.0) * (base + per_row * decoding) / per_row)
+        return max(1, min(cap, tokens))
 
 
 @dataclass
@@ -455,7 +462,8 @@ class Engine:
         """``parallel``: sequences decoded together; ``prefill_chunk``: the most prompt tokens
         per step (shared by the prompts being prefilled); ``decode_stall``: while sequences
         are decoding, a step that also prefills may take about this many times a plain decode
-        step (the chunk is sized from the measured cost of both); ``prefix_cache``: finished
+        step, unless as many requests wait for their first token as decode (:class:`Pace`;
+        the chunk is sized from measured step times); ``prefix_cache``: finished
         sequences whose caches are kept for prefix reuse (default: ``parallel``)."""
         if prefill_chunk < 1:
             raise ConfigError("prefill_chunk", f"must be >= 1, got {prefill_chunk}")

@@ -204,9 +204,9 @@ def _add_serve(p: argparse.ArgumentParser) -> None:
         "--decode-stall",
         type=float,
         default=2.0,
-        help="while streams decode, a step that also prefills a prompt may take about this "
-        "many times a plain decode step (the chunk is sized from measured step times; "
-        "default 2.0)",
+        help="while more streams decode than prompts wait, a step that also prefills may take "
+        "about this many times a plain decode step (the chunk is sized from measured step "
+        "times; as many or more waiting: whole chunks; default 2.0)",
     )
     g.add_argument(
         "--prefix-cache",

@@ -317,24 +317,27 @@ def test_pace_sizes_prompt_chunks_from_measured_step_times() -> None:
     from edge.engine import Pace
 
     pace = Pace(stall=3.0)
-    assert pace.budget(256) == Pace.FIRST  # nothing measured yet
+    assert pace.budget(256, decoding=4) == Pace.FIRST  # nothing measured yet
     pace.observe(4, 0, 0.100)  # a decode step of 4 sequences: 100 ms
-    pace.observe(4, 50, 0.600)  # 50 prompt tokens beside them added 500 ms: 10 ms each
-    # a step may take 3x a decode step: 200 ms of prompt work, 20 tokens
-    assert pace.budget(256) == 20
-    assert pace.budget(256, decoding=4, prefilling=1) == 20  # one prompt: the configured share
-    # seven prompts behind one stream: their share of the step is 7/8 (7 decode steps' time)
-    assert pace.budget(256, decoding=1, prefilling=7) == 70
-    assert pace.budget(256, decoding=8, prefilling=8) == 20  # 1 + 8/8 = 2 < 3: the stall rules
-    assert pace.budget(8) == 8  # never beyond the configured chunk
-    pace.observe(4, 0, 0.010)  # decode steps got much faster
-    for _ in range(50):
+    assert pace.budget(256, decoding=4) == Pace.FIRST  # one step size: no fit yet
+    pace.observe(4, 50, 0.600)  # 54 rows: 600 ms, so 10 ms a row on a 60 ms base
+    base, per_row = pace.fit()
+    assert abs(base - 0.06) < 1e-9 and abs(per_row - 0.01) < 1e-9
+    # a step may take 3x the plain step of 4 decodes (100 ms): 200 ms of prompt, 20 tokens
+    assert pace.budget(256, decoding=4, prefilling=1) == 20
+    assert pace.budget(256, decoding=12, prefilling=1) == 36  # 12 decodes: a 180 ms plain step
+    assert pace.budget(8, decoding=4, prefilling=1) == 8  # never beyond the configured chunk
+    # as many prompts waiting as sequences decoding: the waiting majority gets a whole chunk
+    assert pace.budget(256, decoding=4, prefilling=4) == 256
+    assert pace.budget(256, decoding=0, prefilling=3) == 256
+    for _ in range(60):  # steps got much faster: the old ones are forgotten
         pace.observe(4, 0, 0.010)
-    assert pace.budget(256) == 2
+        pace.observe(8, 0, 0.014)
+    assert pace.budget(256, decoding=8, prefilling=1) == 28  # (0.006 + 8 * 0.001) * 2 / 0.001
     slow = Pace(stall=1.5)
     slow.observe(1, 0, 0.01)
     slow.observe(1, 10, 1.01)
-    assert slow.budget(256) == 1  # at least one token, so a prompt always progresses
+    assert slow.budget(256, decoding=1) == 1  # at least one token, so a prompt always progresses
 
 
 def test_bad_decode_stall() -> None:

@@ -16,11 +16,12 @@
 // one weight row at a time for a single activation row (decode) and a few (decode batches);
 // for more (prefill) an AVX-512 VNNI build runs gemm_rows (16 weight rows in the lanes of a
 // zmm, no horizontal sums), an AVX2 build 32 x 8 blocks of weight x activation rows.  All of
-// them do kdot's float arithmetic in kdot's order, so an output's bits do not depend on M.  Everything else (the 32-value formats; NEON and scalar
-// builds) decodes a block into q[QK], a, b and dots it with up to 4 activation rows: the
-// decoders are plain C++ shared by every path (GCC vectorizes the byte loops; AVX2 has its own
-// decoders), the integer sub-block dot is AVX2 (maddubs or AVX-VNNI), NEON (SDOT or vmull) or
-// scalar.  The ISA macros come from gemv_kernels.h.
+// them do kdot's float arithmetic in kdot's order, so an output's bits do not depend on M.
+// Everything else (the 32-value formats; NEON and scalar builds) decodes a block into q[QK],
+// a, b and dots it with up to 4 activation rows: the decoders are plain C++ shared by every
+// path (GCC vectorizes the byte loops; AVX2 has its own decoders), the integer sub-block dot
+// is AVX2 (maddubs or AVX-VNNI), NEON (SDOT or vmull) or scalar.  The ISA macros come from
+// gemv_kernels.h.
 #pragma once
 
 #include <algorithm>
@@ -792,8 +793,8 @@ inline void fused_block(const uint8_t* w, int64_t row_bytes, const GAct& x, int6
 // rows), the same FMAs with the same operands in the same order per lane, and at the end
 // hsum_ps's addition tree across the 8 accumulators.  So an output has the same bits on every
 // route (decode, decode batch, prefill), which the batched == single-step identity needs.
-constexpr int kGemmRows = 16;         // weight rows per group (one zmm lane each)
-constexpr int64_t kGemmTileBlk = 4;   // super-blocks per K tile: 16 KB of unpacked weights (L1)
+constexpr int kGemmRows = 16;        // weight rows per group (one zmm lane each)
+constexpr int64_t kGemmTileBlk = 4;  // super-blocks per K tile: 16 KB of unpacked weights (L1)
 // kdot's lane for sub-block s % 8 of a half super-block (the inverse of kFold).
 constexpr int kUnfold[8] = {0, 4, 1, 5, 2, 6, 3, 7};
 
@@ -801,9 +802,10 @@ constexpr int kUnfold[8] = {0, 4, 1, 5, 2, 6, 3, 7};
 // per row), their scales per scale unit (per 32 values for SUB32 types, else per 16) and min
 // terms, and the accumulators of every activation row between K tiles.
 struct GemmScratch {
-  std::vector<int32_t> w;  // [K/4][16]: dword of values 4i..4i+3 of each row
+  std::vector<int32_t> w;   // [K/4][16]: dword of values 4i..4i+3 of each row
   std::vector<float> a, b;  // [units][16]
-  std::vector<float> acc;  // [M][8][16]: kdot's 8 lanes for the 16 rows, per activation row
+  std::vector<float> acc;   // [M][8][16]: kdot's 8 lanes for the 16 rows, per activation row
+  std::vector<KUnp> unp;    // [8][K/256]: 8 rows unpacked, before the transpose
 };
 
 inline GemmScratch& gemm_scratch() {
@@ -838,8 +840,9 @@ inline void transpose8(const __m256* r, __m256* out) {
 }
 
 // Unpack weight rows n0..n0+rows-1 (rows <= 16; the others zero) into s, 8 rows at a time:
-// each super-block of the 8 rows is unpacked in registers (Fused<T>::unpack) and transposed
-// into the interleaved layout.
+// each row is unpacked front to back (Fused<T>::unpack, one read stream: interleaving the 8
+// rows' reads starves the prefetcher on weights that come from memory), then each super-block
+// of the 8 rows is transposed into the interleaved layout.
 template <int T>
 inline void gemm_unpack(const uint8_t* w, int64_t row_bytes, int64_t K, int64_t n0, int64_t rows, GemmScratch& s) {
   using F = Fused<T>;
@@ -848,21 +851,27 @@ inline void gemm_unpack(const uint8_t* w, int64_t row_bytes, int64_t K, int64_t 
   s.w.resize(static_cast<size_t>(K / 4 * kGemmRows));
   s.a.resize(static_cast<size_t>(nblk * NS * kGemmRows));
   s.b.resize(static_cast<size_t>(nblk * NS * kGemmRows));
+  s.unp.resize(static_cast<size_t>(8 * nblk));
   for (int64_t r0 = 0; r0 < kGemmRows; r0 += 8) {
-    for (int64_t blk = 0; blk < nblk; ++blk) {
-      KUnp u[8];
-      for (int64_t r = 0; r < 8; ++r) {
-        if (r0 + r < rows) {
-          F::unpack(w + (n0 + r0 + r) * row_bytes + blk * Traits<T>::SIZE, u[r]);
-        } else {
-          for (int c = 0; c < 8; ++c) u[r].w[c] = _mm256_setzero_si256();
-          u[r].a0 = u[r].a1 = u[r].b0 = u[r].b1 = _mm256_setzero_ps();
+    for (int64_t r = 0; r < 8; ++r) {
+      KUnp* ur = s.unp.data() + r * nblk;
+      if (r0 + r < rows) {
+        const uint8_t* wr = w + (n0 + r0 + r) * row_bytes;
+        for (int64_t blk = 0; blk < nblk; ++blk) F::unpack(wr + blk * Traits<T>::SIZE, ur[blk]);
+      } else {
+        for (int64_t blk = 0; blk < nblk; ++blk) {
+          for (int c = 0; c < 8; ++c) ur[blk].w[c] = _mm256_setzero_si256();
+          ur[blk].a0 = ur[blk].a1 = ur[blk].b0 = ur[blk].b1 = _mm256_setzero_ps();
         }
       }
+    }
+    for (int64_t blk = 0; blk < nblk; ++blk) {
+      const KUnp* u[8];
+      for (int r = 0; r < 8; ++r) u[r] = s.unp.data() + r * nblk + blk;
       int32_t* wd = s.w.data() + blk * 64 * kGemmRows + r0;
       for (int c = 0; c < 8; ++c) {
         __m256i in[8], out[8];
-        for (int r = 0; r < 8; ++r) in[r] = u[r].w[c];
+        for (int r = 0; r < 8; ++r) in[r] = u[r]->w[c];
         transpose8(in, out);
         for (int g = 0; g < 8; ++g)
           _mm256_storeu_si256(reinterpret_cast<__m256i*>(wd + (c * 8 + g) * kGemmRows), out[g]);
@@ -870,25 +879,25 @@ inline void gemm_unpack(const uint8_t* w, int64_t row_bytes, int64_t K, int64_t 
       float* ad = s.a.data() + blk * NS * kGemmRows + r0;
       float* bd = s.b.data() + blk * NS * kGemmRows + r0;
       __m256 in[8], out[8];
-      for (int r = 0; r < 8; ++r) in[r] = u[r].a0;
+      for (int r = 0; r < 8; ++r) in[r] = u[r]->a0;
       transpose8(in, out);
       if constexpr (F::SUB32) {  // lane c: chunk c
         for (int c = 0; c < 8; ++c) _mm256_storeu_ps(ad + c * kGemmRows, out[c]);
         if constexpr (F::MIN) {
-          for (int r = 0; r < 8; ++r) in[r] = u[r].b0;
+          for (int r = 0; r < 8; ++r) in[r] = u[r]->b0;
           transpose8(in, out);
           for (int c = 0; c < 8; ++c) _mm256_storeu_ps(bd + c * kGemmRows, out[c]);
         }
       } else {  // a0 lane l: sub-block kFold[l]; a1: 8 + kFold[l]
         for (int l = 0; l < 8; ++l) _mm256_storeu_ps(ad + kFold[l] * kGemmRows, out[l]);
-        for (int r = 0; r < 8; ++r) in[r] = u[r].a1;
+        for (int r = 0; r < 8; ++r) in[r] = u[r]->a1;
         transpose8(in, out);
         for (int l = 0; l < 8; ++l) _mm256_storeu_ps(ad + (8 + kFold[l]) * kGemmRows, out[l]);
         if constexpr (F::MIN) {  // natural order (kdot adds b0 * x16[0:8], b1 * x16[8:16])
-          for (int r = 0; r < 8; ++r) in[r] = u[r].b0;
+          for (int r = 0; r < 8; ++r) in[r] = u[r]->b0;
           transpose8(in, out);
           for (int l = 0; l < 8; ++l) _mm256_storeu_ps(bd + l * kGemmRows, out[l]);
-          for (int r = 0; r < 8; ++r) in[r] = u[r].b1;
+          for (int r = 0; r < 8; ++r) in[r] = u[r]->b1;
           transpose8(in, out);
           for (int l = 0; l < 8; ++l) _mm256_storeu_ps(bd + (8 + l) * kGemmRows, out[l]);
         }
@@ -900,7 +909,9 @@ inline void gemm_unpack(const uint8_t* w, int64_t row_bytes, int64_t K, int64_t 
 // vpdpbusd acc, w, dword [p]{1to16}: the broadcast is the instruction's memory operand (a
 // separate vpbroadcastd per dot costs a shuffle-pipe slot each).
 inline __m512i dpbusd_bcast(__m512i acc, __m512i w, const int8_t* p) {
-  __asm__("vpdpbusd %[x]%{1to16%}, %[w], %[acc]" : [acc] "+v"(acc) : [w] "v"(w), [x] "m"(*reinterpret_cast<const int32_t*>(p)));
+  __asm__("vpdpbusd %[x]%{1to16%}, %[w], %[acc]"
+          : [acc] "+v"(acc)
+          : [w] "v"(w), [x] "m"(*reinterpret_cast<const int32_t*>(p)));
   return acc;
 }
 
@@ -1013,12 +1024,13 @@ constexpr int64_t kBlockN = 32, kBlockM = 8;
 // row (fused_rows): measured level with or better than fused_block up to 128 rows, below at 264.
 constexpr int64_t kSmallM = 128;
 #if defined(LBQ_GEMM512)
-// From this many activation rows the AVX-512 build takes gemm_rows (one core, Llama-3.2-1B's
-// shapes: Q4_K level with fused_rows at 8-10 rows, 1.2x faster at 16, 1.8x at 128; Q6_K's
-// per-16 scales make its kdot slower, and gemm_rows is 1.3-1.8x faster already at 4 rows).
+// From this many activation rows the AVX-512 build takes gemm_rows: its unpack into the
+// interleaved scratch costs a few fused passes over the weight, which the rows repay (one
+// core, Llama-3.2-1B's shapes, weights streamed from memory: Q4_K level with fused_rows at
+// 12 rows, 1.3x faster at 32; Q6_K, whose kdot folds per-16 sums, level at 5-8 rows).
 template <int T>
 constexpr int64_t gemm_min_m() {
-  return Fused<T>::SUB32 ? 10 : 4;
+  return Fused<T>::SUB32 ? 12 : 8;
 }
 #endif
 

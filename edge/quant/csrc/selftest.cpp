@@ -221,8 +221,10 @@ int main() {
             ++cases;
           }
   for (int type : {3, 6, 7, 10, 11, 12, 13, 14})
-    for (int64_t nb : {1, 3, 5})  // 5 super-blocks: the AVX-512 GEMM's K tiles of 4 and a tail
-      for (int64_t M : {1, 2, 5, 9, 33, 131})  // every route: one row, row tiles, GEMM, blocks
+    // 5 super-blocks: the AVX-512 GEMM's K tiles of 4 and a tail; M: every route (one row,
+    // row tiles, the GEMM, blocks)
+    for (int64_t nb : {1, 3, 5})
+      for (int64_t M : {1, 2, 5, 9, 33, 131})
         for (int64_t N : {1, 4, 37}) {
           fails += check_ggml(type, M, N, nb, &worst);
           ++cases;
