@@ -1024,13 +1024,14 @@ constexpr int64_t kBlockN = 32, kBlockM = 8;
 // row (fused_rows): measured level with or better than fused_block up to 128 rows, below at 264.
 constexpr int64_t kSmallM = 128;
 #if defined(LBQ_GEMM512)
-// From this many activation rows the AVX-512 build takes gemm_rows: its unpack into the
-// interleaved scratch costs a few fused passes over the weight, which the rows repay (one
-// core, Llama-3.2-1B's shapes, weights streamed from memory: Q4_K level with fused_rows at
-// 12 rows, 1.3x faster at 32; Q6_K, whose kdot folds per-16 sums, level at 5-8 rows).
+// From this many activation rows the AVX-512 build takes gemm_rows.  Chosen on the whole
+// model, not on single matrices: 16 clients of benchmarks.edge_serving's workload served
+// in-process at Llama-3.2-1B Q4_K_M on one core took 52-56 s from 10 rows (Q4_K, Q5_K) and 4
+// (Q6_K..Q2_K), 61-66 s from 12 and 8 (alternating runs); single matrices streamed from
+// memory put the crossovers at 12 and 5-8, which the decode batches of the real model do not.
 template <int T>
 constexpr int64_t gemm_min_m() {
-  return Fused<T>::SUB32 ? 12 : 8;
+  return Fused<T>::SUB32 ? 10 : 4;
 }
 #endif
 
