@@ -35,6 +35,9 @@
 #define LBQ_VNNI 1
 #define LBQ_DPBUSD(acc, a, b) _mm256_dpbusd_epi32((acc), (a), (b))
 #endif
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define LBQ_GEMM512 1  // ggml_kernels.h's many-row GEMM on zmm registers
+#endif
 #elif !defined(LOWBAND_QUANT_SCALAR) && defined(__aarch64__) && defined(__ARM_NEON)
 #define LBQ_NEON 1
 #include <arm_neon.h>
@@ -43,8 +46,8 @@
 namespace lbq {
 
 inline const char* isa_name() {
-#if defined(LBQ_AVX2) && defined(LBQ_VNNI) && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
-  return "avx2+fma+avxvnni+avx512vnni";  // ggml_kernels.h's many-row GEMM (LBQ_GEMM512)
+#if defined(LBQ_AVX2) && defined(LBQ_VNNI) && defined(LBQ_GEMM512)
+  return "avx2+fma+avxvnni+avx512vnni";
 #elif defined(LBQ_AVX2) && defined(LBQ_VNNI)
   return "avx2+fma+avxvnni";
 #elif defined(LBQ_AVX2)

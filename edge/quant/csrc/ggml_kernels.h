@@ -780,8 +780,7 @@ inline void fused_block(const uint8_t* w, int64_t row_bytes, const GAct& x, int6
 }
 #endif
 
-#if defined(LBQ_AVX2) && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
-#define LBQ_GEMM512 1
+#if defined(LBQ_GEMM512)
 // ---- many-row GEMM for the K-quants (AVX-512 VNNI) ------------------------------------------
 // kdot spends most of its instructions folding each activation row's 8 lane vectors into
 // sub-block sums (hadd, permutes) before 1-2 FMAs.  Here the zmm lanes are 16 weight rows
@@ -924,7 +923,7 @@ inline void gemm_tile(const GemmScratch& s, const GAct& x, int64_t m, int64_t bl
   const int64_t K = x.K;
   __m512 A[R][8];
   for (int j = 0; j < R; ++j)
-    for (int l = 0; l < 8; ++l) A[j][l] = _mm512_loadu_ps(acc + (j * 8 + l) * 16);
+    for (int l = 0; l < 8; ++l) A[j][l] = _mm512_loadu_ps(acc + (j * 8 + l) * kGemmRows);
   for (int64_t blk = blk0; blk < blk1; ++blk) {
     const int32_t* wb = s.w.data() + blk * 64 * kGemmRows;
     const float* ab = s.a.data() + blk * NS * kGemmRows;
@@ -985,7 +984,7 @@ inline void gemm_tile(const GemmScratch& s, const GAct& x, int64_t m, int64_t bl
     }
   }
   for (int j = 0; j < R; ++j)
-    for (int l = 0; l < 8; ++l) _mm512_storeu_ps(acc + (j * 8 + l) * 16, A[j][l]);
+    for (int l = 0; l < 8; ++l) _mm512_storeu_ps(acc + (j * 8 + l) * kGemmRows, A[j][l]);
 }
 
 // Y[:, n0:n1] for all M activation rows, groups of 16 weight rows, K tiles of kGemmTileBlk
@@ -995,7 +994,7 @@ inline void gemm_rows(const uint8_t* w, int64_t row_bytes, const GAct& x, int64_
                       int64_t ldy) {
   GemmScratch& s = gemm_scratch();
   const int64_t M = x.M, nblk = x.K / 256;
-  s.acc.resize(static_cast<size_t>(M * 8 * 16));
+  s.acc.resize(static_cast<size_t>(M * 8 * kGemmRows));
   for (int64_t n = n0; n < n1; n += kGemmRows) {
     const int64_t rows = std::min<int64_t>(kGemmRows, n1 - n);
     gemm_unpack<T>(w, row_bytes, x.K, n, rows, s);
@@ -1003,13 +1002,13 @@ inline void gemm_rows(const uint8_t* w, int64_t row_bytes, const GAct& x, int64_
     for (int64_t b0 = 0; b0 < nblk; b0 += kGemmTileBlk) {
       const int64_t b1 = std::min(nblk, b0 + kGemmTileBlk);
       int64_t m = 0;
-      for (; m + 2 <= M; m += 2) gemm_tile<T, 2>(s, x, m, b0, b1, s.acc.data() + m * 128);
-      if (m < M) gemm_tile<T, 1>(s, x, m, b0, b1, s.acc.data() + m * 128);
+      for (; m + 2 <= M; m += 2) gemm_tile<T, 2>(s, x, m, b0, b1, s.acc.data() + m * 8 * kGemmRows);
+      if (m < M) gemm_tile<T, 1>(s, x, m, b0, b1, s.acc.data() + m * 8 * kGemmRows);
     }
     const __mmask16 mask = static_cast<__mmask16>((1u << rows) - 1u);
     for (int64_t m = 0; m < M; ++m) {
       __m512 a[8];  // hsum_ps's tree: ((0 + 4) + (2 + 6)) + ((1 + 5) + (3 + 7))
-      for (int l = 0; l < 8; ++l) a[l] = _mm512_loadu_ps(s.acc.data() + (m * 8 + l) * 16);
+      for (int l = 0; l < 8; ++l) a[l] = _mm512_loadu_ps(s.acc.data() + (m * 8 + l) * kGemmRows);
       const __m512 y = _mm512_add_ps(_mm512_add_ps(_mm512_add_ps(a[0], a[4]), _mm512_add_ps(a[2], a[6])),
                                      _mm512_add_ps(_mm512_add_ps(a[1], a[5]), _mm512_add_ps(a[3], a[7])));
       _mm512_mask_storeu_ps(Y + m * ldy + n, mask, y);
