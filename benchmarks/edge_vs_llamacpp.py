@@ -111,7 +111,14 @@ MODELS: dict[str, dict] = {
     # init leaves near-ties that any two kernels' rounding breaks differently; this model is
     # where greedy decoding and top-1 agreement between the two runtimes mean something.
     "markov-512": dict(
-        arch="llama", hidden=512, layers=4, heads=8, kv_heads=4, ffn=1536, vocab_size=512
+        arch="llama",
+        hidden=512,
+        layers=4,
+        heads=8,
+        kv_heads=4,
+        ffn=1536,
+        vocab_size=512,
+        train=dict(steps=240, batch=16, seq=64, lr=3e-3, favoured=0.85),
     ),
     "tiny-qwen2": dict(
         arch="qwen2",
@@ -124,7 +131,6 @@ MODELS: dict[str, dict] = {
         qkv_bias=True,
     ),
 }
-MODELS["markov-512"]["train"] = dict(steps=240, batch=16, seq=64, lr=3e-3, favoured=0.85)
 WIDTHS = ("f32", "q8_0", "q4_0", "q4_k_m")
 
 
