@@ -21,8 +21,8 @@ from tests.chaos.conftest import last_step, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
 
-STEPS = 120
-H = 20  # the last sync period is steps 101..120; the pause starts at step 100 (+ a few)
+STEPS = 60
+H = 20  # the last sync period is steps 41..60; the pause starts at step 40 (+ a few)
 
 
 def _train(out: Path, log, *extra: str) -> subprocess.Popen:
