@@ -65,7 +65,7 @@ def _lin(mod: nn.Module) -> tuple:
     if isinstance(mod, QuantLinear):
         return (mod.bits, mod.qweight.contiguous(), mod.scales.contiguous(), mod.group, bias)
     if isinstance(mod, GGMLLinear):
-        return (_GGML, mod.blocks.contiguous(), None, mod.qtype.type_id, bias)
+        return (_GGML, mod.blocks.contiguous(), mod.packed, mod.qtype.type_id, bias)
     w = cast(torch.Tensor, mod.weight).detach()
     return (32, w if w.is_contiguous() else w.contiguous(), None, 0, bias)
 

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from edge import fastpath
 from edge.cluster import (
     MASTER_ID_PREFIX,
     ClusterConfig,
@@ -29,6 +30,7 @@ from edge.cluster import (
 )
 from edge.engine import Engine, LocalRunner, Runner
 from edge.moe.serve import ExpertServeConfig, load_nested_shard, plan_ranks
+from edge.quant.linear import repack_for_batches
 from edge.sampling import SamplingParams
 from edge.server import ServerConfig, serve_forever
 from edge.shardio import WindowConfig, is_split_dir, load_shard
@@ -80,8 +82,14 @@ class BatchConfig:
     decode_stall: float = 2.0  # a step that prefills beside decodes: <= this x a decode step
     prefix_cache: int | None = None  # finished sequences kept for prefix reuse (default parallel)
     sizing_context: int = 4096
+    repack: str = "auto"
+    """K-quant weights also kept in the batch GEMM's layout (:func:`repack_for_batches`): "on",
+    "off", or "auto" (when more than one sequence is batched and the copy fits half the
+    memory available now)."""
 
     def __post_init__(self) -> None:
+        if self.repack not in ("auto", "on", "off"):
+            raise ConfigError("repack", f"must be auto, on or off, got {self.repack!r}")
         if self.parallel is not None and not 1 <= self.parallel <= 256:
             raise ConfigError("parallel", f"must be in [1, 256], got {self.parallel}")
         if not 1 <= self.prefill_chunk <= 65536:
@@ -115,6 +123,19 @@ def _available_memory() -> int:
     except (OSError, ValueError, IndexError):
         pass
     return 2**30
+
+
+def repack(model, batch: BatchConfig, parallel: int) -> int:
+    """Apply ``batch.repack`` to a model held in this process; returns the bytes added."""
+    if batch.repack == "off" or (batch.repack == "auto" and parallel < 2):
+        return 0
+    budget = _available_memory() // 2 if batch.repack == "auto" else 1 << 62
+    added = repack_for_batches(model, budget)
+    if added:
+        if getattr(model, "fast_decode", None) is not None:
+            fastpath.install(model)  # its tables point at the weights: rebuilt with the copies
+        logger.info("repacked K-quant weights for batches: %.0f MiB more memory", added / 2**20)
+    return added
 
 
 def make_engine(runner: Runner, tok, name: str, batch: "BatchConfig") -> Engine:
@@ -252,6 +273,8 @@ def build_engine(cfg: ServeMasterConfig, coord=None, master_host: str | None = N
     if cc.devices == 1:
         shard = _load_local(cfg.model_dir, cc.dtype, cc.window_config(), cc.experts)
         runner: Runner = LocalRunner(shard.model, shard.close, report=shard.store_report)
+        if shard.scheduler is None and cc.experts is None:  # (not streamed or swapped weights)
+            repack(shard.model, cfg.batch, cfg.batch.slots(runner.config))
         return make_engine(runner, tok, name, cfg.batch), None, None
     from transport.coordinator import Coordinator
     from transport.zmq_comm import connect

@@ -59,6 +59,8 @@ __all__ = [
     "ggml_dequantize",
     "ggml_gemv",
     "ggml_gemv_fallback",
+    "ggml_pack",
+    "ggml_packed_bytes",
 ]
 
 log = logging.getLogger(__name__)
@@ -385,15 +387,37 @@ def ggml_gemv_fallback(
     return y
 
 
+def ggml_pack(w: GGMLWeight) -> torch.Tensor | None:
+    """The weight repacked for batches (``csrc/ggml_kernels.h``: the AVX-512 VNNI GEMM's
+    interleaved layout, which a batch of rows otherwise unpacks on every call), or ``None``
+    where there is none: no kernel, no AVX-512 VNNI GEMM in this build, not a K-quant. It
+    costs ~1.25 bytes per weight beside the blocks (which single rows keep reading); outputs
+    are the same bits with or without it."""
+    mod = load()
+    if mod is None or w.data.device.type != "cpu" or w.shape[0] == 0:
+        return None
+    return mod.ggml_pack(w.data.contiguous(), w.type.type_id, w.shape[1])
+
+
+def ggml_packed_bytes(w: GGMLWeight) -> int:
+    """The bytes ``ggml_pack(w)`` would allocate (0 where it returns ``None``)."""
+    mod = load()
+    if mod is None or w.data.device.type != "cpu" or w.shape[0] == 0:
+        return 0
+    return int(mod.ggml_packed_bytes(w.type.type_id, w.shape[0], w.shape[1]))
+
+
 def ggml_gemv(
     x: torch.Tensor,
     w: GGMLWeight,
     bias: torch.Tensor | None = None,
     *,
     force_fallback: bool = False,
+    packed: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``y [M, N] = x [M, K] @ W^T (+ bias)`` in fp32 for a ``GGMLWeight``: the C++ kernel when
-    loaded and everything is on the CPU, else ``ggml_gemv_fallback``."""
+    loaded and everything is on the CPU, else ``ggml_gemv_fallback``. ``packed``: the weight's
+    ``ggml_pack`` layout (the same results, faster for batches)."""
     k = w.shape[1]
     if x.dim() != 2 or x.shape[1] != k:
         raise QuantShapeError(f"x must be [M, {k}] for this weight, got {tuple(x.shape)}")
@@ -404,4 +428,4 @@ def ggml_gemv(
         x = x.to(torch.float32).contiguous()
     if bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()):
         bias = bias.to(torch.float32).contiguous()
-    return mod.ggml_gemv(x, w.data, w.type.type_id, bias)
+    return mod.ggml_gemv(x, w.data, w.type.type_id, bias, packed)

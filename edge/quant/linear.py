@@ -25,7 +25,13 @@ from .formats import (
 )
 from .ggml import GGMLWeight, dequantize_ggml, ggml_type, narrow_ggml
 
-__all__ = ["GGMLLinear", "QuantLinear", "quantize_modules", "DEFAULT_MAX_KERNEL_ROWS"]
+__all__ = [
+    "GGMLLinear",
+    "QuantLinear",
+    "quantize_modules",
+    "repack_for_batches",
+    "DEFAULT_MAX_KERNEL_ROWS",
+]
 
 # Rows (tokens) up to which forward() uses the GEMV kernel; above it, blockwise dequantize +
 # F.linear (a BLAS GEMM).  Measured at 1 thread (AVX2+VNNI): ``benchmarks/quant_gemv.py
@@ -232,6 +238,8 @@ class GGMLLinear(nn.Module):
             )
         b = None if bias is None else bias.detach().to(torch.float32).contiguous()
         self.register_buffer("bias", b)
+        # the batch GEMM's layout of the blocks (repack()); not state: rebuilt after a load
+        self.packed: torch.Tensor | None = None
 
     @classmethod
     def from_blocks(cls, type_name: str, shape: tuple[int, int], data: torch.Tensor, **kw):
@@ -248,10 +256,22 @@ class GGMLLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return _linear(x, self.in_features, self.out_features, self.bias, self._matmul)
 
+    def packed_bytes(self) -> int:
+        """What :meth:`repack` would add (0: nothing to repack here)."""
+        return kernel.ggml_packed_bytes(self.weight_blocks) if self.use_kernel else 0
+
+    def repack(self) -> int:
+        """Keep a copy of the weight in the batch GEMM's layout (``kernel.ggml_pack``), so
+        batches of rows skip the unpack: the same outputs, more memory. Returns the bytes
+        added (0 where this build or type has no such layout)."""
+        packed = kernel.ggml_pack(self.weight_blocks) if self.use_kernel else None
+        self.packed = packed
+        return 0 if packed is None else packed.numel()
+
     def _matmul(self, x2: torch.Tensor) -> torch.Tensor:
         w = self.weight_blocks
         if self.use_kernel and x2.shape[0] <= self.max_kernel_rows:
-            return kernel.ggml_gemv(x2, w, self.bias)
+            return kernel.ggml_gemv(x2, w, self.bias, packed=self.packed)
         # prefill (or use_kernel=False: the PyTorch reference decoder)
         return kernel.ggml_gemv_fallback(x2, w, self.bias, native_dequant=self.use_kernel)
 
@@ -321,3 +341,14 @@ def quantize_modules(
         parent_name, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent_name) if parent_name else model, child, q)
     return model
+
+
+def repack_for_batches(model: nn.Module, budget_bytes: int) -> int:
+    """:meth:`GGMLLinear.repack` every ggml linear of ``model`` if all the copies together fit
+    ``budget_bytes`` (all or none: a server's memory use should not depend on module order);
+    returns the bytes added."""
+    mods = [m for m in model.modules() if isinstance(m, GGMLLinear)]
+    need = sum(m.packed_bytes() for m in mods)
+    if need == 0 or need > budget_bytes:
+        return 0
+    return sum(m.repack() for m in mods)

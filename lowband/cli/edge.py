@@ -213,6 +213,15 @@ def _add_serve(p: argparse.ArgumentParser) -> None:
         type=int,
         help="finished sequences whose KV caches are kept for prefix reuse (default: --parallel)",
     )
+    g.add_argument(
+        "--repack",
+        choices=["auto", "on", "off"],
+        default="auto",
+        help="keep a copy of the K-quant weights in the batch GEMM's layout (AVX-512 VNNI CPUs): "
+        "batches of 5+ rows skip unpacking the weights, ~1.25 bytes per weight more memory, the "
+        "same outputs; auto: when --parallel > 1 and the copy fits half the free memory; one "
+        "device only (default auto)",
+    )
     p.add_argument(
         "--op-timeout",
         type=float,
@@ -441,6 +450,7 @@ def _serve_config(args, devices: int):
             prefill_chunk=args.prefill_chunk,
             prefix_cache=args.prefix_cache,
             decode_stall=args.decode_stall,
+            repack=args.repack,
         ),
         cluster=ClusterConfig(
             devices=devices,

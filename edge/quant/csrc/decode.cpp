@@ -190,6 +190,7 @@ struct Lin {
   const uint8_t* qp = nullptr;
   const uint16_t* sp = nullptr;
   const float* bp = nullptr;
+  const uint8_t* pp = nullptr;  // ggml: the repacked layout for batches (ggml_pack), or null
 };
 
 void check_f32(const torch::Tensor& t, const char* what) {
@@ -198,7 +199,8 @@ void check_f32(const torch::Tensor& t, const char* what) {
 }
 
 // (kind, tensor0, tensor1 | None, group, bias | None): kind 32 (fp32 weight, None, 0), 8 / 4
-// (qweight, fp16 scales, group) or 0 (ggml blocks uint8 [N, row_bytes], None, ggml type id).
+// (qweight, fp16 scales, group) or 0 (ggml blocks uint8 [N, row_bytes], repacked layout | None,
+// ggml type id).
 Lin parse_lin(const py::handle& h) {
   auto t = h.cast<py::tuple>();
   TORCH_CHECK(t.size() == 5, "a linear is (kind, w_or_qweight, scales|None, group, bias|None)");
@@ -228,6 +230,14 @@ Lin parse_lin(const py::handle& h) {
     TORCH_CHECK(l.row_bytes % size == 0, "ggml rows of ", l.row_bytes, " bytes are not whole blocks of ", size);
     l.K = l.row_bytes / size * qk;
     l.qp = l.q.data_ptr<uint8_t>();
+    if (!t[2].is_none()) {  // the repacked layout, checked against the blocks' shape and type
+      l.s = t[2].cast<torch::Tensor>();
+      const int64_t want = lbq::ggml::packed_bytes(l.G, l.N, l.K);
+      TORCH_CHECK(want > 0 && l.s.dim() == 1 && l.s.is_contiguous() && l.s.scalar_type() == at::kByte &&
+                      l.s.device().is_cpu() && l.s.numel() == want,
+                  "a ggml linear's repacked layout must be a contiguous 1-D uint8 CPU tensor of ", want, " bytes");
+      l.pp = l.s.data_ptr<uint8_t>();
+    }
   } else {
     TORCH_CHECK(l.kind == 8 || l.kind == 4, "kind must be 32, 8, 4 or 0 (ggml), got ", l.kind);
     TORCH_CHECK(l.G == 32 || l.G == 64 || l.G == 128, "group must be 32, 64 or 128");
@@ -300,18 +310,18 @@ void packed_dispatch(bool q4, int G, const lbq::Wt& w, const lbq::Act& a, int64_
 // type has one, with weight x activation row blocks for many rows; else decoded row tiles).
 template <int T>
 void ggml_rows(const uint8_t* w, int64_t row_bytes, const lbq::ggml::GAct& a, int64_t n0, int64_t n1, float* Y,
-               int64_t ldy) {
-  lbq::ggml::rows_range<T>(w, row_bytes, a, n0, n1, Y, ldy);
+               int64_t ldy, const uint8_t* packed) {
+  lbq::ggml::rows_range<T>(w, row_bytes, a, n0, n1, Y, ldy, packed);
 }
 
 void ggml_dispatch(int type, const uint8_t* w, int64_t row_bytes, const lbq::ggml::GAct& a, int64_t n0, int64_t n1,
-                   float* Y, int64_t ldy) {
+                   float* Y, int64_t ldy, const uint8_t* packed) {
   namespace g = lbq::ggml;
   // clang-format off: one case per type (the formatter runs macro-made cases together)
   switch (type) {  // parse_lin admits known type ids only
 #define LBQ_GGML_CASE(T)                                  \
   case g::T:                                              \
-    ggml_rows<g::T>(w, row_bytes, a, n0, n1, Y, ldy);     \
+    ggml_rows<g::T>(w, row_bytes, a, n0, n1, Y, ldy, packed); \
     break;
     LBQ_GGML_TYPES(LBQ_GGML_CASE)
 #undef LBQ_GGML_CASE
@@ -352,8 +362,15 @@ void run_lin(const Lin& l, const float* x, int64_t ldx, int64_t M, float* Y, int
     const int64_t grain = std::max<int64_t>(8, (int64_t{1} << 16) / K);
     if (l.kind == kGGML) {
       const lbq::ggml::GAct a = qs.g.view(M, K);
-      at::parallel_for(0, l.N, grain,
-                       [&](int64_t n0, int64_t n1) { ggml_dispatch(l.G, l.qp, l.row_bytes, a, n0, n1, Y, ldy); });
+      if (l.pp != nullptr) {  // threads split on the 16-row groups of the repacked layout
+        at::parallel_for(0, (l.N + 15) / 16, 1, [&](int64_t g0, int64_t g1) {
+          ggml_dispatch(l.G, l.qp, l.row_bytes, a, g0 * 16, std::min(l.N, g1 * 16), Y, ldy, l.pp);
+        });
+      } else {
+        at::parallel_for(0, l.N, grain, [&](int64_t n0, int64_t n1) {
+          ggml_dispatch(l.G, l.qp, l.row_bytes, a, n0, n1, Y, ldy, nullptr);
+        });
+      }
     } else {
       const bool q4 = l.kind == 4;
       lbq::prepare_act(q4, l.G, qs.q.data(), M, K);
@@ -836,6 +853,9 @@ class Decoder {
     }
   }
 
+  // Query heads of one KV head processed together by attention_block (larger groups in turns).
+  static constexpr int64_t kMaxGroup = 8;
+
   void attention_block(const Layer& L, size_t li, const float* xp, int64_t B) {
     const int64_t nq = L.nq, nkv = L.nkv, D = D_, QKV = (nq + 2 * nkv) * D, nl = num_layers();
     ensure(xn_, B * H_);
@@ -866,34 +886,53 @@ class Decoder {
     if (nkv > 0) {
       const int64_t group = nq / nkv;
       const float scale = 1.f / std::sqrt(static_cast<float>(D));
-      // one task per (row, query head); the scores of a task live in its thread's scratch
-      at::parallel_for(0, B * nq, 1, [&](int64_t t0, int64_t t1) {
+      // One task per (row, KV head): the group's query heads walk the cached keys and values
+      // together, so each K/V row is read from memory once and reused from L1 by the others
+      // (and the heads' independent updates hide each other's latency). Per head the
+      // operations and their order are those of one head alone: the same bits.
+      at::parallel_for(0, B * nkv, 1, [&](int64_t t0, int64_t t1) {
         thread_local std::vector<float> scores;
-        if (static_cast<int64_t>(scores.size()) < max_s) scores.resize(static_cast<size_t>(max_s));
-        float* sc = scores.data();
+        const size_t need = static_cast<size_t>(group * max_s);
+        if (scores.size() < need) scores.resize(need);
+        float mx[kMaxGroup], inv[kMaxGroup];
         for (int64_t t = t0; t < t1; ++t) {
-          const int64_t b = t / nq, h = t % nq, g = h / group;
+          const int64_t b = t / nkv, g = t % nkv;
           const KVRef& c = kv_[b * nl + static_cast<int64_t>(li)];
           const int64_t first = first_key(b);
           const int64_t lo = first - base_[b];  // slot of the first key this token sees
           const int64_t S = pos_[b] + 1 - first;
-          const float* qh = qkv_.data() + b * QKV + h * D;
+          const float* q0 = qkv_.data() + b * QKV + g * group * D;
           const float* kg = c.k + (g * c.cap + lo) * D;
           const float* vg = c.v + (g * c.cap + lo) * D;
-          float mx = -INFINITY;
-          for (int64_t s = 0; s < S; ++s) {
-            sc[s] = dot_f32(qh, kg + s * D, D) * scale;
-            mx = std::max(mx, sc[s]);
+          for (int64_t h0 = 0; h0 < group; h0 += kMaxGroup) {
+            const int64_t G = std::min(kMaxGroup, group - h0);
+            const float* q = q0 + h0 * D;
+            float* out = att_.data() + (b * nq + g * group + h0) * D;
+            for (int64_t j = 0; j < G; ++j) mx[j] = -INFINITY;
+            for (int64_t s = 0; s < S; ++s) {
+              const float* kr = kg + s * D;
+              for (int64_t j = 0; j < G; ++j) {
+                float& x = scores[static_cast<size_t>(j * S + s)];
+                x = dot_f32(q + j * D, kr, D) * scale;
+                mx[j] = std::max(mx[j], x);
+              }
+            }
+            for (int64_t j = 0; j < G; ++j) {
+              float* sc = scores.data() + j * S;
+              float sum = 0.f;
+              for (int64_t s = 0; s < S; ++s) {
+                sc[s] = std::exp(sc[s] - mx[j]);
+                sum += sc[s];
+              }
+              inv[j] = 1.f / sum;
+            }
+            std::fill(out, out + G * D, 0.f);
+            for (int64_t s = 0; s < S; ++s) {
+              const float* vr = vg + s * D;
+              for (int64_t j = 0; j < G; ++j)
+                axpy_f32(scores[static_cast<size_t>(j * S + s)] * inv[j], vr, out + j * D, D);
+            }
           }
-          float sum = 0.f;
-          for (int64_t s = 0; s < S; ++s) {
-            sc[s] = std::exp(sc[s] - mx);
-            sum += sc[s];
-          }
-          const float inv = 1.f / sum;
-          float* out = att_.data() + (b * nq + h) * D;
-          std::fill(out, out + D, 0.f);
-          for (int64_t s = 0; s < S; ++s) axpy_f32(sc[s] * inv, vg + s * D, out, D);
         }
       });
     }

@@ -70,8 +70,21 @@ torch::Tensor gemv(const torch::Tensor& x, const torch::Tensor& qweight, const t
 }
 
 // y[M,N] = x[M,K] @ W^T (+ bias) for ggml blocks kept as in the GGUF file (ggml_kernels.h).
+// The repacked layout of a weight's blocks (ggml_kernels.h, packed_bytes): checked against
+// the weight's shape and type, so a mismatched buffer is an error before anything reads it.
+const uint8_t* packed_ptr(const c10::optional<torch::Tensor>& packed, int64_t type, int64_t N, int64_t K) {
+  if (!packed.has_value()) return nullptr;
+  const int64_t want = lbq::ggml::packed_bytes(static_cast<int>(type), N, K);
+  TORCH_CHECK(want > 0, "this build has no repacked path for ggml type ", type, " at K=", K);
+  TORCH_CHECK(packed->dim() == 1 && packed->is_contiguous() && packed->scalar_type() == at::kByte &&
+                  packed->device().is_cpu() && packed->numel() == want,
+              "packed must be a contiguous 1-D uint8 CPU tensor of ", want, " bytes for [", N, ", ", K, "] of type ",
+              type, ", got ", packed->numel());
+  return packed->data_ptr<uint8_t>();
+}
+
 torch::Tensor ggml_gemv(const torch::Tensor& x, const torch::Tensor& blocks, int64_t type,
-                        const c10::optional<torch::Tensor>& bias) {
+                        const c10::optional<torch::Tensor>& bias, const c10::optional<torch::Tensor>& packed) {
   int qk = 0, size = 0;
   TORCH_CHECK(lbq::ggml::block_shape(static_cast<int>(type), &qk, &size), "unsupported ggml type id ", type);
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous() && x.device().is_cpu(),
@@ -98,12 +111,41 @@ torch::Tensor ggml_gemv(const torch::Tensor& x, const torch::Tensor& blocks, int
     const uint8_t* wp = blocks.data_ptr<uint8_t>();
     float* yp = y.data_ptr<float>();
     const int t = static_cast<int>(type);
-    const int64_t grain = std::max<int64_t>(8, (int64_t{1} << 16) / K);
-    at::parallel_for(0, N, grain,
-                     [&](int64_t n0, int64_t n1) { lbq::ggml::gemv_rows(t, wp, row_bytes, a, N, n0, n1, yp); });
+    const uint8_t* pp = packed_ptr(packed, type, N, K);
+    if (pp != nullptr) {  // threads split on the 16-row groups of the repacked layout
+      const int64_t groups = (N + 15) / 16;
+      at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
+        lbq::ggml::gemv_rows(t, wp, row_bytes, a, N, g0 * 16, std::min(N, g1 * 16), yp, pp);
+      });
+    } else {
+      const int64_t grain = std::max<int64_t>(8, (int64_t{1} << 16) / K);
+      at::parallel_for(0, N, grain,
+                       [&](int64_t n0, int64_t n1) { lbq::ggml::gemv_rows(t, wp, row_bytes, a, N, n0, n1, yp); });
+    }
   }
   if (bias.has_value() && M > 0) y += bias->unsqueeze(0);
   return y;
+}
+
+// The repacked layout of ggml blocks [N, row_bytes] for the batch GEMM, or None where this
+// build or type has none.
+py::object ggml_pack(const torch::Tensor& blocks, int64_t type, int64_t K) {
+  int qk = 0, size = 0;
+  TORCH_CHECK(lbq::ggml::block_shape(static_cast<int>(type), &qk, &size), "unsupported ggml type id ", type);
+  TORCH_CHECK(
+      blocks.dim() == 2 && blocks.is_contiguous() && blocks.scalar_type() == at::kByte && blocks.device().is_cpu(),
+      "blocks must be a contiguous 2-D uint8 CPU tensor");
+  TORCH_CHECK(K > 0 && K % qk == 0 && blocks.size(1) == K / qk * size, "blocks must be [N, ", K / qk * size,
+              "] for K=", K);
+  const int64_t N = blocks.size(0);
+  const int64_t bytes = lbq::ggml::packed_bytes(static_cast<int>(type), N, K);
+  if (bytes == 0 || N == 0) return py::none();
+  auto out = torch::empty({bytes}, torch::kUInt8);
+  {
+    py::gil_scoped_release nogil;
+    lbq::ggml::pack(static_cast<int>(type), blocks.data_ptr<uint8_t>(), blocks.size(1), N, K, out.data_ptr<uint8_t>());
+  }
+  return py::cast(out);
 }
 
 // W [N, K] fp32 from ggml blocks (the prefill path: blockwise dequantize + GEMM).
@@ -144,7 +186,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gemv", &gemv, "y[M,N] = x[M,K] @ dequant(W)^T (+ bias) for Q8/Q4 packed weights", py::arg("x"),
         py::arg("qweight"), py::arg("scales"), py::arg("bits"), py::arg("group"), py::arg("bias") = py::none());
   m.def("ggml_gemv", &ggml_gemv, "y[M,N] = x[M,K] @ dequant(W)^T (+ bias) for ggml blocks (Q4_1..Q6_K)", py::arg("x"),
-        py::arg("blocks"), py::arg("type"), py::arg("bias") = py::none());
+        py::arg("blocks"), py::arg("type"), py::arg("bias") = py::none(), py::arg("packed") = py::none());
+  m.def(
+      "ggml_packed_bytes",
+      [](int64_t type, int64_t N, int64_t K) { return lbq::ggml::packed_bytes(static_cast<int>(type), N, K); },
+      "bytes of ggml_pack's layout for an [N, K] weight of this type (0: none)", py::arg("type"), py::arg("N"),
+      py::arg("K"));
+  m.def("ggml_pack", &ggml_pack, "the repacked layout of ggml blocks for batches, or None where there is none",
+        py::arg("blocks"), py::arg("type"), py::arg("K"));
   m.def("ggml_dequantize", &ggml_dequantize, "W[N,K] fp32 from ggml blocks", py::arg("blocks"), py::arg("type"),
         py::arg("K"));
   m.def("isa", &isa, "SIMD path compiled in");

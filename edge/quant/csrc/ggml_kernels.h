@@ -812,6 +812,36 @@ inline GemmScratch& gemm_scratch() {
   return s;
 }
 
+// One group of 16 rows in the interleaved layout, wherever it lives (the scratch, or a weight
+// repacked at load).
+struct GemmGroup {
+  const int32_t* w;
+  const float *a, *b;
+};
+
+// Scale units per super-block: per 32 values for SUB32 types, else per 16.
+template <int T>
+constexpr int64_t gemm_units() {
+  return Fused<T>::SUB32 ? 8 : 16;
+}
+
+// Repacked weights: a weight may be laid out once, at load, as gemm_unpack leaves a group of
+// 16 rows (the last group zero-padded), group after group: [K/4][16] int32 values, then
+// [units][16] scales, then (types with mins) [units][16] min terms.  Batches then skip the
+// unpack, which at 16 rows costs a third of the GEMM's time; the price is memory: ~1.25 bytes
+// per weight beside the file's blocks (Q4_K: 0.5625), which single rows keep reading.
+template <int T>
+constexpr int64_t packed_group_bytes(int64_t K) {
+  return K * kGemmRows + (Fused<T>::MIN ? 2 : 1) * (K / 256) * gemm_units<T>() * kGemmRows * 4;
+}
+
+template <int T>
+inline GemmGroup packed_group(const uint8_t* packed, int64_t K, int64_t g) {
+  const uint8_t* base = packed + g * packed_group_bytes<T>(K);
+  const float* a = reinterpret_cast<const float*>(base + K * kGemmRows);
+  return {reinterpret_cast<const int32_t*>(base), a, a + (K / 256) * gemm_units<T>() * kGemmRows};
+}
+
 // out[g] = lane g of r[0..7] (an 8 x 8 transpose of 32-bit lanes).
 inline void transpose8(const __m256i* r, __m256i* out) {
   __m256i t[8], u[8];
@@ -917,7 +947,7 @@ inline __m512i dpbusd_bcast(__m512i acc, __m512i w, const int8_t* p) {
 // acc[j][0..7] (kdot's 8 lanes for 16 weight rows) += super-blocks blk0..blk1-1 of activation
 // rows m..m+R-1.
 template <int T, int R>
-inline void gemm_tile(const GemmScratch& s, const GAct& x, int64_t m, int64_t blk0, int64_t blk1, float* acc) {
+inline void gemm_tile(const GemmGroup& s, const GAct& x, int64_t m, int64_t blk0, int64_t blk1, float* acc) {
   using F = Fused<T>;
   constexpr int NS = F::SUB32 ? 8 : 16;
   const int64_t K = x.K;
@@ -925,9 +955,9 @@ inline void gemm_tile(const GemmScratch& s, const GAct& x, int64_t m, int64_t bl
   for (int j = 0; j < R; ++j)
     for (int l = 0; l < 8; ++l) A[j][l] = _mm512_loadu_ps(acc + (j * 8 + l) * kGemmRows);
   for (int64_t blk = blk0; blk < blk1; ++blk) {
-    const int32_t* wb = s.w.data() + blk * 64 * kGemmRows;
-    const float* ab = s.a.data() + blk * NS * kGemmRows;
-    const float* bb = s.b.data() + blk * NS * kGemmRows;
+    const int32_t* wb = s.w + blk * 64 * kGemmRows;
+    const float* ab = s.a + blk * NS * kGemmRows;
+    const float* bb = s.b + blk * NS * kGemmRows;
     const int8_t* xq[R];
     const float* dx[R];
     for (int j = 0; j < R; ++j) {
@@ -987,23 +1017,41 @@ inline void gemm_tile(const GemmScratch& s, const GAct& x, int64_t m, int64_t bl
     for (int l = 0; l < 8; ++l) _mm512_storeu_ps(acc + (j * 8 + l) * kGemmRows, A[j][l]);
 }
 
+inline void gemm_prefetch(const void* p, int64_t bytes) {
+  const char* c = static_cast<const char*>(p);
+  for (int64_t i = 0; i < bytes; i += 64) _mm_prefetch(c + i, _MM_HINT_T0);
+}
+
 // Y[:, n0:n1] for all M activation rows, groups of 16 weight rows, K tiles of kGemmTileBlk
 // super-blocks (the tile's unpacked weights stay in L1 while every activation row passes).
 template <int T>
-inline void gemm_rows(const uint8_t* w, int64_t row_bytes, const GAct& x, int64_t n0, int64_t n1, float* Y,
-                      int64_t ldy) {
+inline void gemm_rows(const uint8_t* w, int64_t row_bytes, const GAct& x, int64_t n0, int64_t n1, float* Y, int64_t ldy,
+                      const uint8_t* packed = nullptr) {
   GemmScratch& s = gemm_scratch();
   const int64_t M = x.M, nblk = x.K / 256;
   s.acc.resize(static_cast<size_t>(M * 8 * kGemmRows));
   for (int64_t n = n0; n < n1; n += kGemmRows) {
     const int64_t rows = std::min<int64_t>(kGemmRows, n1 - n);
-    gemm_unpack<T>(w, row_bytes, x.K, n, rows, s);
+    GemmGroup grp, next{nullptr, nullptr, nullptr};
+    if (packed != nullptr && n % kGemmRows == 0) {  // (a range split off group bounds unpacks)
+      grp = packed_group<T>(packed, x.K, n / kGemmRows);
+      if (n + kGemmRows < n1) next = packed_group<T>(packed, x.K, n / kGemmRows + 1);
+    } else {
+      gemm_unpack<T>(w, row_bytes, x.K, n, rows, s);
+      grp = {s.w.data(), s.a.data(), s.b.data()};
+    }
     std::fill(s.acc.begin(), s.acc.end(), 0.f);
     for (int64_t b0 = 0; b0 < nblk; b0 += kGemmTileBlk) {
       const int64_t b1 = std::min(nblk, b0 + kGemmTileBlk);
+      if (next.w != nullptr) {  // the next group's tile comes from memory while this one computes
+        gemm_prefetch(next.w + b0 * 64 * kGemmRows, (b1 - b0) * 64 * kGemmRows * 4);
+        constexpr int64_t NS = gemm_units<T>();
+        gemm_prefetch(next.a + b0 * NS * kGemmRows, (b1 - b0) * NS * kGemmRows * 4);
+        if constexpr (Fused<T>::MIN) gemm_prefetch(next.b + b0 * NS * kGemmRows, (b1 - b0) * NS * kGemmRows * 4);
+      }
       int64_t m = 0;
-      for (; m + 2 <= M; m += 2) gemm_tile<T, 2>(s, x, m, b0, b1, s.acc.data() + m * 8 * kGemmRows);
-      if (m < M) gemm_tile<T, 1>(s, x, m, b0, b1, s.acc.data() + m * 8 * kGemmRows);
+      for (; m + 2 <= M; m += 2) gemm_tile<T, 2>(grp, x, m, b0, b1, s.acc.data() + m * 8 * kGemmRows);
+      if (m < M) gemm_tile<T, 1>(grp, x, m, b0, b1, s.acc.data() + m * 8 * kGemmRows);
     }
     const __mmask16 mask = static_cast<__mmask16>((1u << rows) - 1u);
     for (int64_t m = 0; m < M; ++m) {
@@ -1013,6 +1061,21 @@ inline void gemm_rows(const uint8_t* w, int64_t row_bytes, const GAct& x, int64_
                                      _mm512_add_ps(_mm512_add_ps(a[1], a[5]), _mm512_add_ps(a[3], a[7])));
       _mm512_mask_storeu_ps(Y + m * ldy + n, mask, y);
     }
+  }
+}
+
+// Repack weight rows [N, row_bytes] into out (N / 16 rounded up groups of packed_group_bytes).
+template <int T>
+inline void gemm_pack(const uint8_t* w, int64_t row_bytes, int64_t N, int64_t K, uint8_t* out) {
+  GemmScratch s;
+  const int64_t units = (K / 256) * gemm_units<T>() * kGemmRows;
+  for (int64_t n = 0; n < N; n += kGemmRows) {
+    gemm_unpack<T>(w, row_bytes, K, n, std::min<int64_t>(kGemmRows, N - n), s);
+    uint8_t* dst = out + (n / kGemmRows) * packed_group_bytes<T>(K);
+    std::memcpy(dst, s.w.data(), static_cast<size_t>(K * kGemmRows));
+    std::memcpy(dst + K * kGemmRows, s.a.data(), static_cast<size_t>(units * 4));
+    if constexpr (Fused<T>::MIN)
+      std::memcpy(dst + K * kGemmRows + units * 4, s.b.data(), static_cast<size_t>(units * 4));
   }
 }
 #endif
@@ -1032,6 +1095,8 @@ template <int T>
 constexpr int64_t gemm_min_m() {
   return Fused<T>::SUB32 ? 10 : 4;
 }
+// With the weight repacked (no unpack to pay for) the GEMM takes every batch from this many rows.
+constexpr int64_t kPackedMinM = 5;
 #endif
 
 // Y[m0:m1, n] for weight row n (bytes wr) on the decode + block_dot route: row tiles of <= 4
@@ -1063,9 +1128,15 @@ inline void tile_rows(const uint8_t* wr, const GAct& x, int64_t n, int64_t m0, i
 // rows in groups of ~32 KiB (L1) against 32 activation rows at a time, decoded per row tile.
 template <int T>
 inline void rows_range(const uint8_t* w, int64_t row_bytes, const GAct& x, int64_t n0, int64_t n1, float* Y,
-                       int64_t ldy) {
+                       int64_t ldy, const uint8_t* packed = nullptr) {
 #if defined(LBQ_AVX2)
   if constexpr (Fused<T>::ok) {
+#if defined(LBQ_GEMM512)
+    if (packed != nullptr && x.M >= kPackedMinM) {
+      gemm_rows<T>(w, row_bytes, x, n0, n1, Y, ldy, packed);
+      return;
+    }
+#endif
     if (x.M == 1) {
       for (int64_t n = n0; n < n1; ++n) fused_rows<T, 1, 1>(w + n * row_bytes, row_bytes, x, n, 0, 1, Y, ldy);
 #if defined(LBQ_GEMM512)
@@ -1101,19 +1172,19 @@ inline void rows_range(const uint8_t* w, int64_t row_bytes, const GAct& x, int64
 
 // Rows n0..n1 of Y [M, N] (fp32); w: N rows of row_bytes.
 template <int T>
-inline void gemv_rows_t(const uint8_t* w, int64_t row_bytes, const GAct& x, int64_t N, int64_t n0, int64_t n1,
-                        float* Y) {
-  rows_range<T>(w, row_bytes, x, n0, n1, Y, N);
+inline void gemv_rows_t(const uint8_t* w, int64_t row_bytes, const GAct& x, int64_t N, int64_t n0, int64_t n1, float* Y,
+                        const uint8_t* packed) {
+  rows_range<T>(w, row_bytes, x, n0, n1, Y, N, packed);
 }
 
 // Dispatch on the type id.  Returns false for an unknown type.
 inline bool gemv_rows(int type, const uint8_t* w, int64_t row_bytes, const GAct& x, int64_t N, int64_t n0, int64_t n1,
-                      float* Y) {
+                      float* Y, const uint8_t* packed = nullptr) {
   // clang-format off: one case per type (the formatter runs macro-made cases together)
   switch (type) {
-#define LBQ_GGML_CASE(T)                           \
-  case T:                                          \
-    gemv_rows_t<T>(w, row_bytes, x, N, n0, n1, Y); \
+#define LBQ_GGML_CASE(T)                                   \
+  case T:                                                  \
+    gemv_rows_t<T>(w, row_bytes, x, N, n0, n1, Y, packed); \
     return true;
     LBQ_GGML_TYPES(LBQ_GGML_CASE)
 #undef LBQ_GGML_CASE
@@ -1121,6 +1192,53 @@ inline bool gemv_rows(int type, const uint8_t* w, int64_t row_bytes, const GAct&
       return false;
   }
   // clang-format on
+}
+
+// Bytes of the repacked layout of an [N, K] weight of this type, or 0 where this build has no
+// repacked path for it (not a K-quant, or no AVX-512 VNNI GEMM).
+inline int64_t packed_bytes(int type, int64_t N, int64_t K) {
+#if defined(LBQ_GEMM512)
+  switch (type) {
+#define LBQ_PACK_CASE(T) \
+  case T:                \
+    return Fused<T>::ok && K % 256 == 0 ? (N + kGemmRows - 1) / kGemmRows * packed_group_bytes<T>(K) : 0;
+    LBQ_PACK_CASE(Q2_K)
+    LBQ_PACK_CASE(Q3_K)
+    LBQ_PACK_CASE(Q4_K)
+    LBQ_PACK_CASE(Q5_K)
+    LBQ_PACK_CASE(Q6_K)
+#undef LBQ_PACK_CASE
+    default:
+      return 0;
+  }
+#else
+  (void)type, (void)N, (void)K;
+  return 0;
+#endif
+}
+
+// Fill out (packed_bytes(type, N, K) bytes) from the weight's blocks; false where not packable.
+inline bool pack(int type, const uint8_t* w, int64_t row_bytes, int64_t N, int64_t K, uint8_t* out) {
+  if (packed_bytes(type, N, K) == 0) return false;
+#if defined(LBQ_GEMM512)
+  switch (type) {
+#define LBQ_PACK_CASE(T)                                               \
+  case T:                                                              \
+    if constexpr (Fused<T>::ok) gemm_pack<T>(w, row_bytes, N, K, out); \
+    return true;
+    LBQ_PACK_CASE(Q2_K)
+    LBQ_PACK_CASE(Q3_K)
+    LBQ_PACK_CASE(Q4_K)
+    LBQ_PACK_CASE(Q5_K)
+    LBQ_PACK_CASE(Q6_K)
+#undef LBQ_PACK_CASE
+    default:
+      break;
+  }
+#else
+  (void)w, (void)row_bytes, (void)out;
+#endif
+  return false;
 }
 
 }  // namespace ggml
