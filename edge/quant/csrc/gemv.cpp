@@ -127,16 +127,26 @@ torch::Tensor ggml_gemv(const torch::Tensor& x, const torch::Tensor& blocks, int
   return y;
 }
 
-// The repacked layout of ggml blocks [N, row_bytes] for the batch GEMM, or None where this
-// build or type has none.
-py::object ggml_pack(const torch::Tensor& blocks, int64_t type, int64_t K) {
+// Checks ggml blocks [N, row_bytes] of `type` for K values a row; returns the type's values and
+// bytes per block.
+struct BlockShape {
+  int64_t qk, size;
+};
+BlockShape check_blocks(const torch::Tensor& blocks, int64_t type, int64_t K) {
   int qk = 0, size = 0;
   TORCH_CHECK(lbq::ggml::block_shape(static_cast<int>(type), &qk, &size), "unsupported ggml type id ", type);
   TORCH_CHECK(
       blocks.dim() == 2 && blocks.is_contiguous() && blocks.scalar_type() == at::kByte && blocks.device().is_cpu(),
       "blocks must be a contiguous 2-D uint8 CPU tensor");
-  TORCH_CHECK(K > 0 && K % qk == 0 && blocks.size(1) == K / qk * size, "blocks must be [N, ", K / qk * size,
-              "] for K=", K);
+  TORCH_CHECK(K >= 0 && K % qk == 0, "K=", K, " is not a multiple of the block size ", qk);
+  TORCH_CHECK(blocks.size(1) == K / qk * size, "blocks must be [N, ", K / qk * size, "] for K=", K);
+  return {qk, size};
+}
+
+// The repacked layout of ggml blocks [N, row_bytes] for the batch GEMM, or None where this
+// build or type has none.
+py::object ggml_pack(const torch::Tensor& blocks, int64_t type, int64_t K) {
+  check_blocks(blocks, type, K);
   const int64_t N = blocks.size(0);
   const int64_t bytes = lbq::ggml::packed_bytes(static_cast<int>(type), N, K);
   if (bytes == 0 || N == 0) return py::none();
@@ -150,14 +160,9 @@ py::object ggml_pack(const torch::Tensor& blocks, int64_t type, int64_t K) {
 
 // W [N, K] fp32 from ggml blocks (the prefill path: blockwise dequantize + GEMM).
 torch::Tensor ggml_dequantize(const torch::Tensor& blocks, int64_t type, int64_t K) {
-  int qk = 0, size = 0;
-  TORCH_CHECK(lbq::ggml::block_shape(static_cast<int>(type), &qk, &size), "unsupported ggml type id ", type);
-  TORCH_CHECK(
-      blocks.dim() == 2 && blocks.is_contiguous() && blocks.scalar_type() == at::kByte && blocks.device().is_cpu(),
-      "blocks must be a contiguous 2-D uint8 CPU tensor");
-  TORCH_CHECK(K >= 0 && K % qk == 0, "K=", K, " is not a multiple of the block size ", qk);
+  const BlockShape shape = check_blocks(blocks, type, K);
+  const int64_t qk = shape.qk, size = shape.size;
   const int64_t N = blocks.size(0), nb = K / qk;
-  TORCH_CHECK(blocks.size(1) == nb * size, "blocks must be [N, ", nb * size, "] for K=", K);
   auto w = torch::empty({N, K}, torch::dtype(torch::kFloat));
   const uint8_t* bp = blocks.data_ptr<uint8_t>();
   float* wp = w.data_ptr<float>();

@@ -27,6 +27,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "gemv_kernels.h"
@@ -1194,51 +1195,50 @@ inline bool gemv_rows(int type, const uint8_t* w, int64_t row_bytes, const GAct&
   // clang-format on
 }
 
+#if defined(LBQ_GEMM512)
+// f(std::integral_constant<int, T>{}) for the K-quant type id `type`; false for other types.
+template <class F>
+inline bool with_kquant(int type, F&& f) {
+  switch (type) {
+#define LBQ_KQUANT_CASE(T)               \
+  case T:                                \
+    f(std::integral_constant<int, T>{}); \
+    return true;
+    LBQ_KQUANT_CASE(Q2_K)
+    LBQ_KQUANT_CASE(Q3_K)
+    LBQ_KQUANT_CASE(Q4_K)
+    LBQ_KQUANT_CASE(Q5_K)
+    LBQ_KQUANT_CASE(Q6_K)
+#undef LBQ_KQUANT_CASE
+    default:
+      return false;
+  }
+}
+#endif
+
 // Bytes of the repacked layout of an [N, K] weight of this type, or 0 where this build has no
 // repacked path for it (not a K-quant, or no AVX-512 VNNI GEMM).
 inline int64_t packed_bytes(int type, int64_t N, int64_t K) {
+  int64_t bytes = 0;
 #if defined(LBQ_GEMM512)
-  switch (type) {
-#define LBQ_PACK_CASE(T) \
-  case T:                \
-    return Fused<T>::ok && K % 256 == 0 ? (N + kGemmRows - 1) / kGemmRows * packed_group_bytes<T>(K) : 0;
-    LBQ_PACK_CASE(Q2_K)
-    LBQ_PACK_CASE(Q3_K)
-    LBQ_PACK_CASE(Q4_K)
-    LBQ_PACK_CASE(Q5_K)
-    LBQ_PACK_CASE(Q6_K)
-#undef LBQ_PACK_CASE
-    default:
-      return 0;
-  }
+  if (K % 256 == 0)
+    with_kquant(type,
+                [&](auto t) { bytes = (N + kGemmRows - 1) / kGemmRows * packed_group_bytes<decltype(t)::value>(K); });
 #else
   (void)type, (void)N, (void)K;
-  return 0;
 #endif
+  return bytes;
 }
 
 // Fill out (packed_bytes(type, N, K) bytes) from the weight's blocks; false where not packable.
 inline bool pack(int type, const uint8_t* w, int64_t row_bytes, int64_t N, int64_t K, uint8_t* out) {
   if (packed_bytes(type, N, K) == 0) return false;
 #if defined(LBQ_GEMM512)
-  switch (type) {
-#define LBQ_PACK_CASE(T)                                               \
-  case T:                                                              \
-    if constexpr (Fused<T>::ok) gemm_pack<T>(w, row_bytes, N, K, out); \
-    return true;
-    LBQ_PACK_CASE(Q2_K)
-    LBQ_PACK_CASE(Q3_K)
-    LBQ_PACK_CASE(Q4_K)
-    LBQ_PACK_CASE(Q5_K)
-    LBQ_PACK_CASE(Q6_K)
-#undef LBQ_PACK_CASE
-    default:
-      break;
-  }
+  return with_kquant(type, [&](auto t) { gemm_pack<decltype(t)::value>(w, row_bytes, N, K, out); });
 #else
   (void)w, (void)row_bytes, (void)out;
-#endif
   return false;
+#endif
 }
 
 }  // namespace ggml
