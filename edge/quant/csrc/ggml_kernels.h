@@ -829,8 +829,8 @@ constexpr int64_t gemm_units() {
 // Repacked weights: a weight may be laid out once, at load, as gemm_unpack leaves a group of
 // 16 rows (the last group zero-padded), group after group: [K/4][16] int32 values, then
 // [units][16] scales, then (types with mins) [units][16] min terms.  Batches then skip the
-// unpack, which at 16 rows costs a third of the GEMM's time; the price is memory: ~1.25 bytes
-// per weight beside the file's blocks (Q4_K: 0.5625), which single rows keep reading.
+// unpack, which at 16 rows costs a third of the GEMM's time; the price is memory: 1.125 (Q4_K)
+// to 1.5 (Q2_K) bytes per weight beside the file's blocks, which single rows keep reading.
 template <int T>
 constexpr int64_t packed_group_bytes(int64_t K) {
   return K * kGemmRows + (Fused<T>::MIN ? 2 : 1) * (K / 256) * gemm_units<T>() * kGemmRows * 4;
@@ -876,7 +876,7 @@ inline void transpose8(const __m256* r, __m256* out) {
 template <int T>
 inline void gemm_unpack(const uint8_t* w, int64_t row_bytes, int64_t K, int64_t n0, int64_t rows, GemmScratch& s) {
   using F = Fused<T>;
-  constexpr int NS = F::SUB32 ? 8 : 16;  // scale units per super-block
+  constexpr int NS = static_cast<int>(gemm_units<T>());
   const int64_t nblk = K / 256;
   s.w.resize(static_cast<size_t>(K / 4 * kGemmRows));
   s.a.resize(static_cast<size_t>(nblk * NS * kGemmRows));
@@ -950,7 +950,7 @@ inline __m512i dpbusd_bcast(__m512i acc, __m512i w, const int8_t* p) {
 template <int T, int R>
 inline void gemm_tile(const GemmGroup& s, const GAct& x, int64_t m, int64_t blk0, int64_t blk1, float* acc) {
   using F = Fused<T>;
-  constexpr int NS = F::SUB32 ? 8 : 16;
+  constexpr int NS = static_cast<int>(gemm_units<T>());
   const int64_t K = x.K;
   __m512 A[R][8];
   for (int j = 0; j < R; ++j)
