@@ -125,9 +125,10 @@ def _available_memory() -> int:
     return 2**30
 
 
-def repack(model, batch: BatchConfig, parallel: int) -> int:
-    """Apply ``batch.repack`` to a model held in this process; returns the bytes added."""
-    if batch.repack == "off" or (batch.repack == "auto" and parallel < 2):
+def repack(model, batch: BatchConfig) -> int:
+    """Apply ``batch.repack`` to a model held in this process (``auto`` looks at how many
+    sequences ``batch`` batches); returns the bytes added."""
+    if batch.repack == "off" or (batch.repack == "auto" and batch.slots(model.config) < 2):
         return 0
     budget = _available_memory() // 2 if batch.repack == "auto" else 1 << 62
     added = repack_for_batches(model, budget)
@@ -273,9 +274,11 @@ def build_engine(cfg: ServeMasterConfig, coord=None, master_host: str | None = N
     if cc.devices == 1:
         shard = _load_local(cfg.model_dir, cc.dtype, cc.window_config(), cc.experts)
         runner: Runner = LocalRunner(shard.model, shard.close, report=shard.store_report)
+        # slots sized from free memory once, before the repacked copy takes some of it
+        batch = replace(cfg.batch, parallel=cfg.batch.slots(runner.config))
         if shard.scheduler is None and cc.experts is None:  # (not streamed or swapped weights)
-            repack(shard.model, cfg.batch, cfg.batch.slots(runner.config))
-        return make_engine(runner, tok, name, cfg.batch), None, None
+            repack(shard.model, batch)
+        return make_engine(runner, tok, name, batch), None, None
     from transport.coordinator import Coordinator
     from transport.zmq_comm import connect
 

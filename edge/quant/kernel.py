@@ -391,8 +391,8 @@ def ggml_pack(w: GGMLWeight) -> torch.Tensor | None:
     """The weight repacked for batches (``csrc/ggml_kernels.h``: the AVX-512 VNNI GEMM's
     interleaved layout, which a batch of rows otherwise unpacks on every call), or ``None``
     where there is none: no kernel, no AVX-512 VNNI GEMM in this build, not a K-quant. It
-    costs ~1.25 bytes per weight beside the blocks (which single rows keep reading); outputs
-    are the same bits with or without it."""
+    costs 1.125 (Q4_K) to 1.5 (Q2_K) bytes per weight beside the blocks (which single rows
+    keep reading); outputs are the same bits with or without it."""
     mod = load()
     if mod is None or w.data.device.type != "cpu" or w.shape[0] == 0:
         return None

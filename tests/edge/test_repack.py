@@ -106,7 +106,7 @@ def test_serving_repacks_only_when_asked_or_batching() -> None:
     ]:
         m = _model("Q4_K")
         fastpath.install(m)
-        added = repack(m, BatchConfig(repack=mode), parallel)
+        added = repack(m, BatchConfig(repack=mode, parallel=parallel))
         assert (added > 0) == expect, (mode, parallel)
         lins = [x for x in m.modules() if isinstance(x, GGMLLinear)]
         assert all((x.packed is not None) == expect for x in lins)

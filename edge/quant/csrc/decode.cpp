@@ -44,6 +44,18 @@
 
 namespace py = pybind11;
 
+// The repacked layout of an [N, K] ggml weight of `type` (ggml_kernels.h, packed_bytes),
+// checked against the weight's shape and type before anything reads it (also gemv.cpp's).
+const uint8_t* ggml_packed_ptr(const torch::Tensor& packed, int64_t type, int64_t N, int64_t K) {
+  const int64_t want = lbq::ggml::packed_bytes(static_cast<int>(type), N, K);
+  TORCH_CHECK(want > 0, "this build has no repacked path for ggml type ", type, " at K=", K);
+  TORCH_CHECK(packed.dim() == 1 && packed.is_contiguous() && packed.scalar_type() == at::kByte &&
+                  packed.device().is_cpu() && packed.numel() == want,
+              "packed must be a contiguous 1-D uint8 CPU tensor of ", want, " bytes for [", N, ", ", K, "] of type ",
+              type, ", got ", packed.numel());
+  return packed.data_ptr<uint8_t>();
+}
+
 namespace {
 
 // ---- fp32 helpers -------------------------------------------------------------------------
@@ -230,13 +242,9 @@ Lin parse_lin(const py::handle& h) {
     TORCH_CHECK(l.row_bytes % size == 0, "ggml rows of ", l.row_bytes, " bytes are not whole blocks of ", size);
     l.K = l.row_bytes / size * qk;
     l.qp = l.q.data_ptr<uint8_t>();
-    if (!t[2].is_none()) {  // the repacked layout, checked against the blocks' shape and type
+    if (!t[2].is_none()) {  // the repacked layout (kept alive in s)
       l.s = t[2].cast<torch::Tensor>();
-      const int64_t want = lbq::ggml::packed_bytes(l.G, l.N, l.K);
-      TORCH_CHECK(want > 0 && l.s.dim() == 1 && l.s.is_contiguous() && l.s.scalar_type() == at::kByte &&
-                      l.s.device().is_cpu() && l.s.numel() == want,
-                  "a ggml linear's repacked layout must be a contiguous 1-D uint8 CPU tensor of ", want, " bytes");
-      l.pp = l.s.data_ptr<uint8_t>();
+      l.pp = ggml_packed_ptr(l.s, l.G, l.N, l.K);
     }
   } else {
     TORCH_CHECK(l.kind == 8 || l.kind == 4, "kind must be 32, 8, 4 or 0 (ggml), got ", l.kind);

@@ -7,6 +7,8 @@
 #include "gemv_kernels.h"
 #include "ggml_kernels.h"
 
+const uint8_t* ggml_packed_ptr(const torch::Tensor& packed, int64_t type, int64_t N, int64_t K);  // decode.cpp
+
 namespace {
 
 torch::Tensor gemv(const torch::Tensor& x, const torch::Tensor& qweight, const torch::Tensor& scales, int64_t bits,
@@ -69,20 +71,8 @@ torch::Tensor gemv(const torch::Tensor& x, const torch::Tensor& qweight, const t
   return y;
 }
 
-// y[M,N] = x[M,K] @ W^T (+ bias) for ggml blocks kept as in the GGUF file (ggml_kernels.h).
-// The repacked layout of a weight's blocks (ggml_kernels.h, packed_bytes): checked against
-// the weight's shape and type, so a mismatched buffer is an error before anything reads it.
-const uint8_t* packed_ptr(const c10::optional<torch::Tensor>& packed, int64_t type, int64_t N, int64_t K) {
-  if (!packed.has_value()) return nullptr;
-  const int64_t want = lbq::ggml::packed_bytes(static_cast<int>(type), N, K);
-  TORCH_CHECK(want > 0, "this build has no repacked path for ggml type ", type, " at K=", K);
-  TORCH_CHECK(packed->dim() == 1 && packed->is_contiguous() && packed->scalar_type() == at::kByte &&
-                  packed->device().is_cpu() && packed->numel() == want,
-              "packed must be a contiguous 1-D uint8 CPU tensor of ", want, " bytes for [", N, ", ", K, "] of type ",
-              type, ", got ", packed->numel());
-  return packed->data_ptr<uint8_t>();
-}
-
+// y[M,N] = x[M,K] @ W^T (+ bias) for ggml blocks kept as in the GGUF file (ggml_kernels.h);
+// packed: their repacked layout for batches (ggml_pack), or None.
 torch::Tensor ggml_gemv(const torch::Tensor& x, const torch::Tensor& blocks, int64_t type,
                         const c10::optional<torch::Tensor>& bias, const c10::optional<torch::Tensor>& packed) {
   int qk = 0, size = 0;
@@ -111,7 +101,7 @@ torch::Tensor ggml_gemv(const torch::Tensor& x, const torch::Tensor& blocks, int
     const uint8_t* wp = blocks.data_ptr<uint8_t>();
     float* yp = y.data_ptr<float>();
     const int t = static_cast<int>(type);
-    const uint8_t* pp = packed_ptr(packed, type, N, K);
+    const uint8_t* pp = packed.has_value() ? ggml_packed_ptr(*packed, type, N, K) : nullptr;
     if (pp != nullptr) {  // threads split on the 16-row groups of the repacked layout
       const int64_t groups = (N + 15) / 16;
       at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
