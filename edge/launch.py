@@ -19,7 +19,6 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from edge import fastpath
 from edge.cluster import (
     MASTER_ID_PREFIX,
     ClusterConfig,
@@ -30,10 +29,9 @@ from edge.cluster import (
 )
 from edge.engine import Engine, LocalRunner, Runner
 from edge.moe.serve import ExpertServeConfig, load_nested_shard, plan_ranks
-from edge.quant.linear import repack_for_batches
 from edge.sampling import SamplingParams
 from edge.server import ServerConfig, serve_forever
-from edge.shardio import WindowConfig, is_split_dir, load_shard
+from edge.shardio import REPACK_MODES, WindowConfig, available_memory, is_split_dir, load_shard
 from edge.source import check_model_path, resolve_model
 from lowband.errors import ConfigError, PeerLost
 from lowband.models.config import ModelConfig
@@ -88,7 +86,7 @@ class BatchConfig:
     memory available now)."""
 
     def __post_init__(self) -> None:
-        if self.repack not in ("auto", "on", "off"):
+        if self.repack not in REPACK_MODES:
             raise ConfigError("repack", f"must be auto, on or off, got {self.repack!r}")
         if self.parallel is not None and not 1 <= self.parallel <= 256:
             raise ConfigError("parallel", f"must be in [1, 256], got {self.parallel}")
@@ -107,36 +105,15 @@ class BatchConfig:
         if self.parallel is not None:
             return self.parallel
         if available_bytes is None:
-            available_bytes = _available_memory()
+            available_bytes = available_memory()
         ctx = min(self.sizing_context, model.max_position_embeddings)
         kv = 2 * model.num_hidden_layers * model.n_kv_heads * model.dim_per_head * 4 * ctx
         return max(1, min(16, available_bytes // 4 // (2 * max(kv, 1))))
 
-
-def _available_memory() -> int:
-    """MemAvailable from /proc/meminfo (bytes); 1 GiB where that cannot be read."""
-    try:
-        with open("/proc/meminfo") as fh:
-            for line in fh:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return 2**30
-
-
-def repack(model, batch: BatchConfig) -> int:
-    """Apply ``batch.repack`` to a model held in this process (``auto`` looks at how many
-    sequences ``batch`` batches); returns the bytes added."""
-    if batch.repack == "off" or (batch.repack == "auto" and batch.slots(model.config) < 2):
-        return 0
-    budget = _available_memory() // 2 if batch.repack == "auto" else 1 << 62
-    added = repack_for_batches(model, budget)
-    if added:
-        if getattr(model, "fast_decode", None) is not None:
-            fastpath.install(model)  # its tables point at the weights: rebuilt with the copies
-        logger.info("repacked K-quant weights for batches: %.0f MiB more memory", added / 2**20)
-    return added
+    def repack_mode(self, model: ModelConfig) -> str:
+        """``repack`` as every device applies it (:meth:`LoadedShard.repack`): "auto" is
+        "off" when one sequence at a time is decoded (the copy only helps batches)."""
+        return "off" if self.repack == "auto" and self.slots(model) < 2 else self.repack
 
 
 def make_engine(runner: Runner, tok, name: str, batch: "BatchConfig") -> Engine:
@@ -268,16 +245,17 @@ def build_engine(cfg: ServeMasterConfig, coord=None, master_host: str | None = N
     and this process's communicator, both to be closed by the caller."""
     cfg.device.apply()
     name = cfg.name or Path(cfg.model_dir).resolve().name
-    tok = _tokenizer(cfg.model_dir)
-    cc = cfg.cluster
+    source = resolve_model(cfg.model_dir)
+    tok = source.tokenizer()
+    # slots sized from free memory once, before a repacked copy takes some of it; every
+    # device then repacks its slice (or not) as this decides
+    batch = replace(cfg.batch, parallel=cfg.batch.slots(source.config))
+    cc = replace(cfg.cluster, repack=batch.repack_mode(source.config))
     check_model(cfg.model_dir, cc)
     if cc.devices == 1:
         shard = _load_local(cfg.model_dir, cc.dtype, cc.window_config(), cc.experts)
         runner: Runner = LocalRunner(shard.model, shard.close, report=shard.store_report)
-        # slots sized from free memory once, before the repacked copy takes some of it
-        batch = replace(cfg.batch, parallel=cfg.batch.slots(runner.config))
-        if shard.scheduler is None and cc.experts is None:  # (not streamed or swapped weights)
-            repack(shard.model, batch)
+        shard.repack(cc.repack)
         return make_engine(runner, tok, name, batch), None, None
     from transport.coordinator import Coordinator
     from transport.zmq_comm import connect
@@ -314,7 +292,7 @@ def build_engine(cfg: ServeMasterConfig, coord=None, master_host: str | None = N
         comm.close()
         coord.stop()
         raise
-    return make_engine(runner, tok, name, cfg.batch), coord, comm
+    return make_engine(runner, tok, name, batch), coord, comm
 
 
 def check_model(model_dir: str, cc: ClusterConfig) -> None:

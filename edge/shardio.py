@@ -46,6 +46,7 @@ from edge.formats.split_layout import (
     wanted_tensors,
 )
 from edge.quant.embedding import GGMLEmbedding, QuantEmbedding
+from edge.quant.linear import repack_for_batches
 from edge.tp import HEAD_KEYS, Reduce, TPPlan, make_plan, shard, slice_of, take
 from edge.window import MappedFile, WindowScheduler, attach, window_for_budget
 from lowband.errors import ConfigError
@@ -217,6 +218,42 @@ class LoadedShard:
     def store_report(self) -> dict | None:
         """The expert store's statistics (None for a dense model)."""
         return {**self.store.report(), "devices_reporting": 1} if self.store is not None else None
+
+    def repack(self, mode: str) -> int:
+        """Keep the slice's K-quant weights also in the batch GEMM's layout
+        (:func:`repack_for_batches`): ``mode`` "on", "auto" (if the copy fits half the memory
+        available now) or "off". Streamed (window) and swapped (expert store) weights are left
+        as they are. Returns the bytes added."""
+        if mode not in REPACK_MODES:
+            raise ConfigError("repack", f"must be one of {REPACK_MODES}, got {mode!r}")
+        if mode == "off" or self.scheduler is not None or self.store is not None:
+            return 0
+        budget = available_memory() // 2 if mode == "auto" else 1 << 62
+        added = repack_for_batches(self.model, budget)
+        if added:
+            if getattr(self.model, "fast_decode", None) is not None:
+                fastpath.install(self.model)  # its tables point at the weights: rebuilt
+            logger.info(
+                "rank %d: repacked K-quant weights for batches: %.0f MiB more memory",
+                self.rank,
+                added / 2**20,
+            )
+        return added
+
+
+REPACK_MODES = ("auto", "on", "off")
+
+
+def available_memory() -> int:
+    """MemAvailable from /proc/meminfo (bytes); 1 GiB where that cannot be read."""
+    try:
+        with open("/proc/meminfo") as fh:
+            for line in fh:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return 2**30
 
 
 def load_shard(

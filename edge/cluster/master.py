@@ -51,7 +51,7 @@ from edge.cluster.shard import (
 )
 from edge.engine import ClusterUnavailable, Work, split_logits, wanted_rows
 from edge.moe.serve import ExpertServeConfig
-from edge.shardio import WindowConfig, is_split_dir
+from edge.shardio import REPACK_MODES, WindowConfig, is_split_dir
 from lowband.comm import Communicator, OpStats
 from lowband.errors import (
     CommClosed,
@@ -103,6 +103,10 @@ class ClusterConfig:
     # Profile every device and let edge.planner choose the weights (and leave out devices
     # that would slow the cluster down); also used when re-planning. Excludes ``weights``.
     auto_split: bool = False
+    # Every device keeps its slice's K-quant weights also in the batch GEMM's layout
+    # (edge.shardio.LoadedShard.repack): "on", "off", or "auto" (where the copy fits half the
+    # device's free memory). edge.launch sets it from the engine's batching.
+    repack: str = "off"
 
     def __post_init__(self) -> None:
         if self.auto_split and self.weights is not None:
@@ -115,6 +119,8 @@ class ClusterConfig:
             # (a worker refuses such an assign: edge.cluster.protocol.Assign)
             raise ConfigError("weights", f"must be finite and > 0, got {list(self.weights)}")
         wire_codec(self.wire)
+        if self.repack not in REPACK_MODES:
+            raise ConfigError("repack", f"must be one of {REPACK_MODES}, got {self.repack!r}")
         if self.algorithm not in ("star", "ring", "auto"):
             raise ConfigError("algorithm", f"must be star, ring or auto, got {self.algorithm!r}")
         if self.link not in ("direct", "comm"):
@@ -181,6 +187,7 @@ class MasterRunner:
             self.tags,
             cfg.experts,
         )
+        self.shard.repack(cfg.repack)
         self.model = self.shard.model
         self.config = self.model.config
         # The engine's KV caches (made on first use; ``forward`` is cache 0). The workers keep
@@ -262,6 +269,7 @@ class MasterRunner:
                 link_secret=self.hub.secret if self.hub else None,
                 # an idle master pings every heartbeat_s: this much silence means it is gone
                 silence_s=max(30.0, 10 * cfg.heartbeat_s) + cfg.op_timeout,
+                repack=cfg.repack,
             )
             self._ctl(r, [], msg)
         for r, s in zip(ranks, slots):
@@ -383,6 +391,7 @@ class MasterRunner:
             self.tags,
             self.cfg.experts,
         )
+        self.shard.repack(self.cfg.repack)
         self.model = self.shard.model
         self._slots = {m.peer_id: 0}
         self._assign(others, list(range(1, self.devices)))

@@ -24,7 +24,7 @@ generated from the dataclasses below by :func:`describe` (a test keeps the two i
               dtype: str | None, wire: str, algorithm: str, op_timeout: float,
               window: int | None, memory_budget_mb: float | None, experts: dict | None,
               link_port: int | None, link_spin_us: float, link_secret: str | None,
-              silence_s: float
+              silence_s: float, repack: str = 'off'
     forward   fid: int, start: int, epoch: int, top: int = 0, link: bool = False
               + tensors: the embedded tokens (1, T, H)
     batch     fid: int, epoch: int, caches: list[int], starts: list[int], lengths: list[int],
@@ -143,6 +143,9 @@ class Assign(Msg):
     link_spin_us: float
     link_secret: str | None
     silence_s: float  # this much silence from the master means it is gone
+    # the slice's K-quant weights also in the batch GEMM's layout: auto / on / off
+    # (edge.shardio.LoadedShard.repack); a master that predates it sends none: off
+    repack: str = "off"
 
     def __post_init__(self) -> None:
         # A worker acts on these numbers (sizes a split, sleeps, dials a port): refuse what
@@ -175,6 +178,8 @@ class Assign(Msg):
             raise bad("memory_budget_mb", "must be a finite number > 0")
         if self.link_port is not None and not 1 <= self.link_port <= 65535:
             raise bad("link_port", "must be a TCP port")
+        if self.repack not in ("auto", "on", "off"):
+            raise bad("repack", "must be auto, on or off")
 
 
 @_to_worker

@@ -409,6 +409,7 @@ def _load_assigned(comm: Communicator, cfg: WorkerConfig, st: WorkerState, msg: 
         st.tags,
         ExpertServeConfig.from_dict(msg.experts) if msg.experts else None,
     )
+    st.shard.repack(msg.repack)  # (a worker's own free memory decides "auto")
     st.caches.clear()  # (shaped for the slice this worker held before)
     st.silence_s = msg.silence_s or cfg.join_timeout
 

@@ -219,8 +219,8 @@ def _add_serve(p: argparse.ArgumentParser) -> None:
         default="auto",
         help="keep a copy of the K-quant weights in the batch GEMM's layout (AVX-512 VNNI CPUs): "
         "batches of 5+ rows skip unpacking the weights, 1.1-1.5 bytes per weight more memory, the "
-        "same outputs; auto: when --parallel > 1 and the copy fits half the free memory; one "
-        "device only (default auto)",
+        "same outputs; auto: when --parallel > 1 and the copy fits half the free memory (each "
+        "device of a cluster its own slice, judged by its own memory; default auto)",
     )
     p.add_argument(
         "--op-timeout",

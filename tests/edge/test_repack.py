@@ -1,21 +1,34 @@
 """K-quant weights repacked at load for the batch GEMM (``kernel.ggml_pack``): the same bits
-as the blocks on every route, refused when the copy does not fit its weight, and the compiled
-decode step of a model takes them."""
+as the blocks on every route, refused when the copy does not fit its weight, the compiled
+decode step of a model takes them, and every device of a TP cluster repacks its slice."""
 
 from __future__ import annotations
 
 import copy
+import threading
+import time
 
 import pytest
 import torch
+import transformers
 
 from edge import fastpath
-from edge.launch import BatchConfig, repack
+from edge.cluster import ClusterConfig, MasterRunner, WorkerConfig, run_worker
+from edge.cluster.protocol import Assign
+from edge.engine import Engine
+from edge.launch import BatchConfig
 from edge.quant import kernel
 from edge.quant.linear import GGMLLinear, repack_for_batches
-from lowband.errors import ConfigError
+from edge.sampling import SamplingParams
+from edge.shardio import LoadedShard
+from edge.tp import make_plan
+from lowband.errors import ConfigError, ProtocolError
+from lowband.models.tokenizer import ByteTokenizer
+from tests.edge.test_family_devices import WIDE, write_gguf_file
 from tests.edge.test_fastpath_batch import _check_step, _model, _prefilled
 from tests.edge.test_ggml_quant import weight
+from tests.edge.test_gguf_models import _random
+from transport.loopback import LoopbackGroup
 
 pytestmark = pytest.mark.timeout(600)  # the first test may build the C++ extension (minutes)
 
@@ -98,6 +111,8 @@ def test_serving_repacks_only_when_asked_or_batching() -> None:
     _packable()
     with pytest.raises(ConfigError):
         BatchConfig(repack="yes")
+    with pytest.raises(ConfigError):
+        ClusterConfig(devices=2, repack="always")
     for mode, parallel, expect in [
         ("auto", 1, False),
         ("auto", 4, True),
@@ -106,8 +121,114 @@ def test_serving_repacks_only_when_asked_or_batching() -> None:
     ]:
         m = _model("Q4_K")
         fastpath.install(m)
-        added = repack(m, BatchConfig(repack=mode, parallel=parallel))
+        shard = LoadedShard(model=m, plan=make_plan(m.config, 1), rank=0)
+        added = shard.repack(BatchConfig(repack=mode, parallel=parallel).repack_mode(m.config))
         assert (added > 0) == expect, (mode, parallel)
         lins = [x for x in m.modules() if isinstance(x, GGMLLinear)]
         assert all((x.packed is not None) == expect for x in lins)
         assert m.fast_decode is not None
+
+
+def test_an_assign_with_an_unknown_repack_mode_is_refused() -> None:
+    msg = dict(
+        op="assign",
+        slot=1,
+        world=2,
+        weights=None,
+        model_dir="/m",
+        dtype=None,
+        wire="fp32",
+        algorithm="star",
+        op_timeout=5.0,
+        window=None,
+        memory_budget_mb=None,
+        experts=None,
+        link_port=None,
+        link_spin_us=0.0,
+        link_secret=None,
+        silence_s=30.0,
+    )
+    assert Assign.decode(msg).repack == "off"  # a master that predates the field
+    assert Assign.decode({**msg, "repack": "on"}).repack == "on"
+    with pytest.raises(ProtocolError, match="repack"):
+        Assign.decode({**msg, "repack": "all"})
+
+
+@pytest.fixture(scope="module")
+def q4k_file(tmp_path_factory):
+    """A Llama of whole Q4_K blocks on both devices of a 2-way split."""
+    cfg = transformers.LlamaConfig(**WIDE, num_hidden_layers=2, tie_word_embeddings=False)
+    hf = _random(transformers.LlamaForCausalLM(cfg))
+    return write_gguf_file(tmp_path_factory.mktemp("q4k") / "m.gguf", hf, "llama", quant="Q4_K")
+
+
+def _queued(eng: Engine) -> int:
+    m = eng.metrics.snapshot()
+    return m["requests_waiting"] + m["requests_running"]
+
+
+def _cluster_texts(path, repack: str, prompts: list[str]) -> list[str]:
+    """Every prompt's greedy text from a 2-device cluster (master + a worker thread), all
+    requests batched together."""
+    comms = LoopbackGroup(2, timeout=60).comms()
+    errors: list[BaseException] = []
+
+    def work() -> None:
+        try:
+            run_worker(comms[1], WorkerConfig(join_timeout=60))
+        except BaseException as e:  # noqa: BLE001 - reported by the test
+            errors.append(e)
+
+    worker = threading.Thread(target=work, daemon=True)
+    worker.start()
+    runner = None
+    try:
+        cfg = ClusterConfig(devices=2, op_timeout=60.0, join_timeout=60, repack=repack)
+        runner = MasterRunner(comms[0], path, cfg)
+        eng = Engine(runner, ByteTokenizer(), model_name="m", parallel=len(prompts))
+        params = SamplingParams(max_tokens=10)
+        out: dict[int, str] = {}
+
+        def complete(i: int) -> None:
+            out[i] = eng.complete(prompts[i], params)[0]
+
+        with runner._lock:  # every request queued before the first step: one batch
+            ts = [threading.Thread(target=complete, args=(i,)) for i in range(len(prompts))]
+            for t in ts:
+                t.start()
+            deadline = time.monotonic() + 20
+            while _queued(eng) < len(prompts):
+                assert time.monotonic() < deadline, "the requests were not queued"
+                time.sleep(0.01)
+        for t in ts:
+            t.join(120)
+        assert eng.metrics.snapshot()["batch_sequences_mean"] > 4  # the repacked route: >= 5 rows
+        return [out[i] for i in range(len(prompts))]
+    finally:
+        if runner is not None:
+            runner.close()
+        worker.join(30)
+        assert not worker.is_alive() and not errors, errors
+
+
+def test_every_device_of_a_cluster_repacks_its_slice(q4k_file, monkeypatch) -> None:
+    """``repack`` travels in the assign: master and worker each copy their slice, and the
+    batched texts are those of the same cluster without the copies."""
+    _packable()
+    real = LoadedShard.repack
+    calls: list[tuple[int, str, int]] = []
+
+    def spy(self, mode):
+        added = real(self, mode)
+        calls.append((self.rank, mode, added))
+        return added
+
+    monkeypatch.setattr(LoadedShard, "repack", spy)
+    prompts = ["The quick brown fox", "Once upon a time", "Hello", "abc def", "xyz", "0123456"]
+    plain = _cluster_texts(q4k_file, "off", prompts)
+    assert sorted(r for r, _, _ in calls) == [0, 1] and all(a == 0 for _, _, a in calls)
+    calls.clear()
+    assert _cluster_texts(q4k_file, "on", prompts) == plain
+    assert sorted(r for r, _, _ in calls) == [0, 1]
+    assert all(mode == "on" and added > 0 for _, mode, added in calls), calls
+    assert len(set(plain)) > 1, plain
