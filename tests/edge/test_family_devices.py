@@ -12,11 +12,12 @@ architecture (F32, so the tokens can be compared exactly)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 import threading
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 import gguf
 import numpy as np
@@ -299,10 +300,10 @@ def greedy(runner: Runner, prompt: list[int], n: int) -> list[int]:
     return out
 
 
-def cluster_tokens(
-    path: Path, prompt: list[int], n: int, experts: ExpertServeConfig | None = None
-) -> list[int]:
-    """Greedy tokens of a 2-device cluster (master + one worker thread) serving ``path``."""
+@contextlib.contextmanager
+def two_devices(path: Path, **cluster) -> Iterator[MasterRunner]:
+    """The master of a 2-device cluster (master + one worker thread) serving ``path``
+    (``cluster``: more ClusterConfig fields); the worker must end cleanly."""
     comms = LoopbackGroup(2, timeout=60).comms()
     errors: list[BaseException] = []
 
@@ -316,16 +317,22 @@ def cluster_tokens(
     worker.start()
     runner = None
     try:
-        cfg = ClusterConfig(
-            devices=2, op_timeout=60.0, join_timeout=60, heartbeat_s=1.0, experts=experts
-        )
+        cfg = ClusterConfig(devices=2, op_timeout=60.0, join_timeout=60, heartbeat_s=1.0, **cluster)
         runner = MasterRunner(comms[0], path, cfg)
-        return greedy(runner, prompt, n)
+        yield runner
     finally:
         if runner is not None:
             runner.close()
         worker.join(30)
         assert not worker.is_alive() and not errors, errors
+
+
+def cluster_tokens(
+    path: Path, prompt: list[int], n: int, experts: ExpertServeConfig | None = None
+) -> list[int]:
+    """Greedy tokens of a 2-device cluster serving ``path``."""
+    with two_devices(path, experts=experts) as runner:
+        return greedy(runner, prompt, n)
 
 
 def _source(models, family: str, fmt: str) -> Path:

@@ -13,8 +13,7 @@ import torch
 import transformers
 
 from edge import fastpath
-from edge.cluster import ClusterConfig, MasterRunner, WorkerConfig, run_worker
-from edge.cluster.protocol import Assign
+from edge.cluster import ClusterConfig
 from edge.engine import Engine
 from edge.launch import BatchConfig
 from edge.quant import kernel
@@ -22,13 +21,12 @@ from edge.quant.linear import GGMLLinear, repack_for_batches
 from edge.sampling import SamplingParams
 from edge.shardio import LoadedShard
 from edge.tp import make_plan
-from lowband.errors import ConfigError, ProtocolError
+from lowband.errors import ConfigError
 from lowband.models.tokenizer import ByteTokenizer
-from tests.edge.test_family_devices import WIDE, write_gguf_file
+from tests.edge.test_family_devices import WIDE, two_devices, write_gguf_file
 from tests.edge.test_fastpath_batch import _check_step, _model, _prefilled
 from tests.edge.test_ggml_quant import weight
 from tests.edge.test_gguf_models import _random
-from transport.loopback import LoopbackGroup
 
 pytestmark = pytest.mark.timeout(600)  # the first test may build the C++ extension (minutes)
 
@@ -129,31 +127,6 @@ def test_serving_repacks_only_when_asked_or_batching() -> None:
         assert m.fast_decode is not None
 
 
-def test_an_assign_with_an_unknown_repack_mode_is_refused() -> None:
-    msg = dict(
-        op="assign",
-        slot=1,
-        world=2,
-        weights=None,
-        model_dir="/m",
-        dtype=None,
-        wire="fp32",
-        algorithm="star",
-        op_timeout=5.0,
-        window=None,
-        memory_budget_mb=None,
-        experts=None,
-        link_port=None,
-        link_spin_us=0.0,
-        link_secret=None,
-        silence_s=30.0,
-    )
-    assert Assign.decode(msg).repack == "off"  # a master that predates the field
-    assert Assign.decode({**msg, "repack": "on"}).repack == "on"
-    with pytest.raises(ProtocolError, match="repack"):
-        Assign.decode({**msg, "repack": "all"})
-
-
 @pytest.fixture(scope="module")
 def q4k_file(tmp_path_factory):
     """A Llama of whole Q4_K blocks on both devices of a 2-way split."""
@@ -168,23 +141,8 @@ def _queued(eng: Engine) -> int:
 
 
 def _cluster_texts(path, repack: str, prompts: list[str]) -> list[str]:
-    """Every prompt's greedy text from a 2-device cluster (master + a worker thread), all
-    requests batched together."""
-    comms = LoopbackGroup(2, timeout=60).comms()
-    errors: list[BaseException] = []
-
-    def work() -> None:
-        try:
-            run_worker(comms[1], WorkerConfig(join_timeout=60))
-        except BaseException as e:  # noqa: BLE001 - reported by the test
-            errors.append(e)
-
-    worker = threading.Thread(target=work, daemon=True)
-    worker.start()
-    runner = None
-    try:
-        cfg = ClusterConfig(devices=2, op_timeout=60.0, join_timeout=60, repack=repack)
-        runner = MasterRunner(comms[0], path, cfg)
+    """Every prompt's greedy text from a 2-device cluster, all requests batched together."""
+    with two_devices(path, repack=repack) as runner:
         eng = Engine(runner, ByteTokenizer(), model_name="m", parallel=len(prompts))
         params = SamplingParams(max_tokens=10)
         out: dict[int, str] = {}
@@ -204,11 +162,6 @@ def _cluster_texts(path, repack: str, prompts: list[str]) -> list[str]:
             t.join(120)
         assert eng.metrics.snapshot()["batch_sequences_mean"] > 4  # the repacked route: >= 5 rows
         return [out[i] for i in range(len(prompts))]
-    finally:
-        if runner is not None:
-            runner.close()
-        worker.join(30)
-        assert not worker.is_alive() and not errors, errors
 
 
 def test_every_device_of_a_cluster_repacks_its_slice(q4k_file, monkeypatch) -> None:

@@ -117,6 +117,7 @@ def test_a_networked_worker_needs_its_model_dir(models) -> None:
         {"memory_budget_mb": math.nan},
         {"model_dir": ""},
         {"model_dir": "/m\0/etc/passwd"},
+        {"repack": "all"},
     ],
     ids=repr,
 )
@@ -134,6 +135,8 @@ def test_the_master_refuses_weights_its_workers_would(bad) -> None:
 def test_a_sane_assign_decodes() -> None:
     msg = decode(_assign("/m", weights=[1.0, 2.5], link_port=40123, window=2))
     assert isinstance(msg, Assign) and msg.weights == [1.0, 2.5] and msg.slot == 1
+    assert msg.repack == "off"  # a master that predates the field sends none
+    assert decode(_assign("/m", repack="auto")).repack == "auto"
 
 
 # ---- a worker on the loopback group ------------------------------------------------------------
