@@ -1092,9 +1092,12 @@ constexpr int64_t kSmallM = 128;
 // in-process at Llama-3.2-1B Q4_K_M on one core took 52-56 s from 10 rows (Q4_K, Q5_K) and 4
 // (Q6_K..Q2_K), 61-66 s from 12 and 8 (alternating runs); single matrices streamed from
 // memory put the crossovers at 12 and 5-8, which the decode batches of the real model do not.
+// Q6_K..Q2_K start at 5, not 4: a 4-row decode step of that model (context 128, one core) took
+// 121-123 ms with them on the fused rows against 140-147 ms on gemm_rows (its Q6_K head, 128256
+// rows, reads the blocks once either way, and the unpack is not paid back at 4 rows).
 template <int T>
 constexpr int64_t gemm_min_m() {
-  return Fused<T>::SUB32 ? 10 : 4;
+  return Fused<T>::SUB32 ? 10 : 5;
 }
 // With the weight repacked (no unpack to pay for) the GEMM takes every batch from this many rows.
 constexpr int64_t kPackedMinM = 5;
