@@ -296,8 +296,11 @@ async def stream_one(
 def _session(timeout: float) -> Any:
     import aiohttp
 
+    # A fresh connection per request, for every arm: llama-server closes a kept-alive connection
+    # after a streamed response, and the client's next request on it then fails ("Can not write
+    # request body") -- a run with 2 requests per client lost a third of llama-server's requests.
     return aiohttp.ClientSession(
-        connector=aiohttp.TCPConnector(limit=0),
+        connector=aiohttp.TCPConnector(limit=0, force_close=True),
         timeout=aiohttp.ClientTimeout(total=timeout),
     )
 
@@ -616,12 +619,16 @@ def summarize(rounds: list[dict], workload: dict, costs: dict, machine: dict) ->
 
 
 def _ratios(arms: dict, num: str, den: str) -> dict:
+    """tokens/s of ``num`` over ``den`` per level; None where either arm lost a request (the
+    two did not do the same work) or has no figure."""
     if num not in arms or den not in arms:
         return {}
     out = {}
     for c, lvl in arms[num]["levels"].items():
-        x, y = lvl["tokens_per_s"]["median"], arms[den]["levels"][c]["tokens_per_s"]["median"]
-        out[c] = round(x / y, 3) if x and y else None
+        other = arms[den]["levels"][c]
+        x, y = lvl["tokens_per_s"]["median"], other["tokens_per_s"]["median"]
+        ok = x and y and "errors" not in lvl and "errors" not in other
+        out[c] = round(x / y, 3) if ok else None
     return out
 
 

@@ -84,3 +84,17 @@ def test_bench_tiny_lowband_only(spawn, tmp_path) -> None:
     for machine in res["machine"].values():
         assert machine["read_gb_per_s"] > 0 and machine["fp32_gflop_per_s"] > 0
     assert set(res["tp2_vs_1_device"]) == {"c1", "c2"}
+
+
+def test_no_ratio_where_an_arm_lost_requests() -> None:
+    """A level where either server failed a request did other work than its peer: no ratio."""
+    from benchmarks.edge_serving import _ratios
+
+    def arm(tps: float, errors: bool) -> dict:
+        lvl = {"tokens_per_s": {"median": tps}} | ({"errors": ["boom"]} if errors else {})
+        return {"levels": {"c1": lvl, "c4": {"tokens_per_s": {"median": tps}}}}
+
+    arms = {"lowband": arm(12.0, False), "llama-server": arm(10.0, True)}
+    assert _ratios(arms, "lowband", "llama-server") == {"c1": None, "c4": 1.2}
+    arms["llama-server"] = arm(10.0, False)
+    assert _ratios(arms, "lowband", "llama-server") == {"c1": 1.2, "c4": 1.2}
