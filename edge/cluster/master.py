@@ -186,8 +186,8 @@ class MasterRunner:
             cfg.window_config(),
             self.tags,
             cfg.experts,
+            cfg.repack,
         )
-        self.shard.repack(cfg.repack)
         self.model = self.shard.model
         self.config = self.model.config
         # The engine's KV caches (made on first use; ``forward`` is cache 0). The workers keep
@@ -390,8 +390,8 @@ class MasterRunner:
             self.cfg.window_config(),
             self.tags,
             self.cfg.experts,
+            self.cfg.repack,
         )
-        self.shard.repack(self.cfg.repack)
         self.model = self.shard.model
         self._slots = {m.peer_id: 0}
         self._assign(others, list(range(1, self.devices)))

@@ -79,9 +79,11 @@ def load_slot(
     window: WindowConfig | None,
     tags: Tags,
     experts: ExpertServeConfig | None = None,
+    repack: str = "off",
 ) -> LoadedShard:
     """Slot ``slot`` of a ``world``-device plan of ``model_dir``, its all-reduces over ``net``
-    (whatever carries them: the communicator or a star link)."""
+    (whatever carries them: the communicator or a star link); ``repack``: its K-quant weights
+    also in the batch GEMM's layout (:meth:`LoadedShard.repack`)."""
     if algorithm not in _ALGORITHMS:
         raise ConfigError("algorithm", f"must be star, ring or auto, got {algorithm!r}")
     reduce = make_reduce(
@@ -89,7 +91,7 @@ def load_slot(
     )
     # experts is not None when the directory is nested: check_experts refuses that
     if check_experts(model_dir, experts) and experts is not None:
-        return load_nested_shard(
+        loaded = load_nested_shard(
             model_dir,
             slot,
             world,
@@ -99,9 +101,12 @@ def load_slot(
             window=window,
             dtype=dtype,
         )
-    return load_shard(
-        model_dir, slot, world, weights=weights, dtype=dtype, reduce=reduce, window=window
-    )
+    else:
+        loaded = load_shard(
+            model_dir, slot, world, weights=weights, dtype=dtype, reduce=reduce, window=window
+        )
+    loaded.repack(repack)
+    return loaded
 
 
 def shard_logits(shard: LoadedShard, h: torch.Tensor, top: int) -> torch.Tensor | None:

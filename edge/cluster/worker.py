@@ -408,8 +408,8 @@ def _load_assigned(comm: Communicator, cfg: WorkerConfig, st: WorkerState, msg: 
         win,
         st.tags,
         ExpertServeConfig.from_dict(msg.experts) if msg.experts else None,
+        msg.repack,  # (a worker's own free memory decides "auto")
     )
-    st.shard.repack(msg.repack)  # (a worker's own free memory decides "auto")
     st.caches.clear()  # (shaped for the slice this worker held before)
     st.silence_s = msg.silence_s or cfg.join_timeout
 
