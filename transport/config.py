@@ -20,7 +20,10 @@ class ZmqConfig:
     """K: TCP connections per peer pair. Chunks are striped across them, so a WAN path whose
     single flow is capped by window/RTT carries up to K times more."""
     chunk_bytes: int = 4 * MiB
-    """Large buffers move in chunks of this size (the unit of striping and pipelining)."""
+    """Large buffers move in chunks of at most this size (the unit of striping and pipelining);
+    a buffer (a collective's segment, a message) of less than 16 chunks is cut into 16 pieces of
+    at least 64 KiB instead, so that K connections carry it at once
+    (:func:`transport.ops.piece_bytes`)."""
     timeout: float = 60.0
     """Default per-operation deadline in seconds (every call can override it)."""
     register_timeout: float = 30.0

@@ -14,7 +14,7 @@ import torch
 
 from lowband.errors import ProtocolError
 from transport import wire
-from transport.ops import Host, Mismatch, Op
+from transport.ops import Host, Mismatch, Op, piece_bytes
 from transport.wire import MsgType
 from transport.work import FutureWork
 
@@ -36,8 +36,11 @@ def post_message(
     **extra: Any,
 ) -> None:
     """Send tensors + metadata as one logical message: a MSG (descriptors, user metadata and the
-    first ≤ chunk_bytes of data) then MSG_PART chunks striped over the K connections."""
+    first ≤ chunk_bytes of data) then MSG_PART chunks striped over the K connections; a message
+    of less than 16 chunks is cut smaller (:func:`transport.ops.piece_bytes`) so that several
+    connections carry it."""
     bufs = [wire.tensor_bytes(t) for t in tensors]
+    chunk_bytes = piece_bytes(sum(len(b) for b in bufs), chunk_bytes)
     pieces = [
         (ti, off, min(chunk_bytes, len(b) - off))
         for ti, b in enumerate(bufs)

@@ -81,6 +81,21 @@ def bounds(numel: int, parts: int) -> list[tuple[int, int]]:
     return list(zip(cuts[:-1], cuts[1:]))
 
 
+STRIPE_PIECES = 16
+"""A buffer of up to this many ``chunk_bytes`` moves as at least this many pieces."""
+MIN_PIECE_BYTES = 64 * 1024
+"""Pieces are not cut below this size (unless ``chunk_bytes`` itself is smaller)."""
+
+
+def piece_bytes(total: int, chunk_bytes: int) -> int:
+    """The size of the pieces a buffer of ``total`` bytes moves in: at most ``chunk_bytes``, and
+    small enough that the buffer is at least :data:`STRIPE_PIECES` pieces, so that up to that
+    many TCP connections carry it at once and a ring step pipelines instead of waiting for one
+    whole segment; never below :data:`MIN_PIECE_BYTES` (per-message costs). A pure function of
+    sizes every rank agrees on, so the ranks of a collective cut the same chunks."""
+    return min(chunk_bytes, max(MIN_PIECE_BYTES, -(-total // STRIPE_PIECES)))
+
+
 def chunked(lo: int, hi: int, step: int) -> list[tuple[int, int]]:
     return [(a, min(hi, a + step)) for a in range(lo, hi, step)]
 
@@ -214,7 +229,9 @@ class ReduceBase(Op):
         self.codec = codec
         self.numel = x.numel()
         self.dtype = x.dtype
-        self.chunk = max(1, chunk_bytes // max(1, x.element_size()))
+        elem = max(1, x.element_size())
+        segment = -(-self.numel // max(1, self.n)) * elem  # the ring's / scatter's segment
+        self.chunk = max(1, piece_bytes(segment, chunk_bytes) // elem)
         self.signature = {
             "n": self.numel,
             "d": wire.dtype_name(self.dtype),
