@@ -1,8 +1,6 @@
 """Transport benchmarks. Each mode prints one JSON line, the last line of its output.
 
     python -m benchmarks.transport allreduce --world 4 --size-mb 64 --connections 4 --vs-gloo --json
-    python -m benchmarks.transport emulator --size-mb 8 --rate-mbit 400 --delay-ms 50 \
-        --window-kb 256
     python -m benchmarks.transport netns --size-mb 25 --rate-mbit 100        # needs root + iproute2
 
 ``allreduce`` starts ``world`` processes on this machine. Each joins a lowband group with the
@@ -21,11 +19,6 @@ are medians.
 algbw = bytes / seconds; busbw = algbw · 2(n-1)/n (the nccl-tests convention). CPU seconds per
 operation (all threads of all ranks, ZeroMQ's I/O threads included) are reported as well: on a
 busy machine they show efficiency better than wall time.
-
-``emulator`` moves ``size_mb`` between two peers whose data ports sit behind the user-space link
-emulator (bandwidth, one-way delay, per-connection window) for each K in ``--connections``. It is
-a MODEL: the relay caps each connection's window, so K connections carry K times one by
-construction (up to the rate); the output says so.
 
 ``netns`` moves ``size_mb`` between two network namespaces joined by a veth pair shaped with
 ``tc tbf`` (kernel TCP) for each K in ``--connections``, rounds interleaved, and reports goodput
@@ -386,90 +379,6 @@ def allreduce(cfg: AllReduceBench) -> dict[str, Any]:
     return result
 
 
-# ---- emulator ------------------------------------------------------------------------------------
-@dataclass(frozen=True, kw_only=True)
-class EmulatorBench:
-    size_mb: float = 8.0
-    rate_mbit: float = 400.0
-    delay_ms: float = 50.0
-    window_kb: int = 256
-    connections: tuple[int, ...] = (1, 2, 4, 8)
-    chunk_kb: int = 256
-    repeats: int = 2
-
-    def __post_init__(self) -> None:
-        if self.size_mb <= 0 or self.repeats < 1 or not self.connections:
-            raise ConfigError("size_mb", "need size_mb > 0, repeats >= 1 and some connections")
-
-
-def emulator(cfg: EmulatorBench) -> dict[str, Any]:
-    import threading
-
-    import torch
-
-    from transport.coordinator import Coordinator, CoordinatorConfig
-    from transport.links.emulator import LinkConfig, emulated_config
-    from transport.zmq_comm import ZmqConfig, connect
-
-    link = LinkConfig(
-        rate_mbit=cfg.rate_mbit, delay_ms=cfg.delay_ms, window_bytes=cfg.window_kb * 1024
-    )
-    x = torch.zeros(int(cfg.size_mb * MiB) // 4)
-    rows = []
-    for k in cfg.connections:
-        base = ZmqConfig(
-            bind_host="127.0.0.1", connections=k, chunk_bytes=cfg.chunk_kb * 1024, timeout=600.0
-        )
-        made = [emulated_config(base, link) for _ in range(2)]
-        comms: list[Any] = []
-        try:
-            with Coordinator(CoordinatorConfig(bind="tcp://127.0.0.1:0")) as coord:
-                comms = [connect(coord.address, c) for c, _ in made]
-                threads = [
-                    threading.Thread(target=c.quorum, kwargs={"min_world": 2}) for c in comms
-                ]
-                for t in threads:
-                    t.start()
-                for t in threads:
-                    t.join(60)
-                comms.sort(key=lambda c: c.rank)
-                times = []
-                for _ in range(cfg.repeats + 1):  # the first round opens the connections
-                    t0 = time.perf_counter()
-                    recv = threading.Thread(target=comms[1].recv, args=(0,), kwargs={"tag": "bulk"})
-                    recv.start()
-                    comms[0].send(1, [x], tag="bulk")
-                    recv.join(600)
-                    times.append(time.perf_counter() - t0)
-                best = min(times[1:])
-                rows.append(
-                    {
-                        "connections": k,
-                        "seconds": round(best, 4),
-                        "goodput_mbit": round(x.numel() * 4 * 8 / best / 1e6, 2),
-                    }
-                )
-        finally:
-            for c in comms:
-                c.close()
-            for _, emu in made:
-                emu.stop()
-    base_rate = rows[0]["goodput_mbit"]
-    return {
-        "mode": "emulator",
-        "link": "MODELLED: user-space relay that caps each connection's in-flight bytes at "
-        "window_bytes, so one flow is held to window/RTT and K flows get up to K x "
-        "that by construction; kernel TCP's own window dynamics are not exercised",
-        "rate_mbit": cfg.rate_mbit,
-        "delay_ms": cfg.delay_ms,
-        "window_bytes": link.window_bytes,
-        "flow_cap_mbit": round(link.flow_cap_mbit(), 2),
-        "bytes": x.numel() * 4,
-        "results": rows,
-        "best_speedup_vs_first": round(max(r["goodput_mbit"] for r in rows) / base_rate, 2),
-    }
-
-
 # ---- netns ---------------------------------------------------------------------------------------
 def netns(size_mb: float, rate_mbit: float, connections: list[int], repeats: int) -> dict[str, Any]:
     """Kernel TCP through tbf for each K in ``connections``: ``repeats`` rounds, each K once per
@@ -477,7 +386,7 @@ def netns(size_mb: float, rate_mbit: float, connections: list[int], repeats: int
 
     This kernel has no netem, so the veth link has no propagation delay (RTT ~0.1 ms): a TCP
     window never binds here, and this measures what K costs or gains on a rate-limited link, not
-    the long-fat-pipe effect (that one is only modelled, by ``emulator``)."""
+    the long-fat-pipe effect (``benchmarks.tun_wan`` measures that, over a real RTT)."""
     from transport.links.netns import (
         NetnsConfig,
         Testbed,
@@ -557,20 +466,6 @@ def _run_allreduce(args: argparse.Namespace) -> int:
     return 0
 
 
-def _run_emulator(args: argparse.Namespace) -> int:
-    cfg = EmulatorBench(
-        size_mb=args.size_mb,
-        rate_mbit=args.rate_mbit,
-        delay_ms=args.delay_ms,
-        window_kb=args.window_kb,
-        connections=tuple(args.connections),
-        chunk_kb=args.chunk_kb,
-        repeats=args.repeats,
-    )
-    _print(emulator(cfg), args.json)
-    return 0
-
-
 def _run_netns(args: argparse.Namespace) -> int:
     _print(netns(args.size_mb, args.rate_mbit, args.connections, args.repeats), args.json)
     return 0
@@ -611,18 +506,6 @@ def add_modes(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--json", action="store_true", help="print only the JSON line")
     p.set_defaults(run=_run_allreduce)
-
-    e = EmulatorBench()
-    p = sub.add_parser("emulator", help="throughput vs K connections through the link emulator")
-    p.add_argument("--size-mb", type=float, default=e.size_mb)
-    p.add_argument("--rate-mbit", type=float, default=e.rate_mbit)
-    p.add_argument("--delay-ms", type=float, default=e.delay_ms, help="one-way delay")
-    p.add_argument("--window-kb", type=int, default=e.window_kb, help="per-connection window")
-    p.add_argument("--connections", type=int, nargs="+", default=list(e.connections))
-    p.add_argument("--chunk-kb", type=int, default=e.chunk_kb)
-    p.add_argument("--repeats", type=int, default=e.repeats)
-    p.add_argument("--json", action="store_true")
-    p.set_defaults(run=_run_emulator)
 
     p = sub.add_parser("netns", help="goodput on a tbf-shaped veth link between namespaces (root)")
     p.add_argument("--size-mb", type=float, default=25.0)

@@ -92,29 +92,3 @@ def test_allreduce_bench_forced_tcp_measures_tcp_only():
     assert (r["transport"], r["algorithm"]) == ("tcp", "ring")
     assert r["bytes_sent_per_rank"] == 1 << 20  # ring: 2(n-1)/n of the payload for n = 2
     assert "tcp_seconds" not in r
-
-
-def test_emulator_bench():
-    r = _last_json(
-        [
-            "benchmarks.transport",
-            "emulator",
-            "--size-mb",
-            "0.5",
-            "--rate-mbit",
-            "100",
-            "--delay-ms",
-            "10",
-            "--window-kb",
-            "64",
-            "--connections",
-            "1",
-            "4",
-            "--repeats",
-            "1",
-            "--json",
-        ]
-    )
-    assert [row["connections"] for row in r["results"]] == [1, 4]
-    assert all(row["goodput_mbit"] > 0 for row in r["results"])
-    assert r["flow_cap_mbit"] == pytest.approx(64 * 1024 * 8 / 0.02 / 1e6, rel=1e-3)
