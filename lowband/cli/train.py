@@ -221,6 +221,13 @@ def _train_config(args: argparse.Namespace, base=None, **extra: object):
     )
 
 
+def _connections(text: str) -> int:
+    k = int(text)
+    if not 1 <= k <= 64:
+        raise argparse.ArgumentTypeError(f"must be in [1, 64], got {k}")
+    return k
+
+
 def _fail(exc: Exception) -> int:
     print(f"lowband: error: {exc}", file=sys.stderr)
     return 2
@@ -306,6 +313,7 @@ def _worker_checked(args: argparse.Namespace) -> int:
         register_timeout=args.register_timeout,
         reachable={"auto": None, "yes": True, "no": False}[args.reachable],
         relay=args.relay,
+        connections=args.connections,
     )
     result = worker_main(cfg)
     print(json.dumps(result.summary()))
@@ -360,6 +368,7 @@ def _site_rank(args: argparse.Namespace) -> int:
         curve=auth.curve,
         curve_server_key=auth.server_key,
         same_host=args.same_host,
+        connections=args.connections,
         dist_timeout=args.dist_timeout,
         resume=args.resume,
     )
@@ -472,6 +481,15 @@ def register(sub: argparse._SubParsersAction) -> None:
         default="auto",
         choices=["auto", "shm", "ipc", "off"],
         help="shortcuts to workers on this host (off: TCP only, for shaped links)",
+    )
+    p.add_argument(
+        "--connections",
+        type=_connections,
+        default=4,
+        metavar="K",
+        help="TCP connections to each other worker, 1-64 (default 4). On a long path with "
+        "cubic or small TCP buffers more carry more (16 at 160 ms); with bbr on a short one, 1-2 "
+        "(docs/training.md, Measured)",
     )
     p.add_argument(
         "--reachable",

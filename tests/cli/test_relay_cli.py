@@ -74,6 +74,8 @@ def test_relay_flags_are_checked_before_anything_listens():
         ("coordinator --bind tcp://127.0.0.1:0 --relay-bind 127.0.0.1:1", "relay_bind"),
         ("worker --coordinator tcp://127.0.0.1:1 --relay x", "--relay"),
         ("worker --coordinator tcp://127.0.0.1:1 --reachable maybe", "--reachable"),
+        ("worker --coordinator tcp://127.0.0.1:1 --connections 0", "--connections"),
+        ("worker --coordinator tcp://127.0.0.1:1 --connections 65", "--connections"),
     ):
         bad = subprocess.run(
             [PY, "-m", "lowband", *args.split()], capture_output=True, text=True, timeout=60
