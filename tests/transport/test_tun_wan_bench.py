@@ -30,31 +30,19 @@ def test_bad_sweeps_are_config_errors(bad):
 
 @pytest.mark.slow
 @pytest.mark.netns
-@pytest.mark.timeout(150)
-@needs_tun
-def test_tun_wan_bench_moves_bytes_over_a_real_rtt():
-    args = ["--size-mb", "1", "--rate-mbit", "20", "--delay-ms", "10", "--connections", "1", "2"]
-    out = run_json_module("benchmarks.tun_wan", *args, "--rounds", "1", "--json", timeout=140)
-    assert out["bytes"] == 1 << 20
-    assert abs(out["measured_rtt_ms"]["median_ms"] - 20.0) <= 0.15 * 20.0 + 2.0
-    assert [r["connections"] for r in out["results"]] == [1, 2]
-    for row in out["results"]:  # the bottleneck really binds lowband's transfers
-        assert 0 < row["goodput_mbit"]["max"] <= 20.0
-
-
-@pytest.mark.slow
-@pytest.mark.netns
 @pytest.mark.timeout(200)
 @needs_tun
-def test_a_sweep_reconfigures_the_path_per_cell_and_scales_the_buffers():
+def test_a_sweep_moves_bytes_over_each_cells_rtt_and_scales_the_buffers():
     args = ["--size-mb", "1", "--rate-mbit", "20", "--delay-ms", "2", "25", "--loss", "0"]
-    more = ["--connections", "1", "--rounds", "1", "--as-rate-mbit", "200", "--json"]
+    more = ["--connections", "1", "2", "--rounds", "1", "--as-rate-mbit", "200", "--json"]
     out = run_json_module("benchmarks.tun_wan", *args, *more, timeout=190)
+    assert out["bytes"] == 1 << 20
     assert [(c["configured_rtt_ms"], c["loss"]) for c in out["cells"]] == [(4.0, 0.0), (50.0, 0.0)]
     short, long_ = (c["measured_rtt_ms"]["median_ms"] for c in out["cells"])
     assert abs(long_ - 50.0) <= 0.15 * 50.0 + 2.0 and short < 25.0  # the path changed between cells
     # a stock host's buffers at 200 Mbit/s, scaled to the 20 Mbit/s run: a tenth
     assert out["tcp_buffers"]["net.ipv4.tcp_wmem"].split()[-1] == str(4 * (1 << 20) // 10)
     assert "200 Mbit/s" in out["link"]
-    for cell in out["cells"]:
-        assert 0 < cell["results"][0]["goodput_mbit"]["max"] <= 20.0
+    for cell in out["cells"]:  # the bottleneck really binds lowband's transfers
+        assert [r["connections"] for r in cell["results"]] == [1, 2]
+        assert all(0 < r["goodput_mbit"]["max"] <= 20.0 for r in cell["results"])
