@@ -195,18 +195,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--timeout", type=float, default=120.0, help="seconds per transfer")
     p.add_argument("--json", action="store_true", help="only the JSON line")
     args = p.parse_args(argv)
+    kw = vars(args)
+    same = ("size_mb", "rate_mbit", "rounds", "congestion", "as_rate_mbit", "chunk_mb", "timeout")
     try:
         cfg = TunWanBench(
-            size_mb=args.size_mb,
-            rate_mbit=args.rate_mbit,
-            delays_ms=tuple(args.delay_ms),
-            losses=tuple(args.loss),
-            connections=tuple(args.connections),
-            rounds=args.rounds,
-            congestion=args.congestion,
-            as_rate_mbit=args.as_rate_mbit,
-            chunk_mb=args.chunk_mb,
-            timeout=args.timeout,
+            delays_ms=tuple(kw["delay_ms"]),
+            losses=tuple(kw["loss"]),
+            connections=tuple(kw["connections"]),
+            **{k: kw[k] for k in same},
         )
     except ConfigError as e:
         p.error(str(e))
