@@ -4,7 +4,8 @@
 
 Two sites joined by the TUN emulator (:mod:`transport.links.tun`): kernel TCP in each site sees
 ``2 * delay_ms`` of RTT, the ``rate_mbit`` bottleneck and ``loss``, unlike ``benchmarks.transport
-netns`` (tbf, no delay) and ``emulator`` (a relay that MODELS the window). For each K in
+netns`` (tbf, no delay) and :mod:`transport.links.emulator` (a relay that terminates TCP and
+MODELS the window). For each K in
 ``--connections``, ``size_mb`` moves from site 1 to site 0 with the lowband transport
 (:func:`transport.links.netns.measure_transfer`: each side a separate process), ``rounds`` times,
 each K once per round in an order rotated by one per round; goodput median (min/max) per K. The
@@ -71,11 +72,8 @@ class TunWanBench:
             raise ConfigError("as_rate_mbit", "must be 0 or at least rate_mbit")
 
 
-def _stats(values: list[float]) -> dict[str, float]:
-    return {"median": round(statistics.median(values), 2), "min": min(values), "max": max(values)}
-
-
 def _cell(bed: Any, cfg: TunWanBench, delay_ms: float, loss: float) -> dict[str, Any]:
+    from benchmarks.diloco_wan import spread
     from transport.links.netns import TransferConfig, measure_transfer
     from transport.links.tun.calibrate import measure_rtt
     from transport.links.tun.shape import PathConfig
@@ -94,14 +92,14 @@ def _cell(bed: Any, cfg: TunWanBench, delay_ms: float, loss: float) -> dict[str,
     timed_out: dict[int, int] = {k: 0 for k in ks}
     for r in range(cfg.rounds):
         for k in ks[r % len(ks) :] + ks[: r % len(ks)]:
+            xfer = TransferConfig(
+                size_mb=cfg.size_mb,
+                chunk_mb=cfg.chunk_mb,
+                repeats=1,
+                connections=k,
+                timeout=cfg.timeout,
+            )
             try:
-                xfer = TransferConfig(
-                    size_mb=cfg.size_mb,
-                    chunk_mb=cfg.chunk_mb,
-                    repeats=1,
-                    connections=k,
-                    timeout=cfg.timeout,
-                )
                 out = measure_transfer(link, xfer)
             except (RuntimeError, subprocess.TimeoutExpired):  # slower than size_mb per timeout
                 timed_out[k] += 1
@@ -113,7 +111,7 @@ def _cell(bed: Any, cfg: TunWanBench, delay_ms: float, loss: float) -> dict[str,
         g = runs[k]
         row: dict[str, Any] = {"connections": k, "timed_out": timed_out[k]}
         if g:
-            row["goodput_mbit"] = _stats(g)
+            row["goodput_mbit"] = spread(g, 2)
             row["utilisation_median"] = round(statistics.median(g) / cfg.rate_mbit, 4)
             row["all"] = g
         rows.append(row)
@@ -158,7 +156,7 @@ def run(cfg: TunWanBench) -> dict[str, Any]:
             f"a {cfg.as_rate_mbit:g} Mbit/s link on a stock host, run at {cfg.rate_mbit:g} "
             f"Mbit/s with the TCP buffers scaled by {cfg.rate_mbit / cfg.as_rate_mbit:g}"
         )
-    out: dict[str, Any] = {
+    return {
         "mode": "tun",
         "link": f"REAL: kernel TCP between namespaces through the TUN forwarder, {label}",
         "rate_mbit": cfg.rate_mbit,
@@ -171,9 +169,6 @@ def run(cfg: TunWanBench) -> dict[str, Any]:
         "order": "each K once per round, rotated by one per round; cells one after the other",
         "cells": cells,
     }
-    if len(cells) == 1:  # one cell: its fields at the top, as before the sweep existed
-        out.update({k: v for k, v in cells[0].items() if k not in ("delay_ms", "loss")})
-    return out
 
 
 def main(argv: Sequence[str] | None = None) -> int:

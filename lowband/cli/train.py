@@ -222,10 +222,14 @@ def _train_config(args: argparse.Namespace, base=None, **extra: object):
 
 
 def _connections(text: str) -> int:
-    k = int(text)
-    if not 1 <= k <= 64:
-        raise argparse.ArgumentTypeError(f"must be in [1, 64], got {k}")
-    return k
+    """``--connections``, refused by the parser with the transport's own bound check."""
+    from lowband.errors import ConfigError
+    from transport.config import ZmqConfig
+
+    try:
+        return ZmqConfig(connections=int(text)).connections
+    except ConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _fail(exc: Exception) -> int:
