@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import math
 import random
+import socket
 
 import pytest
 
 from lowband.errors import ConfigError
-from transport.links.tun.shape import GilbertElliott, Path, PathConfig
+from transport.links.tun.shape import AccessConfig, GilbertElliott, Path, PathConfig
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -100,3 +101,84 @@ def test_config_round_trips_and_validates():
         PathConfig(delay_ms=-1)
     with pytest.raises(ConfigError, match="burst.r"):
         GilbertElliott(p=0.1, r=0.0)
+    with pytest.raises(ConfigError, match="access.rate_mbit"):
+        AccessConfig(rate_mbit=0)
+    with pytest.raises(ConfigError, match="access.queue_ms"):
+        AccessConfig(rate_mbit=10, queue_ms=-1)
+
+
+# ---- the forwarder with access links (socket pairs stand in for the TUN devices) -------------
+def _packet(dst: int, size: int = 1000) -> bytes:
+    head = bytes([0x45]) + bytes(15) + bytes([10, 9, 0, dst + 1])  # IPv4, destination 10.9.0.x
+    return head + bytes(size - len(head))
+
+
+@pytest.fixture
+def sites():
+    pairs = [socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET) for _ in range(3)]
+    for fwd_end, _ in pairs:
+        fwd_end.setblocking(False)  # as Forwarder.run sets the TUNs
+    yield pairs
+    for a, b in pairs:
+        a.close()
+        b.close()
+
+
+def _forwarder(sites, access):
+    from transport.links.tun.forward import Forwarder
+
+    paths = {
+        (s, d): Path(PathConfig(delay_ms=10), rng=random.Random(1))
+        for s in range(3)
+        for d in range(3)
+        if s != d
+    }
+    addrs = [f"10.9.0.{i + 1}" for i in range(3)]
+    return Forwarder([fwd.fileno() for fwd, _ in sites], addrs, paths, access)
+
+
+@pytest.mark.parametrize("access", [None, AccessConfig(rate_mbit=8, queue_ms=1000)])
+def test_an_access_link_is_shared_by_every_path_of_its_site(sites, access):
+    fwd = _forwarder(sites, access)
+    for _ in range(20):  # site 0 sends 20 packets of 1000 bytes (1 ms each at 8 Mbit/s) to 1 and 2
+        sites[0][1].send(_packet(1))
+        sites[0][1].send(_packet(2))
+    fwd._read(sites[0][0].fileno(), 0, now=100.0)
+    dues = sorted(e[0] for e in fwd.heap)
+    assert len(dues) == 40
+    if access is None:  # dedicated circuits with no rate: only the delay
+        assert dues == pytest.approx([100.010] * 40)
+        return
+    # One uplink: the 40 packets leave back to back, whatever their destination.
+    assert dues == pytest.approx([100.010 + 0.001 * (k + 1) for k in range(40)])
+    assert not any(e[5] for e in fwd.heap)  # each still has its destination's downlink ahead
+    fwd._deliver(1e9)
+    # Each downlink gets a packet every 2 ms and passes it in 1: its last leaves 1 ms after it
+    # arrived (site 1's is the 39th off the uplink, site 2's the 40th).
+    assert fwd.downlinks[1].free_at == pytest.approx(100.010 + 0.039 + 0.001)
+    assert fwd.downlinks[2].free_at == pytest.approx(100.010 + 0.040 + 0.001)
+    got = [len(sites[d][1].recv(2000)) for d in (1, 2) for _ in range(20)]
+    assert got == [1000] * 40 and fwd.write_errors == 0
+
+
+def test_a_downlink_serialises_what_several_sites_send_it(sites):
+    fwd = _forwarder(sites, AccessConfig(rate_mbit=8, queue_ms=1000))
+    for src in (1, 2):
+        for _ in range(20):
+            sites[src][1].send(_packet(0))
+        fwd._read(sites[src][0].fileno(), src, now=100.0)
+    fwd._deliver(1e9)
+    # Two uplinks deliver a packet each per ms, 10 ms later; site 0's downlink takes 1 ms per
+    # packet: the last of the 40 leaves 40 ms after the first arrived (and a ms for the first).
+    assert fwd.downlinks[0].free_at == pytest.approx(100.010 + 0.001 + 0.040)
+    assert [len(sites[0][1].recv(2000)) for _ in range(40)] == [1000] * 40
+
+
+def test_a_full_access_queue_tail_drops(sites):
+    fwd = _forwarder(sites, AccessConfig(rate_mbit=8, queue_ms=10.5))
+    for _ in range(10):
+        sites[0][1].send(_packet(1))
+        sites[0][1].send(_packet(2))
+    fwd._read(sites[0][0].fileno(), 0, now=5.0)
+    assert len(fwd.heap) == 11 and fwd.uplinks[0].drops == 9
+    assert fwd.stats()["access_drops"]["0"] == {"up": 9, "down": 0}

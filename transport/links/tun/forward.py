@@ -4,7 +4,10 @@ Started by :class:`transport.links.tun.testbed.TunTestbed` with the TUN file des
 (``pass_fds``) and its description as JSON on the command line. Each packet read from site
 ``s``'s TUN goes to the site owning its destination address ``d``, through the
 :class:`~transport.links.tun.shape.Path` ``(s, d)``, which says when it is due (or drops it);
-due packets wait in one heap ordered by due time and are written into ``d``'s TUN then.
+due packets wait in one heap ordered by due time and are written into ``d``'s TUN then. With
+access links (``"access"`` in the description) a packet first leaves ``s``'s uplink queue, then
+takes the path, and on arrival (a first heap event) joins ``d``'s downlink queue, whose departure
+(a second event) writes it.
 
 Control is JSON lines on stdin, each answered by one JSON line on stdout, so the caller knows a
 change is in force when the call returns: ``{"op": "set", "src": s, "dst": d, "path": {...}}``
@@ -26,18 +29,28 @@ import sys
 import time
 from typing import Any
 
-from transport.links.tun.shape import Path, PathConfig
+from transport.links.tun.shape import AccessConfig, Path, PathConfig, Queue
 
 _MAX_PACKET = 65536
 _BATCH = 64  # packets read from one TUN per wake-up before the others get their turn
 
 
 class Forwarder:
-    def __init__(self, fds: list[int], addrs: list[str], paths: dict[tuple[int, int], Path]):
+    def __init__(
+        self,
+        fds: list[int],
+        addrs: list[str],
+        paths: dict[tuple[int, int], Path],
+        access: AccessConfig | None = None,
+    ):
         self.fds = fds
         self.site_of = {bytes(int(o) for o in a.split(".")): i for i, a in enumerate(addrs)}
         self.paths = paths
-        self.heap: list[tuple[float, int, int, Path, bytes]] = []
+        self.access = access
+        self.uplinks = [Queue() for _ in fds]
+        self.downlinks = [Queue() for _ in fds]
+        # (due, seq, dst, path, packet, arrived): arrived False = due at dst's downlink queue
+        self.heap: list[tuple[float, int, int, Path, bytes, bool]] = []
         self.seq = 0
         self.other = 0  # packets that are not IPv4 or not addressed to a site (dropped)
         self.write_errors = 0  # due packets the destination TUN refused (dropped)
@@ -62,20 +75,28 @@ class Forwarder:
                         return
                 else:
                     self._read(fd, src_of[fd])
-            now = time.monotonic()
-            while heap and heap[0][0] <= now:
-                _, _, dst, path, pkt = heapq.heappop(heap)
-                if path.deliverable():
-                    try:
-                        os.write(self.fds[dst], pkt)
-                    except OSError:  # e.g. the site's TUN set down: lost there, as on a wire
-                        self.write_errors += 1
-                        continue
-                    path.stats.delivered += 1
-                    path.stats.delivered_bytes += len(pkt)
+            self._deliver(time.monotonic())
 
-    def _read(self, fd: int, src: int) -> None:
-        now = time.monotonic()
+    def _deliver(self, now: float) -> None:
+        """Every heap event due by ``now``: a packet reaching its destination's downlink queue
+        is queued there; a packet that is through is written into the destination's TUN."""
+        heap = self.heap
+        while heap and heap[0][0] <= now:
+            due, _, dst, path, pkt, arrived = heapq.heappop(heap)
+            if not arrived:
+                self._push(self._through(self.downlinks[dst], due, pkt), dst, path, pkt)
+                continue
+            if path.deliverable():
+                try:
+                    os.write(self.fds[dst], pkt)
+                except OSError:  # e.g. the site's TUN set down: lost there, as on a wire
+                    self.write_errors += 1
+                    continue
+                path.stats.delivered += 1
+                path.stats.delivered_bytes += len(pkt)
+
+    def _read(self, fd: int, src: int, now: float | None = None) -> None:
+        now = time.monotonic() if now is None else now
         for _ in range(_BATCH):
             try:
                 pkt = os.read(fd, _MAX_PACKET)
@@ -86,10 +107,21 @@ class Forwarder:
                 self.other += 1  # IPv6 autoconfiguration chatter, or no such site
                 continue
             path = self.paths[(src, dst)]
-            due = path.admit(now, len(pkt))
-            if due is not None:
-                heapq.heappush(self.heap, (due, self.seq, dst, path, pkt))
-                self.seq += 1
+            sent = self._through(self.uplinks[src], now, pkt)
+            due = None if sent is None else path.admit(sent, len(pkt))
+            self._push(due, dst, path, pkt, arrived=self.access is None)
+
+    def _through(self, queue: Queue, now: float, pkt: bytes) -> float | None:
+        """When ``pkt`` has left an access queue (``now`` without access links), or None."""
+        a = self.access
+        return now if a is None else queue.depart(now, len(pkt), a.rate_mbit, a.queue_ms)
+
+    def _push(
+        self, due: float | None, dst: int, path: Path, pkt: bytes, arrived: bool = True
+    ) -> None:
+        if due is not None:
+            heapq.heappush(self.heap, (due, self.seq, dst, path, pkt, arrived))
+            self.seq += 1
 
     def _control(self, ctl_in: int, ctl_out: int) -> bool:
         chunk = os.read(ctl_in, 65536)
@@ -118,6 +150,10 @@ class Forwarder:
             "other": self.other,
             "write_errors": self.write_errors,
             "queued": len(self.heap),
+            "access_drops": {
+                str(i): {"up": u.drops, "down": d.drops}
+                for i, (u, d) in enumerate(zip(self.uplinks, self.downlinks))
+            },
         }
 
     @staticmethod
@@ -133,7 +169,10 @@ def main(argv: list[str]) -> int:
         s, d = (int(x) for x in k.split("->"))
         rng = random.Random(None if seed is None else seed * 1000 + s * 100 + d)
         paths[(s, d)] = Path(PathConfig.from_dict(cfg), rng=rng)
-    Forwarder(spec["fds"], spec["addrs"], paths).run(sys.stdin.fileno(), sys.stdout.fileno())
+    access = AccessConfig(**spec["access"]) if spec.get("access") else None
+    Forwarder(spec["fds"], spec["addrs"], paths, access).run(
+        sys.stdin.fileno(), sys.stdout.fileno()
+    )
     return 0
 
 

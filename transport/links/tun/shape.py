@@ -16,6 +16,13 @@ in the order a packet meets it:
 
 ``rate_mbit`` counts IP bytes (headers included, no link-layer framing): a TCP flow's goodput
 tops out near ``rate * 1448 / 1500`` at MTU 1500.
+
+A site's **access link** (:class:`AccessConfig`, optional) is a further bottleneck that every
+path leaving the site (its uplink) or entering it (its downlink) shares, as a site's one line to
+the internet is shared by all its flows: a packet meets its source's uplink before the path and
+its destination's downlink after the path's delay. Without one, every direction of every pair
+is a separate bottleneck (dedicated circuits), and a site sending to n-1 peers at once has n-1
+times the rate of a site sending to one.
 """
 
 from __future__ import annotations
@@ -55,6 +62,45 @@ class GilbertElliott:
     def mean_loss(self) -> float:
         pi_bad = self.p / (self.p + self.r)
         return pi_bad * self.loss_bad + (1 - pi_bad) * self.loss_good
+
+
+@dataclass
+class Queue:
+    """A bottleneck's output queue: packets leave back to back at a rate, tail-dropped when one
+    would wait more than a bound. Holds only when the link finishes sending what it holds; the
+    rate and bound are given per packet (a path's may change during a run)."""
+
+    free_at: float = 0.0
+    drops: int = 0
+
+    def depart(self, now: float, size: int, rate_mbit: float, queue_ms: float) -> float | None:
+        """When a packet of ``size`` IP bytes arriving at ``now`` has left (``now`` itself if
+        ``rate_mbit`` is 0), or None if the queue drops it."""
+        if rate_mbit <= 0:
+            return now
+        start = max(now, self.free_at)
+        if start - now > queue_ms / 1e3:
+            self.drops += 1
+            return None
+        self.free_at = start + size * 8 / (rate_mbit * 1e6)
+        return self.free_at
+
+
+@dataclass(frozen=True, kw_only=True)
+class AccessConfig:
+    """A site's access link, each direction: the rate all its paths share (see the module
+    docstring)."""
+
+    rate_mbit: float
+    """Rate of the uplink and of the downlink, IP Mbit/s."""
+    queue_ms: float = 50.0
+    """Each direction's queue bound (tail drop)."""
+
+    def __post_init__(self) -> None:
+        if not 0.0 < self.rate_mbit <= 1e6:
+            raise ConfigError("access.rate_mbit", f"must be in (0, 1e6], got {self.rate_mbit}")
+        if not 0.0 <= self.queue_ms <= 1e6:
+            raise ConfigError("access.queue_ms", f"must be in [0, 1e6], got {self.queue_ms}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -120,7 +166,7 @@ class Path:
     config: PathConfig
     rng: random.Random = field(default_factory=random.Random)
     stats: PathStats = field(default_factory=PathStats)
-    _free_at: float = 0.0  # when the bottleneck finishes sending what it holds
+    _queue: Queue = field(default_factory=Queue)
     _last_due: float = 0.0  # due time of the last in-order packet (jitter must not reorder)
     _bad: bool = False  # Gilbert-Elliott state
 
@@ -132,13 +178,10 @@ class Path:
         if cfg.down:
             st.down_drops += 1
             return None
-        sent = now
-        if cfg.rate_mbit > 0:
-            start = max(now, self._free_at)
-            if start - now > cfg.queue_ms / 1e3:
-                st.queue_drops += 1
-                return None
-            self._free_at = sent = start + size * 8 / (cfg.rate_mbit * 1e6)
+        sent = self._queue.depart(now, size, cfg.rate_mbit, cfg.queue_ms)
+        if sent is None:
+            st.queue_drops += 1
+            return None
         if self._lost():
             st.lost += 1
             return None

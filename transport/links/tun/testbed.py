@@ -34,11 +34,11 @@ import struct
 import subprocess
 import sys
 import threading
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Mapping, Sequence
 
 from lowband.errors import ConfigError
-from transport.links.tun.shape import PathConfig
+from transport.links.tun.shape import AccessConfig, PathConfig
 
 _TUNSETIFF = 0x400454CA
 _IFF_TUN = 0x0001
@@ -54,6 +54,9 @@ class TunConfig:
     """Every direction of every pair of sites, unless ``paths`` says otherwise."""
     paths: Mapping[tuple[int, int], PathConfig] = field(default_factory=dict)
     """Per direction ``(src, dst)`` overrides of ``path``."""
+    access: AccessConfig | None = None
+    """Every endpoint's access link (uplink and downlink shared by all its paths); None: every
+    direction of every pair is its own bottleneck (:mod:`transport.links.tun.shape`)."""
     mtu: int = 1500
     """The TUN devices' MTU (what a WAN path usually carries)."""
     congestion: str = ""
@@ -216,6 +219,7 @@ class TunTestbed:
             "addrs": [self.addr(i) for i in range(self.config.endpoints)],
             "seed": self.config.seed,
             "paths": {f"{s}->{d}": p.to_dict() for (s, d), p in self._paths.items()},
+            "access": None if self.config.access is None else asdict(self.config.access),
         }
         self._fwd = subprocess.Popen(
             [sys.executable, "-m", "transport.links.tun.forward", json.dumps(spec)],
@@ -283,7 +287,8 @@ class TunTestbed:
 
     def stats(self) -> dict[str, Any]:
         """Forwarder counters per direction ``"s->d"``: received, delivered, delivered_bytes,
-        lost, queue_drops, down_drops, reordered."""
+        lost, queue_drops, down_drops, reordered; and each endpoint's access-link tail drops
+        (``access_drops``)."""
         return self._call({"op": "stats"})
 
     def _call(self, msg: dict[str, Any]) -> dict[str, Any]:
