@@ -39,6 +39,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
+from lowband.comm import ALGORITHMS
 from lowband.errors import ConfigError
 from lowband.proc import free_port
 
@@ -81,7 +82,7 @@ class AllReduceBench:
             raise ConfigError(
                 "transport", f"one of {', '.join(TRANSPORTS)}, got {self.transport!r}"
             )
-        if self.algorithm not in ("auto", "ring", "star"):
+        if self.algorithm not in ALGORITHMS:
             raise ConfigError("algorithm", f"unknown algorithm {self.algorithm!r}")
 
     @property
@@ -479,7 +480,7 @@ def add_modes(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--size-mb", type=float, default=d.size_mb, help="float32 payload, MiB")
     p.add_argument("--connections", type=int, default=d.connections, help="K connections per pair")
     p.add_argument("--chunk-mb", type=float, default=d.chunk_mb, help="chunk size, MiB")
-    p.add_argument("--algorithm", default=d.algorithm, choices=["auto", "ring", "star"])
+    p.add_argument("--algorithm", default=d.algorithm, choices=list(ALGORITHMS))
     p.add_argument("--codec", default=d.codec, help="none, or a codec name (int8, fp4, ...)")
     p.add_argument("--iters", type=int, default=d.iters)
     p.add_argument("--warmup", type=int, default=d.warmup)

@@ -89,6 +89,13 @@ PROFILES: dict[str, Profile] = {
 }
 
 
+TOPOLOGIES = {
+    "access": "each site one access link at the rate (uplink and downlink) shared by its paths; "
+    "the paths carry delay and loss",
+    "mesh": "every direction of every pair its own bottleneck at the rate",
+}
+
+
 @dataclass(frozen=True, kw_only=True)
 class WanBench:
     profiles: tuple[str, ...] = tuple(PROFILES)
@@ -97,6 +104,14 @@ class WanBench:
     """Tensor size (fp32) of one all-reduce."""
     connections: tuple[int, ...] = (1, 4, 16)
     """K values of lowband's transport, each its own arm."""
+    algorithms: tuple[str, ...] = ("auto",)
+    """lowband schedules, each with every K an arm: ``auto`` (what ``all_reduce`` picks; arm
+    ``lowband_k<K>``), ``ring`` or ``scatter`` (arm ``lowband_k<K>_<algorithm>``)."""
+    topology: str = "access"
+    """``access``: each site has one access link at the profile's rate, up and down, that all
+    its paths share (a site's internet line), and the paths carry the delay and loss;
+    ``mesh``: every direction of every pair is its own bottleneck at that rate (dedicated
+    circuits, where a site sending to n-1 peers at once has n-1 times the rate)."""
     gloo: bool = True
     repeats: int = 3
     """Timed iterations (every arm once each)."""
@@ -132,6 +147,10 @@ class WanBench:
             raise ConfigError("connections", "K values in [1, 64]")
         if self.repeats < 1 or self.warmup < 0:
             raise ConfigError("repeats", "need repeats >= 1 and warmup >= 0")
+        if not self.algorithms or not set(self.algorithms) <= {"auto", "ring", "scatter"}:
+            raise ConfigError("algorithms", "a non-empty subset of auto, ring, scatter")
+        if self.topology not in ("access", "mesh"):
+            raise ConfigError("topology", f"access or mesh, got {self.topology!r}")
 
     @property
     def nbytes(self) -> int:
@@ -139,8 +158,18 @@ class WanBench:
 
     @property
     def arms(self) -> list[str]:
-        ks = [f"lowband_k{k}" for k in dict.fromkeys(self.connections)]
+        ks = [
+            f"lowband_k{k}" + ("" if a == "auto" else f"_{a}")
+            for a in dict.fromkeys(self.algorithms)
+            for k in dict.fromkeys(self.connections)
+        ]
         return ks + (["gloo"] if self.gloo else [])
+
+
+def parse_arm(arm: str) -> tuple[int, str]:
+    """``lowband_k4_ring`` → (4, "ring"); ``lowband_k4`` → (4, "auto")."""
+    k, _, algorithm = arm.removeprefix("lowband_k").partition("_")
+    return int(k), algorithm or "auto"
 
 
 STOCK_TCP_WMEM_MAX = 4 * MiB
@@ -202,13 +231,14 @@ def summarize(
     lows = [a for a in arms if a.startswith("lowband_k")]
     if lows:
         best = min(lows, key=lambda a: out[a]["seconds"]["median"])
-        out["best_k"] = int(best.removeprefix("lowband_k"))
+        out["best_arm"] = best
+        out["best_k"] = parse_arm(best)[0]
         if "gloo" in out:
             g = out["gloo"]["seconds"]["median"]
             out["ratio_vs_gloo"] = {  # Gloo seconds / lowband seconds: > 1, lowband faster
                 a.removeprefix("lowband_"): round(g / out[a]["seconds"]["median"], 3) for a in lows
             }
-            out["best_ratio_vs_gloo"] = out["ratio_vs_gloo"][f"k{out['best_k']}"]
+            out["best_ratio_vs_gloo"] = out["ratio_vs_gloo"][best.removeprefix("lowband_")]
     return out
 
 
@@ -265,15 +295,17 @@ def _spawn(bed: Any, cfg: WanBench, coords: dict[str, str], tmp: str) -> list[di
 
 def run_profile(cfg: WanBench, name: str) -> dict[str, Any]:
     from transport.coordinator import Coordinator, CoordinatorConfig
-    from transport.links.tun.shape import PathConfig
+    from transport.links.tun.shape import AccessConfig, PathConfig
     from transport.links.tun.testbed import TunConfig, TunTestbed
 
     prof = PROFILES[name]
     rate, label = run_rate(prof, cfg.max_rate_mbit)
-    path = PathConfig(delay_ms=prof.rtt_ms / 2, rate_mbit=rate, loss=prof.loss)
+    access = AccessConfig(rate_mbit=rate) if cfg.topology == "access" else None
+    path = PathConfig(delay_ms=prof.rtt_ms / 2, rate_mbit=0.0 if access else rate, loss=prof.loss)
     tun = TunConfig(
         sites=cfg.sites,
         path=path,
+        access=access,
         host=True,
         seed=cfg.seed,
         net=cfg.net,
@@ -297,7 +329,9 @@ def run_profile(cfg: WanBench, name: str) -> dict[str, Any]:
         }
         ranks = _spawn(bed, cfg, coords, tmp)
         after = bed.stats()["paths"]
+        access_after = bed.stats()["access_drops"]
     drops = {k: sum(after[p][k] - before[p][k] for p in after) for k in ("lost", "queue_drops")}
+    drops["access_queue_drops"] = sum(d["up"] + d["down"] for d in access_after.values())
     allreduce = summarize(ranks, cfg.arms, rate)
     allreduce["forwarder_drops_all_paths"] = drops
     allreduce["algorithm"] = ranks[0]["algorithm"]
@@ -320,7 +354,9 @@ def run(cfg: WanBench) -> dict[str, Any]:
         raise SystemExit(f"wan benchmark unavailable: {reason}")
     return {
         "mode": "tun",
-        "link": "REAL: kernel TCP between namespaces through the TUN forwarder (full mesh)",
+        "link": "REAL: kernel TCP between namespaces through the TUN forwarder",
+        "topology": cfg.topology,
+        "topology_is": TOPOLOGIES[cfg.topology],
         "sites": cfg.sites,
         "bytes": cfg.nbytes,
         "dtype": "float32",
@@ -724,7 +760,7 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
         arm: connect(
             coord,
             ZmqConfig(
-                connections=int(arm.removeprefix("lowband_k")),
+                connections=parse_arm(arm)[0],
                 chunk_bytes=spec["chunk_bytes"],
                 timeout=spec["timeout"],
                 bind_host=spec["addr"],
@@ -750,7 +786,7 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
         x = torch.randn(spec["nbytes"] // 4)
         y = torch.empty_like(x)
         ops: dict[str, tuple[Callable[[], Any], Callable[[], Any]]] = {
-            arm: (functools.partial(c.all_reduce, x, "sum", algorithm="auto"), c.barrier)
+            arm: (functools.partial(c.all_reduce, x, "sum", algorithm=parse_arm(arm)[1]), c.barrier)
             for arm, c in comms.items()
         }
         if gloo:
@@ -773,7 +809,9 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
         return {
             "site": spec["site"],
             "rows": rows,
-            "algorithm": {arm: c.choose_algorithm(x, None, "auto") for arm, c in comms.items()},
+            "algorithm": {
+                arm: c.choose_algorithm(x, None, parse_arm(arm)[1]) for arm, c in comms.items()
+            },
         }
     finally:
         if gloo and dist.is_initialized():
@@ -788,6 +826,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--sites", type=int, default=4)
     p.add_argument("--size-mb", type=float, default=16.0)
     p.add_argument("--connections", type=int, nargs="+", default=[1, 4, 16])
+    p.add_argument(
+        "--algorithms", nargs="+", default=["auto"], help="lowband schedules: auto ring scatter"
+    )
+    p.add_argument("--topology", default="access", choices=list(TOPOLOGIES))
     p.add_argument("--no-gloo", action="store_true")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--warmup", type=int, default=1)
@@ -849,6 +891,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         sites=args.sites,
         size_mb=args.size_mb,
         connections=tuple(args.connections),
+        algorithms=tuple(args.algorithms),
+        topology=args.topology,
         gloo=not args.no_gloo,
         repeats=args.repeats,
         warmup=args.warmup,

@@ -26,15 +26,28 @@ Contract shared by every implementation
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Literal, Mapping, Protocol, Sequence, TypeVar, runtime_checkable
+from typing import (
+    Any,
+    Literal,
+    Mapping,
+    Protocol,
+    Sequence,
+    TypeVar,
+    get_args,
+    runtime_checkable,
+)
 
 import torch
 
 ReduceOp = Literal["sum", "avg"]
 """Reduction applied element-wise. ``avg`` divides the float32 sum by the world size."""
 
-Algorithm = Literal["auto", "ring", "star"]
-"""All-reduce schedule. ``auto`` picks star (latency-bound) below a size threshold, ring above."""
+Algorithm = Literal["auto", "ring", "scatter", "star"]
+"""All-reduce schedule: ``ring`` (2(n-1) hops), ``scatter`` (direct reduce-scatter to segment
+owners and all-gather from them: the ring's bytes in 2 hops, over n-1 peers at once), ``star``
+(through rank 0, for small payloads); ``auto`` lets the communicator pick by size and world."""
+
+ALGORITHMS: tuple[str, ...] = get_args(Algorithm)
 
 T_co = TypeVar("T_co", covariant=True)
 

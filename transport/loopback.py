@@ -25,7 +25,16 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
-from lowband.comm import Algorithm, Codec, Encoded, Membership, OpStats, ReduceOp, ring_bytes
+from lowband.comm import (
+    ALGORITHMS,
+    Algorithm,
+    Codec,
+    Encoded,
+    Membership,
+    OpStats,
+    ReduceOp,
+    ring_bytes,
+)
 from lowband.errors import CommClosed, ConfigError, PeerLost, ProtocolError, TransportTimeout
 from transport.blocking import BlockingCollectives
 from transport.ops import acc_dtype
@@ -306,7 +315,7 @@ def _complete_all_reduce(group: LoopbackGroup, rv: _Rendezvous) -> Outcomes:
         algo = "star" if payload < group.star_threshold_bytes else "ring"
     outcomes: Outcomes = {}
     for r in range(n):
-        if algo == "ring":
+        if algo in ("ring", "scatter"):  # the same bytes: 2(n-1)/n of the payload each way
             b = ring_bytes(payload, n)
             stats = OpStats(b, b)
         elif r == 0:
@@ -441,8 +450,8 @@ class LoopbackComm(BlockingCollectives):
     ) -> FutureWork:
         if op not in ("sum", "avg"):
             raise ConfigError("op", f"unknown reduction {op!r}; use 'sum' or 'avg'")
-        if algorithm not in ("auto", "ring", "star"):
-            raise ConfigError("algorithm", f"unknown algorithm {algorithm!r}")
+        if algorithm not in ALGORITHMS:
+            raise ConfigError("algorithm", f"unknown algorithm {algorithm!r}; one of {ALGORITHMS}")
         data: torch.Tensor | Encoded
         data = codec.encode(tensor) if codec is not None else tensor.detach().clone()
         value = (data, tuple(tensor.shape), tensor.dtype, op, codec, algorithm)

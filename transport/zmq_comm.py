@@ -31,7 +31,7 @@ import torch
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from lowband.comm import Algorithm, Codec, Membership, OpStats, ReduceOp
+from lowband.comm import ALGORITHMS, Algorithm, Codec, Membership, OpStats, ReduceOp
 from lowband.errors import (
     AuthError,
     CommClosed,
@@ -450,8 +450,8 @@ class ZmqCommunicator(BlockingCollectives):
     ) -> FutureWork:
         if op not in ("sum", "avg"):
             raise ConfigError("op", f"unknown reduction {op!r}; use 'sum' or 'avg'")
-        if algorithm not in ("auto", "ring", "star"):
-            raise ConfigError("algorithm", f"unknown algorithm {algorithm!r}; auto, ring or star")
+        if algorithm not in ALGORITHMS:
+            raise ConfigError("algorithm", f"unknown algorithm {algorithm!r}; one of {ALGORITHMS}")
         table = self._table()
         algo = self.choose_algorithm(tensor, codec, algorithm, table.membership.world_size)
         cls = {"ring": RingAllReduce, "shm": ShmAllReduce}.get(algo, DirectAllReduce)
