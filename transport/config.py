@@ -40,7 +40,14 @@ class ZmqConfig:
     advertise_port: int | None = None
     """Port other peers should connect to, when it differs (e.g. a relay/emulator in front)."""
     star_threshold_bytes: int = 256 * 1024
-    """``algorithm="auto"`` uses star below this payload size, ring at or above it."""
+    """``algorithm="auto"`` uses star below this payload size; at or above it, scatter or ring
+    (``scatter_max_world``)."""
+    scatter_max_world: int = 8
+    """``algorithm="auto"`` on payloads of at least ``star_threshold_bytes``: scatter (2 hops)
+    up to this many ranks, ring (2(n-1) hops, 2 peers per rank) above. Both move the same
+    bytes; on a long-RTT path the ring pays its hops in round trips and in TCP ramp-ups of one
+    flow at a time (``benchmarks.wan``). 0: always ring. Peers on one host use shared memory
+    either way."""
     max_message_bytes: int = 64 * MiB
     """Largest payload of one received message; larger frames are refused (ZMQ_MAXMSGSIZE)."""
     max_pending_bytes: int = 2 << 30
@@ -119,6 +126,10 @@ class ZmqConfig:
             raise ConfigError("advertise_port", f"must be a port number, got {self.advertise_port}")
         if self.star_threshold_bytes < 0:
             raise ConfigError("star_threshold_bytes", "must be >= 0")
+        if not 0 <= self.scatter_max_world <= 1 << 16:
+            raise ConfigError(
+                "scatter_max_world", f"must be in [0, 65536], got {self.scatter_max_world}"
+            )
         if self.max_message_bytes < self.chunk_bytes + 65536:
             raise ConfigError(
                 "max_message_bytes", f"must be >= chunk_bytes + 64 KiB ({self.chunk_bytes + 65536})"

@@ -397,14 +397,15 @@ class ZmqCommunicator(BlockingCollectives):
         n = world_size if world_size is not None else (table.membership.world_size if table else 1)
         if n <= 1:
             return "star"
+        shm = codec is None and table is not None and self._reactor.same_host_shm(table)
         if algorithm == "auto":
-            algorithm = "star" if wire.nbytes(tensor) < self.config.star_threshold_bytes else "ring"
-        if (
-            algorithm == "ring"
-            and codec is None
-            and table is not None
-            and self._reactor.same_host_shm(table)
-        ):
+            if wire.nbytes(tensor) < self.config.star_threshold_bytes:
+                algorithm = "star"
+            elif shm:
+                return "shm"
+            else:
+                algorithm = "scatter" if n <= self.config.scatter_max_world else "ring"
+        if algorithm == "ring" and shm:
             return "shm"
         if algorithm == "ring" and (codec is not None or acc_dtype(tensor.dtype) != tensor.dtype):
             return "scatter"

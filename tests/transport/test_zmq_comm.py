@@ -41,7 +41,7 @@ def test_satisfies_protocol_and_starts_outside_any_epoch():
             comm.all_reduce(torch.ones(2))
 
 
-@pytest.mark.parametrize("algorithm", ["ring", "star"])
+@pytest.mark.parametrize("algorithm", ["ring", "scatter", "star"])
 @pytest.mark.parametrize(
     "dtype", [torch.float32, torch.float64, torch.bfloat16, torch.int64, torch.int32]
 )
@@ -264,7 +264,7 @@ def test_config_is_validated():
         CoordinatorConfig(bind="localhost:1234")
 
 
-@pytest.mark.parametrize("algorithm", ["ring", "star"])
+@pytest.mark.parametrize("algorithm", ["ring", "scatter", "star"])
 def test_all_reduce_of_empty_and_zero_dim_tensors(algorithm):
     with local_group(3, SMALL) as (_, comms):
 
@@ -299,7 +299,7 @@ def test_random_shapes_algorithms_and_codecs_against_exact_sums(world):
     cases = [
         (
             rng.choice([0, 1, 3, 4095, 4097, 9000, 33_333]),
-            rng.choice(["ring", "star"]),
+            rng.choice(["ring", "scatter", "star"]),
             rng.choice([None, Fp16Codec()]),
         )
         for _ in range(8)
