@@ -102,6 +102,13 @@ class WanBench:
     sites: int = 4
     size_mb: float = 16.0
     """Tensor size (fp32) of one all-reduce."""
+    scale_size: bool = False
+    """Run a profile whose rate is scaled down (``max_rate_mbit``) with the tensor scaled by the
+    same factor: a scale model that keeps the configured profile's ratio of bytes to
+    bandwidth-delay product, hence the share of the time that goes to round trips and TCP
+    ramp-up (64 MB at 1 Gbit/s and 160 ms becomes 3.2 MB at 50 Mbit/s). TCP's window in
+    packets is smaller by the factor too, so slow start takes fewer round trips than it would
+    at full rate. Off: the tensor as given, at the rate run (round trips weigh less)."""
     connections: tuple[int, ...] = (1, 4, 16)
     """K values of lowband's transport, each its own arm."""
     algorithms: tuple[str, ...] = ("auto",)
@@ -152,9 +159,10 @@ class WanBench:
         if self.topology not in ("access", "mesh"):
             raise ConfigError("topology", f"access or mesh, got {self.topology!r}")
 
-    @property
-    def nbytes(self) -> int:
-        return int(self.size_mb * MiB) // 4 * 4
+    def nbytes(self, rate_run: float = 0.0, rate_configured: float = 0.0) -> int:
+        """Bytes of the tensor on a profile run at ``rate_run`` of ``rate_configured``."""
+        scale = rate_run / rate_configured if self.scale_size and rate_configured else 1.0
+        return int(self.size_mb * scale * MiB) // 4 * 4
 
     @property
     def arms(self) -> list[str]:
@@ -253,11 +261,13 @@ def calibrate(bed: Any, cfg: WanBench) -> dict[str, Any]:
     }
 
 
-def _spawn(bed: Any, cfg: WanBench, coords: dict[str, str], tmp: str) -> list[dict[str, Any]]:
+def _spawn(
+    bed: Any, cfg: WanBench, coords: dict[str, str], tmp: str, nbytes: int
+) -> list[dict[str, Any]]:
     """One worker per site (its namespace); their JSON results. Killed on failure or timeout."""
     spec = {
         "sites": cfg.sites,
-        "nbytes": cfg.nbytes,
+        "nbytes": nbytes,
         "arms": cfg.arms,
         "coords": coords,
         "chunk_bytes": cfg.chunk_kb * 1024,
@@ -300,6 +310,7 @@ def run_profile(cfg: WanBench, name: str) -> dict[str, Any]:
 
     prof = PROFILES[name]
     rate, label = run_rate(prof, cfg.max_rate_mbit)
+    nbytes = cfg.nbytes(rate, prof.rate_mbit)
     access = AccessConfig(rate_mbit=rate) if cfg.topology == "access" else None
     path = PathConfig(delay_ms=prof.rtt_ms / 2, rate_mbit=0.0 if access else rate, loss=prof.loss)
     tun = TunConfig(
@@ -327,7 +338,7 @@ def run_profile(cfg: WanBench, name: str) -> dict[str, Any]:
             for arm in cfg.arms
             if arm != "gloo"
         }
-        ranks = _spawn(bed, cfg, coords, tmp)
+        ranks = _spawn(bed, cfg, coords, tmp, nbytes)
         after = bed.stats()["paths"]
         access_after = bed.stats()["access_drops"]
     drops = {k: sum(after[p][k] - before[p][k] for p in after) for k in ("lost", "queue_drops")}
@@ -340,6 +351,11 @@ def run_profile(cfg: WanBench, name: str) -> dict[str, Any]:
         "configured": {"rate_mbit": prof.rate_mbit, "rtt_ms": prof.rtt_ms, "loss": prof.loss},
         "rate_mbit_run": rate,
         "rate_label": label,
+        "bytes": nbytes,
+        "bytes_label": f"{cfg.nbytes() / MiB:g} MiB scaled by rate run / configured rate "
+        "(a scale model: the same bytes per bandwidth-delay product)"
+        if nbytes != cfg.nbytes()
+        else f"{nbytes / MiB:g} MiB",
         "tcp_buffers": dict(tun.sysctls) or "the kernel's",
         "calibration": calib,
         "allreduce": allreduce,
@@ -358,7 +374,8 @@ def run(cfg: WanBench) -> dict[str, Any]:
         "topology": cfg.topology,
         "topology_is": TOPOLOGIES[cfg.topology],
         "sites": cfg.sites,
-        "bytes": cfg.nbytes,
+        "bytes": cfg.nbytes(),
+        "scale_size": cfg.scale_size,
         "dtype": "float32",
         "connections": list(dict.fromkeys(cfg.connections)),
         "chunk_bytes": cfg.chunk_kb * 1024,
@@ -825,6 +842,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--profiles", nargs="+", default=list(PROFILES), choices=list(PROFILES))
     p.add_argument("--sites", type=int, default=4)
     p.add_argument("--size-mb", type=float, default=16.0)
+    p.add_argument(
+        "--scale-size",
+        action="store_true",
+        help="scale the tensor with the rate (a scale model of the configured profile)",
+    )
     p.add_argument("--connections", type=int, nargs="+", default=[1, 4, 16])
     p.add_argument(
         "--algorithms", nargs="+", default=["auto"], help="lowband schedules: auto ring scatter"
@@ -890,6 +912,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         profiles=tuple(args.profiles),
         sites=args.sites,
         size_mb=args.size_mb,
+        scale_size=args.scale_size,
         connections=tuple(args.connections),
         algorithms=tuple(args.algorithms),
         topology=args.topology,

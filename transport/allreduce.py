@@ -245,7 +245,12 @@ class DirectAllReduce(ReduceBase):
         have.add(src)
         acc = self.acc.get(ci)
         if acc is None:
-            self.acc[ci] = value.to(acc_dtype(self.dtype), copy=True)
+            if self.codec is None and acc_dtype(self.dtype) == self.dtype:
+                lo, hi = self.spans[ci]
+                acc = self.acc[ci] = self.out[lo:hi]  # sum in place where the result goes
+                acc.copy_(value)
+            else:
+                self.acc[ci] = value.to(acc_dtype(self.dtype), copy=True)
         else:
             acc += value
         if len(have) == self.n:
@@ -264,7 +269,9 @@ class DirectAllReduce(ReduceBase):
         else:
             final = acc.to(self.dtype)
             payload, extra = [wire.tensor_bytes(final)], {}
-        self.out[lo:hi] = final
+        in_place = final.data_ptr() == self.out[lo:hi].data_ptr()
+        if not in_place:
+            self.out[lo:hi] = final
         for dst in range(self.n):
             if dst != self.rank:
                 self.send(
@@ -272,8 +279,11 @@ class DirectAllReduce(ReduceBase):
                     dst,
                     MsgType.CHUNK,
                     self.meta(ph=1, ci=ci, **extra, **self.signature),
-                    payload,
+                    # Sent from the caller's result: tracked, each send its own view (tracking
+                    # counts references to the payload object).
+                    [wire.tensor_bytes(final)] if in_place else payload,
                     stripe=ci,
+                    track=in_place,
                 )
         self.todo -= 1
 

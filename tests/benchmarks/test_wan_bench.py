@@ -10,6 +10,7 @@ from benchmarks.wan import (
     DilocoWan,
     WanBench,
     arm_order,
+    parse_arm,
     run_rate,
     summarize,
     summarize_torchft,
@@ -52,6 +53,25 @@ def test_summary_takes_the_slowest_site_and_compares_with_gloo():
     assert s["best_k"] == 1 and s["ratio_vs_gloo"] == {"k1": round(6.0 / 3.5, 3)}
 
 
+def test_arms_name_k_and_the_schedule_and_the_best_is_named():
+    cfg = WanBench(connections=(1, 4), algorithms=("auto", "ring"), gloo=False)
+    assert cfg.arms == ["lowband_k1", "lowband_k4", "lowband_k1_ring", "lowband_k4_ring"]
+    assert [parse_arm(a) for a in cfg.arms] == [(1, "auto"), (4, "auto"), (1, "ring"), (4, "ring")]
+    ranks = [
+        {"rows": {"lowband_k1": [(2.0, 1)], "lowband_k4_ring": [(1.0, 1)], "gloo": [(3.0, 1)]}}
+    ]
+    s = summarize(ranks, ["lowband_k1", "lowband_k4_ring", "gloo"], rate_mbit=8.0)
+    assert s["best_arm"] == "lowband_k4_ring" and s["best_k"] == 4
+    assert s["ratio_vs_gloo"] == {"k1": 1.5, "k4_ring": 3.0} and s["best_ratio_vs_gloo"] == 3.0
+
+
+def test_scale_size_keeps_the_bytes_per_bandwidth_delay_product():
+    assert WanBench(size_mb=64).nbytes(50.0, 1000.0) == 64 << 20  # not scaled unless asked
+    scaled = WanBench(size_mb=64, scale_size=True)
+    assert scaled.nbytes(50.0, 1000.0) == int(3.2 * (1 << 20)) // 4 * 4
+    assert scaled.nbytes(100.0, 100.0) == 64 << 20 and scaled.nbytes() == 64 << 20
+
+
 def test_torchft_summary_reports_eval_loss_and_the_goal():
     def row(wall: float, loss: float) -> dict[str, float]:
         return {"wall_s": wall, "site_tx_bytes": 100, "eval_loss": loss}
@@ -86,6 +106,10 @@ def test_config_is_validated():
     with pytest.raises(ConfigError, match="connections"):
         WanBench(connections=(0,))
     assert WanBench(gloo=False, connections=(4, 4)).arms == ["lowband_k4"]
+    with pytest.raises(ConfigError, match="algorithms"):
+        WanBench(algorithms=("tree",))
+    with pytest.raises(ConfigError, match="topology"):
+        WanBench(topology="bus")
     with pytest.raises(ConfigError, match="profile"):
         DilocoWan(profile="moon")
     with pytest.raises(ConfigError, match="workers"):
@@ -98,20 +122,27 @@ def test_config_is_validated():
 def test_tiny_profile_over_the_tun_emulator():
     args = ["--profiles", "home", "--sites", "2", "--size-mb", "1", "--repeats", "1"]
     args += ["--connections", "1", "2", "--calib-seconds", "1", "--udp-count", "500"]
-    out = run_json_module("benchmarks.wan", *args, "--max-rate-mbit", "20", "--json", timeout=220)
+    args += ["--algorithms", "auto", "ring", "--scale-size", "--max-rate-mbit", "20"]
+    out = run_json_module("benchmarks.wan", *args, "--json", timeout=220)
     assert out["bytes"] == 1 << 20 and out["max_rate_mbit"] == 20.0
+    assert out["topology"] == "access"
     home = out["profiles"]["home"]
     assert home["rate_mbit_run"] == 20.0
+    assert home["bytes"] == (1 << 20) // 5 // 4 * 4  # scaled with the rate: a scale model
     assert home["rate_label"] == "100 Mbit/s profile run at 20 Mbit/s"
     calib = home["calibration"]
     assert abs(calib["rtt_ms"]["median_ms"] - 30.0) <= 0.15 * 30.0 + 2.0
     assert 0 < calib["tcp_flow"]["goodput_mbit"] <= 20.0 * 1.05
     assert calib["udp"]["sent"] == 500 and 0 <= calib["udp"]["loss"] < 0.05
     ar = home["allreduce"]
-    assert set(ar) >= {"lowband_k1", "lowband_k2", "gloo", "best_k", "ratio_vs_gloo"}
-    for arm in ("lowband_k1", "lowband_k2", "gloo"):
+    arms = ("lowband_k1", "lowband_k2", "lowband_k1_ring", "lowband_k2_ring", "gloo")
+    assert set(ar) >= {*arms, "best_k", "best_arm", "ratio_vs_gloo"}
+    assert (
+        ar["algorithm"]["lowband_k1"] == "scatter" and ar["algorithm"]["lowband_k1_ring"] == "ring"
+    )
+    for arm in arms:
         assert len(ar[arm]["all_seconds"]) == 1 and ar[arm]["seconds"]["median"] > 0
         # two sites: each sends its whole tensor once (plus headers/ACKs/retransmissions)
-        assert ar[arm]["site_tx_bytes"] >= 1 << 20
+        assert ar[arm]["site_tx_bytes"] >= home["bytes"]
         assert ar[arm]["link_utilisation"]["median"] > 0
     assert ar["best_k"] in (1, 2) and ar["best_ratio_vs_gloo"] > 0

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -97,11 +99,15 @@ def test_codec_all_reduce_identical_and_error_does_not_grow(codec):
     assert errs[4] < 2 * errs[2]
 
 
-def test_stats_report_ring_bytes():
+@pytest.mark.parametrize("scatter_max_world", [8, 3])
+def test_stats_report_ring_bytes(scatter_max_world):
     n = 4
     x = torch.ones(1 << 18)  # 1 MiB, above the star threshold
-    with local_group(n, SMALL) as (_, comms):
-        assert comms[0].choose_algorithm(x) == "ring"
+    config = dataclasses.replace(SMALL, scatter_max_world=scatter_max_world)
+    with local_group(n, config) as (_, comms):
+        # auto: scatter up to scatter_max_world ranks, ring above; the same bytes either way
+        assert comms[0].choose_algorithm(x) == ("scatter" if scatter_max_world >= n else "ring")
+        assert comms[0].choose_algorithm(x[:1000]) == "star"
         works = each(comms, lambda c: c.all_reduce_async(x))
         for w in works:
             assert torch.equal(w.wait(), torch.full_like(x, 4.0))
