@@ -1,5 +1,5 @@
 """``benchmarks.wan``: rate scaling, arm order and the summary are pure and tested here; one tiny
-profile over the TUN emulator (2 sites, 1 MB, 1 repeat) needs root + iproute2 + /dev/net/tun."""
+profile over the TUN emulator (2 sites, 0.4 MB, 1 repeat) needs root + iproute2 + /dev/net/tun."""
 
 from __future__ import annotations
 
@@ -120,15 +120,15 @@ def test_config_is_validated():
 @pytest.mark.netns
 @pytest.mark.skipif(available() is not None, reason=f"tun: {available()}")
 def test_tiny_profile_over_the_tun_emulator():
-    args = ["--profiles", "home", "--sites", "2", "--size-mb", "1", "--repeats", "1"]
+    args = ["--profiles", "home", "--sites", "2", "--size-mb", "2", "--repeats", "1"]
     args += ["--connections", "1", "2", "--calib-seconds", "1", "--udp-count", "500"]
     args += ["--algorithms", "auto", "ring", "--scale-size", "--max-rate-mbit", "20"]
     out = run_json_module("benchmarks.wan", *args, "--json", timeout=220)
-    assert out["bytes"] == 1 << 20 and out["max_rate_mbit"] == 20.0
+    assert out["bytes"] == 2 << 20 and out["max_rate_mbit"] == 20.0
     assert out["topology"] == "access"
     home = out["profiles"]["home"]
     assert home["rate_mbit_run"] == 20.0
-    assert home["bytes"] == (1 << 20) // 5 // 4 * 4  # scaled with the rate: a scale model
+    assert home["bytes"] == int(0.4 * (1 << 20)) // 4 * 4  # scaled with the rate: a scale model
     assert home["rate_label"] == "100 Mbit/s profile run at 20 Mbit/s"
     calib = home["calibration"]
     assert abs(calib["rtt_ms"]["median_ms"] - 30.0) <= 0.15 * 30.0 + 2.0
