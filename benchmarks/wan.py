@@ -111,7 +111,7 @@ class WanBench:
     at full rate. Off: the tensor as given, at the rate run (round trips weigh less)."""
     connections: tuple[int, ...] = (1, 4, 16)
     """K values of lowband's transport, each its own arm."""
-    algorithms: tuple[str, ...] = ("auto",)
+    algorithms: tuple[str, ...] = ("auto", "scatter")
     """lowband schedules, each with every K an arm: ``auto`` (what ``all_reduce`` picks; arm
     ``lowband_k<K>``), ``ring`` or ``scatter`` (arm ``lowband_k<K>_<algorithm>``)."""
     topology: str = "access"
@@ -849,7 +849,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     p.add_argument("--connections", type=int, nargs="+", default=[1, 4, 16])
     p.add_argument(
-        "--algorithms", nargs="+", default=["auto"], help="lowband schedules: auto ring scatter"
+        "--algorithms",
+        nargs="+",
+        default=["auto", "scatter"],
+        help="lowband schedules: auto (ring, unless ZmqConfig says otherwise), ring, scatter",
     )
     p.add_argument("--topology", default="access", choices=list(TOPOLOGIES))
     p.add_argument("--no-gloo", action="store_true")

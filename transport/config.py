@@ -42,12 +42,14 @@ class ZmqConfig:
     star_threshold_bytes: int = 256 * 1024
     """``algorithm="auto"`` uses star below this payload size; at or above it, scatter or ring
     (``scatter_max_world``)."""
-    scatter_max_world: int = 8
+    scatter_max_world: int = 0
     """``algorithm="auto"`` on payloads of at least ``star_threshold_bytes``: scatter (2 hops)
-    up to this many ranks, ring (2(n-1) hops, 2 peers per rank) above. Both move the same
-    bytes; on a long-RTT path the ring pays its hops in round trips and in TCP ramp-ups of one
-    flow at a time (``benchmarks.wan``). 0: always ring. Peers on one host use shared memory
-    either way."""
+    up to this many ranks, ring (2(n-1) hops, one flow out and one in per rank) above; 0: always
+    ring. Both move the same bytes. Where a payload is a few bandwidth-delay products (a long
+    round trip), scatter saves the ring's hops and ramps n-1 flows at once: 1.6-2.0x faster than
+    the ring on the ``intercontinental`` profile; where it is many (bandwidth-bound), its n-1
+    flows per access link contend and retransmit, and the ring is up to 1.2x faster (both:
+    ``benchmarks.wan``, docs/training.md). Peers on one host use shared memory either way."""
     max_message_bytes: int = 64 * MiB
     """Largest payload of one received message; larger frames are refused (ZMQ_MAXMSGSIZE)."""
     max_pending_bytes: int = 2 << 30

@@ -597,7 +597,13 @@ class ZmqCommunicator(BlockingCollectives):
         return self._reactor.links.watch.failures
 
     def close(self) -> None:
-        """Leave the group (peers get PEER_LOST at once) and release every socket."""
+        """Leave the group (peers get PEER_LOST at once) and release every socket.
+
+        A rank can finish a collective while its last chunks for slower peers still wait in its
+        send queues. They get ``ZmqConfig.linger`` seconds to leave, and the peers wait about as
+        long for them; what has not arrived by then is lost, and the peers' collective fails with
+        PeerLost. Where peers may be seconds behind (a slow link, busy cores), call
+        :meth:`barrier` before closing."""
         if self._closed:
             return
         self._closed = True

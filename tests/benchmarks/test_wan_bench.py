@@ -105,7 +105,7 @@ def test_config_is_validated():
         WanBench(profiles=("moon",))
     with pytest.raises(ConfigError, match="connections"):
         WanBench(connections=(0,))
-    assert WanBench(gloo=False, connections=(4, 4)).arms == ["lowband_k4"]
+    assert WanBench(gloo=False, connections=(4, 4), algorithms=("auto",)).arms == ["lowband_k4"]
     with pytest.raises(ConfigError, match="algorithms"):
         WanBench(algorithms=("tree",))
     with pytest.raises(ConfigError, match="topology"):
@@ -122,7 +122,7 @@ def test_config_is_validated():
 def test_tiny_profile_over_the_tun_emulator():
     args = ["--profiles", "home", "--sites", "2", "--size-mb", "2", "--repeats", "1"]
     args += ["--connections", "1", "2", "--calib-seconds", "1", "--udp-count", "500"]
-    args += ["--algorithms", "auto", "ring", "--scale-size", "--max-rate-mbit", "20"]
+    args += ["--algorithms", "auto", "scatter", "--scale-size", "--max-rate-mbit", "20"]
     out = run_json_module("benchmarks.wan", *args, "--json", timeout=220)
     assert out["bytes"] == 2 << 20 and out["max_rate_mbit"] == 20.0
     assert out["topology"] == "access"
@@ -135,11 +135,10 @@ def test_tiny_profile_over_the_tun_emulator():
     assert 0 < calib["tcp_flow"]["goodput_mbit"] <= 20.0 * 1.05
     assert calib["udp"]["sent"] == 500 and 0 <= calib["udp"]["loss"] < 0.05
     ar = home["allreduce"]
-    arms = ("lowband_k1", "lowband_k2", "lowband_k1_ring", "lowband_k2_ring", "gloo")
+    arms = ("lowband_k1", "lowband_k2", "lowband_k1_scatter", "lowband_k2_scatter", "gloo")
     assert set(ar) >= {*arms, "best_k", "best_arm", "ratio_vs_gloo"}
-    assert (
-        ar["algorithm"]["lowband_k1"] == "scatter" and ar["algorithm"]["lowband_k1_ring"] == "ring"
-    )
+    assert ar["algorithm"]["lowband_k1"] == "ring"  # auto
+    assert ar["algorithm"]["lowband_k1_scatter"] == "scatter"
     for arm in arms:
         assert len(ar[arm]["all_seconds"]) == 1 and ar[arm]["seconds"]["median"] > 0
         # two sites: each sends its whole tensor once (plus headers/ACKs/retransmissions)

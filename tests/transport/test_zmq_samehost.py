@@ -78,7 +78,7 @@ def test_shm_is_used_only_when_every_member_can_use_it(other, monkeypatch):
         try:
             run_ranks([lambda c=c: c.quorum() for c in comms])
             x = torch.ones(100_000)
-            assert {c.choose_algorithm(x) for c in comms} == {"scatter"}  # auto across hosts
+            assert {c.choose_algorithm(x) for c in comms} == {"ring"}
             assert comms[0].choose_algorithm(x, codec=Int8BlockCodec()) == "scatter"
             outs = each(comms, lambda c: c.all_reduce(x))
             assert all(torch.equal(o, torch.full_like(x, 2.0)) for o in outs)
@@ -91,8 +91,8 @@ def test_shm_is_used_only_when_every_member_can_use_it(other, monkeypatch):
 def test_off_keeps_everything_on_tcp():
     with local_group(2, ZmqConfig(**BASE, same_host="off")) as (_, comms):
         x = torch.ones(100_000)
-        assert comms[0].choose_algorithm(x) == "scatter"
-        assert comms[0].choose_algorithm(x, algorithm="ring") == "ring"
+        assert comms[0].choose_algorithm(x) == "ring"
+        assert comms[0].choose_algorithm(x, algorithm="scatter") == "scatter"
         out = comms[0]._reactor.links._out[comms[1].peer_id].sockets[0]
         assert out.last_endpoint.decode().startswith("tcp://")
 
@@ -103,7 +103,7 @@ def test_ipc_connects_same_host_peers_over_unix_sockets(mode):
         out = comms[0]._reactor.links._out[comms[1].peer_id].sockets[0]
         assert out.last_endpoint.decode().startswith("ipc://")
         xs = [torch.randn(500_000) for _ in comms]
-        assert comms[0].choose_algorithm(xs[0]) == ("scatter" if mode == "ipc" else "shm")
+        assert comms[0].choose_algorithm(xs[0]) == ("ring" if mode == "ipc" else "shm")
         outs = each(comms, lambda c: c.all_reduce(xs[c.rank], algorithm="ring"))
         assert all(torch.equal(o, outs[0]) for o in outs)
         assert torch.allclose(outs[0], xs[0] + xs[1])
