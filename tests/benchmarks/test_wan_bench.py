@@ -141,7 +141,8 @@ def test_tiny_profile_over_the_tun_emulator():
     assert ar["algorithm"]["lowband_k1_scatter"] == "scatter"
     for arm in arms:
         assert len(ar[arm]["all_seconds"]) == 1 and ar[arm]["seconds"]["median"] > 0
-        # two sites: each sends its whole tensor once (plus headers/ACKs/retransmissions)
-        assert ar[arm]["site_tx_bytes"] >= home["bytes"]
+        # two sites: each sends its whole tensor once (plus headers/ACKs/retransmissions); a
+        # rank may return while its last chunks are still leaving, so a little can be missing
+        assert ar[arm]["site_tx_bytes"] >= 0.9 * home["bytes"]
         assert ar[arm]["link_utilisation"]["median"] > 0
     assert ar["best_k"] in (1, 2) and ar["best_ratio_vs_gloo"] > 0
