@@ -105,10 +105,11 @@ class WanBench:
     scale_size: bool = False
     """Run a profile whose rate is scaled down (``max_rate_mbit``) with the tensor scaled by the
     same factor: a scale model that keeps the configured profile's ratio of bytes to
-    bandwidth-delay product, hence the share of the time that goes to round trips and TCP
-    ramp-up (64 MB at 1 Gbit/s and 160 ms becomes 3.2 MB at 50 Mbit/s). TCP's window in
-    packets is smaller by the factor too, so slow start takes fewer round trips than it would
-    at full rate. Off: the tensor as given, at the rate run (round trips weigh less)."""
+    bandwidth-delay product, hence the share of the time that goes to round trips and
+    queueing (64 MB at 1 Gbit/s and 160 ms becomes 3.2 MB at 50 Mbit/s). What does not scale:
+    windows and queues hold fewer packets by the factor, so effects counted in packets (a first
+    window's slow start, the packets one tail drop hits) weigh differently. Off: the tensor as
+    given, at the rate run (round trips weigh less)."""
     connections: tuple[int, ...] = (1, 4, 16)
     """K values of lowband's transport, each its own arm."""
     algorithms: tuple[str, ...] = ("auto", "scatter")
