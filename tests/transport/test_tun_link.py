@@ -20,7 +20,7 @@ from transport.links.tun.calibrate import (
     measure_rtt,
     measure_udp_loss,
 )
-from transport.links.tun.shape import GilbertElliott, PathConfig
+from transport.links.tun.shape import AccessConfig, GilbertElliott, PathConfig
 from transport.links.tun.testbed import TunConfig, TunTestbed, available
 
 pytestmark = [
@@ -106,6 +106,18 @@ def test_each_direction_of_each_pair_has_its_own_path():
     assert abs(far - 40.0) <= 0.15 * 40.0 + 2.0
     assert abs(close - 10.0) <= 0.15 * 10.0 + 2.0
     assert forwarded["1->2"]["received"] == 0  # nothing crossed a path it was not addressed to
+
+
+def test_an_access_link_limits_paths_that_have_no_rate_of_their_own():
+    # The forwarder's sharing of one access link by several paths is tested without root in
+    # test_tun_shape; here the testbed hands the access link to the forwarder.
+    cfg = TunConfig(path=PathConfig(delay_ms=10.0), access=AccessConfig(rate_mbit=20.0), seed=2)
+    with TunTestbed(cfg) as bed:
+        out = measure_goodput(bed, 3.0, port=5316)
+        drops = bed.stats()["access_drops"]
+    assert 0.85 * 20.0 <= out["steady_goodput_mbit"] and out["goodput_mbit"] <= 20.0, out
+    assert out["queue_drops"] == 0  # the path itself queues nothing
+    assert set(drops) == {"0", "1"}
 
 
 def test_congestion_control_is_set_per_site_where_the_host_allows_it():
