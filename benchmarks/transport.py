@@ -193,11 +193,6 @@ def _allreduce_worker(args: argparse.Namespace) -> dict[str, Any]:
             if i == args.warmup - 1:
                 gc_time[0] = 0.0
         gc.callbacks.remove(gc_clock)
-        for _, barrier, _ in runs.values():
-            # A ring rank can finish while its last chunks still wait in its send queues, and
-            # on two busy cores a peer can be seconds behind: close once every rank has its
-            # result (without this, the ranks still running lose the rest: PeerLost).
-            barrier()
         return {
             "rank": m.rank,
             "rows": rows,

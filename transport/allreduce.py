@@ -26,8 +26,9 @@ itself too) and every rank, the owner included, ends with exactly that value.
 
 Why forwarding the ring's partial sums zero-copy is safe without tracking: a partial sum of
 segment g sent by rank r is consumed by rank r+1 before the final value of g can exist, and r
-overwrites that region only with g's final value. Only step-0 sends (the caller's input) and the
-owner's final values (the returned tensor) are tracked.
+overwrites that region only with g's final value. Step-0 sends (the caller's input) and every
+send of a final value (from the returned tensor) are tracked, so an operation completes only when
+ZeroMQ has handed its last sends to the kernel and a caller may close the communicator at once.
 """
 
 from __future__ import annotations
@@ -76,6 +77,11 @@ class RingAllReduce(ReduceBase):
         if self.todo == 0:
             self.finish(host, self.out.view(self.shape))
 
+    def needs(self, peer: str) -> bool:
+        # Everything comes from the previous rank (what others send reaches this one through
+        # it); a rank that finished and left handed its last sends to the kernel before its BYEs.
+        return not self.finished and self.rank_of(peer) == self.prev
+
     def on_message(self, host: "Host", src: int, msg: wire.Message) -> None:
         self.check(msg)
         n, r = self.n, self.rank
@@ -123,16 +129,19 @@ class RingAllReduce(ReduceBase):
                     track=True,
                 )
                 self.todo -= 1
-        else:  # all-gather: keep the owner's bytes, pass the received frame on untouched
+        else:  # all-gather: keep the owner's bytes and pass them on
             dst.copy_(incoming)
             if st < 2 * n - 3:
+                # From the result, tracked: this rank's last sends, which its completion must
+                # wait for, or a caller that closes on return could leave them queued.
                 self.send(
                     host,
                     self.next,
                     MsgType.CHUNK,
                     self.meta(st=st + 1, g=g, c=c, **self.signature),
-                    [msg.frames[1]],
+                    [wire.tensor_bytes(dst)],
                     stripe=c,
+                    track=True,
                 )
             self.todo -= 1
         if self.todo == 0:
@@ -264,26 +273,26 @@ class DirectAllReduce(ReduceBase):
         if self.codec is not None:
             enc = self.codec.encode(acc)
             final = self.codec.decode(enc).to(self.dtype)
-            payload = [wire.tensor_bytes(f) for f in enc.frames]
+            frames = list(enc.frames)
             extra = {"cm": dict(enc.meta), "cf": [wire.describe(f) for f in enc.frames]}
         else:
             final = acc.to(self.dtype)
-            payload, extra = [wire.tensor_bytes(final)], {}
-        in_place = final.data_ptr() == self.out[lo:hi].data_ptr()
-        if not in_place:
+            frames, extra = [final], {}
+        if final.data_ptr() != self.out[lo:hi].data_ptr():
             self.out[lo:hi] = final
         for dst in range(self.n):
             if dst != self.rank:
+                # The owner's last sends: tracked (its completion waits for them, so a caller
+                # that closes on return leaves nothing queued), each send its own views
+                # (tracking counts references to the payload objects).
                 self.send(
                     host,
                     dst,
                     MsgType.CHUNK,
                     self.meta(ph=1, ci=ci, **extra, **self.signature),
-                    # Sent from the caller's result: tracked, each send its own view (tracking
-                    # counts references to the payload object).
-                    [wire.tensor_bytes(final)] if in_place else payload,
+                    [wire.tensor_bytes(f) for f in frames],
                     stripe=ci,
-                    track=in_place,
+                    track=True,
                 )
         self.todo -= 1
 

@@ -259,6 +259,14 @@ class Members:
             _, reason = self._departing.pop(pid)
             self._declare_lost(pid, reason, left=True)
 
+    def heard_from(self, pid: str) -> None:
+        """Data from ``pid`` came in. A peer that left but is still delivering what it sent
+        before its BYEs (a slow link, a busy receiver) gets its grace renewed: its BYEs are
+        behind that data, and the collectives here may need it."""
+        if pid in self._departing:
+            _, reason = self._departing[pid]
+            self._departing[pid] = (time.monotonic() + self._bye_grace, reason)
+
     def _peer_lost(self, peers: list[str], reason: str, left: bool = False) -> None:
         """The coordinator declared ``peers`` lost (``left``: they said goodbye)."""
         for pid in peers:

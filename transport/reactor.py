@@ -281,6 +281,7 @@ class Reactor:
         if msg.type == MsgType.BYE:
             self.members.on_bye(sender, expected)
             return
+        self.members.heard_from(sender)
         self.routing.route(
             msg, epoch, key, self.members.epoch, member=self.members.expelled is None
         )

@@ -599,11 +599,11 @@ class ZmqCommunicator(BlockingCollectives):
     def close(self) -> None:
         """Leave the group (peers get PEER_LOST at once) and release every socket.
 
-        A rank can finish a collective while its last chunks for slower peers still wait in its
-        send queues. They get ``ZmqConfig.linger`` seconds to leave, and the peers wait about as
-        long for them; what has not arrived by then is lost, and the peers' collective fails with
-        PeerLost. Where peers may be seconds behind (a slow link, busy cores), call
-        :meth:`barrier` before closing."""
+        Closing right after a collective returns is safe: an all-reduce completes only once
+        ZeroMQ has handed its last sends to the kernel, the BYEs follow them on every
+        connection, and a peer still receiving them keeps waiting as long as they keep coming.
+        Only what is still queued in ZeroMQ (the BYEs behind a full kernel buffer) gets no more
+        than ``ZmqConfig.linger`` seconds."""
         if self._closed:
             return
         self._closed = True

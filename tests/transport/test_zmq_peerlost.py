@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import subprocess
 import threading
+import time
+from dataclasses import replace
 
 import pytest
 import torch
@@ -261,6 +263,35 @@ def test_a_peer_that_contributed_then_left_does_not_fail_the_others(kind):
 
 
 # ---- receive pairing ----------------------------------------------------------------------------
+@pytest.mark.slow
+def test_ranks_that_finish_may_close_at_once_while_a_slow_rank_still_receives():
+    """Rank 2 handles its messages late (a slow link or a busy core): the others finish first
+    and close on return, with their last pieces for rank 2 still unread, which then takes
+    0.3 s each (a 1 MB segment in 16 KiB chunks: longer than the 2 s a departed peer's BYEs
+    get). The ring is the case: a rank there needs only its predecessor, and gets everything
+    the others send through it (scatter's ``needs`` has always looked at the owners).
+    Their last sends were with the kernel before they completed, their BYEs follow them, and
+    rank 2 keeps waiting while their data comes in: it completes with the right sum."""
+    with local_group(3, replace(SMALL, chunk_bytes=16 * 1024)) as (_, comms):
+        slow = comms[2]._reactor.routing
+        route = slow.route
+        closed = threading.Event()
+
+        def late(*args, **kw):
+            time.sleep(0.3 if closed.is_set() else 0.02)
+            return route(*args, **kw)
+
+        slow.route = late  # type: ignore[method-assign]
+        xs = [torch.full((786_432,), float(c.rank + 1)) for c in comms]  # 1 MB segments
+        works = [c.all_reduce_async(xs[c.rank], algorithm="ring", tag="a") for c in comms]
+        for c, w in zip(comms[:2], works[:2]):
+            assert torch.equal(w.wait(WAIT), torch.full((786_432,), 6.0))
+            c.close()
+        closed.set()
+        assert not works[2].done()  # the test's premise: rank 2 is still receiving
+        assert torch.equal(works[2].wait(WAIT), torch.full((786_432,), 6.0))
+
+
 def test_an_abandoned_recv_does_not_shift_later_pairings():
     with local_group(2, SMALL) as (_, (c0, c1)):
         with pytest.raises(TransportTimeout):
