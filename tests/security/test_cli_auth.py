@@ -196,7 +196,8 @@ def test_curve_flags_of_a_worker(tmp_path) -> None:
     key = CurveKeys.load(public).public
     w = ["worker", "--coordinator", "tcp://10.0.0.1:29500"]
     for given in (str(public), key.decode()):  # a key file or the 40 characters
-        a = resolve_auth(_args([*w, "--curve-server-key", given]), {}, client=True, server=False)
+        # "=": a Z85 key may begin with "-", which argparse would take for an option
+        a = resolve_auth(_args([*w, f"--curve-server-key={given}"]), {}, client=True, server=False)
         assert (a.mode, a.server_key, a.curve) == ("curve", key, None)
     mine, my_secret = keygen(tmp_path, "me")
     a = resolve_auth(
