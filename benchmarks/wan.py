@@ -331,7 +331,8 @@ def run_profile(cfg: WanBench, name: str) -> dict[str, Any]:
         tempfile.TemporaryDirectory() as tmp,
     ):
         calib = calibrate(bed, cfg)
-        before = bed.stats()["paths"]
+        stats = bed.stats()
+        before, access_before = stats["paths"], stats["access_drops"]
         coords = {
             arm: stack.enter_context(
                 Coordinator(CoordinatorConfig(bind=f"tcp://{bed.host}:0", heartbeat_interval=5.0))
@@ -340,10 +341,12 @@ def run_profile(cfg: WanBench, name: str) -> dict[str, Any]:
             if arm != "gloo"
         }
         ranks = _spawn(bed, cfg, coords, tmp, nbytes)
-        after = bed.stats()["paths"]
-        access_after = bed.stats()["access_drops"]
+        stats = bed.stats()
+        after, access_after = stats["paths"], stats["access_drops"]
     drops = {k: sum(after[p][k] - before[p][k] for p in after) for k in ("lost", "queue_drops")}
-    drops["access_queue_drops"] = sum(d["up"] + d["down"] for d in access_after.values())
+    drops["access_queue_drops"] = sum(
+        access_after[i][d] - access_before[i][d] for i in access_after for d in ("up", "down")
+    )
     allreduce = summarize(ranks, cfg.arms, rate)
     allreduce["forwarder_drops_all_paths"] = drops
     allreduce["algorithm"] = ranks[0]["algorithm"]
