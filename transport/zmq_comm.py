@@ -397,15 +397,18 @@ class ZmqCommunicator(BlockingCollectives):
         n = world_size if world_size is not None else (table.membership.world_size if table else 1)
         if n <= 1:
             return "star"
-        shm = codec is None and table is not None and self._reactor.same_host_shm(table)
+
+        def shm() -> bool:  # asked only where it matters: not on every small star
+            return codec is None and table is not None and self._reactor.same_host_shm(table)
+
         if algorithm == "auto":
             if wire.nbytes(tensor) < self.config.star_threshold_bytes:
                 algorithm = "star"
-            elif shm:
-                return "shm"
+            elif n <= self.config.scatter_max_world and not shm():
+                algorithm = "scatter"
             else:
-                algorithm = "scatter" if n <= self.config.scatter_max_world else "ring"
-        if algorithm == "ring" and shm:
+                algorithm = "ring"  # on one host: shared memory, below
+        if algorithm == "ring" and shm():
             return "shm"
         if algorithm == "ring" and (codec is not None or acc_dtype(tensor.dtype) != tensor.dtype):
             return "scatter"
