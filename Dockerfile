@@ -79,7 +79,7 @@ COPY diloco/ diloco/
 COPY edge/ edge/
 # Everything it needs is installed above: no index, no build isolation.
 RUN pip install --no-deps --no-build-isolation --no-index -c constraints.txt ".[train,flower]" \
-    && python -c "import torch, lowband.cli; assert not torch.version.cuda, 'CUDA torch slipped in'"
+    && python -c "import torch, cli; assert not torch.version.cuda, 'CUDA torch slipped in'"
 
 COPY examples/ examples/
 COPY docker/shape-egress.sh docker/compare.py docker/site-config.json docker/

@@ -162,7 +162,7 @@ class Soak:
     def _spawn(self, name: str, args: list[str]) -> None:
         log = open(self.work / f"{name}.log", "a")
         self.procs[name] = subprocess.Popen(
-            [PY, "-m", "lowband", *args],
+            [PY, "-m", "cli", *args],
             stdout=log,
             stderr=subprocess.STDOUT,
             start_new_session=True,

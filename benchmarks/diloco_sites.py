@@ -54,7 +54,7 @@ def run_once(ranks: int, engine: str, run_args: list[str], tmp: Path) -> dict:
                 args = [
                     sys.executable,
                     "-m",
-                    "lowband",
+                    "cli",
                     "worker",
                     "--coordinator",
                     addrs,

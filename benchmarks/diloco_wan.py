@@ -172,7 +172,7 @@ def _run(bed: Testbed, cfg: TrainConfig, work: Path, timeout: float) -> dict[str
                             ns,
                             sys.executable,
                             "-m",
-                            "lowband",
+                            "cli",
                             "worker",
                             "--coordinator",
                             coord.address,

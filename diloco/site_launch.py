@@ -102,7 +102,7 @@ class SiteFailed(LowbandError):
     """This rank of a site stopped training (a site collective failed because another rank of
     the site died, or this rank hit an error). It has left its lowband group already; the whole
     site must be restarted (torchrun does), and it then rejoins every shard group as a
-    newcomer. The process should exit at once: see ``lowband.cli.train``."""
+    newcomer. The process should exit at once: see ``cli.train``."""
 
 
 @dataclass(frozen=True, kw_only=True)

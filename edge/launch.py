@@ -468,7 +468,7 @@ def run_main(cfg: RunConfig) -> int:
         if serve.token:
             env["LOWBAND_TOKEN"] = serve.token
         for i in range(1, n):
-            args = [sys.executable, "-m", "lowband", "edge", "worker", "--master", address]
+            args = [sys.executable, "-m", "cli", "edge", "worker", "--master", address]
             args += ["--model-dir", serve.model_dir]  # same machine, same working directory
             if serve.curve is not None:
                 args += ["--curve-server-key", serve.curve.public.decode()]

@@ -15,9 +15,9 @@ from pathlib import Path
 from typing import Any
 
 from edge.formats.gguf_arch import TOKENIZER_GGUF, is_gguf, read_config, read_tokenizer
+from edge.formats.gguf_reader import open_reader
 from lowband.errors import ConfigError
 from lowband.models.config import ModelConfig
-from lowband.models.gguf_reader import open_reader
 from lowband.models.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
 
 logger = logging.getLogger(__name__)

@@ -1,13 +1,14 @@
 """lowband: train and serve language models where the network is the bottleneck.
 
-The distribution ships four packages, each a layer (ARCHITECTURE.md):
+The distribution ships five packages, each a layer (ARCHITECTURE.md):
 
 * ``lowband``   – the core: typed errors, the Communicator Protocol that algorithms program
                   against, wire codecs, process helpers; ``lowband.models`` (the Llama family,
-                  shared by training and inference); ``lowband.cli`` (the command line, on top).
+                  shared by training and inference).
 * ``transport`` – ZeroMQ WAN transport, coordinator, slow-link testbeds, in-process loopback group.
 * ``diloco``    – Streaming DiLoCo trainer and DDP baseline.
 * ``edge``      – Llama-family inference runtime with tensor parallelism and weight streaming.
+* ``cli``       – the ``lowband`` command line, on top of all of them.
 """
 
 from pathlib import Path

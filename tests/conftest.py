@@ -171,7 +171,7 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
 # @pytest.mark.slow themselves. CI runs both tiers.
 SLOW_DIRS = ("chaos", "cli", "benchmarks", "examples")
 SLOW_TESTS = (
-    "models/test_gguf_tokenizer.py::test_llamacpp_vectors",
+    "edge/formats/test_gguf_tokenizer.py::test_llamacpp_vectors",
     "edge/test_quant.py::test_cpp_selftest_all_paths",
     "edge/test_quant.py::test_benchmark_tiny_smoke",
     "edge/test_ggml_quant.py::test_benchmark_ggml_tiny_smoke",

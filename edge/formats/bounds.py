@@ -15,8 +15,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+from edge.formats.gguf_reader import open_reader
 from lowband.errors import ConfigError
-from lowband.models.gguf_reader import open_reader
 
 MAX_CONTEXT = 1 << 24  # context_length: positions a KV cache or rope table may be sized for
 

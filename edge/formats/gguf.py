@@ -38,6 +38,7 @@ from torch import nn
 from edge.formats.bounds import open_gguf
 from edge.formats.gguf_arch import EXPERTS, ROPE_FREQS, TOKENIZER_GGUF, architecture, hf_names
 from edge.formats.gguf_arch import read_config as read_config
+from edge.formats.gguf_reader import open_reader
 from edge.formats.quantized_checkpoint import (
     QuantConfig,
     QuantLayout,
@@ -53,7 +54,6 @@ from edge.quant.linear import GGMLLinear
 from edge.tp import Reduce, TPPlan, make_plan, shard
 from lowband.errors import ConfigError
 from lowband.models.config import ModelConfig
-from lowband.models.gguf_reader import open_reader
 from lowband.models.llama import LlamaForCausalLM, rope_inv_freq
 
 SUPPORTED = ("F32", "F16", "BF16", "Q8_0", "Q4_0", *GGML_TYPES)

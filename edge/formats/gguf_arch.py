@@ -271,8 +271,8 @@ def _gemma3(reader: Any, pre: str, kw: dict[str, Any]) -> dict[str, Any]:
 def read_tokenizer(reader: Any):
     """The file's tokenizer (``tokenizer.ggml.*``) with its chat template
     (``tokenizer.chat_template``) attached, as ``load_tokenizer`` does for a directory."""
+    from edge.formats.gguf_tokenizer import tokenizer_from_gguf
     from lowband.models.chat_template import template_from_gguf_metadata
-    from lowband.models.gguf_tokenizer import tokenizer_from_gguf
 
     tok = tokenizer_from_gguf(reader)
     source = field(reader, "tokenizer.chat_template")

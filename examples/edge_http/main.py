@@ -27,7 +27,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-LOWBAND = [sys.executable, "-m", "lowband"]
+LOWBAND = [sys.executable, "-m", "cli"]
 
 
 def train_model(out: Path, tiny: bool) -> Path:

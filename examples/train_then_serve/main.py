@@ -89,7 +89,7 @@ def generate_tp2(model_dir: Path, prompt: str, params: SamplingParams) -> tuple[
         [
             sys.executable,
             "-m",
-            "lowband",
+            "cli",
             "edge",
             "worker",
             "--master",

@@ -24,7 +24,7 @@ def _coordinator(port: int, log) -> subprocess.Popen:
         [
             sys.executable,
             "-m",
-            "lowband",
+            "cli",
             "coordinator",
             "--bind",
             f"tcp://127.0.0.1:{port}",
@@ -55,7 +55,7 @@ def test_coordinator_kill_9_and_restart_training_goes_on(tmp_path, procs):
             [
                 sys.executable,
                 "-m",
-                "lowband",
+                "cli",
                 "worker",
                 "--coordinator",
                 f"tcp://127.0.0.1:{port}",

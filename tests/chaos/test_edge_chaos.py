@@ -91,7 +91,7 @@ def test_paused_role_heals_and_answers_stay_equal(ckpt, tmp_path, procs, victim)
         [
             sys.executable,
             "-m",
-            "lowband",
+            "cli",
             "edge",
             "run",
             str(ckpt),
@@ -160,7 +160,7 @@ def test_bad_requests_among_16_concurrent_streams(ckpt, tmp_path, procs):
         [
             sys.executable,
             "-m",
-            "lowband",
+            "cli",
             "edge",
             "run",
             str(ckpt),

@@ -29,7 +29,7 @@ def _train(out: Path, log, *extra: str) -> subprocess.Popen:
     args = [
         sys.executable,
         "-m",
-        "lowband",
+        "cli",
         "train",
         "--preset",
         "tiny",

@@ -20,7 +20,7 @@ def _train(out, steps: int, log) -> subprocess.Popen:
     args = [
         sys.executable,
         "-m",
-        "lowband",
+        "cli",
         "train",
         "--preset",
         "tiny",

@@ -83,7 +83,7 @@ class Sites:
             args = [
                 sys.executable,
                 "-m",
-                "lowband",
+                "cli",
                 "worker",
                 "--coordinator",
                 self.coord.address,

@@ -197,7 +197,7 @@ LOWBAND_COMMANDS = [(n, a) for n, s in SERVICES.items() for a in commands(s) if 
     "service,argv", LOWBAND_COMMANDS, ids=[f"{n}:{' '.join(a[:2])}" for n, a in LOWBAND_COMMANDS]
 )
 def test_lowband_commands_are_accepted_by_the_cli(service, argv):
-    from lowband.cli import build_parser
+    from cli import build_parser
 
     parser = build_parser()
     subcommands = parser._subparsers._group_actions[0].choices  # noqa: SLF001 - argparse has no API
@@ -208,7 +208,7 @@ def test_lowband_commands_are_accepted_by_the_cli(service, argv):
     except SystemExit as exc:
         pytest.fail(f"{service}: `{shlex.join(argv)}` rejected by the CLI (exit {exc.code})")
     if argv[1:3] == ["flower", "run"]:
-        from lowband.cli.flower import submit_config
+        from cli.flower import submit_config
 
         submit_config(args)  # every --set value validated like the app will
 

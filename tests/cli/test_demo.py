@@ -14,9 +14,10 @@ from pathlib import Path
 import pytest
 
 from diloco.config import DDPConfig, DilocoConfig
-from lowband.cli.demo_run import DemoConfig, demo_train_config, resolve_link, summary_table
+from diloco.demo_launch import DemoConfig, demo_train_config, summary_table
 from lowband.errors import ConfigError
 from tests.conftest import PY
+from transport.links.sites import resolve_link
 
 # A small run: 2 sites, 24 steps of 4 x 32 tokens, two fragments, evals at 12 and 24.
 TINY = [
@@ -105,7 +106,7 @@ def test_link_resolution(monkeypatch):
 
 
 def test_cli_rejects_bad_input_before_starting(tmp_path, capsys):
-    from lowband.cli import main
+    from cli import main
 
     for args, field in (
         (["--sites", "1"], "sites"),
@@ -187,7 +188,7 @@ def _run_demo(spawn, out: Path, link: str, *extra: str, timeout: float = 150) ->
         [
             PY,
             "-m",
-            "lowband",
+            "cli",
             "demo",
             *TINY,
             "--link",
@@ -276,7 +277,7 @@ def test_ctrl_c_leaves_no_site_or_namespace_behind(spawn, tmp_path):
         [
             PY,
             "-m",
-            "lowband",
+            "cli",
             "demo",
             *TINY,
             "--steps",

@@ -92,7 +92,7 @@ def test_split_cli(ckpt, tmp_path, spawn) -> None:
         [
             PY,
             "-m",
-            "lowband",
+            "cli",
             "edge",
             "split",
             str(d),
@@ -125,7 +125,7 @@ def test_split_cli(ckpt, tmp_path, spawn) -> None:
         [
             PY,
             "-m",
-            "lowband",
+            "cli",
             "edge",
             "split",
             str(d),
@@ -150,7 +150,7 @@ def test_run_three_devices_uneven_matches_single_device(ckpt, spawn) -> None:
         [
             PY,
             "-m",
-            "lowband",
+            "cli",
             "edge",
             "run",
             str(d),
@@ -192,7 +192,7 @@ def test_worker_kill_and_return(ckpt, spawn) -> None:
         [
             PY,
             "-m",
-            "lowband",
+            "cli",
             "-v",
             "edge",
             "serve",
@@ -207,7 +207,7 @@ def test_worker_kill_and_return(ckpt, spawn) -> None:
             "10",
         ]
     )
-    worker = [PY, "-m", "lowband", "-v", "edge", "worker", "--master", bind, "--threads", "1"]
+    worker = [PY, "-m", "cli", "-v", "edge", "worker", "--master", bind, "--threads", "1"]
     worker += ["--model-dir", str(d)]
     w1, w2 = spawn(worker), spawn(worker)
     _wait_health(port, master)

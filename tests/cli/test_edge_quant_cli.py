@@ -43,7 +43,7 @@ def _serve_and_complete(d, spawn) -> str:
         [
             PY,
             "-m",
-            "lowband",
+            "cli",
             "edge",
             "run",
             str(d),
@@ -96,7 +96,7 @@ def test_quantized_and_gguf_serve_on_two_devices(tmp_path, spawn) -> None:
         [
             PY,
             "-m",
-            "lowband",
+            "cli",
             "edge",
             "quantize",
             str(src),
@@ -115,7 +115,7 @@ def test_quantized_and_gguf_serve_on_two_devices(tmp_path, spawn) -> None:
         [
             PY,
             "-m",
-            "lowband",
+            "cli",
             "edge",
             "convert",
             str(write_gguf(m, tmp_path / "m.gguf", ftype="q8_0")),

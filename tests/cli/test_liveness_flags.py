@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from lowband.cli import build_parser, main
-from lowband.cli.edge import _serve_config
-from lowband.cli.liveness import liveness
+from cli import build_parser, main
+from cli.edge import _serve_config
+from cli.liveness import liveness
 from lowband.errors import ConfigError
 from transport.coordinator import CoordinatorConfig, Liveness
 

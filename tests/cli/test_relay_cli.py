@@ -35,7 +35,7 @@ def test_a_worker_that_cannot_be_dialled_trains_through_the_relay(tmp_path, spaw
     relay_port = free_port()
     args = f"-v coordinator --bind tcp://127.0.0.1:0 --relay-bind tcp://127.0.0.1:{relay_port}"
     coord = spawn(
-        [PY, "-m", "lowband", *args.split()],
+        [PY, "-m", "cli", *args.split()],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
@@ -51,7 +51,7 @@ def test_a_worker_that_cannot_be_dialled_trains_through_the_relay(tmp_path, spaw
             f"--id {i} --out {tmp_path / f'w{i}'} --threads 1 --bind-host 127.0.0.1"
         )
         return spawn(
-            [PY, "-m", "lowband", *args.split(), *extra],
+            [PY, "-m", "cli", *args.split(), *extra],
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
@@ -78,6 +78,6 @@ def test_relay_flags_are_checked_before_anything_listens():
         ("worker --coordinator tcp://127.0.0.1:1 --connections 65", "--connections"),
     ):
         bad = subprocess.run(
-            [PY, "-m", "lowband", *args.split()], capture_output=True, text=True, timeout=60
+            [PY, "-m", "cli", *args.split()], capture_output=True, text=True, timeout=60
         )
         assert bad.returncode == 2 and needle in bad.stderr, (args, bad.stderr)

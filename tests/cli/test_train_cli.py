@@ -64,7 +64,7 @@ def test_real_processes_survive_kill_9_and_admit_a_newcomer(tmp_path, spawn):
             [
                 PY,
                 "-m",
-                "lowband",
+                "cli",
                 "worker",
                 "--coordinator",
                 coord.address,
@@ -136,7 +136,7 @@ def test_different_model_is_refused_by_the_coordinator(tmp_path):
 
 
 def test_cli_train_loopback_writes_a_model_edge_loads(tmp_path, capsys):
-    from lowband.cli import main
+    from cli import main
     from lowband.models.weights import load_pretrained
 
     out = tmp_path / "run"
@@ -176,7 +176,7 @@ def test_cli_train_loopback_writes_a_model_edge_loads(tmp_path, capsys):
 
 
 def test_cli_refuses_bad_config_before_starting(tmp_path, capsys):
-    from lowband.cli import main
+    from cli import main
 
     assert (
         main(["train", "--workers", "2", "-H", "10", "-P", "3", "--out", str(tmp_path / "x")]) == 2

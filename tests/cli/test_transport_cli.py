@@ -20,7 +20,7 @@ pytestmark = pytest.mark.timeout(90)
 
 def test_keygen_writes_a_loadable_keypair(tmp_path):
     out = subprocess.run(
-        [PY, "-m", "lowband", "keygen", "--out", str(tmp_path), "--name", "site"],
+        [PY, "-m", "cli", "keygen", "--out", str(tmp_path), "--name", "site"],
         capture_output=True,
         text=True,
         timeout=60,
@@ -34,7 +34,7 @@ def test_keygen_writes_a_loadable_keypair(tmp_path):
 
 def _start(spawn, args):
     proc = spawn(
-        [PY, "-m", "lowband", "coordinator", "--bind", "tcp://127.0.0.1:0", *args],
+        [PY, "-m", "cli", "coordinator", "--bind", "tcp://127.0.0.1:0", *args],
         stdout=subprocess.PIPE,
         text=True,
     )
@@ -71,7 +71,7 @@ def test_coordinator_command_with_token_file_serves_a_group(spawn, tmp_path):
 
 def test_coordinator_command_with_curve_keys(spawn, tmp_path):
     subprocess.run(
-        [PY, "-m", "lowband", "keygen", "--out", str(tmp_path), "--name", "coord"],
+        [PY, "-m", "cli", "keygen", "--out", str(tmp_path), "--name", "coord"],
         check=True,
         capture_output=True,
         timeout=60,
@@ -96,7 +96,7 @@ def test_coordinator_command_with_curve_keys(spawn, tmp_path):
 
 def test_coordinator_command_rejects_a_public_key_file_as_secret(tmp_path):
     subprocess.run(
-        [PY, "-m", "lowband", "keygen", "--out", str(tmp_path)],
+        [PY, "-m", "cli", "keygen", "--out", str(tmp_path)],
         check=True,
         capture_output=True,
         timeout=60,
@@ -105,7 +105,7 @@ def test_coordinator_command_rejects_a_public_key_file_as_secret(tmp_path):
         [
             PY,
             "-m",
-            "lowband",
+            "cli",
             "coordinator",
             "--bind",
             "tcp://127.0.0.1:0",

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from lowband.cli import main
+from cli import main
 
 
 @pytest.mark.parametrize(("extra", "k"), [((), 4), (("--connections", "16"), 16)])

@@ -295,8 +295,8 @@ def test_cuda_profile_has_kernels(tmp_path):
 def test_profile_and_compile_flags_reach_the_config_and_its_json(tmp_path):
     import argparse
 
+    from cli.train import _train_config, register
     from diloco.config import config_from_dict, config_to_dict
-    from lowband.cli.train import _train_config, register
 
     p = argparse.ArgumentParser()
     register(p.add_subparsers(dest="cmd"))

@@ -441,8 +441,8 @@ def test_example_app_is_the_generated_app_and_flower_accepts_it(tmp_path):
 
     tomllib = __import__("tomllib" if sys.version_info >= (3, 11) else "tomli")
 
+    from cli import main
     from diloco.flower.app import write_app
-    from lowband.cli import main
 
     example = Path(__file__).resolve().parents[2] / "examples" / "flower_diloco"
     gen = write_app(tmp_path / "app")
@@ -469,8 +469,8 @@ def test_example_app_is_the_generated_app_and_flower_accepts_it(tmp_path):
 
 
 def test_flower_cli_parses_into_validated_configs(capsys):
-    from lowband.cli import build_parser, main
-    from lowband.cli.flower import local_config, submit_config
+    from cli import build_parser, main
+    from cli.flower import local_config, submit_config
 
     args = build_parser().parse_args(
         [

@@ -95,7 +95,7 @@ class ChaosSites:
             args = [
                 sys.executable,
                 "-m",
-                "lowband",
+                "cli",
                 "worker",
                 "--coordinator",
                 addrs,

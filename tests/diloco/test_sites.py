@@ -180,7 +180,7 @@ def _site_cli(
     """``lowband worker --site …`` as rank 5 of 8 under torchrun's environment, with
     ``site_main`` replaced (default: a stub that records its SiteLaunch)."""
     import diloco.site_launch
-    from lowband.cli import main
+    from cli import main
 
     stub = _Stub()
     monkeypatch.setattr(diloco.site_launch, "site_main", site_main or stub)
@@ -293,7 +293,7 @@ class Sites:
             args = [
                 sys.executable,
                 "-m",
-                "lowband",
+                "cli",
                 "worker",
                 "--coordinator",
                 addrs,

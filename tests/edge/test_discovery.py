@@ -121,7 +121,7 @@ def test_zero_config_cluster_in_two_namespaces(tmp_path) -> None:
     tmp_path = tmp_path / "model"
     tmp_path.mkdir()
     _ckpt(tmp_path)
-    lb = [sys.executable, "-m", "lowband", "edge"]
+    lb = [sys.executable, "-m", "cli", "edge"]
     name = f"c{os.getpid()}"
     procs: list[subprocess.Popen] = []
 

@@ -28,6 +28,7 @@ import transformers
 from edge.cluster import ClusterConfig, MasterRunner, WorkerConfig, run_worker
 from edge.engine import LocalRunner, Runner
 from edge.formats.gguf import load_gguf
+from edge.formats.gguf_reader import open_reader
 from edge.moe.checkpoint import load_dense, quantize_nested_checkpoint
 from edge.moe.quant import NestedQuantConfig
 from edge.moe.serve import ExpertServeConfig, load_nested_shard
@@ -36,7 +37,6 @@ from edge.quant.linear import GGMLLinear
 from edge.shardio import load_shard, split_checkpoint
 from edge.source import resolve_model
 from lowband.errors import ConfigError
-from lowband.models.gguf_reader import open_reader
 from lowband.proc import free_port
 from tests.cli.test_edge_cli import _http, _wait_health
 from tests.edge.test_gguf_models import (
@@ -536,7 +536,7 @@ def test_cli_run_two_devices_chat(models, family: str, fmt: str, spawn) -> None:
     want = tok.decode(reply[:cut]).rstrip("\ufffd")
     port = free_port()
     master = spawn(
-        [sys.executable, "-m", "lowband", "edge", "run", str(path), "--devices", "2"]
+        [sys.executable, "-m", "cli", "edge", "run", str(path), "--devices", "2"]
         + ["--port", str(port), "--threads", "1"]
     )
     _wait_health(port, master, timeout=400)

@@ -17,6 +17,7 @@ from edge.formats.gguf import (
     load_gguf_shard,
     write_gguf,
 )
+from edge.formats.gguf_reader import open_reader
 from edge.formats.quantized_checkpoint import QuantConfig, quantize_model
 from edge.quant import QuantLinear, dequantize, kernel, quantize
 from edge.quant.embedding import QuantEmbedding
@@ -24,7 +25,6 @@ from edge.shardio import load_shard
 from edge.tp import make_reduce
 from lowband.errors import ConfigError
 from lowband.models.config import ModelConfig
-from lowband.models.gguf_reader import open_reader
 from lowband.models.llama import LlamaForCausalLM, init_weights
 from tests.conftest import run_ranks, tp_head
 from transport.loopback import LoopbackGroup

@@ -27,6 +27,7 @@ from edge.formats.gguf import (
     load_gguf_shard,
     write_gguf,
 )
+from edge.formats.gguf_reader import open_reader
 from edge.formats.split_layout import SPLIT_MARKER, head_file
 from edge.quant import kernel
 from edge.quant.embedding import GGMLEmbedding
@@ -36,7 +37,6 @@ from edge.shardio import load_shard, split_checkpoint
 from edge.tp import make_reduce
 from lowband.errors import ConfigError
 from lowband.models.config import ModelConfig
-from lowband.models.gguf_reader import open_reader
 from lowband.models.llama import LlamaForCausalLM, init_weights
 from tests.conftest import run_ranks, tp_head
 from tests.edge.test_ggml_quant import random_blocks

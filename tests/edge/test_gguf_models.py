@@ -404,7 +404,7 @@ def test_cli_generate_on_a_gguf_file(tmp_path) -> None:
     kernel.available()  # build (or find) the C++ extension here, so the command loads it
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     proc = subprocess.run(
-        [sys.executable, "-m", "lowband", "edge", "generate", str(path)]
+        [sys.executable, "-m", "cli", "edge", "generate", str(path)]
         + ["--prompt", "hello world", "--max-tokens", "8", "--threads", "1"],
         capture_output=True,
         text=True,
@@ -507,7 +507,7 @@ def test_cli_run_two_devices_on_a_q4_k_file(tmp_path, spawn) -> None:
     want = eng.complete("hello world", SamplingParams(max_tokens=8))[0]
     port = free_port()
     master = spawn(
-        [sys.executable, "-m", "lowband", "edge", "run", str(path), "--devices", "2"]
+        [sys.executable, "-m", "cli", "edge", "run", str(path), "--devices", "2"]
         + ["--port", str(port), "--threads", "1"]
     )
     _wait_health(port, master, timeout=400)

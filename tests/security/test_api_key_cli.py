@@ -13,8 +13,8 @@ import urllib.request
 
 import pytest
 
-from lowband.cli import build_parser
-from lowband.cli.auth import MAX_SECRET_BYTES, read_secret_file, resolve_api_key, resolve_auth
+from cli import build_parser
+from cli.auth import MAX_SECRET_BYTES, read_secret_file, resolve_api_key, resolve_auth
 from lowband.errors import ConfigError
 from tests.conftest import PY
 
@@ -85,7 +85,7 @@ def test_api_key_from_file_env_and_argv(tmp_path, capsys, command) -> None:
 
 
 def test_the_key_reaches_the_server_config_and_is_not_in_its_repr(tmp_path, monkeypatch) -> None:
-    from lowband.cli.edge import _serve_config
+    from cli.edge import _serve_config
 
     monkeypatch.setenv("LOWBAND_API_KEY", KEY)
     cfg = _serve_config(_args(["edge", "run", str(tmp_path), "--devices", "1"]), 1)
@@ -147,9 +147,7 @@ def test_edge_run_with_an_api_key_file_requires_the_key(tmp_path, spawn) -> None
     port = free_port()
     out, err = open(tmp_path / "out", "w+b"), open(tmp_path / "err", "w+b")
     argv = ["edge", "run", str(model_dir), "--devices", "2", "--port", str(port)]
-    master = spawn(
-        [PY, "-m", "lowband", *argv, "--api-key-file", str(keyfile)], stdout=out, stderr=err
-    )
+    master = spawn([PY, "-m", "cli", *argv, "--api-key-file", str(keyfile)], stdout=out, stderr=err)
     try:
         deadline = time.monotonic() + 120
         while True:

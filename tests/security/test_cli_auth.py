@@ -10,8 +10,8 @@ import subprocess
 import pytest
 import torch
 
-from lowband.cli import build_parser
-from lowband.cli.auth import resolve_auth
+from cli import build_parser
+from cli.auth import resolve_auth
 from lowband.errors import ConfigError
 from tests.conftest import PY, run_ranks
 from transport.auth import CurveKeys, keygen
@@ -33,7 +33,7 @@ def env(tmp_path) -> dict[str, str]:
 
 def _lowband(args: list[str], env: dict[str, str]) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [PY, "-m", "lowband", *args], capture_output=True, text=True, timeout=60, env=env
+        [PY, "-m", "cli", *args], capture_output=True, text=True, timeout=60, env=env
     )
 
 
@@ -86,7 +86,7 @@ def test_discovery_without_a_pinned_key_is_refused(env) -> None:
 
 def _coordinator(spawn, args: list[str], env: dict[str, str]):
     proc = spawn(
-        [PY, "-m", "lowband", "coordinator", *args],
+        [PY, "-m", "cli", "coordinator", *args],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -220,7 +220,7 @@ def test_curve_flags_of_a_worker(tmp_path) -> None:
 
 
 def test_worker_data_socket_follows_the_coordinator() -> None:
-    from lowband.cli.train import _worker_auth
+    from cli.train import _worker_auth
 
     args = _args(["worker", "--coordinator", "tcp://127.0.0.1:5"])
     assert _worker_auth(args, [args.coordinator])[1] == "127.0.0.1"
@@ -229,8 +229,8 @@ def test_worker_data_socket_follows_the_coordinator() -> None:
 
 
 def test_edge_run_puts_every_socket_of_the_master_on_loopback(tmp_path) -> None:
+    from cli.edge import _serve_config
     from edge.launch import listen_host
-    from lowband.cli.edge import _serve_config
 
     cfg = _serve_config(_args(["edge", "run", str(tmp_path), "--devices", "2"]), 2)
     assert cfg.bind.startswith("tcp://127.0.0.1:")
@@ -239,7 +239,7 @@ def test_edge_run_puts_every_socket_of_the_master_on_loopback(tmp_path) -> None:
 
 
 def test_edge_serve_insecure_is_reported(tmp_path) -> None:
-    from lowband.cli.edge import _serve_config
+    from cli.edge import _serve_config
 
     argv = ["edge", "serve", str(tmp_path), "--workers", "1", "--insecure"]
     cfg = _serve_config(_args(argv), 2)

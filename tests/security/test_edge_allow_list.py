@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import pytest
 
+from cli import build_parser
+from cli.edge import _serve_config
 from edge.launch import _coordinator_config
-from lowband.cli import build_parser
-from lowband.cli.edge import _serve_config
 from lowband.errors import AuthError, ConfigError
 from transport.auth import CurveKeys, keygen
 from transport.coordinator import Coordinator

@@ -37,7 +37,7 @@ def test_edge_run_listens_only_on_loopback(tmp_path, spawn) -> None:
     ByteTokenizer().save(tmp_path)
     port = free_port()
     master = spawn(
-        [PY, "-m", "lowband", "edge", "run", str(tmp_path), "--devices", "3", "--port", str(port)]
+        [PY, "-m", "cli", "edge", "run", str(tmp_path), "--devices", "3", "--port", str(port)]
     )
     deadline = time.monotonic() + 120
     health = None

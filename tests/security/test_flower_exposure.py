@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import pytest
 
+from cli import main
 from diloco.flower.federation import SubmitConfig, write_flwr_home
-from lowband.cli import main
 from lowband.errors import ConfigError
 
 pytestmark = pytest.mark.timeout(60)

@@ -54,7 +54,7 @@ def test_keygen_refuses_to_overwrite_either_file(tmp_path) -> None:
 
 
 def test_keygen_command_refuses_an_existing_key(tmp_path) -> None:
-    cmd = [PY, "-m", "lowband", "keygen", "--out", str(tmp_path), "--name", "c"]
+    cmd = [PY, "-m", "cli", "keygen", "--out", str(tmp_path), "--name", "c"]
     first = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
     assert first.returncode == 0, first.stderr
     secret = (tmp_path / "c.key_secret").read_bytes()

@@ -20,9 +20,9 @@ import numpy as np
 import pytest
 
 from edge.formats.gguf import load_gguf, write_gguf
+from edge.formats.gguf_reader import open_reader
 from lowband.errors import ConfigError
 from lowband.models.config import ModelConfig
-from lowband.models.gguf_reader import open_reader
 from lowband.models.llama import LlamaForCausalLM
 from lowband.models.weights import load_pretrained, save_pretrained
 

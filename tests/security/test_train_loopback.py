@@ -31,7 +31,7 @@ def _listening(root: psutil.Process) -> set[tuple[int, str, int]]:
 
 def test_lowband_train_listens_only_on_loopback(tmp_path, spawn) -> None:
     run = spawn(
-        [PY, "-m", "lowband", "train", "--workers", "2", "--preset", "tiny", "--steps", "150"]
+        [PY, "-m", "cli", "train", "--workers", "2", "--preset", "tiny", "--steps", "150"]
         + ["--out", str(tmp_path / "run")],
         env={"LOWBAND_TOKEN": ""},
     )

@@ -453,7 +453,7 @@ def test_diloco_training_with_two_sites_behind_nat_ends_with_equal_hashes(tmp_pa
     incoming links go through the relay, and the run ends with one state hash."""
     keys = tmp_path / "keys"
     subprocess.run(
-        [sys.executable, "-m", "lowband", "keygen", "--out", str(keys)], check=True, timeout=60
+        [sys.executable, "-m", "cli", "keygen", "--out", str(keys)], check=True, timeout=60
     )
     prefix = f"lt{free_port() % 10000}"
     with nat.NatTestbed(nat.NatConfig(public=2, nat=2, net=200, name=prefix)) as bed:
@@ -467,7 +467,7 @@ def test_diloco_training_with_two_sites_behind_nat_ends_with_equal_hashes(tmp_pa
                     bed.command(
                         bed.public[0],
                         [
-                            *(sys.executable, "-m", "lowband", "coordinator"),
+                            *(sys.executable, "-m", "cli", "coordinator"),
                             *("--bind", coord_addr, "--heartbeat", "2"),
                             *("--curve-key", str(keys / "lowband.key_secret")),
                         ],
@@ -488,7 +488,7 @@ def test_diloco_training_with_two_sites_behind_nat_ends_with_equal_hashes(tmp_pa
                         bed.command(
                             ns,
                             [
-                                *(sys.executable, "-m", "lowband", "worker"),
+                                *(sys.executable, "-m", "cli", "worker"),
                                 *("--coordinator", coord_addr, "--bind-host", addr),
                                 *("--curve-server-key", str(keys / "lowband.key")),
                                 *("--preset", "tiny", "--workers", "3", "--steps", "24"),

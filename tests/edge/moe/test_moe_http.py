@@ -342,7 +342,7 @@ def test_http_serve_under_budget(nested: Path, reference: dict, spawn) -> None:
         [
             PY,
             "-m",
-            "lowband",
+            "cli",
             "edge",
             "serve",
             str(nested),
@@ -365,7 +365,7 @@ def test_http_serve_under_budget(nested: Path, reference: dict, spawn) -> None:
         [
             PY,
             "-m",
-            "lowband",
+            "cli",
             "edge",
             "serve",
             str(nested),
@@ -390,7 +390,7 @@ def test_http_run_two_devices_under_budget(nested: Path, reference: dict, spawn)
         [
             PY,
             "-m",
-            "lowband",
+            "cli",
             "edge",
             "run",
             str(nested),

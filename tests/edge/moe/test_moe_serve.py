@@ -113,7 +113,7 @@ def test_cli_quantize_and_generate(trained, tmp_path: Path, spawn) -> None:
         [
             PY,
             "-m",
-            "lowband",
+            "cli",
             "edge",
             "quantize",
             str(model_dir),
@@ -135,7 +135,7 @@ def test_cli_quantize_and_generate(trained, tmp_path: Path, spawn) -> None:
         [
             PY,
             "-m",
-            "lowband",
+            "cli",
             "edge",
             "moe-generate",
             str(out),
@@ -161,7 +161,7 @@ def test_cli_quantize_and_generate(trained, tmp_path: Path, spawn) -> None:
         [
             PY,
             "-m",
-            "lowband",
+            "cli",
             "edge",
             "moe-generate",
             str(out),

@@ -1,10 +1,11 @@
 """The ``lowband`` command line: the composition root that wires transport to algorithms.
 
-Each group of subcommands lives in its own ``lowband.cli.*`` module listed in
+Each group of subcommands lives in its own ``cli.*`` module listed in
 ``COMMAND_MODULES`` (``transport``: coordinator, keygen; ``train``: train, worker; ``edge``, which
-also registers ``edge_moe``; ``flower``; ``demo``, whose run is ``demo_run``), each exposing
-``register(subparsers)``. A module adds parsers whose ``func(args) -> int`` parses the arguments
-into a config dataclass and calls the library; ``liveness`` holds the deadline flags they share.
+also registers ``edge_moe``; ``flower``; ``demo``, whose launcher is ``diloco.demo_launch``), each
+exposing ``register(subparsers)``. A module adds parsers whose ``func(args) -> int`` parses the
+arguments into a config dataclass and calls the library; ``liveness`` holds the deadline flags
+they share.
 Heavy imports happen inside ``func`` so that ``lowband --help`` stays fast on a Raspberry Pi.
 """
 
@@ -20,11 +21,11 @@ from lowband import __version__
 
 # Module names, in the order their subcommands appear in --help.
 COMMAND_MODULES = (
-    "lowband.cli.transport",  # coordinator, keygen
-    "lowband.cli.train",  # train, worker
-    "lowband.cli.edge",  # edge ...
-    "lowband.cli.flower",  # flower ...
-    "lowband.cli.demo",  # demo
+    "cli.transport",  # coordinator, keygen
+    "cli.train",  # train, worker
+    "cli.edge",  # edge ...
+    "cli.flower",  # flower ...
+    "cli.demo",  # demo
 )
 
 

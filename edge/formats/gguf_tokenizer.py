@@ -33,8 +33,8 @@ from typing import Any, Sequence
 import tokenizers
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, processors
 
+from edge.formats.gguf_reader import open_reader
 from lowband.errors import ConfigError
-from lowband.models.gguf_reader import open_reader
 
 logger = logging.getLogger(__name__)
 

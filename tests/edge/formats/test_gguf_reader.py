@@ -11,7 +11,7 @@ import gguf
 import numpy as np
 import pytest
 
-from lowband.models.gguf_reader import open_reader
+from edge.formats.gguf_reader import open_reader
 
 
 def assert_same(path: Path) -> None:

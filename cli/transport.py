@@ -12,8 +12,8 @@ import os
 import signal
 import sys
 
-from lowband.cli.auth import add_auth, add_curve_authorized, authorized_keys, resolve_auth
-from lowband.cli.liveness import add_liveness, liveness
+from cli.auth import add_auth, add_curve_authorized, authorized_keys, resolve_auth
+from cli.liveness import add_liveness, liveness
 from lowband.errors import ConfigError
 
 

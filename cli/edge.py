@@ -10,7 +10,7 @@ import argparse
 import importlib
 import sys
 
-from lowband.cli.auth import (
+from cli.auth import (
     add_api_key,
     add_auth,
     add_curve_authorized,
@@ -18,7 +18,7 @@ from lowband.cli.auth import (
     resolve_api_key,
     resolve_auth,
 )
-from lowband.cli.liveness import add_liveness, add_register_timeout, liveness
+from cli.liveness import add_liveness, add_register_timeout, liveness
 from lowband.errors import ConfigError, LowbandError
 
 
@@ -338,9 +338,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_run)
 
     try:  # the bit-nested MoE commands (another module, optional in a build)
-        moe = importlib.import_module("lowband.cli.edge_moe")
+        moe = importlib.import_module("cli.edge_moe")
     except ModuleNotFoundError as exc:
-        if exc.name != "lowband.cli.edge_moe":
+        if exc.name != "cli.edge_moe":
             raise
     else:
         moe.register(es)

@@ -10,9 +10,9 @@ import gguf
 import pytest
 from tokenizers import pre_tokenizers
 
+from edge.formats.gguf_reader import open_reader
+from edge.formats.gguf_tokenizer import GGUFTokenizer, tokenizer_from_gguf
 from lowband.errors import ConfigError
-from lowband.models.gguf_reader import open_reader
-from lowband.models.gguf_tokenizer import GGUFTokenizer, tokenizer_from_gguf
 
 # Every llama.cpp test vocabulary of a family lowband supports (gpt2 byte-level BPE with a known
 # pre-tokenizer, llama SentencePiece BPE). Not covered: bert-bge (WordPiece), gemma-4 (its own

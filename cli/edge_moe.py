@@ -1,6 +1,6 @@
 """``lowband edge quantize MODEL_DIR --nested --out DIR`` and ``lowband edge moe-generate``.
 
-Registered into the ``lowband edge`` subcommands by ``lowband.cli.edge``. Parsing only: the
+Registered into the ``lowband edge`` subcommands by ``cli.edge``. Parsing only: the
 work is ``edge.moe.checkpoint.quantize_nested_checkpoint`` and ``edge.moe.store.open_store``.
 """
 

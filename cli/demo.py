@@ -1,9 +1,9 @@
 """``lowband demo``: the multi-site DiLoCo-vs-DDP demo on this machine (see
-:mod:`lowband.cli.demo_run`).
+:mod:`diloco.demo_launch`).
 
 Thin: the training flags are those of ``lowband train`` (the same parser function and the same
-preset + overrides logic); they are parsed into a :class:`lowband.cli.demo_run.DemoConfig`,
-validated before any process starts, and handed to ``lowband.cli.demo_run.main``.
+preset + overrides logic); they are parsed into a :class:`diloco.demo_launch.DemoConfig`,
+validated before any process starts, and handed to ``diloco.demo_launch.main``.
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from pathlib import Path
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from lowband.cli.demo_run import DemoConfig, DemoFailed, demo_train_config, main, summary_table
-    from lowband.cli.train import _fail, _train_config
+    from cli.train import _fail, _train_config
+    from diloco.demo_launch import DemoConfig, DemoFailed, demo_train_config, main, summary_table
     from lowband.errors import ConfigError
 
     try:
@@ -57,7 +57,7 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    from lowband.cli.train import _add_run_options
+    from cli.train import _add_run_options
 
     p = sub.add_parser(
         "demo",
@@ -103,6 +103,6 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 if __name__ == "__main__":  # pragma: no cover
-    from lowband.cli import main as cli_main
+    from cli import main as cli_main
 
     sys.exit(cli_main(["demo", *sys.argv[1:]]))

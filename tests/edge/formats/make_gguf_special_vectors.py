@@ -9,7 +9,7 @@ that llama-cpp-python 0.3.36 vendors (only the ``llama`` library is needed):
     cmake -S vendor/llama.cpp -B build -DLLAMA_CURL=OFF -DGGML_NATIVE=OFF -DLLAMA_BUILD_TESTS=OFF \\
         -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_TOOLS=OFF
     cmake --build build --target llama -j
-    python -m tests.models.make_gguf_special_vectors LLAMA_CPP_DIR BUILD_DIR VOCAB_DIR
+    python -m tests.edge.formats.make_gguf_special_vectors LLAMA_CPP_DIR BUILD_DIR VOCAB_DIR
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ from pathlib import Path
 
 import gguf
 
-from lowband.models.gguf_reader import open_reader
-from lowband.models.gguf_tokenizer import CONTROL, UNKNOWN, USER_DEFINED, read_vocab
+from edge.formats.gguf_reader import open_reader
+from edge.formats.gguf_tokenizer import CONTROL, UNKNOWN, USER_DEFINED, read_vocab
 
 OUT = Path(__file__).with_name("gguf_special_vectors.json")
 SEP = "\n@@SEP@@\n"

@@ -12,8 +12,8 @@ import json
 import sys
 from pathlib import Path
 
-from lowband.cli.auth import add_auth, resolve_auth
-from lowband.cli.liveness import add_liveness, add_register_timeout, liveness
+from cli.auth import add_auth, resolve_auth
+from cli.liveness import add_liveness, add_register_timeout, liveness
 
 
 def _add_run_options(p: argparse.ArgumentParser) -> None:
@@ -516,6 +516,6 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 if __name__ == "__main__":  # pragma: no cover
-    from lowband.cli import main
+    from cli import main
 
     sys.exit(main(["train", *sys.argv[1:]]))
