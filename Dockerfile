@@ -77,6 +77,7 @@ COPY lowband/ lowband/
 COPY transport/ transport/
 COPY diloco/ diloco/
 COPY edge/ edge/
+COPY cli/ cli/
 # Everything it needs is installed above: no index, no build isolation.
 RUN pip install --no-deps --no-build-isolation --no-index -c constraints.txt ".[train,flower]" \
     && python -c "import torch, cli; assert not torch.version.cuda, 'CUDA torch slipped in'"
