@@ -8,7 +8,8 @@ Bounds a receiver must check before acting on a number (sizes, ports, list lengt
 message's ``__post_init__``, which raises :class:`ProtocolError` through :meth:`Record.bad`.
 
 The supported field types are what msgpack carries: ``bool``, ``int``, ``float`` (an int is a
-valid float), ``str``, ``dict``, ``list[T]`` and unions with ``None``. Tensors never travel in
+valid float), ``str``, ``dict``, ``list[T]``, an :class:`enum.Enum` (as its value) and unions
+with ``None``. Tensors never travel in
 a message's map; they go beside it.
 
 Used by the transport's control plane (``transport.control``) and the edge cluster's protocol
@@ -21,6 +22,7 @@ import dataclasses
 import types
 import typing
 from dataclasses import dataclass
+from enum import Enum
 from typing import Any, ClassVar, Mapping, TypeVar, Union
 
 from lowband.errors import ProtocolError
@@ -40,7 +42,7 @@ class Record:
         out: dict[str, Any] = {}
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)
-            out[f.name] = list(v) if isinstance(v, tuple) else v
+            out[f.name] = list(v) if isinstance(v, tuple) else v.value if isinstance(v, Enum) else v
         return out
 
     @classmethod
@@ -91,12 +93,19 @@ def conform(what: str, name: str, value: Any, tp: Any) -> Any:
     elif origin is list:
         if isinstance(value, (list, tuple)):
             return [conform(what, f"{name}[{i}]", v, args[0]) for i, v in enumerate(value)]
+    elif isinstance(tp, type) and issubclass(tp, Enum):
+        try:
+            return tp(value)
+        except (ValueError, TypeError):
+            pass
     elif tp is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             return float(value)
     elif isinstance(value, tp) and not (tp is int and isinstance(value, bool)):
         return value
     want = type_name(tp)
+    if isinstance(tp, type) and issubclass(tp, Enum):
+        want = "one of " + ", ".join(repr(m.value) for m in tp)
     raise ProtocolError(
         f"{what!r} message: field {name!r} must be {want}, got {type(value).__name__} {value!r:.80}"
     )
@@ -119,7 +128,13 @@ def describe(messages: Mapping[str, type[Record]], width: int = 9) -> str:
         hints = hints_of(cls)
         parts = [
             f"{f.name}: {type_name(hints[f.name])}"
-            + ("" if f.default is dataclasses.MISSING else f" = {f.default!r}")
+            + (
+                f" = {f.default!r}"
+                if f.default is not dataclasses.MISSING
+                else ""
+                if f.default_factory is dataclasses.MISSING
+                else f" = {f.default_factory()!r}"
+            )
             for f in dataclasses.fields(cls)
         ]
         line = label
