@@ -132,3 +132,19 @@ def test_readme_figures_come_from_result_files():
             if float(number) not in known:
                 missing.append(number)
     assert not missing, f"README figures not in benchmarks/results/*.json: {missing}"
+
+
+def _protocol_tables() -> dict[str, str]:
+    from edge.cluster import protocol
+    from transport import control
+
+    return {"transport.control": control.describe(), "edge.cluster.protocol": protocol.describe()}
+
+
+@pytest.mark.parametrize("module", ["transport.control", "edge.cluster.protocol"])
+def test_architecture_protocol_tables_are_the_codes(module):
+    """ARCHITECTURE.md's message tables are generated from the message classes: a message or
+    field added in code and not in the doc (or the other way round) fails here."""
+    text = (ROOT / "ARCHITECTURE.md").read_text(encoding="utf-8")
+    table = "\n".join(("    " + line).rstrip() for line in _protocol_tables()[module].splitlines())
+    assert table in text, f"update ARCHITECTURE.md's table of {module} to:\n{table}"

@@ -2,8 +2,8 @@
 
 Every message travels as a msgpack meta dict (``encode``) whose ``"op"`` names its class in
 :data:`MESSAGES`; :func:`decode` turns such a dict back into the message, checking that every
-field is present (or has a default) and has its declared type, and raises
-:class:`lowband.errors.ProtocolError` naming the op and the field otherwise. Tensors travel
+field is present (or has a default) and has its declared type (:mod:`lowband.schema`), and
+raises :class:`lowband.errors.ProtocolError` naming the op and the field otherwise. Tensors travel
 beside the meta, never in it.
 
 Channels (tags of :meth:`lowband.comm.Communicator.send`)::
@@ -47,14 +47,13 @@ generated from the dataclasses below by :func:`describe` (a test keeps the two i
 
 from __future__ import annotations
 
-import dataclasses
 import math
-import types
-import typing
 from dataclasses import dataclass
-from typing import Any, ClassVar, Sequence, TypeVar, Union
+from typing import Any, ClassVar, Sequence, TypeVar
 
+from lowband import schema
 from lowband.errors import ProtocolError
+from lowband.schema import Record
 
 CTL = "edge.ctl"  # master -> worker control messages
 READY = "edge.ready"  # worker -> master: ready / bye
@@ -82,19 +81,18 @@ M = TypeVar("M", bound="Msg")
 
 
 @dataclass(frozen=True, kw_only=True)
-class Msg:
-    """Base of every control message; ``OP`` is its name on the wire."""
+class Msg(Record):
+    """Base of every control message; ``OP`` is its name on the wire (its ``"op"`` key)."""
 
     OP: ClassVar[str] = ""
-    TENSORS: ClassVar[str] = ""  # what travels beside the meta, if anything
+
+    def __init_subclass__(cls, **kw: Any) -> None:
+        super().__init_subclass__(**kw)
+        cls.NAME = cls.OP
 
     def encode(self) -> dict[str, Any]:
         """The msgpack meta dict: ``op`` and every field (lists, never tuples)."""
-        out: dict[str, Any] = {"op": self.OP}
-        for f in dataclasses.fields(self):
-            v = getattr(self, f.name)
-            out[f.name] = list(v) if isinstance(v, tuple) else v
-        return out
+        return {"op": self.OP, **self.to_wire()}
 
     @classmethod
     def decode(cls: type[M], meta: dict) -> M:
@@ -386,11 +384,6 @@ class Report(Msg):
 
 
 # ---- decoding ------------------------------------------------------------------------------------
-_HINTS: dict[type[Msg], dict[str, Any]] = {
-    cls: typing.get_type_hints(cls) for cls in MESSAGES.values()
-}
-
-
 def decode(meta: dict) -> Msg:
     """The message ``meta`` encodes (see the module docstring); unknown extra keys are ignored."""
     if not isinstance(meta, dict):
@@ -398,69 +391,9 @@ def decode(meta: dict) -> Msg:
     op = meta.get("op")
     if not isinstance(op, str) or (cls := MESSAGES.get(op)) is None:
         raise ProtocolError(f"unknown control op {op!r}; one of {sorted(MESSAGES)}")
-    hints = _HINTS[cls]
-    kw: dict[str, Any] = {}
-    for f in dataclasses.fields(cls):
-        if f.name not in meta:
-            if f.default is dataclasses.MISSING:
-                raise ProtocolError(f"{op!r} message without its field {f.name!r}")
-            continue
-        kw[f.name] = _conform(op, f.name, meta[f.name], hints[f.name])
-    return cls(**kw)
-
-
-def _conform(op: str, name: str, value: Any, tp: Any) -> Any:
-    """``value`` as type ``tp`` (an int is a valid float; a list is a list of its items)."""
-    origin, args = typing.get_origin(tp), typing.get_args(tp)
-    if origin in (Union, types.UnionType):
-        if value is None and type(None) in args:
-            return None
-        for a in args:
-            if a is not type(None):
-                try:
-                    return _conform(op, name, value, a)
-                except ProtocolError:
-                    pass
-    elif origin is list:
-        if isinstance(value, (list, tuple)):
-            return [_conform(op, f"{name}[{i}]", v, args[0]) for i, v in enumerate(value)]
-    elif tp is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-    elif isinstance(value, tp) and not (tp is int and isinstance(value, bool)):
-        return value
-    want = getattr(tp, "__name__", None) or str(tp)
-    raise ProtocolError(
-        f"{op!r} message: field {name!r} must be {want}, got {type(value).__name__} {value!r:.80}"
-    )
+    return cls.from_wire(meta)
 
 
 def describe() -> str:
     """The op table of the module docstring, generated from the dataclasses."""
-    lines = []
-    for op, cls in MESSAGES.items():
-        hints = _HINTS[cls]
-        parts = [
-            f"{f.name}: {_type_name(hints[f.name])}"
-            + ("" if f.default is dataclasses.MISSING else f" = {f.default!r}")
-            for f in dataclasses.fields(cls)
-        ]
-        line = op
-        for i, part in enumerate(parts):
-            sep = "," if i < len(parts) - 1 else ""
-            if len(line) > 9 and len(line) + len(part) > 88:  # break between fields only
-                lines.append(line)
-                line = ""
-            line = f"{line:<9} {part}{sep}"
-        lines.append(line)
-        if cls.TENSORS:
-            lines.append(f"{'':9} + tensors: {cls.TENSORS}")
-    return "\n".join(lines)
-
-
-def _type_name(tp: Any) -> str:
-    if typing.get_origin(tp) in (Union, types.UnionType):
-        return " | ".join(_type_name(a) for a in typing.get_args(tp))
-    if typing.get_origin(tp) is list:
-        return f"list[{_type_name(typing.get_args(tp)[0])}]"
-    return "None" if tp is type(None) else tp.__name__
+    return schema.describe(MESSAGES)

@@ -129,7 +129,11 @@ def test_different_model_is_refused_by_the_coordinator(tmp_path):
         try:
             with pytest.raises(IncompatiblePeer):
                 worker_main(
-                    WorkerLaunch(train=other, coordinator=coord.address, bind_host="127.0.0.1")
+                    WorkerLaunch(
+                        train=other,
+                        coordinator=coord.address,
+                        transport=ZmqConfig(bind_host="127.0.0.1"),
+                    )
                 )
         finally:
             first.close()
