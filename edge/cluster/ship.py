@@ -11,7 +11,8 @@ The worker drives (pull): it asks only for what it is missing and bounds everyth
 writes a byte (file count, name, total size against its disk budget). The master answers any
 ``Want`` inside a manifest file and nothing else. The transport is injected: ``ask`` is any
 function from a ``Want`` to its ``Chunk`` (:class:`CommChannel` carries them over a
-:class:`lowband.comm.Communicator`, the bytes as a uint8 tensor beside the meta; tests call
+:class:`lowband.comm.Communicator`, the bytes as a uint8 tensor beside the meta, and
+:func:`offer` / :func:`receive` are the two sides of a whole shipment over one; tests also call
 :meth:`ShipServer.answer` directly).
 
 Cache layout: ``cache_dir/<manifest digest[:16]>/<name>``; a file being fetched is
@@ -273,9 +274,13 @@ class CommChannel:
             raise ProtocolError("a chunk's meta must name its file and offset")
         return Chunk(name, offset, tensors[0].numpy().tobytes())
 
-    def serve_one(self, server: ShipServer) -> Want | None:
-        """Answer one want from ``peer``; None when it was refused (the worker is told why)."""
+    def serve_one(self, server: ShipServer, *, count: bool = False) -> Want | bool | None:
+        """Answer one want from ``peer``: the want, or None when it was refused (the worker is
+        told why); with ``count``, True for an answered or refused want and False when the
+        worker said it is done."""
         _, meta = self.comm.recv(self.peer, tag=WANT, timeout=self.timeout)
+        if meta.get("done"):
+            return False
         try:
             want = Want(
                 name=meta.get("name", ""),
@@ -285,17 +290,40 @@ class CommChannel:
             chunk = server.answer(want)
         except ProtocolError as e:
             self.comm.send(self.peer, [], {"error": str(e)}, tag=CHUNK, timeout=self.timeout)
-            return None
+            return True if count else None
         data = torch.frombuffer(bytearray(chunk.data), dtype=torch.uint8)
         meta_out = {"name": chunk.name, "offset": chunk.offset}
         self.comm.send(self.peer, [data], meta_out, tag=CHUNK, timeout=self.timeout)
-        return want
+        return True if count else want
 
 
-def serve_all(channel: CommChannel, server: ShipServer, wants: int) -> None:
-    """Answer ``wants`` wants in a row (a master that does nothing else meanwhile)."""
-    for _ in range(wants):
-        channel.serve_one(server)
+MANIFEST = "edge.ship.manifest"  # master -> worker: what it will get
+
+
+def offer(comm: Communicator, worker: int, server: ShipServer, *, timeout: float = 60.0) -> int:
+    """The master's whole side for one worker: send it the manifest, answer its wants until it
+    says it is done (or gives up), and return how many wants were answered. A worker silent
+    for ``timeout`` ends it with the communicator's timeout error."""
+    comm.send(worker, [], server.manifest.encode(), tag=MANIFEST, timeout=timeout)
+    channel = CommChannel(comm, worker, timeout=timeout)
+    served = 0
+    while channel.serve_one(server, count=True):
+        served += 1
+    return served
+
+
+def receive(
+    comm: Communicator, master: int, cfg: FetchConfig, *, timeout: float = 60.0
+) -> FetchReport:
+    """The worker's whole side: take the manifest, fetch what is missing, tell the master it
+    is done (also when the fetch failed, so it does not wait for wants that never come)."""
+    _, meta = comm.recv(master, tag=MANIFEST, timeout=timeout)
+    manifest = Manifest.decode(meta)
+    channel = CommChannel(comm, master, timeout=timeout)
+    try:
+        return fetch(manifest, channel.ask, cfg)
+    finally:
+        comm.send(master, [], {"done": True}, tag=WANT, timeout=timeout)
 
 
 def wants_needed(manifest: Manifest, chunk_bytes: int, have: Sequence[int] = ()) -> int:

@@ -19,7 +19,8 @@ from edge.cluster.ship import (
     ShipServer,
     Want,
     fetch,
-    serve_all,
+    offer,
+    receive,
     wants_needed,
 )
 from lowband.errors import ConfigError, CorruptWeights, PeerLost, ProtocolError
@@ -169,16 +170,29 @@ def test_bad_fetch_configs(tmp_path):
 def test_over_the_in_process_communicator(model, tmp_path):
     master, worker = LoopbackGroup(2, timeout=30).comms()
     server = ShipServer.of(model)
-    # the manifest would travel in the worker's assignment; here it is handed over directly
-    manifest = Manifest.decode(server.manifest.encode())
     cfg = FetchConfig(cache_dir=tmp_path / "cache", chunk_bytes=100_000)
-    n = wants_needed(manifest, cfg.chunk_bytes)
-    t = threading.Thread(target=serve_all, args=(CommChannel(master, 1), server, n), daemon=True)
+    served: list[int] = []
+    for expected in (wants_needed(server.manifest, cfg.chunk_bytes), 0):  # then: all cached
+        t = threading.Thread(target=lambda: served.append(offer(master, 1, server)), daemon=True)
+        t.start()
+        out = receive(worker, 0, cfg)
+        t.join(30)
+        assert not t.is_alive() and served[-1] == expected
+        _same_tree(model, out.path)
+
+
+@pytest.mark.timeout(60)
+def test_a_failed_fetch_still_releases_the_master(model, tmp_path):
+    master, worker = LoopbackGroup(2, timeout=30).comms()
+    server = ShipServer.of(model)
+    cfg = FetchConfig(cache_dir=tmp_path / "cache", budget_mb=0.1)
+    served: list[int] = []
+    t = threading.Thread(target=lambda: served.append(offer(master, 1, server)), daemon=True)
     t.start()
-    out = fetch(manifest, CommChannel(worker, 0).ask, cfg)
+    with pytest.raises(ConfigError, match="budget"):
+        receive(worker, 0, cfg)
     t.join(30)
-    assert not t.is_alive()
-    _same_tree(model, out.path)
+    assert served == [0]
 
 
 @pytest.mark.timeout(60)
