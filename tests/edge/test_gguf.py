@@ -25,7 +25,7 @@ from edge.shardio import load_shard
 from edge.tp import make_reduce
 from lowband.errors import ConfigError
 from lowband.models.config import ModelConfig
-from lowband.models.llama import LlamaForCausalLM, init_weights
+from lowband.models.llama import ROWWISE_ROWS, LlamaForCausalLM, init_weights
 from tests.conftest import run_ranks, tp_head
 from transport.loopback import LoopbackGroup
 
@@ -49,7 +49,9 @@ def _model(**over) -> LlamaForCausalLM:
 
 
 def _ids() -> torch.Tensor:
-    return torch.randint(0, 300, (1, 7), generator=torch.Generator().manual_seed(2))
+    # longer than ROWWISE_ROWS: a plain nn.Linear and the converted shard's linears then both run
+    # one GEMM (below it the plain one runs row by row, as single-token decodes do)
+    return torch.randint(0, 300, (1, 7 + ROWWISE_ROWS), generator=torch.Generator().manual_seed(2))
 
 
 @pytest.mark.parametrize("tied", [False, True])
