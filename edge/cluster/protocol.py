@@ -15,7 +15,7 @@ Channels (tags of :meth:`lowband.comm.Communicator.send`)::
     edge.stats{n}  worker -> master: ``report`` (answer to ``stats`` n)
 
 ``echo`` and ``profile`` are answered by :func:`edge.profile.answer` on ``edge.echo{n}`` /
-``edge.profile{n}`` with plain dicts that ``edge.profile`` reads itself.
+``edge.profile{n}`` with its typed answers (``EchoReply``, ``ProfileReport``).
 
 The ops and their fields (master -> worker down to ``yield``, then the workers' answers),
 generated from the dataclasses below by :func:`describe` (a test keeps the two in step)::
