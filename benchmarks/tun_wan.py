@@ -26,6 +26,13 @@ bandwidth-delay product that it would on a stock host at ``R``; the output label
 
 The forwarder is single-threaded Python: ``python -m transport.links.tun --calibrate`` reports
 its ceiling (a few hundred Mbit/s on a 2-core machine). Keep ``rate_mbit`` well under it.
+
+``--rtt-ladder`` measures the emulator instead of lowband: configured vs measured RTT (TCP
+connect round trips) from 0.2 to 10 ms, for three ways of waking the forwarder, arms
+alternating per repeat (:func:`rtt_ladder_run`), and what each costs in forwarder CPU on an idle
+and on a busy path::
+
+    python -m benchmarks.tun_wan --rtt-ladder --repeats 5 --json
 """
 
 from __future__ import annotations
@@ -171,6 +178,142 @@ def run(cfg: TunWanBench) -> dict[str, Any]:
     }
 
 
+LADDER_ARMS: dict[str, dict[str, Any]] = {
+    "timerfd+spin": {},  # the testbed's defaults
+    "timerfd+spin+realtime": {"realtime": True},
+    "timerfd": {"spin_us": 0.0},
+    "epoll-ms": {"spin_us": 0.0, "timer": False},  # the forwarder before sub-ms paths
+}
+
+
+@dataclass(frozen=True, kw_only=True)
+class RttLadderBench:
+    rtts_ms: tuple[float, ...] = (0.2, 0.3, 0.5, 1.0, 2.0, 4.0, 10.0)
+    """Configured round trips (each direction half)."""
+    repeats: int = 5
+    """Passes over the arms (rotated by one per pass) and, inside each, the rungs."""
+    count: int = 20
+    """TCP connects per measurement (their median is one repeat's figure)."""
+    busy_s: float = 2.0
+    """Length of the busy-path CPU probe per arm and repeat (0: none): one TCP flow at
+    ``busy_rate_mbit`` over a 1 ms RTT."""
+    busy_rate_mbit: float = 50.0
+    realtime_probe: bool = True
+    """Run the connecting end at real-time priority: the figure is the path's, not the delay
+    of waking that process on a loaded host (:func:`transport.links.tun.calibrate.measure_rtt`)."""
+
+    def __post_init__(self) -> None:
+        if not self.rtts_ms or any(not 0 <= r <= 1000 for r in self.rtts_ms):
+            raise ConfigError("rtts_ms", "need RTTs in [0, 1000] ms")
+        if self.repeats < 1 or self.count < 1 or self.busy_s < 0:
+            raise ConfigError("bench", "need repeats >= 1, count >= 1, busy_s >= 0")
+
+
+def _ladder_pass(bed: Any, cfg: RttLadderBench, turn: int) -> tuple[dict[float, float], float]:
+    """One repeat on one arm: each rung once (order rotated by ``turn``), and the forwarder CPU
+    seconds per second of wall time it took (an idle path: only handshakes)."""
+    import time
+
+    from transport.links.tun.calibrate import measure_rtt, set_rtt
+
+    order = list(cfg.rtts_ms)
+    order = order[turn % len(order) :] + order[: turn % len(order)]
+    cpu0, t0 = bed.forwarder_cpu_s(), time.monotonic()
+    got = {}
+    for rtt in order:
+        set_rtt(bed, rtt)
+        got[rtt] = measure_rtt(bed, count=cfg.count, realtime=cfg.realtime_probe)["median_ms"]
+    return got, (bed.forwarder_cpu_s() - cpu0) / (time.monotonic() - t0)
+
+
+def _busy_cpu(bed: Any, cfg: RttLadderBench) -> dict[str, float]:
+    """Forwarder CPU seconds per second while one TCP flow fills ``busy_rate_mbit`` at 1 ms."""
+    import time
+
+    from transport.links.tun.calibrate import measure_goodput
+    from transport.links.tun.shape import PathConfig
+
+    for a, b in ((0, 1), (1, 0)):
+        bed.set_path(a, b, PathConfig(delay_ms=0.5, rate_mbit=cfg.busy_rate_mbit))
+    cpu0, t0 = bed.forwarder_cpu_s(), time.monotonic()
+    flow = measure_goodput(bed, cfg.busy_s, warmup=0.0, port=5330)
+    return {
+        "cpu_per_s": round((bed.forwarder_cpu_s() - cpu0) / (time.monotonic() - t0), 3),
+        "goodput_mbit": flow["goodput_mbit"],
+    }
+
+
+def rtt_ladder_run(cfg: RttLadderBench) -> dict[str, Any]:
+    """Every arm a testbed of its own (all up at once), used in turn: per repeat each arm once,
+    the arms' order rotated by one per repeat."""
+    from contextlib import ExitStack
+
+    from benchmarks.diloco_wan import spread
+    from transport.links.tun.calibrate import rtt_tolerance_ms
+    from transport.links.tun.testbed import TunConfig, TunTestbed, available
+
+    if (reason := available()) is not None:
+        raise SystemExit(f"tun benchmark unavailable: {reason}")
+    arms = list(LADDER_ARMS)
+    rtt: dict[str, dict[float, list[float]]] = {a: {r: [] for r in cfg.rtts_ms} for a in arms}
+    idle: dict[str, list[float]] = {a: [] for a in arms}
+    busy: dict[str, list[dict[str, float]]] = {a: [] for a in arms}
+    with ExitStack() as stack:
+        beds = {
+            a: stack.enter_context(TunTestbed(TunConfig(net=231 + i, **LADDER_ARMS[a])))
+            for i, a in enumerate(arms)
+        }
+        for rep in range(cfg.repeats):
+            for arm in arms[rep % len(arms) :] + arms[: rep % len(arms)]:
+                got, cpu = _ladder_pass(beds[arm], cfg, rep)
+                for r, ms in got.items():
+                    rtt[arm][r].append(ms)
+                idle[arm].append(cpu)
+                if cfg.busy_s:
+                    busy[arm].append(_busy_cpu(beds[arm], cfg))
+    out: dict[str, Any] = {"rungs": [], "forwarder_cpu": {}}
+    for r in cfg.rtts_ms:
+        row: dict[str, Any] = {"configured_rtt_ms": r, "tolerance_ms": rtt_tolerance_ms(r)}
+        for arm in arms:
+            s = spread(rtt[arm][r])
+            row[arm] = {**s, "within_tolerance": abs(s["median"] - r) <= rtt_tolerance_ms(r)}
+        out["rungs"].append(row)
+    for arm in arms:
+        fc: dict[str, Any] = {"idle_path_cpu_per_s": spread(idle[arm])}
+        if busy[arm]:
+            fc["busy_path_cpu_per_s"] = spread([b["cpu_per_s"] for b in busy[arm]])
+            fc["busy_path_goodput_mbit"] = spread([b["goodput_mbit"] for b in busy[arm]], 2)
+        out["forwarder_cpu"][arm] = fc
+    return {
+        "mode": "rtt-ladder",
+        "link": "REAL: TCP connects between two namespaces through the TUN forwarder",
+        "arms": {a: LADDER_ARMS[a] or "testbed defaults" for a in arms},
+        "repeats": cfg.repeats,
+        "connects_per_measure": cfg.count,
+        "probe": "real-time priority (chrt -f 10)" if cfg.realtime_probe else "normal priority",
+        "order": "arms rotated by one per repeat; rungs rotated by one per repeat",
+        "tolerance": "10 % + 0.05 ms of the configured RTT",
+        "busy_path": f"one TCP flow, {cfg.busy_rate_mbit:g} Mbit/s, 1 ms RTT, {cfg.busy_s:g} s",
+        **out,
+    }
+
+
+def _ladder_main(args: argparse.Namespace) -> dict[str, Any]:
+    cfg = RttLadderBench(
+        rtts_ms=tuple(args.ladder_ms),
+        repeats=args.repeats,
+        count=args.count,
+        busy_s=args.busy_s,
+        realtime_probe=not args.normal_priority_probe,
+    )
+    result = rtt_ladder_run(cfg)
+    if not args.json:
+        for row in result["rungs"]:
+            med = {a: row[a]["median"] for a in LADDER_ARMS}
+            print(f"RTT {row['configured_rtt_ms']:g} ms: measured {med}")
+    return result
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.tun_wan")
     p.add_argument("--size-mb", type=float, default=8.0)
@@ -189,7 +332,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--chunk-mb", type=float, default=1.0)
     p.add_argument("--timeout", type=float, default=120.0, help="seconds per transfer")
     p.add_argument("--json", action="store_true", help="only the JSON line")
+    p.add_argument("--rtt-ladder", action="store_true", help="measure the emulator's RTTs")
+    p.add_argument("--ladder-ms", type=float, nargs="+", default=list(RttLadderBench().rtts_ms))
+    p.add_argument("--repeats", type=int, default=5, help="rtt-ladder: passes over the arms")
+    p.add_argument("--count", type=int, default=20, help="rtt-ladder: connects per measure")
+    p.add_argument("--busy-s", type=float, default=2.0, help="rtt-ladder: busy CPU probe (0: off)")
+    p.add_argument(
+        "--normal-priority-probe",
+        action="store_true",
+        help="rtt-ladder: the connecting end at normal priority (host load then adds)",
+    )
     args = p.parse_args(argv)
+    if args.rtt_ladder:
+        try:
+            ladder = _ladder_main(args)
+        except ConfigError as e:
+            p.error(str(e))
+        print(json.dumps(ladder), flush=True)
+        return 0
     kw = vars(args)
     same = ("size_mb", "rate_mbit", "rounds", "congestion", "as_rate_mbit", "chunk_mb", "timeout")
     try:

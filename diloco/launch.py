@@ -340,6 +340,9 @@ def _summarize(cfg: LocalLaunch, codes: dict[int, int], wall_s: float) -> dict:
         "syncs_redone": max((f["retries"] for f in finals.values()), default=0),
         "transfers": {names[k]: f["transfers"] for k, f in sorted(finals.items())},
         "wall_s": round(wall_s, 2),
+        "initial_eval": next(
+            (r["loss"] for r in sorted(evals, key=lambda r: r["step"]) if r["step"] == 0), None
+        ),
         "final_eval": next(
             (f["final_eval"] for f in finals.values() if f["final_eval"] is not None), None
         ),

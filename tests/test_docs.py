@@ -99,7 +99,7 @@ def _readme_code_lines() -> list[str]:
 def test_readme_setup_and_test_commands_are_the_ci_ones():
     setup, test = _ci_commands()
     assert setup == 'python -m pip install -c constraints.txt -e ".[dev]"'
-    assert test == "python -m pytest -q"
+    assert test == "python -m pytest -q -n 2"
     code = _readme_code_lines()
     assert setup in code
     assert test in code

@@ -13,11 +13,12 @@ Channels (tags of :meth:`lowband.comm.Communicator.send`)::
                  ``yield`` only
     edge.ready   worker -> master: ``ready`` (answer to ``assign``), ``bye`` (to ``shutdown``)
     edge.stats{n}  worker -> master: ``report`` (answer to ``stats`` n)
+    edge.stage   worker -> master: ``staged`` (answer to ``stage``, pipeline layout)
 
 ``echo`` and ``profile`` are answered by :func:`edge.profile.answer` on ``edge.echo{n}`` /
 ``edge.profile{n}`` with its typed answers (``EchoReply``, ``ProfileReport``).
 
-The ops and their fields (master -> worker down to ``yield``, then the workers' answers),
+The ops and their fields (master -> worker down to ``stage``, then the workers' answers),
 generated from the dataclasses below by :func:`describe` (a test keeps the two in step)::
 
     assign    slot: int, world: int, weights: list[float] | None, model_dir: str,
@@ -40,9 +41,15 @@ generated from the dataclasses below by :func:`describe` (a test keeps the two i
     echo      n: int
     profile   n: int, dtype: str | None, model_dir: str, memory_mb: float | None = None
     yield
+    stage_assign stage: int, lo: int, hi: int, layers: int, model_dir: str, dtype: str | None,
+              op_timeout: float, silence_s: float
+    stage     fid: int, epoch: int, caches: list[int], starts: list[int], lengths: list[int]
+              + tensors: the hidden state entering this stage (1, N, H), N = sum(lengths)
     ready     ok: bool, slot: int | None = None, error: str | None = None
     bye
     report    report: dict | None
+    staged    fid: int
+              + tensors: the hidden state leaving this stage (1, N, H)
 """
 
 from __future__ import annotations
@@ -57,6 +64,7 @@ from lowband.schema import Record
 
 CTL = "edge.ctl"  # master -> worker control messages
 READY = "edge.ready"  # worker -> master: ready / bye
+STAGE = "edge.stage"  # worker -> master: staged (pipeline layout)
 MASTER_ID_PREFIX = "edge-master"  # peer id prefix of the master on a real transport
 MAX_WORLD = 4096  # devices of a plan: far beyond any cluster, small enough to bound every list
 # KV-cache ids of the engine (``edge.engine.Work.slot``; not the plan's device slots) a batch
@@ -355,6 +363,65 @@ class Yield(Msg):
     OP: ClassVar[str] = "yield"
 
 
+@_to_worker
+@dataclass(frozen=True, kw_only=True)
+class StageAssign(Msg):
+    """Pipeline layout: load decoder layers ``lo..hi-1`` of ``layers`` as stage ``stage`` and
+    answer ``ready`` (edge.cluster.stage, edge.cluster.pipeline)."""
+
+    OP: ClassVar[str] = "stage_assign"
+    stage: int  # 1..S-1 (the master is stage 0)
+    lo: int
+    hi: int
+    layers: int  # L of the model, checked against the file the worker loads
+    model_dir: str  # as in assign: the worker's own --model-dir or inside it
+    dtype: str | None
+    op_timeout: float  # seconds
+    silence_s: float  # this much silence from the master means it is gone
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.stage < MAX_WORLD:
+            raise ProtocolError(f"'stage_assign' message: stage must be in [1, {MAX_WORLD})")
+        if not 0 <= self.lo < self.hi <= self.layers <= 1 << 16:
+            raise ProtocolError(
+                f"'stage_assign' message: needs 0 <= lo < hi <= layers <= 65536, got "
+                f"[{self.lo}, {self.hi}) of {self.layers}"
+            )
+        if not self.model_dir or "\0" in self.model_dir:
+            raise ProtocolError("'stage_assign' message: model_dir must be a path without NUL")
+        for name in ("op_timeout", "silence_s"):
+            v = getattr(self, name)
+            if not (math.isfinite(v) and v > 0):
+                raise ProtocolError(f"'stage_assign' message: {name} must be finite and > 0")
+
+
+@_to_worker
+@dataclass(frozen=True, kw_only=True)
+class StageStep(Msg):
+    """Pipeline layout: run this stage's layers over a group of sequences (item i appends
+    ``lengths[i]`` positions at ``starts[i]`` to cache ``caches[i]``) and send the hidden
+    state back on :data:`STAGE` with a ``staged`` message of the same ``fid``."""
+
+    OP: ClassVar[str] = "stage"
+    TENSORS: ClassVar[str] = "the hidden state entering this stage (1, N, H), N = sum(lengths)"
+    fid: int  # step id, echoed by staged
+    epoch: int  # membership epoch it was sent in (a stale one is dropped)
+    caches: list[int]
+    starts: list[int]
+    lengths: list[int]
+
+    def __post_init__(self) -> None:
+        n = len(self.caches)
+        if not 1 <= n <= MAX_SEQS or len(set(self.caches)) != n:
+            raise ProtocolError(f"'stage' message: caches must be 1 to {MAX_SEQS} distinct ids")
+        if not all(0 <= c < MAX_SEQS for c in self.caches):
+            raise ProtocolError(f"'stage' message: cache ids must be in [0, {MAX_SEQS})")
+        if len(self.starts) != n or any(s < 0 for s in self.starts):
+            raise ProtocolError(f"'stage' message: starts must be {n} positions >= 0")
+        if len(self.lengths) != n or any(t < 1 for t in self.lengths):
+            raise ProtocolError(f"'stage' message: lengths must be {n} lengths >= 1")
+
+
 @_to_master
 @dataclass(frozen=True, kw_only=True)
 class Ready(Msg):
@@ -381,6 +448,16 @@ class Report(Msg):
 
     OP: ClassVar[str] = "report"
     report: dict | None
+
+
+@_to_master
+@dataclass(frozen=True, kw_only=True)
+class Staged(Msg):
+    """Answer to ``stage`` (on :data:`STAGE`): the hidden state leaving the stage."""
+
+    OP: ClassVar[str] = "staged"
+    TENSORS: ClassVar[str] = "the hidden state leaving this stage (1, N, H)"
+    fid: int
 
 
 # ---- decoding ------------------------------------------------------------------------------------

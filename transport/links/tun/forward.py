@@ -15,7 +15,9 @@ and ``{"op": "stats"}``. End of stdin (the testbed closed it, or died) ends the 
 with it the TUN devices, whose only file descriptors it holds.
 
 Single-threaded Python (epoll, ``os.read``/``os.write`` per packet): its ceiling is what
-``python -m transport.links.tun --calibrate`` reports as ``ceiling``.
+``python -m transport.links.tun --calibrate`` reports as ``ceiling``. It wakes for the next due
+packet on a high-resolution timer and spins the last ``spin_us`` (:mod:`.timer`: the precision
+of sub-millisecond paths, and the CPU it costs).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ import time
 from typing import Any
 
 from transport.links.tun.shape import AccessConfig, Path, PathConfig, Queue
+from transport.links.tun.timer import Deadline, poll_timeout
 
 _MAX_PACKET = 65536
 _BATCH = 64  # packets read from one TUN per wake-up before the others get their turn
@@ -42,8 +45,13 @@ class Forwarder:
         addrs: list[str],
         paths: dict[tuple[int, int], Path],
         access: AccessConfig | None = None,
+        *,
+        spin_s: float = 0.0,
+        timer: bool = True,
     ):
         self.fds = fds
+        self.spin_s = spin_s
+        self.timer = timer
         self.site_of = {bytes(int(o) for o in a.split(".")): i for i, a in enumerate(addrs)}
         self.paths = paths
         self.access = access
@@ -54,6 +62,7 @@ class Forwarder:
         self.seq = 0
         self.other = 0  # packets that are not IPv4 or not addressed to a site (dropped)
         self.write_errors = 0  # due packets the destination TUN refused (dropped)
+        self.late = [0, 0.0, 0.0]  # delivered packets: count, sum and max of (write - due) s
         self._ctl = b""
 
     def run(self, ctl_in: int, ctl_out: int) -> None:
@@ -65,17 +74,31 @@ class Forwarder:
             src_of[fd] = i
         os.set_blocking(ctl_in, False)
         ep.register(ctl_in, select.EPOLLIN)
-        self._reply(ctl_out, {"ready": True})
-        heap = self.heap
-        while True:
-            timeout = max(0.0, heap[0][0] - time.monotonic()) if heap else None
-            for fd, _ in ep.poll(timeout):
-                if fd == ctl_in:
-                    if not self._control(ctl_in, ctl_out):
-                        return
-                else:
-                    self._read(fd, src_of[fd])
-            self._deliver(time.monotonic())
+        deadline = Deadline() if self.timer else None
+        timer_fd = None if deadline is None else deadline.fd
+        if deadline is not None and timer_fd is not None:
+            ep.register(timer_fd, select.EPOLLIN)
+        self._reply(ctl_out, {"ready": True, "timerfd": timer_fd is not None})
+        heap, spin = self.heap, self.spin_s
+        try:
+            while True:
+                due = heap[0][0] if heap else None
+                timeout = poll_timeout(due, time.monotonic(), spin, timer=timer_fd is not None)
+                if deadline is not None and timeout is None and due is not None:
+                    deadline.arm(due - spin)
+                for fd, _ in ep.poll(timeout):
+                    if fd == ctl_in:
+                        if not self._control(ctl_in, ctl_out):
+                            return
+                    elif fd == timer_fd and deadline is not None:
+                        deadline.fired()
+                    else:
+                        self._read(fd, src_of[fd])
+                self._deliver(time.monotonic())
+        finally:
+            if deadline is not None:
+                deadline.close()
+            ep.close()
 
     def _deliver(self, now: float) -> None:
         """Every heap event due by ``now``: a packet reaching its destination's downlink queue
@@ -94,6 +117,10 @@ class Forwarder:
                     continue
                 path.stats.delivered += 1
                 path.stats.delivered_bytes += len(pkt)
+                late = now - due
+                self.late[0] += 1
+                self.late[1] += late
+                self.late[2] = max(self.late[2], late)
 
     def _read(self, fd: int, src: int, now: float | None = None) -> None:
         now = time.monotonic() if now is None else now
@@ -150,6 +177,10 @@ class Forwarder:
             "other": self.other,
             "write_errors": self.write_errors,
             "queued": len(self.heap),
+            "late_us": {  # how long after its due time the forwarder began writing a packet
+                "mean": round(self.late[1] / max(1, self.late[0]) * 1e6, 1),
+                "max": round(self.late[2] * 1e6, 1),
+            },
             "access_drops": {
                 str(i): {"up": u.drops, "down": d.drops}
                 for i, (u, d) in enumerate(zip(self.uplinks, self.downlinks))
@@ -170,7 +201,12 @@ def main(argv: list[str]) -> int:
         rng = random.Random(None if seed is None else seed * 1000 + s * 100 + d)
         paths[(s, d)] = Path(PathConfig.from_dict(cfg), rng=rng)
     access = AccessConfig(**spec["access"]) if spec.get("access") else None
-    Forwarder(spec["fds"], spec["addrs"], paths, access).run(
+    timing = {"spin_s": spec.get("spin_us", 0.0) / 1e6, "timer": spec.get("timer", True)}
+    if spec.get("realtime"):
+        # SCHED_FIFO: wake-ups are not queued behind the host's other work. The kernel's RT
+        # throttling (sched_rt_runtime_us) still leaves the rest of the host its share.
+        os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(10))
+    Forwarder(spec["fds"], spec["addrs"], paths, access, **timing).run(
         sys.stdin.fileno(), sys.stdout.fileno()
     )
     return 0

@@ -73,6 +73,17 @@ class TunConfig:
     """Name prefix of namespaces and TUNs (at most 8 alphanumerics); empty: unique per testbed."""
     host: bool = False
     """Also put the root namespace on the emulated network (index ``sites``, 10.<net>.0.254)."""
+    spin_us: float = 300.0
+    """The forwarder polls without sleeping for the last ``spin_us`` before each packet's due
+    time (:mod:`transport.links.tun.timer`): the scheduler's wake-up latency no longer adds to
+    the configured delay, at up to ``spin_us`` of CPU per distinct due time. 0: never spin."""
+    timer: bool = True
+    """Wake the forwarder with a high-resolution timer (``timerfd``); False: millisecond
+    ``epoll`` timeouts only (the emulator before sub-millisecond paths, kept to compare)."""
+
+    realtime: bool = False
+    """Run the forwarder at real-time priority (``SCHED_FIFO``; root): the host's other load
+    then delays its wake-ups less (the ends' own processes keep their priority)."""
 
     def __post_init__(self) -> None:
         if not 2 <= self.sites <= 200:
@@ -86,6 +97,8 @@ class TunConfig:
         for key, _ in self.sysctls:
             if not key.startswith("net.") or not key.replace(".", "").replace("_", "").isalnum():
                 raise ConfigError("sysctls", f"{key!r} is not a namespace-scoped net.* setting")
+        if not 0.0 <= self.spin_us <= 2000.0:
+            raise ConfigError("spin_us", f"must be in [0, 2000] µs, got {self.spin_us}")
         n = self.endpoints
         for s, d in self.paths:
             if not (0 <= s < n and 0 <= d < n and s != d):
@@ -220,6 +233,9 @@ class TunTestbed:
             "seed": self.config.seed,
             "paths": {f"{s}->{d}": p.to_dict() for (s, d), p in self._paths.items()},
             "access": None if self.config.access is None else asdict(self.config.access),
+            "spin_us": self.config.spin_us,
+            "timer": self.config.timer,
+            "realtime": self.config.realtime,
         }
         self._fwd = subprocess.Popen(
             [sys.executable, "-m", "transport.links.tun.forward", json.dumps(spec)],
@@ -290,6 +306,15 @@ class TunTestbed:
         lost, queue_drops, down_drops, reordered; and each endpoint's access-link tail drops
         (``access_drops``)."""
         return self._call({"op": "stats"})
+
+    def forwarder_cpu_s(self) -> float:
+        """CPU seconds (user + system) the forwarder process has used so far (Linux ``/proc``):
+        what the emulator itself costs, spinning included."""
+        if self._fwd is None:
+            raise RuntimeError("the TUN testbed is not running")
+        with open(f"/proc/{self._fwd.pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
     def _call(self, msg: dict[str, Any]) -> dict[str, Any]:
         with self._lock:
