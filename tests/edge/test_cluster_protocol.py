@@ -16,6 +16,7 @@ import msgpack
 import pytest
 
 import edge.cluster.master
+import edge.cluster.pipeline
 import edge.profile
 from edge.cluster import WorkerConfig, protocol, run_worker
 from edge.cluster.protocol import (
@@ -98,6 +99,11 @@ EXAMPLES: list[Msg] = [
     protocol.Echo(n=1001),
     protocol.Profile(n=1008, dtype=None, model_dir="/m", memory_mb=2048.0),
     protocol.Yield(),
+    protocol.StageAssign(
+        stage=1, lo=9, hi=18, layers=18, model_dir="/m", dtype=None, op_timeout=60.0, silence_s=50.0
+    ),
+    protocol.StageStep(fid=4, epoch=1, caches=[0, 3], starts=[0, 17], lengths=[5, 1]),
+    protocol.Staged(fid=4),
     Ready(ok=True, slot=2),
     Ready(ok=False, error="bits must be one of (4, 8), got 3"),
     Bye(),
@@ -236,8 +242,10 @@ def _ops_sent(path: str) -> set[str]:
 def test_the_master_sends_what_the_worker_handles() -> None:
     master = _ops_sent(edge.cluster.master.__file__)
     profile = _ops_sent(edge.profile.__file__)  # the automatic split's echo and profile
+    pipeline = _ops_sent(edge.cluster.pipeline.__file__)  # the pipeline layout's stages
     assert profile == {"echo", "profile"}
-    assert master | profile == set(HANDLERS) == TO_WORKER
+    assert pipeline >= {"stage_assign", "stage"}
+    assert master | profile | pipeline == set(HANDLERS) == TO_WORKER
 
 
 # ---- a worker driven by a hand-written master ----
