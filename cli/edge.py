@@ -198,7 +198,8 @@ def _add_serve(p: argparse.ArgumentParser) -> None:
         "--prefill-chunk",
         type=int,
         default=256,
-        help="prompt tokens per step, prefilled alongside the running decodes (default 256)",
+        help="prompt tokens per step, prefilled alongside the running decodes "
+        "(default %(default)s)",
     )
     g.add_argument(
         "--decode-stall",
@@ -206,7 +207,7 @@ def _add_serve(p: argparse.ArgumentParser) -> None:
         default=2.0,
         help="while more streams decode than prompts wait, a step that also prefills may take "
         "about this many times a plain decode step (the chunk is sized from measured step "
-        "times; as many or more waiting: whole chunks; default 2.0)",
+        "times; as many or more waiting: whole chunks; default %(default)s)",
     )
     g.add_argument(
         "--prefix-cache",

@@ -57,6 +57,6 @@ def add_register_timeout(p: argparse.ArgumentParser) -> None:
         type=float,
         default=30.0,
         metavar="S",
-        help="seconds to wait for the coordinator to answer at join (default 30); "
+        help="seconds to wait for the coordinator to answer at join (default %(default)s); "
         "the heartbeat deadlines are the coordinator's",
     )

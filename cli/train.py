@@ -499,9 +499,9 @@ def register(sub: argparse._SubParsersAction) -> None:
         type=_connections,
         default=4,
         metavar="K",
-        help="TCP connections to each other worker, 1-64 (default 4). On a long path with "
-        "cubic or small TCP buffers more carry more (16 at 160 ms); with bbr on a short one, 1-2 "
-        "(docs/training.md, Measured)",
+        help="TCP connections to each other worker, 1-64 (default %(default)s). On a long path "
+        "with cubic or small TCP buffers more carry more (16 at 160 ms); with bbr on a short one, "
+        "1-2 (docs/training.md, Measured)",
     )
     p.add_argument(
         "--reachable",

@@ -20,7 +20,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Iterable, Mapping, Sequence, TextIO
 
 
 class MetricsLog:
@@ -183,23 +183,43 @@ def _apart(expected: Sequence[str], finals: Mapping[str, Mapping[str, Any]]) -> 
 
 
 class Progress:
-    """A tqdm bar when tqdm is installed and enabled; otherwise nothing."""
+    """Training progress on stderr: a tqdm bar on a terminal; in a log (a file, a pipe) one
+    plain line each ``log_every`` of the run instead of a redraw per step (a 3200-step run
+    would write 3200 bar redraws into its log); nothing when disabled."""
 
-    def __init__(self, total: int, *, enabled: bool, desc: str = "train", initial: int = 0) -> None:
+    def __init__(
+        self,
+        total: int,
+        *,
+        enabled: bool,
+        desc: str = "train",
+        initial: int = 0,
+        stream: TextIO | None = None,
+        log_every: float = 0.1,
+    ) -> None:
         self._bar = None
-        if enabled:
-            try:
-                from tqdm import tqdm
-            except ImportError:  # optional dependency ([train] extra)
-                return
-            self._bar = tqdm(
-                total=total,
-                initial=initial,
-                desc=desc,
-                unit="step",
-                file=sys.stderr,
-                dynamic_ncols=True,
-            )
+        self._stream: TextIO | None = None
+        self._total, self._desc = total, desc
+        self._every = max(1, int(total * log_every))
+        self._next = (initial // self._every + 1) * self._every
+        if not enabled:
+            return
+        stream = sys.stderr if stream is None else stream
+        if not stream.isatty():
+            self._stream = stream
+            return
+        try:
+            from tqdm import tqdm
+        except ImportError:  # optional dependency ([train] extra)
+            return
+        self._bar = tqdm(
+            total=total,
+            initial=initial,
+            desc=desc,
+            unit="step",
+            file=stream,
+            dynamic_ncols=True,
+        )
 
     def update(self, step: int, **postfix: Any) -> None:
         if self._bar is not None:
@@ -207,6 +227,12 @@ class Progress:
             if postfix:
                 self._bar.set_postfix(postfix, refresh=False)
             self._bar.refresh()
+        elif self._stream is not None and (step >= self._next or step == self._total):
+            self._next = (step // self._every + 1) * self._every
+            extra = "".join(f" {k}={v}" for k, v in postfix.items())
+            pct = 100 * step // max(self._total, 1)
+            print(f"{self._desc}: step {step}/{self._total} ({pct}%){extra}", file=self._stream)
+            self._stream.flush()
 
     def close(self) -> None:
         if self._bar is not None:

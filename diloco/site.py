@@ -25,7 +25,7 @@ peer; the state hash verified per group is a hash per shard. Its ranks register 
 coordinators independently, so the surviving sites make sure every group admits it at the same
 sync point, and the site checks after every reconciliation that its ranks hold shards of one
 progress (step, syncs applied): both are :class:`SiteReconciler`'s, the site's hooks on the
-group's membership component (``diloco.membership``).
+group's membership component (``diloco.reconcile``).
 
 Devices. The model, its shards, θ_g's shards, the outer optimizer state and the residuals live
 on the rank's device (``cfg.compute.device``, ``cuda:LOCAL_RANK`` on a GPU site). The site's
@@ -61,8 +61,8 @@ from diloco.checkpoint import (
 from diloco.common import InnerLoop, hash_state, optimizer_tensors
 from diloco.config import TrainConfig
 from diloco.device import optimizer_kernels
-from diloco.membership import ReconcileConfig, Reconciler, Replica
 from diloco.metrics import MetricsLog
+from diloco.reconcile import ReconcileConfig, Reconciler, Replica
 from diloco.sharding import (
     ShardFragment,
     ShardLayout,

@@ -8,10 +8,10 @@ outer step itself is ``diloco.outer``.
 Membership, failures and joins
 ------------------------------
 Right after every APPLY nothing is in flight (τ < H/P), so that is the *sync point*: the
-worker's :class:`diloco.membership.Reconciler` takes a quorum there and, when the membership
+worker's :class:`diloco.reconcile.Reconciler` takes a quorum there and, when the membership
 changed or an audit is due, reconciles the group's state (status rows, redoing a sync every
 most-advanced worker lost, a state transfer to those behind, a hash check). The worker is its
-:class:`diloco.membership.Replica`: it reports its progress and state and redoes lost syncs.
+:class:`diloco.reconcile.Replica`: it reports its progress and state and redoes lost syncs.
 """
 
 from __future__ import annotations
@@ -47,9 +47,9 @@ from diloco.common import (
 from diloco.config import DilocoConfig, TrainConfig
 from diloco.device import optimizer_kernels, resolve_device
 from diloco.fragments import plan_fragments
-from diloco.membership import ReconcileConfig, Reconciler
 from diloco.metrics import MetricsLog, Progress
 from diloco.outer import FragmentSync, warn_invalid
+from diloco.reconcile import ReconcileConfig, Reconciler
 from diloco.schedule import Action, Kind, drain_actions, fragment_actions
 from diloco.staging import HostStaging
 from diloco.task import Task
@@ -315,7 +315,7 @@ class DilocoWorker:
             world=self.comm.world_size,
         )
 
-    # ---- the reconciler's view of this worker (diloco.membership.Replica) ---------------------
+    # ---- the reconciler's view of this worker (diloco.reconcile.Replica) ---------------------
     @property
     def lost_sync(self) -> tuple[int, int] | None:
         lost = self.lost

@@ -13,8 +13,10 @@ Each device measures what the planner's cost model needs, at the model's own sha
 * ``rtt_ms``: measured by the master (echo round trips over the control channel, an upper
   bound on the all-reduce link's round trip).
 
-Control ops (tags beside ``edge.cluster``'s): ``echo {n}`` answered on ``edge.echo{n}``;
-``profile {n, dtype}`` answered with ``DeviceProfile.to_dict`` on ``edge.profile{n}``.
+Control ops: the master sends ``edge.cluster.protocol``'s ``Echo`` and ``Profile`` on
+``edge.ctl``; a worker answers with :class:`EchoReply` on ``edge.echo{n}`` and
+:class:`ProfileReport` (``DeviceProfile.to_dict``) on ``edge.profile{n}``, typed messages of
+:mod:`lowband.schema` like the cluster's.
 """
 
 from __future__ import annotations
@@ -24,16 +26,19 @@ import math
 import os
 import statistics
 import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import ClassVar, Sequence
 
 import torch
 
+from edge.cluster.protocol import CTL, Echo, Profile, decode
 from edge.planner import DeviceProfile, LayerShape, SplitPlan, plan_split
 from lowband.comm import Communicator
-from lowband.errors import ConfigError
+from lowband.errors import ConfigError, ProtocolError
 from lowband.models.config import ModelConfig
 from lowband.models.llama import DecoderLayer, KVCache, rope_cos_sin, rope_inv_freq
+from lowband.schema import Record
 
 logger = logging.getLogger(__name__)
 
@@ -159,22 +164,42 @@ def profile_device(
 
 
 # ---- the control ops -----------------------------------------------------------------------------
+@dataclass(frozen=True, kw_only=True)
+class EchoReply(Record):
+    """A worker's answer to ``echo`` n, on ``edge.echo{n}``."""
+
+    NAME: ClassVar[str] = "echo reply"
+    n: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class ProfileReport(Record):
+    """A worker's answer to ``profile`` n, on ``edge.profile{n}``: ``DeviceProfile.to_dict``."""
+
+    NAME: ClassVar[str] = "profile report"
+    profile: dict
+
+
 def answer(comm: Communicator, master: int, meta: dict, model_dir: str | None) -> None:
-    """Worker side of ``echo`` and ``profile`` (called from ``edge.cluster``'s control loop)."""
-    n = int(meta["n"])
-    if meta["op"] == "echo":
-        comm.send(master, [], {"n": n}, tag=f"edge.echo{n}")
+    """Worker side of ``echo`` and ``profile`` (called from ``edge.cluster``'s control loop
+    with the message's meta dict)."""
+    msg = decode(meta)
+    if isinstance(msg, Echo):
+        comm.send(master, [], EchoReply(n=msg.n).to_wire(), tag=f"edge.echo{msg.n}")
         return
-    model_dir = model_dir or meta["model_dir"]
+    if not isinstance(msg, Profile):
+        raise ProtocolError(f"edge.profile answers echo and profile, not {msg.OP!r}")
+    model_dir = model_dir or msg.model_dir
     cfg = ModelConfig.from_json(model_dir)
     prof = profile_device(
         cfg,
         model_dir,
         name=comm.membership.peer_id,
-        dtype=meta.get("dtype"),
-        memory_mb=meta.get("memory_mb"),
+        dtype=msg.dtype,
+        memory_mb=msg.memory_mb,
     )
-    comm.send(master, [], {"profile": prof.to_dict()}, tag=f"edge.profile{n}")
+    report = ProfileReport(profile=prof.to_dict())
+    comm.send(master, [], report.to_wire(), tag=f"edge.profile{msg.n}")
 
 
 def gather_profiles(
@@ -198,23 +223,20 @@ def gather_profiles(
         for _ in range(echoes):
             n += 1
             t = time.perf_counter()
-            comm.send(r, [], {"op": "echo", "n": n}, tag="edge.ctl")
-            comm.recv(r, tag=f"edge.echo{n}", timeout=timeout)
+            comm.send(r, [], Echo(n=n).encode(), tag=CTL)
+            _, meta = comm.recv(r, tag=f"edge.echo{n}", timeout=timeout)
+            EchoReply.from_wire(meta)
             times.append(1e3 * (time.perf_counter() - t))
         rtts[r] = statistics.median(times)
     n += 1
     for r in ranks:
-        comm.send(
-            r,
-            [],
-            {"op": "profile", "n": n, "dtype": dtype, "model_dir": worker_model_dir or model_dir},
-            tag="edge.ctl",
-        )
+        ask = Profile(n=n, dtype=dtype, model_dir=worker_model_dir or model_dir)
+        comm.send(r, [], ask.encode(), tag=CTL)
     cfg = ModelConfig.from_json(model_dir)
     out = [profile_device(cfg, model_dir, name=peers[comm.rank], dtype=dtype)]
     for r in ranks:
         _, meta = comm.recv(r, tag=f"edge.profile{n}", timeout=timeout)
-        d = dict(meta["profile"], rtt_ms=round(rtts[r], 4))
+        d = dict(ProfileReport.from_wire(meta).profile, rtt_ms=round(rtts[r], 4))
         out.append(DeviceProfile.from_dict(d))
     return out
 

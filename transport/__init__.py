@@ -9,7 +9,7 @@ Implementations of :class:`lowband.comm.Communicator`:
 Inside the ZeroMQ communicator: :mod:`transport.wire` (message format); :mod:`transport.reactor`
 (the ``Reactor``: the thread that owns every socket), composed of :mod:`transport.peerlinks`
 (sockets, striping, heartbeats), :mod:`transport.routing` (operations, early messages, deadlines)
-and :mod:`transport.membership` (peer table, lost peers, quorum, rejoining); :mod:`transport.ops`,
+and :mod:`transport.members` (peer table, lost peers, quorum, rejoining); :mod:`transport.ops`,
 :mod:`transport.allreduce`, :mod:`transport.messages` and :mod:`transport.shm` (collectives);
 :mod:`transport.auth` (CURVE / token); :mod:`transport.buffers` (result pool).
 :mod:`transport.starlink` is a latency-first star all-reduce for tensor-parallel decoding (edge).

@@ -148,8 +148,9 @@ class RingAllReduce(ReduceBase):
             self.finish(host, self.out.view(self.shape))
 
 
-class DirectAllReduce(ReduceBase):
-    """``star`` (one segment, owner 0) or ``scatter`` (n segments, segment j owned by rank j).
+class OwnerAllReduce(ReduceBase):
+    """The owner schedules: every segment of the buffer is reduced by the rank that owns it.
+    ``star``: one segment, owned by rank 0; ``scatter``: n segments, segment j owned by rank j.
 
     Phase 0: each rank sends each chunk of every segment it does not own to that segment's
     owner (encoded once if a codec is given). The owner decodes each contribution once and

@@ -2,7 +2,7 @@
 
 The message type travels in the wire header (:class:`transport.wire.MsgType`); the map beside
 it holds the message's fields (:mod:`lowband.schema`). :func:`pack` is the one encoder,
-:func:`parse` the one decoder; the peer (``transport.zmq_comm``, ``transport.membership``,
+:func:`parse` the one decoder; the peer (``transport.zmq_comm``, ``transport.members``,
 ``transport.peerlinks``, ``transport.reactor``) and the coordinator (``transport.coordinator``)
 use no other. A malformed message is a :class:`lowband.errors.ProtocolError` naming the message
 and the field; unknown keys are ignored, so a field added later with a default stays compatible.

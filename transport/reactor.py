@@ -12,7 +12,7 @@ what it reads to the three parts it composes, each owning its state:
   ``(epoch, op key)``, keeps messages for operations this peer has not started yet, enforces
   deadlines and completes operations once their zero-copy sends of caller-visible buffers are
   released by ZeroMQ (so a caller may reuse a tensor as soon as the call returns).
-* :mod:`transport.membership`: the peer table, lost peers (the PeerLost contract), quorum
+* :mod:`transport.members`: the peer table, lost peers (the PeerLost contract), quorum
   rounds, expulsion and rejoining, the coordinator's liveness.
 
 Reductions run on this thread too: while it adds one chunk, ZeroMQ's I/O thread keeps reading the
@@ -40,7 +40,7 @@ from transport.auth import CurveKeys
 from transport.buffers import BufferPool
 from transport.config import ZmqConfig
 from transport.control import Leave, Register
-from transport.membership import Members
+from transport.members import Members
 from transport.peerlinks import PeerLinks
 from transport.peers import PeerTable
 from transport.routing import Routing

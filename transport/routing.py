@@ -7,7 +7,7 @@ starts that operation, or drops it when the operation already ended here or its 
 An operation that fails because peers are gone tells its other live participants (ABORT with the
 lost peers): they may wait on data this rank will now never send, which no lost-peer notice of
 theirs covers. An ABORT for an operation not started here yet is kept and fails it the moment it
-starts (the PeerLost contract is in :mod:`transport.membership`).
+starts (the PeerLost contract is in :mod:`transport.members`).
 
 Point-to-point receives are numbered here, in the order they start, per (source, tag); one that
 ends before a byte of its message arrived gives its number back, so an abandoned receive never

@@ -41,7 +41,7 @@ from lowband.errors import (
     TransportTimeout,
 )
 from transport import control, wire
-from transport.allreduce import DirectAllReduce, RingAllReduce
+from transport.allreduce import OwnerAllReduce, RingAllReduce
 from transport.auth import (
     DATA_DOMAIN,
     CurveKeys,
@@ -445,7 +445,7 @@ class ZmqCommunicator(BlockingCollectives):
             raise ConfigError("algorithm", f"unknown algorithm {algorithm!r}; one of {ALGORITHMS}")
         table = self._table()
         algo = self.choose_algorithm(tensor, codec, algorithm, table.membership.world_size)
-        cls = {"ring": RingAllReduce, "shm": ShmAllReduce}.get(algo, DirectAllReduce)
+        cls = {"ring": RingAllReduce, "shm": ShmAllReduce}.get(algo, OwnerAllReduce)
         common = self._common(table, self._key(table, tag), timeout, "all_reduce")
         x = tensor.detach().contiguous().reshape(-1)
         o = cls(

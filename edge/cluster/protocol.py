@@ -16,7 +16,7 @@ Channels (tags of :meth:`lowband.comm.Communicator.send`)::
     edge.stage   worker -> master: ``staged`` (answer to ``stage``, pipeline layout)
 
 ``echo`` and ``profile`` are answered by :func:`edge.profile.answer` on ``edge.echo{n}`` /
-``edge.profile{n}`` with plain dicts that ``edge.profile`` reads itself.
+``edge.profile{n}`` with its typed answers (``EchoReply``, ``ProfileReport``).
 
 The ops and their fields (master -> worker down to ``stage``, then the workers' answers),
 generated from the dataclasses below by :func:`describe` (a test keeps the two in step)::

@@ -13,8 +13,8 @@ import time
 import pytest
 
 from diloco.config import DilocoConfig
-from diloco.membership import ReconcileConfig
 from diloco.metrics import MetricsLog, RunSummary, read_jsonl
+from diloco.reconcile import ReconcileConfig
 from diloco.task import lm_task
 from diloco.trainer import DilocoWorker
 from lowband.errors import ConfigError

@@ -111,3 +111,32 @@ def test_refusals_become_the_typed_errors() -> None:
 def test_the_module_docstring_table_is_generated_from_the_code() -> None:
     table = textwrap.indent(control.describe(), "    ")
     assert table in (control.__doc__ or ""), f"update transport/control.py's docstring:\n{table}"
+
+
+@pytest.mark.timeout(30)
+def test_the_coordinator_drops_a_malformed_register_and_keeps_serving() -> None:
+    import zmq
+
+    from transport.auth import control_route
+    from transport.coordinator import Coordinator, CoordinatorConfig
+
+    with Coordinator(CoordinatorConfig(bind="tcp://127.0.0.1:0")) as coord:
+        ctx = zmq.Context()
+        s = ctx.socket(zmq.DEALER)
+        s.linger = 0
+        s.routing_id = control_route("p1")
+        try:
+            s.connect(coord.address)
+            bad = {"addr": "tcp://127.0.0.1:1", "signature": "", "chunk": "4 MiB"}
+            s.send_multipart(wire.pack(MsgType.REGISTER, bad))
+            good = control.Register(addr="tcp://127.0.0.1:1", signature="", chunk=4 << 20)
+            s.send_multipart(control.pack(good))
+            assert s.poll(10_000), "no answer to the well-formed REGISTER"
+            answer = control.parse(wire.unpack(s.recv_multipart(), max_payload_bytes=0))
+            assert isinstance(answer, control.Registered)
+            assert not s.poll(200)  # the malformed one got no answer of its own
+            assert coord.counters["bad_messages"] == 1
+            assert coord.counters["registered"] == 1  # a member from its first quorum on
+        finally:
+            s.close(0)
+            ctx.term()

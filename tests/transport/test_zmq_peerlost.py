@@ -51,9 +51,9 @@ if kind == "ring":
         return on_message(self, eng, src, msg)
     allreduce.RingAllReduce.on_message = patched
 elif kind == "scatter":
-    allreduce.DirectAllReduce._finalize = die  # contributed, but never sends its segment
+    allreduce.OwnerAllReduce._finalize = die  # contributed, but never sends its segment
 elif kind == "star":
-    allreduce.DirectAllReduce.start = die  # a non-root that never contributes
+    allreduce.OwnerAllReduce.start = die  # a non-root that never contributes
 elif kind == "broadcast":  # the root dies half-way through its message to the first peer
     sends = [0]
     send = messages.BroadcastOp.send

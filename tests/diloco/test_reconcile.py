@@ -1,4 +1,4 @@
-"""Tier 2: the Reconciler (diloco.membership) on the loopback communicator, without a trainer.
+"""Tier 2: the Reconciler (diloco.reconcile) on the loopback communicator, without a trainer.
 
 Each rank is a small in-memory replica (one parameter vector, one "outer state" vector, step and
 syncs applied) so the outcome of a reconciliation is known exactly: who sends its state, who
@@ -15,13 +15,13 @@ import torch
 
 from diloco.checkpoint import State
 from diloco.common import hash_state
-from diloco.membership import (
+from diloco.metrics import MetricsLog
+from diloco.reconcile import (
     ReconcileConfig,
     Reconciler,
     Replica,
     StateMismatch,
 )
-from diloco.metrics import MetricsLog
 from lowband.comm import Communicator
 from lowband.errors import ConfigError, IncompatiblePeer, ProtocolError
 from tests.conftest import rank_outcomes
