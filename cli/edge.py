@@ -498,7 +498,7 @@ def _worker_auth(args):
 
 def _worker(args) -> int:
     from edge.cluster import WorkerConfig
-    from edge.launch import ServeWorkerConfig, listen_host, serve_worker_main
+    from edge.launch import ServeWorkerConfig, edge_transport, listen_host, serve_worker_main
     from transport.auth import is_loopback
 
     try:
@@ -529,14 +529,16 @@ def _worker(args) -> int:
         return serve_worker_main(
             ServeWorkerConfig(
                 master=master,
-                token=auth.token,
-                curve_server_key=auth.server_key,
-                curve=auth.curve,
-                bind_host=bind_host,
                 worker=WorkerConfig(model_dir=args.model_dir),
                 device=_device(args),
-                op_timeout=args.op_timeout,
-                register_timeout=args.register_timeout,
+                transport=edge_transport(
+                    token=auth.token,
+                    curve_server_key=auth.server_key,
+                    curve=auth.curve,
+                    bind_host=bind_host,
+                    timeout=args.op_timeout,
+                    register_timeout=args.register_timeout,
+                ),
             )
         )
     except LowbandError as exc:

@@ -295,6 +295,7 @@ def _worker_checked(args: argparse.Namespace) -> int:
     if args.site is not None:
         return _site_rank(args)
     from diloco.launch import WorkerLaunch, worker_main
+    from transport.config import ZmqConfig
 
     auth, bind_host = _worker_auth(args, [args.coordinator])
 
@@ -306,18 +307,20 @@ def _worker_checked(args: argparse.Namespace) -> int:
         resume=args.resume,
         threads=args.threads,
         progress=args.progress,
-        bind_host=bind_host,
-        advertise_host=args.advertise_host,
-        token=auth.token,
-        curve=auth.curve,
-        curve_server_key=auth.server_key,
-        data_port=args.data_port,
-        advertise_port=args.advertise_port,
-        same_host=args.same_host,
-        register_timeout=args.register_timeout,
-        reachable={"auto": None, "yes": True, "no": False}[args.reachable],
-        relay=args.relay,
-        connections=args.connections,
+        transport=ZmqConfig(
+            bind_host=bind_host,
+            advertise_host=args.advertise_host,
+            token=auth.token,
+            curve=auth.curve,
+            curve_server_key=auth.server_key,
+            data_port=args.data_port,
+            advertise_port=args.advertise_port,
+            same_host=args.same_host,
+            register_timeout=args.register_timeout,
+            reachable={"auto": None, "yes": True, "no": False}[args.reachable],
+            relay=args.relay,
+            connections=args.connections,
+        ),
     )
     result = worker_main(cfg)
     print(json.dumps(result.summary()))
@@ -338,6 +341,7 @@ def _site_rank(args: argparse.Namespace) -> int:
 
     from diloco.site_launch import SiteFailed, SiteLaunch, site_device, site_main
     from lowband.errors import ConfigError, IncompatiblePeer
+    from transport.config import ZmqConfig
 
     env = {k: os.environ.get(k) for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
     missing = [k for k, v in env.items() if v is None]
@@ -366,13 +370,17 @@ def _site_rank(args: argparse.Namespace) -> int:
         site_id=args.id or "site",
         out_dir=args.out,
         threads=args.threads,
-        bind_host=bind_host,
-        advertise_host=args.advertise_host,
-        token=auth.token,
-        curve=auth.curve,
-        curve_server_key=auth.server_key,
-        same_host=args.same_host,
-        connections=args.connections,
+        # Only what a rank's group needs: ranks of a site share a host, so no fixed data
+        # port, and the site rejoins through torchrun, not a register deadline of its own.
+        transport=ZmqConfig(
+            bind_host=bind_host,
+            advertise_host=args.advertise_host,
+            token=auth.token,
+            curve=auth.curve,
+            curve_server_key=auth.server_key,
+            same_host=args.same_host,
+            connections=args.connections,
+        ),
         dist_timeout=args.dist_timeout,
         resume=args.resume,
     )

@@ -634,6 +634,20 @@ def tiny() -> TrainConfig:
     )
 
 
+def tuned_diloco(*, outer_lr: float) -> DilocoConfig:
+    """The Streaming DiLoCo settings the presets share (H=60, P=3, τ=5, α=0.5, NF4 + error
+    feedback, outer Nesterov μ 0.9); only the outer learning rate differs between them."""
+    return DilocoConfig(
+        inner_steps=60,
+        n_fragments=3,
+        tau=5,
+        alpha=0.5,
+        codec="nf4",
+        error_feedback=True,
+        outer=OptimizerConfig(name="sgd", lr=outer_lr, momentum=0.9, nesterov=True),
+    )
+
+
 def shakespeare() -> TrainConfig:
     """The default of ``lowband train``: Streaming DiLoCo on the embedded Shakespeare sample with
     the settings ``benchmarks.diloco`` tuned on the sample's *validation* split only (2 workers,
@@ -648,15 +662,7 @@ def shakespeare() -> TrainConfig:
     return TrainConfig(
         model=byte_llama(64, 2, 4),
         data=DataConfig(seq_len=64, batch_size=8, eval_batches=16),
-        mode=DilocoConfig(
-            inner_steps=60,
-            n_fragments=3,
-            tau=5,
-            alpha=0.5,
-            codec="nf4",
-            error_feedback=True,
-            outer=OptimizerConfig(name="sgd", lr=1.0, momentum=0.9, nesterov=True),
-        ),
+        mode=tuned_diloco(outer_lr=1.0),
         inner=OptimizerConfig(name="adamw", lr=6e-3, weight_decay=0.1),
         lr_schedule=LrSchedule(warmup_steps=60),
         steps=3200,
@@ -696,15 +702,7 @@ def scale() -> TrainConfig:
             eval_batches=16,
             slices=4,
         ),
-        mode=DilocoConfig(
-            inner_steps=60,
-            n_fragments=3,
-            tau=5,
-            alpha=0.5,
-            codec="nf4",
-            error_feedback=True,
-            outer=OptimizerConfig(name="sgd", lr=0.9, momentum=0.9, nesterov=True),
-        ),
+        mode=tuned_diloco(outer_lr=0.9),
         inner=OptimizerConfig(name="adamw", lr=2e-3, weight_decay=0.1),
         lr_schedule=LrSchedule(warmup_steps=30),
         steps=360,

@@ -21,7 +21,9 @@ class CorpusTask:
         self.cfg = cfg
         self.corpus = corpus
         d = cfg.data
-        self._eval = eval_batches(corpus.eval, d.seq_len, d.batch_size, d.eval_batches)
+        self._eval = eval_batches(
+            corpus.eval, d.seq_len, d.batch_size, d.eval_batches, corpus.specials.bos
+        )
 
     def logits(self, model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
         return model(ids)
@@ -35,6 +37,7 @@ class CorpusTask:
             seed=self.cfg.seed,
             slot=slot,
             step=step,
+            bos=self.corpus.specials.bos,
         )
 
     def loss(self, model: nn.Module, batch: torch.Tensor) -> torch.Tensor:

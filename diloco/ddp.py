@@ -71,6 +71,8 @@ class DDPWorker:
     def run(self) -> WorkerResult:
         self.comm.quorum(min_world=self.cfg.workers, timeout=3 * self.cfg.sync_timeout)
         self._check_start()
+        if self.inner.step == 0:  # the starting model's loss (the baseline of the curve)
+            self._evaluate()
         t0 = self._t0 = time.perf_counter()  # wall time counts once the group has formed
         r = self.result
         while self.inner.step < self.cfg.steps:

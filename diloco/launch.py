@@ -17,7 +17,7 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
@@ -32,7 +32,7 @@ from lowband.errors import ConfigError
 from lowband.proc import die_with_parent
 
 if TYPE_CHECKING:
-    from transport.auth import CurveKeys
+    from transport.config import ZmqConfig
     from transport.coordinator import Liveness
 
 logger = logging.getLogger(__name__)
@@ -144,6 +144,14 @@ def run_threads(
 
 
 # ---- processes: a coordinator and M worker processes over the ZeroMQ transport -------------
+def default_transport() -> "ZmqConfig":
+    """``ZmqConfig()``, imported when a launch is made (the transport stays out of the import
+    of this module: ``lowband train`` parses its flags without loading ZeroMQ)."""
+    from transport.config import ZmqConfig
+
+    return ZmqConfig()
+
+
 @dataclass(frozen=True, kw_only=True)
 class WorkerLaunch:
     """One worker process joining a run (``lowband worker``)."""
@@ -155,26 +163,12 @@ class WorkerLaunch:
     resume: Path | None = None
     threads: int | None = None  # torch intra-op threads of this process
     progress: bool = False
-    bind_host: str = "127.0.0.1"  # the data socket; the CLI picks 0.0.0.0 for a remote group
-    advertise_host: str | None = None
-    connections: int = 4
-    token: str | None = None
-    curve: CurveKeys | None = None  # this worker's keypair (None: a fresh one per connect)
-    curve_server_key: bytes | None = None  # the coordinator's public key: enables CURVE
-    data_port: int = 0  # port of the data socket (0: a free one)
-    advertise_port: int | None = None  # port others dial when a relay sits in front (emulator)
-    same_host: str = "auto"  # ZmqConfig.same_host: "off" when a shaped link must carry the bytes
-    # Seconds to wait for the coordinator at join; the heartbeat deadlines are the coordinator's
-    # (it tells them at registration), so this is a worker's only liveness knob of its own.
-    register_timeout: float = 30.0
-    reachable: bool | None = None  # ZmqConfig.reachable: None lets the coordinator dial back
-    relay: str = "auto"  # ZmqConfig.relay: auto | always | off
+    # The peer's transport: data socket, K connections, credentials, same-host shortcuts,
+    # register_timeout (the heartbeat deadlines are the coordinator's: it tells them at
+    # registration). Its ``timeout`` is replaced by ``train.sync_timeout`` at launch.
+    transport: ZmqConfig = field(default_factory=default_transport)
 
     def __post_init__(self) -> None:
-        if self.register_timeout <= 0:
-            raise ConfigError(
-                "register_timeout", f"must be > 0 seconds, got {self.register_timeout}"
-            )
         if not self.coordinator.startswith(("tcp://", "ipc://")):
             raise ConfigError(
                 "coordinator", f"must look like tcp://HOST:PORT, got {self.coordinator!r}"
@@ -188,27 +182,13 @@ def worker_main(cfg: WorkerLaunch) -> WorkerResult:
     import torch
 
     from diloco.common import run_signature
-    from transport.zmq_comm import ZmqConfig, connect
+    from transport.zmq_comm import connect
 
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     task = lm_task(cfg.train)
     signature = run_signature(cfg.train, task.build_model()).hex()
-    zcfg = ZmqConfig(
-        bind_host=cfg.bind_host,
-        advertise_host=cfg.advertise_host,
-        connections=cfg.connections,
-        timeout=cfg.train.sync_timeout,
-        token=cfg.token,
-        curve=cfg.curve,
-        curve_server_key=cfg.curve_server_key,
-        data_port=cfg.data_port,
-        advertise_port=cfg.advertise_port,
-        same_host=cfg.same_host,
-        register_timeout=cfg.register_timeout,
-        reachable=cfg.reachable,
-        relay=cfg.relay,
-    )
+    zcfg = replace(cfg.transport, timeout=cfg.train.sync_timeout)
     comm = connect(
         cfg.coordinator, zcfg, signature=signature, meta={"worker_id": cfg.worker_id or ""}
     )
@@ -360,6 +340,9 @@ def _summarize(cfg: LocalLaunch, codes: dict[int, int], wall_s: float) -> dict:
         "syncs_redone": max((f["retries"] for f in finals.values()), default=0),
         "transfers": {names[k]: f["transfers"] for k, f in sorted(finals.items())},
         "wall_s": round(wall_s, 2),
+        "initial_eval": next(
+            (r["loss"] for r in sorted(evals, key=lambda r: r["step"]) if r["step"] == 0), None
+        ),
         "final_eval": next(
             (f["final_eval"] for f in finals.values() if f["final_eval"] is not None), None
         ),

@@ -15,18 +15,19 @@ module relies on (see :func:`check_site_device`).
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from diloco.common import WorkerResult, leave_together
 from diloco.config import DilocoConfig, TrainConfig
+from diloco.launch import default_transport
 from diloco.sharding import ENGINES, Engine, ShardLayout
 from lowband.errors import ConfigError, LowbandError
 
 if TYPE_CHECKING:
-    from transport.auth import CurveKeys
+    from transport.config import ZmqConfig
 
 logger = logging.getLogger(__name__)
 
@@ -119,13 +120,9 @@ class SiteLaunch:
     site_id: str = "site"  # names the site's files; the rank is appended
     out_dir: Path | None = None
     threads: int | None = None
-    bind_host: str = "127.0.0.1"  # the data socket; the CLI picks 0.0.0.0 for a remote group
-    advertise_host: str | None = None
-    connections: int = 4
-    token: str | None = None
-    curve: CurveKeys | None = None  # this worker's keypair (None: a fresh one per connect)
-    curve_server_key: bytes | None = None  # the coordinator's public key: enables CURVE
-    same_host: str = "auto"
+    # The rank's transport to its shard group (as diloco.launch.WorkerLaunch.transport; its
+    # ``timeout`` is replaced by ``train.sync_timeout`` at launch).
+    transport: ZmqConfig = field(default_factory=default_transport)
     dist_timeout: float = 60.0  # seconds a site collective may wait for a dead rank
     # The rank's device is train.compute.device: cpu or cuda:N (site_device maps auto/cuda).
     resume: Path | None = None  # a checkpoints/step-* directory of this site (sharded, DCP)
@@ -161,7 +158,7 @@ def site_main(cfg: SiteLaunch) -> WorkerResult:
     from diloco.metrics import MetricsLog
     from diloco.site import SiteWorker, site_signature
     from diloco.task import lm_task
-    from transport.zmq_comm import ZmqConfig, connect
+    from transport.zmq_comm import connect
 
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
@@ -179,16 +176,7 @@ def site_main(cfg: SiteLaunch) -> WorkerResult:
     )
     task = lm_task(cfg.train)
     signature = site_signature(run_signature(cfg.train, task.build_model()), cfg.layout).hex()
-    zcfg = ZmqConfig(
-        bind_host=cfg.bind_host,
-        advertise_host=cfg.advertise_host,
-        connections=cfg.connections,
-        timeout=cfg.train.sync_timeout,
-        token=cfg.token,
-        curve=cfg.curve,
-        curve_server_key=cfg.curve_server_key,
-        same_host=cfg.same_host,
-    )
+    zcfg = replace(cfg.transport, timeout=cfg.train.sync_timeout)
     worker_id = f"{cfg.site_id}-r{cfg.rank}"
     comm = connect(
         cfg.coordinators[cfg.rank],

@@ -164,6 +164,10 @@ class DilocoWorker:
         if self._resume_dir is not None:
             self._resume(self._resume_dir)
         self._timed(lambda: self.reconciler.reconcile("start"))
+        if (
+            self.step == 0
+        ):  # the starting model's loss: the baseline every later eval is read against
+            self._evaluate()
         # Wall time and tokens/s count from here: after the group formed and agreed on a state.
         t0 = self._t0 = time.perf_counter()
         self.result.sync_s = 0.0

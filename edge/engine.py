@@ -31,6 +31,15 @@ from typing import Callable, Generator, Literal, Protocol, Sequence
 import torch
 
 from edge.sampling import Sampler, SamplingParams, StopMatcher
+from edge.speculative import (
+    Draft,
+    Drafter,
+    DraftLength,
+    PassCost,
+    Speculation,
+    drafting_allowed,
+    verify,
+)
 from lowband.errors import ConfigError, LowbandError
 from lowband.models.config import ModelConfig
 from lowband.models.llama import KVCache, LlamaForCausalLM, Span
@@ -205,6 +214,13 @@ class LocalRunner:
             raise RuntimeError("a slot cannot copy from itself")
         self._slot(dst).copy_prefix(self._slot(src), n)
 
+    def truncate(self, slot: int, n: int) -> None:
+        """Forget positions n.. of slot ``slot`` (rejected draft tokens); the next forward
+        there starts at n and overwrites them."""
+        c = self._caches.get(slot)
+        if c is not None and c.length > n:
+            c.length = n
+
     def drop(self, slot: int) -> None:
         if slot == 0:
             self._caches[0] = self.model.new_cache()
@@ -318,6 +334,10 @@ class Metrics:
     token_s: deque = field(default_factory=lambda: deque(maxlen=512))
     wire_bytes_per_token: deque = field(default_factory=lambda: deque(maxlen=512))
     busy_s: float = 0.0
+    spec_passes: int = 0  # verification passes (one per drafted sequence and step)
+    spec_drafted: int = 0  # draft tokens proposed
+    spec_accepted: int = 0  # draft tokens the target kept
+    spec_emitted: int = 0  # tokens those passes produced (accepted + the target's own)
 
     def snapshot(self) -> dict:
         def mean(d: deque) -> float | None:
@@ -350,6 +370,15 @@ class Metrics:
             "decode_tokens_per_s": None if not tok else 1.0 / tok,
             "wire_bytes_per_token": mean(self.wire_bytes_per_token),
             "busy_s": self.busy_s,
+            "spec_passes_total": self.spec_passes,
+            "spec_draft_tokens_total": self.spec_drafted,
+            "spec_accepted_tokens_total": self.spec_accepted,
+            "spec_acceptance_rate": (
+                self.spec_accepted / self.spec_drafted if self.spec_drafted else None
+            ),
+            "spec_tokens_per_pass": (
+                self.spec_emitted / self.spec_passes if self.spec_passes else None
+            ),
         }
 
 
@@ -374,6 +403,9 @@ class Request:
         self.prompt_lp: list[tuple[int, float | None, tuple[tuple[int, float], ...]]] = []
         self.t_submit = time.perf_counter()
         self.t_last = 0.0
+        self.drafter: Drafter | None = None  # set at admission when speculation applies
+        self.draft_len: DraftLength | None = None
+        self.draft: Draft | None = None  # the tokens the step in flight verifies
 
     def cancel(self) -> None:
         self.cancelled = True
@@ -458,13 +490,16 @@ class Engine:
         parallel: int = 1,
         prefix_cache: int | None = None,
         decode_stall: float = 2.0,
+        speculation: Speculation | None = None,
     ) -> None:
         """``parallel``: sequences decoded together; ``prefill_chunk``: the most prompt tokens
         per step (shared by the prompts being prefilled); ``decode_stall``: while sequences
         are decoding, a step that also prefills may take about this many times a plain decode
         step, unless as many requests wait for their first token as decode (:class:`Pace`;
         the chunk is sized from measured step times); ``prefix_cache``: finished
-        sequences whose caches are kept for prefix reuse (default: ``parallel``)."""
+        sequences whose caches are kept for prefix reuse (default: ``parallel``);
+        ``speculation``: draft tokens for every decoding sequence that allows it and verify
+        them in the step (``edge.speculative``)."""
         if prefill_chunk < 1:
             raise ConfigError("prefill_chunk", f"must be >= 1, got {prefill_chunk}")
         if not 1.0 < decode_stall <= 1000.0:
@@ -489,6 +524,8 @@ class Engine:
         self.max_context = runner.config.max_position_embeddings
         self.prefill_chunk = prefill_chunk
         self.pace = Pace(decode_stall)
+        self.speculation = speculation
+        self.pass_cost = PassCost()
         self.metrics = Metrics()
         self._slots = [_Slot() for _ in range(parallel + n_cached)]
         self._last_slot = 0
@@ -612,6 +649,9 @@ class Engine:
                 break
             self._waiting.popleft()
             self._active.append(r)
+            spec = self.speculation
+            if spec is not None and drafting_allowed(r.params):
+                r.drafter, r.draft_len = spec.new_drafter(), DraftLength(spec.config)
             m = self.metrics
             m.requests += 1
             m.prompt_tokens += len(r.ids)
@@ -678,7 +718,30 @@ class Engine:
             budget -= n
         return work
 
+    def _drafts(self, work: list[tuple[Request, Work]]) -> list[tuple[Request, Work]]:
+        """Decoding items whose request drafts become verification groups: the next token
+        and k draft tokens, every row's logits wanted (outside the lock: a draft model
+        runs here)."""
+        out = []
+        for r, w in work:
+            if r.drafter is not None and r.draft_len is not None and r.decoding:
+                room = min(r.params.max_tokens - len(r.out) - 1, self.max_context - r.pos - 1)
+                k = min(r.draft_len.choose(self.pass_cost), room)
+                r.draft = r.drafter.propose(r.ids + r.out, k, r.sampler) if k > 0 else None
+                if r.draft is not None and r.draft.tokens:
+                    w = Work(w.slot, (r.next_in, *r.draft.tokens), w.start, "all")
+                else:
+                    r.draft = None
+            out.append((r, w))
+        return out
+
     def _step(self, work: list[tuple[Request, Work]]) -> None:
+        if self.speculation is not None:
+            try:
+                work = self._drafts(work)
+            except (LowbandError, RuntimeError) as exc:
+                self._fail_all(exc)
+                return
         reqs = [r for r, _ in work]
         needs_all = any(r.params.logprobs is not None or r.params.prompt_logprobs for r in reqs)
         tops = [r.params.candidates for r in reqs]
@@ -691,15 +754,16 @@ class Engine:
             return
         finally:
             self.metrics.busy_s += time.perf_counter() - t0
-        n_decode = sum(r.decoding for r in reqs)
-        self.pace.observe(
-            n_decode, sum(len(w.ids) for r, w in work if not r.decoding), time.perf_counter() - t0
-        )
+        n_decode = sum(len(w.ids) for r, w in work if r.decoding)
+        elapsed = time.perf_counter() - t0
+        self.pace.observe(n_decode, sum(len(w.ids) for r, w in work if not r.decoding), elapsed)
+        if all(r.decoding for r in reqs):
+            self.pass_cost.observe(n_decode, elapsed)
         m = self.metrics
         m.steps += 1
         m.step_sequences += len(work)
         m.step_tokens += sum(len(w.ids) for _, w in work)
-        if all(r.decoding for r in reqs):  # a decode step: the wire cost of one token each
+        if all(r.decoding and r.draft is None for r in reqs):  # the wire cost of one token each
             m.wire_bytes_per_token.append((self.runner.wire_bytes() - b0) / len(work))
         with self._cv:
             for (r, w), lg in zip(work, logits):
@@ -711,6 +775,10 @@ class Engine:
                 if r.cancelled:
                     continue  # leaves at the next admission pass
                 try:
+                    if r.draft is not None:
+                        assert lg is not None
+                        self._accept(r, lg)
+                        continue
                     if w.logits == "all":
                         assert lg is not None
                         self._prompt_logprobs(r, w, lg)
@@ -735,12 +803,40 @@ class Engine:
             tok = r.ids[t]
             r.prompt_lp.append((tok, float(lp[j, tok]), _top(lp[j], k)))
 
+    def _accept(self, r: Request, logits: torch.Tensor) -> None:
+        """A verification group's result (called with the lock held): emit the accepted
+        draft tokens and the target's own next token, and roll the cache back past the
+        rejected ones (their K/V are overwritten by the next step)."""
+        draft, r.draft = r.draft, None
+        assert draft is not None and r.draft_len is not None
+        toks, accepted = verify(draft, logits, r.sampler)
+        back = len(draft.tokens) - accepted  # rows beyond next_in + the accepted drafts
+        if back:
+            r.pos -= back
+            slot = self._slots[r.slot]
+            del slot.tokens[len(slot.tokens) - back :]
+            truncate = getattr(self.batch, "truncate", None)
+            if truncate is not None:
+                truncate(r.slot, r.pos)
+        r.draft_len.observe(len(draft.tokens), accepted)
+        m = self.metrics
+        m.spec_passes += 1
+        m.spec_drafted += len(draft.tokens)
+        m.spec_accepted += accepted
+        m.spec_emitted += len(toks)
+        for j, tok in enumerate(toks):
+            if not self._emit(r, tok, logits[j]):
+                return
+
     def _emit_next(self, r: Request, logits: torch.Tensor) -> None:
-        p, m = r.params, self.metrics
-        if p.max_tokens == 0:  # prompt logprobs only (echo)
+        if r.params.max_tokens == 0:  # prompt logprobs only (echo)
             self._finish(r, Event("", None, "length", prompt_logprobs=r.prompt_lp))
             return
-        tok = r.sampler(logits)
+        self._emit(r, r.sampler(logits), logits)
+
+    def _emit(self, r: Request, tok: int, logits: torch.Tensor) -> bool:
+        """Emit ``tok`` (drawn from ``logits``); False when it ended the request."""
+        p, m = r.params, self.metrics
         lp: float | None = None
         tops: tuple[tuple[int, float], ...] = ()
         if p.logprobs is not None:
@@ -750,7 +846,7 @@ class Engine:
         eos = self.tokenizer.eos_token_id
         if not p.ignore_eos and (tok == eos or tok in p.stop_token_ids):
             self._finish(r, Event(r.stops.flush(), None, "stop", lp, tops, **extra))
-            return
+            return False
         now = time.perf_counter()
         if not r.out:
             m.ttft_s.append(now - r.t_submit)
@@ -768,12 +864,13 @@ class Engine:
         visible = r.stops.feed(piece)
         if r.stops.stopped:
             self._finish(r, Event(visible, tok, "stop", lp, tops, **extra))
-            return
+            return False
         if last:
             self._finish(r, Event(visible + r.stops.flush(), tok, "length", lp, tops, **extra))
-            return
+            return False
         r.sink(Event(visible, tok, None, lp, tops, **extra))
         r.next_in = tok
+        return True
 
     def _finish(
         self,
@@ -786,6 +883,9 @@ class Engine:
         """End ``r`` (called with the lock held): its last event, then the end mark."""
         if r in self._active:
             self._active.remove(r)
+        if r.drafter is not None:
+            r.drafter.close()
+            r.drafter = None
         slot = self._slots[r.slot]
         slot.owner, slot.used = None, time.perf_counter()
         self._last_slot = r.slot

@@ -39,6 +39,7 @@ from lowband.proc import die_with_parent
 
 if TYPE_CHECKING:
     from transport.auth import CurveKeys
+    from transport.config import ZmqConfig
     from transport.coordinator import Liveness
 
 logger = logging.getLogger(__name__)
@@ -168,6 +169,15 @@ def _tokenizer(model_dir: str):
     return resolve_model(model_dir).tokenizer()  # a GGUF file's own, or the directory's
 
 
+def edge_transport(**over) -> "ZmqConfig":
+    """The transport of a serving cluster's peers: one connection per pair (activations are a
+    few KiB, no striping needed) and a forward step's deadline of 30 s as its ``timeout``;
+    ``over`` sets other ``ZmqConfig`` fields."""
+    from transport.config import ZmqConfig
+
+    return ZmqConfig(**{"connections": 1, "timeout": 30.0, **over})
+
+
 def _zmq_config(
     token: str | None,
     timeout: float,
@@ -177,11 +187,7 @@ def _zmq_config(
     server_key: bytes | None = None,
     curve: CurveKeys | None = None,
 ):
-    from transport.zmq_comm import ZmqConfig
-
-    # Activations are a few KiB: one connection per pair, no striping needed.
-    return ZmqConfig(
-        connections=1,
+    return edge_transport(
         timeout=timeout,
         token=token,
         register_timeout=register_timeout,
@@ -382,20 +388,15 @@ class ServeWorkerConfig:
     """One device of a serving cluster (``lowband edge worker``): joins the master's coordinator."""
 
     master: str  # the master's coordinator address, tcp://HOST:PORT
-    token: str | None = None
-    curve_server_key: bytes | None = None  # the master's CURVE public key: enables CURVE
-    curve: CurveKeys | None = None  # this device's keypair (None: a fresh one per connect)
-    bind_host: str = "127.0.0.1"  # interface of this device's data socket
     worker: WorkerConfig = field(default_factory=WorkerConfig)
     device: DeviceConfig = field(default_factory=DeviceConfig)
-    op_timeout: float = 30.0
-    register_timeout: float = 30.0  # seconds to wait for the master's coordinator at join
+    # This device's transport (:func:`edge_transport`): credentials (token, or curve +
+    # curve_server_key, the master's public key), the data socket's bind_host,
+    # register_timeout (seconds to wait for the master's coordinator at join) and timeout
+    # (the forward step's deadline, --op-timeout).
+    transport: ZmqConfig = field(default_factory=edge_transport)
 
     def __post_init__(self) -> None:
-        if self.register_timeout <= 0:
-            raise ConfigError(
-                "register_timeout", f"must be > 0 seconds, got {self.register_timeout}"
-            )
         if not self.master.startswith("tcp://"):
             raise ConfigError("master", f"must look like tcp://HOST:PORT, got {self.master!r}")
         if self.worker.model_dir is None:
@@ -413,18 +414,7 @@ def serve_worker_main(cfg: ServeWorkerConfig) -> int:
 
     _exit_on_sigterm()
     cfg.device.apply()
-    comm = connect(
-        cfg.master,
-        _zmq_config(
-            cfg.token,
-            cfg.op_timeout,
-            cfg.register_timeout,
-            bind_host=cfg.bind_host,
-            server_key=cfg.curve_server_key,
-            curve=cfg.curve,
-        ),
-        signature=SIGNATURE,
-    )
+    comm = connect(cfg.master, cfg.transport, signature=SIGNATURE)
     host = cfg.master[len("tcp://") :].rsplit(":", 1)[0].strip("[]")
     try:  # the master's star link listens on the same host as its coordinator
         return run_worker(comm, replace(cfg.worker, master_host=host))

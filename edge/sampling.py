@@ -93,13 +93,29 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor) -> int:
         """logits: (V,) for the next position."""
+        if self.params.temperature == 0.0:
+            return int(torch.argmax(logits).item())
+        return self.draw(self.probs(logits))
+
+    def probs(self, logits: torch.Tensor) -> torch.Tensor:
+        """The distribution (V,) float32 this sampler draws from: one-hot at the argmax when
+        greedy, else softmax(logits / T) after top-k and top-p (speculative rejection uses it
+        as the target's p and a draft model's q)."""
         p = self.params
         if p.temperature == 0.0:
-            return int(torch.argmax(logits).item())
+            out = torch.zeros(logits.shape[-1], dtype=torch.float32)
+            out[int(torch.argmax(logits).item())] = 1.0
+            return out
         x = logits.float() / p.temperature
-        x = top_p_mask(top_k_mask(x, p.top_k), p.top_p)
-        probs = torch.softmax(x, dim=-1)
+        return torch.softmax(top_p_mask(top_k_mask(x, p.top_k), p.top_p), dim=-1)
+
+    def draw(self, probs: torch.Tensor) -> int:
+        """One token from ``probs`` (non-negative, not necessarily normalised)."""
         return int(torch.multinomial(probs, 1, generator=self._gen).item())
+
+    def uniform(self) -> float:
+        """U(0, 1) from this sampler's generator (the accept test of speculative decoding)."""
+        return float(torch.rand((), generator=self._gen).item())
 
 
 class StopMatcher:

@@ -1,9 +1,11 @@
 """Process helpers for launchers, benchmarks and tests: children that do not outlive the
-launcher that started them, and free TCP ports to hand to them."""
+launcher that started them, free TCP ports to hand to them, and whether an address is
+loopback."""
 
 from __future__ import annotations
 
 import ctypes
+import ipaddress
 import signal
 import socket
 import sys
@@ -29,3 +31,16 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])
+
+
+def is_loopback(host: str) -> bool:
+    """True for an address only this machine can reach: 127.0.0.0/8, ::1, ``localhost``.
+    A wildcard (``0.0.0.0``, ``*``, ``::``, empty) or any other name is not loopback: a name
+    can resolve anywhere."""
+    host = host.strip("[]").lower()
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False

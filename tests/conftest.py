@@ -155,7 +155,8 @@ def pytest_collectreport(report: pytest.CollectReport) -> None:
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     path = os.environ.get("LOWBAND_SKIPS_FILE")
-    if path:
+    # under pytest-xdist the controller sees every worker's reports; a worker writes nothing
+    if path and not hasattr(session.config, "workerinput"):
         import json
 
         Path(path).write_text("".join(json.dumps(s) + "\n" for s in _SKIPS))
@@ -205,6 +206,10 @@ SLOW_TESTS = (
 )
 
 
+# Tests that shape or name things in the root network namespace without the netns marker.
+ROOT_NETWORK_TESTS = ("cli/test_compose", "cli/test_demo.py", "transport/test_nat_relay.py")
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     tests = Path(__file__).parent
     for item in items:
@@ -214,6 +219,12 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         nodeid = "/".join(rel.parts) + "::" + item.name
         if rel.parts[0] in SLOW_DIRS or nodeid.startswith(SLOW_TESTS):
             item.add_marker(pytest.mark.slow)
+        if item.get_closest_marker("netns") or nodeid.startswith(ROOT_NETWORK_TESTS):
+            # one xdist worker runs all of these, one at a time (--dist loadgroup): they share the
+            # root namespace's addresses, bridges and docker networks; and each runs with the
+            # machine to itself (_alone below), as their user-space links and rates need the CPU
+            item.add_marker(pytest.mark.xdist_group("root-network"))
+            item.add_marker(pytest.mark.alone)
 
 
 @pytest.fixture(scope="session")
@@ -227,3 +238,30 @@ def real_gemma3() -> Path:
         return gemma3_270m()
     except RealModelUnavailable as exc:
         pytest.skip(f"the real Gemma 3 270M file is unavailable here: {exc}")
+
+
+@pytest.fixture(autouse=True)
+def _alone(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[None]:
+    """Under pytest-xdist (the README's test command runs two workers), a test marked ``alone``
+    waits until no other worker runs a test and holds the others off while it runs; every other
+    test only waits while an ``alone`` one runs or waits. Two file locks per run: a gate (taken
+    exclusively by a test that wants to be alone, so that no new test slips in before it) and the
+    run lock (shared by ordinary tests, exclusive for ``alone`` ones), in the run's temporary
+    folder that the workers' folders share (pytest prunes it). Without xdist: nothing."""
+    if os.environ.get("PYTEST_XDIST_WORKER") is None:
+        yield
+        return
+    import fcntl
+
+    base = tmp_path_factory.getbasetemp().parent / "lowband-run"
+    alone = request.node.get_closest_marker("alone") is not None
+    with open(f"{base}.gate", "a+") as gate, open(f"{base}.run", "a+") as run:
+        fcntl.flock(gate, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
+        fcntl.flock(run, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
+        fcntl.flock(gate, fcntl.LOCK_UN)
+        try:
+            yield
+        finally:
+            fcntl.flock(run, fcntl.LOCK_UN)

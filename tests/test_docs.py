@@ -99,7 +99,7 @@ def _readme_code_lines() -> list[str]:
 def test_readme_setup_and_test_commands_are_the_ci_ones():
     setup, test = _ci_commands()
     assert setup == 'python -m pip install -c constraints.txt -e ".[dev]"'
-    assert test == "python -m pytest -q"
+    assert test == "python -m pytest -q -n 2"
     code = _readme_code_lines()
     assert setup in code
     assert test in code
@@ -132,3 +132,19 @@ def test_readme_figures_come_from_result_files():
             if float(number) not in known:
                 missing.append(number)
     assert not missing, f"README figures not in benchmarks/results/*.json: {missing}"
+
+
+def _protocol_tables() -> dict[str, str]:
+    from edge.cluster import protocol
+    from transport import control
+
+    return {"transport.control": control.describe(), "edge.cluster.protocol": protocol.describe()}
+
+
+@pytest.mark.parametrize("module", ["transport.control", "edge.cluster.protocol"])
+def test_architecture_protocol_tables_are_the_codes(module):
+    """ARCHITECTURE.md's message tables are generated from the message classes: a message or
+    field added in code and not in the doc (or the other way round) fails here."""
+    text = (ROOT / "ARCHITECTURE.md").read_text(encoding="utf-8")
+    table = "\n".join(("    " + line).rstrip() for line in _protocol_tables()[module].splitlines())
+    assert table in text, f"update ARCHITECTURE.md's table of {module} to:\n{table}"

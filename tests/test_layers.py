@@ -28,6 +28,18 @@ LAYERS: dict[str, int] = {
 # Launchers (composition roots inside a package) may be imported only from the command line.
 LAUNCHERS = ("diloco.launch", "diloco.site_launch", "diloco.demo_launch", "edge.launch")
 NEVER_IMPORTED = ("benchmarks", "examples", "tests")
+# The algorithms (diloco, edge) reach the network through lowband.comm.Communicator; only the
+# launchers import transport. The one exception, for latency (ARCHITECTURE.md, "The network is
+# injected"): the tensor-parallel star link, which the edge cluster and the compiled decode
+# step drive themselves.
+NETWORK_EXCEPTIONS: dict[str, tuple[str, ...]] = {
+    "transport.starlink": (
+        "edge.cluster.master",
+        "edge.cluster.shard",
+        "edge.cluster.worker",
+        "edge.fastpath",
+    ),
+}
 
 
 def layer_of(module: str) -> tuple[str, int]:
@@ -127,6 +139,35 @@ def _without_package_inits(graph: dict[str, set[str]]) -> dict[str, set[str]]:
 
 def test_no_upward_imports() -> None:
     assert upward_imports(import_graph()) == []
+
+
+def transport_imports_of_algorithms(graph: dict[str, set[str]]) -> list[str]:
+    """Imports of ``transport`` by library modules of diloco and edge that the exception list
+    does not name."""
+    bad = []
+    for mod, deps in sorted(graph.items()):
+        if mod.split(".")[0] not in ("diloco", "edge") or mod in LAUNCHERS:
+            continue
+        for dep in sorted(d for d in deps if d.split(".")[0] == "transport"):
+            if dep == "transport":
+                continue  # ``from transport import x`` is counted as transport.x as well
+            if mod not in NETWORK_EXCEPTIONS.get(dep, ()):
+                bad.append(f"{mod} imports {dep}")
+    return bad
+
+
+def test_algorithms_import_transport_only_through_the_named_exception() -> None:
+    assert transport_imports_of_algorithms(import_graph()) == []
+    planted = {
+        "diloco.outer": {"transport.wire"},
+        "diloco.launch": {"transport.zmq_comm"},
+        "edge.cluster.master": {"transport.starlink"},
+        "edge.engine": {"transport.starlink"},
+    }
+    assert transport_imports_of_algorithms(planted) == [
+        "diloco.outer imports transport.wire",
+        "edge.engine imports transport.starlink",
+    ]
 
 
 def test_no_import_cycles() -> None:

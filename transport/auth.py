@@ -19,7 +19,6 @@ Failures are logged with the remote address and counted (``ZapHandler.rejected``
 from __future__ import annotations
 
 import hmac
-import ipaddress
 import logging
 import os
 import secrets
@@ -35,6 +34,7 @@ from zmq.utils import z85
 from zmq.utils.monitor import recv_monitor_message
 
 from lowband.errors import AuthError, ConfigError
+from lowband.proc import is_loopback as is_loopback  # re-exported
 
 logger = logging.getLogger(__name__)
 
@@ -167,19 +167,6 @@ def route_peer(route: bytes) -> str:
 # ---- exposure: who may listen where without authentication ------------------------------------
 
 AUTH_MODES = ("none", "token", "curve")
-
-
-def is_loopback(host: str) -> bool:
-    """True for an address only this machine can reach: 127.0.0.0/8, ::1, ``localhost``.
-    A wildcard (``0.0.0.0``, ``*``, ``::``, empty) or any other name is not loopback: a name
-    can resolve anywhere."""
-    host = host.strip("[]").lower()
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def endpoint_host(endpoint: str) -> str | None:

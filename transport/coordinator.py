@@ -1,7 +1,7 @@
 """The coordinator: registration, heartbeats, membership epochs, failure detection.
 
 It carries no tensor data. Peers connect a DEALER socket (routing id = peer id) to the
-coordinator's ROUTER socket and speak the control messages of :mod:`transport.wire`:
+coordinator's ROUTER socket and speak the typed control messages of :mod:`transport.control`:
 
     peer -> coordinator   REGISTER, HEARTBEAT, QUORUM, QUORUM_CANCEL, LEAVE, SUSPECT
     coordinator -> peer   REGISTERED / REFUSED, HEARTBEAT_ACK, MEMBERSHIP, PEER_LOST
@@ -36,13 +36,13 @@ only proof, and it crosses the network in clear: those modes are for loopback an
 networks.
 
 The first peer to register sets the run signature and chunk size that every later peer must
-match (else REFUSED "incompatible"); they are released when the last peer is gone.
+match (else REFUSED ``Refusal.INCOMPATIBLE``); they are released when the last peer is gone.
 
-A peer declared lost is not banned: its next message is answered REFUSED "expelled", and the
-peer re-registers under the same id and joins the next quorum as a newcomer
-(:mod:`transport.reactor`). A restarted coordinator starts empty; every peer's heartbeat is
-then refused the same way and the group re-forms, at an epoch above the highest one the
-re-registering peers report.
+A peer declared lost is not banned: its next message is answered REFUSED
+``Refusal.EXPELLED``, and the peer re-registers under the same id and joins the next quorum
+as a newcomer (:mod:`transport.reactor`). A restarted coordinator starts empty; every
+peer's heartbeat is then refused the same way and the group re-forms, at an epoch above the
+highest one the re-registering peers report.
 """
 
 from __future__ import annotations
@@ -59,7 +59,7 @@ from typing import Any, cast
 import zmq
 
 from lowband.errors import ConfigError, ProtocolError, VersionMismatch
-from transport import wire
+from transport import control, wire
 from transport.auth import (
     COORD_DOMAIN,
     RELAY_DOMAIN,
@@ -71,6 +71,7 @@ from transport.auth import (
     route_peer,
     token_policy,
 )
+from transport.control import Refusal
 from transport.relay import Member, Relay
 from transport.wire import MsgType
 
@@ -548,9 +549,7 @@ class Coordinator:
             watch.close()
             sock.close(0)
 
-    def _send(
-        self, pid: str, mtype: MsgType, meta: dict[str, Any], route: bytes | None = None
-    ) -> bool:
+    def _send(self, pid: str, msg: control.ControlMsg, route: bytes | None = None) -> bool:
         """Send to ``pid`` (on its registered route, or ``route``: the connection a message
         being answered came on); False when it has no live connection."""
         assert self._sock is not None
@@ -559,7 +558,7 @@ class Coordinator:
                 peer = self._peers.get(pid)
             route = peer.route if peer is not None else pid.encode()
         try:
-            self._sock.send_multipart([route, *wire.pack(mtype, meta)], zmq.NOBLOCK)
+            self._sock.send_multipart([route, *control.pack(msg)], zmq.NOBLOCK)
             return True
         except zmq.Again:
             return True  # connected but its queue is full: alive, just slow
@@ -578,7 +577,7 @@ class Coordinator:
         except VersionMismatch as exc:
             self.counters["refused"] += 1
             self._bad(f"refused {pid!r}: {exc}")
-            self._send(pid, MsgType.REFUSED, {"kind": "version", "reason": str(exc)}, ident)
+            self._send(pid, control.Refused(kind=Refusal.VERSION, reason=str(exc)), ident)
             return
         except ProtocolError as exc:
             self._bad(
@@ -626,164 +625,69 @@ class Coordinator:
             )
 
     def _dispatch(
-        self, pid: str, route: bytes, msg: wire.Message, frame: zmq.Frame, user: str | None
+        self, pid: str, route: bytes, frames: wire.Message, frame: zmq.Frame, user: str | None
     ) -> None:
         now = time.monotonic()
-        if msg.type == MsgType.REGISTER:
-            self._register(pid, route, msg.meta, frame, now, user)
+        if frames.type == MsgType.REGISTER:
+            self._register(pid, route, control.Register.from_wire(frames.meta), frame, now, user)
             return
         with self._lock:
             peer = self._peers.get(pid)
         if peer is None:
-            if msg.type in (MsgType.HEARTBEAT, MsgType.QUORUM):
-                self._send(
-                    pid,
-                    MsgType.REFUSED,
-                    {
-                        "kind": "expelled",
-                        "reason": "this peer is not registered (declared lost or never registered)",
-                    },
-                    route,
-                )
+            if frames.type in (MsgType.HEARTBEAT, MsgType.QUORUM):
+                why = "this peer is not registered (declared lost or never registered)"
+                self._send(pid, control.Refused(kind=Refusal.EXPELLED, reason=why), route)
             else:
-                logger.debug("ignored %s from unregistered %r", msg.type.name, pid)
+                logger.debug("ignored %s from unregistered %r", frames.type.name, pid)
             return
         if route != peer.route or peer.auth != user:  # first: not even a heartbeat counts
-            self._forged(pid, user, msg.type.name)
+            self._forged(pid, user, frames.type.name)
             return
         peer.last_seen = now
         peer.suspected_at = None
-        if msg.type == MsgType.HEARTBEAT:
-            self._send(pid, MsgType.HEARTBEAT_ACK, {})
-        elif msg.type == MsgType.QUORUM:
-            min_world = wire.int_field(msg.meta, "min_world", 1, 1 << 20)
+        msg = control.parse(frames)
+        if msg.TYPE not in control.TO_COORDINATOR:
+            raise ProtocolError(f"unexpected {msg.NAME} on the control channel")
+        if isinstance(msg, control.Heartbeat):
+            self._send(pid, control.HeartbeatAck())
+        elif isinstance(msg, control.Quorum):
             with self._lock:
-                self._book.arrive(pid, min_world)
+                self._book.arrive(pid, msg.min_world)
             self._complete_quorum()
-        elif msg.type == MsgType.QUORUM_CANCEL:
+        elif isinstance(msg, control.QuorumCancel):
             with self._lock:
                 self._book.cancel(pid)
-            self._send(pid, MsgType.QUORUM_CANCEL, {})  # acknowledged: the peer may now give up
-        elif msg.type == MsgType.LEAVE:
+            self._send(pid, msg)  # echoed as the acknowledgement: the peer may now give up
+        elif isinstance(msg, control.Leave):
             self._remove(pid, "left", left=True)
-        elif msg.type == MsgType.SUSPECT:
-            suspect = wire.field(msg.meta, "peer", str)
+        elif isinstance(msg, control.Suspect):
             with self._lock:
-                other = self._peers.get(suspect)
+                other = self._peers.get(msg.peer)
                 if other is not None and other.suspected_at is None:
                     other.suspected_at = now
-        else:
-            raise ProtocolError(f"unexpected {msg.type.name} on the control channel")
 
+    # ---- registration ----------------------------------------------------------------------------
     def _register(
         self,
         pid: str,
         route: bytes,
-        meta: dict[str, Any],
+        reg: control.Register,
         frame: zmq.Frame,
         now: float,
         user: str | None,
     ) -> None:
-        cfg = self.config
-        addr = wire.field(meta, "addr", str)
-        signature = wire.field(meta, "signature", str)
-        chunk = wire.int_field(meta, "chunk", 1, 1 << 40)
-        key = meta.get("key")
-        peer_meta = meta.get("meta", {})
-        if key is not None and (not isinstance(key, str) or len(key) != 40):
-            raise ProtocolError("field 'key' must be a 40-character Z85 key")
-        if not isinstance(peer_meta, dict):
-            raise ProtocolError("field 'meta' must be a map")
-        last_epoch = meta.get("last_epoch", -1)
-        if not isinstance(last_epoch, int) or isinstance(last_epoch, bool):
-            raise ProtocolError("field 'last_epoch' must be an integer")
-        local = meta.get("local")
-        if local is not None and not (
-            isinstance(local, list)
-            and 2 <= len(local) <= 3
-            and all(isinstance(v, str) for v in local)
-        ):
-            raise ProtocolError("field 'local' must be [host key, ipc endpoint, shm flag]")
-        reachable = meta.get("reachable")
-        if reachable is not None and not isinstance(reachable, bool):
-            raise ProtocolError("field 'reachable' must be a boolean or nil")
-        refusal = None
+        """Take ``pid`` into the group, or answer REFUSED saying why not."""
         with self._lock:
-            if cfg.token is not None and not hmac.compare_digest(
-                str(meta.get("token", "")).encode(), cfg.token.encode()
-            ):
-                refusal = ("auth", "wrong or missing token")
-            elif cfg.curve is not None and key != user:
-                # Other peers' data sockets admit this key as this peer id: it must be the key
-                # this connection proved it holds.
-                refusal = ("auth", "the key in REGISTER is not the one this connection uses")
-            elif (
-                cfg.curve is not None
-                and cfg.reserved_prefix is not None
-                and pid.startswith(cfg.reserved_prefix)
-                and user != cfg.curve.public.decode()
-            ):
-                refusal = (
-                    "auth",
-                    f"peer ids starting with {cfg.reserved_prefix!r} are reserved to the "
-                    "coordinator's own key",
-                )
-            elif pid in self._peers:
-                refusal = ("duplicate", f"peer id {pid!r} is already registered")
-            elif self._signature is not None and signature != self._signature:
-                # A peer may describe what its signature covers (meta "layout", e.g. a site's
-                # shard layout): the refusal then names both sides.
-                why = "different model shapes or config"
-                mine = peer_meta.get("layout")
-                if isinstance(mine, str) or isinstance(self._layout, str):
-                    group = self._layout or "not stated"
-                    why = f"this peer: {mine or 'not stated'}; the group: {group}"
-                refusal = (
-                    "incompatible",
-                    f"run signature {signature[:16]!r}… differs from the group's "
-                    f"{self._signature[:16]!r}… ({why})",
-                )
-            elif self._chunk is not None and chunk != self._chunk:
-                # Reductions are matched chunk by chunk: every peer must cut buffers alike.
-                refusal = (
-                    "incompatible",
-                    f"chunk_bytes={chunk} differs from the group's "
-                    f"{self._chunk}; give every peer the same ZmqConfig.chunk_bytes",
-                )
+            refusal = self._auth_refusal(pid, reg, user) or self._group_refusal(pid, reg)
             if refusal is None:
-                if self._signature is None:
-                    self._signature = signature
-                    layout = peer_meta.get("layout")
-                    self._layout = layout if isinstance(layout, str) else None
-                    self._chunk = chunk
-                if "://*:" in addr:  # the peer asked us to fill in the host we see it from
-                    addr = addr.replace("*", _peer_address(frame) or "127.0.0.1", 1)
-                probe = reachable is None and cfg.probe_timeout > 0 and addr.startswith("tcp://")
-                if probe and self._probing >= MAX_PROBES:
-                    probe, reachable = False, False  # a flood of registrations: relay them
-                elif reachable is None and not probe:
-                    reachable = True
-                self._peers[pid] = _Peer(
-                    addr,
-                    key.encode() if key else None,
-                    peer_meta,
-                    now,
-                    local,
-                    auth=user,
-                    route=route,
-                    reachable=reachable,
-                )
-                self._book.register(pid)
-                if not self._book.view and last_epoch > self._book.epoch:
-                    # A restarted coordinator: go on above the epochs the group has used, so a
-                    # straggler message of an old epoch can never match a new operation.
-                    self._book.epoch = last_epoch
+                addr, reachable = self._add_peer(pid, route, reg, frame, now, user)
         if refusal is not None:
+            kind, reason = refusal
             self.counters["refused"] += 1
             logger.warning(
-                "refused registration of %r from %s: %s", pid, _peer_address(frame), refusal[1]
+                "refused registration of %r from %s: %s", pid, _peer_address(frame), reason
             )
-            self._send(pid, MsgType.REFUSED, {"kind": refusal[0], "reason": refusal[1]}, route)
+            self._send(pid, control.Refused(kind=kind, reason=reason), route)
             return
         self.counters["registered"] += 1
         self._suspected.discard(pid)
@@ -791,8 +695,8 @@ class Coordinator:
             "registered %s (data %s, meta %s%s)",
             pid,
             addr,
-            peer_meta,
-            ", rejoining" if last_epoch >= 0 else "",
+            reg.meta,
+            ", rejoining" if reg.last_epoch >= 0 else "",
         )
         if reachable is None:
             # Answered once the dial-back is done (the peer waits for REGISTERED, so no
@@ -803,6 +707,99 @@ class Coordinator:
             ).start()
             return
         self._admitted(pid, route)
+
+    def _auth_refusal(
+        self, pid: str, reg: control.Register, user: str | None
+    ) -> tuple[Refusal, str] | None:
+        """Why ``pid`` may not register under the group's credentials, or None."""
+        cfg = self.config
+        if cfg.token is not None and not hmac.compare_digest(
+            reg.token.encode(), cfg.token.encode()
+        ):
+            return Refusal.AUTH, "wrong or missing token"
+        if cfg.curve is not None and reg.key != user:
+            # Other peers' data sockets admit this key as this peer id: it must be the key
+            # this connection proved it holds.
+            return Refusal.AUTH, "the key in REGISTER is not the one this connection uses"
+        if (
+            cfg.curve is not None
+            and cfg.reserved_prefix is not None
+            and pid.startswith(cfg.reserved_prefix)
+            and user != cfg.curve.public.decode()
+        ):
+            return Refusal.AUTH, (
+                f"peer ids starting with {cfg.reserved_prefix!r} are reserved to the "
+                "coordinator's own key"
+            )
+        return None
+
+    def _group_refusal(self, pid: str, reg: control.Register) -> tuple[Refusal, str] | None:
+        """Why ``pid`` does not fit the group (a duplicate id, another run), or None. Under
+        the lock."""
+        if pid in self._peers:
+            return Refusal.DUPLICATE, f"peer id {pid!r} is already registered"
+        if self._signature is not None and reg.signature != self._signature:
+            # A peer may describe what its signature covers (meta "layout", e.g. a site's
+            # shard layout): the refusal then names both sides.
+            why = "different model shapes or config"
+            mine = reg.meta.get("layout")
+            if isinstance(mine, str) or isinstance(self._layout, str):
+                group = self._layout or "not stated"
+                why = f"this peer: {mine or 'not stated'}; the group: {group}"
+            return Refusal.INCOMPATIBLE, (
+                f"run signature {reg.signature[:16]!r}… differs from the group's "
+                f"{self._signature[:16]!r}… ({why})"
+            )
+        if self._chunk is not None and reg.chunk != self._chunk:
+            # Reductions are matched chunk by chunk: every peer must cut buffers alike.
+            return Refusal.INCOMPATIBLE, (
+                f"chunk_bytes={reg.chunk} differs from the group's "
+                f"{self._chunk}; give every peer the same ZmqConfig.chunk_bytes"
+            )
+        return None
+
+    def _add_peer(
+        self,
+        pid: str,
+        route: bytes,
+        reg: control.Register,
+        frame: zmq.Frame,
+        now: float,
+        user: str | None,
+    ) -> tuple[str, bool | None]:
+        """Record a registered peer (under the lock); returns its data address and whether it
+        can be dialled (None: a dial-back will tell)."""
+        cfg = self.config
+        if self._signature is None:  # the first peer sets what the group must share
+            self._signature = reg.signature
+            layout = reg.meta.get("layout")
+            self._layout = layout if isinstance(layout, str) else None
+            self._chunk = reg.chunk
+        addr = reg.addr
+        if "://*:" in addr:  # the peer asked us to fill in the host we see it from
+            addr = addr.replace("*", _peer_address(frame) or "127.0.0.1", 1)
+        reachable = reg.reachable
+        probe = reachable is None and cfg.probe_timeout > 0 and addr.startswith("tcp://")
+        if probe and self._probing >= MAX_PROBES:
+            probe, reachable = False, False  # a flood of registrations: relay them
+        elif reachable is None and not probe:
+            reachable = True
+        self._peers[pid] = _Peer(
+            addr,
+            reg.key.encode() if reg.key else None,
+            reg.meta,
+            now,
+            reg.local,
+            auth=user,
+            route=route,
+            reachable=reachable,
+        )
+        self._book.register(pid)
+        if not self._book.view and reg.last_epoch > self._book.epoch:
+            # A restarted coordinator: go on above the epochs the group has used, so a
+            # straggler message of an old epoch can never match a new operation.
+            self._book.epoch = reg.last_epoch
+        return addr, reachable
 
     def _admitted(self, pid: str, route: bytes) -> None:
         with self._lock:
@@ -823,10 +820,9 @@ class Coordinator:
                 peer.addr,
                 f"the relay {self.relay_address}" if self._relay else "nothing (no relay runs)",
             )
-        answer: dict[str, Any] = {"heartbeat_interval": self.config.heartbeat_interval}
-        if self._relay is not None:
-            answer["relay"] = int(self.relay_address.rsplit(":", 1)[1])
-        self._send(pid, MsgType.REGISTERED, answer, route)
+        relay = int(self.relay_address.rsplit(":", 1)[1]) if self._relay is not None else None
+        answer = control.Registered(heartbeat_interval=self.config.heartbeat_interval, relay=relay)
+        self._send(pid, answer, route)
         self._complete_quorum()  # a newcomer can unblock nothing, but a dead peer's slot may
 
     # ---- dial-back -------------------------------------------------------------------------------
@@ -871,18 +867,17 @@ class Coordinator:
         for pid, view in views.items():
             self._send(
                 pid,
-                MsgType.MEMBERSHIP,
-                {
-                    "epoch": view.epoch,
-                    "rank": view.rank,
-                    "peers": list(view.peers),
-                    "addrs": addrs,
-                    "keys": keys,
-                    "locals": [peers[p].local for p in order],
-                    "relayed": relayed,
-                    "joined": list(view.joined),
-                    "left": list(view.left),
-                },
+                control.MembershipUpdate(
+                    epoch=view.epoch,
+                    rank=view.rank,
+                    peers=list(view.peers),
+                    addrs=addrs,
+                    keys=keys,
+                    locals=[peers[p].local for p in order],
+                    relayed=relayed,
+                    joined=list(view.joined),
+                    left=list(view.left),
+                ),
             )
         logger.info("quorum: epoch %d, %d peers", view.epoch, len(order))
 
@@ -907,11 +902,7 @@ class Coordinator:
         log = logger.info if left else logger.warning
         log("peer %s %s; notifying %d peers", pid, reason, len(others))
         for other in others:
-            self._send(
-                other,
-                MsgType.PEER_LOST,
-                {"peers": [pid], "epoch": epoch, "reason": reason, "left": left},
-            )
+            self._send(other, control.PeersLost(peers=[pid], epoch=epoch, reason=reason, left=left))
         self._complete_quorum()
 
     def _expire(self, now: float) -> None:
@@ -937,7 +928,7 @@ class Coordinator:
                     f"is unresponsive (connected, but no heartbeat for "
                     f"{quiet:.1f}s > unresponsive_after)",
                 )
-            elif not self._send(pid, MsgType.HEARTBEAT_ACK, {}):
+            elif not self._send(pid, control.HeartbeatAck()):
                 self._suspected.discard(pid)
                 self._remove(
                     pid,

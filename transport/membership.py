@@ -34,18 +34,19 @@ coordinator_grace``; collectives among the current members go on meanwhile.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from typing import Any, Callable
 
 from lowband.comm import Membership
 from lowband.errors import PeerLost, ProtocolError, TransportTimeout
-from transport import wire
+from transport import control, wire
 from transport.config import ZmqConfig
+from transport.control import Refusal
 from transport.peerlinks import PeerLinks
 from transport.peers import PeerTable, data_address
 from transport.routing import Routing
-from transport.wire import MsgType
 
 logger = logging.getLogger(__name__)
 
@@ -53,7 +54,7 @@ logger = logging.getLogger(__name__)
 class Members:
     """This peer's membership state; see the module docstring.
 
-    ``register_meta`` is connect()'s REGISTER (None disables rejoining), ``local`` this peer's
+    ``register`` is connect()'s REGISTER (None disables rejoining), ``local`` this peer's
     same-host identity (``Reactor.local``), ``on_membership`` is called with every new table,
     ``on_lost`` with every peer declared lost, ``bad`` counts and logs a dropped message."""
 
@@ -65,7 +66,7 @@ class Members:
         links: PeerLinks,
         routing: Routing,
         heartbeat_interval: float,
-        register_meta: dict[str, Any] | None,
+        register: control.Register | None,
         local: list[str] | None,
         on_membership: Callable[[PeerTable], None] | None,
         on_lost: Callable[[str], None],
@@ -91,7 +92,7 @@ class Members:
         self._quorum_waiters: list[Any] = []
         self._cancelling: list[Any] = []
         self.expelled: BaseException | None = None
-        self._register_meta = register_meta
+        self._register = register
         self.rejoining = False
         self._held_quorum: int | None = None  # largest min_world asked while rejoining
         self._expelled_at: float | None = None
@@ -113,11 +114,11 @@ class Members:
             self._quorum_waiters.append(waiter)
             self._held_quorum = max(self._held_quorum or 1, min_world)
             return
-        if self.expelled is not None and self._register_meta is None:
+        if self.expelled is not None and self._register is None:
             waiter.set_error(self.expelled)
             return
         self._quorum_waiters.append(waiter)
-        self._links.send_control(MsgType.QUORUM, {"min_world": min_world})
+        self._links.send_control(control.Quorum(min_world=min_world))
 
     def cancel_quorum(self, waiter: Any) -> None:
         """Withdraw from the quorum round. The coordinator acknowledges, and only then does the
@@ -128,7 +129,7 @@ class Members:
             waiter.set_error(TransportTimeout("quorum cancelled while rejoining"))
         elif waiter in self._quorum_waiters:
             self._cancelling.append(waiter)
-            self._links.send_control(MsgType.QUORUM_CANCEL, {})
+            self._links.send_control(control.QuorumCancel())
 
     def fail_waiters(self, exc: BaseException) -> None:
         for w in self._quorum_waiters:
@@ -139,67 +140,44 @@ class Members:
     def on_control(self, frames: list[bytes]) -> None:
         self._coord_seen = time.monotonic()
         try:
-            msg = wire.unpack(frames, max_payload_bytes=0)
-            if msg.type == MsgType.MEMBERSHIP:
-                self._apply(msg.meta)
-            elif msg.type == MsgType.PEER_LOST:
-                self._peer_lost(
-                    wire.str_list(msg.meta, "peers"),
-                    str(msg.meta.get("reason", "lost")),
-                    msg.meta.get("left") is True,
-                )
-            elif msg.type == MsgType.QUORUM_CANCEL:  # the coordinator's acknowledgement
+            msg = control.parse(wire.unpack(frames, max_payload_bytes=0))
+            if isinstance(msg, control.MembershipUpdate):
+                self._apply(msg)
+            elif isinstance(msg, control.PeersLost):
+                self._peer_lost(msg.peers, msg.reason, msg.left)
+            elif isinstance(msg, control.QuorumCancel):  # the coordinator's acknowledgement
                 for w in self._cancelling:
                     if w in self._quorum_waiters:
                         self._quorum_waiters.remove(w)
                     w.set_error(TransportTimeout("quorum cancelled"))
                 self._cancelling = []
-            elif msg.type == MsgType.REFUSED:
-                if self.rejoining and msg.meta.get("kind") == "expelled":
+            elif isinstance(msg, control.Refused):
+                if self.rejoining and msg.kind == Refusal.EXPELLED:
                     return  # the answer to a heartbeat sent before our new REGISTER
                 if self.rejoining:  # the coordinator will not take us back: final
                     self.rejoining = False
-                    self._register_meta = None
-                self._expel(str(msg.meta.get("reason", "refused")))
-            elif msg.type == MsgType.REGISTERED:
-                port = msg.meta.get("relay")
-                if isinstance(port, int) and not isinstance(port, bool) and 0 < port < 65536:
-                    self._links.relay_to(port)
+                    self._register = None
+                self._expel(msg.reason or "refused")
+            elif isinstance(msg, control.Registered):
+                if msg.relay is not None:
+                    self._links.relay_to(msg.relay)
                 self._rejoined()
-            elif msg.type != MsgType.HEARTBEAT_ACK:
-                raise ProtocolError(f"unexpected {msg.type.name} from the coordinator")
+            elif not isinstance(msg, control.HeartbeatAck):
+                raise ProtocolError(f"unexpected {msg.NAME} from the coordinator")
         except ProtocolError as exc:
             self._bad(f"bad message from the coordinator: {exc}")
 
-    def _apply(self, meta: dict[str, Any]) -> None:
-        peers = tuple(wire.str_list(meta, "peers"))
-        epoch = wire.int_field(meta, "epoch", 0)
-        rank = wire.int_field(meta, "rank", 0, len(peers) - 1)
-        addrs = tuple(wire.str_list(meta, "addrs"))
-        keys = tuple(wire.field(meta, "keys", list))
-        if len(addrs) != len(peers) or len(keys) != len(peers) or peers[rank] != self.peer_id:
-            raise ProtocolError("inconsistent MEMBERSHIP message")
-        m = Membership(
-            epoch,
-            rank,
-            len(peers),
-            peers,
-            tuple(wire.str_list(meta, "joined")),
-            tuple(wire.str_list(meta, "left")),
-        )
-        locals_ = tuple(meta.get("locals") or [None] * len(peers))
-        if len(locals_) != len(peers):
-            raise ProtocolError("inconsistent MEMBERSHIP message")
-        relayed = meta.get("relayed") or [False] * len(peers)
-        if (
-            not isinstance(relayed, list)
-            or len(relayed) != len(peers)
-            or not all(isinstance(v, bool) for v in relayed)
-        ):
-            raise ProtocolError("field 'relayed' must be one boolean per peer")
+    def _apply(self, msg: control.MembershipUpdate) -> None:
+        peers = tuple(msg.peers)
+        if peers[msg.rank] != self.peer_id:
+            raise ProtocolError("inconsistent MEMBERSHIP message: the rank is another peer's")
+        m = Membership(msg.epoch, msg.rank, len(peers), peers, tuple(msg.joined), tuple(msg.left))
+        addrs, keys = tuple(msg.addrs), tuple(msg.keys)
+        locals_ = tuple(msg.locals or [None] * len(peers))
+        relayed = msg.relayed or [False] * len(peers)
         table = PeerTable(m, addrs, keys, locals_, tuple(relayed))
         old = self._table
-        if self._register_meta is not None and not self.rejoining:
+        if self._register is not None and not self.rejoining:
             self.expelled = None  # rejoined: a member again
         # A member that was lost earlier has rejoined under its old id: it is a fresh peer now.
         for pid in peers:
@@ -243,8 +221,8 @@ class Members:
                         self._relay_mode,
                     )
                 self._links.connect(pid, data_address(self._local, addr, local), key)
-        if old is None or old.membership.epoch != epoch:
-            self._routing.new_epoch(epoch)
+        if old is None or old.membership.epoch != msg.epoch:
+            self._routing.new_epoch(msg.epoch)
         if self._on_membership is not None:
             self._on_membership(table)
         waiters, self._quorum_waiters, self._cancelling = self._quorum_waiters, [], []
@@ -297,7 +275,7 @@ class Members:
 
     # ---- expelled and back -----------------------------------------------------------------------
     def _expel(self, reason: str) -> None:
-        if self._register_meta is None:
+        if self._register is None:
             err = PeerLost(
                 f"{self.peer_id} is no longer a member: {reason}; connect again to rejoin",
                 peers=(self.peer_id,),
@@ -323,13 +301,13 @@ class Members:
         if self._quorum_waiters:
             self._held_quorum = 1
         logger.info("rejoining: registering again with the coordinator as %s", self.peer_id)
-        again = {**self._register_meta, "last_epoch": self.epoch}
+        again = dataclasses.replace(self._register, last_epoch=self.epoch)
         table = self._table
-        if again.get("reachable") is None and table is not None and table.relayed:
+        if again.reachable is None and table is not None and table.relayed:
             # Known from the dial-back already: no second probe of a running data socket
             # (it would count as a failed handshake here).
-            again["reachable"] = not table.relayed[table.membership.rank]
-        self._links.send_control(MsgType.REGISTER, again)
+            again = dataclasses.replace(again, reachable=not table.relayed[table.membership.rank])
+        self._links.send_control(again)
 
     def _rejoined(self) -> None:
         if not self.rejoining:
@@ -347,7 +325,7 @@ class Members:
         )
         self._coord_seen = time.monotonic()
         if self._held_quorum is not None:
-            self._links.send_control(MsgType.QUORUM, {"min_world": self._held_quorum})
+            self._links.send_control(control.Quorum(min_world=self._held_quorum))
             self._held_quorum = None
 
     # ---- deadlines -----------------------------------------------------------------------------

@@ -32,6 +32,8 @@ from transport import relay as relay_wire
 from transport import wire
 from transport.auth import CurveKeys, HandshakeWatch, configure_client
 from transport.config import ZmqConfig
+from transport.control import ControlMsg, Heartbeat, Suspect
+from transport.control import pack as pack_control
 from transport.wire import MsgType
 
 logger = logging.getLogger(__name__)
@@ -184,22 +186,22 @@ class PeerLinks:
         return [*self._out, *self.relayed]
 
     # ---- the coordinator -------------------------------------------------------------------------
-    def send_control(self, mtype: MsgType, meta: dict[str, Any]) -> None:
+    def send_control(self, msg: ControlMsg) -> None:
         try:
-            self.control.send_multipart(wire.pack(mtype, meta), zmq.NOBLOCK)
+            self.control.send_multipart(pack_control(msg), zmq.NOBLOCK)
         except zmq.Again:  # the coordinator is unreachable and the queue is full
             now = time.monotonic()
             if now - self._control_warned > 10:
                 self._control_warned = now
                 logger.warning(
-                    "cannot reach the coordinator; dropped a %s (and maybe more)", mtype.name
+                    "cannot reach the coordinator; dropped a %s (and maybe more)", msg.NAME
                 )
 
     def heartbeat(self) -> None:
         """Send a HEARTBEAT if one is due (three per coordinator heartbeat interval)."""
         now = time.monotonic()
         if now >= self._next_hb:
-            self.send_control(MsgType.HEARTBEAT, {})
+            self.send_control(Heartbeat())
             self._next_hb = now + self._hb_period
 
     # ---- connections -----------------------------------------------------------------------------
@@ -285,7 +287,7 @@ class PeerLinks:
                 return
             if pid is not None and event["event"] == zmq.EVENT_DISCONNECTED:
                 logger.info("connection to %s dropped; reporting it to the coordinator", pid)
-                self.send_control(MsgType.SUSPECT, {"peer": pid})
+                self.send_control(Suspect(peer=pid))
 
     # ---- shutdown --------------------------------------------------------------------------------
     def close_peers(self) -> None:

@@ -39,6 +39,7 @@ from transport import wire
 from transport.auth import CurveKeys
 from transport.buffers import BufferPool
 from transport.config import ZmqConfig
+from transport.control import Leave, Register
 from transport.membership import Members
 from transport.peerlinks import PeerLinks
 from transport.peers import PeerTable
@@ -69,7 +70,7 @@ class Reactor:
         control: zmq.Socket,
         keys: CurveKeys | None,
         heartbeat_interval: float,
-        register_meta: dict[str, Any] | None = None,
+        register: Register | None = None,
         local: list[str] | None = None,
         on_membership: Callable[[PeerTable], None] | None = None,
         relay: zmq.Socket | None = None,
@@ -108,7 +109,7 @@ class Reactor:
             links=self.links,
             routing=self.routing,
             heartbeat_interval=heartbeat_interval,
-            register_meta=register_meta,
+            register=register,
             local=local,
             on_membership=on_membership,
             on_lost=self._forget_shm,
@@ -152,7 +153,7 @@ class Reactor:
                 # departure (PEER_LOST, on another channel) first waits for these, so data we
                 # already sent for a collective it still runs is not thrown away.
                 self.links.send_byes()
-                self.links.send_control(MsgType.LEAVE, {})
+                self.links.send_control(Leave())
             self._fail_all(
                 CommClosed("the communicator was closed while this operation was pending")
             )

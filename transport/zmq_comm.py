@@ -36,13 +36,11 @@ from lowband.errors import (
     AuthError,
     CommClosed,
     ConfigError,
-    IncompatiblePeer,
     PeerLost,
     ProtocolError,
     TransportTimeout,
-    VersionMismatch,
 )
-from transport import wire
+from transport import control, wire
 from transport.allreduce import DirectAllReduce, RingAllReduce
 from transport.auth import (
     DATA_DOMAIN,
@@ -61,7 +59,6 @@ from transport.ops import acc_dtype
 from transport.peers import PeerTable, data_address
 from transport.reactor import Reactor
 from transport.shm import ShmAllReduce, shm_key
-from transport.wire import MsgType
 from transport.work import FutureWork
 
 logger = logging.getLogger(__name__)
@@ -118,29 +115,29 @@ def connect(
                 data.bind(ipc)
             # [host key, Unix socket or "", shared-memory key or ""]: see Reactor.same_host_shm
             local = [host_key(), ipc, shm_key() if cfg.offers_shm else ""]
-        control = ctx.socket(zmq.DEALER)
-        sockets.append(control)
+        ctl = ctx.socket(zmq.DEALER)
+        sockets.append(ctl)
         # LEAVE is tiny, and a dead coordinator must not stall close() for long.
-        control.linger = int(min(cfg.linger, 1.0) * 1000)
-        control.routing_id = control_route(pid)  # pid + an unguessable part: see there
-        control.maxmsgsize = wire.DEFAULT_MAX_META_BYTES + wire.HEADER_SIZE
+        ctl.linger = int(min(cfg.linger, 1.0) * 1000)
+        ctl.routing_id = control_route(pid)  # pid + an unguessable part: see there
+        ctl.maxmsgsize = wire.DEFAULT_MAX_META_BYTES + wire.HEADER_SIZE
         configure_client(
-            control, user=pid, token=cfg.token, curve=keys, server_key=cfg.curve_server_key
+            ctl, user=pid, token=cfg.token, curve=keys, server_key=cfg.curve_server_key
         )
-        register = {
-            "addr": addr,
-            "signature": signature,
-            "meta": dict(meta or {}),
-            "key": keys.public.decode() if keys else None,
-            "token": cfg.token or "",
-            "local": local,
-            "chunk": cfg.chunk_bytes,
-            "reachable": cfg.reachable,
-        }
-        interval, relay_port = _register(control, coordinator, cfg, register)
+        register = control.Register(
+            addr=addr,
+            signature=signature,
+            chunk=cfg.chunk_bytes,
+            meta=dict(meta or {}),
+            key=keys.public.decode() if keys else None,
+            token=cfg.token or "",
+            local=local,
+            reachable=cfg.reachable,
+        )
+        interval, relay_port = _register(ctl, coordinator, cfg, register)
         relay = None
         if relay_port is not None and cfg.relay != "off" and coordinator.startswith("tcp://"):
-            relay = _dial_relay(ctx, cfg, pid, keys, control.routing_id, coordinator, relay_port)
+            relay = _dial_relay(ctx, cfg, pid, keys, ctl.routing_id, coordinator, relay_port)
             if relay is not None:
                 sockets.append(relay)
 
@@ -152,10 +149,10 @@ def connect(
             config=cfg,
             peer_id=pid,
             data=data,
-            control=control,
+            control=ctl,
             keys=keys,
             heartbeat_interval=interval,
-            register_meta=register if cfg.rejoin else None,
+            register=register if cfg.rejoin else None,
             local=local,
             on_membership=allow if keys is not None else None,
             relay=relay,
@@ -232,20 +229,20 @@ def _dial_relay(
 
 
 def _register(
-    control: zmq.Socket, coordinator: str, cfg: ZmqConfig, meta: dict[str, Any]
+    sock: zmq.Socket, coordinator: str, cfg: ZmqConfig, register: control.Register
 ) -> tuple[float, int | None]:
     """Connect, send REGISTER, wait for the answer; returns the coordinator's heartbeat interval
     and the port of its relay (None: it runs none)."""
-    monitor = control.get_monitor_socket(
+    monitor = sock.get_monitor_socket(
         zmq.EVENT_HANDSHAKE_FAILED_AUTH
         | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
         | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
     )
     try:
-        control.connect(coordinator)
-        control.send_multipart(wire.pack(MsgType.REGISTER, meta))
+        sock.connect(coordinator)
+        sock.send_multipart(control.pack(register))
         poller = zmq.Poller()
-        poller.register(control, zmq.POLLIN)
+        poller.register(sock, zmq.POLLIN)
         poller.register(monitor, zmq.POLLIN)
         deadline = time.monotonic() + cfg.register_timeout
         while (left := deadline - time.monotonic()) > 0:
@@ -256,29 +253,19 @@ def _register(
                     f"the coordinator at {coordinator} rejected this peer's credentials "
                     f"(ZeroMQ {zmq.Event(event['event']).name}): check the token / CURVE keys"
                 )
-            if control in ready:
-                msg = wire.unpack(control.recv_multipart(), max_payload_bytes=0)
-                if msg.type == MsgType.REGISTERED:
-                    interval = float(wire.field(msg.meta, "heartbeat_interval", (int, float)))
-                    port = None
-                    if "relay" in msg.meta:
-                        port = wire.int_field(msg.meta, "relay", 1, 65535)
-                    return interval, port
-                if msg.type == MsgType.REFUSED:
-                    kind = msg.meta.get("kind")
-                    reason = f"coordinator refused this peer: {msg.meta.get('reason', kind)}"
-                    raise {
-                        "incompatible": IncompatiblePeer,
-                        "auth": AuthError,
-                        "version": VersionMismatch,
-                    }.get(str(kind), ProtocolError)(reason)
-                raise ProtocolError(f"unexpected {msg.type.name} while registering")
+            if sock in ready:
+                answer = control.parse(wire.unpack(sock.recv_multipart(), max_payload_bytes=0))
+                if isinstance(answer, control.Registered):
+                    return answer.heartbeat_interval, answer.relay
+                if isinstance(answer, control.Refused):
+                    raise answer.kind.error(answer.reason)
+                raise ProtocolError(f"unexpected {answer.NAME} while registering")
         raise TransportTimeout(
             f"no answer from the coordinator at {coordinator} within "
             f"{cfg.register_timeout:.1f}s (is it running and reachable?)"
         )
     finally:
-        control.disable_monitor()
+        sock.disable_monitor()
         monitor.close(0)
 
 

@@ -31,13 +31,36 @@ from diloco.common import InnerLoop, run_signature
 from diloco.config import TrainConfig
 from diloco.flower.config import FlowerConfig, for_node, from_run_config, node_config, sync_fragment
 from diloco.flower.records import (
+    BASE_VERSION,
+    BYTES_DOWN,
+    BYTES_UP,
+    BYTES_UP_FP32,
+    CODEC,
+    CODEC_META,
+    CONFIG,
+    DELTA,
+    EVAL_LOSS,
+    FRAGMENT,
+    GLOBAL,
+    LOCAL_EVAL_LOSS,
+    METRICS,
+    NUM_EXAMPLES,
+    REPLY,
+    SENT_FRAGMENTS,
+    SENT_VERSIONS,
+    SERVER_ROUND,
+    STATUS,
+    STATUS_OK,
+    STATUS_STALE,
+    TRAIN_LOSS,
+    VALID,
+    VERSIONS,
     config_ints,
     encoded_to_records,
     params_to_record,
     payload_bytes,
     record_to_params,
 )
-from diloco.flower.strategy import CONFIG, DELTA, GLOBAL, METRICS, REPLY
 from diloco.fragments import plan_fragments
 from diloco.outer import FragmentSync
 from diloco.task import Task, lm_task
@@ -102,16 +125,16 @@ class DilocoClient:
     # ---- the two message handlers --------------------------------------------------------------
     def train(self, msg: Message) -> Message:
         config = msg.content.config_records[CONFIG]
-        server_round = int(config["server-round"])  # type: ignore[arg-type]
+        server_round = int(config[SERVER_ROUND])  # type: ignore[arg-type]
         p = sync_fragment(server_round, self.mode.n_fragments)
-        if int(config["fragment"]) != p:  # type: ignore[arg-type]
+        if int(config[FRAGMENT]) != p:  # type: ignore[arg-type]
             raise ProtocolError(
                 f"round {server_round} must sync fragment {p}, the server "
-                f"asked for {config['fragment']!s}: different P on the two sides?"
+                f"asked for {config[FRAGMENT]!s}: different P on the two sides?"
             )
         down, current = self._apply(msg)
         if not current:
-            return self._reply(msg, "stale", MetricRecord({"num-examples": 0, "bytes-down": down}))
+            return self._reply(msg, STATUS_STALE, MetricRecord({NUM_EXAMPLES: 0, BYTES_DOWN: down}))
         self.inner.step = (server_round - 1) * self.mode.stride
         losses = [self.inner.run_step(self.slot) for _ in range(self.mode.stride)]
         x, valid = self.fragments[p].contribution()
@@ -119,50 +142,50 @@ class DilocoClient:
         arrays, meta = encoded_to_records(enc)
         reply = ConfigRecord(
             {
-                "fragment": p,
-                "base-version": self.versions[p],
-                "codec": self.mode.codec,
-                "codec-meta": meta,
-                "valid": valid,
+                FRAGMENT: p,
+                BASE_VERSION: self.versions[p],
+                CODEC: self.mode.codec,
+                CODEC_META: meta,
+                VALID: valid,
             }
         )
         metrics = MetricRecord(
             {
-                "num-examples": self.mode.stride * self.train_cfg.data.batch_size,
-                "train-loss": float(torch.stack(losses).float().mean()),
-                "bytes-up": payload_bytes(arrays),
-                "bytes-up-fp32": 4 * x.numel(),
-                "bytes-down": down,
+                NUM_EXAMPLES: self.mode.stride * self.train_cfg.data.batch_size,
+                TRAIN_LOSS: float(torch.stack(losses).float().mean()),
+                BYTES_UP: payload_bytes(arrays),
+                BYTES_UP_FP32: 4 * x.numel(),
+                BYTES_DOWN: down,
             }
         )
         self._save()
-        return self._reply(msg, "ok", metrics, extra=reply, delta=arrays)
+        return self._reply(msg, STATUS_OK, metrics, extra=reply, delta=arrays)
 
     def evaluate(self, msg: Message) -> Message:
         """Apply the pending global update (as the next train round would), then report the
         held-out loss of θ_g and of this node's local model on this node's data."""
         down, current = self._apply(msg)
         if not current:
-            return self._reply(msg, "stale", MetricRecord({"num-examples": 0, "bytes-down": down}))
+            return self._reply(msg, STATUS_STALE, MetricRecord({NUM_EXAMPLES: 0, BYTES_DOWN: down}))
         d = self.train_cfg.data
         metrics = MetricRecord(
             {
-                "num-examples": d.eval_batches * d.batch_size,
-                "eval-loss": self.task.evaluate(self.global_model),
-                "local-eval-loss": self.task.evaluate(self.model),
-                "bytes-down": down,
+                NUM_EXAMPLES: d.eval_batches * d.batch_size,
+                EVAL_LOSS: self.task.evaluate(self.global_model),
+                LOCAL_EVAL_LOSS: self.task.evaluate(self.model),
+                BYTES_DOWN: down,
             }
         )
         self._save()
-        return self._reply(msg, "ok", metrics)
+        return self._reply(msg, STATUS_OK, metrics)
 
     # ---- helpers -------------------------------------------------------------------------------
     @torch.no_grad()
     def _apply(self, msg: Message) -> tuple[int, bool]:
         """Merge the fragments the server sent; (bytes received, holds the server's θ_g)."""
         config = msg.content.config_records[CONFIG]
-        sent = config_ints(config, "sent-fragments")
-        sent_versions = config_ints(config, "sent-versions")
+        sent = config_ints(config, SENT_FRAGMENTS)
+        sent_versions = config_ints(config, SENT_VERSIONS)
         record = msg.content.array_records.get(GLOBAL, ArrayRecord())
         params = record_to_params(record, self.shapes) if sent else {}
         for p, v in zip(sent, sent_versions, strict=True):
@@ -185,13 +208,13 @@ class DilocoClient:
                 for param in frag.merge(self.mode.alpha):
                     self.inner.opt.state.pop(param, None)
             self.versions[p] = v
-        current = self.versions == config_ints(config, "versions")
+        current = self.versions == config_ints(config, VERSIONS)
         if not current:
             logger.warning(
                 "this node holds global versions %s, the server is at %s: replying "
                 "stale so that the server sends the rest",
                 self.versions,
-                config_ints(config, "versions"),
+                config_ints(config, VERSIONS),
             )
             self._save()
         return payload_bytes(record), current
@@ -205,7 +228,7 @@ class DilocoClient:
         extra: ConfigRecord | None = None,
         delta: ArrayRecord | None = None,
     ) -> Message:
-        reply = ConfigRecord({"status": status, "versions": list(self.versions)})
+        reply = ConfigRecord({STATUS: status, VERSIONS: list(self.versions)})
         if extra is not None:
             reply.update(extra)
         content = RecordDict({REPLY: reply, METRICS: metrics})

@@ -450,7 +450,7 @@ class SubmitConfig:
     insecure: bool = False  # allow a SuperLink beyond loopback without TLS (a trusted network)
 
     def __post_init__(self) -> None:
-        from transport.auth import is_loopback
+        from lowband.proc import is_loopback
 
         host, sep, port = self.superlink.rpartition(":")
         if not sep or not host or not port.isdigit():

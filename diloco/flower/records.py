@@ -28,6 +28,44 @@ from lowband.errors import ProtocolError
 
 RAW_STYPE = "lowband.raw"
 
+# ---- record names and keys: the one spelling of every name both sides use ----------------------
+# Records of a message's RecordDict
+GLOBAL = "global"  # server -> client: θ_g of the fragments sent (ArrayRecord)
+CONFIG = "config"  # server -> client: the round's instruction (ConfigRecord)
+DELTA = "delta"  # client -> server: the encoded Δ (ArrayRecord, codec frames)
+REPLY = "lowband"  # client -> server: status, versions, codec (ConfigRecord)
+METRICS = "metrics"  # client -> server: counts, losses, bytes (MetricRecord)
+
+# CONFIG keys
+SERVER_ROUND = "server-round"
+FRAGMENT = "fragment"  # also a REPLY key: the fragment p the Δ belongs to
+VERSIONS = "versions"  # also a REPLY key: the versions the client holds
+SENT_FRAGMENTS = "sent-fragments"
+SENT_VERSIONS = "sent-versions"
+
+# REPLY keys
+STATUS = "status"  # STATUS_OK or STATUS_STALE
+STATUS_OK, STATUS_STALE = "ok", "stale"
+BASE_VERSION = "base-version"
+CODEC = "codec"
+CODEC_META = "codec-meta"
+VALID = "valid"
+
+# METRICS keys (also the strategy's per-round record, ``DiLoCoStrategy.history``)
+NUM_EXAMPLES = "num-examples"
+TRAIN_LOSS = "train-loss"
+EVAL_LOSS = "eval-loss"
+LOCAL_EVAL_LOSS = "local-eval-loss"
+BYTES_UP = "bytes-up"
+BYTES_UP_FP32 = "bytes-up-fp32"
+BYTES_DOWN = "bytes-down"
+
+
+def summary_key(key: str) -> str:
+    """A record key as the run's log and summary spell it (Python names: ``bytes_up``)."""
+    return key.replace("-", "_")
+
+
 # Wire dtypes a codec may emit (lowband.codecs): name -> torch dtype.
 _DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,

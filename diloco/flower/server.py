@@ -26,6 +26,7 @@ from flwr.app import ArrayRecord, ConfigRecord, Context, MetricRecord
 from flwr.serverapp import Grid, ServerApp
 
 from diloco.flower.config import FlowerConfig, from_run_config
+from diloco.flower.records import BYTES_UP, BYTES_UP_FP32, EVAL_LOSS, summary_key
 from diloco.flower.strategy import DiLoCoStrategy
 from diloco.metrics import MetricsLog, RunSummary
 from diloco.task import Task, lm_task
@@ -52,7 +53,7 @@ def run_server(grid: Grid, cfg: FlowerConfig, *, task: Task | None = None) -> di
         nonlocal per_client_up
         if server_round > 0 and strategy.history and strategy.history[-1]["replies"]:
             last = strategy.history[-1]
-            per_client_up += last["bytes-up"] / last["replies"]
+            per_client_up += last[BYTES_UP] / last["replies"]
         loss = task.evaluate(strategy.model)
         evals[server_round] = loss
         log.log(
@@ -63,7 +64,7 @@ def run_server(grid: Grid, cfg: FlowerConfig, *, task: Task | None = None) -> di
             bytes_sent=int(per_client_up),
             **strategy.totals,
         )
-        return MetricRecord({"eval-loss": loss})
+        return MetricRecord({EVAL_LOSS: loss})
 
     strategy.start(
         grid=grid,
@@ -77,6 +78,7 @@ def run_server(grid: Grid, cfg: FlowerConfig, *, task: Task | None = None) -> di
     if out is not None:
         strategy.save_checkpoint(out / "checkpoint", cfg.federation.rounds)
     t = strategy.totals
+    up, up32 = summary_key(BYTES_UP), summary_key(BYTES_UP_FP32)
     final = {"state_hash": strategy.state_hash()}
     run = RunSummary.from_finals(["server"], {"server": final})
     summary: dict[str, Any] = {
@@ -89,7 +91,7 @@ def run_server(grid: Grid, cfg: FlowerConfig, *, task: Task | None = None) -> di
         "fragments": cfg.mode.n_fragments,
         "inner_steps": cfg.mode.inner_steps,
         **t,
-        "uplink_reduction": t["bytes_up_fp32"] / t["bytes_up"] if t["bytes_up"] else None,
+        "uplink_reduction": t[up32] / t[up] if t[up] else None,
         "wall_s": round(time.perf_counter() - t0, 3),
         **final,
         **run.to_dict(),

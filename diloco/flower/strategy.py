@@ -58,12 +58,37 @@ from diloco.checkpoint import export_model, optimizer_state, save_state
 from diloco.common import hash_state, optimizer_tensors
 from diloco.flower.config import FlowerConfig, sync_fragment
 from diloco.flower.records import (
+    BASE_VERSION,
+    BYTES_DOWN,
+    BYTES_UP,
+    BYTES_UP_FP32,
+    CODEC,
+    CODEC_META,
+    CONFIG,
+    DELTA,
+    EVAL_LOSS,
+    FRAGMENT,
+    GLOBAL,
+    LOCAL_EVAL_LOSS,
+    METRICS,
+    NUM_EXAMPLES,
+    REPLY,
+    SENT_FRAGMENTS,
+    SENT_VERSIONS,
+    SERVER_ROUND,
+    STATUS,
+    STATUS_OK,
+    STATUS_STALE,
+    TRAIN_LOSS,
+    VALID,
+    VERSIONS,
     config_ints,
     metric_float,
     params_to_record,
     payload_bytes,
     record_to_params,
     records_to_encoded,
+    summary_key,
 )
 from diloco.fragments import plan_fragments
 from diloco.metrics import MetricsLog
@@ -72,7 +97,6 @@ from lowband.codecs import get_codec
 from lowband.errors import ProtocolError
 
 # Record keys shared with diloco.flower.client.
-GLOBAL, CONFIG, DELTA, REPLY, METRICS = "global", "config", "delta", "lowband", "metrics"
 
 
 class _Stale(Exception):
@@ -121,7 +145,7 @@ class DiLoCoStrategy(Strategy):
         self.versions = [0] * self.mode.n_fragments
         self.known: dict[int, list[int]] = {}  # node id -> versions it reported holding
         self.history: list[dict[str, Any]] = []  # the metrics of every round
-        self.totals = {"bytes_up": 0, "bytes_up_fp32": 0, "bytes_down": 0}
+        self.totals = {summary_key(k): 0 for k in (BYTES_UP, BYTES_UP_FP32, BYTES_DOWN)}
         self._initialized = False
         self._arrays: dict[str, tuple[int, Array]] = {}  # name -> (version, serialized)
         self._down: dict[tuple[str, int], int] = {}  # (message type, round) -> bytes sent
@@ -229,7 +253,7 @@ class DiLoCoStrategy(Strategy):
         self, server_round: int, replies: Iterable[Message]
     ) -> MetricRecord | None:
         weights: list[float] = []
-        values: dict[str, list[float]] = {"eval-loss": [], "local-eval-loss": []}
+        values: dict[str, list[float]] = {EVAL_LOSS: [], LOCAL_EVAL_LOSS: []}
         for msg in replies:
             if msg.has_error():
                 flwr_log(
@@ -256,25 +280,23 @@ class DiLoCoStrategy(Strategy):
                     exc,
                 )
                 continue
-            if status != "ok" or n <= 0:
+            if status != STATUS_OK or n <= 0:
                 continue
             weights.append(n)
             for k, v in row.items():
                 values[k].append(v)
         sent = self._down.get((MessageType.EVALUATE, server_round), 0)
-        self.totals["bytes_down"] += sent
+        self.totals[summary_key(BYTES_DOWN)] += sent
         if not weights:
             return None
         total = sum(weights)
         out: dict[str, MetricRecordValues] = {
             k: sum(w * v for w, v in zip(weights, vs)) / total for k, vs in values.items()
         }
-        out["num-examples"] = int(total)
+        out[NUM_EXAMPLES] = int(total)
         out["replies"] = len(weights)
-        out["bytes-down"] = sent
-        self.log.log(
-            "fed_eval", round=server_round, **{k.replace("-", "_"): v for k, v in out.items()}
-        )
+        out[BYTES_DOWN] = sent
+        self.log.log("fed_eval", round=server_round, **{summary_key(k): v for k, v in out.items()})
         return MetricRecord(out)
 
     # ---- state ---------------------------------------------------------------------------------
@@ -362,11 +384,11 @@ class DiLoCoStrategy(Strategy):
         cfg = ConfigRecord(dict(config))
         cfg.update(
             {
-                "server-round": server_round,
-                "fragment": sync_fragment(server_round, self.mode.n_fragments),
-                "versions": list(self.versions),
-                "sent-fragments": need,
-                "sent-versions": [self.versions[q] for q in need],
+                SERVER_ROUND: server_round,
+                FRAGMENT: sync_fragment(server_round, self.mode.n_fragments),
+                VERSIONS: list(self.versions),
+                SENT_FRAGMENTS: need,
+                SENT_VERSIONS: [self.versions[q] for q in need],
             }
         )
         return Message(
@@ -379,14 +401,14 @@ class DiLoCoStrategy(Strategy):
     def _read_status(self, msg: Message) -> str:
         """Record what the node holds (always) and return its status."""
         reply = msg.content.config_records[REPLY]
-        held = config_ints(reply, "versions")
+        held = config_ints(reply, VERSIONS)
         if len(held) != len(self.fragments):
             raise ProtocolError(
                 f"version vector of length {len(held)}, expected {len(self.fragments)}"
             )
         self.known[msg.metadata.src_node_id] = held
-        status = reply.get("status")
-        if status not in ("ok", "stale"):
+        status = reply.get(STATUS)
+        if status not in (STATUS_OK, STATUS_STALE):
             raise ProtocolError(f"unknown reply status {status!r}")
         return str(status)
 
@@ -396,7 +418,7 @@ class DiLoCoStrategy(Strategy):
         A finite number in [0, max_num_examples] (> 0 for training): inf, NaN, a negative or an
         absurd count would let one client turn the mean into NaN or own it outright.
         """
-        value = metrics["num-examples"]
+        value = metrics[NUM_EXAMPLES]
         if isinstance(value, (bool, list)):
             raise ProtocolError(f"num-examples must be a number, got {value!r}")
         try:
@@ -414,14 +436,14 @@ class DiLoCoStrategy(Strategy):
     def _read_train_reply(self, msg: Message, p: int) -> tuple[float, torch.Tensor, MetricRecord]:
         """(weight, decoded Δ, metrics) of one reply; raises _Stale or ProtocolError."""
         try:
-            if self._read_status(msg) == "stale":
+            if self._read_status(msg) == STATUS_STALE:
                 raise _Stale()
             reply = msg.content.config_records[REPLY]
             metrics = msg.content.metric_records[METRICS]
             arrays = msg.content.array_records[DELTA]
             weight = self._num_examples(metrics, allow_zero=False)
-            fragment, base = int(reply["fragment"]), int(reply["base-version"])  # type: ignore[arg-type]
-            codec, meta, ok = str(reply["codec"]), reply["codec-meta"], bool(reply["valid"])
+            fragment, base = int(reply[FRAGMENT]), int(reply[BASE_VERSION])  # type: ignore[arg-type]
+            codec, meta, ok = str(reply[CODEC]), reply[CODEC_META], bool(reply[VALID])
         except (KeyError, TypeError, ValueError) as exc:
             raise ProtocolError(f"malformed train reply: {exc!r}") from None
         if fragment != p or base != self.versions[p]:
@@ -467,32 +489,30 @@ class DiLoCoStrategy(Strategy):
             return sum(metric_float(m, key) if key in m else 0.0 for _, _, m in valid)
 
         weights = sum(w for w, _, _ in valid)
-        up, up32 = int(total("bytes-up")), int(total("bytes-up-fp32"))
+        up, up32 = int(total(BYTES_UP)), int(total(BYTES_UP_FP32))
         down = self._down.get((MessageType.TRAIN, server_round), 0)
-        self.totals["bytes_up"] += up
-        self.totals["bytes_up_fp32"] += up32
-        self.totals["bytes_down"] += down
+        self.totals[summary_key(BYTES_UP)] += up
+        self.totals[summary_key(BYTES_UP_FP32)] += up32
+        self.totals[summary_key(BYTES_DOWN)] += down
         loss = (
-            sum(w * metric_float(m, "train-loss") for w, _, m in valid) / weights
-            if weights
-            else None
+            sum(w * metric_float(m, TRAIN_LOSS) for w, _, m in valid) / weights if weights else None
         )  # no valid reply: no loss (MetricRecord leaves it out)
         rec: dict[str, Any] = {
             "round": server_round,
-            "fragment": p,
+            FRAGMENT: p,
             "step": server_round * self.mode.stride,
             "replies": len(valid),
             "failures": failures,
             "stale": stale,
             "applied": int(applied),
-            "train-loss": loss,
-            "num-examples": int(weights),
-            "bytes-up": up,
-            "bytes-up-fp32": up32,
-            "bytes-down": down,
+            TRAIN_LOSS: loss,
+            NUM_EXAMPLES: int(weights),
+            BYTES_UP: up,
+            BYTES_UP_FP32: up32,
+            BYTES_DOWN: down,
             "update-norm": update_norm,
             "wall-s": round(time.perf_counter() - self._t0, 3),
         }
         self.history.append(rec)
-        self.log.log("round", **{k.replace("-", "_"): v for k, v in rec.items()})
+        self.log.log("round", **{summary_key(k): v for k, v in rec.items()})
         return rec

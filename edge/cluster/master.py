@@ -107,8 +107,21 @@ class ClusterConfig:
     # (edge.shardio.LoadedShard.repack): "on", "off", or "auto" (where the copy fits half the
     # device's free memory). edge.launch sets it from the engine's batching.
     repack: str = "off"
+    # How the model is spread over the devices (edge.cluster.layout.LAYOUTS): "tp" (every
+    # layer split, two all-reduces per layer), "pipeline" (each device a range of layers,
+    # edge.cluster.pipeline), "single" (the master alone) or "auto" (edge.planner.plan_layout
+    # from the measured round trips and device profiles). The launcher resolves "auto".
+    layout: str = "tp"
+    # G: micro-batches of a pipeline step in flight at once (edge.cluster.layout)
+    micro_batches: int = 2
 
     def __post_init__(self) -> None:
+        if self.layout not in ("auto", "single", "tp", "pipeline"):
+            raise ConfigError(
+                "layout", f"must be auto, single, tp or pipeline, got {self.layout!r}"
+            )
+        if not 1 <= self.micro_batches <= 64:
+            raise ConfigError("micro_batches", f"must be in [1, 64], got {self.micro_batches}")
         if self.auto_split and self.weights is not None:
             raise ConfigError("auto_split", "give either --weights or --auto-split, not both")
         if self.devices < 1:

@@ -2,8 +2,8 @@
 
 Every message travels as a msgpack meta dict (``encode``) whose ``"op"`` names its class in
 :data:`MESSAGES`; :func:`decode` turns such a dict back into the message, checking that every
-field is present (or has a default) and has its declared type, and raises
-:class:`lowband.errors.ProtocolError` naming the op and the field otherwise. Tensors travel
+field is present (or has a default) and has its declared type (:mod:`lowband.schema`), and
+raises :class:`lowband.errors.ProtocolError` naming the op and the field otherwise. Tensors travel
 beside the meta, never in it.
 
 Channels (tags of :meth:`lowband.comm.Communicator.send`)::
@@ -13,11 +13,12 @@ Channels (tags of :meth:`lowband.comm.Communicator.send`)::
                  ``yield`` only
     edge.ready   worker -> master: ``ready`` (answer to ``assign``), ``bye`` (to ``shutdown``)
     edge.stats{n}  worker -> master: ``report`` (answer to ``stats`` n)
+    edge.stage   worker -> master: ``staged`` (answer to ``stage``, pipeline layout)
 
 ``echo`` and ``profile`` are answered by :func:`edge.profile.answer` on ``edge.echo{n}`` /
 ``edge.profile{n}`` with plain dicts that ``edge.profile`` reads itself.
 
-The ops and their fields (master -> worker down to ``yield``, then the workers' answers),
+The ops and their fields (master -> worker down to ``stage``, then the workers' answers),
 generated from the dataclasses below by :func:`describe` (a test keeps the two in step)::
 
     assign    slot: int, world: int, weights: list[float] | None, model_dir: str,
@@ -40,24 +41,30 @@ generated from the dataclasses below by :func:`describe` (a test keeps the two i
     echo      n: int
     profile   n: int, dtype: str | None, model_dir: str, memory_mb: float | None = None
     yield
+    stage_assign stage: int, lo: int, hi: int, layers: int, model_dir: str, dtype: str | None,
+              op_timeout: float, silence_s: float
+    stage     fid: int, epoch: int, caches: list[int], starts: list[int], lengths: list[int]
+              + tensors: the hidden state entering this stage (1, N, H), N = sum(lengths)
     ready     ok: bool, slot: int | None = None, error: str | None = None
     bye
     report    report: dict | None
+    staged    fid: int
+              + tensors: the hidden state leaving this stage (1, N, H)
 """
 
 from __future__ import annotations
 
-import dataclasses
 import math
-import types
-import typing
 from dataclasses import dataclass
-from typing import Any, ClassVar, Sequence, TypeVar, Union
+from typing import Any, ClassVar, Sequence, TypeVar
 
+from lowband import schema
 from lowband.errors import ProtocolError
+from lowband.schema import Record
 
 CTL = "edge.ctl"  # master -> worker control messages
 READY = "edge.ready"  # worker -> master: ready / bye
+STAGE = "edge.stage"  # worker -> master: staged (pipeline layout)
 MASTER_ID_PREFIX = "edge-master"  # peer id prefix of the master on a real transport
 MAX_WORLD = 4096  # devices of a plan: far beyond any cluster, small enough to bound every list
 # KV-cache ids of the engine (``edge.engine.Work.slot``; not the plan's device slots) a batch
@@ -82,19 +89,18 @@ M = TypeVar("M", bound="Msg")
 
 
 @dataclass(frozen=True, kw_only=True)
-class Msg:
-    """Base of every control message; ``OP`` is its name on the wire."""
+class Msg(Record):
+    """Base of every control message; ``OP`` is its name on the wire (its ``"op"`` key)."""
 
     OP: ClassVar[str] = ""
-    TENSORS: ClassVar[str] = ""  # what travels beside the meta, if anything
+
+    def __init_subclass__(cls, **kw: Any) -> None:
+        super().__init_subclass__(**kw)
+        cls.NAME = cls.OP
 
     def encode(self) -> dict[str, Any]:
         """The msgpack meta dict: ``op`` and every field (lists, never tuples)."""
-        out: dict[str, Any] = {"op": self.OP}
-        for f in dataclasses.fields(self):
-            v = getattr(self, f.name)
-            out[f.name] = list(v) if isinstance(v, tuple) else v
-        return out
+        return {"op": self.OP, **self.to_wire()}
 
     @classmethod
     def decode(cls: type[M], meta: dict) -> M:
@@ -357,6 +363,65 @@ class Yield(Msg):
     OP: ClassVar[str] = "yield"
 
 
+@_to_worker
+@dataclass(frozen=True, kw_only=True)
+class StageAssign(Msg):
+    """Pipeline layout: load decoder layers ``lo..hi-1`` of ``layers`` as stage ``stage`` and
+    answer ``ready`` (edge.cluster.stage, edge.cluster.pipeline)."""
+
+    OP: ClassVar[str] = "stage_assign"
+    stage: int  # 1..S-1 (the master is stage 0)
+    lo: int
+    hi: int
+    layers: int  # L of the model, checked against the file the worker loads
+    model_dir: str  # as in assign: the worker's own --model-dir or inside it
+    dtype: str | None
+    op_timeout: float  # seconds
+    silence_s: float  # this much silence from the master means it is gone
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.stage < MAX_WORLD:
+            raise ProtocolError(f"'stage_assign' message: stage must be in [1, {MAX_WORLD})")
+        if not 0 <= self.lo < self.hi <= self.layers <= 1 << 16:
+            raise ProtocolError(
+                f"'stage_assign' message: needs 0 <= lo < hi <= layers <= 65536, got "
+                f"[{self.lo}, {self.hi}) of {self.layers}"
+            )
+        if not self.model_dir or "\0" in self.model_dir:
+            raise ProtocolError("'stage_assign' message: model_dir must be a path without NUL")
+        for name in ("op_timeout", "silence_s"):
+            v = getattr(self, name)
+            if not (math.isfinite(v) and v > 0):
+                raise ProtocolError(f"'stage_assign' message: {name} must be finite and > 0")
+
+
+@_to_worker
+@dataclass(frozen=True, kw_only=True)
+class StageStep(Msg):
+    """Pipeline layout: run this stage's layers over a group of sequences (item i appends
+    ``lengths[i]`` positions at ``starts[i]`` to cache ``caches[i]``) and send the hidden
+    state back on :data:`STAGE` with a ``staged`` message of the same ``fid``."""
+
+    OP: ClassVar[str] = "stage"
+    TENSORS: ClassVar[str] = "the hidden state entering this stage (1, N, H), N = sum(lengths)"
+    fid: int  # step id, echoed by staged
+    epoch: int  # membership epoch it was sent in (a stale one is dropped)
+    caches: list[int]
+    starts: list[int]
+    lengths: list[int]
+
+    def __post_init__(self) -> None:
+        n = len(self.caches)
+        if not 1 <= n <= MAX_SEQS or len(set(self.caches)) != n:
+            raise ProtocolError(f"'stage' message: caches must be 1 to {MAX_SEQS} distinct ids")
+        if not all(0 <= c < MAX_SEQS for c in self.caches):
+            raise ProtocolError(f"'stage' message: cache ids must be in [0, {MAX_SEQS})")
+        if len(self.starts) != n or any(s < 0 for s in self.starts):
+            raise ProtocolError(f"'stage' message: starts must be {n} positions >= 0")
+        if len(self.lengths) != n or any(t < 1 for t in self.lengths):
+            raise ProtocolError(f"'stage' message: lengths must be {n} lengths >= 1")
+
+
 @_to_master
 @dataclass(frozen=True, kw_only=True)
 class Ready(Msg):
@@ -385,12 +450,17 @@ class Report(Msg):
     report: dict | None
 
 
+@_to_master
+@dataclass(frozen=True, kw_only=True)
+class Staged(Msg):
+    """Answer to ``stage`` (on :data:`STAGE`): the hidden state leaving the stage."""
+
+    OP: ClassVar[str] = "staged"
+    TENSORS: ClassVar[str] = "the hidden state leaving this stage (1, N, H)"
+    fid: int
+
+
 # ---- decoding ------------------------------------------------------------------------------------
-_HINTS: dict[type[Msg], dict[str, Any]] = {
-    cls: typing.get_type_hints(cls) for cls in MESSAGES.values()
-}
-
-
 def decode(meta: dict) -> Msg:
     """The message ``meta`` encodes (see the module docstring); unknown extra keys are ignored."""
     if not isinstance(meta, dict):
@@ -398,69 +468,9 @@ def decode(meta: dict) -> Msg:
     op = meta.get("op")
     if not isinstance(op, str) or (cls := MESSAGES.get(op)) is None:
         raise ProtocolError(f"unknown control op {op!r}; one of {sorted(MESSAGES)}")
-    hints = _HINTS[cls]
-    kw: dict[str, Any] = {}
-    for f in dataclasses.fields(cls):
-        if f.name not in meta:
-            if f.default is dataclasses.MISSING:
-                raise ProtocolError(f"{op!r} message without its field {f.name!r}")
-            continue
-        kw[f.name] = _conform(op, f.name, meta[f.name], hints[f.name])
-    return cls(**kw)
-
-
-def _conform(op: str, name: str, value: Any, tp: Any) -> Any:
-    """``value`` as type ``tp`` (an int is a valid float; a list is a list of its items)."""
-    origin, args = typing.get_origin(tp), typing.get_args(tp)
-    if origin in (Union, types.UnionType):
-        if value is None and type(None) in args:
-            return None
-        for a in args:
-            if a is not type(None):
-                try:
-                    return _conform(op, name, value, a)
-                except ProtocolError:
-                    pass
-    elif origin is list:
-        if isinstance(value, (list, tuple)):
-            return [_conform(op, f"{name}[{i}]", v, args[0]) for i, v in enumerate(value)]
-    elif tp is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-    elif isinstance(value, tp) and not (tp is int and isinstance(value, bool)):
-        return value
-    want = getattr(tp, "__name__", None) or str(tp)
-    raise ProtocolError(
-        f"{op!r} message: field {name!r} must be {want}, got {type(value).__name__} {value!r:.80}"
-    )
+    return cls.from_wire(meta)
 
 
 def describe() -> str:
     """The op table of the module docstring, generated from the dataclasses."""
-    lines = []
-    for op, cls in MESSAGES.items():
-        hints = _HINTS[cls]
-        parts = [
-            f"{f.name}: {_type_name(hints[f.name])}"
-            + ("" if f.default is dataclasses.MISSING else f" = {f.default!r}")
-            for f in dataclasses.fields(cls)
-        ]
-        line = op
-        for i, part in enumerate(parts):
-            sep = "," if i < len(parts) - 1 else ""
-            if len(line) > 9 and len(line) + len(part) > 88:  # break between fields only
-                lines.append(line)
-                line = ""
-            line = f"{line:<9} {part}{sep}"
-        lines.append(line)
-        if cls.TENSORS:
-            lines.append(f"{'':9} + tensors: {cls.TENSORS}")
-    return "\n".join(lines)
-
-
-def _type_name(tp: Any) -> str:
-    if typing.get_origin(tp) in (Union, types.UnionType):
-        return " | ".join(_type_name(a) for a in typing.get_args(tp))
-    if typing.get_origin(tp) is list:
-        return f"list[{_type_name(typing.get_args(tp)[0])}]"
-    return "None" if tp is type(None) else tp.__name__
+    return schema.describe(MESSAGES)

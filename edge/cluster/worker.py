@@ -21,6 +21,7 @@ from edge.cluster.protocol import (
     CTL,
     MASTER_ID_PREFIX,
     READY,
+    STAGE,
     Assign,
     Batch,
     Bye,
@@ -36,6 +37,9 @@ from edge.cluster.protocol import (
     Report,
     Reset,
     Shutdown,
+    StageAssign,
+    Staged,
+    StageStep,
     Stats,
     Yield,
     decode,
@@ -50,6 +54,7 @@ from edge.cluster.shard import (
     shard_rows_logits,
     wire_codec,
 )
+from edge.cluster.stage import LayerRange, Stage, load_stage
 from edge.moe.serve import ExpertServeConfig
 from edge.quant.formats import QuantError
 from edge.shardio import LoadedShard, WindowConfig
@@ -95,9 +100,12 @@ class WorkerState:
     tags: Tags = field(default_factory=Tags)
     forwards: int = 0
     on_link: bool = False  # the next command comes on the star link (see MasterRunner.forward)
+    stage: Stage | None = None  # pipeline layout: this worker's layers (edge.cluster.pipeline)
 
     def cache(self, i: int) -> KVCache:
         c = self.caches.get(i)
+        if c is None and self.stage is not None:
+            c = self.caches[i] = self.stage.new_cache()  # (only the stage's layers)
         if c is None:
             if self.shard is None:
                 raise ConfigError("worker", "forward before assign")
@@ -203,6 +211,8 @@ def run_worker(comm: Communicator, cfg: WorkerConfig) -> int:
                 _dispatch(comm, cfg, st, msg, tensors)
                 return 0
     finally:
+        if st.stage is not None:
+            st.stage.close()
         if st.shard is not None:
             st.shard.close()
         if st.link is not None:
@@ -463,6 +473,49 @@ def _yield(comm: Communicator, cfg: WorkerConfig, st: WorkerState, msg: Yield, _
     st.on_link = False  # (normally seen on the link itself, see _next_on_link)
 
 
+def _stage_assign(
+    comm: Communicator, cfg: WorkerConfig, st: WorkerState, msg: StageAssign, _: Tensors
+) -> None:
+    """Pipeline layout: load the assigned layers and answer ``ready`` (as ``_assign``)."""
+    master = master_rank(comm.membership.peers)
+    try:
+        model_dir = served_path(msg.model_dir, cfg.model_dir)
+        for held in (st.stage, st.shard, st.link):
+            if held is not None:
+                held.close()
+        st.stage = st.shard = st.link = None
+        st.caches.clear()
+        st.stage = load_stage(model_dir, LayerRange(msg.lo, msg.hi, msg.layers), msg.dtype)
+    except (LowbandError, QuantError, OSError, RuntimeError) as exc:
+        logger.warning("worker: cannot load stage %d: %s", msg.stage, exc)
+        comm.send(master, [], Ready(ok=False, error=str(exc)).encode(), tag=READY)
+        return
+    st.silence_s = msg.silence_s
+    comm.send(master, [], Ready(ok=True, slot=msg.stage).encode(), tag=READY)
+
+
+def _stage_step(
+    comm: Communicator, cfg: WorkerConfig, st: WorkerState, msg: StageStep, tensors: Tensors
+) -> None:
+    """Pipeline layout: this stage's layers over one group; the hidden state goes back."""
+    if msg.epoch != comm.membership.epoch:
+        return  # sent before a regroup this worker already went through: stale
+    if st.stage is None:
+        raise ProtocolError("a stage step before stage_assign")
+    H = st.stage.model.config.hidden_size
+    if len(tensors) != 1 or tuple(tensors[0].shape) != (1, sum(msg.lengths), H):
+        shapes = [tuple(t.shape) for t in tensors]
+        raise ProtocolError(f"a stage step of {sum(msg.lengths)} tokens carries tensors {shapes}")
+    for c, start in zip(msg.caches, msg.starts):
+        why = append_problem(st.caches.get(c), start)
+        if why is not None:  # the master checked its own copy: we are out of step with it
+            raise ProtocolError(f"stage item on cache {c} {why}")
+    spans = [Span(st.cache(c), s, n) for c, s, n in zip(msg.caches, msg.starts, msg.lengths)]
+    h = st.stage.run(tensors[0], spans)
+    comm.send(master_rank(comm.membership.peers), [h], Staged(fid=msg.fid).encode(), tag=STAGE)
+    st.forwards += 1
+
+
 Handler = Callable[[Communicator, WorkerConfig, WorkerState, Any, Tensors], None]
 
 # op -> handler; a test checks that these are exactly the ops the master sends
@@ -480,4 +533,6 @@ HANDLERS: dict[str, Handler] = {
     Echo.OP: _profile,
     Profile.OP: _profile,
     Yield.OP: _yield,
+    StageAssign.OP: _stage_assign,
+    StageStep.OP: _stage_step,
 }

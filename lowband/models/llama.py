@@ -30,6 +30,23 @@ from lowband.models.config import ModelConfig
 
 Reduce = Callable[[torch.Tensor], torch.Tensor]
 
+ROWWISE_ROWS = 16
+"""Up to this many rows (a decode batch, a speculative verification group) a plain
+``nn.Linear`` runs row by row and a short ragged span attends one query at a time, so every
+row gets exactly the float sequence of a single-token decode: BLAS GEMMs block the reduction
+differently for 1, 2-3 and 4+ rows, and SDPA's masked path rounds unlike the one-query
+matmuls, which flips near-tie argmaxes (greedy speculative decoding must equal plain decoding
+bit for bit). Quantized linears are row-invariant already (their kernels' own contract)."""
+
+
+def linear_rows(mod: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """``mod(x)``, row by row for a plain ``nn.Linear`` on 2..``ROWWISE_ROWS`` rows."""
+    rows = x.numel() // max(x.shape[-1], 1)
+    if type(mod) is not nn.Linear or not 1 < rows <= ROWWISE_ROWS:
+        return mod(x)
+    x2 = x.reshape(rows, 1, x.shape[-1])
+    return torch.cat([mod(x2[i : i + 1]) for i in range(rows)]).reshape(*x.shape[:-1], -1)
+
 
 class RMSNorm(nn.Module):
     """``unit_offset`` (Gemma): the scale is 1 + weight, applied before casting back."""
@@ -352,9 +369,9 @@ class Attention(nn.Module):
         N = x.shape[1]
         nh, nkv, D = self.n_heads, self.n_kv_heads, self.head_dim
         if self.qkv is not None:
-            q, k, v = self.qkv(x).split((nh * D, nkv * D, nkv * D), dim=-1)
+            q, k, v = linear_rows(self.qkv, x).split((nh * D, nkv * D, nkv * D), dim=-1)
         else:
-            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+            q, k, v = (linear_rows(m, x) for m in (self.q_proj, self.k_proj, self.v_proj))
         q = q.view(N, nh, D).transpose(0, 1)  # (heads, N, D)
         k = k.view(N, nkv, D).transpose(0, 1)
         v = v.view(N, nkv, D).transpose(0, 1)
@@ -366,10 +383,18 @@ class Attention(nn.Module):
         for s in spans:
             sl = slice(off, off + s.length)
             ks, vs = s.cache.update(self.layer_idx, k[None, :, sl], v[None, :, sl], s.start)
-            outs.append(self._attend(q[None, :, sl], ks, vs, s.start)[0])
+            qs = q[None, :, sl]
+            if 1 < s.length <= ROWWISE_ROWS:  # as s.length single-token decodes would
+                S = ks.shape[2] - s.length
+                for j in range(s.length):
+                    kj, vj = ks[:, :, : S + j + 1], vs[:, :, : S + j + 1]
+                    qj = qs[:, :, j : j + 1].contiguous()
+                    outs.append(self._attend(qj, kj, vj, s.start + j)[0])
+            else:
+                outs.append(self._attend(qs, ks, vs, s.start)[0])
             off += s.length
         out = torch.cat(outs, dim=1) if len(outs) > 1 else outs[0]  # (heads, N, D)
-        out = self.o_proj(out.transpose(0, 1).reshape(1, N, nh * D))
+        out = linear_rows(self.o_proj, out.transpose(0, 1).reshape(1, N, nh * D))
         return self.reduce(out) if self.reduce is not None else out
 
     def _attend(
@@ -431,10 +456,10 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up is not None:
-            g, u = self.gate_up(x).chunk(2, dim=-1)
-            out = self.down_proj(self.act(g) * u)
+            g, u = linear_rows(self.gate_up, x).chunk(2, dim=-1)
         else:
-            out = self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+            g, u = linear_rows(self.gate_proj, x), linear_rows(self.up_proj, x)
+        out = linear_rows(self.down_proj, self.act(g) * u)
         return self.reduce(out) if self.reduce is not None else out
 
 
@@ -674,7 +699,7 @@ class LlamaForCausalLM(nn.Module):
         fast: Any = self.fast_decode
         if fast is not None and (x.numel() == x.shape[-1] or hasattr(fast, "layers_batch")):
             return fast.head(x)
-        logits = self.lm_head(self.model.norm(x))
+        logits = linear_rows(self.lm_head, self.model.norm(x))
         cap = self.config.final_logit_softcapping
         if cap is not None:  # elementwise: also right on a rank's rows of a split head
             logits = torch.tanh(logits / cap) * cap

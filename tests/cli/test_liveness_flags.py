@@ -96,17 +96,22 @@ def test_workers_take_a_register_timeout(argv):
 def test_worker_register_timeout_reaches_its_config():
     from diloco.config import preset
     from diloco.launch import WorkerLaunch
-    from edge.launch import ServeWorkerConfig
+    from edge.launch import ServeWorkerConfig, edge_transport
+    from transport.config import ZmqConfig
 
-    assert (
-        WorkerLaunch(
-            train=preset("tiny"), coordinator="tcp://h:1", register_timeout=90
-        ).register_timeout
-        == 90
+    launch = WorkerLaunch(
+        train=preset("tiny"), coordinator="tcp://h:1", transport=ZmqConfig(register_timeout=90)
     )
+    assert launch.transport.register_timeout == 90
     for make in (
-        lambda: WorkerLaunch(train=preset("tiny"), coordinator="tcp://h:1", register_timeout=0),
-        lambda: ServeWorkerConfig(master="tcp://h:1", register_timeout=-1),
+        lambda: WorkerLaunch(
+            train=preset("tiny"),
+            coordinator="tcp://h:1",
+            transport=ZmqConfig(register_timeout=0),
+        ),
+        lambda: ServeWorkerConfig(
+            master="tcp://h:1", transport=edge_transport(register_timeout=-1)
+        ),
     ):
         with pytest.raises(ConfigError, match="register_timeout"):
             make()

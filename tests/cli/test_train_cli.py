@@ -11,6 +11,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -129,7 +130,11 @@ def test_different_model_is_refused_by_the_coordinator(tmp_path):
         try:
             with pytest.raises(IncompatiblePeer):
                 worker_main(
-                    WorkerLaunch(train=other, coordinator=coord.address, bind_host="127.0.0.1")
+                    WorkerLaunch(
+                        train=other,
+                        coordinator=coord.address,
+                        transport=ZmqConfig(bind_host="127.0.0.1"),
+                    )
                 )
         finally:
             first.close()
@@ -169,6 +174,9 @@ def test_cli_train_loopback_writes_a_model_edge_loads(tmp_path, capsys):
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert summary["consistent"] and len(summary["finished"]) == 2
     assert summary["final_eval"] < 5.0
+    # The starting model's loss is the first point: random init over 256 bytes, ~ln 256.
+    assert summary["initial_eval"] == pytest.approx(np.log(256), abs=0.3)
+    assert summary["initial_eval"] > summary["final_eval"]
     assert (out / "eval_vs_bytes.png").stat().st_size > 1000
     assert json.loads((out / "config.json").read_text())["mode"]["codec"] == "nf4"
     model = load_pretrained(out / "model")

@@ -14,6 +14,11 @@ from transport.auth import endpoint_host, is_loopback
 pytestmark = pytest.mark.timeout(90)
 
 
+def _default_transport(cls: type) -> object:
+    """The transport a launch config gets when none is given (its ``transport`` field)."""
+    return cls.__dataclass_fields__["transport"].default_factory()
+
+
 def test_every_config_default_is_loopback() -> None:
     from diloco.launch import WorkerLaunch
     from diloco.site_launch import SiteLaunch
@@ -29,9 +34,9 @@ def test_every_config_default_is_loopback() -> None:
         "ServeMasterConfig.bind": endpoint_host(
             ServeMasterConfig.__dataclass_fields__["bind"].default
         ),
-        "ServeWorkerConfig.bind_host": ServeWorkerConfig.__dataclass_fields__["bind_host"].default,
-        "WorkerLaunch.bind_host": WorkerLaunch.__dataclass_fields__["bind_host"].default,
-        "SiteLaunch.bind_host": SiteLaunch.__dataclass_fields__["bind_host"].default,
+        "ServeWorkerConfig.bind_host": _default_transport(ServeWorkerConfig).bind_host,
+        "WorkerLaunch.bind_host": _default_transport(WorkerLaunch).bind_host,
+        "SiteLaunch.bind_host": _default_transport(SiteLaunch).bind_host,
     }
     exposed = {k: v for k, v in hosts.items() if v is None or not is_loopback(v)}
     assert not exposed, exposed

@@ -1,0 +1,316 @@
+"""The master of a pipeline layout: stage 0 of the plan and the engine's :class:`BatchRunner`.
+
+Each device holds a contiguous range of decoder layers (``edge.cluster.stage``) and its KV
+caches. A step embeds the tokens here, runs stage 0, then the hidden state (1, N, H) visits
+stage 1, 2, ... and comes back for the final norm and LM head: per stage it crosses a link
+once, where tensor parallelism pays two round trips per layer. The master relays between
+stages (star): with two devices that is the ring; with more, each extra stage costs one more
+hop than a ring would (worker-to-worker links are future work).
+
+Streams in flight: the step's work items are cut into micro-batches (``edge.cluster.layout``);
+every group is sent on before any answer is awaited, so while stage 1 runs group g the master
+runs stage 0 of group g+1, and the head of group g while stage 1 runs group g+1. A prompt
+chunk rides in its group like a decode token (chunked prefill flows through the stages).
+
+Failure: a stage that does not answer in ``op_timeout``, or a lost peer, fails the step with
+:class:`ClusterUnavailable` naming the stage; the runner then stays unhealthy (``/health``)
+and every later request fails the same way until the cluster is restarted (re-forming a
+pipeline after a loss is future work; the tensor-parallel master recovers, see master.py).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any, Sequence
+
+import torch
+
+from edge.cluster.layout import micro_batches, stage_ranges
+from edge.cluster.master import ClusterConfig
+from edge.cluster.protocol import (
+    CTL,
+    MAX_SEQS,
+    READY,
+    STAGE,
+    Bye,
+    Copy,
+    Drop,
+    Msg,
+    Ping,
+    Ready,
+    Reset,
+    Shutdown,
+    StageAssign,
+    Staged,
+    StageStep,
+    master_rank,
+)
+from edge.cluster.shard import append_problem
+from edge.cluster.stage import LayerRange, Stage
+from edge.engine import ClusterUnavailable, Work, split_logits, wanted_rows
+from edge.shardio import load_shard
+from lowband.comm import Communicator
+from lowband.errors import (
+    CommClosed,
+    ConfigError,
+    LowbandError,
+    PeerLost,
+    ProtocolError,
+    TransportTimeout,
+)
+from lowband.models.llama import KVCache, Span
+
+logger = logging.getLogger(__name__)
+
+_NET_ERRORS = (PeerLost, TransportTimeout, ProtocolError)
+
+
+class PipelineRunner:
+    """Runner (see ``edge.engine``) for the master (stage 0) of an S-stage pipeline."""
+
+    def __init__(
+        self,
+        comm: Communicator,
+        model_dir: str,
+        cfg: ClusterConfig,
+        ranges: Sequence[LayerRange] | None = None,
+        plan: dict[str, Any] | None = None,
+    ) -> None:
+        self.comm, self.cfg, self.model_dir = comm, cfg, str(model_dir)
+        self._lock = threading.RLock()  # one step / ping at a time
+        self._closed = threading.Event()
+        self._healthy, self._status = False, "starting"
+        self._fid = self._ping_n = 0
+        self._plan = plan  # what the planner chose and why (shown in /health)
+        m = comm.quorum(min_world=cfg.devices, timeout=cfg.join_timeout)
+        if master_rank(m.peers) != comm.rank:
+            raise ConfigError("master", f"another peer ({m.peers[master_rank(m.peers)]}) leads")
+        self.workers = [r for r in range(comm.world_size) if r != comm.rank][: cfg.devices - 1]
+        shard = load_shard(self.model_dir, dtype=cfg.dtype, fast=False)
+        L = shard.model.config.num_hidden_layers
+        self.ranges = list(ranges or stage_ranges(L, cfg.weights or [1.0] * cfg.devices))
+        if len(self.ranges) != cfg.devices or self.ranges[0].lo != 0:
+            shard.close()
+            raise ConfigError("layout", f"{len(self.ranges)} stage ranges for {cfg.devices}")
+        self.stage = Stage(shard, self.ranges[0])
+        self.model = self.stage.model
+        self.config = self.model.config
+        self._kv: dict[int, KVCache] = {}
+        self._assign()
+        self._healthy, self._status = True, "ok"
+        self._heartbeat = threading.Thread(target=self._beat, name="edge-beat", daemon=True)
+        self._heartbeat.start()
+
+    # ---- setup ------------------------------------------------------------------------------
+    def _assign(self) -> None:
+        cfg = self.cfg
+        L = self.config.num_hidden_layers
+        for s, (r, rng) in enumerate(zip(self.workers, self.ranges[1:]), start=1):
+            msg = StageAssign(
+                stage=s,
+                lo=rng.lo,
+                hi=rng.hi,
+                layers=L,
+                model_dir=cfg.worker_model_dir or self.model_dir,
+                dtype=cfg.dtype,
+                op_timeout=cfg.op_timeout,
+                silence_s=max(30.0, 10 * cfg.heartbeat_s) + cfg.op_timeout,
+            )
+            self.comm.send(r, [], msg.encode(), tag=CTL)
+        for s, r in enumerate(self.workers, start=1):
+            ready = Ready.decode(self.comm.recv(r, tag=READY, timeout=cfg.join_timeout)[1])
+            if not ready.ok:
+                raise ConfigError(
+                    "worker", f"worker rank {r} could not load stage {s}: {ready.error}"
+                )
+        logger.info("pipeline stages: %s", self.describe())
+
+    def describe(self) -> str:
+        return ", ".join(f"stage {i}: layers {r.lo}..{r.hi - 1}" for i, r in enumerate(self.ranges))
+
+    def _send_all(self, msg: Msg) -> None:
+        for r in self.workers:
+            self.comm.send(r, [], msg.encode(), tag=CTL)
+
+    def _fail(self, exc: BaseException, where: str) -> ClusterUnavailable:
+        self._healthy = False
+        self._status = f"failed: {where}: {exc}"
+        logger.warning("pipeline failed at %s: %s", where, exc)
+        return ClusterUnavailable(
+            f"a pipeline stage failed ({where}: {exc}); the request was aborted. The pipeline "
+            "layout does not re-form after a loss: restart the cluster (see /health)"
+        )
+
+    def _beat(self) -> None:
+        """Idle health check, so workers do not take a quiet master for a dead one."""
+        while not self._closed.wait(self.cfg.heartbeat_s):
+            if not self._healthy or not self._lock.acquire(blocking=False):
+                continue
+            try:
+                self._ping_n += 1
+                self._send_all(Ping(n=self._ping_n, epoch=self.comm.membership.epoch))
+                self.comm.barrier(tag=f"ping{self._ping_n}", timeout=self.cfg.op_timeout)
+            except _NET_ERRORS as exc:
+                self._fail(exc, "heartbeat")
+            except CommClosed:
+                return
+            finally:
+                self._lock.release()
+
+    # ---- the step ---------------------------------------------------------------------------
+    def _cache(self, i: int) -> KVCache:
+        c = self._kv.get(i)
+        if c is None:
+            c = self._kv[i] = self.stage.new_cache()
+        return c
+
+    def _check(self, work: Sequence[Work]) -> None:
+        if not self._healthy:
+            raise ClusterUnavailable(f"the pipeline is not ready ({self._status})")
+        for w in work:
+            why = append_problem(self._kv.get(w.slot), w.start) if w.ids else "is empty"
+            if why is None and not 0 <= w.slot < MAX_SEQS:
+                why = f"is beyond the {MAX_SEQS} caches a stage holds"
+            if why is not None:
+                raise RuntimeError(f"batch item on cache {w.slot} {why}")
+        if len({w.slot for w in work}) != len(work):
+            raise RuntimeError("a batch names a cache twice")
+
+    def forward_batch(self, work: Sequence[Work], top: int = 0) -> list[torch.Tensor | None]:
+        """One step of continuous batching through every stage (module docstring)."""
+        with self._lock:
+            self._check(work)
+            groups = micro_batches(work, [len(w.ids) for w in work], self.cfg.micro_batches)
+            try:
+                return split_logits(work, self._step(groups))
+            except _NET_ERRORS as exc:
+                raise self._fail(exc, "a stage step") from exc
+
+    def _step(self, groups: list[list[Work]]) -> torch.Tensor | None:
+        epoch = self.comm.membership.epoch
+        msgs = []
+        for g in groups:  # stage 0 of every group, each sent on at once
+            self._fid += 1
+            msg = StageStep(
+                fid=self._fid,
+                epoch=epoch,
+                caches=[w.slot for w in g],
+                starts=[w.start for w in g],
+                lengths=[len(w.ids) for w in g],
+            )
+            ids = torch.tensor([[t for w in g for t in w.ids]], dtype=torch.long)
+            spans = [Span(self._cache(w.slot), w.start, len(w.ids)) for w in g]
+            with torch.inference_mode():
+                h = self.stage.run(self.model.embed(ids), spans)
+            msgs.append(msg)
+            self._relay(0, msg, h)
+        out = []
+        for g, msg in zip(groups, msgs):  # answers in the order sent (layout.py: no deadlock)
+            for s in range(1, len(self.ranges)):
+                h = self._answer(s, msg.fid)
+                if s + 1 < len(self.ranges):
+                    self._relay(s, msg, h)
+            rows = wanted_rows(g)
+            if rows:
+                with torch.inference_mode():
+                    out.append(self.model.head(h[0, rows]).float())
+        return torch.cat(out) if out else None
+
+    def _relay(self, s: int, msg: StageStep, h: torch.Tensor) -> None:
+        """The hidden state leaving stage ``s`` to stage ``s + 1``."""
+        self.comm.send(self.workers[s], [h.contiguous()], msg.encode(), tag=CTL)
+
+    def _answer(self, s: int, fid: int) -> torch.Tensor:
+        tensors, meta = self.comm.recv(self.workers[s - 1], tag=STAGE, timeout=self.cfg.op_timeout)
+        got = Staged.decode(meta)
+        if got.fid != fid or len(tensors) != 1:
+            raise ProtocolError(f"stage {s} answered step {got.fid}, expected {fid}")
+        return tensors[0]
+
+    def forward(self, ids: Sequence[int], start: int, top: int = 0) -> torch.Tensor:
+        out = self.forward_batch([Work(slot=0, ids=list(ids), start=start)], top)[0]
+        assert out is not None  # a "last" item always gets its row
+        return out
+
+    # ---- caches -----------------------------------------------------------------------------
+    def _tell(self, msg: Msg, what: str) -> None:
+        try:
+            self._send_all(msg)
+        except _NET_ERRORS as exc:
+            self._fail(exc, what)
+
+    def slot_length(self, slot: int) -> int:
+        c = self._kv.get(slot)
+        return 0 if c is None else c.length
+
+    def slot_floor(self, slot: int) -> int:
+        c = self._kv.get(slot)
+        return 0 if c is None else c.restart_floor()
+
+    def copy_prefix(self, src: int, dst: int, n: int) -> None:
+        with self._lock:
+            if src == dst or not self._healthy or self._kv.get(src) is None:
+                raise RuntimeError(f"cannot copy cache {src} to {dst} ({self._status})")
+            try:
+                msg = Copy(epoch=self.comm.membership.epoch, src=src, dst=dst, n=n)
+            except ProtocolError as exc:
+                raise RuntimeError(str(exc)) from None
+            self._cache(dst).copy_prefix(self._kv[src], n)
+            self._tell(msg, "copying a prefix")
+
+    def drop(self, slot: int) -> None:
+        with self._lock:
+            self._kv.pop(slot, None)
+            if self._healthy and 0 <= slot < MAX_SEQS:
+                self._tell(Drop(epoch=self.comm.membership.epoch, cache=slot), "dropping a cache")
+
+    def reset(self) -> None:
+        with self._lock:
+            self._kv = {}
+            if self._healthy:
+                self._tell(Reset(), "reset")
+
+    def cached_tokens(self) -> int:
+        return self.slot_length(0)
+
+    def restart_floor(self) -> int:
+        return self.slot_floor(0)
+
+    def wire_bytes(self) -> int:
+        s = self.comm.stats()
+        return s.bytes_sent + s.bytes_received
+
+    def health(self) -> dict:
+        out: dict[str, Any] = {
+            "healthy": self._healthy,
+            "status": self._status,
+            "devices": len(self.ranges),
+            "connected": self.comm.membership.world_size,
+            "layout": "pipeline",
+            "stages": [[r.lo, r.hi] for r in self.ranges],
+            "micro_batches": self.cfg.micro_batches,
+        }
+        if self._plan is not None:
+            out["plan"] = self._plan
+        return out
+
+    def store_report(self) -> dict | None:
+        return None
+
+    def close(self) -> None:
+        self._closed.set()
+        with self._lock:
+            told = []
+            for r in self.workers:
+                try:
+                    self.comm.send(r, [], Shutdown().encode(), tag=CTL)
+                    told.append(r)
+                except LowbandError:
+                    pass
+            for r in told:
+                try:
+                    Bye.decode(self.comm.recv(r, tag=READY, timeout=5.0)[1])
+                except LowbandError:
+                    pass
+        self.stage.close()

@@ -1,0 +1,118 @@
+"""One pipeline stage: a contiguous range of decoder layers ``[lo, hi)`` and their KV caches.
+
+A stage computes each of its layers whole, with the very modules and kernels one device uses
+(``DecoderLayer.forward`` on the ragged path), so chaining the stages of a plan gives the same
+bytes as one device running every layer (``tests/edge/test_pipeline.py`` checks the logits
+bit for bit). Only the hidden state (1, N, H) crosses from one stage to the next.
+
+The stage's layers are renumbered ``0..hi-lo-1`` for the cache, so its KV caches hold only
+its own layers (``KVCache(hi - lo)``): copying a prefix, dropping, the sliding-window floor,
+all work on a stage's cache as on a whole model's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+from torch import nn
+
+from edge.shardio import LoadedShard, load_shard
+from lowband.errors import ConfigError
+from lowband.models.llama import KVCache, LlamaForCausalLM, Span
+
+
+@dataclass(frozen=True)
+class LayerRange:
+    """Decoder layers ``lo..hi-1`` of a model of ``layers`` layers."""
+
+    lo: int
+    hi: int
+    layers: int
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.lo < self.hi <= self.layers:
+            raise ConfigError(
+                "layers", f"a stage needs 0 <= lo < hi <= {self.layers}, got [{self.lo}, {self.hi})"
+            )
+
+    @property
+    def first(self) -> bool:
+        return self.lo == 0
+
+    @property
+    def last(self) -> bool:
+        return self.hi == self.layers
+
+
+def keep_layers(model: LlamaForCausalLM, rng: LayerRange) -> None:
+    """Free every decoder layer outside ``rng`` and renumber the kept ones for a stage cache.
+
+    (The weights of the others were loaded first: a loader that reads only a range of layers is
+    future work; the peak is one whole model, the steady state the stage's layers.)"""
+    if model.config.num_hidden_layers != rng.layers:
+        raise ConfigError(
+            "layers", f"the model has {model.config.num_hidden_layers} layers, not {rng.layers}"
+        )
+    model.__dict__["fast_decode"] = None  # the compiled step runs all layers: eager only
+    for i in range(rng.layers):
+        if not rng.lo <= i < rng.hi:
+            model.model.layers[i] = nn.Identity()
+        else:
+            model.model.layers[i].self_attn.layer_idx = i - rng.lo
+
+
+def run_layers(
+    model: LlamaForCausalLM, rng: LayerRange, x: torch.Tensor, spans: Sequence[Span]
+) -> torch.Tensor:
+    """The layers of ``rng`` over a ragged batch: x (1, N, H) holds each span's tokens back to
+    back; returns (1, N, H). Each span appends to its own (stage) cache: the same steps as
+    ``LlamaForCausalLM.forward_ragged`` restricted to the range."""
+    if not spans or sum(s.length for s in spans) != x.shape[1] or x.shape[0] != 1:
+        raise ValueError("x must be (1, N, H) with N the spans' total length")
+    if len({id(s.cache) for s in spans}) != len(spans):
+        raise ValueError("each span needs its own cache")
+    for s in spans:
+        if s.length < 1 or s.start < 0:
+            raise ValueError(f"bad span: start {s.start}, length {s.length}")
+        s.cache.prepare(s.start, s.length)
+    pos = torch.cat([torch.arange(s.start, s.start + s.length) for s in spans])
+    end = max(s.start + s.length for s in spans)
+    kinds = model._layer_tables
+    tables = {}
+    for kind in set(kinds[rng.lo : rng.hi]):
+        cos, sin = model.rope(0, end, x.dtype, kind)
+        tables[kind] = (cos[pos], sin[pos])
+    for i in range(rng.lo, rng.hi):
+        x = model.model.layers[i](x, *tables[kinds[i]], None, 0, spans)
+    for s in spans:
+        s.cache.length = s.start + s.length
+    return x
+
+
+class Stage:
+    """A stage's model (only its layers kept); its KV caches (one per sequence id of the
+    engine) are made by :meth:`new_cache` and kept by whoever drives the stage."""
+
+    def __init__(self, shard: LoadedShard, rng: LayerRange) -> None:
+        keep_layers(shard.model, rng)
+        self.shard = shard
+        self.model = shard.model
+        self.range = rng
+
+    def new_cache(self) -> KVCache:
+        return KVCache(self.range.hi - self.range.lo, window=self.model.config.cache_window)
+
+    def run(self, x: torch.Tensor, spans: Sequence[Span]) -> torch.Tensor:
+        with torch.inference_mode():
+            return run_layers(self.model, self.range, x, spans)
+
+    def close(self) -> None:
+        self.shard.close()
+
+
+def load_stage(model_dir: str, rng: LayerRange, dtype: str | None) -> Stage:
+    """Stage ``rng`` of the model at ``model_dir`` (eager path: see :func:`keep_layers`)."""
+    shard = load_shard(model_dir, dtype=dtype, fast=False)
+    return Stage(shard, rng)

@@ -1,0 +1,112 @@
+"""Draft-model drafting: a smaller model with the target's vocabulary proposes the tokens
+(llama-server's ``-md``). It runs on the master, next to the sampler, one KV cache per
+request; its tokenizer is checked against the target's at load, since a draft whose token
+ids mean other strings would be verified against the wrong tokens (nothing would break,
+every draft would simply be rejected).
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from edge.sampling import Sampler
+from edge.speculative import Draft
+from lowband.errors import ConfigError
+from lowband.models.llama import KVCache, LlamaForCausalLM, Span
+from lowband.models.tokenizer import Tokenizer
+
+PROBE_TEXT = "def f(x):\n    return x * 2  # Speculative décodage, 2024 → ok"
+
+
+class IncompatibleDraft(ConfigError):
+    """The draft model's vocabulary or tokenizer differs from the target's."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(
+            "draft",
+            f"the draft model cannot draft for this target: {reason} "
+            "(use a draft of the same model family, converted with the same tokenizer)",
+        )
+
+
+def check_compatible(
+    target_vocab: int, target_tok: Tokenizer, draft_vocab: int, draft_tok: Tokenizer
+) -> None:
+    """Raise :class:`IncompatibleDraft` unless both models share one vocabulary: the same
+    logit width, end-of-sequence token, encoding of a probe text, and text of every 64th id."""
+    if target_vocab != draft_vocab:
+        raise IncompatibleDraft(f"vocabulary of {draft_vocab} tokens, target has {target_vocab}")
+    if target_tok.eos_token_id != draft_tok.eos_token_id:
+        raise IncompatibleDraft(
+            f"end-of-sequence token {draft_tok.eos_token_id}, target's {target_tok.eos_token_id}"
+        )
+    if target_tok.encode(PROBE_TEXT) != draft_tok.encode(PROBE_TEXT):
+        raise IncompatibleDraft("the tokenizers split the same text differently")
+    n = min(target_tok.vocab_size, draft_tok.vocab_size)
+    for i in range(0, n, 64):
+        if target_tok.decode([i]) != draft_tok.decode([i]):
+            raise IncompatibleDraft(f"token {i} is a different string")
+
+
+class DraftModel:
+    """A loaded draft model; :meth:`drafter` makes one request's :class:`ModelDrafter`."""
+
+    def __init__(self, model: LlamaForCausalLM, tokenizer: Tokenizer) -> None:
+        self.model = model
+        self.tokenizer = tokenizer
+
+    def check(self, target_vocab: int, target_tok: Tokenizer) -> None:
+        check_compatible(target_vocab, target_tok, self.model.config.vocab_size, self.tokenizer)
+
+    def drafter(self) -> "ModelDrafter":
+        return ModelDrafter(self.model)
+
+
+class ModelDrafter:
+    """Proposes k tokens by decoding the draft model k times from the sequence so far. Its
+    cache keeps what it computed: the next proposal recomputes only the tokens after the
+    longest common prefix (the target's own token after a rejection, usually one)."""
+
+    def __init__(self, model: LlamaForCausalLM) -> None:
+        self.model = model
+        self.cache: KVCache | None = model.new_cache()
+        self._held: list[int] = []  # tokens whose K/V the cache holds
+
+    def _forward(self, ids: Sequence[int], start: int) -> torch.Tensor:
+        assert self.cache is not None
+        m = self.model
+        x = m.embed(torch.tensor([list(ids)], dtype=torch.long))
+        h = m.forward_ragged(x, [Span(self.cache, start, len(ids))])
+        self._held = self._held[:start] + list(ids)
+        return m.head(h[0, -1:]).float()[0]
+
+    def propose(self, tokens: Sequence[int], k: int, sampler: Sampler) -> Draft:
+        if self.cache is None:
+            raise RuntimeError("this drafter is closed")
+        n = 0
+        m = min(len(self._held), len(tokens) - 1)  # at least the last token is fed
+        while n < m and self._held[n] == tokens[n]:
+            n += 1
+        if 0 < n < self.cache.restart_floor():
+            n = 0  # a sliding-window draft cache dropped what restarting at n needs
+        out: list[int] = []
+        qs: list[torch.Tensor] = []
+        greedy = sampler.params.temperature == 0.0
+        with torch.inference_mode():
+            logits = self._forward(tokens[n:], n)
+            pos = len(tokens)
+            for _ in range(k):
+                q = sampler.probs(logits)
+                t = int(torch.argmax(q).item()) if greedy else sampler.draw(q)
+                out.append(t)
+                qs.append(q)
+                if len(out) == k:
+                    break
+                logits = self._forward([t], pos)
+                pos += 1
+        return Draft(tuple(out), None if greedy or not qs else torch.stack(qs))
+
+    def close(self) -> None:
+        self.cache, self._held = None, []

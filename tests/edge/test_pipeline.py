@@ -1,0 +1,170 @@
+"""The pipeline layout (edge.cluster.stage / pipeline / layout): pure schedules, logits bit for
+bit those of one device (each layer computed whole by the same kernels), micro-batches in
+flight, engine texts equal to one device's, and a lost stage failing the request clearly."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from edge.cluster import ClusterConfig, WorkerConfig, run_worker
+from edge.cluster.layout import micro_batches, stage_ranges
+from edge.cluster.pipeline import PipelineRunner
+from edge.cluster.stage import LayerRange
+from edge.engine import ClusterUnavailable, Engine, LocalRunner, Work
+from edge.sampling import SamplingParams
+from edge.shardio import load_shard
+from lowband.errors import ConfigError
+from lowband.models.config import ModelConfig
+from lowband.models.llama import LlamaForCausalLM, Span, init_weights
+from lowband.models.tokenizer import ByteTokenizer
+from lowband.models.weights import save_pretrained
+from tests.edge.test_edge_cluster import CFG, _Thread
+from transport.loopback import LoopbackGroup
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    d = tmp_path_factory.mktemp("pipe")
+    m = LlamaForCausalLM(ModelConfig(**dict(CFG, num_hidden_layers=5))).eval()
+    init_weights(m, std=0.2, seed=5)
+    save_pretrained(m, d)
+    ByteTokenizer().save(d)
+    return d
+
+
+def test_stage_ranges_split_by_speed_and_memory() -> None:
+    assert [(r.lo, r.hi) for r in stage_ranges(18, [1.0, 1.0])] == [(0, 9), (9, 18)]
+    assert [(r.lo, r.hi) for r in stage_ranges(18, [2.0, 1.0])] == [(0, 12), (12, 18)]
+    # a device whose memory holds 4 layers gets 4, the rest goes to the others
+    assert [(r.lo, r.hi) for r in stage_ranges(18, [1.0, 1.0, 1.0], [4, 18, 18])][0] == (0, 4)
+    assert sum(r.hi - r.lo for r in stage_ranges(7, [5.0, 0.1, 0.1])) == 7
+    assert all(r.hi > r.lo for r in stage_ranges(7, [5.0, 0.1, 0.1]))
+    with pytest.raises(ConfigError):
+        stage_ranges(4, [1.0, 1.0], [1, 2])  # the devices hold 3 of 4 layers
+    with pytest.raises(ConfigError):
+        stage_ranges(2, [1.0, 1.0, 1.0])
+
+
+def test_micro_batches_are_contiguous_and_balanced() -> None:
+    items = list("abcdefgh")
+    groups = micro_batches(items, [1] * 8, 2)
+    assert groups == [list("abcd"), list("efgh")]
+    assert micro_batches(items, [1] * 8, 1) == [items]
+    assert micro_batches(["a", "b"], [1, 1], 5) == [["a"], ["b"]]
+    # a prompt chunk stays whole in its group; every group non-empty, order kept
+    g = micro_batches(list("abc"), [30, 1, 1], 3)
+    assert [x for grp in g for x in grp] == list("abc") and all(g)
+
+
+def _start(path, world, **kw):
+    group = LoopbackGroup(world, timeout=20)
+    comms = group.comms()
+    workers = [_Thread(lambda c=c: run_worker(c, WorkerConfig(join_timeout=20))) for c in comms[1:]]
+    for w in workers:
+        w.start()
+    cfg = ClusterConfig(
+        devices=world, op_timeout=5.0, join_timeout=20, heartbeat_s=0.3, layout="pipeline", **kw
+    )
+    return PipelineRunner(comms[0], str(path), cfg), workers
+
+
+def _stop(runner, workers) -> None:
+    runner.close()
+    for w in workers:
+        w.join(10)
+        assert w.error is None
+
+
+@pytest.mark.parametrize("world,groups", [(2, 1), (2, 2), (3, 3)])
+def test_pipeline_logits_bit_identical_to_one_device(ckpt, world, groups) -> None:
+    """Three sequences: prompts of different lengths in one step (chunked prefill), then
+    decode steps; every logit equals one device's ragged pass bit for bit."""
+    ref = load_shard(ckpt, fast=False).model
+    caches = {i: ref.new_cache() for i in range(3)}
+    runner, workers = _start(ckpt, world, micro_batches=groups)
+    try:
+        assert sum(r.hi - r.lo for r in runner.ranges) == 5 and len(runner.ranges) == world
+        prompts = {0: [5, 9, 200, 3], 1: [7], 2: [1, 2, 3, 4, 5, 6, 7]}
+        work = [Work(slot=i, ids=p, start=0) for i, p in prompts.items()]
+        pos = {i: len(p) for i, p in prompts.items()}
+        for step in range(4):
+            got = runner.forward_batch(work)
+            # one device running the same batches (a batch's shape changes a GEMM's rounding
+            # on one device too, so the reference runs the step's micro-batches one by one)
+            want = []
+            for grp in micro_batches(work, [len(w.ids) for w in work], groups):
+                spans = [Span(caches[w.slot], w.start, len(w.ids)) for w in grp]
+                ids = torch.tensor([[t for w in grp for t in w.ids]])
+                with torch.inference_mode():
+                    h = ref.forward_ragged(ref.embed(ids), spans)
+                    rows = [sum(len(x.ids) for x in grp[: k + 1]) - 1 for k in range(len(grp))]
+                    want.extend(ref.head(h[0, rows]).float())
+            for k, g in enumerate(got):
+                assert g is not None and torch.equal(g, want[k]), f"step {step} item {k}"
+            work = [
+                Work(slot=w.slot, ids=[int(got[k].argmax())], start=pos[w.slot])
+                for k, w in enumerate(work)
+            ]
+            for w in work:
+                pos[w.slot] += 1
+        assert runner.slot_length(2) == 7 + 3  # the prompt and three fed-back tokens
+        assert runner.health()["layout"] == "pipeline"
+    finally:
+        _stop(runner, workers)
+
+
+def test_pipeline_engine_texts_match_one_device(ckpt) -> None:
+    params = SamplingParams(max_tokens=10)
+    # (eager, as the stages: the compiled step may round differently)
+    local = Engine(LocalRunner(load_shard(ckpt, fast=False).model), ByteTokenizer(), model_name="m")
+    want = [local.complete(p, params)[0] for p in ("Hello", "Once upon")]
+    local.close()
+    runner, workers = _start(ckpt, 2, micro_batches=2)
+    try:
+        eng = Engine(runner, ByteTokenizer(), model_name="m")
+        threads = [_Thread(lambda p=p: eng.complete(p, params)) for p in ("Hello", "Once upon")]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert [t.result[0] for t in threads] == want
+        # a shared prefix is copied on every stage: the second request reuses it
+        assert eng.complete("Hello", params)[0] == want[0]
+    finally:
+        runner.close()
+        for w in workers:
+            w.join(10)
+
+
+def test_lost_stage_fails_the_request_clearly(ckpt) -> None:
+    group = LoopbackGroup(2, timeout=20)
+    comms = group.comms()
+    worker = _Thread(lambda: run_worker(comms[1], WorkerConfig(join_timeout=20)))
+    worker.start()
+    cfg = ClusterConfig(
+        devices=2, op_timeout=2.0, join_timeout=20, heartbeat_s=30, layout="pipeline"
+    )
+    runner = PipelineRunner(comms[0], str(ckpt), cfg)
+    try:
+        runner.forward([1, 2, 3], 0)
+        comms[1].close()  # the stage's device goes away
+        worker.join(10)
+        with pytest.raises(ClusterUnavailable, match="pipeline stage failed"):
+            runner.forward([4], 3)
+        assert not runner.health()["healthy"]
+        with pytest.raises(ClusterUnavailable, match="not ready"):
+            runner.forward([4], 3)
+    finally:
+        runner.close()
+
+
+def test_layer_range_refuses_nonsense() -> None:
+    with pytest.raises(ConfigError):
+        LayerRange(3, 3, 5)
+    with pytest.raises(ConfigError):
+        ClusterConfig(devices=2, layout="ring")
+    with pytest.raises(ConfigError):
+        ClusterConfig(devices=2, micro_batches=0)

@@ -1,0 +1,261 @@
+"""Speculative decoding: greedy output identical to plain decoding (prompt lookup and a draft
+model), the rejection rule's distribution by counting, rollback, stop strings / logprobs /
+n with drafting on, the draft length rule, and the incompatible-draft error."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from edge.draft import DraftModel, IncompatibleDraft, check_compatible
+from edge.engine import Engine, LocalRunner
+from edge.lookup import LookupConfig, LookupDrafter
+from edge.sampling import Sampler, SamplingParams
+from edge.speculative import (
+    Draft,
+    DraftLength,
+    PassCost,
+    SpecConfig,
+    Speculation,
+    drafting_allowed,
+    verify,
+)
+from lowband.errors import ConfigError
+from lowband.models.llama import ROWWISE_ROWS, LlamaForCausalLM, init_weights, linear_rows
+from lowband.models.tokenizer import ByteTokenizer
+from tests.conftest import tiny_llama
+
+WIDE = dict(hidden_size=64, intermediate_size=128, max_position_embeddings=512)
+PROMPTS = [
+    "def add(a, b):\n    return a + b\n\ndef add(a, b):\n    return a + b\n",
+    "the cat sat on the mat, the cat sat on the mat, the cat",
+    "x",
+]
+
+
+def _model(seed: int = 1, **kw) -> LlamaForCausalLM:
+    m = LlamaForCausalLM(tiny_llama(**{**WIDE, **kw})).eval()
+    init_weights(m, std=0.3, seed=seed)
+    return m
+
+
+def _engine(model, spec: Speculation | None, parallel: int = 1) -> Engine:
+    return Engine(
+        LocalRunner(model), ByteTokenizer(), model_name="t", parallel=parallel, speculation=spec
+    )
+
+
+def _lookup(k: int = 6) -> Speculation:
+    return Speculation(SpecConfig(draft_max=k, adaptive=False), LookupDrafter)
+
+
+def _run(engine: Engine, params: SamplingParams) -> list[tuple[str, str, int]]:
+    try:
+        return [engine.complete(p, params) for p in PROMPTS]
+    finally:
+        engine.close()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_greedy_lookup_is_identical(family: str) -> None:
+    kw = {} if family == "llama" else dict(model_type="gemma3_text", sliding_window=8)
+    try:
+        model = _model(**kw)
+    except (TypeError, ConfigError) as exc:
+        pytest.skip(f"tiny {family} not constructible here: {exc}")
+    params = SamplingParams(max_tokens=48)
+    plain = _run(_engine(model, None), params)
+    eng = _engine(model, _lookup())
+    spec = _run(eng, params)
+    assert spec == plain
+    m = eng.metrics.snapshot()
+    assert m["spec_passes_total"] > 0
+    assert 0 < m["spec_accepted_tokens_total"] < m["spec_draft_tokens_total"]  # both branches
+    assert m["spec_tokens_per_pass"] > 1.0
+
+
+@pytest.mark.timeout(120)
+def test_greedy_draft_model_is_identical() -> None:
+    target = _model(seed=1)
+    params = SamplingParams(max_tokens=40)
+    plain = _run(_engine(target, None), params)
+    for draft_seed in (1, 2):  # the same weights (all accepted), others (mostly rejected)
+        dm = DraftModel(_model(seed=draft_seed, num_hidden_layers=1), ByteTokenizer())
+        dm.check(target.config.vocab_size, ByteTokenizer())
+        spec = Speculation(SpecConfig(draft_max=5, adaptive=False), dm.drafter)
+        eng = _engine(target, spec)
+        assert _run(eng, params) == plain
+        assert eng.metrics.snapshot()["spec_passes_total"] > 0
+    same = DraftModel(target, ByteTokenizer())
+    eng = _engine(target, Speculation(SpecConfig(draft_max=4, adaptive=False), same.drafter))
+    assert _run(eng, params) == plain
+    m = eng.metrics.snapshot()
+    assert m["spec_accepted_tokens_total"] == m["spec_draft_tokens_total"] > 0
+
+
+@pytest.mark.timeout(120)
+def test_rollback_keeps_cache_consistent_across_requests() -> None:
+    """Rejected rows are rolled back: a follow-up request reusing the cached prefix (and a
+    batch of two streams) decodes exactly as without speculation."""
+    model = _model()
+    params = SamplingParams(max_tokens=30)
+    prompts = [PROMPTS[1], PROMPTS[1] + " on the"]
+    plain_e = _engine(model, None, parallel=2)
+    plain = [plain_e.complete(p, params) for p in prompts]
+    plain_e.close()
+    eng = _engine(model, _lookup(4), parallel=2)
+    try:
+        spec = [eng.complete(p, params) for p in prompts]
+        assert eng.metrics.snapshot()["prefix_cache_hits_total"] > 0
+    finally:
+        eng.close()
+    assert spec == plain
+    assert (
+        eng.metrics.snapshot()["spec_accepted_tokens_total"]
+        < eng.metrics.snapshot()["spec_draft_tokens_total"]
+    )
+
+
+@pytest.mark.timeout(120)
+def test_stop_strings_logprobs_and_length_with_drafting() -> None:
+    model = _model()
+    for params in (
+        SamplingParams(max_tokens=40, logprobs=3),
+        SamplingParams(max_tokens=40, stop=("at",)),
+        SamplingParams(max_tokens=7),
+    ):
+        want = [list(_engine(model, None).generate(p, params)) for p in PROMPTS[:2]]
+        eng = _engine(model, _lookup())
+        got = [list(eng.generate(p, params)) for p in PROMPTS[:2]]
+        eng.close()
+        assert [[(e.text, e.token, e.finish_reason, e.top_logprobs) for e in g] for g in got] == [
+            [(e.text, e.token, e.finish_reason, e.top_logprobs) for e in w] for w in want
+        ]
+        for g, w in zip(got, want):  # logprobs from verification rows equal decode's
+            for a, b in zip(g, w):
+                assert (a.logprob is None) == (b.logprob is None)
+                if a.logprob is not None:
+                    assert a.logprob == pytest.approx(b.logprob, abs=1e-5)
+        assert sum(e.token is not None for e in got[0]) <= params.max_tokens
+
+
+@pytest.mark.timeout(120)
+def test_sampled_requests_run_and_respect_seed() -> None:
+    model = _model()
+    params = SamplingParams(max_tokens=24, temperature=0.8, seed=3)
+    a = _run(_engine(model, _lookup()), params)
+    b = _run(_engine(model, _lookup()), params)
+    assert a == b and all(n == 24 for _, _, n in a)
+
+
+def _chi2(counts: torch.Tensor, p: torch.Tensor) -> float:
+    n = float(counts.sum())
+    exp = p * n
+    keep = exp > 0
+    assert float(counts[~keep].sum()) == 0.0  # never a token the target cannot produce
+    return float(((counts[keep] - exp[keep]) ** 2 / exp[keep]).sum())
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("deterministic", [True, False])
+def test_rejection_rule_preserves_the_target_distribution(deterministic: bool) -> None:
+    """Counting over a 5-token vocabulary: the first emitted token follows p whatever the
+    draft, to a chi-square bound (4 degrees of freedom, 99.9% quantile 18.5); drafts that
+    were always kept would not (checked too, so the test can fail)."""
+    torch.manual_seed(0)
+    V, N = 5, 20000
+    logits = torch.tensor([[2.0, 1.0, 0.5, -1.0, 0.0], [0.0, 0.3, 1.0, 0.0, -2.0]])
+    sampler = Sampler(SamplingParams(temperature=1.0, seed=7))
+    p = torch.softmax(logits[0], -1)
+    q_row = torch.tensor([0.05, 0.6, 0.05, 0.2, 0.1])
+    counts = torch.zeros(V)
+    naive = torch.zeros(V)
+    gen = torch.Generator().manual_seed(11)
+    for _ in range(N):
+        if deterministic:  # a lookup drafter: always proposes token 1
+            draft = Draft((1,))
+        else:
+            d = int(torch.multinomial(q_row, 1, generator=gen).item())
+            draft = Draft((d,), q_row[None].clone())
+        toks, _ = verify(draft, logits, sampler)
+        counts[toks[0]] += 1
+        naive[draft.tokens[0]] += 1
+    assert _chi2(counts, p) < 18.5
+    assert _chi2(naive + (naive == 0) * 1e-9, p) > 100  # the test discriminates
+
+
+def test_greedy_verify_keeps_the_argmax_prefix() -> None:
+    sampler = Sampler(SamplingParams())
+    logits = torch.full((4, 6), -1.0)
+    for j, t in enumerate((3, 4, 0, 5)):
+        logits[j, t] = 1.0
+    assert verify(Draft((3, 4, 1)), logits, sampler) == ([3, 4, 0], 2)
+    assert verify(Draft((3, 4, 0)), logits, sampler) == ([3, 4, 0, 5], 3)
+    assert verify(Draft((2, 4, 0)), logits, sampler) == ([3], 0)
+    with pytest.raises(ValueError):
+        verify(Draft((3,)), logits, sampler)
+
+
+def test_lookup_proposes_the_latest_continuation() -> None:
+    d = LookupDrafter(LookupConfig(ngram_max=2))
+    seq = [1, 2, 3, 4, 9, 2, 3, 5, 6, 2, 3]
+    assert d.propose(seq, 3).tokens == (5, 6, 2)  # the latest "2 3" was followed by 5
+    assert d.propose(seq + [5], 2).tokens == (6, 2)
+    assert d.propose([7, 8], 4).tokens == ()
+    assert LookupDrafter().propose([1, 2, 3], 4).tokens == ()
+
+
+def test_draft_length_follows_acceptance() -> None:
+    cfg = SpecConfig(draft_max=10, draft_min=2)
+    cost = PassCost()
+    hi, lo = DraftLength(cfg), DraftLength(cfg)
+    for _ in range(60):
+        hi.observe(8, 8)
+        lo.observe(8, 0)
+    assert hi.choose(cost) == 10 and lo.choose(cost) == 2
+    for _ in range(20):  # rows nearly free: longer drafts pay even at moderate acceptance
+        cost.observe(1, 1.0)
+        cost.observe(9, 1.04)
+    mid = DraftLength(cfg, alpha=0.7)
+    assert mid.choose(cost) > DraftLength(cfg, alpha=0.3).choose(cost)
+    assert DraftLength(SpecConfig(draft_max=6, adaptive=False), alpha=0.0).choose(cost) == 6
+    with pytest.raises(ConfigError):
+        SpecConfig(draft_max=ROWWISE_ROWS)
+    with pytest.raises(ConfigError):
+        SpecConfig(draft_max=3, draft_min=4)
+
+
+def test_penalised_requests_are_not_drafted() -> None:
+    assert drafting_allowed(SamplingParams())
+
+    class Penalised:
+        presence_penalty = 0.5
+
+    assert not drafting_allowed(Penalised())  # type: ignore[arg-type]
+
+
+def test_linear_rows_match_single_row_decode() -> None:
+    torch.manual_seed(0)
+    lin = nn.Linear(640, 2048, bias=False)
+    x = torch.randn(1, ROWWISE_ROWS, 640)
+    with torch.inference_mode():
+        one = torch.cat([lin(x[:, i : i + 1]) for i in range(ROWWISE_ROWS)], dim=1)
+        for n in (2, 3, 5, ROWWISE_ROWS):
+            assert torch.equal(linear_rows(lin, x[:, :n]), one[:, :n])
+
+
+class _OtherTokenizer(ByteTokenizer):
+    def decode(self, ids):
+        return super().decode([(int(i) + 1) % 256 for i in ids])
+
+
+def test_incompatible_draft_is_refused_with_a_clear_error() -> None:
+    tok = ByteTokenizer()
+    check_compatible(256, tok, 256, ByteTokenizer())
+    with pytest.raises(IncompatibleDraft, match="vocabulary of 512 tokens, target has 256"):
+        check_compatible(256, tok, 512, tok)
+    with pytest.raises(IncompatibleDraft, match="different string"):
+        check_compatible(256, tok, 256, _OtherTokenizer())
+    assert issubclass(IncompatibleDraft, ConfigError)
