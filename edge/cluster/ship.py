@@ -211,6 +211,8 @@ class FetchReport:
     """Bytes transferred by this call (0: everything was cached)."""
     resumed_bytes: int = 0
     """Bytes of part files a broken transfer left, kept and not asked for again."""
+    model: Path | None = None
+    """What to load (:func:`model_path`; set by :func:`receive`)."""
 
 
 def fetch(
@@ -353,9 +355,24 @@ def receive(
     manifest = Manifest.decode(meta)
     channel = CommChannel(comm, master, timeout=timeout)
     try:
-        return fetch(manifest, channel.ask, cfg, ask_many=channel.ask_many)
+        report = fetch(manifest, channel.ask, cfg, ask_many=channel.ask_many)
+        report.model = model_path(report, [f.name for f in manifest.files])
+        return report
     finally:
         comm.send(master, [], {"done": True}, tag=WANT, timeout=timeout)
+
+
+def decline(comm: Communicator, master: int, *, timeout: float = 60.0) -> None:
+    """A worker that cannot take a shipment (no cache directory): the manifest consumed, the
+    master told it is done, so neither side waits on the other."""
+    comm.recv(master, tag=MANIFEST, timeout=timeout)
+    comm.send(master, [], {"done": True}, tag=WANT, timeout=timeout)
+
+
+def model_path(report: FetchReport, manifest_names: Sequence[str]) -> Path:
+    """What a worker loads from its cache entry: a single shipped file itself (a GGUF file),
+    else the entry as a directory."""
+    return report.path / manifest_names[0] if len(manifest_names) == 1 else report.path
 
 
 def wants_needed(manifest: Manifest, chunk_bytes: int, have: Sequence[int] = ()) -> int:
