@@ -235,6 +235,12 @@ def _add_serve(p: argparse.ArgumentParser) -> None:
         help="after a worker has been gone this long, re-split the model over the "
         "devices left (plain checkpoints only; default: wait for it)",
     )
+    p.add_argument(
+        "--ship",
+        action="store_true",
+        help="stream the model to every worker (checked by sha256, cached on the worker, "
+        "resumed after a broken transfer): workers then need --cache-dir, not a copy",
+    )
     add_liveness(p, default_heartbeat=1.0)
 
 
@@ -310,8 +316,19 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--model-dir",
-        help="the model (directory, split dir or GGUF file) this device serves, required: "
-        "an assign from the master naming any other path is refused",
+        help="the model (directory, split dir or GGUF file) this device serves: an assign "
+        "from the master naming any other path is refused (this or --cache-dir required)",
+    )
+    p.add_argument(
+        "--cache-dir",
+        help="take the model from a master started with --ship and keep it here (verified "
+        "by sha256; a restart fetches only what is missing)",
+    )
+    p.add_argument(
+        "--cache-budget-mb",
+        type=float,
+        default=0.0,
+        help="refuse a shipped model larger than this (default: no bound)",
     )
     add_auth(p, client=True, server=False)
     p.add_argument(
@@ -466,6 +483,7 @@ def _serve_config(args, devices: int):
             memory_budget_mb=args.memory_budget_mb,
             op_timeout=args.op_timeout,
             replan_after_s=args.replan_after_s,
+            ship=getattr(args, "ship", False),
             experts=_experts(args),
             auto_split=args.auto_split,
         ),
@@ -530,7 +548,11 @@ def _worker(args) -> int:
         return serve_worker_main(
             ServeWorkerConfig(
                 master=master,
-                worker=WorkerConfig(model_dir=args.model_dir),
+                worker=WorkerConfig(
+                    model_dir=args.model_dir,
+                    cache_dir=args.cache_dir,
+                    cache_budget_mb=args.cache_budget_mb,
+                ),
                 device=_device(args),
                 transport=edge_transport(
                     token=auth.token,

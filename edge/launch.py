@@ -399,13 +399,15 @@ class ServeWorkerConfig:
     def __post_init__(self) -> None:
         if not self.master.startswith("tcp://"):
             raise ConfigError("master", f"must look like tcp://HOST:PORT, got {self.master!r}")
-        if self.worker.model_dir is None:
+        if self.worker.model_dir is None and self.worker.cache_dir is None:
             # A device on the network serves only the model it was given: the path in a
-            # master's assign is checked against it (edge.cluster.worker.served_path).
+            # master's assign is checked against it (edge.cluster.worker.served_path), or
+            # the one a master started with --ship streams into its cache (edge.cluster.ship).
             raise ConfigError(
                 "model_dir",
                 "a worker serves only its own model: give --model-dir (the master's path on "
-                "this device: the same directory, split dir or GGUF file)",
+                "this device: the same directory, split dir or GGUF file), or --cache-dir "
+                "to take the model from a master started with --ship",
             )
 
 

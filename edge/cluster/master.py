@@ -49,6 +49,7 @@ from edge.cluster.shard import (
     shard_rows_logits,
     wire_codec,
 )
+from edge.cluster.ship import ShipServer, offer
 from edge.engine import ClusterUnavailable, Work, split_logits, wanted_rows
 from edge.moe.serve import ExpertServeConfig
 from edge.shardio import REPACK_MODES, WindowConfig, is_split_dir
@@ -114,6 +115,10 @@ class ClusterConfig:
     layout: str = "tp"
     # G: micro-batches of a pipeline step in flight at once (edge.cluster.layout)
     micro_batches: int = 2
+    # Stream the model to every worker as it is assigned (edge.cluster.ship: hashed, cached on
+    # the worker, resumed after a broken transfer): workers need no copy of their own and are
+    # started with a cache directory instead of --model-dir. Tensor-parallel layout.
+    ship: bool = False
 
     def __post_init__(self) -> None:
         if self.layout not in ("auto", "single", "tp", "pipeline"):
@@ -261,6 +266,12 @@ class MasterRunner:
             self.hub.command(slot, Yield().encode(), timeout=self.cfg.op_timeout)
         self.comm.send(r, tensors, msg.encode(), tag=CTL)
 
+    def _shipment(self) -> ShipServer:
+        """The model's manifest and files for workers without a copy (hashed once)."""
+        if getattr(self, "_ship", None) is None:
+            self._ship = ShipServer.of(self.model_dir)
+        return self._ship
+
     def _assign(self, ranks: Sequence[int], slots: Sequence[int]) -> None:
         cfg = self.cfg
         peers = self.comm.membership.peers
@@ -283,9 +294,13 @@ class MasterRunner:
                 # an idle master pings every heartbeat_s: this much silence means it is gone
                 silence_s=max(30.0, 10 * cfg.heartbeat_s) + cfg.op_timeout,
                 repack=cfg.repack,
+                ship=cfg.ship,
             )
             self._ctl(r, [], msg)
         for r, s in zip(ranks, slots):
+            if cfg.ship:  # the worker fetches what its cache lacks, then loads and answers
+                served = offer(self.comm, r, self._shipment(), timeout=cfg.join_timeout)
+                logger.info("worker rank %d: model shipped (%d chunks)", r, served)
             _, meta = self.comm.recv(r, tag=READY, timeout=cfg.join_timeout)
             ready = Ready.decode(meta)
             if not ready.ok:

@@ -25,7 +25,7 @@ generated from the dataclasses below by :func:`describe` (a test keeps the two i
               dtype: str | None, wire: str, algorithm: str, op_timeout: float,
               window: int | None, memory_budget_mb: float | None, experts: dict | None,
               link_port: int | None, link_spin_us: float, link_secret: str | None,
-              silence_s: float, repack: str = 'off'
+              silence_s: float, repack: str = 'off', ship: bool = False
     forward   fid: int, start: int, epoch: int, top: int = 0, link: bool = False
               + tensors: the embedded tokens (1, T, H)
     batch     fid: int, epoch: int, caches: list[int], starts: list[int], lengths: list[int],
@@ -152,6 +152,9 @@ class Assign(Msg):
     # the slice's K-quant weights also in the batch GEMM's layout: auto / on / off
     # (edge.shardio.LoadedShard.repack); a master that predates it sends none: off
     repack: str = "off"
+    # the master streams the model (edge.cluster.ship) right after this message: the worker
+    # loads it from its cache directory, not from model_dir
+    ship: bool = False
 
     def __post_init__(self) -> None:
         # A worker acts on these numbers (sizes a split, sleeps, dials a port): refuse what

@@ -190,8 +190,13 @@ class FetchConfig:
     """Refuse a manifest larger than this (MB, 1e6 bytes) before writing; 0: no bound."""
     chunk_bytes: int = 1 << 20
     """Bytes asked for per Want (at most ``MAX_CHUNK``)."""
+    depth: int = 4
+    """Wants in flight at once (with a batch ``ask_many``): one round trip per ``depth``
+    chunks instead of per chunk; the worker buffers at most ``depth * chunk_bytes``."""
 
     def __post_init__(self) -> None:
+        if not 1 <= self.depth <= 64:
+            raise ConfigError("depth", f"must be in [1, 64], got {self.depth}")
         if not 0 < self.chunk_bytes <= MAX_CHUNK:
             raise ConfigError("chunk_bytes", f"must be in (0, {MAX_CHUNK}], got {self.chunk_bytes}")
         if self.budget_mb < 0:
@@ -206,10 +211,19 @@ class FetchReport:
     """Bytes transferred by this call (0: everything was cached)."""
     resumed_bytes: int = 0
     """Bytes of part files a broken transfer left, kept and not asked for again."""
+    model: Path | None = None
+    """What to load (:func:`model_path`; set by :func:`receive`)."""
 
 
-def fetch(manifest: Manifest, ask: Callable[[Want], Chunk], cfg: FetchConfig) -> FetchReport:
-    """Every file of ``manifest`` in the cache, fetched through ``ask`` where missing.
+def fetch(
+    manifest: Manifest,
+    ask: Callable[[Want], Chunk],
+    cfg: FetchConfig,
+    *,
+    ask_many: Callable[[list[Want]], list[Chunk]] | None = None,
+) -> FetchReport:
+    """Every file of ``manifest`` in the cache, fetched through ``ask`` where missing
+    (``ask_many``, where given: ``cfg.depth`` wants at a time, answered in order).
 
     Raises :class:`ConfigError` (over the budget), :class:`ProtocolError` (a chunk that is not
     what was asked for) and :class:`CorruptWeights` (a file whose hash is wrong; its part is
@@ -235,13 +249,24 @@ def fetch(manifest: Manifest, ask: Callable[[Want], Chunk], cfg: FetchConfig) ->
         report.resumed_bytes += have
         with open(part, "ab") as out:
             while have < f.size:
-                n = min(cfg.chunk_bytes, f.size - have)
-                chunk = ask(Want(name=f.name, offset=have, length=n))
-                if chunk.name != f.name or chunk.offset != have or len(chunk.data) != n:
-                    raise ProtocolError(f"asked {f.name} [{have}, +{n}), got another chunk")
-                out.write(chunk.data)
-                have += n
-                report.fetched_bytes += n
+                wants: list[Want] = []
+                at = have
+                while at < f.size and len(wants) < (cfg.depth if ask_many else 1):
+                    n = min(cfg.chunk_bytes, f.size - at)
+                    wants.append(Want(name=f.name, offset=at, length=n))
+                    at += n
+                chunks = ask_many(wants) if ask_many else [ask(wants[0])]
+                if len(chunks) != len(wants):
+                    raise ProtocolError(f"asked {len(wants)} chunks, got {len(chunks)}")
+                for w, chunk in zip(wants, chunks):
+                    ok = chunk.name == w.name and chunk.offset == w.offset
+                    if not ok or len(chunk.data) != w.length:
+                        raise ProtocolError(
+                            f"asked {w.name} [{w.offset}, +{w.length}), got another"
+                        )
+                    out.write(chunk.data)
+                    have += w.length
+                    report.fetched_bytes += w.length
             out.flush()
             os.fsync(out.fileno())
         if hash_file(part) != f.sha256:
@@ -262,8 +287,17 @@ class CommChannel:
         self.comm, self.peer, self.timeout = comm, peer, timeout
 
     def ask(self, want: Want) -> Chunk:
-        meta = {"name": want.name, "offset": want.offset, "length": want.length}
-        self.comm.send(self.peer, [], meta, tag=WANT, timeout=self.timeout)
+        return self.ask_many([want])[0]
+
+    def ask_many(self, wants: list[Want]) -> list[Chunk]:
+        """All of ``wants`` sent, then their chunks received (one peer's messages on one tag
+        arrive in order)."""
+        for want in wants:
+            meta = {"name": want.name, "offset": want.offset, "length": want.length}
+            self.comm.send(self.peer, [], meta, tag=WANT, timeout=self.timeout)
+        return [self._chunk(w) for w in wants]
+
+    def _chunk(self, want: Want) -> Chunk:
         tensors, got = self.comm.recv(self.peer, tag=CHUNK, timeout=self.timeout)
         if got.get("error"):
             raise ProtocolError(f"the master refused {want.name}: {got['error']}")
@@ -321,9 +355,24 @@ def receive(
     manifest = Manifest.decode(meta)
     channel = CommChannel(comm, master, timeout=timeout)
     try:
-        return fetch(manifest, channel.ask, cfg)
+        report = fetch(manifest, channel.ask, cfg, ask_many=channel.ask_many)
+        report.model = model_path(report, [f.name for f in manifest.files])
+        return report
     finally:
         comm.send(master, [], {"done": True}, tag=WANT, timeout=timeout)
+
+
+def decline(comm: Communicator, master: int, *, timeout: float = 60.0) -> None:
+    """A worker that cannot take a shipment (no cache directory): the manifest consumed, the
+    master told it is done, so neither side waits on the other."""
+    comm.recv(master, tag=MANIFEST, timeout=timeout)
+    comm.send(master, [], {"done": True}, tag=WANT, timeout=timeout)
+
+
+def model_path(report: FetchReport, manifest_names: Sequence[str]) -> Path:
+    """What a worker loads from its cache entry: a single shipped file itself (a GGUF file),
+    else the entry as a directory."""
+    return report.path / manifest_names[0] if len(manifest_names) == 1 else report.path
 
 
 def wants_needed(manifest: Manifest, chunk_bytes: int, have: Sequence[int] = ()) -> int:

@@ -54,6 +54,7 @@ from edge.cluster.shard import (
     shard_rows_logits,
     wire_codec,
 )
+from edge.cluster.ship import FetchConfig, decline, receive
 from edge.cluster.stage import LayerRange, Stage, load_stage
 from edge.moe.serve import ExpertServeConfig
 from edge.quant.formats import QuantError
@@ -86,6 +87,10 @@ class WorkerConfig:
     model_dir: str | None = None
     join_timeout: float = 600.0
     master_host: str = "127.0.0.1"  # where the master's star link is (its --master host)
+    # Where a model the master ships (assign.ship, edge.cluster.ship) is kept and verified;
+    # None: this worker takes no shipment (it has --model-dir)
+    cache_dir: str | None = None
+    cache_budget_mb: float = 0.0  # refuse a shipped model larger than this; 0: no bound
 
 
 @dataclass
@@ -385,8 +390,27 @@ def served_path(assigned: str, own: str | None) -> str:
     return str(target)
 
 
+def assigned_model(comm: Communicator, cfg: WorkerConfig, assigned: str, ship: bool) -> str:
+    """The path an assignment loads: the master's shipment, fetched into ``cache_dir`` where it
+    ships one, else ``assigned`` checked by :func:`served_path`."""
+    if not ship:
+        return served_path(assigned, cfg.model_dir)
+    master = master_rank(comm.membership.peers)
+    if cfg.cache_dir is None:
+        decline(comm, master, timeout=cfg.join_timeout)
+        raise ConfigError(
+            "cache_dir",
+            "the master ships the model (--ship): start this worker with --cache-dir DIR",
+        )
+    fc = FetchConfig(cache_dir=Path(cfg.cache_dir), budget_mb=cfg.cache_budget_mb)
+    report = receive(comm, master, fc, timeout=cfg.join_timeout)
+    logger.info("worker: model %s (%d bytes fetched)", report.model, report.fetched_bytes)
+    return str(report.model)
+
+
 def _load_assigned(comm: Communicator, cfg: WorkerConfig, st: WorkerState, msg: Assign) -> None:
-    model_dir = served_path(msg.model_dir, cfg.model_dir)  # before anything is closed or dialled
+    # before anything is closed or dialled
+    model_dir = assigned_model(comm, cfg, msg.model_dir, msg.ship)
     if st.shard is not None:
         st.shard.close()
         st.shard = None

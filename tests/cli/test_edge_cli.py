@@ -231,3 +231,20 @@ def test_worker_kill_and_return(ckpt, spawn) -> None:
     assert health["epoch"] >= 1
     status, out = _complete(port)
     assert status == 200 and out["choices"][0]["text"] == expected
+
+
+@pytest.mark.slow
+def test_a_worker_with_no_model_copy_takes_the_masters(ckpt, spawn, tmp_path) -> None:
+    d, expected = ckpt
+    port, cport = free_port(), free_port()
+    bind = f"tcp://127.0.0.1:{cport}"
+    serve = [PY, "-m", "cli", "edge", "serve", str(d), "--workers", "1", "--ship"]
+    master = spawn([*serve, "--bind", bind, "--port", str(port), "--op-timeout", "10"])
+    cache = tmp_path / "cache"
+    worker = [PY, "-m", "cli", "edge", "worker", "--master", bind, "--threads", "1"]
+    spawn([*worker, "--cache-dir", str(cache)])  # no --model-dir: nothing of the model here
+    _wait_health(port, master)
+    status, out = _complete(port)
+    assert status == 200 and out["choices"][0]["text"] == expected
+    shipped = {p.name for p in cache.rglob("*") if p.is_file()}
+    assert shipped == {p.name for p in d.rglob("*") if p.is_file()}
