@@ -4,6 +4,8 @@ n with drafting on, the draft length rule, and the incompatible-draft error."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 from torch import nn
@@ -57,10 +59,13 @@ def _run(engine: Engine, params: SamplingParams) -> list[tuple[str, str, int]]:
         engine.close()
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.slow
+@pytest.mark.timeout(300)
 @pytest.mark.parametrize("family", ["llama", "gemma3"])
 def test_greedy_lookup_is_identical(family: str) -> None:
-    kw = {} if family == "llama" else dict(model_type="gemma3_text", sliding_window=8)
+    kw: dict[str, Any] = (
+        {} if family == "llama" else dict(model_type="gemma3_text", sliding_window=8)
+    )
     try:
         model = _model(**kw)
     except (TypeError, ConfigError) as exc:
@@ -76,10 +81,11 @@ def test_greedy_lookup_is_identical(family: str) -> None:
     assert m["spec_tokens_per_pass"] > 1.0
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.slow
+@pytest.mark.timeout(300)
 def test_greedy_draft_model_is_identical() -> None:
     target = _model(seed=1)
-    params = SamplingParams(max_tokens=40)
+    params = SamplingParams(max_tokens=24)
     plain = _run(_engine(target, None), params)
     for draft_seed in (1, 2):  # the same weights (all accepted), others (mostly rejected)
         dm = DraftModel(_model(seed=draft_seed, num_hidden_layers=1), ByteTokenizer())
@@ -95,7 +101,8 @@ def test_greedy_draft_model_is_identical() -> None:
     assert m["spec_accepted_tokens_total"] == m["spec_draft_tokens_total"] > 0
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.slow
+@pytest.mark.timeout(300)
 def test_rollback_keeps_cache_consistent_across_requests() -> None:
     """Rejected rows are rolled back: a follow-up request reusing the cached prefix (and a
     batch of two streams) decodes exactly as without speculation."""
@@ -118,7 +125,8 @@ def test_rollback_keeps_cache_consistent_across_requests() -> None:
     )
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.slow
+@pytest.mark.timeout(300)
 def test_stop_strings_logprobs_and_length_with_drafting() -> None:
     model = _model()
     for params in (
@@ -141,7 +149,8 @@ def test_stop_strings_logprobs_and_length_with_drafting() -> None:
         assert sum(e.token is not None for e in got[0]) <= params.max_tokens
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.slow
+@pytest.mark.timeout(300)
 def test_sampled_requests_run_and_respect_seed() -> None:
     model = _model()
     params = SamplingParams(max_tokens=24, temperature=0.8, seed=3)
