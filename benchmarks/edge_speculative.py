@@ -37,6 +37,7 @@ from edge.engine import Engine, LocalRunner
 from edge.lookup import LookupDrafter
 from edge.sampling import SamplingParams
 from edge.speculative import SpecConfig, Speculation
+from lowband.proc import die_with_parent
 
 CODE = """import json
 from dataclasses import dataclass
@@ -112,6 +113,7 @@ class LlamaServer:
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
+                preexec_fn=die_with_parent,  # never outlives a benchmark killed by a timeout
             )
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
@@ -191,7 +193,13 @@ def run(
         order = names[rep % len(names) :] + names[: rep % len(names)]
         for w, ids in prompts.items():
             for a in order:
-                raw[w][a].append(arms[a](ids, n))
+                r = arms[a](ids, n)
+                raw[w][a].append(r)
+                print(
+                    f"# {rep} {w} {a}: {r['tok_s']:.1f} tok/s, acc {r['acceptance']}",
+                    file=sys.stderr,
+                    flush=True,
+                )
     out: dict[str, Any] = {}
     for w, per in raw.items():
         res: dict[str, Any] = {}
