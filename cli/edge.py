@@ -210,6 +210,20 @@ def _add_serve(p: argparse.ArgumentParser) -> None:
         "times; as many or more waiting: whole chunks; default %(default)s)",
     )
     g.add_argument(
+        "--lookup",
+        action="store_true",
+        help="speculative decoding with prompt lookup: draft tokens from n-gram matches in the "
+        "prompt and output (exact: same output, several tokens per pass on repetitive text)",
+    )
+    g.add_argument(
+        "--draft",
+        metavar="FILE",
+        help="speculative decoding with this draft model (same vocabulary, run on the master; "
+        "like llama-server's -md)",
+    )
+    g.add_argument("--draft-max", type=int, default=8, help="most draft tokens a pass (1..15)")
+    g.add_argument("--draft-min", type=int, default=1, help="fewest draft tokens a pass")
+    g.add_argument(
         "--prefix-cache",
         type=int,
         help="finished sequences whose KV caches are kept for prefix reuse (default: --parallel)",
@@ -440,7 +454,7 @@ def _serve_config(args, devices: int):
     import os
 
     from edge.cluster import ClusterConfig
-    from edge.launch import BatchConfig, ServeMasterConfig, listen_host
+    from edge.launch import BatchConfig, ServeMasterConfig, SpecServeConfig, listen_host
     from edge.server import ServerConfig
 
     auth = resolve_auth(args, os.environ, client=False, server=True)
@@ -469,6 +483,16 @@ def _serve_config(args, devices: int):
             prefix_cache=args.prefix_cache,
             decode_stall=args.decode_stall,
             repack=args.repack,
+            spec=(
+                SpecServeConfig(
+                    lookup=args.lookup,
+                    draft=args.draft,
+                    draft_max=args.draft_max,
+                    draft_min=args.draft_min,
+                )
+                if args.lookup or args.draft
+                else None
+            ),
         ),
         cluster=ClusterConfig(
             devices=devices,

@@ -27,12 +27,15 @@ from edge.cluster import (
     check_experts,
     run_worker,
 )
+from edge.draft import DraftModel
 from edge.engine import Engine, LocalRunner, Runner
+from edge.lookup import LookupDrafter
 from edge.moe.serve import ExpertServeConfig, load_nested_shard, plan_ranks
 from edge.sampling import SamplingParams
 from edge.server import ServerConfig, serve_forever
 from edge.shardio import REPACK_MODES, WindowConfig, available_memory, is_split_dir, load_shard
 from edge.source import check_model_path, resolve_model
+from edge.speculative import SpecConfig, Speculation
 from lowband.errors import ConfigError, PeerLost
 from lowband.models.config import ModelConfig
 from lowband.proc import die_with_parent
@@ -71,6 +74,35 @@ class DeviceConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
+class SpecServeConfig:
+    """Speculative decoding for ``edge run|serve``: prompt lookup and/or a draft model file
+    (``edge.speculative``; a draft model wins when both are given)."""
+
+    lookup: bool = False
+    draft: str | None = None  # a model of the same vocabulary (llama-server's -md)
+    draft_max: int = 8
+    draft_min: int = 1
+
+    def __post_init__(self) -> None:
+        SpecConfig(draft_max=self.draft_max, draft_min=self.draft_min)  # raises ConfigError
+        if not self.lookup and self.draft is None:
+            raise ConfigError("speculation", "needs --lookup or --draft FILE")
+
+
+def build_speculation(spec: SpecServeConfig, runner: Runner, tok) -> Speculation:
+    """The engine's drafters: a draft model loaded here (the master), checked against the
+    target's vocabulary and tokenizer (``IncompatibleDraft`` otherwise), or prompt lookup."""
+    cfg = SpecConfig(draft_max=spec.draft_max, draft_min=spec.draft_min)
+    if spec.draft is None:
+        return Speculation(cfg, LookupDrafter)
+    check_model_path(spec.draft)
+    dm = DraftModel(load_shard(spec.draft).model, resolve_model(spec.draft).tokenizer())
+    dm.check(runner.config.vocab_size, tok)
+    logger.info("speculation: draft model %s, up to %d tokens a pass", spec.draft, cfg.draft_max)
+    return Speculation(cfg, dm.drafter)
+
+
+@dataclass(frozen=True, kw_only=True)
 class BatchConfig:
     """How the engine batches requests (see :mod:`edge.engine`)."""
 
@@ -81,6 +113,7 @@ class BatchConfig:
     decode_stall: float = 2.0  # a step that prefills beside decodes: <= this x a decode step
     prefix_cache: int | None = None  # finished sequences kept for prefix reuse (default parallel)
     sizing_context: int = 4096
+    spec: SpecServeConfig | None = None  # speculative decoding (None: off)
     repack: str = "auto"
     """K-quant weights also kept in the batch GEMM's layout (:func:`repack_for_batches`): "on",
     "off", or "auto" (when more than one sequence is batched and the copy fits half the
@@ -127,6 +160,7 @@ def make_engine(runner: Runner, tok, name: str, batch: "BatchConfig") -> Engine:
         prefill_chunk=batch.prefill_chunk,
         prefix_cache=batch.prefix_cache,
         decode_stall=batch.decode_stall,
+        speculation=None if batch.spec is None else build_speculation(batch.spec, runner, tok),
     )
     logger.info(
         "engine: %d parallel sequences, prefill chunk %d", engine.parallel, batch.prefill_chunk

@@ -48,6 +48,29 @@ def linear_rows(mod: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return torch.cat([mod(x2[i : i + 1]) for i in range(rows)]).reshape(*x.shape[:-1], -1)
 
 
+HEAD_MARGIN = 1e-3
+"""A batched LM head row is recomputed alone when its two largest logits are closer than this
+(relative): elsewhere the GEMM's rounding (~1e-5 here) cannot change the argmax."""
+
+
+def head_rows(mod: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """The LM head over 2..``ROWWISE_ROWS`` rows in one GEMM (the head is most of a small
+    model's weights: reading it once per row would cost what speculation saves), every row
+    whose top-2 margin is within ``HEAD_MARGIN`` recomputed alone, so each row's argmax is
+    the one a single-token decode picks; the other logits may differ in the last bits."""
+    rows = x.numel() // max(x.shape[-1], 1)
+    if type(mod) is not nn.Linear or not 1 < rows <= ROWWISE_ROWS:
+        return mod(x)
+    out = mod(x)
+    flat = out.reshape(rows, -1)
+    top = flat.topk(2, dim=-1).values
+    close = top[:, 0] - top[:, 1] <= HEAD_MARGIN * (1.0 + top[:, 0].abs())
+    x2 = x.reshape(rows, 1, x.shape[-1])
+    for i in close.nonzero().flatten().tolist():
+        flat[i] = mod(x2[i : i + 1]).reshape(-1)
+    return out
+
+
 class RMSNorm(nn.Module):
     """``unit_offset`` (Gemma): the scale is 1 + weight, applied before casting back."""
 
@@ -699,7 +722,7 @@ class LlamaForCausalLM(nn.Module):
         fast: Any = self.fast_decode
         if fast is not None and (x.numel() == x.shape[-1] or hasattr(fast, "layers_batch")):
             return fast.head(x)
-        logits = linear_rows(self.lm_head, self.model.norm(x))
+        logits = head_rows(self.lm_head, self.model.norm(x))
         cap = self.config.final_logit_softcapping
         if cap is not None:  # elementwise: also right on a rank's rows of a split head
             logits = torch.tanh(logits / cap) * cap

