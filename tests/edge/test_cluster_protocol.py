@@ -16,6 +16,7 @@ import msgpack
 import pytest
 
 import edge.cluster.master
+import edge.cluster.pipeline
 import edge.profile
 from edge.cluster import WorkerConfig, protocol, run_worker
 from edge.cluster.protocol import (
@@ -103,6 +104,11 @@ EXAMPLES: list[Msg] = [
     Bye(),
     Report(report={"hits": 3, "misses": 1}),
     Report(report=None),
+    protocol.StageAssign(
+        stage=1, lo=9, hi=18, layers=18, model_dir="/m", dtype=None, op_timeout=5.0, silence_s=40
+    ),
+    protocol.StageStep(fid=4, epoch=1, caches=[0, 3], starts=[7, 0], lengths=[1, 5]),
+    protocol.Staged(fid=4),
 ]
 
 
@@ -234,7 +240,7 @@ def _ops_sent(path: str) -> set[str]:
 
 
 def test_the_master_sends_what_the_worker_handles() -> None:
-    master = _ops_sent(edge.cluster.master.__file__)
+    master = _ops_sent(edge.cluster.master.__file__) | _ops_sent(edge.cluster.pipeline.__file__)
     profile = _ops_sent(edge.profile.__file__)  # the automatic split's echo and profile
     assert profile == {"echo", "profile"}
     assert master | profile == set(HANDLERS) == TO_WORKER

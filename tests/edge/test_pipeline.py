@@ -94,7 +94,7 @@ def test_pipeline_logits_bit_identical_to_one_device(ckpt, world, groups) -> Non
             got = runner.forward_batch(work)
             # one device running the same batches (a batch's shape changes a GEMM's rounding
             # on one device too, so the reference runs the step's micro-batches one by one)
-            want = []
+            want: list[torch.Tensor] = []
             for grp in micro_batches(work, [len(w.ids) for w in work], groups):
                 spans = [Span(caches[w.slot], w.start, len(w.ids)) for w in grp]
                 ids = torch.tensor([[t for w in grp for t in w.ids]])
