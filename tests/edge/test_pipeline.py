@@ -168,3 +168,29 @@ def test_layer_range_refuses_nonsense() -> None:
         ClusterConfig(devices=2, layout="ring")
     with pytest.raises(ConfigError):
         ClusterConfig(devices=2, micro_batches=0)
+
+
+def _dev(name, layer_ms, rtt=0.0, mem=1e6):
+    from edge.planner import LayoutDevice
+
+    return LayoutDevice(name=name, layer_ms=layer_ms, memory_mb=mem, rtt_ms=rtt)
+
+
+def test_plan_layout_by_round_trip_speed_and_memory() -> None:
+    from edge.planner import plan_layout
+
+    # Wi-Fi (4 ms): tensor parallelism pays 2 * 18 round trips; one device wins
+    p = plan_layout(18, 10.0, [_dev("m", 1.0), _dev("w", 1.0, rtt=4.0)])
+    assert p.layout == "single" and p.predicted_ms["tp"] > 140 and p.devices == 1
+    # a fast switch and slow devices: tensor parallelism halves the compute
+    p = plan_layout(18, 10.0, [_dev("m", 10.0), _dev("w", 10.0, rtt=0.05)])
+    assert p.layout == "tp" and p.devices == 2
+    # the model fits no single device: pipeline stages spread its memory
+    p = plan_layout(18, 10.0, [_dev("m", 1.0, mem=120), _dev("w", 1.0, rtt=4.0, mem=120)])
+    assert p.layout == "pipeline" and sum(p.stages) == 18 and max(p.stages) <= 12
+    assert "does not fit" in p.reason and "single" not in p.predicted_ms
+    # a worker twice as fast takes about twice the layers
+    p = plan_layout(18, 10.0, [_dev("m", 2.0, mem=100), _dev("w", 1.0, rtt=1.0)])
+    assert p.layout == "pipeline" and p.stages == (6, 12)
+    with pytest.raises(ConfigError):
+        plan_layout(18, 10.0, [_dev("m", 1.0, mem=10), _dev("w", 1.0, mem=10)])
