@@ -78,13 +78,15 @@ def _stop(runner, workers) -> None:
         assert w.error is None
 
 
-@pytest.mark.parametrize("world,groups", [(2, 1), (2, 2), (3, 3)])
-def test_pipeline_logits_bit_identical_to_one_device(ckpt, world, groups) -> None:
+@pytest.mark.parametrize(
+    "world,groups,link", [(2, 1, "direct"), (2, 2, "direct"), (3, 3, "direct"), (2, 2, "comm")]
+)
+def test_pipeline_logits_bit_identical_to_one_device(ckpt, world, groups, link) -> None:
     """Three sequences: prompts of different lengths in one step (chunked prefill), then
     decode steps; every logit equals one device's ragged pass bit for bit."""
     ref = load_shard(ckpt, fast=False).model
     caches = {i: ref.new_cache() for i in range(3)}
-    runner, workers = _start(ckpt, world, micro_batches=groups)
+    runner, workers = _start(ckpt, world, micro_batches=groups, link=link)
     try:
         assert sum(r.hi - r.lo for r in runner.ranges) == 5 and len(runner.ranges) == world
         prompts = {0: [5, 9, 200, 3], 1: [7], 2: [1, 2, 3, 4, 5, 6, 7]}
@@ -144,8 +146,9 @@ def test_lost_stage_fails_the_request_clearly(ckpt) -> None:
     comms = group.comms()
     worker = _Thread(lambda: run_worker(comms[1], WorkerConfig(join_timeout=20)))
     worker.start()
+    # (over the communicator: closing it is the whole device going away for a thread rank)
     cfg = ClusterConfig(
-        devices=2, op_timeout=2.0, join_timeout=20, heartbeat_s=30, layout="pipeline"
+        devices=2, op_timeout=2.0, join_timeout=20, heartbeat_s=30, layout="pipeline", link="comm"
     )
     runner = PipelineRunner(comms[0], str(ckpt), cfg)
     try:
