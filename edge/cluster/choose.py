@@ -25,7 +25,7 @@ from edge.cluster.protocol import CTL, READY, Bye, Echo, Regroup, Shutdown, mast
 from edge.engine import LocalRunner, Runner
 from edge.planner import LayoutDevice, LayoutPlan, plan_layout
 from edge.profile import memory_available_mb
-from edge.shardio import load_shard
+from edge.shardio import is_split_dir, load_shard
 from lowband.comm import Communicator
 from lowband.errors import ConfigError, LowbandError
 
@@ -76,9 +76,20 @@ def measure_layer_ms(runner: LocalRunner, steps: int = 12) -> float:
     return 1e3 * statistics.median(times[2:]) / L
 
 
+def tp_only(model_dir: str, cc: ClusterConfig) -> str | None:
+    """Why only the tensor-parallel layout serves this (None: any layout can): a directory
+    split for N devices, or an option only tensor parallelism has."""
+    if is_split_dir(model_dir):
+        return "a split directory is cut for tensor parallelism"
+    for name in ("weights", "experts", "window", "memory_budget_mb"):
+        if getattr(cc, name) is not None:
+            return f"--{name.replace('_', '-')} is a tensor-parallel option"
+    return "--auto-split plans a tensor-parallel split" if cc.auto_split else None
+
+
 def start_runner(comm: Communicator, model_dir: str, cc: ClusterConfig) -> Runner:
     """The master's runner for ``cc.layout`` (``auto``: measured and planned, see above)."""
-    if cc.layout == "tp":
+    if cc.layout == "tp" or (cc.layout == "auto" and tp_only(model_dir, cc)):
         return MasterRunner(comm, model_dir, cc)
     if cc.layout == "pipeline":
         return PlannedRunner(PipelineRunner(comm, model_dir, cc), None, "pipeline")

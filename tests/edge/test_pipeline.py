@@ -197,3 +197,11 @@ def test_plan_layout_by_round_trip_speed_and_memory() -> None:
     assert p.layout == "pipeline" and p.stages == (6, 12)
     with pytest.raises(ConfigError):
         plan_layout(18, 10.0, [_dev("m", 1.0, mem=10), _dev("w", 1.0, mem=10)])
+
+
+def test_auto_keeps_tp_for_tensor_parallel_only_setups(ckpt, tmp_path) -> None:
+    from edge.cluster.choose import tp_only
+
+    assert tp_only(str(ckpt), ClusterConfig(devices=2, layout="auto")) is None
+    assert "weights" in (tp_only(str(ckpt), ClusterConfig(devices=2, weights=(2.0, 1.0))) or "")
+    assert "auto-split" in (tp_only(str(ckpt), ClusterConfig(devices=2, auto_split=True)) or "")
