@@ -184,6 +184,8 @@ class Soak:
                 "tiny",
                 "--workers",
                 "2",
+                "--layout",  # the tensor-parallel cluster and its recovery
+                "tp",
                 "--steps",
                 str(self.train_steps),
                 "--eval-every",
@@ -213,6 +215,8 @@ class Soak:
                 str(ckpt),
                 "--workers",
                 "1",
+                "--layout",  # the tensor-parallel cluster and its recovery
+                "tp",
                 "--bind",
                 f"tcp://127.0.0.1:{self.edge_bind}",
                 "--port",

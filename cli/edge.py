@@ -152,6 +152,20 @@ def _add_serve(p: argparse.ArgumentParser) -> None:
         help="profile every device and choose the split automatically (see /health)",
     )
     p.add_argument(
+        "--layout",
+        choices=["auto", "tp", "pipeline", "single"],
+        help="how the model spreads over the devices: tp (every layer split, two round trips "
+        "per layer), pipeline (each device a range of layers, one hop per device), single "
+        "(the master alone) or auto (chosen from the measured round trips and device "
+        "speed; shown in /health). Default: auto for serve, tp for run",
+    )
+    p.add_argument(
+        "--micro-batches",
+        type=int,
+        default=2,
+        help="pipeline layout: groups of streams in flight through the stages (default 2)",
+    )
+    p.add_argument(
         "--wire",
         default="fp32",
         choices=["fp32", "fp16", "bf16", "int8"],
@@ -450,7 +464,8 @@ def _generate(args) -> int:
         return _fail(exc)
 
 
-def _serve_config(args, devices: int):
+def _serve_config(args, devices: int, layout: str = "tp"):
+    """``layout``: the command's default when --layout is not given (serve: auto, run: tp)."""
     import os
 
     from edge.cluster import ClusterConfig
@@ -510,6 +525,8 @@ def _serve_config(args, devices: int):
             ship=getattr(args, "ship", False),
             experts=_experts(args),
             auto_split=args.auto_split,
+            layout=args.layout or layout,
+            micro_batches=args.micro_batches,
         ),
     )
 
@@ -518,7 +535,7 @@ def _serve(args) -> int:
     from edge.launch import serve_main
 
     try:
-        return serve_main(_serve_config(args, args.workers + 1))
+        return serve_main(_serve_config(args, args.workers + 1, layout="auto"))
     except LowbandError as exc:
         return _fail(exc)
 

@@ -22,11 +22,11 @@ import torch
 from edge.cluster import (
     MASTER_ID_PREFIX,
     ClusterConfig,
-    MasterRunner,
     WorkerConfig,
     check_experts,
     run_worker,
 )
+from edge.cluster.choose import start_runner
 from edge.draft import DraftModel
 from edge.engine import Engine, LocalRunner, Runner
 from edge.lookup import LookupDrafter
@@ -327,7 +327,7 @@ def build_engine(cfg: ServeMasterConfig, coord=None, master_host: str | None = N
         peer_id=f"{MASTER_ID_PREFIX}-{uuid.uuid4().hex[:8]}",
     )
     try:
-        runner = MasterRunner(comm, cfg.model_dir, cc)
+        runner = start_runner(comm, cfg.model_dir, cc)  # (tp: MasterRunner)
     except BaseException:
         comm.close()
         coord.stop()

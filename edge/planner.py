@@ -329,3 +329,112 @@ def plan_split(
         even_ms=round(even, 3),
         left_out=left_out,
     )
+
+
+# ---- the layout: one device, tensor parallel or pipeline stages ----------------------------------
+@dataclass(frozen=True, kw_only=True)
+class LayoutDevice:
+    """What the layout planner knows of one device (the master first)."""
+
+    name: str
+    layer_ms: float  # ms of one decoder layer at decode shape on this device (measured)
+    memory_mb: float  # memory its weights may use
+    rtt_ms: float = 0.0  # round trip to the master (0 for the master itself)
+
+    def __post_init__(self) -> None:
+        for f in ("layer_ms", "memory_mb", "rtt_ms"):
+            v = getattr(self, f)
+            if not (v >= 0 and v < float("inf")):
+                raise ConfigError(f, f"must be a finite number >= 0, got {v}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class LayoutPlan:
+    """The layout planner's choice, its predictions (ms per token, one stream) and why."""
+
+    layout: str  # single / tp / pipeline
+    devices: int
+    stages: tuple[int, ...]  # layers per device (pipeline), () otherwise
+    predicted_ms: dict[str, float]  # per layout considered
+    reason: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "layout": self.layout,
+            "devices": self.devices,
+            "stages": list(self.stages),
+            "predicted_ms": {k: round(v, 3) for k, v in self.predicted_ms.items()},
+            "reason": self.reason,
+        }
+
+
+def plan_layout(
+    layers: int,
+    layer_mb: float,
+    devices: Sequence[LayoutDevice],
+    *,
+    hop_ms: float = 0.3,
+    min_gain: float = 0.1,
+) -> LayoutPlan:
+    """Choose how to serve one stream from measured round trips and device speeds.
+
+    Predicted ms per token (L layers of ``layer_mb`` MB; t_i ms per layer on device i; a
+    device holding more than its memory is not considered)::
+
+        single    L * t_0
+        pipeline  sum_i n_i * t_i + sum_{i>0} (rtt_i + hop_ms)   n_i layers, speed-weighted
+        tp        L * max_i t_i / S + 2 * L * max_i rtt_i        two all-reduces per layer
+
+    (``hop_ms``: the fixed cost of one hidden-state hop besides the round trip: serialising,
+    waking the peer.) A layout with more devices must beat the best smaller one by
+    ``min_gain`` (the model is a measurement, not an oracle); the single device wins ties. Where
+    the model fits no single device, the pipeline is the layout that spreads memory.
+    """
+    from edge.cluster.layout import stage_ranges  # (a pure schedule beside the stages)
+
+    if not devices:
+        raise ConfigError("devices", "the layout planner needs at least the master")
+    L, S = layers, len(devices)
+    t = [d.layer_ms for d in devices]
+    pred: dict[str, float] = {}
+    fits_one = L * layer_mb <= devices[0].memory_mb
+    if fits_one:
+        pred["single"] = L * t[0]
+    stages: tuple[int, ...] = ()
+    if S > 1:
+        caps = [max(1, int(d.memory_mb // max(layer_mb, 1e-9))) for d in devices]
+        try:
+            ranges = stage_ranges(L, [1.0 / max(x, 1e-6) for x in t], caps)
+        except ConfigError:
+            ranges = []
+        if ranges:
+            stages = tuple(r.hi - r.lo for r in ranges)
+            links = sum(d.rtt_ms + hop_ms for d in devices[1:])
+            pred["pipeline"] = sum(n * x for n, x in zip(stages, t)) + links
+        if all(L * layer_mb / S <= d.memory_mb for d in devices):
+            pred["tp"] = L * max(t) / S + 2 * L * max(d.rtt_ms for d in devices[1:])
+    if not pred:
+        raise ConfigError(
+            "memory",
+            f"the model's {L * layer_mb:.0f} MB of layers fit neither one device nor the "
+            f"{S} devices together",
+        )
+    order = [k for k in ("single", "pipeline", "tp") if k in pred]
+    best = order[0]
+    for k in order[1:]:
+        if pred[k] < pred[best] * (1 - min_gain):
+            best = k
+    why = ", ".join(f"{k} {pred[k]:.1f} ms" for k in order)
+    if best == "single":
+        reason = f"one device is predicted fastest ({why}): the links cost more than they save"
+    else:
+        reason = f"{best} predicted fastest ({why})"
+    if not fits_one:
+        reason += "; the model does not fit the master alone"
+    return LayoutPlan(
+        layout=best,
+        devices=1 if best == "single" else S,
+        stages=stages if best == "pipeline" else (),
+        predicted_ms=pred,
+        reason=reason,
+    )

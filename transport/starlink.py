@@ -275,6 +275,17 @@ class _Conn:
             pass
 
 
+def _shaped(frames: list[torch.Tensor], meta: dict, what: str) -> tuple[list[torch.Tensor], dict]:
+    """A CMD message's frames in the shapes its sender listed (``_shapes``)."""
+    shapes = meta.pop("_shapes", None)
+    if not isinstance(shapes, list) or len(shapes) != len(frames):
+        raise ProtocolError(f"{what} without its frame shapes")
+    try:
+        return [f.view(shape) for f, shape in zip(frames, shapes)], meta
+    except (RuntimeError, TypeError):
+        raise ProtocolError(f"{what}'s frames do not match their shapes {shapes}") from None
+
+
 class StarHub:
     """The master's end: sums the workers' partial outputs and sends back the result."""
 
@@ -386,6 +397,19 @@ class StarHub:
             raise PeerLost(f"no link to slot {slot}")
         meta = {**meta, "_shapes": [list(f.shape) for f in frames]}
         conn.send(CMD, 0, [f.detach().contiguous() for f in frames], meta, timeout)
+
+    def reply_from(
+        self, slot: int, timeout: float | None = None
+    ) -> tuple[list[torch.Tensor], dict]:
+        """The answer (a CMD message, :meth:`StarSpoke.reply`) of the worker holding ``slot``
+        to a command: a pipeline stage's hidden state comes back this way."""
+        conn = self._conns.get(slot)
+        if conn is None:
+            raise PeerLost(f"no link to slot {slot}")
+        kind, _, frames, meta = conn.recv(timeout)
+        if kind != CMD:
+            raise ProtocolError(f"expected a reply from slot {slot}, got message kind {kind}")
+        return _shaped(frames, meta, "a reply")
 
     def native_spec(self, timeout: float | None) -> tuple:
         """What a native implementation needs for float32 all-reduces on this link:
@@ -511,15 +535,12 @@ class StarSpoke:
             raise PeerLost("the master aborted (a device failed)")
         if kind != CMD:
             raise ProtocolError(f"expected a command on the link, got message kind {kind}")
-        shapes = meta.pop("_shapes", None)
-        if not isinstance(shapes, list) or len(shapes) != len(frames):
-            raise ProtocolError("a link command without its frame shapes")
-        try:
-            return [f.view(shape) for f, shape in zip(frames, shapes)], meta
-        except (RuntimeError, TypeError):
-            raise ProtocolError(
-                f"a link command's frames do not match their shapes {shapes}"
-            ) from None
+        return _shaped(frames, meta, "a link command")
+
+    def reply(self, meta: dict, frames: Sequence[torch.Tensor], timeout: float | None) -> None:
+        """Answer the master's command (read by :meth:`StarHub.reply_from`)."""
+        meta = {**meta, "_shapes": [list(f.shape) for f in frames]}
+        self._conn.send(CMD, 0, [f.detach().contiguous() for f in frames], meta, timeout)
 
     def resync(self, timeout: float) -> None:
         """Skip stale ABORTs up to the master's SYNC marker; restart the sequence."""

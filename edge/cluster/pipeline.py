@@ -44,6 +44,7 @@ from edge.cluster.protocol import (
     StageAssign,
     Staged,
     StageStep,
+    Yield,
     master_rank,
 )
 from edge.cluster.shard import append_problem
@@ -60,6 +61,7 @@ from lowband.errors import (
     TransportTimeout,
 )
 from lowband.models.llama import KVCache, Span
+from transport.starlink import StarHub
 
 logger = logging.getLogger(__name__)
 
@@ -87,6 +89,15 @@ class PipelineRunner:
         if master_rank(m.peers) != comm.rank:
             raise ConfigError("master", f"another peer ({m.peers[master_rank(m.peers)]}) leads")
         self.workers = [r for r in range(comm.world_size) if r != comm.rank][: cfg.devices - 1]
+        # Steps and answers travel on the star link (the compute threads, no I/O thread hop:
+        # see transport.starlink); control messages on the communicator. _on_link: stages
+        # polling their link for the next step (told to "yield" before any control message).
+        self.hub = (
+            StarHub(cfg.link_host, spin_s=cfg.link_spin_us * 1e-6)
+            if cfg.link == "direct" and self.workers
+            else None
+        )
+        self._on_link: set[int] = set()
         shard = load_shard(self.model_dir, dtype=cfg.dtype, fast=False)
         L = shard.model.config.num_hidden_layers
         self.ranges = list(ranges or stage_ranges(L, cfg.weights or [1.0] * cfg.devices))
@@ -116,6 +127,9 @@ class PipelineRunner:
                 dtype=cfg.dtype,
                 op_timeout=cfg.op_timeout,
                 silence_s=max(30.0, 10 * cfg.heartbeat_s) + cfg.op_timeout,
+                link_port=self.hub.port if self.hub else None,
+                link_secret=self.hub.secret if self.hub else None,
+                link_spin_us=cfg.link_spin_us,
             )
             self.comm.send(r, [], msg.encode(), tag=CTL)
         for s, r in enumerate(self.workers, start=1):
@@ -124,16 +138,30 @@ class PipelineRunner:
                 raise ConfigError(
                     "worker", f"worker rank {r} could not load stage {s}: {ready.error}"
                 )
+            if self.hub is not None:  # the worker dialled the link before saying ready
+                self.hub.accept(s, timeout=cfg.op_timeout)
         logger.info("pipeline stages: %s", self.describe())
 
     def describe(self) -> str:
         return ", ".join(f"stage {i}: layers {r.lo}..{r.hi - 1}" for i, r in enumerate(self.ranges))
 
+    def _ctl(self, s: int, msg: Msg) -> None:
+        """A control message to stage ``s`` (1..): one polling its link is first told to go
+        back to the communicator, so the order of everything the master says is kept."""
+        if s in self._on_link:
+            self._on_link.discard(s)
+            assert self.hub is not None
+            self.hub.command(s, Yield().encode(), timeout=self.cfg.op_timeout)
+        self.comm.send(self.workers[s - 1], [], msg.encode(), tag=CTL)
+
     def _send_all(self, msg: Msg) -> None:
-        for r in self.workers:
-            self.comm.send(r, [], msg.encode(), tag=CTL)
+        for s in range(1, len(self.workers) + 1):
+            self._ctl(s, msg)
 
     def _fail(self, exc: BaseException, where: str) -> ClusterUnavailable:
+        if self.hub is not None:
+            self.hub.abort()  # wakes a stage waiting on its link for the next step
+        self._on_link.clear()
         self._healthy = False
         self._status = f"failed: {where}: {exc}"
         logger.warning("pipeline failed at %s: %s", where, exc)
@@ -198,6 +226,7 @@ class PipelineRunner:
                 caches=[w.slot for w in g],
                 starts=[w.start for w in g],
                 lengths=[len(w.ids) for w in g],
+                link=self.hub is not None,
             )
             ids = torch.tensor([[t for w in g for t in w.ids]], dtype=torch.long)
             spans = [Span(self._cache(w.slot), w.start, len(w.ids)) for w in g]
@@ -218,11 +247,24 @@ class PipelineRunner:
         return torch.cat(out) if out else None
 
     def _relay(self, s: int, msg: StageStep, h: torch.Tensor) -> None:
-        """The hidden state leaving stage ``s`` to stage ``s + 1``."""
-        self.comm.send(self.workers[s], [h.contiguous()], msg.encode(), tag=CTL)
+        """The hidden state leaving stage ``s`` to stage ``s + 1``: on its link when it polls
+        there, else on the communicator (which puts it on its link when there is one)."""
+        nxt, x = s + 1, h.contiguous()
+        if nxt in self._on_link:
+            assert self.hub is not None
+            self.hub.command(nxt, msg.encode(), [x], timeout=self.cfg.op_timeout)
+            return
+        self.comm.send(self.workers[s], [x], msg.encode(), tag=CTL)
+        if self.hub is not None:
+            self._on_link.add(nxt)
 
     def _answer(self, s: int, fid: int) -> torch.Tensor:
-        tensors, meta = self.comm.recv(self.workers[s - 1], tag=STAGE, timeout=self.cfg.op_timeout)
+        if self.hub is not None:
+            tensors, meta = self.hub.reply_from(s, timeout=self.cfg.op_timeout)
+        else:
+            tensors, meta = self.comm.recv(
+                self.workers[s - 1], tag=STAGE, timeout=self.cfg.op_timeout
+            )
         got = Staged.decode(meta)
         if got.fid != fid or len(tensors) != 1:
             raise ProtocolError(f"stage {s} answered step {got.fid}, expected {fid}")
@@ -302,9 +344,9 @@ class PipelineRunner:
         self._closed.set()
         with self._lock:
             told = []
-            for r in self.workers:
+            for s, r in enumerate(self.workers, start=1):
                 try:
-                    self.comm.send(r, [], Shutdown().encode(), tag=CTL)
+                    self._ctl(s, Shutdown())
                     told.append(r)
                 except LowbandError:
                     pass
@@ -313,4 +355,6 @@ class PipelineRunner:
                     Bye.decode(self.comm.recv(r, tag=READY, timeout=5.0)[1])
                 except LowbandError:
                     pass
+        if self.hub is not None:
+            self.hub.close()
         self.stage.close()

@@ -9,8 +9,8 @@ beside the meta, never in it.
 Channels (tags of :meth:`lowband.comm.Communicator.send`)::
 
     edge.ctl     master -> worker: every message of TO_WORKER except ``yield``
-    star link    master -> worker (``transport.starlink`` CMD): ``forward``, ``batch`` and
-                 ``yield`` only
+    star link    master -> worker (``transport.starlink`` CMD): ``forward``, ``batch``,
+                 ``stage`` and ``yield`` only; worker -> master: ``staged``
     edge.ready   worker -> master: ``ready`` (answer to ``assign``), ``bye`` (to ``shutdown``)
     edge.stats{n}  worker -> master: ``report`` (answer to ``stats`` n)
     edge.stage   worker -> master: ``staged`` (answer to ``stage``, pipeline layout)
@@ -42,8 +42,10 @@ generated from the dataclasses below by :func:`describe` (a test keeps the two i
     profile   n: int, dtype: str | None, model_dir: str, memory_mb: float | None = None
     yield
     stage_assign stage: int, lo: int, hi: int, layers: int, model_dir: str, dtype: str | None,
-              op_timeout: float, silence_s: float
-    stage     fid: int, epoch: int, caches: list[int], starts: list[int], lengths: list[int]
+              op_timeout: float, silence_s: float, link_port: int | None = None,
+              link_secret: str | None = None, link_spin_us: float = 0.0
+    stage     fid: int, epoch: int, caches: list[int], starts: list[int], lengths: list[int],
+              link: bool = False
               + tensors: the hidden state entering this stage (1, N, H), N = sum(lengths)
     ready     ok: bool, slot: int | None = None, error: str | None = None
     bye
@@ -381,8 +383,17 @@ class StageAssign(Msg):
     dtype: str | None
     op_timeout: float  # seconds
     silence_s: float  # this much silence from the master means it is gone
+    # the master's star link (transport.starlink): steps and their answers travel there, on
+    # the compute threads; None: over the communicator
+    link_port: int | None = None
+    link_secret: str | None = None
+    link_spin_us: float = 0.0
 
     def __post_init__(self) -> None:
+        if self.link_port is not None and not 1 <= self.link_port <= 65535:
+            raise ProtocolError("'stage_assign' message: link_port must be a TCP port")
+        if not (math.isfinite(self.link_spin_us) and 0 <= self.link_spin_us <= 1e6):
+            raise ProtocolError("'stage_assign' message: link_spin_us must be in [0, 1e6]")
         if not 1 <= self.stage < MAX_WORLD:
             raise ProtocolError(f"'stage_assign' message: stage must be in [1, {MAX_WORLD})")
         if not 0 <= self.lo < self.hi <= self.layers <= 1 << 16:
@@ -412,6 +423,7 @@ class StageStep(Msg):
     caches: list[int]
     starts: list[int]
     lengths: list[int]
+    link: bool = False  # answer on the star link and keep polling it for the next step
 
     def __post_init__(self) -> None:
         n = len(self.caches)

@@ -246,7 +246,7 @@ def _dispatch(
         logger.warning("worker: ignoring a %r message, which workers do not handle", msg.OP)
         return
     handler(comm, cfg, st, msg, tensors)
-    st.on_link = isinstance(msg, (Forward, Batch)) and msg.link and st.link is not None
+    st.on_link = isinstance(msg, (Forward, Batch, StageStep)) and msg.link and st.link is not None
 
 
 def _next_on_link(comm: Communicator, cfg: WorkerConfig, st: WorkerState, wait: float) -> None:
@@ -268,7 +268,7 @@ def _next_on_link(comm: Communicator, cfg: WorkerConfig, st: WorkerState, wait: 
     except ProtocolError as exc:
         logger.warning("worker: dropping a malformed link command: %s", exc)
         msg = Yield()  # back to the communicator, as for any command but a forward
-    if not isinstance(msg, (Forward, Batch)):
+    if not isinstance(msg, (Forward, Batch, StageStep)):
         st.on_link = False
         return
     try:
@@ -510,6 +510,17 @@ def _stage_assign(
         st.stage = st.shard = st.link = None
         st.caches.clear()
         st.stage = load_stage(model_dir, LayerRange(msg.lo, msg.hi, msg.layers), msg.dtype)
+        if msg.link_port is not None:
+            st.link = StarSpoke(
+                cfg.master_host,
+                msg.link_port,
+                msg.stage,
+                msg.op_timeout,
+                secret=msg.link_secret or "",
+                spin_s=msg.link_spin_us * 1e-6,
+            )
+    except (TransportTimeout, ProtocolError, CommClosed):
+        raise  # the network, not the stage: regroup (run_worker) or end
     except (LowbandError, QuantError, OSError, RuntimeError) as exc:
         logger.warning("worker: cannot load stage %d: %s", msg.stage, exc)
         comm.send(master, [], Ready(ok=False, error=str(exc)).encode(), tag=READY)
@@ -536,7 +547,11 @@ def _stage_step(
             raise ProtocolError(f"stage item on cache {c} {why}")
     spans = [Span(st.cache(c), s, n) for c, s, n in zip(msg.caches, msg.starts, msg.lengths)]
     h = st.stage.run(tensors[0], spans)
-    comm.send(master_rank(comm.membership.peers), [h], Staged(fid=msg.fid).encode(), tag=STAGE)
+    answer = Staged(fid=msg.fid).encode()
+    if msg.link and st.link is not None:
+        st.link.reply(answer, [h], timeout=st.silence_s)
+    else:
+        comm.send(master_rank(comm.membership.peers), [h], answer, tag=STAGE)
     st.forwards += 1
 
 

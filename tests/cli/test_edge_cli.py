@@ -199,6 +199,8 @@ def test_worker_kill_and_return(ckpt, spawn) -> None:
             str(d),
             "--workers",
             "2",
+            "--layout",  # the tensor-parallel cluster and its recovery
+            "tp",
             "--bind",
             bind,
             "--port",

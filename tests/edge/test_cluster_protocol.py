@@ -109,6 +109,11 @@ EXAMPLES: list[Msg] = [
     Bye(),
     Report(report={"hits": 3, "misses": 1}),
     Report(report=None),
+    protocol.StageAssign(
+        stage=1, lo=9, hi=18, layers=18, model_dir="/m", dtype=None, op_timeout=5.0, silence_s=40
+    ),
+    protocol.StageStep(fid=4, epoch=1, caches=[0, 3], starts=[7, 0], lengths=[1, 5]),
+    protocol.Staged(fid=4),
 ]
 
 
@@ -240,7 +245,7 @@ def _ops_sent(path: str) -> set[str]:
 
 
 def test_the_master_sends_what_the_worker_handles() -> None:
-    master = _ops_sent(edge.cluster.master.__file__)
+    master = _ops_sent(edge.cluster.master.__file__) | _ops_sent(edge.cluster.pipeline.__file__)
     profile = _ops_sent(edge.profile.__file__)  # the automatic split's echo and profile
     pipeline = _ops_sent(edge.cluster.pipeline.__file__)  # the pipeline layout's stages
     assert profile == {"echo", "profile"}

@@ -151,6 +151,8 @@ def test_zero_config_cluster_in_two_namespaces(tmp_path) -> None:
                     str(tmp_path),
                     "--workers",
                     "1",
+                    "--layout",  # the tensor-parallel cluster and its recovery
+                    "tp",
                     "--discover",
                     name,
                     "--curve-key",

@@ -78,13 +78,15 @@ def _stop(runner, workers) -> None:
         assert w.error is None
 
 
-@pytest.mark.parametrize("world,groups", [(2, 1), (2, 2), (3, 3)])
-def test_pipeline_logits_bit_identical_to_one_device(ckpt, world, groups) -> None:
+@pytest.mark.parametrize(
+    "world,groups,link", [(2, 1, "direct"), (2, 2, "direct"), (3, 3, "direct"), (2, 2, "comm")]
+)
+def test_pipeline_logits_bit_identical_to_one_device(ckpt, world, groups, link) -> None:
     """Three sequences: prompts of different lengths in one step (chunked prefill), then
     decode steps; every logit equals one device's ragged pass bit for bit."""
     ref = load_shard(ckpt, fast=False).model
     caches = {i: ref.new_cache() for i in range(3)}
-    runner, workers = _start(ckpt, world, micro_batches=groups)
+    runner, workers = _start(ckpt, world, micro_batches=groups, link=link)
     try:
         assert sum(r.hi - r.lo for r in runner.ranges) == 5 and len(runner.ranges) == world
         prompts = {0: [5, 9, 200, 3], 1: [7], 2: [1, 2, 3, 4, 5, 6, 7]}
@@ -94,7 +96,7 @@ def test_pipeline_logits_bit_identical_to_one_device(ckpt, world, groups) -> Non
             got = runner.forward_batch(work)
             # one device running the same batches (a batch's shape changes a GEMM's rounding
             # on one device too, so the reference runs the step's micro-batches one by one)
-            want = []
+            want: list[torch.Tensor] = []
             for grp in micro_batches(work, [len(w.ids) for w in work], groups):
                 spans = [Span(caches[w.slot], w.start, len(w.ids)) for w in grp]
                 ids = torch.tensor([[t for w in grp for t in w.ids]])
@@ -144,8 +146,9 @@ def test_lost_stage_fails_the_request_clearly(ckpt) -> None:
     comms = group.comms()
     worker = _Thread(lambda: run_worker(comms[1], WorkerConfig(join_timeout=20)))
     worker.start()
+    # (over the communicator: closing it is the whole device going away for a thread rank)
     cfg = ClusterConfig(
-        devices=2, op_timeout=2.0, join_timeout=20, heartbeat_s=30, layout="pipeline"
+        devices=2, op_timeout=2.0, join_timeout=20, heartbeat_s=30, layout="pipeline", link="comm"
     )
     runner = PipelineRunner(comms[0], str(ckpt), cfg)
     try:
@@ -168,3 +171,37 @@ def test_layer_range_refuses_nonsense() -> None:
         ClusterConfig(devices=2, layout="ring")
     with pytest.raises(ConfigError):
         ClusterConfig(devices=2, micro_batches=0)
+
+
+def _dev(name, layer_ms, rtt=0.0, mem=1e6):
+    from edge.planner import LayoutDevice
+
+    return LayoutDevice(name=name, layer_ms=layer_ms, memory_mb=mem, rtt_ms=rtt)
+
+
+def test_plan_layout_by_round_trip_speed_and_memory() -> None:
+    from edge.planner import plan_layout
+
+    # Wi-Fi (4 ms): tensor parallelism pays 2 * 18 round trips; one device wins
+    p = plan_layout(18, 10.0, [_dev("m", 1.0), _dev("w", 1.0, rtt=4.0)])
+    assert p.layout == "single" and p.predicted_ms["tp"] > 140 and p.devices == 1
+    # a fast switch and slow devices: tensor parallelism halves the compute
+    p = plan_layout(18, 10.0, [_dev("m", 10.0), _dev("w", 10.0, rtt=0.05)])
+    assert p.layout == "tp" and p.devices == 2
+    # the model fits no single device: pipeline stages spread its memory
+    p = plan_layout(18, 10.0, [_dev("m", 1.0, mem=120), _dev("w", 1.0, rtt=4.0, mem=120)])
+    assert p.layout == "pipeline" and sum(p.stages) == 18 and max(p.stages) <= 12
+    assert "does not fit" in p.reason and "single" not in p.predicted_ms
+    # a worker twice as fast takes about twice the layers
+    p = plan_layout(18, 10.0, [_dev("m", 2.0, mem=100), _dev("w", 1.0, rtt=1.0)])
+    assert p.layout == "pipeline" and p.stages == (6, 12)
+    with pytest.raises(ConfigError):
+        plan_layout(18, 10.0, [_dev("m", 1.0, mem=10), _dev("w", 1.0, mem=10)])
+
+
+def test_auto_keeps_tp_for_tensor_parallel_only_setups(ckpt, tmp_path) -> None:
+    from edge.cluster.choose import tp_only
+
+    assert tp_only(str(ckpt), ClusterConfig(devices=2, layout="auto")) is None
+    assert "weights" in (tp_only(str(ckpt), ClusterConfig(devices=2, weights=(2.0, 1.0))) or "")
+    assert "auto-split" in (tp_only(str(ckpt), ClusterConfig(devices=2, auto_split=True)) or "")

@@ -1,0 +1,355 @@
+"""Distributed decode over the links phones and Pis have: one device vs TP-2 vs pipeline-2 vs the
+planner's default (``--layout auto``), on the TUN emulator (root).
+
+    python -m benchmarks.edge_wan --json                       # the real Gemma 3 270M Q4_K_M
+    python -m benchmarks.edge_wan --tiny --json                # smoke run (a tiny random model)
+
+Two namespaces joined by :mod:`transport.links.tun` (kernel TCP sees the configured round trip,
+jitter, loss and a 100 Mbit/s bottleneck each way). The master (``lowband edge serve``) runs in
+site 0 pinned to core 0, its worker (``lowband edge worker``) in site 1 pinned to core 1, one
+thread each: a device per namespace. Per profile every arm's processes are started (one after
+the other, each waiting for /health, so the auto arm measures an idle machine), then the arms
+are measured alternately, ``repeats`` rounds:
+
+* single-stream ms/token: one streamed greedy completion of ``tokens`` tokens (``ignore_eos``);
+  ms/token = (last chunk - first chunk) / (chunks - 1), first-token latency beside it;
+* aggregate tokens/s with ``streams`` concurrent completions (TP skipped on links of 4 ms and
+  more: its step pays 2 round trips per layer, minutes per run; said in the record).
+
+The client runs inside site 0 and talks to the master over that namespace's loopback. Idle arms
+keep their heartbeat (a ping every 2 s) while another is measured. The link's round trip is
+measured (TCP handshakes) and recorded per profile.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+PROFILES: dict[str, dict[str, float]] = {
+    # configured round trip, jitter (each way, RTT/20: RTT/10 peak to peak), loss per packet
+    "ethernet": {"rtt_ms": 0.3, "jitter_ms": 0.0, "loss": 0.0},
+    "wifi": {"rtt_ms": 4.0, "jitter_ms": 0.2, "loss": 0.005},
+    "wifi-far": {"rtt_ms": 10.0, "jitter_ms": 0.5, "loss": 0.005},
+}
+ARMS = ("single", "tp", "pipeline", "auto")
+PROMPT = "The history of the bicycle begins in"
+
+
+@dataclass(frozen=True, kw_only=True)
+class Bench:
+    model: str
+    profiles: tuple[str, ...] = ("wifi",)
+    repeats: int = 5
+    tokens: int = 64
+    streams: int = 8
+    rate_mbit: float = 100.0
+    startup_s: float = 240.0
+    micro_batches: int = 2
+
+
+# ---- the client (runs inside site 0) ------------------------------------------------------------
+def _post(port: int, body: dict, timeout: float = 600.0):
+    req = urllib.request.Request(
+        f"http://127.0.0.1:{port}/v1/completions",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    return urllib.request.urlopen(req, timeout=timeout)
+
+
+def client_single(port: int, tokens: int) -> dict:
+    body = {"model": "m", "prompt": PROMPT, "max_tokens": tokens, "temperature": 0}
+    body.update(ignore_eos=True, stream=True)
+    t0 = time.perf_counter()
+    stamps = []
+    with _post(port, body) as resp:
+        for line in resp:
+            if line.startswith(b"data: ") and not line.startswith(b"data: [DONE]"):
+                if json.loads(line[6:]).get("choices"):
+                    stamps.append(time.perf_counter())
+    if len(stamps) < 2:
+        raise RuntimeError(f"only {len(stamps)} chunks streamed")
+    return {
+        "ms_per_token": 1e3 * (stamps[-1] - stamps[0]) / (len(stamps) - 1),
+        "first_token_ms": 1e3 * (stamps[0] - t0),
+        "chunks": len(stamps),
+    }
+
+
+def client_streams(port: int, tokens: int, streams: int) -> dict:
+    got: list[int] = []
+    errors: list[str] = []
+
+    def one(i: int) -> None:
+        body = {"model": "m", "prompt": f"{PROMPT} {i}", "max_tokens": tokens, "temperature": 0}
+        body["ignore_eos"] = True
+        try:
+            with _post(port, body) as resp:
+                got.append(json.loads(resp.read())["usage"]["completion_tokens"])
+        except Exception as exc:  # noqa: BLE001 - reported, the run goes on
+            errors.append(repr(exc))
+
+    t0 = time.perf_counter()
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(streams)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - t0
+    return {"tokens_per_s": sum(got) / wall, "tokens": sum(got), "errors": errors}
+
+
+# ---- orchestration ------------------------------------------------------------------------------
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _lowband(*args: str) -> list[str]:
+    return [sys.executable, "-m", "cli", "edge", *args]
+
+
+class Arm:
+    def __init__(self, name: str, bed: Any, cfg: Bench, log_dir: Path) -> None:
+        self.name, self.bed, self.cfg = name, bed, cfg
+        self.port, cport = _free_port(), _free_port()
+        self.procs: list[subprocess.Popen] = []
+        self.log = log_dir / f"{name}.log"
+        self.plan: dict | None = None
+        common = ["--threads", "1", "--port", str(self.port), "--host", "127.0.0.1", "--name", "m"]
+        if name == "single":
+            self.master = _lowband("serve", cfg.model, *common, "--cores", "0")
+            self.worker = None
+        else:
+            bind = f"tcp://{bed.addr(0)}:{cport}"
+            layout = {"tp": "tp", "pipeline": "pipeline", "auto": "auto"}[name]
+            self.master = _lowband(
+                "serve", cfg.model, *common, "--cores", "0", "--workers", "1", "--bind", bind,
+                "--layout", layout, "--micro-batches", str(cfg.micro_batches), "--insecure",
+            )  # fmt: skip
+            self.worker = _lowband(
+                "worker", "--master", bind, "--model-dir", cfg.model, "--threads", "1",
+                "--cores", "1", "--insecure",
+            )  # fmt: skip
+
+    def start(self) -> None:
+        env = {**os.environ, "LOWBAND_TOKEN": "edge-wan-bench"}
+        out = self.log.open("ab")
+        kw: dict[str, Any] = dict(stdout=out, stderr=subprocess.STDOUT, env=env)
+        self.procs.append(self.bed.popen(0, self.master, start_new_session=True, **kw))
+        if self.worker is not None:
+            self.procs.append(self.bed.popen(1, self.worker, start_new_session=True, **kw))
+        deadline = time.monotonic() + self.cfg.startup_s
+        while time.monotonic() < deadline:
+            h = self.health()
+            if h is not None and h.get("status", "ok") == "ok":
+                self.plan = h.get("cluster", h).get("plan") if isinstance(h, dict) else None
+                self.health_doc = h
+                return
+            if any(p.poll() is not None for p in self.procs):
+                break
+            time.sleep(0.5)
+        raise RuntimeError(f"arm {self.name} did not start: see {self.log}")
+
+    def health(self) -> dict | None:
+        code = f"import urllib.request;print(urllib.request.urlopen('http://127.0.0.1:{self.port}/health',timeout=5).read().decode())"  # noqa: E501
+        r = self.bed.run_in(0, [sys.executable, "-c", code], capture_output=True, timeout=30)
+        if r.returncode != 0:
+            return None
+        try:
+            return json.loads(r.stdout)
+        except json.JSONDecodeError:
+            return None
+
+    def client(self, mode: str) -> dict:
+        args = [sys.executable, "-m", "benchmarks.edge_wan", "--client", mode]
+        args += ["--port", str(self.port), "--tokens", str(self.cfg.tokens)]
+        args += ["--streams", str(self.cfg.streams)]
+        r = self.bed.run_in(0, args, capture_output=True, text=True, timeout=900)
+        if r.returncode != 0:
+            return {"error": (r.stderr or r.stdout)[-400:]}
+        return json.loads(r.stdout.strip().splitlines()[-1])
+
+    def stop(self) -> None:
+        for p in self.procs:
+            try:
+                os.killpg(p.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+        for p in self.procs:
+            try:
+                p.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait(timeout=5)
+
+
+def _spread(xs: list[float]) -> dict | None:
+    if not xs:
+        return None
+    return {
+        "median": round(statistics.median(xs), 2),
+        "min": round(min(xs), 2),
+        "max": round(max(xs), 2),
+        "n": len(xs),
+    }
+
+
+def run_profile(bed: Any, cfg: Bench, name: str, log_dir: Path) -> dict:
+    from transport.links.tun.calibrate import measure_rtt
+    from transport.links.tun.shape import PathConfig
+
+    p = PROFILES[name]
+    path = PathConfig(
+        delay_ms=p["rtt_ms"] / 2, jitter_ms=p["jitter_ms"], loss=p["loss"], rate_mbit=cfg.rate_mbit
+    )
+    for src, dst in ((0, 1), (1, 0)):
+        bed.set_path(src, dst, path)
+    rtt = measure_rtt(bed, count=10)
+    skip_tp_streams = p["rtt_ms"] >= 4.0
+    arms = {a: Arm(a, bed, cfg, log_dir) for a in ARMS}
+    single: dict[str, list[float]] = {a: [] for a in ARMS}
+    ttft: dict[str, list[float]] = {a: [] for a in ARMS}
+    agg: dict[str, list[float]] = {a: [] for a in ARMS}
+    errors: dict[str, list[str]] = {a: [] for a in ARMS}
+    try:
+        for a in arms.values():
+            a.start()
+        for r in range(cfg.repeats):
+            order = list(ARMS[r % 4 :] + ARMS[: r % 4])
+            for a in order:
+                out = arms[a].client("single")
+                if "error" in out:
+                    errors[a].append(out["error"])
+                else:
+                    single[a].append(out["ms_per_token"])
+                    ttft[a].append(out["first_token_ms"])
+            for a in order:
+                if a == "tp" and skip_tp_streams:
+                    continue
+                out = arms[a].client("streams")
+                if "error" in out or out.get("errors"):
+                    errors[a].append(str(out.get("error") or out["errors"][:2]))
+                if "tokens_per_s" in out:
+                    agg[a].append(out["tokens_per_s"])
+        chosen = arms["auto"].health_doc
+    finally:
+        for a in arms.values():
+            a.stop()
+    med = {a: statistics.median(v) for a, v in single.items() if v}
+    amed = {a: statistics.median(v) for a, v in agg.items() if v}
+    return {
+        "profile": name,
+        "configured": p,
+        "measured_rtt": rtt,
+        "ms_per_token": {a: _spread(v) for a, v in single.items()},
+        "first_token_ms": {a: _spread(v) for a, v in ttft.items()},
+        "aggregate_tokens_per_s": {a: _spread(v) for a, v in agg.items()},
+        "speed_vs_one_device": {
+            a: round(med["single"] / med[a], 3) for a in med if "single" in med and med[a]
+        },
+        "aggregate_vs_one_device": {
+            a: round(amed[a] / amed["single"], 3) for a in amed if amed.get("single")
+        },
+        "auto_health": chosen,
+        "tp_streams_skipped": skip_tp_streams,
+        "errors": {a: e[:3] for a, e in errors.items() if e},
+    }
+
+
+def _tiny_model(d: Path) -> str:
+    from lowband.models.config import ModelConfig
+    from lowband.models.llama import LlamaForCausalLM, init_weights
+    from lowband.models.tokenizer import ByteTokenizer
+    from lowband.models.weights import save_pretrained
+
+    cfg = ModelConfig(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+    )
+    m = LlamaForCausalLM(cfg).eval()
+    init_weights(m, std=0.2, seed=1)
+    save_pretrained(m, d)
+    ByteTokenizer().save(d)
+    return str(d)
+
+
+def run(cfg: Bench) -> dict:
+    from transport.links.tun.shape import PathConfig
+    from transport.links.tun.testbed import TunConfig, TunTestbed, available
+
+    if (why := available()) is not None:
+        raise SystemExit(f"edge_wan needs the TUN emulator: {why}")
+    log_dir = Path(tempfile.mkdtemp(prefix="edge_wan_"))
+    with TunTestbed(TunConfig(path=PathConfig(rate_mbit=cfg.rate_mbit))) as bed:
+        profiles = [run_profile(bed, cfg, name, log_dir) for name in cfg.profiles]
+    return {"model": cfg.model, "tokens": cfg.tokens, "streams": cfg.streams,
+            "repeats": cfg.repeats, "micro_batches": cfg.micro_batches, "logs": str(log_dir),
+            "profiles": profiles}  # fmt: skip
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.edge_wan")
+    ap.add_argument("--model", help="GGUF file or model dir (default: the real Gemma 3 270M)")
+    ap.add_argument("--profiles", nargs="+", default=["wifi"], choices=sorted(PROFILES))
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--streams", type=int, default=8)
+    ap.add_argument("--micro-batches", type=int, default=2)
+    ap.add_argument("--tiny", action="store_true", help="smoke run: a tiny random model")
+    ap.add_argument("--json", action="store_true")
+    ap.add_argument("--client", choices=["single", "streams"], help=argparse.SUPPRESS)
+    ap.add_argument("--port", type=int, help=argparse.SUPPRESS)
+    a = ap.parse_args(argv)
+    if a.client:
+        if a.client == "single":
+            out = client_single(a.port, a.tokens)
+        else:
+            out = client_streams(a.port, a.tokens, a.streams)
+        print(json.dumps(out))
+        return 0
+    if a.tiny:
+        model = _tiny_model(Path(tempfile.mkdtemp(prefix="edge_wan_tiny_")))
+    elif a.model:
+        model = a.model
+    else:
+        from benchmarks.real_models import gemma3_270m
+
+        model = str(gemma3_270m())
+    cfg = Bench(
+        model=model,
+        profiles=tuple(a.profiles),
+        repeats=a.repeats,
+        tokens=a.tokens,
+        streams=a.streams,
+        micro_batches=a.micro_batches,
+    )
+    t = time.time()
+    out = run(cfg)
+    out["seconds"] = round(time.time() - t, 1)
+    print(json.dumps(out) if a.json else json.dumps(out, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
