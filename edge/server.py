@@ -49,9 +49,10 @@ from typing import Any, AsyncIterator, Callable, Sequence
 
 from aiohttp import web
 
+from edge.api_fields import CHAT, COMPLETIONS, FIELDS, Kind, UnknownFields, check_fields
 from edge.engine import ClusterUnavailable, Engine, EngineError, Event, Request
 from edge.http_guard import BadJson, CappedSite, guard, parse_json
-from edge.sampling import MAX_LOGPROBS, SamplingParams
+from edge.sampling import BAN, MAX_LOGIT_BIAS, MAX_LOGPROBS, SamplingParams
 from lowband.errors import ChatTemplateError, ConfigError, LowbandError
 from lowband.models.chat_template import ChatTemplate, normalize_messages
 from lowband.models.tokenizer import ByteTokenizer
@@ -194,8 +195,23 @@ class Options:
         return replace(self.params, seed=(seed + index) % 2**63)
 
 
-def parse_options(body: dict, *, chat: bool, cfg: ServerConfig) -> Options:
-    """The request's fields, checked: :class:`ApiError` 400 naming the bad ``param``."""
+def parse_options(
+    body: dict, *, chat: bool, cfg: ServerConfig, vocab: int | None = None
+) -> Options:
+    """The request's fields, checked: :class:`ApiError` 400 naming the bad ``param``; a field
+    :mod:`edge.api_fields` refuses is a 400 naming it. ``vocab``: the vocabulary size (token ids
+    beyond it are refused)."""
+    refused, _ = check_fields(body, CHAT if chat else COMPLETIONS)
+    if refused is not None:
+        f = FIELDS[refused]
+        where = "this endpoint" if f.kind is not Kind.REFUSED else "this server"
+        raise ApiError(
+            400,
+            f"{refused} is not supported by {where}"
+            + (f" (accepted only as {f.neutral[0]!r})" if f.neutral else ""),
+            param=refused,
+            code="unsupported_parameter",
+        )
     stream = _opt_bool(body, "stream")
     include_usage = False
     so = body.get("stream_options")
@@ -216,8 +232,6 @@ def parse_options(body: dict, *, chat: bool, cfg: ServerConfig) -> Options:
     n = _opt_int(body, "n", 1, 1, MAX_N)
     assert n is not None
     if chat:
-        if body.get("echo") is not None:
-            raise ApiError(400, "echo is not a chat completions field", param="echo")
         echo = False
         want = _opt_bool(body, "logprobs")
         k = _opt_int(body, "top_logprobs", None, 0, MAX_LOGPROBS)
@@ -256,10 +270,55 @@ def parse_options(body: dict, *, chat: bool, cfg: ServerConfig) -> Options:
             # echo with max_tokens 0 runs the prompt only: the prompt-logprob path does that
             prompt_logprobs=echo and (logprobs is not None or max_tokens == 0),
             ignore_eos=_opt_bool(body, "ignore_eos"),
+            presence_penalty=_opt_float(body, "presence_penalty", 0.0),
+            frequency_penalty=_opt_float(body, "frequency_penalty", 0.0),
+            repeat_penalty=_opt_float(body, "repeat_penalty", 1.0),
+            repeat_last_n=_opt_int(body, "repeat_last_n", 64, -1, 2**31 - 1) or 0,
+            min_p=_opt_float(body, "min_p", 0.0),
+            typical_p=_opt_float(body, "typical_p", 1.0),
+            logit_bias=_logit_bias(body, vocab),
         )
     except ConfigError as exc:
         raise ApiError(400, str(exc), param=exc.field) from None
     return Options(params, n, stream, include_usage, echo, logprobs)
+
+
+def _logit_bias(body: dict, vocab: int | None) -> tuple[tuple[int, float], ...]:
+    """OpenAI's ``{"token id": bias}`` or llama-server's ``[[id, bias], ...]`` (a bias of
+    ``false`` bans the token), each bias in [-100, 100]."""
+    v = body.get("logit_bias")
+    if v is None:
+        return ()
+    pairs = list(v.items()) if isinstance(v, dict) else v
+    bad = ApiError(
+        400,
+        'logit_bias must be {"token id": bias} or [[token id, bias], ...] with biases in '
+        "[-100, 100] (false bans)" + (f" and ids in [0, {vocab})" if vocab else ""),
+        param="logit_bias",
+    )
+    if not isinstance(pairs, list) or len(pairs) > MAX_LOGIT_BIAS:
+        raise bad
+    out: list[tuple[int, float]] = []
+    for pair in pairs:
+        if not isinstance(pair, list | tuple) or len(pair) != 2:
+            raise bad
+        tok, bias = pair
+        if isinstance(tok, str) and tok.strip().lstrip("-").isdigit():
+            tok = int(tok)
+        if bias is False:
+            bias = BAN
+        if (
+            not isinstance(tok, int)
+            or isinstance(tok, bool)
+            or tok < 0
+            or (vocab is not None and tok >= vocab)
+            or not isinstance(bias, int | float)
+            or isinstance(bias, bool)
+            or not -100.0 <= bias <= 100.0
+        ):
+            raise bad
+        out.append((tok, float(bias)))
+    return tuple(out)
 
 
 def completion_prompts(prompt: Any) -> list[str | list[int]]:
@@ -631,6 +690,7 @@ class Server:
         self.cfg = cfg
         self.in_flight = 0  # engine requests of this server not ended (running + waiting)
         self.pieces = Pieces(engine.tokenizer)
+        self.unknown_fields = UnknownFields()  # request fields edge.api_fields does not know
         # Parsing and tokenizing big bodies runs here, off the event loop (which must keep
         # answering /health) and off the engine's thread.
         self._prep = ThreadPoolExecutor(max_workers=2, thread_name_prefix="edge-prep")
@@ -838,13 +898,24 @@ class Server:
                     "Requests that may wait beyond the running ones",
                     self.cfg.max_queue,
                 ),
+                "server_unknown_fields_total": (
+                    "counter",
+                    "Request fields sent that this server does not know (accepted, ignored)",
+                    self.unknown_fields.total,
+                ),
             }
             for k, v in (store or {}).items():
                 if isinstance(v, int | float) and not isinstance(v, bool):
                     extra[f"expert_store_{k}"] = ("gauge", f"Expert store: {k}", v)
             text = prometheus_text(snap, extra, self.engine.model_name)
             return web.Response(body=text.encode(), headers={"Content-Type": PROMETHEUS_TYPE})
-        body = {**snap, "queue": self.in_flight, "model": self.engine.model_name}
+        body = {
+            **snap,
+            "queue": self.in_flight,
+            "model": self.engine.model_name,
+            "unknown_fields_total": self.unknown_fields.total,
+            "unknown_fields": dict(self.unknown_fields.counts),
+        }
         if store is not None:
             body["expert_store"] = store
         return web.json_response(body)
@@ -900,7 +971,7 @@ class Server:
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         body = await self._body(request)
-        opts = parse_options(body, chat=False, cfg=self.cfg)
+        opts = self._options(body, chat=False)
         prompts = completion_prompts(body.get("prompt"))
         self._admit(len(prompts) * opts.n, "n" if opts.n > 1 else "prompt")
         ids = [await self._prepare(p, opts.params) for p in prompts]
@@ -916,7 +987,7 @@ class Server:
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
         body = await self._body(request)
-        opts = parse_options(body, chat=True, cfg=self.cfg)
+        opts = self._options(body, chat=True)
         self._admit(opts.n, "n")
         template = self._template()
         if template is None:
@@ -936,6 +1007,15 @@ class Server:
         encode = partial(template.encode, self.engine.tokenizer.encode)
         ids = await self._prepare(text, opts.params, encode)
         return await self._respond(request, opts, [ids], chat=True)
+
+    def _options(self, body: dict, *, chat: bool) -> Options:
+        opts = parse_options(
+            body, chat=chat, cfg=self.cfg, vocab=self.engine.runner.config.vocab_size
+        )
+        _, unknown = check_fields(body, CHAT if chat else COMPLETIONS)
+        if unknown:
+            self.unknown_fields.note(unknown)
+        return opts
 
     def _template(self) -> ChatTemplate | None:
         return getattr(self.engine.tokenizer, "chat_template", None)
