@@ -91,6 +91,10 @@ FIELDS: dict[str, Field] = {
         _f("repeat_last_n", U),
         _f("logit_bias", U),
         _f("ignore_eos", U),
+        # ---- structured output (edge.structured)
+        _f("response_format", U),
+        _f("json_schema", U),
+        _f("grammar", U),
         # ---- chat template
         _f("tools", U, ONLY_CHAT),
         _f("chat_template_kwargs", U, ONLY_CHAT),
@@ -111,9 +115,6 @@ FIELDS: dict[str, Field] = {
         # ---- would change the answer; not implemented (neutral values accepted)
         _f("best_of", R, ONLY_COMPLETIONS, 1),
         _f("suffix", R, ONLY_COMPLETIONS, ""),
-        _f("response_format", R, BOTH, {"type": "text"}),
-        _f("json_schema", R),
-        _f("grammar", R, BOTH, ""),
         _f("tool_choice", R, ONLY_CHAT, "none", "auto"),
         _f("functions", R, ONLY_CHAT),
         _f("function_call", R, ONLY_CHAT, "none", "auto"),

@@ -186,6 +186,7 @@ class Options:
     include_usage: bool = False
     echo: bool = False
     logprobs: int | None = None  # alternatives per token to report; None: no logprobs
+    grammar: tuple[str, str, Any] | None = None  # (field, kind, source) to constrain with
 
     def choice_params(self, index: int) -> SamplingParams:
         """Choice ``index``'s sampling: with a seed, ``seed + index`` (so choices differ)."""
@@ -280,7 +281,44 @@ def parse_options(
         )
     except ConfigError as exc:
         raise ApiError(400, str(exc), param=exc.field) from None
-    return Options(params, n, stream, include_usage, echo, logprobs)
+    return Options(params, n, stream, include_usage, echo, logprobs, grammar_of(body))
+
+
+def grammar_of(body: dict) -> tuple[str, str, Any] | None:
+    """The grammar a request asks for, as (field, kind, source) for
+    :meth:`edge.structured.Grammars.compile`: OpenAI's ``response_format`` (``json_object``,
+    with llama-server's optional ``schema``; ``json_schema`` with ``json_schema.schema``), or
+    llama-server's ``json_schema`` (a schema) or ``grammar`` (GBNF text). At most one."""
+    asked: list[tuple[str, str, Any]] = []
+    rf = body.get("response_format")
+    if rf is not None:
+        kind = rf.get("type") if isinstance(rf, dict) else None
+        if kind == "json_object":
+            schema = rf.get("schema")
+            asked.append(
+                ("response_format", "json_object" if schema is None else "json_schema", schema)
+            )
+        elif kind == "json_schema" and isinstance(rf.get("json_schema"), dict):
+            schema = rf["json_schema"].get("schema", {"type": "object"})
+            asked.append(("response_format", "json_schema", schema))
+        elif kind != "text":
+            raise ApiError(
+                400,
+                'response_format must be {"type": "text"}, {"type": "json_object"} or '
+                '{"type": "json_schema", "json_schema": {"name": ..., "schema": {...}}}',
+                param="response_format",
+            )
+    if body.get("json_schema") is not None:
+        asked.append(("json_schema", "json_schema", body["json_schema"]))
+    if body.get("grammar") not in (None, ""):
+        asked.append(("grammar", "gbnf", body["grammar"]))
+    if len(asked) > 1:
+        raise ApiError(
+            400,
+            "send one of response_format, json_schema and grammar",
+            param=asked[1][0],
+        )
+    return asked[0] if asked else None
 
 
 def _logit_bias(body: dict, vocab: int | None) -> tuple[tuple[int, float], ...]:
@@ -691,6 +729,7 @@ class Server:
         self.in_flight = 0  # engine requests of this server not ended (running + waiting)
         self.pieces = Pieces(engine.tokenizer)
         self.unknown_fields = UnknownFields()  # request fields edge.api_fields does not know
+        self._grammars: Any = None  # edge.structured.Grammars, made on first use
         # Parsing and tokenizing big bodies runs here, off the event loop (which must keep
         # answering /health) and off the engine's thread.
         self._prep = ThreadPoolExecutor(max_workers=2, thread_name_prefix="edge-prep")
@@ -971,7 +1010,7 @@ class Server:
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         body = await self._body(request)
-        opts = self._options(body, chat=False)
+        opts = await self._options(body, chat=False)
         prompts = completion_prompts(body.get("prompt"))
         self._admit(len(prompts) * opts.n, "n" if opts.n > 1 else "prompt")
         ids = [await self._prepare(p, opts.params) for p in prompts]
@@ -987,7 +1026,7 @@ class Server:
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
         body = await self._body(request)
-        opts = self._options(body, chat=True)
+        opts = await self._options(body, chat=True)
         self._admit(opts.n, "n")
         template = self._template()
         if template is None:
@@ -1008,14 +1047,40 @@ class Server:
         ids = await self._prepare(text, opts.params, encode)
         return await self._respond(request, opts, [ids], chat=True)
 
-    def _options(self, body: dict, *, chat: bool) -> Options:
+    async def _options(self, body: dict, *, chat: bool) -> Options:
         opts = parse_options(
             body, chat=chat, cfg=self.cfg, vocab=self.engine.runner.config.vocab_size
         )
         _, unknown = check_fields(body, CHAT if chat else COMPLETIONS)
         if unknown:
             self.unknown_fields.note(unknown)
+        if opts.grammar is not None:
+            name, kind, source = opts.grammar
+            template = self._template() if chat else None
+            ends = template.stop_token_ids if template is not None else ()
+            try:  # the first one builds the vocabulary's view: seconds, off the event loop
+                constraint = await self._off_loop(
+                    self._grammar_engine().compile, kind, source, ends
+                )
+            except (LowbandError, ValueError) as exc:  # GrammarError, ConfigError
+                raise ApiError(400, f"{name}: {exc}", param=name) from None
+            opts = replace(opts, params=replace(opts.params, constraint=constraint))
         return opts
+
+    def _grammar_engine(self) -> Any:
+        """The grammar compiler (edge.structured needs the ``structured`` extra: llguidance)."""
+        if self._grammars is None:
+            try:
+                from edge.structured import Grammars
+            except ImportError as exc:
+                raise ApiError(
+                    400,
+                    "structured output needs llguidance: "
+                    f"pip install 'lowband[structured]' ({exc})",
+                    param="response_format",
+                ) from None
+            self._grammars = Grammars(self.engine.tokenizer, self.engine.runner.config.vocab_size)
+        return self._grammars
 
     def _template(self) -> ChatTemplate | None:
         return getattr(self.engine.tokenizer, "chat_template", None)
