@@ -97,6 +97,8 @@ FIELDS: dict[str, Field] = {
         _f("grammar", U),
         # ---- chat template
         _f("tools", U, ONLY_CHAT),
+        _f("tool_choice", U, ONLY_CHAT),
+        _f("reasoning_format", U, ONLY_CHAT),
         _f("chat_template_kwargs", U, ONLY_CHAT),
         # ---- changes nothing in the answer
         _f("user", N, why="an end-user id for abuse monitoring"),
@@ -115,10 +117,8 @@ FIELDS: dict[str, Field] = {
         # ---- would change the answer; not implemented (neutral values accepted)
         _f("best_of", R, ONLY_COMPLETIONS, 1),
         _f("suffix", R, ONLY_COMPLETIONS, ""),
-        _f("tool_choice", R, ONLY_CHAT, "none", "auto"),
         _f("functions", R, ONLY_CHAT),
         _f("function_call", R, ONLY_CHAT, "none", "auto"),
-        _f("reasoning_format", R, ONLY_CHAT, "none"),
         _f("reasoning_effort", R, ONLY_CHAT),
         _f("verbosity", R, ONLY_CHAT),
         _f("modalities", R, ONLY_CHAT, ["text"]),

@@ -53,6 +53,15 @@ from edge.api_fields import CHAT, COMPLETIONS, FIELDS, Kind, UnknownFields, chec
 from edge.engine import ClusterUnavailable, Engine, EngineError, Event, Request
 from edge.http_guard import BadJson, CappedSite, guard, parse_json
 from edge.sampling import BAN, MAX_LOGIT_BIAS, MAX_LOGPROBS, SamplingParams
+from edge.tool_calls import (
+    GENERIC,
+    REASONING_FORMATS,
+    call_schema,
+    check_tools,
+    parse_tool_calls,
+    split_reasoning,
+    tool_format,
+)
 from lowband.errors import ChatTemplateError, ConfigError, LowbandError
 from lowband.models.chat_template import ChatTemplate, normalize_messages
 from lowband.models.tokenizer import ByteTokenizer
@@ -187,6 +196,14 @@ class Options:
     echo: bool = False
     logprobs: int | None = None  # alternatives per token to report; None: no logprobs
     grammar: tuple[str, str, Any] | None = None  # (field, kind, source) to constrain with
+    tools: tuple[dict, ...] = ()  # chat: function tools offered to the model
+    tool_choice: Any = "none"  # chat: "none", "auto", "required" or {"function": {"name"}}
+    tool_format: str = GENERIC  # chat: how the model writes a call (edge.tool_calls)
+    reasoning_format: str = "auto"  # chat: llama-server's choices for <think> blocks
+
+    @property
+    def calls_tools(self) -> bool:
+        return bool(self.tools) and self.tool_choice != "none"
 
     def choice_params(self, index: int) -> SamplingParams:
         """Choice ``index``'s sampling: with a seed, ``seed + index`` (so choices differ)."""
@@ -281,7 +298,41 @@ def parse_options(
         )
     except ConfigError as exc:
         raise ApiError(400, str(exc), param=exc.field) from None
-    return Options(params, n, stream, include_usage, echo, logprobs, grammar_of(body))
+    tools: list[dict] = []
+    tool_choice: Any = "none"
+    reasoning_format = "auto"
+    if chat:
+        try:
+            tools, tool_choice = check_tools(body.get("tools"), body.get("tool_choice"))
+        except ConfigError as exc:
+            raise ApiError(400, str(exc), param=exc.field) from None
+        reasoning_format = body.get("reasoning_format") or "auto"
+        if reasoning_format not in REASONING_FORMATS:
+            raise ApiError(
+                400,
+                f"reasoning_format must be one of {', '.join(REASONING_FORMATS)}",
+                param="reasoning_format",
+            )
+    grammar = grammar_of(body)
+    if tool_choice == "required" or isinstance(tool_choice, dict):
+        if grammar is not None:
+            raise ApiError(
+                400, f"tool_choice {tool_choice!r} cannot go with {grammar[0]}", param=grammar[0]
+            )
+        grammar = ("tool_choice", "tool_call", None)  # its schema needs the template's format
+    return Options(
+        params,
+        n,
+        stream,
+        include_usage,
+        echo,
+        logprobs,
+        grammar,
+        tuple(tools),
+        tool_choice,
+        GENERIC,
+        reasoning_format,
+    )
 
 
 def grammar_of(body: dict) -> tuple[str, str, Any] | None:
@@ -1033,6 +1084,8 @@ class Server:
             ids = await self._prepare(chat_prompt(body.get("messages")), opts.params)
             return await self._respond(request, opts, [ids], chat=True)
         # A big conversation takes a while to render and tokenise: both off the event loop.
+        if body.get("tools") is not None and not opts.calls_tools:
+            body = {k: v for k, v in body.items() if k != "tools"}  # tool_choice "none"
         text = await self._off_loop(render_chat, template, body)
         p = opts.params
         opts = replace(
@@ -1054,9 +1107,14 @@ class Server:
         _, unknown = check_fields(body, CHAT if chat else COMPLETIONS)
         if unknown:
             self.unknown_fields.note(unknown)
+        template = self._template() if chat else None
+        if opts.calls_tools:
+            opts = replace(opts, tool_format=tool_format(getattr(template, "source", None)))
         if opts.grammar is not None:
             name, kind, source = opts.grammar
-            template = self._template() if chat else None
+            if kind == "tool_call":  # the call the model must make, in its own format
+                kind = "json_schema"
+                source = call_schema(list(opts.tools), opts.tool_choice, opts.tool_format)
             ends = template.stop_token_ids if template is not None else ()
             try:  # the first one builds the vocabulary's view: seconds, off the event loop
                 constraint = await self._off_loop(
@@ -1157,13 +1215,9 @@ class Server:
                 if opts.logprobs is not None:
                     content = _chat_logprobs(c.entries, list(ids[-PIECE_CONTEXT:]), self.pieces)
                     lp = {"content": content, "refusal": None}
+                message, finish = self._message(opts, text, c.finish)
                 out.append(
-                    {
-                        "index": i,
-                        "message": {"role": "assistant", "content": text},
-                        "logprobs": lp,
-                        "finish_reason": c.finish,
-                    }
+                    {"index": i, "message": message, "logprobs": lp, "finish_reason": finish}
                 )
                 continue
             entries: list = []
@@ -1195,6 +1249,19 @@ class Server:
             "usage": {**usage, "completion_tokens": n, "total_tokens": usage["prompt_tokens"] + n},
         }
 
+    def _message(self, opts: Options, text: str, finish: str) -> tuple[dict, str]:
+        """A chat reply's message (reasoning and tool calls split out) and finish reason."""
+        reasoning, content = split_reasoning(text, opts.reasoning_format)
+        message: dict[str, Any] = {"role": "assistant", "content": content}
+        if reasoning is not None:
+            message["reasoning_content"] = reasoning
+        if opts.calls_tools:
+            rest, calls = parse_tool_calls(content, list(opts.tools), opts.tool_format)
+            if calls:
+                message.update(content=rest, tool_calls=calls)
+                finish = "tool_calls" if finish == "stop" else finish
+        return message, finish
+
     async def _stream(
         self,
         request: web.Request,
@@ -1218,7 +1285,46 @@ class Server:
             first = not c.started
             c.started = True
             new = self._take(c, ev, opts, chat)
-            out = []
+            out: list[bytes] = []
+            if chat and opts.calls_tools:  # a call is known only whole: sent at the end
+                if ev.finish_reason is None:
+                    return out
+                message, finish = self._message(opts, "".join(c.text), ev.finish_reason)
+                out.append(
+                    data(
+                        {
+                            "index": i,
+                            "delta": {"role": "assistant"},
+                            "logprobs": None,
+                            "finish_reason": None,
+                        }
+                    )
+                )
+                for k, call in enumerate(message.get("tool_calls", [])):
+                    fn = call["function"]
+                    head_d = {
+                        "index": k,
+                        "id": call["id"],
+                        "type": "function",
+                        "function": {"name": fn["name"], "arguments": ""},
+                    }
+                    arg_d = {"index": k, "function": {"arguments": fn["arguments"]}}
+                    for d in (head_d, arg_d):
+                        out.append(
+                            data(
+                                {
+                                    "index": i,
+                                    "delta": {"tool_calls": [d]},
+                                    "logprobs": None,
+                                    "finish_reason": None,
+                                }
+                            )
+                        )
+                rest = {k: message[k] for k in ("reasoning_content", "content") if message.get(k)}
+                out.append(
+                    data({"index": i, "delta": rest, "logprobs": None, "finish_reason": finish})
+                )
+                return out
             if chat:
                 delta: dict[str, Any] = {"content": ev.text}
                 if first:

@@ -42,8 +42,16 @@ USED: dict[str, dict] = {
     "repeat_penalty": {"repeat_penalty": 1.1},
     "repeat_last_n": {"repeat_last_n": 16},
     "logit_bias": {"logit_bias": {"104": 3}},
+    "response_format": {"response_format": {"type": "text"}},
+    "json_schema": {"json_schema": None},
+    "grammar": {"grammar": ""},
     "ignore_eos": {"ignore_eos": True},
     "tools": {"tools": []},
+    "tool_choice": {
+        "tools": [{"type": "function", "function": {"name": "f"}}],
+        "tool_choice": "auto",
+    },
+    "reasoning_format": {"reasoning_format": "deepseek"},
     "chat_template_kwargs": {"chat_template_kwargs": {}},
 }
 NO_OP = {
@@ -61,7 +69,11 @@ NO_OP = {
     "return_tokens": True,
     "parallel_tool_calls": True,
 }
-NOT_NEUTRAL = {"response_format": {"type": "json_object"}, "tool_choice": "required"}
+NOT_NEUTRAL = {
+    "response_format": {"type": "json_object"},
+    "tool_choice": "required",
+    "reasoning_format": "deepseek",
+}
 
 
 def _cases() -> list[tuple[str, str, dict, int]]:
