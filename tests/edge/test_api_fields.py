@@ -153,3 +153,11 @@ def test_unknown_field_names_are_bounded() -> None:
     u = UnknownFields(max_names=2)
     u.note(["a", "b", "c", "a"])
     assert u.total == 4 and dict(u.counts) == {"a": 2, "b": 1}
+
+
+def test_the_docs_list_every_field() -> None:
+    from pathlib import Path
+
+    doc = (Path(__file__).parents[2] / "docs" / "edge-serving.md").read_text()
+    missing = [n for n in FIELDS if f"`{n}`" not in doc]
+    assert not missing, missing
