@@ -398,7 +398,7 @@ class Request:
         self.next_in = -1  # the token to feed next once decoding
         self.out: list[int] = []
         self.shown = ""
-        self.sampler = Sampler(params)
+        self.sampler = Sampler(params, ids)
         self.stops = StopMatcher(params.stop)
         self.prompt_lp: list[tuple[int, float | None, tuple[tuple[int, float], ...]]] = []
         self.t_submit = time.perf_counter()

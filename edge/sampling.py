@@ -1,18 +1,46 @@
-"""Token sampling (greedy, temperature, top-k, top-p, seed) and stop-sequence matching.
+"""Token sampling (greedy, temperature, top-k, top-p, seed), llama.cpp's logit processors
+(repetition, frequency and presence penalties, logit bias, min-p, locally typical sampling), an
+optional grammar constraint, and stop-sequence matching.
 
 Masks are pure functions of the logits so they can be tested on their own; :class:`Sampler`
 owns the random generator so a fixed ``seed`` reproduces a completion exactly.
+
+Order, as llama.cpp's default sampler chain (``common_sampler_init``): logit bias, penalties,
+grammar, then (llama.cpp's ``typ_p``, ``min_p``) on the untempered logits, then temperature,
+top-k and top-p as before. A request that sets none of the processors takes the plain path
+(no copy of the logits, and the runner may still return only its top candidates).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
+from typing import Any, Protocol, Sequence
 
 import torch
 
 from lowband.errors import ConfigError
 
 MAX_LOGPROBS = 20  # alternatives per token, as OpenAI allows
+MAX_LOGIT_BIAS = 1024  # entries of logit_bias (OpenAI allows 300)
+BAN = -100.0  # a logit bias this low bans the token (OpenAI's "-100 should ban")
+
+
+class Constraint(Protocol):
+    """One completion's grammar state."""
+
+    def mask(self, logits: torch.Tensor) -> torch.Tensor:
+        """``logits`` (V,) float with every token the grammar forbids now set to -inf; the end
+        tokens are allowed exactly when the grammar may end here."""
+        ...
+
+    def advance(self, token: int) -> None:
+        """Consume the token drawn (an end token ends the grammar)."""
+        ...
+
+
+class ConstraintFactory(Protocol):
+    def __call__(self) -> Constraint: ...
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -36,6 +64,25 @@ class SamplingParams:
     evaluation harnesses score with); the prompt is then computed in full, not reused."""
     ignore_eos: bool = False
     """Keep generating past the end-of-sequence token (benchmarks: a fixed output length)."""
+    repeat_penalty: float = 1.0
+    """llama.cpp's repetition penalty (CTRL, with the negative-logit fix): a token seen in the
+    last ``repeat_last_n`` tokens has a positive logit divided by it, a negative one multiplied."""
+    repeat_last_n: int = 64
+    """The window of the three penalties, in tokens of prompt and completion (llama.cpp's
+    ``penalty_last_n``): 0 disables them, -1 is the whole sequence."""
+    frequency_penalty: float = 0.0
+    """Subtracted from a token's logit once per occurrence in the window (OpenAI, llama.cpp)."""
+    presence_penalty: float = 0.0
+    """Subtracted from a token's logit when it occurs in the window at all."""
+    min_p: float = 0.0
+    """Drop tokens whose probability is below ``min_p`` times the most likely one's."""
+    typical_p: float = 1.0
+    """Locally typical sampling (Meister et al. 2022) as llama.cpp's ``typ_p``; 1.0: off."""
+    logit_bias: tuple[tuple[int, float], ...] = field(default=())
+    """(token id, bias) added to the logits before anything else; -100 or less bans it."""
+    constraint: Any = field(default=None, compare=False)
+    """A :class:`ConstraintFactory` (a compiled grammar), or None: each completion asks it
+    for a fresh :class:`Constraint` that masks the logits to what the grammar allows."""
 
     def __post_init__(self) -> None:
         if self.max_tokens < 0 or (self.max_tokens == 0 and not self.prompt_logprobs):
@@ -52,11 +99,51 @@ class SamplingParams:
             raise ConfigError("top_p", f"must be in (0, 1], got {self.top_p}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise ConfigError("stop", "stop sequences must be non-empty strings")
+        if not 0.0 < self.repeat_penalty <= 10.0:
+            raise ConfigError("repeat_penalty", f"must be in (0, 10], got {self.repeat_penalty}")
+        if self.repeat_last_n < -1:
+            raise ConfigError("repeat_last_n", f"must be >= -1, got {self.repeat_last_n}")
+        for name in ("frequency_penalty", "presence_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise ConfigError(name, f"must be in [-2, 2], got {getattr(self, name)}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ConfigError("min_p", f"must be in [0, 1], got {self.min_p}")
+        if not 0.0 < self.typical_p <= 1.0:
+            raise ConfigError("typical_p", f"must be in (0, 1], got {self.typical_p}")
+        if len(self.logit_bias) > MAX_LOGIT_BIAS:
+            raise ConfigError("logit_bias", f"at most {MAX_LOGIT_BIAS} entries")
+        for tok, bias in self.logit_bias:
+            if not -100.0 <= bias <= 100.0 or tok < 0:
+                raise ConfigError("logit_bias", f"bias {bias} of token {tok} outside [-100, 100]")
+
+    @property
+    def penalised(self) -> bool:
+        """Whether any of the three penalties changes a logit."""
+        return self.repeat_last_n != 0 and (
+            self.repeat_penalty != 1.0
+            or self.frequency_penalty != 0.0
+            or self.presence_penalty != 0.0
+        )
+
+    @property
+    def processed(self) -> bool:
+        """Whether the logits go through a processor before temperature (then every logit must
+        be exact: no top-candidate shortcut)."""
+        return (
+            self.penalised
+            or bool(self.logit_bias)
+            or self.min_p > 0.0
+            or self.typical_p < 1.0
+            or self.constraint is not None
+        )
 
     @property
     def candidates(self) -> int:
         """How many of the largest logits :class:`Sampler` can pick from: 1 when greedy, top_k
-        when set (top_p then renormalises over those k), 0 (any token) otherwise."""
+        when set (top_p then renormalises over those k), 0 (any token) otherwise or when a
+        processor needs every logit."""
+        if self.processed:
+            return 0
         return 1 if self.temperature == 0.0 else self.top_k
 
 
@@ -80,16 +167,105 @@ def top_p_mask(logits: torch.Tensor, p: float) -> torch.Tensor:
     return logits.masked_fill(drop, float("-inf"))
 
 
-class Sampler:
-    """Draws tokens for one completion."""
+def apply_logit_bias(logits: torch.Tensor, bias: Sequence[tuple[int, float]]) -> torch.Tensor:
+    """``logits`` (V,) plus each (token, bias); a bias <= ``BAN`` bans the token (-inf), as
+    OpenAI documents -100. Tokens outside the vocabulary are ignored (as llama.cpp does)."""
+    v = logits.shape[-1]
+    for tok, b in bias:
+        if 0 <= tok < v:
+            logits[tok] = float("-inf") if b <= BAN else logits[tok] + b
+    return logits
 
-    def __init__(self, params: SamplingParams) -> None:
+
+def apply_penalties(
+    logits: torch.Tensor,
+    history: Sequence[int],
+    *,
+    last_n: int,
+    repeat: float,
+    frequency: float,
+    presence: float,
+) -> torch.Tensor:
+    """llama.cpp's penalties sampler on ``logits`` (V,), in place: for each token seen ``c``
+    times in the last ``last_n`` of ``history`` (-1: all of it), its logit ``l`` becomes
+    ``(l * repeat if l <= 0 else l / repeat) - c * frequency - presence``."""
+    if last_n == 0 or not history:
+        return logits
+    window = history if last_n < 0 else history[-last_n:]
+    ids = torch.tensor(list(window), dtype=torch.long)
+    ids = ids[(ids >= 0) & (ids < logits.shape[-1])]
+    if ids.numel() == 0:
+        return logits
+    toks, counts = torch.unique(ids, return_counts=True)
+    x = logits[toks]
+    x = torch.where(x <= 0, x * repeat, x / repeat)
+    logits[toks] = x - counts.to(x.dtype) * frequency - presence
+    return logits
+
+
+def min_p_mask(logits: torch.Tensor, p: float) -> torch.Tensor:
+    """Drop every token whose probability is below ``p`` times the largest: ``l < max + ln p``."""
+    if p <= 0.0:
+        return logits
+    floor = logits.max() + math.log(p)
+    return logits.masked_fill(logits < floor, float("-inf"))
+
+
+def typical_mask(logits: torch.Tensor, p: float, min_keep: int = 1) -> torch.Tensor:
+    """llama.cpp's locally typical sampling: sort tokens by ``|-log p_i - H|`` (H the entropy)
+    and keep the first ones until their probability sum exceeds ``p`` (at least ``min_keep``)."""
+    if p >= 1.0:
+        return logits
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    probs = logp.exp()
+    entropy = -torch.nansum(probs * logp)
+    shifted = (-logp - entropy).abs()
+    order = torch.argsort(shifted, stable=True)
+    cum = probs[order].cumsum(-1)
+    over = torch.nonzero(cum > p)
+    keep = int(over[0].item()) + 1 if over.numel() else order.numel()
+    keep = max(keep, min_keep)
+    drop = torch.ones_like(logits, dtype=torch.bool)
+    drop[order[:keep]] = False
+    return logits.masked_fill(drop, float("-inf"))
+
+
+class Sampler:
+    """Draws tokens for one completion. ``prompt``: the tokens before it, which the penalties
+    see (as llama-server feeds the prompt to its penalties sampler)."""
+
+    def __init__(self, params: SamplingParams, prompt: Sequence[int] = ()) -> None:
         self.params = params
         self._gen = torch.Generator()
         if params.seed is not None:
             self._gen.manual_seed(params.seed)
         else:
             self._gen.seed()
+        self.history: list[int] | None = list(prompt) if params.penalised else None
+        self.constraint: Constraint | None = (
+            params.constraint() if params.constraint is not None else None
+        )
+
+    def process(self, logits: torch.Tensor) -> torch.Tensor:
+        """The logits after bias, penalties, grammar, typical-p and min-p (a float copy);
+        ``logits`` itself is left as the model gave it (logprobs report those)."""
+        p = self.params
+        x = logits.float().clone()
+        if p.logit_bias:
+            apply_logit_bias(x, p.logit_bias)
+        if self.history is not None:
+            apply_penalties(
+                x,
+                self.history,
+                last_n=p.repeat_last_n,
+                repeat=p.repeat_penalty,
+                frequency=p.frequency_penalty,
+                presence=p.presence_penalty,
+            )
+        if self.constraint is not None:
+            x = self.constraint.mask(x)
+        x = typical_mask(x, p.typical_p)
+        return min_p_mask(x, p.min_p)
 
     def __call__(self, logits: torch.Tensor) -> int:
         """logits: (V,) for the next position."""
@@ -101,6 +277,17 @@ class Sampler:
         """The distribution (V,) float32 this sampler draws from: one-hot at the argmax when
         greedy, else softmax(logits / T) after top-k and top-p (speculative rejection uses it
         as the target's p and a draft model's q)."""
+        p = self.params
+        if p.processed:
+            tok = self._draw(self.process(logits))
+            if self.history is not None:
+                self.history.append(tok)
+            if self.constraint is not None:
+                self.constraint.advance(tok)
+            return tok
+        return self._draw(logits)
+
+    def _draw(self, logits: torch.Tensor) -> int:
         p = self.params
         if p.temperature == 0.0:
             out = torch.zeros(logits.shape[-1], dtype=torch.float32)

@@ -49,9 +49,19 @@ from typing import Any, AsyncIterator, Callable, Sequence
 
 from aiohttp import web
 
+from edge.api_fields import CHAT, COMPLETIONS, FIELDS, Kind, UnknownFields, check_fields
 from edge.engine import ClusterUnavailable, Engine, EngineError, Event, Request
 from edge.http_guard import BadJson, CappedSite, guard, parse_json
-from edge.sampling import MAX_LOGPROBS, SamplingParams
+from edge.sampling import BAN, MAX_LOGIT_BIAS, MAX_LOGPROBS, SamplingParams
+from edge.tool_calls import (
+    GENERIC,
+    REASONING_FORMATS,
+    call_schema,
+    check_tools,
+    parse_tool_calls,
+    split_reasoning,
+    tool_format,
+)
 from lowband.errors import ChatTemplateError, ConfigError, LowbandError
 from lowband.models.chat_template import ChatTemplate, normalize_messages
 from lowband.models.tokenizer import ByteTokenizer
@@ -185,6 +195,15 @@ class Options:
     include_usage: bool = False
     echo: bool = False
     logprobs: int | None = None  # alternatives per token to report; None: no logprobs
+    grammar: tuple[str, str, Any] | None = None  # (field, kind, source) to constrain with
+    tools: tuple[dict, ...] = ()  # chat: function tools offered to the model
+    tool_choice: Any = "none"  # chat: "none", "auto", "required" or {"function": {"name"}}
+    tool_format: str = GENERIC  # chat: how the model writes a call (edge.tool_calls)
+    reasoning_format: str = "auto"  # chat: llama-server's choices for <think> blocks
+
+    @property
+    def calls_tools(self) -> bool:
+        return bool(self.tools) and self.tool_choice != "none"
 
     def choice_params(self, index: int) -> SamplingParams:
         """Choice ``index``'s sampling: with a seed, ``seed + index`` (so choices differ)."""
@@ -194,8 +213,23 @@ class Options:
         return replace(self.params, seed=(seed + index) % 2**63)
 
 
-def parse_options(body: dict, *, chat: bool, cfg: ServerConfig) -> Options:
-    """The request's fields, checked: :class:`ApiError` 400 naming the bad ``param``."""
+def parse_options(
+    body: dict, *, chat: bool, cfg: ServerConfig, vocab: int | None = None
+) -> Options:
+    """The request's fields, checked: :class:`ApiError` 400 naming the bad ``param``; a field
+    :mod:`edge.api_fields` refuses is a 400 naming it. ``vocab``: the vocabulary size (token ids
+    beyond it are refused)."""
+    refused, _ = check_fields(body, CHAT if chat else COMPLETIONS)
+    if refused is not None:
+        f = FIELDS[refused]
+        where = "this endpoint" if f.kind is not Kind.REFUSED else "this server"
+        raise ApiError(
+            400,
+            f"{refused} is not supported by {where}"
+            + (f" (accepted only as {f.neutral[0]!r})" if f.neutral else ""),
+            param=refused,
+            code="unsupported_parameter",
+        )
     stream = _opt_bool(body, "stream")
     include_usage = False
     so = body.get("stream_options")
@@ -216,8 +250,6 @@ def parse_options(body: dict, *, chat: bool, cfg: ServerConfig) -> Options:
     n = _opt_int(body, "n", 1, 1, MAX_N)
     assert n is not None
     if chat:
-        if body.get("echo") is not None:
-            raise ApiError(400, "echo is not a chat completions field", param="echo")
         echo = False
         want = _opt_bool(body, "logprobs")
         k = _opt_int(body, "top_logprobs", None, 0, MAX_LOGPROBS)
@@ -256,10 +288,126 @@ def parse_options(body: dict, *, chat: bool, cfg: ServerConfig) -> Options:
             # echo with max_tokens 0 runs the prompt only: the prompt-logprob path does that
             prompt_logprobs=echo and (logprobs is not None or max_tokens == 0),
             ignore_eos=_opt_bool(body, "ignore_eos"),
+            presence_penalty=_opt_float(body, "presence_penalty", 0.0),
+            frequency_penalty=_opt_float(body, "frequency_penalty", 0.0),
+            repeat_penalty=_opt_float(body, "repeat_penalty", 1.0),
+            repeat_last_n=_opt_int(body, "repeat_last_n", 64, -1, 2**31 - 1) or 0,
+            min_p=_opt_float(body, "min_p", 0.0),
+            typical_p=_opt_float(body, "typical_p", 1.0),
+            logit_bias=_logit_bias(body, vocab),
         )
     except ConfigError as exc:
         raise ApiError(400, str(exc), param=exc.field) from None
-    return Options(params, n, stream, include_usage, echo, logprobs)
+    tools: list[dict] = []
+    tool_choice: Any = "none"
+    reasoning_format = "auto"
+    if chat:
+        try:
+            tools, tool_choice = check_tools(body.get("tools"), body.get("tool_choice"))
+        except ConfigError as exc:
+            raise ApiError(400, str(exc), param=exc.field) from None
+        reasoning_format = body.get("reasoning_format") or "auto"
+        if reasoning_format not in REASONING_FORMATS:
+            raise ApiError(
+                400,
+                f"reasoning_format must be one of {', '.join(REASONING_FORMATS)}",
+                param="reasoning_format",
+            )
+    grammar = grammar_of(body)
+    if tool_choice == "required" or isinstance(tool_choice, dict):
+        if grammar is not None:
+            raise ApiError(
+                400, f"tool_choice {tool_choice!r} cannot go with {grammar[0]}", param=grammar[0]
+            )
+        grammar = ("tool_choice", "tool_call", None)  # its schema needs the template's format
+    return Options(
+        params,
+        n,
+        stream,
+        include_usage,
+        echo,
+        logprobs,
+        grammar,
+        tuple(tools),
+        tool_choice,
+        GENERIC,
+        reasoning_format,
+    )
+
+
+def grammar_of(body: dict) -> tuple[str, str, Any] | None:
+    """The grammar a request asks for, as (field, kind, source) for
+    :meth:`edge.structured.Grammars.compile`: OpenAI's ``response_format`` (``json_object``,
+    with llama-server's optional ``schema``; ``json_schema`` with ``json_schema.schema``), or
+    llama-server's ``json_schema`` (a schema) or ``grammar`` (GBNF text). At most one."""
+    asked: list[tuple[str, str, Any]] = []
+    rf = body.get("response_format")
+    if rf is not None:
+        kind = rf.get("type") if isinstance(rf, dict) else None
+        if kind == "json_object":
+            schema = rf.get("schema")
+            asked.append(
+                ("response_format", "json_object" if schema is None else "json_schema", schema)
+            )
+        elif kind == "json_schema" and isinstance(rf.get("json_schema"), dict):
+            schema = rf["json_schema"].get("schema", {"type": "object"})
+            asked.append(("response_format", "json_schema", schema))
+        elif kind != "text":
+            raise ApiError(
+                400,
+                'response_format must be {"type": "text"}, {"type": "json_object"} or '
+                '{"type": "json_schema", "json_schema": {"name": ..., "schema": {...}}}',
+                param="response_format",
+            )
+    if body.get("json_schema") is not None:
+        asked.append(("json_schema", "json_schema", body["json_schema"]))
+    if body.get("grammar") not in (None, ""):
+        asked.append(("grammar", "gbnf", body["grammar"]))
+    if len(asked) > 1:
+        raise ApiError(
+            400,
+            "send one of response_format, json_schema and grammar",
+            param=asked[1][0],
+        )
+    return asked[0] if asked else None
+
+
+def _logit_bias(body: dict, vocab: int | None) -> tuple[tuple[int, float], ...]:
+    """OpenAI's ``{"token id": bias}`` or llama-server's ``[[id, bias], ...]`` (a bias of
+    ``false`` bans the token), each bias in [-100, 100]."""
+    v = body.get("logit_bias")
+    if v is None:
+        return ()
+    pairs = list(v.items()) if isinstance(v, dict) else v
+    bad = ApiError(
+        400,
+        'logit_bias must be {"token id": bias} or [[token id, bias], ...] with biases in '
+        "[-100, 100] (false bans)" + (f" and ids in [0, {vocab})" if vocab else ""),
+        param="logit_bias",
+    )
+    if not isinstance(pairs, list) or len(pairs) > MAX_LOGIT_BIAS:
+        raise bad
+    out: list[tuple[int, float]] = []
+    for pair in pairs:
+        if not isinstance(pair, list | tuple) or len(pair) != 2:
+            raise bad
+        tok, bias = pair
+        if isinstance(tok, str) and tok.strip().lstrip("-").isdigit():
+            tok = int(tok)
+        if bias is False:
+            bias = BAN
+        if (
+            not isinstance(tok, int)
+            or isinstance(tok, bool)
+            or tok < 0
+            or (vocab is not None and tok >= vocab)
+            or not isinstance(bias, int | float)
+            or isinstance(bias, bool)
+            or not -100.0 <= bias <= 100.0
+        ):
+            raise bad
+        out.append((tok, float(bias)))
+    return tuple(out)
 
 
 def completion_prompts(prompt: Any) -> list[str | list[int]]:
@@ -631,6 +779,8 @@ class Server:
         self.cfg = cfg
         self.in_flight = 0  # engine requests of this server not ended (running + waiting)
         self.pieces = Pieces(engine.tokenizer)
+        self.unknown_fields = UnknownFields()  # request fields edge.api_fields does not know
+        self._grammars: Any = None  # edge.structured.Grammars, made on first use
         # Parsing and tokenizing big bodies runs here, off the event loop (which must keep
         # answering /health) and off the engine's thread.
         self._prep = ThreadPoolExecutor(max_workers=2, thread_name_prefix="edge-prep")
@@ -838,13 +988,24 @@ class Server:
                     "Requests that may wait beyond the running ones",
                     self.cfg.max_queue,
                 ),
+                "server_unknown_fields_total": (
+                    "counter",
+                    "Request fields sent that this server does not know (accepted, ignored)",
+                    self.unknown_fields.total,
+                ),
             }
             for k, v in (store or {}).items():
                 if isinstance(v, int | float) and not isinstance(v, bool):
                     extra[f"expert_store_{k}"] = ("gauge", f"Expert store: {k}", v)
             text = prometheus_text(snap, extra, self.engine.model_name)
             return web.Response(body=text.encode(), headers={"Content-Type": PROMETHEUS_TYPE})
-        body = {**snap, "queue": self.in_flight, "model": self.engine.model_name}
+        body = {
+            **snap,
+            "queue": self.in_flight,
+            "model": self.engine.model_name,
+            "unknown_fields_total": self.unknown_fields.total,
+            "unknown_fields": dict(self.unknown_fields.counts),
+        }
         if store is not None:
             body["expert_store"] = store
         return web.json_response(body)
@@ -900,7 +1061,7 @@ class Server:
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         body = await self._body(request)
-        opts = parse_options(body, chat=False, cfg=self.cfg)
+        opts = await self._options(body, chat=False)
         prompts = completion_prompts(body.get("prompt"))
         self._admit(len(prompts) * opts.n, "n" if opts.n > 1 else "prompt")
         ids = [await self._prepare(p, opts.params) for p in prompts]
@@ -916,13 +1077,15 @@ class Server:
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
         body = await self._body(request)
-        opts = parse_options(body, chat=True, cfg=self.cfg)
+        opts = await self._options(body, chat=True)
         self._admit(opts.n, "n")
         template = self._template()
         if template is None:
             ids = await self._prepare(chat_prompt(body.get("messages")), opts.params)
             return await self._respond(request, opts, [ids], chat=True)
         # A big conversation takes a while to render and tokenise: both off the event loop.
+        if body.get("tools") is not None and not opts.calls_tools:
+            body = {k: v for k, v in body.items() if k != "tools"}  # tool_choice "none"
         text = await self._off_loop(render_chat, template, body)
         p = opts.params
         opts = replace(
@@ -936,6 +1099,46 @@ class Server:
         encode = partial(template.encode, self.engine.tokenizer.encode)
         ids = await self._prepare(text, opts.params, encode)
         return await self._respond(request, opts, [ids], chat=True)
+
+    async def _options(self, body: dict, *, chat: bool) -> Options:
+        opts = parse_options(
+            body, chat=chat, cfg=self.cfg, vocab=self.engine.runner.config.vocab_size
+        )
+        _, unknown = check_fields(body, CHAT if chat else COMPLETIONS)
+        if unknown:
+            self.unknown_fields.note(unknown)
+        template = self._template() if chat else None
+        if opts.calls_tools:
+            opts = replace(opts, tool_format=tool_format(getattr(template, "source", None)))
+        if opts.grammar is not None:
+            name, kind, source = opts.grammar
+            if kind == "tool_call":  # the call the model must make, in its own format
+                kind = "json_schema"
+                source = call_schema(list(opts.tools), opts.tool_choice, opts.tool_format)
+            ends = template.stop_token_ids if template is not None else ()
+            try:  # the first one builds the vocabulary's view: seconds, off the event loop
+                constraint = await self._off_loop(
+                    self._grammar_engine().compile, kind, source, ends
+                )
+            except (LowbandError, ValueError) as exc:  # GrammarError, ConfigError
+                raise ApiError(400, f"{name}: {exc}", param=name) from None
+            opts = replace(opts, params=replace(opts.params, constraint=constraint))
+        return opts
+
+    def _grammar_engine(self) -> Any:
+        """The grammar compiler (edge.structured needs the ``structured`` extra: llguidance)."""
+        if self._grammars is None:
+            try:
+                from edge.structured import Grammars
+            except ImportError as exc:
+                raise ApiError(
+                    400,
+                    "structured output needs llguidance: "
+                    f"pip install 'lowband[structured]' ({exc})",
+                    param="response_format",
+                ) from None
+            self._grammars = Grammars(self.engine.tokenizer, self.engine.runner.config.vocab_size)
+        return self._grammars
 
     def _template(self) -> ChatTemplate | None:
         return getattr(self.engine.tokenizer, "chat_template", None)
@@ -1012,13 +1215,9 @@ class Server:
                 if opts.logprobs is not None:
                     content = _chat_logprobs(c.entries, list(ids[-PIECE_CONTEXT:]), self.pieces)
                     lp = {"content": content, "refusal": None}
+                message, finish = self._message(opts, text, c.finish)
                 out.append(
-                    {
-                        "index": i,
-                        "message": {"role": "assistant", "content": text},
-                        "logprobs": lp,
-                        "finish_reason": c.finish,
-                    }
+                    {"index": i, "message": message, "logprobs": lp, "finish_reason": finish}
                 )
                 continue
             entries: list = []
@@ -1050,6 +1249,19 @@ class Server:
             "usage": {**usage, "completion_tokens": n, "total_tokens": usage["prompt_tokens"] + n},
         }
 
+    def _message(self, opts: Options, text: str, finish: str) -> tuple[dict, str]:
+        """A chat reply's message (reasoning and tool calls split out) and finish reason."""
+        reasoning, content = split_reasoning(text, opts.reasoning_format)
+        message: dict[str, Any] = {"role": "assistant", "content": content}
+        if reasoning is not None:
+            message["reasoning_content"] = reasoning
+        if opts.calls_tools:
+            rest, calls = parse_tool_calls(content, list(opts.tools), opts.tool_format)
+            if calls:
+                message.update(content=rest, tool_calls=calls)
+                finish = "tool_calls" if finish == "stop" else finish
+        return message, finish
+
     async def _stream(
         self,
         request: web.Request,
@@ -1073,7 +1285,46 @@ class Server:
             first = not c.started
             c.started = True
             new = self._take(c, ev, opts, chat)
-            out = []
+            out: list[bytes] = []
+            if chat and opts.calls_tools:  # a call is known only whole: sent at the end
+                if ev.finish_reason is None:
+                    return out
+                message, finish = self._message(opts, "".join(c.text), ev.finish_reason)
+                out.append(
+                    data(
+                        {
+                            "index": i,
+                            "delta": {"role": "assistant"},
+                            "logprobs": None,
+                            "finish_reason": None,
+                        }
+                    )
+                )
+                for k, call in enumerate(message.get("tool_calls", [])):
+                    fn = call["function"]
+                    head_d = {
+                        "index": k,
+                        "id": call["id"],
+                        "type": "function",
+                        "function": {"name": fn["name"], "arguments": ""},
+                    }
+                    arg_d = {"index": k, "function": {"arguments": fn["arguments"]}}
+                    for d in (head_d, arg_d):
+                        out.append(
+                            data(
+                                {
+                                    "index": i,
+                                    "delta": {"tool_calls": [d]},
+                                    "logprobs": None,
+                                    "finish_reason": None,
+                                }
+                            )
+                        )
+                rest = {k: message[k] for k in ("reasoning_content", "content") if message.get(k)}
+                out.append(
+                    data({"index": i, "delta": rest, "logprobs": None, "finish_reason": finish})
+                )
+                return out
             if chat:
                 delta: dict[str, Any] = {"content": ev.text}
                 if first:

@@ -139,7 +139,8 @@ def test_generation_stops_on_the_end_of_turn_token(tmp_path) -> None:
         assert out["choices"][0]["message"]["content"] == ""
         assert out["usage"]["completion_tokens"] == 0
         # /v1/completions knows nothing of chat turns: the same ids run to max_tokens
-        out = await (await s.post("/v1/completions", json={**req, "prompt": ids})).json()
+        plain = {"prompt": ids, "max_tokens": 8, "temperature": 0}  # (messages is chat's: 400)
+        out = await (await s.post("/v1/completions", json=plain)).json()
         assert out["choices"][0]["finish_reason"] == "length"
         assert out["usage"]["completion_tokens"] == 8
 

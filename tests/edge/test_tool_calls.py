@@ -1,0 +1,194 @@
+"""Tool calls and reasoning: each model format parsed back into OpenAI's tool_calls, the
+reasoning split as llama-server's reasoning_format says, and over HTTP a required (or named)
+call that always parses and validates against the tool's parameters, streamed as OpenAI's
+deltas."""
+
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import pytest
+
+from edge.tool_calls import (
+    GENERIC,
+    HERMES,
+    LLAMA3,
+    MISTRAL,
+    call_schema,
+    check_tools,
+    parse_tool_calls,
+    split_reasoning,
+    tool_format,
+)
+from lowband.errors import ConfigError
+from tests.edge.test_openai_api import _engine, post, run, sse
+from tests.edge.test_structured import EosBytes
+
+WEATHER = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "maxLength": 6},
+        "unit": {"enum": ["c", "f"]},
+    },
+    "required": ["city", "unit"],
+    "additionalProperties": False,
+}
+TOOLS = [
+    {"type": "function", "function": {"name": "weather", "parameters": WEATHER}},
+    {
+        "type": "function",
+        "function": {
+            "name": "time",
+            "parameters": {
+                "type": "object",
+                "properties": {},
+                "additionalProperties": False,
+            },
+        },
+    },
+]
+
+
+def _args(call: dict) -> dict:
+    return json.loads(call["function"]["arguments"])
+
+
+def test_formats_from_templates() -> None:
+    assert tool_format("{% if tools %}<tool_call>{% endif %}") == HERMES
+    assert tool_format("[AVAILABLE_TOOLS] [TOOL_CALLS]") == MISTRAL
+    assert tool_format("<|start_header_id|>ipython<|end_header_id|>") == LLAMA3
+    assert tool_format(None) == GENERIC == tool_format("{{ messages }}")
+
+
+@pytest.mark.parametrize(
+    "fmt,text,content",
+    [
+        (
+            HERMES,
+            'Let me see.\n<tool_call>\n{"name": "weather", "arguments": {"city": "Oslo", '
+            '"unit": "c"}}\n</tool_call>\n<tool_call>{"name": "time", "arguments": {}}'
+            "</tool_call>",
+            "Let me see.",
+        ),
+        (
+            MISTRAL,
+            '[TOOL_CALLS][{"name": "weather", "arguments": {"city": "Oslo", "unit": "c"}},'
+            ' {"name": "time", "arguments": {}}]',
+            None,
+        ),
+        (
+            LLAMA3,
+            '<|python_tag|>{"name": "weather", "parameters": {"city": "Oslo", "unit": "c"}}; '
+            '{"name": "time", "parameters": {}}',
+            None,
+        ),
+        (
+            GENERIC,
+            '```json\n[{"name": "weather", "arguments": "{\\"city\\": \\"Oslo\\", '
+            '\\"unit\\": \\"c\\"}"}, {"name": "time", "arguments": {}}]\n```',
+            None,
+        ),
+    ],
+)
+def test_each_format_parses_to_tool_calls(fmt, text, content) -> None:
+    rest, calls = parse_tool_calls(text, TOOLS, fmt)
+    assert rest == content
+    assert [c["function"]["name"] for c in calls] == ["weather", "time"]
+    assert _args(calls[0]) == {"city": "Oslo", "unit": "c"} and _args(calls[1]) == {}
+    assert all(c["type"] == "function" and c["id"].startswith("call_") for c in calls)
+
+
+def test_text_that_is_no_call_stays_content() -> None:
+    for text in ("Hello there.", '{"name": "unknown", "arguments": {}}', '{"a": 1}', "[1, 2"):
+        assert parse_tool_calls(text, TOOLS, GENERIC) == (text, [])
+    bad = '<tool_call>{"name": "weather", "arguments": 3}</tool_call>'
+    assert parse_tool_calls(bad, TOOLS, HERMES) == (bad, [])
+
+
+def test_reasoning_formats() -> None:
+    text = "<think>\nsum 2+2\n</think>\n\nIt is 4."
+    assert split_reasoning(text, "none") == (None, text)
+    assert split_reasoning(text, "auto") == ("sum 2+2", "It is 4.")
+    assert split_reasoning(text, "deepseek") == ("sum 2+2", "It is 4.")
+    assert split_reasoning(text, "deepseek-legacy") == ("sum 2+2", text)
+    # the template opened the block in the prompt (Qwen3's thinking, forced open)
+    assert split_reasoning("sum 2+2</think>It is 4.", "auto") == ("sum 2+2", "It is 4.")
+    assert split_reasoning("<think>still going", "auto") == ("still going", "")
+    assert split_reasoning("plain", "auto") == (None, "plain")
+
+
+def test_tool_choice_checks_and_call_schema() -> None:
+    assert check_tools(None, None) == ([], "none")
+    assert check_tools(TOOLS, None)[1] == "auto"
+    for tools, choice, field in [
+        ([{"name": "x"}], None, "tools"),
+        (TOOLS, "always", "tool_choice"),
+        ([], "required", "tool_choice"),
+        (TOOLS, {"type": "function", "function": {"name": "nope"}}, "tool_choice"),
+    ]:
+        with pytest.raises(ConfigError) as e:
+            check_tools(tools, choice)
+        assert e.value.field == field
+    named = call_schema(TOOLS, {"type": "function", "function": {"name": "time"}}, LLAMA3)
+    assert named["properties"]["name"] == {"const": "time"} and "parameters" in named["required"]
+    assert len(call_schema(TOOLS, "required", GENERIC)["anyOf"]) == 2
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_required_and_named_calls_always_parse_and_validate(temperature) -> None:
+    msgs = [{"role": "user", "content": "w?"}]
+
+    async def body(s, engine):
+        outs = []
+        for seed, choice in enumerate(
+            ["required", {"type": "function", "function": {"name": "weather"}}] * 2
+        ):
+            req = {
+                "messages": msgs,
+                "tools": TOOLS,
+                "tool_choice": choice,
+                "max_tokens": 88,
+                "temperature": temperature,
+                "seed": seed,
+            }
+            outs.append((choice, await post(s, "/v1/chat/completions", req)))
+        none = await post(
+            s,
+            "/v1/chat/completions",
+            {"messages": msgs, "tools": TOOLS, "tool_choice": "none", "max_tokens": 4},
+        )
+        return outs, none
+
+    outs, none = run(body, _engine(EosBytes()))
+    for choice, out in outs:
+        c = out["choices"][0]
+        assert c["finish_reason"] == "tool_calls", c
+        (call,) = c["message"]["tool_calls"]
+        assert c["message"]["content"] is None
+        name = call["function"]["name"]
+        if isinstance(choice, dict):
+            assert name == "weather"
+        params = next(t for t in TOOLS if t["function"]["name"] == name)["function"]["parameters"]
+        jsonschema.validate(_args(call), params)
+    assert "tool_calls" not in none["choices"][0]["message"]
+
+
+def test_streamed_tool_calls_as_openai_deltas() -> None:
+    async def body(s, engine):
+        req = {
+            "messages": [{"role": "user", "content": "w?"}],
+            "tools": TOOLS,
+            "tool_choice": {"type": "function", "function": {"name": "weather"}},
+            "max_tokens": 88,
+        }
+        return await sse(s, "/v1/chat/completions", req)
+
+    events = run(body, _engine(EosBytes()))
+    deltas = [e["choices"][0]["delta"] for e in events]
+    assert deltas[0] == {"role": "assistant"}
+    head, args = deltas[1]["tool_calls"][0], deltas[2]["tool_calls"][0]
+    assert head["index"] == 0 and head["type"] == "function" and head["id"].startswith("call_")
+    assert head["function"] == {"name": "weather", "arguments": ""}
+    jsonschema.validate(json.loads(args["function"]["arguments"]), WEATHER)
+    assert events[-1]["choices"][0]["finish_reason"] == "tool_calls"
