@@ -115,3 +115,20 @@ def test_gemma3_batch_rows_equal_single_rows() -> None:
             m(torch.tensor([p]), cache=c2)
             alone = fast.layers(x[b : b + 1], c2, len(p))
             assert torch.equal(batch[b : b + 1], alone)
+
+
+def test_thread_count_does_not_change_the_bits() -> None:
+    """Rows of each linear and (with one KV head) the query heads of attention are split over
+    threads; every value is computed as on one thread."""
+    m = _model(8, num_attention_heads=3)  # a group of 3 heads splits unevenly over 2 threads
+    assert fastpath.install(m) is None
+    ids = torch.randint(0, 97, (1, 12), generator=torch.Generator().manual_seed(4))
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = _decode(m, ids, 3)
+        torch.set_num_threads(2)
+        two = _decode(m, ids, 3)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(one, two)

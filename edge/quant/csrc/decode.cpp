@@ -962,14 +962,20 @@ class Decoder {
       // One task per (row, KV head): the group's query heads walk the cached keys and values
       // together, so each K/V row is read from memory once and reused from L1 by the others
       // (and the heads' independent updates hide each other's latency). Per head the
-      // operations and their order are those of one head alone: the same bits.
-      at::parallel_for(0, B * nkv, 1, [&](int64_t t0, int64_t t1) {
+      // operations and their order are those of one head alone: the same bits. With fewer
+      // (row, KV head) pairs than threads (one sequence of a model with one KV head, Gemma 3
+      // 270M) each group's heads are split across tasks, so attention uses every thread too.
+      const int64_t pairs = B * nkv, threads = at::get_num_threads();
+      const int64_t split = std::min(group, std::max<int64_t>(1, (threads + pairs - 1) / pairs));
+      const int64_t chunk = (group + split - 1) / split;
+      at::parallel_for(0, pairs * split, 1, [&](int64_t t0, int64_t t1) {
         thread_local std::vector<float> scores;
         const size_t need = static_cast<size_t>(group * max_s);
         if (scores.size() < need) scores.resize(need);
         float mx[kMaxGroup], inv[kMaxGroup];
         for (int64_t t = t0; t < t1; ++t) {
-          const int64_t b = t / nkv, g = t % nkv;
+          const int64_t b = t / split / nkv, g = t / split % nkv;
+          const int64_t hs = t % split * chunk, he = std::min(group, hs + chunk);
           const KVRef& c = kv_[b * nl + static_cast<int64_t>(li)];
           const int64_t first = first_key(b, L.window);
           const int64_t lo = first - base_[b];  // slot of the first key this token sees
@@ -977,8 +983,8 @@ class Decoder {
           const float* q0 = qkv_.data() + b * QKV + g * group * D;
           const float* kg = c.k + (g * c.cap + lo) * D;
           const float* vg = c.v + (g * c.cap + lo) * D;
-          for (int64_t h0 = 0; h0 < group; h0 += kMaxGroup) {
-            const int64_t G = std::min(kMaxGroup, group - h0);
+          for (int64_t h0 = hs; h0 < he; h0 += kMaxGroup) {
+            const int64_t G = std::min(kMaxGroup, he - h0);
             const float* q = q0 + h0 * D;
             float* out = att_.data() + (b * nq + g * group + h0) * D;
             for (int64_t j = 0; j < G; ++j) mx[j] = -INFINITY;
