@@ -33,9 +33,12 @@ rounds, each measurement a child process pinned to cores ``0..threads-1``:
   otherwise, or when the file cannot be split, ``null`` with the reason. This VM's two cores
   share one memory bus, so two simulated devices contend for bandwidth as two boards would not.
 
-``--gguf FILE`` compares the runtimes on any GGUF file (its own width; KL needs an F32 file and
-is skipped). ``--lowband-only`` runs the lowband side alone (Q8_0/Q4_0 then come from gguf's
-reference quantizer): what the smoke test does, so CI never needs llama.cpp.
+``--gguf FILE`` compares the runtimes on any GGUF file (its own width); with ``--f32 REF`` (the
+same weights dequantized to F32, e.g. by llama.cpp's quantizer) the KL table is made against
+REF too, and ``top1_vs_f32`` says how often each runtime's teacher-forced argmax on FILE equals
+its own argmax on REF (the published Gemma 3 270M: ``benchmarks.real_models``).
+``--lowband-only`` runs the lowband side alone (Q8_0/Q4_0 then come from gguf's reference
+quantizer): what the smoke test does, so CI never needs llama.cpp.
 """
 
 from __future__ import annotations
@@ -567,10 +570,13 @@ def _kl_table(
             _run_role(args, a.timeout)
             logits[rt, w] = np.load(out)
             out.unlink()
-    res: dict = {}
+    res: dict = {"top1_vs_f32": {}}
     for rt in runtimes:
         res[rt] = {
             w: float(f"{_kl(logits[rt, 'f32'], logits[rt, w]):.3g}") for w in files if w != "f32"
+        }
+        res["top1_vs_f32"][rt] = {
+            w: round(_top1(logits[rt, "f32"], logits[rt, w]), 4) for w in files if w != "f32"
         }
     if len(runtimes) == 2:
         res["lowband_vs_llamacpp_same_file"] = {
@@ -697,6 +703,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--widths", default="q4_k_m,q8_0", help=f"comma-separated, of {WIDTHS}")
     p.add_argument("--threads", default="1", help="thread counts, e.g. 1,2 (cores 0..n-1)")
     p.add_argument("--gguf", help="compare the runtimes on this GGUF file instead of --models")
+    p.add_argument("--f32", help="with --gguf: the same weights in F32, for the fidelity table")
     p.add_argument("--lowband-only", action="store_true", help="skip llama.cpp (smoke test)")
     p.add_argument("--tokens", type=int, default=32)
     p.add_argument("--prompt-len", type=int, default=16)
@@ -740,9 +747,10 @@ def main(argv: list[str] | None = None) -> int:
     runtimes = ["lowband"] if a.lowband_only else ["lowband", "llamacpp"]
     t0, load0 = time.perf_counter(), os.getloadavg()[0]
     if a.gguf:
-        models = {
-            Path(a.gguf).name: bench_model(Path(a.gguf).stem, {"file": Path(a.gguf)}, runtimes, a)
-        }
+        files = {"file": Path(a.gguf)}
+        if a.f32:
+            files["f32"] = Path(a.f32)
+        models = {Path(a.gguf).name: bench_model(Path(a.gguf).stem, files, runtimes, a)}
     else:
         models = {
             m: bench_model(m, make_files(m, a.widths, a), runtimes, a) for m in a.models.split(",")

@@ -14,7 +14,9 @@ which is already efficient there, and both paths share one ``KVCache``.
 ``LlamaForCausalLM.forward_layers`` and ``head`` use for one token) when everything it needs is
 there: the C++ extension, float32 activations, a dense (non-MoE) model whose linears are float32
 ``nn.Linear``, ``QuantLinear`` or ``GGMLLinear`` (K-quant blocks as in a GGUF file) in memory,
-of Llama's maths or Qwen3's (per-head q/k RMSNorm before rotary).
+of Llama's maths, Qwen3's (per-head q/k RMSNorm before rotary) or Gemma's ((1 + w) norms,
+sandwich norms, GeGLU, ``query_pre_attn_scalar``, the sliding layers' own rope base and
+window, logit softcapping; the embedding scale is the model's ``embed``), NoPE layers included.
 Otherwise the eager path keeps running and the reason is returned (and logged), never an error.
 Tensor parallelism: the model's ``reduce`` hooks are called from C++ between the blocks, so the
 same transport carries the partial sums.
@@ -42,7 +44,7 @@ from edge.quant import kernel as qkernel
 from edge.quant.linear import DEFAULT_MAX_KERNEL_ROWS, GGMLLinear
 from lowband.errors import PeerLost, ProtocolError, TransportTimeout
 from lowband.models.config import ModelConfig
-from lowband.models.llama import KVCache, LlamaForCausalLM
+from lowband.models.llama import KVCache, LlamaForCausalLM, rope_inv_freq
 from transport.starlink import native_table
 
 logger = logging.getLogger(__name__)
@@ -96,7 +98,7 @@ def unsupported_reason(model: LlamaForCausalLM) -> str | None:
     cfg = model.config
     why = _family_reason(cfg)
     if why is not None:
-        return f"{cfg.model_type}: {why} (the compiled step does Llama's maths only)"
+        return f"{cfg.model_type}: the compiled step has no {why}"
     if not qkernel.available():
         return f"the C++ kernel is unavailable ({qkernel.unavailable_reason()})"
     if cfg.is_moe:
@@ -104,6 +106,8 @@ def unsupported_reason(model: LlamaForCausalLM) -> str | None:
     for i, layer in enumerate(model.model.layers):
         attn = layer.self_attn
         norms = [layer.input_layernorm, layer.post_attention_layernorm]
+        if cfg.sandwich_norms:
+            norms += [layer.pre_feedforward_layernorm, layer.post_feedforward_layernorm]
         if cfg.qk_norm:
             norms += [attn.q_norm, attn.k_norm]
         for norm in norms:
@@ -126,19 +130,27 @@ def unsupported_reason(model: LlamaForCausalLM) -> str | None:
     return None
 
 
+# The compiled step's gate activations (``Act`` in decode.cpp) by HF ``hidden_act``.
+_ACTS = {"silu": 0, "swish": 0, "gelu_pytorch_tanh": 1}
+_ROPES = {None: 0, "global": 1, "local": 2}  # Layer::rope in decode.cpp
+
+
 def _family_reason(cfg: ModelConfig) -> str | None:
-    """The first of a family's departures from plain Llama maths (None: there are none)."""
-    checks = (
-        (cfg.norm_unit_offset, "(1 + weight) norms"),
-        (cfg.sandwich_norms, "sandwich norms"),
-        (cfg.hidden_act not in ("silu", "swish"), f"{cfg.hidden_act} MLP"),
-        (cfg.query_pre_attn_scalar not in (None, cfg.dim_per_head), "query_pre_attn_scalar"),
-        (cfg.final_logit_softcapping is not None, "final logit softcapping"),
-        (cfg.no_rope_layers is not None and 0 in cfg.no_rope_layers, "NoPE layers"),
-        (cfg.rope_local_theta is not None, "a separate rope base for sliding layers"),
-        (cfg.cache_window != cfg.layer_window(0), "per-layer sliding windows"),
-    )
-    return next((why for bad, why in checks if bad), None)
+    """The first of a family's departures from the maths the compiled step does (None: none).
+    It does Llama's, Qwen3's per-head q/k norms, Gemma's (1 + w) norms, sandwich norms, GeGLU,
+    softmax scale, local rope base, per-layer windows and logit softcapping, and NoPE layers."""
+    if cfg.hidden_act not in _ACTS:
+        return f"{cfg.hidden_act} MLP"
+    return None
+
+
+def _norm_w(norm: nn.Module) -> torch.Tensor:
+    """The float32 scale a norm multiplies by: ``weight``, or ``1 + weight`` for Gemma's
+    unit-offset norms (taken once: later edits of such a weight need a new install)."""
+    w = cast(torch.Tensor, norm.weight).detach()
+    if getattr(norm, "unit_offset", False):
+        return (1.0 + w.float()).contiguous()
+    return w
 
 
 class _Bound(NamedTuple):
@@ -168,19 +180,41 @@ class FastDecode:
         self.n_kv = layers[0].self_attn.n_kv_heads if len(layers) else 0
         self.reduce = layers[0].self_attn.reduce if len(layers) else None
         inv = model.inv_freq.detach().to(torch.float32).contiguous()
+        local = None
+        if cfg.rope_local_theta is not None:
+            local = rope_inv_freq(cfg, local=True).to(torch.float32).contiguous()
+        scale = cfg.query_pre_attn_scalar**-0.5 if cfg.query_pre_attn_scalar is not None else 0.0
         self._dec = mod.Decoder(
-            self.hidden, self.head_dim, float(self.eps), inv, int(cfg.sliding_window or 0)
+            self.hidden,
+            self.head_dim,
+            float(self.eps),
+            inv,
+            int(cfg.cache_window or 0),
+            scale=float(scale),
+            act=_ACTS[cfg.hidden_act],
+            inv_freq_local=local,
         )
-        for layer in layers:
+        self.softcap = cfg.final_logit_softcapping
+        for i, layer in enumerate(layers):
             attn, mlp = layer.self_attn, layer.mlp
             if attn.reduce is not self.reduce or mlp.reduce is not self.reduce:
                 raise ValueError("every layer must use the same reduce hook")
             qkv = [attn.qkv] if attn.qkv is not None else [attn.q_proj, attn.k_proj, attn.v_proj]
             gu = [mlp.gate_up] if mlp.gate_up is not None else [mlp.gate_proj, mlp.up_proj]
-            qk = (attn.q_norm.weight.detach(), attn.k_norm.weight.detach()) if attn.qk_norm else ()
+            qk = (_norm_w(attn.q_norm), _norm_w(attn.k_norm)) if attn.qk_norm else (None, None)
+            # Llama: ln2 is the norm before the MLP; Gemma's sandwich: the pre-feedforward
+            # norm, and the post-attention / post-feedforward norms go on the blocks' outputs.
+            ln2 = layer.post_attention_layernorm
+            post: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None)
+            if layer.sandwich:
+                ln2 = layer.pre_feedforward_layernorm
+                post = (
+                    _norm_w(layer.post_attention_layernorm),
+                    _norm_w(layer.post_feedforward_layernorm),
+                )
             self._dec.add_layer(
-                layer.input_layernorm.weight.detach(),
-                layer.post_attention_layernorm.weight.detach(),
+                _norm_w(layer.input_layernorm),
+                _norm_w(ln2),
                 [_lin(m) for m in qkv],
                 _lin(attn.o_proj),
                 [_lin(m) for m in gu],
@@ -188,13 +222,16 @@ class FastDecode:
                 attn.n_heads,
                 attn.n_kv_heads,
                 *qk,
+                *post,
+                window=int(cfg.layer_window(i) or 0),
+                rope=_ROPES[cfg.layer_rope(i)],
             )
         self._norm = None
         self._head: tuple | None = None
         self._head_rows = 0
         lm = getattr(model, "lm_head", None)
         if lm is not None and _lin_ok(lm) is None and not model.model.norm.weight.is_meta:
-            self._norm = model.model.norm.weight.detach().to(torch.float32).contiguous()
+            self._norm = _norm_w(model.model.norm).to(torch.float32).contiguous()
             self._head = _lin(lm)
             # Rows up to which the compiled head runs. fp32, one core, 32000 x 2048 head:
             # 58 ms against PyTorch's 67 ms at 16 rows, 174 against 144 at 64. Packed heads:
@@ -317,11 +354,15 @@ class FastDecode:
         rows = x.numel() // max(x.shape[-1], 1)
         if self._head is None or rows > self._head_rows:  # e.g. a bf16 head: PyTorch does it
             m = self._model_head
-            return m.lm_head(m.model.norm(x))
-        lead = x.shape[:-1]
-        if x.dtype != torch.float32 or not x.is_contiguous():
-            x = x.to(torch.float32).contiguous()
-        return self._mod.head(x, self._norm, float(self.eps), self._head).view(*lead, -1)
+            logits = m.lm_head(m.model.norm(x))
+        else:
+            lead = x.shape[:-1]
+            if x.dtype != torch.float32 or not x.is_contiguous():
+                x = x.to(torch.float32).contiguous()
+            logits = self._mod.head(x, self._norm, float(self.eps), self._head).view(*lead, -1)
+        if self.softcap is not None:  # Gemma 2: cap * tanh(logits / cap), as the eager head
+            logits = torch.tanh(logits / self.softcap) * self.softcap
+        return logits
 
 
 _LINK_ERRORS = {

@@ -8,7 +8,10 @@
 // or ggml blocks, see gemv_kernels.h and ggml_kernels.h), rotary embedding, the new K/V written
 // into the caller's cache, grouped-query attention over the cached positions (optionally a
 // sliding window), o_proj, SwiGLU and down_proj; Qwen3's per-head RMSNorm of q and k (one (D,)
-// weight shared by every head, before rotary) where a layer has it. Tensor parallelism: after
+// weight shared by every head, before rotary) where a layer has it; Gemma's per-layer parts:
+// sandwich norms on each block's output, GeGLU, the sliding layers' own rotary base and window,
+// the softmax scale (the (1 + w) norm scales come precomputed); NoPE layers skip rotary.
+// Tensor parallelism: after
 // o_proj and after down_proj the partial sums go through a Python callback (the transport's
 // all-reduce), so the network code stays in Python and the GIL is held only for that call.
 //
@@ -410,12 +413,20 @@ int64_t parts_n(const std::vector<Lin>& parts) {
 }
 
 struct Layer {
-  torch::Tensor ln1, ln2;
-  torch::Tensor qn, kn;  // per-head q/k RMSNorm weights (D,); undefined: none (plain Llama)
+  torch::Tensor ln1, ln2;  // the norms before attention and before the MLP
+  torch::Tensor qn, kn;    // per-head q/k RMSNorm weights (D,); undefined: none (plain Llama)
+  // Gemma's sandwich: norms of the attention output and of the MLP output before each is
+  // added to the residual stream (after the TP all-reduce); undefined: none (Llama).
+  torch::Tensor post_attn, post_ffn;
   std::vector<Lin> qkv, gate_up;
   Lin o, down;
   int64_t nq = 0, nkv = 0, inter = 0;
+  int64_t window = 0;  // attention window W of this layer (keys j with pos - j < W); 0: all
+  int rope = 1;        // rotary table: 0 none (NoPE), 1 global, 2 local (own base)
 };
+
+// The MLP's gate activation (HF hidden_act).
+enum Act : int { kSilu = 0, kGeluTanh = 1 };
 
 inline void rmsnorm(const float* x, const float* w, float* y, int64_t n, float eps) {
   const float ms = dot_f32(x, x, n) / static_cast<float>(n);
@@ -623,16 +634,42 @@ std::atomic<int64_t> g_decoder_ids{1};
 
 class Decoder {
  public:
-  Decoder(int64_t hidden, int64_t head_dim, double eps, torch::Tensor inv_freq, int64_t window)
-      : H_(hidden), D_(head_dim), eps_(static_cast<float>(eps)), window_(window), id_(g_decoder_ids++) {
-    check_f32(inv_freq, "inv_freq");
-    TORCH_CHECK(inv_freq.numel() == head_dim / 2 && head_dim % 2 == 0, "inv_freq must have head_dim/2 entries");
-    inv_freq_.assign(inv_freq.data_ptr<float>(), inv_freq.data_ptr<float>() + inv_freq.numel());
+  // window: the window the shared cache drops positions by (0: none); scale: the softmax
+  // scale (<= 0: head_dim^-0.5); act: Act; inv_freq_local: the sliding layers' own rotary
+  // frequencies (Gemma 3) or None.
+  Decoder(int64_t hidden, int64_t head_dim, double eps, torch::Tensor inv_freq, int64_t window, double scale,
+          int64_t act, const py::object& inv_freq_local)
+      : H_(hidden),
+        D_(head_dim),
+        eps_(static_cast<float>(eps)),
+        window_(window),
+        scale_(scale > 0 ? static_cast<float>(scale) : 1.f / std::sqrt(static_cast<float>(head_dim))),
+        act_(static_cast<int>(act)),
+        id_(g_decoder_ids++) {
+    TORCH_CHECK(act == kSilu || act == kGeluTanh, "act must be 0 (silu) or 1 (gelu tanh)");
+    inv_freq_ = freqs(inv_freq, head_dim);
+    if (!inv_freq_local.is_none()) inv_local_ = freqs(inv_freq_local.cast<torch::Tensor>(), head_dim);
   }
 
   void add_layer(torch::Tensor ln1, torch::Tensor ln2, py::list qkv, py::tuple o, py::list gate_up, py::tuple down,
-                 int64_t nq, int64_t nkv, const py::object& q_norm, const py::object& k_norm) {
+                 int64_t nq, int64_t nkv, const py::object& q_norm, const py::object& k_norm,
+                 const py::object& post_attn, const py::object& post_ffn, int64_t window, int64_t rope) {
     Layer L;
+    TORCH_CHECK(post_attn.is_none() == post_ffn.is_none(), "the sandwich norms come together");
+    if (!post_attn.is_none()) {
+      L.post_attn = post_attn.cast<torch::Tensor>();
+      L.post_ffn = post_ffn.cast<torch::Tensor>();
+      check_f32(L.post_attn, "post-attention norm");
+      check_f32(L.post_ffn, "post-feedforward norm");
+      TORCH_CHECK(L.post_attn.numel() == H_ && L.post_ffn.numel() == H_,
+                  "sandwich norms must have hidden_size entries");
+    }
+    TORCH_CHECK(window >= -1, "window must be -1 (the decoder's), 0 (full) or W > 0");
+    L.window = window < 0 ? window_ : window;
+    TORCH_CHECK(window_ == 0 || L.window == window_, "a cache that drops positions needs every layer's window equal");
+    TORCH_CHECK(rope >= 0 && rope <= 2, "rope must be 0 (none), 1 (global) or 2 (local)");
+    TORCH_CHECK(rope != 2 || !inv_local_.empty(), "a local-rope layer needs inv_freq_local");
+    L.rope = static_cast<int>(rope);
     check_f32(ln1, "input_layernorm");
     check_f32(ln2, "post_attention_layernorm");
     TORCH_CHECK(ln1.numel() == H_ && ln2.numel() == H_, "norm weights must have hidden_size entries");
@@ -797,10 +834,11 @@ class Decoder {
       py::gil_scoped_release nogil;
       rope_tables(B);
       for (size_t i = 0; i < layers_.size(); ++i) {
-        attention_block(layers_[i], i, xp, B);
-        combine(xp, B, tp, reduce);
-        ffn_block(layers_[i], xp, B);
-        combine(xp, B, tp, reduce);
+        const Layer& L = layers_[i];
+        attention_block(L, i, xp, B);
+        combine(xp, B, tp, reduce, L.post_attn);
+        ffn_block(L, xp, B);
+        combine(xp, B, tp, reduce, L.post_ffn);
       }
     }
     return x;
@@ -808,14 +846,15 @@ class Decoder {
 
   // part_ holds B partial sums (o_proj or down_proj outputs); add them (all-reduced under TP,
   // one exchange for the whole batch, shaped (1, B, H) like the eager path's ragged batch of B
-  // single tokens, so a rank on either path can sum with the other) to x.
-  void combine(float* xp, int64_t B, bool tp, const py::object& reduce) {
+  // single tokens, so a rank on either path can sum with the other) to x; through `norm`
+  // first where it is defined (Gemma's sandwich: the norm of the whole sum, on every rank).
+  void combine(float* xp, int64_t B, bool tp, const py::object& reduce, const torch::Tensor& norm) {
     const int64_t n = B * H_;
     const float* src = part_.data_ptr<float>();
     torch::Tensor summed;
     if (link_.role != 0) {
       link_all_reduce(link_, part_.data_ptr<float>(), n, link_tmp_);
-      for (int64_t i = 0; i < n; ++i) xp[i] += src[i];
+      add_rows(xp, src, B, norm);
       return;
     }
     if (tp) {
@@ -826,34 +865,58 @@ class Decoder {
       if (summed.scalar_type() != at::kFloat || !summed.is_contiguous()) summed = summed.to(at::kFloat).contiguous();
       src = summed.data_ptr<float>();
     }
-    for (int64_t i = 0; i < n; ++i) xp[i] += src[i];
+    add_rows(xp, src, B, norm);
     if (tp) {
       py::gil_scoped_acquire gil;  // drop the tensor under the GIL (it may own Python state)
       summed = torch::Tensor();
     }
   }
 
+  // x[b] += norm(src[b]) for each of the B rows (or src[b] itself where norm is undefined).
+  void add_rows(float* xp, const float* src, int64_t B, const torch::Tensor& norm) {
+    if (!norm.defined()) {
+      for (int64_t i = 0; i < B * H_; ++i) xp[i] += src[i];
+      return;
+    }
+    ensure(normed_, H_);
+    for (int64_t b = 0; b < B; ++b) {
+      rmsnorm(src + b * H_, norm.data_ptr<float>(), normed_.data(), H_, eps_);
+      for (int64_t i = 0; i < H_; ++i) xp[b * H_ + i] += normed_[i];
+    }
+  }
+
+  static std::vector<float> freqs(const torch::Tensor& f, int64_t head_dim) {
+    check_f32(f, "inv_freq");
+    TORCH_CHECK(f.numel() == head_dim / 2 && head_dim % 2 == 0, "inv_freq must have head_dim/2 entries");
+    return std::vector<float>(f.data_ptr<float>(), f.data_ptr<float>() + f.numel());
+  }
+
   void ensure(std::vector<float>& v, int64_t n) {
     if (static_cast<int64_t>(v.size()) < n) v.resize(static_cast<size_t>(n));
   }
 
-  // cos/sin of every row's own position: [B, D/2].
+  // cos/sin of every row's own position: [B, D/2] (global, then local where there is one).
   void rope_tables(int64_t B) {
     const int64_t h = D_ / 2;
-    ensure(cos_, B * h);
-    ensure(sin_, B * h);
-    for (int64_t b = 0; b < B; ++b)
-      for (int64_t i = 0; i < h; ++i) {
-        const float f = static_cast<float>(pos_[b]) * inv_freq_[i];
-        cos_[b * h + i] = std::cos(f);
-        sin_[b * h + i] = std::sin(f);
-      }
+    for (int t = 0; t < 2; ++t) {
+      const std::vector<float>& inv = t == 0 ? inv_freq_ : inv_local_;
+      if (inv.empty()) continue;
+      ensure(cos_[t], B * h);
+      ensure(sin_[t], B * h);
+      for (int64_t b = 0; b < B; ++b)
+        for (int64_t i = 0; i < h; ++i) {
+          const float f = static_cast<float>(pos_[b]) * inv[i];
+          cos_[t][b * h + i] = std::cos(f);
+          sin_[t][b * h + i] = std::sin(f);
+        }
+    }
   }
 
-  void rope(float* v, int64_t b) const {
+  // table: Layer::rope (1 global, 2 local)
+  void rope(float* v, int64_t b, int table) const {
     const int64_t h = D_ / 2;
-    const float* c = cos_.data() + b * h;
-    const float* s = sin_.data() + b * h;
+    const float* c = cos_[table - 1].data() + b * h;
+    const float* s = sin_[table - 1].data() + b * h;
     for (int64_t i = 0; i < h; ++i) {
       const float a = v[i], w = v[i + h];
       v[i] = a * c[i] - w * s[i];
@@ -880,8 +943,10 @@ class Decoder {
         for (int64_t h = 0; h < nq; ++h) rmsnorm(q + h * D, L.qn.data_ptr<float>(), q + h * D, D, eps_);
         for (int64_t h = 0; h < nkv; ++h) rmsnorm(k + h * D, L.kn.data_ptr<float>(), k + h * D, D, eps_);
       }
-      for (int64_t h = 0; h < nq; ++h) rope(q + h * D, b);
-      for (int64_t h = 0; h < nkv; ++h) rope(k + h * D, b);
+      if (L.rope != 0) {
+        for (int64_t h = 0; h < nq; ++h) rope(q + h * D, b, L.rope);
+        for (int64_t h = 0; h < nkv; ++h) rope(k + h * D, b, L.rope);
+      }
       if (nkv == 0) continue;
       const KVRef& c = kv_[b * nl + static_cast<int64_t>(li)];
       const int64_t slot = pos_[b] - base_[b];
@@ -889,31 +954,37 @@ class Decoder {
         std::copy(k + g * D, k + (g + 1) * D, c.k + (g * c.cap + slot) * D);
         std::copy(v + g * D, v + (g + 1) * D, c.v + (g * c.cap + slot) * D);
       }
-      max_s = std::max(max_s, pos_[b] + 1 - first_key(b));
+      max_s = std::max(max_s, pos_[b] + 1 - first_key(b, L.window));
     }
     if (nkv > 0) {
       const int64_t group = nq / nkv;
-      const float scale = 1.f / std::sqrt(static_cast<float>(D));
+      const float scale = scale_;
       // One task per (row, KV head): the group's query heads walk the cached keys and values
       // together, so each K/V row is read from memory once and reused from L1 by the others
       // (and the heads' independent updates hide each other's latency). Per head the
-      // operations and their order are those of one head alone: the same bits.
-      at::parallel_for(0, B * nkv, 1, [&](int64_t t0, int64_t t1) {
+      // operations and their order are those of one head alone: the same bits. With fewer
+      // (row, KV head) pairs than threads (one sequence of a model with one KV head, Gemma 3
+      // 270M) each group's heads are split across tasks, so attention uses every thread too.
+      const int64_t pairs = B * nkv, threads = at::get_num_threads();
+      const int64_t split = std::min(group, std::max<int64_t>(1, (threads + pairs - 1) / pairs));
+      const int64_t chunk = (group + split - 1) / split;
+      at::parallel_for(0, pairs * split, 1, [&](int64_t t0, int64_t t1) {
         thread_local std::vector<float> scores;
         const size_t need = static_cast<size_t>(group * max_s);
         if (scores.size() < need) scores.resize(need);
         float mx[kMaxGroup], inv[kMaxGroup];
         for (int64_t t = t0; t < t1; ++t) {
-          const int64_t b = t / nkv, g = t % nkv;
+          const int64_t b = t / split / nkv, g = t / split % nkv;
+          const int64_t hs = t % split * chunk, he = std::min(group, hs + chunk);
           const KVRef& c = kv_[b * nl + static_cast<int64_t>(li)];
-          const int64_t first = first_key(b);
+          const int64_t first = first_key(b, L.window);
           const int64_t lo = first - base_[b];  // slot of the first key this token sees
           const int64_t S = pos_[b] + 1 - first;
           const float* q0 = qkv_.data() + b * QKV + g * group * D;
           const float* kg = c.k + (g * c.cap + lo) * D;
           const float* vg = c.v + (g * c.cap + lo) * D;
-          for (int64_t h0 = 0; h0 < group; h0 += kMaxGroup) {
-            const int64_t G = std::min(kMaxGroup, group - h0);
+          for (int64_t h0 = hs; h0 < he; h0 += kMaxGroup) {
+            const int64_t G = std::min(kMaxGroup, he - h0);
             const float* q = q0 + h0 * D;
             float* out = att_.data() + (b * nq + g * group + h0) * D;
             for (int64_t j = 0; j < G; ++j) mx[j] = -INFINITY;
@@ -949,8 +1020,8 @@ class Decoder {
     if (L.o.N == 0) std::fill(part, part + B * H_, 0.f);
   }
 
-  // The first absolute position row b's token attends to (the sliding window's start).
-  int64_t first_key(int64_t b) const { return window_ > 0 ? std::max<int64_t>(0, pos_[b] - window_ + 1) : 0; }
+  // The first absolute position row b's token attends to in a layer of window W (0: all).
+  int64_t first_key(int64_t b, int64_t W) const { return W > 0 ? std::max<int64_t>(0, pos_[b] - W + 1) : 0; }
 
   void ffn_block(const Layer& L, const float* xp, int64_t B) {
     for (int64_t b = 0; b < B; ++b) rmsnorm(xp + b * H_, L.ln2.data_ptr<float>(), xn_.data() + b * H_, H_, eps_);
@@ -961,7 +1032,15 @@ class Decoder {
       for (int64_t b = b0; b < b1; ++b) {
         float* g = gu_.data() + b * 2 * I;
         const float* u = g + I;
-        for (int64_t i = 0; i < I; ++i) g[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
+        if (act_ == kGeluTanh) {  // GeGLU: 0.5 g (1 + tanh(sqrt(2/pi) (g + 0.044715 g^3))) u
+          constexpr float kC = 0.7978845608028654f, kA = 0.044715f;
+          for (int64_t i = 0; i < I; ++i) {
+            const float x = g[i];
+            g[i] = 0.5f * x * (1.f + std::tanh(kC * (x + kA * x * x * x))) * u[i];
+          }
+        } else {
+          for (int64_t i = 0; i < I; ++i) g[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
+        }
       }
     });
     // SwiGLU wrote each row's product over its gate half: rows 2I apart
@@ -971,8 +1050,11 @@ class Decoder {
   int64_t H_, D_;
   float eps_;
   int64_t window_;
+  float scale_;
+  int act_;
   int64_t id_;  // names this decoder in its cache tables
-  std::vector<float> inv_freq_, cos_, sin_;
+  std::vector<float> inv_freq_, inv_local_, normed_;
+  std::vector<float> cos_[2], sin_[2];  // [global, local] of the running call
   std::vector<Layer> layers_;
   std::vector<torch::Tensor> k_, v_;  // the cache of layers() (set_cache)
   std::vector<int64_t> pos_, base_;   // per row of the running call
@@ -1010,11 +1092,13 @@ torch::Tensor head(const torch::Tensor& x, const torch::Tensor& norm_w, double e
 
 void init_decode(py::module_& m) {
   py::class_<Decoder>(m, "Decoder")
-      .def(py::init<int64_t, int64_t, double, torch::Tensor, int64_t>(), py::arg("hidden"), py::arg("head_dim"),
-           py::arg("eps"), py::arg("inv_freq"), py::arg("window"))
+      .def(py::init<int64_t, int64_t, double, torch::Tensor, int64_t, double, int64_t, py::object>(), py::arg("hidden"),
+           py::arg("head_dim"), py::arg("eps"), py::arg("inv_freq"), py::arg("window"), py::arg("scale") = 0.0,
+           py::arg("act") = 0, py::arg("inv_freq_local") = py::none())
       .def("add_layer", &Decoder::add_layer, py::arg("ln1"), py::arg("ln2"), py::arg("qkv"), py::arg("o"),
            py::arg("gate_up"), py::arg("down"), py::arg("nq"), py::arg("nkv"), py::arg("q_norm") = py::none(),
-           py::arg("k_norm") = py::none())
+           py::arg("k_norm") = py::none(), py::arg("post_attn") = py::none(), py::arg("post_ffn") = py::none(),
+           py::arg("window") = -1, py::arg("rope") = 1)
       .def("set_cache", &Decoder::set_cache)
       .def("cache_table", &Decoder::cache_table, py::arg("k"), py::arg("v"))
       .def("layers", &Decoder::layers, py::arg("x"), py::arg("pos"), py::arg("reduce") = py::none(),

@@ -1,0 +1,134 @@
+"""The compiled decode step on Gemma 3's maths (and NoPE layers) against the eager path."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from edge import fastpath
+from edge.quant import kernel as qkernel
+from edge.quant import quantize_modules
+from lowband.models.config import ModelConfig
+from lowband.models.llama import LlamaForCausalLM, fuse_projections, init_weights
+
+pytestmark = pytest.mark.skipif(
+    not qkernel.available(), reason=f"C++ kernel unavailable ({qkernel.unavailable_reason()})"
+)
+
+# A small Gemma-3-shaped model: (1 + w) norms, sandwich norms, per-head q/k norms, GeGLU, a
+# softmax scale of its own, sliding layers with their own rope base and a global layer.
+GEMMA3 = dict(
+    model_type="gemma3_text",
+    vocab_size=97,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=1,
+    head_dim=32,
+    max_position_embeddings=256,
+    sliding_window=4,
+    layer_types=("sliding_attention", "sliding_attention", "full_attention"),
+    rope_theta=1e6,
+    rope_local_theta=1e4,
+    norm_unit_offset=True,
+    sandwich_norms=True,
+    qk_norm=True,
+    hidden_act="gelu_pytorch_tanh",
+    query_pre_attn_scalar=24,
+    scale_embeddings=True,
+    tie_word_embeddings=True,
+)
+
+
+def _model(bits: int | None = None, **over) -> LlamaForCausalLM:
+    m = LlamaForCausalLM(ModelConfig(**{**GEMMA3, **over})).eval()
+    init_weights(m, seed=5)
+    with torch.no_grad():
+        for n, p in m.named_parameters():
+            if "norm" in n:  # (1 + w) norms whose weights matter
+                p.normal_(0, 0.3)
+    if bits:
+        quantize_modules(m, bits=bits, group=32)
+    fuse_projections(m)
+    return m
+
+
+def _decode(m: LlamaForCausalLM, ids: torch.Tensor, prefill: int) -> torch.Tensor:
+    cache, out = m.new_cache(), []
+    with torch.inference_mode():
+        m(ids[:, :prefill], cache=cache)
+        for t in range(prefill, ids.shape[1]):
+            out.append(m(ids[:, t : t + 1], cache=cache)[0, -1])
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize("bits", [None, 8], ids=["fp32", "q8"])
+@pytest.mark.parametrize(
+    "over",
+    [{}, {"final_logit_softcapping": 3.0}, {"model_type": "smollm3", "no_rope_layers": (1, 0, 1)}],
+    ids=["gemma3", "softcap", "nope"],
+)
+def test_compiled_gemma3_step_matches_eager(bits, over) -> None:
+    m = _model(bits, **over)
+    ids = torch.randint(0, 97, (1, 14), generator=torch.Generator().manual_seed(1))
+    eager = _decode(m, ids, 3)  # 11 decode steps: past the sliding layers' window of 4
+    assert fastpath.install(m) is None
+    assert fastpath.active(m)
+    fast = _decode(m, ids, 3)
+    tol = 1e-4 if bits is None else 1e-2
+    torch.testing.assert_close(fast, eager, rtol=tol, atol=tol)
+    assert torch.equal(fast.argmax(-1), eager.argmax(-1))
+
+
+def test_gemma3_parts_matter() -> None:
+    """Each Gemma part changes the result, so the equality above can fail."""
+    base = _model()
+    ids = torch.randint(0, 97, (1, 10), generator=torch.Generator().manual_seed(2))
+    fastpath.install(base)
+    ref = _decode(base, ids, 2)
+    for over in (
+        {"hidden_act": "silu"},
+        {"rope_local_theta": None},
+        {"query_pre_attn_scalar": None},
+        {"layer_types": None, "sliding_window": None},
+    ):
+        m = _model(**over)
+        assert fastpath.install(m) is None
+        assert not torch.allclose(_decode(m, ids, 2), ref, atol=1e-3), over
+
+
+def test_gemma3_batch_rows_equal_single_rows() -> None:
+    m = _model(8)
+    assert fastpath.install(m) is None
+    fast = m.__dict__["fast_decode"]
+    prompts = [[3, 5, 7, 11, 13, 2], [17, 19], [23, 29, 31, 37, 41, 43, 47]]
+    caches = [m.new_cache() for _ in prompts]
+    with torch.inference_mode():
+        for c, p in zip(caches, prompts):
+            m(torch.tensor([p]), cache=c)
+        x = m.embed(torch.tensor([[5], [6], [7]]))  # (3, 1, H)
+        starts = [len(p) for p in prompts]
+        batch = fast.layers_batch(x, caches, starts)
+        for b, (c, p) in enumerate(zip(caches, prompts)):
+            c2 = m.new_cache()
+            m(torch.tensor([p]), cache=c2)
+            alone = fast.layers(x[b : b + 1], c2, len(p))
+            assert torch.equal(batch[b : b + 1], alone)
+
+
+def test_thread_count_does_not_change_the_bits() -> None:
+    """Rows of each linear and (with one KV head) the query heads of attention are split over
+    threads; every value is computed as on one thread."""
+    m = _model(8, num_attention_heads=3)  # a group of 3 heads splits unevenly over 2 threads
+    assert fastpath.install(m) is None
+    ids = torch.randint(0, 97, (1, 12), generator=torch.Generator().manual_seed(4))
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = _decode(m, ids, 3)
+        torch.set_num_threads(2)
+        two = _decode(m, ids, 3)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(one, two)
