@@ -32,10 +32,9 @@ CASES = [
 ]
 
 
+@pytest.mark.usefixtures("no_kernel")
 @pytest.mark.parametrize("make,arch,pre,quant", CASES)
-def test_training_model_gives_the_runtimes_logits(
-    tmp_path: Path, no_kernel, make, arch, pre, quant
-) -> None:
+def test_training_model_gives_the_runtimes_logits(tmp_path: Path, make, arch, pre, quant) -> None:
     hf = make() if quant is None else make(hidden=256, inter=256)  # K-quants: 256-wide rows
     path = write_file(tmp_path / f"{arch}.gguf", hf, arch, pre, quant)
     ids = torch.randint(0, 300, (2, 11), generator=torch.Generator().manual_seed(3))
@@ -93,3 +92,26 @@ def test_cli_fine_tunes_a_gguf_file(tmp_path: Path, capsys) -> None:
 
     model = load_pretrained(out / "model")
     assert model(torch.tensor([[0, 5, 6]])).shape == (1, 3, 320)
+
+
+@pytest.mark.slow
+def test_real_gemma3_starts_from_its_pretrained_loss(real_gemma3: Path) -> None:
+    """The real Gemma 3 270M as the trainer builds it (Q4_K_M dequantized to fp32, the file's
+    tokenizer, BOS first): its loss on held-out text is a pretrained model's, far below a random
+    model's ln(262144) = 12.5, and lower than on the same windows without BOS."""
+    import dataclasses
+
+    from diloco.config import DataConfig, TrainConfig
+    from diloco.data import PARADISE_LOST, eval_batches
+    from diloco.task import PretrainedTask
+
+    data = DataConfig(kind="text", path=str(PARADISE_LOST), seq_len=64, batch_size=2)
+    cfg = TrainConfig(gguf_model=str(real_gemma3), data=dataclasses.replace(data, eval_batches=2))
+    task = PretrainedTask(cfg, GGUFPretrained())
+    assert task.corpus.specials.bos == 2 and task.corpus.specials.eos == 1  # <bos>, <eos>
+    model = task.build_model()
+    with_bos = task.evaluate(model)
+    task._eval = eval_batches(task.corpus.eval, 64, 2, 2, None)
+    without = task.evaluate(model)
+    assert with_bos < 6.0 < 12.0 < np.log(262144)
+    assert with_bos < without - 1.0
