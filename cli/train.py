@@ -99,8 +99,9 @@ def _add_run_options(p: argparse.ArgumentParser) -> None:
         "--model",
         dest="model_spec",
         help="hf:PATH trains a Hugging Face causal LM "
-        "(a config.json for a random init, or a checkpoint directory); default: the "
-        "preset's lowband Llama",
+        "(a config.json for a random init, or a checkpoint directory); FILE.gguf fine-tunes "
+        "a GGUF model (every family `edge run` loads; weights dequantized to fp32, its "
+        "tokenizer unless --tokenizer); default: the preset's lowband Llama",
     )
     c = p.add_argument_group("compute (per site; may differ between workers)")
     c.add_argument("--device", help="auto (default) | cpu | cuda | cuda:N")
@@ -165,11 +166,16 @@ def _train_config(args: argparse.Namespace, base=None, **extra: object):
         base = config_from_dict(json.loads(args.config.read_text()))
     elif base is None or args.preset is not None:
         base = preset(args.preset)
-    hf_model = None
+    hf_model = gguf_model = None
     if args.model_spec is not None:
-        if not args.model_spec.startswith("hf:"):
-            raise ConfigError("model", f"--model takes hf:PATH, got {args.model_spec!r}")
-        hf_model = args.model_spec[3:]
+        if args.model_spec.startswith("hf:"):
+            hf_model = args.model_spec[3:]
+        elif _is_gguf(args.model_spec):
+            gguf_model = str(Path(args.model_spec).resolve())
+        else:
+            raise ConfigError(
+                "model", f"--model takes hf:PATH or a GGUF file, got {args.model_spec!r}"
+            )
     data_path, data_kind = args.data_path, args.data_kind
     if args.corpus is not None:
         if data_path is not None:
@@ -178,6 +184,7 @@ def _train_config(args: argparse.Namespace, base=None, **extra: object):
     return with_overrides(
         base,
         hf_model=hf_model,
+        gguf_model=gguf_model,
         device=args.device,
         precision=args.precision,
         micro_batches=args.micro_batches,
@@ -221,6 +228,21 @@ def _train_config(args: argparse.Namespace, base=None, **extra: object):
     )
 
 
+def _is_gguf(spec: str) -> bool:
+    from edge.formats.gguf_arch import is_gguf
+
+    return Path(spec).is_file() and is_gguf(spec)
+
+
+def _pretrained(train):
+    """The GGUF reader the trainer needs when the run starts from a GGUF file."""
+    if train.gguf_model is None:
+        return None
+    from edge.formats.gguf_train import GGUFPretrained
+
+    return GGUFPretrained()
+
+
 def _connections(text: str) -> int:
     """``--connections``, refused by the parser with the transport's own bound check."""
     from lowband.errors import ConfigError
@@ -249,8 +271,10 @@ def _train(args: argparse.Namespace) -> int:
 def _train_checked(args: argparse.Namespace) -> int:
     from diloco.launch import LocalLaunch, train_main
 
+    train = _train_config(args, workers=args.workers)
     cfg = LocalLaunch(
-        train=_train_config(args, workers=args.workers),
+        train=train,
+        pretrained=_pretrained(train),
         out_dir=args.out,
         resume=args.resume,
         loopback=args.loopback,
@@ -299,8 +323,10 @@ def _worker_checked(args: argparse.Namespace) -> int:
 
     auth, bind_host = _worker_auth(args, [args.coordinator])
 
+    train = _train_config(args, workers=args.workers)
     cfg = WorkerLaunch(
-        train=_train_config(args, workers=args.workers),
+        train=train,
+        pretrained=_pretrained(train),
         coordinator=args.coordinator,
         worker_id=args.id,
         out_dir=args.out,

@@ -319,6 +319,9 @@ class TrainConfig:
 
     model: ModelConfig | None = None
     hf_model: str | None = None  # a Hugging Face config.json or checkpoint dir (instead of model)
+    # A GGUF file whose weights (dequantized to fp32) and tokenizer the run starts from, read by
+    # the ``Pretrained`` reader the composition root hands the task (instead of model).
+    gguf_model: str | None = None
     data: DataConfig = field(default_factory=DataConfig)
     compute: ComputeConfig = field(default_factory=ComputeConfig)
     mode: DilocoConfig | DDPConfig = field(default_factory=DilocoConfig)
@@ -365,6 +368,10 @@ class TrainConfig:
         if self.hf_model is not None and self.model is not None:
             raise ConfigError(
                 "hf_model", "give either a lowband ModelConfig or a Hugging Face model, not both"
+            )
+        if self.gguf_model is not None and (self.model is not None or self.hf_model is not None):
+            raise ConfigError(
+                "gguf_model", "a GGUF file brings its own model: give no ModelConfig or hf_model"
             )
         if self.model is not None and self.data.seq_len > self.model.max_position_embeddings:
             raise ConfigError(
@@ -528,6 +535,7 @@ def with_overrides(cfg: TrainConfig, **changes: object) -> TrainConfig:
             "data_kind",
             "data_path",
             "hf_model",
+            "gguf_model",
         }
     )
     if unknown:
@@ -565,8 +573,11 @@ def with_overrides(cfg: TrainConfig, **changes: object) -> TrainConfig:
     compute = replace(cfg.compute, **{k: ch[k] for k in _COMPUTE_KEYS if k in ch})
     model = cfg.model
     hf = cfg.hf_model
+    gguf = cfg.gguf_model
     if "hf_model" in ch:
-        model, hf = None, str(ch["hf_model"])
+        model, hf, gguf = None, str(ch["hf_model"]), None
+    if "gguf_model" in ch:
+        model, hf, gguf = None, None, str(ch["gguf_model"])
     return replace(
         cfg,
         mode=mode,
@@ -576,6 +587,7 @@ def with_overrides(cfg: TrainConfig, **changes: object) -> TrainConfig:
         compute=compute,
         model=model,
         hf_model=hf,
+        gguf_model=gguf,
         **{k: ch[k] for k in _TOP_KEYS if k in ch},
     )
 

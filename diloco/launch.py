@@ -25,7 +25,7 @@ from diloco.common import WorkerResult, leave_together
 from diloco.config import DDPConfig, DilocoConfig, TrainConfig, config_to_dict
 from diloco.ddp import DDPWorker
 from diloco.metrics import MetricsLog, RunSummary, plot_runs, read_jsonl
-from diloco.task import Task, lm_task
+from diloco.task import Pretrained, Task, lm_task
 from diloco.trainer import DilocoWorker
 from lowband.comm import Communicator
 from lowband.errors import ConfigError
@@ -54,7 +54,7 @@ def make_worker(
     """A DiLoCo or DDP worker logging to ``out_dir/metrics-worker{worker_id}.jsonl``."""
     name = f"worker{worker_id}"
     log = MetricsLog(out_dir / f"metrics-{name}.jsonl" if out_dir else None, worker=name)
-    byte_tok = cfg.data.kind != "tokens" and cfg.data.tokenizer is None
+    byte_tok = cfg.data.kind != "tokens" and cfg.data.tokenizer is None and cfg.gguf_model is None
     if isinstance(cfg.mode, DilocoConfig):
         return DilocoWorker(
             cfg,
@@ -167,6 +167,7 @@ class WorkerLaunch:
     # register_timeout (the heartbeat deadlines are the coordinator's: it tells them at
     # registration). Its ``timeout`` is replaced by ``train.sync_timeout`` at launch.
     transport: ZmqConfig = field(default_factory=default_transport)
+    pretrained: Pretrained | None = None  # reads train.gguf_model (the CLI's GGUF reader)
 
     def __post_init__(self) -> None:
         if not self.coordinator.startswith(("tcp://", "ipc://")):
@@ -186,7 +187,7 @@ def worker_main(cfg: WorkerLaunch) -> WorkerResult:
 
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
-    task = lm_task(cfg.train)
+    task = lm_task(cfg.train, cfg.pretrained)
     signature = run_signature(cfg.train, task.build_model()).hex()
     zcfg = replace(cfg.transport, timeout=cfg.train.sync_timeout)
     comm = connect(
@@ -226,6 +227,7 @@ class LocalLaunch:
     # with a dead connection, 60 s with a live one): local processes on a busy machine.
     liveness: Liveness | None = None
     progress: bool = True
+    pretrained: Pretrained | None = None  # reads train.gguf_model (the CLI's GGUF reader)
 
     def __post_init__(self) -> None:
         if self.threads < 1:
@@ -236,13 +238,16 @@ class LocalLaunch:
 
 def train_main(cfg: LocalLaunch) -> dict:
     """Run the job; returns the summary also written to ``out_dir/summary.json``."""
-    lm_task(cfg.train)  # a missing/empty corpus fails here, before any process starts
+    # A missing/empty corpus or an unreadable model file fails here, before any process starts.
+    task = lm_task(cfg.train, cfg.pretrained)
     cfg.out_dir.mkdir(parents=True, exist_ok=True)
     config_file = cfg.out_dir / "config.json"
     config_file.write_text(json.dumps(config_to_dict(cfg.train), indent=2))
     t0 = time.time()
     if cfg.loopback:
-        run_threads(cfg.train, out_dir=cfg.out_dir, resume=cfg.resume, progress=cfg.progress)
+        run_threads(
+            cfg.train, task=task, out_dir=cfg.out_dir, resume=cfg.resume, progress=cfg.progress
+        )
         codes: dict[int, int] = {i: 0 for i in range(cfg.train.workers)}
     else:
         codes = _run_processes(cfg, config_file)
