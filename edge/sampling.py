@@ -269,14 +269,6 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor) -> int:
         """logits: (V,) for the next position."""
-        if self.params.temperature == 0.0:
-            return int(torch.argmax(logits).item())
-        return self.draw(self.probs(logits))
-
-    def probs(self, logits: torch.Tensor) -> torch.Tensor:
-        """The distribution (V,) float32 this sampler draws from: one-hot at the argmax when
-        greedy, else softmax(logits / T) after top-k and top-p (speculative rejection uses it
-        as the target's p and a draft model's q)."""
         p = self.params
         if p.processed:
             tok = self._draw(self.process(logits))
@@ -288,6 +280,15 @@ class Sampler:
         return self._draw(logits)
 
     def _draw(self, logits: torch.Tensor) -> int:
+        if self.params.temperature == 0.0:
+            return int(torch.argmax(logits).item())
+        return self.draw(self.probs(logits))
+
+    def probs(self, logits: torch.Tensor) -> torch.Tensor:
+        """The distribution (V,) float32 this sampler draws from: one-hot at the argmax when
+        greedy, else softmax(logits / T) after top-k and top-p (speculative rejection uses it
+        as the target's p and a draft model's q; requests whose logits are processed, see
+        ``SamplingParams.processed``, are not drafted for)."""
         p = self.params
         if p.temperature == 0.0:
             out = torch.zeros(logits.shape[-1], dtype=torch.float32)

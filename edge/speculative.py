@@ -72,16 +72,11 @@ class Drafter(Protocol):
 
 
 def drafting_allowed(params: SamplingParams) -> bool:
-    """Whether a request may be drafted for. Requests whose next-token distribution depends
-    on more than the logits (repetition penalties, a grammar: fields other components add)
-    are decoded one token per pass, never verified row by row: the penalty of a position
-    depends on the tokens accepted before it, which :func:`verify` does not model."""
-    for name in ("presence_penalty", "frequency_penalty"):
-        if getattr(params, name, 0.0):
-            return False
-    if getattr(params, "repetition_penalty", 1.0) != 1.0:
-        return False
-    return getattr(params, "grammar", None) is None and not getattr(params, "logit_bias", None)
+    """Whether a request may be drafted for. Requests whose logits go through a processor
+    (repetition penalties, logit_bias, min_p, typical_p, a grammar: ``params.processed``) are
+    decoded one token per pass, never verified row by row: a penalty or a grammar state at a
+    position depends on the tokens accepted before it, which :func:`verify` does not model."""
+    return not params.processed
 
 
 def verify(draft: Draft, logits: torch.Tensor, sampler: Sampler) -> tuple[list[int], int]:

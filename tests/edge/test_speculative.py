@@ -246,11 +246,16 @@ def test_draft_length_follows_acceptance() -> None:
 
 def test_penalised_requests_are_not_drafted() -> None:
     assert drafting_allowed(SamplingParams())
-
-    class Penalised:
-        presence_penalty = 0.5
-
-    assert not drafting_allowed(Penalised())  # type: ignore[arg-type]
+    assert drafting_allowed(SamplingParams(temperature=0.7, top_k=40, top_p=0.9))
+    for kw in (
+        {"presence_penalty": 0.5},
+        {"frequency_penalty": 0.5},
+        {"repeat_penalty": 1.1},
+        {"logit_bias": ((7, -100.0),)},
+        {"min_p": 0.05},
+        {"typical_p": 0.9},
+    ):
+        assert not drafting_allowed(SamplingParams(**kw)), kw
 
 
 def test_head_rows_keep_every_argmax() -> None:
