@@ -23,6 +23,10 @@ Modules, split by the state they own::
               compute the logits of the vocabulary-parallel head
     master    ClusterConfig and MasterRunner (slot 0, the engine's runner)
     worker    WorkerConfig, run_worker and its dispatch table of handlers
+    stage     the pipeline layout's stage: a contiguous range of layers and their caches
+    pipeline  PipelineRunner: the master (stage 0) of a pipeline, micro-batches in flight
+    layout    pure schedules of the pipeline: stage ranges, micro-batches
+    choose    start_runner: the layout --layout asks for (auto: measured, edge.planner)
 
 Failure handling: a dead worker makes the master's all-reduce raise ``PeerLost`` (or a
 deadline raise ``TransportTimeout``); the request fails with :class:`ClusterUnavailable`, the

@@ -26,3 +26,53 @@ def test_every_arm_decodes_over_the_emulated_link():
     plan = p["auto_health"]["plan"]
     assert plan["layout"] in ("single", "tp", "pipeline") and plan["reason"]
     assert p["measured_rtt"]["median_ms"] > 0
+
+
+_POST = (
+    "import json,sys,urllib.request,urllib.error\n"
+    "req=urllib.request.Request('http://127.0.0.1:'+sys.argv[1]+'/v1/completions',"
+    "data=json.dumps({'model':'m','prompt':'Hi','max_tokens':8,'ignore_eos':True}).encode(),"
+    "headers={'Content-Type':'application/json'})\n"
+    "try:\n r=urllib.request.urlopen(req,timeout=120);print(r.status);print(r.read().decode())\n"
+    "except urllib.error.HTTPError as e:\n print(e.code);print(e.read().decode())\n"
+)
+
+
+@pytest.mark.slow
+@pytest.mark.netns
+@pytest.mark.timeout(300)
+@needs_tun
+def test_a_lost_stage_link_gives_the_client_a_clear_error(tmp_path):
+    """Chaos: the link to the pipeline's second stage goes down mid-service; the next request
+    fails with a JSON error naming the failed stage (no hang), and /health says unhealthy."""
+    import json
+    import sys
+
+    from benchmarks.edge_wan import Arm, Bench, _tiny_model
+    from transport.links.tun.shape import PathConfig
+    from transport.links.tun.testbed import TunConfig, TunTestbed
+
+    cfg = Bench(model=_tiny_model(tmp_path / "m"), tokens=8, startup_s=180)
+    with TunTestbed(TunConfig(path=PathConfig(delay_ms=1.0))) as bed:
+        arm = Arm("pipeline", bed, cfg, tmp_path)
+        try:
+            arm.start()
+
+            def post() -> tuple[int, dict]:
+                r = bed.run_in(
+                    0, [sys.executable, "-c", _POST, str(arm.port)], capture_output=True,
+                    text=True, timeout=150,
+                )  # fmt: skip
+                code, body = r.stdout.strip().split("\n", 1)
+                return int(code), json.loads(body)
+
+            assert post()[0] == 200
+            bed.down()
+            code, body = post()
+            assert code == 503, body
+            assert "pipeline stage failed" in json.dumps(body)
+            health = arm.health()
+            assert health is None or health.get("healthy") is False
+        finally:
+            bed.up()
+            arm.stop()
