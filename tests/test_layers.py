@@ -35,6 +35,7 @@ NEVER_IMPORTED = ("benchmarks", "examples", "tests")
 NETWORK_EXCEPTIONS: dict[str, tuple[str, ...]] = {
     "transport.starlink": (
         "edge.cluster.master",
+        "edge.cluster.pipeline",
         "edge.cluster.shard",
         "edge.cluster.worker",
         "edge.fastpath",
