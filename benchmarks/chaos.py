@@ -184,8 +184,6 @@ class Soak:
                 "tiny",
                 "--workers",
                 "2",
-                "--layout",  # the tensor-parallel cluster and its recovery
-                "tp",
                 "--steps",
                 str(self.train_steps),
                 "--eval-every",

@@ -240,7 +240,7 @@ def test_a_worker_with_no_model_copy_takes_the_masters(ckpt, spawn, tmp_path) ->
     d, expected = ckpt
     port, cport = free_port(), free_port()
     bind = f"tcp://127.0.0.1:{cport}"
-    serve = [PY, "-m", "cli", "edge", "serve", str(d), "--workers", "1", "--ship"]
+    serve = [PY, "-m", "cli", "edge", "serve", str(d), "--workers", "1", "--ship", "--layout", "tp"]
     master = spawn([*serve, "--bind", bind, "--port", str(port), "--op-timeout", "10"])
     cache = tmp_path / "cache"
     worker = [PY, "-m", "cli", "edge", "worker", "--master", bind, "--threads", "1"]

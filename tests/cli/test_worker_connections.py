@@ -25,4 +25,4 @@ def test_worker_passes_its_connections_to_the_transport(monkeypatch, extra, k):
     monkeypatch.setattr(diloco.launch, "worker_main", fake_worker_main)
     args = ["worker", "--coordinator", "tcp://127.0.0.1:1", "--preset", "tiny", *extra]
     assert main(args) == 0
-    assert [c.connections for c in seen] == [k]
+    assert [c.transport.connections for c in seen] == [k]
