@@ -289,7 +289,8 @@ class DilocoWorker:
             )
         if n > 0:
             # H2D on the side stream; the main stream (not the host) waits for it.
-            avg = self.staging.stage_in(total, key=p).reshape(-1) / n
+            # In place: ``total`` is this worker's own result (or its device copy), used once.
+            avg = self.staging.stage_in(total, key=p).reshape(-1).div_(n)
             self.fragments[p].outer_step(avg)
             for param in self.fragments[p].merge(self.mode.alpha):
                 self.inner.opt.state.pop(param, None)  # restart its moments with the tensor
