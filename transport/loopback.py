@@ -311,7 +311,9 @@ def _complete_all_reduce(group: LoopbackGroup, rv: _Rendezvous) -> Outcomes:
     if op == "avg":
         acc = acc / n if acc.dtype.is_floating_point else torch.div(acc, n, rounding_mode="floor")
     if codec is not None:  # the owner of the result re-encodes it; everyone decodes that encoding
-        acc = codec.decode(codec.encode(acc))
+        encoded = codec.encode(acc)
+        del acc  # before the decode allocates its twin
+        acc = codec.decode(encoded)
     result = acc.to(dtype).reshape(shape)
     algo = algorithm
     if algo == "auto":
