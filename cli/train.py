@@ -548,6 +548,37 @@ def register(sub: argparse._SubParsersAction) -> None:
     _add_run_options(p)
     p.set_defaults(func=_worker)
 
+    p = sub.add_parser(
+        "export",
+        help="write a trained model (a run's model/ directory) as a GGUF file",
+        description="Convert the HF directory a run exported (OUT/model) into one GGUF file "
+        "that `lowband edge` and llama.cpp load (Llama architecture, unscaled rotary).",
+    )
+    p.add_argument("model_dir", type=Path, help="the run's model/ directory")
+    p.add_argument("--gguf", type=Path, required=True, help="the GGUF file to write")
+    p.add_argument("--ftype", default="f32", choices=["f32", "f16", "q8_0", "q4_0"])
+    p.add_argument(
+        "--tokenizer",
+        type=Path,
+        help="a GGUF whose tokenizer the file carries (e.g. the one the fine-tune started "
+        "from); default: the directory's tokenizer.gguf, else placeholder tokens",
+    )
+    p.set_defaults(func=_export)
+
+
+def _export(args: argparse.Namespace) -> int:
+    from edge.formats.gguf import export_gguf
+    from lowband.errors import ConfigError
+
+    try:
+        out = export_gguf(
+            args.model_dir, args.gguf, ftype=args.ftype, tokenizer_from=args.tokenizer
+        )
+    except ConfigError as exc:
+        return _fail(exc)
+    print(f"wrote {out}; serve it with `lowband edge run --model {out}`")
+    return 0
+
 
 if __name__ == "__main__":  # pragma: no cover
     from cli import main
