@@ -284,8 +284,29 @@ def _train_checked(args: argparse.Namespace) -> int:
         liveness=liveness(args, default_heartbeat=2.0),
     )
     summary = train_main(cfg)
+    _keep_tokenizer(train, args.out / "model")
     print(json.dumps(summary))
     return 0 if summary["finished"] else 1
+
+
+def _keep_tokenizer(train, model_dir: Path) -> None:
+    """Beside a fine-tune's exported weights, the tokenizer it trained with: the starting GGUF's
+    (``tokenizer.gguf``, what ``edge`` and ``lowband export`` read) or ``--tokenizer``'s
+    ``tokenizer.json``."""
+    import shutil
+
+    if not model_dir.is_dir() or train.data.tokenizer is None and train.gguf_model is None:
+        return
+    if train.data.tokenizer is not None:
+        src = Path(train.data.tokenizer)
+        src = src / "tokenizer.json" if src.is_dir() else src
+        if src.name == "tokenizer.json" and src.is_file():
+            shutil.copyfile(src, model_dir / "tokenizer.json")
+        return
+    from edge.formats.gguf import write_tokenizer_gguf
+    from edge.formats.gguf_arch import TOKENIZER_GGUF
+
+    write_tokenizer_gguf(train.gguf_model, model_dir / TOKENIZER_GGUF)
 
 
 def _worker(args: argparse.Namespace) -> int:

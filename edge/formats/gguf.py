@@ -126,6 +126,8 @@ def write_gguf(
         _add_vocab(w, cfg)
     else:
         _copy_tokenizer(w, tokenizer_from, cfg.vocab_size)
+    if cfg.rope_freq_factors is not None:  # Llama 3.1+: llama.cpp's divisors of the frequencies
+        w.add_tensor(ROPE_FREQS, np.asarray(cfg.rope_freq_factors, dtype=np.float32))
     state = model.state_dict()
     names = {h: g for g, h in hf_names(cfg.num_hidden_layers).items() if h in state}
     for hf, g in names.items():
