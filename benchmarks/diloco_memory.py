@@ -32,10 +32,33 @@ def _peak() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
 
 
+def _warm_up(seq_len: int) -> None:
+    """One AdamW step and one evaluation of a tiny Llama, so that the baseline holds what any
+    torch process that trains holds (the kernels' code and thread pools paged in), not the
+    model."""
+    import torch
+    import torch.nn.functional as F
+
+    from diloco.config import byte_llama
+    from lowband.models.llama import LlamaForCausalLM
+
+    model = LlamaForCausalLM(byte_llama(64, 1, 1))
+    opt = torch.optim.AdamW(model.parameters(), fused=True)
+    ids = torch.randint(0, 256, (2, seq_len + 1))
+    for grad in (True, False):
+        with torch.set_grad_enabled(grad):
+            logits = model(ids[:, :-1])
+            loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
+        if grad:
+            loss.backward()
+            opt.step()
+
+
 def child(args: argparse.Namespace) -> dict:
     import torch
 
     from diloco.config import DDPConfig, DilocoConfig, byte_llama, preset, with_overrides
+    from diloco.device import limit_heap_retention
     from diloco.launch import run_threads
     from diloco.task import lm_task
 
@@ -70,8 +93,11 @@ def child(args: argparse.Namespace) -> dict:
         cfg = dataclasses.replace(cfg, mode=DDPConfig())
     else:
         assert isinstance(cfg.mode, DilocoConfig)
+    limit_heap_retention()  # as the launchers do, before anything is built
     task = lm_task(cfg, pretrained)
-    baseline = max(_rss(), 0)
+    cold = _rss()
+    _warm_up(args.seq_len)
+    baseline = _rss()  # the interpreter, torch with its kernels paged in, the tokenized corpus
     peak_before = _peak()
     t0 = time.perf_counter()
     results = run_threads(cfg, task=task)
@@ -83,6 +109,7 @@ def child(args: argparse.Namespace) -> dict:
         "arm": args.arm,
         "params": params,
         "baseline_bytes": baseline,
+        "cold_baseline_bytes": cold,
         "peak_bytes": peak,
         "peak_before_model_bytes": peak_before,
         "bytes_per_param": round((peak - baseline) / params, 2),
@@ -157,6 +184,8 @@ def main(argv: list[str] | None = None) -> dict:
                 "total_bytes_per_param": _stats([r["total_bytes_per_param"] for r in rs]),
                 "peak_bytes": _stats([float(r["peak_bytes"]) for r in rs]),
                 "baseline_bytes": _stats([float(r["baseline_bytes"]) for r in rs]),
+                "cold_baseline_bytes": _stats([float(r["cold_baseline_bytes"]) for r in rs]),
+                "wall_s": _stats([r["wall_s"] for r in rs]),
             }
             for arm, rs in runs.items()
         },

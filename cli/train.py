@@ -284,8 +284,29 @@ def _train_checked(args: argparse.Namespace) -> int:
         liveness=liveness(args, default_heartbeat=2.0),
     )
     summary = train_main(cfg)
+    _keep_tokenizer(train, args.out / "model")
     print(json.dumps(summary))
     return 0 if summary["finished"] else 1
+
+
+def _keep_tokenizer(train, model_dir: Path) -> None:
+    """Beside a fine-tune's exported weights, the tokenizer it trained with: the starting GGUF's
+    (``tokenizer.gguf``, what ``edge`` and ``lowband export`` read) or ``--tokenizer``'s
+    ``tokenizer.json``."""
+    import shutil
+
+    if not model_dir.is_dir() or train.data.tokenizer is None and train.gguf_model is None:
+        return
+    if train.data.tokenizer is not None:
+        src = Path(train.data.tokenizer)
+        src = src / "tokenizer.json" if src.is_dir() else src
+        if src.name == "tokenizer.json" and src.is_file():
+            shutil.copyfile(src, model_dir / "tokenizer.json")
+        return
+    from edge.formats.gguf import write_tokenizer_gguf
+    from edge.formats.gguf_arch import TOKENIZER_GGUF
+
+    write_tokenizer_gguf(train.gguf_model, model_dir / TOKENIZER_GGUF)
 
 
 def _worker(args: argparse.Namespace) -> int:
@@ -547,6 +568,37 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_register_timeout(p)
     _add_run_options(p)
     p.set_defaults(func=_worker)
+
+    p = sub.add_parser(
+        "export",
+        help="write a trained model (a run's model/ directory) as a GGUF file",
+        description="Convert the HF directory a run exported (OUT/model) into one GGUF file "
+        "that `lowband edge` and llama.cpp load (Llama architecture, unscaled rotary).",
+    )
+    p.add_argument("model_dir", type=Path, help="the run's model/ directory")
+    p.add_argument("--gguf", type=Path, required=True, help="the GGUF file to write")
+    p.add_argument("--ftype", default="f32", choices=["f32", "f16", "q8_0", "q4_0"])
+    p.add_argument(
+        "--tokenizer",
+        type=Path,
+        help="a GGUF whose tokenizer the file carries (e.g. the one the fine-tune started "
+        "from); default: the directory's tokenizer.gguf, else placeholder tokens",
+    )
+    p.set_defaults(func=_export)
+
+
+def _export(args: argparse.Namespace) -> int:
+    from edge.formats.gguf import export_gguf
+    from lowband.errors import ConfigError
+
+    try:
+        out = export_gguf(
+            args.model_dir, args.gguf, ftype=args.ftype, tokenizer_from=args.tokenizer
+        )
+    except ConfigError as exc:
+        return _fail(exc)
+    print(f"wrote {out}; serve it with `lowband edge run --model {out}`")
+    return 0
 
 
 if __name__ == "__main__":  # pragma: no cover

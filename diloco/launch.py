@@ -97,8 +97,10 @@ def run_threads(
     failing worker is removed from the group), so by default this waits for as long as the
     training takes (hours for a real run); ``timeout`` caps the whole run in seconds
     (TimeoutError)."""
+    from diloco.device import limit_heap_retention
     from transport.loopback import LoopbackGroup  # composition root: the one place it is wired
 
+    limit_heap_retention()
     task = task or lm_task(cfg)
     group = LoopbackGroup(cfg.workers, timeout=cfg.sync_timeout)
     comms = group.comms()
@@ -183,10 +185,12 @@ def worker_main(cfg: WorkerLaunch) -> WorkerResult:
     import torch
 
     from diloco.common import run_signature
+    from diloco.device import limit_heap_retention
     from transport.zmq_comm import connect
 
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
+    limit_heap_retention()
     task = lm_task(cfg.train, cfg.pretrained)
     signature = run_signature(cfg.train, task.build_model()).hex()
     zcfg = replace(cfg.transport, timeout=cfg.train.sync_timeout)

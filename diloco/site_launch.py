@@ -154,7 +154,7 @@ def site_main(cfg: SiteLaunch) -> WorkerResult:
     import torch.distributed as dist
 
     from diloco.common import run_signature
-    from diloco.device import resolve_device
+    from diloco.device import limit_heap_retention, resolve_device
     from diloco.metrics import MetricsLog
     from diloco.site import SiteWorker, site_signature
     from diloco.task import lm_task
@@ -162,6 +162,7 @@ def site_main(cfg: SiteLaunch) -> WorkerResult:
 
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
+    limit_heap_retention()
     device = resolve_device(cfg.train.compute.device)  # cuda:N must exist on this host
     if device.type == "cuda":
         # Before the process group forms: NCCL binds its communicator, and FSDP2 and DCP's

@@ -66,7 +66,9 @@ class _Sync:
 
     fragment: int
     round: int
-    x: torch.Tensor  # what this worker sends (Δ + residual, or zeros if invalid), host-readable
+    # What this worker sends (Δ + residual, or zeros if invalid), host-readable; kept for a
+    # redo until the sync's results arrive, then dropped (``DilocoWorker._release_sent``).
+    x: torch.Tensor | None
     flag: torch.Tensor  # (1,) float32, 1.0 if Δ was finite; host-readable once ``launched``
     launched: Future[None] | None = None  # the staged copies reached the transport
     total: Work[torch.Tensor] | None = None  # Σ_m x_m
@@ -174,6 +176,7 @@ class DilocoWorker:
         self.result.start_step = self.step
         try:
             while self.step < self.cfg.steps:
+                self._release_sent()
                 tc = time.perf_counter()
                 loss = self.inner.run_step(self.slot)
                 self.result.compute_s += time.perf_counter() - tc
@@ -219,9 +222,29 @@ class DilocoWorker:
         sync.launched = self.staging.launch(out, lambda: self._launch(sync, tag))
         self.inflight = sync
 
+    def _release_sent(self) -> None:
+        """Drop the in-flight sync's x once both its results arrived: only a sync that failed
+        is redone from it, and on the CPU x is Δ itself (4/P B/param that the next inner step
+        would otherwise hold on top of its gradients). Never waits."""
+        sync = self.inflight
+        if sync is None or sync.x is None or sync.total is None or sync.count is None:
+            return
+        if sync.launched is None or not sync.launched.done() or sync.error is not None:
+            return
+        if not (sync.total.done() and sync.count.done()):
+            return
+        try:
+            sync.total.wait(0)
+            sync.count.wait(0)
+        except (PeerLost, TransportTimeout):
+            return  # failed: kept for the redo, the APPLY logs it
+        sync.x = None
+
     def _launch(self, sync: _Sync, tag: str) -> None:
         """Start the two all-reduces of a sync on host tensors (the transport's thread reads
         them). May run on the staging's sender thread: it only sets fields of ``sync``."""
+        if sync.x is None:
+            raise ProtocolError(f"sync of fragment {sync.fragment} launched without its x")
         try:
             sync.total = self.comm.all_reduce_async(
                 sync.x,
@@ -253,6 +276,8 @@ class DilocoWorker:
             )
             self.log.log("recovery", step=self.step, fragment=sync.fragment, error=str(exc))
             # Keep what was sent for a redo: the staging reuses the buffers at the next SEND.
+            if sync.x is None:  # both results had arrived when x was dropped: not a loss
+                raise ProtocolError(f"sync of fragment {sync.fragment} failed after completing")
             sync.x, sync.flag = sync.x.clone(), sync.flag.clone()
             self.lost = sync
         else:
@@ -289,7 +314,8 @@ class DilocoWorker:
             )
         if n > 0:
             # H2D on the side stream; the main stream (not the host) waits for it.
-            avg = self.staging.stage_in(total, key=p).reshape(-1) / n
+            # In place: ``total`` is this worker's own result (or its device copy), used once.
+            avg = self.staging.stage_in(total, key=p).reshape(-1).div_(n)
             self.fragments[p].outer_step(avg)
             for param in self.fragments[p].merge(self.mode.alpha):
                 self.inner.opt.state.pop(param, None)  # restart its moments with the tensor

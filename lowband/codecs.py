@@ -19,7 +19,7 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 
@@ -70,13 +70,26 @@ def Bf16Codec() -> Codec:  # noqa: N802
     return _CastCodec("bf16", torch.bfloat16)
 
 
-def _blocks(tensor: torch.Tensor, block: int) -> torch.Tensor:
-    """Flatten to float32 and zero-pad to a whole number of blocks: (n_blocks, block)."""
-    flat = tensor.detach().reshape(-1).to(torch.float32)
-    pad = (-flat.numel()) % block
-    if pad:
-        flat = torch.cat([flat, flat.new_zeros(pad)])
-    return flat.view(-1, block)
+# Elements per chunk of an encode or decode: the float32 temporaries of a block codec are one
+# chunk (16 MiB), not the whole tensor. A fragment of a 270 M model is ~100 M elements; encoding
+# it at once held two float32 copies of it (and the 4-bit codes' int64 indices), ~12 bytes per
+# element on top of the fragment itself. Results do not depend on the chunking (every operation
+# is per element or per block).
+_CHUNK = 1 << 22
+
+
+def _block_chunks(tensor: torch.Tensor, block: int) -> Iterator[tuple[int, torch.Tensor]]:
+    """(first block, (k, block) float32 blocks) over ``tensor`` flattened, ``_CHUNK`` elements
+    at a time; a float32 tensor's chunks are views, only the zero-padded tail is a copy."""
+    flat = tensor.detach().reshape(-1)
+    n = flat.numel()
+    step = max(1, _CHUNK // block) * block
+    for start in range(0, n, step):
+        part = flat[start : start + step].to(torch.float32)
+        pad = (-part.numel()) % block
+        if pad:
+            part = torch.cat([part, part.new_zeros(pad)])
+        yield start // block, part.view(-1, block)
 
 
 def _absmax_scales(blocks: torch.Tensor, top: float) -> torch.Tensor:
@@ -135,11 +148,18 @@ class Int8BlockCodec:
             raise ConfigError("block", f"must be >= 1, got {self.block}")
 
     def encode(self, tensor: torch.Tensor) -> Encoded:
-        blocks = _blocks(tensor, self.block)
-        scale = _absmax_scales(blocks, 127.0)
-        q = torch.round(blocks / scale[:, None]).clamp_(-127, 127).to(torch.int8)
+        n_blocks = -(-tensor.numel() // self.block)
+        q = torch.empty(n_blocks * self.block, dtype=torch.int8, device=tensor.device)
+        scale = torch.empty(n_blocks, dtype=torch.float32, device=tensor.device)
+        codes = q.view(-1, self.block)
+        for first, blocks in _block_chunks(tensor, self.block):
+            k = blocks.shape[0]
+            s = scale[first : first + k]
+            s.copy_(_absmax_scales(blocks, 127.0))
+            scaled = blocks / s[:, None]  # the one float32 temporary: one chunk
+            codes[first : first + k].copy_(scaled.round_().clamp_(-127, 127))
         meta = {"shape": list(tensor.shape), "block": self.block}
-        return Encoded(frames=(q.reshape(-1), scale), meta=meta)
+        return Encoded(frames=(q, scale), meta=meta)
 
     def decode(self, encoded: Encoded) -> torch.Tensor:
         if len(encoded.frames) != 2:
@@ -147,7 +167,8 @@ class Int8BlockCodec:
         q, scale = encoded.frames
         block = self.block
         shape, numel, _ = _checked_layout(encoded, block, q, 1)
-        out = q.to(torch.float32).view(-1, block) * scale.to(torch.float32)[:, None]
+        out = q.to(torch.float32).view(-1, block)
+        out.mul_(scale.to(torch.float32)[:, None])  # in place: the output is the one copy
         return out.reshape(-1)[:numel].reshape(shape)
 
 
@@ -212,12 +233,18 @@ class FourBitCodec:
 
     def encode(self, tensor: torch.Tensor) -> Encoded:
         book = _codebook(self.kind, tensor.device)
-        blocks = _blocks(tensor, self.block)
-        scale = _absmax_scales(blocks, 1.0)
-        normed = (blocks / scale[:, None]).reshape(-1)
         mids = (book[1:] + book[:-1]) / 2
-        idx = torch.bucketize(normed, mids).to(torch.uint8)
-        packed = idx[0::2] | (idx[1::2] << 4)
+        n_blocks = -(-tensor.numel() // self.block)
+        packed = torch.empty(n_blocks * self.block // 2, dtype=torch.uint8, device=tensor.device)
+        scale = torch.empty(n_blocks, dtype=torch.float32, device=tensor.device)
+        half = self.block // 2  # bytes per block
+        for first, blocks in _block_chunks(tensor, self.block):
+            k = blocks.shape[0]
+            s = scale[first : first + k]
+            s.copy_(_absmax_scales(blocks, 1.0))
+            normed = (blocks / s[:, None]).reshape(-1)
+            idx = torch.bucketize(normed, mids).to(torch.uint8)
+            packed[first * half : (first + k) * half] = idx[0::2] | (idx[1::2] << 4)
         meta = {"shape": list(tensor.shape), "block": self.block, "kind": self.kind}
         return Encoded(frames=(packed, scale), meta=meta)
 
@@ -230,10 +257,18 @@ class FourBitCodec:
             raise ProtocolError(f"4-bit payload of kind {kind!r}, this codec decodes {self.kind!r}")
         book = _codebook(self.kind, packed.device)
         block = self.block
-        shape, numel, _ = _checked_layout(encoded, block, packed, 2)
-        idx = torch.stack([packed & 0x0F, packed >> 4], dim=1).reshape(-1).long()
-        vals = book[idx].view(-1, block) * scale.to(torch.float32)[:, None]
-        return vals.reshape(-1)[:numel].reshape(shape)
+        shape, numel, n_blocks = _checked_layout(encoded, block, packed, 2)
+        out = torch.empty(n_blocks, block, dtype=torch.float32, device=packed.device)
+        scale = scale.to(torch.float32)
+        half, step = block // 2, max(1, _CHUNK // block)
+        for first in range(0, n_blocks, step):  # the int64 indices: one chunk at a time
+            k = min(step, n_blocks - first)
+            codes = packed[first * half : (first + k) * half]
+            idx = torch.stack([codes & 0x0F, codes >> 4], dim=1).reshape(-1).long()
+            chunk = out[first : first + k]
+            torch.index_select(book, 0, idx, out=chunk.view(-1))
+            chunk.mul_(scale[first : first + k, None])
+        return out.reshape(-1)[:numel].reshape(shape)
 
 
 _REGISTRY: dict[str, Callable[[], Codec]] = {

@@ -296,19 +296,24 @@ def _complete_all_reduce(group: LoopbackGroup, rv: _Rendezvous) -> Outcomes:
                 f"all_reduce: rank {r} sent shape {tuple(c[1])} {c[2]} op={c[3]}, "
                 f"rank 0 sent shape {tuple(shape)} {dtype} op={op}"
             )
+    # One contribution decoded at a time into the accumulator (not all n at once: a worker's
+    # peak memory is measured through this group).
     if codec is not None:
-        values = [codec.decode(c[0]) for c in contribs]
         payload = contribs[0][0].nbytes
+        acc = codec.decode(contribs[0][0])  # a fresh tensor
+        for c in contribs[1:]:
+            acc += codec.decode(c[0])
     else:
-        values = [c[0].to(acc_dtype(dtype)) for c in contribs]
         payload = _nbytes(contribs[0][0])
-    acc = values[0].clone()
-    for v in values[1:]:
-        acc += v
+        acc = contribs[0][0].to(acc_dtype(dtype)).clone()
+        for c in contribs[1:]:
+            acc += c[0].to(acc_dtype(dtype))
     if op == "avg":
         acc = acc / n if acc.dtype.is_floating_point else torch.div(acc, n, rounding_mode="floor")
     if codec is not None:  # the owner of the result re-encodes it; everyone decodes that encoding
-        acc = codec.decode(codec.encode(acc))
+        encoded = codec.encode(acc)
+        del acc  # before the decode allocates its twin
+        acc = codec.decode(encoded)
     result = acc.to(dtype).reshape(shape)
     algo = algorithm
     if algo == "auto":

@@ -81,10 +81,18 @@ def _unpermute(w: torch.Tensor, n_head: int) -> torch.Tensor:
 
 
 # ---- writing ----------------------------------------------------------------------------------
-def write_gguf(model: LlamaForCausalLM, path: str | Path, *, ftype: str = "f32") -> Path:
+def write_gguf(
+    model: LlamaForCausalLM,
+    path: str | Path,
+    *,
+    ftype: str = "f32",
+    tokenizer_from: str | Path | None = None,
+) -> Path:
     """Write ``model`` (fp32 weights) as a llama-architecture GGUF. ``ftype``: ``f32``, ``f16``,
     ``q8_0`` or ``q4_0`` (matrices only; norms stay F32; quantized with gguf's reference code).
-    The vocabulary is placeholder tokens: callers feed token ids, not text."""
+    ``tokenizer_from``: a GGUF whose ``tokenizer.*`` metadata (vocabulary, merges, specials,
+    chat template) the file carries, e.g. the file a fine-tune started from; without it the
+    vocabulary is placeholder tokens (callers feed token ids, not text)."""
     gguf = _import_gguf()
     cfg = model.config
     if cfg.model_type != "llama" or cfg.is_moe or cfg.attention_bias:
@@ -114,7 +122,12 @@ def write_gguf(model: LlamaForCausalLM, path: str | Path, *, ftype: str = "f32")
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     w.add_vocab_size(cfg.vocab_size)
     w.add_file_type({"f32": 0, "f16": 1, "q8_0": 7, "q4_0": 2}[ftype])
-    _add_vocab(w, cfg)
+    if tokenizer_from is None:
+        _add_vocab(w, cfg)
+    else:
+        _copy_tokenizer(w, tokenizer_from, cfg.vocab_size)
+    if cfg.rope_freq_factors is not None:  # Llama 3.1+: llama.cpp's divisors of the frequencies
+        w.add_tensor(ROPE_FREQS, np.asarray(cfg.rope_freq_factors, dtype=np.float32))
     state = model.state_dict()
     names = {h: g for g, h in hf_names(cfg.num_hidden_layers).items() if h in state}
     for hf, g in names.items():
@@ -140,6 +153,26 @@ def write_gguf(model: LlamaForCausalLM, path: str | Path, *, ftype: str = "f32")
     return p
 
 
+def export_gguf(
+    model_dir: str | Path,
+    path: str | Path,
+    *,
+    ftype: str = "f32",
+    tokenizer_from: str | Path | None = None,
+) -> Path:
+    """The HF checkpoint directory a training run exported (``OUT/model``) as one GGUF file
+    that ``edge`` and llama.cpp load. The tokenizer: ``tokenizer_from`` (a GGUF, e.g. the file
+    the fine-tune started from), else the directory's ``tokenizer.gguf`` if it has one, else
+    placeholder tokens."""
+    from lowband.models.weights import load_pretrained
+
+    src = Path(model_dir)
+    if tokenizer_from is None and (src / TOKENIZER_GGUF).is_file():
+        tokenizer_from = src / TOKENIZER_GGUF
+    model = load_pretrained(src, dtype=torch.float32)
+    return write_gguf(model, path, ftype=ftype, tokenizer_from=tokenizer_from)
+
+
 def _add_vocab(w: Any, cfg: ModelConfig) -> None:
     """A SentencePiece-style vocabulary of placeholders: llama.cpp insists on one."""
     gguf = _import_gguf()
@@ -160,6 +193,21 @@ def _add_vocab(w: Any, cfg: ModelConfig) -> None:
         w.add_eos_token_id(2)
         w.add_unk_token_id(0)
     w.add_add_bos_token(False)
+
+
+def _copy_tokenizer(w: Any, src: str | Path, vocab_size: int) -> None:
+    """``src``'s ``tokenizer.*`` fields into the writer ``w``; its vocabulary must fit the model."""
+    reader = open_reader(str(src))
+    tokens = reader.fields.get("tokenizer.ggml.tokens")
+    n = len(tokens.data) if tokens is not None else 0
+    if not 0 < n <= vocab_size:
+        raise ConfigError(
+            "tokenizer", f"{src} has {n} tokens; the model's vocabulary has {vocab_size} rows"
+        )
+    for f in reader.fields.values():
+        if f.name.startswith("tokenizer."):
+            sub = f.types[-1] if len(f.types) > 1 else None
+            w.add_key_value(f.name, f.contents(), f.types[0], sub_type=sub)
 
 
 def write_tokenizer_gguf(src: str | Path, path: str | Path) -> Path:

@@ -98,7 +98,8 @@ def test_activation_checkpointing_and_optimizer_kernels_match_the_plain_step():
 
 def test_kernel_choice():
     cpu, gpu = torch.device("cpu"), torch.device("cuda")
-    assert optimizer_kernels("adamw", cpu, "auto") == {"foreach": True}
+    assert optimizer_kernels("adamw", cpu, "auto") == {"fused": True}  # no sqrt(v) temporary
+    assert optimizer_kernels("sgd", cpu, "auto") == {"foreach": True}
     assert optimizer_kernels("adamw", gpu, "auto") == {"fused": True}
     assert optimizer_kernels("sgd", cpu, "foreach") == {"foreach": True}
 

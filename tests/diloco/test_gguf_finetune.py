@@ -92,6 +92,17 @@ def test_cli_fine_tunes_a_gguf_file(tmp_path: Path, capsys) -> None:
 
     model = load_pretrained(out / "model")
     assert model(torch.tensor([[0, 5, 6]])).shape == (1, 3, 320)
+    # Back to a servable file: the fine-tuned weights with the starting file's tokenizer.
+    exported = tmp_path / "ft.gguf"
+    assert main(["export", str(out / "model"), "--gguf", str(exported)]) == 0
+    got, x = load_gguf(exported, torch.float32), torch.tensor([[1, 5, 6, 7]])
+    with torch.no_grad():
+        torch.testing.assert_close(got(x), model.float()(x), rtol=1e-4, atol=1e-4)
+    assert (
+        GGUFPretrained().tokenizer(str(exported))[1:] == GGUFPretrained().tokenizer(str(path))[1:]
+    )
+    a, b = GGUFPretrained().tokenizer(str(exported))[0], GGUFPretrained().tokenizer(str(path))[0]
+    assert a.encode(TEXT[:80]).ids == b.encode(TEXT[:80]).ids
 
 
 @pytest.mark.slow
