@@ -7,6 +7,9 @@ Two rates per arm: ``tokens_per_s`` over each request's wall time (prefill and p
 setup included: the constrained arms end when their grammar does, after fewer tokens than the
 plain arm's ``max_tokens``, so this one charges them more prefill per token), and
 ``decode_tokens_per_s`` from each stream's first token to its last (the per-token cost).
+A constrained arm is also paired with a plain request of as many tokens run right after it
+(``matched_relative``: the median of the per-repeat ratios of wall-time tokens/s, prefill
+included on both sides).
 
     python -m benchmarks.edge_api --json                        # the Gemma 3 270M Q4_K_M file
     python -m benchmarks.edge_api --gguf FILE --streams 1 4 --repeats 5 --json
@@ -44,6 +47,7 @@ SCHEMA = {
     "additionalProperties": False,
 }
 GBNF = 'root ::= "The answer is " [a-z ]+ "."'
+CONSTRAINED = ("json", "grammar")  # arms that end when their grammar does
 PROMPT = "Describe a person as a JSON object with name, age and hobbies:\n"
 
 
@@ -127,6 +131,7 @@ def main(argv: list[str] | None = None) -> int:
             rates: dict[str, list[float]] = {arm: [] for arm in arms}
             decode: dict[str, list[float]] = {arm: [] for arm in arms}
             lengths: dict[str, list[float]] = {arm: [] for arm in arms}
+            matched: dict[str, list[float]] = {arm: [] for arm in CONSTRAINED}
             valid, total = 0, 0
             for _ in range(a.repeats):
                 for arm in arms:
@@ -134,6 +139,11 @@ def main(argv: list[str] | None = None) -> int:
                     rates[arm].append(n / dt)
                     decode[arm].append(dec)
                     lengths[arm].append(n / streams)
+                    if arm in CONSTRAINED:  # the plain request of as many tokens, right after
+                        k = max(1, round(n / streams))
+                        same = _params("plain", k, grammars)
+                        pdt, pn, _, _ = _run(engine, same, streams)
+                        matched[arm].append((n / dt) / (pn / pdt))
                     if arm == "json":
                         valid += sum(_valid(t) for t in texts)
                         total += len(texts)
@@ -154,6 +164,10 @@ def main(argv: list[str] | None = None) -> int:
                     "decode_relative": round(dec / plain_decode, 3),
                     "tokens_per_stream": round(statistics.median(lengths[arm]), 1),
                 }
+                if arm in CONSTRAINED:
+                    row[arm]["matched_relative"] = round(statistics.median(matched[arm]), 3)
+                    row[arm]["matched_min"] = round(min(matched[arm]), 3)
+                    row[arm]["matched_max"] = round(max(matched[arm]), 3)
             row["json_valid_fraction"] = valid / total if total else None
             result[f"streams_{streams}"] = row
             print(f"streams {streams}: {row}", file=sys.stderr)
