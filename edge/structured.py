@@ -154,12 +154,12 @@ class Matcher:
         allowed = np.unpackbits(self._bits.view(np.uint8), bitorder="little")[: self._vocab]
         if m.is_accepting() and len(self._ends):
             allowed[self._ends] = 1
-        ids = np.flatnonzero(allowed)
-        if len(ids) == 0:
+        n = int(np.count_nonzero(allowed))
+        if n == 0:
             raise GrammarError("the grammar allows no token here")
-        if len(ids) * self.SPARSE <= self._vocab:
-            return ids, None
-        return None, allowed == 0
+        if n * self.SPARSE <= self._vocab:
+            return np.flatnonzero(allowed), None
+        return None, np.logical_not(allowed.view(np.bool_))  # unpackbits gives 0/1 bytes
 
     def mask(self, logits: torch.Tensor) -> torch.Tensor:
         """``logits`` (V,) float with what the grammar forbids now at -inf (in place when it is
