@@ -66,6 +66,8 @@ from edge.sampling import BAN, MAX_LOGIT_BIAS, MAX_LOGPROBS, SamplingParams
 from edge.tool_calls import (
     GENERIC,
     REASONING_FORMATS,
+    THINK_OPEN,
+    ReasoningStream,
     call_schema,
     check_tools,
     parse_tool_calls,
@@ -212,6 +214,7 @@ class Options:
     tool_choice: Any = "none"  # chat: "none", "auto", "required" or {"function": {"name"}}
     tool_format: str = GENERIC  # chat: how the model writes a call (edge.tool_calls)
     reasoning_format: str = "auto"  # chat: llama-server's choices for <think> blocks
+    reasoning_opened: bool = False  # chat: the rendered prompt ends inside a <think> block
 
     @property
     def calls_tools(self) -> bool:
@@ -786,6 +789,7 @@ class _Choice:
     prompt_lp: list | None = None
     started: bool = False
     offset: int = 0  # characters streamed so far (completions' text_offset)
+    reasoning: ReasoningStream | None = None  # chat, streamed: splits out <think> blocks
 
 
 class Server:
@@ -1108,6 +1112,7 @@ class Server:
         p = opts.params
         opts = replace(
             opts,
+            reasoning_opened=text.rstrip().endswith(THINK_OPEN),
             params=replace(
                 p,
                 stop=p.stop + tuple(s for s in template.stop_strings if s not in p.stop),
@@ -1315,7 +1320,7 @@ class Server:
 
     def _message(self, opts: Options, text: str, finish: str) -> tuple[dict, str]:
         """A chat reply's message (reasoning and tool calls split out) and finish reason."""
-        reasoning, content = split_reasoning(text, opts.reasoning_format)
+        reasoning, content = split_reasoning(text, opts.reasoning_format, opts.reasoning_opened)
         message: dict[str, Any] = {"role": "assistant", "content": content}
         if reasoning is not None:
             message["reasoning_content"] = reasoning
@@ -1390,7 +1395,12 @@ class Server:
                 )
                 return out
             if chat:
-                delta: dict[str, Any] = {"content": ev.text}
+                if c.reasoning is None:
+                    c.reasoning = ReasoningStream(opts.reasoning_format, opts.reasoning_opened)
+                thought, said = c.reasoning.feed(ev.text, final=ev.finish_reason is not None)
+                delta: dict[str, Any] = {"reasoning_content": thought} if thought else {}
+                if said or not thought:
+                    delta["content"] = said
                 if first:
                     delta = {"role": "assistant", **delta}
                 lp = None
