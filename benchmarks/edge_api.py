@@ -1,7 +1,15 @@
 """What the API's sampling controls and structured output cost per token on a real model:
-decode tokens/s of the batched engine with penalties + logit bias + min-p, with a JSON schema
+tokens/s of the batched engine with penalties + logit bias + min-p, with a JSON schema
 (llguidance) and with a GBNF grammar, each relative to the plain request, at 1 and N streams;
 and the fraction of JSON outputs that parse and validate (must be 1.0).
+
+Two rates per arm: ``tokens_per_s`` over each request's wall time (prefill and per-request
+setup included: the constrained arms end when their grammar does, after fewer tokens than the
+plain arm's ``max_tokens``, so this one charges them more prefill per token), and
+``decode_tokens_per_s`` from each stream's first token to its last (the per-token cost).
+A constrained arm is also paired with a plain request of as many tokens run right after it
+(``matched_relative``: the median of the per-repeat ratios of wall-time tokens/s, prefill
+included on both sides).
 
     python -m benchmarks.edge_api --json                        # the Gemma 3 270M Q4_K_M file
     python -m benchmarks.edge_api --gguf FILE --streams 1 4 --repeats 5 --json
@@ -39,6 +47,7 @@ SCHEMA = {
     "additionalProperties": False,
 }
 GBNF = 'root ::= "The answer is " [a-z ]+ "."'
+CONSTRAINED = ("json", "grammar")  # arms that end when their grammar does
 PROMPT = "Describe a person as a JSON object with name, age and hobbies:\n"
 
 
@@ -61,13 +70,28 @@ def _params(arm: str, max_tokens: int, grammars: Grammars) -> SamplingParams:
     return SamplingParams(**base, constraint=grammars.compile("gbnf", GBNF))
 
 
-def _run(engine: Engine, params: SamplingParams, streams: int) -> tuple[float, int, list[str]]:
-    """(seconds, tokens generated, texts) of ``streams`` completions decoded together."""
+def _one(engine: Engine, params: SamplingParams) -> tuple[str, int, float]:
+    """(text, tokens, seconds from the first token to the last) of one completion."""
+    parts, n, first, last = [], 0, None, 0.0
+    for ev in engine.generate(PROMPT, params):
+        parts.append(ev.text)
+        if ev.token is not None:
+            n += 1
+            last = time.perf_counter()
+            first = last if first is None else first
+    return "".join(parts), n, last - first if first is not None else 0.0
+
+
+def _run(engine: Engine, params: SamplingParams, streams: int) -> tuple[float, int, float, list]:
+    """(seconds, tokens generated, decode tokens/s, texts) of ``streams`` completions decoded
+    together. Decode tokens/s: each stream's tokens after its first over the time from its
+    first to its last, summed over the streams (no prefill, no per-request setup)."""
     t0 = time.perf_counter()
     with ThreadPoolExecutor(streams) as pool:
-        outs = list(pool.map(lambda _: engine.complete(PROMPT, params), range(streams)))
+        outs = list(pool.map(lambda _: _one(engine, params), range(streams)))
     dt = time.perf_counter() - t0
-    return dt, sum(n for _, _, n in outs), [t for t, _, _ in outs]
+    decode = sum((n - 1) / span for _, n, span in outs if n > 1 and span > 0)
+    return dt, sum(n for _, n, _ in outs), decode, [t for t, _, _ in outs]
 
 
 def _valid(text: str) -> bool:
@@ -105,24 +129,45 @@ def main(argv: list[str] | None = None) -> int:
         engine.complete(PROMPT, _params("plain", 4, grammars))  # warm up
         for streams in a.streams:
             rates: dict[str, list[float]] = {arm: [] for arm in arms}
+            decode: dict[str, list[float]] = {arm: [] for arm in arms}
+            lengths: dict[str, list[float]] = {arm: [] for arm in arms}
+            matched: dict[str, list[float]] = {arm: [] for arm in CONSTRAINED}
             valid, total = 0, 0
             for _ in range(a.repeats):
                 for arm in arms:
-                    dt, n, texts = _run(engine, _params(arm, a.max_tokens, grammars), streams)
+                    dt, n, dec, texts = _run(engine, _params(arm, a.max_tokens, grammars), streams)
                     rates[arm].append(n / dt)
+                    decode[arm].append(dec)
+                    lengths[arm].append(n / streams)
+                    if arm in CONSTRAINED:  # the plain request of as many tokens, right after
+                        k = max(1, round(n / streams))
+                        same = _params("plain", k, grammars)
+                        pdt, pn, _, _ = _run(engine, same, streams)
+                        matched[arm].append((n / dt) / (pn / pdt))
                     if arm == "json":
                         valid += sum(_valid(t) for t in texts)
                         total += len(texts)
             plain = statistics.median(rates["plain"])
+            plain_decode = statistics.median(decode["plain"])
             row = {}
             for arm in arms:
                 med = statistics.median(rates[arm])
+                dec = statistics.median(decode[arm])
                 row[arm] = {
                     "tokens_per_s": round(med, 2),
                     "min": round(min(rates[arm]), 2),
                     "max": round(max(rates[arm]), 2),
                     "relative": round(med / plain, 3),
+                    "decode_tokens_per_s": round(dec, 2),
+                    "decode_min": round(min(decode[arm]), 2),
+                    "decode_max": round(max(decode[arm]), 2),
+                    "decode_relative": round(dec / plain_decode, 3),
+                    "tokens_per_stream": round(statistics.median(lengths[arm]), 1),
                 }
+                if arm in CONSTRAINED:
+                    row[arm]["matched_relative"] = round(statistics.median(matched[arm]), 3)
+                    row[arm]["matched_min"] = round(min(matched[arm]), 3)
+                    row[arm]["matched_max"] = round(max(matched[arm]), 3)
             row["json_valid_fraction"] = valid / total if total else None
             result[f"streams_{streams}"] = row
             print(f"streams {streams}: {row}", file=sys.stderr)

@@ -202,6 +202,13 @@ def _add_serve(p: argparse.ArgumentParser) -> None:
         "'edge worker --discover --master-key KEY' finds it (default name: lowband)",
     )
     p.add_argument("--max-queue", type=int, default=64, help="waiting requests before 429")
+    p.add_argument(
+        "--pooling",
+        choices=["mean", "last", "cls"],
+        default="mean",
+        help="/v1/embeddings: pool the final hidden states by their mean, the last token's or "
+        "the first token's row (llama-server's --pooling; default %(default)s)",
+    )
     g = p.add_argument_group("batching")
     g.add_argument(
         "--parallel",
@@ -469,6 +476,7 @@ def _serve_config(args, devices: int, layout: str = "tp"):
     import os
 
     from edge.cluster import ClusterConfig
+    from edge.embeddings import EmbeddingConfig
     from edge.launch import BatchConfig, ServeMasterConfig, SpecServeConfig, listen_host
     from edge.server import ServerConfig
 
@@ -491,6 +499,7 @@ def _serve_config(args, devices: int, layout: str = "tp"):
             max_queue=args.max_queue,
             insecure=exposed,
             api_key=resolve_api_key(args, os.environ),
+            embeddings=EmbeddingConfig(pooling=args.pooling),
         ),
         batch=BatchConfig(
             parallel=args.parallel,

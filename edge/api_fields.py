@@ -1,5 +1,5 @@
-"""Every request field of ``/v1/chat/completions`` and ``/v1/completions`` the server knows, and
-what it does with it: no field is silently ignored.
+"""Every request field of ``/v1/chat/completions``, ``/v1/completions`` and ``/v1/embeddings``
+the server knows, and what it does with it: no field is silently ignored.
 
 A field is one of:
 
@@ -33,8 +33,9 @@ class Kind(enum.Enum):
     REFUSED = "refused"
 
 
-CHAT, COMPLETIONS = "chat", "completions"
+CHAT, COMPLETIONS, EMBEDDINGS = "chat", "completions", "embeddings"
 BOTH = frozenset({CHAT, COMPLETIONS})
+ENDPOINTS = (CHAT, COMPLETIONS, EMBEDDINGS)
 
 
 @dataclass(frozen=True)
@@ -61,12 +62,13 @@ def _f(
 
 U, N, R = Kind.USED, Kind.NO_OP, Kind.REFUSED
 ONLY_CHAT, ONLY_COMPLETIONS = frozenset({CHAT}), frozenset({COMPLETIONS})
+ONLY_EMBEDDINGS, ALL = frozenset({EMBEDDINGS}), frozenset(ENDPOINTS)
 
 FIELDS: dict[str, Field] = {
     f.name: f
     for f in (
         # ---- the basics
-        _f("model", U),
+        _f("model", U, ALL),
         _f("messages", U, ONLY_CHAT),
         _f("prompt", U, ONLY_COMPLETIONS),
         _f("stream", U),
@@ -100,8 +102,12 @@ FIELDS: dict[str, Field] = {
         _f("tool_choice", U, ONLY_CHAT),
         _f("reasoning_format", U, ONLY_CHAT),
         _f("chat_template_kwargs", U, ONLY_CHAT),
+        # ---- embeddings (edge.embeddings)
+        _f("input", U, ONLY_EMBEDDINGS),
+        _f("encoding_format", U, ONLY_EMBEDDINGS),
+        _f("dimensions", U, ONLY_EMBEDDINGS),
         # ---- changes nothing in the answer
-        _f("user", N, why="an end-user id for abuse monitoring"),
+        _f("user", N, ALL, why="an end-user id for abuse monitoring"),
         _f("metadata", N, why="tags for stored completions"),
         _f("store", N, why="OpenAI's stored completions; nothing is stored here"),
         _f("service_tier", N, why="a processing tier; one tier here"),
@@ -150,6 +156,7 @@ FIELDS: dict[str, Field] = {
         _f("continue_final_message", R, ONLY_CHAT, False),
         _f("length_penalty", R, BOTH, 1, 1.0),
         _f("repetition_penalty", R, BOTH, 1, 1.0),
+        _f("embd_normalize", R, ONLY_EMBEDDINGS, 2),
     )
 }
 

@@ -25,11 +25,13 @@ import queue
 import threading
 import time
 from collections import deque
+from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Callable, Generator, Literal, Protocol, Sequence
+from typing import Any, Callable, Generator, Literal, Protocol, Sequence
 
 import torch
 
+from edge.embeddings import embed_ragged
 from edge.sampling import Sampler, SamplingParams, StopMatcher
 from edge.speculative import (
     Draft,
@@ -200,6 +202,11 @@ class LocalRunner:
             h = self.model.forward_ragged(self.model.embed(ids[None]), spans)
             logits = self.model.head(h[0, rows]).float() if rows else None
         return split_logits(work, logits)
+
+    def embed(self, seqs: Sequence[Sequence[int]], pooling: str, chunk: int) -> torch.Tensor:
+        """(B, H) pooled, L2-normalised final hidden states (:func:`edge.embeddings.embed_ragged`),
+        in caches of their own: the slots are untouched."""
+        return embed_ragged(self.model, seqs, pooling, chunk)
 
     def slot_length(self, slot: int) -> int:
         c = self._caches.get(slot)
@@ -532,6 +539,7 @@ class Engine:
         self._cv = threading.Condition()
         self._waiting: deque[Request] = deque()
         self._active: list[Request] = []
+        self._calls: deque[tuple[Callable[[], Any], Future]] = deque()
         self._thread: threading.Thread | None = None
         self._closed = False
 
@@ -560,14 +568,31 @@ class Engine:
                 raise EngineError("the engine is closed")
             self._waiting.append(req)
             self.metrics.waiting = len(self._waiting)
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._loop, name="edge-engine", daemon=True)
-                self._thread.start()
-                # stop between two steps at exit, not in the middle of one (a daemon thread
-                # inside torch while the interpreter finalises can abort the process)
-                atexit.register(self.close)
+            self._start()
             self._cv.notify()
         return req
+
+    def call(self, fn: Callable[[], Any]) -> Future:
+        """Run ``fn`` on the scheduler thread, which owns the model, between two steps (one
+        call per step: the running decodes go on between two calls); its result or exception
+        comes back in the future. For work beside generation (embeddings)."""
+        fut: Future = Future()
+        with self._cv:
+            if self._closed:
+                raise EngineError("the engine is closed")
+            self._calls.append((fn, fut))
+            self._start()
+            self._cv.notify()
+        return fut
+
+    def _start(self) -> None:
+        """Start the scheduler thread (called with the lock held)."""
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name="edge-engine", daemon=True)
+            self._thread.start()
+            # stop between two steps at exit, not in the middle of one (a daemon thread
+            # inside torch while the interpreter finalises can abort the process)
+            atexit.register(self.close)
 
     def generate(
         self, prompt: str | Sequence[int], params: SamplingParams
@@ -619,19 +644,27 @@ class Engine:
     def _loop(self) -> None:
         while True:
             with self._cv:
-                while not self._closed and not self._waiting and not self._active:
+                while not (self._closed or self._waiting or self._active or self._calls):
                     self._cv.wait()
                 if self._closed:
                     pending = list(self._waiting) + self._active
+                    calls = list(self._calls)
                     self._waiting.clear()
                     self._active.clear()
+                    self._calls.clear()
                     break
+                call = self._calls.popleft() if self._calls else None
                 self._admit()
                 work = self._plan()
+            if call is not None:
+                _run_call(*call)
             if work:
                 self._step(work)
         for r in pending:
             r.sink(EngineError("the engine is closed"))
+        for _, fut in calls:
+            if fut.set_running_or_notify_cancel():
+                fut.set_exception(EngineError("the engine is closed"))
 
     def _admit(self) -> None:
         """Move waiting requests into free slots (called with the lock held)."""
@@ -912,6 +945,15 @@ class Engine:
             self.runner.reset()
         except (LowbandError, RuntimeError) as e:  # the next request reports it
             logger.warning("resetting the runner failed: %s", e)
+
+
+def _run_call(fn: Callable[[], Any], fut: Future) -> None:
+    if not fut.set_running_or_notify_cancel():
+        return  # the caller gave up on it
+    try:
+        fut.set_result(fn())
+    except Exception as exc:  # noqa: BLE001 - whatever it raised is the caller's answer
+        fut.set_exception(exc)
 
 
 def _top(logp: torch.Tensor, k: int) -> tuple[tuple[int, float], ...]:

@@ -1,9 +1,10 @@
 """OpenAI-compatible HTTP API (aiohttp) in front of an :class:`edge.engine.Engine`.
 
 ``POST /v1/completions``, ``POST /v1/chat/completions`` (both with ``"stream": true`` SSE),
-``GET /v1/models``, ``GET /health`` (503 while the cluster is degraded), ``GET /metrics`` (JSON;
-the Prometheus text format when the client asks for it: ``Accept: text/plain`` or OpenMetrics
-without ``application/json``, or ``?format=prometheus``), and vLLM's ``POST /tokenize``,
+``POST /v1/embeddings`` (:mod:`edge.embeddings`), ``GET /v1/models``, ``GET /health`` (503
+while the cluster is degraded), ``GET /metrics`` (JSON; the Prometheus text format when the
+client asks for it: ``Accept: text/plain`` or OpenMetrics without ``application/json``, or
+``?format=prometheus``), and vLLM's ``POST /tokenize``,
 ``POST /detokenize``, ``GET /tokenizer_info`` (what lm-evaluation-harness's ``local-completions``
 tokenises with when it finds them).
 
@@ -49,13 +50,24 @@ from typing import Any, AsyncIterator, Callable, Sequence
 
 from aiohttp import web
 
-from edge.api_fields import CHAT, COMPLETIONS, FIELDS, Kind, UnknownFields, check_fields
+from edge import embeddings as emb
+from edge.api_fields import (
+    CHAT,
+    COMPLETIONS,
+    EMBEDDINGS,
+    FIELDS,
+    Kind,
+    UnknownFields,
+    check_fields,
+)
 from edge.engine import ClusterUnavailable, Engine, EngineError, Event, Request
 from edge.http_guard import BadJson, CappedSite, guard, parse_json
 from edge.sampling import BAN, MAX_LOGIT_BIAS, MAX_LOGPROBS, SamplingParams
 from edge.tool_calls import (
     GENERIC,
     REASONING_FORMATS,
+    THINK_OPEN,
+    ReasoningStream,
     call_schema,
     check_tools,
     parse_tool_calls,
@@ -107,6 +119,8 @@ class ServerConfig:
     """A request body not received within this long is refused (408)."""
     max_connections: int = 256
     """Open connections at a time; one more gets a 503 and is closed."""
+    embeddings: emb.EmbeddingConfig = field(default_factory=emb.EmbeddingConfig)
+    """``/v1/embeddings``: the pooling (``--pooling``) and the bounds on a request."""
 
     def __post_init__(self) -> None:
         if self.api_key is not None and not self.api_key.strip():
@@ -200,6 +214,7 @@ class Options:
     tool_choice: Any = "none"  # chat: "none", "auto", "required" or {"function": {"name"}}
     tool_format: str = GENERIC  # chat: how the model writes a call (edge.tool_calls)
     reasoning_format: str = "auto"  # chat: llama-server's choices for <think> blocks
+    reasoning_opened: bool = False  # chat: the rendered prompt ends inside a <think> block
 
     @property
     def calls_tools(self) -> bool:
@@ -213,13 +228,9 @@ class Options:
         return replace(self.params, seed=(seed + index) % 2**63)
 
 
-def parse_options(
-    body: dict, *, chat: bool, cfg: ServerConfig, vocab: int | None = None
-) -> Options:
-    """The request's fields, checked: :class:`ApiError` 400 naming the bad ``param``; a field
-    :mod:`edge.api_fields` refuses is a 400 naming it. ``vocab``: the vocabulary size (token ids
-    beyond it are refused)."""
-    refused, _ = check_fields(body, CHAT if chat else COMPLETIONS)
+def refuse_fields(body: dict, endpoint: str) -> None:
+    """A JSON 400 naming the first field :mod:`edge.api_fields` refuses on ``endpoint``."""
+    refused, _ = check_fields(body, endpoint)
     if refused is not None:
         f = FIELDS[refused]
         where = "this endpoint" if f.kind is not Kind.REFUSED else "this server"
@@ -230,6 +241,15 @@ def parse_options(
             param=refused,
             code="unsupported_parameter",
         )
+
+
+def parse_options(
+    body: dict, *, chat: bool, cfg: ServerConfig, vocab: int | None = None
+) -> Options:
+    """The request's fields, checked: :class:`ApiError` 400 naming the bad ``param``; a field
+    :mod:`edge.api_fields` refuses is a 400 naming it. ``vocab``: the vocabulary size (token ids
+    beyond it are refused)."""
+    refuse_fields(body, CHAT if chat else COMPLETIONS)
     stream = _opt_bool(body, "stream")
     include_usage = False
     so = body.get("stream_options")
@@ -769,6 +789,7 @@ class _Choice:
     prompt_lp: list | None = None
     started: bool = False
     offset: int = 0  # characters streamed so far (completions' text_offset)
+    reasoning: ReasoningStream | None = None  # chat, streamed: splits out <think> blocks
 
 
 class Server:
@@ -793,6 +814,7 @@ class Server:
                 web.get("/metrics", self.metrics),
                 web.post("/v1/completions", self.completions),
                 web.post("/v1/chat/completions", self.chat),
+                web.post("/v1/embeddings", self.embeddings),
                 web.post("/tokenize", self.tokenize),
                 web.post("/detokenize", self.detokenize),
                 web.get("/tokenizer_info", self.tokenizer_info),
@@ -1090,6 +1112,7 @@ class Server:
         p = opts.params
         opts = replace(
             opts,
+            reasoning_opened=text.rstrip().endswith(THINK_OPEN),
             params=replace(
                 p,
                 stop=p.stop + tuple(s for s in template.stop_strings if s not in p.stop),
@@ -1099,6 +1122,52 @@ class Server:
         encode = partial(template.encode, self.engine.tokenizer.encode)
         ids = await self._prepare(text, opts.params, encode)
         return await self._respond(request, opts, [ids], chat=True)
+
+    async def embeddings(self, request: web.Request) -> web.Response:
+        """OpenAI's ``/v1/embeddings``: bounded and checked before any allocation, tokenised
+        off the event loop, computed on the engine's thread in batches of
+        ``EmbeddingConfig.batch_tokens`` tokens between its decode steps."""
+        body = await self._body(request)
+        refuse_fields(body, EMBEDDINGS)
+        _, unknown = check_fields(body, EMBEDDINGS)
+        if unknown:
+            self.unknown_fields.note(unknown)
+        cfg = self.cfg.embeddings
+        embed = getattr(self.engine.runner, "embed", None)
+        if embed is None:
+            raise ApiError(
+                501,
+                "embeddings need the model on this device (not a cluster's runner)",
+                kind="not_supported_error",
+                code="embeddings_unsupported",
+            )
+        config = self.engine.runner.config
+        limit = min(cfg.max_input_tokens, self.engine.max_context)
+        try:
+            fmt = emb.parse_format(body, config.hidden_size)
+            items = emb.parse_input(body.get("input"), replace(cfg, max_input_tokens=limit))
+            for i, item in enumerate(items):
+                if isinstance(item, str):
+                    self._check_text(item, "input")
+            seqs = await self._off_loop(self._embed_tokens, items)
+            total = emb.check_tokens(seqs, config.vocab_size, replace(cfg, max_input_tokens=limit))
+        except emb.InputError as exc:
+            code = "context_length_exceeded" if exc.status == 413 else None
+            raise ApiError(exc.status, str(exc), param=exc.param, code=code) from None
+        vectors: list = [None] * len(seqs)
+        for group in emb.batches([len(s) for s in seqs], cfg.batch_tokens):
+            call = partial(embed, [seqs[i] for i in group], cfg.pooling, cfg.batch_tokens)
+            try:
+                out = await asyncio.wrap_future(self.engine.call(call))
+            except (LowbandError, RuntimeError) as exc:
+                raise _engine_error(exc) from None
+            for i, v in zip(group, out):
+                vectors[i] = v
+        return web.json_response(emb.response(vectors, fmt, self.engine.model_name, total))
+
+    def _embed_tokens(self, items: list[str | list[int]]) -> list[list[int]]:
+        tok = self.engine.tokenizer
+        return [tok.encode(x) if isinstance(x, str) else [int(i) for i in x] for x in items]
 
     async def _options(self, body: dict, *, chat: bool) -> Options:
         opts = parse_options(
@@ -1251,7 +1320,7 @@ class Server:
 
     def _message(self, opts: Options, text: str, finish: str) -> tuple[dict, str]:
         """A chat reply's message (reasoning and tool calls split out) and finish reason."""
-        reasoning, content = split_reasoning(text, opts.reasoning_format)
+        reasoning, content = split_reasoning(text, opts.reasoning_format, opts.reasoning_opened)
         message: dict[str, Any] = {"role": "assistant", "content": content}
         if reasoning is not None:
             message["reasoning_content"] = reasoning
@@ -1326,7 +1395,12 @@ class Server:
                 )
                 return out
             if chat:
-                delta: dict[str, Any] = {"content": ev.text}
+                if c.reasoning is None:
+                    c.reasoning = ReasoningStream(opts.reasoning_format, opts.reasoning_opened)
+                thought, said = c.reasoning.feed(ev.text, final=ev.finish_reason is not None)
+                delta: dict[str, Any] = {"reasoning_content": thought} if thought else {}
+                if said or not thought:
+                    delta["content"] = said
                 if first:
                     delta = {"role": "assistant", **delta}
                 lp = None

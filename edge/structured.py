@@ -18,7 +18,9 @@ every token), then compiles each request's grammar (:meth:`Grammars.compile`) in
 from __future__ import annotations
 
 import json
+import math
 import threading
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Sequence
 
 import llguidance
@@ -106,45 +108,91 @@ class _Vocab:
 
 
 class Matcher:
-    """One completion's place in its grammar."""
+    """One completion's place in its grammar.
 
-    def __init__(self, tokenizer: llguidance.LLTokenizer, grammar: str, ends: Sequence[int]):
+    The mask for the next token depends only on the tokens drawn so far, not on the logits, so
+    it is computed on the grammar thread (llguidance releases the GIL) while the model runs
+    the step that produces those logits: right after :meth:`advance` consumed a token (and at
+    creation, while the prompt is prefilled). :meth:`mask` then only waits for it (usually
+    done) and applies it in place: sparsely (keep the allowed ids' logits) when few tokens are
+    allowed, densely (one ``putmask`` with the forbidden set unpacked on the grammar thread)
+    otherwise. Measured on Gemma 3's 262,144 tokens: a GBNF ``[a-z ]+`` state allows ~88k
+    tokens and its mask costs ~2 ms, a JSON string state a few dozen tokens and ~0.04 ms; the
+    unpacking ~1 ms; all of it was on the step's critical path before.
+    """
+
+    SPARSE = 16  # at most 1/SPARSE of the vocabulary allowed: keep those ids, not a mask
+
+    def __init__(
+        self,
+        tokenizer: llguidance.LLTokenizer,
+        grammar: str,
+        ends: Sequence[int],
+        pool: ThreadPoolExecutor | None = None,
+    ):
         self._m = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
-        self._ends = torch.tensor(sorted(set(ends)), dtype=torch.long)
+        self._end_set = frozenset(int(e) for e in ends)
         self._vocab = tokenizer.vocab_size
+        self._ends = np.array(sorted(e for e in self._end_set if e < self._vocab), dtype=np.int64)
         self._bits = np.zeros((self._vocab + 31) // 32, dtype=np.int32)
+        self._pool = pool
+        self._next: Future | None = None
         self.done = False
+        self._schedule()
 
-    def mask(self, logits: torch.Tensor) -> torch.Tensor:
-        """``logits`` (V,) float with what the grammar forbids now at -inf; the end tokens
-        stay allowed exactly when the grammar is complete."""
+    def _schedule(self) -> None:
+        self._next = self._pool.submit(self._compute) if self._pool is not None else None
+
+    def _compute(self) -> tuple[np.ndarray | None, np.ndarray | None]:
+        """(the allowed ids when they are few, else None; the forbidden set as a bool array
+        when they are many, else None): what the grammar allows now, ends included when it is
+        complete. Runs on the grammar thread; nothing here touches the logits."""
         m = self._m
         if m.is_error():
             raise GrammarError(f"the grammar failed: {m.get_error()}")
         m.unsafe_compute_mask_ptr(self._bits.ctypes.data, self._bits.nbytes)
-        v = logits.shape[-1]
-        n = min(v, self._vocab)
-        bits = np.unpackbits(self._bits.view(np.uint8), bitorder="little")[:n]
-        if m.is_accepting():
-            ends = self._ends[self._ends < n].numpy()
-            bits[ends] = 1
-        if not bits.any():
+        allowed = np.unpackbits(self._bits.view(np.uint8), bitorder="little")[: self._vocab]
+        if m.is_accepting() and len(self._ends):
+            allowed[self._ends] = 1
+        n = int(np.count_nonzero(allowed))
+        if n == 0:
             raise GrammarError("the grammar allows no token here")
-        # numpy, one thread: the engine's torch threads are busy with the model
+        if n * self.SPARSE <= self._vocab:
+            return np.flatnonzero(allowed), None
+        return None, np.logical_not(allowed.view(np.bool_))  # unpackbits gives 0/1 bytes
+
+    def mask(self, logits: torch.Tensor) -> torch.Tensor:
+        """``logits`` (V,) float with what the grammar forbids now at -inf (in place when it is
+        a contiguous float32 tensor: :class:`edge.sampling.Sampler` passes its own copy); the
+        end tokens stay allowed exactly when the grammar is complete."""
+        fut, self._next = self._next, None
+        ids, forbidden = fut.result() if fut is not None else self._compute()
         x = logits.float().contiguous()
+        n = min(x.shape[-1], self._vocab)
+        if ids is not None:
+            idx = torch.from_numpy(ids[ids < n])
+            keep = x[idx]
+            x.fill_(-math.inf)
+            x[idx] = keep
+            return x
+        assert forbidden is not None
         xs = x.numpy()
-        np.putmask(xs[:n], bits == 0, -np.inf)
+        np.putmask(xs[:n], forbidden[:n], -np.inf)
         xs[n:] = -np.inf
         return x
 
     def advance(self, token: int) -> None:
         if self.done:
             return
-        if self._m.is_accepting() and int(token) in self._ends.tolist():
+        if self._next is not None:  # a mask not asked for: the matcher is free once it is done
+            fut, self._next = self._next, None
+            fut.exception()
+        if self._m.is_accepting() and int(token) in self._end_set:
             self.done = True  # the completion ends here; llguidance need not see the id
             return
         if not self._m.consume_token(int(token)):
             raise GrammarError(f"token {token} left the grammar: {self._m.get_error()}")
+        self._schedule()  # the next mask, while the model computes the next logits
 
 
 class GrammarConstraint:
@@ -154,7 +202,7 @@ class GrammarConstraint:
         self.grammars, self.grammar, self.ends = grammars, grammar, tuple(ends)
 
     def __call__(self) -> Matcher:
-        return Matcher(self.grammars.tokenizer(), self.grammar, self.ends)
+        return Matcher(self.grammars.tokenizer(), self.grammar, self.ends, self.grammars.pool())
 
 
 class Grammars:
@@ -167,7 +215,23 @@ class Grammars:
         eog = tuple(getattr(tokenizer, "eog_token_ids", ()) or ())
         self.end_ids = tuple(dict.fromkeys(([] if eos is None else [eos]) + list(eog)))
         self._ll: llguidance.LLTokenizer | None = None
+        self._pool: ThreadPoolExecutor | None = None
         self._lock = threading.Lock()
+
+    def pool(self) -> ThreadPoolExecutor:
+        """The grammar thread: every matcher's masks are computed there, beside the model's
+        step (one thread: the model's own threads keep the other cores)."""
+        with self._lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="edge-grammar")
+            return self._pool
+
+    def close(self) -> None:
+        """Stop the grammar thread (a matcher made later starts it again)."""
+        with self._lock:
+            pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=True)
 
     def tokenizer(self) -> llguidance.LLTokenizer:
         with self._lock:

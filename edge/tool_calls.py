@@ -172,15 +172,23 @@ def parse_tool_calls(text: str, tools: list[dict], fmt: str) -> tuple[str | None
     return (text, []) if found is None else (None, found)
 
 
-def split_reasoning(text: str, reasoning_format: str) -> tuple[str | None, str]:
+def split_reasoning(
+    text: str, reasoning_format: str, opened: bool = False
+) -> tuple[str | None, str]:
     """(reasoning, content) of a reply: the text inside ``<think>...</think>`` (or before a
-    ``</think>`` when the template opened the block in the prompt) is the reasoning, as
-    llama-server's ``reasoning_format``: "none" leaves the text as it is, "deepseek" (and
-    "auto") moves it out, "deepseek-legacy" also keeps the tags in the content."""
+    ``</think>`` when the template opened the block in the prompt: ``opened``, and then all of
+    it when the block never closed) is the reasoning, as llama-server's ``reasoning_format``:
+    "none" leaves the text as it is, "deepseek" (and "auto") moves it out, "deepseek-legacy"
+    also keeps the tags in the content."""
+    if opened and reasoning_format != "none" and THINK_CLOSE not in text:
+        body = text.strip()
+        body = body[len(THINK_OPEN) :].strip() if body.startswith(THINK_OPEN) else body
+        return body, text if reasoning_format == "deepseek-legacy" else ""
     if reasoning_format == "none" or THINK_CLOSE not in text:
         if reasoning_format != "none" and text.lstrip().startswith(THINK_OPEN):
             # still thinking (cut by max_tokens): all of it is reasoning
-            return text.lstrip()[len(THINK_OPEN) :].strip(), ""
+            body = text.lstrip()[len(THINK_OPEN) :].strip()
+            return body, text if reasoning_format == "deepseek-legacy" else ""
         return None, text
     head, _, tail = text.partition(THINK_CLOSE)
     start = head.find(THINK_OPEN)
@@ -188,3 +196,84 @@ def split_reasoning(text: str, reasoning_format: str) -> tuple[str | None, str]:
     if reasoning_format == "deepseek-legacy":
         return reasoning.strip(), text
     return reasoning.strip(), tail.lstrip()
+
+
+def _held(text: str, tag: str) -> int:
+    """Length of the longest end of ``text`` that begins ``tag`` (it may continue as the tag)."""
+    for k in range(min(len(tag) - 1, len(text)), 0, -1):
+        if text.endswith(tag[:k]):
+            return k
+    return 0
+
+
+class ReasoningStream:
+    """A reply streamed as (reasoning, content) deltas, split as :func:`split_reasoning` splits
+    the whole reply: a ``<think>`` block that opens the reply (or that the prompt left open:
+    ``opened``) goes to the reasoning, without its tags and surrounding whitespace, what
+    follows ``</think>`` to the content. Text that may be the start of a tag (a tag split
+    across tokens) or whitespace that may end the reasoning is held until the next piece
+    tells. "deepseek-legacy" also sends everything, tags included, as content; "none" sends
+    everything as content."""
+
+    def __init__(self, reasoning_format: str, opened: bool = False) -> None:
+        self.fmt = reasoning_format
+        self._state = "content" if reasoning_format == "none" else "start"
+        self._opened = opened
+        self._buf = ""
+        self._lead = True  # whitespace at the start of the current part is dropped
+
+    def feed(self, text: str, final: bool = False) -> tuple[str, str]:
+        """(reasoning, content) to send for ``text``; ``final``: the reply ends here."""
+        legacy = text if self.fmt == "deepseek-legacy" else ""
+        self._buf += text
+        reasoning, content = "", ""
+        if self._state == "start":
+            head = self._buf.lstrip()
+            if head.startswith(THINK_OPEN):
+                self._state, self._buf = "reasoning", head[len(THINK_OPEN) :]
+            elif (final or not THINK_OPEN.startswith(head)) and self._opened:
+                self._state = "reasoning"  # the prompt opened the block
+            elif final or not THINK_OPEN.startswith(head):
+                self._state = "content"
+                self._lead = False  # no block: the reply is left as it is
+        if self._state == "reasoning":
+            i = self._buf.find(THINK_CLOSE)
+            if i >= 0:
+                reasoning = self._part(self._buf[:i], end=True)
+                self._state, self._buf, self._lead = (
+                    "after",
+                    self._buf[i + len(THINK_CLOSE) :],
+                    True,
+                )
+            else:
+                keep = 0 if final else _held(self._buf, THINK_CLOSE)
+                out, self._buf = (
+                    self._buf[: len(self._buf) - keep],
+                    self._buf[len(self._buf) - keep :],
+                )
+                reasoning = self._part(out, end=final)
+                if final:
+                    self._buf = ""
+        if self._state in ("content", "after"):
+            out, self._buf = self._buf, ""
+            if self._lead:
+                out = out.lstrip()
+                self._lead = not out
+            content = out
+        if self.fmt == "deepseek-legacy":
+            content = legacy
+        elif self.fmt == "none":
+            content = text
+        return reasoning, content
+
+    def _part(self, text: str, end: bool) -> str:
+        """Reasoning text to send: leading whitespace of the block dropped, trailing whitespace
+        held back (it is dropped when the block ends there)."""
+        if self._lead:
+            text = text.lstrip()
+            self._lead = not text
+        if end:
+            return text.rstrip()
+        body = text.rstrip()
+        self._buf = text[len(body) :] + self._buf  # held whitespace comes before the rest
+        return body

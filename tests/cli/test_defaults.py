@@ -22,6 +22,7 @@ def _parsers(p: argparse.ArgumentParser, path: str = "lowband") -> Iterator[tupl
 
 
 def _library_defaults() -> dict[str, Any]:
+    from edge.embeddings import POOLINGS, EmbeddingConfig
     from edge.engine import Engine
     from edge.launch import BatchConfig, edge_transport
     from transport.config import ZmqConfig
@@ -30,7 +31,9 @@ def _library_defaults() -> dict[str, Any]:
     assert engine["prefill_chunk"].default == BatchConfig().prefill_chunk
     assert engine["decode_stall"].default == BatchConfig().decode_stall
     assert edge_transport().register_timeout == ZmqConfig().register_timeout
+    assert POOLINGS == ("mean", "last", "cls")  # the --pooling choices
     return {
+        "pooling": EmbeddingConfig().pooling,
         "connections": ZmqConfig().connections,
         "register_timeout": ZmqConfig().register_timeout,
         "prefill_chunk": BatchConfig().prefill_chunk,

@@ -71,10 +71,13 @@ def test_edge_serve_config_carries_the_deadlines(tmp_path):
             "--dead-after",
             "30",
             "--insecure",
+            "--pooling",
+            "last",
         ]
     )
     cfg = _serve_config(args, 2)
     assert cfg.liveness == Liveness(heartbeat_interval=4, dead_after=30)
+    assert cfg.server.embeddings.pooling == "last"
     from edge.launch import _coordinator_config
 
     cc = _coordinator_config(cfg)

@@ -8,13 +8,27 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from edge.api_fields import CHAT, COMPLETIONS, FIELDS, Kind, UnknownFields, check_fields
-from tests.edge.test_openai_api import run
+from edge.api_fields import (
+    CHAT,
+    COMPLETIONS,
+    EMBEDDINGS,
+    ENDPOINTS,
+    FIELDS,
+    Kind,
+    UnknownFields,
+    check_fields,
+)
+from tests.edge.test_openai_api import CFG, run
 
-PATHS = {CHAT: "/v1/chat/completions", COMPLETIONS: "/v1/completions"}
+PATHS = {
+    CHAT: "/v1/chat/completions",
+    COMPLETIONS: "/v1/completions",
+    EMBEDDINGS: "/v1/embeddings",
+}
 BASE: dict[str, dict] = {
-    CHAT: {"messages": [{"role": "user", "content": "hi"}]},
-    COMPLETIONS: {"prompt": "hi"},
+    CHAT: {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1},
+    COMPLETIONS: {"prompt": "hi", "max_tokens": 1},
+    EMBEDDINGS: {"input": "hi"},
 }
 
 # A valid value of every used field (with whatever it needs beside it)
@@ -53,6 +67,9 @@ USED: dict[str, dict] = {
     },
     "reasoning_format": {"reasoning_format": "deepseek"},
     "chat_template_kwargs": {"chat_template_kwargs": {}},
+    "input": {},
+    "encoding_format": {"encoding_format": "base64"},
+    "dimensions": {"dimensions": CFG.hidden_size},
 }
 NO_OP = {
     "user": "u1",
@@ -77,10 +94,10 @@ NOT_NEUTRAL = {
 
 
 def _cases() -> list[tuple[str, str, dict, int]]:
-    """(endpoint, field, request fields, expected status) for every field on both endpoints."""
+    """(endpoint, field, request fields, expected status) for every field on every endpoint."""
     out = []
     for name, f in FIELDS.items():
-        for ep in (CHAT, COMPLETIONS):
+        for ep in ENDPOINTS:
             if f.kind is Kind.USED and ep in f.endpoints:
                 extra = USED[name]
                 if name == "logprobs" and ep == COMPLETIONS:
@@ -108,9 +125,9 @@ def test_the_table_over_http() -> None:
     cases = _cases()
 
     async def one(s, ep: str, name: str, extra: dict, status: int) -> str:
-        req = {**BASE[ep], "max_tokens": 1, **extra}
+        req = {**BASE[ep], **extra}
         if "max_completion_tokens" in extra:
-            req.pop("max_tokens")
+            req.pop("max_tokens", None)
         r = await s.post(PATHS[ep], json=req)
         text = await r.text()
         assert r.status == status, (ep, name, extra, text)

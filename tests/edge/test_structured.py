@@ -163,6 +163,32 @@ def test_any_json_object_is_forced_from_the_first_token() -> None:
 
 
 @pytest.mark.parametrize(
+    "grammar,text",
+    [('root ::= [a-z]+ "."', b"abc."), ('root ::= "x" [0-9] "yz"', b"x7yz")],
+)
+def test_masks_computed_ahead_equal_the_grammar(grammar: str, text: bytes) -> None:
+    """Sparse (few allowed) and dense masks, computed on the grammar thread while the caller
+    works, keep exactly the allowed tokens' logits and set every other one to -inf."""
+    g = Grammars(EosBytes(), 256)
+    c = g.compile("gbnf", grammar)
+    m, ref = c(), c()  # ref: llguidance asked directly, on this thread
+    logits = torch.randn(256, generator=torch.Generator().manual_seed(0))
+    for t in [*text, 0]:
+        allowed = torch.zeros(256, dtype=torch.bool)
+        bits = ref._m.compute_bitmask()
+        for i in range(256):
+            allowed[i] = bool(bits[i // 8] >> (i % 8) & 1) or (i == 0 and ref._m.is_accepting())
+        x = m.mask(logits.clone())
+        assert torch.equal(torch.isfinite(x), allowed), chr(t)
+        assert torch.equal(x[allowed], logits[allowed])
+        m.advance(t)
+        if t:
+            ref._m.consume_token(t)
+    assert m.done
+    g.close()
+
+
+@pytest.mark.parametrize(
     "field,value",
     [
         ("grammar", "root ::= undefined_rule"),

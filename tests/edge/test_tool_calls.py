@@ -15,6 +15,8 @@ from edge.tool_calls import (
     HERMES,
     LLAMA3,
     MISTRAL,
+    REASONING_FORMATS,
+    ReasoningStream,
     call_schema,
     check_tools,
     parse_tool_calls,
@@ -116,6 +118,40 @@ def test_reasoning_formats() -> None:
     assert split_reasoning("sum 2+2</think>It is 4.", "auto") == ("sum 2+2", "It is 4.")
     assert split_reasoning("<think>still going", "auto") == ("still going", "")
     assert split_reasoning("plain", "auto") == (None, "plain")
+    assert split_reasoning("still going", "auto", opened=True) == ("still going", "")
+    assert split_reasoning("<think>a", "deepseek-legacy") == ("a", "<think>a")
+
+
+REPLIES = [
+    "<think>\nsum 2+2\n</think>\n\nIt is 4.",
+    "  <think> a b \n</think> It is 4. ",
+    "<think>still going ",
+    "plain text",
+    "<thi",
+    " plain",
+    "<think></think>x",
+    "<think>a</thin",
+    "<think>a</think></think>b",
+    "sum 2+2</think>It is 4.",  # a block the prompt opened
+]
+
+
+@pytest.mark.parametrize("fmt", REASONING_FORMATS)
+@pytest.mark.parametrize("opened", [False, True])
+def test_streamed_reasoning_equals_the_whole_reply_split(fmt: str, opened: bool) -> None:
+    """Every reply cut into three pieces at every pair of places (tags split across pieces
+    included): the deltas add up to what split_reasoning makes of the whole reply."""
+    for text in REPLIES:
+        if not opened and "</think>" in text and not text.lstrip().startswith("<think>"):
+            continue  # an unopened close: only the whole reply shows it (split_reasoning)
+        reasoning, content = split_reasoning(text, fmt, opened)
+        for i in range(len(text) + 1):
+            for j in range(i, len(text) + 1):
+                stream, r, c = ReasoningStream(fmt, opened), "", ""
+                for k, piece in enumerate((text[:i], text[i:j], text[j:])):
+                    dr, dc = stream.feed(piece, final=k == 2)
+                    r, c = r + dr, c + dc
+                assert (r, c) == (reasoning or "", content), (text, i, j)
 
 
 def test_tool_choice_checks_and_call_schema() -> None:
@@ -192,3 +228,27 @@ def test_streamed_tool_calls_as_openai_deltas() -> None:
     assert head["function"] == {"name": "weather", "arguments": ""}
     jsonschema.validate(json.loads(args["function"]["arguments"]), WEATHER)
     assert events[-1]["choices"][0]["finish_reason"] == "tool_calls"
+
+
+def test_streamed_reasoning_content_deltas_over_http() -> None:
+    """A reply forced (by a grammar) to think first: streamed, the block arrives as
+    reasoning_content deltas and the rest as content, the same as the whole reply's message."""
+    grammar = 'root ::= "<think>" [a-z]{2,6} "</think>" [a-z]{1,4}'
+    req = {
+        "messages": [{"role": "user", "content": "q"}],
+        "grammar": grammar,
+        "max_tokens": 40,
+        "temperature": 0,
+    }
+
+    async def body(s, engine):
+        whole = await post(s, "/v1/chat/completions", req)
+        return whole, await sse(s, "/v1/chat/completions", req)
+
+    whole, events = run(body, _engine(EosBytes()))
+    message = whole["choices"][0]["message"]
+    assert message["reasoning_content"] and "<think>" not in message["content"]
+    deltas = [e["choices"][0]["delta"] for e in events]
+    assert any("reasoning_content" in d and "content" not in d for d in deltas)
+    assert "".join(d.get("reasoning_content", "") for d in deltas) == message["reasoning_content"]
+    assert "".join(d.get("content") or "" for d in deltas) == message["content"]
