@@ -66,7 +66,14 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).resolve().parent / "csrc"
-SOURCES = ("gemv.cpp", "decode.cpp", "gemv_kernels.h", "ggml_kernels.h", "starlink_wire.h")
+SOURCES = (
+    "gemv.cpp",
+    "decode.cpp",
+    "gemv_kernels.h",
+    "ggml_kernels.h",
+    "pool.h",
+    "starlink_wire.h",
+)
 ISAS = ("native", "avx2", "portable")
 
 

@@ -261,6 +261,24 @@ def test_kernel_fallback_reference_agree(mode, bits, group, m, nb):
         assert torch.equal(y, fb)
 
 
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_kernel_pool_runs_on_the_torch_thread_count(threads: int) -> None:
+    """The kernels' persistent pool runs a job on as many threads as torch's thread count
+    (``--threads``): at::parallel_for ran serially in this extension (no -fopenmp)."""
+    mod = kernel.load()
+    if mod is None:
+        pytest.skip(f"C++ kernel unavailable: {kernel.unavailable_reason()}")
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads)
+        assert mod.pool_threads(64) == threads
+        assert mod.pool_threads(1) == 1  # one item: no worker is woken
+        for _ in range(200):  # back-to-back jobs (workers spinning) and a job after a nap
+            assert mod.pool_threads(8) == threads
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_kernel_threads_and_bigger_shape(mode):
     w = rand(1000, 2048, seed=5) / 45
     x = rand(1, 2048, seed=6)

@@ -42,6 +42,7 @@
 #include <sys/socket.h>
 
 #include "gemv_kernels.h"
+#include "pool.h"
 #include "ggml_kernels.h"
 #include "starlink_wire.h"
 
@@ -350,22 +351,22 @@ void run_lin(const Lin& l, const float* x, int64_t ldx, int64_t M, float* Y, int
     for (int64_t m = 0; m < M; ++m) std::fill(Y + m * ldy, Y + m * ldy + l.N, 0.f);
   } else if (l.kind == 32) {
     const int64_t grain = std::max<int64_t>(16, (int64_t{1} << 16) / l.K);
-    at::parallel_for(0, l.N, grain,
-                     [&](int64_t n0, int64_t n1) { gemv_f32_rows(l.wp, l.K, x, ldx, M, Y, ldy, n0, n1); });
+    lbq::parallel_for(0, l.N, grain,
+                      [&](int64_t n0, int64_t n1) { gemv_f32_rows(l.wp, l.K, x, ldx, M, Y, ldy, n0, n1); });
   } else {
     // int8 activations, one scale per G values (32 for ggml), quantized once for all rows.
     const int G = l.kind == kGGML ? 32 : l.G;
     const int64_t K = l.K, nb = K / G;
     if (l.kind == kGGML) {
       qs.g.resize(M, K);
-      at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
+      lbq::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
         for (int64_t m = m0; m < m1; ++m) qs.g.row(x + m * ldx, m, K);
       });
     } else {
       qs.q.resize(static_cast<size_t>(M * K));
       qs.d.resize(static_cast<size_t>(M * nb));
       qs.s.resize(static_cast<size_t>(M * nb));
-      at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
+      lbq::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
         for (int64_t m = m0; m < m1; ++m)
           lbq::quantize_act_row(x + m * ldx, K, G, qs.q.data() + m * K, qs.d.data() + m * nb, qs.s.data() + m * nb);
       });
@@ -374,11 +375,11 @@ void run_lin(const Lin& l, const float* x, int64_t ldx, int64_t M, float* Y, int
     if (l.kind == kGGML) {
       const lbq::ggml::GAct a = qs.g.view(M, K);
       if (l.pp != nullptr) {  // threads split on the 16-row groups of the repacked layout
-        at::parallel_for(0, (l.N + 15) / 16, 1, [&](int64_t g0, int64_t g1) {
+        lbq::parallel_for(0, (l.N + 15) / 16, 1, [&](int64_t g0, int64_t g1) {
           ggml_dispatch(l.G, l.qp, l.row_bytes, a, g0 * 16, std::min(l.N, g1 * 16), Y, ldy, l.pp);
         });
       } else {
-        at::parallel_for(0, l.N, grain, [&](int64_t n0, int64_t n1) {
+        lbq::parallel_for(0, l.N, grain, [&](int64_t n0, int64_t n1) {
           ggml_dispatch(l.G, l.qp, l.row_bytes, a, n0, n1, Y, ldy, nullptr);
         });
       }
@@ -387,7 +388,7 @@ void run_lin(const Lin& l, const float* x, int64_t ldx, int64_t M, float* Y, int
       lbq::prepare_act(q4, l.G, qs.q.data(), M, K);
       const lbq::Act a{qs.q.data(), qs.d.data(), qs.s.data(), M, K, nb};
       const lbq::Wt w{l.qp, l.sp, l.N, K, nb, l.kind == 8 ? K : K / 2};
-      at::parallel_for(0, l.N, grain, [&](int64_t n0, int64_t n1) { packed_dispatch(q4, l.G, w, a, n0, n1, Y, ldy); });
+      lbq::parallel_for(0, l.N, grain, [&](int64_t n0, int64_t n1) { packed_dispatch(q4, l.G, w, a, n0, n1, Y, ldy); });
     }
   }
   if (l.bp != nullptr)
@@ -965,10 +966,10 @@ class Decoder {
       // operations and their order are those of one head alone: the same bits. With fewer
       // (row, KV head) pairs than threads (one sequence of a model with one KV head, Gemma 3
       // 270M) each group's heads are split across tasks, so attention uses every thread too.
-      const int64_t pairs = B * nkv, threads = at::get_num_threads();
+      const int64_t pairs = B * nkv, threads = lbq::num_threads();
       const int64_t split = std::min(group, std::max<int64_t>(1, (threads + pairs - 1) / pairs));
       const int64_t chunk = (group + split - 1) / split;
-      at::parallel_for(0, pairs * split, 1, [&](int64_t t0, int64_t t1) {
+      lbq::parallel_for(0, pairs * split, 1, [&](int64_t t0, int64_t t1) {
         thread_local std::vector<float> scores;
         const size_t need = static_cast<size_t>(group * max_s);
         if (scores.size() < need) scores.resize(need);
@@ -1028,7 +1029,7 @@ class Decoder {
     const int64_t I = L.inter;
     ensure(gu_, B * 2 * I);
     run_parts(L.gate_up, xn_.data(), H_, B, gu_.data(), 2 * I, qs_);
-    at::parallel_for(0, B, 4, [&](int64_t b0, int64_t b1) {
+    lbq::parallel_for(0, B, 4, [&](int64_t b0, int64_t b1) {
       for (int64_t b = b0; b < b1; ++b) {
         float* g = gu_.data() + b * 2 * I;
         const float* u = g + I;

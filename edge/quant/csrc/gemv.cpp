@@ -5,6 +5,7 @@
 #include <vector>
 
 #include "gemv_kernels.h"
+#include "pool.h"
 #include "ggml_kernels.h"
 
 const uint8_t* ggml_packed_ptr(const torch::Tensor& packed, int64_t type, int64_t N, int64_t K);  // decode.cpp
@@ -60,7 +61,7 @@ torch::Tensor gemv(const torch::Tensor& x, const torch::Tensor& qweight, const t
     const int G = static_cast<int>(group);
     // ~64k weights per task; at one thread parallel_for runs inline.
     const int64_t grain = std::max<int64_t>(8, (int64_t{1} << 16) / std::max<int64_t>(K, 1));
-    at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) { lbq::gemv_rows(q4, G, w, a, n0, n1, yp); });
+    lbq::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) { lbq::gemv_rows(q4, G, w, a, n0, n1, yp); });
   }
   if (bias.has_value()) {
     const float* bp = bias->data_ptr<float>();
@@ -104,13 +105,13 @@ torch::Tensor ggml_gemv(const torch::Tensor& x, const torch::Tensor& blocks, int
     const uint8_t* pp = packed.has_value() ? ggml_packed_ptr(*packed, type, N, K) : nullptr;
     if (pp != nullptr) {  // threads split on the 16-row groups of the repacked layout
       const int64_t groups = (N + 15) / 16;
-      at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
+      lbq::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
         lbq::ggml::gemv_rows(t, wp, row_bytes, a, N, g0 * 16, std::min(N, g1 * 16), yp, pp);
       });
     } else {
       const int64_t grain = std::max<int64_t>(8, (int64_t{1} << 16) / K);
-      at::parallel_for(0, N, grain,
-                       [&](int64_t n0, int64_t n1) { lbq::ggml::gemv_rows(t, wp, row_bytes, a, N, n0, n1, yp); });
+      lbq::parallel_for(0, N, grain,
+                        [&](int64_t n0, int64_t n1) { lbq::ggml::gemv_rows(t, wp, row_bytes, a, N, n0, n1, yp); });
     }
   }
   if (bias.has_value() && M > 0) y += bias->unsqueeze(0);
@@ -157,7 +158,7 @@ torch::Tensor ggml_dequantize(const torch::Tensor& blocks, int64_t type, int64_t
   const uint8_t* bp = blocks.data_ptr<uint8_t>();
   float* wp = w.data_ptr<float>();
   const int t = static_cast<int>(type);
-  at::parallel_for(0, N * nb, 256, [&](int64_t b0, int64_t b1) {
+  lbq::parallel_for(0, N * nb, 256, [&](int64_t b0, int64_t b1) {
     alignas(32) int8_t q[256];
     float a[16], b[16];
     for (int64_t blk = b0; blk < b1; ++blk) {
@@ -171,6 +172,20 @@ torch::Tensor ggml_dequantize(const torch::Tensor& blocks, int64_t type, int64_t
 
 std::string isa() {
   return lbq::isa_name();
+}
+
+// Test hook: how many distinct threads ran the parts of one n-item job on the kernels' pool
+// (items of one row each: as many threads as the thread count allows).
+int64_t pool_threads(int64_t n) {
+  std::vector<std::thread::id> who(static_cast<size_t>(std::max<int64_t>(n, 0)));
+  {
+    py::gil_scoped_release nogil;
+    lbq::parallel_for(0, n, 1, [&](int64_t i0, int64_t i1) {
+      for (int64_t i = i0; i < i1; ++i) who[static_cast<size_t>(i)] = std::this_thread::get_id();
+    });
+  }
+  std::sort(who.begin(), who.end());
+  return static_cast<int64_t>(std::unique(who.begin(), who.end()) - who.begin());
 }
 
 }  // namespace
@@ -192,5 +207,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("ggml_dequantize", &ggml_dequantize, "W[N,K] fp32 from ggml blocks", py::arg("blocks"), py::arg("type"),
         py::arg("K"));
   m.def("isa", &isa, "SIMD path compiled in");
+  m.def("pool_threads", &pool_threads, "test hook: distinct threads that ran an n-item job on the kernels' pool",
+        py::arg("n"));
   init_decode(m);
 }
