@@ -311,12 +311,38 @@ def test_draft_length_follows_acceptance() -> None:
     for _ in range(60):
         hi.observe(8, 8)
         lo.observe(8, 0)
-    assert hi.choose(cost) == 10 and lo.choose(cost) == 2
+    assert hi.choose(cost) == 10
+    # drafts that are all rejected: plain one-token passes, a k_min probe every `probe` passes
+    assert [lo.choose(cost) for _ in range(2 * lo.probe)].count(2) == 2
+    assert lo.choose(cost) == 0
+    lo.observe(2, 2)  # a probe that was kept counts: acceptance climbs back
+    assert lo.alpha > 0.15
     for _ in range(20):  # rows nearly free: longer drafts pay even at moderate acceptance
         cost.observe(1, 1.0)
         cost.observe(9, 1.04)
     mid = DraftLength(cfg, alpha=0.7)
-    assert mid.choose(cost) > DraftLength(cfg, alpha=0.3).choose(cost)
+    assert mid.choose(cost) > DraftLength(cfg, alpha=0.3).choose(cost) > 0
+    dear = PassCost()  # every row costs about what a one-row pass costs: only high acceptance
+    for _ in range(20):
+        dear.observe(1, 1.0)
+        dear.observe(5, 4.0)
+    assert DraftLength(cfg, alpha=0.5).choose(dear) == 0
+    assert DraftLength(cfg, alpha=0.95).choose(dear) >= 2
+    # in a batch of 8 the pass's fixed cost is shared: a row costs more of a sequence's share
+    cost8 = PassCost()
+    for _ in range(20):
+        cost8.observe(8, 1.0)
+        cost8.observe(40, 2.0)
+    assert DraftLength(cfg, alpha=0.6).choose(cost8, batch=8) < DraftLength(cfg, alpha=0.6).choose(
+        cost8, batch=1
+    )
+    slow = DraftLength(cfg, alpha=0.9)  # a drafter whose tokens cost a plain pass each
+    slow.observe_drafting(4, 4.0)
+    assert slow.choose(dear) < DraftLength(cfg, alpha=0.9).choose(dear)
+    # acceptance counts the tokens put to the test: 2 kept then a rejection is 2/3, not 2/8
+    est = DraftLength(cfg, alpha=0.5, weight=0.5)
+    est.observe(8, 2)
+    assert est.alpha == pytest.approx(0.5 * 0.125 + (2 / 3) * 0.875)
     assert DraftLength(SpecConfig(draft_max=6, adaptive=False), alpha=0.0).choose(cost) == 6
     with pytest.raises(ConfigError):
         SpecConfig(draft_max=ROWWISE_ROWS)
