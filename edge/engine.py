@@ -756,11 +756,16 @@ class Engine:
         and k draft tokens, every row's logits wanted (outside the lock: a draft model
         runs here)."""
         out = []
+        batch = sum(r.decoding for r, _ in work)
         for r, w in work:
             if r.drafter is not None and r.draft_len is not None and r.decoding:
                 room = min(r.params.max_tokens - len(r.out) - 1, self.max_context - r.pos - 1)
-                k = min(r.draft_len.choose(self.pass_cost), room)
-                r.draft = r.drafter.propose(r.ids + r.out, k, r.sampler) if k > 0 else None
+                k = min(r.draft_len.choose(self.pass_cost, batch), room)
+                r.draft = None
+                if k > 0:
+                    t0 = time.perf_counter()
+                    r.draft = r.drafter.propose(r.ids + r.out, k, r.sampler)
+                    r.draft_len.observe_drafting(k, time.perf_counter() - t0)
                 if r.draft is not None and r.draft.tokens:
                     w = Work(w.slot, (r.next_in, *r.draft.tokens), w.start, "all")
                 else:

@@ -280,8 +280,6 @@ class FastDecode:
         B = len(caches)
         if len(starts) != B:
             raise ValueError(f"layers_batch got {B} caches but {len(starts)} positions")
-        if not 1 <= B <= MAX_BATCH:
-            raise ValueError(f"layers_batch takes 1..{MAX_BATCH} rows, got {B}")
         shape = tuple(x.shape)
         if shape not in ((B, 1, self.hidden), (B, self.hidden)):
             raise ValueError(
@@ -290,14 +288,47 @@ class FastDecode:
             )
         if len({id(c) for c in caches}) != B:
             raise ValueError("every row of a batch needs its own KVCache")
-        pos = [int(s) for s in starts]
-        if min(pos) < 0:
-            raise ValueError(f"positions must be >= 0, got {min(pos)}")
-        tables, bases = [], []
-        for cache, start in zip(caches, pos):
-            cache.prepare(start, 1)  # a no-op when the caller already did it
-            tables.append(self._cache_table(cache, start))
-            bases.append(cache.base)
+        return self.layers_spans(x, caches, starts, [1] * B).view(shape)
+
+    def layers_spans(
+        self,
+        x: torch.Tensor,
+        caches: Sequence[KVCache],
+        starts: Sequence[int],
+        lengths: Sequence[int],
+    ) -> torch.Tensor:
+        """Several short spans of consecutive tokens in one call: span i is ``lengths[i]``
+        tokens at positions ``starts[i]..`` of the sequence whose cache is ``caches[i]``
+        (distinct caches); x holds their N = sum(lengths) rows back to back, (N, H) or
+        (1, N, H), and the result is shaped like it. Every row is computed exactly as the same
+        token alone in :meth:`layers` (a speculative verification group of k + 1 tokens costs
+        one pass over the weights, and each of its rows gets a single-token decode's bits);
+        ``caches[i].length`` becomes ``starts[i] + lengths[i]``."""
+        n_spans = len(caches)
+        if len(starts) != n_spans or len(lengths) != n_spans:
+            raise ValueError(
+                f"got {n_spans} caches, {len(starts)} starts and {len(lengths)} lengths"
+            )
+        if len({id(c) for c in caches}) != n_spans:
+            raise ValueError("each span needs its own KVCache")
+        B = sum(int(n) for n in lengths)
+        if not 1 <= B <= MAX_BATCH or min(lengths, default=0) < 1:
+            raise ValueError(f"spans must hold 1..{MAX_BATCH} rows, each at least one")
+        shape = tuple(x.shape)
+        if x.numel() != B * self.hidden or shape[-1] != self.hidden:
+            raise ValueError(f"x must hold {B} rows of {self.hidden} values, got {shape}")
+        if min(int(s) for s in starts) < 0:
+            raise ValueError(f"positions must be >= 0, got {min(starts)}")
+        pos: list[int] = []
+        tables: list[torch.Tensor] = []
+        bases: list[int] = []
+        for cache, start, n in zip(caches, starts, lengths):
+            start, n = int(start), int(n)
+            cache.prepare(start, n)  # a no-op when the caller already did it
+            table = self._cache_table(cache, start + n - 1)
+            pos.extend(range(start, start + n))
+            tables.extend([table] * n)
+            bases.extend([cache.base] * n)
         x2 = x.reshape(B, self.hidden)
         if x2.dtype != torch.float32 or not x2.is_contiguous():
             x2 = x2.to(torch.float32).contiguous()
@@ -315,8 +346,8 @@ class FastDecode:
                 raise _link_error(exc) from None
             finally:
                 link.native_done(*self._dec.link_state())
-        for cache, start in zip(caches, pos):
-            cache.length = start + 1
+        for cache, start, n in zip(caches, starts, lengths):
+            cache.length = int(start) + int(n)
         return out.view(shape)
 
     def _cache_table(self, cache: KVCache, start: int) -> torch.Tensor:

@@ -88,10 +88,10 @@ def verify(draft: Draft, logits: torch.Tensor, sampler: Sampler) -> tuple[list[i
         raise ValueError(f"need {k + 1} rows of logits for {k} draft tokens, got {logits.shape}")
     out: list[int] = []
     if sampler.params.temperature == 0.0:  # greedy: keep d_j while it is the target's argmax
+        best = logits.argmax(dim=-1).tolist()  # one call for every row
         for j in range(k + 1):
-            t = int(torch.argmax(logits[j]).item())
-            out.append(t)
-            if j == k or t != draft.tokens[j]:
+            out.append(best[j])
+            if j == k or best[j] != draft.tokens[j]:
                 return out, j
         raise AssertionError("unreachable")
     for j, d in enumerate(draft.tokens):
@@ -115,57 +115,104 @@ def verify(draft: Draft, logits: torch.Tensor, sampler: Sampler) -> tuple[list[i
 
 class PassCost:
     """A target pass of r rows costs about ``base + per_row * r`` seconds: fitted by least
-    squares over recent passes with exponential forgetting (like ``engine.Pace``)."""
+    squares over recent passes with exponential forgetting (like ``engine.Pace``). The last
+    well-conditioned fit is kept while recent passes all had one size (a stream that stopped
+    drafting runs one-row passes only)."""
+
+    PRIOR = 0.05
+    """Per-row cost over a one-row pass assumed until passes of two sizes were seen."""
 
     def __init__(self, weight: float = 0.1) -> None:
         self.weight = weight
         self._s = [0.0] * 5  # decayed sums of w, w r, w r^2, w y, w r y
+        self._fit: tuple[float, float] | None = None  # (base, per_row) seconds
 
     def observe(self, rows: int, seconds: float) -> None:
         x, keep = float(rows), 1.0 - self.weight
         for i, v in enumerate((1.0, x, x * x, seconds, x * seconds)):
             self._s[i] = keep * self._s[i] + v
-
-    def relative(self, rows: int) -> float:
-        """Cost of a pass of ``rows`` rows over a one-row pass (1 + (rows-1) c; c = 0.05
-        until passes of two sizes were seen)."""
         w, sx, sxx, sy, sxy = self._s
         den = w * sxx - sx * sx
-        c = 0.05
-        if w > 0 and den > 1e-9 * max(w * sxx, 1e-30):
+        if w > 0 and den > 1e-6 * max(w * sxx, 1e-30):
             per_row = (w * sxy - sx * sy) / den
             base = (sy - per_row * sx) / w
             if per_row > 0 and base > 0:
-                c = per_row / (base + per_row)
+                self._fit = (base, per_row)
+
+    def share_s(self, batch: int = 1) -> float | None:
+        """Seconds of one sequence's one-row share of a pass of ``batch`` sequences (None
+        before any pass)."""
+        if self._fit is not None:
+            base, per_row = self._fit
+            return base / max(batch, 1) + per_row
+        w, sx, _, sy, _ = self._s
+        return sy / sx if w > 0 and sx > 0 else None
+
+    def relative(self, rows: int, batch: int = 1) -> float:
+        """Cost of one sequence's share of a pass when it contributes ``rows`` rows instead
+        of one, the pass's fixed cost split over the ``batch`` sequences in it:
+        1 + (rows - 1) c with c = per_row / (base / batch + per_row)."""
+        c = self.PRIOR
+        if self._fit is not None:
+            base, per_row = self._fit
+            c = per_row / (base / max(batch, 1) + per_row)
         return 1.0 + (rows - 1) * c
 
 
 @dataclass
 class DraftLength:
-    """Picks k for the next pass: the k in [k_min, k_max] maximising expected tokens per
-    unit cost, E[tokens | k] / cost(k + 1 rows), with E = (1 - α^(k+1)) / (1 - α) for a
-    per-token acceptance rate α (Leviathan et al. eq. 1), α a running average."""
+    """Picks k for the next pass: the k maximising expected tokens per unit cost,
+    E[tokens | k] / (cost(k + 1 rows) + k draft tokens' drafting), with
+    E = (1 - α^(k+1)) / (1 - α) for a per-token acceptance rate α (Leviathan et al. eq. 1)
+    and the costs in plain one-row passes (:class:`PassCost`); k = 0, a plain pass (value 1),
+    when no k in [k_min, k_max] is expected to beat it by ``gain``. α is estimated from the
+    draft tokens actually put to the test (every accepted one, plus the first rejected one:
+    the rest of a rejected draft says nothing), with exponential forgetting. While k = 0, a
+    k_min draft is tried every ``probe`` passes, so a stream whose text turns repetitive
+    starts drafting again."""
 
     config: SpecConfig
     alpha: float = 0.6  # prior before any pass
-    weight: float = 0.1
-    history: list[int] = field(default_factory=list)
+    weight: float = 0.1  # forgetting per tested draft token
+    gain: float = 1.03  # a draft must promise this many tokens per plain pass's cost
+    probe: int = 16
+    draft_s: float = 0.0  # seconds the drafter takes per proposed token (running average)
+    _idle: int = field(default=0, repr=False)  # plain passes since the last draft
+
+    def observe_drafting(self, tokens: int, seconds: float) -> None:
+        """What a proposal of ``tokens`` tokens cost (a draft model's decodes; a lookup's
+        dictionary probes are next to free)."""
+        if tokens > 0:
+            per = seconds / tokens
+            self.draft_s = per if self.draft_s == 0.0 else 0.8 * self.draft_s + 0.2 * per
 
     def observe(self, drafted: int, accepted: int) -> None:
-        if drafted > 0:
-            a = accepted / drafted
-            self.alpha = (1.0 - self.weight) * self.alpha + self.weight * a
+        if drafted <= 0:
+            return
+        trials = accepted + (accepted < drafted)
+        keep = (1.0 - self.weight) ** trials
+        self.alpha = keep * self.alpha + (1.0 - keep) * (accepted / trials)
 
-    def choose(self, cost: PassCost) -> int:
+    def choose(self, cost: PassCost, batch: int = 1) -> int:
+        """k for the next pass of a sequence decoding in a pass of ``batch`` sequences."""
         c = self.config
         if not c.adaptive:
             return c.draft_max
         a = min(max(self.alpha, 0.0), 0.99)
-        best, best_v = c.draft_min, -1.0
+        share = cost.share_s(batch)
+        drafting = self.draft_s / share if share else 0.0  # per draft token, in plain passes
+        best, best_v = 0, self.gain
         for k in range(c.draft_min, c.draft_max + 1):
-            v = (1.0 - a ** (k + 1)) / (1.0 - a) / cost.relative(k + 1)
+            v = (1.0 - a ** (k + 1)) / (1.0 - a) / (cost.relative(k + 1, batch) + k * drafting)
             if v > best_v + 1e-9:
                 best, best_v = k, v
+        if best == 0:
+            self._idle += 1
+            if self._idle >= self.probe:
+                self._idle = 0
+                return c.draft_min
+        else:
+            self._idle = 0
         return best
 
 

@@ -683,7 +683,8 @@ class LlamaForCausalLM(nn.Module):
         first, then the second's, ... (N = the sum); returns (1, N, H). Each span appends to
         its own cache. Every matmul runs once for the N rows (continuous batching, and a
         prompt chunk piggybacking on decodes); a batch of single tokens goes through the
-        compiled step when one is installed."""
+        compiled step when one is installed, and so do spans of at most ``ROWWISE_ROWS``
+        tokens (a speculative verification group) where it runs those (``layers_spans``)."""
         if not spans or sum(s.length for s in spans) != x.shape[1] or x.shape[0] != 1:
             raise ValueError("x must be (1, N, H) with N the spans' total length")
         if len({id(s.cache) for s in spans}) != len(spans):
@@ -693,6 +694,14 @@ class LlamaForCausalLM(nn.Module):
                 raise ValueError(f"bad span: start {s.start}, length {s.length}")
             s.cache.prepare(s.start, s.length)
         fast: Any = self.fast_decode
+        if (
+            fast is not None
+            and hasattr(fast, "layers_spans")
+            and any(s.length > 1 for s in spans)
+            and all(s.length <= ROWWISE_ROWS for s in spans)
+        ):  # short spans (verification groups): each row as its token alone, one weight pass
+            caches, starts = [s.cache for s in spans], [s.start for s in spans]
+            return fast.layers_spans(x, caches, starts, [s.length for s in spans])
         if fast is not None and all(s.length == 1 for s in spans):
             if len(spans) == 1:
                 x = fast.layers(x, spans[0].cache, spans[0].start)

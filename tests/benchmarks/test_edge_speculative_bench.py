@@ -19,3 +19,6 @@ def test_edge_speculative_tiny(capsys: pytest.CaptureFixture[str]) -> None:
         assert all(res["identical"].values()) and len(res["identical"]) == 3
         assert res["lowband-tiny/draft"]["acceptance"] == 1.0  # the target drafting for itself
         assert res["lowband-tiny/off"]["tok_s"]["median"] > 0
+    streams = rec["result"]["workloads"]["8-streams"]  # 8 requests decoding together
+    assert streams["lowband-tiny/off"]["tok_s"]["median"] > 0
+    assert streams["lowband-tiny/lookup"]["speedup"] > 0

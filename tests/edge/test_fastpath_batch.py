@@ -252,8 +252,12 @@ def test_bad_batches_are_refused() -> None:
         dec.layers_batch(torch.zeros(1, H + 1), [3], [0], [t0])
     with pytest.raises(RuntimeError, match="cannot hold position"):
         dec.layers_batch(torch.zeros(1, H), [t0[0, 2].item()], [0], [t0])
-    with pytest.raises(RuntimeError, match="share one KV cache"):
+    with pytest.raises(RuntimeError, match="write one position of one KV cache"):
         dec.layers_batch(torch.zeros(2, H), [3, 3], [0, 0], [t0, t0])
+    with pytest.raises(ValueError, match="each at least one"):
+        fast.layers_spans(torch.zeros(2, H), caches, [3, 4], [2, 0])
+    with pytest.raises(ValueError, match="x must hold 3 rows"):
+        fast.layers_spans(torch.zeros(2, H), caches, [3, 4], [2, 1])
     with pytest.raises(RuntimeError, match="not a cache table"):
         dec.layers_batch(torch.zeros(1, H), [3], [0], [torch.zeros(3, 3)])
     other = _model()

@@ -10,6 +10,7 @@ import pytest
 import torch
 from torch import nn
 
+from edge import fastpath
 from edge.draft import DraftModel, IncompatibleDraft, check_compatible
 from edge.engine import Engine, LocalRunner
 from edge.lookup import LookupConfig, LookupDrafter
@@ -27,6 +28,7 @@ from lowband.errors import ConfigError
 from lowband.models.llama import (
     ROWWISE_ROWS,
     LlamaForCausalLM,
+    Span,
     head_rows,
     init_weights,
     linear_rows,
@@ -86,6 +88,84 @@ def test_greedy_lookup_is_identical(family: str) -> None:
     if family == "llama":  # this tiny model's greedy text loops: both branches run
         assert 0 < m["spec_accepted_tokens_total"] < m["spec_draft_tokens_total"]
         assert m["spec_tokens_per_pass"] > 1.0
+
+
+FAMILIES = {"llama": {}, "gemma3": dict(model_type="gemma3_text", sliding_window=8)}
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_compiled_verification_rows_equal_single_token_steps(family: str) -> None:
+    """A verification group through the compiled step (``layers_spans``: k + 1 rows of one
+    sequence sharing its cache, beside another sequence's group and a lone token) gives every
+    row the bits of the same token decoded alone, and leaves the same K/V behind."""
+    model = _model(**FAMILIES[family])
+    if fastpath.install(model) is not None:
+        pytest.skip(f"the compiled step is unavailable: {fastpath.unsupported_reason(model)}")
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, 256, (1, n), generator=g) for n in (11, 6, 9)]
+    tails = [torch.randint(0, 256, (1, n), generator=g) for n in (5, 1, 3)]
+
+    def prefilled() -> list:
+        caches = [model.new_cache() for _ in prompts]
+        for c, p in zip(caches, prompts):
+            model.forward_layers(model.embed(p), cache=c, start=0)
+        return caches
+
+    with torch.inference_mode():
+        alone, want = prefilled(), []
+        for c, p, t in zip(alone, prompts, tails):  # token by token: the compiled single step
+            for j in range(t.shape[1]):
+                h = model.forward_layers(model.embed(t[:, j : j + 1]), cache=c, start=c.length)
+                want.append(model.head(h[0])[0])
+        batched = prefilled()
+        spans = [Span(c, p.shape[1], t.shape[1]) for c, p, t in zip(batched, prompts, tails)]
+        h = model.forward_ragged(model.embed(torch.cat(tails, dim=1)), spans)
+        got = model.head(h[0])
+    assert torch.equal(got, torch.stack(want))
+    for a, b in zip(alone, batched):
+        assert a.length == b.length
+        for ka, kb in zip(a.k, b.k):
+            assert ka is not None and kb is not None
+            assert torch.equal(ka[:, :, : a.length - a.base], kb[:, :, : b.length - b.base])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_greedy_lookup_is_identical_on_the_compiled_step(family: str) -> None:
+    model = _model(**FAMILIES[family])
+    if fastpath.install(model) is not None:
+        pytest.skip(f"the compiled step is unavailable: {fastpath.unsupported_reason(model)}")
+    params = SamplingParams(max_tokens=48)
+    plain = _run(_engine(model, None), params)
+    eng = _engine(model, _lookup())
+    assert _run(eng, params) == plain
+    assert eng.metrics.snapshot()["spec_passes_total"] > 0
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_greedy_lookup_is_identical_on_real_gemma3(real_gemma3) -> None:
+    """The published Gemma 3 270M file (near-tie logits: the eager verification pass used to
+    flip its greedy text within ~50 tokens of a code-editing prompt), adaptive k."""
+    from benchmarks.edge_speculative import WORKLOADS
+    from edge.shardio import load_shard
+    from edge.source import resolve_model
+
+    model = load_shard(str(real_gemma3)).model
+    tok = resolve_model(str(real_gemma3)).tokenizer()
+    params = SamplingParams(max_tokens=64, ignore_eos=True)
+    prompt = tok.encode(WORKLOADS["code-edit"])
+    out = []
+    for spec in (None, Speculation(SpecConfig(), LookupDrafter)):
+        eng = Engine(LocalRunner(model), tok, model_name="g", speculation=spec)
+        try:
+            out.append([e.token for e in eng.generate(prompt, params) if e.token is not None])
+        finally:
+            eng.close()
+    assert out[1] == out[0]
+    assert eng.metrics.snapshot()["spec_accepted_tokens_total"] > 0
 
 
 @pytest.mark.slow
@@ -231,12 +311,38 @@ def test_draft_length_follows_acceptance() -> None:
     for _ in range(60):
         hi.observe(8, 8)
         lo.observe(8, 0)
-    assert hi.choose(cost) == 10 and lo.choose(cost) == 2
+    assert hi.choose(cost) == 10
+    # drafts that are all rejected: plain one-token passes, a k_min probe every `probe` passes
+    assert [lo.choose(cost) for _ in range(2 * lo.probe)].count(2) == 2
+    assert lo.choose(cost) == 0
+    lo.observe(2, 2)  # a probe that was kept counts: acceptance climbs back
+    assert lo.alpha > 0.15
     for _ in range(20):  # rows nearly free: longer drafts pay even at moderate acceptance
         cost.observe(1, 1.0)
         cost.observe(9, 1.04)
     mid = DraftLength(cfg, alpha=0.7)
-    assert mid.choose(cost) > DraftLength(cfg, alpha=0.3).choose(cost)
+    assert mid.choose(cost) > DraftLength(cfg, alpha=0.3).choose(cost) > 0
+    dear = PassCost()  # every row costs about what a one-row pass costs: only high acceptance
+    for _ in range(20):
+        dear.observe(1, 1.0)
+        dear.observe(5, 4.0)
+    assert DraftLength(cfg, alpha=0.5).choose(dear) == 0
+    assert DraftLength(cfg, alpha=0.95).choose(dear) >= 2
+    # in a batch of 8 the pass's fixed cost is shared: a row costs more of a sequence's share
+    cost8 = PassCost()
+    for _ in range(20):
+        cost8.observe(8, 1.0)
+        cost8.observe(40, 2.0)
+    assert DraftLength(cfg, alpha=0.6).choose(cost8, batch=8) < DraftLength(cfg, alpha=0.6).choose(
+        cost8, batch=1
+    )
+    slow = DraftLength(cfg, alpha=0.9)  # a drafter whose tokens cost a plain pass each
+    slow.observe_drafting(4, 4.0)
+    assert slow.choose(dear) < DraftLength(cfg, alpha=0.9).choose(dear)
+    # acceptance counts the tokens put to the test: 2 kept then a rejection is 2/3, not 2/8
+    est = DraftLength(cfg, alpha=0.5, weight=0.5)
+    est.observe(8, 2)
+    assert est.alpha == pytest.approx(0.5 * 0.125 + (2 / 3) * 0.875)
     assert DraftLength(SpecConfig(draft_max=6, adaptive=False), alpha=0.0).choose(cost) == 6
     with pytest.raises(ConfigError):
         SpecConfig(draft_max=ROWWISE_ROWS)

@@ -760,9 +760,10 @@ class Decoder {
     return run(x_in, reduce, link);
   }
 
-  // B tokens of B different sequences in one pass: x (B, H) (any shape of B * H values), row b
-  // at position pos[b] of the sequence whose cache is described by tables[b] (cache_table),
-  // whose slot 0 holds position base[b]. Returns the rows after every layer, shaped like x.
+  // B tokens in one pass: x (B, H) (any shape of B * H values), row b at position pos[b] of the
+  // sequence whose cache is described by tables[b] (cache_table), whose slot 0 holds position
+  // base[b]; rows of one sequence at distinct positions may share its cache (see below).
+  // Returns the rows after every layer, shaped like x.
   torch::Tensor layers_batch(const torch::Tensor& x_in, const std::vector<int64_t>& pos,
                              const std::vector<int64_t>& base, const std::vector<torch::Tensor>& tables,
                              const py::object& reduce, const py::object& link) {
@@ -791,9 +792,13 @@ class Decoder {
             KVRef{reinterpret_cast<float*>(p[3 * i]), reinterpret_cast<float*>(p[3 * i + 1]), p[3 * i + 2]};
       }
     }
+    // Rows may share a cache at distinct positions (a speculative verification group: k + 1
+    // consecutive tokens of one sequence): every row's K/V is written before any row attends,
+    // and row b attends to positions <= pos[b] only, so each row computes what it alone would.
     for (int64_t b = 0; b < B; ++b)
       for (int64_t c = 0; c < b; ++c)
-        TORCH_CHECK(L == 0 || kv_[b * L].k != kv_[c * L].k, "rows ", c, " and ", b, " share one KV cache");
+        TORCH_CHECK(L == 0 || kv_[b * L].k != kv_[c * L].k || (pos[b] != pos[c] && base[b] == base[c]), "rows ", c,
+                    " and ", b, " write one position of one KV cache");
     pos_ = pos;
     base_ = base;
     return run(x_in, reduce, link);
