@@ -104,7 +104,12 @@ class PipelineRunner:
         if len(self.ranges) != cfg.devices or self.ranges[0].lo != 0:
             shard.close()
             raise ConfigError("layout", f"{len(self.ranges)} stage ranges for {cfg.devices}")
-        self.stage = Stage(shard, self.ranges[0])
+        try:
+            self.stage = Stage(shard, self.ranges[0])
+            shard.repack(cfg.repack)  # (after the other layers are freed: see load_stage)
+        except BaseException:
+            shard.close()
+            raise
         self.model = self.stage.model
         self.config = self.model.config
         self._kv: dict[int, KVCache] = {}
@@ -130,6 +135,7 @@ class PipelineRunner:
                 link_port=self.hub.port if self.hub else None,
                 link_secret=self.hub.secret if self.hub else None,
                 link_spin_us=cfg.link_spin_us,
+                repack=cfg.repack,
             )
             self.comm.send(r, [], msg.encode(), tag=CTL)
         for s, r in enumerate(self.workers, start=1):

@@ -43,7 +43,7 @@ generated from the dataclasses below by :func:`describe` (a test keeps the two i
     yield
     stage_assign stage: int, lo: int, hi: int, layers: int, model_dir: str, dtype: str | None,
               op_timeout: float, silence_s: float, link_port: int | None = None,
-              link_secret: str | None = None, link_spin_us: float = 0.0
+              link_secret: str | None = None, link_spin_us: float = 0.0, repack: str = 'off'
     stage     fid: int, epoch: int, caches: list[int], starts: list[int], lengths: list[int],
               link: bool = False
               + tensors: the hidden state entering this stage (1, N, H), N = sum(lengths)
@@ -388,10 +388,15 @@ class StageAssign(Msg):
     link_port: int | None = None
     link_secret: str | None = None
     link_spin_us: float = 0.0
+    # as assign's: the stage's K-quant weights also in the batch GEMM's layout; a master that
+    # predates it sends none: off
+    repack: str = "off"
 
     def __post_init__(self) -> None:
         if self.link_port is not None and not 1 <= self.link_port <= 65535:
             raise ProtocolError("'stage_assign' message: link_port must be a TCP port")
+        if self.repack not in ("auto", "on", "off"):
+            raise ProtocolError("'stage_assign' message: repack must be auto, on or off")
         if not (math.isfinite(self.link_spin_us) and 0 <= self.link_spin_us <= 1e6):
             raise ProtocolError("'stage_assign' message: link_spin_us must be in [0, 1e6]")
         if not 1 <= self.stage < MAX_WORLD:

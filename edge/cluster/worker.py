@@ -509,7 +509,9 @@ def _stage_assign(
                 held.close()
         st.stage = st.shard = st.link = None
         st.caches.clear()
-        st.stage = load_stage(model_dir, LayerRange(msg.lo, msg.hi, msg.layers), msg.dtype)
+        st.stage = load_stage(
+            model_dir, LayerRange(msg.lo, msg.hi, msg.layers), msg.dtype, msg.repack
+        )
         if msg.link_port is not None:
             st.link = StarSpoke(
                 cfg.master_host,

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from edge import fastpath
 from edge.cluster import ClusterConfig, WorkerConfig, run_worker
 from edge.cluster.layout import micro_batches, stage_ranges
 from edge.cluster.pipeline import PipelineRunner
@@ -83,12 +84,16 @@ def _stop(runner, workers) -> None:
 )
 def test_pipeline_logits_bit_identical_to_one_device(ckpt, world, groups, link) -> None:
     """Three sequences: prompts of different lengths in one step (chunked prefill), then
-    decode steps; every logit equals one device's ragged pass bit for bit."""
-    ref = load_shard(ckpt, fast=False).model
+    decode steps; every logit equals one device's ragged pass bit for bit. One device and
+    the stages decode through the compiled step (a stage's over its layer range), batched
+    where a micro-batch holds several sequences."""
+    ref = load_shard(ckpt).model
+    assert fastpath.active(ref), "the reference must decode through the compiled step"
     caches = {i: ref.new_cache() for i in range(3)}
     runner, workers = _start(ckpt, world, micro_batches=groups, link=link)
     try:
         assert sum(r.hi - r.lo for r in runner.ranges) == 5 and len(runner.ranges) == world
+        assert runner.model.fast_decode.range == (runner.ranges[0].lo, runner.ranges[0].hi)
         prompts = {0: [5, 9, 200, 3], 1: [7], 2: [1, 2, 3, 4, 5, 6, 7]}
         work = [Work(slot=i, ids=p, start=0) for i, p in prompts.items()]
         pos = {i: len(p) for i, p in prompts.items()}
@@ -120,8 +125,8 @@ def test_pipeline_logits_bit_identical_to_one_device(ckpt, world, groups, link) 
 
 def test_pipeline_engine_texts_match_one_device(ckpt) -> None:
     params = SamplingParams(max_tokens=10)
-    # (eager, as the stages: the compiled step may round differently)
-    local = Engine(LocalRunner(load_shard(ckpt, fast=False).model), ByteTokenizer(), model_name="m")
+    # (compiled, as the stages: the eager path may round differently)
+    local = Engine(LocalRunner(load_shard(ckpt).model), ByteTokenizer(), model_name="m")
     want = [local.complete(p, params)[0] for p in ("Hello", "Once upon")]
     local.close()
     runner, workers = _start(ckpt, 2, micro_batches=2)
