@@ -49,7 +49,15 @@ from transport.starlink import native_table
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["FastDecode", "MAX_BATCH", "install", "uninstall", "unsupported_reason"]
+__all__ = [
+    "FastDecode",
+    "HeadRows",
+    "MAX_BATCH",
+    "head_slice",
+    "install",
+    "uninstall",
+    "unsupported_reason",
+]
 
 # Most rows one layers_batch call takes: the scratch (activations, q/k/v, gate/up) grows with B.
 MAX_BATCH = 1024
@@ -383,6 +391,61 @@ class FastDecode:
             logits = self._mod.head(x, self._norm, float(self.eps), self._head).view(*lead, -1)
         if self.softcap is not None:  # Gemma 2: cap * tanh(logits / cap), as the eager head
             logits = torch.tanh(logits / self.softcap) * self.softcap
+        return logits
+
+
+def head_slice(model: LlamaForCausalLM, a: int, b: int) -> nn.Module | None:
+    """A module computing rows ``a..b-1`` of the LM head's output (a view of its weights), or
+    None where the head's kind cannot be cut (then the head stays whole)."""
+    tied = getattr(model.model.embed_tokens, "tied_head", None)
+    if model.config.tie_word_embeddings and callable(tied):
+        return cast(nn.Module, tied(a, b - a))
+    lm = getattr(model, "lm_head", None)
+    if type(lm) is nn.Linear and lm.bias is None and not lm.weight.is_meta:
+        out = nn.Linear(lm.in_features, b - a, bias=False, dtype=lm.weight.dtype)
+        out.weight = nn.Parameter(lm.weight.detach()[a:b], requires_grad=False)
+        return out
+    return None
+
+
+class HeadRows:
+    """Logits of the LM head's vocabulary rows ``a..b-1`` only (a pipeline's split head,
+    ``edge.cluster.pipeline``): the same norm, kernels and row threshold as the model's whole
+    head (:meth:`FastDecode.head`), so each logit equals the whole head's bit for bit."""
+
+    def __init__(self, model: LlamaForCausalLM, a: int, b: int) -> None:
+        mod = head_slice(model, a, b)
+        if mod is None:
+            raise ValueError(f"the LM head ({type(model.lm_head).__name__}) cannot be cut")
+        self.rows, self.mod, self._model = (a, b), mod, model
+        self._fast: FastDecode | None = model.__dict__.get("fast_decode")
+        self._lin: tuple | None = None
+        self.refresh()
+
+    def refresh(self) -> None:
+        """Take the weights' layout again (after :meth:`GGMLLinear.repack`)."""
+        fast = self._fast
+        if fast is not None and fast._head is not None and _lin_ok(self.mod) is None:
+            self._lin = _lin(self.mod)
+
+    def repack(self) -> int:
+        fn = getattr(self.mod, "repack", None)
+        added = int(fn()) if fn is not None else 0
+        self.refresh()
+        return added
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """x (R, H) final hidden states -> (R, b - a) logits."""
+        fast, m = self._fast, self._model
+        if fast is None or self._lin is None or x.shape[0] > fast._head_rows:
+            logits = self.mod(m.model.norm(x))
+        else:
+            if x.dtype != torch.float32 or not x.is_contiguous():
+                x = x.to(torch.float32).contiguous()
+            logits = fast._mod.head(x, fast._norm, float(fast.eps), self._lin).view(x.shape[0], -1)
+        cap = m.config.final_logit_softcapping
+        if cap is not None:
+            logits = torch.tanh(logits / cap) * cap
         return logits
 
 

@@ -124,6 +124,29 @@ class Stage:
         self.shard = shard
         self.model = shard.model
         self.range = rng
+        self.head: fastpath.HeadRows | None = None  # its rows of a split LM head
+        self.repacked = 0  # bytes :meth:`repack` added
+
+    def repack(self, mode: str) -> None:
+        """K-quant weights also in the batch GEMM's layout (:meth:`LoadedShard.repack`), after
+        the other layers are freed; a head cut later follows."""
+        self.repacked = self.shard.repack(mode)
+
+    def cut_head(self, a: int, b: int) -> None:
+        """Keep a view of the LM head's vocabulary rows ``a..b-1`` (:meth:`top_logits`)."""
+        self.head = fastpath.HeadRows(self.model, a, b)
+        if self.repacked:
+            self.head.repack()
+
+    def top_logits(self, h: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The ``k`` largest logits of this stage's head rows for each row of ``h`` (R, H):
+        values (R, k) and absolute token ids (R, k) as float32 (exact below 2^24)."""
+        if self.head is None:
+            raise RuntimeError("this stage holds no rows of the LM head")
+        with torch.inference_mode():
+            logits = self.head(h).float()
+        v, i = torch.topk(logits, k, dim=-1)
+        return v.contiguous(), (i + self.head.rows[0]).to(torch.float32).contiguous()
 
     def new_cache(self) -> KVCache:
         return KVCache(self.range.hi - self.range.lo, window=self.model.config.cache_window)
@@ -137,14 +160,22 @@ class Stage:
 
 
 def load_stage(
-    model_dir: str, rng: LayerRange, dtype: str | None, repack: str = "off", fast: bool = True
+    model_dir: str,
+    rng: LayerRange,
+    dtype: str | None,
+    repack: str = "off",
+    fast: bool = True,
+    head_lo: int = 0,
 ) -> Stage:
     """Stage ``rng`` of the model at ``model_dir``; ``repack``: its K-quant weights also in the
-    batch GEMM's layout (:meth:`LoadedShard.repack`, after the other layers are freed)."""
+    batch GEMM's layout (:meth:`Stage.repack`); ``head_lo`` > 0: it also holds the LM head's
+    rows ``head_lo..V-1`` (:meth:`Stage.cut_head`)."""
     shard = load_shard(model_dir, dtype=dtype, fast=False)
     try:
         stage = Stage(shard, rng, fast)
-        shard.repack(repack)
+        stage.repack(repack)
+        if head_lo > 0:
+            stage.cut_head(head_lo, shard.model.config.vocab_size)
     except BaseException:
         shard.close()
         raise

@@ -123,6 +123,47 @@ def test_pipeline_logits_bit_identical_to_one_device(ckpt, world, groups, link) 
         _stop(runner, workers)
 
 
+@pytest.mark.parametrize("world,groups", [(2, 2), (3, 1)])
+def test_split_head_gives_the_samplers_candidates_bit_identical(ckpt, world, groups) -> None:
+    """With ``top`` > 0 the master and the last stage each compute their vocabulary rows of the
+    head: the ``top`` best logits equal one device's bit for bit, the rest are -inf."""
+    ref = load_shard(ckpt).model
+    caches = {i: ref.new_cache() for i in range(3)}
+    runner, workers = _start(ckpt, world, micro_batches=groups)
+    try:
+        V = ref.config.vocab_size
+        assert 0 < runner.head_lo < V
+        assert runner.health()["head_rows"] == [[0, runner.head_lo], [runner.head_lo, V]]
+        work = [Work(slot=i, ids=p, start=0) for i, p in enumerate([[5, 9, 200], [7], [1, 2]])]
+        pos = {w.slot: len(w.ids) for w in work}
+        for step in range(3):
+            top = 3 if step != 1 else 1
+            got = runner.forward_batch(work, top=top)
+            want = []
+            for grp in micro_batches(work, [len(w.ids) for w in work], groups):
+                spans = [Span(caches[w.slot], w.start, len(w.ids)) for w in grp]
+                ids = torch.tensor([[t for w in grp for t in w.ids]])
+                with torch.inference_mode():
+                    h = ref.forward_ragged(ref.embed(ids), spans)
+                    rows = [sum(len(x.ids) for x in grp[: k + 1]) - 1 for k in range(len(grp))]
+                    want.extend(ref.head(h[0, rows]).float())
+            for k, (g, w) in enumerate(zip(got, want)):
+                assert g is not None and g.shape == w.shape
+                best = torch.topk(w, top).indices
+                assert torch.equal(g[best], w[best]), f"step {step} item {k}"
+                finite = torch.isfinite(g)
+                assert torch.equal(g[finite], w[finite])  # a half's best: one device's value
+                assert int(finite.sum()) <= 2 * top and int(g.argmax()) == int(w.argmax())
+            work = [
+                Work(slot=w.slot, ids=[int(got[k].argmax())], start=pos[w.slot])
+                for k, w in enumerate(work)
+            ]
+            for w in work:
+                pos[w.slot] += 1
+    finally:
+        _stop(runner, workers)
+
+
 def test_pipeline_engine_texts_match_one_device(ckpt) -> None:
     params = SamplingParams(max_tokens=10)
     # (compiled, as the stages: the eager path may round differently)
