@@ -49,7 +49,15 @@ from transport.starlink import native_table
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["FastDecode", "MAX_BATCH", "install", "uninstall", "unsupported_reason"]
+__all__ = [
+    "FastDecode",
+    "HeadRows",
+    "MAX_BATCH",
+    "head_slice",
+    "install",
+    "uninstall",
+    "unsupported_reason",
+]
 
 # Most rows one layers_batch call takes: the scratch (activations, q/k/v, gate/up) grows with B.
 MAX_BATCH = 1024
@@ -93,8 +101,22 @@ def _lin_ok(mod: nn.Module | None) -> str | None:
     return None
 
 
-def unsupported_reason(model: LlamaForCausalLM) -> str | None:
-    """Why :func:`install` would leave ``model`` on the eager path (None: it can be installed)."""
+def _range(model: LlamaForCausalLM, layers: tuple[int, int] | None) -> tuple[int, int]:
+    n = len(model.model.layers)
+    if layers is None:
+        return 0, n
+    lo, hi = layers
+    if not 0 <= lo < hi <= n:
+        raise ValueError(f"a layer range needs 0 <= lo < hi <= {n}, got [{lo}, {hi})")
+    return lo, hi
+
+
+def unsupported_reason(
+    model: LlamaForCausalLM, layers: tuple[int, int] | None = None
+) -> str | None:
+    """Why :func:`install` would leave ``model`` on the eager path (None: it can be installed).
+    ``layers``: only decoder layers ``lo..hi-1`` are checked (a pipeline stage's)."""
+    lo, hi = _range(model, layers)
     cfg = model.config
     why = _family_reason(cfg)
     if why is not None:
@@ -103,7 +125,8 @@ def unsupported_reason(model: LlamaForCausalLM) -> str | None:
         return f"the C++ kernel is unavailable ({qkernel.unavailable_reason()})"
     if cfg.is_moe:
         return f"{cfg.model_type}: routed-expert (MoE) layers run on the eager path"
-    for i, layer in enumerate(model.model.layers):
+    for i in range(lo, hi):
+        layer = model.model.layers[i]
         attn = layer.self_attn
         norms = [layer.input_layernorm, layer.post_attention_layernorm]
         if cfg.sandwich_norms:
@@ -165,9 +188,14 @@ class _Bound(NamedTuple):
 
 
 class FastDecode:
-    """The compiled single-token step of one model (see the module docstring)."""
+    """The compiled single-token step of one model (see the module docstring). ``layers``:
+    only decoder layers ``lo..hi-1`` (a pipeline stage's, ``edge.cluster.stage``): the step
+    takes the hidden state entering layer ``lo`` and returns the one leaving layer ``hi-1``,
+    with a cache of ``hi - lo`` layers; each layer keeps its own window and rotary table."""
 
-    def __init__(self, model: LlamaForCausalLM) -> None:
+    def __init__(self, model: LlamaForCausalLM, layers: tuple[int, int] | None = None) -> None:
+        lo, hi = _range(model, layers)
+        self.range = (lo, hi)
         mod = qkernel.load()
         if mod is None:
             raise RuntimeError(f"the C++ kernel is unavailable ({qkernel.unavailable_reason()})")
@@ -176,9 +204,9 @@ class FastDecode:
         self.hidden = cfg.hidden_size
         self.head_dim = cfg.dim_per_head
         self.eps = cfg.rms_norm_eps
-        layers = model.model.layers
-        self.n_kv = layers[0].self_attn.n_kv_heads if len(layers) else 0
-        self.reduce = layers[0].self_attn.reduce if len(layers) else None
+        blocks = model.model.layers
+        self.n_kv = blocks[lo].self_attn.n_kv_heads if hi > lo else 0
+        self.reduce = blocks[lo].self_attn.reduce if hi > lo else None
         inv = model.inv_freq.detach().to(torch.float32).contiguous()
         local = None
         if cfg.rope_local_theta is not None:
@@ -195,7 +223,8 @@ class FastDecode:
             inv_freq_local=local,
         )
         self.softcap = cfg.final_logit_softcapping
-        for i, layer in enumerate(layers):
+        for i in range(lo, hi):
+            layer = blocks[i]
             attn, mlp = layer.self_attn, layer.mlp
             if attn.reduce is not self.reduce or mlp.reduce is not self.reduce:
                 raise ValueError("every layer must use the same reduce hook")
@@ -396,6 +425,61 @@ class FastDecode:
         return logits
 
 
+def head_slice(model: LlamaForCausalLM, a: int, b: int) -> nn.Module | None:
+    """A module computing rows ``a..b-1`` of the LM head's output (a view of its weights), or
+    None where the head's kind cannot be cut (then the head stays whole)."""
+    tied = getattr(model.model.embed_tokens, "tied_head", None)
+    if model.config.tie_word_embeddings and callable(tied):
+        return cast(nn.Module, tied(a, b - a))
+    lm = getattr(model, "lm_head", None)
+    if type(lm) is nn.Linear and lm.bias is None and not lm.weight.is_meta:
+        out = nn.Linear(lm.in_features, b - a, bias=False, dtype=lm.weight.dtype)
+        out.weight = nn.Parameter(lm.weight.detach()[a:b], requires_grad=False)
+        return out
+    return None
+
+
+class HeadRows:
+    """Logits of the LM head's vocabulary rows ``a..b-1`` only (a pipeline's split head,
+    ``edge.cluster.pipeline``): the same norm, kernels and row threshold as the model's whole
+    head (:meth:`FastDecode.head`), so each logit equals the whole head's bit for bit."""
+
+    def __init__(self, model: LlamaForCausalLM, a: int, b: int) -> None:
+        mod = head_slice(model, a, b)
+        if mod is None:
+            raise ValueError(f"the LM head ({type(model.lm_head).__name__}) cannot be cut")
+        self.rows, self.mod, self._model = (a, b), mod, model
+        self._fast: FastDecode | None = model.__dict__.get("fast_decode")
+        self._lin: tuple | None = None
+        self.refresh()
+
+    def refresh(self) -> None:
+        """Take the weights' layout again (after :meth:`GGMLLinear.repack`)."""
+        fast = self._fast
+        if fast is not None and fast._head is not None and _lin_ok(self.mod) is None:
+            self._lin = _lin(self.mod)
+
+    def repack(self) -> int:
+        fn = getattr(self.mod, "repack", None)
+        added = int(fn()) if fn is not None else 0
+        self.refresh()
+        return added
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """x (R, H) final hidden states -> (R, b - a) logits."""
+        fast, m = self._fast, self._model
+        if fast is None or self._lin is None or x.shape[0] > fast._head_rows:
+            logits = self.mod(m.model.norm(x))
+        else:
+            if x.dtype != torch.float32 or not x.is_contiguous():
+                x = x.to(torch.float32).contiguous()
+            logits = fast._mod.head(x, fast._norm, float(fast.eps), self._lin).view(x.shape[0], -1)
+        cap = m.config.final_logit_softcapping
+        if cap is not None:
+            logits = torch.tanh(logits / cap) * cap
+        return logits
+
+
 _LINK_ERRORS = {
     "PeerLost": PeerLost,
     "TransportTimeout": TransportTimeout,
@@ -414,12 +498,19 @@ def _link_error(exc: RuntimeError) -> Exception:
     return exc
 
 
-def install(model: LlamaForCausalLM) -> str | None:
-    """Attach the compiled step to ``model``; returns why not (eager stays) or None."""
-    why = unsupported_reason(model)
+def install(model: LlamaForCausalLM, layers: tuple[int, int] | None = None) -> str | None:
+    """Attach the compiled step to ``model``; returns why not (eager stays) or None.
+    ``layers``: a pipeline stage's range (see :class:`FastDecode`); None: the range of the
+    step installed now (re-installing after a repack), else every layer."""
+    if layers is None:
+        layers = getattr(model.__dict__.get("fast_decode"), "range", None)
+    try:
+        why = unsupported_reason(model, layers)
+    except ValueError as exc:
+        why = str(exc)
     if why is None:
         try:
-            model.__dict__["fast_decode"] = FastDecode(model)
+            model.__dict__["fast_decode"] = FastDecode(model, layers)
         except (RuntimeError, ValueError) as exc:
             why = f"{type(exc).__name__}: {exc}"
     if why is not None:

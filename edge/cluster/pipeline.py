@@ -7,6 +7,13 @@ once, where tensor parallelism pays two round trips per layer. The master relays
 stages (star): with two devices that is the ring; with more, each extra stage costs one more
 hop than a ring would (worker-to-worker links are future work).
 
+The LM head (as much work as all the layers together on a small model with a large vocabulary,
+Gemma 3 270M's) is split by vocabulary rows between the master and the last stage, in the
+proportion of their layers: when the sampler picks among the ``top`` best logits (greedy,
+top-k), the last stage sends its rows' best ``top`` beside the hidden state and the master
+merges them with its own (the logits it can pick from equal one device's, -inf elsewhere,
+as ``edge.tp.gather_logits``); a step that needs every logit runs the master's whole head.
+
 Streams in flight: the step's work items are cut into micro-batches (``edge.cluster.layout``);
 every group is sent on before any answer is awaited, so while stage 1 runs group g the master
 runs stage 0 of group g+1, and the head of group g while stage 1 runs group g+1. A prompt
@@ -104,9 +111,15 @@ class PipelineRunner:
         if len(self.ranges) != cfg.devices or self.ranges[0].lo != 0:
             shard.close()
             raise ConfigError("layout", f"{len(self.ranges)} stage ranges for {cfg.devices}")
-        self.stage = Stage(shard, self.ranges[0])
+        try:
+            self.stage = Stage(shard, self.ranges[0])
+            self.stage.repack(cfg.repack)  # (after the other layers are freed: see load_stage)
+        except BaseException:
+            shard.close()
+            raise
         self.model = self.stage.model
         self.config = self.model.config
+        self.head_lo = self._cut_head()
         self._kv: dict[int, KVCache] = {}
         self._assign()
         self._healthy, self._status = True, "ok"
@@ -114,6 +127,23 @@ class PipelineRunner:
         self._heartbeat.start()
 
     # ---- setup ------------------------------------------------------------------------------
+    def _cut_head(self) -> int:
+        """Split the LM head's vocabulary between the master (rows 0..a-1) and the last stage
+        (a..V-1) in the proportion of their layers; returns a (0: the master keeps it whole,
+        as with one stage or a head that cannot be cut)."""
+        V = self.config.vocab_size
+        first, last = self.ranges[0], self.ranges[-1]
+        if len(self.ranges) < 2 or V < 4:
+            return 0
+        n0, n1 = first.hi - first.lo, last.hi - last.lo
+        a = min(V - 1, max(1, round(V * n0 / (n0 + n1))))
+        try:
+            self.stage.cut_head(0, a)
+        except ValueError as exc:
+            logger.info("the LM head stays whole on the master: %s", exc)
+            return 0
+        return a
+
     def _assign(self) -> None:
         cfg = self.cfg
         L = self.config.num_hidden_layers
@@ -130,6 +160,8 @@ class PipelineRunner:
                 link_port=self.hub.port if self.hub else None,
                 link_secret=self.hub.secret if self.hub else None,
                 link_spin_us=cfg.link_spin_us,
+                repack=cfg.repack,
+                head_lo=self.head_lo if s == len(self.ranges) - 1 else 0,
             )
             self.comm.send(r, [], msg.encode(), tag=CTL)
         for s, r in enumerate(self.workers, start=1):
@@ -211,12 +243,16 @@ class PipelineRunner:
             self._check(work)
             groups = micro_batches(work, [len(w.ids) for w in work], self.cfg.micro_batches)
             try:
-                return split_logits(work, self._step(groups))
+                return split_logits(work, self._step(groups, top))
             except _NET_ERRORS as exc:
                 raise self._fail(exc, "a stage step") from exc
 
-    def _step(self, groups: list[list[Work]]) -> torch.Tensor | None:
+    def _step(self, groups: list[list[Work]], top: int = 0) -> torch.Tensor | None:
         epoch = self.comm.membership.epoch
+        V = self.config.vocab_size
+        # the split head answers the sampler's candidates only (as tp.gather_logits): the best
+        # ``k`` of each half, -inf elsewhere; all logits asked (top 0): the master's whole head
+        k = top if self.head_lo and 0 < top and 2 * top < min(self.head_lo, V - self.head_lo) else 0
         msgs = []
         for g in groups:  # stage 0 of every group, each sent on at once
             self._fid += 1
@@ -227,6 +263,8 @@ class PipelineRunner:
                 starts=[w.start for w in g],
                 lengths=[len(w.ids) for w in g],
                 link=self.hub is not None,
+                top=k,
+                rows=wanted_rows(g) if k else None,
             )
             ids = torch.tensor([[t for w in g for t in w.ids]], dtype=torch.long)
             spans = [Span(self._cache(w.slot), w.start, len(w.ids)) for w in g]
@@ -235,16 +273,38 @@ class PipelineRunner:
             msgs.append(msg)
             self._relay(0, msg, h)
         out = []
+        last = len(self.ranges) - 1
         for g, msg in zip(groups, msgs):  # answers in the order sent (layout.py: no deadlock)
-            for s in range(1, len(self.ranges)):
-                h = self._answer(s, msg.fid)
-                if s + 1 < len(self.ranges):
+            for s in range(1, last + 1):
+                got = self._answer(s, msg.fid, 3 if s == last and msg.rows else 1)
+                h = got[0]
+                if s < last:
                     self._relay(s, msg, h)
             rows = wanted_rows(g)
-            if rows:
+            if rows and msg.rows:
+                out.append(self._merge(h[0, rows], got[1], got[2], k, V))
+            elif rows:
                 with torch.inference_mode():
                     out.append(self.model.head(h[0, rows]).float())
         return torch.cat(out) if out else None
+
+    def _merge(
+        self, h: torch.Tensor, vals: torch.Tensor, ids: torch.Tensor, k: int, V: int
+    ) -> torch.Tensor:
+        """(R, V) logits: the best ``k`` of the master's head rows and of the last stage's
+        (``vals``/``ids``), each equal to the whole head's, and -inf elsewhere."""
+        R = h.shape[0]
+        if tuple(vals.shape) != (R, k) or tuple(ids.shape) != (R, k):
+            raise ProtocolError(f"the last stage sent {tuple(vals.shape)} best logits, not {R}x{k}")
+        assert self.stage.head is not None
+        mv, mi = self.stage.top_logits(h, k)
+        out = torch.full((R, V), float("-inf"), dtype=torch.float32)
+        out.scatter_(1, mi.long(), mv.float())
+        wi = ids.long()
+        if int(wi.min()) < self.head_lo or int(wi.max()) >= V:
+            raise ProtocolError("the last stage named token ids outside its head rows")
+        out.scatter_(1, wi, vals.float())
+        return out
 
     def _relay(self, s: int, msg: StageStep, h: torch.Tensor) -> None:
         """The hidden state leaving stage ``s`` to stage ``s + 1``: on its link when it polls
@@ -258,7 +318,9 @@ class PipelineRunner:
         if self.hub is not None:
             self._on_link.add(nxt)
 
-    def _answer(self, s: int, fid: int) -> torch.Tensor:
+    def _answer(self, s: int, fid: int, n: int = 1) -> list[torch.Tensor]:
+        """Stage ``s``'s answer to step ``fid``: ``n`` tensors (the hidden state, then the
+        best logits and their ids where it holds head rows)."""
         if self.hub is not None:
             tensors, meta = self.hub.reply_from(s, timeout=self.cfg.op_timeout)
         else:
@@ -266,9 +328,12 @@ class PipelineRunner:
                 self.workers[s - 1], tag=STAGE, timeout=self.cfg.op_timeout
             )
         got = Staged.decode(meta)
-        if got.fid != fid or len(tensors) != 1:
-            raise ProtocolError(f"stage {s} answered step {got.fid}, expected {fid}")
-        return tensors[0]
+        if got.fid != fid or len(tensors) != n:
+            raise ProtocolError(
+                f"stage {s} answered step {got.fid} with {len(tensors)} tensors, "
+                f"expected {fid} with {n}"
+            )
+        return list(tensors)
 
     def forward(self, ids: Sequence[int], start: int, top: int = 0) -> torch.Tensor:
         out = self.forward_batch([Work(slot=0, ids=list(ids), start=start)], top)[0]
@@ -331,6 +396,9 @@ class PipelineRunner:
             "connected": self.comm.membership.world_size,
             "layout": "pipeline",
             "stages": [[r.lo, r.hi] for r in self.ranges],
+            "head_rows": [[0, self.head_lo], [self.head_lo, self.config.vocab_size]]
+            if self.head_lo
+            else [[0, self.config.vocab_size]],
             "micro_batches": self.cfg.micro_batches,
         }
         if self._plan is not None:

@@ -43,15 +43,16 @@ generated from the dataclasses below by :func:`describe` (a test keeps the two i
     yield
     stage_assign stage: int, lo: int, hi: int, layers: int, model_dir: str, dtype: str | None,
               op_timeout: float, silence_s: float, link_port: int | None = None,
-              link_secret: str | None = None, link_spin_us: float = 0.0
+              link_secret: str | None = None, link_spin_us: float = 0.0, repack: str = 'off',
+              head_lo: int = 0
     stage     fid: int, epoch: int, caches: list[int], starts: list[int], lengths: list[int],
-              link: bool = False
+              link: bool = False, top: int = 0, rows: list[int] | None = None
               + tensors: the hidden state entering this stage (1, N, H), N = sum(lengths)
     ready     ok: bool, slot: int | None = None, error: str | None = None
     bye
     report    report: dict | None
     staged    fid: int
-              + tensors: the hidden state leaving this stage (1, N, H)
+              + tensors: the hidden state leaving this stage (1, N, H) [, values, ids (R, top)]
 """
 
 from __future__ import annotations
@@ -388,10 +389,20 @@ class StageAssign(Msg):
     link_port: int | None = None
     link_secret: str | None = None
     link_spin_us: float = 0.0
+    # as assign's: the stage's K-quant weights also in the batch GEMM's layout; a master that
+    # predates it sends none: off
+    repack: str = "off"
+    # > 0: this (last) stage also holds the LM head's vocabulary rows head_lo..V-1 (the
+    # master the rest) and answers a step with ``top`` > 0 with its best logits there
+    head_lo: int = 0
 
     def __post_init__(self) -> None:
         if self.link_port is not None and not 1 <= self.link_port <= 65535:
             raise ProtocolError("'stage_assign' message: link_port must be a TCP port")
+        if not 0 <= self.head_lo < 1 << 24:
+            raise ProtocolError("'stage_assign' message: head_lo must be in [0, 2^24)")
+        if self.repack not in ("auto", "on", "off"):
+            raise ProtocolError("'stage_assign' message: repack must be auto, on or off")
         if not (math.isfinite(self.link_spin_us) and 0 <= self.link_spin_us <= 1e6):
             raise ProtocolError("'stage_assign' message: link_spin_us must be in [0, 1e6]")
         if not 1 <= self.stage < MAX_WORLD:
@@ -424,6 +435,10 @@ class StageStep(Msg):
     starts: list[int]
     lengths: list[int]
     link: bool = False  # answer on the star link and keep polling it for the next step
+    # a stage holding head rows (stage_assign's head_lo): the ``top`` best logits of each of
+    # these hidden rows go back too (top 0 or no rows: none)
+    top: int = 0
+    rows: list[int] | None = None
 
     def __post_init__(self) -> None:
         n = len(self.caches)
@@ -435,6 +450,11 @@ class StageStep(Msg):
             raise ProtocolError(f"'stage' message: starts must be {n} positions >= 0")
         if len(self.lengths) != n or any(t < 1 for t in self.lengths):
             raise ProtocolError(f"'stage' message: lengths must be {n} lengths >= 1")
+        if not 0 <= self.top < 1 << 24:
+            raise ProtocolError("'stage' message: top must be in [0, 2^24)")
+        N = sum(self.lengths)
+        if self.rows is not None and not all(0 <= r < N for r in self.rows):
+            raise ProtocolError(f"'stage' message: rows must be in [0, {N})")
 
 
 @_to_master
@@ -471,7 +491,11 @@ class Staged(Msg):
     """Answer to ``stage`` (on :data:`STAGE`): the hidden state leaving the stage."""
 
     OP: ClassVar[str] = "staged"
-    TENSORS: ClassVar[str] = "the hidden state leaving this stage (1, N, H)"
+    # with a step's top > 0 on a stage holding head rows: then the values and token ids
+    # (float32) of each asked row's best logits there
+    TENSORS: ClassVar[str] = (
+        "the hidden state leaving this stage (1, N, H) [, values, ids (R, top)]"
+    )
     fid: int
 
 

@@ -1,9 +1,12 @@
 """One pipeline stage: a contiguous range of decoder layers ``[lo, hi)`` and their KV caches.
 
-A stage computes each of its layers whole, with the very modules and kernels one device uses
-(``DecoderLayer.forward`` on the ragged path), so chaining the stages of a plan gives the same
-bytes as one device running every layer (``tests/edge/test_pipeline.py`` checks the logits
-bit for bit). Only the hidden state (1, N, H) crosses from one stage to the next.
+A stage computes each of its layers whole, with the very modules and kernels one device uses,
+and picks between them as one device does (``LlamaForCausalLM.forward_ragged``): a step of
+single tokens runs the compiled step (``edge.fastpath.FastDecode`` over the stage's range,
+batched for several sequences), anything else (a prompt chunk in the batch) the eager
+``DecoderLayer.forward``. So chaining the stages of a plan gives the same bytes as one device
+running every layer (``tests/edge/test_pipeline.py`` checks the logits bit for bit). Only the
+hidden state (1, N, H) crosses from one stage to the next.
 
 The stage's layers are renumbered ``0..hi-lo-1`` for the cache, so its KV caches hold only
 its own layers (``KVCache(hi - lo)``): copying a prefix, dropping, the sliding-window floor,
@@ -12,15 +15,19 @@ all work on a stage's cache as on a whole model's.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 from torch import nn
 
+from edge import fastpath
 from edge.shardio import LoadedShard, load_shard
 from lowband.errors import ConfigError
 from lowband.models.llama import KVCache, LlamaForCausalLM, Span
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -46,8 +53,10 @@ class LayerRange:
         return self.hi == self.layers
 
 
-def keep_layers(model: LlamaForCausalLM, rng: LayerRange) -> None:
-    """Free every decoder layer outside ``rng`` and renumber the kept ones for a stage cache.
+def keep_layers(model: LlamaForCausalLM, rng: LayerRange, fast: bool = True) -> str | None:
+    """Free every decoder layer outside ``rng``, renumber the kept ones for a stage cache and
+    (``fast``) install the compiled step over the range; returns why it stays eager (None:
+    compiled, or ``fast`` off).
 
     (The weights of the others were loaded first: a loader that reads only a range of layers is
     future work; the peak is one whole model, the steady state the stage's layers.)"""
@@ -55,12 +64,13 @@ def keep_layers(model: LlamaForCausalLM, rng: LayerRange) -> None:
         raise ConfigError(
             "layers", f"the model has {model.config.num_hidden_layers} layers, not {rng.layers}"
         )
-    model.__dict__["fast_decode"] = None  # the compiled step runs all layers: eager only
+    fastpath.uninstall(model)  # (a step over every layer would point at the freed ones)
     for i in range(rng.layers):
         if not rng.lo <= i < rng.hi:
             model.model.layers[i] = nn.Identity()
         else:
             model.model.layers[i].self_attn.layer_idx = i - rng.lo
+    return fastpath.install(model, (rng.lo, rng.hi)) if fast else None
 
 
 def run_layers(
@@ -77,6 +87,18 @@ def run_layers(
         if s.length < 1 or s.start < 0:
             raise ValueError(f"bad span: start {s.start}, length {s.length}")
         s.cache.prepare(s.start, s.length)
+    fast: Any = model.fast_decode
+    if fast is not None and all(s.length == 1 for s in spans):  # as forward_ragged
+        if len(spans) == 1:
+            x = fast.layers(x, spans[0].cache, spans[0].start)
+        else:
+            B = len(spans)
+            x = fast.layers_batch(
+                x.view(B, 1, -1), [s.cache for s in spans], [s.start for s in spans]
+            ).view(1, B, -1)
+        for s in spans:
+            s.cache.length = s.start + 1
+        return x
     pos = torch.cat([torch.arange(s.start, s.start + s.length) for s in spans])
     end = max(s.start + s.length for s in spans)
     kinds = model._layer_tables
@@ -95,11 +117,36 @@ class Stage:
     """A stage's model (only its layers kept); its KV caches (one per sequence id of the
     engine) are made by :meth:`new_cache` and kept by whoever drives the stage."""
 
-    def __init__(self, shard: LoadedShard, rng: LayerRange) -> None:
-        keep_layers(shard.model, rng)
+    def __init__(self, shard: LoadedShard, rng: LayerRange, fast: bool = True) -> None:
+        why = keep_layers(shard.model, rng, fast)
+        if why is not None:
+            logger.info("stage layers %d..%d run eager: %s", rng.lo, rng.hi - 1, why)
         self.shard = shard
         self.model = shard.model
         self.range = rng
+        self.head: fastpath.HeadRows | None = None  # its rows of a split LM head
+        self.repacked = 0  # bytes :meth:`repack` added
+
+    def repack(self, mode: str) -> None:
+        """K-quant weights also in the batch GEMM's layout (:meth:`LoadedShard.repack`), after
+        the other layers are freed; a head cut later follows."""
+        self.repacked = self.shard.repack(mode)
+
+    def cut_head(self, a: int, b: int) -> None:
+        """Keep a view of the LM head's vocabulary rows ``a..b-1`` (:meth:`top_logits`)."""
+        self.head = fastpath.HeadRows(self.model, a, b)
+        if self.repacked:
+            self.head.repack()
+
+    def top_logits(self, h: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The ``k`` largest logits of this stage's head rows for each row of ``h`` (R, H):
+        values (R, k) and absolute token ids (R, k) as float32 (exact below 2^24)."""
+        if self.head is None:
+            raise RuntimeError("this stage holds no rows of the LM head")
+        with torch.inference_mode():
+            logits = self.head(h).float()
+        v, i = torch.topk(logits, k, dim=-1)
+        return v.contiguous(), (i + self.head.rows[0]).to(torch.float32).contiguous()
 
     def new_cache(self) -> KVCache:
         return KVCache(self.range.hi - self.range.lo, window=self.model.config.cache_window)
@@ -112,7 +159,24 @@ class Stage:
         self.shard.close()
 
 
-def load_stage(model_dir: str, rng: LayerRange, dtype: str | None) -> Stage:
-    """Stage ``rng`` of the model at ``model_dir`` (eager path: see :func:`keep_layers`)."""
+def load_stage(
+    model_dir: str,
+    rng: LayerRange,
+    dtype: str | None,
+    repack: str = "off",
+    fast: bool = True,
+    head_lo: int = 0,
+) -> Stage:
+    """Stage ``rng`` of the model at ``model_dir``; ``repack``: its K-quant weights also in the
+    batch GEMM's layout (:meth:`Stage.repack`); ``head_lo`` > 0: it also holds the LM head's
+    rows ``head_lo..V-1`` (:meth:`Stage.cut_head`)."""
     shard = load_shard(model_dir, dtype=dtype, fast=False)
-    return Stage(shard, rng)
+    try:
+        stage = Stage(shard, rng, fast)
+        stage.repack(repack)
+        if head_lo > 0:
+            stage.cut_head(head_lo, shard.model.config.vocab_size)
+    except BaseException:
+        shard.close()
+        raise
+    return stage

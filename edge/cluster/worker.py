@@ -509,7 +509,13 @@ def _stage_assign(
                 held.close()
         st.stage = st.shard = st.link = None
         st.caches.clear()
-        st.stage = load_stage(model_dir, LayerRange(msg.lo, msg.hi, msg.layers), msg.dtype)
+        st.stage = load_stage(
+            model_dir,
+            LayerRange(msg.lo, msg.hi, msg.layers),
+            msg.dtype,
+            msg.repack,
+            head_lo=msg.head_lo,
+        )
         if msg.link_port is not None:
             st.link = StarSpoke(
                 cfg.master_host,
@@ -547,11 +553,14 @@ def _stage_step(
             raise ProtocolError(f"stage item on cache {c} {why}")
     spans = [Span(st.cache(c), s, n) for c, s, n in zip(msg.caches, msg.starts, msg.lengths)]
     h = st.stage.run(tensors[0], spans)
+    out = [h]
+    if msg.top > 0 and msg.rows and st.stage.head is not None:  # its rows of a split head
+        out.extend(st.stage.top_logits(h[0, msg.rows], msg.top))
     answer = Staged(fid=msg.fid).encode()
     if msg.link and st.link is not None:
-        st.link.reply(answer, [h], timeout=st.silence_s)
+        st.link.reply(answer, out, timeout=st.silence_s)
     else:
-        comm.send(master_rank(comm.membership.peers), [h], answer, tag=STAGE)
+        comm.send(master_rank(comm.membership.peers), out, answer, tag=STAGE)
     st.forwards += 1
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from edge import fastpath
 from edge.cluster import ClusterConfig, WorkerConfig, run_worker
 from edge.cluster.layout import micro_batches, stage_ranges
 from edge.cluster.pipeline import PipelineRunner
@@ -83,12 +84,16 @@ def _stop(runner, workers) -> None:
 )
 def test_pipeline_logits_bit_identical_to_one_device(ckpt, world, groups, link) -> None:
     """Three sequences: prompts of different lengths in one step (chunked prefill), then
-    decode steps; every logit equals one device's ragged pass bit for bit."""
-    ref = load_shard(ckpt, fast=False).model
+    decode steps; every logit equals one device's ragged pass bit for bit. One device and
+    the stages decode through the compiled step (a stage's over its layer range), batched
+    where a micro-batch holds several sequences."""
+    ref = load_shard(ckpt).model
+    assert fastpath.active(ref), "the reference must decode through the compiled step"
     caches = {i: ref.new_cache() for i in range(3)}
     runner, workers = _start(ckpt, world, micro_batches=groups, link=link)
     try:
         assert sum(r.hi - r.lo for r in runner.ranges) == 5 and len(runner.ranges) == world
+        assert runner.model.fast_decode.range == (runner.ranges[0].lo, runner.ranges[0].hi)
         prompts = {0: [5, 9, 200, 3], 1: [7], 2: [1, 2, 3, 4, 5, 6, 7]}
         work = [Work(slot=i, ids=p, start=0) for i, p in prompts.items()]
         pos = {i: len(p) for i, p in prompts.items()}
@@ -118,10 +123,51 @@ def test_pipeline_logits_bit_identical_to_one_device(ckpt, world, groups, link) 
         _stop(runner, workers)
 
 
+@pytest.mark.parametrize("world,groups", [(2, 2), (3, 1)])
+def test_split_head_gives_the_samplers_candidates_bit_identical(ckpt, world, groups) -> None:
+    """With ``top`` > 0 the master and the last stage each compute their vocabulary rows of the
+    head: the ``top`` best logits equal one device's bit for bit, the rest are -inf."""
+    ref = load_shard(ckpt).model
+    caches = {i: ref.new_cache() for i in range(3)}
+    runner, workers = _start(ckpt, world, micro_batches=groups)
+    try:
+        V = ref.config.vocab_size
+        assert 0 < runner.head_lo < V
+        assert runner.health()["head_rows"] == [[0, runner.head_lo], [runner.head_lo, V]]
+        work = [Work(slot=i, ids=p, start=0) for i, p in enumerate([[5, 9, 200], [7], [1, 2]])]
+        pos = {w.slot: len(w.ids) for w in work}
+        for step in range(3):
+            top = 3 if step != 1 else 1
+            got = runner.forward_batch(work, top=top)
+            want = []
+            for grp in micro_batches(work, [len(w.ids) for w in work], groups):
+                spans = [Span(caches[w.slot], w.start, len(w.ids)) for w in grp]
+                ids = torch.tensor([[t for w in grp for t in w.ids]])
+                with torch.inference_mode():
+                    h = ref.forward_ragged(ref.embed(ids), spans)
+                    rows = [sum(len(x.ids) for x in grp[: k + 1]) - 1 for k in range(len(grp))]
+                    want.extend(ref.head(h[0, rows]).float())
+            for k, (g, w) in enumerate(zip(got, want)):
+                assert g is not None and g.shape == w.shape
+                best = torch.topk(w, top).indices
+                assert torch.equal(g[best], w[best]), f"step {step} item {k}"
+                finite = torch.isfinite(g)
+                assert torch.equal(g[finite], w[finite])  # a half's best: one device's value
+                assert int(finite.sum()) <= 2 * top and int(g.argmax()) == int(w.argmax())
+            work = [
+                Work(slot=w.slot, ids=[int(got[k].argmax())], start=pos[w.slot])
+                for k, w in enumerate(work)
+            ]
+            for w in work:
+                pos[w.slot] += 1
+    finally:
+        _stop(runner, workers)
+
+
 def test_pipeline_engine_texts_match_one_device(ckpt) -> None:
     params = SamplingParams(max_tokens=10)
-    # (eager, as the stages: the compiled step may round differently)
-    local = Engine(LocalRunner(load_shard(ckpt, fast=False).model), ByteTokenizer(), model_name="m")
+    # (compiled, as the stages: the eager path may round differently)
+    local = Engine(LocalRunner(load_shard(ckpt).model), ByteTokenizer(), model_name="m")
     want = [local.complete(p, params)[0] for p in ("Hello", "Once upon")]
     local.close()
     runner, workers = _start(ckpt, 2, micro_batches=2)
