@@ -387,9 +387,10 @@ def plan_layout(
 
     (``hop_ms``: the fixed cost of one hidden-state hop besides the round trip: serialising,
     waking the peer, the relay; 1.9-2.2 ms measured by ``benchmarks.edge_wan`` on Gemma 3 270M,
-    see ``benchmarks/results/edge_wan-gemma3-270m-split-head.json``.) A layout with more devices must beat the best smaller one by
-    ``min_gain`` (the model is a measurement, not an oracle); the single device wins ties. Where
-    the model fits no single device, the pipeline is the layout that spreads memory.
+    see ``benchmarks/results/edge_wan-gemma3-270m-split-head.json``.) A layout with more
+    devices must beat the best smaller one by ``min_gain`` (the model is a measurement, not an
+    oracle); the single device wins ties. Where the model fits no single device, the pipeline
+    is the layout that spreads memory.
     """
     from edge.cluster.layout import stage_ranges  # (a pure schedule beside the stages)
 
