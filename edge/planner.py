@@ -373,7 +373,7 @@ def plan_layout(
     layer_mb: float,
     devices: Sequence[LayoutDevice],
     *,
-    hop_ms: float = 0.3,
+    hop_ms: float = 2.0,
     min_gain: float = 0.1,
 ) -> LayoutPlan:
     """Choose how to serve one stream from measured round trips and device speeds.
@@ -386,9 +386,11 @@ def plan_layout(
         tp        L * max_i t_i / S + 2 * L * max_i rtt_i        two all-reduces per layer
 
     (``hop_ms``: the fixed cost of one hidden-state hop besides the round trip: serialising,
-    waking the peer.) A layout with more devices must beat the best smaller one by
-    ``min_gain`` (the model is a measurement, not an oracle); the single device wins ties. Where
-    the model fits no single device, the pipeline is the layout that spreads memory.
+    waking the peer, the relay; 1.9-2.2 ms measured by ``benchmarks.edge_wan`` on Gemma 3 270M,
+    see ``benchmarks/results/edge_wan-gemma3-270m-split-head.json``.) A layout with more
+    devices must beat the best smaller one by ``min_gain`` (the model is a measurement, not an
+    oracle); the single device wins ties. Where the model fits no single device, the pipeline
+    is the layout that spreads memory.
     """
     from edge.cluster.layout import stage_ranges  # (a pure schedule beside the stages)
 
