@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Sequence
 
 import torch
 from torch import nn
@@ -25,7 +25,7 @@ from torch import nn
 from edge import fastpath
 from edge.shardio import LoadedShard, load_shard
 from lowband.errors import ConfigError
-from lowband.models.llama import KVCache, LlamaForCausalLM, Span
+from lowband.models.llama import KVCache, LlamaForCausalLM, Span, fast_ragged
 
 logger = logging.getLogger(__name__)
 
@@ -87,18 +87,9 @@ def run_layers(
         if s.length < 1 or s.start < 0:
             raise ValueError(f"bad span: start {s.start}, length {s.length}")
         s.cache.prepare(s.start, s.length)
-    fast: Any = model.fast_decode
-    if fast is not None and all(s.length == 1 for s in spans):  # as forward_ragged
-        if len(spans) == 1:
-            x = fast.layers(x, spans[0].cache, spans[0].start)
-        else:
-            B = len(spans)
-            x = fast.layers_batch(
-                x.view(B, 1, -1), [s.cache for s in spans], [s.start for s in spans]
-            ).view(1, B, -1)
-        for s in spans:
-            s.cache.length = s.start + 1
-        return x
+    out = fast_ragged(model.fast_decode, x, spans)  # the routing one device uses
+    if out is not None:
+        return out
     pos = torch.cat([torch.arange(s.start, s.start + s.length) for s in spans])
     end = max(s.start + s.length for s in spans)
     kinds = model._layer_tables

@@ -617,6 +617,37 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_unit_offset)
 
 
+def fast_ragged(fast: Any, x: torch.Tensor, spans: Sequence[Span]) -> torch.Tensor | None:
+    """The ragged pass through the compiled step ``fast`` (a model's ``fast_decode``, or a
+    stage's over its layer range) where it takes this batch, else None (the eager layers run
+    it): a batch of single tokens (``layers`` / ``layers_batch``), or spans of at most
+    ``ROWWISE_ROWS`` tokens (``layers_spans``: each row as its token alone). One routing for
+    one device and for pipeline stages, so a stage computes the bits one device does. Sets
+    each cache's length on success."""
+    if fast is None:
+        return None
+    if (
+        hasattr(fast, "layers_spans")
+        and any(s.length > 1 for s in spans)
+        and all(s.length <= ROWWISE_ROWS for s in spans)
+    ):  # short spans (verification groups): each row as its token alone, one weight pass
+        caches, starts = [s.cache for s in spans], [s.start for s in spans]
+        return fast.layers_spans(x, caches, starts, [s.length for s in spans])
+    if not all(s.length == 1 for s in spans):
+        return None
+    if len(spans) == 1:
+        x = fast.layers(x, spans[0].cache, spans[0].start)
+    elif hasattr(fast, "layers_batch"):
+        x = fast.layers_batch(
+            x.view(len(spans), 1, -1), [s.cache for s in spans], [s.start for s in spans]
+        ).view(1, len(spans), -1)
+    else:
+        return None
+    for s in spans:
+        s.cache.length = s.start + 1
+    return x
+
+
 class LlamaForCausalLM(nn.Module):
     """Decoder with an LM head. ``forward(ids) -> logits (B, T, V)``."""
 
@@ -693,28 +724,9 @@ class LlamaForCausalLM(nn.Module):
             if s.length < 1 or s.start < 0:
                 raise ValueError(f"bad span: start {s.start}, length {s.length}")
             s.cache.prepare(s.start, s.length)
-        fast: Any = self.fast_decode
-        if (
-            fast is not None
-            and hasattr(fast, "layers_spans")
-            and any(s.length > 1 for s in spans)
-            and all(s.length <= ROWWISE_ROWS for s in spans)
-        ):  # short spans (verification groups): each row as its token alone, one weight pass
-            caches, starts = [s.cache for s in spans], [s.start for s in spans]
-            return fast.layers_spans(x, caches, starts, [s.length for s in spans])
-        if fast is not None and all(s.length == 1 for s in spans):
-            if len(spans) == 1:
-                x = fast.layers(x, spans[0].cache, spans[0].start)
-            elif hasattr(fast, "layers_batch"):
-                x = fast.layers_batch(
-                    x.view(len(spans), 1, -1), [s.cache for s in spans], [s.start for s in spans]
-                ).view(1, len(spans), -1)
-            else:
-                fast = None
-            if fast is not None:
-                for s in spans:
-                    s.cache.length = s.start + 1
-                return x
+        out = fast_ragged(self.fast_decode, x, spans)
+        if out is not None:
+            return out
         pos = torch.cat([torch.arange(s.start, s.start + s.length) for s in spans])
         end = max(s.start + s.length for s in spans)
         tables = {}
