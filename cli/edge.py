@@ -243,7 +243,12 @@ def _add_serve(p: argparse.ArgumentParser) -> None:
         "like llama-server's -md)",
     )
     g.add_argument("--draft-max", type=int, default=8, help="most draft tokens a pass (1..15)")
-    g.add_argument("--draft-min", type=int, default=1, help="fewest draft tokens a pass")
+    g.add_argument(
+        "--draft-min",
+        type=int,
+        default=1,
+        help="fewest draft tokens a drafting pass (k is 0, a plain pass, where no draft pays)",
+    )
     g.add_argument(
         "--prefix-cache",
         type=int,

@@ -94,19 +94,24 @@ class ModelDrafter:
         out: list[int] = []
         qs: list[torch.Tensor] = []
         greedy = sampler.params.temperature == 0.0
+        fed = len(tokens) - n
         with torch.inference_mode():
             logits = self._forward(tokens[n:], n)
             pos = len(tokens)
             for _ in range(k):
-                q = sampler.probs(logits)
-                t = int(torch.argmax(q).item()) if greedy else sampler.draw(q)
+                if greedy:  # a one-hot q: no distribution to keep
+                    t = int(torch.argmax(logits).item())
+                else:
+                    q = sampler.probs(logits)
+                    t = sampler.draw(q)
+                    qs.append(q)
                 out.append(t)
-                qs.append(q)
                 if len(out) == k:
                     break
                 logits = self._forward([t], pos)
                 pos += 1
-        return Draft(tuple(out), None if greedy or not qs else torch.stack(qs))
+                fed += 1
+        return Draft(tuple(out), None if greedy or not qs else torch.stack(qs), fed)
 
     def close(self) -> None:
         self.cache, self._held = None, []

@@ -765,7 +765,8 @@ class Engine:
                 if k > 0:
                     t0 = time.perf_counter()
                     r.draft = r.drafter.propose(r.ids + r.out, k, r.sampler)
-                    r.draft_len.observe_drafting(k, time.perf_counter() - t0)
+                    fed = r.draft.fed if r.draft.fed is not None else len(r.draft.tokens)
+                    r.draft_len.observe_drafting(fed, time.perf_counter() - t0)
                 if r.draft is not None and r.draft.tokens:
                     w = Work(w.slot, (r.next_in, *r.draft.tokens), w.start, "all")
                 else:

@@ -59,6 +59,9 @@ class Draft:
 
     tokens: tuple[int, ...]
     q: torch.Tensor | None = None
+    fed: int | None = None
+    """Positions a draft model ran to propose them (catching up on the tokens it had not
+    seen, then one per proposed token but the last); None: ``len(tokens)``."""
 
 
 class Drafter(Protocol):
@@ -114,10 +117,12 @@ def verify(draft: Draft, logits: torch.Tensor, sampler: Sampler) -> tuple[list[i
 
 
 class PassCost:
-    """A target pass of r rows costs about ``base + per_row * r`` seconds: fitted by least
-    squares over recent passes with exponential forgetting (like ``engine.Pace``). The last
-    well-conditioned fit is kept while recent passes all had one size (a stream that stopped
-    drafting runs one-row passes only)."""
+    """What a target pass of R rows costs, in seconds: a running average per row count seen
+    (the cost need not be linear in R: an fp32 head's row tiles stop fitting the cache past a
+    few rows), else ``base + per_row * R`` fitted by least squares over recent passes with
+    exponential forgetting (like ``engine.Pace``); the last well-conditioned fit is kept
+    while recent passes all had one size (a stream that stopped drafting runs one-row passes
+    only)."""
 
     PRIOR = 0.05
     """Per-row cost over a one-row pass assumed until passes of two sizes were seen."""
@@ -126,6 +131,7 @@ class PassCost:
         self.weight = weight
         self._s = [0.0] * 5  # decayed sums of w, w r, w r^2, w y, w r y
         self._fit: tuple[float, float] | None = None  # (base, per_row) seconds
+        self._by_rows: dict[int, float] = {}  # R -> running mean seconds
 
     def observe(self, rows: int, seconds: float) -> None:
         x, keep = float(rows), 1.0 - self.weight
@@ -138,25 +144,35 @@ class PassCost:
             base = (sy - per_row * sx) / w
             if per_row > 0 and base > 0:
                 self._fit = (base, per_row)
+        old = self._by_rows.get(rows)
+        self._by_rows[rows] = seconds if old is None else 0.8 * old + 0.2 * seconds
+
+    def seconds(self, rows: int) -> float | None:
+        """Expected seconds of a pass of ``rows`` rows (None before any pass)."""
+        t = self._by_rows.get(rows)
+        if t is not None:
+            return t
+        if self._fit is not None:
+            return self._fit[0] + self._fit[1] * rows
+        w, sx, _, sy, _ = self._s
+        return sy / sx * rows if w > 0 and sx > 0 else None
 
     def share_s(self, batch: int = 1) -> float | None:
-        """Seconds of one sequence's one-row share of a pass of ``batch`` sequences (None
-        before any pass)."""
-        if self._fit is not None:
-            base, per_row = self._fit
-            return base / max(batch, 1) + per_row
-        w, sx, _, sy, _ = self._s
-        return sy / sx if w > 0 and sx > 0 else None
+        """Seconds of one sequence's one-row share of a pass of ``batch`` sequences."""
+        t = self.seconds(max(batch, 1))
+        return None if t is None else t / max(batch, 1)
 
     def relative(self, rows: int, batch: int = 1) -> float:
         """Cost of one sequence's share of a pass when it contributes ``rows`` rows instead
-        of one, the pass's fixed cost split over the ``batch`` sequences in it:
-        1 + (rows - 1) c with c = per_row / (base / batch + per_row)."""
-        c = self.PRIOR
-        if self._fit is not None:
-            base, per_row = self._fit
-            c = per_row / (base / max(batch, 1) + per_row)
-        return 1.0 + (rows - 1) * c
+        of one beside ``batch - 1`` one-row sequences: 1 + (T(batch + rows - 1) - T(batch))
+        / (T(batch) / batch), the pass's fixed cost split over its sequences."""
+        batch = max(batch, 1)
+        if self._fit is None and len(self._by_rows) < 2:
+            return 1.0 + (rows - 1) * self.PRIOR
+        base, more = self.seconds(batch), self.seconds(batch + rows - 1)
+        if base is None or more is None or base <= 0:
+            return 1.0 + (rows - 1) * self.PRIOR
+        return 1.0 + max(more - base, 0.0) / (base / batch)
 
 
 @dataclass
@@ -178,10 +194,16 @@ class DraftLength:
     probe: int = 16
     draft_s: float = 0.0  # seconds the drafter takes per proposed token (running average)
     _idle: int = field(default=0, repr=False)  # plain passes since the last draft
+    _proposed: bool = field(default=False, repr=False)
 
     def observe_drafting(self, tokens: int, seconds: float) -> None:
-        """What a proposal of ``tokens`` tokens cost (a draft model's decodes; a lookup's
-        dictionary probes are next to free)."""
+        """What a proposal cost that ran a draft model over ``tokens`` positions
+        (``Draft.fed``; a lookup's dictionary probes are next to free). A request's first
+        proposal is not counted: it also reads the whole prompt into a draft model's cache,
+        a one-off."""
+        if not self._proposed:
+            self._proposed = True
+            return
         if tokens > 0:
             per = seconds / tokens
             self.draft_s = per if self.draft_s == 0.0 else 0.8 * self.draft_s + 0.2 * per

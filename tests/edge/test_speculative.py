@@ -337,6 +337,8 @@ def test_draft_length_follows_acceptance() -> None:
         cost8, batch=1
     )
     slow = DraftLength(cfg, alpha=0.9)  # a drafter whose tokens cost a plain pass each
+    slow.observe_drafting(1, 100.0)  # the first proposal also read the prompt: not counted
+    assert slow.draft_s == 0.0
     slow.observe_drafting(4, 4.0)
     assert slow.choose(dear) < DraftLength(cfg, alpha=0.9).choose(dear)
     # acceptance counts the tokens put to the test: 2 kept then a rejection is 2/3, not 2/8
