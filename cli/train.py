@@ -597,7 +597,7 @@ def _export(args: argparse.Namespace) -> int:
         )
     except ConfigError as exc:
         return _fail(exc)
-    print(f"wrote {out}; serve it with `lowband edge run --model {out}`")
+    print(f"wrote {out}; serve it with `lowband edge run {out}`")
     return 0
 
 
