@@ -112,7 +112,10 @@ class DilocoWorker:
 
             model = with_lora(model, cfg.lora, cfg.seed)
         self.model = model.to(self.device)
-        self.global_model = copy.deepcopy(self.model)  # θ_g: what the outer optimizers update
+        # θ_g: what the outer optimizers update. Frozen parameters (LoRA's base weights) never
+        # move: θ_g shares them with θ_m instead of holding a second copy (4 B per parameter).
+        frozen = {id(p): p for p in self.model.parameters() if not p.requires_grad}
+        self.global_model = copy.deepcopy(self.model, frozen)
         self.inner = InnerLoop(cfg, task, self.model, self.device)
         self.signature = run_signature(cfg, self.model)
         self.codec = None if self.mode.codec == "fp32" else get_codec(self.mode.codec)

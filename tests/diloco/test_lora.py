@@ -3,6 +3,7 @@ them merged into the weights."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -70,6 +71,17 @@ def test_only_the_adapters_sync_and_the_export_has_them_merged(tmp_path: Path) -
             assert not torch.equal(got[name], t), name
         else:  # embeddings and norms were frozen
             assert torch.equal(got[name], t), name
+
+
+def test_the_global_copy_shares_the_frozen_weights() -> None:
+    from diloco.trainer import DilocoWorker
+    from transport.loopback import LoopbackGroup
+
+    cfg = dataclasses.replace(_cfg(lora_rank=4), workers=1)
+    w = DilocoWorker(cfg, LoopbackGroup(1).comms()[0], lm_task(cfg))
+    local, glob = dict(w.model.named_parameters()), dict(w.global_model.named_parameters())
+    for name, p in local.items():  # one tensor for a frozen weight, two for an adapter
+        assert (glob[name] is p) == (not p.requires_grad) == ("lora_" not in name), name
 
 
 def test_lora_needs_diloco_and_a_rank() -> None:
