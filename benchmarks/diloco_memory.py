@@ -91,9 +91,13 @@ def child(args: argparse.Namespace) -> dict:
     cfg = with_overrides(base, **over)
     if args.arm == "ddp":
         cfg = dataclasses.replace(cfg, mode=DDPConfig())
+    elif args.lora_rank:
+        cfg = with_overrides(cfg, lora_rank=args.lora_rank)
     else:
         assert isinstance(cfg.mode, DilocoConfig)
     limit_heap_retention()  # as the launchers do, before anything is built
+    if args.lora_rank:
+        import peft  # noqa: F401  (its import, ~170 MB with transformers, is baseline)
     task = lm_task(cfg, pretrained)
     cold = _rss()
     _warm_up(args.seq_len)
@@ -124,6 +128,7 @@ def _run_child(arm: str, args: argparse.Namespace) -> dict:
     argv += ["--fragments", str(args.fragments), "--batch-size", str(args.batch_size)]
     argv += ["--seq-len", str(args.seq_len), "--optimizer-impl", args.optimizer_impl]
     argv += ["--error-feedback" if args.error_feedback else "--no-error-feedback"]
+    argv += ["--lora-rank", str(args.lora_rank)]
     out = subprocess.run(argv, capture_output=True, text=True, timeout=args.timeout, check=False)
     if out.returncode != 0:
         raise RuntimeError(f"{arm} child failed:\n{out.stderr[-3000:]}")
@@ -147,6 +152,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--seq-len", type=int, default=64)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--optimizer-impl", default="auto", choices=["auto", "fused", "foreach", "loop"])
+    p.add_argument("--lora-rank", type=int, default=0, help="r > 0: the DiLoCo arm trains LoRA")
     p.add_argument("--arms", default="diloco,ddp")
     p.add_argument("--timeout", type=float, default=1800)
     p.add_argument("--json", action="store_true")
@@ -175,6 +181,7 @@ def main(argv: list[str] | None = None) -> dict:
                 "batch_size",
                 "seq_len",
                 "optimizer_impl",
+                "lora_rank",
             )
         },
         "repeats": args.repeats,

@@ -53,6 +53,12 @@ def _add_run_options(p: argparse.ArgumentParser) -> None:
         help="carry quantization residuals to the next sync",
     )
     g.add_argument("--fragment-strategy", choices=["strided", "sequential"])
+    g.add_argument(
+        "--lora-rank",
+        type=int,
+        help="r: train and sync only LoRA adapters of this rank on the attention and MLP "
+        "projections (merged into the weights at export; needs peft)",
+    )
     g.add_argument("--outer-lr", type=float, help="outer Nesterov learning rate (default 0.7)")
     g.add_argument("--outer-momentum", type=float, help="outer momentum μ (default 0.9)")
     g.add_argument("--inner-lr", type=float, help="peak AdamW learning rate")
@@ -210,6 +216,7 @@ def _train_config(args: argparse.Namespace, base=None, **extra: object):
         codec=args.codec,
         error_feedback=args.error_feedback,
         fragment_strategy=args.fragment_strategy,
+        lora_rank=args.lora_rank,
         outer_lr=args.outer_lr,
         outer_momentum=args.outer_momentum,
         inner_lr=args.inner_lr,
@@ -597,7 +604,7 @@ def _export(args: argparse.Namespace) -> int:
         )
     except ConfigError as exc:
         return _fail(exc)
-    print(f"wrote {out}; serve it with `lowband edge run --model {out}`")
+    print(f"wrote {out}; serve it with `lowband edge run {out}`")
     return 0
 
 

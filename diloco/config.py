@@ -17,6 +17,7 @@ from typing import Any, Callable, Iterable, Literal
 
 import torch
 
+from diloco.lora import LoraConfig
 from lowband.codecs import codec_names
 from lowband.errors import ConfigError
 from lowband.models.config import ModelConfig
@@ -343,8 +344,12 @@ class TrainConfig:
     # Seconds a worker lost near the end has to come back before the others finish without it
     # (then it receives the final state instead of finishing apart); 0: nobody waits.
     final_grace: float = 30.0
+    # LoRA: only low-rank adapters train and sync (DiLoCo only); None: every parameter.
+    lora: LoraConfig | None = None
 
     def __post_init__(self) -> None:
+        if self.lora is not None and not isinstance(self.mode, DilocoConfig):
+            raise ConfigError("lora", "LoRA adapters train under Streaming DiLoCo (mode diloco)")
         if self.steps < 1:
             raise ConfigError("steps", f"must be >= 1, got {self.steps}")
         if self.workers < 1:
@@ -515,9 +520,9 @@ def with_overrides(cfg: TrainConfig, **changes: object) -> TrainConfig:
     """``cfg`` with flat overrides applied (None values are ignored). Keys: the fields of
     TrainConfig listed in ``_TOP_KEYS``, DilocoConfig's fields, DataConfig's batch fields, and
     ``mode`` ("diloco"/"ddp"), ``outer_lr``, ``outer_momentum``, ``inner_lr``, ``warmup_steps``,
-    ``data_kind``, ``data_path``, ComputeConfig's fields and ``hf_model`` (a path: the run
-    trains that Hugging Face model instead of the preset's). Every result is validated like any
-    config."""
+    ``data_kind``, ``data_path``, ComputeConfig's fields, ``hf_model`` (a path: the run
+    trains that Hugging Face model instead of the preset's) and ``lora_rank`` (LoRA of rank r).
+    Every result is validated like any config."""
     # Values are checked by the dataclasses' __post_init__ when replaced in below.
     ch: dict[str, Any] = {k: v for k, v in changes.items() if v is not None}
     unknown = (
@@ -536,6 +541,7 @@ def with_overrides(cfg: TrainConfig, **changes: object) -> TrainConfig:
             "data_path",
             "hf_model",
             "gguf_model",
+            "lora_rank",
         }
     )
     if unknown:
@@ -588,6 +594,7 @@ def with_overrides(cfg: TrainConfig, **changes: object) -> TrainConfig:
         model=model,
         hf_model=hf,
         gguf_model=gguf,
+        lora=LoraConfig(rank=int(ch["lora_rank"])) if "lora_rank" in ch else cfg.lora,
         **{k: ch[k] for k in _TOP_KEYS if k in ch},
     )
 

@@ -106,16 +106,26 @@ class DilocoWorker:
         # θ_m and θ_g (fp32 master copies) and every optimizer state live on the device.
         self.device = resolve_device(cfg.compute.device)
         self.staging = HostStaging(self.device)
-        self.model = task.build_model().to(self.device)
-        self.global_model = copy.deepcopy(self.model)  # θ_g: what the outer optimizers update
+        model = task.build_model()
+        if cfg.lora is not None:  # only the adapters require a gradient from here on
+            from diloco.lora import with_lora
+
+            model = with_lora(model, cfg.lora, cfg.seed)
+        self.model = model.to(self.device)
+        # θ_g: what the outer optimizers update. Frozen parameters (LoRA's base weights) never
+        # move: θ_g shares them with θ_m instead of holding a second copy (4 B per parameter).
+        frozen = {id(p): p for p in self.model.parameters() if not p.requires_grad}
+        self.global_model = copy.deepcopy(self.model, frozen)
         self.inner = InnerLoop(cfg, task, self.model, self.device)
         self.signature = run_signature(cfg, self.model)
         self.codec = None if self.mode.codec == "fp32" else get_codec(self.mode.codec)
         outer_kernels = optimizer_kernels(
             self.mode.outer.name, self.device, cfg.compute.optimizer_impl
         )
-        local = dict(self.model.named_parameters())
-        glob = dict(self.global_model.named_parameters())
+        # Fragments cover what trains: with LoRA the adapters only (frozen weights never move,
+        # so they have no pseudo-gradient to send).
+        local = {n: p for n, p in self.model.named_parameters() if p.requires_grad}
+        glob = {n: p for n, p in self.global_model.named_parameters() if p.requires_grad}
         plan = plan_fragments(
             list(local.items()), self.mode.n_fragments, self.mode.fragment_strategy
         )
@@ -510,4 +520,9 @@ class DilocoWorker:
     def _export(self, directory: Path) -> None:
         """The final θ_g as a directory ``edge`` / ``transformers`` load; one worker writes it."""
         if self.comm.rank == 0:
-            export_model(self.global_model, directory, byte_tokenizer=self.byte_tokenizer)
+            model = self.global_model
+            if self.cfg.lora is not None:  # the adapters folded into the base weights
+                from diloco.lora import merged
+
+                model = merged(model)
+            export_model(model, directory, byte_tokenizer=self.byte_tokenizer)
