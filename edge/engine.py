@@ -907,6 +907,10 @@ class Engine:
         if last:
             self._finish(r, Event(visible + r.stops.flush(), tok, "length", lp, tops, **extra))
             return False
+        if r.sampler.ended and p.logprobs is None and not p.ignore_eos:
+            # the grammar allows only an end token now: end here instead of a step to draw it
+            self._finish(r, Event(visible + r.stops.flush(), tok, "stop", lp, tops, **extra))
+            return False
         r.sink(Event(visible, tok, None, lp, tops, **extra))
         r.next_in = tok
         return True

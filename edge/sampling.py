@@ -27,7 +27,10 @@ BAN = -100.0  # a logit bias this low bans the token (OpenAI's "-100 should ban"
 
 
 class Constraint(Protocol):
-    """One completion's grammar state."""
+    """One completion's grammar state. ``stopped``: the grammar is complete and allows nothing
+    more, so only an end token could be drawn next."""
+
+    stopped: bool
 
     def mask(self, logits: torch.Tensor) -> torch.Tensor:
         """``logits`` (V,) float with every token the grammar forbids now set to -inf; the end
@@ -278,6 +281,12 @@ class Sampler:
                 self.constraint.advance(tok)
             return tok
         return self._draw(logits)
+
+    @property
+    def ended(self) -> bool:
+        """The grammar is complete and allows nothing more: the completion can end without
+        another step (whose only possible draw is an end token)."""
+        return self.constraint is not None and self.constraint.stopped
 
     def _draw(self, logits: torch.Tensor) -> int:
         if self.params.temperature == 0.0:

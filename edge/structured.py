@@ -138,6 +138,7 @@ class Matcher:
         self._pool = pool
         self._next: Future | None = None
         self.done = False
+        self.stopped = False  # complete, and nothing more may follow: only an end token
         self._schedule()
 
     def _schedule(self) -> None:
@@ -192,7 +193,9 @@ class Matcher:
             return
         if not self._m.consume_token(int(token)):
             raise GrammarError(f"token {token} left the grammar: {self._m.get_error()}")
-        self._schedule()  # the next mask, while the model computes the next logits
+        self.stopped = self._m.is_stopped()
+        if not self.stopped:
+            self._schedule()  # the next mask, while the model computes the next logits
 
 
 class GrammarConstraint:

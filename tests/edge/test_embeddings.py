@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from edge.embeddings import EmbeddingConfig, batches, decode_base64, embed_ragged
-from edge.engine import Engine, LocalRunner
+from edge.engine import Engine, EngineError, LocalRunner
 from edge.sampling import SamplingParams
 from edge.server import ServerConfig, start
 from lowband.errors import ConfigError
@@ -214,3 +214,26 @@ def test_the_openai_client_embeds() -> None:
         box["loop"].call_soon_threadsafe(box["stop"].set)
         t.join(30)
         assert not t.is_alive()
+
+
+class _NoEmbed(LocalRunner):
+    """A runner without embeddings (as a cluster's master is)."""
+
+    embed = None  # type: ignore[assignment]
+
+
+def test_a_runner_without_embeddings_answers_501() -> None:
+    async def body(s, engine):
+        r = await s.post("/v1/embeddings", json={"input": "a"})
+        return r.status, (await r.json())["error"]
+
+    status, err = run(body, Engine(_NoEmbed(_model()), ByteTokenizer(), model_name="tiny"))
+    assert status == 501 and err["code"] == "embeddings_unsupported"
+
+
+def test_engine_calls_fail_once_the_engine_is_closed() -> None:
+    engine = _engine()
+    assert engine.call(lambda: 7).result(30) == 7
+    engine.close()
+    with pytest.raises(EngineError):
+        engine.call(lambda: 8)

@@ -188,6 +188,28 @@ def test_masks_computed_ahead_equal_the_grammar(grammar: str, text: bytes) -> No
     g.close()
 
 
+def test_a_complete_grammar_ends_without_a_step_for_the_end_token() -> None:
+    """Once the grammar allows nothing more, the only draw left is an end token: the request
+    ends there (finish "stop") instead of running the model once more to draw it; with
+    logprobs (which score that end token) the step still runs."""
+    from edge.sampling import SamplingParams
+
+    engine = _engine(EosBytes())
+    c = Grammars(EosBytes(), 256).compile("gbnf", 'root ::= "ab" [0-9]')
+    try:
+        text, reason, n = engine.complete("x", SamplingParams(max_tokens=8, constraint=c))
+        steps = engine.metrics.steps
+        assert (text, reason, n, steps) == (text, "stop", 3, 3)  # prefill + 2 decode steps
+        assert text[:2] == "ab" and text[2].isdigit()
+        scored = [
+            ev
+            for ev in engine.generate("x", SamplingParams(max_tokens=8, constraint=c, logprobs=1))
+        ]
+        assert engine.metrics.steps - steps == 4 and scored[-1].finish_reason == "stop"
+    finally:
+        engine.close()
+
+
 @pytest.mark.parametrize(
     "field,value",
     [
