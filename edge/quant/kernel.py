@@ -141,6 +141,14 @@ def _flags(cfg: KernelConfig) -> list[str]:
     return ["-O3"]  # other machines: the scalar path
 
 
+def _openmp_flags() -> list[str]:
+    """``-fopenmp`` on Linux: the kernels' ``at::parallel_for`` then runs on torch's own OpenMP
+    threads (the extension's ``libgomp.so.1`` resolves to the copy the torch wheel loaded, so
+    there is one thread pool, sized by ``torch.set_num_threads``, i.e. ``--threads``). Without it
+    that header template runs serially; elsewhere ``csrc/pool.h``'s own pool stands in."""
+    return ["-fopenmp"] if platform.system() == "Linux" else []
+
+
 def _cpu_id() -> str:
     """Something that changes when -march=native would produce different code."""
     try:
@@ -244,7 +252,7 @@ def load() -> Any:
                 _ninja_on_path()
                 if not cpp_extension.is_ninja_available():
                     raise RuntimeError("ninja is not installed")
-                flags = _flags(cfg)
+                flags = [*_flags(cfg), *_openmp_flags()]
                 name, build_dir = _build_dir(cfg, flags)
                 build_dir.mkdir(parents=True, exist_ok=True)
                 if name not in _built:
@@ -262,6 +270,7 @@ def load() -> Any:
                             name=name,
                             sources=[str(CSRC / "gemv.cpp"), str(CSRC / "decode.cpp")],
                             extra_cflags=flags,
+                            extra_ldflags=_openmp_flags(),
                             extra_include_paths=[str(CSRC)],
                             build_directory=str(build_dir),
                             verbose=cfg.verbose,

@@ -427,6 +427,48 @@ struct Layer {
 };
 
 // The MLP's gate activation (HF hidden_act).
+// GeGLU, g[i] = gelu_tanh(g[i]) * u[i], written as x u / (1 + exp(-2 z)) with
+// z = sqrt(2/pi) (x + 0.044715 x^3) (0.5 (1 + tanh z) = 1 / (1 + exp(-2 z))): with AVX2 on 8
+// values at a time through exp256 (Cephes' expf polynomial, within 2 ulp of expf), the
+// rest through std::exp.  Each value goes through the same code wherever it is computed
+// (a row alone or in a batch, on any thread): a value's position in its row decides which.
+#if defined(LBQ_AVX2)
+inline __m256 exp256(__m256 x) {
+  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.3f));
+  const __m256 fx = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
+  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
+  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
+  y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.f)));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(fx), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+}
+#endif
+
+inline void geglu(float* g, const float* u, int64_t n) {
+  constexpr float kC2 = -2.f * 0.7978845608028654f, kA = 0.044715f;
+  int64_t i = 0;
+#if defined(LBQ_AVX2)
+  const __m256 c2 = _mm256_set1_ps(kC2), a = _mm256_set1_ps(kA), one = _mm256_set1_ps(1.f);
+  for (; i + 8 <= n; i += 8) {
+    const __m256 x = _mm256_loadu_ps(g + i);
+    const __m256 x3 = _mm256_mul_ps(_mm256_mul_ps(x, x), x);
+    const __m256 e = exp256(_mm256_mul_ps(c2, _mm256_fmadd_ps(a, x3, x)));
+    _mm256_storeu_ps(g + i, _mm256_div_ps(_mm256_mul_ps(x, _mm256_loadu_ps(u + i)), _mm256_add_ps(one, e)));
+  }
+#endif
+  for (; i < n; ++i) {
+    const float x = g[i];
+    g[i] = x * u[i] / (1.f + std::exp(kC2 * (x + kA * x * x * x)));
+  }
+}
+
 enum Act : int { kSilu = 0, kGeluTanh = 1 };
 
 inline void rmsnorm(const float* x, const float* w, float* y, int64_t n, float eps) {
@@ -1034,19 +1076,20 @@ class Decoder {
     const int64_t I = L.inter;
     ensure(gu_, B * 2 * I);
     run_parts(L.gate_up, xn_.data(), H_, B, gu_.data(), 2 * I, qs_);
-    lbq::parallel_for(0, B, 4, [&](int64_t b0, int64_t b1) {
-      for (int64_t b = b0; b < b1; ++b) {
-        float* g = gu_.data() + b * 2 * I;
+    // The activation in chunks of kActChunk values of every row, split over threads (one
+    // sequence's 2 x I values are work for every thread too); elementwise, so the split
+    // never changes a value.
+    constexpr int64_t kActChunk = 512;
+    const int64_t nc = (I + kActChunk - 1) / kActChunk;
+    lbq::parallel_for(0, B * nc, 2, [&](int64_t c0, int64_t c1) {
+      for (int64_t c = c0; c < c1; ++c) {
+        float* g = gu_.data() + c / nc * 2 * I;
         const float* u = g + I;
-        if (act_ == kGeluTanh) {  // GeGLU: 0.5 g (1 + tanh(sqrt(2/pi) (g + 0.044715 g^3))) u
-          constexpr float kC = 0.7978845608028654f, kA = 0.044715f;
-          for (int64_t i = 0; i < I; ++i) {
-            const float x = g[i];
-            g[i] = 0.5f * x * (1.f + std::tanh(kC * (x + kA * x * x * x))) * u[i];
-          }
-        } else {
-          for (int64_t i = 0; i < I; ++i) g[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
-        }
+        const int64_t i0 = c % nc * kActChunk, i1 = std::min(I, i0 + kActChunk);
+        if (act_ == kGeluTanh)
+          geglu(g + i0, u + i0, i1 - i0);
+        else
+          for (int64_t i = i0; i < i1; ++i) g[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
       }
     });
     // SwiGLU wrote each row's product over its gate half: rows 2I apart

@@ -45,9 +45,11 @@ torch::Tensor gemv(const torch::Tensor& x, const torch::Tensor& qweight, const t
     std::vector<float> xd(static_cast<size_t>(M * nb));
     std::vector<int32_t> xs(static_cast<size_t>(M * nb));
     const float* xp = x.data_ptr<float>();
-    for (int64_t m = 0; m < M; ++m)
-      lbq::quantize_act_row(xp + m * K, K, static_cast<int>(group), xq.data() + m * K, xd.data() + m * nb,
-                            xs.data() + m * nb);
+    lbq::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
+      for (int64_t m = m0; m < m1; ++m)
+        lbq::quantize_act_row(xp + m * K, K, static_cast<int>(group), xq.data() + m * K, xd.data() + m * nb,
+                              xs.data() + m * nb);
+    });
     lbq::prepare_act(bits == 4, static_cast<int>(group), xq.data(), M, K);
     const lbq::Act a{xq.data(), xd.data(), xs.data(), M, K, nb};
     const lbq::Wt w{reinterpret_cast<const uint8_t*>(qweight.data_ptr()),
@@ -97,7 +99,9 @@ torch::Tensor ggml_gemv(const torch::Tensor& x, const torch::Tensor& blocks, int
     const float* xp = x.data_ptr<float>();
     lbq::ggml::GActBuf buf;
     buf.resize(M, K);
-    for (int64_t m = 0; m < M; ++m) buf.row(xp + m * K, m, K);
+    lbq::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
+      for (int64_t m = m0; m < m1; ++m) buf.row(xp + m * K, m, K);
+    });
     const lbq::ggml::GAct a = buf.view(M, K);
     const uint8_t* wp = blocks.data_ptr<uint8_t>();
     float* yp = y.data_ptr<float>();

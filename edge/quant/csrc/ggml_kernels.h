@@ -1081,6 +1081,11 @@ inline void gemm_pack(const uint8_t* w, int64_t row_bytes, int64_t N, int64_t K,
 }
 #endif
 
+#if defined(__AVX512F__)
+#define LBQ_TILE8 true
+#else
+#define LBQ_TILE8 false
+#endif
 // Tiles of the many-row (prefill) path: weight rows x activation rows per fused_block.
 constexpr int64_t kBlockN = 32, kBlockM = 8;
 // Up to this many activation rows (a decode batch, a short prefill chunk) go weight row by weight
@@ -1108,6 +1113,8 @@ constexpr int64_t kPackedMinM = 5;
 template <int T>
 inline void tile_rows(const uint8_t* wr, const GAct& x, int64_t n, int64_t m0, int64_t m1, float* Y, int64_t ldy) {
   int64_t m = m0;
+  // 8-row tiles where the registers allow (AVX-512's 32): each block is decoded once per tile
+  for (; LBQ_TILE8 && m + 8 <= m1; m += 8) row_tile<T, 8>(wr, x, n, m, Y, ldy);
   for (; m + 4 <= m1; m += 4) row_tile<T, 4>(wr, x, n, m, Y, ldy);
   switch (m1 - m) {
     case 3:

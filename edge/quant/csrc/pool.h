@@ -1,17 +1,14 @@
-// One persistent pool of worker threads for the kernels (decode step, LM head, GEMV/GEMM), as
-// llama.cpp's threadpool: the caller is thread 0, N - 1 workers wait for the next job spinning
-// (then yielding, then asleep on a condition variable), and a job hands each thread one
-// contiguous range of rows.  N is torch's intra-op thread count at the call
-// (torch.set_num_threads, which `--threads` sets), so the kernels and PyTorch's own operators
-// use the same number of threads, and the kernels' workers have gone back to sleep by the time
-// PyTorch's threads run long.
+// The kernels' threads (decode step, LM head, GEMV/GEMM): lbq::parallel_for splits a range of
+// rows into one contiguous chunk per thread, at most torch's intra-op thread count
+// (torch.set_num_threads, which `--threads` sets), as llama.cpp's threadpool splits rows.
 //
-// Why not at::parallel_for: its OpenMP implementation is a header template whose
-// `#pragma omp parallel` only takes effect where the including code is compiled with
-// -fopenmp, which torch's extension builder does not pass (and linking a second OpenMP runtime
-// beside the one the torch wheel ships invites oversubscription), so in this extension it ran
-// every range serially on the calling thread: the compiled step had one thread at any
-// `--threads`.
+// Built with OpenMP (kernel.py passes -fopenmp on Linux) it is at::parallel_for on torch's own
+// OpenMP threads: the extension's libgomp.so.1 resolves to the copy the torch wheel loaded, so
+// the kernels and PyTorch's operators share one persistent pool and never compete for cores
+// (a second pool's threads and OpenMP's spinning ones on the same cores halved the speed of a
+// prefill that interleaves both).  Without -fopenmp at::parallel_for's `#pragma omp parallel`
+// is ignored and it runs every range serially on the caller, so there the Pool below (N - 1
+// persistent workers, spinning, then yielding, then asleep) stands in.
 //
 // Splitting rows across threads never changes what an output is: each output is computed by
 // one thread with the same code, so results are bit-identical at every thread count.
@@ -187,6 +184,9 @@ inline int num_threads() {
 // items (at::parallel_for's split), on the persistent pool.
 template <class F>
 inline void parallel_for(int64_t begin, int64_t end, int64_t grain, const F& f) {
+#if defined(_OPENMP)
+  at::parallel_for(begin, end, grain, f);
+#else
   if (begin >= end) return;
   const int64_t range = end - begin;
   int64_t n = std::min<int64_t>(num_threads(), Pool::kMaxThreads);
@@ -201,6 +201,7 @@ inline void parallel_for(int64_t begin, int64_t end, int64_t grain, const F& f) 
     const int64_t b0 = begin + t * chunk;
     if (b0 < end) f(b0, std::min(end, b0 + chunk));
   });
+#endif
 }
 
 }  // namespace lbq
