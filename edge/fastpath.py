@@ -193,6 +193,10 @@ class FastDecode:
     takes the hidden state entering layer ``lo`` and returns the one leaving layer ``hi-1``,
     with a cache of ``hi - lo`` layers; each layer keeps its own window and rotary table."""
 
+    # rows one layers_spans call takes: the engine's prompt chunks (prefill_chunk, 256 by
+    # default) and decodes fit, so every row of a step computes as its token alone
+    max_rows = MAX_BATCH
+
     def __init__(self, model: LlamaForCausalLM, layers: tuple[int, int] | None = None) -> None:
         lo, hi = _range(model, layers)
         self.range = (lo, hi)

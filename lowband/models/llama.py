@@ -620,17 +620,21 @@ class LlamaModel(nn.Module):
 def fast_ragged(fast: Any, x: torch.Tensor, spans: Sequence[Span]) -> torch.Tensor | None:
     """The ragged pass through the compiled step ``fast`` (a model's ``fast_decode``, or a
     stage's over its layer range) where it takes this batch, else None (the eager layers run
-    it): a batch of single tokens (``layers`` / ``layers_batch``), or spans of at most
-    ``ROWWISE_ROWS`` tokens (``layers_spans``: each row as its token alone). One routing for
-    one device and for pipeline stages, so a stage computes the bits one device does. Sets
-    each cache's length on success."""
+    it): a batch of single tokens (``layers`` / ``layers_batch``), or spans of several tokens
+    (``layers_spans``: each row computed exactly as its token alone) up to the step's
+    ``max_rows`` in one call: prompt chunks, speculative verification groups, both beside
+    decodes. So temperature 0 is repeatable: a token's bits do not depend on whether its
+    prefix came from the prefix cache, on how the prompt was chunked or on what shared its
+    step (the eager path's GEMMs round differently from the single-token kernels). One routing
+    for one device and for pipeline stages, so a stage computes the bits one device does.
+    Sets each cache's length on success."""
     if fast is None:
         return None
     if (
         hasattr(fast, "layers_spans")
         and any(s.length > 1 for s in spans)
-        and all(s.length <= ROWWISE_ROWS for s in spans)
-    ):  # short spans (verification groups): each row as its token alone, one weight pass
+        and sum(s.length for s in spans) <= getattr(fast, "max_rows", ROWWISE_ROWS)
+    ):
         caches, starts = [s.cache for s in spans], [s.start for s in spans]
         return fast.layers_spans(x, caches, starts, [s.length for s in spans])
     if not all(s.length == 1 for s in spans):
@@ -698,10 +702,10 @@ class LlamaForCausalLM(nn.Module):
         if cache is not None:
             cache.prepare(start, T)
         fast: Any = self.fast_decode
-        if fast is not None and T == 1 and cache is not None and x.shape[0] == 1:
-            x = fast.layers(x, cache, start)
-            cache.length = start + 1
-            return x
+        if fast is not None and cache is not None and x.shape[0] == 1:
+            out = fast_ragged(fast, x, [Span(cache, start, T)])  # a prompt: rows as tokens alone
+            if out is not None:
+                return out
         tables = {k: self.rope(start, T, x.dtype, k) for k in set(self._layer_tables)}
         for layer, kind in zip(self.model.layers, self._layer_tables):
             x = layer(x, *tables[kind], cache, start)
@@ -713,9 +717,8 @@ class LlamaForCausalLM(nn.Module):
         """Several sequences in one pass: x (1, N, H) holds ``spans[0].length`` tokens of the
         first, then the second's, ... (N = the sum); returns (1, N, H). Each span appends to
         its own cache. Every matmul runs once for the N rows (continuous batching, and a
-        prompt chunk piggybacking on decodes); a batch of single tokens goes through the
-        compiled step when one is installed, and so do spans of at most ``ROWWISE_ROWS``
-        tokens (a speculative verification group) where it runs those (``layers_spans``)."""
+        prompt chunk piggybacking on decodes); through the compiled step when one is installed
+        and takes the batch (:func:`fast_ragged`: every row computed as its token alone)."""
         if not spans or sum(s.length for s in spans) != x.shape[1] or x.shape[0] != 1:
             raise ValueError("x must be (1, N, H) with N the spans' total length")
         if len({id(s.cache) for s in spans}) != len(spans):

@@ -9,7 +9,7 @@ from edge import fastpath
 from edge.quant import kernel as qkernel
 from edge.quant import quantize_modules
 from lowband.models.config import ModelConfig
-from lowband.models.llama import LlamaForCausalLM, fuse_projections, init_weights
+from lowband.models.llama import LlamaForCausalLM, Span, fuse_projections, init_weights
 
 pytestmark = pytest.mark.skipif(
     not qkernel.available(), reason=f"C++ kernel unavailable ({qkernel.unavailable_reason()})"
@@ -132,3 +132,49 @@ def test_thread_count_does_not_change_the_bits() -> None:
     finally:
         torch.set_num_threads(before)
     assert torch.equal(one, two)
+
+
+def _chunked_logits(m: LlamaForCausalLM, ids: list[int], cuts: list[int]) -> torch.Tensor:
+    """Logits of every position of ``ids``, the prompt fed in chunks ending at ``cuts``."""
+    cache, out, start = m.new_cache(), [], 0
+    with torch.inference_mode():
+        for end in [*cuts, len(ids)]:
+            h = m.forward_ragged(
+                m.embed(torch.tensor([ids[start:end]])), [Span(cache, start, end - start)]
+            )
+            out.append(m.head(h[0]))
+            start = end
+    return torch.cat(out)
+
+
+@pytest.mark.parametrize("bits", [None, 8], ids=["fp32", "q8"])
+@pytest.mark.parametrize("family", ["gemma3", "llama"])
+def test_a_token_computes_the_same_however_its_prompt_was_chunked(bits, family) -> None:
+    """Repeatable temperature 0: one token at a time, the whole prompt at once, or chunks
+    crossing the sliding window (as the prefix cache and chunked prefill cut it) give every
+    position the same bits, and so do the model's own forward and the engine's ragged pass."""
+    over = (
+        {}
+        if family == "gemma3"
+        else {
+            "model_type": "llama",
+            "sliding_window": None,
+            "layer_types": None,
+            "norm_unit_offset": False,
+            "sandwich_norms": False,
+            "qk_norm": False,
+            "hidden_act": "silu",
+            "query_pre_attn_scalar": None,
+            "scale_embeddings": False,
+        }
+    )
+    m = _model(bits, **over)
+    assert fastpath.install(m) is None
+    ids = torch.randint(0, 97, (23,), generator=torch.Generator().manual_seed(9)).tolist()
+    alone = _chunked_logits(m, ids, list(range(1, 23)))
+    for cuts in ([], [5], [3, 11, 12], [22]):
+        assert torch.equal(_chunked_logits(m, ids, cuts), alone), cuts
+    cache = m.new_cache()
+    with torch.inference_mode():
+        whole = m(torch.tensor([ids]), cache=cache)[0]
+    assert torch.equal(whole, alone)

@@ -16,7 +16,10 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 def _greedy(m: LlamaForCausalLM, prompt: list[int], n: int) -> list[int]:
     cache, out = m.new_cache(), []
     with torch.inference_mode():
-        logits = m(torch.tensor([prompt]), cache=cache)[0, -1]
+        # the prompt one token at a time: the eager path's prompt GEMMs round otherwise than
+        # its single-token kernels (the compiled path's prompt rows are single-token rows)
+        for t in prompt:
+            logits = m(torch.tensor([[t]]), cache=cache)[0, -1]
         for _ in range(n):
             out.append(int(logits.argmax()))
             logits = m(torch.tensor([[out[-1]]]), cache=cache)[0, -1]
@@ -29,7 +32,39 @@ def test_real_gemma3_greedy_equals_eager(real_gemma3) -> None:
     assert fastpath.active(m), "the loader installs the compiled step on Gemma 3"
     prompts = [[2, 818, 5279, 529, 7001, 563], [2, 1509, 496, 1535, 3925, 236764, 1070]]
     fast = [_greedy(m, p, 24) for p in prompts]
+    with torch.inference_mode():  # the whole prompt at once: its rows as those tokens alone
+        whole = m(torch.tensor([prompts[0]]), cache=m.new_cache())[0, -1]
+        assert int(whole.argmax()) == fast[0][0]
     fastpath.uninstall(m)
     eager = [_greedy(m, p, 24) for p in prompts]
     assert fast == eager
     assert len(set(fast[0])) > 3  # a real continuation, not one token repeated
+
+
+def test_real_gemma3_temperature_zero_repeats_with_the_prefix_cache(real_gemma3) -> None:
+    """The same request at temperature 0, first computed whole, then from the prefix cache,
+    then beside another stream's prompt chunk and decodes: the same tokens and log-probabilities
+    each time (every row of a step computes as its token alone)."""
+    from edge.engine import Engine, LocalRunner
+    from edge.formats.gguf_tokenizer import tokenizer_from_gguf
+    from edge.sampling import SamplingParams
+
+    m = load_shard(str(real_gemma3)).model
+    eng = Engine(LocalRunner(m), tokenizer_from_gguf(real_gemma3), model_name="g", parallel=4)
+    prompt = "The history of the city of Rome begins with a small settlement on the Tiber, where"
+    params = SamplingParams(max_tokens=24, temperature=0.0, logprobs=2)
+
+    def run() -> list[tuple]:
+        return [(e.token, e.logprob, e.top_logprobs) for e in eng.generate(prompt, params)]
+
+    first = run()
+    other = eng.generate(
+        "A recipe for bread: mix flour, water, salt and", SamplingParams(max_tokens=60)
+    )
+    next(other)  # a second stream decoding while the same request runs again
+    again = run()
+    other.close()
+    third = run()
+    assert eng.metrics.snapshot()["prefix_cache_hits_total"] >= 2
+    assert first == again == third
+    assert len({t for t, _, _ in first if t is not None}) > 3
