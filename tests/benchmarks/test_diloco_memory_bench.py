@@ -30,9 +30,9 @@ def test_diloco_worker_peak_bytes_per_param_is_bounded() -> None:
 
     Held for the whole run: θ_m, θ_g, AdamW's moments, the outer momentum (20 B/param); at the
     peak also the gradients (4) and one fragment's Δ and decoded sum (2 + 2 at P = 2), plus
-    activations: measured 29.7. The bound fails on any full-model temporary, e.g. foreach
-    AdamW's sqrt(v) (33.7 measured), the codec's whole-fragment float32 copies, or freed heap
-    that glibc keeps (34.8 before ``limit_heap_retention``)."""
+    activations: measured 28.5. The bound fails on any full-model temporary, e.g. foreach
+    AdamW's sqrt(v) (33.7 measured before Δ was dropped early), the codec's whole-fragment
+    float32 copies, or freed heap that glibc keeps (``limit_heap_retention``)."""
     res = _bench("--model", "llama:512:2", "--steps", "8", "--arms", "diloco")
     per_param = res["arms"]["diloco"]["bytes_per_param"]["median"]
     assert 20.0 <= per_param <= 31.5, per_param
