@@ -222,6 +222,13 @@ def _add_serve(p: argparse.ArgumentParser) -> None:
         help="prompt tokens per step, prefilled alongside the running decodes "
         "(default %(default)s)",
     )
+    p.add_argument(
+        "--fast-prompts",
+        action="store_true",
+        help="prompt chunks through the eager GEMMs: faster prefill (~20%% on Gemma 3 270M "
+        "here), but temperature 0 then depends on how a prompt was cut (prefix cache, "
+        "chunking); default: every prompt token computed as a decode would, repeatable",
+    )
     g.add_argument(
         "--decode-stall",
         type=float,
@@ -509,6 +516,7 @@ def _serve_config(args, devices: int, layout: str = "tp"):
         batch=BatchConfig(
             parallel=args.parallel,
             prefill_chunk=args.prefill_chunk,
+            repeatable=not args.fast_prompts,
             prefix_cache=args.prefix_cache,
             decode_stall=args.decode_stall,
             repack=args.repack,

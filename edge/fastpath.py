@@ -44,7 +44,7 @@ from edge.quant import kernel as qkernel
 from edge.quant.linear import DEFAULT_MAX_KERNEL_ROWS, GGMLLinear
 from lowband.errors import PeerLost, ProtocolError, TransportTimeout
 from lowband.models.config import ModelConfig
-from lowband.models.llama import KVCache, LlamaForCausalLM, rope_inv_freq
+from lowband.models.llama import ROWWISE_ROWS, KVCache, LlamaForCausalLM, rope_inv_freq
 from transport.starlink import native_table
 
 logger = logging.getLogger(__name__)
@@ -530,3 +530,14 @@ def uninstall(model: LlamaForCausalLM) -> None:
 def active(model: Any) -> bool:
     """Whether ``model`` decodes through the compiled step."""
     return getattr(model, "__dict__", {}).get("fast_decode") is not None
+
+
+def set_repeatable(model: LlamaForCausalLM, on: bool) -> None:
+    """On (the default): prompt spans of any length run through the compiled step's rows
+    path, every row computed as its token alone, so a token's bits do not depend on the prefix
+    cache, the prompt's chunking or what shared its step. Off: spans longer than
+    ``ROWWISE_ROWS`` go through the eager layers' GEMMs (faster prefill, other rounding).
+    Nothing to do where the model has no compiled step."""
+    fast = model.__dict__.get("fast_decode")
+    if fast is not None:
+        fast.max_rows = MAX_BATCH if on else ROWWISE_ROWS

@@ -178,3 +178,21 @@ def test_a_token_computes_the_same_however_its_prompt_was_chunked(bits, family) 
     with torch.inference_mode():
         whole = m(torch.tensor([ids]), cache=cache)[0]
     assert torch.equal(whole, alone)
+
+
+def test_fast_prompts_is_the_engines_choice() -> None:
+    """``BatchConfig.repeatable`` (``--fast-prompts`` clears it) reaches the compiled step:
+    long prompt spans then go through the eager layers; on, any span up to the step's batch."""
+    from edge.engine import LocalRunner
+    from edge.launch import BatchConfig, make_engine
+    from lowband.models.llama import ROWWISE_ROWS
+    from lowband.models.tokenizer import ByteTokenizer
+
+    m = _model(8)
+    assert fastpath.install(m) is None
+    fast = m.__dict__["fast_decode"]
+    assert fast.max_rows == fastpath.MAX_BATCH
+    make_engine(LocalRunner(m), ByteTokenizer(), "m", BatchConfig(parallel=1, repeatable=False))
+    assert fast.max_rows == ROWWISE_ROWS
+    make_engine(LocalRunner(m), ByteTokenizer(), "m", BatchConfig(parallel=1))
+    assert fast.max_rows == fastpath.MAX_BATCH
