@@ -433,10 +433,13 @@ def role_lowband(a) -> dict:
     _pin(a.threads, a.kernels)
     import torch
 
+    from edge import fastpath
     from edge.engine import LocalRunner
     from edge.shardio import load_shard
 
-    runner = LocalRunner(load_shard(a.model).model)
+    model = load_shard(a.model).model
+    fastpath.set_repeatable(model, not a.fast_prompts)  # as `edge serve --fast-prompts`
+    runner = LocalRunner(model)
     prompt = _ids(runner.config.vocab_size, a.prompt_len, a.seed)
     t0 = time.perf_counter()
     logits = runner.forward(prompt, 0)
@@ -650,6 +653,7 @@ def bench_file(file: Path, threads: int, runtimes: list[str], a) -> dict:
     """Both runtimes on one file at one thread count, alternating, ``a.repeats`` rounds."""
     common = ["--model", str(file), "--tokens", str(a.tokens), "--prompt-len", str(a.prompt_len)]
     common += ["--threads", str(threads), "--seed", str(a.seed), "--kernels", a.kernels]
+    common += ["--fast-prompts"] if a.fast_prompts else []
     runs: dict[str, list[dict]] = {rt: [] for rt in runtimes}
     for i in range(a.repeats):  # alternate, and swap who goes first each round
         for rt in runtimes if i % 2 == 0 else runtimes[::-1]:
@@ -705,6 +709,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--gguf", help="compare the runtimes on this GGUF file instead of --models")
     p.add_argument("--f32", help="with --gguf: the same weights in F32, for the fidelity table")
     p.add_argument("--lowband-only", action="store_true", help="skip llama.cpp (smoke test)")
+    p.add_argument(
+        "--fast-prompts",
+        action="store_true",
+        help="lowband's prompt through the eager GEMMs (edge --fast-prompts): faster prefill, "
+        "temperature 0 no longer repeatable across prompt cuts; default: the serving default",
+    )
     p.add_argument("--tokens", type=int, default=32)
     p.add_argument("--prompt-len", type=int, default=16)
     p.add_argument("--kl-len", type=int, default=64)
@@ -759,6 +769,8 @@ def main(argv: list[str] | None = None) -> int:
         "bench": "edge_vs_llamacpp",
         "tokens": a.tokens,
         "prompt_len": a.prompt_len,
+        # lowband's prompt path: "repeatable" (the serving default) or "fast" (--fast-prompts)
+        "prompts": "fast" if a.fast_prompts else "repeatable",
         "kl_len": a.kl_len,
         "repeats": a.repeats,
         "threads": a.threads_list,
