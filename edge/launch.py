@@ -316,7 +316,7 @@ def build_engine(cfg: ServeMasterConfig, coord=None, master_host: str | None = N
         print(
             f"lowband edge: waiting for {cc.devices - 1} worker(s): "
             f"lowband edge worker --master {coord.address}"
-            + (f" --curve-server-key {cfg.curve.public.decode()}" if cfg.curve else ""),
+            + (f" --curve-server-key={cfg.curve.public.decode()}" if cfg.curve else ""),
             flush=True,
         )
     # The coordinator tells the workers to reach the master at the address this connection
@@ -403,7 +403,7 @@ def serve_main(cfg: ServeMasterConfig, coord=None) -> int:
         print(
             f"lowband edge: advertising cluster {cfg.discover!r}: "
             f"lowband edge worker --discover {cfg.discover}"
-            + (f" --master-key {cfg.curve.public.decode()}" if cfg.curve else " --insecure"),
+            + (f" --master-key={cfg.curve.public.decode()}" if cfg.curve else " --insecure"),
             flush=True,
         )
     try:

@@ -176,8 +176,7 @@ def test_zero_config_cluster_in_two_namespaces(tmp_path) -> None:
                     "worker",
                     "--discover",
                     name,
-                    "--master-key",
-                    master_key,
+                    f"--master-key={master_key}",  # a Z85 key may begin with "-"
                     "--model-dir",
                     str(tmp_path),
                     "--discover-timeout",
@@ -198,8 +197,7 @@ def test_zero_config_cluster_in_two_namespaces(tmp_path) -> None:
                     "worker",
                     "--discover",
                     name,
-                    "--master-key",
-                    master_key,
+                    f"--master-key={master_key}",  # a Z85 key may begin with "-"
                     "--model-dir",
                     str(tmp_path),
                     "--discover-timeout",
