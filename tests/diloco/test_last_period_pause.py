@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.chaos.conftest import last_step, wait_for
+from tests.chaos_helpers import last_step, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
 

@@ -14,7 +14,7 @@ import time
 import pytest
 
 from lowband.proc import free_port
-from tests.chaos.conftest import last_step, wait_for
+from tests.chaos_helpers import last_step, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 

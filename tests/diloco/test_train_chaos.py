@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from tests.chaos.conftest import last_step, wait_for
+from tests.chaos_helpers import last_step, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
