@@ -36,6 +36,7 @@ from transport.links.tun.shape import GilbertElliott, PathConfig
 from transport.links.tun.testbed import TunConfig, TunTestbed, available
 
 pytestmark = [
+    pytest.mark.chaos,
     pytest.mark.slow,
     pytest.mark.netns,
     pytest.mark.timeout(420),

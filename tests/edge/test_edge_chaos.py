@@ -21,7 +21,7 @@ from lowband.models.weights import save_pretrained
 from lowband.proc import free_port
 from tests.chaos_helpers import wait_for
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
+pytestmark = [pytest.mark.chaos, pytest.mark.slow, pytest.mark.timeout(240)]
 
 CFG = dict(
     vocab_size=256,

@@ -30,7 +30,7 @@ from transport import wire
 from transport.starlink import _Conn, _parse_table
 from transport.starlink_wire import HEADER, HELLO, MAGIC, MAX_HELLO, TABLE_LEN, VERSION
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [pytest.mark.security, pytest.mark.timeout(60)]
 
 FUZZ = settings(
     max_examples=300,

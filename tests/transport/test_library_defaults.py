@@ -11,7 +11,7 @@ import pytest
 
 from transport.auth import endpoint_host, is_loopback
 
-pytestmark = pytest.mark.timeout(90)
+pytestmark = [pytest.mark.security, pytest.mark.timeout(90)]
 
 
 def _default_transport(cls: type) -> object:
