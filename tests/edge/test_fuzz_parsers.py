@@ -1,157 +1,26 @@
-"""Bounded fuzzing of every parser a stranger's bytes reach (issue 25).
-
-Each parser has one typed error for bad input; anything else escaping (TypeError, KeyError,
-struct.error, UnicodeDecodeError, a numpy error) would end the thread that called it: a
-transport's receive loop, an edge master's accept, a worker's control loop, a model load. Each
-test runs a fixed number of examples (``max_examples``) under the module's pytest timeout, so a
-hang fails too; hypothesis keeps no example database here, so a run is reproducible from its
-seed alone.
+"""Bounded fuzzing of the edge parsers a stranger's bytes reach (issue 25): the control messages
+a worker decodes and the GGUF reader. The shared settings, strategies and the contract (one
+typed error per parser) are in tests/fuzzing.py; the transport's wire formats are fuzzed in
+tests/transport/test_fuzz_wire.py.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import socket
-import struct
-import time
 from pathlib import Path
 
 import gguf
-import msgpack
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from edge.cluster.protocol import MESSAGES, Msg, decode
 from edge.formats.gguf import load_gguf
-from lowband.errors import ConfigError, PeerLost, ProtocolError
-from transport import wire
-from transport.starlink import _Conn, _parse_table
-from transport.starlink_wire import HEADER, HELLO, MAGIC, MAX_HELLO, TABLE_LEN, VERSION
+from lowband.errors import ConfigError, ProtocolError
+from tests.fuzzing import FUZZ, VALUES
 
 pytestmark = [pytest.mark.security, pytest.mark.timeout(60)]
-
-FUZZ = settings(
-    max_examples=300,
-    deadline=None,  # a shared 2-core machine: the pytest timeout bounds the whole run instead
-    database=None,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
-)
-
-# msgpack-able values, nested a little: what a peer can put in a metadata map.
-LEAVES = (
-    st.none()
-    | st.booleans()
-    | st.integers(min_value=-(2**63), max_value=2**64 - 1)
-    # no subnormals: a library built with fast-math may have set flush-to-zero in this process
-    | st.floats(allow_nan=True, allow_infinity=True, allow_subnormal=False)
-    | st.text(max_size=20)
-    | st.binary(max_size=20)
-)
-VALUES = st.recursive(
-    LEAVES,
-    lambda inner: (
-        st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4)
-    ),
-    max_leaves=12,
-)
-
-
-# ---- transport.wire.unpack: a multipart ZeroMQ message ---------------------------------------
-def _header(draw_ints: tuple[int, int, int, int, int, int]) -> bytes:
-    version, mtype, flags, meta_len, n_frames, payload_len = draw_ints
-    return wire.HEADER.pack(wire.MAGIC, version, mtype, flags, meta_len, n_frames, payload_len)
-
-
-@st.composite
-def wire_frames(draw) -> list[bytes]:
-    """Mostly near-valid messages (a real header, then mutated), some pure noise."""
-    if draw(st.booleans()):
-        return draw(st.lists(st.binary(max_size=64), max_size=4))
-    meta = msgpack.packb(draw(VALUES), use_bin_type=True)
-    payload = draw(st.lists(st.binary(max_size=32), max_size=3))
-    mtype = draw(st.sampled_from(sorted(int(t) for t in wire.MsgType)) | st.integers(0, 255))
-    fields = (
-        draw(st.sampled_from([wire.PROTOCOL_VERSION]) | st.integers(0, 255)),
-        mtype,
-        draw(st.sampled_from([0]) | st.integers(0, 255)),
-        draw(st.sampled_from([len(meta)]) | st.integers(0, 2**32 - 1)),
-        draw(st.sampled_from([len(payload)]) | st.integers(0, 2**32 - 1)),
-        draw(st.sampled_from([sum(map(len, payload))]) | st.integers(0, 2**63 - 1)),
-    )
-    try:
-        first = bytearray(_header(fields) + meta)
-    except struct.error:  # a drawn value outside its header field: noise instead
-        first = bytearray(draw(st.binary(max_size=64)))
-    for _ in range(draw(st.integers(0, 3))):  # flip a few bytes
-        if first:
-            first[draw(st.integers(0, len(first) - 1))] = draw(st.integers(0, 255))
-    cut = draw(st.integers(0, len(first)))
-    return [bytes(first[: len(first) if draw(st.booleans()) else cut]), *payload]
-
-
-@FUZZ
-@given(wire_frames())
-def test_wire_unpack_raises_only_protocol_errors(frames) -> None:
-    try:
-        wire.unpack(frames, max_payload_bytes=1 << 16, max_meta_bytes=1 << 12)
-    except ProtocolError:  # VersionMismatch included
-        pass
-
-
-# ---- the star link's HELLO: the first bytes a stranger sends to an edge master --------------
-@st.composite
-def hellos(draw) -> bytes:
-    if draw(st.booleans()):
-        return draw(st.binary(max_size=80))
-    if draw(st.booleans()):
-        table = msgpack.packb(draw(VALUES))
-    else:  # a real table whose metadata is fuzzed
-        table = msgpack.packb({"m": draw(VALUES), "f": draw(st.lists(VALUES, max_size=3))})
-    payload = TABLE_LEN.pack(len(table) if draw(st.booleans()) else draw(st.integers(0, 2**32 - 1)))
-    payload += table + draw(st.binary(max_size=16))
-    n = len(payload) if draw(st.booleans()) else draw(st.integers(0, 2 * MAX_HELLO))
-    kind = HELLO if draw(st.booleans()) else draw(st.integers(0, 255))
-    data = bytearray(HEADER.pack(MAGIC, VERSION, kind, 0, 0, n) + payload)
-    for _ in range(draw(st.integers(0, 2))):
-        data[draw(st.integers(0, len(data) - 1))] = draw(st.integers(0, 255))
-    return bytes(data[: draw(st.integers(0, len(data)))] if draw(st.booleans()) else data)
-
-
-@FUZZ
-@given(hellos())
-def test_starlink_hello_raises_only_typed_errors(data) -> None:
-    a, b = socket.socketpair()
-    try:
-        a.sendall(data)
-        a.close()  # the stranger hangs up after its bytes: a short HELLO is PeerLost, not a wait
-        conn = _UnixConn(b)
-        try:
-            slot, secret = conn.read_hello(time.monotonic() + 5.0)
-        except (ProtocolError, PeerLost):
-            return
-        assert type(slot) is int and 0 <= slot < 1 << 16 and isinstance(secret, str)
-    finally:
-        b.close()
-
-
-class _UnixConn(_Conn):
-    """A socketpair is AF_UNIX, where TCP_NODELAY does not exist; the reading is the same."""
-
-    def __init__(self, sock: socket.socket) -> None:
-        self.sock, self.who, self.spin_s = sock, "fuzz", 0.0
-        self.sent = self.received = 0
-
-
-@FUZZ
-@given(st.binary(max_size=96), st.binary(max_size=64))
-def test_starlink_frame_table_raises_only_protocol_errors(head, tail) -> None:
-    for payload in (head, TABLE_LEN.pack(len(head)) + head + tail):
-        try:
-            _parse_table(bytearray(payload), "fuzz")
-        except ProtocolError:
-            pass
 
 
 # ---- edge control messages: the meta map of every master -> worker message -----------------
