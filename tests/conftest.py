@@ -41,6 +41,22 @@ def spawn() -> Iterator[Callable[..., subprocess.Popen]]:
             pass
 
 
+@pytest.fixture
+def procs() -> Iterator[list[subprocess.Popen]]:
+    """Popen objects the test starts with start_new_session=True (the chaos tests); their groups
+    are resumed and killed in teardown."""
+    started: list[subprocess.Popen] = []
+    yield started
+    for p in started:
+        if p.poll() is None:
+            try:
+                os.killpg(p.pid, signal.SIGCONT)
+                os.killpg(p.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            p.wait(10)
+
+
 TINY_LLAMA: dict[str, Any] = dict(
     vocab_size=256,
     hidden_size=32,
@@ -163,14 +179,15 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
 
 
 # The fast tier (`pytest -m "not slow"`, the edit loop, under 3 minutes on two idle cores) leaves
-# out the folders whose tests start processes end to end (command lines, examples, benchmark
-# smoke runs, chaos runs) and the tests below, the slowest of the rest (measured with
-# --durations): C++ self-tests of every ISA, llama.cpp's tokenizer vectors (large vocabularies),
-# benchmark smoke runs, MoE training, multi-process serving and training, the flood tests that
-# sample a victim's memory, the link-shaping measurement and the SIGKILL sweep over every
-# collective (test_zmq_kill keeps one kill in the fast tier). Other tests that take long carry
-# @pytest.mark.slow themselves. CI runs both tiers.
-SLOW_DIRS = ("chaos", "cli", "benchmarks", "examples")
+# out the folders whose tests start processes end to end (command lines, examples, benchmark smoke
+# runs), the chaos runs (marked ``chaos``, in the folder of the package they fault) and the tests
+# below, the slowest of the rest (measured with --durations): C++ self-tests of every ISA,
+# llama.cpp's tokenizer vectors (large vocabularies), benchmark smoke runs, MoE training,
+# multi-process serving and training, the flood tests that sample a victim's memory, the
+# link-shaping measurement and the SIGKILL sweep over every collective (test_zmq_kill keeps one kill
+# in the fast tier). Other tests that take long carry @pytest.mark.slow themselves. CI runs both
+# tiers.
+SLOW_DIRS = ("cli", "benchmarks", "examples")
 SLOW_TESTS = (
     "edge/formats/test_gguf_tokenizer.py::test_llamacpp_vectors",
     "edge/test_quant.py::test_cpp_selftest_all_paths",
@@ -191,16 +208,12 @@ SLOW_TESTS = (
     "edge/test_edge_cluster.py::test_engine_generates_and_reuses_prefix",
     "edge/moe/test_moe_serve.py::",
     "diloco/test_fast_path.py::test_compiled_step_gives_the_eager_losses",
-    "security/test_edge_run_loopback.py::",
-    "security/test_cli_auth.py::",
-    "security/test_http_api.py::",
-    "security/test_keygen.py::test_keygen_command",
-    "security/test_discovery_pin.py::test_two_advertisements",
-    "security/test_wire_bounds.py::test_an_oversized_message",
-    "security/test_wire_bounds.py::test_a_million_frame_message",
-    "security/test_train_loopback.py::",
-    "security/test_api_key_cli.py::test_edge_run_with_an_api_key_file",
-    "security/test_data_accounting.py::test_headerless_parts_for_a_posted_receive",
+    "edge/test_http_api.py::",
+    "transport/test_keygen.py::test_keygen_command",
+    "edge/test_discovery_pin.py::test_two_advertisements",
+    "transport/test_wire_bounds.py::test_an_oversized_message",
+    "transport/test_wire_bounds.py::test_a_million_frame_message",
+    "transport/test_data_accounting.py::test_headerless_parts_for_a_posted_receive",
     "transport/test_netns.py::test_tbf_link_is_shaped",
     "transport/test_zmq_peerlost.py::test_sigkill_mid_collective",
 )
@@ -221,7 +234,11 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             continue
         rel = item.path.relative_to(tests)
         nodeid = "/".join(rel.parts) + "::" + item.name
-        if rel.parts[0] in SLOW_DIRS or nodeid.startswith(SLOW_TESTS):
+        if (
+            rel.parts[0] in SLOW_DIRS
+            or nodeid.startswith(SLOW_TESTS)
+            or item.get_closest_marker("chaos")
+        ):
             item.add_marker(pytest.mark.slow)
         if item.get_closest_marker("netns") or nodeid.startswith(ROOT_NETWORK_TESTS):
             # one xdist worker runs all of these, one at a time (--dist loadgroup): they share the

@@ -2,7 +2,7 @@
 
 On the loopback group: a worker lost in the last sync period leaves the survivors finishing with
 fewer than ``workers``; they hold for ``final_grace`` and a worker that (re)joins then receives
-the final state. The real-process SIGSTOP case is tests/chaos/test_last_period_pause.py.
+the final state. The real-process SIGSTOP case is tests/diloco/test_last_period_pause.py.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from diloco.reconcile import ReconcileConfig
 from diloco.task import lm_task
 from diloco.trainer import DilocoWorker
 from lowband.errors import ConfigError
-from tests.chaos.conftest import wait_for
+from tests.chaos_helpers import wait_for
 from tests.diloco.configs import small_lm
 from transport.loopback import LoopbackGroup
 

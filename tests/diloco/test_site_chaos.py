@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 
 from lowband.proc import free_port
-from tests.chaos.conftest import wait_for
+from tests.chaos_helpers import wait_for
 from transport.coordinator import Coordinator, CoordinatorConfig
 
 HEARTBEAT = 1.0  # s: the coordinators' heartbeat interval (a kill -9 is seen within 2 of them)

@@ -1,6 +1,6 @@
 """The library's own defaults listen on loopback (issue 25): a program that builds a config
 without naming an interface exposes nothing beyond this machine. The command line names its
-interfaces itself (and checks them with ``check_exposure``): see test_cli_auth.py."""
+interfaces itself (and checks them with ``check_exposure``): see tests/cli/test_cli_auth.py."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 
 from transport.auth import endpoint_host, is_loopback
 
-pytestmark = pytest.mark.timeout(90)
+pytestmark = [pytest.mark.security, pytest.mark.timeout(90)]
 
 
 def _default_transport(cls: type) -> object:

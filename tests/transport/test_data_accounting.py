@@ -24,7 +24,7 @@ from transport.messages import MAX_OPEN_PER_SOURCE, PARTIAL_SLACK, Assembler
 from transport.routing import Routing
 from transport.wire import MsgType
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = [pytest.mark.security, pytest.mark.timeout(180)]
 
 MiB = 1 << 20
 

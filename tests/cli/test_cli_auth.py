@@ -18,7 +18,7 @@ from transport.auth import CurveKeys, keygen
 from transport.launch import connect_all
 from transport.zmq_comm import ZmqConfig
 
-pytestmark = pytest.mark.timeout(90)
+pytestmark = [pytest.mark.security, pytest.mark.timeout(90)]
 
 
 @pytest.fixture

@@ -18,7 +18,7 @@ from cli.auth import MAX_SECRET_BYTES, read_secret_file, resolve_api_key, resolv
 from lowband.errors import ConfigError
 from tests.conftest import PY
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = [pytest.mark.security, pytest.mark.timeout(180)]
 
 KEY = "sk-test-0123456789abcdef"
 

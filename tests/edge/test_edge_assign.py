@@ -27,7 +27,7 @@ from lowband.models.weights import save_pretrained
 from tests.conftest import tiny_llama
 from transport.loopback import LoopbackGroup
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.security, pytest.mark.timeout(120)]
 LOAD_S = 480.0  # the one real load may compile the C++ kernels on a fresh machine
 
 CFG = tiny_llama(hidden_size=64, intermediate_size=128)

@@ -1,19 +1,13 @@
-"""Chaos tests: real processes, real faults (SIGSTOP/SIGCONT, kill -9), small sizes.
-
-Every child runs in its own session (process group) and is killed with its group in teardown.
-"""
+"""Helpers of the chaos tests (marked ``chaos``): real processes, real faults (SIGSTOP/SIGCONT,
+kill -9), small sizes. Every child runs in its own session (process group) and is killed with its
+group in teardown (the ``procs`` fixture, in tests/conftest.py)."""
 
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
 import time
 from pathlib import Path
 from typing import Callable
-
-import pytest
 
 
 def wait_for(pred: Callable[[], object], timeout: float, what: str, every: float = 0.1):
@@ -39,18 +33,3 @@ def last_step(path: Path) -> int:
         if rec.get("event") == "step":
             step = rec["step"]
     return step
-
-
-@pytest.fixture
-def procs():
-    """Popen objects started with start_new_session=True; their groups die in teardown."""
-    started: list[subprocess.Popen] = []
-    yield started
-    for p in started:
-        if p.poll() is None:
-            try:
-                os.killpg(p.pid, signal.SIGCONT)
-                os.killpg(p.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            p.wait(10)

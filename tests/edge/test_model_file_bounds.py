@@ -26,7 +26,7 @@ from lowband.models.config import ModelConfig
 from lowband.models.llama import LlamaForCausalLM
 from lowband.models.weights import load_pretrained, save_pretrained
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [pytest.mark.security, pytest.mark.timeout(60)]
 
 BIG = 1 << 20
 

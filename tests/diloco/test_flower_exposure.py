@@ -14,7 +14,7 @@ from cli import main
 from diloco.flower.federation import SubmitConfig, write_flwr_home
 from lowband.errors import ConfigError
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [pytest.mark.security, pytest.mark.timeout(60)]
 
 
 @pytest.mark.parametrize(

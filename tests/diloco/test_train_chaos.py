@@ -11,9 +11,9 @@ import time
 
 import pytest
 
-from tests.chaos.conftest import last_step, wait_for
+from tests.chaos_helpers import last_step, wait_for
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
+pytestmark = [pytest.mark.chaos, pytest.mark.slow, pytest.mark.timeout(240)]
 
 
 def _train(out, steps: int, log) -> subprocess.Popen:

@@ -19,7 +19,7 @@ from lowband.models.weights import save_pretrained
 from lowband.proc import free_port
 from tests.conftest import PY, tiny_llama
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = [pytest.mark.security, pytest.mark.timeout(180)]
 
 
 def _health(port: int) -> dict | None:

@@ -11,7 +11,7 @@ import pytest
 
 from tests.conftest import PY
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.security, pytest.mark.timeout(300)]
 
 
 def _listening(root: psutil.Process) -> set[tuple[int, str, int]]:

@@ -19,9 +19,9 @@ from lowband.models.llama import LlamaForCausalLM, init_weights
 from lowband.models.tokenizer import ByteTokenizer
 from lowband.models.weights import save_pretrained
 from lowband.proc import free_port
-from tests.chaos.conftest import wait_for
+from tests.chaos_helpers import wait_for
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
+pytestmark = [pytest.mark.chaos, pytest.mark.slow, pytest.mark.timeout(240)]
 
 CFG = dict(
     vocab_size=256,

@@ -22,7 +22,7 @@ from lowband.codecs import get_codec
 from lowband.errors import ConfigError
 from tests.diloco.test_flower import FakeGrid, flat, reply, toy_strategy
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [pytest.mark.security, pytest.mark.timeout(60)]
 
 
 @pytest.fixture(autouse=True)

@@ -17,9 +17,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.chaos.conftest import last_step, wait_for
+from tests.chaos_helpers import last_step, wait_for
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
+pytestmark = [pytest.mark.chaos, pytest.mark.slow, pytest.mark.timeout(420)]
 
 STEPS = 60
 H = 20  # the last sync period is steps 41..60; the pause starts at step 40 (+ a few)

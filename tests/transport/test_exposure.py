@@ -10,7 +10,7 @@ import pytest
 from lowband.errors import ConfigError
 from transport.auth import check_exposure, endpoint_host, is_loopback
 
-pytestmark = pytest.mark.timeout(30)
+pytestmark = [pytest.mark.security, pytest.mark.timeout(30)]
 
 LOOPBACK = ["127.0.0.1", "127.8.9.10", "127.255.255.254", "::1", "[::1]", "localhost", "LOCALHOST"]
 EXPOSED = ["0.0.0.0", "", "*", "::", "[::]", "10.0.0.5", "192.168.1.2", "8.8.8.8", "fe80::1"]

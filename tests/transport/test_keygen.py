@@ -14,7 +14,7 @@ from tests.conftest import PY
 from transport import auth
 from transport.auth import CurveKeys, keygen
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [pytest.mark.security, pytest.mark.timeout(60)]
 
 
 def test_secret_key_is_created_exclusive_with_mode_0600(tmp_path, monkeypatch) -> None:

@@ -22,7 +22,7 @@ from lowband.errors import ConfigError
 from lowband.models.config import ModelConfig
 from lowband.models.llama import LlamaForCausalLM
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [pytest.mark.security, pytest.mark.timeout(60)]
 
 
 def _state(step: int) -> ckpt.State:

@@ -18,7 +18,7 @@ from transport.auth import CurveKeys, keygen
 from transport.coordinator import Coordinator
 from transport.zmq_comm import ZmqConfig, connect
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.security, pytest.mark.timeout(120)]
 
 BASE = dict(bind_host="127.0.0.1", connections=1, timeout=10.0, register_timeout=5.0)
 

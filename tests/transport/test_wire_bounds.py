@@ -18,7 +18,7 @@ from transport import wire
 from transport.coordinator import Coordinator, CoordinatorConfig
 from transport.wire import MsgType
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.security, pytest.mark.timeout(120)]
 
 FLOOD = 200_000  # empty frames in the forged message
 

@@ -22,7 +22,7 @@ from transport.launch import connect_all
 from transport.wire import MsgType
 from transport.zmq_comm import ZmqConfig, connect
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.security, pytest.mark.timeout(120)]
 
 
 def _peer_config(server: CurveKeys | None, **kw) -> ZmqConfig:

@@ -14,9 +14,9 @@ import time
 import pytest
 
 from lowband.proc import free_port
-from tests.chaos.conftest import last_step, wait_for
+from tests.chaos_helpers import last_step, wait_for
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
+pytestmark = [pytest.mark.chaos, pytest.mark.slow, pytest.mark.timeout(240)]
 
 
 def _coordinator(port: int, log) -> subprocess.Popen:

@@ -20,7 +20,7 @@ from transport.auth import CurveKeys
 from transport.coordinator import Coordinator, CoordinatorConfig
 from transport.zmq_comm import ZmqConfig, connect
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.security, pytest.mark.timeout(120)]
 
 BASE = dict(
     bind_host="127.0.0.1",

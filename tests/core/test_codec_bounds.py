@@ -15,7 +15,7 @@ from lowband.codecs import FourBitCodec, Int8BlockCodec
 from lowband.comm import Encoded
 from lowband.errors import ProtocolError
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [pytest.mark.security, pytest.mark.timeout(60)]
 
 CODECS = [Int8BlockCodec(), FourBitCodec("nf4"), FourBitCodec("e2m1")]
 

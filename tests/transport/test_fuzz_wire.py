@@ -1,20 +1,28 @@
-"""Bad input: the wire parser (tier 1) and live endpoints under >= 10,000 fuzzed frames (tier 3)."""
+"""Bad input on the transport's wire formats: the wire parser (tier 1) and live endpoints under
+>= 10,000 fuzzed frames (tier 3), and, marked ``security`` (issue 25), bounded hypothesis fuzzing
+(tests/fuzzing.py) of ``transport.wire.unpack`` and of the star link's HELLO and frame table."""
 
 from __future__ import annotations
 
 import random
 import socket
+import struct
 import time
 
 import msgpack
 import pytest
 import torch
 import zmq
+from hypothesis import given
+from hypothesis import strategies as st
 
-from lowband.errors import ProtocolError, VersionMismatch
+from lowband.errors import PeerLost, ProtocolError, VersionMismatch
 from tests.conftest import run_ranks
+from tests.fuzzing import FUZZ, VALUES
 from transport import wire
 from transport.launch import local_group
+from transport.starlink import _Conn, _parse_table
+from transport.starlink_wire import HEADER, HELLO, MAGIC, MAX_HELLO, TABLE_LEN, VERSION
 from transport.wire import MsgType
 from transport.zmq_comm import ZmqConfig
 
@@ -267,3 +275,105 @@ def test_live_peer_and_coordinator_survive_10000_fuzzed_frames():
             control.close(0)
             for s in kept:
                 s.close()
+
+
+# ---- transport.wire.unpack: a multipart ZeroMQ message ---------------------------------------
+def _header(draw_ints: tuple[int, int, int, int, int, int]) -> bytes:
+    version, mtype, flags, meta_len, n_frames, payload_len = draw_ints
+    return wire.HEADER.pack(wire.MAGIC, version, mtype, flags, meta_len, n_frames, payload_len)
+
+
+@st.composite
+def wire_frames(draw) -> list[bytes]:
+    """Mostly near-valid messages (a real header, then mutated), some pure noise."""
+    if draw(st.booleans()):
+        return draw(st.lists(st.binary(max_size=64), max_size=4))
+    meta = msgpack.packb(draw(VALUES), use_bin_type=True)
+    payload = draw(st.lists(st.binary(max_size=32), max_size=3))
+    mtype = draw(st.sampled_from(sorted(int(t) for t in wire.MsgType)) | st.integers(0, 255))
+    fields = (
+        draw(st.sampled_from([wire.PROTOCOL_VERSION]) | st.integers(0, 255)),
+        mtype,
+        draw(st.sampled_from([0]) | st.integers(0, 255)),
+        draw(st.sampled_from([len(meta)]) | st.integers(0, 2**32 - 1)),
+        draw(st.sampled_from([len(payload)]) | st.integers(0, 2**32 - 1)),
+        draw(st.sampled_from([sum(map(len, payload))]) | st.integers(0, 2**63 - 1)),
+    )
+    try:
+        first = bytearray(_header(fields) + meta)
+    except struct.error:  # a drawn value outside its header field: noise instead
+        first = bytearray(draw(st.binary(max_size=64)))
+    for _ in range(draw(st.integers(0, 3))):  # flip a few bytes
+        if first:
+            first[draw(st.integers(0, len(first) - 1))] = draw(st.integers(0, 255))
+    cut = draw(st.integers(0, len(first)))
+    return [bytes(first[: len(first) if draw(st.booleans()) else cut]), *payload]
+
+
+@pytest.mark.security
+@pytest.mark.timeout(60)
+@FUZZ
+@given(wire_frames())
+def test_wire_unpack_raises_only_protocol_errors(frames) -> None:
+    try:
+        wire.unpack(frames, max_payload_bytes=1 << 16, max_meta_bytes=1 << 12)
+    except ProtocolError:  # VersionMismatch included
+        pass
+
+
+# ---- the star link's HELLO: the first bytes a stranger sends to an edge master --------------
+@st.composite
+def hellos(draw) -> bytes:
+    if draw(st.booleans()):
+        return draw(st.binary(max_size=80))
+    if draw(st.booleans()):
+        table = msgpack.packb(draw(VALUES))
+    else:  # a real table whose metadata is fuzzed
+        table = msgpack.packb({"m": draw(VALUES), "f": draw(st.lists(VALUES, max_size=3))})
+    payload = TABLE_LEN.pack(len(table) if draw(st.booleans()) else draw(st.integers(0, 2**32 - 1)))
+    payload += table + draw(st.binary(max_size=16))
+    n = len(payload) if draw(st.booleans()) else draw(st.integers(0, 2 * MAX_HELLO))
+    kind = HELLO if draw(st.booleans()) else draw(st.integers(0, 255))
+    data = bytearray(HEADER.pack(MAGIC, VERSION, kind, 0, 0, n) + payload)
+    for _ in range(draw(st.integers(0, 2))):
+        data[draw(st.integers(0, len(data) - 1))] = draw(st.integers(0, 255))
+    return bytes(data[: draw(st.integers(0, len(data)))] if draw(st.booleans()) else data)
+
+
+@pytest.mark.security
+@pytest.mark.timeout(60)
+@FUZZ
+@given(hellos())
+def test_starlink_hello_raises_only_typed_errors(data) -> None:
+    a, b = socket.socketpair()
+    try:
+        a.sendall(data)
+        a.close()  # the stranger hangs up after its bytes: a short HELLO is PeerLost, not a wait
+        conn = _UnixConn(b)
+        try:
+            slot, secret = conn.read_hello(time.monotonic() + 5.0)
+        except (ProtocolError, PeerLost):
+            return
+        assert type(slot) is int and 0 <= slot < 1 << 16 and isinstance(secret, str)
+    finally:
+        b.close()
+
+
+class _UnixConn(_Conn):
+    """A socketpair is AF_UNIX, where TCP_NODELAY does not exist; the reading is the same."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock, self.who, self.spin_s = sock, "fuzz", 0.0
+        self.sent = self.received = 0
+
+
+@pytest.mark.security
+@pytest.mark.timeout(60)
+@FUZZ
+@given(st.binary(max_size=96), st.binary(max_size=64))
+def test_starlink_frame_table_raises_only_protocol_errors(head, tail) -> None:
+    for payload in (head, TABLE_LEN.pack(len(head)) + head + tail):
+        try:
+            _parse_table(bytearray(payload), "fuzz")
+        except ProtocolError:
+            pass

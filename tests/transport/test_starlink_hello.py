@@ -22,7 +22,7 @@ from lowband.errors import TransportTimeout
 from transport.starlink import StarHub, StarSpoke
 from transport.starlink_wire import HEADER, HELLO, MAGIC, MAX_HELLO, TABLE_LEN, VERSION
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [pytest.mark.security, pytest.mark.timeout(60)]
 
 
 def _hello(meta: object, *, table: object = None, kind: int = HELLO) -> bytes:

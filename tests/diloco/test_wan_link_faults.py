@@ -30,12 +30,13 @@ import pytest
 
 from diloco.config import DilocoConfig, config_to_dict, tiny
 from diloco.schedule import syncs_launched
-from tests.chaos.conftest import last_step, wait_for
+from tests.chaos_helpers import last_step, wait_for
 from transport.coordinator import Coordinator, CoordinatorConfig
 from transport.links.tun.shape import GilbertElliott, PathConfig
 from transport.links.tun.testbed import TunConfig, TunTestbed, available
 
 pytestmark = [
+    pytest.mark.chaos,
     pytest.mark.slow,
     pytest.mark.netns,
     pytest.mark.timeout(420),

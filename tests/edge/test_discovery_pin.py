@@ -13,7 +13,7 @@ import zmq
 from edge.discovery import Advertisement, Found, discover, key_fingerprint, select_master
 from lowband.errors import ConfigError
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.security, pytest.mark.timeout(120)]
 
 A, B = (zmq.curve_keypair()[0].decode() for _ in range(2))
 

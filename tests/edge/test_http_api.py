@@ -24,7 +24,7 @@ from lowband.models.llama import LlamaForCausalLM, init_weights
 from lowband.models.tokenizer import ByteTokenizer
 from tests.conftest import tiny_llama
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.security, pytest.mark.timeout(120)]
 
 KEY = "s3cret-key-for-tests"
 
