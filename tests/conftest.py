@@ -189,6 +189,7 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
 # tiers.
 SLOW_DIRS = ("cli", "benchmarks", "examples")
 SLOW_TESTS = (
+    "edge/test_api_key_cli.py::test_edge_run_with_an_api_key_file",  # spawns edge run
     "edge/formats/test_gguf_tokenizer.py::test_llamacpp_vectors",
     "edge/test_quant.py::test_cpp_selftest_all_paths",
     "edge/test_quant.py::test_benchmark_tiny_smoke",
