@@ -1,11 +1,11 @@
 """One pipeline stage: a contiguous range of decoder layers ``[lo, hi)`` and their KV caches.
 
 A stage computes each of its layers whole, with the very modules and kernels one device uses,
-and picks between them as one device does (``LlamaForCausalLM.forward_ragged``): a step of
-single tokens runs the compiled step (``edge.fastpath.FastDecode`` over the stage's range,
-batched for several sequences), anything else (a prompt chunk in the batch) the eager
-``DecoderLayer.forward``. So chaining the stages of a plan gives the same bytes as one device
-running every layer (``tests/edge/test_pipeline.py`` checks the logits bit for bit). Only the
+and picks between them as one device does (``LlamaForCausalLM.forward_ragged`` over the
+stage's range): the compiled step (``edge.fastpath.FastDecode`` over the range) wherever it
+takes the step, single tokens and prompt spans alike, else the eager ``DecoderLayer.forward``.
+So chaining the stages of a plan gives the same bytes as one device running every layer
+(``tests/edge/test_pipeline.py`` checks the logits bit for bit). Only the
 hidden state (1, N, H) crosses from one stage to the next.
 
 The stage's layers are renumbered ``0..hi-lo-1`` for the cache, so its KV caches hold only
@@ -25,7 +25,7 @@ from torch import nn
 from edge import fastpath
 from edge.shardio import LoadedShard, load_shard
 from lowband.errors import ConfigError
-from lowband.models.llama import KVCache, LlamaForCausalLM, Span, fast_ragged
+from lowband.models.llama import KVCache, LlamaForCausalLM, Span
 
 logger = logging.getLogger(__name__)
 
@@ -77,31 +77,9 @@ def run_layers(
     model: LlamaForCausalLM, rng: LayerRange, x: torch.Tensor, spans: Sequence[Span]
 ) -> torch.Tensor:
     """The layers of ``rng`` over a ragged batch: x (1, N, H) holds each span's tokens back to
-    back; returns (1, N, H). Each span appends to its own (stage) cache: the same steps as
-    ``LlamaForCausalLM.forward_ragged`` restricted to the range."""
-    if not spans or sum(s.length for s in spans) != x.shape[1] or x.shape[0] != 1:
-        raise ValueError("x must be (1, N, H) with N the spans' total length")
-    if len({id(s.cache) for s in spans}) != len(spans):
-        raise ValueError("each span needs its own cache")
-    for s in spans:
-        if s.length < 1 or s.start < 0:
-            raise ValueError(f"bad span: start {s.start}, length {s.length}")
-        s.cache.prepare(s.start, s.length)
-    out = fast_ragged(model.fast_decode, x, spans)  # the routing one device uses
-    if out is not None:
-        return out
-    pos = torch.cat([torch.arange(s.start, s.start + s.length) for s in spans])
-    end = max(s.start + s.length for s in spans)
-    kinds = model._layer_tables
-    tables = {}
-    for kind in set(kinds[rng.lo : rng.hi]):
-        cos, sin = model.rope(0, end, x.dtype, kind)
-        tables[kind] = (cos[pos], sin[pos])
-    for i in range(rng.lo, rng.hi):
-        x = model.model.layers[i](x, *tables[kinds[i]], None, 0, spans)
-    for s in spans:
-        s.cache.length = s.start + s.length
-    return x
+    back; returns (1, N, H). Each span appends to its own (stage) cache: one device's
+    ``LlamaForCausalLM.forward_ragged`` (its routing and kernels) over the range."""
+    return model.forward_ragged(x, spans, layers=(rng.lo, rng.hi))
 
 
 class Stage:

@@ -713,12 +713,16 @@ class LlamaForCausalLM(nn.Module):
             cache.length = start + T
         return x
 
-    def forward_ragged(self, x: torch.Tensor, spans: Sequence[Span]) -> torch.Tensor:
+    def forward_ragged(
+        self, x: torch.Tensor, spans: Sequence[Span], layers: tuple[int, int] | None = None
+    ) -> torch.Tensor:
         """Several sequences in one pass: x (1, N, H) holds ``spans[0].length`` tokens of the
         first, then the second's, ... (N = the sum); returns (1, N, H). Each span appends to
         its own cache. Every matmul runs once for the N rows (continuous batching, and a
         prompt chunk piggybacking on decodes); through the compiled step when one is installed
-        and takes the batch (:func:`fast_ragged`: every row computed as its token alone)."""
+        and takes the batch (:func:`fast_ragged`: every row computed as its token alone).
+        ``layers`` (lo, hi): only decoder layers lo..hi-1, x entering layer lo (a pipeline
+        stage's range, whose compiled step is installed over that range)."""
         if not spans or sum(s.length for s in spans) != x.shape[1] or x.shape[0] != 1:
             raise ValueError("x must be (1, N, H) with N the spans' total length")
         if len({id(s.cache) for s in spans}) != len(spans):
@@ -730,14 +734,16 @@ class LlamaForCausalLM(nn.Module):
         out = fast_ragged(self.fast_decode, x, spans)
         if out is not None:
             return out
+        lo, hi = layers if layers is not None else (0, len(self.model.layers))
+        kinds = self._layer_tables
         pos = torch.cat([torch.arange(s.start, s.start + s.length) for s in spans])
         end = max(s.start + s.length for s in spans)
         tables = {}
-        for kind in set(self._layer_tables):
+        for kind in set(kinds[lo:hi]):
             cos, sin = self.rope(0, end, x.dtype, kind)
             tables[kind] = (cos[pos], sin[pos])
-        for layer, kind in zip(self.model.layers, self._layer_tables):
-            x = layer(x, *tables[kind], None, 0, spans)
+        for i in range(lo, hi):
+            x = self.model.layers[i](x, *tables[kinds[i]], None, 0, spans)
         for s in spans:
             s.cache.length = s.start + s.length
         return x
