@@ -6,7 +6,8 @@ while the cluster is degraded), ``GET /metrics`` (JSON; the Prometheus text form
 client asks for it: ``Accept: text/plain`` or OpenMetrics without ``application/json``, or
 ``?format=prometheus``), and vLLM's ``POST /tokenize``,
 ``POST /detokenize``, ``GET /tokenizer_info`` (what lm-evaluation-harness's ``local-completions``
-tokenises with when it finds them).
+tokenises with when it finds them). The four OpenAI routes also answer without ``/v1``
+(``/chat/completions``...), as llama-server's and vLLM's do.
 
 Request fields beyond the basics, shaped as OpenAI's: ``n`` choices (with a ``seed``, choice
 ``i`` draws with ``seed + i``), ``logprobs`` (completions: the k most likely alternatives per
@@ -815,6 +816,12 @@ class Server:
                 web.post("/v1/completions", self.completions),
                 web.post("/v1/chat/completions", self.chat),
                 web.post("/v1/embeddings", self.embeddings),
+                # the same without /v1, as llama-server and vLLM also serve them (clients given
+                # the bare host as their base URL)
+                web.get("/models", self.models),
+                web.post("/completions", self.completions),
+                web.post("/chat/completions", self.chat),
+                web.post("/embeddings", self.embeddings),
                 web.post("/tokenize", self.tokenize),
                 web.post("/detokenize", self.detokenize),
                 web.get("/tokenizer_info", self.tokenizer_info),
