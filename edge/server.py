@@ -6,8 +6,8 @@ while the cluster is degraded), ``GET /metrics`` (JSON; the Prometheus text form
 client asks for it: ``Accept: text/plain`` or OpenMetrics without ``application/json``, or
 ``?format=prometheus``), and vLLM's ``POST /tokenize``,
 ``POST /detokenize``, ``GET /tokenizer_info`` (what lm-evaluation-harness's ``local-completions``
-tokenises with when it finds them). The four OpenAI routes also answer without ``/v1``
-(``/chat/completions``...), as llama-server's and vLLM's do.
+tokenises with when it finds them). ``/chat/completions`` and ``/models`` also answer without
+``/v1``, as llama-server's do (its ``/completions`` and ``/embeddings`` are its own API).
 
 Request fields beyond the basics, shaped as OpenAI's: ``n`` choices (with a ``seed``, choice
 ``i`` draws with ``seed + i``), ``logprobs`` (completions: the k most likely alternatives per
@@ -816,12 +816,10 @@ class Server:
                 web.post("/v1/completions", self.completions),
                 web.post("/v1/chat/completions", self.chat),
                 web.post("/v1/embeddings", self.embeddings),
-                # the same without /v1, as llama-server and vLLM also serve them (clients given
-                # the bare host as their base URL)
+                # the same without /v1, as llama-server serves them (clients given the bare host
+                # as their base URL); its /completions and /embeddings are its own API instead
                 web.get("/models", self.models),
-                web.post("/completions", self.completions),
                 web.post("/chat/completions", self.chat),
-                web.post("/embeddings", self.embeddings),
                 web.post("/tokenize", self.tokenize),
                 web.post("/detokenize", self.detokenize),
                 web.get("/tokenizer_info", self.tokenizer_info),
@@ -1405,17 +1403,24 @@ class Server:
                 if c.reasoning is None:
                     c.reasoning = ReasoningStream(opts.reasoning_format, opts.reasoning_opened)
                 thought, said = c.reasoning.feed(ev.text, final=ev.finish_reason is not None)
-                delta: dict[str, Any] = {"reasoning_content": thought} if thought else {}
-                if said or not thought:
-                    delta["content"] = said
+                # the role in a chunk of its own, then only non-empty text: what OpenAI and
+                # llama-server send (clients that join the deltas assert they are not empty)
                 if first:
-                    delta = {"role": "assistant", **delta}
+                    role = {"role": "assistant", "content": None}
+                    none = None if opts.logprobs is None else {"content": [], "refusal": None}
+                    out.append(
+                        data({"index": i, "delta": role, "logprobs": none, "finish_reason": None})
+                    )
+                delta: dict[str, Any] = {"reasoning_content": thought} if thought else {}
+                if said:
+                    delta["content"] = said
                 lp = None
                 if opts.logprobs is not None:
                     lp = {"content": _chat_logprobs(new, c.before, self.pieces), "refusal": None}
                     del c.before[:-PIECE_CONTEXT]
-                choice = {"index": i, "delta": delta, "logprobs": lp}
-                out.append(data({**choice, "finish_reason": ev.finish_reason}))
+                if delta or lp is not None or ev.finish_reason is not None:
+                    choice = {"index": i, "delta": delta, "logprobs": lp}
+                    out.append(data({**choice, "finish_reason": ev.finish_reason}))
                 return out
             if first and echo is not None:
                 prompt = echo[i // opts.n]

@@ -150,7 +150,7 @@ def chat_stream(base: str, messages: list[dict], max_tokens: int) -> str:
             chunk = json.loads(line[len("data: ") :])
             if "error" in chunk:
                 raise SystemExit(f"the stream failed: {chunk['error']['message']}")
-            piece = chunk["choices"][0]["delta"].get("content", "")
+            piece = chunk["choices"][0]["delta"].get("content") or ""
             parts.append(piece)
             print(piece, end="", flush=True)
     print()

@@ -212,7 +212,7 @@ def test_streamed_chat_uses_the_template_too(tmp_path, stream) -> None:
         async for raw in r.content:
             line = raw.decode().strip()
             if line.startswith("data: {"):
-                parts.append(json.loads(line[6:])["choices"][0]["delta"].get("content", ""))
+                parts.append(json.loads(line[6:])["choices"][0]["delta"].get("content") or "")
         return "".join(parts)
 
     assert run(body, engine) == expected

@@ -36,7 +36,6 @@ sys.modules.setdefault("wget", types.ModuleType("wget"))  # utils imports it for
 import httpx  # noqa: E402
 import pytest  # noqa: E402
 import requests  # noqa: E402
-
 import utils  # noqa: E402
 
 CFG = json.loads(os.environ["LOWBAND_SUITE"])  # python, repo, work, model

@@ -324,7 +324,7 @@ def _check_api(port: int, reference: dict, devices: int, budget_mb: float) -> No
     assert status == 200
     events = [line[6:] for line in raw.decode().split("\n\n") if line.startswith("data: ")]
     assert events[-1] == "[DONE]"
-    text = "".join(json.loads(e)["choices"][0]["delta"].get("content", "") for e in events[:-1])
+    text = "".join(json.loads(e)["choices"][0]["delta"].get("content") or "" for e in events[:-1])
     assert text == reference["chat"]
     status, m = _http(port, "/metrics")
     store = m["expert_store"]
