@@ -73,10 +73,12 @@ from edge.tool_calls import (
     check_tools,
     parse_tool_calls,
     split_reasoning,
+    template_takes_tools,
     tool_format,
+    with_tools_in_system,
 )
 from lowband.errors import ChatTemplateError, ConfigError, LowbandError
-from lowband.models.chat_template import ChatTemplate, normalize_messages
+from lowband.models.chat_template import TOOL_USE_NAME, ChatTemplate, normalize_messages
 from lowband.models.tokenizer import ByteTokenizer
 
 logger = logging.getLogger(__name__)
@@ -708,6 +710,9 @@ def render_chat(template: ChatTemplate, body: dict) -> str:
         raise ApiError(400, "chat_template_kwargs must be an object", param="chat_template_kwargs")
     try:
         messages = normalize_messages(body.get("messages"))
+        source = template.named.get(TOOL_USE_NAME, template.source)
+        if tools and not template_takes_tools(source):
+            messages = with_tools_in_system(messages, tools)  # else the model never sees them
         return template.render(messages, add_generation_prompt=True, tools=tools, **kwargs)
     except ChatTemplateError as exc:
         raise ApiError(400, str(exc), param="messages", code="chat_template_error") from None

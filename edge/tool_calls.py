@@ -36,6 +36,38 @@ def tool_format(template_source: str | None) -> str:
     return GENERIC
 
 
+def template_takes_tools(template_source: str | None) -> bool:
+    """Whether a chat template renders the ``tools`` it is given (Gemma 3's, and most base
+    models', never look at them)."""
+    return "tools" in (template_source or "")
+
+
+def with_tools_in_system(messages: list[dict], tools: list[dict]) -> list[dict]:
+    """``messages`` with the tools described in the system message (one added first when there
+    is none), for a template that does not render tools itself: the model is told the functions
+    and the generic format to call them in, which :func:`parse_tool_calls` reads back (as
+    llama-server's generic tool format does for such templates)."""
+    lines = "\n".join(json.dumps(t.get("function", t), ensure_ascii=False) for t in tools)
+    text = (
+        "You can call these functions:\n"
+        + lines
+        + '\n\nTo call one, reply with only a JSON object {"name": <function name>, '
+        '"arguments": <its arguments>} (a list of them for several calls); otherwise reply '
+        "as usual."
+    )
+    if messages and messages[0].get("role") == "system":
+        first = dict(messages[0])
+        content = first.get("content")
+        if isinstance(content, str):
+            first["content"] = text + "\n\n" + content
+        elif isinstance(content, list):
+            first["content"] = [{"type": "text", "text": text + "\n\n"}, *content]
+        else:
+            first["content"] = text
+        return [first, *messages[1:]]
+    return [{"role": "system", "content": text}, *messages]
+
+
 def check_tools(tools: Any, tool_choice: Any) -> tuple[list[dict], Any]:
     """(function tools, tool_choice) checked: ``ConfigError`` naming the field otherwise.
     ``tool_choice``: "none", "auto", "required" or ``{"type": "function", "function":

@@ -1,0 +1,156 @@
+"""Tool calls and structured output through real chat templates: Llama 3.1's and Qwen2.5's
+(``data/templates``: the models' published templates as llama.cpp keeps them in
+``models/templates``, from their HF ``tokenizer_config.json``), carried by small GGUF files, and
+Gemma 3's from the published 270M file.
+
+For each: the tools are rendered into the prompt the way the template writes them (Gemma 3's
+template ignores tools, so the server describes them in the system message), a call written in
+the model's own format (as the template itself writes an assistant's past calls) parses back
+into the same ``tool_calls``, and over HTTP a ``required`` or named call, greedy and sampled,
+always parses and validates against the tool's parameters, as does a ``json_schema`` reply."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import jsonschema
+import pytest
+
+from edge.engine import Engine, LocalRunner
+from edge.server import render_chat
+from edge.shardio import load_shard
+from edge.source import resolve_model
+from edge.tool_calls import GENERIC, HERMES, LLAMA3, parse_tool_calls, tool_format
+from lowband.models.chat_template import ChatTemplate, normalize_messages
+from tests.edge.llamacpp_suite.model import write_model
+from tests.edge.test_openai_api import post, run
+from tests.edge.test_tool_calls import TOOLS, WEATHER
+
+pytestmark = pytest.mark.timeout(600)
+DATA = Path(__file__).with_name("data") / "templates"
+TEMPLATES = {
+    "llama3.1": ("meta-llama-Llama-3.1-8B-Instruct.jinja", LLAMA3),
+    "qwen2.5": ("Qwen-Qwen2.5-7B-Instruct.jinja", HERMES),
+}
+ENDS = ("<|eot_id|>", "<|eom_id|>", "<|im_end|>", "<end_of_turn>")
+CALL = {
+    "id": "call_1",
+    "type": "function",
+    "function": {"name": "weather", "arguments": json.dumps({"city": "Paris", "unit": "c"})},
+}
+ASK = [{"role": "user", "content": "Weather in Paris?"}]
+
+
+def _template(name: str) -> ChatTemplate:
+    return ChatTemplate(
+        source=(DATA / TEMPLATES[name][0]).read_text(),
+        bos_token="<|begin_of_text|>",
+        eos_token="<|end_of_text|>",
+    )
+
+
+def _reply_as_rendered(tpl: ChatTemplate, messages: list[dict]) -> str:
+    """What the template writes for the last (assistant) message: the model's own format."""
+    head = tpl.render(normalize_messages(messages[:-1]), add_generation_prompt=True, tools=TOOLS)
+    full = tpl.render(normalize_messages(messages), add_generation_prompt=False, tools=TOOLS)
+    assert full.startswith(head)
+    reply = full[len(head) :].strip()
+    for end in ENDS:
+        reply = reply.removesuffix(end).strip()
+    return reply
+
+
+@pytest.mark.parametrize("name", sorted(TEMPLATES))
+def test_tools_are_rendered_and_calls_parse_back(name: str) -> None:
+    tpl = _template(name)
+    fmt = tool_format(tpl.source)
+    assert fmt == TEMPLATES[name][1]
+    prompt = render_chat(tpl, {"messages": ASK, "tools": TOOLS})
+    for t in TOOLS:  # each tool's definition, as JSON, in the prompt
+        fn = t["function"]
+        assert f'"name": "{fn["name"]}"' in prompt
+        for key, spec in fn["parameters"]["properties"].items():  # (indented or not)
+            assert f'"{key}"' in prompt
+            assert all(f'"{k}"' in prompt for k in spec)
+    reply = _reply_as_rendered(tpl, [*ASK, {"role": "assistant", "tool_calls": [CALL]}])
+    assert ("<tool_call>" in reply) == (fmt == HERMES)
+    content, calls = parse_tool_calls(reply, TOOLS, fmt)
+    assert content is None and len(calls) == 1
+    assert calls[0]["function"]["name"] == "weather"
+    assert json.loads(calls[0]["function"]["arguments"]) == {"city": "Paris", "unit": "c"}
+    # a reply in prose stays content
+    assert parse_tool_calls("It is sunny.", TOOLS, fmt) == ("It is sunny.", [])
+
+
+def _engine(path: Path) -> Engine:
+    src = resolve_model(path)
+    return Engine(LocalRunner(load_shard(path).model), src.tokenizer(), model_name="m")
+
+
+def _check_calls(out: dict, names: set[str]) -> None:
+    msg = out["choices"][0]["message"]
+    assert out["choices"][0]["finish_reason"] == "tool_calls", msg
+    assert msg["tool_calls"], msg
+    for call in msg["tool_calls"]:
+        fn = call["function"]
+        assert fn["name"] in names
+        params = next(
+            t["function"]["parameters"] for t in TOOLS if t["function"]["name"] == fn["name"]
+        )
+        jsonschema.validate(json.loads(fn["arguments"]), params)
+
+
+async def _http_checks(s, engine) -> None:
+    for temperature in (0.0, 1.0):
+        for choice, names in (
+            ("required", {"weather", "time"}),
+            (
+                {"type": "function", "function": {"name": "weather"}},
+                {"weather"},
+            ),
+        ):
+            req = {
+                "messages": ASK,
+                "tools": TOOLS,
+                "tool_choice": choice,
+                "max_tokens": 200,
+                "temperature": temperature,
+                "seed": 1,
+            }
+            _check_calls(await post(s, "/v1/chat/completions", req), names)
+        req = {
+            "messages": ASK,
+            "max_tokens": 200,
+            "temperature": temperature,
+            "seed": 2,
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {"name": "w", "schema": WEATHER},
+            },
+        }
+        out = await post(s, "/v1/chat/completions", req)
+        if out["choices"][0]["finish_reason"] == "stop":
+            jsonschema.validate(json.loads(out["choices"][0]["message"]["content"]), WEATHER)
+
+
+@pytest.mark.parametrize("name", sorted(TEMPLATES))
+def test_required_calls_over_http_with_the_real_template(name: str, tmp_path: Path) -> None:
+    path = write_model(tmp_path / f"{name}.gguf", (DATA / TEMPLATES[name][0]).read_text())
+    engine = _engine(path)
+    assert tool_format(engine.tokenizer.chat_template.source) == TEMPLATES[name][1]
+    run(_http_checks, engine)
+
+
+@pytest.mark.slow
+def test_gemma3_real_file_tools_and_calls(real_gemma3: Path) -> None:
+    engine = _engine(real_gemma3)
+    tpl = engine.tokenizer.chat_template
+    fmt = tool_format(tpl.source)
+    assert fmt == GENERIC
+    prompt = render_chat(tpl, {"messages": ASK, "tools": TOOLS})
+    assert '"name": "weather"' in prompt and prompt.count("<start_of_turn>user") == 1
+    reply = json.dumps({"name": "weather", "arguments": {"city": "Paris", "unit": "c"}})
+    content, calls = parse_tool_calls(reply, TOOLS, fmt)
+    assert content is None and json.loads(calls[0]["function"]["arguments"])["city"] == "Paris"
+    run(_http_checks, engine)
