@@ -1,7 +1,8 @@
 """Tool calls and structured output through real chat templates: Llama 3.1's and Qwen2.5's
 (``data/templates``: the models' published templates as llama.cpp keeps them in
 ``models/templates``, from their HF ``tokenizer_config.json``), carried by small GGUF files, and
-Gemma 3's from the published 270M file.
+Gemma 3's instruction-tuned template (``google-gemma-3-it.jinja``, the ``chat_template`` of
+google/gemma-3-*-it) on the published 270M file.
 
 For each: the tools are rendered into the prompt the way the template writes them (Gemma 3's
 template ignores tools, so the server describes them in the system message), a call written in
@@ -22,7 +23,11 @@ from edge.server import render_chat
 from edge.shardio import load_shard
 from edge.source import resolve_model
 from edge.tool_calls import GENERIC, HERMES, LLAMA3, parse_tool_calls, tool_format
-from lowband.models.chat_template import ChatTemplate, normalize_messages
+from lowband.models.chat_template import (
+    ChatTemplate,
+    normalize_messages,
+    template_from_gguf_metadata,
+)
 from tests.edge.llamacpp_suite.model import write_model
 from tests.edge.test_openai_api import post, run
 from tests.edge.test_tool_calls import TOOLS, WEATHER
@@ -144,8 +149,21 @@ def test_required_calls_over_http_with_the_real_template(name: str, tmp_path: Pa
 
 @pytest.mark.slow
 def test_gemma3_real_file_tools_and_calls(real_gemma3: Path) -> None:
+    """The published 270M file is the base model: its GGUF carries no chat template, so the
+    instruction-tuned models' one (``google-gemma-3-it.jinja``) is attached as the GGUF reader
+    attaches a file's own."""
     engine = _engine(real_gemma3)
-    tpl = engine.tokenizer.chat_template
+    tok = engine.tokenizer
+    tokens = tok.vocab.tokens
+    tok.chat_template = template_from_gguf_metadata(
+        (DATA / "google-gemma-3-it.jinja").read_text(),
+        bos_token=tokens[tok.bos_token_id],
+        eos_token=tokens[tok.eos_token_id],
+        vocabulary=tok.special_tokens,
+        eos_token_ids=[tok.eos_token_id],
+    )
+    tpl = tok.chat_template
+    assert "<end_of_turn>" in tpl.stop_strings or tpl.stop_token_ids
     fmt = tool_format(tpl.source)
     assert fmt == GENERIC
     prompt = render_chat(tpl, {"messages": ASK, "tools": TOOLS})

@@ -23,6 +23,7 @@ the JSON file ``$LOWBAND_SUITE_REPORT``.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import subprocess
@@ -150,7 +151,10 @@ def start(self, timeout_seconds: int = 600) -> None:
     if self.model_alias:
         args += ["--name", self.model_alias]
     if self.api_key:
-        key = Path(CFG["work"]) / "api-key"
+        # one file per key: the file's path is part of the command line a server is kept by
+        key = (
+            Path(CFG["work"]) / f"api-key-{hashlib.sha256(self.api_key.encode()).hexdigest()[:12]}"
+        )
         key.write_text(self.api_key)
         key.chmod(0o600)
         args += ["--api-key-file", str(key)]
