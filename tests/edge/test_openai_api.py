@@ -251,7 +251,7 @@ def test_n_choices_with_seeds_and_same_seed_same_text() -> None:
         roles = []
         for c in chunks:
             (choice,) = c["choices"]
-            got[choice["index"]] += (choice["delta"].get("content") or "")
+            got[choice["index"]] += choice["delta"].get("content") or ""
             roles += [choice["index"]] if "role" in choice["delta"] else []
         assert sorted(roles) == [0, 1]
         assert [got[0], got[1]] == [c["message"]["content"] for c in ref["choices"]]
