@@ -1412,7 +1412,9 @@ class Server:
                 # llama-server send (clients that join the deltas assert they are not empty)
                 if first:
                     role = {"role": "assistant", "content": None}
-                    none = None if opts.logprobs is None else {"content": [], "refusal": None}
+                    none: dict | None = (
+                        None if opts.logprobs is None else {"content": [], "refusal": None}
+                    )
                     out.append(
                         data({"index": i, "delta": role, "logprobs": none, "finish_reason": None})
                     )

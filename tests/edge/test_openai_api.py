@@ -585,3 +585,23 @@ def test_the_openai_client() -> None:
         box["loop"].call_soon_threadsafe(stop.set)
         t.join(30)
         assert not t.is_alive()
+
+
+def test_streamed_chat_opens_with_the_role_and_sends_no_empty_deltas() -> None:
+    """The role alone first (content null), then only non-empty text (a byte tokenizer's
+    incomplete characters make events with no text), the finish_reason last; the chat and
+    model routes also answer without /v1, as llama-server's."""
+
+    async def body(s, engine):
+        req = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 24}
+        chunks = await sse(s, "/chat/completions", {**req, "temperature": 1.0, "seed": 5})
+        models = await (await s.get("/models")).json()
+        return chunks, models
+
+    chunks, models = run(body)
+    deltas = [c["choices"][0]["delta"] for c in chunks if c["choices"]]
+    assert deltas[0] == {"role": "assistant", "content": None}
+    assert all("role" not in d and d.get("content") != "" for d in deltas[1:])
+    assert all(d for d in deltas[1:-1])  # no empty chunk before the last one
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    assert models["data"][0]["id"] == "tiny"

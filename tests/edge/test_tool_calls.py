@@ -10,6 +10,7 @@ import json
 import jsonschema
 import pytest
 
+from edge.server import render_chat
 from edge.tool_calls import (
     GENERIC,
     HERMES,
@@ -21,9 +22,11 @@ from edge.tool_calls import (
     check_tools,
     parse_tool_calls,
     split_reasoning,
+    template_takes_tools,
     tool_format,
 )
 from lowband.errors import ConfigError
+from lowband.models.chat_template import ChatTemplate
 from tests.edge.test_openai_api import _engine, post, run, sse
 from tests.edge.test_structured import EosBytes
 
@@ -252,3 +255,28 @@ def test_streamed_reasoning_content_deltas_over_http() -> None:
     assert any("reasoning_content" in d and "content" not in d for d in deltas)
     assert "".join(d.get("reasoning_content", "") for d in deltas) == message["reasoning_content"]
     assert "".join(d.get("content") or "" for d in deltas) == message["content"]
+
+
+def test_tools_reach_a_template_that_does_not_render_them() -> None:
+    """Gemma 3's template never looks at ``tools``: they are described in the system message
+    (merged into one the request has) in the generic format parse_tool_calls reads."""
+    tpl = ChatTemplate(
+        source="{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
+    )
+    assert not template_takes_tools(tpl.source)
+    hi = [{"role": "user", "content": "hi"}]
+    prompt = render_chat(tpl, {"messages": hi, "tools": TOOLS})
+    assert prompt.startswith("<system>You can call these functions:") and prompt.endswith(
+        "<user>hi"
+    )
+    assert '"name": "weather"' in prompt and '"name": "time"' in prompt and '"arguments"' in prompt
+    brief = [{"role": "system", "content": "Be brief."}, *hi]
+    prompt = render_chat(tpl, {"messages": brief, "tools": TOOLS})
+    assert prompt.count("<system>") == 1 and prompt.index('"weather"') < prompt.index("Be brief.")
+    assert render_chat(tpl, {"messages": hi}) == "<user>hi"  # no tools: untouched
+    # a template that renders tools itself is left to do it
+    own = ChatTemplate(
+        source="{{ tools | length }}{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    )
+    assert template_takes_tools(own.source)
+    assert render_chat(own, {"messages": hi, "tools": TOOLS}) == "2hi"
