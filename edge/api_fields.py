@@ -102,6 +102,8 @@ FIELDS: dict[str, Field] = {
         _f("tool_choice", U, ONLY_CHAT),
         _f("reasoning_format", U, ONLY_CHAT),
         _f("chat_template_kwargs", U, ONLY_CHAT),
+        _f("add_generation_prompt", U, ONLY_CHAT),
+        _f("continue_final_message", U, ONLY_CHAT),
         # ---- embeddings (edge.embeddings)
         _f("input", U, ONLY_EMBEDDINGS),
         _f("encoding_format", U, ONLY_EMBEDDINGS),
@@ -152,8 +154,6 @@ FIELDS: dict[str, Field] = {
         _f("t_max_predict_ms", R, BOTH, 0),
         _f("lora", R, BOTH, []),
         _f("chat_template", R, ONLY_CHAT),
-        _f("add_generation_prompt", R, ONLY_CHAT, True),
-        _f("continue_final_message", R, ONLY_CHAT, False),
         _f("length_penalty", R, BOTH, 1, 1.0),
         _f("repetition_penalty", R, BOTH, 1, 1.0),
         _f("embd_normalize", R, ONLY_EMBEDDINGS, 2),

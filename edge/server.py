@@ -686,20 +686,41 @@ def wants_prometheus(request: web.Request) -> bool:
     return "text/plain" in accept or "openmetrics" in accept
 
 
-def chat_prompt(messages: Any) -> str:
+def chat_prompt(messages: Any, body: dict | None = None) -> str:
     """A plain role-tagged transcript ending with the assistant's turn: the prompt of a model
-    that ships no chat template (a base model, or one trained here)."""
+    that ships no chat template (a base model, or one trained here). ``body``'s
+    ``continue_final_message`` leaves the last (assistant) line open instead, and
+    ``add_generation_prompt: false`` leaves the assistant's tag out."""
+    body = body or {}
+    go_on = _opt_bool(body, "continue_final_message")
+    header = _opt_bool(body, "add_generation_prompt", default=not go_on)
+    if go_on and header:
+        raise ApiError(
+            400,
+            "continue_final_message and add_generation_prompt cannot both be true",
+            param="continue_final_message",
+        )
     try:
         plain = normalize_messages(messages)
     except ChatTemplateError as exc:
         raise ApiError(400, str(exc), param="messages") from None
     lines = [f"{m['role']}: {m.get('content', '')}\n" for m in plain]
-    return "".join(lines) + "assistant:"
+    if go_on:
+        if plain[-1]["role"] != "assistant":
+            raise ApiError(
+                400,
+                "continue_final_message needs a last assistant message",
+                param="continue_final_message",
+            )
+        return "".join(lines)[:-1]
+    return "".join(lines) + ("assistant:" if header else "")
 
 
 def render_chat(template: ChatTemplate, body: dict) -> str:
     """The prompt of a chat request in the model's own template, ending with the assistant's
-    header; ``tools`` and ``chat_template_kwargs`` (as vLLM and llama.cpp accept them) reach
+    header (``add_generation_prompt``, default true) or, with ``continue_final_message``, with
+    the last (assistant) message left open for the model to continue, as vLLM and transformers
+    take them; ``tools`` and ``chat_template_kwargs`` (as vLLM and llama.cpp accept them) reach
     the template. Raises :class:`ApiError` 400 for what the template or the checks refuse."""
     tools, kwargs = body.get("tools"), body.get("chat_template_kwargs") or {}
     if tools is not None and not (
@@ -708,14 +729,34 @@ def render_chat(template: ChatTemplate, body: dict) -> str:
         raise ApiError(400, "tools must be a list of objects", param="tools")
     if not isinstance(kwargs, dict):
         raise ApiError(400, "chat_template_kwargs must be an object", param="chat_template_kwargs")
+    go_on = _opt_bool(body, "continue_final_message")
+    header = _opt_bool(body, "add_generation_prompt", default=not go_on)
+    if go_on and header:
+        raise ApiError(
+            400,
+            "continue_final_message and add_generation_prompt cannot both be true",
+            param="continue_final_message",
+        )
     try:
         messages = normalize_messages(body.get("messages"))
         source = template.named.get(TOOL_USE_NAME, template.source)
         if tools and not template_takes_tools(source):
             messages = with_tools_in_system(messages, tools)  # else the model never sees them
-        return template.render(messages, add_generation_prompt=True, tools=tools, **kwargs)
+        text = template.render(messages, add_generation_prompt=header, tools=tools, **kwargs)
     except ChatTemplateError as exc:
         raise ApiError(400, str(exc), param="messages", code="chat_template_error") from None
+    if go_on:  # the last message left open, as transformers' continue_final_message cuts it
+        last = messages[-1].get("content")
+        final = last.strip() if isinstance(last, str) else ""
+        at = text.rfind(final) if final else -1
+        if messages[-1].get("role") != "assistant" or at < 0:
+            raise ApiError(
+                400,
+                "continue_final_message needs a last assistant message with text",
+                param="continue_final_message",
+            )
+        text = text[: at + len(final)]
+    return text
 
 
 def _engine_error(item: BaseException) -> ApiError:
@@ -1113,7 +1154,7 @@ class Server:
         self._admit(opts.n, "n")
         template = self._template()
         if template is None:
-            ids = await self._prepare(chat_prompt(body.get("messages")), opts.params)
+            ids = await self._prepare(chat_prompt(body.get("messages"), body), opts.params)
             return await self._respond(request, opts, [ids], chat=True)
         # A big conversation takes a while to render and tokenise: both off the event loop.
         if body.get("tools") is not None and not opts.calls_tools:

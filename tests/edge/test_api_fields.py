@@ -67,6 +67,11 @@ USED: dict[str, dict] = {
     },
     "reasoning_format": {"reasoning_format": "deepseek"},
     "chat_template_kwargs": {"chat_template_kwargs": {}},
+    "add_generation_prompt": {"add_generation_prompt": False},
+    "continue_final_message": {
+        "continue_final_message": True,
+        "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "So"}],
+    },
     "input": {},
     "encoding_format": {"encoding_format": "base64"},
     "dimensions": {"dimensions": CFG.hidden_size},

@@ -19,7 +19,7 @@ import jsonschema
 import pytest
 
 from edge.engine import Engine, LocalRunner
-from edge.server import render_chat
+from edge.server import ApiError, render_chat
 from edge.shardio import load_shard
 from edge.source import resolve_model
 from edge.tool_calls import GENERIC, HERMES, LLAMA3, parse_tool_calls, tool_format
@@ -172,3 +172,32 @@ def test_gemma3_real_file_tools_and_calls(real_gemma3: Path) -> None:
     content, calls = parse_tool_calls(reply, TOOLS, fmt)
     assert content is None and json.loads(calls[0]["function"]["arguments"])["city"] == "Paris"
     run(_http_checks, engine)
+
+
+def test_continue_final_message_leaves_the_last_turn_open() -> None:
+    """vLLM's and transformers' continue_final_message (llama.cpp's suite checks this very
+    prompt end with Llama 3.1's template); both it and add_generation_prompt: a 400."""
+    tpl = _template("llama3.1")
+    msgs = [
+        {"role": "system", "content": "Book"},
+        {"role": "user", "content": "What is the best book"},
+        {"role": "assistant", "content": "Whill"},
+    ]
+    body = {"messages": msgs, "continue_final_message": True, "add_generation_prompt": False}
+    assert render_chat(tpl, body).endswith(
+        "<|start_header_id|>user<|end_header_id|>\n\nWhat is the best book<|eot_id|>"
+        "<|start_header_id|>assistant<|end_header_id|>\n\nWhill"
+    )
+    assert render_chat(tpl, {"messages": msgs, "continue_final_message": True}) == render_chat(
+        tpl, body
+    )
+    closed = render_chat(tpl, {"messages": msgs, "add_generation_prompt": False})
+    assert closed.endswith("Whill<|eot_id|>")
+    for bad in (
+        {"messages": msgs, "continue_final_message": True, "add_generation_prompt": True},
+        {"messages": msgs[:2], "continue_final_message": True},
+        {"messages": msgs, "continue_final_message": "yes"},
+    ):
+        with pytest.raises(ApiError) as e:
+            render_chat(tpl, bad)
+        assert e.value.status == 400
