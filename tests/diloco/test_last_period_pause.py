@@ -12,12 +12,11 @@ import json
 import os
 import signal
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from tests.chaos_helpers import last_step, wait_for
+from tests.chaos_helpers import last_step, train_tiny, wait_for, worker_pids
 
 pytestmark = [pytest.mark.chaos, pytest.mark.slow, pytest.mark.timeout(420)]
 
@@ -26,31 +25,8 @@ H = 20  # the last sync period is steps 41..60; the pause starts at step 40 (+ a
 
 
 def _train(out: Path, log, *extra: str) -> subprocess.Popen:
-    args = [
-        sys.executable,
-        "-m",
-        "cli",
-        "train",
-        "--preset",
-        "tiny",
-        "--workers",
-        "2",
-        "--steps",
-        str(STEPS),
-        "-H",
-        str(H),
-        "-P",
-        "2",
-        "--batch-size",
-        "32",  # slow enough that the pause lands well before worker 1's end
-        "--eval-every",
-        "0",
-        "--no-progress",
-        "--out",
-        str(out),
-        *extra,
-    ]
-    return subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    # a batch of 32: slow enough that the pause lands well before worker 1's end
+    return train_tiny(out, log, STEPS, "-H", str(H), "-P", "2", "--batch-size", "32", *extra)
 
 
 def _events(path: Path, event: str) -> list[dict]:
@@ -69,15 +45,7 @@ def _events(path: Path, event: str) -> list[dict]:
 
 def _pause_in_last_period(out: Path) -> int:
     """SIGSTOP worker 1 once it logged step STEPS - H; its pid."""
-    pids = wait_for(
-        lambda: (
-            (out / "workers.json").exists()
-            and json.loads((out / "workers.json").read_text())["pids"]
-        ),
-        60,
-        "workers",
-    )
-    victim = int(pids["1"])
+    victim = worker_pids(out)["1"]
     wait_for(
         lambda: last_step(out / "metrics-worker1.jsonl") >= STEPS - H,
         180,
@@ -127,7 +95,7 @@ def test_paused_past_the_grace_finishes_apart_and_the_summary_names_it(tmp_path,
         p = _train(out, log, "--final-grace", "0")
         procs.append(p)
         victim = _pause_in_last_period(out)
-        pid0 = int(json.loads((out / "workers.json").read_text())["pids"]["0"])
+        pid0 = worker_pids(out)["0"]
         try:
             wait_for(lambda: _gone(pid0), 180, "worker 0 to finish and exit")
         finally:
