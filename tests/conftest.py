@@ -8,7 +8,7 @@ import subprocess
 import sys
 import threading
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Iterator
+from typing import IO, TYPE_CHECKING, Any, Callable, Iterator
 
 import pytest
 
@@ -276,6 +276,12 @@ def real_gemma3() -> Path:
         pytest.skip(f"the real Gemma 3 270M file is unavailable here: {exc}")
 
 
+# The run lock an ``alone`` test keeps, still exclusive, for the next test of its worker when
+# that one is ``alone`` too (the TUN link's tests run in a row): the other worker starts no test
+# between them, and the next one does not wait again for the other worker's test to end.
+_KEPT: list[IO[str]] = []
+
+
 @pytest.hookimpl(hookwrapper=True, tryfirst=True)
 def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
     """Under pytest-xdist (the README's test command runs two workers), a test marked ``alone``
@@ -283,7 +289,8 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> 
     test only waits while an ``alone`` one runs or waits. Two file locks per run: a gate (taken
     exclusively by a test that wants to be alone, so that no new test slips in before it) and the
     run lock (shared by ordinary tests, exclusive for ``alone`` ones), in the run's temporary
-    folder that the workers' folders share (pytest prunes it). Without xdist: nothing.
+    folder that the workers' folders share (pytest prunes it). An ``alone`` test followed on its
+    worker by another keeps the run lock for it (``_KEPT``). Without xdist: nothing.
 
     A wrapper of the whole protocol, outermost (tryfirst): the wait comes before pytest-timeout
     starts a test's clock, so waiting for the other worker never counts as the test's own time."""
@@ -292,14 +299,22 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> 
         return
     import fcntl
 
-    factory = item.config._tmp_path_factory  # type: ignore[attr-defined]
-    base = factory.getbasetemp().parent / "lowband-run"
     alone = item.get_closest_marker("alone") is not None
-    with open(f"{base}.gate", "a+") as gate, open(f"{base}.run", "a+") as run:
-        fcntl.flock(gate, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
-        fcntl.flock(run, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
-        fcntl.flock(gate, fcntl.LOCK_UN)
-        try:
-            yield
-        finally:
+    if _KEPT:  # the previous test was alone and so is this one (it kept the lock for it)
+        run = _KEPT.pop()
+    else:
+        factory = item.config._tmp_path_factory  # type: ignore[attr-defined]
+        base = factory.getbasetemp().parent / "lowband-run"
+        run = open(f"{base}.run", "a+")
+        with open(f"{base}.gate", "a+") as gate:
+            fcntl.flock(gate, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
+            fcntl.flock(run, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
+            fcntl.flock(gate, fcntl.LOCK_UN)
+    try:
+        yield
+    finally:
+        if alone and nextitem is not None and nextitem.get_closest_marker("alone") is not None:
+            _KEPT.append(run)
+        else:
             fcntl.flock(run, fcntl.LOCK_UN)
+            run.close()
