@@ -22,6 +22,20 @@ def wait_for(pred: Callable[[], object], timeout: float, what: str, every: float
     raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
 
 
+def events(path: Path, event: str) -> list[dict]:
+    """The records of a metrics log (JSON lines) whose ``event`` is ``event`` (none before the
+    file exists; a line being written is skipped)."""
+    out = []
+    for line in path.read_text().splitlines() if path.exists() else []:
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:
+            continue  # a line being written
+        if rec.get("event") == event:
+            out.append(rec)
+    return out
+
+
 def last_step(path: Path) -> int:
     """The last step a worker logged to its metrics file (0 before the first)."""
     if not path.exists():
