@@ -28,10 +28,47 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import IO
 
 from lowband.proc import free_port
 from transport.coordinator import Coordinator, CoordinatorConfig
+
+
+def start_site(
+    site: int,
+    ranks: int,
+    engine: str,
+    coordinators: str,
+    out: Path,
+    run_args: Sequence[str],
+    log: Callable[[int], IO[str] | int] = lambda rank: subprocess.DEVNULL,
+) -> list[subprocess.Popen]:
+    """Start the ``ranks`` ranks of site ``site`` (``lowband worker --site ENGINE`` over Gloo on
+    127.0.0.1, rank r as ``LOCAL_RANK`` r), each in its own session (kill the group when done),
+    joining the coordinators ``coordinators`` (comma-separated) with bytes on TCP; rank r's
+    output (stdout and stderr) goes to ``log(r)``."""
+    port = free_port()
+    started = []
+    for r in range(ranks):
+        env = dict(
+            os.environ,
+            RANK=str(r),
+            LOCAL_RANK=str(r),
+            WORLD_SIZE=str(ranks),
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+        )
+        args = [sys.executable, "-m", "cli", "worker", "--site", engine, "--id", f"s{site}"]
+        args += ["--coordinator", coordinators, "--threads", "1", "--bind-host", "127.0.0.1"]
+        args += ["--same-host", "off", "--out", str(out), *run_args]  # off: bytes on TCP
+        started.append(
+            subprocess.Popen(
+                args, stdout=log(r), stderr=subprocess.STDOUT, env=env, start_new_session=True
+            )
+        )
+    return started
 
 
 def run_once(ranks: int, engine: str, run_args: list[str], tmp: Path) -> dict:
@@ -42,47 +79,9 @@ def run_once(ranks: int, engine: str, run_args: list[str], tmp: Path) -> dict:
     procs = []
     try:
         for site in range(2):
-            port = free_port()
-            for r in range(ranks):
-                env = dict(
-                    os.environ,
-                    RANK=str(r),
-                    WORLD_SIZE=str(ranks),
-                    MASTER_ADDR="127.0.0.1",
-                    MASTER_PORT=str(port),
-                )
-                args = [
-                    sys.executable,
-                    "-m",
-                    "cli",
-                    "worker",
-                    "--coordinator",
-                    addrs,
-                    "--site",
-                    engine,
-                    "--id",
-                    f"s{site}",
-                    "--threads",
-                    "1",
-                    "--bind-host",
-                    "127.0.0.1",
-                    "--same-host",
-                    "off",
-                    "--workers",
-                    "2",
-                    "--out",
-                    str(tmp / f"site{site}"),
-                    *run_args,
-                ]
-                procs.append(
-                    subprocess.Popen(
-                        args,
-                        env=env,
-                        stdout=subprocess.DEVNULL,
-                        stderr=subprocess.DEVNULL,
-                        start_new_session=True,
-                    )
-                )
+            procs += start_site(
+                site, ranks, engine, addrs, tmp / f"site{site}", ["--workers", "2", *run_args]
+            )
         for p in procs:
             if p.wait(timeout=600) != 0:
                 raise RuntimeError(f"a site rank failed: {p.args}")

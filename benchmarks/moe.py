@@ -85,12 +85,15 @@ class BenchConfig:
     eval_tokens: int = 16384  # held-out tokens per quality perplexity
     group_size: int = 64
     threads: int = 1
+    train_steps: int | None = None  # the training preset's step count unless set
 
     def __post_init__(self) -> None:
         if not 0 < self.budget_frac <= 1:
             raise ValueError(f"budget_frac must be in (0, 1], got {self.budget_frac}")
         if self.tokens < 1 or self.warmup < 0 or self.repeats < 1:
             raise ValueError("tokens >= 1, warmup >= 0, repeats >= 1")
+        if self.train_steps is not None and self.train_steps < 1:
+            raise ValueError(f"train_steps must be >= 1, got {self.train_steps}")
 
 
 def tiny_bench(cache_dir: Path) -> BenchConfig:
@@ -110,7 +113,8 @@ def tiny_bench(cache_dir: Path) -> BenchConfig:
 
 # ---- model preparation ---------------------------------------------------------------------------
 def _train_cfg(cfg: BenchConfig, out: Path) -> MoETrainConfig:
-    return (tiny_preset if cfg.tiny else bench_preset)(out, cfg.text)
+    tcfg = (tiny_preset if cfg.tiny else bench_preset)(out, cfg.text)
+    return tcfg if cfg.train_steps is None else replace(tcfg, steps=cfg.train_steps)
 
 
 def _digest(text: str) -> str:
@@ -444,6 +448,9 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--read-mb-per-s", type=float, default=None)
     p.add_argument("--tokens", type=int, default=None)
     p.add_argument("--repeats", type=int, default=None)
+    p.add_argument(
+        "--train-steps", type=int, default=None, help="override the training preset's step count"
+    )
     return p.parse_args(argv)
 
 
@@ -477,6 +484,7 @@ if __name__ == "__main__":
             ("read_mb_per_s", ns.read_mb_per_s),
             ("tokens", ns.tokens),
             ("repeats", ns.repeats),
+            ("train_steps", ns.train_steps),
         )
         if v is not None
     }

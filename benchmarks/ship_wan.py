@@ -63,14 +63,10 @@ def _peer(args: argparse.Namespace) -> int:
     import torch
 
     from edge.cluster.ship import FetchConfig, ShipServer, offer, receive
-    from transport.coordinator import Coordinator, CoordinatorConfig
-    from transport.zmq_comm import ZmqConfig, connect
+    from transport.links.netns import peer_session
+    from transport.zmq_comm import ZmqConfig
 
     cfg = ShipBench(**json.loads(args.cfg))
-    coord = None
-    if args.role == "master":
-        bind = args.coord.replace(args.bind, "0.0.0.0")
-        coord = Coordinator(CoordinatorConfig(bind=bind)).start()
     zc = ZmqConfig(bind_host=args.bind, connections=1, timeout=cfg.timeout)
     zc = ZmqConfig(
         bind_host=args.bind,
@@ -78,17 +74,8 @@ def _peer(args: argparse.Namespace) -> int:
         timeout=cfg.timeout,
         max_message_bytes=max(zc.max_message_bytes, int(cfg.size_mb * (1 << 20)) + (1 << 20)),
     )
-    deadline = time.monotonic() + 30
-    while True:  # the master's coordinator may not be up yet
-        try:
-            comm = connect(args.coord, zc, signature="ship")
-            break
-        except Exception:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.2)
     times: dict[str, list[float]] = {a: [] for a in cfg.arms}
-    try:
+    with peer_session(args.coord, args.bind, zc, "ship", serve=args.role == "master") as comm:
         comm.quorum(min_world=2, timeout=cfg.timeout)
         other = 1 - comm.rank
         server = ShipServer({"model.bin": Path(args.file)}) if args.role == "master" else None
@@ -121,10 +108,6 @@ def _peer(args: argparse.Namespace) -> int:
         comm.barrier(timeout=cfg.timeout)
         if args.role == "worker":
             print(json.dumps({"times": times}), flush=True)
-    finally:
-        comm.close()
-        if coord is not None:
-            coord.stop()
     return 0
 
 

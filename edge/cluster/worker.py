@@ -310,6 +310,23 @@ def _forward(
     st.forwards += 1
 
 
+def _ragged_spans(
+    st: WorkerState, msg: Batch | StageStep, tensors: Tensors, hidden: int, what: str
+) -> list[Span]:
+    """The cache spans of a ragged pass (a tensor-parallel batch or a pipeline stage step:
+    ``what``), after checking that it carries one (1, sum(lengths), hidden) tensor and that each
+    item appends where its cache ends."""
+    if len(tensors) != 1 or tuple(tensors[0].shape) != (1, sum(msg.lengths), hidden):
+        shapes = [tuple(t.shape) for t in tensors]
+        raise ProtocolError(f"a {what} of {sum(msg.lengths)} tokens carries tensors {shapes}")
+    item = what.split()[0]  # "batch item", "stage item"
+    for c, start in zip(msg.caches, msg.starts):
+        why = append_problem(st.caches.get(c), start)
+        if why is not None:  # the master checked its own copy: we are out of step with it
+            raise ProtocolError(f"{item} item on cache {c} {why}")
+    return [Span(st.cache(c), s, n) for c, s, n in zip(msg.caches, msg.starts, msg.lengths)]
+
+
 def _batch(
     comm: Communicator, cfg: WorkerConfig, st: WorkerState, msg: Batch, tensors: Tensors
 ) -> None:
@@ -319,15 +336,7 @@ def _batch(
         return  # sent before a regroup this worker already went through: stale
     if st.shard is None:
         raise ConfigError("worker", "batch before assign")
-    H = st.shard.model.config.hidden_size
-    if len(tensors) != 1 or tuple(tensors[0].shape) != (1, sum(msg.lengths), H):
-        shapes = [tuple(t.shape) for t in tensors]
-        raise ProtocolError(f"a batch of {sum(msg.lengths)} tokens carries tensors {shapes}")
-    for c, start in zip(msg.caches, msg.starts):
-        why = append_problem(st.caches.get(c), start)
-        if why is not None:  # the master checked its own copy: we are out of step with it
-            raise ProtocolError(f"batch item on cache {c} {why}")
-    spans = [Span(st.cache(c), s, n) for c, s, n in zip(msg.caches, msg.starts, msg.lengths)]
+    spans = _ragged_spans(st, msg, tensors, st.shard.model.config.hidden_size, "batch")
     st.tags.start(msg.fid)
     with torch.inference_mode():
         h = st.shard.model.forward_ragged(tensors[0], spans)
@@ -420,15 +429,7 @@ def _load_assigned(comm: Communicator, cfg: WorkerConfig, st: WorkerState, msg: 
     if st.link is not None:
         st.link.close()
         st.link = None
-    if msg.link_port is not None:
-        st.link = StarSpoke(
-            cfg.master_host,
-            msg.link_port,
-            msg.slot,
-            msg.op_timeout,
-            secret=msg.link_secret or "",
-            spin_s=msg.link_spin_us * 1e-6,
-        )
+    st.link = _spoke(cfg, msg, msg.slot)
     st.shard = load_slot(
         model_dir,
         msg.slot,
@@ -497,6 +498,16 @@ def _yield(comm: Communicator, cfg: WorkerConfig, st: WorkerState, msg: Yield, _
     st.on_link = False  # (normally seen on the link itself, see _next_on_link)
 
 
+def _spoke(cfg: WorkerConfig, msg: Assign | StageAssign, slot: int) -> StarSpoke | None:
+    """The star link to the master as slot ``slot`` that an assignment names (None without)."""
+    if msg.link_port is None:
+        return None
+    secret, spin_s = msg.link_secret or "", msg.link_spin_us * 1e-6
+    return StarSpoke(
+        cfg.master_host, msg.link_port, slot, msg.op_timeout, secret=secret, spin_s=spin_s
+    )
+
+
 def _stage_assign(
     comm: Communicator, cfg: WorkerConfig, st: WorkerState, msg: StageAssign, _: Tensors
 ) -> None:
@@ -516,15 +527,7 @@ def _stage_assign(
             msg.repack,
             head_lo=msg.head_lo,
         )
-        if msg.link_port is not None:
-            st.link = StarSpoke(
-                cfg.master_host,
-                msg.link_port,
-                msg.stage,
-                msg.op_timeout,
-                secret=msg.link_secret or "",
-                spin_s=msg.link_spin_us * 1e-6,
-            )
+        st.link = _spoke(cfg, msg, msg.stage)
     except (TransportTimeout, ProtocolError, CommClosed):
         raise  # the network, not the stage: regroup (run_worker) or end
     except (LowbandError, QuantError, OSError, RuntimeError) as exc:
@@ -543,15 +546,7 @@ def _stage_step(
         return  # sent before a regroup this worker already went through: stale
     if st.stage is None:
         raise ProtocolError("a stage step before stage_assign")
-    H = st.stage.model.config.hidden_size
-    if len(tensors) != 1 or tuple(tensors[0].shape) != (1, sum(msg.lengths), H):
-        shapes = [tuple(t.shape) for t in tensors]
-        raise ProtocolError(f"a stage step of {sum(msg.lengths)} tokens carries tensors {shapes}")
-    for c, start in zip(msg.caches, msg.starts):
-        why = append_problem(st.caches.get(c), start)
-        if why is not None:  # the master checked its own copy: we are out of step with it
-            raise ProtocolError(f"stage item on cache {c} {why}")
-    spans = [Span(st.cache(c), s, n) for c, s, n in zip(msg.caches, msg.starts, msg.lengths)]
+    spans = _ragged_spans(st, msg, tensors, st.stage.model.config.hidden_size, "stage step")
     h = st.stage.run(tensors[0], spans)
     out = [h]
     if msg.top > 0 and msg.rows and st.stage.head is not None:  # its rows of a split head

@@ -12,12 +12,11 @@ import json
 import os
 import signal
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from tests.chaos_helpers import last_step, wait_for
+from tests.chaos_helpers import events, last_step, train_tiny, wait_for, worker_pids
 
 pytestmark = [pytest.mark.chaos, pytest.mark.slow, pytest.mark.timeout(420)]
 
@@ -26,58 +25,13 @@ H = 20  # the last sync period is steps 41..60; the pause starts at step 40 (+ a
 
 
 def _train(out: Path, log, *extra: str) -> subprocess.Popen:
-    args = [
-        sys.executable,
-        "-m",
-        "cli",
-        "train",
-        "--preset",
-        "tiny",
-        "--workers",
-        "2",
-        "--steps",
-        str(STEPS),
-        "-H",
-        str(H),
-        "-P",
-        "2",
-        "--batch-size",
-        "32",  # slow enough that the pause lands well before worker 1's end
-        "--eval-every",
-        "0",
-        "--no-progress",
-        "--out",
-        str(out),
-        *extra,
-    ]
-    return subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-
-
-def _events(path: Path, event: str) -> list[dict]:
-    if not path.exists():
-        return []
-    out = []
-    for line in path.read_text().splitlines():
-        try:
-            rec = json.loads(line)
-        except json.JSONDecodeError:
-            continue  # a line being written
-        if rec.get("event") == event:
-            out.append(rec)
-    return out
+    # a batch of 32: slow enough that the pause lands well before worker 1's end
+    return train_tiny(out, log, STEPS, "-H", str(H), "-P", "2", "--batch-size", "32", *extra)
 
 
 def _pause_in_last_period(out: Path) -> int:
     """SIGSTOP worker 1 once it logged step STEPS - H; its pid."""
-    pids = wait_for(
-        lambda: (
-            (out / "workers.json").exists()
-            and json.loads((out / "workers.json").read_text())["pids"]
-        ),
-        60,
-        "workers",
-    )
-    victim = int(pids["1"])
+    victim = worker_pids(out)["1"]
     wait_for(
         lambda: last_step(out / "metrics-worker1.jsonl") >= STEPS - H,
         180,
@@ -105,7 +59,7 @@ def test_paused_in_the_last_period_and_back_within_the_grace_gets_the_final_stat
         victim = _pause_in_last_period(out)
         try:
             # Worker 0 trains to the end without it, then holds for it.
-            wait_for(lambda: _events(out / "metrics-worker0.jsonl", "hold"), 120, "the hold")
+            wait_for(lambda: events(out / "metrics-worker0.jsonl", "hold"), 120, "the hold")
         finally:
             os.kill(victim, signal.SIGCONT)
         assert p.wait(240) == 0, (tmp_path / "train.log").read_text()[-3000:]
@@ -113,10 +67,10 @@ def test_paused_in_the_last_period_and_back_within_the_grace_gets_the_final_stat
     assert summary["exit_codes"] == {"0": 0, "1": 0}
     assert summary["consistent"] is True and summary["inconsistency"] is None, summary
     assert summary["transfers"]["worker1"] == 1  # the final state, from worker 0
-    f0, f1 = (_events(out / f"metrics-worker{i}.jsonl", "final")[-1] for i in (0, 1))
+    f0, f1 = (events(out / f"metrics-worker{i}.jsonl", "final")[-1] for i in (0, 1))
     assert f0["state_hash"] == f1["state_hash"] and f0["steps"] == f1["steps"] == STEPS
     assert sorted(f0["group"]) == sorted(f1["group"]) == sorted([f0["peer_id"], f1["peer_id"]])
-    held = _events(out / "metrics-worker0.jsonl", "hold")
+    held = events(out / "metrics-worker0.jsonl", "hold")
     assert held[0]["step"] == STEPS and held[-1]["world"] == 2 and held[-1]["missing"] == []
 
 
@@ -127,14 +81,14 @@ def test_paused_past_the_grace_finishes_apart_and_the_summary_names_it(tmp_path,
         p = _train(out, log, "--final-grace", "0")
         procs.append(p)
         victim = _pause_in_last_period(out)
-        pid0 = int(json.loads((out / "workers.json").read_text())["pids"]["0"])
+        pid0 = worker_pids(out)["0"]
         try:
             wait_for(lambda: _gone(pid0), 180, "worker 0 to finish and exit")
         finally:
             os.kill(victim, signal.SIGCONT)
         assert p.wait(240) == 0, (tmp_path / "train.log").read_text()[-3000:]
     summary = json.loads((out / "summary.json").read_text())
-    f0, f1 = (_events(out / f"metrics-worker{i}.jsonl", "final")[-1] for i in (0, 1))
+    f0, f1 = (events(out / f"metrics-worker{i}.jsonl", "final")[-1] for i in (0, 1))
     assert f0["group"] == [f0["peer_id"]] and f1["group"] == [f1["peer_id"]]
     # Worker 1 missed at least the sync worker 0 redid alone: its state is its own.
     assert f0["state_hash"] != f1["state_hash"]
@@ -144,4 +98,4 @@ def test_paused_past_the_grace_finishes_apart_and_the_summary_names_it(tmp_path,
         "final state differs: worker1 (finished in a group without worker0, "
     ), summary["inconsistency"]
     assert "out of the group when they finished" in summary["inconsistency"]
-    assert _events(out / "metrics-worker0.jsonl", "hold") == []
+    assert events(out / "metrics-worker0.jsonl", "hold") == []

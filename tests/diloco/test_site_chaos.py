@@ -18,14 +18,13 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
 
 import pytest
 
-from lowband.proc import free_port
+from benchmarks.diloco_sites import start_site
 from tests.chaos_helpers import wait_for
 from transport.coordinator import Coordinator, CoordinatorConfig
 
@@ -82,43 +81,15 @@ class ChaosSites:
         self.procs: list[subprocess.Popen] = []
 
     def start(self, site: int, out: str) -> list[subprocess.Popen]:
-        port, addrs = free_port(), ",".join(c.address for c in self.coords)
-        started = []
-        for r in range(2):
-            env = dict(
-                os.environ,
-                RANK=str(r),
-                WORLD_SIZE="2",
-                MASTER_ADDR="127.0.0.1",
-                MASTER_PORT=str(port),
-            )
-            args = [
-                sys.executable,
-                "-m",
-                "cli",
-                "worker",
-                "--coordinator",
-                addrs,
-                "--site",
-                "fsdp2",
-                "--id",
-                f"s{site}",
-                "--threads",
-                "1",
-                "--bind-host",
-                "127.0.0.1",
-                "--same-host",
-                "off",
-                "--out",
-                str(self.tmp / out),
-                *RUN,
-            ]
-            log = (self.tmp / f"{out}-r{r}.log").open("w")
-            started.append(
-                subprocess.Popen(
-                    args, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
-                )
-            )
+        started = start_site(
+            site,
+            2,
+            "fsdp2",
+            ",".join(c.address for c in self.coords),
+            self.tmp / out,
+            RUN,
+            lambda r: (self.tmp / f"{out}-r{r}.log").open("w"),
+        )
         self.procs += started
         return started
 

@@ -14,7 +14,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 from pathlib import Path
@@ -24,6 +23,7 @@ import torch
 import transformers  # in the dev extra: a broken install must fail loudly
 from safetensors.torch import load_file
 
+from benchmarks.diloco_sites import start_site
 from diloco.checkpoint import load_sharded
 from diloco.config import DilocoConfig, tiny
 from diloco.launch import run_threads
@@ -38,7 +38,6 @@ from diloco.site import collective_device
 from diloco.site_launch import SiteLaunch, site_device
 from lowband.errors import ConfigError, IncompatiblePeer
 from lowband.models.weights import load_pretrained
-from lowband.proc import free_port
 from transport.config import ZmqConfig
 from transport.coordinator import Coordinator, CoordinatorConfig
 from transport.zmq_comm import connect
@@ -278,46 +277,16 @@ class Sites:
         self.procs: list[subprocess.Popen] = []
 
     def start_site(self, site: int, extra: Sequence[str] = ()) -> list[subprocess.Popen]:
-        port, out = free_port(), self.tmp / f"site{site}"
-        addrs = ",".join(c.address for c in self.coords)
-        started = []
-        for r in range(self.ranks):
-            env = dict(
-                os.environ,
-                RANK=str(r),
-                LOCAL_RANK=str(r),
-                WORLD_SIZE=str(self.ranks),
-                MASTER_ADDR="127.0.0.1",
-                MASTER_PORT=str(port),
-            )
-            args = [
-                sys.executable,
-                "-m",
-                "cli",
-                "worker",
-                "--coordinator",
-                addrs,
-                "--site",
-                self.engine,
-                "--id",
-                f"s{site}",
-                "--threads",
-                "1",
-                "--bind-host",
-                "127.0.0.1",
-                "--same-host",
-                "off",  # bytes on TCP
-                "--out",
-                str(out),
-                *RUN,
-                *extra,
-            ]
-            log = (self.tmp / f"site{site}-r{r}-{len(self.procs)}.log").open("w")
-            started.append(
-                subprocess.Popen(
-                    args, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
-                )
-            )
+        n = len(self.procs)
+        started = start_site(
+            site,
+            self.ranks,
+            self.engine,
+            ",".join(c.address for c in self.coords),
+            self.tmp / f"site{site}",
+            [*RUN, *extra],
+            lambda r: (self.tmp / f"site{site}-r{r}-{n}.log").open("w"),
+        )
         self.procs += started
         return started
 

@@ -5,36 +5,13 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
-import sys
 import time
 
 import pytest
 
-from tests.chaos_helpers import last_step, wait_for
+from tests.chaos_helpers import last_step, train_tiny, wait_for, worker_pids
 
 pytestmark = [pytest.mark.chaos, pytest.mark.slow, pytest.mark.timeout(240)]
-
-
-def _train(out, steps: int, log) -> subprocess.Popen:
-    args = [
-        sys.executable,
-        "-m",
-        "cli",
-        "train",
-        "--preset",
-        "tiny",
-        "--workers",
-        "2",
-        "--steps",
-        str(steps),
-        "--eval-every",
-        "0",
-        "--no-progress",
-        "--out",
-        str(out),
-    ]
-    return subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
 
 def test_sigstopped_worker_rejoins_and_finishes_consistent(tmp_path, procs):
@@ -43,17 +20,9 @@ def test_sigstopped_worker_rejoins_and_finishes_consistent(tmp_path, procs):
     both finish bit-identical; the summary says who was out and for how long."""
     out = tmp_path / "run"
     with open(tmp_path / "train.log", "w") as log:
-        p = _train(out, 500, log)
+        p = train_tiny(out, log, 500)
         procs.append(p)
-        pids = wait_for(
-            lambda: (
-                (out / "workers.json").exists()
-                and json.loads((out / "workers.json").read_text())["pids"]
-            ),
-            60,
-            "workers",
-        )
-        victim = int(pids["1"])
+        victim = worker_pids(out)["1"]
         wait_for(lambda: last_step(out / "metrics-worker1.jsonl") >= 40, 90, "step 40")
         os.kill(victim, signal.SIGSTOP)
         try:

@@ -30,7 +30,7 @@ import pytest
 
 from diloco.config import DilocoConfig, config_to_dict, tiny
 from diloco.schedule import syncs_launched
-from tests.chaos_helpers import last_step, wait_for
+from tests.chaos_helpers import events, last_step, wait_for
 from transport.coordinator import Coordinator, CoordinatorConfig
 from transport.links.tun.shape import GilbertElliott, PathConfig
 from transport.links.tun.testbed import TunConfig, TunTestbed, available
@@ -115,16 +115,7 @@ class Sites:
         return [json.loads(t.strip().splitlines()[-1]) for t in logs]
 
     def events(self, worker: int, event: str) -> list[dict[str, Any]]:
-        path = self.out / f"metrics-worker{worker}.jsonl"
-        out = []
-        for line in path.read_text().splitlines() if path.exists() else []:
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError:
-                continue  # a line being written
-            if rec.get("event") == event:
-                out.append(rec)
-        return out
+        return events(self.out / f"metrics-worker{worker}.jsonl", event)
 
     def step(self, worker: int) -> int:
         return last_step(self.out / f"metrics-worker{worker}.jsonl")

@@ -62,7 +62,9 @@ def test_a_worker_without_the_model_gets_it_shipped(ckpt, tmp_path) -> None:
 
 
 def test_a_worker_without_a_cache_directory_is_refused_with_the_reason(ckpt, tmp_path) -> None:
-    w, start = _cluster(ckpt, WorkerConfig(model_dir=str(ckpt), join_timeout=20))
+    # the refused worker then waits join_timeout for a master that has given up on it: the
+    # shortest that still lets it join on a loaded machine (the test waits for it to end)
+    w, start = _cluster(ckpt, WorkerConfig(model_dir=str(ckpt), join_timeout=8))
     with pytest.raises(ConfigError, match="--cache-dir"):
         start()
     w.join(30)

@@ -11,6 +11,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from typing import IO
 
 import pytest
 
@@ -79,33 +80,28 @@ def ckpt(tmp_path_factory):
     return d
 
 
+def _edge_run(ckpt, tmp_path, procs) -> tuple[subprocess.Popen, int, IO[str]]:
+    """``lowband edge run CKPT --devices 2`` in its own session, output to tmp_path/edge.log
+    (the open file, for the test to close), once /health says 200: (process, port, log)."""
+    port = free_port()
+    log = open(tmp_path / "edge.log", "w")
+    args = [sys.executable, "-m", "cli", "edge", "run", str(ckpt), "--devices", "2"]
+    p = subprocess.Popen(
+        [*args, "--port", str(port)], stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+    )
+    procs.append(p)
+    health = f"http://127.0.0.1:{port}/health"
+    wait_for(lambda: _get(health)[0] == 200, 120, "the cluster to come up")
+    return p, port, log
+
+
 REQ = {"prompt": "The quick brown fox", "max_tokens": 12, "temperature": 0}
 
 
 @pytest.mark.parametrize("victim", ["master", "worker"])
 def test_paused_role_heals_and_answers_stay_equal(ckpt, tmp_path, procs, victim):
-    port = free_port()
+    p, port, log = _edge_run(ckpt, tmp_path, procs)
     base = f"http://127.0.0.1:{port}"
-    log = open(tmp_path / "edge.log", "w")
-    p = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "cli",
-            "edge",
-            "run",
-            str(ckpt),
-            "--devices",
-            "2",
-            "--port",
-            str(port),
-        ],
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
-    procs.append(p)
-    wait_for(lambda: _get(base + "/health")[0] == 200, 120, "the cluster to come up")
     status, ref = _post(base + "/v1/completions", REQ)
     assert status == 200, ref
     # The issue's first event: a ~3 MB prompt is refused quickly and costs the cluster nothing.
@@ -154,27 +150,7 @@ def test_bad_requests_among_16_concurrent_streams(ckpt, tmp_path, procs):
 
     from benchmarks.chaos import stream, wave
 
-    port = free_port()
-    log = open(tmp_path / "edge.log", "w")
-    p = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "cli",
-            "edge",
-            "run",
-            str(ckpt),
-            "--devices",
-            "2",
-            "--port",
-            str(port),
-        ],
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
-    procs.append(p)
-    wait_for(lambda: _get(f"http://127.0.0.1:{port}/health")[0] == 200, 120, "the cluster")
+    _, port, log = _edge_run(ckpt, tmp_path, procs)
     status, ref = stream(port)
     assert status == "ok" and ref, ref
     counts = dict(ok=0, clear=0, unclear=0, wrong=0, bad_refused=0)

@@ -13,6 +13,7 @@ iproute2.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -20,9 +21,12 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Iterator, Sequence
 
 from lowband.errors import ConfigError
+
+if TYPE_CHECKING:
+    from transport.zmq_comm import ZmqCommunicator, ZmqConfig
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -240,18 +244,46 @@ def measure_transfer(link: Testbed, cfg: TransferConfig) -> dict[str, Any]:
     }
 
 
+@contextlib.contextmanager
+def peer_session(
+    coordinator: str, bind: str, cfg: ZmqConfig, signature: str, *, serve: bool
+) -> Iterator[ZmqCommunicator]:
+    """One side of a two-peer run, inside its namespace (this module's transfer, the ship
+    benchmark): with ``serve``, this side also runs the coordinator at ``coordinator`` (bound on
+    every interface of the namespace, ``bind`` being its own address); the communicator joins it,
+    retrying for 30 s (the other side's coordinator may not be up yet). Both close on exit."""
+    from transport.coordinator import Coordinator, CoordinatorConfig
+    from transport.zmq_comm import connect
+
+    coord = None
+    if serve:
+        bind_all = coordinator.replace(bind, "0.0.0.0")
+        coord = Coordinator(CoordinatorConfig(bind=bind_all)).start()
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                comm = connect(coordinator, cfg, signature=signature)
+                break
+            except Exception:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.2)
+        try:
+            yield comm
+        finally:
+            comm.close()
+    finally:
+        if coord is not None:
+            coord.stop()
+
+
 def _peer(args: argparse.Namespace) -> int:
     """One side of the transfer, inside its namespace. The receiver also runs the coordinator."""
     import torch
 
-    from transport.coordinator import Coordinator, CoordinatorConfig
-    from transport.zmq_comm import ZmqConfig, connect
+    from transport.zmq_comm import ZmqConfig
 
-    coord = None
-    if args.role == "recv":
-        coord = Coordinator(
-            CoordinatorConfig(bind=args.coord.replace(args.bind, "0.0.0.0"))
-        ).start()
     chunk = int(args.chunk_mb * (1 << 20))
     cfg = ZmqConfig(
         bind_host=args.bind,
@@ -260,16 +292,7 @@ def _peer(args: argparse.Namespace) -> int:
         timeout=args.timeout,
         max_message_bytes=max(64 << 20, chunk + (1 << 20)),
     )
-    deadline = time.monotonic() + 30
-    while True:  # the receiver's coordinator may not be up yet
-        try:
-            comm = connect(args.coord, cfg, signature="netns")
-            break
-        except Exception:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.2)
-    try:
+    with peer_session(args.coord, args.bind, cfg, "netns", serve=args.role == "recv") as comm:
         comm.quorum(min_world=2, timeout=args.timeout)
         x = torch.zeros(int(args.size_mb * (1 << 20)) // 4)
         times = []
@@ -285,10 +308,6 @@ def _peer(args: argparse.Namespace) -> int:
         comm.barrier(timeout=args.timeout)
         if args.role == "recv":
             print(json.dumps({"times": times}), flush=True)
-    finally:
-        comm.close()
-        if coord is not None:
-            coord.stop()
     return 0
 
 

@@ -335,29 +335,19 @@ def _check_api(port: int, reference: dict, devices: int, budget_mb: float) -> No
     assert store["peak_bytes"] <= budget_mb * 1e6
 
 
+def _serve_lru(spawn, nested: Path, *command: str) -> tuple[int, float]:
+    """``lowband edge COMMAND NESTED`` (serve, or run with its devices) with an int8 LRU expert
+    store of 0.4 of the experts' int8 bytes, on one thread, once it answers: (port, budget MB)."""
+    budget_mb, port = lru8(nested, 0.4).budget_mb, free_port()
+    args = [PY, "-m", "cli", "edge", command[0], str(nested), *command[1:], "--port", str(port)]
+    args += ["--expert-budget-mb", f"{budget_mb:.6f}", "--expert-policy", "lru", "--threads", "1"]
+    _wait_ready(port, spawn(args))
+    return port, budget_mb
+
+
 def test_http_serve_under_budget(nested: Path, reference: dict, spawn) -> None:
-    cfg = lru8(nested, 0.4)
-    port = free_port()
-    proc = spawn(
-        [
-            PY,
-            "-m",
-            "cli",
-            "edge",
-            "serve",
-            str(nested),
-            "--port",
-            str(port),
-            "--expert-budget-mb",
-            f"{cfg.budget_mb:.6f}",
-            "--expert-policy",
-            "lru",
-            "--threads",
-            "1",
-        ]
-    )
-    _wait_ready(port, proc)
-    _check_api(port, reference, 1, cfg.budget_mb)
+    port, budget_mb = _serve_lru(spawn, nested, "serve")
+    _check_api(port, reference, 1, budget_mb)
     # a budget below one expert's narrowest width is refused before serving
     sizes = manifest_sizes(nested)
     tiny = 0.5 * min(s[2] for s in sizes.values()) / 1e6
@@ -384,30 +374,8 @@ def test_http_serve_under_budget(nested: Path, reference: dict, spawn) -> None:
 
 
 def test_http_run_two_devices_under_budget(nested: Path, reference: dict, spawn) -> None:
-    cfg = lru8(nested, 0.4)
-    port = free_port()
-    proc = spawn(
-        [
-            PY,
-            "-m",
-            "cli",
-            "edge",
-            "run",
-            str(nested),
-            "--devices",
-            "2",
-            "--port",
-            str(port),
-            "--expert-budget-mb",
-            f"{cfg.budget_mb:.6f}",
-            "--expert-policy",
-            "lru",
-            "--threads",
-            "1",
-        ]
-    )
-    _wait_ready(port, proc)
-    _check_api(port, reference, 2, cfg.budget_mb)
+    port, budget_mb = _serve_lru(spawn, nested, "run", "--devices", "2")
+    _check_api(port, reference, 2, budget_mb)
 
 
 def test_serve_bench_local_case_smoke(nested: Path) -> None:
