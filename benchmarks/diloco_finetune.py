@@ -204,6 +204,26 @@ def summarize(runs: dict[str, list[dict]]) -> dict:
     return arms
 
 
+def merge(parts: list[dict]) -> dict:
+    """Results of the same settings over different seeds as one result."""
+    first = parts[0]
+    for part in parts[1:]:
+        if (part["model"], part["corpus"], part["settings"]) != (
+            first["model"],
+            first["corpus"],
+            first["settings"],
+        ):
+            raise ValueError("merged results must share the model, corpus and settings")
+    runs: dict[str, list[dict]] = {a: [] for a in first["runs"]}
+    for part in parts:
+        for arm, rs in part["runs"].items():
+            runs[arm] += rs
+    seeds = [r["seed"] for r in next(iter(runs.values()))]
+    if len(set(seeds)) != len(seeds):
+        raise ValueError(f"a seed appears twice: {sorted(seeds)}")
+    return {**first, "seeds": len(seeds), "arms": summarize(runs), "runs": runs}
+
+
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default=str(GEMMA_F32), help="a GGUF file, or llama:HIDDEN:LAYERS")
@@ -221,6 +241,14 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--lora-rank", type=int, default=8)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--seeds", type=int, default=3)
+    p.add_argument("--first-seed", type=int, default=0, help="seeds first..first+seeds-1")
+    p.add_argument(
+        "--merge",
+        nargs="+",
+        type=Path,
+        help="files holding this benchmark's JSON lines (e.g. one seed each, run separately): "
+        "print them as one result",
+    )
     p.add_argument("--arms", default=",".join(ARMS))
     p.add_argument("--timeout", type=float, default=900)
     p.add_argument("--json", action="store_true")
@@ -232,11 +260,15 @@ def main(argv: list[str] | None = None) -> dict:
         res = child(args)
         print(json.dumps(res))
         return res
+    if args.merge:
+        out = merge([json.loads(f.read_text().strip().splitlines()[-1]) for f in args.merge])
+        print(json.dumps(out))
+        return out
     arms = args.arms.split(",")
     if set(arms) - set(ARMS):
         p.error(f"--arms: one or more of {','.join(ARMS)}")
     runs: dict[str, list[dict]] = {a: [] for a in arms}
-    for seed in range(args.seeds):
+    for seed in range(args.first_seed, args.first_seed + args.seeds):
         order = arms if seed % 2 == 0 else arms[::-1]  # arms alternate
         for arm in order:
             runs[arm].append(_run_child(arm, seed, args))

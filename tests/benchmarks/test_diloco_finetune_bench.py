@@ -45,3 +45,20 @@ def test_bytes_diloco_below_ddp_and_lora_below_diloco(result: dict) -> None:
         result["runs"]["diloco"][0]["eval_after"] / result["runs"]["ddp"][0]["eval_after"] - 1
     )
     assert result["arms"]["diloco"]["eval_gap_vs_ddp_pct"]["median"] == pytest.approx(gap, abs=1e-3)
+
+
+def test_merge_of_seeds_run_apart(result: dict, tmp_path) -> None:
+    from benchmarks.diloco_finetune import merge
+
+    other = json.loads(json.dumps(result))
+    for rs in other["runs"].values():
+        for r in rs:
+            r["seed"] = 1
+            r["eval_after"] += 0.5
+    out = merge([result, other])
+    assert out["seeds"] == 2 and all(len(rs) == 2 for rs in out["runs"].values())
+    after = out["arms"]["ddp"]["eval_after"]
+    assert after["min"] == result["runs"]["ddp"][0]["eval_after"]
+    assert after["max"] == pytest.approx(after["min"] + 0.5)
+    with pytest.raises(ValueError, match="twice"):
+        merge([result, result])
