@@ -124,3 +124,18 @@ def test_llamacpp_loads_the_written_file_with_the_same_greedy_text(
         top2 = ours[len(PROMPT) + i - 1].topk(2).values
         margin = float(top2[0] - top2[1])
         assert margin < 2 * err, (i, got, want, margin, err)
+
+
+@pytest.mark.usefixtures("no_kernel")
+def test_cli_exports_a_gemma3_runs_model_directory(tmp_path: Path) -> None:
+    """The path a user takes: the run's model/ directory (what the trainer exports) through
+    ``lowband export`` to a GGUF that ``edge`` serves with the trainer's greedy tokens."""
+    from cli import main
+    from diloco.checkpoint import export_model
+
+    src, model = _fine_tuned(tmp_path, "gemma3")
+    run_model = export_model(model, tmp_path / "run" / "model", byte_tokenizer=False)
+    out = tmp_path / "tuned.gguf"
+    argv = ["export", str(run_model), "--gguf", str(out), "--tokenizer", str(src)]
+    assert main(argv) == 0
+    assert _greedy(load_gguf(out, torch.float32), PROMPT, 16) == _greedy(model, PROMPT, 16)
