@@ -580,7 +580,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         "export",
         help="write a trained model (a run's model/ directory) as a GGUF file",
         description="Convert the HF directory a run exported (OUT/model) into one GGUF file "
-        "that `lowband edge` and llama.cpp load (Llama architecture, unscaled rotary).",
+        "that `lowband edge` and llama.cpp load (Llama, Qwen2 or Gemma 3; unscaled rotary).",
     )
     p.add_argument("model_dir", type=Path, help="the run's model/ directory")
     p.add_argument("--gguf", type=Path, required=True, help="the GGUF file to write")

@@ -41,6 +41,22 @@ def warn_invalid(fragment: int) -> None:
     )
 
 
+_FINITE_CHUNK = 1 << 20
+"""Elements per chunk of :func:`all_finite`."""
+
+
+def all_finite(t: torch.Tensor) -> torch.Tensor:
+    """``torch.isfinite(t).all()`` as a 0-dim bool on ``t``'s device, without its full-size
+    temporaries: on the CPU ``isfinite`` of a float tensor holds ~7 bytes per element at once
+    (|t|, two comparisons, their conjunction), 3.5 B/param of a worker's peak for a fragment's Δ
+    at P = 2, and 1.2 GB for Gemma 3's 168 M-element embedding in ``merge``. Chunked, the
+    temporaries are one chunk's; no host read."""
+    flat = t.detach().reshape(-1)
+    if flat.numel() <= _FINITE_CHUNK:
+        return torch.isfinite(flat).all()
+    return torch.stack([torch.isfinite(c).all() for c in flat.split(_FINITE_CHUNK)]).all()
+
+
 class FragmentSync:
     """The state of fragment p on one worker: its parameters in the local and the global model,
     its outer optimizer and its error-feedback residual."""
@@ -107,7 +123,7 @@ class FragmentSync:
         checkpoint or a state transfer (after an APPLY) reads a complete e_m."""
         with record_function(ENCODE):
             delta = self.pseudo_gradient()
-            finite = torch.isfinite(delta).all()  # 0-dim bool on the device, never read here
+            finite = all_finite(delta)  # 0-dim bool on the device, never read here
             flag = finite.to(torch.float32).reshape(1)
             if not self.error_feedback or self.codec is None:
                 return delta.masked_fill_(~finite, 0.0), flag
@@ -158,7 +174,7 @@ class FragmentSync:
         local: list[torch.Tensor] = list(self.local)
         glob: list[torch.Tensor] = list(self.global_)
         with record_function(MERGE):
-            finite = torch.stack([torch.isfinite(m).all() for m in local]).tolist()
+            finite = torch.stack([all_finite(m) for m in local]).tolist()
             if alpha == 0.0:
                 torch._foreach_copy_(local, glob)
             else:  # the same two roundings as m.mul_(α).add_(g, alpha=1 − α), per tensor

@@ -67,13 +67,18 @@ class _Sync:
     fragment: int
     round: int
     # What this worker sends (Δ + residual, or zeros if invalid), host-readable; kept for a
-    # redo until the sync's results arrive, then dropped (``DilocoWorker._release_sent``).
+    # redo until the sync's results arrive, then dropped (``DilocoWorker._settle``).
     x: torch.Tensor | None
     flag: torch.Tensor  # (1,) float32, 1.0 if Δ was finite; host-readable once ``launched``
     launched: Future[None] | None = None  # the staged copies reached the transport
     total: Work[torch.Tensor] | None = None  # Σ_m x_m
     count: Work[torch.Tensor] | None = None  # Σ_m valid_m
     error: PeerLost | None = None
+    # Outer step taken as soon as both results arrived (``DilocoWorker._settle``): the valid
+    # count it averaged over, and the bytes the two all-reduces moved (the works, which hold
+    # the decoded sum, are dropped then). The merge into θ_m still waits for the APPLY.
+    stepped: int | None = None
+    moved: tuple[int, int] = (0, 0)
 
     @property
     def valid(self) -> bool:
@@ -186,7 +191,7 @@ class DilocoWorker:
         self.result.start_step = self.step
         try:
             while self.step < self.cfg.steps:
-                self._release_sent()
+                self._settle()
                 tc = time.perf_counter()
                 loss = self.inner.run_step(self.slot)
                 self.result.compute_s += time.perf_counter() - tc
@@ -194,6 +199,7 @@ class DilocoWorker:
                     self._timed(functools.partial(self._do, action))
                 self._after_step(loss)
             for action in drain_actions(self.cfg.steps, m.n_fragments, m.inner_steps, m.tau):
+                self._settle()
                 if self.inflight is not None:
                     self._timed(functools.partial(self._do, action))
             # A peer lost in the last sync period may still come back for the final state.
@@ -232,23 +238,30 @@ class DilocoWorker:
         sync.launched = self.staging.launch(out, lambda: self._launch(sync, tag))
         self.inflight = sync
 
-    def _release_sent(self) -> None:
-        """Drop the in-flight sync's x once both its results arrived: only a sync that failed
-        is redone from it, and on the CPU x is Δ itself (4/P B/param that the next inner step
-        would otherwise hold on top of its gradients). Never waits."""
+    def _settle(self, wait: bool = False) -> None:
+        """The in-flight sync's outer step as soon as both its results arrived (its merge into
+        θ_m waits for the APPLY, as the schedule says). Then the decoded sum (4/P B/param) and
+        x (on the CPU Δ itself, 4/P more: only a failed sync is redone from it) are dropped
+        before the next inner step allocates its gradients, instead of being held through τ
+        inner steps: a worker's peak memory. θ_g is not read between a SEND and its APPLY
+        except by an evaluation, which settles first with ``wait=True`` (so what it sees does
+        not depend on when the results arrived). Never waits otherwise; a failed sync is left
+        for its APPLY (which logs it and keeps x for the redo)."""
         sync = self.inflight
-        if sync is None or sync.x is None or sync.total is None or sync.count is None:
+        if sync is None or sync.stepped is not None or sync.error is not None:
             return
-        if sync.launched is None or not sync.launched.done() or sync.error is not None:
+        if sync.launched is None or sync.total is None or sync.count is None:
             return
-        if not (sync.total.done() and sync.count.done()):
+        if not wait and not (sync.launched.done() and sync.total.done() and sync.count.done()):
             return
         try:
-            sync.total.wait(0)
-            sync.count.wait(0)
+            total, count = self._wait(sync)
         except (PeerLost, TransportTimeout):
             return  # failed: kept for the redo, the APPLY logs it
+        sync.moved = self._moved(sync)
+        sync.total = sync.count = None  # the works hold the decoded sum
         sync.x = None
+        sync.stepped = self._outer_step(sync.fragment, total, count)
 
     def _launch(self, sync: _Sync, tag: str) -> None:
         """Start the two all-reduces of a sync on host tensors (the transport's thread reads
@@ -275,6 +288,13 @@ class DilocoWorker:
         if sync is None or (sync.fragment, sync.round) != (action.fragment, action.round):
             raise ProtocolError(f"APPLY {action} without its SEND: schedule and state disagree")
         t = time.perf_counter()
+        if sync.stepped is not None:  # the outer step was taken when the results arrived
+            if not sync.valid:
+                warn_invalid(sync.fragment)
+            self._merge(sync.fragment, sync.stepped)
+            self._record_sync(sync, time.perf_counter() - t)
+            self.reconciler.sync_point()
+            return
         try:
             total, count = self._wait(sync)
         except (PeerLost, TransportTimeout) as exc:
@@ -313,6 +333,12 @@ class DilocoWorker:
     ) -> None:
         """Average over the valid contributions, outer step, merge (one fragment).
         ``expected``: how many workers had a contribution (default: all of them)."""
+        self._merge(p, self._outer_step(p, total, count, expected))
+
+    def _outer_step(
+        self, p: int, total: torch.Tensor, count: torch.Tensor, expected: int | None = None
+    ) -> int:
+        """θ_g ← OuterOpt(θ_g, Σ/n) for fragment p; n, the valid contributions."""
         n = int(round(float(count.reshape(-1)[0])))
         expected = self.comm.world_size if expected is None else expected
         if n < expected:
@@ -327,14 +353,22 @@ class DilocoWorker:
             # In place: ``total`` is this worker's own result (or its device copy), used once.
             avg = self.staging.stage_in(total, key=p).reshape(-1).div_(n)
             self.fragments[p].outer_step(avg)
+        return n
+
+    def _merge(self, p: int, n: int) -> None:
+        """θ_m ← α·θ_m + (1 − α)·θ_g for fragment p (nothing to merge when n = 0)."""
+        if n > 0:
             for param in self.fragments[p].merge(self.mode.alpha):
                 self.inner.opt.state.pop(param, None)  # restart its moments with the tensor
         self.applied += 1
 
-    def _record_sync(self, sync: _Sync, wait_s: float) -> None:
+    @staticmethod
+    def _moved(sync: _Sync) -> tuple[int, int]:
         works = [w for w in (sync.total, sync.count) if w is not None]
-        sent = sum(w.stats.bytes_sent for w in works)
-        received = sum(w.stats.bytes_received for w in works)
+        return sum(w.stats.bytes_sent for w in works), sum(w.stats.bytes_received for w in works)
+
+    def _record_sync(self, sync: _Sync, wait_s: float) -> None:
+        sent, received = sync.moved if sync.stepped is not None else self._moved(sync)
         r = self.result
         r.outer_syncs += 1
         r.peak_sync_bytes = max(r.peak_sync_bytes, sent)
@@ -478,6 +512,7 @@ class DilocoWorker:
             self._t0,
         )
         if self.cfg.eval_every and step % self.cfg.eval_every == 0 and step < self.cfg.steps:
+            self._settle(wait=True)  # θ_g with every sync sent so far, whenever results came
             self._evaluate()
         if self.cfg.checkpoint_every and step % self.cfg.checkpoint_every == 0:
             self._checkpoint_due = True

@@ -36,7 +36,14 @@ import torch
 from torch import nn
 
 from edge.formats.bounds import open_gguf
-from edge.formats.gguf_arch import EXPERTS, ROPE_FREQS, TOKENIZER_GGUF, architecture, hf_names
+from edge.formats.gguf_arch import (
+    ARCHS,
+    EXPERTS,
+    ROPE_FREQS,
+    TOKENIZER_GGUF,
+    architecture,
+    hf_names,
+)
 from edge.formats.gguf_arch import read_config as read_config
 from edge.formats.gguf_reader import open_reader
 from edge.formats.quantized_checkpoint import (
@@ -81,6 +88,51 @@ def _unpermute(w: torch.Tensor, n_head: int) -> torch.Tensor:
 
 
 # ---- writing ----------------------------------------------------------------------------------
+# The families :func:`write_gguf` writes: lowband's model_type -> GGUF architecture.
+WRITABLE = {"llama": "llama", "qwen2": "qwen2", "gemma3_text": "gemma3"}
+
+
+def _writable(cfg: ModelConfig) -> str:
+    """The GGUF architecture ``cfg`` is written as; ConfigError where llama.cpp's reading of that
+    architecture (which fixes some fields instead of reading them) would give another model."""
+    arch = WRITABLE.get(cfg.model_type)
+    if arch is None or cfg.is_moe:
+        raise ConfigError(
+            "model_type",
+            f"GGUF writing covers dense {', '.join(WRITABLE)}; got {cfg.model_type}",
+        )
+    if cfg.attention_bias and arch != "qwen2":
+        raise ConfigError("attention_bias", f"a {arch} GGUF has no q/k/v biases")
+    if (cfg.rope_scaling or {}).get("rope_type", "default") != "default":
+        raise ConfigError("rope_scaling", "GGUF writing covers unscaled rotary embeddings")
+    if arch == "gemma3":
+        n, hd = cfg.num_hidden_layers, cfg.dim_per_head
+        # What llama.cpp fixes for LLM_ARCH_GEMMA3 (edge.formats.gguf_arch._gemma3 reads the same)
+        fixed = {
+            "layer_types": tuple(
+                "sliding_attention" if (i + 1) % 6 else "full_attention" for i in range(n)
+            ),
+            "rope_local_theta": 10000.0,
+            "query_pre_attn_scalar": float(
+                cfg.hidden_size // cfg.num_attention_heads if n == 62 else hd
+            ),
+            "hidden_act": "gelu_pytorch_tanh",
+            "norm_unit_offset": True,
+            "sandwich_norms": True,
+            "scale_embeddings": True,
+            "qk_norm": True,
+        }
+        for key, want in fixed.items():
+            got = getattr(cfg, key)
+            if (float(got) if isinstance(want, float) and got is not None else got) != want:
+                raise ConfigError(
+                    key, f"{got!r}: a gemma3 GGUF is read with {want!r} (llama.cpp fixes it)"
+                )
+    elif cfg.sliding_window is not None or cfg.qk_norm or cfg.norm_unit_offset:
+        raise ConfigError("model_type", f"{cfg.model_type} with Gemma/Qwen3 features")
+    return arch
+
+
 def write_gguf(
     model: LlamaForCausalLM,
     path: str | Path,
@@ -88,17 +140,17 @@ def write_gguf(
     ftype: str = "f32",
     tokenizer_from: str | Path | None = None,
 ) -> Path:
-    """Write ``model`` (fp32 weights) as a llama-architecture GGUF. ``ftype``: ``f32``, ``f16``,
-    ``q8_0`` or ``q4_0`` (matrices only; norms stay F32; quantized with gguf's reference code).
-    ``tokenizer_from``: a GGUF whose ``tokenizer.*`` metadata (vocabulary, merges, specials,
-    chat template) the file carries, e.g. the file a fine-tune started from; without it the
-    vocabulary is placeholder tokens (callers feed token ids, not text)."""
+    """Write ``model`` (fp32 weights) as a GGUF of its family (llama, qwen2 or gemma3, as
+    llama.cpp's converter writes them: llama's q/k rows permuted, Gemma's norms as 1 + w).
+    ``ftype``: ``f32``, ``f16``, ``q8_0`` or ``q4_0`` (matrices only; norms stay F32; quantized
+    with gguf's reference code). ``tokenizer_from``: a GGUF whose ``tokenizer.*`` metadata
+    (vocabulary, merges, specials, chat template) the file carries, e.g. the file a fine-tune
+    started from; without it the vocabulary is placeholder tokens (callers feed token ids, not
+    text)."""
     gguf = _import_gguf()
     cfg = model.config
-    if cfg.model_type != "llama" or cfg.is_moe or cfg.attention_bias:
-        raise ConfigError("model_type", f"GGUF writing covers dense Llama; got {cfg.model_type}")
-    if (cfg.rope_scaling or {}).get("rope_type", "default") != "default":
-        raise ConfigError("rope_scaling", "GGUF writing covers unscaled rotary embeddings")
+    arch = _writable(cfg)
+    spec = ARCHS[arch]
     qtypes = {
         "f32": None,
         "f16": None,
@@ -108,7 +160,7 @@ def write_gguf(
     if ftype not in qtypes:
         raise ConfigError("ftype", f"must be one of {sorted(qtypes)}, got {ftype!r}")
     p = Path(path)
-    w = gguf.GGUFWriter(str(p), "llama")
+    w = gguf.GGUFWriter(str(p), arch)
     w.add_context_length(cfg.max_position_embeddings)
     w.add_embedding_length(cfg.hidden_size)
     w.add_block_count(cfg.num_hidden_layers)
@@ -122,6 +174,10 @@ def write_gguf(
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     w.add_vocab_size(cfg.vocab_size)
     w.add_file_type({"f32": 0, "f16": 1, "q8_0": 7, "q4_0": 2}[ftype])
+    if arch == "gemma3":
+        w.add_sliding_window(cfg.sliding_window or 4096)
+        if cfg.final_logit_softcapping is not None:
+            w.add_final_logit_softcapping(cfg.final_logit_softcapping)
     if tokenizer_from is None:
         _add_vocab(w, cfg)
     else:
@@ -129,15 +185,20 @@ def write_gguf(
     if cfg.rope_freq_factors is not None:  # Llama 3.1+: llama.cpp's divisors of the frequencies
         w.add_tensor(ROPE_FREQS, np.asarray(cfg.rope_freq_factors, dtype=np.float32))
     state = model.state_dict()
-    names = {h: g for g, h in hf_names(cfg.num_hidden_layers).items() if h in state}
+    names = {h: g for g, h in hf_names(cfg.num_hidden_layers, spec).items() if h in state}
+    unknown = sorted(set(state) - set(names) - {"lm_head.weight"})
+    if unknown:
+        raise ConfigError("model", f"no {arch} GGUF name for {unknown[0]!r}")
     for hf, g in names.items():
         if hf == "lm_head.weight" and cfg.tie_word_embeddings:
             continue
         t = state[hf].detach().float()
-        if hf.endswith("q_proj.weight"):
+        if spec.permuted and ".q_proj." in hf:
             t = _permute(t, cfg.num_attention_heads)
-        elif hf.endswith("k_proj.weight"):
+        elif spec.permuted and ".k_proj." in hf:
             t = _permute(t, cfg.n_kv_heads)
+        if spec.norm_shift and g.endswith("norm.weight"):
+            t = t + spec.norm_shift  # the reader takes it off again
         a = t.contiguous().numpy()
         qt = qtypes[ftype]
         if t.dim() == 2 and qt is not None and t.shape[1] % 32 == 0:
