@@ -59,6 +59,9 @@ class Bench:
     rate_mbit: float = 100.0
     startup_s: float = 240.0
     micro_batches: int = 2
+    # the pipeline arm's --weights (relative speeds of the master and the worker: the master
+    # also embeds, samples and serves HTTP, so it may be given fewer layers); None: even split
+    weights: str | None = None
 
 
 # ---- the client (runs inside site 0) ------------------------------------------------------------
@@ -142,6 +145,8 @@ class Arm:
                 "serve", cfg.model, *common, "--cores", "0", "--workers", "1", "--bind", bind,
                 "--layout", layout, "--micro-batches", str(cfg.micro_batches), "--insecure",
             )  # fmt: skip
+            if name == "pipeline" and cfg.weights:
+                self.master += ["--weights", cfg.weights]
             self.worker = _lowband(
                 "worker", "--master", bind, "--model-dir", cfg.model, "--threads", "1",
                 "--cores", "1", "--insecure",
@@ -304,7 +309,8 @@ def run(cfg: Bench) -> dict:
     with TunTestbed(TunConfig(path=PathConfig(rate_mbit=cfg.rate_mbit))) as bed:
         profiles = [run_profile(bed, cfg, name, log_dir) for name in cfg.profiles]
     return {"model": cfg.model, "tokens": cfg.tokens, "streams": cfg.streams,
-            "repeats": cfg.repeats, "micro_batches": cfg.micro_batches, "logs": str(log_dir),
+            "repeats": cfg.repeats, "micro_batches": cfg.micro_batches,
+            "pipeline_weights": cfg.weights, "logs": str(log_dir),
             "profiles": profiles}  # fmt: skip
 
 
@@ -316,6 +322,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--streams", type=int, default=8)
     ap.add_argument("--micro-batches", type=int, default=2)
+    ap.add_argument("--weights", help="the pipeline arm's --weights, e.g. 1,1.25 (default: even)")
     ap.add_argument("--tiny", action="store_true", help="smoke run: a tiny random model")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--client", choices=["single", "streams"], help=argparse.SUPPRESS)
@@ -343,6 +350,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         tokens=a.tokens,
         streams=a.streams,
         micro_batches=a.micro_batches,
+        weights=a.weights,
     )
     t = time.time()
     out = run(cfg)

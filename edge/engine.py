@@ -15,6 +15,15 @@ the chat history of a follow-up turn) reuses those keys and values instead of re
 
 A runner that cannot batch (only :meth:`Runner.forward`) is served one sequence at a time
 through :class:`SerialRunner`, with the same prefix reuse on its one cache.
+
+Lanes (a :class:`PipelinedRunner`, e.g. the master of a pipeline of devices): the running
+sequences are cut into up to ``lanes`` groups whose steps are in flight at once. The engine
+submits a group's step, then the next group's, and only then collects the oldest: it samples
+that group's tokens and submits its next step while the devices still work on the other
+groups, so a pipeline's stages never drain between steps (GPipe micro-batches across steps,
+Flover's temporal fusion). A sequence is in at most one step in flight; results are
+collected in the order submitted; anything else that touches the runner (a queued call)
+waits until nothing is in flight.
 """
 
 from __future__ import annotations
@@ -295,6 +304,27 @@ class SerialRunner:
         self.inner.reset()
 
 
+class PipelinedRunner(BatchRunner, Protocol):
+    """A batch runner that keeps several steps in flight (``lanes`` of them)."""
+
+    lanes: int
+
+    def submit(self, work: Sequence[Work], top: int = 0) -> Any:
+        """Start a step (as :meth:`BatchRunner.forward_batch`, distinct slots from every step
+        in flight); returns the handle :meth:`collect` takes."""
+        ...
+
+    def collect(self, flight: Any) -> list[torch.Tensor | None]:
+        """The logits of a submitted step; steps are collected in the order submitted."""
+        ...
+
+
+def runner_lanes(batch: BatchRunner) -> int:
+    """Steps ``batch`` may keep in flight: ``lanes`` of a :class:`PipelinedRunner`, else 1."""
+    lanes = getattr(batch, "lanes", 1) if hasattr(batch, "submit") else 1
+    return max(1, int(lanes))
+
+
 def as_batch_runner(runner: Runner) -> BatchRunner:
     """``runner`` itself when it batches, else a one-slot :class:`SerialRunner` over it."""
     if hasattr(runner, "forward_batch"):
@@ -413,6 +443,7 @@ class Request:
         self.drafter: Drafter | None = None  # set at admission when speculation applies
         self.draft_len: DraftLength | None = None
         self.draft: Draft | None = None  # the tokens the step in flight verifies
+        self.flying = False  # in a step submitted and not yet collected (lanes)
 
     def cancel(self) -> None:
         self.cancelled = True
@@ -468,6 +499,16 @@ class Pace:
         base, per_row = fit
         tokens = round((self.stall - 1.0) * (base + per_row * decoding) / per_row)
         return max(1, min(cap, tokens))
+
+
+@dataclass
+class _Flight:
+    """A step the engine launched: its items, and the runner's handle (lanes) or logits."""
+
+    work: list[tuple[Request, Work]]
+    result: Any
+    pending: bool  # result is a handle to collect, not the logits yet
+    t0: float
 
 
 @dataclass
@@ -542,6 +583,9 @@ class Engine:
         self._calls: deque[tuple[Callable[[], Any], Future]] = deque()
         self._thread: threading.Thread | None = None
         self._closed = False
+        self.lanes = runner_lanes(self.batch)
+        self._flights: deque[_Flight] = deque()  # launched, not yet landed (in order)
+        self._wire_mark = 0  # runner.wire_bytes() when the last step landed
 
     # ---- requests ------------------------------------------------------------------------------
     def prepare(self, prompt: str | Sequence[int], params: SamplingParams) -> list[int]:
@@ -653,13 +697,21 @@ class Engine:
                     self._active.clear()
                     self._calls.clear()
                     break
-                call = self._calls.popleft() if self._calls else None
+                # (a queued call runs when nothing is in flight: it may use the runner)
+                call = self._calls.popleft() if self._calls and not self._flights else None
                 self._admit()
-                work = self._plan()
+                room = len(self._flights) < self.lanes and not self._calls
+                work = self._plan() if room else []
             if call is not None:
                 _run_call(*call)
             if work:
-                self._step(work)
+                flight = self._launch(work)
+                if flight is not None and flight.pending:
+                    self._flights.append(flight)
+                elif flight is not None:
+                    self._land(flight)
+            elif self._flights:
+                self._land(self._flights.popleft())
         for r in pending:
             r.sink(EngineError("the engine is closed"))
         for _, fut in calls:
@@ -668,7 +720,7 @@ class Engine:
 
     def _admit(self) -> None:
         """Move waiting requests into free slots (called with the lock held)."""
-        for r in [r for r in self._active if r.cancelled]:
+        for r in [r for r in self._active if r.cancelled and not r.flying]:
             self._finish(r, None, cancelled=True)
         while self._waiting and len(self._active) < self.parallel:
             r = self._waiting[0]
@@ -735,13 +787,16 @@ class Engine:
         """This step's batch: every decoding sequence's next token, then prompt chunks up to
         ``prefill_chunk`` tokens, oldest request first (called with the lock held)."""
         work: list[tuple[Request, Work]] = []
-        for r in self._active:
+        active = [r for r in self._active if not r.flying]
+        if self.lanes > 1:  # a lane's share of the running sequences (module docstring)
+            active = active[: -(-len(self._active) // self.lanes)]
+        for r in active:
             if r.decoding:
                 work.append((r, Work(r.slot, (r.next_in,), r.pos, "last")))
-        prefilling = len(self._active) - len(work)
+        prefilling = len(active) - len(work)
         chunk = self.prefill_chunk
         budget = self.pace.budget(chunk, len(work), prefilling) if work else chunk
-        for r in self._active:
+        for r in active:
             if r.decoding or budget <= 0:
                 continue
             n = min(budget, len(r.ids) - r.pos)
@@ -774,25 +829,53 @@ class Engine:
             out.append((r, w))
         return out
 
-    def _step(self, work: list[tuple[Request, Work]]) -> None:
+    def _launch(self, work: list[tuple[Request, Work]]) -> _Flight | None:
+        """Start a step: submitted (lanes), else run whole; None when it failed."""
         if self.speculation is not None:
             try:
                 work = self._drafts(work)
             except (LowbandError, RuntimeError) as exc:
                 self._fail_all(exc)
-                return
+                return None
         reqs = [r for r, _ in work]
         needs_all = any(r.params.logprobs is not None or r.params.prompt_logprobs for r in reqs)
         tops = [r.params.candidates for r in reqs]
         top = 0 if needs_all or 0 in tops else max(tops)
-        t0, b0 = time.perf_counter(), self.runner.wire_bytes()
+        t0 = time.perf_counter()
+        if not self._flights:  # (the wire bytes of a token count from here: see _land)
+            self._wire_mark = self.runner.wire_bytes()
+        pending = self.lanes > 1
         try:
-            logits = self.batch.forward_batch([w for _, w in work], top)
+            items = [w for _, w in work]
+            if pending:
+                result = self.batch.submit(items, top)  # type: ignore[attr-defined]
+            else:
+                result = self.batch.forward_batch(items, top)
         except (LowbandError, RuntimeError) as exc:
             self._fail_all(exc)
-            return
+            return None
         finally:
             self.metrics.busy_s += time.perf_counter() - t0
+        for r in reqs:
+            r.flying = pending
+        return _Flight(work, result, pending, t0)
+
+    def _land(self, flight: _Flight) -> None:
+        """Take a step's logits (collected from the runner when in flight) and apply them."""
+        work, t0 = flight.work, flight.t0
+        reqs = [r for r, _ in work]
+        for r in reqs:
+            r.flying = False
+        logits = flight.result
+        if flight.pending:
+            t1 = time.perf_counter()
+            try:
+                logits = self.batch.collect(logits)  # type: ignore[attr-defined]
+            except (LowbandError, RuntimeError) as exc:
+                self._fail_all(exc)
+                return
+            finally:
+                self.metrics.busy_s += time.perf_counter() - t1
         n_decode = sum(len(w.ids) for r, w in work if r.decoding)
         elapsed = time.perf_counter() - t0
         self.pace.observe(n_decode, sum(len(w.ids) for r, w in work if not r.decoding), elapsed)
@@ -802,8 +885,12 @@ class Engine:
         m.steps += 1
         m.step_sequences += len(work)
         m.step_tokens += sum(len(w.ids) for _, w in work)
-        if all(r.decoding and r.draft is None for r in reqs):  # the wire cost of one token each
-            m.wire_bytes_per_token.append((self.runner.wire_bytes() - b0) / len(work))
+        # the wire cost of one token each: the bytes since the last step landed (with lanes,
+        # those of the steps in flight beside this one too: a mean over the landings)
+        b = self.runner.wire_bytes()
+        if all(r.decoding and r.draft is None for r in reqs):
+            m.wire_bytes_per_token.append((b - self._wire_mark) / len(work))
+        self._wire_mark = b
         with self._cv:
             for (r, w), lg in zip(work, logits):
                 slot = self._slots[r.slot]
@@ -947,7 +1034,9 @@ class Engine:
         if not isinstance(exc, EngineError):
             err.__cause__ = exc
         with self._cv:
+            self._flights.clear()  # (the runner's reset below drops their answers)
             for r in list(self._active):
+                r.flying = False
                 self._finish(r, err, failed=True)
             for s in self._slots:
                 s.tokens = []

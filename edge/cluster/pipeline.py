@@ -19,6 +19,15 @@ every group is sent on before any answer is awaited, so while stage 1 runs group
 runs stage 0 of group g+1, and the head of group g while stage 1 runs group g+1. A prompt
 chunk rides in its group like a decode token (chunked prefill flows through the stages).
 
+Across steps (``lanes``, the engine's lanes of ``edge.engine``): :meth:`submit` runs stage 0
+of one group and sends it on, :meth:`collect` takes that group's answer (in the order
+submitted) and its logits. The engine keeps ``micro_batches`` groups of streams in flight,
+each a step behind the other: it samples group A's tokens and submits A's next step while
+stage 1 runs group B, so neither device waits for the other nor for the round trip as long
+as one group's stage-0 work outlasts the link (a step no longer drains the pipeline).
+Control messages may be sent while groups are in flight: a stage serves its messages in
+order, so a copy or drop comes after the steps sent before it, as on the master.
+
 Failure: a stage that does not answer in ``op_timeout``, or a lost peer, fails the step with
 :class:`ClusterUnavailable` naming the stage; the runner then stays unhealthy (``/health``)
 and every later request fails the same way until the cluster is restarted (re-forming a
@@ -29,6 +38,8 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections import deque
+from dataclasses import dataclass
 from typing import Any, Sequence
 
 import torch
@@ -73,6 +84,17 @@ from transport.starlink import StarHub
 logger = logging.getLogger(__name__)
 
 _NET_ERRORS = (PeerLost, TransportTimeout, ProtocolError)
+
+
+@dataclass(frozen=True)
+class Flight:
+    """A step in flight (:meth:`PipelineRunner.submit`): its work items, their micro-batches,
+    the stage steps sent for them and the candidates ``k`` each half of the head answers."""
+
+    work: tuple[Work, ...]
+    groups: tuple[tuple[Work, ...], ...]
+    msgs: tuple[StageStep, ...]
+    k: int
 
 
 class PipelineRunner:
@@ -121,6 +143,7 @@ class PipelineRunner:
         self.config = self.model.config
         self.head_lo = self._cut_head()
         self._kv: dict[int, KVCache] = {}
+        self._flights: deque[Flight] = deque()  # submitted, not yet collected (in order)
         self._assign()
         self._healthy, self._status = True, "ok"
         self._heartbeat = threading.Thread(target=self._beat, name="edge-beat", daemon=True)
@@ -194,6 +217,7 @@ class PipelineRunner:
         if self.hub is not None:
             self.hub.abort()  # wakes a stage waiting on its link for the next step
         self._on_link.clear()
+        self._flights.clear()
         self._healthy = False
         self._status = f"failed: {where}: {exc}"
         logger.warning("pipeline failed at %s: %s", where, exc)
@@ -206,6 +230,9 @@ class PipelineRunner:
         """Idle health check, so workers do not take a quiet master for a dead one."""
         while not self._closed.wait(self.cfg.heartbeat_s):
             if not self._healthy or not self._lock.acquire(blocking=False):
+                continue
+            if self._flights:  # steps are flowing: the stages hear from the master anyway
+                self._lock.release()
                 continue
             try:
                 self._ping_n += 1
@@ -236,57 +263,95 @@ class PipelineRunner:
                 raise RuntimeError(f"batch item on cache {w.slot} {why}")
         if len({w.slot for w in work}) != len(work):
             raise RuntimeError("a batch names a cache twice")
+        flying = {w.slot for f in self._flights for w in f.work}
+        if any(w.slot in flying for w in work):
+            raise RuntimeError("a batch names a cache whose step is still in flight")
+
+    @property
+    def lanes(self) -> int:
+        """Steps the engine may keep in flight (:meth:`submit`): G with two or more stages."""
+        return self.cfg.micro_batches if len(self.ranges) > 1 else 1
 
     def forward_batch(self, work: Sequence[Work], top: int = 0) -> list[torch.Tensor | None]:
         """One step of continuous batching through every stage (module docstring)."""
         with self._lock:
+            if self._flights:
+                raise RuntimeError("a step was submitted and not collected")
             self._check(work)
             groups = micro_batches(work, [len(w.ids) for w in work], self.cfg.micro_batches)
-            try:
-                return split_logits(work, self._step(groups, top))
-            except _NET_ERRORS as exc:
-                raise self._fail(exc, "a stage step") from exc
+            return self._collect(self._send(work, groups, top))
 
-    def _step(self, groups: list[list[Work]], top: int = 0) -> torch.Tensor | None:
-        epoch = self.comm.membership.epoch
+    def submit(self, work: Sequence[Work], top: int = 0) -> Flight:
+        """Stage 0 of ``work`` (one micro-batch) sent on to stage 1; :meth:`collect` (in the
+        order submitted) returns its logits as :meth:`forward_batch` would."""
+        with self._lock:
+            self._check(work)
+            return self._send(work, [list(work)], top)
+
+    def collect(self, flight: Flight) -> list[torch.Tensor | None]:
+        """The logits of a :meth:`submit`; steps are collected in the order they were sent."""
+        with self._lock:
+            if not self._healthy:  # (a failure forgot every step in flight)
+                raise ClusterUnavailable(f"the pipeline is not ready ({self._status})")
+            if not self._flights or self._flights[0] is not flight:
+                raise RuntimeError("steps in flight are collected in the order submitted")
+            return self._collect(flight)
+
+    def _send(self, work: Sequence[Work], groups: list[list[Work]], top: int) -> Flight:
+        """Stage 0 of every group, each sent on at once."""
         V = self.config.vocab_size
         # the split head answers the sampler's candidates only (as tp.gather_logits): the best
         # ``k`` of each half, -inf elsewhere; all logits asked (top 0): the master's whole head
         k = top if self.head_lo and 0 < top and 2 * top < min(self.head_lo, V - self.head_lo) else 0
+        epoch = self.comm.membership.epoch
         msgs = []
-        for g in groups:  # stage 0 of every group, each sent on at once
-            self._fid += 1
-            msg = StageStep(
-                fid=self._fid,
-                epoch=epoch,
-                caches=[w.slot for w in g],
-                starts=[w.start for w in g],
-                lengths=[len(w.ids) for w in g],
-                link=self.hub is not None,
-                top=k,
-                rows=wanted_rows(g) if k else None,
-            )
-            ids = torch.tensor([[t for w in g for t in w.ids]], dtype=torch.long)
-            spans = [Span(self._cache(w.slot), w.start, len(w.ids)) for w in g]
-            with torch.inference_mode():
-                h = self.stage.run(self.model.embed(ids), spans)
-            msgs.append(msg)
-            self._relay(0, msg, h)
-        out = []
-        last = len(self.ranges) - 1
-        for g, msg in zip(groups, msgs):  # answers in the order sent (layout.py: no deadlock)
-            for s in range(1, last + 1):
-                got = self._answer(s, msg.fid, 3 if s == last and msg.rows else 1)
-                h = got[0]
-                if s < last:
-                    self._relay(s, msg, h)
-            rows = wanted_rows(g)
-            if rows and msg.rows:
-                out.append(self._merge(h[0, rows], got[1], got[2], k, V))
-            elif rows:
+        try:
+            for g in groups:
+                self._fid += 1
+                msg = StageStep(
+                    fid=self._fid,
+                    epoch=epoch,
+                    caches=[w.slot for w in g],
+                    starts=[w.start for w in g],
+                    lengths=[len(w.ids) for w in g],
+                    link=self.hub is not None,
+                    top=k,
+                    rows=wanted_rows(g) if k else None,
+                )
+                ids = torch.tensor([[t for w in g for t in w.ids]], dtype=torch.long)
+                spans = [Span(self._cache(w.slot), w.start, len(w.ids)) for w in g]
                 with torch.inference_mode():
-                    out.append(self.model.head(h[0, rows]).float())
-        return torch.cat(out) if out else None
+                    h = self.stage.run(self.model.embed(ids), spans)
+                msgs.append(msg)
+                self._relay(0, msg, h)
+        except _NET_ERRORS as exc:
+            raise self._fail(exc, "a stage step") from exc
+        flight = Flight(tuple(work), tuple(tuple(g) for g in groups), tuple(msgs), k)
+        self._flights.append(flight)
+        return flight
+
+    def _collect(self, flight: Flight) -> list[torch.Tensor | None]:
+        """The answers of ``flight``'s groups in the order sent (layout.py: no deadlock)."""
+        V, k = self.config.vocab_size, flight.k
+        last = len(self.ranges) - 1
+        out = []
+        try:
+            for g, msg in zip(flight.groups, flight.msgs):
+                for s in range(1, last + 1):
+                    got = self._answer(s, msg.fid, 3 if s == last and msg.rows else 1)
+                    h = got[0]
+                    if s < last:
+                        self._relay(s, msg, h)
+                rows = wanted_rows(g)
+                if rows and msg.rows:
+                    out.append(self._merge(h[0, rows], got[1], got[2], k, V))
+                elif rows:
+                    with torch.inference_mode():
+                        out.append(self.model.head(h[0, rows]).float())
+        except _NET_ERRORS as exc:
+            raise self._fail(exc, "a stage step") from exc
+        self._flights.popleft()
+        return split_logits(flight.work, torch.cat(out) if out else None)
 
     def _merge(
         self, h: torch.Tensor, vals: torch.Tensor, ids: torch.Tensor, k: int, V: int
@@ -374,6 +439,11 @@ class PipelineRunner:
 
     def reset(self) -> None:
         with self._lock:
+            try:  # the answers of steps still in flight are read (and dropped) first
+                while self._flights and self._healthy:
+                    self._collect(self._flights[0])
+            except ClusterUnavailable:
+                pass  # (_fail marked the runner unhealthy and forgot the steps)
             self._kv = {}
             if self._healthy:
                 self._tell(Reset(), "reset")

@@ -123,6 +123,58 @@ def test_pipeline_logits_bit_identical_to_one_device(ckpt, world, groups, link) 
         _stop(runner, workers)
 
 
+@pytest.mark.parametrize("world,top", [(2, 0), (2, 3), (3, 0)])
+def test_steps_in_flight_across_steps_bit_identical(ckpt, world, top) -> None:
+    """Two groups of sequences, each a step behind the other (submit A, submit B, collect A,
+    submit A's next step, collect B, ...): every logit equals one device's ragged pass over
+    the same group bit for bit; collection keeps the order of submission and a cache whose
+    step is in flight cannot be stepped again."""
+    ref = load_shard(ckpt).model
+    caches = {i: ref.new_cache() for i in range(4)}
+    runner, workers = _start(ckpt, world, micro_batches=2)
+    try:
+        assert runner.lanes == 2
+        lanes = [
+            [Work(slot=0, ids=[5, 9, 200], start=0), Work(slot=1, ids=[7], start=0)],
+            [Work(slot=2, ids=[1, 2], start=0), Work(slot=3, ids=[4, 4, 4, 4], start=0)],
+        ]
+        flying = [runner.submit(lanes[0], top), runner.submit(lanes[1], top)]
+        with pytest.raises(RuntimeError, match="in flight"):
+            runner.submit([Work(slot=1, ids=[3], start=1)], top)
+        with pytest.raises(RuntimeError, match="order"):
+            runner.collect(flying[1])
+        with pytest.raises(RuntimeError, match="not collected"):
+            runner.forward_batch([Work(slot=5, ids=[3], start=0)])
+        for step in range(6):
+            g = step % 2
+            got = runner.collect(flying[g])
+            work = lanes[g]
+            spans = [Span(caches[w.slot], w.start, len(w.ids)) for w in work]
+            ids = torch.tensor([[t for w in work for t in w.ids]])
+            with torch.inference_mode():
+                h = ref.forward_ragged(ref.embed(ids), spans)
+                rows = [sum(len(x.ids) for x in work[: k + 1]) - 1 for k in range(len(work))]
+                want = ref.head(h[0, rows]).float()
+            for k, lg in enumerate(got):
+                assert lg is not None
+                if top:  # the sampler's candidates, one device's values
+                    best = torch.topk(want[k], top).indices
+                    assert torch.equal(lg[best], want[k][best]), f"step {step} item {k}"
+                else:
+                    assert torch.equal(lg, want[k]), f"step {step} item {k}"
+            lanes[g] = [
+                Work(slot=w.slot, ids=[int(got[k].argmax())], start=w.start + len(w.ids))
+                for k, w in enumerate(work)
+            ]
+            flying[g] = runner.submit(lanes[g], top)
+        runner.reset()  # drops the answers of the steps still in flight
+        assert runner.slot_length(0) == 0
+        out = runner.forward_batch([Work(slot=0, ids=[1, 2, 3], start=0)])
+        assert out[0] is not None and runner.health()["healthy"]
+    finally:
+        _stop(runner, workers)
+
+
 @pytest.mark.parametrize("world,groups", [(2, 2), (3, 1)])
 def test_split_head_gives_the_samplers_candidates_bit_identical(ckpt, world, groups) -> None:
     """With ``top`` > 0 the master and the last stage each compute their vocabulary rows of the
