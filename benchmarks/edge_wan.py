@@ -58,7 +58,7 @@ class Bench:
     streams: int = 8
     rate_mbit: float = 100.0
     startup_s: float = 240.0
-    micro_batches: int = 2
+    micro_batches: int = 3
     # the pipeline arm's --weights (relative speeds of the master and the worker: the master
     # also embeds, samples and serves HTTP, so it may be given fewer layers); None: even split
     weights: str | None = None
@@ -321,7 +321,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--streams", type=int, default=8)
-    ap.add_argument("--micro-batches", type=int, default=2)
+    ap.add_argument("--micro-batches", type=int, default=3)
     ap.add_argument("--weights", help="the pipeline arm's --weights, e.g. 1,1.25 (default: even)")
     ap.add_argument("--tiny", action="store_true", help="smoke run: a tiny random model")
     ap.add_argument("--json", action="store_true")

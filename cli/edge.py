@@ -162,8 +162,8 @@ def _add_serve(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--micro-batches",
         type=int,
-        default=2,
-        help="pipeline layout: groups of streams in flight through the stages (default 2)",
+        default=3,
+        help="pipeline layout: groups of streams in flight through the stages (default 3)",
     )
     p.add_argument(
         "--wire",

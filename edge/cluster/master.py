@@ -113,8 +113,10 @@ class ClusterConfig:
     # edge.cluster.pipeline), "single" (the master alone) or "auto" (edge.planner.plan_layout
     # from the measured round trips and device profiles). The launcher resolves "auto".
     layout: str = "tp"
-    # G: micro-batches of a pipeline step in flight at once (edge.cluster.layout)
-    micro_batches: int = 2
+    # G: groups of streams whose pipeline steps are in flight at once (the engine's lanes,
+    # edge.cluster.pipeline). 3 measured best for two stages over Wi-Fi (benchmarks.edge_wan:
+    # 2 leaves the master waiting a round trip per group, 4 pays too many small passes).
+    micro_batches: int = 3
     # Stream the model to every worker as it is assigned (edge.cluster.ship: hashed, cached on
     # the worker, resumed after a broken transfer): workers need no copy of their own and are
     # started with a cache directory instead of --model-dir. Tensor-parallel layout.
