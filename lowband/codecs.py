@@ -173,6 +173,26 @@ class Int8BlockCodec:
         out.mul_(scale.to(torch.float32)[:, None])  # in place: the output is the one copy
         return out.reshape(-1)[:numel].reshape(shape)
 
+    def decode_add_(self, encoded: Encoded, out: torch.Tensor) -> None:
+        """``out += decode(encoded)`` in place, its float32 temporaries one chunk instead of a
+        decoded copy of the whole tensor (a sum of n contributions holds one tensor, not two).
+        The same two roundings per element as the unchunked form, so the same bits."""
+        if len(encoded.frames) != 2:
+            raise ProtocolError(f"int8 payload: 2 frames expected, got {len(encoded.frames)}")
+        q, scale = encoded.frames
+        block = self.block
+        _, numel, _ = _checked_layout(encoded, block, q, 1)
+        flat = out.view(-1)
+        if flat.numel() != numel or out.dtype != torch.float32:
+            raise ProtocolError(f"int8 payload of {numel} elements added to {tuple(out.shape)}")
+        step = max(1, _CHUNK // block) * block
+        for start in range(0, numel, step):
+            end = min(numel, start + step)
+            first, k = start // block, -(-(end - start) // block)
+            part = q[start : start + k * block].to(torch.float32).view(k, block)
+            part.mul_(scale[first : first + k].to(torch.float32)[:, None])
+            flat[start:end].add_(part.view(-1)[: end - start])
+
 
 # 4-bit code books, normalised so the largest magnitude is 1.0. Values are facts from the
 # formats' definitions: E2M1 is the OCP MX FP4 element type; NF4 is the QLoRA normal-float grid

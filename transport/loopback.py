@@ -301,8 +301,12 @@ def _complete_all_reduce(group: LoopbackGroup, rv: _Rendezvous) -> Outcomes:
     if codec is not None:
         payload = contribs[0][0].nbytes
         acc = codec.decode(contribs[0][0])  # a fresh tensor
+        add = getattr(codec, "decode_add_", None)  # in place, chunk by chunk (int8)
         for c in contribs[1:]:
-            acc += codec.decode(c[0])
+            if add is not None:
+                add(c[0], acc)
+            else:
+                acc += codec.decode(c[0])
     else:
         payload = _nbytes(contribs[0][0])
         acc = contribs[0][0].to(acc_dtype(dtype)).clone()

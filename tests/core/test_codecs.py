@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from lowband.codecs import CODEBOOKS, FourBitCodec, Int8BlockCodec, codec_names, get_codec
-from lowband.errors import ConfigError
+from lowband.errors import ConfigError, ProtocolError
 
 
 @pytest.mark.parametrize("name", codec_names())
@@ -56,3 +56,19 @@ def test_bad_config():
         FourBitCodec("nf4", 3)
     with pytest.raises(ConfigError, match="kind"):
         FourBitCodec("e5m2")
+
+
+@pytest.mark.parametrize("numel", [1, 300, (1 << 20) + 777])
+def test_int8_decode_add_is_the_unchunked_sum_bit_for_bit(numel: int) -> None:
+    """The loopback sums contributions with ``decode_add_``: the same bits as ``acc += decode``,
+    across chunk boundaries and a padded tail block."""
+
+    g = torch.Generator().manual_seed(numel)
+    codec = Int8BlockCodec()
+    a, b = torch.randn(numel, generator=g), torch.randn(numel, generator=g) * 3
+    want = codec.decode(codec.encode(a)) + codec.decode(codec.encode(b))
+    got = codec.decode(codec.encode(a))
+    codec.decode_add_(codec.encode(b), got)
+    assert torch.equal(got, want)
+    with pytest.raises(ProtocolError):
+        codec.decode_add_(codec.encode(b), torch.zeros(numel + 1))
