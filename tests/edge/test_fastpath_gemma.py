@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from edge import fastpath
+from edge import fastpath, tp
 from edge.quant import kernel as qkernel
 from edge.quant import quantize_modules
 from lowband.models.config import ModelConfig
@@ -115,6 +115,25 @@ def test_gemma3_batch_rows_equal_single_rows() -> None:
             m(torch.tensor([p]), cache=c2)
             alone = fast.layers(x[b : b + 1], c2, len(p))
             assert torch.equal(batch[b : b + 1], alone)
+
+
+def test_a_tensor_parallel_rank_without_kv_heads_batches_rows_at_one_position() -> None:
+    """Gemma 3's single KV head lives on one rank of a TP-2 split; the other rank's caches
+    hold no buffer at all. Two sequences at the same position in one batched step are then
+    distinct caches (the compiled step refused them as one cache written twice), and each row
+    computes what it computes alone."""
+    m = _model(8, intermediate_size=128)  # down_proj's columns split on whole groups of 32
+    plan = tp.make_plan(m.config, 2)
+    assert plan.kv[1] == (1, 1)  # rank 1 holds none of the one KV head
+    tp.shard(m, plan, 1, 2, lambda x: x)  # rank 1 alone: its partial sums, unreduced
+    assert fastpath.install(m) is None
+    x = torch.randn(3, 1, m.config.hidden_size, generator=torch.Generator().manual_seed(2))
+    with torch.inference_mode():
+        caches = [m.new_cache() for _ in range(3)]
+        batch = m.forward_ragged(x.view(1, 3, -1), [Span(c, 0, 1) for c in caches])
+        for b in range(3):
+            alone = m.forward_ragged(x[b].view(1, 1, -1), [Span(m.new_cache(), 0, 1)])
+            assert torch.equal(batch[0, b], alone[0, 0])
 
 
 def test_thread_count_does_not_change_the_bits() -> None:

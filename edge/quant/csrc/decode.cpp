@@ -843,9 +843,13 @@ class Decoder {
     // Rows may share a cache at distinct positions (a speculative verification group: k + 1
     // consecutive tokens of one sequence): every row's K/V is written before any row attends,
     // and row b attends to positions <= pos[b] only, so each row computes what it alone would.
+    // A cache without heads (a tensor-parallel rank holding none of the KV heads: Gemma 3's
+    // single KV head lives on one rank) has no buffer, so every such cache has the null pointer.
     for (int64_t b = 0; b < B; ++b)
       for (int64_t c = 0; c < b; ++c)
-        TORCH_CHECK(L == 0 || kv_[b * L].k != kv_[c * L].k || (pos[b] != pos[c] && base[b] == base[c]), "rows ", c,
+        TORCH_CHECK(L == 0 || kv_[b * L].k == nullptr || kv_[b * L].k != kv_[c * L].k ||
+                        (pos[b] != pos[c] && base[b] == base[c]),
+                    "rows ", c,
                     " and ", b, " write one position of one KV cache");
     pos_ = pos;
     base_ = base;
