@@ -712,7 +712,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--fast-prompts",
         action="store_true",
-        help="lowband's prompt through the eager GEMMs (edge --fast-prompts): faster prefill, "
+        help="lowband's prompt through the eager GEMMs (edge --fast-prompts): other rounding, "
         "temperature 0 no longer repeatable across prompt cuts; default: the serving default",
     )
     p.add_argument("--tokens", type=int, default=32)

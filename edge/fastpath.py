@@ -536,7 +536,8 @@ def set_repeatable(model: LlamaForCausalLM, on: bool) -> None:
     """On (the default): prompt spans of any length run through the compiled step's rows
     path, every row computed as its token alone, so a token's bits do not depend on the prefix
     cache, the prompt's chunking or what shared its step. Off: spans longer than
-    ``ROWWISE_ROWS`` go through the eager layers' GEMMs (faster prefill, other rounding).
+    ``ROWWISE_ROWS`` go through the eager layers' GEMMs (other rounding; no faster than the rows
+    path on Gemma 3 270M Q4_K_M here, benchmarks/results/edge_vs_llamacpp-gemma3-270m*.json).
     Nothing to do where the model has no compiled step."""
     fast = model.__dict__.get("fast_decode")
     if fast is not None:

@@ -120,7 +120,8 @@ class BatchConfig:
     """Prompt tokens through the compiled step's rows path, each computed as the token alone,
     so temperature 0 gives the same tokens whether a prefix came from the cache or not and
     whatever shared the step; False: prompt chunks over 16 tokens through the eager GEMMs
-    (faster prefill, but a request's bits then depend on how its prompt was cut). See
+    (other rounding: a request's bits then depend on how its prompt was cut; no faster on
+    Gemma 3 270M here). See
     :func:`edge.fastpath.set_repeatable`."""
     repack: str = "auto"
     """K-quant weights also kept in the batch GEMM's layout (:func:`repack_for_batches`): "on",

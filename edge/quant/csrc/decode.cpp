@@ -93,7 +93,7 @@ inline float dot_f32(const float* a, const float* b, int64_t n) {
 
 // out[j] = dot_f32(w, x[j], n) for MR activation rows that share each load of w. Per row the
 // accumulators and the order of the additions are dot_f32's, so a batch row gets the same bits
-// as a lone row. (MR <= 2 keeps the 4 * MR accumulators in registers.)
+// as a lone row (MR = 4: the 16 accumulators fit the 32 registers of AVX-512 machines).
 template <int MR>
 inline void dot_f32_multi(const float* w, const float* const* x, int64_t n, float* out) {
   int64_t i = 0;
@@ -154,6 +154,81 @@ inline void axpy_f32(float a, const float* x, float* y, int64_t n) {
   for (; i + 4 <= n; i += 4) vst1q_f32(y + i, vfmaq_f32(vld1q_f32(y + i), va, vld1q_f32(x + i)));
 #endif
   for (; i < n; ++i) y[i] += a * x[i];
+}
+
+// The dots of key row k with the G query heads q + j * D (G <= 8), each with dot_f32's bits:
+// dot_f32_multi shares each load of the key between heads.
+inline void key_dots(const float* k, const float* q, int64_t D, int64_t G, float* out) {
+  int64_t j = 0;
+  for (; j + 4 <= G; j += 4) {
+    const float* qs[4] = {q + j * D, q + (j + 1) * D, q + (j + 2) * D, q + (j + 3) * D};
+    dot_f32_multi<4>(k, qs, D, out + j);
+  }
+  for (; j + 2 <= G; j += 2) {
+    const float* qs[2] = {q + j * D, q + (j + 1) * D};
+    dot_f32_multi<2>(k, qs, D, out + j);
+  }
+  if (j < G) out[j] = dot_f32(q + j * D, k, D);
+}
+
+// out[j] = sum_s (p[j * S + s] * inv[j]) v[s] for G heads (values v: S rows of D), each output
+// value by fma in key order from 0, as axpy_f32 row after row computes it (the same bits); with
+// AVX2 and D % 32 == 0 a 32-wide slice of up to 4 heads stays in registers over all S keys
+// (axpy_f32 loads and stores the output for every key). p is scaled in place.
+template <int HN>
+inline void weighted_slice(const float* p, int64_t S, const float* v, int64_t D, int64_t d, float* out) {
+#if defined(LBQ_AVX2)
+  __m256 acc[HN][4];
+  for (int h = 0; h < HN; ++h)
+    for (int c = 0; c < 4; ++c) acc[h][c] = _mm256_setzero_ps();
+  for (int64_t s = 0; s < S; ++s) {
+    const float* vr = v + s * D + d;
+    const __m256 v0 = _mm256_loadu_ps(vr), v1 = _mm256_loadu_ps(vr + 8);
+    const __m256 v2 = _mm256_loadu_ps(vr + 16), v3 = _mm256_loadu_ps(vr + 24);
+    for (int h = 0; h < HN; ++h) {
+      const __m256 a = _mm256_set1_ps(p[h * S + s]);
+      acc[h][0] = _mm256_fmadd_ps(a, v0, acc[h][0]);
+      acc[h][1] = _mm256_fmadd_ps(a, v1, acc[h][1]);
+      acc[h][2] = _mm256_fmadd_ps(a, v2, acc[h][2]);
+      acc[h][3] = _mm256_fmadd_ps(a, v3, acc[h][3]);
+    }
+  }
+  for (int h = 0; h < HN; ++h)
+    for (int c = 0; c < 4; ++c) _mm256_storeu_ps(out + h * D + d + 8 * c, acc[h][c]);
+#else
+  (void)p, (void)S, (void)v, (void)D, (void)d, (void)out;
+#endif
+}
+
+inline void weighted_values(float* p, const float* inv, const float* v, int64_t S, int64_t D, int64_t G, float* out) {
+  for (int64_t j = 0; j < G; ++j)
+    for (int64_t s = 0; s < S; ++s) p[j * S + s] *= inv[j];
+#if defined(LBQ_AVX2)
+  if (D % 32 == 0) {
+    for (int64_t h = 0; h < G; h += 4) {
+      const float* ph = p + h * S;
+      float* oh = out + h * D;
+      for (int64_t d = 0; d < D; d += 32) switch (std::min<int64_t>(4, G - h)) {
+          case 4:
+            weighted_slice<4>(ph, S, v, D, d, oh);
+            break;
+          case 3:
+            weighted_slice<3>(ph, S, v, D, d, oh);
+            break;
+          case 2:
+            weighted_slice<2>(ph, S, v, D, d, oh);
+            break;
+          default:
+            weighted_slice<1>(ph, S, v, D, d, oh);
+            break;
+        }
+    }
+    return;
+  }
+#endif
+  std::fill(out, out + G * D, 0.f);
+  for (int64_t s = 0; s < S; ++s)
+    for (int64_t j = 0; j < G; ++j) axpy_f32(p[j * S + s], v + s * D, out + j * D, D);
 }
 
 // The loop nest of every M-row linear over its weight rows [n0, n1): tile(n, m0, m1) computes
@@ -1048,9 +1123,11 @@ class Decoder {
             for (int64_t j = 0; j < G; ++j) mx[j] = -INFINITY;
             for (int64_t s = 0; s < S; ++s) {
               const float* kr = kg + s * D;
+              float dots[kMaxGroup];
+              key_dots(kr, q, D, G, dots);
               for (int64_t j = 0; j < G; ++j) {
                 float& x = scores[static_cast<size_t>(j * S + s)];
-                x = dot_f32(q + j * D, kr, D) * scale;
+                x = dots[j] * scale;
                 mx[j] = std::max(mx[j], x);
               }
             }
@@ -1063,12 +1140,7 @@ class Decoder {
               }
               inv[j] = 1.f / sum;
             }
-            std::fill(out, out + G * D, 0.f);
-            for (int64_t s = 0; s < S; ++s) {
-              const float* vr = vg + s * D;
-              for (int64_t j = 0; j < G; ++j)
-                axpy_f32(scores[static_cast<size_t>(j * S + s)] * inv[j], vr, out + j * D, D);
-            }
+            weighted_values(scores.data(), inv, vg, S, D, G, out);
           }
         }
       });
