@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 
 from cli import main
+from diloco.flower import federation
 from diloco.flower.federation import SubmitConfig, write_flwr_home
 from lowband.errors import ConfigError
 
@@ -29,8 +30,13 @@ def test_a_superlink_beyond_loopback_needs_tls_or_insecure(superlink) -> None:
 
 
 @pytest.mark.parametrize("superlink", ["127.0.0.1:9093", "localhost:9093", "[::1]:9093"])
-def test_loopback_stays_zero_config(superlink) -> None:
-    SubmitConfig(superlink=superlink)
+def test_loopback_stays_zero_config(superlink, monkeypatch) -> None:
+    submitted: list[SubmitConfig] = []
+    monkeypatch.setattr(federation, "submit", lambda cfg, **_: submitted.append(cfg))
+    assert main(["flower", "run", "--superlink", superlink, "--quiet"]) == 0
+    # the command went ahead without --root-certificates or --insecure, and turned on neither
+    [cfg] = submitted
+    assert (cfg.superlink, cfg.root_certificates, cfg.insecure) == (superlink, None, False)
 
 
 def test_the_command_refuses_before_starting_anything(capsys) -> None:

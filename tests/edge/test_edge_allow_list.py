@@ -31,9 +31,14 @@ def _master(tmp_path, *extra: str):
     return _serve_config(build_parser().parse_args(argv), 2), CurveKeys.load(secret)
 
 
-def _joins(address: str, server: bytes, keys: CurveKeys | None, peer_id: str | None = None):
-    comm = connect(address, ZmqConfig(**BASE, curve_server_key=server, curve=keys), peer_id=peer_id)
-    comm.close()
+def _joins(coord: Coordinator, server: bytes, keys: CurveKeys | None, peer_id: str | None = None):
+    """Connect as a peer: it must then be a member (``connect`` raises AuthError if refused)."""
+    cfg = ZmqConfig(**BASE, curve_server_key=server, curve=keys)
+    comm = connect(coord.address, cfg, peer_id=peer_id)
+    try:
+        assert comm.peer_id in coord.alive, (comm.peer_id, coord.alive)
+    finally:
+        comm.close()
 
 
 def test_only_listed_workers_and_the_master_register(tmp_path) -> None:
@@ -43,19 +48,19 @@ def test_only_listed_workers_and_the_master_register(tmp_path) -> None:
     cfg, master = _master(tmp_path, "--curve-authorized", str(workers))
     with Coordinator(_coordinator_config(cfg)) as coord:
         with pytest.raises(AuthError):  # has the master's public key, not a listed key
-            _joins(coord.address, master.public, CurveKeys.generate())
+            _joins(coord, master.public, CurveKeys.generate())
         with pytest.raises(AuthError):  # a fresh keypair, as a worker without --curve-key
-            _joins(coord.address, master.public, None)
+            _joins(coord, master.public, None)
         assert coord.alive == ()
-        _joins(coord.address, master.public, CurveKeys.load(w_secret))
-        _joins(coord.address, master.public, master, peer_id="edge-master-0")
+        _joins(coord, master.public, CurveKeys.load(w_secret))
+        _joins(coord, master.public, master, peer_id="edge-master-0")
 
 
 def test_without_a_list_anyone_with_the_public_key_registers(tmp_path) -> None:
     """What the list closes (and what docs/security.md says CURVE alone allows)."""
     cfg, master = _master(tmp_path)
     with Coordinator(_coordinator_config(cfg)) as coord:
-        _joins(coord.address, master.public, CurveKeys.generate())
+        _joins(coord, master.public, CurveKeys.generate())
 
 
 def test_a_list_needs_the_masters_keypair(tmp_path) -> None:

@@ -166,12 +166,13 @@ def test_hung_peer_is_declared_lost_then_rejoins_by_itself():
             pending = a.all_reduce_async(torch.ones(2), tag="z")
             stall = threading.Event()
             b._reactor.call(lambda: stall.wait(30))
-            t0 = time.monotonic()
+            # PeerLost within the wait's 12 s (wait raises TransportTimeout after it), where
+            # the 0.9 s unresponsive_after set here should take ~1 s; a hung peer kept alive by
+            # its ZMTP pings would instead be declared only after the default 60 s or never,
+            # and the op would fail by its own 20 s timeout (CFG.timeout), not PeerLost.
             with pytest.raises(PeerLost) as info:
-                pending.wait(10)
-            elapsed = time.monotonic() - t0
+                pending.wait(12)
             assert b.peer_id in info.value.peers
-            assert elapsed < 3 * interval + 2.0  # bound, generous for a loaded machine
             assert coord.alive == (a.peer_id,)
             stall.set()
             deadline = time.monotonic() + 10
