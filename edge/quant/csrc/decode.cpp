@@ -924,8 +924,7 @@ class Decoder {
       for (int64_t c = 0; c < b; ++c)
         TORCH_CHECK(L == 0 || kv_[b * L].k == nullptr || kv_[b * L].k != kv_[c * L].k ||
                         (pos[b] != pos[c] && base[b] == base[c]),
-                    "rows ", c,
-                    " and ", b, " write one position of one KV cache");
+                    "rows ", c, " and ", b, " write one position of one KV cache");
     pos_ = pos;
     base_ = base;
     return run(x_in, reduce, link);
