@@ -393,14 +393,11 @@ def main(argv: list[str] | None = None) -> int:
         "command": "python -m benchmarks.edge_speculative " + " ".join(argv or sys.argv[1:]),
         "commit": commit,
         "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "machine": {
-            "cpu": platform.processor() or platform.machine(),
-            "threads": a.threads,
-            # libgomp's waiting: with more OpenMP thread teams than cores (the loading thread's
-            # and each engine's) it spins only briefly, then sleeps and wakes per parallel
-            # region, which doubles a small model's step on 2 cores; these override that
-            "env": {k: os.environ[k] for k in OMP_ENV if k in os.environ},
-        },
+        # libgomp's waiting shown with the machine: with more OpenMP thread teams than cores
+        # (the loading thread's and each engine's) it spins only briefly, then sleeps and
+        # wakes per parallel region, which doubles a small model's step on 2 cores
+        "machine": f"{platform.processor() or platform.machine()}, {a.threads} threads"
+        + "".join(f", {k}={os.environ[k]}" for k in OMP_ENV if k in os.environ),
         "modelled": False,
         "result": {
             "workloads": result,
