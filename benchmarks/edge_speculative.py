@@ -385,7 +385,7 @@ def main(argv: list[str] | None = None) -> int:
         for s in servers:
             s.__exit__()
     commit = subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False
+        ["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=False
     ).stdout.strip()
     record = {
         "benchmark": "edge_speculative",
