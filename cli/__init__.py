@@ -14,8 +14,9 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import os
 import sys
-from typing import Sequence
+from typing import Mapping, Sequence
 
 from lowband import __version__
 
@@ -27,6 +28,27 @@ COMMAND_MODULES = (
     "cli.flower",  # flower ...
     "cli.demo",  # demo
 )
+
+
+# How libgomp's idle workers wait, for the edge commands. The kernels and torch share libgomp's
+# thread teams, and a server runs its steps on the engine's thread while the model was loaded on
+# the main one: two teams on few cores, and by default libgomp's idle workers then sleep almost at
+# once, so every parallel region of a decode step pays a futex wake-up. Spinning up to ~2M
+# iterations (tens of milliseconds) first doubles single-stream decode on 2 cores
+# (benchmarks/results/edge_speculative-gemma3-270m-omp-*.json); after that they still sleep, so
+# an idle server does not hold its cores. libgomp reads these once, when torch loads it.
+OPENMP_WAIT = {"OMP_WAIT_POLICY": "ACTIVE", "GOMP_SPINCOUNT": "2000000"}
+
+
+def openmp_wait(
+    command: str | None, environ: Mapping[str, str], torch_loaded: bool
+) -> dict[str, str]:
+    """The variables to add for ``command``: :data:`OPENMP_WAIT` for ``edge`` when the user set
+    neither and torch (hence libgomp) is not loaded yet; nothing otherwise (training shares its
+    cores with the transport's threads and other sites, and tests call :func:`main` in-process)."""
+    if command != "edge" or torch_loaded or any(k in environ for k in OPENMP_WAIT):
+        return {}
+    return dict(OPENMP_WAIT)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -58,6 +80,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
+    os.environ.update(openmp_wait(args.command, os.environ, "torch" in sys.modules))
     return int(args.func(args) or 0)
 
 
