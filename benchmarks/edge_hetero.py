@@ -22,7 +22,6 @@ import argparse
 import json
 import os
 import signal
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -30,6 +29,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from benchmarks.edge import PRESETS, _decode, _pin
+from benchmarks.stats import spread
 from lowband.proc import die_with_parent, free_port
 
 CGROUP = Path("/sys/fs/cgroup/cpu")
@@ -189,15 +189,6 @@ def _run(model: str, weights: str, a, add) -> dict:
                 worker.wait(timeout=10)
 
 
-def _stats(xs: list[float]) -> dict:
-    return {
-        "median": round(statistics.median(xs), 2),
-        "min": round(min(xs), 2),
-        "max": round(max(xs), 2),
-        "n": len(xs),
-    }
-
-
 def main_bench(a) -> dict:
     import torch
 
@@ -230,7 +221,7 @@ def main_bench(a) -> dict:
                         file=sys.stderr,
                         flush=True,
                     )
-    ms = {c: _stats(v) for c, v in times.items()}
+    ms = {c: spread(v) for c, v in times.items()}
     hand = {c: ms[c] for c in configs[2:]}  # hand-picked: w:1 splits and the master alone
     best = min(hand, key=lambda c: hand[c]["median"]) if hand else "even"
     auto_med = ms["auto"]["median"]

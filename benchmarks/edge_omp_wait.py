@@ -26,6 +26,8 @@ import time
 import urllib.request
 from pathlib import Path
 
+from benchmarks.stats import spread
+
 ARMS = {"cli_default": {}, "libgomp_default": {"GOMP_SPINCOUNT": "300000"}}
 PROMPT = "The history of the printing press begins"
 
@@ -91,15 +93,6 @@ def run_arm(model: str, env_extra: dict, a: argparse.Namespace) -> list[float]:
             proc.wait(10)
 
 
-def _stats(xs: list[float]) -> dict:
-    return {
-        "median": round(statistics.median(xs), 2),
-        "min": round(min(xs), 2),
-        "max": round(max(xs), 2),
-        "n": len(xs),
-    }
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", help="GGUF file or model dir (default: the real Gemma 3 270M)")
@@ -128,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
         "rounds": a.rounds,
         "requests": a.requests,
         "env": ARMS,
-        "tok_s": {name: _stats(xs) for name, xs in runs.items()},
+        "tok_s": {name: spread(xs) for name, xs in runs.items()},
         "runs": {name: [round(x, 2) for x in xs] for name, xs in runs.items()},
         "cli_over_libgomp": round(
             statistics.median(runs["cli_default"]) / statistics.median(runs["libgomp_default"]), 3

@@ -37,6 +37,7 @@ from typing import Any, Callable
 
 import torch
 
+from benchmarks.stats import spread
 from edge.draft import DraftModel
 from edge.engine import Engine, LocalRunner
 from edge.lookup import LookupDrafter
@@ -212,15 +213,6 @@ class LlamaServer:
         }
 
 
-def _stats(xs: list[float]) -> dict:
-    return {
-        "median": round(statistics.median(xs), 3),
-        "min": round(min(xs), 3),
-        "max": round(max(xs), 3),
-        "n": len(xs),
-    }
-
-
 def _engine(model, tok, spec: Speculation | None, parallel: int = 1) -> Engine:
     return Engine(LocalRunner(model), tok, model_name="bench", parallel=parallel, speculation=spec)
 
@@ -254,7 +246,7 @@ def run(
         for a, runs in per.items():
             acc = [r["acceptance"] for r in runs if r["acceptance"] is not None]
             res[a] = {
-                "tok_s": _stats([r["tok_s"] for r in runs]),
+                "tok_s": spread([r["tok_s"] for r in runs], 3),
                 "acceptance": round(statistics.median(acc), 3) if acc else None,
             }
         res["identical"] = {

@@ -686,12 +686,9 @@ def wants_prometheus(request: web.Request) -> bool:
     return "text/plain" in accept or "openmetrics" in accept
 
 
-def chat_prompt(messages: Any, body: dict | None = None) -> str:
-    """A plain role-tagged transcript ending with the assistant's turn: the prompt of a model
-    that ships no chat template (a base model, or one trained here). ``body``'s
-    ``continue_final_message`` leaves the last (assistant) line open instead, and
-    ``add_generation_prompt: false`` leaves the assistant's tag out."""
-    body = body or {}
+def _prompt_end(body: dict) -> tuple[bool, bool]:
+    """``(continue_final_message, add_generation_prompt)`` of a chat request: how its prompt
+    ends (the last assistant message left open, or the assistant's header); both true is a 400."""
     go_on = _opt_bool(body, "continue_final_message")
     header = _opt_bool(body, "add_generation_prompt", default=not go_on)
     if go_on and header:
@@ -700,6 +697,16 @@ def chat_prompt(messages: Any, body: dict | None = None) -> str:
             "continue_final_message and add_generation_prompt cannot both be true",
             param="continue_final_message",
         )
+    return go_on, header
+
+
+def chat_prompt(messages: Any, body: dict | None = None) -> str:
+    """A plain role-tagged transcript ending with the assistant's turn: the prompt of a model
+    that ships no chat template (a base model, or one trained here). ``body``'s
+    ``continue_final_message`` leaves the last (assistant) line open instead, and
+    ``add_generation_prompt: false`` leaves the assistant's tag out."""
+    body = body or {}
+    go_on, header = _prompt_end(body)
     try:
         plain = normalize_messages(messages)
     except ChatTemplateError as exc:
@@ -729,14 +736,7 @@ def render_chat(template: ChatTemplate, body: dict) -> str:
         raise ApiError(400, "tools must be a list of objects", param="tools")
     if not isinstance(kwargs, dict):
         raise ApiError(400, "chat_template_kwargs must be an object", param="chat_template_kwargs")
-    go_on = _opt_bool(body, "continue_final_message")
-    header = _opt_bool(body, "add_generation_prompt", default=not go_on)
-    if go_on and header:
-        raise ApiError(
-            400,
-            "continue_final_message and add_generation_prompt cannot both be true",
-            param="continue_final_message",
-        )
+    go_on, header = _prompt_end(body)
     try:
         messages = normalize_messages(body.get("messages"))
         source = template.named.get(TOOL_USE_NAME, template.source)
