@@ -59,6 +59,11 @@ from lowband.models.tokenizer import Tokenizer
 logger = logging.getLogger(__name__)
 
 
+# The batching defaults, read by the launch config and the command line too.
+PREFILL_CHUNK = 256  # the most prompt tokens per step, riding along with the decodes
+DECODE_STALL = 2.0  # a step that prefills beside decodes: <= this x a decode step
+
+
 class EngineError(LowbandError):
     """A generation failed (the message says why); the engine itself stays usable."""
 
@@ -534,10 +539,10 @@ class Engine:
         tokenizer: Tokenizer,
         *,
         model_name: str,
-        prefill_chunk: int = 256,
+        prefill_chunk: int = PREFILL_CHUNK,
         parallel: int = 1,
         prefix_cache: int | None = None,
-        decode_stall: float = 2.0,
+        decode_stall: float = DECODE_STALL,
         speculation: Speculation | None = None,
     ) -> None:
         """``parallel``: sequences decoded together; ``prefill_chunk``: the most prompt tokens

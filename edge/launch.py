@@ -29,7 +29,7 @@ from edge.cluster import (
 )
 from edge.cluster.choose import start_runner
 from edge.draft import DraftModel
-from edge.engine import Engine, LocalRunner, Runner
+from edge.engine import DECODE_STALL, PREFILL_CHUNK, Engine, LocalRunner, Runner
 from edge.lookup import LookupDrafter
 from edge.moe.serve import ExpertServeConfig, load_nested_shard, plan_ranks
 from edge.sampling import SamplingParams
@@ -111,8 +111,8 @@ class BatchConfig:
     parallel: int | None = None
     """Sequences decoded together; None: sized from this device's free memory (a KV cache per
     sequence at ``sizing_context`` tokens, a quarter of the available memory, 1..16)."""
-    prefill_chunk: int = 256  # the most prompt tokens per step, riding along with the decodes
-    decode_stall: float = 2.0  # a step that prefills beside decodes: <= this x a decode step
+    prefill_chunk: int = PREFILL_CHUNK  # the most prompt tokens per step (edge.engine)
+    decode_stall: float = DECODE_STALL  # a prefilling step: <= this x a decode step
     prefix_cache: int | None = None  # finished sequences kept for prefix reuse (default parallel)
     sizing_context: int = 4096
     spec: SpecServeConfig | None = None  # speculative decoding (None: off)
