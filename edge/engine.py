@@ -59,7 +59,8 @@ from lowband.models.tokenizer import Tokenizer
 logger = logging.getLogger(__name__)
 
 
-# The batching defaults, read by the launch config and the command line too.
+# The batching defaults (edge.launch.BatchConfig reads them; the CLI's flags show the same
+# numbers, kept equal by tests/cli/test_defaults.py).
 PREFILL_CHUNK = 256  # the most prompt tokens per step, riding along with the decodes
 DECODE_STALL = 2.0  # a step that prefills beside decodes: <= this x a decode step
 
