@@ -136,6 +136,22 @@ def test_a_tensor_parallel_rank_without_kv_heads_batches_rows_at_one_position() 
             assert torch.equal(batch[0, b], alone[0, 0])
 
 
+@pytest.mark.parametrize("bits", [None, 8], ids=["fp32", "q8"])
+@pytest.mark.parametrize("fast", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize("kv", [1, 2], ids=["one-kv-head", "two-kv-heads"])
+def test_gemma3_tensor_parallel_equals_one_device(bits, fast, kv) -> None:
+    """Gemma 3's sandwich norms take the all-reduced sums (a norm of partial sums would not
+    add up); with one KV head the second rank holds no attention at all."""
+    from tests.edge.test_tp import _tp_logits
+
+    full = _model(bits, intermediate_size=128, num_key_value_heads=kv)
+    ids = torch.randint(0, 97, (1, 12), generator=torch.Generator().manual_seed(7))
+    with torch.inference_mode():
+        ref = full(ids)
+    got, _ = _tp_logits(full, 2, None, ids, fast=fast)
+    assert (got - ref).abs().max().item() <= 1e-5
+
+
 def test_thread_count_does_not_change_the_bits() -> None:
     """Rows of each linear and (with one KV head) the query heads of attention are split over
     threads; every value is computed as on one thread."""
