@@ -13,7 +13,7 @@ import torch
 from cli import build_parser
 from cli.auth import resolve_auth
 from lowband.errors import ConfigError
-from tests.conftest import PY, run_ranks
+from tests.conftest import PY, run_ranks, tiny_llama
 from transport.auth import CurveKeys, keygen
 from transport.launch import connect_all
 from transport.zmq_comm import ZmqConfig
@@ -256,21 +256,10 @@ def test_health_shows_insecure() -> None:
 
     from edge.engine import Engine, LocalRunner
     from edge.server import ServerConfig, start
-    from lowband.models.config import ModelConfig
     from lowband.models.llama import LlamaForCausalLM
     from lowband.models.tokenizer import ByteTokenizer
 
-    model = LlamaForCausalLM(
-        ModelConfig(
-            vocab_size=256,
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=1,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            max_position_embeddings=64,
-        )
-    ).eval()
+    model = LlamaForCausalLM(tiny_llama(num_hidden_layers=1)).eval()
 
     async def health(insecure: bool) -> dict:
         engine = Engine(LocalRunner(model), ByteTokenizer(), model_name="t")

@@ -16,7 +16,7 @@ import pytest
 from cli import build_parser
 from cli.auth import MAX_SECRET_BYTES, read_secret_file, resolve_api_key, resolve_auth
 from lowband.errors import ConfigError
-from tests.conftest import PY
+from tests.conftest import PY, tiny_llama
 
 pytestmark = [pytest.mark.security, pytest.mark.timeout(180)]
 
@@ -122,24 +122,13 @@ def test_edge_run_with_an_api_key_file_requires_the_key(tmp_path, spawn) -> None
     command line and in no output."""
     import psutil
 
-    from lowband.models.config import ModelConfig
     from lowband.models.llama import LlamaForCausalLM, init_weights
     from lowband.models.tokenizer import ByteTokenizer
     from lowband.models.weights import save_pretrained
     from lowband.proc import free_port
 
     model_dir = tmp_path / "model"
-    m = LlamaForCausalLM(
-        ModelConfig(
-            vocab_size=256,
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=1,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            max_position_embeddings=64,
-        )
-    ).eval()
+    m = LlamaForCausalLM(tiny_llama(num_hidden_layers=1)).eval()
     init_weights(m, std=0.2, seed=3)
     save_pretrained(m, model_dir)
     ByteTokenizer().save(model_dir)

@@ -15,24 +15,15 @@ from typing import IO
 
 import pytest
 
-from lowband.models.config import ModelConfig
 from lowband.models.llama import LlamaForCausalLM, init_weights
 from lowband.models.tokenizer import ByteTokenizer
 from lowband.models.weights import save_pretrained
 from lowband.proc import free_port
 from tests.chaos_helpers import wait_for
+from tests.conftest import tiny_llama
 
 pytestmark = [pytest.mark.chaos, pytest.mark.slow, pytest.mark.timeout(240)]
 
-CFG = dict(
-    vocab_size=256,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=256,
-)
 RECOVERY_BOUND_S = 60.0  # stated bound: back to 200 within this after SIGCONT (loaded CI box)
 
 
@@ -73,7 +64,9 @@ def _children(pid: int) -> list[int]:
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
     d = tmp_path_factory.mktemp("edge-chaos")
-    m = LlamaForCausalLM(ModelConfig(**CFG)).eval()
+    m = LlamaForCausalLM(
+        tiny_llama(hidden_size=64, intermediate_size=128, max_position_embeddings=256)
+    ).eval()
     init_weights(m, std=0.2, seed=11)
     save_pretrained(m, d)
     ByteTokenizer().save(d)
