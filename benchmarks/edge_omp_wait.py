@@ -18,7 +18,6 @@ import argparse
 import json
 import os
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -27,15 +26,10 @@ import urllib.request
 from pathlib import Path
 
 from benchmarks.stats import spread
+from lowband.proc import free_port
 
 ARMS = {"cli_default": {}, "libgomp_default": {"GOMP_SPINCOUNT": "300000"}}
 PROMPT = "The history of the printing press begins"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _post(port: int, body: dict, timeout: float) -> dict:
@@ -63,7 +57,7 @@ def _wait_ready(port: int, proc: subprocess.Popen, timeout: float) -> None:
 
 def run_arm(model: str, env_extra: dict, a: argparse.Namespace) -> list[float]:
     """One fresh server with ``env_extra``: tokens/s of each timed request."""
-    port = _free_port()
+    port = free_port()
     env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
     env.update(env_extra)
     cmd = [sys.executable, "-m", "cli", "edge", "serve", model, "--port", str(port)]

@@ -27,7 +27,6 @@ import argparse
 import json
 import os
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -38,6 +37,8 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
+
+from lowband.proc import free_port
 
 PROFILES: dict[str, dict[str, float]] = {
     # configured round trip, jitter (each way, RTT/20: RTT/10 peak to peak), loss per packet
@@ -117,12 +118,6 @@ def client_streams(port: int, tokens: int, streams: int) -> dict:
 
 
 # ---- orchestration ------------------------------------------------------------------------------
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _lowband(*args: str) -> list[str]:
     return [sys.executable, "-m", "cli", "edge", *args]
 
@@ -130,7 +125,7 @@ def _lowband(*args: str) -> list[str]:
 class Arm:
     def __init__(self, name: str, bed: Any, cfg: Bench, log_dir: Path) -> None:
         self.name, self.bed, self.cfg = name, bed, cfg
-        self.port, cport = _free_port(), _free_port()
+        self.port, cport = free_port(), free_port()
         self.procs: list[subprocess.Popen] = []
         self.log = log_dir / f"{name}.log"
         self.plan: dict | None = None
