@@ -48,3 +48,21 @@ def test_child_dies_with_a_killed_launcher(spawn, mode):
             os.kill(child, signal.SIGKILL)
         except ProcessLookupError:
             pass
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads Linux's port range")
+def test_free_port_is_outside_the_range_bind_zero_draws_from():
+    # A port from bind(0) is what a child's next bind(0) (a ZeroMQ socket, a coordinator)
+    # may be handed before the caller binds it: CI once saw an HTTP client reach a ZeroMQ
+    # socket that way. free_port draws below the ephemeral range instead.
+    import socket
+
+    from lowband.proc import _ephemeral_range, free_port
+
+    lo, hi = _ephemeral_range() or (0, 0)
+    ports = {free_port() for _ in range(20)}
+    if lo - 10000 >= 1000:
+        assert all(10000 <= p < lo for p in ports), (ports, lo, hi)
+    for p in ports:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", p))
