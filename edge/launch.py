@@ -35,7 +35,7 @@ from edge.moe.serve import ExpertServeConfig, load_nested_shard, plan_ranks
 from edge.sampling import SamplingParams
 from edge.server import ServerConfig, serve_forever
 from edge.shardio import REPACK_MODES, WindowConfig, available_memory, is_split_dir, load_shard
-from edge.source import check_model_path, resolve_model
+from edge.source import check_model_path, is_gguf, resolve_model
 from edge.speculative import SpecConfig, Speculation
 from lowband.errors import ConfigError, PeerLost
 from lowband.models.config import ModelConfig
@@ -371,10 +371,10 @@ def _load_local(
     # experts is not None when the directory is nested: check_experts refuses that
     if check_experts(model_dir, experts) and experts is not None:
         return load_nested_shard(model_dir, experts=experts, window=window, dtype=dtype)
-    if window is not None and not is_split_dir(model_dir):
+    if window is not None and not is_split_dir(model_dir) and not is_gguf(model_dir):
         raise ConfigError(
             "model_dir",
-            "the sliding window needs a split directory "
+            "the sliding window needs a GGUF file or a split directory "
             "(lowband edge split MODEL --devices 1 --out DIR)",
         )
     return load_shard(model_dir, dtype=dtype, window=window)
