@@ -305,11 +305,12 @@ def _tensor(t: Any, view: ByteView | None = None) -> Weight:
     if len(shape) == 3:  # a stack of (N, K) matrices (a MoE layer's experts): all their rows
         shape = (shape[0] * shape[1], shape[2])
     if view is not None and (kind == "F32" or (kind in GGML_TYPES and len(shape) == 2)):
-        raw = view(int(t.data_offset), int(t.n_bytes))
+        mapped = view(int(t.data_offset), int(t.n_bytes))
         if kind != "F32":
-            return GGMLWeight(GGML_TYPES[kind], shape, raw.view(shape[0], -1))
-        if raw.data_ptr() % 4 == 0:  # (GGUF aligns tensor data to 32 bytes)
-            return raw.view(torch.float32).view(shape)
+            nk = (shape[0], shape[1])
+            return GGMLWeight(GGML_TYPES[kind], nk, mapped.view(shape[0], -1))
+        if mapped.data_ptr() % 4 == 0:  # (GGUF aligns tensor data to 32 bytes)
+            return mapped.view(torch.float32).view(shape)
     data = np.asarray(t.data)
     if kind in ("F32", "F16"):
         return torch.from_numpy(data.astype(np.float32).reshape(shape))

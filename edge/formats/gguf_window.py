@@ -127,7 +127,8 @@ def gguf_scheduler(
         max(b.size for b in blocks) / 2**20,
         fixed / 2**20,
     )
-    return WindowScheduler(list(model.model.layers[lo:hi]), blocks, w, loader_cores)
+    layer_list = [model.model.layers[i] for i in range(lo, hi)]
+    return WindowScheduler(layer_list, blocks, w, loader_cores)
 
 
 __all__ = ["load_gguf_window", "gguf_scheduler", "fixed_bytes", "layer_blocks"]
