@@ -6,6 +6,8 @@ thread (the window's loader thread on the other core):
 
 * ``resident``: the file loaded into memory as ``edge serve FILE.gguf`` does without a window
   (copies; fused projections; the compiled step);
+* ``eager`` (``--eager-arm``): the file in memory, unfused and eager like a streaming window's
+  model: what the window's re-mapping costs, apart from leaving the compiled step;
 * ``W=<n>``: ``--window n``: the layers' stored tensors mapped from the file, n blocks
   resident (n = the layer count: everything mapped, compiled; fewer: eager, streaming).
 
@@ -77,7 +79,8 @@ def role(a) -> dict:
     win = None
     if a.window > 0:
         win = WindowConfig(window=a.window, loader_cores=(1 % cores,))
-    shard = load_shard(a.model, window=win)
+    eager = a.window < 0  # the eager arm: in memory, as a streaming window's model runs
+    shard = load_shard(a.model, window=win, fuse=not eager, fast=not eager)
     runner = LocalRunner(shard.model)
     prompt = list(range(1, a.prompt_len + 1))
     times, toks = _decode(runner, prompt, a.tokens, a.warmup)
@@ -129,8 +132,8 @@ def _summary(runs: list[dict], key: str) -> dict:
 
 
 def bench(a) -> dict:
-    windows = [0] + [int(w) for w in a.windows.split(",") if w]
-    smallest = min(w for w in windows if w > 0) if len(windows) > 1 else 0
+    windows = [0] + ([-1] if a.eager_arm else []) + [int(w) for w in a.windows.split(",") if w]
+    smallest = min((w for w in windows if w > 0), default=0)
     runs: dict[int, list[dict]] = {w: [] for w in windows}
     for r in range(a.repeats):
         for w in windows if r % 2 == 0 else reversed(windows):
@@ -139,7 +142,7 @@ def bench(a) -> dict:
     ref = runs[0][0]["tokens"]
     arms = {}
     for w, rs in runs.items():
-        name = "resident" if w == 0 else f"W={w}"
+        name = {0: "resident", -1: "eager"}.get(w, f"W={w}")
         arm = {k: _summary(rs, k) for k in ("ms_per_token", "rss_mb", "peak_rss_mb")}
         for k in ("mapped_mb", "paced_ms_per_token"):
             if any(k in x for x in rs):
@@ -172,6 +175,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tokens", type=int, default=24, help="timed decode tokens per run")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--prompt-len", type=int, default=16)
+    p.add_argument("--eager-arm", action="store_true", help="also the file in memory, eager")
     p.add_argument("--paced-mbps", type=float, default=0.0, help="storage MB/s (0: not paced)")
     p.add_argument("--paced-tokens", type=int, default=3)
     p.add_argument("--paced-rounds", type=int, default=1, help="rounds with the paced figure")

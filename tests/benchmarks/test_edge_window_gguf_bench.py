@@ -15,7 +15,16 @@ from tests.edge.test_gguf_kquants import TYPES, write_mixed
 def test_bench_tiny(spawn, tmp_path) -> None:
     _, path = write_mixed(tmp_path / "m.gguf", TYPES, num_hidden_layers=4)
     p = spawn(
-        [PY, "-m", "benchmarks.edge_window_gguf", "--model", str(path), "--windows", "4,1"]
+        [
+            PY,
+            "-m",
+            "benchmarks.edge_window_gguf",
+            "--model",
+            str(path),
+            "--windows",
+            "4,1",
+            "--eager-arm",
+        ]
         + ["--repeats", "1", "--tokens", "2", "--warmup", "1", "--prompt-len", "4"]
         + ["--paced-mbps", "400", "--paced-tokens", "1", "--json"],
         stdout=-1,
@@ -24,7 +33,8 @@ def test_bench_tiny(spawn, tmp_path) -> None:
     assert p.returncode == 0
     res = json.loads(out.decode().strip().splitlines()[-1])
     arms = res["arms"]
-    assert set(arms) == {"resident", "W=4", "W=1"}
+    assert set(arms) == {"resident", "eager", "W=4", "W=1"}
+    assert not arms["eager"]["compiled"] and "mapped_mb" not in arms["eager"]
     assert arms["W=4"]["window"] == 4 and arms["W=1"]["window"] == 1
     assert arms["W=4"]["compiled"] and not arms["W=1"]["compiled"]
     assert arms["W=1"]["mapped_mb"]["max"] < arms["W=4"]["mapped_mb"]["min"]
