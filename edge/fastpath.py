@@ -48,6 +48,7 @@ from lowband.errors import PeerLost, ProtocolError, TransportTimeout
 from lowband.models.config import ModelConfig
 from lowband.models.llama import (
     ROWWISE_ROWS,
+    Expert,
     KVCache,
     LlamaForCausalLM,
     SparseMoE,
@@ -148,11 +149,12 @@ def unsupported_reason(
                 return f"layer {i}: norm weights must be float32 on the CPU"
         qkv = [attn.qkv] if attn.qkv is not None else [attn.q_proj, attn.k_proj, attn.v_proj]
         ffn = layer.ffn
+        mlp: list[nn.Module]
         if isinstance(ffn, SparseMoE):
             why = _moe_reason(ffn)
             if why is not None:
                 return f"layer {i}: {why}"
-            mlp = [ffn.gate, *(m for e in ffn.experts for m in (e.w1, e.w3, e.w2))]
+            mlp = [ffn.gate, *(m for e in _experts(ffn) for m in (e.w1, e.w3, e.w2))]
         else:
             gu = [ffn.gate_up] if ffn.gate_up is not None else [ffn.gate_proj, ffn.up_proj]
             mlp = [*gu, ffn.down_proj]
@@ -177,9 +179,13 @@ def _moe_reason(moe: SparseMoE) -> str | None:
     return None
 
 
+def _experts(moe: SparseMoE) -> list[Expert]:
+    return [cast(Expert, e) for e in moe.experts]
+
+
 def _moe_spec(moe: SparseMoE) -> tuple:
     """``(router, [([w1, w3], w2) per expert], top_k, norm_topk)`` for ``add_layer``'s ``moe``."""
-    experts = [([_lin(e.w1), _lin(e.w3)], _lin(e.w2)) for e in moe.experts]
+    experts = [([_lin(e.w1), _lin(e.w3)], _lin(e.w2)) for e in _experts(moe)]
     return (_lin(moe.gate), experts, int(moe.top_k), bool(moe.norm_topk_prob))
 
 
