@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from edge import fastpath
 from edge.moe.checkpoint import NestedCheckpoint, load_dense, quantize_nested_checkpoint
 from edge.moe.quant import NestedQuantConfig
 from edge.moe.store import (
@@ -17,6 +18,7 @@ from edge.moe.store import (
     HEBFConfig,
     LRUConfig,
     PrefetchConfig,
+    attach,
     open_store,
 )
 from lowband.errors import ConfigError, CorruptWeights
@@ -284,3 +286,28 @@ def test_store_works_across_inference_mode_and_no_grad(nested_dir: Path, sizes: 
     finally:
         cache.close()
     assert a.shape == b.shape == c.shape and torch.isfinite(b).all()
+
+
+def test_in_memory_experts_compile_and_a_store_drops_the_compiled_step(
+    nested_dir: Path, sizes: dict
+) -> None:
+    """Experts held in the model (dequantized) decode through the compiled step with the eager
+    path's logits; attaching an expert store drops that step (it would skip the store) and
+    the bit-nested experts stay eager, named as the reason."""
+    dense = load_dense(nested_dir, 8)
+    want, picks = decode(dense, PROMPT, 12)
+    assert fastpath.install(dense) is None
+    got, got_picks = decode(dense, PROMPT, 12)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    assert got_picks == picks
+    cfg = ExpertStoreConfig(budget_bytes=int8_total(sizes), policy=LRUConfig(bits=8))
+    model, cache = open_store(nested_dir, cfg)
+    try:
+        attach(dense, cache)
+        assert not fastpath.active(dense)
+        assert "bit-nested" in (fastpath.install(dense) or "")
+        stored, _ = decode(dense, PROMPT, 12)
+        assert cache.report()["hits"] > 0  # the store computed the experts
+    finally:
+        cache.close()
+    torch.testing.assert_close(stored, want, rtol=0, atol=1e-5)
