@@ -133,7 +133,8 @@ def main(argv: list[str] | None = None) -> int:
     arms = ("plain", "penalties", *CONSTRAINED)
     result: dict = {"vocab": model.config.vocab_size, "vocab_build_s": round(vocab_build_s, 2)}
     try:
-        engine.complete(PROMPT, _params("plain", 4, grammars))  # warm up
+        for arm in arms:  # warm up: every arm once (a grammar's lexer is built on first use)
+            engine.complete(PROMPT, _params(arm, a.max_tokens, grammars))
         for streams in a.streams:
             rates: dict[str, list[float]] = {arm: [] for arm in arms}
             decode: dict[str, list[float]] = {arm: [] for arm in arms}

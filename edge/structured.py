@@ -132,12 +132,18 @@ class Matcher:
     def __init__(
         self,
         tokenizer: llguidance.LLTokenizer,
-        grammar: str,
+        grammar: str | llguidance.LLMatcher,
         ends: Sequence[int],
         pool: ThreadPoolExecutor | None = None,
         check_first: bool = True,
     ):
-        self._m = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
+        # a matcher at the grammar's start is copied (~0.01 ms) instead of parsing the
+        # grammar again (~0.5 ms on the thread that admits the request)
+        self._m = (
+            grammar.deep_copy()
+            if isinstance(grammar, llguidance.LLMatcher)
+            else llguidance.LLMatcher(tokenizer, grammar, log_level=0)
+        )
         self._end_set = frozenset(int(e) for e in ends)
         self._vocab = tokenizer.vocab_size
         self._ends = np.array(sorted(e for e in self._end_set if e < self._vocab), dtype=np.int64)
@@ -255,10 +261,15 @@ class GrammarConstraint:
 
     def __init__(self, grammars: Grammars, grammar: str, ends: Sequence[int]) -> None:
         self.grammars, self.grammar, self.ends = grammars, grammar, tuple(ends)
+        self._start: llguidance.LLMatcher | None = None  # parsed once, copied per completion
+        self._lock = threading.Lock()
 
     def __call__(self) -> Matcher:
         g = self.grammars
-        return Matcher(g.tokenizer(), self.grammar, self.ends, g.pool(), g.check_first)
+        with self._lock:
+            if self._start is None:
+                self._start = llguidance.LLMatcher(g.tokenizer(), self.grammar, log_level=0)
+            return Matcher(g.tokenizer(), self._start, self.ends, g.pool(), g.check_first)
 
 
 class Grammars:
