@@ -285,7 +285,9 @@ def _walk(c, text: bytes, seed: int) -> tuple[list[int], int]:
         x = torch.randn(256, generator=gen)
         if len(toks) < len(text) and torch.rand((), generator=gen) < 2 / 3:
             x[text[len(toks)]] += 10.0
+        given = x.clone()
         toks.append(s(x))
+        assert torch.equal(x, given)  # the model's logits are left as they were (logprobs)
         rejected += toks[-1] != int(torch.argmax(x))
     return toks, rejected
 
