@@ -270,12 +270,15 @@ class ReduceBase(Op):
                 )
 
     def settle(self, host: "Host") -> None:
-        """The caller's ``out=`` receives the result only now, on success and after every
-        tracked send of the input left (it may be the input): a failed operation leaves it as
-        it was, so a caller can retry from its input. The schedules keep their own result
-        buffer until then."""
-        if self.target is not None and isinstance(self._result, torch.Tensor):
-            self.target.view(-1).copy_(self._result.reshape(-1))
+        """The caller's ``out=`` holds the result only now, on success and after every tracked
+        send of the input left (it may be the input): a failed operation leaves it as it was,
+        so a caller can retry from its input. The schedules keep their own result buffer
+        until then and it is copied in here, except the owner schedules with a codec, which
+        hold the final encodings and decode them into ``out`` once all have arrived."""
+        result = self._result
+        if self.target is not None and isinstance(result, torch.Tensor):
+            if result.data_ptr() != self.target.data_ptr():  # else decoded into it already
+                self.target.view(-1).copy_(result.reshape(-1))
             self._result = self.target
         super().settle(host)
 
