@@ -133,6 +133,13 @@ def _tp(path: Path, x: torch.Tensor, window: WindowConfig | None, sizes: dict[in
                 if window is not None:
                     assert sh.scheduler.window == window.window
                     sizes[r] = sum(b.size for b in sh.scheduler.files)
+                    mapping = sh.scheduler.files[0].file
+                    for t in [
+                        *sh.model.model.layers.parameters(),
+                        *sh.model.model.layers.buffers(),
+                    ]:
+                        if not mapping.holds(t):  # a copy of this rank's slice, not of the whole
+                            assert t.untyped_storage().nbytes() == t.numel() * t.element_size()
                 with torch.no_grad():
                     h = sh.model.forward_layers(x, cache=None, start=0)
                     return tp_head(sh.model, sh.plan, r, h, reduce)
@@ -202,3 +209,14 @@ def test_cli_serve_gguf_with_window(tmp_path, spawn) -> None:
     status, out = _http(port, "/v1/completions", body)
     assert status == 200, out
     assert out["choices"][0]["text"] == want
+
+
+def test_pipeline_layout_with_a_window_is_refused(gguf_file) -> None:
+    """The pipeline layout does not pass the window to its stages: refused before anything
+    starts, never ignored; the tensor-parallel layout takes it."""
+    from edge.cluster import ClusterConfig
+    from edge.launch import check_model
+
+    with pytest.raises(ConfigError, match="pipeline layout"):
+        check_model(str(gguf_file), ClusterConfig(devices=2, layout="pipeline", window=1))
+    check_model(str(gguf_file), ClusterConfig(devices=2, layout="tp", window=1))
