@@ -83,6 +83,29 @@ def layer_blocks(model: LlamaForCausalLM, mapping: MappedBytes, layers: range) -
     return blocks
 
 
+def _compact(model: LlamaForCausalLM, mapping: MappedBytes) -> None:
+    """A decoder layer's copied tensors that are a slice of a bigger copy (a TP rank's output
+    rows of an un-permuted or repacked matrix) become copies of just that slice, so a rank keeps
+    only its own rows of them too. The mapping's views are left as they are."""
+
+    def sliced(t: torch.Tensor | None) -> bool:
+        return (
+            t is not None
+            and not t.is_meta
+            and not mapping.holds(t)
+            and t.untyped_storage().nbytes() > t.numel() * t.element_size()
+        )
+
+    for layer in model.model.layers:
+        for m in layer.modules():
+            for name, p in m._parameters.items():
+                if p is not None and sliced(p):
+                    m._parameters[name] = nn.Parameter(p.detach().clone(), requires_grad=False)
+            for name, b in m._buffers.items():
+                if b is not None and sliced(b):
+                    m._buffers[name] = b.clone()
+
+
 def load_gguf_window(
     path: str | Path,
     rank: int,
@@ -98,6 +121,7 @@ def load_gguf_window(
     model, plan = load_gguf_shard(
         path, rank, world, weights=weights, reduce=reduce, dtype=dtype, view=mapping.view
     )
+    _compact(model, mapping)
     return model, plan, mapping
 
 

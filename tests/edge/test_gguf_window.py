@@ -133,6 +133,13 @@ def _tp(path: Path, x: torch.Tensor, window: WindowConfig | None, sizes: dict[in
                 if window is not None:
                     assert sh.scheduler.window == window.window
                     sizes[r] = sum(b.size for b in sh.scheduler.files)
+                    mapping = sh.scheduler.files[0].file
+                    for t in [
+                        *sh.model.model.layers.parameters(),
+                        *sh.model.model.layers.buffers(),
+                    ]:
+                        if not mapping.holds(t):  # a copy of this rank's slice, not of the whole
+                            assert t.untyped_storage().nbytes() == t.numel() * t.element_size()
                 with torch.no_grad():
                     h = sh.model.forward_layers(x, cache=None, start=0)
                     return tp_head(sh.model, sh.plan, r, h, reduce)
@@ -202,3 +209,47 @@ def test_cli_serve_gguf_with_window(tmp_path, spawn) -> None:
     status, out = _http(port, "/v1/completions", body)
     assert status == 200, out
     assert out["choices"][0]["text"] == want
+
+
+def test_pipeline_layout_with_a_window_is_refused(gguf_file) -> None:
+    """The pipeline layout does not pass the window to its stages: refused before anything
+    starts, never ignored; the tensor-parallel layout takes it."""
+    from edge.cluster import ClusterConfig
+    from edge.launch import check_model
+
+    with pytest.raises(ConfigError, match="pipeline layout"):
+        check_model(str(gguf_file), ClusterConfig(devices=2, layout="pipeline", window=1))
+    check_model(str(gguf_file), ClusterConfig(devices=2, layout="tp", window=1))
+
+
+def test_cli_run_two_devices_with_window_on_a_q4_k_file(tmp_path, spawn) -> None:
+    """``lowband edge run FILE.gguf --devices 2 --window 1``: the devices (the master and a
+    worker process) stream their slices of the file's Q4_K blocks (the master logs its window),
+    and the answer is the one-device greedy text (as ``test_cli_run_two_devices_on_a_q4_k_file``
+    without a window)."""
+    from edge.engine import Engine, LocalRunner
+    from edge.sampling import SamplingParams
+    from edge.source import resolve_model
+    from lowband.proc import free_port
+    from tests.cli.test_edge_cli import _http, _wait_health
+    from tests.edge.test_gguf_models import hf_qwen25, write_file
+
+    path = write_file(tmp_path / "q.gguf", hf_qwen25(512, 512), "qwen2", "qwen2", quant="Q4_K")
+    tok = resolve_model(path).tokenizer()
+    eng = Engine(LocalRunner(load_shard(path).model), tok, model_name="q")
+    want = eng.complete("hello world", SamplingParams(max_tokens=8))[0]
+    eng.close()
+    port = free_port()
+    master = spawn(
+        [sys.executable, "-m", "cli", "-v", "edge", "run", str(path), "--devices", "2"]
+        + ["--window", "1", "--port", str(port), "--threads", "1"],
+        stderr=-1,
+    )
+    _wait_health(port, master, timeout=400)
+    body = {"prompt": "hello world", "max_tokens": 8, "temperature": 0}
+    status, out = _http(port, "/v1/completions", body)
+    assert status == 200, out
+    assert out["choices"][0]["text"] == want
+    master.terminate()
+    _, err = master.communicate(timeout=60)
+    assert "sliding window on q.gguf: 1 of 2 layer blocks" in err.decode()  # the master's
