@@ -39,6 +39,10 @@ class Constraint(Protocol):
         """Whether the grammar accepts ``token`` next: exactly the tokens :meth:`mask` keeps."""
         ...
 
+    def sparse(self) -> Any:
+        """The allowed ids (an ascending int array) when they are few, else None."""
+        ...
+
     def mask(self, logits: torch.Tensor) -> torch.Tensor:
         """``logits`` (V,) float with every token the grammar forbids now set to -inf; the end
         tokens are allowed exactly when the grammar may end here."""
@@ -316,9 +320,8 @@ class Sampler:
                 adjusted = bool(p.logit_bias) or self.history is not None
                 x = self._adjust(logits) if adjusted else logits
                 tok = self._draw(self._truncate(x))
-                if not c.allows(tok):  # the mask only now (in place on x: drawn from already)
-                    x = x if adjusted else self._adjust(logits)
-                    tok = self._draw(self._truncate(c.mask(x)))
+                if not c.allows(tok):
+                    tok = self._redraw(c, logits, x if adjusted else None)
             else:
                 tok = self._draw(self.process(logits))
             if self.history is not None:
@@ -327,6 +330,20 @@ class Sampler:
                 self.constraint.advance(tok)
             return tok
         return self._draw(logits)
+
+    def _redraw(self, c: Constraint, logits: torch.Tensor, x: torch.Tensor | None) -> int:
+        """The draw from the masked logits after the grammar rejected the unconstrained one
+        (``x``: the adjusted logits, None when nothing but the grammar changes them). Greedy
+        over few allowed ids (forced text, a JSON string's next character): the best of them,
+        the first of equal maxima as argmax over the masked vector takes; else the mask, in
+        place on a copy (drawn from already)."""
+        ids = c.sparse() if self.params.temperature == 0.0 else None
+        if ids is not None:
+            src = logits.float() if x is None else x
+            idx = torch.from_numpy(ids[ids < src.shape[-1]])
+            return int(idx[int(torch.argmax(src[idx]))])
+        x = self._adjust(logits) if x is None else x
+        return self._draw(self._truncate(c.mask(x)))
 
     @property
     def ended(self) -> bool:

@@ -218,6 +218,12 @@ class Matcher:
         assert forbidden is not None
         return 0 <= tok < self._vocab and not bool(forbidden[tok])
 
+    def sparse(self) -> np.ndarray | None:
+        """The ids the grammar allows now, ascending, when they are few (then a greedy
+        sampler takes the best of them without masking the whole vocabulary), else None."""
+        self._masked = True
+        return self._current()[0]
+
     def mask(self, logits: torch.Tensor) -> torch.Tensor:
         """``logits`` (V,) float with what the grammar forbids now at -inf (in place when it is
         a contiguous float32 tensor: :class:`edge.sampling.Sampler` passes its own copy); the
