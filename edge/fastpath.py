@@ -18,7 +18,8 @@ maths, Qwen3's (per-head q/k RMSNorm before rotary) or Gemma's ((1 + w) norms, s
 GeGLU, ``query_pre_attn_scalar``, the sliding layers' own rope base and window, logit
 softcapping; the embedding scale is the model's ``embed``), NoPE layers included, and
 routed-expert MLPs (Mixtral, Qwen3-MoE: router, softmax, top-k with or without
-renormalisation, each chosen expert through the same kernels, see ``moe_block`` in decode.cpp).
+renormalisation, each chosen expert through the same kernels, see ``moe_block`` in decode.cpp;
+bit-nested experts, which an expert store decodes in Python, are called back as the block).
 Otherwise the eager path keeps running and the reason is returned (and logged), never an error.
 Tensor parallelism: the model's ``reduce`` hooks are called from C++ between the blocks, so the
 same transport carries the partial sums.
@@ -36,7 +37,7 @@ from __future__ import annotations
 
 import logging
 import weakref
-from typing import Any, NamedTuple, Sequence, cast
+from typing import Any, Callable, NamedTuple, Sequence, cast
 
 import torch
 from torch import nn
@@ -154,7 +155,7 @@ def unsupported_reason(
             why = _moe_reason(ffn)
             if why is not None:
                 return f"layer {i}: {why}"
-            mlp = [ffn.gate, *(m for e in _experts(ffn) for m in (e.w1, e.w3, e.w2))]
+            mlp = [] if _external(ffn) else [ffn.gate, *_expert_lins(ffn)]
         else:
             gu = [ffn.gate_up] if ffn.gate_up is not None else [ffn.gate_proj, ffn.up_proj]
             mlp = [*gu, ffn.down_proj]
@@ -167,26 +168,54 @@ def unsupported_reason(
 
 def _moe_reason(moe: SparseMoE) -> str | None:
     """Why a routed-expert block stays eager (None: the compiled step computes it)."""
-    if moe.expert_fn is not None or moe.on_route is not None:
-        # The bit-nested store (edge.moe.store) decodes each expert from its bit planes in
-        # Python at the width its hotness plan gives it, pages experts in and out under a
-        # byte budget from the routes it is told (on_route) and predicts the next layer's
-        # experts from this block's input (a forward pre-hook): none of it is weights the
-        # compiled step could hold, so this one family of experts keeps the eager block.
-        return "bit-nested experts (an expert store's expert_fn) run on the eager path"
-    if moe._forward_pre_hooks or moe._forward_hooks:
+    if moe._forward_hooks:
         return "the routed-expert block has forward hooks the compiled step would skip"
     return None
 
 
-def _experts(moe: SparseMoE) -> list[Expert]:
-    return [cast(Expert, e) for e in moe.experts]
+def _external(moe: SparseMoE) -> bool:
+    """Experts outside the model: the bit-nested store (edge.moe.store) decodes each expert
+    from its bit planes in Python at the width its hotness plan gives it, pages experts under
+    a byte budget from the routes it is told (``on_route``) and predicts the next layer's
+    experts from this block's input (a forward pre-hook). None of that is weights the C++ side
+    could hold, so the compiled step calls the block back (:func:`_block_call`)."""
+    return moe.expert_fn is not None or moe.on_route is not None or bool(moe._forward_pre_hooks)
+
+
+def _block_call(moe: SparseMoE) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The block as the eager layer runs it, pre-hooks, routing and the store's experts,
+    without the TP reduce (the compiled step sums the partial outputs); a weak reference, so
+    the compiled step does not keep the model alive."""
+    ref = weakref.ref(moe)
+
+    def block(x: torch.Tensor) -> torch.Tensor:  # x (1, B, H): the normed rows
+        m = ref()
+        if m is None:
+            raise RuntimeError("the routed-expert block of this compiled step was freed")
+        for hook in m._forward_pre_hooks.values():
+            out = hook(m, (x,))
+            if out is not None:
+                x = out[0] if isinstance(out, tuple) else out
+        return m.mix(x)
+
+    return block
+
+
+def _expert_lins(moe: SparseMoE) -> list[nn.Module]:
+    return [
+        m for e in moe.experts for m in (cast(Expert, e).w1, cast(Expert, e).w3, cast(Expert, e).w2)
+    ]
 
 
 def _moe_spec(moe: SparseMoE) -> tuple:
-    """``(router, [([w1, w3], w2) per expert], top_k, norm_topk)`` for ``add_layer``'s ``moe``."""
-    experts = [([_lin(e.w1), _lin(e.w3)], _lin(e.w2)) for e in _experts(moe)]
-    return (_lin(moe.gate), experts, int(moe.top_k), bool(moe.norm_topk_prob))
+    """``(router, [([w1, w3], w2) per expert], top_k, norm_topk, block)`` for ``add_layer``'s
+    ``moe``: the weights for the C++ side, or (experts outside the model) the block to call."""
+    k, norm = int(moe.top_k), bool(moe.norm_topk_prob)
+    if _external(moe):
+        return (None, [], k, norm, _block_call(moe))
+    lins = _expert_lins(moe)
+    experts = [([_lin(w1), _lin(w3)], _lin(w2)) for w1, w3, w2 in zip(*[iter(lins)] * 3)]
+    return (_lin(moe.gate), experts, k, norm, None)
 
 
 # The compiled step's gate activations (``Act`` in decode.cpp) by HF ``hidden_act``.

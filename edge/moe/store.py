@@ -674,7 +674,7 @@ def attach(model: LlamaForCausalLM, cache: ExpertCache, *, placed: bool = False)
     must never silently drop an expert.
 
     A compiled decode step installed before would read the experts' own weights and skip the
-    store: it is dropped (``edge.fastpath`` keeps bit-nested experts on the eager path)."""
+    store: it is dropped (``edge.fastpath.install`` again calls the store's block back)."""
     fastpath.uninstall(model)
     layers = model.model.layers
     held = {k[0] for k in cache.keys}

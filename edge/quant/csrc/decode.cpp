@@ -499,12 +499,16 @@ struct Expert {
 
 // The routed-expert MLP of a Mixtral / Qwen3-MoE layer (lowband.models.llama.SparseMoE):
 // router logits, softmax over every expert in float32, the top k, renormalised to sum to 1
-// where norm_topk is set, and the weighted sum of the chosen experts' outputs.
+// where norm_topk is set, and the weighted sum of the chosen experts' outputs. Experts that
+// live outside the model (the bit-nested store, edge/moe/store.py, decodes each from its bit
+// planes in Python) come as `block` instead: a Python callable computing the whole block of
+// (1, B, H) normed rows (routing included) before the TP reduce, called under the GIL.
 struct Moe {
   Lin router;
   std::vector<Expert> experts;
   int64_t top_k = 0;
   bool norm_topk = true;
+  py::object block;  // None: router and experts here
 };
 
 struct Layer {
@@ -796,7 +800,8 @@ class Decoder {
   }
 
   // moe: None (a dense MLP: gate_up and down) or (router, [(gate_up, down) per expert], top_k,
-  // norm_topk) with gate_up empty and down None.
+  // norm_topk, block) with gate_up empty and down None; block: None, or a callable computing
+  // the block in Python (then router is None and the expert list empty), see Moe.
   void add_layer(torch::Tensor ln1, torch::Tensor ln2, py::list qkv, py::tuple o, py::list gate_up,
                  const py::object& down, int64_t nq, int64_t nkv, const py::object& q_norm, const py::object& k_norm,
                  const py::object& post_attn, const py::object& post_ffn, int64_t window, int64_t rope,
@@ -968,8 +973,16 @@ class Decoder {
  private:
   Moe parse_moe(const py::object& spec) const {
     auto t = spec.cast<py::tuple>();
-    TORCH_CHECK(t.size() == 4, "moe must be (router, [(gate_up, down), ...], top_k, norm_topk)");
+    TORCH_CHECK(t.size() == 5, "moe must be (router, [(gate_up, down), ...], top_k, norm_topk, block)");
     Moe m;
+    m.top_k = t[2].cast<int64_t>();
+    m.norm_topk = t[3].cast<bool>();
+    m.block = py::reinterpret_borrow<py::object>(t[4]);
+    if (!m.block.is_none()) {
+      TORCH_CHECK(PyCallable_Check(m.block.ptr()) != 0, "moe block must be callable");
+      TORCH_CHECK(m.top_k >= 1, "top_k must be >= 1");
+      return m;
+    }
     m.router = parse_lin(t[0]);
     for (auto h : t[1].cast<py::list>()) {
       auto e = h.cast<py::tuple>();
@@ -987,9 +1000,7 @@ class Decoder {
     const int64_t E = static_cast<int64_t>(m.experts.size());
     TORCH_CHECK(m.router.K == H_ && m.router.N == E, "the router must map hidden_size inputs to one logit per expert (",
                 E, "), got [", m.router.N, ", ", m.router.K, "]");
-    m.top_k = t[2].cast<int64_t>();
     TORCH_CHECK(m.top_k >= 1 && m.top_k <= E, "top_k must be in [1, ", E, "]");
-    m.norm_topk = t[3].cast<bool>();
     return m;
   }
 
@@ -1248,6 +1259,10 @@ class Decoder {
   // row computes what it alone would: the kernels keep rows independent), and each row's
   // output scaled by its weight and added to the row's sum (zero first), in that order.
   void moe_block(const Moe& m, int64_t B) {
+    if (!m.block.is_none()) {
+      external_block(m.block, B);
+      return;
+    }
     const int64_t E = static_cast<int64_t>(m.experts.size()), k = m.top_k;
     ensure(logits_, B * E);
     run_lin(m.router, xn_.data(), H_, B, logits_.data(), E, qs_);
@@ -1276,6 +1291,16 @@ class Decoder {
         for (int64_t i = 0; i < H_; ++i) o[i] += y[i];
       }
     }
+  }
+
+  // part_ = block(xn_ as (1, B, H)): experts outside the model, computed in Python.
+  void external_block(const py::object& block, int64_t B) {
+    py::gil_scoped_acquire gil;
+    torch::Tensor x = torch::from_blob(xn_.data(), {1, B, H_}, torch::kFloat).clone();
+    torch::Tensor y = block(x).cast<torch::Tensor>();
+    TORCH_CHECK(y.numel() == B * H_, "the routed-expert block must return as many values as it was given");
+    if (y.scalar_type() != at::kFloat || !y.is_contiguous()) y = y.to(at::kFloat).contiguous();
+    std::copy_n(y.data_ptr<float>(), B * H_, part_.data_ptr<float>());
   }
 
   // One row's routing: the k largest softmax probabilities of the E logits l (ties: the lower

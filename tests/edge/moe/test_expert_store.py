@@ -288,12 +288,13 @@ def test_store_works_across_inference_mode_and_no_grad(nested_dir: Path, sizes: 
     assert a.shape == b.shape == c.shape and torch.isfinite(b).all()
 
 
-def test_in_memory_experts_compile_and_a_store_drops_the_compiled_step(
+def test_in_memory_experts_compile_and_a_store_is_called_back(
     nested_dir: Path, sizes: dict
 ) -> None:
     """Experts held in the model (dequantized) decode through the compiled step with the eager
-    path's logits; attaching an expert store drops that step (it would skip the store) and
-    the bit-nested experts stay eager, named as the reason."""
+    path's logits; attaching an expert store drops that step (it would skip the store), and
+    installed again the compiled step calls the store's experts back: the eager path's
+    logits and greedy picks, with the store serving every expert call."""
     dense = load_dense(nested_dir, 8)
     want, picks = decode(dense, PROMPT, 12)
     assert fastpath.install(dense) is None
@@ -305,9 +306,14 @@ def test_in_memory_experts_compile_and_a_store_drops_the_compiled_step(
     try:
         attach(dense, cache)
         assert not fastpath.active(dense)
-        assert "bit-nested" in (fastpath.install(dense) or "")
-        stored, _ = decode(dense, PROMPT, 12)
-        assert cache.report()["hits"] > 0  # the store computed the experts
+        stored, stored_picks = decode(dense, PROMPT, 12)  # eager, through the store
+        calls = cache.report()["hits"] + cache.report()["misses"]
+        assert fastpath.install(dense) is None
+        fast, fast_picks = decode(dense, PROMPT, 12)
+        fast_calls = cache.report()["hits"] + cache.report()["misses"] - calls
     finally:
         cache.close()
     torch.testing.assert_close(stored, want, rtol=0, atol=1e-5)
+    torch.testing.assert_close(fast, stored, rtol=1e-4, atol=1e-4)
+    assert fast_picks == stored_picks == picks
+    assert fast_calls == calls > 0  # the compiled step asked the store for the same experts
