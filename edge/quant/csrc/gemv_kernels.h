@@ -352,7 +352,8 @@ inline void row_tile(const Wt& w, const Act& a, int64_t n, int64_t m0, float* Y,
     for (int j = 0; j < MR; ++j) {
       int32_t isum = hsum_epi32(v[j]);  // exact group dot, like the 8-group path
       if constexpr (Q4) isum -= 8 * qs[j][b];
-      tail[j] += (dwb * dr[j][b]) * static_cast<float>(isum);
+      // an explicit fma: the contraction a compiler may choose differs between instantiations
+      tail[j] = std::fma(dwb * dr[j][b], static_cast<float>(isum), tail[j]);
     }
   }
   for (int j = 0; j < MR; ++j) Y[(m0 + j) * ldy + n] = hsum_ps(acc[j]) + tail[j];
@@ -452,6 +453,81 @@ inline void q8_gemm(const Wt& w, const Act& a, int64_t n0, int64_t n1, float* Y,
     if (M - m == 1) q8_tile<1, G>(s, a, m, Y + n, ldy, mask);
   }
 }
+
+// Y[m..m+R-1, n0:n1] of Q8 G = 32 weight rows for a few activation rows (decode, small
+// batches): row_tile's lanes and fmas (lane k of a chunk of 8 groups is the exact dot of group
+// b + k, added with d_w * d_x; tail groups one by one), so the same bits.  A chunk is 4 zmm of
+// w + 128 (unsigned) dotted by vpdpbusd, whose 8 dword sums per group are folded by two
+// rounds of even/odd lane permutes and a qword fold; -128 times the group's activation sum
+// (Act::s) takes the offset off.
+template <int R>
+inline void q8_rows(const Wt& w, const Act& a, int64_t m, int64_t n0, int64_t n1, float* Y, int64_t ldy) {
+  const int64_t K = a.K, nb = a.nb;
+  const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
+  const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+  const __m512i odd = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+  auto fold = [&](__m512i x, __m512i y) {  // pairs of lanes summed: x's then y's
+    return _mm512_add_epi32(_mm512_permutex2var_epi32(x, even, y), _mm512_permutex2var_epi32(x, odd, y));
+  };
+  for (int64_t n = n0; n < n1; ++n) {
+    const int8_t* wr = reinterpret_cast<const int8_t*>(w.q + n * w.row_bytes);
+    const uint16_t* sr = w.s + n * nb;
+    __m256 acc[R];
+    for (int j = 0; j < R; ++j) acc[j] = _mm256_setzero_ps();
+    int64_t b = 0;
+    for (; b + 8 <= nb; b += 8) {
+      __m512i I[4][R];
+#pragma GCC unroll 4
+      for (int c = 0; c < 4; ++c) {
+        const __m512i u = _mm512_xor_si512(_mm512_loadu_si512(wr + b * 32 + 64 * c), flip);
+        for (int j = 0; j < R; ++j)
+          I[c][j] =
+              _mm512_dpbusd_epi32(_mm512_setzero_si512(), u, _mm512_loadu_si512(a.q + (m + j) * K + b * 32 + 64 * c));
+      }
+      const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sr + b)));
+      for (int j = 0; j < R; ++j) {
+        const __m512i t = fold(fold(I[0][j], I[1][j]), fold(I[2][j], I[3][j]));  // 2 lanes per group
+        __m256i r = _mm512_cvtepi64_epi32(_mm512_add_epi32(t, _mm512_srli_epi64(t, 32)));
+        const __m256i sx = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.s + (m + j) * nb + b));
+        r = _mm256_sub_epi32(r, _mm256_slli_epi32(sx, 7));
+        acc[j] =
+            _mm256_fmadd_ps(_mm256_mul_ps(dw, _mm256_loadu_ps(a.d + (m + j) * nb + b)), _mm256_cvtepi32_ps(r), acc[j]);
+      }
+    }
+    float tail[R] = {};
+    for (; b < nb; ++b) {  // row_tile's tail groups
+      const __m256i u = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wr + b * 32)),
+                                         _mm256_set1_epi8(static_cast<char>(0x80)));
+      const float dwb = fp16_to_fp32(sr[b]);
+      for (int j = 0; j < R; ++j) {
+        const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.q + (m + j) * K + b * 32));
+        const int32_t isum =
+            hsum_epi32(_mm256_dpbusd_epi32(_mm256_setzero_si256(), u, xv)) - 128 * a.s[(m + j) * nb + b];
+        tail[j] = std::fma(dwb * a.d[(m + j) * nb + b], static_cast<float>(isum), tail[j]);  // row_tile's
+      }
+    }
+    for (int j = 0; j < R; ++j) Y[(m + j) * ldy + n] = hsum_ps(acc[j]) + tail[j];
+  }
+}
+
+// Y[:, n0:n1] of Q8 G = 32 weight rows for M < kQ8GemmM activation rows, up to 4 at a time.
+inline void q8_small(const Wt& w, const Act& a, int64_t n0, int64_t n1, float* Y, int64_t ldy) {
+  int64_t m = 0;
+  for (; m + 4 <= a.M; m += 4) q8_rows<4>(w, a, m, n0, n1, Y, ldy);
+  switch (a.M - m) {
+    case 3:
+      q8_rows<3>(w, a, m, n0, n1, Y, ldy);
+      break;
+    case 2:
+      q8_rows<2>(w, a, m, n0, n1, Y, ldy);
+      break;
+    case 1:
+      q8_rows<1>(w, a, m, n0, n1, Y, ldy);
+      break;
+    default:
+      break;
+  }
+}
 #endif  // LBQ_GEMM512
 
 #else  // !LBQ_AVX2
@@ -541,6 +617,10 @@ inline void gemv_rows_g(const Wt& w, const Act& a, int64_t n0, int64_t n1, float
   if constexpr (!Q4) {
     if (a.M >= kQ8GemmM) {
       q8_gemm<G>(w, a, n0, n1, Y, ldy);
+      return;
+    }
+    if constexpr (G == 32) {
+      q8_small(w, a, n0, n1, Y, ldy);
       return;
     }
   }
