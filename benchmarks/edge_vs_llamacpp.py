@@ -14,7 +14,8 @@ GGUF with ``gguf.GGUFWriter`` (tensors streamed, never all in memory), then llam
 ``q4_0`` pure). Files are cached under ``--cache`` (default ``~/.cache/lowband/bench``).
 
 Per (model, width, threads), both runtimes read the *same file*, alternating, ``--repeats``
-rounds, each measurement a child process pinned to cores ``0..threads-1``:
+rounds, each measurement a child process pinned to cores ``0..threads-1`` (with libgomp's wait
+policy as ``lowband edge`` sets it, :func:`role_env`; the result's ``openmp_env``):
 
 * ``ms_per_token``: greedy decode of ``--tokens`` tokens after a ``--prompt-len`` prompt of
   token ids, the first token (the prefill) excluded; median with min/max over the rounds;
