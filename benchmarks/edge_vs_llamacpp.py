@@ -19,7 +19,8 @@ in memory), then llama.cpp's quantizer
 ``q4_0`` pure). Files are cached under ``--cache`` (default ``~/.cache/lowband/bench``).
 
 Per (model, width, threads), both runtimes read the *same file*, alternating, ``--repeats``
-rounds, each measurement a child process pinned to cores ``0..threads-1``:
+rounds, each measurement a child process pinned to cores ``0..threads-1`` (with libgomp's wait
+policy as ``lowband edge`` sets it, :func:`role_env`; the result's ``openmp_env``):
 
 * ``ms_per_token``: greedy decode of ``--tokens`` tokens after a ``--prompt-len`` prompt of
   token ids, the first token (the prefill) excluded; median with min/max over the rounds;
@@ -564,12 +565,25 @@ def role_logits(a) -> dict:
 
 
 # ---- orchestration ------------------------------------------------------------------------------
+def role_env() -> dict[str, str]:
+    """The roles' environment: libgomp's wait policy as ``lowband edge`` sets it
+    (``cli.openmp_wait``: its idle workers spin before they sleep) unless the caller set
+    ``OMP_WAIT_POLICY`` or ``GOMP_SPINCOUNT``. llama.cpp's wheel here is built without OpenMP
+    (its own threadpool), so only lowband's side reads them."""
+    from cli import openmp_wait
+
+    env = dict(os.environ)
+    env.update(openmp_wait("edge", env, torch_loaded=False))
+    return env
+
+
 def _run_role(args: list[str], timeout: float) -> dict:
     out = subprocess.run(
         [sys.executable, "-m", "benchmarks.edge_vs_llamacpp", *args],
         capture_output=True,
         text=True,
         timeout=timeout,
+        env=role_env(),
     )
     if out.returncode != 0:
         raise RuntimeError(f"role {args[:2]} failed:\n{out.stderr[-3000:]}")
@@ -833,6 +847,10 @@ def main(argv: list[str] | None = None) -> int:
         "bench_seconds": round(time.perf_counter() - t0, 1),
         "loadavg_1m": [round(load0, 2), round(os.getloadavg()[0], 2)],
         "cpus": os.cpu_count(),
+        # libgomp's wait policy in the roles (role_env): what lowband's kernels ran under
+        "openmp_env": {
+            k: v for k, v in role_env().items() if k in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
+        },
     }
     if not a.json:
         print(json.dumps(result, indent=2))

@@ -376,6 +376,18 @@ inline void packed_tile(const lbq::Wt& w, const lbq::Act& a, int64_t n, int64_t 
 
 template <bool Q4, int G>
 void packed_rows(const lbq::Wt& w, const lbq::Act& a, int64_t n0, int64_t n1, float* Y, int64_t ldy) {
+#if defined(LBQ_GEMM512)
+  if constexpr (!Q4) {  // the same bits as the row tiles (gemv_kernels.h)
+    if (a.M >= lbq::kQ8GemmM) {
+      lbq::q8_gemm<G>(w, a, n0, n1, Y, ldy);
+      return;
+    }
+    if constexpr (G == 32) {
+      lbq::q8_small(w, a, n0, n1, Y, ldy);
+      return;
+    }
+  }
+#endif
   tiled_rows(n0, n1, a.M, w.row_bytes,
              [&](int64_t n, int64_t m0, int64_t m1) { packed_tile<Q4, G>(w, a, n, m0, m1, Y, ldy); });
 }
