@@ -27,6 +27,7 @@ from torch import nn
 
 from lowband.errors import ConfigError
 from lowband.models.config import ModelConfig
+from lowband.models.tied import tied_lookup, trained_tied_weight
 
 Reduce = Callable[[torch.Tensor], torch.Tensor]
 
@@ -695,7 +696,11 @@ class LlamaForCausalLM(nn.Module):
     # The three pieces below let a tensor-parallel master run embed/head alone while every
     # rank runs ``forward_layers`` on its shard (workers never hold the embedding or LM head).
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        x = self.model.embed_tokens(input_ids)
+        weight = trained_tied_weight(self.model.embed_tokens, self.lm_head)
+        if weight is not None:  # training a tied E on the CPU: its gradient added in place
+            x = tied_lookup(input_ids, weight)
+        else:
+            x = self.model.embed_tokens(input_ids)
         if self.config.scale_embeddings:  # Gemma: sqrt(H), rounded to the weights' dtype first
             x = x * torch.tensor(self.config.hidden_size**0.5).to(x.dtype)
         return x
