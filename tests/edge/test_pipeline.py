@@ -118,7 +118,13 @@ def test_pipeline_logits_bit_identical_to_one_device(ckpt, world, groups, link) 
             for w in work:
                 pos[w.slot] += 1
         assert runner.slot_length(2) == 7 + 3  # the prompt and three fed-back tokens
-        assert runner.health()["layout"] == "pipeline"
+        h = runner.health()
+        assert h["layout"] == "pipeline"
+        # where the master's time went: every micro-batch of the 4 steps, every token
+        n_groups = len(micro_batches(work, [1] * len(work), groups))
+        cyc = h["cycle"]
+        assert cyc["steps"] == 4 * n_groups and cyc["rows"] == 12 + 3 * 3
+        assert cyc["stage_s"] > 0 and cyc["head_s"] > 0 and cyc["wait_s"] >= 0
     finally:
         _stop(runner, workers)
 
