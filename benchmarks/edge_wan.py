@@ -1,5 +1,6 @@
 """Distributed decode over the links phones and Pis have: one device vs TP-2 vs pipeline-2 vs the
-planner's default (``--layout auto``), on the TUN emulator (root).
+planner's default (``--layout auto``) vs the planner told to plan for the benchmark's concurrent
+streams (``auto-busy``: ``--plan-streams``), on the TUN emulator (root).
 
     python -m benchmarks.edge_wan --json                       # the real Gemma 3 270M Q4_K_M
     python -m benchmarks.edge_wan --tiny --json                # smoke run (a tiny random model)
@@ -54,7 +55,8 @@ PROFILES: dict[str, dict[str, float]] = {
     "wifi": {"rtt_ms": 4.0, "jitter_ms": 0.2, "loss": 0.005},
     "wifi-far": {"rtt_ms": 10.0, "jitter_ms": 0.5, "loss": 0.005},
 }
-ARMS = ("single", "tp", "pipeline", "auto")
+# auto-busy: the planner told to plan for the benchmark's concurrent streams (--plan-streams)
+ARMS = ("single", "tp", "pipeline", "auto", "auto-busy")
 PROMPT = "The history of the bicycle begins in"
 
 
@@ -150,13 +152,15 @@ class Arm:
             self.worker = None
         else:
             bind = f"tcp://{bed.addr(0)}:{cport}"
-            layout = {"tp": "tp", "pipeline": "pipeline", "auto": "auto"}[name]
+            layout = {"tp": "tp", "pipeline": "pipeline"}.get(name, "auto")
             self.master = _lowband(
                 "serve", cfg.model, *common, "--cores", "0", "--workers", "1", "--bind", bind,
                 "--layout", layout, "--micro-batches", str(cfg.micro_batches), "--insecure",
             )  # fmt: skip
             if name == "pipeline" and cfg.weights:
                 self.master += ["--weights", cfg.weights]
+            if name == "auto-busy":
+                self.master += ["--plan-streams", str(cfg.streams)]
             self.worker = _lowband(
                 "worker", "--master", bind, "--model-dir", cfg.model, "--threads", "1",
                 "--cores", "1", "--insecure",
@@ -273,6 +277,7 @@ def run_profile(bed: Any, cfg: Bench, name: str, log_dir: Path) -> dict:
                 if "tokens_per_s" in out:
                     agg[a].append(out["tokens_per_s"])
         chosen = arms["auto"].health_doc if "auto" in arms else None
+        busy = arms["auto-busy"].health_doc if "auto-busy" in arms else None
         for a, arm in arms.items():  # where the master's time went, over the whole run
             h = arm.health()
             cyc = (h or {}).get("cluster", h or {}).get("cycle") if isinstance(h, dict) else None
@@ -297,6 +302,7 @@ def run_profile(bed: Any, cfg: Bench, name: str, log_dir: Path) -> dict:
             a: round(amed[a] / amed["single"], 3) for a in amed if amed.get("single")
         },
         "auto_health": chosen,
+        "auto_busy_health": busy,
         "master_cycle": cycles,
         "forwarder_spin_us": bed.config.spin_us,
         "forwarder_cpu_during_streams": {a: _spread(v) for a, v in fwd_cpu.items() if v},
