@@ -1,5 +1,6 @@
 """Distributed decode over the links phones and Pis have: one device vs TP-2 vs pipeline-2 vs the
-planner's default (``--layout auto``), on the TUN emulator (root).
+planner's default (``--layout auto``) vs the planner told to plan for the benchmark's concurrent
+streams (``auto-busy``: ``--plan-streams``), on the TUN emulator (root).
 
     python -m benchmarks.edge_wan --json                       # the real Gemma 3 270M Q4_K_M
     python -m benchmarks.edge_wan --tiny --json                # smoke run (a tiny random model)
@@ -19,6 +20,14 @@ are measured alternately, ``repeats`` rounds:
 The client runs inside site 0 and talks to the master over that namespace's loopback. Idle arms
 keep their heartbeat (a ping every 2 s) while another is measured. The link's round trip is
 measured (TCP handshakes) and recorded per profile.
+
+The emulator shares the machine's two cores with the devices it joins: every record carries the
+forwarder's CPU (seconds per second) during each arm's streams, and the master's time per step
+(``master_cycle``: its stage, the head, the link, waiting for the other stage; see
+``edge.cluster.pipeline.CycleTimes``). The forwarder spins before a packet's due time only on
+paths under 2 ms RTT (``--spin-us``): there the scheduler's wake-up latency would show in the
+round trip; on Wi-Fi paths it is lost in the jitter, and the spin (0.19 s of CPU per second at
+8 streams over ``wifi``, measured) was taken from the emulated devices.
 """
 
 from __future__ import annotations
@@ -46,7 +55,8 @@ PROFILES: dict[str, dict[str, float]] = {
     "wifi": {"rtt_ms": 4.0, "jitter_ms": 0.2, "loss": 0.005},
     "wifi-far": {"rtt_ms": 10.0, "jitter_ms": 0.5, "loss": 0.005},
 }
-ARMS = ("single", "tp", "pipeline", "auto")
+# auto-busy: the planner told to plan for the benchmark's concurrent streams (--plan-streams)
+ARMS = ("single", "tp", "pipeline", "auto", "auto-busy")
 PROMPT = "The history of the bicycle begins in"
 
 
@@ -63,6 +73,13 @@ class Bench:
     # the pipeline arm's --weights (relative speeds of the master and the worker: the master
     # also embeds, samples and serves HTTP, so it may be given fewer layers); None: even split
     weights: str | None = None
+    arms: tuple[str, ...] = ARMS  # which arms run (``single``, the baseline, always does)
+    # the forwarder's spin before each packet's due time (µs; transport.links.tun.timer), or
+    # None: 300 on sub-2 ms paths, where the scheduler's wake-up latency would show in the
+    # round trip, 0 on the others, where it is lost in the jitter and the spin would take CPU
+    # from the emulated devices (two cores: every µs the forwarder spins is the master's or
+    # the worker's)
+    spin_us: float | None = None
 
 
 # ---- the client (runs inside site 0) ------------------------------------------------------------
@@ -135,13 +152,15 @@ class Arm:
             self.worker = None
         else:
             bind = f"tcp://{bed.addr(0)}:{cport}"
-            layout = {"tp": "tp", "pipeline": "pipeline", "auto": "auto"}[name]
+            layout = {"tp": "tp", "pipeline": "pipeline"}.get(name, "auto")
             self.master = _lowband(
                 "serve", cfg.model, *common, "--cores", "0", "--workers", "1", "--bind", bind,
                 "--layout", layout, "--micro-batches", str(cfg.micro_batches), "--insecure",
             )  # fmt: skip
             if name == "pipeline" and cfg.weights:
                 self.master += ["--weights", cfg.weights]
+            if name == "auto-busy":
+                self.master += ["--plan-streams", str(cfg.streams)]
             self.worker = _lowband(
                 "worker", "--master", bind, "--model-dir", cfg.model, "--threads", "1",
                 "--cores", "1", "--insecure",
@@ -168,7 +187,10 @@ class Arm:
 
     def health(self) -> dict | None:
         code = f"import urllib.request;print(urllib.request.urlopen('http://127.0.0.1:{self.port}/health',timeout=5).read().decode())"  # noqa: E501
-        r = self.bed.run_in(0, [sys.executable, "-c", code], capture_output=True, timeout=30)
+        try:
+            r = self.bed.run_in(0, [sys.executable, "-c", code], capture_output=True, timeout=30)
+        except subprocess.TimeoutExpired:  # a loaded machine: asked again until startup_s
+            return None
         if r.returncode != 0:
             return None
         try:
@@ -222,16 +244,21 @@ def run_profile(bed: Any, cfg: Bench, name: str, log_dir: Path) -> dict:
         bed.set_path(src, dst, path)
     rtt = measure_rtt(bed, count=10)
     skip_tp_streams = p["rtt_ms"] >= 4.0
-    arms = {a: Arm(a, bed, cfg, log_dir) for a in ARMS}
-    single: dict[str, list[float]] = {a: [] for a in ARMS}
-    ttft: dict[str, list[float]] = {a: [] for a in ARMS}
-    agg: dict[str, list[float]] = {a: [] for a in ARMS}
-    errors: dict[str, list[str]] = {a: [] for a in ARMS}
+    names = tuple(a for a in ARMS if a == "single" or a in cfg.arms)
+    arms = {a: Arm(a, bed, cfg, log_dir) for a in names}
+    single: dict[str, list[float]] = {a: [] for a in names}
+    ttft: dict[str, list[float]] = {a: [] for a in names}
+    agg: dict[str, list[float]] = {a: [] for a in names}
+    errors: dict[str, list[str]] = {a: [] for a in names}
+    fwd_cpu: dict[str, list[float]] = {a: [] for a in names}  # forwarder CPU s / wall s
+    cycles: dict[str, Any] = {}
+    chosen = None
     try:
         for a in arms.values():
             a.start()
+        n = len(names)
         for r in range(cfg.repeats):
-            order = list(ARMS[r % 4 :] + ARMS[: r % 4])
+            order = list(names[r % n :] + names[: r % n])
             for a in order:
                 out = arms[a].client("single")
                 if "error" in out:
@@ -242,12 +269,20 @@ def run_profile(bed: Any, cfg: Bench, name: str, log_dir: Path) -> dict:
             for a in order:
                 if a == "tp" and skip_tp_streams:
                     continue
+                c0, t0 = bed.forwarder_cpu_s(), time.perf_counter()
                 out = arms[a].client("streams")
+                fwd_cpu[a].append((bed.forwarder_cpu_s() - c0) / (time.perf_counter() - t0))
                 if "error" in out or out.get("errors"):
                     errors[a].append(str(out.get("error") or out["errors"][:2]))
                 if "tokens_per_s" in out:
                     agg[a].append(out["tokens_per_s"])
-        chosen = arms["auto"].health_doc
+        chosen = arms["auto"].health_doc if "auto" in arms else None
+        busy = arms["auto-busy"].health_doc if "auto-busy" in arms else None
+        for a, arm in arms.items():  # where the master's time went, over the whole run
+            h = arm.health()
+            cyc = (h or {}).get("cluster", h or {}).get("cycle") if isinstance(h, dict) else None
+            if cyc is not None:
+                cycles[a] = cyc
     finally:
         for a in arms.values():
             a.stop()
@@ -267,6 +302,10 @@ def run_profile(bed: Any, cfg: Bench, name: str, log_dir: Path) -> dict:
             a: round(amed[a] / amed["single"], 3) for a in amed if amed.get("single")
         },
         "auto_health": chosen,
+        "auto_busy_health": busy,
+        "master_cycle": cycles,
+        "forwarder_spin_us": bed.config.spin_us,
+        "forwarder_cpu_during_streams": {a: _spread(v) for a, v in fwd_cpu.items() if v},
         "tp_streams_skipped": skip_tp_streams,
         "errors": {a: e[:3] for a, e in errors.items() if e},
     }
@@ -301,8 +340,14 @@ def run(cfg: Bench) -> dict:
     if (why := available()) is not None:
         raise SystemExit(f"edge_wan needs the TUN emulator: {why}")
     log_dir = Path(tempfile.mkdtemp(prefix="edge_wan_"))
-    with TunTestbed(TunConfig(path=PathConfig(rate_mbit=cfg.rate_mbit))) as bed:
-        profiles = [run_profile(bed, cfg, name, log_dir) for name in cfg.profiles]
+    profiles = []
+    for name in cfg.profiles:  # a testbed per profile: its forwarder's spin (Bench.spin_us)
+        spin = cfg.spin_us
+        if spin is None:
+            spin = 300.0 if PROFILES[name]["rtt_ms"] < 2.0 else 0.0
+        tc = TunConfig(path=PathConfig(rate_mbit=cfg.rate_mbit), spin_us=spin)
+        with TunTestbed(tc) as bed:
+            profiles.append(run_profile(bed, cfg, name, log_dir))
     return {"model": cfg.model, "tokens": cfg.tokens, "streams": cfg.streams,
             "repeats": cfg.repeats, "micro_batches": cfg.micro_batches,
             "pipeline_weights": cfg.weights, "logs": str(log_dir),
@@ -318,6 +363,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--streams", type=int, default=8)
     ap.add_argument("--micro-batches", type=int, default=3)
     ap.add_argument("--weights", help="the pipeline arm's --weights, e.g. 1,1.25 (default: even)")
+    ap.add_argument(
+        "--arms",
+        nargs="+",
+        default=list(ARMS),
+        choices=ARMS,
+        help="arms to run (single, the baseline, always runs)",
+    )
+    ap.add_argument(
+        "--spin-us",
+        type=float,
+        help="the TUN forwarder's spin (default: 300 below 2 ms RTT, else 0)",
+    )
     ap.add_argument("--tiny", action="store_true", help="smoke run: a tiny random model")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--client", choices=["single", "streams"], help=argparse.SUPPRESS)
@@ -346,6 +403,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         streams=a.streams,
         micro_batches=a.micro_batches,
         weights=a.weights,
+        arms=tuple(a.arms),
+        spin_us=a.spin_us,
     )
     t = time.time()
     out = run(cfg)

@@ -166,6 +166,13 @@ def _add_serve(p: argparse.ArgumentParser) -> None:
         help="pipeline layout: groups of streams in flight through the stages (default 3)",
     )
     p.add_argument(
+        "--plan-streams",
+        type=int,
+        default=1,
+        help="--layout auto: plan for this many concurrent streams (default 1: one stream's "
+        "ms/token decides; e.g. 8 for a busy server: aggregate tokens/s decides)",
+    )
+    p.add_argument(
         "--wire",
         default="fp32",
         choices=["fp32", "fp16", "bf16", "int8"],
@@ -549,6 +556,7 @@ def _serve_config(args, devices: int, layout: str = "tp"):
             auto_split=args.auto_split,
             layout=args.layout or layout,
             micro_batches=args.micro_batches,
+            plan_streams=args.plan_streams,
         ),
     )
 

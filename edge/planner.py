@@ -340,12 +340,30 @@ class LayoutDevice:
     layer_ms: float  # ms of one decoder layer at decode shape on this device (measured)
     memory_mb: float  # memory its weights may use
     rtt_ms: float = 0.0  # round trip to the master (0 for the master itself)
+    # ms of one decoder layer for a step of B rows (B streams decoding together), measured
+    # where the planner plans for several streams; ``layer_ms`` is B = 1. Other B: linear
+    # between the measured ones (a batched step reads the weights once for all its rows)
+    batch_layer_ms: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self) -> None:
         for f in ("layer_ms", "memory_mb", "rtt_ms"):
             v = getattr(self, f)
             if not (v >= 0 and v < float("inf")):
                 raise ConfigError(f, f"must be a finite number >= 0, got {v}")
+        for b, ms in self.batch_layer_ms:
+            if b < 1 or not (ms >= 0 and ms < float("inf")):
+                raise ConfigError("batch_layer_ms", f"({b}, {ms}) is not (rows >= 1, ms >= 0)")
+
+    def step_ms(self, rows: int) -> float:
+        """ms of one decoder layer for a step of ``rows`` rows (see ``batch_layer_ms``)."""
+        pts = sorted({1: self.layer_ms, **dict(self.batch_layer_ms)}.items())
+        if rows <= pts[0][0]:
+            return pts[0][1] * rows / pts[0][0] if rows < pts[0][0] else pts[0][1]
+        for (b0, m0), (b1, m1) in zip(pts, pts[1:]):
+            if rows <= b1:
+                return m0 + (m1 - m0) * (rows - b0) / (b1 - b0)
+        b, m = pts[-1]  # beyond the largest measured batch: its cost per row
+        return m * rows / b
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -357,15 +375,62 @@ class LayoutPlan:
     stages: tuple[int, ...]  # layers per device (pipeline), () otherwise
     predicted_ms: dict[str, float]  # per layout considered
     reason: str
+    streams: int = 1  # the concurrency planned for (1: one stream's ms/token decides)
+    # aggregate tokens/s per layout at ``streams`` streams (only where streams > 1)
+    predicted_tok_s: dict[str, float] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
-        return {
+        out = {
             "layout": self.layout,
             "devices": self.devices,
             "stages": list(self.stages),
             "predicted_ms": {k: round(v, 3) for k, v in self.predicted_ms.items()},
             "reason": self.reason,
         }
+        if self.streams > 1:
+            out["streams"] = self.streams
+            out["predicted_tok_s"] = {k: round(v, 1) for k, v in self.predicted_tok_s.items()}
+        return out
+
+
+def aggregate_tok_s(
+    layout: str,
+    streams: int,
+    stages: Sequence[int],
+    devices: Sequence[LayoutDevice],
+    *,
+    groups: int = 3,
+    hop_ms: float = 2.0,
+) -> float:
+    """Predicted aggregate tokens/s with ``streams`` streams decoding at once (one token each
+    per step), from each device's batched step cost (:meth:`LayoutDevice.step_ms`)::
+
+        single    N / (L * t_0(N))
+        pipeline  N / max(G * max_i n_i * t_i(g),  sum_i n_i * t_i(g) + sum_{i>0} (rtt_i + hop))
+        tp        N / (L * max_i t_i(N) / S + 2 * L * max_i rtt_i)
+
+    Pipeline: the streams in G groups of g = ceil(N / G) rows (``edge.cluster.pipeline``'s
+    steps in flight); in steady state the busiest stage runs every group once per cycle, unless
+    one group's round through every stage and link takes longer (too few groups to hide the
+    links). A device's t_i(B) is the master's curve scaled by its one-row speed."""
+    N, L = streams, sum(stages) if stages else 0
+    t0 = devices[0]
+
+    def t(i: int, rows: int) -> float:
+        d = devices[i]
+        return t0.step_ms(rows) * (d.layer_ms / t0.layer_ms if t0.layer_ms > 0 else 1.0)
+
+    if layout == "single":
+        return 1e3 * N / max(1e-9, L * t0.step_ms(N))
+    if layout == "tp":
+        S = len(devices)
+        rtt = max(d.rtt_ms for d in devices[1:])
+        return 1e3 * N / max(1e-9, L * max(t(i, N) for i in range(S)) / S + 2 * L * rtt)
+    G = max(1, min(groups, N))
+    g = -(-N // G)
+    work = [n * t(i, g) for i, n in enumerate(stages)]
+    links = sum(d.rtt_ms + hop_ms for d in devices[1 : len(stages)])
+    return 1e3 * N / max(1e-9, G * max(work), sum(work) + links)
 
 
 def plan_layout(
@@ -375,8 +440,11 @@ def plan_layout(
     *,
     hop_ms: float = 2.0,
     min_gain: float = 0.1,
+    streams: int = 1,
+    groups: int = 3,
 ) -> LayoutPlan:
-    """Choose how to serve one stream from measured round trips and device speeds.
+    """Choose how to serve ``streams`` concurrent streams (default one) from measured round
+    trips and device speeds.
 
     Predicted ms per token (L layers of ``layer_mb`` MB; t_i ms per layer on device i; a
     device holding more than its memory is not considered)::
@@ -391,6 +459,11 @@ def plan_layout(
     devices must beat the best smaller one by ``min_gain`` (the model is a measurement, not an
     oracle); the single device wins ties. Where the model fits no single device, the pipeline
     is the layout that spreads memory.
+
+    ``streams`` > 1: the layouts are ranked by their predicted aggregate tokens/s at that many
+    streams (:func:`aggregate_tok_s`, ``groups`` micro-batches in the pipeline) instead: a
+    server that is mostly busy gains from the stages even where one stream loses to one device
+    by a round trip per token (the single-stream predictions stay in the plan beside them).
     """
     from edge.cluster.layout import stage_ranges  # (a pure schedule beside the stages)
 
@@ -422,11 +495,24 @@ def plan_layout(
             f"{S} devices together",
         )
     order = [k for k in ("single", "pipeline", "tp") if k in pred]
+    if streams < 1:
+        raise ConfigError("streams", f"must be >= 1, got {streams}")
+    rate: dict[str, float] = {}
+    if streams > 1:  # ranked by aggregate tokens/s (higher is better): as ms per token
+        for k in order:
+            rate[k] = aggregate_tok_s(
+                k, streams, stages if k == "pipeline" else (L,), devices,
+                groups=groups, hop_ms=hop_ms,
+            )  # fmt: skip
+    score = {k: 1e3 / rate[k] for k in order} if rate else pred
     best = order[0]
     for k in order[1:]:
-        if pred[k] < pred[best] * (1 - min_gain):
+        if score[k] < score[best] * (1 - min_gain):
             best = k
     why = ", ".join(f"{k} {pred[k]:.1f} ms" for k in order)
+    if rate:
+        why = f"{streams} streams: " + ", ".join(f"{k} {rate[k]:.0f} tok/s" for k in order)
+        why += f"; one stream: {', '.join(f'{k} {pred[k]:.1f} ms' for k in order)}"
     if best == "single":
         reason = f"one device is predicted fastest ({why}): the links cost more than they save"
     else:
@@ -439,4 +525,6 @@ def plan_layout(
         stages=stages if best == "pipeline" else (),
         predicted_ms=pred,
         reason=reason,
+        streams=streams,
+        predicted_tok_s=rate,
     )

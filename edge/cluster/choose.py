@@ -2,11 +2,12 @@
 
 ``auto`` measures before it plans: the round trip to every worker (``echo``, median of a few)
 and this device's own decode speed on the loaded model (a few greedy steps of one stream:
-the kernels it will really run). Workers are taken to be as fast as the master and to hold
-as much memory (a worker profile on a GGUF file is future work; ``edge.profile`` profiles
-model directories for the tensor-parallel split). :func:`edge.planner.plan_layout` then
-chooses; the plan and its reason go to the log and to ``/health``. A worker left out (the
-single-device choice) is told why and leaves.
+the kernels it will really run; with ``plan_streams`` N > 1 also batched steps of N rows and
+of a pipeline group's rows, for the aggregate tokens/s the plan then ranks by). Workers are
+taken to be as fast as the master and to hold as much memory (a worker profile on a GGUF file
+is future work; ``edge.profile`` profiles model directories for the tensor-parallel split).
+:func:`edge.planner.plan_layout` then chooses; the plan and its reason go to the log and to
+``/health``. A worker left out (the single-device choice) is told why and leaves.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from edge.cluster.layout import LayerRange
 from edge.cluster.master import ClusterConfig, MasterRunner
 from edge.cluster.pipeline import PipelineRunner
 from edge.cluster.protocol import CTL, READY, Bye, Echo, Regroup, Shutdown, master_rank
-from edge.engine import LocalRunner, Runner
+from edge.engine import LocalRunner, Runner, Work
 from edge.planner import LayoutDevice, LayoutPlan, plan_layout
 from edge.profile import memory_available_mb
 from edge.shardio import is_split_dir, load_shard
@@ -76,6 +77,23 @@ def measure_layer_ms(runner: LocalRunner, steps: int = 12) -> float:
     return 1e3 * statistics.median(times[2:]) / L
 
 
+def measure_step_ms(runner: LocalRunner, rows: int, steps: int = 6) -> float:
+    """ms of one decoder layer for a decode step of ``rows`` streams at once (greedy, the
+    batched step the engine runs; ``measure_layer_ms`` is rows = 1)."""
+    L = runner.model.config.num_hidden_layers
+    slots = list(range(1, rows + 1))
+    toks, times = [1] * rows, []
+    for pos in range(steps):
+        work = [Work(slot=s, ids=[t], start=pos) for s, t in zip(slots, toks)]
+        t0 = time.perf_counter()
+        out = runner.forward_batch(work, top=1)
+        times.append(time.perf_counter() - t0)
+        toks = [int(lg.argmax()) if lg is not None else 1 for lg in out]
+    for s in slots:
+        runner.drop(s)
+    return 1e3 * statistics.median(times[2:]) / L
+
+
 def tp_only(model_dir: str, cc: ClusterConfig) -> str | None:
     """Why only the tensor-parallel layout serves this (None: any layout can): a directory
     split for N devices, or an option only tensor parallelism has."""
@@ -103,8 +121,12 @@ def start_runner(comm: Communicator, model_dir: str, cc: ClusterConfig) -> Runne
     if layout == "auto":
         shard = load_shard(model_dir, dtype=cc.dtype)
         local = LocalRunner(shard.model, shard.close)
+        N, G = cc.plan_streams, cc.micro_batches
         with torch.inference_mode():
             layer_ms = measure_layer_ms(local)
+            # several streams planned for: the batched step's cost at the pipeline's group
+            # size and at all N rows (one device's step)
+            batch = tuple((b, measure_step_ms(local, b)) for b in sorted({-(-N // G), N}) if b > 1)
         rtts = measure_rtts(comm, workers, cc.op_timeout)
         cfg = shard.model.config
         layer_bytes = sum(
@@ -112,12 +134,10 @@ def start_runner(comm: Communicator, model_dir: str, cc: ClusterConfig) -> Runne
         )
         layer_mb = layer_bytes / 2**20 / cfg.num_hidden_layers
         mem = memory_available_mb() * 0.8
-        devs = [LayoutDevice(name=m.peers[comm.rank], layer_ms=layer_ms, memory_mb=mem)]
-        devs += [
-            LayoutDevice(name=m.peers[r], layer_ms=layer_ms, memory_mb=mem, rtt_ms=rtt)
-            for r, rtt in zip(workers, rtts)
-        ]
-        plan = plan_layout(cfg.num_hidden_layers, layer_mb, devs)
+        kw: dict[str, Any] = dict(layer_ms=layer_ms, memory_mb=mem, batch_layer_ms=batch)
+        devs = [LayoutDevice(name=m.peers[comm.rank], **kw)]
+        devs += [LayoutDevice(name=m.peers[r], rtt_ms=rtt, **kw) for r, rtt in zip(workers, rtts)]
+        plan = plan_layout(cfg.num_hidden_layers, layer_mb, devs, streams=N, groups=G)
         layout = plan.layout
         print(f"lowband edge: layout {layout}: {plan.reason}", flush=True)
         if layout != "single":

@@ -119,6 +119,10 @@ class ClusterConfig:
     # edge.cluster.pipeline). 3 measured best for two stages over Wi-Fi (benchmarks.edge_wan:
     # 2 leaves the master waiting a round trip per group, 4 pays too many small passes).
     micro_batches: int = 3
+    # N: the concurrent streams the ``auto`` layout plans for (edge.planner.plan_layout): 1
+    # ranks the layouts by one stream's ms/token (never slower than the master alone for one
+    # user); N > 1 by aggregate tokens/s at N streams (a server that is mostly busy)
+    plan_streams: int = 1
     # Stream the model to every worker as it is assigned (edge.cluster.ship: hashed, cached on
     # the worker, resumed after a broken transfer): workers need no copy of their own and are
     # started with a cache directory instead of --model-dir. Tensor-parallel layout.
@@ -129,6 +133,8 @@ class ClusterConfig:
             raise ConfigError(
                 "layout", f"must be auto, single, tp or pipeline, got {self.layout!r}"
             )
+        if not 1 <= self.plan_streams <= 256:
+            raise ConfigError("plan_streams", f"must be in [1, 256], got {self.plan_streams}")
         if not 1 <= self.micro_batches <= 64:
             raise ConfigError("micro_batches", f"must be in [1, 64], got {self.micro_batches}")
         if self.auto_split and self.weights is not None:

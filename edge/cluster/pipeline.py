@@ -38,8 +38,9 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 import torch
@@ -98,6 +99,30 @@ class Flight:
     k: int
 
 
+@dataclass
+class CycleTimes:
+    """Where the master's time goes (``/health`` ``cycle``), seconds summed over the steps:
+    its stage's layers (``stage_s``, embedding included), handing hidden states to the link
+    (``send_s``), blocked on a stage's answer (``wait_s``: the master idle), its rows of the
+    head and the merge (``head_s``). The rest of the wall time is the engine's (sampling,
+    streaming) and the server's."""
+
+    steps: int = 0
+    rows: int = 0
+    stage_s: float = 0.0
+    send_s: float = 0.0
+    wait_s: float = 0.0
+    head_s: float = 0.0
+    since: float = field(default_factory=time.perf_counter)
+
+    def report(self) -> dict[str, Any]:
+        wall = time.perf_counter() - self.since
+        out: dict[str, Any] = {"steps": self.steps, "rows": self.rows, "wall_s": round(wall, 3)}
+        for k in ("stage_s", "send_s", "wait_s", "head_s"):
+            out[k] = round(getattr(self, k), 3)
+        return out
+
+
 class PipelineRunner:
     """Runner (see ``edge.engine``) for the master (stage 0) of an S-stage pipeline."""
 
@@ -145,6 +170,7 @@ class PipelineRunner:
         self.head_lo = self._cut_head()
         self._kv: dict[int, KVCache] = {}
         self._flights: deque[Flight] = deque()  # submitted, not yet collected (in order)
+        self.times = CycleTimes()
         self._assign()
         self._healthy, self._status = True, "ok"
         self._heartbeat = threading.Thread(target=self._beat, name="edge-beat", daemon=True)
@@ -321,10 +347,17 @@ class PipelineRunner:
                 )
                 ids = torch.tensor([[t for w in g for t in w.ids]], dtype=torch.long)
                 spans = [Span(self._cache(w.slot), w.start, len(w.ids)) for w in g]
+                t0 = time.perf_counter()
                 with torch.inference_mode():
                     h = self.stage.run(self.model.embed(ids), spans)
+                t1 = time.perf_counter()
                 msgs.append(msg)
                 self._relay(0, msg, h)
+                ts = self.times
+                ts.stage_s += t1 - t0
+                ts.send_s += time.perf_counter() - t1
+                ts.steps += 1
+                ts.rows += int(ids.shape[1])
         except _NET_ERRORS as exc:
             raise self._fail(exc, "a stage step") from exc
         flight = Flight(tuple(work), tuple(tuple(g) for g in groups), tuple(msgs), k)
@@ -336,15 +369,18 @@ class PipelineRunner:
         V, k = self.config.vocab_size, flight.k
         out = []
         try:
+            ts = self.times
             for g, msg in zip(flight.groups, flight.msgs):
                 got = self._through(msg)
                 h = got[0]
                 rows = wanted_rows(g)
+                t0 = time.perf_counter()
                 if rows and msg.rows:
                     out.append(self._merge(h[0, rows], got[1], got[2], k, V))
                 elif rows:
                     with torch.inference_mode():
                         out.append(self.model.head(h[0, rows]).float())
+                ts.head_s += time.perf_counter() - t0
         except _NET_ERRORS as exc:
             raise self._fail(exc, "a stage step") from exc
         self._flights.popleft()
@@ -356,7 +392,9 @@ class PipelineRunner:
         last = len(self.ranges) - 1
         got: list[torch.Tensor] = []
         for s in range(1, last + 1):
+            t0 = time.perf_counter()
             got = self._answer(s, msg.fid, 3 if s == last and msg.rows else 1)
+            self.times.wait_s += time.perf_counter() - t0
             if s < last:
                 self._relay(s, msg, got[0])
         return got
@@ -509,6 +547,7 @@ class PipelineRunner:
             if self.head_lo
             else [[0, self.config.vocab_size]],
             "micro_batches": self.cfg.micro_batches,
+            "cycle": self.times.report(),
         }
         if self._plan is not None:
             out["plan"] = self._plan

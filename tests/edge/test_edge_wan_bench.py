@@ -26,6 +26,14 @@ def test_every_arm_decodes_over_the_emulated_link():
     plan = p["auto_health"]["plan"]
     assert plan["layout"] in ("single", "tp", "pipeline") and plan["reason"]
     assert p["measured_rtt"]["median_ms"] > 0
+    # the master's time per step (pipeline) and the emulator's own CPU are recorded
+    assert p["master_cycle"]["pipeline"]["steps"] > 0
+    assert p["forwarder_spin_us"] == 300.0  # a sub-2 ms path: the forwarder spins
+    assert p["forwarder_cpu_during_streams"]["single"]["median"] >= 0
+    # the planner told the benchmark's concurrency plans for it and says so
+    busy = p["auto_busy_health"]["plan"]
+    assert busy["streams"] == 2 and set(busy["predicted_tok_s"]) >= {"single", "pipeline"}
+    assert p["aggregate_tokens_per_s"]["auto-busy"]["median"] > 0
 
 
 _POST = (

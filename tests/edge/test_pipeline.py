@@ -118,7 +118,13 @@ def test_pipeline_logits_bit_identical_to_one_device(ckpt, world, groups, link) 
             for w in work:
                 pos[w.slot] += 1
         assert runner.slot_length(2) == 7 + 3  # the prompt and three fed-back tokens
-        assert runner.health()["layout"] == "pipeline"
+        h = runner.health()
+        assert h["layout"] == "pipeline"
+        # where the master's time went: every micro-batch of the 4 steps, every token
+        n_groups = len(micro_batches(work, [1] * len(work), groups))
+        cyc = h["cycle"]
+        assert cyc["steps"] == 4 * n_groups and cyc["rows"] == 12 + 3 * 3
+        assert cyc["stage_s"] > 0 and cyc["head_s"] > 0 and cyc["wait_s"] >= 0
     finally:
         _stop(runner, workers)
 
@@ -303,3 +309,60 @@ def test_auto_keeps_tp_for_tensor_parallel_only_setups(ckpt, tmp_path) -> None:
     assert tp_only(str(ckpt), ClusterConfig(devices=2, layout="auto")) is None
     assert "weights" in (tp_only(str(ckpt), ClusterConfig(devices=2, weights=(2.0, 1.0))) or "")
     assert "auto-split" in (tp_only(str(ckpt), ClusterConfig(devices=2, auto_split=True)) or "")
+
+
+def _busy(name, rtt=0.0):
+    """Gemma 3 270M's measured step costs on the 2-core VM (ms per layer at 1, 3, 8 rows)."""
+    from edge.planner import LayoutDevice
+
+    b = ((3, 1.11), (8, 2.67))
+    return LayoutDevice(name=name, layer_ms=0.61, memory_mb=1e6, rtt_ms=rtt, batch_layer_ms=b)
+
+
+def test_plan_layout_for_several_streams_ranks_by_aggregate_tokens() -> None:
+    """Over Wi-Fi one stream is fastest on one device, while 8 streams in 3 groups keep both
+    stages busy: planning for 8 picks the pipeline, for 1 the master alone (the default)."""
+    from edge.planner import aggregate_tok_s, plan_layout
+
+    devs = [_busy("m"), _busy("w", rtt=4.0)]
+    one = plan_layout(18, 10.0, devs)
+    assert one.layout == "single" and one.streams == 1 and "streams" not in one.to_dict()
+    busy = plan_layout(18, 10.0, devs, streams=8, groups=3)
+    assert busy.layout == "pipeline" and busy.stages == (9, 9)
+    d = busy.to_dict()
+    assert d["streams"] == 8 and d["predicted_tok_s"]["pipeline"] > d["predicted_tok_s"]["single"]
+    assert busy.predicted_ms == one.predicted_ms  # one stream's figures stay in the plan
+    # single: 8 rows per step of 18 layers at 2.67 ms; pipeline: 3 groups of 3 rows, the
+    # busiest stage's 3 groups (3 * 9 * 1.11 ms) outlast one group's round (2 * 10 ms + 6 ms)
+    assert aggregate_tok_s("single", 8, (18,), devs) == pytest.approx(8e3 / (18 * 2.67))
+    assert aggregate_tok_s("pipeline", 8, (9, 9), devs) == pytest.approx(8e3 / (3 * 9 * 1.11))
+    # one group cannot hide the link: its round (both stages and the round trip) is the cycle
+    far = [_busy("m"), _busy("w", rtt=40.0)]
+    got = aggregate_tok_s("pipeline", 8, (9, 9), far, groups=1)
+    assert got == pytest.approx(8e3 / (2 * 9 * 2.67 + 42.0))
+    assert plan_layout(18, 10.0, far, streams=2, groups=1).layout == "single"
+    with pytest.raises(ConfigError):
+        plan_layout(18, 10.0, devs, streams=0)
+
+
+def test_layout_device_step_cost_between_measured_batches() -> None:
+    d = _busy("m")
+    assert d.step_ms(1) == 0.61 and d.step_ms(3) == 1.11 and d.step_ms(8) == 2.67
+    assert d.step_ms(2) == pytest.approx((0.61 + 1.11) / 2)
+    assert d.step_ms(16) == pytest.approx(2 * 2.67)  # beyond: the largest batch's per-row cost
+    with pytest.raises(ConfigError):
+        _busy("m").__class__(name="x", layer_ms=1.0, memory_mb=1.0, batch_layer_ms=((0, 1.0),))
+    with pytest.raises(ConfigError):
+        ClusterConfig(devices=2, plan_streams=0)
+
+
+def test_measure_step_ms_runs_batched_steps_and_frees_its_slots(ckpt) -> None:
+    from edge.cluster.choose import measure_step_ms
+
+    shard = load_shard(ckpt)
+    runner = LocalRunner(shard.model, shard.close)
+    try:
+        assert measure_step_ms(runner, 3, steps=4) > 0
+        assert all(runner.slot_length(s) == 0 for s in (1, 2, 3))
+    finally:
+        runner.close()
