@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 
 import jsonschema
+import llguidance
 import pytest
 import torch
 
@@ -171,19 +172,22 @@ def test_masks_computed_ahead_equal_the_grammar(grammar: str, text: bytes) -> No
     works, keep exactly the allowed tokens' logits and set every other one to -inf."""
     g = Grammars(EosBytes(), 256)
     c = g.compile("gbnf", grammar)
-    m, ref = c(), c()  # ref: llguidance asked directly, on this thread
+    m = c()
+    # ref: llguidance asked directly, on this thread (a second Matcher would have its first
+    # mask in flight on the grammar thread, and llguidance refuses a matcher borrowed twice)
+    ref = llguidance.LLMatcher(g.tokenizer(), c.grammar, log_level=0)
     logits = torch.randn(256, generator=torch.Generator().manual_seed(0))
     for t in [*text, 0]:
         allowed = torch.zeros(256, dtype=torch.bool)
-        bits = ref._m.compute_bitmask()
+        bits = ref.compute_bitmask()
         for i in range(256):
-            allowed[i] = bool(bits[i // 8] >> (i % 8) & 1) or (i == 0 and ref._m.is_accepting())
+            allowed[i] = bool(bits[i // 8] >> (i % 8) & 1) or (i == 0 and ref.is_accepting())
         x = m.mask(logits.clone())
         assert torch.equal(torch.isfinite(x), allowed), chr(t)
         assert torch.equal(x[allowed], logits[allowed])
         m.advance(t)
         if t:
-            ref._m.consume_token(t)
+            ref.consume_token(t)
     assert m.done
     g.close()
 
