@@ -261,6 +261,23 @@ def test_kernel_fallback_reference_agree(mode, bits, group, m, nb):
         assert torch.equal(y, fb)
 
 
+@pytest.mark.parametrize("bits,group", FORMATS)
+@pytest.mark.parametrize("nb", [11, 20])  # a chunk of 8 groups and a tail; 20: the Gemma 3 head's K
+def test_kernel_batch_rows_equal_rows_alone(bits, group, nb):
+    """Each row of an M-row call has the bits of the same row alone, for every M a speculative
+    verification group or a decode batch brings (tiles of 1-4 rows, and 8 on AVX-512 VNNI)."""
+    if not kernel.available():
+        pytest.skip(f"C++ kernel unavailable: {kernel.unavailable_reason()}")
+    n, k = 45, nb * group
+    p = quantize(rand(n, k, seed=7) / k**0.5, bits, group)
+    x = rand(17, k, seed=8)
+    alone = torch.cat(
+        [kernel.gemv(x[i : i + 1], p.qweight, p.scales, bits, group) for i in range(17)]
+    )
+    for m in (2, 3, 5, 8, 9, 17):
+        assert torch.equal(kernel.gemv(x[:m], p.qweight, p.scales, bits, group), alone[:m]), m
+
+
 @pytest.mark.parametrize("threads", [1, 2, 3])
 def test_kernel_pool_runs_on_the_torch_thread_count(threads: int) -> None:
     """The kernels' persistent pool runs a job on as many threads as torch's thread count

@@ -357,6 +357,74 @@ inline void row_tile(const Wt& w, const Act& a, int64_t n, int64_t m0, float* Y,
   for (int j = 0; j < MR; ++j) Y[(m0 + j) * ldy + n] = hsum_ps(acc[j]) + tail[j];
 }
 
+#if defined(LBQ_GEMM512)
+// ---- Q8 at G = 32 for several activation rows (AVX-512 VNNI) --------------------------------
+// row_tile spends most of a Q8 row's instructions per activation row: a sign fix of every 32
+// activation bytes (vpdpbusd multiplies unsigned by signed bytes) and the hadd fold of 8 group
+// vectors, so a speculative verification group of 6-9 rows cost 3-4 times one row on the
+// Gemma 3 270M head (262144 x 640). Here the weight bytes are made unsigned once for all rows
+// (w ^ 0x80 = w + 128, so a group's dot is vpdpbusd(w + 128, x) - 128 * sum(x), the sum being
+// the activation's block sum already at hand), 64 bytes (two groups) per vpdpbusd, and one
+// shuffle tree folds the 8 groups of a 256-byte step. The group dots are exact integers and the
+// float side is row_tile's (the same FMAs of the same operands per lane, hsum_ps, the tail
+// groups one by one), so every output has row_tile's bits whatever the tile (selftest and
+// tests/edge compare them).
+
+// The 8 group dots (natural order) from 4 vectors of 16 int32 lanes, vector c lanes 0-7 and
+// 8-15 holding partial sums of groups 2c and 2c + 1.
+inline __m256i fold_groups8(__m512i v0, __m512i v1, __m512i v2, __m512i v3) {
+  const __m512i t0 = _mm512_add_epi32(_mm512_unpacklo_epi32(v0, v1), _mm512_unpackhi_epi32(v0, v1));
+  const __m512i t1 = _mm512_add_epi32(_mm512_unpacklo_epi32(v2, v3), _mm512_unpackhi_epi32(v2, v3));
+  // 128-bit chunk q: [A_q B_q C_q D_q], A_q the sum of v0's lanes 4q..4q+3
+  const __m512i u = _mm512_add_epi32(_mm512_unpacklo_epi64(t0, t1), _mm512_unpackhi_epi64(t0, t1));
+  // chunk 0: groups [0 2 4 6], chunk 2: [1 3 5 7]
+  const __m512i s = _mm512_add_epi32(u, _mm512_shuffle_i32x4(u, u, _MM_SHUFFLE(2, 3, 0, 1)));
+  const __m512i idx = _mm512_setr_epi32(0, 8, 1, 9, 2, 10, 3, 11, 0, 0, 0, 0, 0, 0, 0, 0);
+  return _mm512_castsi512_si256(_mm512_permutexvar_epi32(idx, s));
+}
+
+// row_tile<false, MR, 32> (the same bits) for up to 8 activation rows.
+template <int MR>
+inline void q8_tile512(const Wt& w, const Act& a, int64_t n, int64_t m0, float* Y, int64_t ldy) {
+  constexpr int G = 32;
+  const uint8_t* wr = w.q + n * w.row_bytes;
+  const uint16_t* sr = w.s + n * w.nb;
+  const int8_t* xr[MR];
+  const float* dr[MR];
+  const int32_t* qs[MR];
+  __m256 acc[MR];
+  for (int j = 0; j < MR; ++j) {
+    xr[j] = a.q + (m0 + j) * a.K;
+    dr[j] = a.d + (m0 + j) * a.nb;
+    qs[j] = a.s + (m0 + j) * a.nb;
+    acc[j] = _mm256_setzero_ps();
+  }
+  const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
+  int64_t b = 0;
+  for (; b + 8 <= w.nb; b += 8) {
+    __m512i wu[4];
+    for (int c = 0; c < 4; ++c) wu[c] = _mm512_xor_si512(_mm512_loadu_si512(wr + b * G + 64 * c), flip);
+    const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sr + b)));
+    for (int j = 0; j < MR; ++j) {
+      __m512i v[4];
+      for (int c = 0; c < 4; ++c)
+        v[c] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wu[c], _mm512_loadu_si512(xr[j] + b * G + 64 * c));
+      __m256i r = fold_groups8(v[0], v[1], v[2], v[3]);
+      r = _mm256_sub_epi32(r, _mm256_slli_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs[j] + b)), 7));
+      acc[j] = _mm256_fmadd_ps(_mm256_mul_ps(dw, _mm256_loadu_ps(dr[j] + b)), _mm256_cvtepi32_ps(r), acc[j]);
+    }
+  }
+  float tail[MR] = {};
+  for (; b < w.nb; ++b) {  // tail groups as row_tile computes them
+    __m256i v[MR];
+    q8_group<MR, G>(reinterpret_cast<const int8_t*>(wr + b * G), xr, b * G, v);
+    const float dwb = fp16_to_fp32(sr[b]);
+    for (int j = 0; j < MR; ++j) tail[j] += (dwb * dr[j][b]) * static_cast<float>(hsum_epi32(v[j]));
+  }
+  for (int j = 0; j < MR; ++j) Y[(m0 + j) * ldy + n] = hsum_ps(acc[j]) + tail[j];
+}
+#endif
+
 #else  // !LBQ_AVX2
 
 inline void quantize_act_row(const float* x, int64_t K, int G, int8_t* q, float* d, int32_t* s) {
@@ -433,30 +501,59 @@ inline void row_tile(const Wt& w, const Act& a, int64_t n, int64_t m0, float* Y,
 }
 #endif  // LBQ_AVX2
 
+// Y[m0:m1, n] for weight row n: row tiles of <= 4 activation rows (Q8 at G = 32 with AVX-512
+// VNNI: several rows go in tiles of <= 8, q8_tile512, with row_tile's bits).
+template <bool Q4, int G>
+inline void tile_span(const Wt& w, const Act& a, int64_t n, int64_t m0, int64_t m1, float* Y, int64_t ldy) {
+  int64_t m = m0;
+#if defined(LBQ_GEMM512)
+  if constexpr (!Q4 && G == 32) {
+    if (m1 - m0 > 1) {
+      for (; m + 8 <= m1; m += 8) q8_tile512<8>(w, a, n, m, Y, ldy);
+      switch (m1 - m) {
+        case 7:
+          return q8_tile512<7>(w, a, n, m, Y, ldy);
+        case 6:
+          return q8_tile512<6>(w, a, n, m, Y, ldy);
+        case 5:
+          return q8_tile512<5>(w, a, n, m, Y, ldy);
+        case 4:
+          return q8_tile512<4>(w, a, n, m, Y, ldy);
+        case 3:
+          return q8_tile512<3>(w, a, n, m, Y, ldy);
+        case 2:
+          return q8_tile512<2>(w, a, n, m, Y, ldy);
+        case 1:
+          return q8_tile512<1>(w, a, n, m, Y, ldy);
+        default:
+          return;
+      }
+    }
+  }
+#endif
+  for (; m + 4 <= m1; m += 4) row_tile<Q4, 4, G>(w, a, n, m, Y, ldy);
+  switch (m1 - m) {
+    case 3:
+      row_tile<Q4, 3, G>(w, a, n, m, Y, ldy);
+      break;
+    case 2:
+      row_tile<Q4, 2, G>(w, a, n, m, Y, ldy);
+      break;
+    case 1:
+      row_tile<Q4, 1, G>(w, a, n, m, Y, ldy);
+      break;
+    default:
+      break;
+  }
+}
+
 // ---------------------------------------------------------------------------------------
 // Row-range driver: Y[:, n0:n1] for all M rows (Y is [M, N] fp32).  For each weight row, the
-// activation rows are processed in chunks of <= 4 while the row's bytes are hot in L1.
+// activation rows are processed in tiles (tile_span) while the row's bytes are hot in L1.
 // ---------------------------------------------------------------------------------------
 template <bool Q4, int G>
 inline void gemv_rows_g(const Wt& w, const Act& a, int64_t n0, int64_t n1, float* Y) {
-  const int64_t ldy = w.N;
-  for (int64_t n = n0; n < n1; ++n) {
-    int64_t m0 = 0;
-    for (; m0 + 4 <= a.M; m0 += 4) row_tile<Q4, 4, G>(w, a, n, m0, Y, ldy);
-    switch (a.M - m0) {
-      case 3:
-        row_tile<Q4, 3, G>(w, a, n, m0, Y, ldy);
-        break;
-      case 2:
-        row_tile<Q4, 2, G>(w, a, n, m0, Y, ldy);
-        break;
-      case 1:
-        row_tile<Q4, 1, G>(w, a, n, m0, Y, ldy);
-        break;
-      default:
-        break;
-    }
-  }
+  for (int64_t n = n0; n < n1; ++n) tile_span<Q4, G>(w, a, n, 0, a.M, Y, w.N);
 }
 
 // Returns false for an unsupported group size.
