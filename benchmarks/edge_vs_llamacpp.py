@@ -7,14 +7,20 @@ theta 500000 with Llama 3's ``rope_freqs``) and Qwen2.5-0.5B (hidden 896, 24 lay
 FFN 4864, vocab 151936, tied, q/k/v biases, ``qwen2`` architecture), carrying the real
 tokenizer's metadata (llama.cpp's ``ggml-vocab-llama-bpe.gguf`` / ``ggml-vocab-qwen2.gguf``,
 from the llama-cpp-python source release). ``small``, ``360m``, ``tiny`` and ``tiny-qwen2`` are
-smaller shapes with a placeholder vocabulary; ``markov-512`` is trained here (a few minutes on one
-core, :func:`write_trained_f32`) so that its logits have margins. Each is written as an F32
-GGUF with ``gguf.GGUFWriter`` (tensors streamed, never all in memory), then llama.cpp's quantizer
+smaller shapes with a placeholder vocabulary; ``qwen3moe-mini`` has Qwen3-MoE's layers (q/k
+RMSNorms, head_dim 128, GQA 4:1, 128 routed experts of which 8 are used per token and
+renormalised, ``qwen3moe`` architecture) at a size this machine holds: hidden 1024, 6 layers,
+expert width 256, a placeholder vocabulary of 32000 (Qwen3-30B-A3B: hidden 2048, 48 layers,
+expert width 768, vocabulary 151936); ``tiny-qwen3moe`` is its smoke-test size; ``markov-512``
+is trained here (a few minutes on one core, :func:`write_trained_f32`) so that its logits have
+margins. Each is written as an F32 GGUF with ``gguf.GGUFWriter`` (tensors streamed, never all
+in memory), then llama.cpp's quantizer
 (``llama_model_quantize``) makes each ``--widths`` file (``q4_k_m``: its Q4_K/Q6_K mix; ``q8_0``;
 ``q4_0`` pure). Files are cached under ``--cache`` (default ``~/.cache/lowband/bench``).
 
 Per (model, width, threads), both runtimes read the *same file*, alternating, ``--repeats``
-rounds, each measurement a child process pinned to cores ``0..threads-1``:
+rounds, each measurement a child process pinned to cores ``0..threads-1`` (with libgomp's wait
+policy as ``lowband edge`` sets it, :func:`role_env`; the result's ``openmp_env``):
 
 * ``ms_per_token``: greedy decode of ``--tokens`` tokens after a ``--prompt-len`` prompt of
   token ids, the first token (the prefill) excluded; median with min/max over the rounds;
@@ -122,6 +128,32 @@ MODELS: dict[str, dict] = {
         ffn=1536,
         vocab_size=512,
         train=dict(steps=240, batch=16, seq=64, lr=3e-3, favoured=0.85),
+    ),
+    "qwen3moe-mini": dict(
+        arch="qwen3moe",
+        hidden=1024,
+        layers=6,
+        heads=8,
+        kv_heads=2,
+        ffn=256,  # each expert's width (expert_feed_forward_length)
+        experts=128,
+        experts_used=8,
+        qk_norm=True,
+        vocab_size=32000,
+        rope_theta=1000000.0,
+        eps=1e-6,
+    ),
+    "tiny-qwen3moe": dict(
+        arch="qwen3moe",
+        hidden=256,
+        layers=2,
+        heads=2,
+        kv_heads=1,
+        ffn=256,
+        experts=8,
+        experts_used=2,
+        qk_norm=True,
+        vocab_size=512,
     ),
     "tiny-qwen2": dict(
         arch="qwen2",
@@ -238,13 +270,26 @@ def _tensor_specs(spec: dict) -> list[tuple[str, tuple[int, ...], str]]:
             out.append((b + n + ".weight", (rows, h), "mat"))
             if spec.get("qkv_bias"):
                 out.append((b + n + ".bias", (rows,), "mat"))
-        out += [
-            (b + "attn_output.weight", (h, h), "mat"),
-            (b + "ffn_norm.weight", (h,), "norm"),
-            (b + "ffn_gate.weight", (f, h), "mat"),
-            (b + "ffn_up.weight", (f, h), "mat"),
-            (b + "ffn_down.weight", (h, f), "mat"),
-        ]
+        if spec.get("qk_norm"):  # Qwen3: per-head RMSNorm of q and k
+            out += [
+                (b + "attn_q_norm.weight", (d,), "norm"),
+                (b + "attn_k_norm.weight", (d,), "norm"),
+            ]
+        out += [(b + "attn_output.weight", (h, h), "mat"), (b + "ffn_norm.weight", (h,), "norm")]
+        if "experts" in spec:  # the router, then each layer's experts stacked in 3-D tensors
+            e = spec["experts"]
+            out += [
+                (b + "ffn_gate_inp.weight", (e, h), "mat"),
+                (b + "ffn_gate_exps.weight", (e, f, h), "mat"),
+                (b + "ffn_up_exps.weight", (e, f, h), "mat"),
+                (b + "ffn_down_exps.weight", (e, h, f), "mat"),
+            ]
+        else:
+            out += [
+                (b + "ffn_gate.weight", (f, h), "mat"),
+                (b + "ffn_up.weight", (f, h), "mat"),
+                (b + "ffn_down.weight", (h, f), "mat"),
+            ]
     return [*out, ("output_norm.weight", (h,), "norm")]
 
 
@@ -285,6 +330,10 @@ def write_f32(spec: dict, path: Path, cache: Path, seed: int = 0) -> Path:
     w.add_rope_dimension_count(d)
     w.add_rope_freq_base(spec.get("rope_theta", 10000.0))
     w.add_layer_norm_rms_eps(spec.get("eps", 1e-5))
+    if "experts" in spec:
+        w.add_expert_count(spec["experts"])
+        w.add_expert_used_count(spec["experts_used"])
+        w.add_expert_feed_forward_length(spec["ffn"])
     w.add_file_type(0)
     _add_tokenizer(w, spec, cache)
     tensors = _tensor_specs(spec)
@@ -399,7 +448,7 @@ def _reference_quantize(src: Path, dst: Path, width: str) -> None:
         w.add_key_value(key, f.contents(), f.types[0], sub)
     for t in r.tensors:
         a = np.asarray(t.data).reshape(tuple(reversed([int(x) for x in t.shape])))
-        if a.ndim == 2 and a.shape[1] % 32 == 0:
+        if a.ndim in (2, 3) and a.shape[-1] % 32 == 0 and not t.name.endswith("gate_inp.weight"):
             w.add_tensor(t.name, gguf.quants.quantize(a, qt), raw_dtype=qt)
         else:
             w.add_tensor(t.name, np.ascontiguousarray(a))
@@ -452,7 +501,12 @@ def role_lowband(a) -> dict:
         times.append(time.perf_counter() - t)
         pos += 1
         tok = int(torch.argmax(logits))
-    return {"ms_per_token": 1e3 * statistics.median(times), "tokens": out, "prefill_ms": prefill_ms}
+    return {
+        "ms_per_token": 1e3 * statistics.median(times),
+        "tokens": out,
+        "prefill_ms": prefill_ms,
+        "compiled": fastpath.active(model),  # decode through the compiled step, not eager
+    }
 
 
 def _llama(a, n_ctx: int, logits_all: bool = False):
@@ -511,12 +565,25 @@ def role_logits(a) -> dict:
 
 
 # ---- orchestration ------------------------------------------------------------------------------
+def role_env() -> dict[str, str]:
+    """The roles' environment: libgomp's wait policy as ``lowband edge`` sets it
+    (``cli.openmp_wait``: its idle workers spin before they sleep) unless the caller set
+    ``OMP_WAIT_POLICY`` or ``GOMP_SPINCOUNT``. llama.cpp's wheel here is built without OpenMP
+    (its own threadpool), so only lowband's side reads them."""
+    from cli import openmp_wait
+
+    env = dict(os.environ)
+    env.update(openmp_wait("edge", env, torch_loaded=False))
+    return env
+
+
 def _run_role(args: list[str], timeout: float) -> dict:
     out = subprocess.run(
         [sys.executable, "-m", "benchmarks.edge_vs_llamacpp", *args],
         capture_output=True,
         text=True,
         timeout=timeout,
+        env=role_env(),
     )
     if out.returncode != 0:
         raise RuntimeError(f"role {args[:2]} failed:\n{out.stderr[-3000:]}")
@@ -659,6 +726,7 @@ def bench_file(file: Path, threads: int, runtimes: list[str], a) -> dict:
         for rt in runtimes if i % 2 == 0 else runtimes[::-1]:
             runs[rt].append(_run_role(["--role", rt, *common], a.timeout))
     res: dict = {
+        "lowband_compiled": all(r["compiled"] for r in runs["lowband"]),
         "ms_per_token": {rt: _stats([r["ms_per_token"] for r in runs[rt]]) for rt in runtimes},
         "prefill_ms": {rt: _stats([r["prefill_ms"] for r in runs[rt]]) for rt in runtimes},
     }
@@ -779,6 +847,10 @@ def main(argv: list[str] | None = None) -> int:
         "bench_seconds": round(time.perf_counter() - t0, 1),
         "loadavg_1m": [round(load0, 2), round(os.getloadavg()[0], 2)],
         "cpus": os.cpu_count(),
+        # libgomp's wait policy in the roles (role_env): what lowband's kernels ran under
+        "openmp_env": {
+            k: v for k, v in role_env().items() if k in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
+        },
     }
     if not a.json:
         print(json.dumps(result, indent=2))

@@ -17,7 +17,7 @@ from typing import Any, Callable, Iterable, Literal
 
 import torch
 
-from diloco.lora import LoraConfig
+from diloco.lora import DEFAULT_TARGETS, LoraConfig
 from lowband.codecs import codec_names
 from lowband.errors import ConfigError
 from lowband.models.config import ModelConfig
@@ -409,7 +409,7 @@ def _plain(obj: Any) -> dict:
     return out
 
 
-_NESTED = ("model", "data", "mode", "inner", "lr_schedule", "compute")
+_NESTED = ("model", "data", "mode", "inner", "lr_schedule", "compute", "lora")
 
 
 def config_to_dict(cfg: TrainConfig) -> dict:
@@ -427,6 +427,7 @@ def config_to_dict(cfg: TrainConfig) -> dict:
         "inner": _plain(cfg.inner),
         "lr_schedule": _plain(cfg.lr_schedule),
         "compute": _plain(cfg.compute),
+        "lora": _plain(cfg.lora) if cfg.lora is not None else None,
         **{f.name: getattr(cfg, f.name) for f in fields(cfg) if f.name not in _NESTED},
     }
 
@@ -443,6 +444,12 @@ def _compute(d: dict) -> ComputeConfig:
     if d.get("profile") is not None:
         d["profile"] = ProfileConfig(**d["profile"])
     return ComputeConfig(**d)
+
+
+def _lora(d: dict | None) -> LoraConfig | None:
+    if d is None:
+        return None
+    return LoraConfig(**{**d, "targets": tuple(d.get("targets", DEFAULT_TARGETS))})
 
 
 def config_from_dict(d: dict) -> TrainConfig:
@@ -465,6 +472,7 @@ def config_from_dict(d: dict) -> TrainConfig:
             inner=_optim(d["inner"]),
             lr_schedule=LrSchedule(**d["lr_schedule"]),
             compute=_compute(d.get("compute", {})),
+            lora=_lora(d.get("lora")),
             **rest,
         )
     except (KeyError, TypeError) as exc:

@@ -103,6 +103,7 @@ class DDPWorker:
             codec=self.codec,
             tag=f"grad/{self.inner.step}",
             timeout=self.cfg.sync_timeout,
+            out=flat,  # the average replaces the flat gradient: one buffer, not two
         )
         avg = self.staging.to_device(work.wait())
         offset = 0

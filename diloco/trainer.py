@@ -67,7 +67,8 @@ class _Sync:
     fragment: int
     round: int
     # What this worker sends (Δ + residual, or zeros if invalid), host-readable; kept for a
-    # redo until the sync's results arrive, then dropped (``DilocoWorker._settle``).
+    # redo until the sync's results arrive, then dropped (``DilocoWorker._settle``). Its buffer
+    # receives Σ_m x_m when the sum succeeds (``out=``, see ``_launch``).
     x: torch.Tensor | None
     flag: torch.Tensor  # (1,) float32, 1.0 if Δ was finite; host-readable once ``launched``
     launched: Future[None] | None = None  # the staged copies reached the transport
@@ -240,13 +241,13 @@ class DilocoWorker:
 
     def _settle(self, wait: bool = False) -> None:
         """The in-flight sync's outer step as soon as both its results arrived (its merge into
-        θ_m waits for the APPLY, as the schedule says). Then the decoded sum (4/P B/param) and
-        x (on the CPU Δ itself, 4/P more: only a failed sync is redone from it) are dropped
-        before the next inner step allocates its gradients, instead of being held through τ
-        inner steps: a worker's peak memory. θ_g is not read between a SEND and its APPLY
-        except by an evaluation, which settles first with ``wait=True`` (so what it sees does
-        not depend on when the results arrived). Never waits otherwise; a failed sync is left
-        for its APPLY (which logs it and keeps x for the redo)."""
+        θ_m waits for the APPLY, as the schedule says). Then the sum (4/P B/param, in x's
+        buffer: on the CPU Δ's own) is dropped before the next inner step allocates its
+        gradients, instead of being held through τ inner steps: a worker's peak memory. θ_g
+        is not read between a SEND and its APPLY except by an evaluation, which settles first
+        with ``wait=True`` (so what it sees does not depend on when the results arrived).
+        Never waits otherwise; a failed sync is left for its APPLY (which logs it and keeps x,
+        untouched by the failed sum, for the redo)."""
         sync = self.inflight
         if sync is None or sync.stepped is not None or sync.error is not None:
             return
@@ -265,7 +266,12 @@ class DilocoWorker:
 
     def _launch(self, sync: _Sync, tag: str) -> None:
         """Start the two all-reduces of a sync on host tensors (the transport's thread reads
-        them). May run on the staging's sender thread: it only sets fields of ``sync``."""
+        them). May run on the staging's sender thread: it only sets fields of ``sync``.
+
+        The sum is written into x's own buffer (``out=``): a fragment sync holds one float32
+        buffer of the fragment (Δ, then Σ), not two, which is what keeps a worker at DiLoCo's
+        24 B/param (``benchmarks.diloco_memory``). The transport writes it only on success, so
+        a failed sync still has x for its redo."""
         if sync.x is None:
             raise ProtocolError(f"sync of fragment {sync.fragment} launched without its x")
         try:
@@ -276,6 +282,7 @@ class DilocoWorker:
                 algorithm=self.mode.algorithm,
                 tag=tag + "/sum",
                 timeout=self.cfg.sync_timeout,
+                out=sync.x,
             )
             sync.count = self.comm.all_reduce_async(
                 sync.flag, "sum", tag=tag + "/n", timeout=self.cfg.sync_timeout

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import base64
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 import torch
@@ -150,17 +150,40 @@ def batches(lengths: Sequence[int], batch_tokens: int) -> list[list[int]]:
     return out
 
 
+RaggedPass = Callable[[Sequence[tuple[int, int, Sequence[int]]]], torch.Tensor]
+"""One ragged pass over items (sequence index, start, token ids), each appended to that
+sequence's own throw-away cache: the hidden states (N, H) before the final norm, N the items'
+tokens back to back. A cluster's runner passes one that runs every rank or stage."""
+
+
+def local_pass(model: LlamaForCausalLM, n_seqs: int) -> RaggedPass:
+    """The :data:`RaggedPass` of a model on this device (a fresh cache per sequence)."""
+    caches = [model.new_cache() for _ in range(n_seqs)]
+
+    def run(items: Sequence[tuple[int, int, Sequence[int]]]) -> torch.Tensor:
+        ids = torch.tensor([t for _, _, toks in items for t in toks])
+        spans = [Span(caches[i], p, len(toks)) for i, p, toks in items]
+        return model.forward_ragged(model.embed(ids[None]), spans)[0]
+
+    return run
+
+
 def embed_ragged(
-    model: LlamaForCausalLM, seqs: Sequence[Sequence[int]], pooling: str, chunk: int = 512
+    model: LlamaForCausalLM,
+    seqs: Sequence[Sequence[int]],
+    pooling: str,
+    chunk: int = 512,
+    forward: RaggedPass | None = None,
 ) -> torch.Tensor:
     """(B, H) float32, L2-normalised: each sequence's final hidden states after the final
     norm, pooled. Every step runs up to ``chunk`` tokens of the sequences together (ragged,
-    each in its own fresh cache, so nothing of the engine's slots is touched)."""
+    each in its own fresh cache, so nothing of the engine's slots is touched); ``forward``
+    runs a step (default :func:`local_pass`), ``model`` gives the final norm."""
     if pooling not in POOLINGS:
         raise ValueError(f"pooling must be one of {POOLINGS}")
     B, H = len(seqs), model.config.hidden_size
     acc = torch.zeros(B, H, dtype=torch.float32)
-    caches = [model.new_cache() for _ in seqs]
+    step = forward if forward is not None else local_pass(model, B)
     pos = [0] * B
     with torch.inference_mode():
         while True:
@@ -172,9 +195,7 @@ def embed_ragged(
                     budget -= n
             if not items:
                 break
-            ids = torch.tensor([t for i, p, n in items for t in seqs[i][p : p + n]])
-            spans = [Span(caches[i], p, n) for i, p, n in items]
-            h = model.forward_ragged(model.embed(ids[None]), spans)[0]
+            h = step([(i, p, seqs[i][p : p + n]) for i, p, n in items])
             h = model.model.norm(h).float()  # (N, H)
             off = 0
             for i, p, n in items:

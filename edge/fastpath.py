@@ -12,11 +12,14 @@ which is already efficient there, and both paths share one ``KVCache``.
 
 :func:`install` attaches it to a loaded model (``model.fast_decode``, which
 ``LlamaForCausalLM.forward_layers`` and ``head`` use for one token) when everything it needs is
-there: the C++ extension, float32 activations, a dense (non-MoE) model whose linears are float32
-``nn.Linear``, ``QuantLinear`` or ``GGMLLinear`` (K-quant blocks as in a GGUF file) in memory,
-of Llama's maths, Qwen3's (per-head q/k RMSNorm before rotary) or Gemma's ((1 + w) norms,
-sandwich norms, GeGLU, ``query_pre_attn_scalar``, the sliding layers' own rope base and
-window, logit softcapping; the embedding scale is the model's ``embed``), NoPE layers included.
+there: the C++ extension, float32 activations, linears that are float32 ``nn.Linear``,
+``QuantLinear`` or ``GGMLLinear`` (K-quant blocks as in a GGUF file) in memory, of Llama's
+maths, Qwen3's (per-head q/k RMSNorm before rotary) or Gemma's ((1 + w) norms, sandwich norms,
+GeGLU, ``query_pre_attn_scalar``, the sliding layers' own rope base and window, logit
+softcapping; the embedding scale is the model's ``embed``), NoPE layers included, and
+routed-expert MLPs (Mixtral, Qwen3-MoE: router, softmax, top-k with or without
+renormalisation, each chosen expert through the same kernels, see ``moe_block`` in decode.cpp;
+bit-nested experts, which an expert store decodes in Python, are called back as the block).
 Otherwise the eager path keeps running and the reason is returned (and logged), never an error.
 Tensor parallelism: the model's ``reduce`` hooks are called from C++ between the blocks, so the
 same transport carries the partial sums.
@@ -34,7 +37,7 @@ from __future__ import annotations
 
 import logging
 import weakref
-from typing import Any, NamedTuple, Sequence, cast
+from typing import Any, Callable, NamedTuple, Sequence, cast
 
 import torch
 from torch import nn
@@ -44,7 +47,14 @@ from edge.quant import kernel as qkernel
 from edge.quant.linear import DEFAULT_MAX_KERNEL_ROWS, GGMLLinear
 from lowband.errors import PeerLost, ProtocolError, TransportTimeout
 from lowband.models.config import ModelConfig
-from lowband.models.llama import ROWWISE_ROWS, KVCache, LlamaForCausalLM, rope_inv_freq
+from lowband.models.llama import (
+    ROWWISE_ROWS,
+    Expert,
+    KVCache,
+    LlamaForCausalLM,
+    SparseMoE,
+    rope_inv_freq,
+)
 from transport.starlink import native_table
 
 logger = logging.getLogger(__name__)
@@ -123,8 +133,6 @@ def unsupported_reason(
         return f"{cfg.model_type}: the compiled step has no {why}"
     if not qkernel.available():
         return f"the C++ kernel is unavailable ({qkernel.unavailable_reason()})"
-    if cfg.is_moe:
-        return f"{cfg.model_type}: routed-expert (MoE) layers run on the eager path"
     for i in range(lo, hi):
         layer = model.model.layers[i]
         attn = layer.self_attn
@@ -141,16 +149,73 @@ def unsupported_reason(
             ):
                 return f"layer {i}: norm weights must be float32 on the CPU"
         qkv = [attn.qkv] if attn.qkv is not None else [attn.q_proj, attn.k_proj, attn.v_proj]
-        gu = (
-            [layer.mlp.gate_up]
-            if layer.mlp.gate_up is not None
-            else [layer.mlp.gate_proj, layer.mlp.up_proj]
-        )
-        for mod in (*qkv, attn.o_proj, *gu, layer.mlp.down_proj):
+        ffn = layer.ffn
+        mlp: list[nn.Module]
+        if isinstance(ffn, SparseMoE):
+            why = _moe_reason(ffn)
+            if why is not None:
+                return f"layer {i}: {why}"
+            mlp = [] if _external(ffn) else [ffn.gate, *_expert_lins(ffn)]
+        else:
+            gu = [ffn.gate_up] if ffn.gate_up is not None else [ffn.gate_proj, ffn.up_proj]
+            mlp = [*gu, ffn.down_proj]
+        for mod in (*qkv, attn.o_proj, *mlp):
             why = _lin_ok(mod)
             if why is not None:
                 return f"layer {i}: {why}"
     return None
+
+
+def _moe_reason(moe: SparseMoE) -> str | None:
+    """Why a routed-expert block stays eager (None: the compiled step computes it)."""
+    if moe._forward_hooks:
+        return "the routed-expert block has forward hooks the compiled step would skip"
+    return None
+
+
+def _external(moe: SparseMoE) -> bool:
+    """Experts outside the model: the bit-nested store (edge.moe.store) decodes each expert
+    from its bit planes in Python at the width its hotness plan gives it, pages experts under
+    a byte budget from the routes it is told (``on_route``) and predicts the next layer's
+    experts from this block's input (a forward pre-hook). None of that is weights the C++ side
+    could hold, so the compiled step calls the block back (:func:`_block_call`)."""
+    return moe.expert_fn is not None or moe.on_route is not None or bool(moe._forward_pre_hooks)
+
+
+def _block_call(moe: SparseMoE) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The block as the eager layer runs it, pre-hooks, routing and the store's experts,
+    without the TP reduce (the compiled step sums the partial outputs); a weak reference, so
+    the compiled step does not keep the model alive."""
+    ref = weakref.ref(moe)
+
+    def block(x: torch.Tensor) -> torch.Tensor:  # x (1, B, H): the normed rows
+        m = ref()
+        if m is None:
+            raise RuntimeError("the routed-expert block of this compiled step was freed")
+        for hook in m._forward_pre_hooks.values():
+            out = hook(m, (x,))
+            if out is not None:
+                x = out[0] if isinstance(out, tuple) else out
+        return m.mix(x)
+
+    return block
+
+
+def _expert_lins(moe: SparseMoE) -> list[nn.Module]:
+    return [
+        m for e in moe.experts for m in (cast(Expert, e).w1, cast(Expert, e).w3, cast(Expert, e).w2)
+    ]
+
+
+def _moe_spec(moe: SparseMoE) -> tuple:
+    """``(router, [([w1, w3], w2) per expert], top_k, norm_topk, block)`` for ``add_layer``'s
+    ``moe``: the weights for the C++ side, or (experts outside the model) the block to call."""
+    k, norm = int(moe.top_k), bool(moe.norm_topk_prob)
+    if _external(moe):
+        return (None, [], k, norm, _block_call(moe))
+    lins = _expert_lins(moe)
+    experts = [([_lin(w1), _lin(w3)], _lin(w2)) for w1, w3, w2 in zip(*[iter(lins)] * 3)]
+    return (_lin(moe.gate), experts, k, norm, None)
 
 
 # The compiled step's gate activations (``Act`` in decode.cpp) by HF ``hidden_act``.
@@ -229,11 +294,19 @@ class FastDecode:
         self.softcap = cfg.final_logit_softcapping
         for i in range(lo, hi):
             layer = blocks[i]
-            attn, mlp = layer.self_attn, layer.mlp
-            if attn.reduce is not self.reduce or mlp.reduce is not self.reduce:
+            attn, ffn = layer.self_attn, layer.ffn
+            if attn.reduce is not self.reduce or ffn.reduce is not self.reduce:
                 raise ValueError("every layer must use the same reduce hook")
             qkv = [attn.qkv] if attn.qkv is not None else [attn.q_proj, attn.k_proj, attn.v_proj]
-            gu = [mlp.gate_up] if mlp.gate_up is not None else [mlp.gate_proj, mlp.up_proj]
+            # a dense MLP's gate/up and down, or a routed-expert block's spec
+            gu: list[tuple] = []
+            down: tuple | None = None
+            moe: tuple | None = None
+            if isinstance(ffn, SparseMoE):
+                moe = _moe_spec(ffn)
+            else:
+                parts = [ffn.gate_up] if ffn.gate_up is not None else [ffn.gate_proj, ffn.up_proj]
+                gu, down = [_lin(m) for m in parts], _lin(ffn.down_proj)
             qk = (_norm_w(attn.q_norm), _norm_w(attn.k_norm)) if attn.qk_norm else (None, None)
             # Llama: ln2 is the norm before the MLP; Gemma's sandwich: the pre-feedforward
             # norm, and the post-attention / post-feedforward norms go on the blocks' outputs.
@@ -250,14 +323,15 @@ class FastDecode:
                 _norm_w(ln2),
                 [_lin(m) for m in qkv],
                 _lin(attn.o_proj),
-                [_lin(m) for m in gu],
-                _lin(mlp.down_proj),
+                gu,
+                down,
                 attn.n_heads,
                 attn.n_kv_heads,
                 *qk,
                 *post,
                 window=int(cfg.layer_window(i) or 0),
                 rope=_ROPES[cfg.layer_rope(i)],
+                moe=moe,
             )
         self._norm = None
         self._head: tuple | None = None

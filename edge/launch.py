@@ -35,7 +35,7 @@ from edge.moe.serve import ExpertServeConfig, load_nested_shard, plan_ranks
 from edge.sampling import SamplingParams
 from edge.server import ServerConfig, serve_forever
 from edge.shardio import REPACK_MODES, WindowConfig, available_memory, is_split_dir, load_shard
-from edge.source import check_model_path, resolve_model
+from edge.source import check_model_path, is_gguf, resolve_model
 from edge.speculative import SpecConfig, Speculation
 from lowband.errors import ConfigError, PeerLost
 from lowband.models.config import ModelConfig
@@ -348,9 +348,17 @@ def build_engine(cfg: ServeMasterConfig, coord=None, master_host: str | None = N
 
 
 def check_model(model_dir: str, cc: ClusterConfig) -> None:
-    """Refuse what cannot be served before any process or socket starts: for a nested MoE the
-    expert budget of every device (a share smaller than its largest expert at the narrowest
-    width) and the window across devices."""
+    """Refuse what cannot be served before any process or socket starts: the window under the
+    pipeline layout; for a nested MoE the expert budget of every device (a share smaller than
+    its largest expert at the narrowest width) and the window across devices."""
+    if cc.layout == "pipeline" and cc.devices > 1 and cc.window_config() is not None:
+        # (edge.cluster.stage.load_stage can stream a stage's layers; the layout does not
+        # pass the window to its stages)
+        raise ConfigError(
+            "window",
+            "the pipeline layout does not stream weights through the sliding window: use "
+            "--layout tp (or auto) with --window / --memory-budget-mb",
+        )
     # cc.experts is not None when the directory is nested: check_experts refuses that
     if check_experts(model_dir, cc.experts) and cc.experts is not None:
         if cc.window_config() is not None and cc.devices > 1:
@@ -371,10 +379,10 @@ def _load_local(
     # experts is not None when the directory is nested: check_experts refuses that
     if check_experts(model_dir, experts) and experts is not None:
         return load_nested_shard(model_dir, experts=experts, window=window, dtype=dtype)
-    if window is not None and not is_split_dir(model_dir):
+    if window is not None and not is_split_dir(model_dir) and not is_gguf(model_dir):
         raise ConfigError(
             "model_dir",
-            "the sliding window needs a split directory "
+            "the sliding window needs a GGUF file or a split directory "
             "(lowband edge split MODEL --devices 1 --out DIR)",
         )
     return load_shard(model_dir, dtype=dtype, window=window)

@@ -1188,7 +1188,7 @@ class Server:
         if embed is None:
             raise ApiError(
                 501,
-                "embeddings need the model on this device (not a cluster's runner)",
+                "this runner computes no embeddings (it has no final hidden states to pool)",
                 kind="not_supported_error",
                 code="embeddings_unsupported",
             )

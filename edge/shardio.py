@@ -267,24 +267,25 @@ def load_shard(
     window: WindowConfig | None = None,
     fuse: bool = True,
     fast: bool = True,
+    layers: tuple[int, int] | None = None,
 ) -> LoadedShard:
     """Build rank ``rank``'s slice on the meta device and load only that slice.
 
-    ``model_dir`` is either a split directory (the plan comes from it) or a plain HF
-    checkpoint (the plan is made here from ``weights``; slices are read through the
-    safetensors memory map). The sliding window needs a split directory.
+    ``model_dir`` is a split directory (the plan comes from it), a plain HF checkpoint (the
+    plan is made here from ``weights``; slices are read through the safetensors memory map) or
+    a GGUF file. The sliding window needs a split directory or a GGUF file (its layers' blocks
+    mapped from the file: ``edge.formats.gguf_window``); ``layers`` (a pipeline stage's
+    ``(lo, hi)``, GGUF only) limits the window to those decoder layers.
 
     ``fuse``: q/k/v and gate/up as one matmul each. ``fast``: single-token decode through the
     compiled step (``edge.fastpath``) where the model qualifies; weights streamed through a
     window (fewer blocks resident than layers) stay on the eager path."""
     d = Path(model_dir)
+    if layers is not None and (window is None or not is_gguf(d)):
+        raise ConfigError("layers", "a window over some layers needs a GGUF file and a window")
     if is_gguf(d):
         if window is not None:
-            raise ConfigError(
-                "window",
-                "the sliding window needs a split directory; run "
-                "'lowband edge split' on the output of 'lowband edge convert'",
-            )
+            return _gguf_window(d, rank, world, weights, reduce, dtype, window, fast, layers)
         from edge.formats.gguf import load_gguf_shard
 
         model, plan = load_gguf_shard(
@@ -351,6 +352,37 @@ def load_shard(
         # Fully resident weights (in memory, or every block of a split mapped and never
         # evicted) stay where they are: the compiled step can read them. A real window moves
         # blocks in and out around each layer's hooks, which the compiled step would bypass.
+        fastpath.install(model)
+    return LoadedShard(model=model.eval(), plan=plan, rank=rank, scheduler=sched, reduce=reduce)
+
+
+def _gguf_window(
+    path: Path,
+    rank: int,
+    world: int,
+    weights: Sequence[float] | None,
+    reduce: Reduce | None,
+    dtype: str | None,
+    window: WindowConfig,
+    fast: bool,
+    layers: tuple[int, int] | None,
+) -> LoadedShard:
+    """A GGUF file's slice with its layers streamed through the window from one mapping of
+    the file. Never fused (a fused q/k/v is a copy); compiled only where every block stays."""
+    from edge.formats.gguf_window import gguf_scheduler, load_gguf_window
+
+    model, plan, mapping = load_gguf_window(
+        path,
+        rank,
+        world,
+        weights=weights,
+        reduce=reduce,
+        dtype=split_dtype(dtype) if dtype else None,
+    )
+    if model.config.tie_word_embeddings and rank == 0:
+        tie_head(model, plan)
+    sched = gguf_scheduler(model, mapping, window.blocks, layers, window.loader_cores)
+    if fast and sched.window >= sched.n and layers is None:
         fastpath.install(model)
     return LoadedShard(model=model.eval(), plan=plan, rank=rank, scheduler=sched, reduce=reduce)
 

@@ -1,8 +1,9 @@
 """Sliding-window weight scheduler: at most W layer blocks resident per device (TPI-LLM §3.3).
 
-Every layer's weights sit in their own safetensors file (``lowband edge split`` writes them).
-Each file is memory-mapped once and its tensors are zero-copy ``torch.frombuffer`` views, so
-the model's parameters *are* the mapping and always stay valid. Residency is then purely a
+Every layer's weights sit in their own safetensors file (``lowband edge split`` writes them),
+or are byte ranges of one GGUF file (``edge.formats.gguf_window``). Each file is memory-mapped
+once and the tensors are zero-copy ``torch.frombuffer`` views, so the model's parameters *are*
+the mapping and always stay valid. Residency is then purely a
 page-table matter, driven by :func:`window_plan`:
 
 * load  = ``madvise(MADV_POPULATE_READ)`` in a background thread (ctypes drops the GIL): reads
@@ -148,8 +149,9 @@ def _populate(addr: int, size: int, pages: torch.Tensor) -> None:
     pages[::PAGE].sum()
 
 
-class MappedFile:
-    """One safetensors file mapped read-only; ``tensors`` are zero-copy views of it."""
+class MappedBytes:
+    """A whole file mapped read-only as bytes (``u8``), asking for huge pages; a weight kept
+    as a zero-copy view of it (:meth:`view`) *is* the mapping."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
@@ -161,21 +163,18 @@ class MappedFile:
             self._u8 = torch.frombuffer(self._mm, dtype=torch.uint8)
         self.addr = self._u8.data_ptr()
         _madvise(self.addr, self.size, MADV_HUGEPAGE)  # see the module docstring
-        (n,) = struct.unpack("<Q", self._mm[:8])
-        header = json.loads(self._mm[8 : 8 + n])
-        base = 8 + n
-        self.tensors: dict[str, torch.Tensor] = {}
-        for name, info in header.items():
-            if name == "__metadata__":
-                continue
-            dtype = _ST_DTYPES.get(info["dtype"])
-            if dtype is None:
-                raise ConfigError("weights", f"{path}: unsupported dtype {info['dtype']} of {name}")
-            a, b = info["data_offsets"]
-            raw = self._u8[base + a : base + b]
-            if (self.addr + base + a) % dtype.itemsize:  # unaligned: copy (never in our files)
-                raw = raw.clone()
-            self.tensors[name] = raw.view(dtype).view(info["shape"])
+
+    def view(self, offset: int, nbytes: int) -> torch.Tensor:
+        """Bytes ``[offset, offset + nbytes)`` of the file, without copying."""
+        if not 0 <= offset <= offset + nbytes <= self.size:
+            raise ConfigError(
+                "weights", f"{self.path}: bytes [{offset}, {offset + nbytes}) lie outside the file"
+            )
+        return self._u8[offset : offset + nbytes]
+
+    def holds(self, t: torch.Tensor) -> bool:
+        """Whether ``t`` is a view of this mapping (not a copy)."""
+        return t.untyped_storage().data_ptr() == self.addr
 
     def populate(self) -> None:
         """Map every page (reading from disk if needed)."""
@@ -191,6 +190,28 @@ class MappedFile:
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         finally:
             os.close(fd)
+
+
+class MappedFile(MappedBytes):
+    """One safetensors file mapped read-only; ``tensors`` are zero-copy views of it."""
+
+    def __init__(self, path: Path) -> None:
+        super().__init__(path)
+        (n,) = struct.unpack("<Q", self._mm[:8])
+        header = json.loads(self._mm[8 : 8 + n])
+        base = 8 + n
+        self.tensors: dict[str, torch.Tensor] = {}
+        for name, info in header.items():
+            if name == "__metadata__":
+                continue
+            dtype = _ST_DTYPES.get(info["dtype"])
+            if dtype is None:
+                raise ConfigError("weights", f"{path}: unsupported dtype {info['dtype']} of {name}")
+            a, b = info["data_offsets"]
+            raw = self._u8[base + a : base + b]
+            if (self.addr + base + a) % dtype.itemsize:  # unaligned: copy (never in our files)
+                raw = raw.clone()
+            self.tensors[name] = raw.view(dtype).view(info["shape"])
 
 
 class MappedRegion:
@@ -240,6 +261,62 @@ class MappedRegion:
             os.close(fd)
 
 
+class MappedSpans:
+    """The tensors of one window block that are views of one :class:`MappedBytes` (a decoder
+    layer of a GGUF file): their byte ranges, merged where they meet within a page and widened
+    to whole pages, are populated and evicted together. No layout is assumed: tensors that lie
+    apart in the file give several spans. As with :class:`MappedRegion`, an edge page may be
+    shared with a neighbouring block: evicting it only costs the neighbour a page fault.
+
+    Populating maps whole huge folios (2 MiB of the file), so the bytes between a block's
+    spans (a tensor that was copied instead) get mapped too: :meth:`evict_hull` makes evicting
+    drop everything from the first span to the last, for blocks that do not interleave."""
+
+    def __init__(self, file: MappedBytes, tensors: Sequence[torch.Tensor]) -> None:
+        self.file, self.path = file, file.path
+        ranges = []
+        for t in tensors:
+            if not file.holds(t):
+                raise ConfigError("weights", f"{file.path}: a block tensor is not of the mapping")
+            lo = t.data_ptr() - file.addr
+            ranges.append((lo, lo + t.numel() * t.element_size()))
+        spans: list[tuple[int, int]] = []  # page-widened (offset, end), ascending, disjoint
+        for lo, hi in sorted(r for r in ranges if r[1] > r[0]):
+            a, b = lo // PAGE * PAGE, min(file.size, -(-hi // PAGE) * PAGE)
+            if spans and a <= spans[-1][1]:
+                spans[-1] = (spans[-1][0], max(spans[-1][1], b))
+            else:
+                spans.append((a, b))
+        self.spans = spans
+        self.size = sum(b - a for a, b in spans)
+        self._evict = spans
+
+    @property
+    def hull(self) -> tuple[int, int]:
+        """(offset, end) from the first span to the last; (0, 0) for no span."""
+        return (self.spans[0][0], self.spans[-1][1]) if self.spans else (0, 0)
+
+    def evict_hull(self) -> None:
+        """Evict the whole :attr:`hull`, not only the spans (no other block may lie inside)."""
+        self._evict = [self.hull] if self.spans else []
+
+    def populate(self) -> None:
+        for a, b in self.spans:
+            _populate(self.file.addr + a, b - a, self.file._u8[a:b])
+
+    def evict(self) -> None:
+        for a, b in self._evict:
+            _madvise(self.file.addr + a, b - a, MADV_DONTNEED)
+
+    def drop_page_cache(self) -> None:
+        fd = os.open(self.path, os.O_RDONLY)
+        try:
+            for a, b in self.spans:
+                os.posix_fadvise(fd, a, b - a, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
 def attach(module: nn.Module, tensors: dict[str, torch.Tensor], prefix: str) -> None:
     """Make ``module``'s parameters the given tensors (keys are full names under ``prefix``)."""
     for name, t in tensors.items():
@@ -271,7 +348,7 @@ class WindowScheduler:
     def __init__(
         self,
         layers: Sequence[nn.Module],
-        files: Sequence[MappedFile | MappedRegion],
+        files: Sequence[MappedFile | MappedRegion | MappedSpans],
         window: int,
         loader_cores: Sequence[int] | None = None,
         recache: bool = True,
@@ -347,6 +424,12 @@ class WindowScheduler:
 
     def resident(self) -> list[int]:
         return [i for i in range(self.n) if self._queued[i]]
+
+    def settle(self, timeout: float = 30.0) -> None:
+        """Wait until the loads queued so far, and the evictions queued before them, are done
+        (jobs run in order): what is mapped is then what :meth:`resident` says."""
+        for i in self.resident():
+            self._ready[i].wait(timeout)
 
     def drop_page_cache(self) -> None:
         """Drop the non-resident blocks from the page cache (cold-cache measurements)."""

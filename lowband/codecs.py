@@ -177,6 +177,14 @@ class Int8BlockCodec:
         """``out += decode(encoded)`` in place, its float32 temporaries one chunk instead of a
         decoded copy of the whole tensor (a sum of n contributions holds one tensor, not two).
         The same two roundings per element as the unchunked form, so the same bits."""
+        self._decode_chunks(encoded, out, add=True)
+
+    def decode_into(self, encoded: Encoded, out: torch.Tensor) -> None:
+        """``out[:] = decode(encoded)`` chunk by chunk: an all-reduce's result written into the
+        caller's buffer (``out=``) without a decoded copy of the whole tensor. Same bits."""
+        self._decode_chunks(encoded, out, add=False)
+
+    def _decode_chunks(self, encoded: Encoded, out: torch.Tensor, *, add: bool) -> None:
         if len(encoded.frames) != 2:
             raise ProtocolError(f"int8 payload: 2 frames expected, got {len(encoded.frames)}")
         q, scale = encoded.frames
@@ -184,14 +192,20 @@ class Int8BlockCodec:
         _, numel, _ = _checked_layout(encoded, block, q, 1)
         flat = out.view(-1)
         if flat.numel() != numel or out.dtype != torch.float32:
-            raise ProtocolError(f"int8 payload of {numel} elements added to {tuple(out.shape)}")
+            raise ProtocolError(
+                f"int8 payload of {numel} elements decoded into {tuple(out.shape)} {out.dtype}"
+            )
         step = max(1, _CHUNK // block) * block
         for start in range(0, numel, step):
             end = min(numel, start + step)
             first, k = start // block, -(-(end - start) // block)
             part = q[start : start + k * block].to(torch.float32).view(k, block)
             part.mul_(scale[first : first + k].to(torch.float32)[:, None])
-            flat[start:end].add_(part.view(-1)[: end - start])
+            dst = flat[start:end]
+            if add:
+                dst.add_(part.view(-1)[: end - start])
+            else:
+                dst.copy_(part.view(-1)[: end - start])
 
 
 # 4-bit code books, normalised so the largest magnitude is 1.0. Values are facts from the

@@ -13,7 +13,11 @@ Contract shared by every implementation
   element's final value (and, with a codec, decodes its own encoding of it) and everyone else
   receives exactly that value. Algorithms rely on this for replica consistency.
 * ``all_reduce`` never modifies its input; it returns a new tensor with the input's shape and
-  dtype. Floating reductions accumulate in float32 (float64 for float64 inputs).
+  dtype, unless the caller passes ``out=``: then the result is written into ``out`` (the input's
+  shape and dtype, contiguous; it may be the input itself) and ``out`` is returned. ``out`` is
+  written only once the operation succeeded: after a failure it still holds what it held, so a
+  caller that passed its input can retry from it. Floating reductions accumulate in float32
+  (float64 for float64 inputs).
 * With a ``codec`` the wire carries ``codec.encode(x)``; the receiver decodes to float32,
   accumulates in float32 and re-encodes partial results where the algorithm forwards them.
   The transport never chooses to quantize by itself.
@@ -160,6 +164,7 @@ class Communicator(Protocol):
         algorithm: Algorithm = "auto",
         tag: str | None = None,
         timeout: float | None = None,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor: ...
 
     def all_reduce_async(
@@ -171,7 +176,12 @@ class Communicator(Protocol):
         algorithm: Algorithm = "auto",
         tag: str | None = None,
         timeout: float | None = None,
-    ) -> Work[torch.Tensor]: ...
+        out: torch.Tensor | None = None,
+    ) -> Work[torch.Tensor]:
+        """``out``: where the result goes (see the module docstring); with ``out=tensor`` the
+        input's buffer is reused for the sum, so a fragment sync holds one float32 buffer, not
+        two. The caller must not touch ``tensor`` or ``out`` until the work is done."""
+        ...
 
     def broadcast(
         self,

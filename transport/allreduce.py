@@ -165,7 +165,16 @@ class OwnerAllReduce(ReduceBase):
             for span in chunked(lo, hi, self.chunk):
                 self.owner_of.append(owner)
                 self.spans.append(span)
-        self.out = host.pool.empty(self.numel, self.dtype)
+        # With a codec and the caller's ``out=``, every chunk's final value is held as the
+        # owner's encoding (1 B/element for int8, not a float32 result buffer) and decoded
+        # into ``out`` once all have arrived: ``out`` (often the input) is written only on
+        # success, and the input is not read after this method (its chunks left encoded).
+        self.held: dict[int, Encoded] | None = None
+        if self.target is not None and self.codec is not None:
+            self.held = {}
+            self.out = self.target.view(-1)
+        else:
+            self.out = host.pool.empty(self.numel, self.dtype)
         self.acc: dict[int, torch.Tensor] = {}
         self.contributors: dict[int, set[int]] = {}
         self.todo = len(self.spans)
@@ -189,7 +198,7 @@ class OwnerAllReduce(ReduceBase):
                     track=self.codec is None,
                 )
         if self.todo == 0:
-            self.finish(host, self.out.view(self.shape))
+            self._done(host)
 
     def needs(self, peer: str) -> bool:
         if self.finished:
@@ -218,14 +227,18 @@ class OwnerAllReduce(ReduceBase):
             {"cm": dict(enc.meta), "cf": [wire.describe(f) for f in enc.frames]},
         )
 
-    def _decode(self, msg: wire.Message, length: int) -> torch.Tensor:
-        if self.codec is None:
-            if len(msg.payload) != 1 or len(msg.payload[0]) != length * self.x.element_size():
-                raise ProtocolError(
-                    f"chunk of {[len(p) for p in msg.payload]} bytes, expected "
-                    f"{length * self.x.element_size()}"
-                )
-            return wire.tensor_from(msg.payload[0], self.dtype, (length,))
+    def _done(self, host: "Host") -> None:
+        if self.held is not None and self.codec is not None:
+            decode_into = getattr(self.codec, "decode_into", None)
+            for ci, (lo, hi) in enumerate(self.spans):
+                enc = self.held.pop(ci)
+                if decode_into is not None and self.dtype == torch.float32:
+                    decode_into(enc, self.out[lo:hi])
+                else:
+                    self.out[lo:hi] = self.codec.decode(enc).to(self.dtype)
+        self.finish(host, self.out.view(self.shape))
+
+    def _encoded(self, msg: wire.Message) -> Encoded:
         descs = wire.field(msg.meta, "cf", list)
         cmeta = wire.field(msg.meta, "cm", dict)
         if len(descs) != len(msg.payload):
@@ -236,8 +249,19 @@ class OwnerAllReduce(ReduceBase):
             if size != len(buf):
                 raise ProtocolError(f"codec frame of {len(buf)} bytes, descriptor says {size}")
             frames.append(wire.tensor_from(buf, dtype, shape))
+        return Encoded(frames=tuple(frames), meta=cmeta)
+
+    def _decode(self, msg: wire.Message, length: int) -> torch.Tensor:
+        if self.codec is None:
+            if len(msg.payload) != 1 or len(msg.payload[0]) != length * self.x.element_size():
+                raise ProtocolError(
+                    f"chunk of {[len(p) for p in msg.payload]} bytes, expected "
+                    f"{length * self.x.element_size()}"
+                )
+            return wire.tensor_from(msg.payload[0], self.dtype, (length,))
+        encoded = self._encoded(msg)
         try:
-            value = self.codec.decode(Encoded(frames=tuple(frames), meta=cmeta))
+            value = self.codec.decode(encoded)
         except Exception as exc:  # a codec fed bad bytes may raise anything
             raise ProtocolError(
                 f"codec {self.codec.name} could not decode a chunk: {exc}"
@@ -273,14 +297,17 @@ class OwnerAllReduce(ReduceBase):
         lo, hi = self.spans[ci]
         if self.codec is not None:
             enc = self.codec.encode(acc)
-            final = self.codec.decode(enc).to(self.dtype)
             frames = list(enc.frames)
             extra = {"cm": dict(enc.meta), "cf": [wire.describe(f) for f in enc.frames]}
+            if self.held is not None:
+                self.held[ci] = enc
+            else:
+                self.out[lo:hi] = self.codec.decode(enc).to(self.dtype)
         else:
             final = acc.to(self.dtype)
             frames, extra = [final], {}
-        if final.data_ptr() != self.out[lo:hi].data_ptr():
-            self.out[lo:hi] = final
+            if final.data_ptr() != self.out[lo:hi].data_ptr():
+                self.out[lo:hi] = final
         for dst in range(self.n):
             if dst != self.rank:
                 # The owner's last sends: tracked (its completion waits for them, so a caller
@@ -316,10 +343,14 @@ class OwnerAllReduce(ReduceBase):
         else:
             if src != owner or ci in self.final_seen:
                 raise ProtocolError(f"unexpected final value of chunk {ci} from rank {src}")
-            value = self._decode(msg, hi - lo)
+            value = self._decode(msg, hi - lo)  # checks the bytes now, whether held or not
             self.final_seen.add(ci)
             self.received += sum(len(p) for p in msg.payload)
-            self.out[lo:hi] = value
+            if self.held is not None:  # a copy: the message's buffers are not ours to keep
+                enc = self._encoded(msg)
+                self.held[ci] = Encoded(tuple(f.clone() for f in enc.frames), enc.meta)
+            else:
+                self.out[lo:hi] = value
             self.todo -= 1
         if self.todo == 0:
-            self.finish(host, self.out.view(self.shape))
+            self._done(host)

@@ -49,9 +49,10 @@ class BlockingCollectives:
         algorithm: Algorithm = "auto",
         tag: str | None = None,
         timeout: float | None = None,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         return self.all_reduce_async(
-            tensor, op, codec=codec, algorithm=algorithm, tag=tag, timeout=timeout
+            tensor, op, codec=codec, algorithm=algorithm, tag=tag, timeout=timeout, out=out
         ).wait()
 
     def broadcast(

@@ -37,7 +37,7 @@ from lowband.comm import (
 )
 from lowband.errors import CommClosed, ConfigError, PeerLost, ProtocolError, TransportTimeout
 from transport.blocking import BlockingCollectives
-from transport.ops import acc_dtype
+from transport.ops import acc_dtype, check_out
 from transport.work import FutureWork
 
 logger = logging.getLogger(__name__)
@@ -289,36 +289,27 @@ Outcomes = dict[int, tuple[Any, OpStats]]
 def _complete_all_reduce(group: LoopbackGroup, rv: _Rendezvous) -> Outcomes:
     n = len(rv.participants)
     contribs = [rv.contributions[r] for r in range(n)]
-    shape, dtype, op, codec, algorithm = contribs[0][1:]
+    shape, dtype, op, codec, algorithm = contribs[0][1:6]
+    outs: list[torch.Tensor | None] = [c[6] for c in contribs]
     for r, c in enumerate(contribs):
         if c[1] != shape or c[2] != dtype or c[3] != op:
             raise ProtocolError(
                 f"all_reduce: rank {r} sent shape {tuple(c[1])} {c[2]} op={c[3]}, "
                 f"rank 0 sent shape {tuple(shape)} {dtype} op={op}"
             )
-    # One contribution decoded at a time into the accumulator (not all n at once: a worker's
-    # peak memory is measured through this group).
-    if codec is not None:
-        payload = contribs[0][0].nbytes
-        acc = codec.decode(contribs[0][0])  # a fresh tensor
-        add = getattr(codec, "decode_add_", None)  # in place, chunk by chunk (int8)
-        for c in contribs[1:]:
-            if add is not None:
-                add(c[0], acc)
-            else:
-                acc += codec.decode(c[0])
-    else:
-        payload = _nbytes(contribs[0][0])
-        acc = contribs[0][0].to(acc_dtype(dtype)).clone()
-        for c in contribs[1:]:
-            acc += c[0].to(acc_dtype(dtype))
+    payload = contribs[0][0].nbytes if codec is not None else _nbytes(contribs[0][0])
+    acc = _sum(contribs, codec, dtype, outs)
     if op == "avg":
-        acc = acc / n if acc.dtype.is_floating_point else torch.div(acc, n, rounding_mode="floor")
+        if acc.dtype.is_floating_point:
+            acc.div_(n)
+        else:
+            acc = torch.div(acc, n, rounding_mode="floor")
     if codec is not None:  # the owner of the result re-encodes it; everyone decodes that encoding
         encoded = codec.encode(acc)
-        del acc  # before the decode allocates its twin
-        acc = codec.decode(encoded)
-    result = acc.to(dtype).reshape(shape)
+        del acc  # before a decode allocates its twin (unless acc is the last rank's out)
+        results = [_decoded(codec, encoded, dtype, shape, out) for out in outs]
+    else:
+        results = _delivered(acc, dtype, shape, outs)
     algo = algorithm
     if algo == "auto":
         algo = "star" if payload < group.star_threshold_bytes else "ring"
@@ -331,8 +322,83 @@ def _complete_all_reduce(group: LoopbackGroup, rv: _Rendezvous) -> Outcomes:
             stats = OpStats((n - 1) * payload, (n - 1) * payload)
         else:
             stats = OpStats(payload, payload)
-        outcomes[r] = (result if r == n - 1 else result.clone(), stats)
+        outcomes[r] = (results[r], stats)
     return outcomes
+
+
+def _sum(
+    contribs: list[tuple], codec: Codec | None, dtype: torch.dtype, outs: list[torch.Tensor | None]
+) -> torch.Tensor:
+    """Σ of the contributions in rank order, in float32 (the accumulation dtype), decoded one
+    at a time (not all n at once: a worker's peak memory is measured through this group). The
+    accumulator is a caller's ``out=`` where one fits: the last rank's with a codec (every
+    input was encoded at submission, so no ``out`` is still read), rank 0's without (its
+    contribution is the sum's first term, copied in unless ``out`` is that input itself)."""
+    flat_dtype = acc_dtype(dtype)
+    if codec is not None:
+        acc = outs[-1] if outs[-1] is not None and dtype == torch.float32 else None
+        if acc is None:
+            acc = codec.decode(contribs[0][0])  # a fresh tensor
+        else:
+            decode_into(codec, contribs[0][0], acc)
+        add = getattr(codec, "decode_add_", None)  # in place, chunk by chunk (int8)
+        for c in contribs[1:]:
+            if add is not None:
+                add(c[0], acc)
+            else:
+                acc += codec.decode(c[0])
+        return acc
+    first = contribs[0][0]
+    if outs[0] is not None and dtype == flat_dtype:
+        acc = outs[0]
+        if acc.data_ptr() != first.data_ptr():
+            acc.copy_(first)
+    else:
+        acc = first.to(flat_dtype).clone()
+    for c in contribs[1:]:
+        acc += c[0].to(flat_dtype)
+    return acc
+
+
+def _decoded(
+    codec: Codec, encoded: Encoded, dtype: torch.dtype, shape: tuple[int, ...], out: Any
+) -> torch.Tensor:
+    """One rank's result from the owner's encoding: decoded into its ``out`` where it gave one."""
+    if out is None:
+        return codec.decode(encoded).to(dtype).reshape(shape)
+    decode_into(codec, encoded, out)
+    return out
+
+
+def _delivered(
+    acc: torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...], outs: list[torch.Tensor | None]
+) -> list[torch.Tensor]:
+    """Every rank's copy of the sum ``acc`` (which may be rank 0's ``out`` already): written
+    into its ``out`` where it gave one, else a tensor of its own (the last such rank takes
+    ``acc`` itself when it is nobody's ``out``)."""
+    results: list[torch.Tensor] = []
+    free = [r for r, out in enumerate(outs) if out is None]
+    shared = any(out is acc for out in outs)
+    for r, out in enumerate(outs):
+        if out is None:
+            t = acc.to(dtype).reshape(shape)
+            last = not shared and r == free[-1]
+            results.append(t if last or t.data_ptr() != acc.data_ptr() else t.clone())
+        else:
+            if out is not acc:
+                out.view(-1).copy_(acc.reshape(-1))
+            results.append(out)
+    return results
+
+
+def decode_into(codec: Codec, encoded: Encoded, out: torch.Tensor) -> None:
+    """``out[:] = codec.decode(encoded)``: chunk by chunk where the codec can (int8's
+    ``decode_into``), else through one decoded copy."""
+    into = getattr(codec, "decode_into", None)
+    if into is not None and out.dtype == torch.float32:
+        into(encoded, out)
+    else:
+        out.view(-1).copy_(codec.decode(encoded).reshape(-1))
 
 
 def _complete_broadcast(group: LoopbackGroup, rv: _Rendezvous) -> Outcomes:
@@ -456,14 +522,24 @@ class LoopbackComm(BlockingCollectives):
         algorithm: Algorithm = "auto",
         tag: str | None = None,
         timeout: float | None = None,
+        out: torch.Tensor | None = None,
     ) -> FutureWork:
         if op not in ("sum", "avg"):
             raise ConfigError("op", f"unknown reduction {op!r}; use 'sum' or 'avg'")
         if algorithm not in ALGORITHMS:
             raise ConfigError("algorithm", f"unknown algorithm {algorithm!r}; one of {ALGORITHMS}")
+        check_out(tensor, out)
+        # What a wire would carry, taken now: the caller may reuse ``tensor`` once this returns
+        # (without a codec a copy, unless ``out`` is ``tensor``: the input is then the sum's
+        # first term and not touched by the caller until the work is done).
         data: torch.Tensor | Encoded
-        data = codec.encode(tensor) if codec is not None else tensor.detach().clone()
-        value = (data, tuple(tensor.shape), tensor.dtype, op, codec, algorithm)
+        if codec is not None:
+            data = codec.encode(tensor)
+        elif out is not None and out.data_ptr() == tensor.data_ptr():
+            data = tensor.detach()
+        else:
+            data = tensor.detach().clone()
+        value = (data, tuple(tensor.shape), tensor.dtype, op, codec, algorithm, out)
         return self._submit("all_reduce", tag, value, timeout)
 
     def _broadcast_async(

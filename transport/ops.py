@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, Protocol, Sequence
 import torch
 
 from lowband.comm import OpStats
-from lowband.errors import ProtocolError
+from lowband.errors import ConfigError, ProtocolError
 from transport import wire
 from transport.buffers import still_sending
 from transport.wire import MsgType
@@ -73,6 +73,22 @@ def acc_dtype(dtype: torch.dtype) -> torch.dtype:
     if dtype.is_floating_point:
         return torch.float32
     return torch.int64
+
+
+def check_out(tensor: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor | None:
+    """``out`` of an all-reduce (see :mod:`lowband.comm`), checked before anything is sent: a
+    mismatch is the caller's error and must not fail the collective on the other ranks."""
+    if out is None:
+        return None
+    if out.shape != tensor.shape or out.dtype != tensor.dtype or out.device != tensor.device:
+        raise ConfigError(
+            "out",
+            f"{tuple(out.shape)} {out.dtype} on {out.device} cannot hold the result of an "
+            f"all_reduce of {tuple(tensor.shape)} {tensor.dtype} on {tensor.device}",
+        )
+    if not out.is_contiguous():
+        raise ConfigError("out", "must be contiguous (the result is written into it flat)")
+    return out
 
 
 def bounds(numel: int, parts: int) -> list[tuple[int, int]]:
@@ -220,9 +236,11 @@ class ReduceBase(Op):
         algorithm: str,
         chunk_bytes: int,
         codec: Codec | None = None,
+        out: torch.Tensor | None = None,
     ) -> None:
         super().__init__(table, key, timeout, work)
         self.x = x  # flat, contiguous
+        self.target = out  # the caller's ``out=`` (checked), written at ``settle`` only
         self.shape = shape
         self.op = op
         self.algorithm = algorithm
@@ -250,6 +268,19 @@ class ReduceBase(Op):
                     f"{msg.meta.get(k)!r} here {mine!r} (every rank must pass the same shape, "
                     "dtype, op, algorithm and codec)"
                 )
+
+    def settle(self, host: "Host") -> None:
+        """The caller's ``out=`` holds the result only now, on success and after every tracked
+        send of the input left (it may be the input): a failed operation leaves it as it was,
+        so a caller can retry from its input. The schedules keep their own result buffer
+        until then and it is copied in here, except the owner schedules with a codec, which
+        hold the final encodings and decode them into ``out`` once all have arrived."""
+        result = self._result
+        if self.target is not None and isinstance(result, torch.Tensor):
+            if result.data_ptr() != self.target.data_ptr():  # else decoded into it already
+                self.target.view(-1).copy_(result.reshape(-1))
+            self._result = self.target
+        super().settle(host)
 
     def average(self, acc: torch.Tensor) -> torch.Tensor:
         if self.op != "avg":

@@ -55,7 +55,7 @@ from transport.auth import (
 from transport.blocking import BlockingCollectives
 from transport.config import SAME_HOST_MODES, MiB, ZmqConfig  # noqa: F401  (ZmqConfig is re-exported)
 from transport.messages import AllGatherOp, BarrierOp, BroadcastOp, RecvOp, SendOp
-from transport.ops import acc_dtype
+from transport.ops import acc_dtype, check_out
 from transport.peers import PeerTable, data_address
 from transport.reactor import Reactor
 from transport.shm import ShmAllReduce, shm_key
@@ -438,11 +438,13 @@ class ZmqCommunicator(BlockingCollectives):
         algorithm: Algorithm = "auto",
         tag: str | None = None,
         timeout: float | None = None,
+        out: torch.Tensor | None = None,
     ) -> FutureWork:
         if op not in ("sum", "avg"):
             raise ConfigError("op", f"unknown reduction {op!r}; use 'sum' or 'avg'")
         if algorithm not in ALGORITHMS:
             raise ConfigError("algorithm", f"unknown algorithm {algorithm!r}; one of {ALGORITHMS}")
+        check_out(tensor, out)
         table = self._table()
         algo = self.choose_algorithm(tensor, codec, algorithm, table.membership.world_size)
         cls = {"ring": RingAllReduce, "shm": ShmAllReduce}.get(algo, OwnerAllReduce)
@@ -456,6 +458,7 @@ class ZmqCommunicator(BlockingCollectives):
             algorithm=algo,
             chunk_bytes=self.config.chunk_bytes,
             codec=codec,
+            out=out,
         )
         self._reactor.submit(o)
         return o.work

@@ -15,7 +15,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Sequence, cast
+from typing import TYPE_CHECKING, Any, Callable, Sequence, cast
 
 import torch
 
@@ -45,11 +45,13 @@ from edge.cluster.shard import (
     Tags,
     append_problem,
     load_slot,
+    scratch_caches,
     shard_logits,
     shard_rows_logits,
     wire_codec,
 )
 from edge.cluster.ship import ShipServer, offer
+from edge.embeddings import embed_ragged
 from edge.engine import ClusterUnavailable, Work, split_logits, wanted_rows
 from edge.moe.serve import ExpertServeConfig
 from edge.shardio import REPACK_MODES, WindowConfig, is_split_dir
@@ -522,41 +524,81 @@ class MasterRunner:
     def forward_batch(self, work: Sequence[Work], top: int = 0) -> list[torch.Tensor | None]:
         """One step of continuous batching on every rank (see the module docstring)."""
         rows = wanted_rows(work)
+
+        def head(h: torch.Tensor) -> torch.Tensor | None:
+            return shard_rows_logits(self.shard, h[0, rows], top) if rows else None
+
         with self._lock:
-            self._check_ready()
-            # A bad batch is refused here, before any rank computes (RuntimeError: the engine
-            # fails its requests, the cluster stays in step).
-            for w in work:
-                why = append_problem(self._kv.get(w.slot), w.start) if w.ids else "is empty"
-                if why is not None:
-                    raise RuntimeError(f"batch item on cache {w.slot} {why}")
-            self._fid += 1
-            try:
-                msg = Batch(
-                    fid=self._fid,
-                    epoch=self.comm.membership.epoch,
-                    caches=[w.slot for w in work],
-                    starts=[w.start for w in work],
-                    lengths=[len(w.ids) for w in work],
-                    rows=rows,
-                    top=top,
-                    link=self.hub is not None,
-                )
-            except ProtocolError as exc:  # e.g. a cache named twice
-                raise RuntimeError(str(exc)) from None
-            self.tags.start(self._fid)
-            x = self.model.embed(torch.tensor([[t for w in work for t in w.ids]]))
-            spans = [Span(self._cache(w.slot), w.start, len(w.ids)) for w in work]
-            try:
-                self._send_step(msg.encode(), x)
-                with torch.inference_mode():
-                    h = self.model.forward_ragged(x, spans)
-                    logits = shard_rows_logits(self.shard, h[0, rows], top) if rows else None
-            except (PeerLost, TransportTimeout, ProtocolError, RuntimeError) as exc:
-                # Half a step leaves the ranks' caches and link sequences out of step: only
-                # the regroup of the recovery path puts them back.
-                raise self._fail(exc) from exc
+            logits = self._ragged(work, top, head)
         return split_logits(work, logits)  # rank 0 always gets the logits
+
+    def _ragged(
+        self,
+        work: Sequence[Work],
+        top: int,
+        then: Callable[[torch.Tensor], torch.Tensor | None],
+    ) -> torch.Tensor | None:
+        """A ragged pass over ``work`` on every rank, then ``then(h)`` on the master with the
+        hidden states (1, N, H) after the last layer (the workers send their share of the
+        head's rows they are told, ``wanted_rows(work)``: ``then`` must take part in that
+        exchange when there are any)."""
+        self._check_ready()
+        rows = wanted_rows(work)
+        # A bad batch is refused here, before any rank computes (RuntimeError: the engine
+        # fails its requests, the cluster stays in step).
+        for w in work:
+            why = append_problem(self._kv.get(w.slot), w.start) if w.ids else "is empty"
+            if why is not None:
+                raise RuntimeError(f"batch item on cache {w.slot} {why}")
+        self._fid += 1
+        try:
+            msg = Batch(
+                fid=self._fid,
+                epoch=self.comm.membership.epoch,
+                caches=[w.slot for w in work],
+                starts=[w.start for w in work],
+                lengths=[len(w.ids) for w in work],
+                rows=rows,
+                top=top,
+                link=self.hub is not None,
+            )
+        except ProtocolError as exc:  # e.g. a cache named twice
+            raise RuntimeError(str(exc)) from None
+        self.tags.start(self._fid)
+        x = self.model.embed(torch.tensor([[t for w in work for t in w.ids]]))
+        spans = [Span(self._cache(w.slot), w.start, len(w.ids)) for w in work]
+        try:
+            self._send_step(msg.encode(), x)
+            with torch.inference_mode():
+                h = self.model.forward_ragged(x, spans)
+                return then(h)
+        except (PeerLost, TransportTimeout, ProtocolError, RuntimeError) as exc:
+            # Half a step leaves the ranks' caches and link sequences out of step: only
+            # the regroup of the recovery path puts them back.
+            raise self._fail(exc) from exc
+
+    def embed(self, seqs: Sequence[Sequence[int]], pooling: str, chunk: int) -> torch.Tensor:
+        """(B, H) as :meth:`edge.engine.LocalRunner.embed` gives on one device: every rank
+        runs each ragged pass (its shard of every layer, the all-reduces between) in
+        throw-away caches named above the engine's and dropped after, and no rank computes
+        logits. The master's hidden state is the whole one (each all-reduce leaves every rank
+        the full residual stream), pooled after its final norm."""
+        with self._lock:
+            scratch = scratch_caches(self._kv, len(seqs))
+
+            def run(items: Sequence[tuple[int, int, Sequence[int]]]) -> torch.Tensor:
+                work = [
+                    Work(slot=scratch[i], ids=list(t), start=p, logits="none") for i, p, t in items
+                ]
+                h = self._ragged(work, 0, lambda h: h[0])
+                assert h is not None
+                return h
+
+            try:
+                return embed_ragged(self.model, seqs, pooling, chunk, run)
+            finally:
+                for c in scratch:
+                    self.drop(c)
 
     def slot_length(self, slot: int) -> int:
         c = self._kv.get(slot)

@@ -65,8 +65,9 @@ from edge.cluster.protocol import (
     Yield,
     master_rank,
 )
-from edge.cluster.shard import append_problem
+from edge.cluster.shard import append_problem, scratch_caches
 from edge.cluster.stage import LayerRange, Stage
+from edge.embeddings import embed_ragged
 from edge.engine import ClusterUnavailable, Work, split_logits, wanted_rows
 from edge.shardio import load_shard
 from lowband.comm import Communicator
@@ -333,15 +334,11 @@ class PipelineRunner:
     def _collect(self, flight: Flight) -> list[torch.Tensor | None]:
         """The answers of ``flight``'s groups in the order sent (layout.py: no deadlock)."""
         V, k = self.config.vocab_size, flight.k
-        last = len(self.ranges) - 1
         out = []
         try:
             for g, msg in zip(flight.groups, flight.msgs):
-                for s in range(1, last + 1):
-                    got = self._answer(s, msg.fid, 3 if s == last and msg.rows else 1)
-                    h = got[0]
-                    if s < last:
-                        self._relay(s, msg, h)
+                got = self._through(msg)
+                h = got[0]
                 rows = wanted_rows(g)
                 if rows and msg.rows:
                     out.append(self._merge(h[0, rows], got[1], got[2], k, V))
@@ -352,6 +349,48 @@ class PipelineRunner:
             raise self._fail(exc, "a stage step") from exc
         self._flights.popleft()
         return split_logits(flight.work, torch.cat(out) if out else None)
+
+    def _through(self, msg: StageStep) -> list[torch.Tensor]:
+        """Stages 1.. of a step :meth:`_send` started: each one's hidden state relayed to the
+        next; the last stage's answer (its hidden state, then its best logits when asked)."""
+        last = len(self.ranges) - 1
+        got: list[torch.Tensor] = []
+        for s in range(1, last + 1):
+            got = self._answer(s, msg.fid, 3 if s == last and msg.rows else 1)
+            if s < last:
+                self._relay(s, msg, got[0])
+        return got
+
+    def embed(self, seqs: Sequence[Sequence[int]], pooling: str, chunk: int) -> torch.Tensor:
+        """(B, H) as :meth:`edge.engine.LocalRunner.embed` gives on one device: each ragged
+        pass goes through every stage (one micro-batch) in throw-away caches named above the
+        engine's and dropped after; the last stage sends its hidden state back, and the
+        master (which keeps the final norm) pools it. No logits are computed."""
+        with self._lock:
+            if self._flights:
+                raise RuntimeError("embeddings while a step is in flight")
+            if len(self.ranges) < 2:
+                return embed_ragged(self.model, seqs, pooling, chunk)
+            scratch = scratch_caches(self._kv, len(seqs))
+
+            def run(items: Sequence[tuple[int, int, Sequence[int]]]) -> torch.Tensor:
+                work = [
+                    Work(slot=scratch[i], ids=list(t), start=p, logits="none") for i, p, t in items
+                ]
+                self._check(work)
+                flight = self._send(work, [work], 0)
+                try:
+                    h = self._through(flight.msgs[0])[0]
+                except _NET_ERRORS as exc:
+                    raise self._fail(exc, "an embedding pass") from exc
+                self._flights.popleft()
+                return h[0]
+
+            try:
+                return embed_ragged(self.model, seqs, pooling, chunk, run)
+            finally:
+                for c in scratch:
+                    self.drop(c)
 
     def _merge(
         self, h: torch.Tensor, vals: torch.Tensor, ids: torch.Tensor, k: int, V: int

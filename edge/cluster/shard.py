@@ -5,10 +5,11 @@ of the vocabulary-parallel head (one row, or several rows of a batch at once).""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Sequence
+from typing import Collection, Sequence
 
 import torch
 
+from edge.cluster.protocol import MAX_SEQS
 from edge.moe.serve import ExpertServeConfig, is_nested_dir, load_nested_shard
 from edge.shardio import LoadedShard, WindowConfig, load_shard
 from edge.tp import Reduce, TPPlan, exact_reduce, gather_logits, make_reduce
@@ -134,6 +135,16 @@ def append_problem(cache: KVCache | None, start: int) -> str | None:
     if 0 < start < floor:
         return f"restarts at {start}, below the sliding window's floor {floor}"
     return None
+
+
+def scratch_caches(held: Collection[int], n: int) -> list[int]:
+    """``n`` KV-cache ids for throw-away passes (embeddings): the top of the ids every rank
+    accepts, far above the engine's slots (``parallel`` + prefix caches); refused
+    (RuntimeError) when one of them holds an engine sequence or ``n`` is beyond half of them."""
+    ids = list(range(MAX_SEQS - n, MAX_SEQS))
+    if not 0 < n <= MAX_SEQS // 2 or any(i in held for i in ids):
+        raise RuntimeError(f"no {n} free cache ids for a throw-away pass")
+    return ids
 
 
 def shard_rows_logits(shard: LoadedShard, h: torch.Tensor, top: int) -> torch.Tensor | None:

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from edge import fastpath
-from edge.shardio import LoadedShard, load_shard
+from edge.shardio import LoadedShard, WindowConfig, load_shard
 from lowband.errors import ConfigError
 from lowband.models.llama import KVCache, LlamaForCausalLM, Span
 
@@ -135,13 +135,17 @@ def load_stage(
     repack: str = "off",
     fast: bool = True,
     head_lo: int = 0,
+    window: WindowConfig | None = None,
 ) -> Stage:
     """Stage ``rng`` of the model at ``model_dir``; ``repack``: its K-quant weights also in the
     batch GEMM's layout (:meth:`Stage.repack`); ``head_lo`` > 0: it also holds the LM head's
-    rows ``head_lo..V-1`` (:meth:`Stage.cut_head`)."""
-    shard = load_shard(model_dir, dtype=dtype, fast=False)
+    rows ``head_lo..V-1`` (:meth:`Stage.cut_head`); ``window``: its layers streamed through
+    the sliding window from a GGUF file (eager where the window really streams)."""
+    rows = (rng.lo, rng.hi) if window is not None else None
+    shard = load_shard(model_dir, dtype=dtype, fast=False, window=window, layers=rows)
+    sched = shard.scheduler
     try:
-        stage = Stage(shard, rng, fast)
+        stage = Stage(shard, rng, fast and (sched is None or sched.window >= sched.n))
         stage.repack(repack)
         if head_lo > 0:
             stage.cut_head(head_lo, shard.model.config.vocab_size)

@@ -29,7 +29,7 @@ it on rows, which works on packed rows too (a row's blocks run along K).
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 import torch
@@ -291,15 +291,26 @@ def write_tokenizer_gguf(src: str | Path, path: str | Path) -> Path:
 
 # ---- reading ----------------------------------------------------------------------------------
 Weight = torch.Tensor | PackedWeight | GGMLWeight
+# The file's bytes [offset, offset + n) as a uint8 tensor the weights may keep (a memory map:
+# ``edge.window.MappedBytes.view``); weights built on it are views of the file, not copies.
+ByteView = Callable[[int, int], torch.Tensor]
 
 
-def _tensor(t: Any) -> Weight:
+def _tensor(t: Any, view: ByteView | None = None) -> Weight:
     """One GGUF tensor as a float tensor (N, K) / (N,), a PackedWeight or a GGMLWeight, without
-    requantizing."""
+    requantizing. With ``view``, the types usable as stored (ggml blocks, F32) are views of
+    the file's bytes; the others are converted (copied) as without it."""
     kind = t.tensor_type.name
     shape = tuple(int(s) for s in reversed(t.shape))  # (N, K)
     if len(shape) == 3:  # a stack of (N, K) matrices (a MoE layer's experts): all their rows
         shape = (shape[0] * shape[1], shape[2])
+    if view is not None and (kind == "F32" or (kind in GGML_TYPES and len(shape) == 2)):
+        mapped = view(int(t.data_offset), int(t.n_bytes))
+        if kind != "F32":
+            nk = (shape[0], shape[1])
+            return GGMLWeight(GGML_TYPES[kind], nk, mapped.view(shape[0], -1))
+        if mapped.data_ptr() % 4 == 0:  # (GGUF aligns tensor data to 32 bytes)
+            return mapped.view(torch.float32).view(shape)
     data = np.asarray(t.data)
     if kind in ("F32", "F16"):
         return torch.from_numpy(data.astype(np.float32).reshape(shape))
@@ -382,10 +393,11 @@ def _unfuse(name: str, x: Weight, cfg: ModelConfig) -> list[tuple[str, Weight]]:
     return [(f"{base}.{n}.weight", p) for n, p in zip(names, _split_rows(x, sizes))]
 
 
-def _read_tensors(reader: Any, cfg: ModelConfig) -> dict[str, Weight]:
+def _read_tensors(reader: Any, cfg: ModelConfig, view: ByteView | None = None) -> dict[str, Weight]:
     """Every tensor of the file by HF name, q/k rows back in HF order where llama.cpp's
     converter permuted them (the llama architecture: weights and biases) and norm weights
-    back in HF's form (Gemma: the file stores 1 + w)."""
+    back in HF's form (Gemma: the file stores 1 + w). ``view``: the decoder layers' tensors
+    used as stored are views of the file (:func:`_tensor`); transformed ones are copies."""
     arch, spec = architecture(reader)
     hf_of = hf_names(cfg.num_hidden_layers, spec)
     out: dict[str, Weight] = {}
@@ -397,7 +409,7 @@ def _read_tensors(reader: Any, cfg: ModelConfig) -> dict[str, Weight]:
             raise ConfigError(
                 "model", f"GGUF tensor {t.name!r} is not part of a {arch!r} model lowband runs"
             )
-        x = _tensor(t)
+        x = _tensor(t, view if t.name.startswith("blk.") else None)
         if spec.norm_shift and t.name.endswith("norm.weight") and isinstance(x, torch.Tensor):
             x = x - spec.norm_shift
         if spec.permuted and ".q_proj." in name:
@@ -408,14 +420,18 @@ def _read_tensors(reader: Any, cfg: ModelConfig) -> dict[str, Weight]:
     return out
 
 
-def load_gguf(path: str | Path, dtype: torch.dtype | None = None) -> LlamaForCausalLM:
+def load_gguf(
+    path: str | Path, dtype: torch.dtype | None = None, *, view: ByteView | None = None
+) -> LlamaForCausalLM:
     """The whole model of a GGUF file: Q8_0/Q4_0 matrices as ``QuantLinear``, the other block
-    types (Q4_K, Q6_K, ...) as ``GGMLLinear`` (with their biases), float ones as ``nn.Linear``."""
+    types (Q4_K, Q6_K, ...) as ``GGMLLinear`` (with their biases), float ones as ``nn.Linear``.
+    ``view``: decoder-layer weights usable as stored are views of the file's bytes (the
+    sliding window, ``edge.formats.gguf_window``), not copies."""
     _import_gguf()  # a ConfigError naming the extra when gguf is not installed
     reader = open_gguf(path)  # header bounded by the file before anything is built
     cfg = read_config(reader)
     dt = dtype or torch.float32
-    tensors = _read_tensors(reader, cfg)
+    tensors = _read_tensors(reader, cfg, view)
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg)
     packed = {n for n, x in tensors.items() if not isinstance(x, torch.Tensor)}
@@ -474,11 +490,14 @@ def load_gguf_shard(
     weights: Sequence[float] | None = None,
     reduce: Reduce | None = None,
     dtype: torch.dtype | None = None,
+    view: ByteView | None = None,
 ) -> tuple[LlamaForCausalLM, TPPlan]:
     """Rank ``rank``'s slice of a GGUF model (the whole file is read, then sliced: packed
     matrices keep their packing through ``narrow_out/narrow_in``; a column split that cuts a
-    block, e.g. ``o_proj`` heads not on 256-value boundaries for Q4_K, is a ``ConfigError``)."""
-    model = load_gguf(path, dtype)
+    block, e.g. ``o_proj`` heads not on 256-value boundaries for Q4_K, is a ``ConfigError``).
+    ``view``: as for :func:`load_gguf`; a row slice of a view stays a view, a column slice
+    is a copy."""
+    model = load_gguf(path, dtype, view=view)
     # the FFN columns split on whole blocks of the layers' matrices (the head splits by rows)
     layers = model.model.layers.modules()
     groups = [m.group for m in layers if isinstance(m, (QuantLinear, GGMLLinear))]

@@ -16,6 +16,9 @@ routed mixture ``sum_e w_e * expert_e(x)`` is a sum over experts and a sum does 
 each term was computed. Each rank opens only its experts' files with a share of the budget
 proportional to the int8 bytes it holds (:func:`rank_budgets`).
 
+Decode runs through the compiled step (``edge.fastpath``) with each MoE block called back into
+Python for the store's experts; a sliding window keeps the eager layers.
+
 Sliding window (one device): the backbone's layer tensors are streamed through
 :class:`edge.window.WindowScheduler` as regions of the one mapped ``model.safetensors`` (each
 layer's tensors are contiguous in it), so the device holds W backbone blocks plus the expert
@@ -33,6 +36,7 @@ from typing import Any, Sequence
 import torch
 from safetensors import safe_open
 
+from edge import fastpath
 from edge.formats.split_layout import assign_tensors
 from edge.moe.checkpoint import MANIFEST, ExpertKey, NestedCheckpoint
 from edge.moe.planes import is_expert_key
@@ -345,6 +349,8 @@ def load_nested_shard(
         if sched is not None:
             sched.close()
         raise
+    if sched is None:  # the compiled step, the store's experts called back from it
+        fastpath.install(model)
     return LoadedShard(
         model=model.eval(), plan=plan, rank=rank, scheduler=sched, store=cache, reduce=reduce
     )

@@ -48,6 +48,7 @@ from typing import Any, Callable, Iterable, TypeVar, Union
 import torch
 import torch.nn.functional as F
 
+from edge import fastpath
 from edge.moe.checkpoint import ExpertKey, NestedCheckpoint, load_backbone
 from edge.moe.hebf import hebf_plan
 from edge.moe.planes import ExpertFile, page_buffer, planes_to_codes
@@ -670,7 +671,11 @@ def attach(model: LlamaForCausalLM, cache: ExpertCache, *, placed: bool = False)
     ``placed``: the cache holds this rank's share of a tensor-parallel placement; an expert it
     does not hold (in any MoE layer) contributes zero, because another rank computes it and the
     post-MoE all-reduce adds it in. Without ``placed`` such a call raises instead: one device
-    must never silently drop an expert."""
+    must never silently drop an expert.
+
+    A compiled decode step installed before would read the experts' own weights and skip the
+    store: it is dropped (``edge.fastpath.install`` again calls the store's block back)."""
+    fastpath.uninstall(model)
     layers = model.model.layers
     held = {k[0] for k in cache.keys}
     keys = set(cache.keys)

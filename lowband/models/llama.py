@@ -523,6 +523,11 @@ class SparseMoE(nn.Module):
         self.on_route: Callable[[torch.Tensor], None] | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.mix(x)
+        return self.reduce(out) if self.reduce is not None else out
+
+    def mix(self, x: torch.Tensor) -> torch.Tensor:
+        """The routed mixture of x (B, T, H) before the TP reduce (a rank's partial sum)."""
         B, T, H = x.shape
         flat = x.reshape(-1, H)
         probs = F.softmax(self.gate(flat), dim=-1, dtype=torch.float32)
@@ -539,8 +544,7 @@ class SparseMoE(nn.Module):
             # index_put_ with accumulate: the same sums as index_add_ at a fraction of its
             # cost on small CPU tensors (index_add_ took milliseconds per call here)
             out.index_put_((rows,), y * weights[rows, slot, None], accumulate=True)
-        out = out.view(B, T, H)
-        return self.reduce(out) if self.reduce is not None else out
+        return out.view(B, T, H)
 
 
 class DecoderLayer(nn.Module):

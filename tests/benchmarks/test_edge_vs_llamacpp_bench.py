@@ -1,5 +1,6 @@
-"""Smoke-run of benchmarks.edge_vs_llamacpp at tiny shapes of both architectures it writes
-(llama with Llama 3 rope_freqs, qwen2 with q/k/v biases), the lowband side only
+"""Smoke-run of benchmarks.edge_vs_llamacpp at tiny shapes of the architectures it writes
+(llama with Llama 3 rope_freqs, qwen2 with q/k/v biases, qwen3moe with routed experts decoding
+through the compiled step), the lowband side only
 (``--lowband-only``: gguf's reference quantizer, no llama.cpp), so CI never needs the peer."""
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ def test_bench_tiny_lowband_only(spawn, tmp_path) -> None:
             "-m",
             "benchmarks.edge_vs_llamacpp",
             "--models",
-            "tiny,tiny-qwen2",
+            "tiny,tiny-qwen2,tiny-qwen3moe",
             "--widths",
             "q8_0,q4_0",
             "--lowband-only",
@@ -44,10 +45,11 @@ def test_bench_tiny_lowband_only(spawn, tmp_path) -> None:
     assert p.returncode == 0
     res = json.loads(out.decode().strip().splitlines()[-1])
     assert res["runtimes"] == ["lowband"]
-    for name in ("tiny", "tiny-qwen2"):
+    for name in ("tiny", "tiny-qwen2", "tiny-qwen3moe"):
         m = res["models"][name]
         for w in ("q8_0", "q4_0"):
             cell = m["widths"][w]
+            assert cell["threads_1"]["lowband_compiled"] is True
             assert cell["threads_1"]["ms_per_token"]["lowband"]["median"] > 0
             assert cell["threads_1"]["prefill_ms"]["lowband"]["median"] > 0
             assert "ratio_vs_llamacpp" not in cell["threads_1"]

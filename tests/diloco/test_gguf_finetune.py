@@ -126,3 +126,44 @@ def test_real_gemma3_starts_from_its_pretrained_loss(real_gemma3: Path) -> None:
     without = task.evaluate(model)
     assert with_bos < 6.0 < 12.0 < np.log(262144)
     assert with_bos < without - 1.0
+
+
+@pytest.mark.usefixtures("no_kernel")
+def test_cli_lora_fine_tune_of_a_gemma3_file_exports_merged_to_gguf(tmp_path: Path, capsys) -> None:
+    """LoRA from a GGUF file back to a servable GGUF: the run's model/ holds the adapters merged
+    into the projections (moved from the starting file's; the rest as it was), and
+    ``lowband export`` writes a file that ``edge`` runs with model/'s logits and greedy text."""
+    from cli import main
+    from lowband.models.weights import load_pretrained
+
+    path = write_file(tmp_path / "g.gguf", hf_gemma3(), "gemma3", "llama-bpe")
+    corpus = tmp_path / "text.txt"
+    corpus.write_text(TEXT * 20)
+    out = tmp_path / "run"
+    argv = ["train", "--model", str(path), "--corpus", str(corpus), "--lora-rank", "4"]
+    argv += ["--workers", "2", "--steps", "8", "-H", "4", "-P", "2", "--tau", "1"]
+    argv += ["--batch-size", "2", "--seq-len", "16", "--eval-every", "0", "--codec", "int8"]
+    argv += ["--inner-lr", "1e-2", "--loopback", "--no-progress", "--out", str(out)]
+    assert main(argv) == 0
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert summary["consistent"] and len(summary["finished"]) == 2
+    tuned = load_pretrained(out / "model", dtype=torch.float32).eval()
+    start = load_gguf_fp32(path).state_dict()
+    got = tuned.state_dict()
+    assert got.keys() == start.keys() and not any("lora" in k for k in got)
+    for name, t in start.items():
+        if "_proj." in name:  # W + (α/r)·B·A: moved by the trained adapters
+            assert not torch.equal(got[name], t), name
+        else:  # embeddings and norms were frozen
+            assert torch.equal(got[name], t), name
+    exported = tmp_path / "lora.gguf"
+    assert main(["export", str(out / "model"), "--gguf", str(exported)]) == 0
+    served = load_gguf(exported, torch.float32)
+    x = torch.tensor([[2, 5, 17, 42, 8, 99]])
+    with torch.no_grad():
+        torch.testing.assert_close(served(x).float(), tuned(x), rtol=1e-4, atol=1e-4)
+        ids_a, ids_b = x.tolist()[0], x.tolist()[0]
+        for _ in range(12):
+            ids_a.append(int(served(torch.tensor([ids_a]))[0, -1].argmax()))
+            ids_b.append(int(tuned(torch.tensor([ids_b]))[0, -1].argmax()))
+    assert ids_a == ids_b

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from diloco.config import byte_llama, preset, with_overrides
+from diloco.config import byte_llama, config_from_dict, config_to_dict, preset, with_overrides
 from diloco.launch import run_threads
 from diloco.lora import LoraConfig, merged, trainable, with_lora
 from diloco.task import lm_task
@@ -89,3 +89,12 @@ def test_lora_needs_diloco_and_a_rank() -> None:
         _cfg(lora_rank=4, mode="ddp")
     with pytest.raises(ConfigError):
         LoraConfig(rank=0)
+
+
+def test_a_lora_run_config_round_trips_through_json() -> None:
+    """The launcher writes config.json (the CLI's ``--lora-rank`` run failed there)."""
+    import json
+
+    cfg = _cfg(lora_rank=4)
+    assert config_from_dict(json.loads(json.dumps(config_to_dict(cfg)))) == cfg
+    assert config_from_dict(json.loads(json.dumps(config_to_dict(_cfg())))).lora is None

@@ -217,7 +217,7 @@ def test_the_openai_client_embeds() -> None:
 
 
 class _NoEmbed(LocalRunner):
-    """A runner without embeddings (as a cluster's master is)."""
+    """A runner without embeddings (a runner of another kind than this package's)."""
 
     embed = None  # type: ignore[assignment]
 

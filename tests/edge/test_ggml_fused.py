@@ -59,3 +59,22 @@ def test_tiles_match_emulation(name, m) -> None:
     y = kernel.ggml_gemv(x, w)
     emu, mag = emulate(x, w)
     assert bool((y.double() - emu).abs().le(1e-5 * mag + 1e-7).all())
+
+
+@pytest.mark.parametrize("k", [640, 672])
+@pytest.mark.parametrize("m", [2, 5, 8, 19])
+def test_q5_0_rows_alone_equal_rows_in_a_batch(k, m) -> None:
+    """Q5_0 (the 32-value blocks llama.cpp falls back to where K is not a multiple of 256):
+    up to 4 activation rows at a time below 8 rows, the AVX-512 GEMM from 8; two blocks per
+    zmm, so K of 20 blocks (pairs only) and 21 (an odd last block). Every row keeps the bits
+    it gets alone, and the kernel equals the emulation."""
+    w = weight("Q5_0", 37, k, seed=9, scale=0.05)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(10))
+    x[1] = 0.0
+    many = kernel.ggml_gemv(x, w)
+    for i in range(m):
+        alone = kernel.ggml_gemv(x[i : i + 1].contiguous(), w)
+        assert torch.equal(alone[0], many[i]), (k, m, i)
+    assert torch.equal(many[1], torch.zeros(37))
+    emu, mag = emulate(x, w)
+    assert bool((many.double() - emu).abs().le(1e-5 * mag + 1e-7).all())

@@ -261,21 +261,28 @@ def test_kernel_fallback_reference_agree(mode, bits, group, m, nb):
         assert torch.equal(y, fb)
 
 
-@pytest.mark.parametrize("bits,group", FORMATS)
-@pytest.mark.parametrize("nb", [11, 20])  # a chunk of 8 groups and a tail; 20: the Gemma 3 head's K
-def test_kernel_batch_rows_equal_rows_alone(bits, group, nb):
-    """Each row of an M-row call has the bits of the same row alone, for every M a speculative
-    verification group or a decode batch brings (tiles of 1-4 rows, and 8 on AVX-512 VNNI)."""
+@pytest.mark.parametrize("group", [32, 64, 128])
+@pytest.mark.parametrize("m", [2, 5, 8, 9, 20])
+def test_q8_rows_alone_equal_rows_in_a_batch(group, m):
+    """The AVX-512 build computes Q8 through its GEMM (16 weight rows per zmm) from 8 activation
+    rows, and G = 32 below that 4 rows at a time on zmm (one row: decode): every row must keep
+    the bits it gets alone, the compiled step's batched == single-step identity rests on this.
+    37 weight rows = 2 x 16 + 5; K of 11 groups = a chunk of 8 and a tail of 3; row 3 (or the
+    last) all zeros."""
     if not kernel.available():
         pytest.skip(f"C++ kernel unavailable: {kernel.unavailable_reason()}")
-    n, k = 45, nb * group
-    p = quantize(rand(n, k, seed=7) / k**0.5, bits, group)
-    x = rand(17, k, seed=8)
-    alone = torch.cat(
-        [kernel.gemv(x[i : i + 1], p.qweight, p.scales, bits, group) for i in range(17)]
-    )
-    for m in (2, 3, 5, 8, 9, 17):
-        assert torch.equal(kernel.gemv(x[:m], p.qweight, p.scales, bits, group), alone[:m]), m
+    n, k = 37, 11 * group
+    p = quantize(rand(n, k, seed=7) / k**0.5, 8, group)
+    x = rand(m, k, seed=8)
+    zero = min(3, m - 1)
+    x[zero] = 0.0
+    many = kernel.gemv(x, p.qweight, p.scales, 8, group)
+    for i in range(m):
+        alone = kernel.gemv(x[i : i + 1].contiguous(), p.qweight, p.scales, 8, group)
+        assert torch.equal(alone[0], many[i]), (group, m, i)
+    assert torch.equal(many[zero], torch.zeros(n))
+    emu, mag = emulate(x, p)
+    assert bool((many.double() - emu).abs().le(1e-5 * mag + 1e-7).all())
 
 
 @pytest.mark.parametrize("threads", [1, 2, 3])

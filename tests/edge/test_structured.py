@@ -10,7 +10,7 @@ import jsonschema
 import pytest
 import torch
 
-from edge.structured import GrammarError, Grammars, vocab_bytes
+from edge.structured import GrammarError, Grammars, Matcher, vocab_bytes
 from lowband.models.tokenizer import ByteTokenizer
 from tests.edge.test_openai_api import _engine, post, run
 
@@ -186,6 +186,176 @@ def test_masks_computed_ahead_equal_the_grammar(grammar: str, text: bytes) -> No
             ref._m.consume_token(t)
     assert m.done
     g.close()
+
+
+WALKS = [
+    ("gbnf", 'root ::= "The answer is " [a-z ]+ "."', b"The answer is ok."),
+    ("gbnf", 'root ::= ("yes" | "no") "!"', b"no!"),
+    ("json_schema", SCHEMAS[1], b'{"name": "Bo", "age": 31}'),
+    ("json_schema", SCHEMAS[3], b'{"tags": ["ab", "c"]}'),
+]
+
+
+@pytest.mark.parametrize("kind,source,text", WALKS)
+@pytest.mark.parametrize("ahead", [False, True])
+def test_allows_is_exactly_the_mask(kind, source, text, ahead) -> None:
+    """At every position of a valid text, the one-token test the sampler asks first accepts
+    exactly the tokens the mask keeps (forced text included, where the mask keeps only the
+    canonical token), whether or not the mask was computed ahead."""
+    g = Grammars(EosBytes(), 256)
+    c = g.compile(kind, source)
+    for k in range(len(text) + 1):
+        m = Matcher(g.tokenizer(), c.grammar, c.ends, g.pool() if ahead else None)
+        ref = Matcher(g.tokenizer(), c.grammar, c.ends, None)
+        for t in text[:k]:
+            m.advance(t)
+            ref.advance(t)
+        kept = torch.isfinite(ref.mask(torch.zeros(256)))
+        assert [m.allows(i) for i in range(256)] == kept.tolist(), text[:k]
+    g.close()
+
+
+class Pieces:
+    """A SentencePiece-like vocabulary with multi-byte pieces ("The", "Th", " answer" ...)
+    beside the 256 bytes: forced text can be written more than one way, and the grammar's
+    mask keeps only its canonical token."""
+
+    PIECES = ["The", "Th", "▁answer", "▁ans", "▁is", "▁ok", "ok", '{"', '":', "name", '▁"', "no"]
+
+    def __init__(self) -> None:
+        from types import SimpleNamespace
+
+        from edge.formats.gguf_tokenizer import BYTE, CONTROL, NORMAL
+
+        tokens = ["<eos>"] + [f"<0x{b:02X}>" for b in range(256)] + self.PIECES
+        types = [CONTROL] + [BYTE] * 256 + [NORMAL] * len(self.PIECES)
+        self.vocab = SimpleNamespace(model="llama", tokens=tokens, token_types=types)
+        self.vocab_size, self.eos_token_id = len(tokens), 0
+        self._text = {p.replace("▁", " ").encode(): 257 + i for i, p in enumerate(self.PIECES)}
+
+    def encode(self, text: str, add_special: bool = False) -> list[int]:
+        data, out = text.encode(), []
+        while data:  # longest piece first, else the byte
+            n = max((len(p) for p in self._text if data.startswith(p)), default=0)
+            out.append(self._text[data[:n]] if n else 1 + data[0])
+            data = data[max(n, 1) :]
+        return out
+
+
+@pytest.mark.parametrize(
+    "kind,source,text",
+    [
+        ("gbnf", 'root ::= "The answer is " [a-z ]+ "."', "The answer is ok."),
+        ("json_schema", SCHEMAS[1], '{"name": "Th", "age": 7}'),
+    ],
+)
+def test_allows_is_exactly_the_mask_with_multibyte_pieces(kind, source, text) -> None:
+    """Where text is forced ("The answer is ", '{"name": "'), a piece that is only a prefix
+    of it ("T", "Th", " ans") fits the grammar, but the mask keeps the canonical piece only:
+    the one-token test answers as the mask does there too."""
+    tok = Pieces()
+    g = Grammars(tok, tok.vocab_size)
+    c = g.compile(kind, source)
+    ids = tok.encode(text)
+    forced = 0
+    for k in range(len(ids) + 1):
+        m = Matcher(g.tokenizer(), c.grammar, c.ends, None)
+        ref = Matcher(g.tokenizer(), c.grammar, c.ends, None)
+        for t in ids[:k]:
+            m.advance(t)
+            ref.advance(t)
+        kept = torch.isfinite(ref.mask(torch.zeros(tok.vocab_size)))
+        fits = [ref._m.validate_tokens([i]) == 1 for i in range(1, tok.vocab_size)]
+        forced += fits != kept[1:].tolist()  # more pieces fit than the mask keeps
+        assert [m.allows(i) for i in range(tok.vocab_size)] == kept.tolist(), ids[:k]
+    assert forced  # the case this test is about occurred
+    g.close()
+
+
+def _walk(c, text: bytes, seed: int) -> tuple[list[int], int]:
+    """A greedy completion under ``c`` from random logits (seeded) that favour ``text``'s next
+    byte 2 times in 3, and how many of its draws were not the unconstrained argmax."""
+    from edge.sampling import Sampler, SamplingParams
+
+    gen = torch.Generator().manual_seed(seed)
+    s = Sampler(SamplingParams(temperature=0.0, constraint=c))
+    toks: list[int] = []
+    rejected = 0
+    while not s.constraint.done and not s.ended and len(toks) < 60:
+        x = torch.randn(256, generator=gen)
+        if len(toks) < len(text) and torch.rand((), generator=gen) < 2 / 3:
+            x[text[len(toks)]] += 10.0
+        given = x.clone()
+        toks.append(s(x))
+        assert torch.equal(x, given)  # the model's logits are left as they were (logprobs)
+        rejected += toks[-1] != int(torch.argmax(x))
+    return toks, rejected
+
+
+@pytest.mark.parametrize("kind,source,text", WALKS)
+def test_greedy_draw_first_equals_mask_first(kind, source, text) -> None:
+    """Greedy: testing the unconstrained argmax first draws the same tokens as masking first
+    (allowed argmaxes and rejected ones both occur in these walks)."""
+    rejected = drawn = 0
+    for seed in range(4):
+        fast = Grammars(EosBytes(), 256).compile(kind, source)
+        slow = Grammars(EosBytes(), 256, check_first=False).compile(kind, source)
+        toks, n = _walk(fast, text, seed)
+        again, _ = _walk(slow, text, seed)
+        assert toks == again
+        rejected, drawn = rejected + n, drawn + len(toks)
+        fast.grammars.close()
+        slow.grammars.close()
+    assert 0 < rejected < drawn
+
+
+def test_an_allowed_draw_computes_no_mask(monkeypatch) -> None:
+    """Where the grammar accepts the unconstrained draw, no mask is computed: only the one
+    computed ahead at creation; masking first computes one per token."""
+    calls = {"n": 0}
+    compute = Matcher._compute
+
+    def counted(self):
+        calls["n"] += 1
+        return compute(self)
+
+    monkeypatch.setattr(Matcher, "_compute", counted)
+    from edge.sampling import Sampler, SamplingParams
+
+    for check_first, masks in ((True, 0), (False, 7)):
+        c = Grammars(EosBytes(), 256, check_first=check_first).compile("gbnf", "root ::= [a-z]+")
+        s = Sampler(SamplingParams(temperature=0.0, constraint=c))
+        s.constraint._wait()  # the mask computed ahead at creation, used by the first draw
+        calls["n"] = 0
+        for t in b"lowband":
+            x = torch.zeros(256)
+            x[t] = 5.0
+            assert s(x) == t
+        s.constraint._wait()  # the one ahead for the next position, if any, is done
+        assert calls["n"] == masks, check_first
+        c.grammars.close()
+
+
+def test_sampled_draw_first_is_the_masked_distribution() -> None:
+    """Sampling (no truncation): draw, and redraw from the masked distribution when the grammar
+    rejects the draw; each allowed token comes out with its masked probability p(t)/p(A)."""
+    from edge.sampling import Sampler, SamplingParams
+
+    c = Grammars(EosBytes(), 256).compile("gbnf", 'root ::= [a-d] "."')
+    logits = torch.randn(256, generator=torch.Generator().manual_seed(0))
+    logits[ord("a")] += 3.0  # mass on an allowed token, and on forbidden ones
+    logits[ord("x")] += 3.5
+    allowed = [ord(ch) for ch in "abcd"]
+    want = torch.softmax(logits[allowed], -1)
+    counts = torch.zeros(4)
+    n = 4000
+    for i in range(n):
+        s = Sampler(SamplingParams(temperature=1.0, seed=i, constraint=c))
+        tok = s(logits)
+        assert tok in allowed
+        counts[allowed.index(tok)] += 1
+    assert torch.allclose(counts / n, want, atol=0.03), (counts / n, want)
+    c.grammars.close()
 
 
 def test_a_complete_grammar_ends_without_a_step_for_the_end_token() -> None:

@@ -157,6 +157,43 @@ def test_sigkill_mid_collective_raises_peer_lost_on_every_survivor_then_retry_wo
                 c.close()
 
 
+def test_sigkill_mid_scatter_leaves_every_survivors_out_as_it_was(spawn):
+    """``all_reduce(x, out=x)`` with int8 (the owners' final encodings held until all arrived):
+    the victim contributed but never sends its segment's final value, so every survivor has
+    some of the result and not all; each still holds its input (a DiLoCo worker redoes the
+    sync from it), then a retry from that input sums it."""
+    codec = Int8BlockCodec()
+    coordinator = CoordinatorConfig(bind="tcp://127.0.0.1:0", heartbeat_interval=0.5)
+    with Coordinator(coordinator) as coord:
+        survivors, child = _form(coord, spawn, "scatter")
+        try:
+            xs = [torch.full((N_RING,), float(c.rank + 1)) for c in survivors]
+            works = [
+                c.all_reduce_async(x, algorithm="scatter", codec=codec, out=x)
+                for c, x in zip(survivors, xs)
+            ]
+            child.stdin.write(b"GO\n")
+            child.stdin.flush()
+            assert child.wait(timeout=60) == -9
+            for w in works:
+                with pytest.raises(PeerLost):
+                    w.wait(WAIT)
+            for c, x in zip(survivors, xs):
+                assert torch.equal(x, torch.full((N_RING,), float(c.rank + 1)))
+            run_ranks([lambda c=c: c.quorum(timeout=30) for c in survivors], timeout=40)
+            outs = run_ranks(
+                [
+                    lambda c=c, x=x: c.all_reduce(x, algorithm="scatter", codec=codec, out=x)
+                    for c, x in zip(survivors, xs)
+                ]
+            )
+            for o, x in zip(outs, xs):
+                assert o.data_ptr() == x.data_ptr() and torch.allclose(o, torch.full_like(o, 6.0))
+        finally:
+            for c in survivors:
+                c.close()
+
+
 def test_sigkill_while_survivors_wait_in_quorum_does_not_fail_the_quorum(spawn):
     """Commit 404f99c: a peer-lost notice never fails a pending quorum; the round completes
     with the survivors."""

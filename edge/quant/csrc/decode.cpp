@@ -1,4 +1,4 @@
-// The lean decode step: every decoder layer of a dense Llama for one token of each of B
+// The lean decode step: every decoder layer of a Llama-family model for one token of each of B
 // sequences, in C++.
 //
 // Eager PyTorch spends most of a small model's decode step outside the matrix kernels: ~25
@@ -10,7 +10,9 @@
 // sliding window), o_proj, SwiGLU and down_proj; Qwen3's per-head RMSNorm of q and k (one (D,)
 // weight shared by every head, before rotary) where a layer has it; Gemma's per-layer parts:
 // sandwich norms on each block's output, GeGLU, the sliding layers' own rotary base and window,
-// the softmax scale (the (1 + w) norm scales come precomputed); NoPE layers skip rotary.
+// the softmax scale (the (1 + w) norm scales come precomputed); NoPE layers skip rotary;
+// routed-expert MLPs (Mixtral, Qwen3-MoE: a router, softmax, top-k and each chosen expert's
+// SwiGLU through the same linear kernels, see Decoder::moe_block).
 // Tensor parallelism: after
 // o_proj and after down_proj the partial sums go through a Python callback (the transport's
 // all-reduce), so the network code stays in Python and the GIL is held only for that call.
@@ -439,14 +441,40 @@ struct QScratch {
   lbq::ggml::GActBuf g;  // ggml: the int8 activations and their sums
 };
 
-// Y[m0:m1, n] of a packed weight: the kernel's row tiles (lbq::tile_span).
+// Y[m0:m1, n] of a packed weight: the kernel's row tiles of <= 4 activation rows.
 template <bool Q4, int G>
 inline void packed_tile(const lbq::Wt& w, const lbq::Act& a, int64_t n, int64_t m0, int64_t m1, float* Y, int64_t ldy) {
-  lbq::tile_span<Q4, G>(w, a, n, m0, m1, Y, ldy);
+  int64_t m = m0;
+  for (; m + 4 <= m1; m += 4) lbq::row_tile<Q4, 4, G>(w, a, n, m, Y, ldy);
+  switch (m1 - m) {
+    case 3:
+      lbq::row_tile<Q4, 3, G>(w, a, n, m, Y, ldy);
+      break;
+    case 2:
+      lbq::row_tile<Q4, 2, G>(w, a, n, m, Y, ldy);
+      break;
+    case 1:
+      lbq::row_tile<Q4, 1, G>(w, a, n, m, Y, ldy);
+      break;
+    default:
+      break;
+  }
 }
 
 template <bool Q4, int G>
 void packed_rows(const lbq::Wt& w, const lbq::Act& a, int64_t n0, int64_t n1, float* Y, int64_t ldy) {
+#if defined(LBQ_GEMM512)
+  if constexpr (!Q4) {  // the same bits as the row tiles (gemv_kernels.h)
+    if (a.M >= lbq::kQ8GemmM) {
+      lbq::q8_gemm<G>(w, a, n0, n1, Y, ldy);
+      return;
+    }
+    if constexpr (G == 32) {
+      lbq::q8_small(w, a, n0, n1, Y, ldy);
+      return;
+    }
+  }
+#endif
   tiled_rows(n0, n1, a.M, w.row_bytes,
              [&](int64_t n, int64_t m0, int64_t m1) { packed_tile<Q4, G>(w, a, n, m0, m1, Y, ldy); });
 }
@@ -561,6 +589,27 @@ int64_t parts_n(const std::vector<Lin>& parts) {
   return n;
 }
 
+// One routed expert: SwiGLU w2(silu(w1 x) * w3 x), its gate_up parts w1 then w3.
+struct Expert {
+  std::vector<Lin> gate_up;
+  Lin down;
+  int64_t inter = 0;
+};
+
+// The routed-expert MLP of a Mixtral / Qwen3-MoE layer (lowband.models.llama.SparseMoE):
+// router logits, softmax over every expert in float32, the top k, renormalised to sum to 1
+// where norm_topk is set, and the weighted sum of the chosen experts' outputs. Experts that
+// live outside the model (the bit-nested store, edge/moe/store.py, decodes each from its bit
+// planes in Python) come as `block` instead: a Python callable computing the whole block of
+// (1, B, H) normed rows (routing included) before the TP reduce, called under the GIL.
+struct Moe {
+  Lin router;
+  std::vector<Expert> experts;
+  int64_t top_k = 0;
+  bool norm_topk = true;
+  py::object block;  // None: router and experts here
+};
+
 struct Layer {
   torch::Tensor ln1, ln2;  // the norms before attention and before the MLP
   torch::Tensor qn, kn;    // per-head q/k RMSNorm weights (D,); undefined: none (plain Llama)
@@ -569,6 +618,7 @@ struct Layer {
   torch::Tensor post_attn, post_ffn;
   std::vector<Lin> qkv, gate_up;
   Lin o, down;
+  Moe moe;  // used where moe.top_k > 0 (then gate_up and down are empty)
   int64_t nq = 0, nkv = 0, inter = 0;
   int64_t window = 0;  // attention window W of this layer (keys j with pos - j < W); 0: all
   int rope = 1;        // rotary table: 0 none (NoPE), 1 global, 2 local (own base)
@@ -848,9 +898,13 @@ class Decoder {
     if (!inv_freq_local.is_none()) inv_local_ = freqs(inv_freq_local.cast<torch::Tensor>(), head_dim);
   }
 
-  void add_layer(torch::Tensor ln1, torch::Tensor ln2, py::list qkv, py::tuple o, py::list gate_up, py::tuple down,
-                 int64_t nq, int64_t nkv, const py::object& q_norm, const py::object& k_norm,
-                 const py::object& post_attn, const py::object& post_ffn, int64_t window, int64_t rope) {
+  // moe: None (a dense MLP: gate_up and down) or (router, [(gate_up, down) per expert], top_k,
+  // norm_topk, block) with gate_up empty and down None; block: None, or a callable computing
+  // the block in Python (then router is None and the expert list empty), see Moe.
+  void add_layer(torch::Tensor ln1, torch::Tensor ln2, py::list qkv, py::tuple o, py::list gate_up,
+                 const py::object& down, int64_t nq, int64_t nkv, const py::object& q_norm, const py::object& k_norm,
+                 const py::object& post_attn, const py::object& post_ffn, int64_t window, int64_t rope,
+                 const py::object& moe) {
     Layer L;
     TORCH_CHECK(post_attn.is_none() == post_ffn.is_none(), "the sandwich norms come together");
     if (!post_attn.is_none()) {
@@ -881,20 +935,26 @@ class Decoder {
       TORCH_CHECK(L.qn.numel() == D_ && L.kn.numel() == D_, "q/k norm weights must have head_dim entries");
     }
     for (auto h : qkv) L.qkv.push_back(parse_lin(h));
-    for (auto h : gate_up) L.gate_up.push_back(parse_lin(h));
     L.o = parse_lin(o);
-    L.down = parse_lin(down);
+    if (moe.is_none()) {
+      TORCH_CHECK(!down.is_none(), "a dense layer needs down_proj");
+      for (auto h : gate_up) L.gate_up.push_back(parse_lin(h));
+      L.down = parse_lin(down);
+      for (const Lin& l : L.gate_up) TORCH_CHECK(l.K == H_, "gate/up must read hidden_size inputs");
+      const int64_t gu = parts_n(L.gate_up);
+      TORCH_CHECK(gu % 2 == 0, "gate/up outputs must split in two halves");
+      L.inter = gu / 2;
+      TORCH_CHECK(L.down.N == H_ && L.down.K == L.inter, "down_proj shape does not match");
+    } else {
+      TORCH_CHECK(gate_up.empty() && down.is_none(), "a routed-expert layer has no dense gate/up or down");
+      L.moe = parse_moe(moe);
+    }
     L.nq = nq;
     L.nkv = nkv;
     TORCH_CHECK(nkv == 0 ? nq == 0 : nq % nkv == 0, "query heads must be a multiple of KV heads");
     TORCH_CHECK(parts_n(L.qkv) == (nq + 2 * nkv) * D_, "q/k/v outputs do not match the head counts");
     for (const Lin& l : L.qkv) TORCH_CHECK(l.K == H_, "q/k/v must read hidden_size inputs");
-    for (const Lin& l : L.gate_up) TORCH_CHECK(l.K == H_, "gate/up must read hidden_size inputs");
-    const int64_t gu = parts_n(L.gate_up);
-    TORCH_CHECK(gu % 2 == 0, "gate/up outputs must split in two halves");
-    L.inter = gu / 2;
     TORCH_CHECK(L.o.N == H_ && L.o.K == nq * D_, "o_proj shape does not match");
-    TORCH_CHECK(L.down.N == H_ && L.down.K == L.inter, "down_proj shape does not match");
     layers_.push_back(std::move(L));
     k_.emplace_back();
     v_.emplace_back();
@@ -1010,6 +1070,39 @@ class Decoder {
   py::tuple link_state() const { return py::make_tuple(link_.seq, link_.sent, link_.received, link_.wait_s); }
 
  private:
+  Moe parse_moe(const py::object& spec) const {
+    auto t = spec.cast<py::tuple>();
+    TORCH_CHECK(t.size() == 5, "moe must be (router, [(gate_up, down), ...], top_k, norm_topk, block)");
+    Moe m;
+    m.top_k = t[2].cast<int64_t>();
+    m.norm_topk = t[3].cast<bool>();
+    m.block = py::reinterpret_borrow<py::object>(t[4]);
+    if (!m.block.is_none()) {
+      TORCH_CHECK(PyCallable_Check(m.block.ptr()) != 0, "moe block must be callable");
+      TORCH_CHECK(m.top_k >= 1, "top_k must be >= 1");
+      return m;
+    }
+    m.router = parse_lin(t[0]);
+    for (auto h : t[1].cast<py::list>()) {
+      auto e = h.cast<py::tuple>();
+      TORCH_CHECK(e.size() == 2, "an expert is (gate_up, down)");
+      Expert ex;
+      for (auto g : e[0].cast<py::list>()) ex.gate_up.push_back(parse_lin(g));
+      ex.down = parse_lin(e[1]);
+      for (const Lin& l : ex.gate_up) TORCH_CHECK(l.K == H_, "an expert's w1/w3 must read hidden_size inputs");
+      const int64_t gu = parts_n(ex.gate_up);
+      TORCH_CHECK(gu % 2 == 0, "an expert's w1/w3 outputs must split in two halves");
+      ex.inter = gu / 2;
+      TORCH_CHECK(ex.down.N == H_ && ex.down.K == ex.inter, "an expert's w2 shape does not match");
+      m.experts.push_back(std::move(ex));
+    }
+    const int64_t E = static_cast<int64_t>(m.experts.size());
+    TORCH_CHECK(m.router.K == H_ && m.router.N == E, "the router must map hidden_size inputs to one logit per expert (",
+                E, "), got [", m.router.N, ", ", m.router.K, "]");
+    TORCH_CHECK(m.top_k >= 1 && m.top_k <= E, "top_k must be in [1, ", E, "]");
+    return m;
+  }
+
   void check_kv(const torch::Tensor& kt, const torch::Tensor& vt, size_t i) const {
     check_f32(kt, "K cache");
     check_f32(vt, "V cache");
@@ -1227,27 +1320,116 @@ class Decoder {
 
   void ffn_block(const Layer& L, const float* xp, int64_t B) {
     for (int64_t b = 0; b < B; ++b) rmsnorm(xp + b * H_, L.ln2.data_ptr<float>(), xn_.data() + b * H_, H_, eps_);
-    const int64_t I = L.inter;
-    ensure(gu_, B * 2 * I);
-    run_parts(L.gate_up, xn_.data(), H_, B, gu_.data(), 2 * I, qs_);
+    if (L.moe.top_k > 0) {
+      moe_block(L.moe, B);
+      return;
+    }
+    glu(L.gate_up, L.down, L.inter, act_, xn_.data(), B, part_.data_ptr<float>());
+  }
+
+  // y (M rows of H) = down(act(gate(x)) * up(x)) for the M rows x (H apart) of one gated MLP.
+  void glu(const std::vector<Lin>& gate_up, const Lin& down, int64_t I, int act, const float* x, int64_t M, float* y) {
+    ensure(gu_, M * 2 * I);
+    run_parts(gate_up, x, H_, M, gu_.data(), 2 * I, qs_);
     // The activation in chunks of kActChunk values of every row, split over threads (one
     // sequence's 2 x I values are work for every thread too); elementwise, so the split
     // never changes a value.
     constexpr int64_t kActChunk = 512;
     const int64_t nc = (I + kActChunk - 1) / kActChunk;
-    lbq::parallel_for(0, B * nc, 2, [&](int64_t c0, int64_t c1) {
+    lbq::parallel_for(0, M * nc, 2, [&](int64_t c0, int64_t c1) {
       for (int64_t c = c0; c < c1; ++c) {
         float* g = gu_.data() + c / nc * 2 * I;
         const float* u = g + I;
         const int64_t i0 = c % nc * kActChunk, i1 = std::min(I, i0 + kActChunk);
-        if (act_ == kGeluTanh)
+        if (act == kGeluTanh)
           geglu(g + i0, u + i0, i1 - i0);
         else
           for (int64_t i = i0; i < i1; ++i) g[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
       }
     });
     // SwiGLU wrote each row's product over its gate half: rows 2I apart
-    run_lin(L.down, gu_.data(), 2 * I, B, part_.data_ptr<float>(), H_, qs_);
+    run_lin(down, gu_.data(), 2 * I, M, y, H_, qs_);
+  }
+
+  // The routed experts of the B rows in xn_ into part_, as SparseMoE.forward computes them:
+  // router logits, softmax over all E experts in float32 (exp(l - max) times 1 / sum), the top
+  // k (largest first), divided by their sum where norm_topk is set; then expert after expert in
+  // ascending id, the rows that chose it gathered into one M-row pass over its weights (each
+  // row computes what it alone would: the kernels keep rows independent), and each row's
+  // output scaled by its weight and added to the row's sum (zero first), in that order.
+  void moe_block(const Moe& m, int64_t B) {
+    if (!m.block.is_none()) {
+      external_block(m.block, B);
+      return;
+    }
+    const int64_t E = static_cast<int64_t>(m.experts.size()), k = m.top_k;
+    ensure(logits_, B * E);
+    run_lin(m.router, xn_.data(), H_, B, logits_.data(), E, qs_);
+    route_e_.resize(static_cast<size_t>(B * k));
+    route_w_.resize(static_cast<size_t>(B * k));
+    for (int64_t b = 0; b < B; ++b)
+      route(logits_.data() + b * E, E, k, m.norm_topk, &route_e_[b * k], &route_w_[b * k]);
+    float* out = part_.data_ptr<float>();
+    std::fill(out, out + B * H_, 0.f);
+    for (int64_t e = 0; e < E; ++e) {
+      rows_.clear();
+      for (int64_t i = 0; i < B * k; ++i)
+        if (route_e_[i] == e) rows_.push_back(i);  // row i / k, weight route_w_[i]
+      if (rows_.empty()) continue;
+      const int64_t M = static_cast<int64_t>(rows_.size());
+      ensure(xe_, M * H_);
+      ensure(ye_, M * H_);
+      for (int64_t r = 0; r < M; ++r) std::copy_n(xn_.data() + rows_[r] / k * H_, H_, xe_.data() + r * H_);
+      const Expert& ex = m.experts[static_cast<size_t>(e)];
+      glu(ex.gate_up, ex.down, ex.inter, kSilu, xe_.data(), M, ye_.data());
+      for (int64_t r = 0; r < M; ++r) {
+        const float w = route_w_[rows_[r]];
+        float* y = ye_.data() + r * H_;
+        float* o = out + rows_[r] / k * H_;
+        for (int64_t i = 0; i < H_; ++i) y[i] *= w;  // the product first, then the sum (no fma)
+        for (int64_t i = 0; i < H_; ++i) o[i] += y[i];
+      }
+    }
+  }
+
+  // part_ = block(xn_ as (1, B, H)): experts outside the model, computed in Python.
+  void external_block(const py::object& block, int64_t B) {
+    py::gil_scoped_acquire gil;
+    torch::Tensor x = torch::from_blob(xn_.data(), {1, B, H_}, torch::kFloat).clone();
+    torch::Tensor y = block(x).cast<torch::Tensor>();
+    TORCH_CHECK(y.numel() == B * H_, "the routed-expert block must return as many values as it was given");
+    if (y.scalar_type() != at::kFloat || !y.is_contiguous()) y = y.to(at::kFloat).contiguous();
+    std::copy_n(y.data_ptr<float>(), B * H_, part_.data_ptr<float>());
+  }
+
+  // One row's routing: the k largest softmax probabilities of the E logits l (ties: the lower
+  // expert id first) into ids / w, largest first, divided by their sum where norm is set.
+  static void route(const float* l, int64_t E, int64_t k, bool norm, int64_t* ids, float* w) {
+    float mx = -INFINITY;
+    for (int64_t e = 0; e < E; ++e) mx = std::max(mx, l[e]);
+    thread_local std::vector<float> p;
+    p.resize(static_cast<size_t>(E));
+    float sum = 0.f;
+    for (int64_t e = 0; e < E; ++e) {
+      p[e] = std::exp(l[e] - mx);
+      sum += p[e];
+    }
+    const float inv = 1.f / sum;
+    for (int64_t e = 0; e < E; ++e) p[e] *= inv;
+    for (int64_t j = 0; j < k; ++j) {
+      int64_t best = -1;
+      for (int64_t e = 0; e < E; ++e) {
+        bool taken = false;
+        for (int64_t i = 0; i < j; ++i) taken = taken || ids[i] == e;
+        if (!taken && (best < 0 || p[e] > p[best])) best = e;
+      }
+      ids[j] = best;
+      w[j] = p[best];
+    }
+    if (!norm) return;
+    float s = 0.f;
+    for (int64_t j = 0; j < k; ++j) s += w[j];
+    for (int64_t j = 0; j < k; ++j) w[j] /= s;
   }
 
   int64_t H_, D_;
@@ -1264,6 +1446,8 @@ class Decoder {
   std::vector<KVRef> kv_;             // [B, L] of the running call
   torch::Tensor part_;
   std::vector<float> xn_, qkv_, att_, gu_;
+  std::vector<float> logits_, route_w_, xe_, ye_;  // routed experts (moe_block)
+  std::vector<int64_t> route_e_, rows_;
   QScratch qs_;
   Link link_;
   std::vector<float> link_tmp_;
@@ -1301,7 +1485,7 @@ void init_decode(py::module_& m) {
       .def("add_layer", &Decoder::add_layer, py::arg("ln1"), py::arg("ln2"), py::arg("qkv"), py::arg("o"),
            py::arg("gate_up"), py::arg("down"), py::arg("nq"), py::arg("nkv"), py::arg("q_norm") = py::none(),
            py::arg("k_norm") = py::none(), py::arg("post_attn") = py::none(), py::arg("post_ffn") = py::none(),
-           py::arg("window") = -1, py::arg("rope") = 1)
+           py::arg("window") = -1, py::arg("rope") = 1, py::arg("moe") = py::none())
       .def("set_cache", &Decoder::set_cache)
       .def("cache_table", &Decoder::cache_table, py::arg("k"), py::arg("v"))
       .def("layers", &Decoder::layers, py::arg("x"), py::arg("pos"), py::arg("reduce") = py::none(),

@@ -24,6 +24,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 #if !defined(LOWBAND_QUANT_SCALAR) && defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #define LBQ_AVX2 1
@@ -351,79 +352,183 @@ inline void row_tile(const Wt& w, const Act& a, int64_t n, int64_t m0, float* Y,
     for (int j = 0; j < MR; ++j) {
       int32_t isum = hsum_epi32(v[j]);  // exact group dot, like the 8-group path
       if constexpr (Q4) isum -= 8 * qs[j][b];
-      tail[j] += (dwb * dr[j][b]) * static_cast<float>(isum);
+      // an explicit fma: the contraction a compiler may choose differs between instantiations
+      tail[j] = std::fma(dwb * dr[j][b], static_cast<float>(isum), tail[j]);
     }
   }
   for (int j = 0; j < MR; ++j) Y[(m0 + j) * ldy + n] = hsum_ps(acc[j]) + tail[j];
 }
 
 #if defined(LBQ_GEMM512)
-// ---- Q8 at G = 32 for several activation rows (AVX-512 VNNI) --------------------------------
-// row_tile spends most of a Q8 row's instructions per activation row: a sign fix of every 32
-// activation bytes (vpdpbusd multiplies unsigned by signed bytes) and the hadd fold of 8 group
-// vectors, so a speculative verification group of 6-9 rows cost 3-4 times one row on the
-// Gemma 3 270M head (262144 x 640). Here the weight bytes are made unsigned once for all rows
-// (w ^ 0x80 = w + 128, so a group's dot is vpdpbusd(w + 128, x) - 128 * sum(x), the sum being
-// the activation's block sum already at hand), 64 bytes (two groups) per vpdpbusd, and one
-// shuffle tree folds the 8 groups of a 256-byte step. The group dots are exact integers and the
-// float side is row_tile's (the same FMAs of the same operands per lane, hsum_ps, the tail
-// groups one by one), so every output has row_tile's bits whatever the tile (selftest and
-// tests/edge compare them).
-
-// The 8 group dots (natural order) from 4 vectors of 16 int32 lanes, vector c lanes 0-7 and
-// 8-15 holding partial sums of groups 2c and 2c + 1.
-inline __m256i fold_groups8(__m512i v0, __m512i v1, __m512i v2, __m512i v3) {
-  const __m512i t0 = _mm512_add_epi32(_mm512_unpacklo_epi32(v0, v1), _mm512_unpackhi_epi32(v0, v1));
-  const __m512i t1 = _mm512_add_epi32(_mm512_unpacklo_epi32(v2, v3), _mm512_unpackhi_epi32(v2, v3));
-  // 128-bit chunk q: [A_q B_q C_q D_q], A_q the sum of v0's lanes 4q..4q+3
-  const __m512i u = _mm512_add_epi32(_mm512_unpacklo_epi64(t0, t1), _mm512_unpackhi_epi64(t0, t1));
-  // chunk 0: groups [0 2 4 6], chunk 2: [1 3 5 7]
-  const __m512i s = _mm512_add_epi32(u, _mm512_shuffle_i32x4(u, u, _MM_SHUFFLE(2, 3, 0, 1)));
-  const __m512i idx = _mm512_setr_epi32(0, 8, 1, 9, 2, 10, 3, 11, 0, 0, 0, 0, 0, 0, 0, 0);
-  return _mm512_castsi512_si256(_mm512_permutexvar_epi32(idx, s));
+// vpdpbusd acc, w, dword [p]{1to16}: the broadcast is the instruction's memory operand (a
+// separate vpbroadcastd per dot costs a shuffle-pipe slot each).
+inline __m512i dpbusd_bcast(__m512i acc, __m512i w, const int8_t* p) {
+  __asm__("vpdpbusd %[x]%{1to16%}, %[w], %[acc]"
+          : [acc] "+v"(acc)
+          : [w] "v"(w), [x] "m"(*reinterpret_cast<const int32_t*>(p)));
+  return acc;
 }
 
-// row_tile<false, MR, 32> (the same bits) for up to 8 activation rows.
-template <int MR>
-inline void q8_tile512(const Wt& w, const Act& a, int64_t n, int64_t m0, float* Y, int64_t ldy) {
-  constexpr int G = 32;
-  const uint8_t* wr = w.q + n * w.row_bytes;
-  const uint16_t* sr = w.s + n * w.nb;
-  const int8_t* xr[MR];
-  const float* dr[MR];
-  const int32_t* qs[MR];
-  __m256 acc[MR];
-  for (int j = 0; j < MR; ++j) {
-    xr[j] = a.q + (m0 + j) * a.K;
-    dr[j] = a.d + (m0 + j) * a.nb;
-    qs[j] = a.s + (m0 + j) * a.nb;
-    acc[j] = _mm256_setzero_ps();
+// ---- Q8 many-row GEMM (prefill; AVX-512 VNNI) ------------------------------------------------
+// q8_gemm computes exactly what row_tile<Q8> computes, 16 weight rows in the lanes of a zmm and
+// no horizontal sums: row_tile's int32 lane k of a chunk of 8 groups is the exact dot of group
+// b + k, here vpdpbusd of w + 128 (unsigned) with the int8 activations started from -128 times
+// the group's sum (Act::s); then row_tile's fma of that lane into its accumulator k with
+// d_w * d_x, the tail groups' fmas into their own sum, and at the end hsum_ps's tree over the 8
+// accumulators plus the tail.  So an output has the same bits on both routes and does not
+// depend on how many rows share a call.
+constexpr int kQ8Rows = 16;  // weight rows per group (one zmm lane each)
+// From this many activation rows Q8 takes q8_gemm (below, the weight is unpacked per call).
+constexpr int64_t kQ8GemmM = 8;
+
+struct Q8Scratch {
+  std::vector<int32_t> w;  // [K/4][16]: dword of values 4i..4i+3 (w + 128) of each row
+  std::vector<float> d;    // [nb][16]: the rows' group scales
+};
+
+// acc[j] (16 weight rows of activation row m + j) += group g, as row_tile adds a group into its
+// lane: acc = fma(d_w * d_x, float(dot), acc).
+template <int R, int G>
+inline void q8_group(const Q8Scratch& s, const Act& a, int64_t m, int64_t g, __m512* acc) {
+  constexpr int D = G / 4;  // dwords per group
+  const int32_t* wg = s.w.data() + g * D * kQ8Rows;
+  __m512i i[R];
+  for (int j = 0; j < R; ++j) i[j] = _mm512_set1_epi32(-128 * a.s[(m + j) * a.nb + g]);
+#pragma GCC unroll 8
+  for (int k = 0; k < D; ++k) {
+    const __m512i wk = _mm512_loadu_si512(wg + k * kQ8Rows);
+    for (int j = 0; j < R; ++j) i[j] = dpbusd_bcast(i[j], wk, a.q + (m + j) * a.K + g * G + 4 * k);
   }
-  const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
+  const __m512 dw = _mm512_loadu_ps(s.d.data() + g * kQ8Rows);
+  for (int j = 0; j < R; ++j) {
+    const __m512 sc = _mm512_mul_ps(dw, _mm512_set1_ps(a.d[(m + j) * a.nb + g]));
+    acc[j] = _mm512_fmadd_ps(sc, _mm512_cvtepi32_ps(i[j]), acc[j]);
+  }
+}
+
+// Y[m..m+R-1, 16 rows] (masked to the group's rows) over every group of K.
+template <int R, int G>
+inline void q8_tile(const Q8Scratch& s, const Act& a, int64_t m, float* Y, int64_t ldy, __mmask16 mask) {
+  __m512 A[8][R];  // row_tile's 8 lanes (group b + k goes to lane k), for each activation row
+  for (int k = 0; k < 8; ++k)
+    for (int j = 0; j < R; ++j) A[k][j] = _mm512_setzero_ps();
   int64_t b = 0;
-  for (; b + 8 <= w.nb; b += 8) {
-    __m512i wu[4];
-    for (int c = 0; c < 4; ++c) wu[c] = _mm512_xor_si512(_mm512_loadu_si512(wr + b * G + 64 * c), flip);
-    const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sr + b)));
-    for (int j = 0; j < MR; ++j) {
-      __m512i v[4];
-      for (int c = 0; c < 4; ++c)
-        v[c] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wu[c], _mm512_loadu_si512(xr[j] + b * G + 64 * c));
-      __m256i r = fold_groups8(v[0], v[1], v[2], v[3]);
-      r = _mm256_sub_epi32(r, _mm256_slli_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs[j] + b)), 7));
-      acc[j] = _mm256_fmadd_ps(_mm256_mul_ps(dw, _mm256_loadu_ps(dr[j] + b)), _mm256_cvtepi32_ps(r), acc[j]);
-    }
+  for (; b + 8 <= a.nb; b += 8) {
+#pragma GCC unroll 8
+    for (int k = 0; k < 8; ++k) q8_group<R, G>(s, a, m, b + k, A[k]);
   }
-  float tail[MR] = {};
-  for (; b < w.nb; ++b) {  // tail groups as row_tile computes them
-    __m256i v[MR];
-    q8_group<MR, G>(reinterpret_cast<const int8_t*>(wr + b * G), xr, b * G, v);
-    const float dwb = fp16_to_fp32(sr[b]);
-    for (int j = 0; j < MR; ++j) tail[j] += (dwb * dr[j][b]) * static_cast<float>(hsum_epi32(v[j]));
+  __m512 T[R];  // row_tile's tail: tail += (dwb * dx) * float(dot), group by group
+  for (int j = 0; j < R; ++j) T[j] = _mm512_setzero_ps();
+  for (; b < a.nb; ++b) q8_group<R, G>(s, a, m, b, T);
+  for (int j = 0; j < R; ++j) {  // hsum_ps's tree: ((0 + 4) + (2 + 6)) + ((1 + 5) + (3 + 7))
+    const __m512 y = _mm512_add_ps(_mm512_add_ps(_mm512_add_ps(A[0][j], A[4][j]), _mm512_add_ps(A[2][j], A[6][j])),
+                                   _mm512_add_ps(_mm512_add_ps(A[1][j], A[5][j]), _mm512_add_ps(A[3][j], A[7][j])));
+    _mm512_mask_storeu_ps(Y + (m + j) * ldy, mask, _mm512_add_ps(y, T[j]));
   }
-  for (int j = 0; j < MR; ++j) Y[(m0 + j) * ldy + n] = hsum_ps(acc[j]) + tail[j];
 }
-#endif
+
+// Y[:, n0:n1] (Y is [M, ldy]) for all M activation rows of Q8 weight rows, 16 at a time.
+template <int G>
+inline void q8_gemm(const Wt& w, const Act& a, int64_t n0, int64_t n1, float* Y, int64_t ldy) {
+  static thread_local Q8Scratch s;
+  const int64_t K = a.K, nb = a.nb, M = a.M;
+  s.w.resize(static_cast<size_t>(K / 4 * kQ8Rows));
+  s.d.resize(static_cast<size_t>(nb * kQ8Rows));
+  for (int64_t n = n0; n < n1; n += kQ8Rows) {
+    const int rows = static_cast<int>(std::min<int64_t>(kQ8Rows, n1 - n));
+    for (int r = 0; r < kQ8Rows; ++r) {  // rows past the end: zeros (their lanes are not stored)
+      const uint8_t* wr = w.q + (n + std::min(r, rows - 1)) * w.row_bytes;
+      for (int64_t i = 0; i < K / 4; ++i) {
+        uint32_t v;
+        std::memcpy(&v, wr + 4 * i, 4);
+        s.w[static_cast<size_t>(i * kQ8Rows + r)] = static_cast<int32_t>(r < rows ? v ^ 0x80808080u : 0u);
+      }
+      const uint16_t* sr = w.s + (n + std::min(r, rows - 1)) * nb;
+      for (int64_t b = 0; b < nb; ++b) s.d[static_cast<size_t>(b * kQ8Rows + r)] = r < rows ? fp16_to_fp32(sr[b]) : 0.f;
+    }
+    const __mmask16 mask = static_cast<__mmask16>((1u << rows) - 1u);
+    int64_t m = 0;
+    for (; m + 3 <= M; m += 3) q8_tile<3, G>(s, a, m, Y + n, ldy, mask);
+    if (M - m == 2) q8_tile<2, G>(s, a, m, Y + n, ldy, mask);
+    if (M - m == 1) q8_tile<1, G>(s, a, m, Y + n, ldy, mask);
+  }
+}
+
+// Y[m..m+R-1, n0:n1] of Q8 G = 32 weight rows for a few activation rows (decode, small
+// batches): row_tile's lanes and fmas (lane k of a chunk of 8 groups is the exact dot of group
+// b + k, added with d_w * d_x; tail groups one by one), so the same bits.  A chunk is 4 zmm of
+// w + 128 (unsigned) dotted by vpdpbusd, whose 8 dword sums per group are folded by two
+// rounds of even/odd lane permutes and a qword fold; -128 times the group's activation sum
+// (Act::s) takes the offset off.
+template <int R>
+inline void q8_rows(const Wt& w, const Act& a, int64_t m, int64_t n0, int64_t n1, float* Y, int64_t ldy) {
+  const int64_t K = a.K, nb = a.nb;
+  const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
+  const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+  const __m512i odd = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+  auto fold = [&](__m512i x, __m512i y) {  // pairs of lanes summed: x's then y's
+    return _mm512_add_epi32(_mm512_permutex2var_epi32(x, even, y), _mm512_permutex2var_epi32(x, odd, y));
+  };
+  for (int64_t n = n0; n < n1; ++n) {
+    const int8_t* wr = reinterpret_cast<const int8_t*>(w.q + n * w.row_bytes);
+    const uint16_t* sr = w.s + n * nb;
+    __m256 acc[R];
+    for (int j = 0; j < R; ++j) acc[j] = _mm256_setzero_ps();
+    int64_t b = 0;
+    for (; b + 8 <= nb; b += 8) {
+      __m512i I[4][R];
+#pragma GCC unroll 4
+      for (int c = 0; c < 4; ++c) {
+        const __m512i u = _mm512_xor_si512(_mm512_loadu_si512(wr + b * 32 + 64 * c), flip);
+        for (int j = 0; j < R; ++j)
+          I[c][j] =
+              _mm512_dpbusd_epi32(_mm512_setzero_si512(), u, _mm512_loadu_si512(a.q + (m + j) * K + b * 32 + 64 * c));
+      }
+      const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sr + b)));
+      for (int j = 0; j < R; ++j) {
+        const __m512i t = fold(fold(I[0][j], I[1][j]), fold(I[2][j], I[3][j]));  // 2 lanes per group
+        __m256i r = _mm512_cvtepi64_epi32(_mm512_add_epi32(t, _mm512_srli_epi64(t, 32)));
+        const __m256i sx = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.s + (m + j) * nb + b));
+        r = _mm256_sub_epi32(r, _mm256_slli_epi32(sx, 7));
+        acc[j] =
+            _mm256_fmadd_ps(_mm256_mul_ps(dw, _mm256_loadu_ps(a.d + (m + j) * nb + b)), _mm256_cvtepi32_ps(r), acc[j]);
+      }
+    }
+    float tail[R] = {};
+    for (; b < nb; ++b) {  // row_tile's tail groups
+      const __m256i u = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wr + b * 32)),
+                                         _mm256_set1_epi8(static_cast<char>(0x80)));
+      const float dwb = fp16_to_fp32(sr[b]);
+      for (int j = 0; j < R; ++j) {
+        const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.q + (m + j) * K + b * 32));
+        const int32_t isum =
+            hsum_epi32(_mm256_dpbusd_epi32(_mm256_setzero_si256(), u, xv)) - 128 * a.s[(m + j) * nb + b];
+        tail[j] = std::fma(dwb * a.d[(m + j) * nb + b], static_cast<float>(isum), tail[j]);  // row_tile's
+      }
+    }
+    for (int j = 0; j < R; ++j) Y[(m + j) * ldy + n] = hsum_ps(acc[j]) + tail[j];
+  }
+}
+
+// Y[:, n0:n1] of Q8 G = 32 weight rows for M < kQ8GemmM activation rows, up to 4 at a time.
+inline void q8_small(const Wt& w, const Act& a, int64_t n0, int64_t n1, float* Y, int64_t ldy) {
+  int64_t m = 0;
+  for (; m + 4 <= a.M; m += 4) q8_rows<4>(w, a, m, n0, n1, Y, ldy);
+  switch (a.M - m) {
+    case 3:
+      q8_rows<3>(w, a, m, n0, n1, Y, ldy);
+      break;
+    case 2:
+      q8_rows<2>(w, a, m, n0, n1, Y, ldy);
+      break;
+    case 1:
+      q8_rows<1>(w, a, m, n0, n1, Y, ldy);
+      break;
+    default:
+      break;
+  }
+}
+#endif  // LBQ_GEMM512
 
 #else  // !LBQ_AVX2
 
@@ -501,59 +606,42 @@ inline void row_tile(const Wt& w, const Act& a, int64_t n, int64_t m0, float* Y,
 }
 #endif  // LBQ_AVX2
 
-// Y[m0:m1, n] for weight row n: row tiles of <= 4 activation rows (Q8 at G = 32 with AVX-512
-// VNNI: several rows go in tiles of <= 8, q8_tile512, with row_tile's bits).
-template <bool Q4, int G>
-inline void tile_span(const Wt& w, const Act& a, int64_t n, int64_t m0, int64_t m1, float* Y, int64_t ldy) {
-  int64_t m = m0;
-#if defined(LBQ_GEMM512)
-  if constexpr (!Q4 && G == 32) {
-    if (m1 - m0 > 1) {
-      for (; m + 8 <= m1; m += 8) q8_tile512<8>(w, a, n, m, Y, ldy);
-      switch (m1 - m) {
-        case 7:
-          return q8_tile512<7>(w, a, n, m, Y, ldy);
-        case 6:
-          return q8_tile512<6>(w, a, n, m, Y, ldy);
-        case 5:
-          return q8_tile512<5>(w, a, n, m, Y, ldy);
-        case 4:
-          return q8_tile512<4>(w, a, n, m, Y, ldy);
-        case 3:
-          return q8_tile512<3>(w, a, n, m, Y, ldy);
-        case 2:
-          return q8_tile512<2>(w, a, n, m, Y, ldy);
-        case 1:
-          return q8_tile512<1>(w, a, n, m, Y, ldy);
-        default:
-          return;
-      }
-    }
-  }
-#endif
-  for (; m + 4 <= m1; m += 4) row_tile<Q4, 4, G>(w, a, n, m, Y, ldy);
-  switch (m1 - m) {
-    case 3:
-      row_tile<Q4, 3, G>(w, a, n, m, Y, ldy);
-      break;
-    case 2:
-      row_tile<Q4, 2, G>(w, a, n, m, Y, ldy);
-      break;
-    case 1:
-      row_tile<Q4, 1, G>(w, a, n, m, Y, ldy);
-      break;
-    default:
-      break;
-  }
-}
-
 // ---------------------------------------------------------------------------------------
 // Row-range driver: Y[:, n0:n1] for all M rows (Y is [M, N] fp32).  For each weight row, the
-// activation rows are processed in tiles (tile_span) while the row's bytes are hot in L1.
+// activation rows are processed in chunks of <= 4 while the row's bytes are hot in L1.
 // ---------------------------------------------------------------------------------------
 template <bool Q4, int G>
 inline void gemv_rows_g(const Wt& w, const Act& a, int64_t n0, int64_t n1, float* Y) {
-  for (int64_t n = n0; n < n1; ++n) tile_span<Q4, G>(w, a, n, 0, a.M, Y, w.N);
+  const int64_t ldy = w.N;
+#if defined(LBQ_GEMM512)
+  if constexpr (!Q4) {
+    if (a.M >= kQ8GemmM) {
+      q8_gemm<G>(w, a, n0, n1, Y, ldy);
+      return;
+    }
+    if constexpr (G == 32) {
+      q8_small(w, a, n0, n1, Y, ldy);
+      return;
+    }
+  }
+#endif
+  for (int64_t n = n0; n < n1; ++n) {
+    int64_t m0 = 0;
+    for (; m0 + 4 <= a.M; m0 += 4) row_tile<Q4, 4, G>(w, a, n, m0, Y, ldy);
+    switch (a.M - m0) {
+      case 3:
+        row_tile<Q4, 3, G>(w, a, n, m0, Y, ldy);
+        break;
+      case 2:
+        row_tile<Q4, 2, G>(w, a, n, m0, Y, ldy);
+        break;
+      case 1:
+        row_tile<Q4, 1, G>(w, a, n, m0, Y, ldy);
+        break;
+      default:
+        break;
+    }
+  }
 }
 
 // Returns false for an unsupported group size.

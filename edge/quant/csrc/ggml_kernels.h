@@ -936,15 +936,6 @@ inline void gemm_unpack(const uint8_t* w, int64_t row_bytes, int64_t K, int64_t 
   }
 }
 
-// vpdpbusd acc, w, dword [p]{1to16}: the broadcast is the instruction's memory operand (a
-// separate vpbroadcastd per dot costs a shuffle-pipe slot each).
-inline __m512i dpbusd_bcast(__m512i acc, __m512i w, const int8_t* p) {
-  __asm__("vpdpbusd %[x]%{1to16%}, %[w], %[acc]"
-          : [acc] "+v"(acc)
-          : [w] "v"(w), [x] "m"(*reinterpret_cast<const int32_t*>(p)));
-  return acc;
-}
-
 // acc[j][0..7] (kdot's 8 lanes for 16 weight rows) += super-blocks blk0..blk1-1 of activation
 // rows m..m+R-1.
 template <int T, int R>
@@ -1194,18 +1185,24 @@ inline void q50_tile(const Q50Scratch& s, const GAct& x, int64_t m, int64_t ldy,
   }
 }
 
+// -16 times the sums of activation values 4i..4i+3 of rows m0..m1-1, [m1 - m0][K/4].
+inline void q50_offsets(const GAct& x, int64_t m0, int64_t m1, std::vector<int32_t>& off) {
+  const int64_t K4 = x.K / 4;
+  off.resize(static_cast<size_t>((m1 - m0) * K4));
+  for (int64_t m = m0; m < m1; ++m)
+    for (int64_t i = 0; i < K4; ++i) {
+      const int8_t* q = x.q + m * x.K + 4 * i;
+      off[static_cast<size_t>((m - m0) * K4 + i)] = -16 * (q[0] + q[1] + q[2] + q[3]);
+    }
+}
+
 // Y[m, n0:n1] for all M activation rows of Q5_0 weight rows w.
 inline void q50_gemm(const uint8_t* w, const GAct& x, int64_t n0, int64_t n1, float* Y, int64_t ldy) {
   static thread_local Q50Scratch s;
   const int64_t K = x.K, nb = K / 32, row_bytes = nb * 22, M = x.M;
   s.w.resize(static_cast<size_t>(K / 4 * 16));
   s.d.resize(static_cast<size_t>(nb * 16));
-  s.off.resize(static_cast<size_t>(M * (K / 4)));
-  for (int64_t m = 0; m < M; ++m)
-    for (int64_t i = 0; i < K / 4; ++i) {
-      const int8_t* q = x.q + m * K + 4 * i;
-      s.off[static_cast<size_t>(m * (K / 4) + i)] = -16 * (q[0] + q[1] + q[2] + q[3]);
-    }
+  q50_offsets(x, 0, M, s.off);
   for (int64_t n = n0; n < n1; n += 16) {
     const int rows = static_cast<int>(std::min<int64_t>(16, n1 - n));
     std::fill(s.w.begin(), s.w.end(), 0);
@@ -1226,6 +1223,86 @@ inline void q50_gemm(const uint8_t* w, const GAct& x, int64_t n0, int64_t n1, fl
     if (M - m == 1) q50_tile<1>(s, x, m, ldy, Y + n, mask);
   }
 }
+
+// The values q + 16 of Q5_0 blocks p and p + 22 (two consecutive blocks of a row) as unsigned
+// bytes, value j of block i in byte 32i + j: the nibbles by a per-128-bit shift, the fifth bit
+// by a masked add of 16 under qh.
+inline __m512i unpack_q50_pair(const uint8_t* p) {
+  const __m512i t = _mm512_inserti64x4(
+      _mm512_castsi256_si512(_mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 6)))),
+      _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 28))), 1);
+  const __m512i shift = _mm512_set_epi64(4, 4, 0, 0, 4, 4, 0, 0);  // the high nibbles' 128 bits
+  const __m512i v = _mm512_and_si512(_mm512_srlv_epi64(t, shift), _mm512_set1_epi8(0x0F));
+  uint32_t h0, h1;
+  std::memcpy(&h0, p + 2, 4);
+  std::memcpy(&h1, p + 24, 4);
+  const __mmask64 hm = _cvtu64_mask64(static_cast<uint64_t>(h0) | static_cast<uint64_t>(h1) << 32);
+  return _mm512_mask_add_epi8(v, hm, v, _mm512_set1_epi8(0x10));
+}
+
+// Y[m..m+R-1, n0:n1] of Q5_0 weight rows for a few activation rows (decode, small batches): the
+// int32 lanes and fmas of row_tile<Q5_0> (block_dot: lane k of a block is the exact dot of
+// values 4k..4k+3, added with d_w * d_x into accumulator lane k, block after block), so the
+// same bits; two blocks are unpacked per zmm (unpack_q50_pair) and dotted by one vpdpbusd
+// started from -16 times the activations' per-4 sums (off, [R][K/4]).
+template <int R>
+inline void q50_rows(const uint8_t* w, const GAct& x, int64_t m, const int32_t* off, int64_t n0, int64_t n1, float* Y,
+                     int64_t ldy) {
+  const int64_t K = x.K, nb = K / 32, row_bytes = nb * 22;
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* wr = w + n * row_bytes;
+    __m256 acc[R];
+    for (int j = 0; j < R; ++j) acc[j] = _mm256_setzero_ps();
+    int64_t b = 0;
+    for (; b + 2 <= nb; b += 2) {
+      const uint8_t* p = wr + b * 22;
+      const __m512i u = unpack_q50_pair(p);
+      const float d0 = f16(p), d1 = f16(p + 22);
+      for (int j = 0; j < R; ++j) {
+        const __m512i o = _mm512_loadu_si512(off + j * (K / 4) + b * 8);
+        const __m512i i = _mm512_dpbusd_epi32(o, u, _mm512_loadu_si512(x.q + (m + j) * K + b * 32));
+        const float* dx = x.d + (m + j) * nb + b;
+        acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm512_castsi512_si256(i)), _mm256_set1_ps(d0 * dx[0]), acc[j]);
+        acc[j] =
+            _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm512_extracti64x4_epi64(i, 1)), _mm256_set1_ps(d1 * dx[1]), acc[j]);
+      }
+    }
+    if (b < nb) {  // an odd last block
+      const uint8_t* p = wr + b * 22;
+      const __m256i u = unpack_q50(p);
+      const float d0 = f16(p);
+      for (int j = 0; j < R; ++j) {
+        const __m256i o = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(off + j * (K / 4) + b * 8));
+        const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.q + (m + j) * K + b * 32));
+        const __m256i i = _mm256_dpbusd_epi32(o, u, xv);
+        acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i), _mm256_set1_ps(d0 * x.d[(m + j) * nb + b]), acc[j]);
+      }
+    }
+    for (int j = 0; j < R; ++j) Y[(m + j) * ldy + n] = hsum_ps(acc[j]) + 0.f;  // row_tile: + mins (0)
+  }
+}
+
+// Y[:, n0:n1] of Q5_0 weight rows for M < kQ50GemmM activation rows, up to 4 at a time.
+inline void q50_small(const uint8_t* w, const GAct& x, int64_t n0, int64_t n1, float* Y, int64_t ldy) {
+  static thread_local std::vector<int32_t> off;
+  q50_offsets(x, 0, x.M, off);
+  const int64_t K4 = x.K / 4;
+  int64_t m = 0;
+  for (; m + 4 <= x.M; m += 4) q50_rows<4>(w, x, m, off.data() + m * K4, n0, n1, Y, ldy);
+  switch (x.M - m) {
+    case 3:
+      q50_rows<3>(w, x, m, off.data() + m * K4, n0, n1, Y, ldy);
+      break;
+    case 2:
+      q50_rows<2>(w, x, m, off.data() + m * K4, n0, n1, Y, ldy);
+      break;
+    case 1:
+      q50_rows<1>(w, x, m, off.data() + m * K4, n0, n1, Y, ldy);
+      break;
+    default:
+      break;
+  }
+}
 #endif
 
 // Y[:, n0:n1] (Y is [M, ldy] fp32) for all M activation rows; w: weight rows of row_bytes.
@@ -1240,10 +1317,11 @@ inline void rows_range(const uint8_t* w, int64_t row_bytes, const GAct& x, int64
 #if defined(LBQ_AVX2)
 #if defined(LBQ_GEMM512)
   if constexpr (T == Q5_0) {
-    if (x.M >= kQ50GemmM) {
+    if (x.M >= kQ50GemmM)
       q50_gemm(w, x, n0, n1, Y, ldy);
-      return;
-    }
+    else
+      q50_small(w, x, n0, n1, Y, ldy);
+    return;
   }
 #endif
   if constexpr (Fused<T>::ok) {

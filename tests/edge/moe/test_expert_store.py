@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from edge import fastpath
 from edge.moe.checkpoint import NestedCheckpoint, load_dense, quantize_nested_checkpoint
 from edge.moe.quant import NestedQuantConfig
 from edge.moe.store import (
@@ -17,6 +18,7 @@ from edge.moe.store import (
     HEBFConfig,
     LRUConfig,
     PrefetchConfig,
+    attach,
     open_store,
 )
 from lowband.errors import ConfigError, CorruptWeights
@@ -284,3 +286,34 @@ def test_store_works_across_inference_mode_and_no_grad(nested_dir: Path, sizes: 
     finally:
         cache.close()
     assert a.shape == b.shape == c.shape and torch.isfinite(b).all()
+
+
+def test_in_memory_experts_compile_and_a_store_is_called_back(
+    nested_dir: Path, sizes: dict
+) -> None:
+    """Experts held in the model (dequantized) decode through the compiled step with the eager
+    path's logits; attaching an expert store drops that step (it would skip the store), and
+    installed again the compiled step calls the store's experts back: the eager path's
+    logits and greedy picks, with the store serving every expert call."""
+    dense = load_dense(nested_dir, 8)
+    want, picks = decode(dense, PROMPT, 12)
+    assert fastpath.install(dense) is None
+    got, got_picks = decode(dense, PROMPT, 12)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    assert got_picks == picks
+    cfg = ExpertStoreConfig(budget_bytes=int8_total(sizes), policy=LRUConfig(bits=8))
+    model, cache = open_store(nested_dir, cfg)
+    try:
+        attach(dense, cache)
+        assert not fastpath.active(dense)
+        stored, stored_picks = decode(dense, PROMPT, 12)  # eager, through the store
+        calls = cache.report()["hits"] + cache.report()["misses"]
+        assert fastpath.install(dense) is None
+        fast, fast_picks = decode(dense, PROMPT, 12)
+        fast_calls = cache.report()["hits"] + cache.report()["misses"] - calls
+    finally:
+        cache.close()
+    torch.testing.assert_close(stored, want, rtol=0, atol=1e-5)
+    torch.testing.assert_close(fast, stored, rtol=1e-4, atol=1e-4)
+    assert fast_picks == stored_picks == picks
+    assert fast_calls == calls > 0  # the compiled step asked the store for the same experts

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from edge import fastpath
 from edge.cluster import ClusterConfig, MasterRunner, WorkerConfig, run_worker
 from edge.engine import Engine, LocalRunner
 from edge.launch import check_model
@@ -150,6 +151,7 @@ def test_tp_placed_experts_match_one_device(nested: Path, world: int, weights) -
     cfg = lru8(nested, 1.0)  # every expert resident at 8 bits on every rank
     ids = torch.tensor([list(b"Now is the winter of our discontent")])
     one = load_nested_shard(nested, experts=cfg)
+    assert fastpath.active(one.model)  # the store's experts called back from the compiled step
     try:
         with torch.no_grad():
             kv = one.model.new_cache()
@@ -171,6 +173,7 @@ def test_tp_placed_experts_match_one_device(nested: Path, world: int, weights) -
                 nested, r, world, experts=cfg, weights=weights, reduce=make_reduce(comms[r])
             )
             try:
+                assert fastpath.active(sh.model)
                 kv, outs = sh.model.new_cache(), []
                 T = ids.shape[1]
                 with torch.no_grad():
