@@ -6,6 +6,7 @@ import json
 
 import pytest
 
+import cli
 from benchmarks import edge_speculative
 
 
@@ -14,6 +15,8 @@ def test_edge_speculative_tiny(capsys: pytest.CaptureFixture[str]) -> None:
     assert edge_speculative.main(["--tiny", "--tokens", "12", "--repeats", "1", "--json"]) == 0
     rec = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert rec["benchmark"] == "edge_speculative"
+    # the arms ran under the command line's OpenMP wait (in a child where this process lacked it)
+    assert rec["result"]["omp_wait"] == {"policy": "cli", **cli.OPENMP_WAIT}
     for w in ("code-edit", "free-text"):
         res = rec["result"]["workloads"][w]
         assert all(res["identical"].values()) and len(res["identical"]) == 3
