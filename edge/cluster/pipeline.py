@@ -119,7 +119,7 @@ class CycleTimes:
         wall = time.perf_counter() - self.since
         out: dict[str, Any] = {"steps": self.steps, "rows": self.rows, "wall_s": round(wall, 3)}
         for k in ("stage_s", "send_s", "wait_s", "head_s"):
-            out[k] = round(getattr(self, k), 3)
+            out[k] = round(getattr(self, k), 6)
         return out
 
 

@@ -15,14 +15,11 @@ from edge.embeddings import EmbeddingConfig
 from edge.engine import Engine, LocalRunner
 from edge.sampling import SamplingParams
 from edge.shardio import load_shard
-from lowband.models.config import ModelConfig
-from lowband.models.llama import LlamaForCausalLM, init_weights
 from lowband.models.tokenizer import ByteTokenizer
-from lowband.models.weights import save_pretrained
 from tests.edge.test_edge_cluster import CFG, _start_cluster
 from tests.edge.test_openai_api import post, run
 from tests.edge.test_pipeline import _start as _start_pipeline
-from tests.edge.test_pipeline import _stop
+from tests.edge.test_pipeline import _stop, write_ckpt
 from transport.loopback import LoopbackGroup
 
 pytestmark = pytest.mark.timeout(180)
@@ -33,12 +30,7 @@ SEQS = [list(t.encode()) for t in TEXTS]
 
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
-    d = tmp_path_factory.mktemp("emb")
-    m = LlamaForCausalLM(ModelConfig(**dict(CFG, num_hidden_layers=4))).eval()
-    init_weights(m, std=0.2, seed=7)
-    save_pretrained(m, d)
-    ByteTokenizer().save(d)
-    return d
+    return write_ckpt(tmp_path_factory.mktemp("emb"), 4, 7)
 
 
 def _one_device(ckpt, pooling: str, chunk: int) -> torch.Tensor:

@@ -16,6 +16,7 @@ from edge.quant.ggml import GGML_TYPES, GGMLWeight
 from edge.quant.linear import GGMLLinear
 from lowband.models.config import ModelConfig
 from lowband.models.llama import LlamaForCausalLM, SparseMoE, fuse_projections, init_weights
+from tests.edge.test_fastpath import _decode
 from tests.edge.test_fastpath_batch import MAG
 from tests.edge.test_ggml_quant import random_blocks
 
@@ -76,15 +77,6 @@ def _ggml(m: LlamaForCausalLM, types: list[str]) -> None:
         w = GGMLWeight(GGML_TYPES[kind], (n, k), torch.from_numpy(raw))
         parent, _, child = name.rpartition(".")
         setattr(m.get_submodule(parent), child, GGMLLinear(w, None))
-
-
-def _decode(m: LlamaForCausalLM, ids: torch.Tensor, prefill: int) -> torch.Tensor:
-    cache, out = m.new_cache(), []
-    with torch.inference_mode():
-        m(ids[:, :prefill], cache=cache)
-        for t in range(prefill, ids.shape[1]):
-            out.append(m(ids[:, t : t + 1], cache=cache)[0, -1])
-    return torch.stack(out)
 
 
 def _routes(m: LlamaForCausalLM, ids: torch.Tensor) -> set[int]:

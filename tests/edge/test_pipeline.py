@@ -26,14 +26,18 @@ from transport.loopback import LoopbackGroup
 pytestmark = pytest.mark.timeout(120)
 
 
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    d = tmp_path_factory.mktemp("pipe")
-    m = LlamaForCausalLM(ModelConfig(**dict(CFG, num_hidden_layers=5))).eval()
-    init_weights(m, std=0.2, seed=5)
+def write_ckpt(d, layers: int, seed: int):
+    """A random checkpoint of ``CFG`` with ``layers`` layers and a byte tokenizer in ``d``."""
+    m = LlamaForCausalLM(ModelConfig(**dict(CFG, num_hidden_layers=layers))).eval()
+    init_weights(m, std=0.2, seed=seed)
     save_pretrained(m, d)
     ByteTokenizer().save(d)
     return d
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return write_ckpt(tmp_path_factory.mktemp("pipe"), 5, 5)
 
 
 def test_stage_ranges_split_by_speed_and_memory() -> None:
