@@ -41,18 +41,6 @@ def _status_mb(key: str) -> float:
     return float("nan")
 
 
-def _mapped_mb(addr: int) -> float:
-    """Rss of the mapping that starts at ``addr`` (/proc/self/smaps)."""
-    here = False
-    for line in Path("/proc/self/smaps").read_text().splitlines():
-        head = line.split()
-        if head and "-" in head[0] and not head[0].endswith(":"):
-            here = int(head[0].split("-")[0], 16) == addr
-        elif here and head and head[0] == "Rss:":
-            return int(head[1]) / 1024.0
-    return 0.0
-
-
 def _decode(runner, prompt: list[int], tokens: int, warmup: int) -> tuple[list[float], list[int]]:
     logits = runner.forward(prompt, 0)
     pos, tok, out, times = len(prompt), int(torch.argmax(logits)), [], []
@@ -69,6 +57,7 @@ def _decode(runner, prompt: list[int], tokens: int, warmup: int) -> tuple[list[f
 
 def role(a) -> dict:
     """One arm in this process."""
+    from edge import fastpath
     from edge.engine import LocalRunner
     from edge.formats.gguf_window import fixed_bytes
     from edge.launch import DeviceConfig
@@ -89,13 +78,13 @@ def role(a) -> dict:
         "tokens": toks,
         "rss_mb": _status_mb("VmRSS"),
         "peak_rss_mb": _status_mb("VmHWM"),
-        "compiled": getattr(shard.model, "fast_decode", None) is not None,
+        "compiled": fastpath.active(shard.model),
     }
     sched = shard.scheduler
     if sched is not None:
         mapping = sched.files[0].file
         sched.settle()
-        res["mapped_mb"] = _mapped_mb(mapping.addr)
+        res["mapped_mb"] = (mapping.resident_bytes() or 0) / 2**20
         res["blocks"] = sched.n
         res["window"] = sched.window
         res["block_mb_max"] = max(f.size for f in sched.files) / 2**20
@@ -127,6 +116,7 @@ def _run(a, window: int, paced: float) -> dict:
 
 
 def _summary(runs: list[dict], key: str) -> dict:
+    """Median, min and max over rounds, unrounded (a tiny model's mapped MB are fractions)."""
     vals = [r[key] for r in runs if key in r]
     return {"median": statistics.median(vals), "min": min(vals), "max": max(vals)}
 

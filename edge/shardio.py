@@ -348,7 +348,7 @@ def load_shard(
         # Lean decode: one GEMV for q/k/v and one for gate/up. Only for weights in anonymous
         # memory; mapped (window / zero-copy resident) weights would be copied.
         fuse_projections(model, fuse_quant_rows)
-    if fast and (sched is None or sched.window >= sched.n):
+    if fast and (sched is None or not sched.streams):
         # Fully resident weights (in memory, or every block of a split mapped and never
         # evicted) stay where they are: the compiled step can read them. A real window moves
         # blocks in and out around each layer's hooks, which the compiled step would bypass.
@@ -382,7 +382,7 @@ def _gguf_window(
     if model.config.tie_word_embeddings and rank == 0:
         tie_head(model, plan)
     sched = gguf_scheduler(model, mapping, window.blocks, layers, window.loader_cores)
-    if fast and sched.window >= sched.n and layers is None:
+    if fast and not sched.streams and layers is None:
         fastpath.install(model)
     return LoadedShard(model=model.eval(), plan=plan, rank=rank, scheduler=sched, reduce=reduce)
 

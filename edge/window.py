@@ -172,6 +172,22 @@ class MappedBytes:
             )
         return self._u8[offset : offset + nbytes]
 
+    def resident_bytes(self) -> int | None:
+        """The mapping's resident bytes now (its Rss in ``/proc/self/smaps``, Linux); None where
+        that cannot be read."""
+        here = False
+        try:
+            with open("/proc/self/smaps") as f:
+                for line in f:
+                    head = line.split()
+                    if head and "-" in head[0] and not head[0].endswith(":"):
+                        here = int(head[0].split("-")[0], 16) == self.addr
+                    elif here and head and head[0] == "Rss:":
+                        return int(head[1]) * 1024
+        except OSError:
+            return None
+        return None
+
     def holds(self, t: torch.Tensor) -> bool:
         """Whether ``t`` is a view of this mapping (not a copy)."""
         return t.untyped_storage().data_ptr() == self.addr
@@ -212,53 +228,6 @@ class MappedFile(MappedBytes):
             if (self.addr + base + a) % dtype.itemsize:  # unaligned: copy (never in our files)
                 raw = raw.clone()
             self.tensors[name] = raw.view(dtype).view(info["shape"])
-
-
-class MappedRegion:
-    """Some tensors of a :class:`MappedFile` taken as one window block: their pages are
-    populated and evicted together. The tensors must lie back to back in the file (a decoder
-    layer's tensors do in a safetensors file: it orders same-dtype tensors by name, and
-    ``model.layers.1.`` sorts before ``model.layers.10.``). The span is widened to whole pages,
-    so an edge page may be shared with the neighbouring block: evicting it only costs the
-    neighbour a page fault, never a wrong value."""
-
-    def __init__(self, file: MappedFile, names: Sequence[str]) -> None:
-        if not names:
-            raise ConfigError("weights", f"{file.path}: an empty block")
-        self.file, self.path = file, file.path
-        self.tensors = {n: file.tensors[n] for n in names}
-        spans = sorted(
-            (t.data_ptr() - file.addr, t.data_ptr() - file.addr + t.numel() * t.element_size())
-            for t in self.tensors.values()
-        )
-        lo, hi = spans[0][0], spans[-1][1]
-        inside = [
-            n
-            for n, t in file.tensors.items()
-            if n not in self.tensors and lo <= t.data_ptr() - file.addr < hi and t.numel()
-        ]
-        if inside:
-            raise ConfigError(
-                "weights",
-                f"{file.path}: the tensors of one block are not contiguous "
-                f"({inside[0]!r} lies between them); re-save the file",
-            )
-        self.offset = lo // PAGE * PAGE
-        self.size = min(file.size, -(-hi // PAGE) * PAGE) - self.offset
-        self.addr = file.addr + self.offset
-
-    def populate(self) -> None:
-        _populate(self.addr, self.size, self.file._u8[self.offset : self.offset + self.size])
-
-    def evict(self) -> None:
-        _madvise(self.addr, self.size, MADV_DONTNEED)
-
-    def drop_page_cache(self) -> None:
-        fd = os.open(self.path, os.O_RDONLY)
-        try:
-            os.posix_fadvise(fd, self.offset, self.size, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
 
 
 class MappedSpans:
@@ -315,6 +284,42 @@ class MappedSpans:
                 os.posix_fadvise(fd, a, b - a, os.POSIX_FADV_DONTNEED)
         finally:
             os.close(fd)
+
+
+class MappedRegion(MappedSpans):
+    """Some tensors of a :class:`MappedFile` taken as one window block: their pages are
+    populated and evicted together. The tensors must lie back to back in the file (a decoder
+    layer's tensors do in a safetensors file: it orders same-dtype tensors by name, and
+    ``model.layers.1.`` sorts before ``model.layers.10.``), so they make one span. The span is
+    widened to whole pages, so an edge page may be shared with the neighbouring block:
+    evicting it only costs the neighbour a page fault, never a wrong value."""
+
+    def __init__(self, file: MappedFile, names: Sequence[str]) -> None:
+        if not names:
+            raise ConfigError("weights", f"{file.path}: an empty block")
+        self.tensors = {n: file.tensors[n] for n in names}
+        spans = sorted(
+            (t.data_ptr() - file.addr, t.data_ptr() - file.addr + t.numel() * t.element_size())
+            for t in self.tensors.values()
+        )
+        lo, hi = spans[0][0], spans[-1][1]
+        inside = [
+            n
+            for n, t in file.tensors.items()
+            if n not in self.tensors and lo <= t.data_ptr() - file.addr < hi and t.numel()
+        ]
+        if inside:
+            raise ConfigError(
+                "weights",
+                f"{file.path}: the tensors of one block are not contiguous "
+                f"({inside[0]!r} lies between them); re-save the file",
+            )
+        super().__init__(file, list(self.tensors.values()))
+
+    @property
+    def offset(self) -> int:
+        """The span's first byte in the file (page-aligned)."""
+        return self.hull[0]
 
 
 def attach(module: nn.Module, tensors: dict[str, torch.Tensor], prefix: str) -> None:
@@ -421,6 +426,12 @@ class WindowScheduler:
                 self._load(b)
 
         return hook
+
+    @property
+    def streams(self) -> bool:
+        """Whether weights move every token: fewer blocks resident than there are layers
+        (the compiled decode step then stays off: it needs every block mapped)."""
+        return self.window < self.n
 
     def resident(self) -> list[int]:
         return [i for i in range(self.n) if self._queued[i]]

@@ -145,7 +145,7 @@ def load_stage(
     shard = load_shard(model_dir, dtype=dtype, fast=False, window=window, layers=rows)
     sched = shard.scheduler
     try:
-        stage = Stage(shard, rng, fast and (sched is None or sched.window >= sched.n))
+        stage = Stage(shard, rng, fast and (sched is None or not sched.streams))
         stage.repack(repack)
         if head_lo > 0:
             stage.cut_head(head_lo, shard.model.config.vocab_size)

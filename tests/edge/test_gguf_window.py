@@ -43,17 +43,11 @@ def resident(gguf_file):
     return sh.model
 
 
-def _mapped_rss(addr: int) -> int:
-    """Rss of the mapping starting at ``addr`` (/proc/self/smaps), bytes."""
-    here = False
-    with open("/proc/self/smaps") as f:
-        for line in f:
-            head = line.split()
-            if "-" in head[0] and not head[0].endswith(":"):
-                here = int(head[0].split("-")[0], 16) == addr
-            elif here and head[0] == "Rss:":
-                return int(head[1]) * 1024
-    raise AssertionError("mapping not found")
+def _mapped_rss(mapping) -> int:
+    """Rss of ``mapping`` (/proc/self/smaps), bytes."""
+    rss = mapping.resident_bytes()
+    assert rss is not None, "mapping not found"
+    return rss
 
 
 def _folios(hull: tuple[int, int]) -> int:
@@ -89,7 +83,7 @@ def test_window_on_gguf_equals_resident(gguf_file, resident, w) -> None:
         got = _decode(sh.model, IDS)
         sched.settle()
         assert len(sched.resident()) == sched.window
-        rss = _mapped_rss(mapping.addr)
+        rss = _mapped_rss(mapping)
         assert rss <= sum(_folios(sched.files[i].hull) for i in sched.resident())
     finally:
         sh.close()
@@ -106,7 +100,7 @@ def test_whole_window_maps_every_block_and_compiles(gguf_file, resident) -> None
         with torch.no_grad():
             got = sh.model(IDS)
         sched.settle()
-        assert _mapped_rss(sched.files[0].file.addr) >= 0.9 * sum(b.size for b in sched.files)
+        assert _mapped_rss(sched.files[0].file) >= 0.9 * sum(b.size for b in sched.files)
     finally:
         sh.close()
     with torch.no_grad():
