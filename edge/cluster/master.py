@@ -44,14 +44,13 @@ from edge.cluster.protocol import (
 from edge.cluster.shard import (
     Tags,
     append_problem,
+    embed_in_scratch,
     load_slot,
-    scratch_caches,
     shard_logits,
     shard_rows_logits,
     wire_codec,
 )
 from edge.cluster.ship import ShipServer, offer
-from edge.embeddings import embed_ragged
 from edge.engine import ClusterUnavailable, Work, split_logits, wanted_rows
 from edge.moe.serve import ExpertServeConfig
 from edge.shardio import REPACK_MODES, WindowConfig, is_split_dir
@@ -589,22 +588,14 @@ class MasterRunner:
         throw-away caches named above the engine's and dropped after, and no rank computes
         logits. The master's hidden state is the whole one (each all-reduce leaves every rank
         the full residual stream), pooled after its final norm."""
+
+        def ragged(work: list[Work]) -> torch.Tensor:
+            h = self._ragged(work, 0, lambda h: h[0])
+            assert h is not None
+            return h
+
         with self._lock:
-            scratch = scratch_caches(self._kv, len(seqs))
-
-            def run(items: Sequence[tuple[int, int, Sequence[int]]]) -> torch.Tensor:
-                work = [
-                    Work(slot=scratch[i], ids=list(t), start=p, logits="none") for i, p, t in items
-                ]
-                h = self._ragged(work, 0, lambda h: h[0])
-                assert h is not None
-                return h
-
-            try:
-                return embed_ragged(self.model, seqs, pooling, chunk, run)
-            finally:
-                for c in scratch:
-                    self.drop(c)
+            return embed_in_scratch(self.model, self._kv, self.drop, seqs, pooling, chunk, ragged)
 
     def slot_length(self, slot: int) -> int:
         c = self._kv.get(slot)

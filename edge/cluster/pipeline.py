@@ -66,7 +66,7 @@ from edge.cluster.protocol import (
     Yield,
     master_rank,
 )
-from edge.cluster.shard import append_problem, scratch_caches
+from edge.cluster.shard import append_problem, embed_in_scratch
 from edge.cluster.stage import LayerRange, Stage
 from edge.embeddings import embed_ragged
 from edge.engine import ClusterUnavailable, Work, split_logits, wanted_rows
@@ -409,12 +409,8 @@ class PipelineRunner:
                 raise RuntimeError("embeddings while a step is in flight")
             if len(self.ranges) < 2:
                 return embed_ragged(self.model, seqs, pooling, chunk)
-            scratch = scratch_caches(self._kv, len(seqs))
 
-            def run(items: Sequence[tuple[int, int, Sequence[int]]]) -> torch.Tensor:
-                work = [
-                    Work(slot=scratch[i], ids=list(t), start=p, logits="none") for i, p, t in items
-                ]
+            def ragged(work: list[Work]) -> torch.Tensor:
                 self._check(work)
                 flight = self._send(work, [work], 0)
                 try:
@@ -424,11 +420,7 @@ class PipelineRunner:
                 self._flights.popleft()
                 return h[0]
 
-            try:
-                return embed_ragged(self.model, seqs, pooling, chunk, run)
-            finally:
-                for c in scratch:
-                    self.drop(c)
+            return embed_in_scratch(self.model, self._kv, self.drop, seqs, pooling, chunk, ragged)
 
     def _merge(
         self, h: torch.Tensor, vals: torch.Tensor, ids: torch.Tensor, k: int, V: int

@@ -5,18 +5,20 @@ of the vocabulary-parallel head (one row, or several rows of a batch at once).""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Collection, Sequence
+from typing import Callable, Collection, Sequence
 
 import torch
 
 from edge.cluster.protocol import MAX_SEQS
+from edge.embeddings import embed_ragged
+from edge.engine import Work
 from edge.moe.serve import ExpertServeConfig, is_nested_dir, load_nested_shard
 from edge.shardio import LoadedShard, WindowConfig, load_shard
 from edge.tp import Reduce, TPPlan, exact_reduce, gather_logits, make_reduce
 from lowband.codecs import Int8BlockCodec, get_codec
 from lowband.comm import Algorithm, Codec, Communicator
 from lowband.errors import ConfigError
-from lowband.models.llama import KVCache
+from lowband.models.llama import KVCache, LlamaForCausalLM
 from transport.starlink import StarHub, StarSpoke
 
 WIRE_CODECS = ("fp32", "fp16", "bf16", "int8")
@@ -145,6 +147,33 @@ def scratch_caches(held: Collection[int], n: int) -> list[int]:
     if not 0 < n <= MAX_SEQS // 2 or any(i in held for i in ids):
         raise RuntimeError(f"no {n} free cache ids for a throw-away pass")
     return ids
+
+
+def embed_in_scratch(
+    model: LlamaForCausalLM,
+    held: Collection[int],
+    drop: Callable[[int], None],
+    seqs: Sequence[Sequence[int]],
+    pooling: str,
+    chunk: int,
+    ragged: Callable[[list[Work]], torch.Tensor],
+) -> torch.Tensor:
+    """:func:`edge.embeddings.embed_ragged` on a cluster: each ragged pass is ``ragged(work)``
+    (the (N, H) hidden states before the final norm, computed on every rank or stage) over
+    throw-away caches (:func:`scratch_caches`, clear of the ``held`` ones), which ``drop``
+    removes everywhere afterwards, whatever happened."""
+    scratch = scratch_caches(held, len(seqs))
+
+    def run(items: Sequence[tuple[int, int, Sequence[int]]]) -> torch.Tensor:
+        return ragged(
+            [Work(slot=scratch[i], ids=list(t), start=p, logits="none") for i, p, t in items]
+        )
+
+    try:
+        return embed_ragged(model, seqs, pooling, chunk, run)
+    finally:
+        for c in scratch:
+            drop(c)
 
 
 def shard_rows_logits(shard: LoadedShard, h: torch.Tensor, top: int) -> torch.Tensor | None:
