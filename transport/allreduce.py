@@ -40,7 +40,7 @@ import torch
 from lowband.comm import Encoded
 from lowband.errors import ProtocolError
 from transport import wire
-from transport.ops import Host, ReduceBase, acc_dtype, bounds, chunked
+from transport.ops import Host, ReduceBase, acc_dtype, bounds, chunked, decode_into
 from transport.wire import MsgType
 
 if TYPE_CHECKING:
@@ -229,13 +229,8 @@ class OwnerAllReduce(ReduceBase):
 
     def _done(self, host: "Host") -> None:
         if self.held is not None and self.codec is not None:
-            decode_into = getattr(self.codec, "decode_into", None)
             for ci, (lo, hi) in enumerate(self.spans):
-                enc = self.held.pop(ci)
-                if decode_into is not None and self.dtype == torch.float32:
-                    decode_into(enc, self.out[lo:hi])
-                else:
-                    self.out[lo:hi] = self.codec.decode(enc).to(self.dtype)
+                decode_into(self.codec, self.held.pop(ci), self.out[lo:hi])
         self.finish(host, self.out.view(self.shape))
 
     def _encoded(self, msg: wire.Message) -> Encoded:

@@ -37,7 +37,7 @@ from lowband.comm import (
 )
 from lowband.errors import CommClosed, ConfigError, PeerLost, ProtocolError, TransportTimeout
 from transport.blocking import BlockingCollectives
-from transport.ops import acc_dtype, check_out
+from transport.ops import acc_dtype, check_out, decode_into
 from transport.work import FutureWork
 
 logger = logging.getLogger(__name__)
@@ -389,16 +389,6 @@ def _delivered(
                 out.view(-1).copy_(acc.reshape(-1))
             results.append(out)
     return results
-
-
-def decode_into(codec: Codec, encoded: Encoded, out: torch.Tensor) -> None:
-    """``out[:] = codec.decode(encoded)``: chunk by chunk where the codec can (int8's
-    ``decode_into``), else through one decoded copy."""
-    into = getattr(codec, "decode_into", None)
-    if into is not None and out.dtype == torch.float32:
-        into(encoded, out)
-    else:
-        out.view(-1).copy_(codec.decode(encoded).reshape(-1))
 
 
 def _complete_broadcast(group: LoopbackGroup, rv: _Rendezvous) -> Outcomes:

@@ -26,7 +26,7 @@ from transport.wire import MsgType
 from transport.work import FutureWork
 
 if TYPE_CHECKING:
-    from lowband.comm import Codec
+    from lowband.comm import Codec, Encoded
     from transport.buffers import BufferPool
     from transport.peers import PeerTable
 
@@ -89,6 +89,16 @@ def check_out(tensor: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor | 
     if not out.is_contiguous():
         raise ConfigError("out", "must be contiguous (the result is written into it flat)")
     return out
+
+
+def decode_into(codec: Codec, encoded: Encoded, out: torch.Tensor) -> None:
+    """``out[:] = codec.decode(encoded)``: chunk by chunk where the codec can (int8's
+    ``decode_into``), else through one decoded copy."""
+    into = getattr(codec, "decode_into", None)
+    if into is not None and out.dtype == torch.float32:
+        into(encoded, out)
+    else:
+        out.view(-1).copy_(codec.decode(encoded).reshape(-1))
 
 
 def bounds(numel: int, parts: int) -> list[tuple[int, int]]:
