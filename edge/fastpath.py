@@ -213,8 +213,9 @@ def _moe_spec(moe: SparseMoE) -> tuple:
     k, norm = int(moe.top_k), bool(moe.norm_topk_prob)
     if _external(moe):
         return (None, [], k, norm, _block_call(moe))
-    lins = _expert_lins(moe)
-    experts = [([_lin(w1), _lin(w3)], _lin(w2)) for w1, w3, w2 in zip(*[iter(lins)] * 3)]
+    experts = [
+        ([_lin(e.w1), _lin(e.w3)], _lin(e.w2)) for e in (cast(Expert, x) for x in moe.experts)
+    ]
     return (_lin(moe.gate), experts, k, norm, None)
 
 

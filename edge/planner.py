@@ -357,8 +357,8 @@ class LayoutDevice:
     def step_ms(self, rows: int) -> float:
         """ms of one decoder layer for a step of ``rows`` rows (see ``batch_layer_ms``)."""
         pts = sorted({1: self.layer_ms, **dict(self.batch_layer_ms)}.items())
-        if rows <= pts[0][0]:
-            return pts[0][1] * rows / pts[0][0] if rows < pts[0][0] else pts[0][1]
+        if rows <= 1:  # pts[0] is the one-row point (batch rows are >= 1)
+            return pts[0][1] * rows
         for (b0, m0), (b1, m1) in zip(pts, pts[1:]):
             if rows <= b1:
                 return m0 + (m1 - m0) * (rows - b0) / (b1 - b0)
