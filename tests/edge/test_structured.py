@@ -408,3 +408,23 @@ def test_no_end_token_no_structured_output() -> None:
     assert "end-of-sequence" in str(e.value)
     with pytest.raises(GrammarError):
         Grammars(EosBytes(), 256).compile("gbnf", "")
+
+
+def test_a_grammar_compiled_again_is_the_one_kept(monkeypatch) -> None:
+    """The same grammar (and ends) compiled again is the constraint kept from before (not
+    parsed again, its lexer warm); other ends or another grammar are not; the least recently
+    used is dropped past Grammars.CACHED."""
+    monkeypatch.setattr(Grammars, "CACHED", 2)
+    g = Grammars(EosBytes(), 256)
+    a = g.compile("json_schema", SCHEMAS[0])
+    assert g.compile("json_schema", dict(SCHEMAS[0])) is a
+    assert g.compile("json_schema", SCHEMAS[0], ends=(7,)) is not a
+    assert g.compile("json_schema", SCHEMAS[0], ends=(7,)).ends == (0, 7)
+    b = g.compile("gbnf", 'root ::= "x"')
+    assert g.compile("gbnf", 'root ::= "x"') is b
+    assert g.compile("json_schema", SCHEMAS[0]) is not a  # dropped: two others came after
+    with pytest.raises(GrammarError):
+        g.compile("gbnf", "root ::= nothing")  # a bad grammar is refused each time
+    with pytest.raises(GrammarError):
+        g.compile("gbnf", "root ::= nothing")
+    g.close()
