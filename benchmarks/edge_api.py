@@ -1,35 +1,43 @@
-"""What the API's sampling controls and structured output cost per token on a real model:
-tokens/s of the batched engine with penalties + logit bias + min-p, with a JSON schema
-(llguidance) and with a GBNF grammar, each relative to the plain request, at 1 and N streams;
-and the fraction of JSON outputs that parse and validate (must be 1.0).
+"""What the API's sampling controls, structured output and tool calls cost per token on a real
+model: tokens/s of the batched engine with penalties + logit bias + min-p, with a JSON schema
+(llguidance), with a GBNF grammar (llama.cpp's own ``grammars/list.gbnf``, whose lists run as
+long as the plain text; ``grammar_short``: a grammar done in ~6 tokens) and with tools
+(``tool_choice: "required"``: the prompt rendered as the server renders a chat request with
+``tools``, the call constrained by its schema), each relative to the plain request, at 1 and N
+streams; and the fraction of outputs that parse and validate (JSON against the schema, tool
+calls parsed back by the server's parser with arguments that validate against the tool's
+parameters, lists as the grammar writes them; must be 1.0).
 
 Two rates per arm: ``tokens_per_s`` over each request's wall time (prefill and per-request
-setup included: the constrained arms end when their grammar does, after fewer tokens than the
-plain arm's ``max_tokens``, so this one charges them more prefill per token), and
-``decode_tokens_per_s`` from each stream's first token to its last (the per-token cost).
-A constrained arm is also paired with a plain request of as many tokens run right after it
-(``matched_relative``: the median of the per-repeat ratios of wall-time tokens/s, prefill
-included on both sides).
+setup included: an arm that ends when its grammar does, after fewer tokens than the plain
+arm's ``max_tokens``, is charged more prefill per token), and ``decode_tokens_per_s`` from each
+stream's first token to its last (the per-token cost). A constrained arm is also paired with a
+plain request of as many tokens on the same prompt run right after it (``matched_relative``:
+the median of the per-repeat ratios of wall-time tokens/s, prefill included on both sides).
 
     python -m benchmarks.edge_api --json                        # the Gemma 3 270M Q4_K_M file
     python -m benchmarks.edge_api --gguf FILE --streams 1 4 --repeats 5 --json
+    python -m benchmarks.edge_api --streams 8 --arms penalties json grammar tools --json
 
-Arms alternate within each repeat (plain, penalties, json, grammar, json_masked,
-grammar_masked); the median of the repeats with min and max is reported. The ``*_masked`` arms
-are the peer of the constrained ones: the same grammar with a mask computed for every token
-(``Grammars(check_first=False)``) instead of testing the unconstrained draw first and masking
-only when the grammar rejects it. The last line printed is one JSON object.
+Arms alternate within each repeat (plain, penalties, json, grammar, grammar_short, tools,
+json_masked, grammar_masked; ``--arms`` picks some, plain always runs); the median of the
+repeats with min and max is reported. The ``*_masked`` arms are the peer of the constrained
+ones: the same grammar with a mask computed for every token (``Grammars(check_first=False)``)
+instead of testing the unconstrained draw first and masking only when the grammar rejects it.
+The last line printed is one JSON object.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import re
 import statistics
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import jsonschema
 
@@ -38,6 +46,7 @@ from edge.formats.gguf import load_gguf
 from edge.formats.gguf_tokenizer import tokenizer_from_gguf
 from edge.sampling import SamplingParams
 from edge.structured import Grammars
+from edge.tool_calls import call_schema, parse_tool_calls
 
 SCHEMA = {
     "type": "object",
@@ -49,14 +58,74 @@ SCHEMA = {
     "required": ["name", "age", "hobbies"],
     "additionalProperties": False,
 }
-GBNF = 'root ::= "The answer is " [a-z ]+ "."'
+# llama.cpp's own grammars/list.gbnf (vendor/llama.cpp/grammars/list.gbnf of the
+# llama-cpp-python 0.3.36 source release), as published: the model writes a list as long as
+# the plain arm's text, so both rates charge prefill alike
+GBNF = (
+    "root ::= item+\n\n# Excludes various line break characters\n"
+    'item ::= "- " [^\\r\\n\\x0b\\x0c\\x85\\u2028\\u2029]+ "\\n"\n'
+)
+# a grammar the model completes in ~6 tokens: its wall-time rate is mostly prefill
+GBNF_SHORT = 'root ::= "The answer is " [a-z ]+ "."'
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "add_person",
+            "description": "Store a person",
+            "parameters": {
+                "type": "object",
+                "properties": {
+                    "name": {"type": "string", "maxLength": 40},
+                    "age": {"type": "integer", "minimum": 0, "maximum": 130},
+                },
+                "required": ["name", "age"],
+                "additionalProperties": False,
+            },
+        },
+    },
+    {
+        "type": "function",
+        "function": {
+            "name": "weather",
+            "description": "The weather in a city",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"type": "string", "maxLength": 40}},
+                "required": ["city"],
+                "additionalProperties": False,
+            },
+        },
+    },
+]
+TOOL_ASK = [{"role": "user", "content": "Store a person named Ada who is 36 years old."}]
 # arms that end when their grammar does; *_masked: the same grammar with a mask computed for
 # every token (Grammars(check_first=False)), the peer of testing the unconstrained draw first
-CONSTRAINED = ("json", "grammar", "json_masked", "grammar_masked")
+CONSTRAINED = ("json", "grammar", "grammar_short", "tools", "json_masked", "grammar_masked")
+ARMS = ("plain", "penalties", *CONSTRAINED)
 PROMPT = "Describe a person as a JSON object with name, age and hobbies:\n"
 
 
-def _params(arm: str, max_tokens: int, grammars: dict[bool, Grammars]) -> SamplingParams:
+def tools_prompt(tok: Any) -> tuple[list[int], tuple[int, ...], str]:
+    """(prompt ids, the template's end-of-turn ids, the tool-call format) of the tools arm, as
+    the server renders a chat request with ``tools``: through the model's chat template, or, for
+    a file without one (the Gemma 3 270M base model), its role-tagged transcript with the tools
+    described in the system message."""
+    from edge.server import chat_prompt, render_chat
+    from edge.tool_calls import tool_format, with_tools_in_system
+
+    template = getattr(tok, "chat_template", None)
+    if template is None:
+        text = chat_prompt(with_tools_in_system(TOOL_ASK, TOOLS))
+        return list(tok.encode(text)), (), tool_format(None)
+    text = render_chat(template, {"messages": TOOL_ASK, "tools": TOOLS})
+    ends = tuple(template.stop_token_ids)
+    return template.encode(tok.encode, text), ends, tool_format(template.source)
+
+
+def _params(
+    arm: str, max_tokens: int, grammars: dict[bool, Grammars], tools: tuple
+) -> SamplingParams:
     base = {"max_tokens": max_tokens, "temperature": 0.0}
     if arm == "plain":
         return SamplingParams(**base, ignore_eos=True)
@@ -71,15 +140,34 @@ def _params(arm: str, max_tokens: int, grammars: dict[bool, Grammars]) -> Sampli
             logit_bias=((100, -5.0), (200, 2.0)),
         )
     g = grammars[not arm.endswith("_masked")]
+    if arm == "tools":  # tool_choice "required": one call of one of the tools
+        _, ends, fmt = tools
+        schema = call_schema(TOOLS, "required", fmt)
+        return SamplingParams(**base, constraint=g.compile("json_schema", schema, ends))
     if arm.startswith("json"):
         return SamplingParams(**base, constraint=g.compile("json_schema", SCHEMA))
+    if arm == "grammar_short":
+        return SamplingParams(**base, constraint=g.compile("gbnf", GBNF_SHORT))
     return SamplingParams(**base, constraint=g.compile("gbnf", GBNF))
 
 
-def _one(engine: Engine, params: SamplingParams) -> tuple[str, int, float]:
+def _valid_call(text: str, fmt: str) -> bool:
+    """The reply parses as tool calls, each one of the tools with arguments that validate."""
+    _, calls = parse_tool_calls(text, TOOLS, fmt)
+    params = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+    try:
+        for c in calls:
+            fn = c["function"]
+            jsonschema.validate(json.loads(fn["arguments"]), params[fn["name"]])
+    except (ValueError, KeyError, jsonschema.ValidationError):
+        return False
+    return bool(calls)
+
+
+def _one(engine: Engine, prompt: Any, params: SamplingParams) -> tuple[str, int, float]:
     """(text, tokens, seconds from the first token to the last) of one completion."""
     parts, n, first, last = [], 0, None, 0.0
-    for ev in engine.generate(PROMPT, params):
+    for ev in engine.generate(prompt, params):
         parts.append(ev.text)
         if ev.token is not None:
             n += 1
@@ -88,13 +176,15 @@ def _one(engine: Engine, params: SamplingParams) -> tuple[str, int, float]:
     return "".join(parts), n, last - first if first is not None else 0.0
 
 
-def _run(engine: Engine, params: SamplingParams, streams: int) -> tuple[float, int, float, list]:
+def _run(
+    engine: Engine, prompt: Any, params: SamplingParams, streams: int
+) -> tuple[float, int, float, list]:
     """(seconds, tokens generated, decode tokens/s, texts) of ``streams`` completions decoded
     together. Decode tokens/s: each stream's tokens after its first over the time from its
     first to its last, summed over the streams (no prefill, no per-request setup)."""
     t0 = time.perf_counter()
     with ThreadPoolExecutor(streams) as pool:
-        outs = list(pool.map(lambda _: _one(engine, params), range(streams)))
+        outs = list(pool.map(lambda _: _one(engine, prompt, params), range(streams)))
     dt = time.perf_counter() - t0
     decode = sum((n - 1) / span for _, n, span in outs if n > 1 and span > 0)
     return dt, sum(n for _, n, _ in outs), decode, [t for t, _, _ in outs]
@@ -108,12 +198,27 @@ def _valid(text: str) -> bool:
     return True
 
 
+def _valid_list(text: str) -> bool:
+    """Text list.gbnf allows: lines "- item" (the last one cut short by max_tokens)."""
+    lines = text.split("\n")
+    return (
+        bool(text)
+        and all(x.startswith("- ") and len(x) > 2 for x in lines[:-1])
+        and (lines[-1] == "" or lines[-1].startswith("-"))
+    )
+
+
+def _valid_short(text: str) -> bool:
+    return re.fullmatch(r"The answer is [a-z ]+\.", text) is not None
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--gguf", help="the model file (default: the Gemma 3 270M Q4_K_M file)")
     p.add_argument("--streams", type=int, nargs="+", default=[1, 4])
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--max-tokens", type=int, default=48)
+    p.add_argument("--arms", nargs="+", default=list(ARMS), choices=ARMS, help="plain always runs")
     p.add_argument("--json", action="store_true", help="print one JSON line last")
     a = p.parse_args(argv)
     if a.gguf:
@@ -130,34 +235,48 @@ def main(argv: list[str] | None = None) -> int:
     fast.tokenizer()  # the vocabulary's view, built once
     vocab_build_s = time.perf_counter() - t0
     grammars = {True: fast, False: Grammars(tok, model.config.vocab_size, check_first=False)}
-    arms = ("plain", "penalties", *CONSTRAINED)
+    arms = ("plain", *[x for x in ARMS if x in a.arms and x != "plain"])
+    tools = tools_prompt(tok)
+    prompts = {arm: tools[0] if arm == "tools" else PROMPT for arm in arms}
     result: dict = {"vocab": model.config.vocab_size, "vocab_build_s": round(vocab_build_s, 2)}
+    result["tool_format"] = tools[2]
     try:
         for arm in arms:  # warm up: every arm once (a grammar's lexer is built on first use)
-            engine.complete(PROMPT, _params(arm, a.max_tokens, grammars))
+            engine.complete(prompts[arm], _params(arm, a.max_tokens, grammars, tools))
         for streams in a.streams:
             rates: dict[str, list[float]] = {arm: [] for arm in arms}
             decode: dict[str, list[float]] = {arm: [] for arm in arms}
             lengths: dict[str, list[float]] = {arm: [] for arm in arms}
             matched: dict[str, list[float]] = {arm: [] for arm in CONSTRAINED}
-            valid, total = 0, 0
+            valid = {"json": [0, 0], "tools": [0, 0], "grammar": [0, 0]}
+            example: dict[str, str] = {}
             for _ in range(a.repeats):
                 for arm in arms:
-                    dt, n, dec, texts = _run(engine, _params(arm, a.max_tokens, grammars), streams)
+                    params = _params(arm, a.max_tokens, grammars, tools)
+                    dt, n, dec, texts = _run(engine, prompts[arm], params, streams)
                     rates[arm].append(n / dt)
                     decode[arm].append(dec)
                     lengths[arm].append(n / streams)
+                    example.setdefault(arm, texts[0][:200])
                     if arm in CONSTRAINED:  # the plain request of as many tokens, right after
                         k = max(1, round(n / streams))
-                        same = _params("plain", k, grammars)
-                        pdt, pn, _, _ = _run(engine, same, streams)
+                        same = _params("plain", k, grammars, tools)
+                        pdt, pn, _, _ = _run(engine, prompts[arm], same, streams)
                         matched[arm].append((n / dt) / (pn / pdt))
-                    if arm.startswith("json"):
-                        valid += sum(_valid(t) for t in texts)
-                        total += len(texts)
+                    kind = arm.removesuffix("_masked").removesuffix("_short")
+                    if kind in valid:
+                        ok = {
+                            "json": _valid,
+                            "tools": lambda t: _valid_call(t, tools[2]),
+                            "grammar": _valid_list,
+                        }[kind]
+                        if arm == "grammar_short":
+                            ok = _valid_short
+                        valid[kind][0] += sum(ok(t) for t in texts)
+                        valid[kind][1] += len(texts)
             plain = statistics.median(rates["plain"])
             plain_decode = statistics.median(decode["plain"])
-            row = {}
+            row: dict[str, Any] = {}
             for arm in arms:
                 med = statistics.median(rates[arm])
                 dec = statistics.median(decode[arm])
@@ -176,7 +295,10 @@ def main(argv: list[str] | None = None) -> int:
                     row[arm]["matched_relative"] = round(statistics.median(matched[arm]), 3)
                     row[arm]["matched_min"] = round(min(matched[arm]), 3)
                     row[arm]["matched_max"] = round(max(matched[arm]), 3)
-            row["json_valid_fraction"] = valid / total if total else None
+            for kind, (good, total) in valid.items():
+                if total:
+                    row[f"{kind}_valid_fraction"] = good / total
+            row["example"] = example
             result[f"streams_{streams}"] = row
             print(f"streams {streams}: {row}", file=sys.stderr)
     finally:
