@@ -13,7 +13,12 @@ setup included: an arm that ends when its grammar does, after fewer tokens than 
 arm's ``max_tokens``, is charged more prefill per token), and ``decode_tokens_per_s`` from each
 stream's first token to its last (the per-token cost). A constrained arm is also paired with a
 plain request of as many tokens on the same prompt run right after it (``matched_relative``:
-the median of the per-repeat ratios of wall-time tokens/s, prefill included on both sides).
+the median of the per-repeat ratios of wall-time tokens/s, prefill included on both sides; an
+arm as long as the plain one on its prompt is paired with that repeat's plain arm).
+
+``--llama-server [BINARY]``: the same arms on llama.cpp's ``llama-server`` (same file, its
+own fields over HTTP, ``--jinja``), run before ours in every repeat, each relative to its own
+plain arm, with the fraction of its outputs that validate (:class:`LlamaServerPeer`).
 
     python -m benchmarks.edge_api --json                        # the Gemma 3 270M Q4_K_M file
     python -m benchmarks.edge_api --gguf FILE --streams 1 4 --repeats 5 --json
@@ -31,10 +36,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
+import shutil
 import statistics
 import sys
+import tempfile
 import time
+import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -212,6 +221,92 @@ def _valid_short(text: str) -> bool:
     return re.fullmatch(r"The answer is [a-z ]+\.", text) is not None
 
 
+class LlamaServerPeer:
+    """The same arms on llama.cpp's own ``llama-server`` (built once from the llama-cpp-python
+    source release, :func:`benchmarks.edge_serving.build_llama_server`), same file, same
+    cores, ``--jinja`` for tools: ``/v1/completions`` with the same prompt and its own fields
+    (``json_schema``, ``grammar``, penalties, ``ignore_eos``), ``/v1/chat/completions`` with
+    ``tools`` and ``tool_choice: "required"`` (its template: the file's, else its default)."""
+
+    def __init__(self, path: Path, binary: str | None, slots: int, threads: int) -> None:
+        from benchmarks.edge_serving import Arm, ServerProcess, build_llama_server
+
+        exe = Path(binary) if binary else build_llama_server(Path("~/.cache/lowband/bench"))
+        argv = [str(exe), "-m", str(path), "-t", str(threads), "-tb", str(threads)]
+        argv += ["-np", str(slots), "-c", str(slots * 512), "--jinja", "--host", "127.0.0.1"]
+        argv += ["--port", "{port}", "--no-webui"]
+        self.log = Path(tempfile.mkdtemp(prefix="edge-api-peer-")) / "llama-server.log"
+        cores = tuple(sorted(os.sched_getaffinity(0)))[:threads]
+        self.server = ServerProcess(Arm("llama-server", argv, cores, threads), self.log, 600.0)
+        self.url = self.server.__enter__().url
+        self.argv = argv
+
+    def close(self) -> None:
+        self.server.__exit__(None, None, None)
+        shutil.rmtree(self.log.parent, ignore_errors=True)
+
+    def body(self, arm: str, max_tokens: int) -> tuple[str, dict]:
+        base: dict[str, Any] = {"max_tokens": max_tokens, "temperature": 0.0}
+        if arm == "tools":
+            return "/v1/chat/completions", {
+                **base,
+                "messages": TOOL_ASK,
+                "tools": TOOLS,
+                "tool_choice": "required",
+            }
+        base["prompt"] = PROMPT
+        if arm == "plain":
+            base["ignore_eos"] = True
+        elif arm == "penalties":
+            base.update(
+                ignore_eos=True,
+                presence_penalty=0.5,
+                frequency_penalty=0.5,
+                repeat_penalty=1.1,
+                min_p=0.05,
+                logit_bias=[[100, -5.0], [200, 2.0]],
+            )
+        elif arm.startswith("json"):
+            base["json_schema"] = SCHEMA
+        else:
+            base["grammar"] = GBNF_SHORT if arm == "grammar_short" else GBNF
+        return "/v1/completions", base
+
+    def _post(self, route: str, body: dict) -> tuple[str, int, list]:
+        req = urllib.request.Request(
+            self.url + route, json.dumps(body).encode(), {"Content-Type": "application/json"}
+        )
+        with urllib.request.urlopen(req, timeout=600) as r:
+            out = json.loads(r.read())
+        ch = out["choices"][0]
+        text = ch.get("text") if "text" in ch else (ch["message"].get("content") or "")
+        calls = (ch.get("message") or {}).get("tool_calls") or []
+        return text, int(out["usage"]["completion_tokens"]), calls
+
+    def run(self, arm: str, max_tokens: int, streams: int) -> tuple[float, int, list]:
+        route, body = self.body(arm, max_tokens)
+        t0 = time.perf_counter()
+        with ThreadPoolExecutor(streams) as pool:
+            outs = list(pool.map(lambda _: self._post(route, body), range(streams)))
+        return time.perf_counter() - t0, sum(n for _, n, _ in outs), outs
+
+
+def _peer_valid(arm: str, out: tuple[str, int, list]) -> bool:
+    text, _, calls = out
+    if arm == "tools":
+        params = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+        try:
+            for c in calls:
+                fn = c["function"]
+                jsonschema.validate(json.loads(fn["arguments"]), params[fn["name"]])
+        except (ValueError, KeyError, jsonschema.ValidationError):
+            return False
+        return bool(calls)
+    if arm == "grammar_short":
+        return _valid_short(text)
+    return _valid_list(text) if arm.startswith("grammar") else _valid(text)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--gguf", help="the model file (default: the Gemma 3 270M Q4_K_M file)")
@@ -219,6 +314,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--max-tokens", type=int, default=48)
     p.add_argument("--arms", nargs="+", default=list(ARMS), choices=ARMS, help="plain always runs")
+    p.add_argument(
+        "--llama-server",
+        nargs="?",
+        const="",
+        default=None,
+        help="also run the arms on llama-server (a binary, or built once when none is given)",
+    )
+    p.add_argument("--threads", type=int, default=2, help="llama-server's threads")
     p.add_argument("--json", action="store_true", help="print one JSON line last")
     a = p.parse_args(argv)
     if a.gguf:
@@ -240,9 +343,15 @@ def main(argv: list[str] | None = None) -> int:
     prompts = {arm: tools[0] if arm == "tools" else PROMPT for arm in arms}
     result: dict = {"vocab": model.config.vocab_size, "vocab_build_s": round(vocab_build_s, 2)}
     result["tool_format"] = tools[2]
+    peer = None
+    if a.llama_server is not None:
+        peer = LlamaServerPeer(path, a.llama_server or None, max(a.streams), a.threads)
+        result["llama_server_argv"] = [x.replace(str(Path.home()), "~") for x in peer.argv]
     try:
         for arm in arms:  # warm up: every arm once (a grammar's lexer is built on first use)
             engine.complete(prompts[arm], _params(arm, a.max_tokens, grammars, tools))
+            if peer is not None:
+                peer.run(arm, a.max_tokens, 1)
         for streams in a.streams:
             rates: dict[str, list[float]] = {arm: [] for arm in arms}
             decode: dict[str, list[float]] = {arm: [] for arm in arms}
@@ -250,7 +359,21 @@ def main(argv: list[str] | None = None) -> int:
             matched: dict[str, list[float]] = {arm: [] for arm in CONSTRAINED}
             valid = {"json": [0, 0], "tools": [0, 0], "grammar": [0, 0]}
             example: dict[str, str] = {}
+            peer_rates: dict[str, list[float]] = {arm: [] for arm in arms}
+            peer_lengths: dict[str, list[float]] = {arm: [] for arm in arms}
+            peer_valid: dict[str, list[int]] = {arm: [0, 0] for arm in arms}
             for _ in range(a.repeats):
+                if peer is not None:  # the peer's arms, then ours (alternating)
+                    for arm in arms:
+                        dt, n, outs = peer.run(arm, a.max_tokens, streams)
+                        peer_rates[arm].append(n / dt)
+                        peer_lengths[arm].append(n / streams)
+                        if arm != "plain" and arm != "penalties":
+                            peer_valid[arm][0] += sum(_peer_valid(arm, o) for o in outs)
+                            peer_valid[arm][1] += len(outs)
+                        example.setdefault(
+                            "llama-server " + arm, str(outs[0][0] or outs[0][2])[:200]
+                        )
                 for arm in arms:
                     params = _params(arm, a.max_tokens, grammars, tools)
                     dt, n, dec, texts = _run(engine, prompts[arm], params, streams)
@@ -258,8 +381,10 @@ def main(argv: list[str] | None = None) -> int:
                     decode[arm].append(dec)
                     lengths[arm].append(n / streams)
                     example.setdefault(arm, texts[0][:200])
-                    if arm in CONSTRAINED:  # the plain request of as many tokens, right after
-                        k = max(1, round(n / streams))
+                    k = max(1, round(n / streams))
+                    if arm in CONSTRAINED and k == a.max_tokens and prompts[arm] == PROMPT:
+                        matched[arm].append((n / dt) / rates["plain"][-1])  # that one ran
+                    elif arm in CONSTRAINED:  # the plain request of as many tokens, right after
                         same = _params("plain", k, grammars, tools)
                         pdt, pn, _, _ = _run(engine, prompts[arm], same, streams)
                         matched[arm].append((n / dt) / (pn / pdt))
@@ -298,10 +423,28 @@ def main(argv: list[str] | None = None) -> int:
             for kind, (good, total) in valid.items():
                 if total:
                     row[f"{kind}_valid_fraction"] = good / total
+            if peer is not None:
+                pplain = statistics.median(peer_rates["plain"])
+                prow: dict[str, Any] = {}
+                for arm in arms:
+                    med = statistics.median(peer_rates[arm])
+                    prow[arm] = {
+                        "tokens_per_s": round(med, 2),
+                        "min": round(min(peer_rates[arm]), 2),
+                        "max": round(max(peer_rates[arm]), 2),
+                        "relative": round(med / pplain, 3),
+                        "tokens_per_stream": round(statistics.median(peer_lengths[arm]), 1),
+                    }
+                    good, total = peer_valid[arm]
+                    if total:
+                        prow[arm]["valid_fraction"] = good / total
+                row["llama_server"] = prow
             row["example"] = example
             result[f"streams_{streams}"] = row
             print(f"streams {streams}: {row}", file=sys.stderr)
     finally:
+        if peer is not None:
+            peer.close()
         engine.close()
         for g in grammars.values():
             g.close()

@@ -1154,7 +1154,14 @@ class Server:
         self._admit(opts.n, "n")
         template = self._template()
         if template is None:
-            ids = await self._prepare(chat_prompt(body.get("messages"), body), opts.params)
+            messages = body.get("messages")
+            if (
+                opts.calls_tools
+                and isinstance(messages, list)
+                and all(isinstance(m, dict) for m in messages)
+            ):  # else the model never sees them
+                messages = with_tools_in_system(messages, list(opts.tools))
+            ids = await self._prepare(chat_prompt(messages, body), opts.params)
             return await self._respond(request, opts, [ids], chat=True)
         # A big conversation takes a while to render and tokenise: both off the event loop.
         if body.get("tools") is not None and not opts.calls_tools:

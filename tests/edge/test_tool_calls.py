@@ -10,6 +10,7 @@ import json
 import jsonschema
 import pytest
 
+from edge.engine import Engine, LocalRunner
 from edge.server import render_chat
 from edge.tool_calls import (
     GENERIC,
@@ -27,6 +28,8 @@ from edge.tool_calls import (
 )
 from lowband.errors import ConfigError
 from lowband.models.chat_template import ChatTemplate
+from lowband.models.llama import LlamaForCausalLM, init_weights
+from tests.conftest import tiny_llama
 from tests.edge.test_openai_api import _engine, post, run, sse
 from tests.edge.test_structured import EosBytes
 
@@ -53,6 +56,13 @@ TOOLS = [
         },
     },
 ]
+
+
+def _tools_engine(tokenizer=None) -> Engine:
+    """The tiny model with room for the tools a template-less prompt describes (~520 bytes)."""
+    model = LlamaForCausalLM(tiny_llama(max_position_embeddings=1024)).eval()
+    init_weights(model, std=0.3, seed=1)
+    return Engine(LocalRunner(model), tokenizer or EosBytes(), model_name="tiny")
 
 
 def _args(call: dict) -> dict:
@@ -199,7 +209,7 @@ def test_required_and_named_calls_always_parse_and_validate(temperature) -> None
         )
         return outs, none
 
-    outs, none = run(body, _engine(EosBytes()))
+    outs, none = run(body, _tools_engine())
     for choice, out in outs:
         c = out["choices"][0]
         assert c["finish_reason"] == "tool_calls", c
@@ -223,7 +233,7 @@ def test_streamed_tool_calls_as_openai_deltas() -> None:
         }
         return await sse(s, "/v1/chat/completions", req)
 
-    events = run(body, _engine(EosBytes()))
+    events = run(body, _tools_engine())
     deltas = [e["choices"][0]["delta"] for e in events]
     assert deltas[0] == {"role": "assistant"}
     head, args = deltas[1]["tool_calls"][0], deltas[2]["tool_calls"][0]
@@ -280,3 +290,25 @@ def test_tools_reach_a_template_that_does_not_render_them() -> None:
     )
     assert template_takes_tools(own.source)
     assert render_chat(own, {"messages": hi, "tools": TOOLS}) == "2hi"
+
+
+def test_tools_reach_a_model_without_a_template() -> None:
+    """A file without a chat template (a base model) gets the role-tagged transcript; with
+    tools offered (not tool_choice none) they are described in its system message, as for a
+    template that does not render them: the prompt is that transcript, token for token."""
+    from edge.server import chat_prompt
+    from edge.tool_calls import with_tools_in_system
+
+    hi = [{"role": "user", "content": "hi"}]
+
+    async def body(s, engine):
+        out = {}
+        for choice in ("auto", "none"):
+            req = {"messages": hi, "tools": TOOLS, "tool_choice": choice, "max_tokens": 1}
+            out[choice] = (await post(s, "/v1/chat/completions", req))["usage"]["prompt_tokens"]
+        return out
+
+    tok = EosBytes()
+    got = run(body, _tools_engine(tok))
+    assert got["auto"] == len(tok.encode(chat_prompt(with_tools_in_system(hi, TOOLS))))
+    assert got["none"] == len(tok.encode(chat_prompt(hi)))
