@@ -740,9 +740,22 @@ def render_chat(template: ChatTemplate, body: dict) -> str:
     try:
         messages = normalize_messages(body.get("messages"))
         source = template.named.get(TOOL_USE_NAME, template.source)
-        if tools and not template_takes_tools(source):
-            messages = with_tools_in_system(messages, tools)  # else the model never sees them
-        text = template.render(messages, add_generation_prompt=header, tools=tools, **kwargs)
+        if tools and not template_takes_tools(source):  # else the model never sees them
+            given = messages
+            messages = with_tools_in_system(given, tools)
+            try:
+                text = template.render(
+                    messages, add_generation_prompt=header, tools=tools, **kwargs
+                )
+            except ChatTemplateError:  # one that refuses a system message (Gemma 2's)
+                if given and given[0].get("role") == "system":
+                    raise
+                messages = with_tools_in_system(given, tools, role="user")
+                text = template.render(
+                    messages, add_generation_prompt=header, tools=tools, **kwargs
+                )
+        else:
+            text = template.render(messages, add_generation_prompt=header, tools=tools, **kwargs)
     except ChatTemplateError as exc:
         raise ApiError(400, str(exc), param="messages", code="chat_template_error") from None
     if go_on:  # the last message left open, as transformers' continue_final_message cuts it

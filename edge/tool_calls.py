@@ -42,11 +42,14 @@ def template_takes_tools(template_source: str | None) -> bool:
     return "tools" in (template_source or "")
 
 
-def with_tools_in_system(messages: list[dict], tools: list[dict]) -> list[dict]:
+def with_tools_in_system(
+    messages: list[dict], tools: list[dict], role: str = "system"
+) -> list[dict]:
     """``messages`` with the tools described in the system message (one added first when there
     is none), for a template that does not render tools itself: the model is told the functions
     and the generic format to call them in, which :func:`parse_tool_calls` reads back (as
-    llama-server's generic tool format does for such templates)."""
+    llama-server's generic tool format does for such templates). ``role="user"``: in the first
+    message instead, whatever its role (a template that refuses system messages, as Gemma 2's)."""
     lines = "\n".join(json.dumps(t.get("function", t), ensure_ascii=False) for t in tools)
     text = (
         "You can call these functions:\n"
@@ -55,7 +58,7 @@ def with_tools_in_system(messages: list[dict], tools: list[dict]) -> list[dict]:
         '"arguments": <its arguments>} (a list of them for several calls); otherwise reply '
         "as usual."
     )
-    if messages and messages[0].get("role") == "system":
+    if messages and (role == "user" or messages[0].get("role") == "system"):
         first = dict(messages[0])
         content = first.get("content")
         if isinstance(content, str):

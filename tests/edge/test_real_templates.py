@@ -1,8 +1,21 @@
 """Tool calls and structured output through real chat templates: Llama 3.1's and Qwen2.5's
 (``data/templates``: the models' published templates as llama.cpp keeps them in
-``models/templates``, from their HF ``tokenizer_config.json``), carried by small GGUF files, and
-Gemma 3's instruction-tuned template (``google-gemma-3-it.jinja``, the ``chat_template`` of
-google/gemma-3-*-it) on the published 270M file.
+``models/templates``, from their HF ``tokenizer_config.json``; these two and Gemma 2's are
+byte for byte ``vendor/llama.cpp/models/templates/*.jinja`` of the llama-cpp-python 0.3.36
+source release), carried by small GGUF files, and Gemma 3's instruction-tuned template
+(``google-gemma-3-it.jinja``, the ``chat_template`` of google/gemma-3-*-it) on the published
+270M file.
+
+Provenance of the Gemma 3 file: no copy of Gemma 3's template is available offline here. The
+270M GGUF is the base model and carries none; the llama-cpp-python 0.3.36 release has Gemma 2's
+and Gemma 4's templates in ``models/templates`` but not Gemma 3's (its
+``tests/test-chat-template.cpp`` has only google/gemma-7b-it's); no transformers or Hugging
+Face cache is installed. ``google-gemma-3-it.jinja`` was checked equal, all 1,532 characters,
+to the ``chat_template`` string of Gemma 3's ``tokenizer_config.json`` as quoted verbatim in
+the Berkeley Function-Calling Leaderboard's Gemma handler
+(``bfcl/model_handler/local_inference/gemma.py``), read from a stored index of public
+repositories, not from this machine. Gemma 2's template (genuine, offline) has the same turns
+and refuses system messages: the tools then go into the first user turn.
 
 For each: the tools are rendered into the prompt the way the template writes them (Gemma 3's
 template ignores tools, so the server describes them in the system message), a call written in
@@ -22,7 +35,14 @@ from edge.engine import Engine, LocalRunner
 from edge.server import ApiError, render_chat
 from edge.shardio import load_shard
 from edge.source import resolve_model
-from edge.tool_calls import GENERIC, HERMES, LLAMA3, parse_tool_calls, tool_format
+from edge.tool_calls import (
+    GENERIC,
+    HERMES,
+    LLAMA3,
+    parse_tool_calls,
+    template_takes_tools,
+    tool_format,
+)
 from lowband.models.chat_template import (
     ChatTemplate,
     normalize_messages,
@@ -144,6 +164,28 @@ def test_required_calls_over_http_with_the_real_template(name: str, tmp_path: Pa
     path = write_model(tmp_path / f"{name}.gguf", (DATA / TEMPLATES[name][0]).read_text())
     engine = _engine(path)
     assert tool_format(engine.tokenizer.chat_template.source) == TEMPLATES[name][1]
+    run(_http_checks, engine)
+
+
+def test_gemma2_template_refuses_a_system_message_so_tools_go_first(tmp_path: Path) -> None:
+    """Gemma 2's published template (``google-gemma-2-2b-it.jinja``: llama.cpp's
+    ``models/templates`` as vendored in the llama-cpp-python 0.3.36 source release, the
+    ``chat_template`` of google/gemma-2-2b-it) renders no tools and raises on a system message:
+    the tools go at the head of the first user turn instead, and required/named calls and
+    json_schema replies over HTTP parse and validate (a request with its own system message
+    stays a 400, as the template says)."""
+    source = (DATA / "google-gemma-2-2b-it.jinja").read_text()
+    assert "System role not supported" in source and not template_takes_tools(source)
+    tpl = ChatTemplate(source=source, bos_token="<bos>", eos_token="<eos>")
+    prompt = render_chat(tpl, {"messages": ASK, "tools": TOOLS})
+    assert prompt.startswith("<bos><start_of_turn>user\nYou can call these functions:")
+    assert '"name": "weather"' in prompt and prompt.count("<start_of_turn>user") == 1
+    assert prompt.endswith("Weather in Paris?<end_of_turn>\n<start_of_turn>model\n")
+    assert render_chat(tpl, {"messages": ASK}).startswith("<bos><start_of_turn>user\nWeather")
+    with pytest.raises(ApiError):
+        render_chat(tpl, {"messages": [{"role": "system", "content": "x"}, *ASK], "tools": TOOLS})
+    engine = _engine(write_model(tmp_path / "gemma2.gguf", source))
+    assert tool_format(engine.tokenizer.chat_template.source) == GENERIC
     run(_http_checks, engine)
 
 
