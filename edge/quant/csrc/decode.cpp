@@ -46,6 +46,7 @@
 #include "gemv_kernels.h"
 #include "pool.h"
 #include "ggml_kernels.h"
+#include "splitk.h"
 #include "starlink_wire.h"
 
 namespace py = pybind11;
@@ -371,6 +372,10 @@ struct Lin {
   const uint16_t* sp = nullptr;
   const float* bp = nullptr;
   const uint8_t* pp = nullptr;  // ggml: the repacked layout for batches (ggml_pack), or null
+  // ggml: K values per leaf of the split-K tree (splitk.h), 0: none; leaves: the S = K / chunk
+  // leaf linears (blocks and repacked layout at the leaf's offset, rows row_bytes apart)
+  int64_t chunk = 0;
+  std::vector<Lin> leaves;
 };
 
 void check_f32(const torch::Tensor& t, const char* what) {
@@ -378,12 +383,37 @@ void check_f32(const torch::Tensor& t, const char* what) {
               " must be a contiguous float32 CPU tensor");
 }
 
-// (kind, tensor0, tensor1 | None, group, bias | None): kind 32 (fp32 weight, None, 0), 8 / 4
+// Cut a ggml linear into the leaves of its split-K tree (splitk.h): chunk K values each.
+void split_lin(Lin& l, int64_t chunk) {
+  if (chunk <= 0 || chunk >= l.K) return;
+  TORCH_CHECK(l.kind == kGGML, "a split-K chunk is for ggml blocks only");
+  int qk = 0, size = 0;
+  lbq::ggml::block_shape(l.G, &qk, &size);
+  const int64_t S = l.K / chunk;
+  TORCH_CHECK(chunk % qk == 0 && l.K % chunk == 0 && (S & (S - 1)) == 0, "split-K chunk ", chunk,
+              " must be whole blocks of ", qk, " and cut K=", l.K, " into a power of two of leaves");
+  const int64_t pb = l.pp != nullptr ? lbq::ggml::packed_bytes(l.G, l.N, chunk) : 0;
+  l.chunk = chunk;
+  for (int64_t c = 0; c < S; ++c) {
+    Lin f;
+    f.kind = kGGML;
+    f.G = l.G;
+    f.N = l.N;
+    f.K = chunk;
+    f.row_bytes = l.row_bytes;
+    f.qp = l.qp + c * (chunk / qk) * size;
+    f.pp = l.pp != nullptr ? l.pp + c * pb : nullptr;
+    l.leaves.push_back(f);
+  }
+}
+
+// (kind, tensor0, tensor1 | None, group, bias | None[, chunk | None]): kind 32 (fp32 weight, None, 0), 8 / 4
 // (qweight, fp16 scales, group) or 0 (ggml blocks uint8 [N, row_bytes], repacked layout | None,
 // ggml type id).
 Lin parse_lin(const py::handle& h) {
   auto t = h.cast<py::tuple>();
-  TORCH_CHECK(t.size() == 5, "a linear is (kind, w_or_qweight, scales|None, group, bias|None)");
+  TORCH_CHECK(t.size() == 5 || t.size() == 6,
+              "a linear is (kind, w_or_qweight, scales|None, group, bias|None[, chunk|None])");
   Lin l;
   l.kind = t[0].cast<int>();
   l.G = t[3].cast<int>();
@@ -430,6 +460,7 @@ Lin parse_lin(const py::handle& h) {
     l.sp = reinterpret_cast<const uint16_t*>(l.s.data_ptr<at::Half>());
   }
   if (l.bp != nullptr) TORCH_CHECK(l.b.numel() == l.N, "bias must have N elements");
+  if (t.size() == 6 && !t[5].is_none()) split_lin(l, t[5].cast<int64_t>());
   return l;
 }
 
@@ -439,6 +470,7 @@ struct QScratch {
   std::vector<float> d;
   std::vector<int32_t> s;
   lbq::ggml::GActBuf g;  // ggml: the int8 activations and their sums
+  std::vector<float> leaves;  // the split-K leaves' outputs (splitk.h)
 };
 
 // Y[m0:m1, n] of a packed weight: the kernel's row tiles of <= 4 activation rows.
@@ -523,7 +555,10 @@ void ggml_dispatch(int type, const uint8_t* w, int64_t row_bytes, const lbq::ggm
 // one kernel pass over the weight for all M rows, split over threads by output rows.
 void run_lin(const Lin& l, const float* x, int64_t ldx, int64_t M, float* Y, int64_t ldy, QScratch& qs) {
   if (l.N == 0 || M == 0) return;
-  if (l.K == 0) {
+  if (!l.leaves.empty()) {  // leaf c reads values c * chunk.. of each row; the tree adds them
+    lbq::split_k_tree(static_cast<int64_t>(l.leaves.size()), M, l.N, Y, ldy, qs.leaves,
+                      [&](int64_t c, float* part, int64_t ldp) { run_lin(l.leaves[c], x + c * l.chunk, ldx, M, part, ldp, qs); });
+  } else if (l.K == 0) {
     for (int64_t m = 0; m < M; ++m) std::fill(Y + m * ldy, Y + m * ldy + l.N, 0.f);
   } else if (l.kind == 32) {
     const int64_t grain = std::max<int64_t>(16, (int64_t{1} << 16) / l.K);
