@@ -179,6 +179,70 @@ def measure(a) -> dict:
     }
 
 
+def speed(a) -> dict:
+    """One device's decode and prompt with the split-K tree (as loaded) and without it
+    (``split_k(0)`` on every matrix), the compiled step re-installed for each, alternating,
+    ``--repeats`` rounds on ``--threads`` threads: what bit-exact TP costs a single device."""
+    from edge import fastpath
+    from edge.formats.gguf import load_gguf
+    from edge.quant.linear import GGMLLinear
+    from edge.tp import split_row_parallel
+
+    torch.set_num_threads(a.threads)
+    model = load_gguf(a.gguf)
+    prompt = _ids(model.config.vocab_size, a.prompt_len, a.seed)
+    long = _ids(model.config.vocab_size, a.prefill_len, a.seed + 1)
+
+    def arm(split: bool) -> tuple[float, float]:
+        if split:
+            split_row_parallel(model)
+        else:
+            for m in model.modules():
+                if isinstance(m, GGMLLinear):
+                    m.split_k(0)
+        why = fastpath.install(model)
+        if why is not None:
+            raise RuntimeError(f"the compiled step does not install: {why}")
+        with torch.inference_mode():
+            cache = model.new_cache()
+            t0 = time.perf_counter()
+            model.forward_layers(model.embed(torch.tensor([long])), cache=cache, start=0)
+            prefill = time.perf_counter() - t0
+            cache = model.new_cache()
+            logits = model(torch.tensor([prompt]), cache=cache)
+            tok, pos, times = int(logits[0, -1].argmax()), len(prompt), []
+            for _ in range(a.tokens):
+                t = time.perf_counter()
+                logits = model(torch.tensor([[tok]]), cache=cache, start=pos)
+                times.append(time.perf_counter() - t)
+                tok, pos = int(logits[0, -1].argmax()), pos + 1
+        return 1e3 * sorted(times)[len(times) // 2], 1e3 * prefill
+
+    runs: dict[str, list[tuple[float, float]]] = {"split": [], "unsplit": []}
+    for i in range(a.repeats):
+        for name in ("split", "unsplit") if i % 2 == 0 else ("unsplit", "split"):
+            runs[name].append(arm(name == "split"))
+
+    def stats(xs: list[float]) -> dict:
+        xs = sorted(xs)
+        return {
+            "median": round(xs[len(xs) // 2], 3),
+            "min": round(xs[0], 3),
+            "max": round(xs[-1], 3),
+        }
+
+    return {
+        "bench": "edge_tp_agreement.speed",
+        "file": Path(a.gguf).name,
+        "threads": a.threads,
+        "repeats": a.repeats,
+        "tokens": a.tokens,
+        "decode_ms_per_token": {k: stats([r[0] for r in v]) for k, v in runs.items()},
+        "prefill_ms": {k: stats([r[1] for r in v]) for k, v in runs.items()},
+        "prefill_len": a.prefill_len,
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         prog="python -m benchmarks.edge_tp_agreement", description=__doc__.split("\n")[0]
@@ -192,9 +256,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--eager", action="store_true", help="the eager layers, not the compiled step")
     p.add_argument("--timeout", type=float, default=1800.0)
+    p.add_argument(
+        "--speed",
+        action="store_true",
+        help="instead: one device's decode/prefill with and without the split-K tree",
+    )
+    p.add_argument("--threads", type=int, default=1, help="with --speed")
+    p.add_argument("--repeats", type=int, default=5, help="with --speed")
+    p.add_argument("--prefill-len", type=int, default=512, help="with --speed")
     p.add_argument("--json", action="store_true")
     a = p.parse_args(argv)
-    res = measure(a)
+    res = speed(a) if a.speed else measure(a)
     if not a.json:
         print(json.dumps(res, indent=2))
     print(json.dumps(res))

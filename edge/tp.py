@@ -26,14 +26,16 @@ over the whole input on one rank, with the activations quantized per 32 values a
 quantizes them (every split is on whole blocks), so their outputs have one device's bits.
 Row-parallel ones (``o_proj``, ``down_proj``, expert ``w2``) add partial sums over their input
 columns; for ggml blocks (``GGMLLinear``) one device computes them in the same order: split-K
-into ``REDUCE_LEAVES`` leaves added pairwise (:func:`split_row_parallel`,
+into ``REDUCE_LEAVES`` (2) leaves added pairwise (:func:`split_row_parallel`,
 ``edge/quant/csrc/splitk.h``), so a rank holding an aligned power of two of leaves computes a
 subtree, and the all-reduce adds the subtrees. Two ranks: ``a + b == b + a``, so an even
 2-way split gives one device's logits bit for bit. Where it cannot hold: more than two ranks
-(the star all-reduce adds ``((r0 + r1) + r2) + r3``, not the tree's ``(r0 + r1) + (r2 + r3)``);
-a split that is not on leaf boundaries (uneven ``weights``, 3 ranks, a KV-group split of
-``o_proj`` off the leaves); a bias on a row-parallel matrix (rank 0 adds it before the sum);
-Q8_0/Q4_0 matrices (``QuantLinear``: no split-K); a wire codec (int8 rounds the partials).
+(a rank's columns are not whole leaves of the 2-leaf tree; 4 leaves would fix the kernels'
+side, but the star all-reduce adds ``((r0 + r1) + r2) + r3``, not ``(r0 + r1) + (r2 + r3)``);
+a 2-way split off the leaf boundary (uneven ``weights``; ``o_proj`` when the KV groups do not
+split evenly; a rank with no KV group is fine: it adds zeros, which is exact); a bias on a
+row-parallel matrix (rank 0 adds it before the sum); Q8_0/Q4_0 matrices (``QuantLinear``:
+no split-K); a wire codec (int8 rounds the partials).
 
 :func:`slice_of` is the single source of truth for "which part of tensor ``name`` does rank r
 hold"; ``shard``, the checkpoint loader and ``lowband edge split`` all use it.
@@ -213,9 +215,11 @@ def make_plan(
     )
 
 
-# Leaves of the split-K tree of a row-parallel ggml matrix: 2- and 4-way even splits are whole
-# subtrees. More leaves cost a horizontal sum and a kernel pass each (4: see the module doc).
-REDUCE_LEAVES = 4
+# Leaves of the split-K tree of a row-parallel ggml matrix: an even 2-way split holds whole
+# subtrees. Each leaf costs a horizontal sum per output and its own activation pass; 4 leaves
+# would make 4-way splits subtrees too, but the star all-reduce does not add 4 ranks in the
+# tree's order (see the module doc), so one device pays only for the 2-way tree.
+REDUCE_LEAVES = 2
 
 _ROW_PARALLEL = re.compile(
     r"model\.layers\.\d+\.(self_attn\.o_proj|mlp\.down_proj|block_sparse_moe\.experts\.\d+\.w2)$"

@@ -390,7 +390,7 @@ void split_lin(Lin& l, int64_t chunk) {
   int qk = 0, size = 0;
   lbq::ggml::block_shape(l.G, &qk, &size);
   const int64_t S = l.K / chunk;
-  TORCH_CHECK(chunk % qk == 0 && l.K % chunk == 0 && (S & (S - 1)) == 0, "split-K chunk ", chunk,
+  TORCH_CHECK(chunk % qk == 0 && l.K % chunk == 0 && (S & (S - 1)) == 0 && S <= lbq::kMaxLeaves, "split-K chunk ", chunk,
               " must be whole blocks of ", qk, " and cut K=", l.K, " into a power of two of leaves");
   const int64_t pb = l.pp != nullptr ? lbq::ggml::packed_bytes(l.G, l.N, chunk) : 0;
   l.chunk = chunk;
@@ -470,7 +470,8 @@ struct QScratch {
   std::vector<float> d;
   std::vector<int32_t> s;
   lbq::ggml::GActBuf g;  // ggml: the int8 activations and their sums
-  std::vector<float> leaves;  // the split-K leaves' outputs (splitk.h)
+  std::vector<lbq::ggml::GActBuf> gl;  // split-K: each leaf's int8 activations (splitk.h)
+  std::vector<float> leaves;            // split-K: the leaves' outputs
 };
 
 // Y[m0:m1, n] of a packed weight: the kernel's row tiles of <= 4 activation rows.
@@ -551,13 +552,39 @@ void ggml_dispatch(int type, const uint8_t* w, int64_t row_bytes, const lbq::ggm
   // clang-format on
 }
 
+// run_lin of a linear cut into split-K leaves (splitk.h): leaf c reads values c * chunk.. of
+// each activation row, quantized once per leaf; groups of 16 weight rows, all leaves each.
+void run_split(const Lin& l, const float* x, int64_t ldx, int64_t M, float* Y, int64_t ldy, QScratch& qs) {
+  const int64_t S = static_cast<int64_t>(l.leaves.size()), C = l.chunk, N = l.N;
+  qs.gl.resize(static_cast<size_t>(S));
+  for (auto& g : qs.gl) g.resize(M, C);
+  lbq::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; ++m)
+      for (int64_t c = 0; c < S; ++c) qs.gl[c].row(x + m * ldx + c * C, m, C);
+  });
+  std::vector<lbq::ggml::GAct> acts;
+  for (int64_t c = 0; c < S; ++c) acts.push_back(qs.gl[c].view(M, C));
+  qs.leaves.resize(static_cast<size_t>(S * M * N));
+  float* part = qs.leaves.data();
+  auto rows = [&](int64_t n0, int64_t n1) {
+    lbq::split_k_rows(S, M, N, n0, n1, part, Y, ldy, [&](int64_t c, int64_t a, int64_t b, float* pc) {
+      const Lin& f = l.leaves[c];
+      ggml_dispatch(f.G, f.qp, f.row_bytes, acts[c], a, b, pc, N, f.pp);
+    });
+  };
+  if (l.pp != nullptr) {  // threads split on the 16-row groups of the repacked layout
+    lbq::parallel_for(0, (N + 15) / 16, 1, [&](int64_t g0, int64_t g1) { rows(g0 * 16, std::min(N, g1 * 16)); });
+  } else {
+    lbq::parallel_for(0, N, std::max<int64_t>(16, (int64_t{1} << 16) / l.K), rows);
+  }
+}
+
 // Y[m, 0:N] = lin(x + m * ldx) for the M activation rows (K values each), rows of Y ldy apart:
 // one kernel pass over the weight for all M rows, split over threads by output rows.
 void run_lin(const Lin& l, const float* x, int64_t ldx, int64_t M, float* Y, int64_t ldy, QScratch& qs) {
   if (l.N == 0 || M == 0) return;
-  if (!l.leaves.empty()) {  // leaf c reads values c * chunk.. of each row; the tree adds them
-    lbq::split_k_tree(static_cast<int64_t>(l.leaves.size()), M, l.N, Y, ldy, qs.leaves,
-                      [&](int64_t c, float* part, int64_t ldp) { run_lin(l.leaves[c], x + c * l.chunk, ldx, M, part, ldp, qs); });
+  if (!l.leaves.empty()) {
+    run_split(l, x, ldx, M, Y, ldy, qs);
   } else if (l.K == 0) {
     for (int64_t m = 0; m < M; ++m) std::fill(Y + m * ldy, Y + m * ldy + l.N, 0.f);
   } else if (l.kind == 32) {

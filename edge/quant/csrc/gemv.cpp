@@ -122,7 +122,8 @@ torch::Tensor ggml_gemv(const torch::Tensor& x, const torch::Tensor& blocks, int
   }
   const bool split = chunk > 0 && chunk < K;
   const int64_t S = split ? K / chunk : 1;
-  TORCH_CHECK(!split || (chunk % qk == 0 && K % chunk == 0 && (S & (S - 1)) == 0), "split-K chunk ", chunk,
+  TORCH_CHECK(!split || (chunk % qk == 0 && K % chunk == 0 && (S & (S - 1)) == 0 && S <= lbq::kMaxLeaves),
+              "split-K chunk ", chunk,
               " must be whole blocks of ", qk, " and cut K=", K, " into a power of two of leaves");
   auto y = torch::zeros({M, N}, x.options());
   if (M > 0 && N > 0 && K > 0) {
@@ -130,18 +131,32 @@ torch::Tensor ggml_gemv(const torch::Tensor& x, const torch::Tensor& blocks, int
     const uint8_t* wp = blocks.data_ptr<uint8_t>();
     float* yp = y.data_ptr<float>();
     const int t = static_cast<int>(type);
-    const int64_t Kc = split ? chunk : K;
     // (the layout's bytes grow with K, so the S leaves' layouts take the whole weight's)
     const uint8_t* pp = packed.has_value() ? ggml_packed_ptr(*packed, type, N, K) : nullptr;
     if (!split) {
       ggml_rows_all(xp, K, M, K, t, wp, row_bytes, N, pp, yp);
-    } else {
-      const int64_t pb = lbq::ggml::packed_bytes(t, N, Kc), leaf_bytes = Kc / qk * size;
-      std::vector<float> scratch;
-      lbq::split_k_tree(S, M, N, yp, N, scratch, [&](int64_t c, float* part, int64_t ldp) {
-        (void)ldp;  // == N
-        ggml_rows_all(xp + c * Kc, K, M, Kc, t, wp + c * leaf_bytes, row_bytes, N, pp ? pp + c * pb : nullptr, part);
+    } else {  // as decode.cpp's run_split: each leaf's activations, 16 weight rows at a time
+      const int64_t pb = lbq::ggml::packed_bytes(t, N, chunk), leaf_bytes = chunk / qk * size;
+      std::vector<lbq::ggml::GActBuf> bufs(static_cast<size_t>(S));
+      for (auto& b : bufs) b.resize(M, chunk);
+      lbq::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
+        for (int64_t m = m0; m < m1; ++m)
+          for (int64_t c = 0; c < S; ++c) bufs[c].row(xp + m * K + c * chunk, m, chunk);
       });
+      std::vector<lbq::ggml::GAct> acts;
+      for (int64_t c = 0; c < S; ++c) acts.push_back(bufs[c].view(M, chunk));
+      std::vector<float> part(static_cast<size_t>(S * M * N));
+      auto rows = [&](int64_t n0, int64_t n1) {
+        lbq::split_k_rows(S, M, N, n0, n1, part.data(), yp, N, [&](int64_t c, int64_t a, int64_t b, float* pc) {
+          lbq::ggml::gemv_rows(t, wp + c * leaf_bytes, row_bytes, acts[c], N, a, b, pc,
+                               pp != nullptr ? pp + c * pb : nullptr);
+        });
+      };
+      if (pp != nullptr) {
+        lbq::parallel_for(0, (N + 15) / 16, 1, [&](int64_t g0, int64_t g1) { rows(g0 * 16, std::min(N, g1 * 16)); });
+      } else {
+        lbq::parallel_for(0, N, std::max<int64_t>(16, (int64_t{1} << 16) / K), rows);
+      }
     }
   }
   if (bias.has_value() && M > 0) y += bias->unsqueeze(0);
