@@ -77,15 +77,15 @@ _F32_HEAD_ROWS = 32  # see FastDecode.__init__
 
 
 def _lin(mod: nn.Module) -> tuple:
-    """``(kind, weight | qweight | blocks, scales | None, group | ggml type, bias | None)``
-    for the C++ side (``parse_lin`` in decode.cpp)."""
+    """``(kind, weight | qweight | blocks, scales | None, group | ggml type, bias | None
+    [, split-K chunk])`` for the C++ side (``parse_lin`` in decode.cpp)."""
     bias = getattr(mod, "bias", None)
     if bias is not None:
         bias = bias.detach().to(torch.float32).contiguous()
     if isinstance(mod, QuantLinear):
         return (mod.bits, mod.qweight.contiguous(), mod.scales.contiguous(), mod.group, bias)
-    if isinstance(mod, GGMLLinear):
-        return (_GGML, mod.blocks.contiguous(), mod.packed, mod.qtype.type_id, bias)
+    if isinstance(mod, GGMLLinear):  # split-K leaves of k_chunk values (0: none)
+        return (_GGML, mod.blocks.contiguous(), mod.packed, mod.qtype.type_id, bias, mod.k_chunk)
     w = cast(torch.Tensor, mod.weight).detach()
     return (32, w if w.is_contiguous() else w.contiguous(), None, 0, bias)
 

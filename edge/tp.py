@@ -21,6 +21,22 @@ Uneven splits: ``weights`` (device memory or speed) apportion KV groups and FFN 
 largest-remainder method. A rank may get zero KV groups when there are more ranks than groups;
 it still takes part in the all-reduce with a zero contribution.
 
+Bit-exact TP: column-parallel matrices (q/k/v, gate/up, the head's rows) compute each output
+over the whole input on one rank, with the activations quantized per 32 values as one device
+quantizes them (every split is on whole blocks), so their outputs have one device's bits.
+Row-parallel ones (``o_proj``, ``down_proj``, expert ``w2``) add partial sums over their input
+columns; for ggml blocks (``GGMLLinear``) one device computes them in the same order: split-K
+into ``REDUCE_LEAVES`` (2) leaves added pairwise (:func:`split_row_parallel`,
+``edge/quant/csrc/splitk.h``), so a rank holding an aligned power of two of leaves computes a
+subtree, and the all-reduce adds the subtrees. Two ranks: ``a + b == b + a``, so an even
+2-way split gives one device's logits bit for bit. Where it cannot hold: more than two ranks
+(a rank's columns are not whole leaves of the 2-leaf tree; 4 leaves would fix the kernels'
+side, but the star all-reduce adds ``((r0 + r1) + r2) + r3``, not ``(r0 + r1) + (r2 + r3)``);
+a 2-way split off the leaf boundary (uneven ``weights``; ``o_proj`` when the KV groups do not
+split evenly; a rank with no KV group is fine: it adds zeros, which is exact); a bias on a
+row-parallel matrix (rank 0 adds it before the sum); Q8_0/Q4_0 matrices (``QuantLinear``:
+no split-K); a wire codec (int8 rounds the partials).
+
 :func:`slice_of` is the single source of truth for "which part of tensor ``name`` does rank r
 hold"; ``shard``, the checkpoint loader and ``lowband edge split`` all use it.
 """
@@ -197,6 +213,36 @@ def make_plan(
             else None
         ),
     )
+
+
+# Leaves of the split-K tree of a row-parallel ggml matrix: an even 2-way split holds whole
+# subtrees. Each leaf costs a horizontal sum per output and its own activation pass; 4 leaves
+# would make 4-way splits subtrees too, but the star all-reduce does not add 4 ranks in the
+# tree's order (see the module doc), so one device pays only for the 2-way tree.
+REDUCE_LEAVES = 2
+
+_ROW_PARALLEL = re.compile(
+    r"model\.layers\.\d+\.(self_attn\.o_proj|mlp\.down_proj|block_sparse_moe\.experts\.\d+\.w2)$"
+)
+
+
+def canonical_chunk(in_features: int, group: int, leaves: int = REDUCE_LEAVES) -> int:
+    """Values per leaf of a row-parallel matrix's split-K tree: ``in_features`` cut into the
+    largest power of two of leaves, at most ``leaves``, each whole blocks of ``group``; 0 where
+    it cannot be cut in two."""
+    n = leaves
+    while n > 1 and in_features % (n * group):
+        n //= 2
+    return in_features // n if n > 1 else 0
+
+
+def split_row_parallel(model: nn.Module) -> None:
+    """Give every row-parallel ggml matrix of a whole (unsharded) model its split-K tree, so one
+    device adds partial sums as an even 2-way tensor-parallel split does (:func:`shard` keeps a
+    rank's subtree through ``GGMLLinear.narrow_in``)."""
+    for name, mod in model.named_modules():
+        if isinstance(mod, GGMLLinear) and _ROW_PARALLEL.search(name):
+            mod.split_k(canonical_chunk(mod.in_features, mod.group))
 
 
 _ATTN = re.compile(r"model\.layers\.\d+\.self_attn\.(q|k|v|o)_proj\.(weight|bias)$")

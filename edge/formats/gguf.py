@@ -58,7 +58,7 @@ from edge.quant.embedding import GGMLEmbedding, QuantEmbedding, packed_embedding
 from edge.quant.formats import PackedWeight, QuantSpec
 from edge.quant.ggml import GGML_TYPES, GGMLWeight
 from edge.quant.linear import GGMLLinear
-from edge.tp import Reduce, TPPlan, make_plan, shard
+from edge.tp import Reduce, TPPlan, make_plan, shard, split_row_parallel
 from lowband.errors import ConfigError
 from lowband.models.config import ModelConfig
 from lowband.models.llama import LlamaForCausalLM, rope_inv_freq
@@ -462,6 +462,7 @@ def load_gguf(
         raise ConfigError("model", f"GGUF {path} lacks {sorted(missing)[:3]}")
     model.load_state_dict(floats, strict=False, assign=True)
     model.inv_freq = rope_inv_freq(cfg)
+    split_row_parallel(model)  # one device adds partial sums as a 2-way TP split does
     if cfg.tie_word_embeddings and "model.embed_tokens.weight" not in packed:
         model.lm_head.weight = model.model.embed_tokens.weight
     return model.eval()

@@ -46,7 +46,8 @@ from lowband.models.llama import LlamaForCausalLM, rope_inv_freq
 def _packed_spec(mod: Any) -> dict[str, Any] | None:
     if isinstance(mod, GGMLLinear):
         w = mod.weight_blocks
-        return {"ggml": w.type.name, "shape": list(w.shape)}
+        split = {"k_chunk": mod.k_chunk} if mod.k_chunk else {}  # its split-K leaves (edge.tp)
+        return {"ggml": w.type.name, "shape": list(w.shape), **split}
     if isinstance(mod, QuantLinear):
         return {"bits": mod.bits, "group": mod.group, "shape": [mod.out_features, mod.in_features]}
     if isinstance(mod, GGMLEmbedding):
@@ -115,7 +116,11 @@ def _packed_module(
         w = PackedWeight(q, tensors.pop(name + ".qweight"), tensors.pop(name + ".scales"))
     if spec.get("embedding"):
         return packed_embedding(w, dt)
-    return GGMLLinear(w, bias) if isinstance(w, GGMLWeight) else QuantLinear.from_packed(w, bias)
+    if isinstance(w, GGMLWeight):
+        mod = GGMLLinear(w, bias)
+        mod.split_k(int(spec.get("k_chunk", 0)))
+        return mod
+    return QuantLinear.from_packed(w, bias)
 
 
 def load_gguf_split(

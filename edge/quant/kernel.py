@@ -38,7 +38,7 @@ import sysconfig
 import threading
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -72,6 +72,7 @@ SOURCES = (
     "gemv_kernels.h",
     "ggml_kernels.h",
     "pool.h",
+    "splitk.h",
     "starlink_wire.h",
 )
 ISAS = ("native", "avx2", "portable")
@@ -386,10 +387,20 @@ def ggml_gemv_fallback(
     bias: torch.Tensor | None = None,
     *,
     native_dequant: bool = False,
+    chunk: int = 0,
 ) -> torch.Tensor:
     """Dequantize ~1 MB of rows at a time and ``F.linear`` each (exact fp32 activations): with
     ``native_dequant`` the rows are decoded by the C++ kernel when loaded (the prefill path of
-    ``GGMLLinear``), else by the PyTorch reference."""
+    ``GGMLLinear``), else by the PyTorch reference. ``chunk``: split-K leaves of that many
+    values, each multiplied on its own and added in :func:`split_k_sum`'s tree."""
+    if 0 < chunk < w.shape[1]:
+        return split_k_sum(
+            x,
+            w,
+            bias,
+            chunk,
+            lambda xc, wc: ggml_gemv_fallback(xc, wc, native_dequant=native_dequant),
+        )
     n, k = w.shape
     x = x.to(torch.float32)
     bn = max(32, (1 << 18) // max(k, 1))
@@ -430,18 +441,46 @@ def ggml_gemv(
     *,
     force_fallback: bool = False,
     packed: torch.Tensor | None = None,
+    chunk: int = 0,
 ) -> torch.Tensor:
     """``y [M, N] = x [M, K] @ W^T (+ bias)`` in fp32 for a ``GGMLWeight``: the C++ kernel when
     loaded and everything is on the CPU, else ``ggml_gemv_fallback``. ``packed``: the weight's
-    ``ggml_pack`` layout (the same results, faster for batches)."""
+    ``ggml_pack`` layout (the same results, faster for batches; with ``chunk``, the leaves'
+    layouts back to back). ``chunk``: split-K leaves of that many values (``split_k_sum``)."""
     k = w.shape[1]
     if x.dim() != 2 or x.shape[1] != k:
         raise QuantShapeError(f"x must be [M, {k}] for this weight, got {tuple(x.shape)}")
     mod = None if force_fallback else load()
     if mod is None or x.device.type != "cpu" or w.data.device.type != "cpu":
-        return ggml_gemv_fallback(x, w, bias)
+        return ggml_gemv_fallback(x, w, bias, chunk=chunk)
     if x.dtype != torch.float32 or not x.is_contiguous():
         x = x.to(torch.float32).contiguous()
     if bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()):
         bias = bias.to(torch.float32).contiguous()
-    return mod.ggml_gemv(x, w.data, w.type.type_id, bias, packed)
+    return mod.ggml_gemv(x, w.data, w.type.type_id, bias, packed, chunk if 0 < chunk < k else 0)
+
+
+def split_k_sum(
+    x: torch.Tensor,
+    w: GGMLWeight,
+    bias: torch.Tensor | None,
+    chunk: int,
+    leaf: Callable[[torch.Tensor, GGMLWeight], torch.Tensor],
+) -> torch.Tensor:
+    """``x @ W^T (+ bias)`` as the C++ kernel's split-K (``csrc/splitk.h``): ``leaf`` on each
+    run of ``chunk`` columns, the leaves added pairwise level by level ((l0 + l1) + (l2 + l3)),
+    the bias last. The tree a tensor-parallel rank's run of leaves reproduces as a subtree."""
+    k = w.shape[1]
+    n = k // chunk
+    if chunk <= 0 or k % chunk or n & (n - 1):
+        raise QuantShapeError(f"chunk {chunk} must cut K={k} into a power of two of leaves")
+    parts = [
+        leaf(x[:, c * chunk : (c + 1) * chunk].contiguous(), narrow_ggml(w, 1, c * chunk, chunk))
+        for c in range(n)
+    ]
+    while len(parts) > 1:
+        parts = [parts[i] + parts[i + 1] for i in range(0, len(parts), 2)]
+    y = parts[0]
+    if bias is not None:
+        y = y + bias.to(torch.float32)
+    return y

@@ -240,6 +240,10 @@ class GGMLLinear(nn.Module):
         self.register_buffer("bias", b)
         # the batch GEMM's layout of the blocks (repack()); not state: rebuilt after a load
         self.packed: torch.Tensor | None = None
+        # split-K: leaves of this many input values, each computed on its own and added in a
+        # fixed tree (kernel.split_k_sum); 0: none. Set on row-parallel layers so that one
+        # device adds what tensor-parallel ranks add (edge/tp.py, "Bit-exact TP").
+        self.k_chunk = 0
 
     @classmethod
     def from_blocks(cls, type_name: str, shape: tuple[int, int], data: torch.Tensor, **kw):
@@ -256,6 +260,20 @@ class GGMLLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return _linear(x, self.in_features, self.out_features, self.bias, self._matmul)
 
+    def split_k(self, chunk: int) -> None:
+        """Compute in split-K leaves of ``chunk`` input values (0: not split): whole blocks
+        that cut ``in_features`` into a power of two of leaves (else ``QuantShapeError``).
+        Drops a repacked layout (:meth:`repack` again: the leaves have their own)."""
+        k = self.in_features
+        n = k // chunk if chunk > 0 else 0
+        if chunk and (chunk % self.group or k % chunk or n & (n - 1)):
+            raise QuantShapeError(
+                f"split-K chunk {chunk} must be whole blocks of {self.group} and cut "
+                f"K={k} into a power of two of leaves"
+            )
+        self.k_chunk = chunk if 0 < chunk < k else 0
+        self.packed = None
+
     def packed_bytes(self) -> int:
         """What :meth:`repack` would add (0: nothing to repack here)."""
         return kernel.ggml_packed_bytes(self.weight_blocks) if self.use_kernel else 0
@@ -263,37 +281,56 @@ class GGMLLinear(nn.Module):
     def repack(self) -> int:
         """Keep a copy of the weight in the batch GEMM's layout (``kernel.ggml_pack``), so
         batches of rows skip the unpack: the same outputs, more memory. Returns the bytes
-        added (0 where this build or type has no such layout)."""
-        packed = kernel.ggml_pack(self.weight_blocks) if self.use_kernel else None
+        added (0 where this build or type has no such layout). Split-K leaves are laid out
+        one after the other (the same bytes as the whole weight's layout)."""
+        if not self.use_kernel:
+            packed = None
+        elif self.k_chunk:
+            c, w = self.k_chunk, self.weight_blocks
+            leaves = [kernel.ggml_pack(narrow_ggml(w, 1, a, c)) for a in range(0, w.shape[1], c)]
+            packed = None if any(p is None for p in leaves) else torch.cat(leaves)  # type: ignore[misc]
+        else:
+            packed = kernel.ggml_pack(self.weight_blocks)
         self.packed = packed
         return 0 if packed is None else packed.numel()
 
     def _matmul(self, x2: torch.Tensor) -> torch.Tensor:
-        w = self.weight_blocks
+        w, c = self.weight_blocks, self.k_chunk
         if self.use_kernel and x2.shape[0] <= self.max_kernel_rows:
-            return kernel.ggml_gemv(x2, w, self.bias, packed=self.packed)
+            return kernel.ggml_gemv(x2, w, self.bias, packed=self.packed, chunk=c)
         # prefill (or use_kernel=False: the PyTorch reference decoder)
-        return kernel.ggml_gemv_fallback(x2, w, self.bias, native_dequant=self.use_kernel)
+        return kernel.ggml_gemv_fallback(x2, w, self.bias, native_dequant=self.use_kernel, chunk=c)
 
     def _like(self, w: GGMLWeight, bias: torch.Tensor | None) -> "GGMLLinear":
         return GGMLLinear(w, bias, max_kernel_rows=self.max_kernel_rows, use_kernel=self.use_kernel)
 
     def narrow_out(self, start: int, length: int) -> "GGMLLinear":
-        """Output rows ``start:start+length`` (column-parallel shard): a plain row slice."""
+        """Output rows ``start:start+length`` (column-parallel shard): a plain row slice (its
+        split-K leaves kept)."""
         b = None if self.bias is None else self.bias[start : start + length].contiguous()
-        return self._like(narrow_ggml(self.weight_blocks, 0, start, length), b)
+        out = self._like(narrow_ggml(self.weight_blocks, 0, start, length), b)
+        out.k_chunk = self.k_chunk
+        return out
 
     def narrow_in(self, start: int, length: int, keep_bias: bool = False) -> "GGMLLinear":
         """Input columns in whole blocks (row-parallel shard; else ``GroupBoundaryError``);
-        the bias is dropped unless ``keep_bias`` (partial sums get it once, after the sum)."""
+        the bias is dropped unless ``keep_bias`` (partial sums get it once, after the sum).
+        A slice that is a whole subtree of the split-K tree (an aligned power of two of
+        leaves) keeps the leaves, so it computes that subtree's bits; any other runs unsplit."""
         w = narrow_ggml(self.weight_blocks, 1, start, length)
         keep = keep_bias and self.bias is not None
-        return self._like(w, self.bias.clone() if keep else None)  # type: ignore[union-attr]
+        out = self._like(w, self.bias.clone() if keep else None)  # type: ignore[union-attr]
+        c = self.k_chunk
+        n = length // c if c else 0
+        if c and length % c == 0 and n and not n & (n - 1) and start % (n * c) == 0:
+            out.k_chunk = c if n > 1 else 0
+        return out
 
     def extra_repr(self) -> str:
+        split = f", k_chunk={self.k_chunk}" if self.k_chunk else ""
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, "
-            f"bias={self.bias is not None}, type={self.qtype.name}"
+            f"bias={self.bias is not None}, type={self.qtype.name}{split}"
         )
 
 

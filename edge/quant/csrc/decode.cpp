@@ -46,6 +46,7 @@
 #include "gemv_kernels.h"
 #include "pool.h"
 #include "ggml_kernels.h"
+#include "splitk.h"
 #include "starlink_wire.h"
 
 namespace py = pybind11;
@@ -371,6 +372,10 @@ struct Lin {
   const uint16_t* sp = nullptr;
   const float* bp = nullptr;
   const uint8_t* pp = nullptr;  // ggml: the repacked layout for batches (ggml_pack), or null
+  // ggml: K values per leaf of the split-K tree (splitk.h), 0: none; leaves: the S = K / chunk
+  // leaf linears (blocks and repacked layout at the leaf's offset, rows row_bytes apart)
+  int64_t chunk = 0;
+  std::vector<Lin> leaves;
 };
 
 void check_f32(const torch::Tensor& t, const char* what) {
@@ -378,12 +383,37 @@ void check_f32(const torch::Tensor& t, const char* what) {
               " must be a contiguous float32 CPU tensor");
 }
 
-// (kind, tensor0, tensor1 | None, group, bias | None): kind 32 (fp32 weight, None, 0), 8 / 4
+// Cut a ggml linear into the leaves of its split-K tree (splitk.h): chunk K values each.
+void split_lin(Lin& l, int64_t chunk) {
+  if (chunk <= 0 || chunk >= l.K) return;
+  TORCH_CHECK(l.kind == kGGML, "a split-K chunk is for ggml blocks only");
+  int qk = 0, size = 0;
+  lbq::ggml::block_shape(l.G, &qk, &size);
+  const int64_t S = l.K / chunk;
+  TORCH_CHECK(chunk % qk == 0 && l.K % chunk == 0 && (S & (S - 1)) == 0 && S <= lbq::kMaxLeaves, "split-K chunk ", chunk,
+              " must be whole blocks of ", qk, " and cut K=", l.K, " into a power of two of leaves");
+  const int64_t pb = l.pp != nullptr ? lbq::ggml::packed_bytes(l.G, l.N, chunk) : 0;
+  l.chunk = chunk;
+  for (int64_t c = 0; c < S; ++c) {
+    Lin f;
+    f.kind = kGGML;
+    f.G = l.G;
+    f.N = l.N;
+    f.K = chunk;
+    f.row_bytes = l.row_bytes;
+    f.qp = l.qp + c * (chunk / qk) * size;
+    f.pp = l.pp != nullptr ? l.pp + c * pb : nullptr;
+    l.leaves.push_back(f);
+  }
+}
+
+// (kind, tensor0, tensor1 | None, group, bias | None[, chunk | None]): kind 32 (fp32 weight, None, 0), 8 / 4
 // (qweight, fp16 scales, group) or 0 (ggml blocks uint8 [N, row_bytes], repacked layout | None,
 // ggml type id).
 Lin parse_lin(const py::handle& h) {
   auto t = h.cast<py::tuple>();
-  TORCH_CHECK(t.size() == 5, "a linear is (kind, w_or_qweight, scales|None, group, bias|None)");
+  TORCH_CHECK(t.size() == 5 || t.size() == 6,
+              "a linear is (kind, w_or_qweight, scales|None, group, bias|None[, chunk|None])");
   Lin l;
   l.kind = t[0].cast<int>();
   l.G = t[3].cast<int>();
@@ -430,6 +460,7 @@ Lin parse_lin(const py::handle& h) {
     l.sp = reinterpret_cast<const uint16_t*>(l.s.data_ptr<at::Half>());
   }
   if (l.bp != nullptr) TORCH_CHECK(l.b.numel() == l.N, "bias must have N elements");
+  if (t.size() == 6 && !t[5].is_none()) split_lin(l, t[5].cast<int64_t>());
   return l;
 }
 
@@ -439,6 +470,8 @@ struct QScratch {
   std::vector<float> d;
   std::vector<int32_t> s;
   lbq::ggml::GActBuf g;  // ggml: the int8 activations and their sums
+  std::vector<lbq::ggml::GActBuf> gl;  // split-K: each leaf's int8 activations (splitk.h)
+  std::vector<float> leaves;            // split-K: the leaves' outputs
 };
 
 // Y[m0:m1, n] of a packed weight: the kernel's row tiles of <= 4 activation rows.
@@ -519,11 +552,40 @@ void ggml_dispatch(int type, const uint8_t* w, int64_t row_bytes, const lbq::ggm
   // clang-format on
 }
 
+// run_lin of a linear cut into split-K leaves (splitk.h): leaf c reads values c * chunk.. of
+// each activation row, quantized once per leaf; groups of 16 weight rows, all leaves each.
+void run_split(const Lin& l, const float* x, int64_t ldx, int64_t M, float* Y, int64_t ldy, QScratch& qs) {
+  const int64_t S = static_cast<int64_t>(l.leaves.size()), C = l.chunk, N = l.N;
+  qs.gl.resize(static_cast<size_t>(S));
+  for (auto& g : qs.gl) g.resize(M, C);
+  lbq::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; ++m)
+      for (int64_t c = 0; c < S; ++c) qs.gl[c].row(x + m * ldx + c * C, m, C);
+  });
+  std::vector<lbq::ggml::GAct> acts;
+  for (int64_t c = 0; c < S; ++c) acts.push_back(qs.gl[c].view(M, C));
+  qs.leaves.resize(static_cast<size_t>(S * M * N));
+  float* part = qs.leaves.data();
+  auto rows = [&](int64_t n0, int64_t n1) {
+    lbq::split_k_rows(S, M, N, n0, n1, part, Y, ldy, [&](int64_t c, int64_t a, int64_t b, float* pc) {
+      const Lin& f = l.leaves[c];
+      ggml_dispatch(f.G, f.qp, f.row_bytes, acts[c], a, b, pc, N, f.pp);
+    });
+  };
+  if (l.pp != nullptr) {  // threads split on the 16-row groups of the repacked layout
+    lbq::parallel_for(0, (N + 15) / 16, 1, [&](int64_t g0, int64_t g1) { rows(g0 * 16, std::min(N, g1 * 16)); });
+  } else {
+    lbq::parallel_for(0, N, std::max<int64_t>(16, (int64_t{1} << 16) / l.K), rows);
+  }
+}
+
 // Y[m, 0:N] = lin(x + m * ldx) for the M activation rows (K values each), rows of Y ldy apart:
 // one kernel pass over the weight for all M rows, split over threads by output rows.
 void run_lin(const Lin& l, const float* x, int64_t ldx, int64_t M, float* Y, int64_t ldy, QScratch& qs) {
   if (l.N == 0 || M == 0) return;
-  if (l.K == 0) {
+  if (!l.leaves.empty()) {
+    run_split(l, x, ldx, M, Y, ldy, qs);
+  } else if (l.K == 0) {
     for (int64_t m = 0; m < M; ++m) std::fill(Y + m * ldy, Y + m * ldy + l.N, 0.f);
   } else if (l.kind == 32) {
     const int64_t grain = std::max<int64_t>(16, (int64_t{1} << 16) / l.K);

@@ -7,6 +7,7 @@
 #include "gemv_kernels.h"
 #include "pool.h"
 #include "ggml_kernels.h"
+#include "splitk.h"
 
 const uint8_t* ggml_packed_ptr(const torch::Tensor& packed, int64_t type, int64_t N, int64_t K);  // decode.cpp
 
@@ -74,10 +75,36 @@ torch::Tensor gemv(const torch::Tensor& x, const torch::Tensor& qweight, const t
   return y;
 }
 
+// Y[M, N] = x[m, 0:K] (rows ldx apart) @ W^T for N ggml weight rows of K values at wp (rows
+// row_bytes apart); pp: their repacked layout for K values, or null.
+void ggml_rows_all(const float* xp, int64_t ldx, int64_t M, int64_t K, int t, const uint8_t* wp, int64_t row_bytes,
+                   int64_t N, const uint8_t* pp, float* yp) {
+  // int8 activations per 32 values (as the Q8/Q4 kernels) and their sums.
+  lbq::ggml::GActBuf buf;
+  buf.resize(M, K);
+  lbq::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; ++m) buf.row(xp + m * ldx, m, K);
+  });
+  const lbq::ggml::GAct a = buf.view(M, K);
+  if (pp != nullptr) {  // threads split on the 16-row groups of the repacked layout
+    const int64_t groups = (N + 15) / 16;
+    lbq::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
+      lbq::ggml::gemv_rows(t, wp, row_bytes, a, N, g0 * 16, std::min(N, g1 * 16), yp, pp);
+    });
+  } else {
+    const int64_t grain = std::max<int64_t>(8, (int64_t{1} << 16) / K);
+    lbq::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
+      lbq::ggml::gemv_rows(t, wp, row_bytes, a, N, n0, n1, yp);
+    });
+  }
+}
+
 // y[M,N] = x[M,K] @ W^T (+ bias) for ggml blocks kept as in the GGUF file (ggml_kernels.h);
-// packed: their repacked layout for batches (ggml_pack), or None.
+// packed: their repacked layout for batches (ggml_pack), or None. chunk > 0: split-K in leaves
+// of chunk values added in splitk.h's tree (packed then holds each leaf's layout in turn).
 torch::Tensor ggml_gemv(const torch::Tensor& x, const torch::Tensor& blocks, int64_t type,
-                        const c10::optional<torch::Tensor>& bias, const c10::optional<torch::Tensor>& packed) {
+                        const c10::optional<torch::Tensor>& bias, const c10::optional<torch::Tensor>& packed,
+                        int64_t chunk) {
   int qk = 0, size = 0;
   TORCH_CHECK(lbq::ggml::block_shape(static_cast<int>(type), &qk, &size), "unsupported ggml type id ", type);
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous() && x.device().is_cpu(),
@@ -93,29 +120,43 @@ torch::Tensor ggml_gemv(const torch::Tensor& x, const torch::Tensor& blocks, int
     TORCH_CHECK(bias->dim() == 1 && bias->size(0) == N && bias->scalar_type() == at::kFloat && bias->is_contiguous(),
                 "bias must be a contiguous float32 [N] tensor");
   }
+  const bool split = chunk > 0 && chunk < K;
+  const int64_t S = split ? K / chunk : 1;
+  TORCH_CHECK(!split || (chunk % qk == 0 && K % chunk == 0 && (S & (S - 1)) == 0 && S <= lbq::kMaxLeaves),
+              "split-K chunk ", chunk,
+              " must be whole blocks of ", qk, " and cut K=", K, " into a power of two of leaves");
   auto y = torch::zeros({M, N}, x.options());
   if (M > 0 && N > 0 && K > 0) {
-    // int8 activations per 32 values (as the Q8/Q4 kernels) and their sums.
     const float* xp = x.data_ptr<float>();
-    lbq::ggml::GActBuf buf;
-    buf.resize(M, K);
-    lbq::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
-      for (int64_t m = m0; m < m1; ++m) buf.row(xp + m * K, m, K);
-    });
-    const lbq::ggml::GAct a = buf.view(M, K);
     const uint8_t* wp = blocks.data_ptr<uint8_t>();
     float* yp = y.data_ptr<float>();
     const int t = static_cast<int>(type);
+    // (the layout's bytes grow with K, so the S leaves' layouts take the whole weight's)
     const uint8_t* pp = packed.has_value() ? ggml_packed_ptr(*packed, type, N, K) : nullptr;
-    if (pp != nullptr) {  // threads split on the 16-row groups of the repacked layout
-      const int64_t groups = (N + 15) / 16;
-      lbq::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
-        lbq::ggml::gemv_rows(t, wp, row_bytes, a, N, g0 * 16, std::min(N, g1 * 16), yp, pp);
+    if (!split) {
+      ggml_rows_all(xp, K, M, K, t, wp, row_bytes, N, pp, yp);
+    } else {  // as decode.cpp's run_split: each leaf's activations, 16 weight rows at a time
+      const int64_t pb = lbq::ggml::packed_bytes(t, N, chunk), leaf_bytes = chunk / qk * size;
+      std::vector<lbq::ggml::GActBuf> bufs(static_cast<size_t>(S));
+      for (auto& b : bufs) b.resize(M, chunk);
+      lbq::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
+        for (int64_t m = m0; m < m1; ++m)
+          for (int64_t c = 0; c < S; ++c) bufs[c].row(xp + m * K + c * chunk, m, chunk);
       });
-    } else {
-      const int64_t grain = std::max<int64_t>(8, (int64_t{1} << 16) / K);
-      lbq::parallel_for(0, N, grain,
-                        [&](int64_t n0, int64_t n1) { lbq::ggml::gemv_rows(t, wp, row_bytes, a, N, n0, n1, yp); });
+      std::vector<lbq::ggml::GAct> acts;
+      for (int64_t c = 0; c < S; ++c) acts.push_back(bufs[c].view(M, chunk));
+      std::vector<float> part(static_cast<size_t>(S * M * N));
+      auto rows = [&](int64_t n0, int64_t n1) {
+        lbq::split_k_rows(S, M, N, n0, n1, part.data(), yp, N, [&](int64_t c, int64_t a, int64_t b, float* pc) {
+          lbq::ggml::gemv_rows(t, wp + c * leaf_bytes, row_bytes, acts[c], N, a, b, pc,
+                               pp != nullptr ? pp + c * pb : nullptr);
+        });
+      };
+      if (pp != nullptr) {
+        lbq::parallel_for(0, (N + 15) / 16, 1, [&](int64_t g0, int64_t g1) { rows(g0 * 16, std::min(N, g1 * 16)); });
+      } else {
+        lbq::parallel_for(0, N, std::max<int64_t>(16, (int64_t{1} << 16) / K), rows);
+      }
     }
   }
   if (bias.has_value() && M > 0) y += bias->unsqueeze(0);
@@ -200,7 +241,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gemv", &gemv, "y[M,N] = x[M,K] @ dequant(W)^T (+ bias) for Q8/Q4 packed weights", py::arg("x"),
         py::arg("qweight"), py::arg("scales"), py::arg("bits"), py::arg("group"), py::arg("bias") = py::none());
   m.def("ggml_gemv", &ggml_gemv, "y[M,N] = x[M,K] @ dequant(W)^T (+ bias) for ggml blocks (Q4_1..Q6_K)", py::arg("x"),
-        py::arg("blocks"), py::arg("type"), py::arg("bias") = py::none(), py::arg("packed") = py::none());
+        py::arg("blocks"), py::arg("type"), py::arg("bias") = py::none(), py::arg("packed") = py::none(),
+        py::arg("chunk") = 0);
   m.def(
       "ggml_packed_bytes",
       [](int64_t type, int64_t N, int64_t K) { return lbq::ggml::packed_bytes(static_cast<int>(type), N, K); },

@@ -1197,9 +1197,11 @@ inline void q50_offsets(const GAct& x, int64_t m0, int64_t m1, std::vector<int32
 }
 
 // Y[m, n0:n1] for all M activation rows of Q5_0 weight rows w.
-inline void q50_gemm(const uint8_t* w, const GAct& x, int64_t n0, int64_t n1, float* Y, int64_t ldy) {
+// (rows row_bytes apart: a split-K leaf's rows are the whole weight's)
+inline void q50_gemm(const uint8_t* w, const GAct& x, int64_t n0, int64_t n1, float* Y, int64_t ldy,
+                     int64_t row_bytes) {
   static thread_local Q50Scratch s;
-  const int64_t K = x.K, nb = K / 32, row_bytes = nb * 22, M = x.M;
+  const int64_t K = x.K, nb = K / 32, M = x.M;
   s.w.resize(static_cast<size_t>(K / 4 * 16));
   s.d.resize(static_cast<size_t>(nb * 16));
   q50_offsets(x, 0, M, s.off);
@@ -1247,8 +1249,8 @@ inline __m512i unpack_q50_pair(const uint8_t* p) {
 // started from -16 times the activations' per-4 sums (off, [R][K/4]).
 template <int R>
 inline void q50_rows(const uint8_t* w, const GAct& x, int64_t m, const int32_t* off, int64_t n0, int64_t n1, float* Y,
-                     int64_t ldy) {
-  const int64_t K = x.K, nb = K / 32, row_bytes = nb * 22;
+                     int64_t ldy, int64_t row_bytes) {
+  const int64_t K = x.K, nb = K / 32;
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* wr = w + n * row_bytes;
     __m256 acc[R];
@@ -1283,21 +1285,22 @@ inline void q50_rows(const uint8_t* w, const GAct& x, int64_t m, const int32_t* 
 }
 
 // Y[:, n0:n1] of Q5_0 weight rows for M < kQ50GemmM activation rows, up to 4 at a time.
-inline void q50_small(const uint8_t* w, const GAct& x, int64_t n0, int64_t n1, float* Y, int64_t ldy) {
+inline void q50_small(const uint8_t* w, const GAct& x, int64_t n0, int64_t n1, float* Y, int64_t ldy,
+                      int64_t row_bytes) {
   static thread_local std::vector<int32_t> off;
   q50_offsets(x, 0, x.M, off);
   const int64_t K4 = x.K / 4;
   int64_t m = 0;
-  for (; m + 4 <= x.M; m += 4) q50_rows<4>(w, x, m, off.data() + m * K4, n0, n1, Y, ldy);
+  for (; m + 4 <= x.M; m += 4) q50_rows<4>(w, x, m, off.data() + m * K4, n0, n1, Y, ldy, row_bytes);
   switch (x.M - m) {
     case 3:
-      q50_rows<3>(w, x, m, off.data() + m * K4, n0, n1, Y, ldy);
+      q50_rows<3>(w, x, m, off.data() + m * K4, n0, n1, Y, ldy, row_bytes);
       break;
     case 2:
-      q50_rows<2>(w, x, m, off.data() + m * K4, n0, n1, Y, ldy);
+      q50_rows<2>(w, x, m, off.data() + m * K4, n0, n1, Y, ldy, row_bytes);
       break;
     case 1:
-      q50_rows<1>(w, x, m, off.data() + m * K4, n0, n1, Y, ldy);
+      q50_rows<1>(w, x, m, off.data() + m * K4, n0, n1, Y, ldy, row_bytes);
       break;
     default:
       break;
@@ -1318,9 +1321,9 @@ inline void rows_range(const uint8_t* w, int64_t row_bytes, const GAct& x, int64
 #if defined(LBQ_GEMM512)
   if constexpr (T == Q5_0) {
     if (x.M >= kQ50GemmM)
-      q50_gemm(w, x, n0, n1, Y, ldy);
+      q50_gemm(w, x, n0, n1, Y, ldy, row_bytes);
     else
-      q50_small(w, x, n0, n1, Y, ldy);
+      q50_small(w, x, n0, n1, Y, ldy, row_bytes);
     return;
   }
 #endif
