@@ -6,13 +6,18 @@ every arm (2 workers × ``--batch-size`` sequences of ``--seq-len`` tokens × ``
 model is a GGUF file read by lowband's reader (dequantized to fp32 master weights) with the
 file's tokenizer and BOS convention; the text is a corpus shipped in the repository
 (``lowband/data/paradise_lost.txt`` by default: the run trains on its training split and
-evaluates on its held-out validation split, the last 10 % before the end). Reported per arm:
+evaluates on a held-out split: with ``--test-fraction F`` the corpus splits
+``[train | validation (10 %) | test (F)]`` and ``--eval-split`` picks the one the losses are
+measured on (tune the outer optimizer on validation, report on test); ``--test-fraction 0``
+keeps the historical ``[train | validation]``, the last 10 %). Reported per arm:
 the held-out loss of the starting model (step 0) and of θ_g after training, bytes sent per
 worker, a worker's peak resident bytes per parameter ((peak − baseline) / (2 × parameters):
 the process holds both workers) and wall clock. Arms alternate within each seed.
 
     python -m benchmarks.diloco_finetune --json          # the real Gemma 3 270M (F32 file)
     python -m benchmarks.diloco_finetune --model llama:64:2 --steps 4 --seeds 1 --json  # smoke
+    python -m benchmarks.diloco_finetune --test-fraction 0.1 --eval-split validation \
+        --outer-lr 1.0 --outer-momentum 0.9 --arms diloco --json   # one point of a sweep
 """
 
 from __future__ import annotations
@@ -61,6 +66,10 @@ def _config(args: argparse.Namespace):  # -> (TrainConfig, Pretrained | None)
         codec=args.codec,
         inner_lr=args.lora_lr if args.arm == "lora" else args.inner_lr,
         warmup_steps=args.warmup,
+        outer_lr=args.outer_lr,
+        outer_momentum=args.outer_momentum,
+        test_fraction=args.test_fraction,
+        eval_split=args.eval_split,
         data_kind="text",
         data_path=str(args.corpus),
     )
@@ -149,6 +158,10 @@ _CHILD_ARGS = (
     "lora_lr",
     "lora_rank",
     "warmup",
+    "outer_lr",
+    "outer_momentum",
+    "test_fraction",
+    "eval_split",
 )
 
 
@@ -240,6 +253,21 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--lora-lr", type=float, default=1e-3, help="the LoRA arm's inner lr")
     p.add_argument("--lora-rank", type=int, default=8)
     p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--outer-lr", type=float, default=0.7, help="outer Nesterov SGD lr")
+    p.add_argument("--outer-momentum", type=float, default=0.9, help="μ (0: plain SGD)")
+    p.add_argument(
+        "--test-fraction",
+        type=float,
+        default=0.0,
+        help="the corpus's last share kept as the test split (0: none, the historical split); "
+        "validation is the 10 %% before it",
+    )
+    p.add_argument(
+        "--eval-split",
+        choices=("validation", "test"),
+        default="validation",
+        help="the split the losses are measured on: tune on validation, report on test",
+    )
     p.add_argument("--seeds", type=int, default=3)
     p.add_argument("--first-seed", type=int, default=0, help="seeds first..first+seeds-1")
     p.add_argument(

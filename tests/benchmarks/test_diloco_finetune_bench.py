@@ -62,3 +62,22 @@ def test_merge_of_seeds_run_apart(result: dict, tmp_path) -> None:
     assert after["max"] == pytest.approx(after["min"] + 0.5)
     with pytest.raises(ValueError, match="twice"):
         merge([result, result])
+
+
+def test_split_and_outer_flags_reach_the_config() -> None:
+    import argparse
+
+    from benchmarks.diloco_finetune import _config
+
+    base = dict(
+        model="llama:64:2", corpus="c.txt", steps=4, seed=0, eval_batches=2, batch_size=1,
+        seq_len=8, inner_steps=4, fragments=2, tau=1, codec="int8", inner_lr=1e-4,
+        lora_lr=1e-3, lora_rank=8, warmup=1, outer_lr=1.5, outer_momentum=0.0,
+        test_fraction=0.1, eval_split="test",
+    )  # fmt: skip
+    cfg, _ = _config(argparse.Namespace(arm="diloco", **base))
+    assert (cfg.data.test_fraction, cfg.data.eval_split) == (0.1, "test")
+    outer = cfg.mode.outer
+    assert (outer.lr, outer.momentum, outer.nesterov) == (1.5, 0.0, False)
+    ddp, _ = _config(argparse.Namespace(arm="ddp", **{**base, "eval_split": "validation"}))
+    assert ddp.data.eval_split == "validation" and not hasattr(ddp.mode, "outer")

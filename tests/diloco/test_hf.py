@@ -102,3 +102,37 @@ def test_bad_hf_sources_are_config_errors(tmp_path):
     path = write_config(tmp_path, "llama")
     with pytest.raises(ConfigError, match="seq_len"):
         lm_task(hf_cfg(path, data=DataConfig(seq_len=128, batch_size=2)))
+
+
+@pytest.mark.parametrize("kind", ["llama", "gemma3"])
+def test_hf_run_exports_to_a_gguf_edge_serves_with_the_same_greedy_tokens(tmp_path, kind):
+    """``--model hf:DIR`` back to a servable file: the run's ``model/`` (save_pretrained)
+    written as an F32 GGUF by ``lowband export``'s writer, loaded by ``edge``'s reader: the
+    trainer's θ_g's logits and greedy tokens."""
+    from edge.formats.gguf import export_gguf, load_gguf
+
+    if kind == "gemma3":  # tied head, sandwich norms, q/k norms, a sliding window
+        d = tmp_path / kind
+        transformers.Gemma3TextConfig(
+            **{**TINY_LLAMA, "num_key_value_heads": 1},
+            head_dim=8,
+            query_pre_attn_scalar=8,
+            sliding_window=4,
+            pad_token_id=0,
+            bos_token_id=1,
+            eos_token_id=2,
+        ).save_pretrained(str(d))
+        path = d / "config.json"
+    else:
+        path = write_config(tmp_path, kind)
+    _, workers, _ = run_workers(hf_cfg(path), tmp_path / "run")
+    served = load_gguf(export_gguf(tmp_path / "run" / "model", tmp_path / "m.gguf"))
+    trained = workers[0].global_model
+    ids = torch.tensor([list(b"To be, or not to")])
+    with torch.no_grad():
+        torch.testing.assert_close(served(ids), trained(input_ids=ids).logits, atol=1e-5, rtol=0)
+        want = trained.generate(ids, max_new_tokens=8, do_sample=False, pad_token_id=0)
+        got = ids
+        for _ in range(8):  # greedy, the whole prefix each time
+            got = torch.cat([got, served(got)[:, -1:].argmax(-1)], dim=1)
+    assert got.tolist() == want.tolist()
