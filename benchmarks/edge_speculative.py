@@ -44,6 +44,7 @@ import platform
 import statistics
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import urllib.request
@@ -345,6 +346,194 @@ def _base(arm: str) -> str:
     return f"{head}/off"
 
 
+# ---- across devices (--wan PROFILE) -------------------------------------------------------------
+# Two devices on an emulated link (benchmarks.edge_wan's TUN testbed, profiles and processes:
+# `lowband edge serve` pinned to core 0, its worker to core 1, one thread each), speculation off
+# and on (`--lookup`), beside one device (core 0) off and on. A verification pass carries the
+# next token and its k draft tokens through both stages as one ragged row group, so a pass costs
+# one traversal of the link whatever k is: the round trips per token fall by the tokens a pass
+# emits. The client runs inside site 0 (as edge_wan's) and reads the spec counters of /metrics.
+WAN_ARMS = ("single/off", "single/lookup", "pipeline/off", "pipeline/lookup")
+
+
+def _get_json(port: int, path: str) -> dict:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=60) as r:
+        return json.loads(r.read())
+
+
+def _spec_counts(port: int) -> tuple[int, int, int]:
+    m = _get_json(port, "/metrics")
+    return (
+        m["spec_passes_total"],
+        m["spec_draft_tokens_total"],
+        m["spec_accepted_tokens_total"],
+    )
+
+
+def wan_client(port: int, prompts: dict[str, str], tokens: int, streams: int) -> dict:
+    """One round of an arm (runs inside site 0): per workload one streamed greedy completion
+    (decode tok/s from the first to the last chunk, the text, this request's acceptance and
+    tokens per verification pass), then ``streams`` completions at once (the workloads in
+    turn): aggregate tok/s over the whole run."""
+    from benchmarks.edge_wan import _post
+
+    out: dict[str, Any] = {}
+    for w, prompt in prompts.items():
+        body = {"model": "m", "prompt": prompt, "max_tokens": tokens, "temperature": 0}
+        body.update(ignore_eos=True, stream=True, stream_options={"include_usage": True})
+        p0, d0, a0 = _spec_counts(port)
+        stamps, text, used = [], [], 0
+        with _post(port, body) as resp:
+            for line in resp:
+                if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
+                    continue
+                ev = json.loads(line[6:])
+                if ev.get("choices"):
+                    stamps.append(time.perf_counter())
+                    text.append(ev["choices"][0].get("text", ""))
+                if ev.get("usage"):
+                    used = ev["usage"]["completion_tokens"]
+        p1, d1, a1 = _spec_counts(port)
+        if len(stamps) < 2 or used < 2:
+            raise RuntimeError(f"only {len(stamps)} chunks, {used} tokens streamed")
+        out[w] = {
+            "tok_s": (used - 1) / (stamps[-1] - stamps[0]),
+            "text": "".join(text),
+            "acceptance": (a1 - a0) / (d1 - d0) if d1 > d0 else None,
+            "tokens_per_pass": (a1 - a0 + p1 - p0) / (p1 - p0) if p1 > p0 else None,
+        }
+    if streams > 0:
+        got: list[int] = []
+        errors: list[str] = []
+        names = list(prompts)
+
+        def one(i: int) -> None:
+            prompt = prompts[names[i % len(names)]]
+            body = {"model": "m", "prompt": prompt, "max_tokens": tokens, "temperature": 0}
+            body["ignore_eos"] = True
+            try:
+                with _post(port, body) as resp:
+                    got.append(json.loads(resp.read())["usage"]["completion_tokens"])
+            except Exception as exc:  # noqa: BLE001 - reported, the run goes on
+                errors.append(repr(exc))
+
+        _, d0, a0 = _spec_counts(port)
+        t0 = time.perf_counter()
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(streams)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        wall = time.perf_counter() - t0
+        _, d1, a1 = _spec_counts(port)
+        if errors:
+            raise RuntimeError(f"{len(errors)} of {streams} streams failed: {errors[:2]}")
+        out[f"{streams}-streams"] = {
+            "tok_s": sum(got) / wall,
+            "acceptance": (a1 - a0) / (d1 - d0) if d1 > d0 else None,
+        }
+    return out
+
+
+def _wan_prompts(tiny: bool) -> dict[str, str]:
+    # the tiny model's byte vocabulary and 512 positions: the workloads' first 120 characters
+    return {w: t[:120] for w, t in WORKLOADS.items()} if tiny else dict(WORKLOADS)
+
+
+def run_wan(profile: str, model: str, a: argparse.Namespace) -> dict:
+    """Every arm of :data:`WAN_ARMS` started on one testbed, then ``a.repeats`` rounds, the
+    arms' order rotated each round (each round: every workload, then the streams)."""
+    from benchmarks.edge_wan import PROFILES, Arm, Bench
+    from transport.links.tun.calibrate import measure_rtt
+    from transport.links.tun.shape import PathConfig
+    from transport.links.tun.testbed import TunConfig, TunTestbed, available
+
+    if (why := available()) is not None:
+        raise SystemExit(f"--wan needs the TUN emulator: {why}")
+    p = PROFILES[profile]
+    cfg = Bench(model=model, profiles=(profile,), repeats=a.repeats, tokens=a.tokens)
+    path = PathConfig(
+        delay_ms=p["rtt_ms"] / 2, jitter_ms=p["jitter_ms"], loss=p["loss"], rate_mbit=cfg.rate_mbit
+    )
+    spin = 300.0 if p["rtt_ms"] < 2.0 else 0.0  # as edge_wan (Bench.spin_us)
+    log_dir = Path(tempfile.mkdtemp(prefix="edge_speculative_wan_"))
+    raw: dict[str, dict[str, list[dict]]] = {}
+    with TunTestbed(TunConfig(path=PathConfig(rate_mbit=cfg.rate_mbit), spin_us=spin)) as bed:
+        for src, dst in ((0, 1), (1, 0)):
+            bed.set_path(src, dst, path)
+        rtt = measure_rtt(bed, count=10)
+        arms: dict[str, Arm] = {}
+        try:
+            for name in WAN_ARMS:
+                layout, mode = name.split("/")
+                arm = Arm(layout, bed, cfg, log_dir)
+                arm.log = log_dir / f"{layout}-{mode}.log"
+                if mode == "lookup":
+                    arm.master += ["--lookup", "--draft-max", str(a.draft_max)]
+                arms[name] = arm
+                arm.start()
+
+            def client(name: str, tokens: int, streams: int) -> dict:
+                args = [sys.executable, "-m", "benchmarks.edge_speculative", "--wan-client"]
+                args += ["--port", str(arms[name].port), "--tokens", str(tokens)]
+                args += ["--streams", str(streams)] + (["--tiny"] if a.tiny else [])
+                r = bed.run_in(0, args, capture_output=True, text=True, timeout=900)
+                if r.returncode != 0:
+                    raise RuntimeError(f"{name}: {(r.stderr or r.stdout)[-600:]}")
+                return json.loads(r.stdout.strip().splitlines()[-1])
+
+            for name in WAN_ARMS:  # warm-up: first requests pay for allocation, tables
+                client(name, min(a.tokens, 8), 0)
+            for rep in range(a.repeats):
+                order = list(WAN_ARMS[rep % 4 :] + WAN_ARMS[: rep % 4])
+                for name in order:
+                    for w, r in client(name, a.tokens, a.streams).items():
+                        raw.setdefault(w, {n: [] for n in WAN_ARMS})[name].append(r)
+                        print(
+                            f"# {rep} {w} {name}: {r['tok_s']:.1f} tok/s, acc {r['acceptance']}",
+                            file=sys.stderr,
+                            flush=True,
+                        )
+            cycles = {}
+            for name, arm in arms.items():  # the pipeline master's time per step
+                h = arm.health() or {}
+                cyc = h.get("cluster", h).get("cycle")
+                if cyc is not None:
+                    cycles[name] = cyc
+        finally:
+            for arm in arms.values():
+                arm.stop()
+    out: dict[str, Any] = {}
+    for w, per in raw.items():
+        res: dict[str, Any] = {}
+        for name, runs in per.items():
+            acc = [r["acceptance"] for r in runs if r["acceptance"] is not None]
+            tpp = [r["tokens_per_pass"] for r in runs if r.get("tokens_per_pass") is not None]
+            res[name] = {
+                "tok_s": spread([r["tok_s"] for r in runs], 3),
+                "acceptance": round(statistics.median(acc), 3) if acc else None,
+            }
+            if tpp:
+                res[name]["tokens_per_pass"] = round(statistics.median(tpp), 3)
+        base = statistics.median(r["tok_s"] for r in per["single/off"])
+        res["vs_one_device_off"] = {
+            n: round(statistics.median(r["tok_s"] for r in per[n]) / base, 3) for n in WAN_ARMS
+        }
+        if "text" in per["single/off"][0]:  # greedy text identical in every arm and round
+            want = per["single/off"][0]["text"]
+            res["identical"] = {n: all(r["text"] == want for r in per[n]) for n in WAN_ARMS}
+        out[w] = res
+    return {
+        "profile": profile,
+        "configured": p,
+        "measured_rtt": rtt,
+        "forwarder_spin_us": spin,
+        "workloads": out,
+        "master_cycle": cycles,
+        "logs": str(log_dir),
+    }
+
+
 def _wait_env(policy: str) -> dict[str, str]:
     """This process's environment with the OpenMP wait variables of ``policy``."""
     env = {k: v for k, v in os.environ.items() if k not in OPENMP_WAIT}
@@ -371,6 +560,56 @@ def _rerun_with(policy: str, argv: list[str]) -> int | None:
     sys.stdout.write(child.stdout)
     sys.stdout.flush()
     return child.returncode
+
+
+def _wan_main(a: argparse.Namespace, args: list[str]) -> int:
+    """``--wan PROFILE``: :func:`run_wan` on the real Gemma 3 270M Q4_K_M file (``--tiny``: a
+    random four-layer model, the smoke test), its record printed last."""
+    from benchmarks.edge_wan import _tiny_model
+
+    if a.tiny:
+        model = _tiny_model(Path(tempfile.mkdtemp(prefix="edge_speculative_tiny_")))
+    else:
+        from benchmarks.real_models import gemma3_270m
+
+        model = str(gemma3_270m())
+    t = time.time()
+    wan = run_wan(a.wan, model, a)
+    record = {
+        "benchmark": "edge_speculative",
+        "title": f"speculative decoding across devices: one device vs pipeline-2 on `{a.wan}`, "
+        "speculation off / prompt lookup",
+        "command": "python -m benchmarks.edge_speculative " + " ".join(args),
+        "commit": _commit(),
+        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "machine": f"{platform.processor() or platform.machine()}, TUN emulator; master on core "
+        "0, worker on core 1, one thread each (one device: core 0)",
+        "modelled": False,
+        "result": {
+            "wan": wan,
+            "model": model,
+            "tokens": a.tokens,
+            "repeats": a.repeats,
+            "draft_max": a.draft_max,
+            "streams": a.streams,
+            "seconds": round(time.time() - t, 1),
+        },
+        "notes": "greedy, ignore_eos, one streamed completion per workload and arm per round "
+        "(decode tok/s from the first to the last chunk), then N completions at once "
+        "(aggregate tok/s over the run); lookup = `edge serve --lookup`, k adaptive in "
+        "[0, draft_max]; a verification pass carries its k + 1 rows through both stages in "
+        "one traversal; vs_one_device_off: tok/s over one device without speculation",
+    }
+    if not a.json:
+        print(json.dumps(record["result"], indent=1))
+    print(json.dumps(record))
+    return 0
+
+
+def _commit() -> str:
+    return subprocess.run(
+        ["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=False
+    ).stdout.strip()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -402,8 +641,22 @@ def main(argv: list[str] | None = None) -> int:
         default="cli",
         help="how libgomp's idle workers wait: as `lowband edge` sets it, or libgomp's default",
     )
+    p.add_argument(
+        "--wan",
+        choices=("ethernet", "wifi", "wifi-far"),
+        help="two devices on this emulated link (benchmarks.edge_wan's profiles; root): "
+        "one device and pipeline-2, each with speculation off and --lookup, instead of the "
+        "in-process arms",
+    )
+    p.add_argument("--wan-client", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--port", type=int, help=argparse.SUPPRESS)
     args = list(sys.argv[1:] if argv is None else argv)
     a = p.parse_args(args)
+    if a.wan_client:  # inside site 0, for run_wan
+        print(json.dumps(wan_client(a.port, _wan_prompts(a.tiny), a.tokens, a.streams)))
+        return 0
+    if a.wan:
+        return _wan_main(a, args)
     rc = _rerun_with(a.omp_wait, args)
     if rc is not None:
         return rc
