@@ -58,7 +58,8 @@ def _add_model(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--memory-budget-mb",
         type=float,
-        help="sliding window sized to fit this many MB of weights per device",
+        help="sliding window sized to fit this many MB of weights per device (--layout "
+        "pipeline: each device's stage sized to hold its layers within it, no window)",
     )
 
 

@@ -351,13 +351,14 @@ def check_model(model_dir: str, cc: ClusterConfig) -> None:
     """Refuse what cannot be served before any process or socket starts: the window under the
     pipeline layout; for a nested MoE the expert budget of every device (a share smaller than
     its largest expert at the narrowest width) and the window across devices."""
-    if cc.layout == "pipeline" and cc.devices > 1 and cc.window_config() is not None:
+    if cc.layout == "pipeline" and cc.devices > 1 and cc.window is not None:
         # (edge.cluster.stage.load_stage can stream a stage's layers; the layout does not
-        # pass the window to its stages)
+        # pass the window to its stages. A memory budget sizes the stages instead.)
         raise ConfigError(
             "window",
-            "the pipeline layout does not stream weights through the sliding window: use "
-            "--layout tp (or auto) with --window / --memory-budget-mb",
+            "the pipeline layout does not stream weights through the sliding window: give "
+            "--memory-budget-mb (each device's stage then fits it, held in memory) or use "
+            "--layout tp (or auto) with --window",
         )
     # cc.experts is not None when the directory is nested: check_experts refuses that
     if check_experts(model_dir, cc.experts) and cc.experts is not None:

@@ -149,6 +149,21 @@ def _populate(addr: int, size: int, pages: torch.Tensor) -> None:
     pages[::PAGE].sum()
 
 
+def release(t: torch.Tensor, start: int, stop: int) -> int:
+    """Give the whole pages within bytes ``[start, stop)`` of contiguous ``t`` back to the
+    kernel (``MADV_DONTNEED``): the process stops holding them, and reading them afterwards
+    gives zeros (anonymous memory) or the file's bytes again (a mapping). For weights nothing
+    reads any more, e.g. the embedding rows a pipeline's last stage keeps no use for (its
+    table is one allocation with the head rows it does use). Returns the bytes released."""
+    if not t.is_contiguous() or not 0 <= start <= stop <= t.numel() * t.element_size():
+        raise ValueError("release needs a contiguous tensor and a byte range inside it")
+    lo = -(-(t.data_ptr() + start) // PAGE) * PAGE
+    hi = (t.data_ptr() + stop) // PAGE * PAGE
+    if hi <= lo or not _madvise(lo, hi - lo, MADV_DONTNEED):
+        return 0
+    return hi - lo
+
+
 class MappedBytes:
     """A whole file mapped read-only as bytes (``u8``), asking for huge pages; a weight kept
     as a zero-copy view of it (:meth:`view`) *is* the mapping."""

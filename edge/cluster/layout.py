@@ -64,6 +64,71 @@ def stage_ranges(
     return out
 
 
+def head_rows_last(vocab: int, first: int, last: int) -> int:
+    """Vocabulary rows of the LM head the last of two or more stages holds when the head is
+    split in the proportion of the first and last stages' layers (``first``, ``last``), as
+    ``edge.cluster.pipeline.PipelineRunner`` cuts it."""
+    a = min(vocab - 1, max(1, round(vocab * first / (first + last))))
+    return vocab - a
+
+
+def stage_weight_bytes(
+    ranges: Sequence[LayerRange],
+    layer_bytes: Sequence[int],
+    embed_bytes: int,
+    head_bytes: int,
+    tied: bool,
+) -> list[int]:
+    """Weight bytes each stage holds: its layers; the first stage also the token embedding
+    (and, untied, its rows of the head); the last stage its rows of the head (its slice of a
+    tied head's table: the rest of the embedding is not kept, ``Stage.cut_head``)."""
+    out = [sum(layer_bytes[r.lo : r.hi]) for r in ranges]
+    out[0] += embed_bytes + (head_bytes if len(ranges) == 1 and not tied else 0)
+    if len(ranges) > 1:
+        first, last = ranges[0].hi - ranges[0].lo, ranges[-1].hi - ranges[-1].lo
+        vocab = 1 << 20  # rows as a fraction (the byte count of a row is head_bytes / V)
+        share = head_rows_last(vocab, first, last) / vocab
+        out[-1] += round(head_bytes * share)
+        if not tied:
+            out[0] += round(head_bytes * (1 - share))
+    return out
+
+
+def budget_ranges(
+    weights: Sequence[float],
+    budget_bytes: int,
+    layer_bytes: Sequence[int],
+    embed_bytes: int,
+    head_bytes: int,
+    tied: bool,
+) -> list[LayerRange]:
+    """:func:`stage_ranges` whose stages each hold at most ``budget_bytes`` of weights
+    (:func:`stage_weight_bytes`): a device over the budget gives up layers one at a time
+    until every stage fits. A ``ConfigError`` says exactly why when no split can."""
+    L, n = len(layer_bytes), len(weights)
+    caps = [L] * n
+    while True:  # ends: every round lowers a cap, and a cap below 1 raises
+        ranges = stage_ranges(L, weights, caps)
+        held = stage_weight_bytes(ranges, layer_bytes, embed_bytes, head_bytes, tied)
+        over = [i for i in range(n) if held[i] > budget_bytes]
+        if not over:
+            return ranges
+        for i in over:
+            caps[i] = ranges[i].hi - ranges[i].lo - 1
+        if min(caps) < 1 or sum(caps) < L:
+            mb = 2**20
+            raise ConfigError(
+                "memory_budget_mb",
+                f"{n} devices of {budget_bytes / mb:.0f} MB cannot hold the {L} layers "
+                f"({sum(layer_bytes) / mb:.0f} MB, {max(layer_bytes) / mb:.1f} MB the largest) "
+                f"beside the first stage's token embedding ({embed_bytes / mb:.0f} MB) and the "
+                f"LM head's rows ({head_bytes / mb:.0f} MB in all"
+                + (", the embedding's own rows" if tied else "")
+                + f"): a split over the budget leaves stage(s) {over} holding "
+                + ", ".join(f"{held[i] / mb:.0f} MB" for i in over),
+            )
+
+
 def micro_batches(items: Sequence[T], sizes: Sequence[int], groups: int) -> list[list[T]]:
     """``items`` (with token counts ``sizes``) cut into at most ``groups`` contiguous, non-empty
     runs of about equal tokens (a prompt chunk is not split: it rides in one group)."""

@@ -45,7 +45,7 @@ from typing import Any, Sequence
 
 import torch
 
-from edge.cluster.layout import micro_batches, stage_ranges
+from edge.cluster.layout import budget_ranges, micro_batches, stage_ranges, stage_weight_bytes
 from edge.cluster.master import ClusterConfig
 from edge.cluster.protocol import (
     CTL,
@@ -70,7 +70,8 @@ from edge.cluster.shard import append_problem, embed_in_scratch
 from edge.cluster.stage import LayerRange, Stage
 from edge.embeddings import embed_ragged
 from edge.engine import ClusterUnavailable, Work, split_logits, wanted_rows
-from edge.shardio import load_shard
+from edge.formats.gguf_arch import is_gguf
+from edge.shardio import WindowConfig, load_shard
 from lowband.comm import Communicator
 from lowband.errors import (
     CommClosed,
@@ -123,6 +124,32 @@ class CycleTimes:
         return out
 
 
+def budgeted_ranges(model_dir: str, cfg: ClusterConfig) -> list[LayerRange]:
+    """Stage ranges within ``cfg.memory_budget_mb`` per device (``budget_ranges``: the first
+    stage holds the embedding and the head's first rows beside its layers, the last stage the
+    head's other rows), from a GGUF file's header; a ``ConfigError`` when none fits."""
+    if not is_gguf(model_dir):
+        raise ConfigError(
+            "memory_budget_mb",
+            "the pipeline layout's memory budget maps each stage from a GGUF file; "
+            f"{model_dir} is not one",
+        )
+    from edge.formats.gguf_window import stage_sizes
+
+    layer_bytes, embed, head, tied = stage_sizes(model_dir)
+    budget = int(float(cfg.memory_budget_mb or 0) * 2**20)
+    ranges = budget_ranges(
+        cfg.weights or [1.0] * cfg.devices, budget, layer_bytes, embed, head, tied
+    )
+    held = stage_weight_bytes(ranges, layer_bytes, embed, head, tied)
+    logger.info(
+        "pipeline within %.0f MB per device: %s",
+        budget / 2**20,
+        ", ".join(f"layers {r.lo}..{r.hi - 1} ({b / 2**20:.0f} MB)" for r, b in zip(ranges, held)),
+    )
+    return ranges
+
+
 class PipelineRunner:
     """Runner (see ``edge.engine``) for the master (stage 0) of an S-stage pipeline."""
 
@@ -153,7 +180,20 @@ class PipelineRunner:
             else None
         )
         self._on_link: set[int] = set()
-        shard = load_shard(self.model_dir, dtype=cfg.dtype, fast=False)
+        # a memory budget: each device's stage sized to hold at most that many MB of weights
+        # and loaded mapped from the file, only its own layers ever read; no repacked copy
+        self.mapped = cfg.memory_budget_mb is not None
+        self.repack = "off" if self.mapped else cfg.repack
+        if self.mapped and ranges is None:
+            ranges = budgeted_ranges(self.model_dir, cfg)
+        if self.mapped and ranges is not None:
+            rows = (ranges[0].lo, ranges[0].hi)
+            window = WindowConfig(window=rows[1] - rows[0])
+            shard = load_shard(
+                self.model_dir, dtype=cfg.dtype, fast=False, window=window, layers=rows
+            )
+        else:
+            shard = load_shard(self.model_dir, dtype=cfg.dtype, fast=False)
         L = shard.model.config.num_hidden_layers
         self.ranges = list(ranges or stage_ranges(L, cfg.weights or [1.0] * cfg.devices))
         if len(self.ranges) != cfg.devices or self.ranges[0].lo != 0:
@@ -161,7 +201,7 @@ class PipelineRunner:
             raise ConfigError("layout", f"{len(self.ranges)} stage ranges for {cfg.devices}")
         try:
             self.stage = Stage(shard, self.ranges[0])
-            self.stage.repack(cfg.repack)  # (after the other layers are freed: see load_stage)
+            self.stage.repack(self.repack)  # (after the other layers are freed: see load_stage)
         except BaseException:
             shard.close()
             raise
@@ -210,8 +250,9 @@ class PipelineRunner:
                 link_port=self.hub.port if self.hub else None,
                 link_secret=self.hub.secret if self.hub else None,
                 link_spin_us=cfg.link_spin_us,
-                repack=cfg.repack,
+                repack=self.repack,
                 head_lo=self.head_lo if s == len(self.ranges) - 1 else 0,
+                mapped=self.mapped,
             )
             self.comm.send(r, [], msg.encode(), tag=CTL)
         for s, r in enumerate(self.workers, start=1):

@@ -24,6 +24,7 @@ from torch import nn
 
 from edge import fastpath
 from edge.shardio import LoadedShard, WindowConfig, load_shard
+from edge.window import release
 from lowband.errors import ConfigError
 from lowband.models.llama import KVCache, LlamaForCausalLM, Span
 
@@ -107,6 +108,27 @@ class Stage:
         if self.repacked:
             self.head.repack()
 
+    def release_embedding(self) -> int:
+        """A stage after the first never embeds: give back the pages of its token embedding
+        outside the head rows it holds (all of them when the head is not tied), so it holds
+        the bytes a memory budget counts (``edge.cluster.layout.stage_weight_bytes``).
+        Returns the bytes released."""
+        if self.range.first:
+            raise RuntimeError("the first stage embeds the tokens: it keeps the whole table")
+        emb = self.model.model.embed_tokens
+        keep = (
+            self.head.rows
+            if self.head is not None and self.model.config.tie_word_embeddings
+            else (0, 0)
+        )
+        out = 0
+        for t in (*emb.parameters(recurse=False), *emb.buffers(recurse=False)):
+            if t.dim() != 2 or t.is_meta or not t.is_contiguous():
+                continue
+            row = t.shape[1] * t.element_size()
+            out += release(t, 0, keep[0] * row) + release(t, keep[1] * row, t.shape[0] * row)
+        return out
+
     def top_logits(self, h: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The ``k`` largest logits of this stage's head rows for each row of ``h`` (R, H):
         values (R, k) and absolute token ids (R, k) as float32 (exact below 2^24)."""
@@ -140,7 +162,9 @@ def load_stage(
     """Stage ``rng`` of the model at ``model_dir``; ``repack``: its K-quant weights also in the
     batch GEMM's layout (:meth:`Stage.repack`); ``head_lo`` > 0: it also holds the LM head's
     rows ``head_lo..V-1`` (:meth:`Stage.cut_head`); ``window``: its layers streamed through
-    the sliding window from a GGUF file (eager where the window really streams)."""
+    the sliding window from a GGUF file (eager where the window really streams; a stage after
+    the first then also gives back the embedding rows it does not hold,
+    :meth:`Stage.release_embedding`)."""
     rows = (rng.lo, rng.hi) if window is not None else None
     shard = load_shard(model_dir, dtype=dtype, fast=False, window=window, layers=rows)
     sched = shard.scheduler
@@ -149,6 +173,14 @@ def load_stage(
         stage.repack(repack)
         if head_lo > 0:
             stage.cut_head(head_lo, shard.model.config.vocab_size)
+        if window is not None and not rng.first:  # (a memory budget: edge.cluster.pipeline)
+            freed = stage.release_embedding()
+            logger.info(
+                "stage %d..%d: %.1f MiB of the embedding given back",
+                rng.lo,
+                rng.hi - 1,
+                freed / 2**20,
+            )
     except BaseException:
         shard.close()
         raise

@@ -526,6 +526,7 @@ def _stage_assign(
             msg.dtype,
             msg.repack,
             head_lo=msg.head_lo,
+            window=WindowConfig(window=msg.hi - msg.lo) if msg.mapped else None,
         )
         st.link = _spoke(cfg, msg, msg.stage)
     except (TransportTimeout, ProtocolError, CommClosed):

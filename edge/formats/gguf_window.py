@@ -106,6 +106,33 @@ def _compact(model: LlamaForCausalLM, mapping: MappedBytes) -> None:
                     m._buffers[name] = b.clone()
 
 
+def stage_sizes(path: str | Path) -> tuple[list[int], int, int, bool]:
+    """From the file's header, the bytes a pipeline stage's memory budget counts
+    (``edge.cluster.layout.budget_ranges``): each decoder layer's tensors as stored, the token
+    embedding with the other tensors outside the layers (final norm, rope factors), the LM
+    head (the embedding's bytes where the head is tied) and whether it is tied."""
+    from edge.formats.bounds import open_gguf
+
+    reader = open_gguf(path)
+    layers: dict[int, int] = {}
+    embed = head = 0
+    tied = True
+    for t in reader.tensors:
+        n = int(t.n_bytes)
+        if t.name.startswith("blk."):
+            i = int(t.name.split(".")[1])
+            layers[i] = layers.get(i, 0) + n
+        elif t.name == "output.weight":
+            head, tied = n, False
+        else:
+            embed += n
+            if t.name == "token_embd.weight" and tied:
+                head = n
+    if sorted(layers) != list(range(len(layers))) or not layers:
+        raise ConfigError("model", f"{Path(path).name}: decoder layers missing in the file")
+    return [layers[i] for i in range(len(layers))], embed, head, tied
+
+
 def load_gguf_window(
     path: str | Path,
     rank: int,
@@ -155,4 +182,4 @@ def gguf_scheduler(
     return WindowScheduler(layer_list, blocks, w, loader_cores)
 
 
-__all__ = ["load_gguf_window", "gguf_scheduler", "fixed_bytes", "layer_blocks"]
+__all__ = ["load_gguf_window", "stage_sizes", "gguf_scheduler", "fixed_bytes", "layer_blocks"]

@@ -36,6 +36,29 @@ def test_every_arm_decodes_over_the_emulated_link():
     assert p["aggregate_tokens_per_s"]["auto-busy"]["median"] > 0
 
 
+@pytest.mark.slow
+@pytest.mark.netns
+@pytest.mark.timeout(300)
+@needs_tun
+def test_the_model_that_fits_no_device_arms_decode():
+    """--budget-frac: one device that holds it all, one streaming its layers from paced storage
+    within the budget, two devices in pipeline each within it; memory and the measured round
+    trip's faithfulness are recorded."""
+    args = ["--tiny", "--budget-frac", "0.6", "--profiles", "ethernet", "--repeats", "1"]
+    args += ["--tokens", "4", "--paced-tokens", "2", "--paced-mbps", "40"]
+    out = run_json_module("benchmarks.edge_wan", *args, "--streams", "2", "--json", timeout=290)
+    assert 0 < out["memory_budget_mb"] < out["weight_mb"]
+    (p,) = out["profiles"]
+    assert p["errors"] == {}
+    for arm in ("single", "window", "pipeline"):
+        assert p["ms_per_token"][arm]["median"] > 0
+        assert p["aggregate_tokens_per_s"][arm]["median"] > 0
+        assert all(m["rss"] > 0 for m in p["memory_mb"][arm])
+    assert len(p["memory_mb"]["pipeline"]) == 2  # the master and its worker
+    assert isinstance(p["measured_rtt"]["within_tolerance"], bool)
+    assert p["measured_rtt"]["tolerance_ms"] == pytest.approx(0.08)
+
+
 _POST = (
     "import json,sys,urllib.request,urllib.error\n"
     "req=urllib.request.Request('http://127.0.0.1:'+sys.argv[1]+'/v1/completions',"
