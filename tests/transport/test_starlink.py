@@ -198,3 +198,28 @@ def test_commands_between_all_reduces_keep_their_order() -> None:
         hub.close()
         a.close()
         b.close()
+
+
+def test_both_ends_lower_the_retransmission_floor() -> None:
+    """Hub and spoke sockets carry the link's RTO floor (kernel's default 200 ms) where the
+    kernel has TCP_RTO_MIN_US; elsewhere the option is skipped, visibly."""
+    import socket
+
+    from transport.starlink import RTO_MIN_US, TCP_RTO_MIN_US, low_rto
+
+    probe = socket.socket()
+    try:
+        if not low_rto(probe):
+            pytest.skip("this kernel has no TCP_RTO_MIN_US (Linux < 6.15)")
+    finally:
+        probe.close()
+    hub, (spoke,) = _group(2)
+    try:
+        socks = [hub._conns[1].sock, spoke._conn.sock]
+        for s in socks:
+            floor = s.getsockopt(socket.IPPROTO_TCP, TCP_RTO_MIN_US)
+            # (rounded up to the kernel's tick: 4 ms at HZ=250, 10 at HZ=100)
+            assert RTO_MIN_US <= floor <= RTO_MIN_US + 10_000
+    finally:
+        spoke.close()
+        hub.close()
