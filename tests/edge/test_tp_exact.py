@@ -194,3 +194,21 @@ def test_real_gemma3_tp2_greedy_equals_one_device(real_gemma3) -> None:
     res = measure(a)
     assert res["hidden_bit_equal"] == 1.0 and res["top1_vs_1dev"] == 1.0
     assert res["greedy_equal"] == [True, True]
+
+
+def test_a_split_directory_keeps_the_leaves(tmp_path) -> None:
+    """``edge split`` stores each packed matrix's split-K chunk: a 1-way split loads with one
+    device's leaves (and logits), a 2-way split's ranks with theirs."""
+    from edge.formats.gguf_split import split_gguf
+    from edge.shardio import load_shard
+
+    _, path = write_mixed(tmp_path / "m.gguf", TYPES)
+    one = split_gguf(path, tmp_path / "s1", 1, None, None)
+    got = load_shard(one, fuse=False, fast=False).model
+    assert [lay.mlp.down_proj.k_chunk for lay in got.model.layers] == [256, 256]
+    assert [lay.self_attn.o_proj.k_chunk for lay in got.model.layers] == [256, 256]
+    with torch.inference_mode():
+        assert torch.equal(got(_ids()), load_gguf(path)(_ids()))
+    two = split_gguf(path, tmp_path / "s2", 2, None, None)
+    r0 = load_shard(two, 0, 2, fuse=False, fast=False).model
+    assert [lay.mlp.down_proj.k_chunk for lay in r0.model.layers] == [0, 0]  # one leaf each
