@@ -14,6 +14,10 @@ layers), teacher-forced over ``--len`` token ids, and reports:
   all-reduce) has the same bits as one device's, and ``hidden_max_abs_diff``;
 * ``greedy_equal``: for ``--prompts`` random prompts, whether ``--tokens`` greedy tokens
   decoded one at a time through the KV cache are the same.
+
+``--no-split`` turns the split-K tree off on both arms (what the runtime computed before it);
+``--speed`` instead times one device with and without the tree (decode ms/token, a
+``--prefill-len`` prompt), alternating, ``--repeats`` rounds.
 """
 
 from __future__ import annotations
@@ -138,12 +142,24 @@ def _bcast(x: torch.Tensor | None, rank: int, reduce, shape: tuple[int, ...]) ->
     return exact_reduce(reduce)(buf)
 
 
+def _unsplit(model, a):
+    """With ``--no-split``: every matrix unsplit (``split_k(0)``), the arithmetic before the
+    split-K tree (each rank then adds its columns in its kernel's own order)."""
+    if getattr(a, "no_split", False):
+        from edge.quant.linear import GGMLLinear
+
+        for m in model.modules():
+            if isinstance(m, GGMLLinear):
+                m.split_k(0)
+    return model
+
+
 def measure(a) -> dict:
     from edge.formats.gguf import load_gguf, load_gguf_shard
     from edge.tp import make_reduce
     from transport.loopback import LoopbackGroup
 
-    one = load_gguf(a.gguf)
+    one = _unsplit(load_gguf(a.gguf), a)
     ids = _ids(one.config.vocab_size, a.len, a.seed)
     t0 = time.perf_counter()
     ref = _arm(one, None, 0, None, ids, a)
@@ -154,7 +170,7 @@ def measure(a) -> dict:
         def body():
             reduce = make_reduce(comms[r], timeout=a.timeout)
             model, plan = load_gguf_shard(a.gguf, r, a.world, reduce=reduce)
-            return _arm(model, plan, r, reduce, ids, a)
+            return _arm(_unsplit(model, a), plan, r, reduce, ids, a)
 
         return body
 
@@ -167,6 +183,7 @@ def measure(a) -> dict:
         "file": Path(a.gguf).name,
         "world": a.world,
         "path": "eager" if a.eager else "compiled",
+        "split_k": not getattr(a, "no_split", False),
         "positions": len(ids),
         "top1_vs_1dev": round(sum(top) / len(top), 4),
         "first_top1_diff": next((i for i, t in enumerate(top) if not t), None),
@@ -255,6 +272,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tokens", type=int, default=32)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--eager", action="store_true", help="the eager layers, not the compiled step")
+    p.add_argument(
+        "--no-split",
+        action="store_true",
+        help="no split-K tree on either arm (the arithmetic before bit-exact TP)",
+    )
     p.add_argument("--timeout", type=float, default=1800.0)
     p.add_argument(
         "--speed",

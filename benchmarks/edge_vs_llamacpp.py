@@ -35,7 +35,10 @@ policy as ``lowband edge`` sets it, :func:`role_env`; the result's ``openmp_env`
   with ``logits_all=True``); ``kl_lowband_vs_llamacpp``: the two runtimes on the same file
   (and ``top1_lowband_vs_llamacpp_same_file``: how often their argmax agrees there);
 * ``tp2``: with ``--tp``, lowband on 2 pinned devices (``edge worker`` + master over the real
-  transport, cores 0 and 1, from a 2-way ``edge split`` of the file) vs 1 (a 1-way split);
+  transport, cores 0 and 1, from a 2-way ``edge split`` of the file) vs 1 (a 1-way split),
+  and how often TP's teacher-forced argmax equals one device's over ``--kl-len`` positions
+  (``top1_vs_1dev``; ``hidden_bit_equal_vs_1dev``: final hidden states with one device's
+  bits; from ``benchmarks.edge_tp_agreement``);
   otherwise, or when the file cannot be split, ``null`` with the reason. This VM's two cores
   share one memory bus, so two simulated devices contend for bandwidth as two boards would not.
 
@@ -705,6 +708,21 @@ def _tp(file: Path, work: Path, a) -> dict:
         two.append(eb._run_tp(str(d2), ns))
     m1 = statistics.median(r["decode_ms_per_token"] for r in one)
     m2 = statistics.median(r["decode_ms_per_token"] for r in two)
+    # Does TP give one device's answer: teacher-forced top-1 and final hidden bits over
+    # --kl-len positions, greedy tokens of one prompt (benchmarks.edge_tp_agreement, in-process
+    # loopback ranks on the same file).
+    agree = subprocess.run(
+        [sys.executable, "-m", "benchmarks.edge_tp_agreement", "--gguf", str(file), "--json"]
+        + ["--len", str(a.kl_len), "--prompts", "1", "--prompt-len", str(a.prompt_len)]
+        + ["--tokens", str(a.tokens), "--seed", str(a.seed)],
+        capture_output=True,
+        text=True,
+        timeout=a.timeout,
+        env=role_env(),
+    )
+    if agree.returncode != 0:
+        raise RuntimeError(f"edge_tp_agreement failed:\n{agree.stderr[-3000:]}")
+    vs1 = json.loads(agree.stdout.strip().splitlines()[-1])
     return {
         "tp2_speedup": round(m1 / m2, 3),
         "ms_per_token_1dev": _stats([r["decode_ms_per_token"] for r in one]),
@@ -713,6 +731,9 @@ def _tp(file: Path, work: Path, a) -> dict:
             statistics.median(r["allreduce_ms_per_token"] for r in two), 2
         ),
         "same_tokens": two[0]["tokens"] == one[0]["tokens"],
+        "top1_vs_1dev": vs1["top1_vs_1dev"],
+        "hidden_bit_equal_vs_1dev": vs1["hidden_bit_equal"],
+        "greedy_equal_vs_1dev": vs1["greedy_equal"][0],
     }
 
 

@@ -288,7 +288,11 @@ class GGMLLinear(nn.Module):
         elif self.k_chunk:
             c, w = self.k_chunk, self.weight_blocks
             leaves = [kernel.ggml_pack(narrow_ggml(w, 1, a, c)) for a in range(0, w.shape[1], c)]
-            packed = None if any(p is None for p in leaves) else torch.cat(leaves)  # type: ignore[misc]
+            packed = (
+                None
+                if any(p is None for p in leaves)
+                else torch.cat([p for p in leaves if p is not None])
+            )
         else:
             packed = kernel.ggml_pack(self.weight_blocks)
         self.packed = packed

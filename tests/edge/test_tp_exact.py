@@ -77,7 +77,15 @@ def test_narrow_in_keeps_whole_subtrees_only() -> None:
     assert lin.narrow_out(0, 4).k_chunk == 512
 
 
-def _tp_logits(path, world: int, weights, compiled: bool) -> tuple[torch.Tensor, list]:
+def _repack(model) -> None:
+    for m in model.modules():
+        if isinstance(m, GGMLLinear):
+            m.repack()
+
+
+def _tp_logits(
+    path, world: int, weights, compiled: bool, repack: bool = False
+) -> tuple[torch.Tensor, list]:
     """Rank 0's logits of ``_ids()`` under ``world``-way TP (prefill then 3 decode steps when
     ``compiled``: the compiled step's rows, else one eager forward), and each rank's
     row-parallel split-K chunks."""
@@ -90,6 +98,8 @@ def _tp_logits(path, world: int, weights, compiled: bool) -> tuple[torch.Tensor,
             reduce = make_reduce(comms[r])
             sh, plan = load_gguf_shard(path, r, world, weights=weights, reduce=reduce)
             chunks = [lay.mlp.down_proj.k_chunk for lay in sh.model.layers]
+            if repack:
+                _repack(sh)
             with torch.inference_mode():
                 if not compiled:
                     return tp_head(
@@ -108,8 +118,10 @@ def _tp_logits(path, world: int, weights, compiled: bool) -> tuple[torch.Tensor,
     return res[0][0], [c for _, c in res]
 
 
-def _one_device(path, compiled: bool) -> torch.Tensor:
+def _one_device(path, compiled: bool, repack: bool = False) -> torch.Tensor:
     m = load_gguf(path)
+    if repack:
+        _repack(m)
     with torch.inference_mode():
         if not compiled:
             return m(_ids())
@@ -120,16 +132,21 @@ def _one_device(path, compiled: bool) -> torch.Tensor:
         return torch.cat(outs, 1)
 
 
-@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
-def test_tp2_on_kquants_has_one_devices_bits(tmp_path, compiled: bool) -> None:
+@pytest.mark.parametrize(
+    "compiled,repack",
+    [(False, False), (True, False), (False, True)],
+    ids=["eager", "compiled", "repacked"],
+)
+def test_tp2_on_kquants_has_one_devices_bits(tmp_path, compiled: bool, repack: bool) -> None:
     """Q4_K_M-like mix, every block type: o_proj (Q3_K, Q4_K) and down_proj (Q5_0, Q6_K) are
-    row-parallel; 2 ranks give one device's logits exactly."""
+    row-parallel; 2 ranks give one device's logits exactly (``repacked``: 7 rows of K-quants in the
+    batch GEMM's layout, split-K leaves' layouts back to back)."""
     if not kernel.available():
         pytest.skip(f"the C++ kernel is unavailable: {kernel.unavailable_reason()}")
     _, path = write_mixed(tmp_path / "m.gguf", TYPES)
     assert [lay.mlp.down_proj.k_chunk for lay in load_gguf(path).model.layers] == [256, 256]
-    want = _one_device(path, compiled)
-    got, chunks = _tp_logits(path, 2, None, compiled)
+    want = _one_device(path, compiled, repack)
+    got, chunks = _tp_logits(path, 2, None, compiled, repack)
     assert chunks == [[0, 0], [0, 0]]  # each rank holds one leaf of each down_proj
     assert torch.equal(got, want)
 
@@ -177,3 +194,21 @@ def test_real_gemma3_tp2_greedy_equals_one_device(real_gemma3) -> None:
     res = measure(a)
     assert res["hidden_bit_equal"] == 1.0 and res["top1_vs_1dev"] == 1.0
     assert res["greedy_equal"] == [True, True]
+
+
+def test_a_split_directory_keeps_the_leaves(tmp_path) -> None:
+    """``edge split`` stores each packed matrix's split-K chunk: a 1-way split loads with one
+    device's leaves (and logits), a 2-way split's ranks with theirs."""
+    from edge.formats.gguf_split import split_gguf
+    from edge.shardio import load_shard
+
+    _, path = write_mixed(tmp_path / "m.gguf", TYPES)
+    one = split_gguf(path, tmp_path / "s1", 1, None, None)
+    got = load_shard(one, fuse=False, fast=False).model
+    assert [lay.mlp.down_proj.k_chunk for lay in got.model.layers] == [256, 256]
+    assert [lay.self_attn.o_proj.k_chunk for lay in got.model.layers] == [256, 256]
+    with torch.inference_mode():
+        assert torch.equal(got(_ids()), load_gguf(path)(_ids()))
+    two = split_gguf(path, tmp_path / "s2", 2, None, None)
+    r0 = load_shard(two, 0, 2, fuse=False, fast=False).model
+    assert [lay.mlp.down_proj.k_chunk for lay in r0.model.layers] == [0, 0]  # one leaf each

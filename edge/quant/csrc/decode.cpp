@@ -556,6 +556,17 @@ void ggml_dispatch(int type, const uint8_t* w, int64_t row_bytes, const lbq::ggm
 // each activation row, quantized once per leaf; groups of 16 weight rows, all leaves each.
 void run_split(const Lin& l, const float* x, int64_t ldx, int64_t M, float* Y, int64_t ldy, QScratch& qs) {
   const int64_t S = static_cast<int64_t>(l.leaves.size()), C = l.chunk, N = l.N;
+#if defined(LBQ_AVX2)
+  if (M == 1 && lbq::ggml::leaves_row_type(l.G)) {  // a decode step of a K-quant: fused_leaves
+    qs.g.resize(1, l.K);
+    qs.g.row(x, 0, l.K);  // per 32 values: each leaf's activations as quantized alone
+    const lbq::ggml::GAct a = qs.g.view(1, l.K);
+    lbq::parallel_for(0, N, std::max<int64_t>(8, (int64_t{1} << 16) / l.K), [&](int64_t n0, int64_t n1) {
+      lbq::ggml::leaves_row(l.G, l.qp, l.row_bytes, a, S, n0, n1, Y);
+    });
+    return;
+  }
+#endif
   qs.gl.resize(static_cast<size_t>(S));
   for (auto& g : qs.gl) g.resize(M, C);
   lbq::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {

@@ -135,6 +135,15 @@ torch::Tensor ggml_gemv(const torch::Tensor& x, const torch::Tensor& blocks, int
     const uint8_t* pp = packed.has_value() ? ggml_packed_ptr(*packed, type, N, K) : nullptr;
     if (!split) {
       ggml_rows_all(xp, K, M, K, t, wp, row_bytes, N, pp, yp);
+#if defined(LBQ_AVX2)
+    } else if (M == 1 && lbq::ggml::leaves_row_type(t)) {  // as decode.cpp's run_split
+      lbq::ggml::GActBuf buf;
+      buf.resize(1, K);
+      buf.row(xp, 0, K);
+      const lbq::ggml::GAct a = buf.view(1, K);
+      lbq::parallel_for(0, N, std::max<int64_t>(8, (int64_t{1} << 16) / K),
+                        [&](int64_t n0, int64_t n1) { lbq::ggml::leaves_row(t, wp, row_bytes, a, S, n0, n1, yp); });
+#endif
     } else {  // as decode.cpp's run_split: each leaf's activations, 16 weight rows at a time
       const int64_t pb = lbq::ggml::packed_bytes(t, N, chunk), leaf_bytes = chunk / qk * size;
       std::vector<lbq::ggml::GActBuf> bufs(static_cast<size_t>(S));
