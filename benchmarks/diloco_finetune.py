@@ -64,9 +64,11 @@ def _config(args: argparse.Namespace):  # -> (TrainConfig, Pretrained | None)
         n_fragments=args.fragments,
         tau=args.tau,
         codec=args.codec,
-        inner_lr=args.lora_lr if args.arm == "lora" else args.inner_lr,
+        inner_lr={"lora": args.lora_lr, "ddp": args.ddp_lr or args.inner_lr}.get(
+            args.arm, args.inner_lr
+        ),
         warmup_steps=args.warmup,
-        outer_lr=args.outer_lr,
+        outer_lr=args.lora_outer_lr if args.arm == "lora" else args.outer_lr,
         outer_momentum=args.outer_momentum,
         test_fraction=args.test_fraction,
         eval_split=args.eval_split,
@@ -158,7 +160,9 @@ _CHILD_ARGS = (
     "lora_lr",
     "lora_rank",
     "warmup",
+    "ddp_lr",
     "outer_lr",
+    "lora_outer_lr",
     "outer_momentum",
     "test_fraction",
     "eval_split",
@@ -253,7 +257,9 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--lora-lr", type=float, default=1e-3, help="the LoRA arm's inner lr")
     p.add_argument("--lora-rank", type=int, default=8)
     p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--ddp-lr", type=float, default=0.0, help="the DDP arm's lr (0: --inner-lr)")
     p.add_argument("--outer-lr", type=float, default=0.7, help="outer Nesterov SGD lr")
+    p.add_argument("--lora-outer-lr", type=float, default=0.7, help="the LoRA arm's outer lr")
     p.add_argument("--outer-momentum", type=float, default=0.9, help="μ (0: plain SGD)")
     p.add_argument(
         "--test-fraction",

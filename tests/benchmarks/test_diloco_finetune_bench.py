@@ -73,11 +73,18 @@ def test_split_and_outer_flags_reach_the_config() -> None:
         model="llama:64:2", corpus="c.txt", steps=4, seed=0, eval_batches=2, batch_size=1,
         seq_len=8, inner_steps=4, fragments=2, tau=1, codec="int8", inner_lr=1e-4,
         lora_lr=1e-3, lora_rank=8, warmup=1, outer_lr=1.5, outer_momentum=0.0,
+        ddp_lr=3e-5, lora_outer_lr=0.7,
         test_fraction=0.1, eval_split="test",
     )  # fmt: skip
     cfg, _ = _config(argparse.Namespace(arm="diloco", **base))
     assert (cfg.data.test_fraction, cfg.data.eval_split) == (0.1, "test")
     outer = cfg.mode.outer
     assert (outer.lr, outer.momentum, outer.nesterov) == (1.5, 0.0, False)
+    assert cfg.inner.lr == 1e-4
+    lora, _ = _config(argparse.Namespace(arm="lora", **base))
+    assert (lora.mode.outer.lr, lora.inner.lr) == (0.7, 1e-3)
     ddp, _ = _config(argparse.Namespace(arm="ddp", **{**base, "eval_split": "validation"}))
     assert ddp.data.eval_split == "validation" and not hasattr(ddp.mode, "outer")
+    assert ddp.inner.lr == 3e-5
+    same, _ = _config(argparse.Namespace(arm="ddp", **{**base, "ddp_lr": 0.0}))
+    assert same.inner.lr == 1e-4
