@@ -817,7 +817,9 @@ class Engine:
         and k draft tokens, every row's logits wanted (outside the lock: a draft model
         runs here)."""
         out = []
-        batch = sum(r.decoding for r, _ in work)
+        # with lanes, the sequences of the steps still in flight share the devices' cycle
+        # with this one: a draft's rows cost what they add to that cycle (see _land)
+        batch = sum(r.decoding for r, _ in work) + self._flying_decodes()[0]
         for r, w in work:
             if r.drafter is not None and r.draft_len is not None and r.decoding:
                 room = min(r.params.max_tokens - len(r.out) - 1, self.max_context - r.pos - 1)
@@ -866,6 +868,15 @@ class Engine:
             r.flying = pending
         return _Flight(work, result, pending, t0)
 
+    def _flying_decodes(self) -> tuple[int, bool]:
+        """Rows of the steps in flight (lanes) and whether they are all decodes."""
+        rows, pure = 0, True
+        for f in self._flights:
+            for r, w in f.work:
+                rows += len(w.ids)
+                pure = pure and r.decoding
+        return rows, pure
+
     def _land(self, flight: _Flight) -> None:
         """Take a step's logits (collected from the runner when in flight) and apply them."""
         work, t0 = flight.work, flight.t0
@@ -886,7 +897,12 @@ class Engine:
         elapsed = time.perf_counter() - t0
         self.pace.observe(n_decode, sum(len(w.ids) for r, w in work if not r.decoding), elapsed)
         if all(r.decoding for r in reqs):
-            self.pass_cost.observe(n_decode, elapsed)
+            # A step submitted while others were in flight (lanes) lands after one cycle of
+            # the devices, which ran those steps' rows too: its time is the cost of them all
+            # (else a draft's rows would look nearly free beside a cycle's worth of seconds)
+            others, pure = self._flying_decodes() if flight.pending else (0, True)
+            if pure:
+                self.pass_cost.observe(n_decode + others, elapsed)
         m = self.metrics
         m.steps += 1
         m.step_sequences += len(work)
