@@ -174,6 +174,16 @@ inline void quantize_act_row(const float* x, int64_t K, int G, int8_t* q, float*
   }
 }
 
+// Decode reads each weight row once, front to back, from memory. On the Zen 4 core these kernels
+// were tuned on, the hardware prefetchers alone keep ~28 GB/s of one core's weight stream in
+// flight; a software prefetch kPrefetchAhead bytes ahead of the loads ~40 GB/s (a 4864 x 896 Q8
+// GEMV from memory, one core; 1 KiB ahead was slower than none, 8 and 16 KiB equal). A prefetch
+// never faults (past the end of a weight too) and changes no arithmetic.
+constexpr int64_t kPrefetchAhead = 8192;
+inline void prefetch_ahead(const void* p) {
+  _mm_prefetch(static_cast<const char*>(p) + kPrefetchAhead, _MM_HINT_T0);
+}
+
 // Sum of products of 32 u8 (<=127 for Q8 magnitudes, <=15 for Q4) by 32 s8, as 8 int32 partial
 // sums added to acc.  maddubs cannot saturate here: 2*127*127 < 32767.
 inline __m256i dot_u8s8(__m256i acc, __m256i u, __m256i s) {
@@ -479,6 +489,7 @@ inline void q8_rows(const Wt& w, const Act& a, int64_t m, int64_t n0, int64_t n1
       __m512i I[4][R];
 #pragma GCC unroll 4
       for (int c = 0; c < 4; ++c) {
+        prefetch_ahead(wr + b * 32 + 64 * c);
         const __m512i u = _mm512_xor_si512(_mm512_loadu_si512(wr + b * 32 + 64 * c), flip);
         for (int j = 0; j < R; ++j)
           I[c][j] =
@@ -496,6 +507,7 @@ inline void q8_rows(const Wt& w, const Act& a, int64_t m, int64_t n0, int64_t n1
     }
     float tail[R] = {};
     for (; b < nb; ++b) {  // row_tile's tail groups
+      if (b % 2 == 0) prefetch_ahead(wr + b * 32);
       const __m256i u = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wr + b * 32)),
                                          _mm256_set1_epi8(static_cast<char>(0x80)));
       const float dwb = fp16_to_fp32(sr[b]);

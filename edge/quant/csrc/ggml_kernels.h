@@ -695,6 +695,8 @@ inline void fused_rows(const uint8_t* wr, int64_t row_bytes, const GAct& x, int6
     for (int64_t j = 0; j < R; ++j) acc[r][j] = _mm256_setzero_ps();
   for (int64_t blk = 0; blk < K / 256; ++blk) {
     KUnp u[NW];
+    for (int r = 0; r < NW; ++r)
+      for (int o = 0; o < Traits<T>::SIZE; o += 64) prefetch_ahead(wr + r * row_bytes + blk * Traits<T>::SIZE + o);
     for (int r = 0; r < NW; ++r) Fused<T>::unpack(wr + r * row_bytes + blk * Traits<T>::SIZE, u[r]);
     for (int64_t j = 0; j < R; ++j) {
       const int64_t m = m0 + j;
@@ -1258,6 +1260,7 @@ inline void q50_rows(const uint8_t* w, const GAct& x, int64_t m, const int32_t* 
     int64_t b = 0;
     for (; b + 2 <= nb; b += 2) {
       const uint8_t* p = wr + b * 22;
+      prefetch_ahead(p);  // 44 bytes a pass: every line of the row
       const __m512i u = unpack_q50_pair(p);
       const float d0 = f16(p), d1 = f16(p + 22);
       for (int j = 0; j < R; ++j) {
