@@ -342,9 +342,12 @@ def test_plan_layout_for_several_streams_ranks_by_aggregate_tokens() -> None:
     assert d["streams"] == 8 and d["predicted_tok_s"]["pipeline"] > d["predicted_tok_s"]["single"]
     assert busy.predicted_ms == one.predicted_ms  # one stream's figures stay in the plan
     # single: 8 rows per step of 18 layers at 2.67 ms; pipeline: 3 groups of 3 rows, the
-    # busiest stage's 3 groups (3 * 9 * 1.11 ms) outlast one group's round (2 * 10 ms + 6 ms)
+    # busiest stage's 3 groups (3 * (9 * 1.11 ms + a 2 ms hop each)) outlast one group's round
+    # (2 * 10 ms + 6 ms)
     assert aggregate_tok_s("single", 8, (18,), devs) == pytest.approx(8e3 / (18 * 2.67))
-    assert aggregate_tok_s("pipeline", 8, (9, 9), devs) == pytest.approx(8e3 / (3 * 9 * 1.11))
+    want = 8e3 / (3 * (9 * 1.11 + 2.0))
+    assert aggregate_tok_s("pipeline", 8, (9, 9), devs) == pytest.approx(want)
+    assert aggregate_tok_s("pipeline", 8, (9, 9), devs, hop_ms=0.5) > want
     # one group cannot hide the link: its round (both stages and the round trip) is the cycle
     far = [_busy("m"), _busy("w", rtt=40.0)]
     got = aggregate_tok_s("pipeline", 8, (9, 9), far, groups=1)
