@@ -167,6 +167,12 @@ def _add_serve(p: argparse.ArgumentParser) -> None:
         help="pipeline layout: groups of streams in flight through the stages (default 3)",
     )
     p.add_argument(
+        "--head-share",
+        type=float,
+        help="pipeline layout: the master's share of the LM head's vocabulary rows, the "
+        "rest on the last stage (default: in proportion to their layers)",
+    )
+    p.add_argument(
         "--plan-streams",
         type=int,
         default=1,
@@ -557,6 +563,7 @@ def _serve_config(args, devices: int, layout: str = "tp"):
             auto_split=args.auto_split,
             layout=args.layout or layout,
             micro_batches=args.micro_batches,
+            head_share=args.head_share,
             plan_streams=args.plan_streams,
         ),
     )

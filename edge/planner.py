@@ -406,13 +406,18 @@ def aggregate_tok_s(
     per step), from each device's batched step cost (:meth:`LayoutDevice.step_ms`)::
 
         single    N / (L * t_0(N))
-        pipeline  N / max(G * max_i n_i * t_i(g),  sum_i n_i * t_i(g) + sum_{i>0} (rtt_i + hop))
+        pipeline  N / max(G * (max_i n_i * t_i(g) + hop), sum_i n_i * t_i(g) + links)
+                  links = sum_{i>0} (rtt_i + hop)
         tp        N / (L * max_i t_i(N) / S + 2 * L * max_i rtt_i)
 
     Pipeline: the streams in G groups of g = ceil(N / G) rows (``edge.cluster.pipeline``'s
     steps in flight); in steady state the busiest stage runs every group once per cycle, unless
     one group's round through every stage and link takes longer (too few groups to hide the
-    links). A device's t_i(B) is the master's curve scaled by its one-row speed."""
+    links). Each group's hop also costs the busiest stage ``hop`` of its own time per cycle
+    (serialising, the sockets, waking up, the master's merge of the split head): without it
+    the model was 35 % above the measured 8-stream rate over Wi-Fi (295 predicted, 219
+    measured tok/s, ``benchmarks/results/edge_wan-gemma3-270m-plan-streams.json``; with it,
+    242). A device's t_i(B) is the master's curve scaled by its one-row speed."""
     N, L = streams, sum(stages) if stages else 0
     t0 = devices[0]
 
@@ -430,7 +435,7 @@ def aggregate_tok_s(
     g = -(-N // G)
     work = [n * t(i, g) for i, n in enumerate(stages)]
     links = sum(d.rtt_ms + hop_ms for d in devices[1 : len(stages)])
-    return 1e3 * N / max(1e-9, G * max(work), sum(work) + links)
+    return 1e3 * N / max(1e-9, G * (max(work) + hop_ms), sum(work) + links)
 
 
 def plan_layout(

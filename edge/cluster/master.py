@@ -118,6 +118,10 @@ class ClusterConfig:
     # edge.cluster.pipeline). 3 measured best for two stages over Wi-Fi (benchmarks.edge_wan:
     # 2 leaves the master waiting a round trip per group, 4 pays too many small passes).
     micro_batches: int = 3
+    # The master's share of the LM head's vocabulary rows in a pipeline (the rest: the last
+    # stage); None: in proportion to the two stages' layers. Below that proportion moves head
+    # work off the master, which also embeds, merges, samples and serves HTTP.
+    head_share: float | None = None
     # N: the concurrent streams the ``auto`` layout plans for (edge.planner.plan_layout): 1
     # ranks the layouts by one stream's ms/token (never slower than the master alone for one
     # user); N > 1 by aggregate tokens/s at N streams (a server that is mostly busy)
@@ -134,6 +138,8 @@ class ClusterConfig:
             )
         if not 1 <= self.plan_streams <= 256:
             raise ConfigError("plan_streams", f"must be in [1, 256], got {self.plan_streams}")
+        if self.head_share is not None and not 0.0 <= self.head_share < 1.0:
+            raise ConfigError("head_share", f"must be in [0, 1), got {self.head_share}")
         if not 1 <= self.micro_batches <= 64:
             raise ConfigError("micro_batches", f"must be in [1, 64], got {self.micro_batches}")
         if self.auto_split and self.weights is not None:

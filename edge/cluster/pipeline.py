@@ -219,14 +219,16 @@ class PipelineRunner:
     # ---- setup ------------------------------------------------------------------------------
     def _cut_head(self) -> int:
         """Split the LM head's vocabulary between the master (rows 0..a-1) and the last stage
-        (a..V-1) in the proportion of their layers; returns a (0: the master keeps it whole,
-        as with one stage or a head that cannot be cut)."""
+        (a..V-1): ``cfg.head_share`` of it on the master, by default in the proportion of their
+        layers; returns a (0: the master keeps it whole, as with one stage or a head that
+        cannot be cut)."""
         V = self.config.vocab_size
         first, last = self.ranges[0], self.ranges[-1]
         if len(self.ranges) < 2 or V < 4:
             return 0
         n0, n1 = first.hi - first.lo, last.hi - last.lo
-        a = min(V - 1, max(1, round(V * n0 / (n0 + n1))))
+        share = self.cfg.head_share if self.cfg.head_share is not None else n0 / (n0 + n1)
+        a = min(V - 1, max(1, round(V * share)))
         try:
             self.stage.cut_head(0, a)
         except ValueError as exc:

@@ -185,16 +185,19 @@ def test_steps_in_flight_across_steps_bit_identical(ckpt, world, top) -> None:
         _stop(runner, workers)
 
 
-@pytest.mark.parametrize("world,groups", [(2, 2), (3, 1)])
-def test_split_head_gives_the_samplers_candidates_bit_identical(ckpt, world, groups) -> None:
+@pytest.mark.parametrize("world,groups,share", [(2, 2, None), (3, 1, None), (2, 2, 0.2)])
+def test_split_head_gives_the_samplers_candidates_bit_identical(ckpt, world, groups, share) -> None:
     """With ``top`` > 0 the master and the last stage each compute their vocabulary rows of the
-    head: the ``top`` best logits equal one device's bit for bit, the rest are -inf."""
+    head: the ``top`` best logits equal one device's bit for bit, the rest are -inf. The cut
+    follows ``head_share`` where given (the master's fraction of the rows)."""
     ref = load_shard(ckpt).model
     caches = {i: ref.new_cache() for i in range(3)}
-    runner, workers = _start(ckpt, world, micro_batches=groups)
+    runner, workers = _start(ckpt, world, micro_batches=groups, head_share=share)
     try:
         V = ref.config.vocab_size
         assert 0 < runner.head_lo < V
+        if share is not None:
+            assert runner.head_lo == round(V * share)
         assert runner.health()["head_rows"] == [[0, runner.head_lo], [runner.head_lo, V]]
         work = [Work(slot=i, ids=p, start=0) for i, p in enumerate([[5, 9, 200], [7], [1, 2]])]
         pos = {w.slot: len(w.ids) for w in work}
@@ -279,6 +282,8 @@ def test_layer_range_refuses_nonsense() -> None:
         ClusterConfig(devices=2, layout="ring")
     with pytest.raises(ConfigError):
         ClusterConfig(devices=2, micro_batches=0)
+    with pytest.raises(ConfigError):
+        ClusterConfig(devices=2, head_share=1.0)
 
 
 def _dev(name, layer_ms, rtt=0.0, mem=1e6):
@@ -337,9 +342,12 @@ def test_plan_layout_for_several_streams_ranks_by_aggregate_tokens() -> None:
     assert d["streams"] == 8 and d["predicted_tok_s"]["pipeline"] > d["predicted_tok_s"]["single"]
     assert busy.predicted_ms == one.predicted_ms  # one stream's figures stay in the plan
     # single: 8 rows per step of 18 layers at 2.67 ms; pipeline: 3 groups of 3 rows, the
-    # busiest stage's 3 groups (3 * 9 * 1.11 ms) outlast one group's round (2 * 10 ms + 6 ms)
+    # busiest stage's 3 groups (3 * (9 * 1.11 ms + a 2 ms hop each)) outlast one group's round
+    # (2 * 10 ms + 6 ms)
     assert aggregate_tok_s("single", 8, (18,), devs) == pytest.approx(8e3 / (18 * 2.67))
-    assert aggregate_tok_s("pipeline", 8, (9, 9), devs) == pytest.approx(8e3 / (3 * 9 * 1.11))
+    want = 8e3 / (3 * (9 * 1.11 + 2.0))
+    assert aggregate_tok_s("pipeline", 8, (9, 9), devs) == pytest.approx(want)
+    assert aggregate_tok_s("pipeline", 8, (9, 9), devs, hop_ms=0.5) > want
     # one group cannot hide the link: its round (both stages and the round trip) is the cycle
     far = [_busy("m"), _busy("w", rtt=40.0)]
     got = aggregate_tok_s("pipeline", 8, (9, 9), far, groups=1)
