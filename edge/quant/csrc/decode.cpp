@@ -390,8 +390,8 @@ void split_lin(Lin& l, int64_t chunk) {
   int qk = 0, size = 0;
   lbq::ggml::block_shape(l.G, &qk, &size);
   const int64_t S = l.K / chunk;
-  TORCH_CHECK(chunk % qk == 0 && l.K % chunk == 0 && (S & (S - 1)) == 0 && S <= lbq::kMaxLeaves, "split-K chunk ", chunk,
-              " must be whole blocks of ", qk, " and cut K=", l.K, " into a power of two of leaves");
+  TORCH_CHECK(chunk % qk == 0 && l.K % chunk == 0 && (S & (S - 1)) == 0 && S <= lbq::kMaxLeaves, "split-K chunk ",
+              chunk, " must be whole blocks of ", qk, " and cut K=", l.K, " into a power of two of leaves");
   const int64_t pb = l.pp != nullptr ? lbq::ggml::packed_bytes(l.G, l.N, chunk) : 0;
   l.chunk = chunk;
   for (int64_t c = 0; c < S; ++c) {
@@ -469,9 +469,9 @@ struct QScratch {
   std::vector<int8_t> q;
   std::vector<float> d;
   std::vector<int32_t> s;
-  lbq::ggml::GActBuf g;  // ggml: the int8 activations and their sums
+  lbq::ggml::GActBuf g;                // ggml: the int8 activations and their sums
   std::vector<lbq::ggml::GActBuf> gl;  // split-K: each leaf's int8 activations (splitk.h)
-  std::vector<float> leaves;            // split-K: the leaves' outputs
+  std::vector<float> leaves;           // split-K: the leaves' outputs
 };
 
 // Y[m0:m1, n] of a packed weight: the kernel's row tiles of <= 4 activation rows.
@@ -561,9 +561,8 @@ void run_split(const Lin& l, const float* x, int64_t ldx, int64_t M, float* Y, i
     qs.g.resize(1, l.K);
     qs.g.row(x, 0, l.K);  // per 32 values: each leaf's activations as quantized alone
     const lbq::ggml::GAct a = qs.g.view(1, l.K);
-    lbq::parallel_for(0, N, std::max<int64_t>(8, (int64_t{1} << 16) / l.K), [&](int64_t n0, int64_t n1) {
-      lbq::ggml::leaves_row(l.G, l.qp, l.row_bytes, a, S, n0, n1, Y);
-    });
+    lbq::parallel_for(0, N, std::max<int64_t>(8, (int64_t{1} << 16) / l.K),
+                      [&](int64_t n0, int64_t n1) { lbq::ggml::leaves_row(l.G, l.qp, l.row_bytes, a, S, n0, n1, Y); });
     return;
   }
 #endif

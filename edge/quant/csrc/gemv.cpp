@@ -93,9 +93,8 @@ void ggml_rows_all(const float* xp, int64_t ldx, int64_t M, int64_t K, int t, co
     });
   } else {
     const int64_t grain = std::max<int64_t>(8, (int64_t{1} << 16) / K);
-    lbq::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
-      lbq::ggml::gemv_rows(t, wp, row_bytes, a, N, n0, n1, yp);
-    });
+    lbq::parallel_for(0, N, grain,
+                      [&](int64_t n0, int64_t n1) { lbq::ggml::gemv_rows(t, wp, row_bytes, a, N, n0, n1, yp); });
   }
 }
 
@@ -123,8 +122,8 @@ torch::Tensor ggml_gemv(const torch::Tensor& x, const torch::Tensor& blocks, int
   const bool split = chunk > 0 && chunk < K;
   const int64_t S = split ? K / chunk : 1;
   TORCH_CHECK(!split || (chunk % qk == 0 && K % chunk == 0 && (S & (S - 1)) == 0 && S <= lbq::kMaxLeaves),
-              "split-K chunk ", chunk,
-              " must be whole blocks of ", qk, " and cut K=", K, " into a power of two of leaves");
+              "split-K chunk ", chunk, " must be whole blocks of ", qk, " and cut K=", K,
+              " into a power of two of leaves");
   auto y = torch::zeros({M, N}, x.options());
   if (M > 0 && N > 0 && K > 0) {
     const float* xp = x.data_ptr<float>();

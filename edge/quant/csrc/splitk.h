@@ -23,9 +23,9 @@ inline float tree_sum(float* p, int64_t S) {
   return p[0];
 }
 
-// Y[m, n0:n1] (rows ldy apart) for M activation rows: for each group of kLeafRows weight rows, leaf(c, a, b, part_c) writes leaf c's outputs of rows [a, b) to part_c[m * N + n]
-// (part_c = part + c * M * N), every leaf of a group before the next group, then the tree adds
-// them into Y.
+// Y[m, n0:n1] (rows ldy apart) for M activation rows: for each group of kLeafRows weight rows, leaf(c, a, b, part_c)
+// writes leaf c's outputs of rows [a, b) to part_c[m * N + n] (part_c = part + c * M * N), every leaf of a group before
+// the next group, then the tree adds them into Y.
 template <class Leaf>
 inline void split_k_rows(int64_t S, int64_t M, int64_t N, int64_t n0, int64_t n1, float* part, float* Y, int64_t ldy,
                          Leaf&& leaf) {
