@@ -992,7 +992,7 @@ class Engine:
             lp, tops = float(logp[tok]), _top(logp, p.logprobs)
         extra = {"prompt_logprobs": r.prompt_lp} if p.prompt_logprobs and not r.out else {}
         eos = self.tokenizer.eos_token_id
-        if not p.ignore_eos and (tok == eos or tok in p.stop_token_ids):
+        if not p.ignore_eos and (tok == eos or tok in p.stop_token_ids or r.sampler.grammar_done):
             self._finish(r, Event(r.stops.flush(), None, "stop", lp, tops, **extra))
             return False
         now = time.perf_counter()

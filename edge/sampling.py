@@ -28,11 +28,13 @@ BAN = -100.0  # a logit bias this low bans the token (OpenAI's "-100 should ban"
 
 class Constraint(Protocol):
     """One completion's grammar state. ``stopped``: the grammar is complete and allows nothing
-    more, so only an end token could be drawn next. ``check_first``: :class:`Sampler` may draw
-    from the unconstrained logits first and ask :meth:`allows` (a cheap test of one token)
-    before asking for the whole :meth:`mask` (see ``Sampler.__call__`` for when that is exact)."""
+    more, so only an end token could be drawn next. ``done``: one of its end tokens was drawn
+    (the completion ends with it). ``check_first``: :class:`Sampler` may draw from the
+    unconstrained logits first and ask :meth:`allows` (a cheap test of one token) before asking
+    for the whole :meth:`mask` (see ``Sampler.__call__`` for when that is exact)."""
 
     stopped: bool
+    done: bool
     check_first: bool
 
     def allows(self, token: int) -> bool:
@@ -344,6 +346,12 @@ class Sampler:
             return int(idx[int(torch.argmax(src[idx]))])
         x = self._adjust(logits) if x is None else x
         return self._draw(self._truncate(c.mask(x)))
+
+    @property
+    def grammar_done(self) -> bool:
+        """The grammar took one of its end tokens (an end of turn the request's own stop list
+        may not name): nothing after it would be constrained, so the completion ends there."""
+        return self.constraint is not None and self.constraint.done
 
     @property
     def ended(self) -> bool:

@@ -428,3 +428,28 @@ def test_a_grammar_compiled_again_is_the_one_kept(monkeypatch) -> None:
     with pytest.raises(GrammarError):
         g.compile("gbnf", "root ::= nothing")
     g.close()
+
+
+def test_a_grammar_end_token_ends_the_completion() -> None:
+    """An end token of the grammar that the request's own stops do not name (a template's end
+    of turn on /v1/completions) ends the completion: nothing after it would be constrained."""
+    from edge.sampling import SamplingParams
+
+    class EogBytes(EosBytes):
+        eog_token_ids = (1,)
+
+    tok = EogBytes()
+    g = Grammars(tok, 256)
+    c = g.compile("gbnf", 'root ::= "a"+')
+    engine = _engine(tok)
+    try:
+        for bias, want in (((1, 100.0),), "a"), (((0, 100.0),), "a"), ((), None):
+            params = SamplingParams(max_tokens=6, constraint=c, logit_bias=bias)
+            text, finish, _ = engine.complete("x", params)
+            if want is None:  # no end token pushed: "a"s to max_tokens, or an end
+                assert set(text) <= {"a"} and text
+            else:
+                assert (text, finish) == (want, "stop")
+    finally:
+        engine.close()
+        g.close()
