@@ -416,8 +416,9 @@ def aggregate_tok_s(
     links). Each group's hop also costs the busiest stage ``hop`` of its own time per cycle
     (serialising, the sockets, waking up, the master's merge of the split head): without it
     the model was 35 % above the measured 8-stream rate over Wi-Fi (295 predicted, 219
-    measured tok/s, ``benchmarks/results/edge_wan-gemma3-270m-plan-streams.json``; with it,
-    242). A device's t_i(B) is the master's curve scaled by its one-row speed."""
+    measured tok/s, ``benchmarks/results/edge_wan-gemma3-270m-plan-streams.json``); with it,
+    19 % above (287 for 241.6, ``edge_wan-gemma3-270m-wifi-final.json``). A device's t_i(B)
+    is the master's curve scaled by its one-row speed."""
     N, L = streams, sum(stages) if stages else 0
     t0 = devices[0]
 
