@@ -227,7 +227,8 @@ ROOT_NETWORK_TESTS = ("cli/test_compose", "cli/test_demo.py", "transport/test_na
 # the wait before it), as CPU contention only slows them. The docker-compose files and demo
 # (kernel-shaped links, or a user-space link whose speed no assertion reads), the NAT relay (its
 # loopback tests and real NAT: bytes and hashes), namespaces named by the test's pid (cleanup,
-# discovery), the DiLoCo WAN and edge WAN benchmarks' smoke runs (positive figures, a clear error).
+# discovery), the DiLoCo WAN, edge WAN and speculation-over-WAN benchmarks' smoke runs (positive
+# figures, a clear error, equal texts).
 # The rest stay alone: the TUN link's rate, RTT and loss, tbf's fill, the WAN benchmarks' measured
 # RTT, and the link-fault chaos runs (a flap shorter than the liveness deadline).
 BESIDE_OTHERS = (
@@ -238,6 +239,7 @@ BESIDE_OTHERS = (
     "edge/test_discovery.py::test_zero_config_cluster_in_two_namespaces",
     "benchmarks/test_diloco_wan_bench.py::test_wan_bench_tiny_over_real_links",
     "edge/test_edge_wan_bench.py::",
+    "benchmarks/test_edge_speculative_wan_bench.py::",
 )
 
 
