@@ -161,9 +161,8 @@ def _params(
     return SamplingParams(**base, constraint=g.compile("gbnf", GBNF))
 
 
-def _valid_call(text: str, fmt: str) -> bool:
-    """The reply parses as tool calls, each one of the tools with arguments that validate."""
-    _, calls = parse_tool_calls(text, TOOLS, fmt)
+def _calls_valid(calls: list) -> bool:
+    """At least one call, each one of the tools with arguments that validate."""
     params = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
     try:
         for c in calls:
@@ -172,6 +171,11 @@ def _valid_call(text: str, fmt: str) -> bool:
     except (ValueError, KeyError, jsonschema.ValidationError):
         return False
     return bool(calls)
+
+
+def _valid_call(text: str, fmt: str) -> bool:
+    """The reply parses as tool calls that :func:`_calls_valid` accepts."""
+    return _calls_valid(parse_tool_calls(text, TOOLS, fmt)[1])
 
 
 def _one(engine: Engine, prompt: Any, params: SamplingParams) -> tuple[str, int, float]:
@@ -301,14 +305,7 @@ class LlamaServerPeer:
 def _peer_valid(arm: str, out: tuple[str, int, list]) -> bool:
     text, _, calls = out
     if arm == "tools":
-        params = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
-        try:
-            for c in calls:
-                fn = c["function"]
-                jsonschema.validate(json.loads(fn["arguments"]), params[fn["name"]])
-        except (ValueError, KeyError, jsonschema.ValidationError):
-            return False
-        return bool(calls)
+        return _calls_valid(calls)
     if arm == "grammar_short":
         return _valid_short(text)
     return _valid_list(text) if arm.startswith("grammar") else _valid(text)
