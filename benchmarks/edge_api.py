@@ -302,6 +302,18 @@ class LlamaServerPeer:
         return time.perf_counter() - t0, sum(n for _, n, _ in outs), outs
 
 
+def _rate(xs: list[float], plain: float) -> dict[str, float]:
+    """An arm's tokens/s over its repeats: median, min, max, and the median over the plain
+    arm's median (ours or llama-server's, each against its own)."""
+    med = statistics.median(xs)
+    return {
+        "tokens_per_s": round(med, 2),
+        "min": round(min(xs), 2),
+        "max": round(max(xs), 2),
+        "relative": round(med / plain, 3),
+    }
+
+
 def _peer_valid(arm: str, out: tuple[str, int, list]) -> bool:
     text, _, calls = out
     if arm == "tools":
@@ -407,13 +419,9 @@ def main(argv: list[str] | None = None) -> int:
             plain_decode = statistics.median(decode["plain"])
             row: dict[str, Any] = {}
             for arm in arms:
-                med = statistics.median(rates[arm])
                 dec = statistics.median(decode[arm])
                 row[arm] = {
-                    "tokens_per_s": round(med, 2),
-                    "min": round(min(rates[arm]), 2),
-                    "max": round(max(rates[arm]), 2),
-                    "relative": round(med / plain, 3),
+                    **_rate(rates[arm], plain),
                     "decode_tokens_per_s": round(dec, 2),
                     "decode_min": round(min(decode[arm]), 2),
                     "decode_max": round(max(decode[arm]), 2),
@@ -431,12 +439,8 @@ def main(argv: list[str] | None = None) -> int:
                 pplain = statistics.median(peer_rates["plain"])
                 prow: dict[str, Any] = {}
                 for arm in arms:
-                    med = statistics.median(peer_rates[arm])
                     prow[arm] = {
-                        "tokens_per_s": round(med, 2),
-                        "min": round(min(peer_rates[arm]), 2),
-                        "max": round(max(peer_rates[arm]), 2),
-                        "relative": round(med / pplain, 3),
+                        **_rate(peer_rates[arm], pplain),
                         "tokens_per_stream": round(statistics.median(peer_lengths[arm]), 1),
                     }
                     good, total = peer_valid[arm]

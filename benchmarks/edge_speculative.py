@@ -375,7 +375,7 @@ def wan_client(port: int, prompts: dict[str, str], tokens: int, streams: int) ->
     (decode tok/s from the first to the last chunk, the text, this request's acceptance and
     tokens per verification pass), then ``streams`` completions at once (the workloads in
     turn): aggregate tok/s over the whole run."""
-    from benchmarks.edge_wan import _post
+    from benchmarks.edge_wan import _post, client_streams
 
     out: dict[str, Any] = {}
     for w, prompt in prompts.items():
@@ -403,33 +403,15 @@ def wan_client(port: int, prompts: dict[str, str], tokens: int, streams: int) ->
             "tokens_per_pass": (a1 - a0 + p1 - p0) / (p1 - p0) if p1 > p0 else None,
         }
     if streams > 0:
-        got: list[int] = []
-        errors: list[str] = []
         names = list(prompts)
-
-        def one(i: int) -> None:
-            prompt = prompts[names[i % len(names)]]
-            body = {"model": "m", "prompt": prompt, "max_tokens": tokens, "temperature": 0}
-            body["ignore_eos"] = True
-            try:
-                with _post(port, body) as resp:
-                    got.append(json.loads(resp.read())["usage"]["completion_tokens"])
-            except Exception as exc:  # noqa: BLE001 - reported, the run goes on
-                errors.append(repr(exc))
-
         _, d0, a0 = _spec_counts(port)
-        t0 = time.perf_counter()
-        threads = [threading.Thread(target=one, args=(i,)) for i in range(streams)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        wall = time.perf_counter() - t0
+        res = client_streams(port, tokens, streams, lambda i: prompts[names[i % len(names)]])
         _, d1, a1 = _spec_counts(port)
-        if errors:
+        if res["errors"]:
+            errors = res["errors"]
             raise RuntimeError(f"{len(errors)} of {streams} streams failed: {errors[:2]}")
         out[f"{streams}-streams"] = {
-            "tok_s": sum(got) / wall,
+            "tok_s": res["tokens_per_s"],
             "acceptance": (a1 - a0) / (d1 - d0) if d1 > d0 else None,
         }
     return out

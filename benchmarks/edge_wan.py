@@ -43,6 +43,7 @@ import tempfile
 import threading
 import time
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
@@ -127,12 +128,18 @@ def client_single(port: int, tokens: int) -> dict:
     }
 
 
-def client_streams(port: int, tokens: int, streams: int) -> dict:
+def client_streams(
+    port: int, tokens: int, streams: int, prompt_of: Callable[[int], str] | None = None
+) -> dict:
+    """``streams`` concurrent greedy completions of ``tokens`` tokens each (stream i's prompt
+    ``prompt_of(i)``, by default the benchmark's prompt numbered i); aggregate tokens/s over the
+    wall time, and the errors of streams that failed."""
     got: list[int] = []
     errors: list[str] = []
 
     def one(i: int) -> None:
-        body = {"model": "m", "prompt": f"{PROMPT} {i}", "max_tokens": tokens, "temperature": 0}
+        prompt = prompt_of(i) if prompt_of is not None else f"{PROMPT} {i}"
+        body = {"model": "m", "prompt": prompt, "max_tokens": tokens, "temperature": 0}
         body["ignore_eos"] = True
         try:
             with _post(port, body) as resp:
