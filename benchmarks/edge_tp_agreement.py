@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -36,29 +35,6 @@ import torch
 def _ids(vocab: int, n: int, seed: int) -> list[int]:
     rng = np.random.default_rng(seed)
     return [int(x) for x in rng.integers(3, min(vocab, 100_000), n)]
-
-
-def _run_threads(fns: list, timeout: float) -> list:
-    out: list = [None] * len(fns)
-    err: list = [None] * len(fns)
-
-    def wrap(i: int) -> None:
-        try:
-            out[i] = fns[i]()
-        except BaseException as exc:  # noqa: BLE001 - re-raised below
-            err[i] = exc
-
-    threads = [threading.Thread(target=wrap, args=(i,), daemon=True) for i in range(len(fns))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout)
-        if t.is_alive():
-            raise TimeoutError("a rank did not finish")
-    for e in err:
-        if e is not None:
-            raise e
-    return out
 
 
 def _arm(model, plan, rank: int, reduce, ids: list[int], a) -> dict | None:
@@ -157,7 +133,7 @@ def _unsplit(model, a):
 def measure(a) -> dict:
     from edge.formats.gguf import load_gguf, load_gguf_shard
     from edge.tp import make_reduce
-    from transport.loopback import LoopbackGroup
+    from transport.loopback import LoopbackGroup, run_ranks
 
     one = _unsplit(load_gguf(a.gguf), a)
     ids = _ids(one.config.vocab_size, a.len, a.seed)
@@ -174,7 +150,7 @@ def measure(a) -> dict:
 
         return body
 
-    got = _run_threads([rank_fn(r) for r in range(a.world)], a.timeout)[0]
+    got = run_ranks([rank_fn(r) for r in range(a.world)], a.timeout)[0]
     h1, h2 = ref["hidden"], got["hidden"]
     bit_rows = (h1.view(torch.int32) == h2.view(torch.int32)).all(-1)
     top = [p[0] == q[0] for p, q in zip(ref["top1"], got["top1"])]

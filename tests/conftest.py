@@ -6,11 +6,13 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any, Callable, Iterator
 
 import pytest
+
+# run one callable per rank in threads: the tests import these from here
+from transport.loopback import rank_outcomes, run_ranks  # noqa: F401
 
 if TYPE_CHECKING:
     from lowband.models.config import ModelConfig
@@ -95,40 +97,6 @@ def tp_head(model, plan, rank: int, h, reduce):
         for t in range(h.shape[1])
     ]
     return torch.stack(rows).unsqueeze(0) if rank == 0 else None
-
-
-def rank_outcomes(
-    fns: list[Callable[[], object]], timeout: float = 60.0
-) -> tuple[list[object], list[BaseException | None]]:
-    """Run one callable per rank in threads; return ``(results, errors)`` by rank, an error in
-    place of a result where the callable raised. A thread still running after ``timeout``
-    raises :class:`TimeoutError`."""
-    results: list[object] = [None] * len(fns)
-    errors: list[BaseException | None] = [None] * len(fns)
-
-    def body(i: int) -> None:
-        try:
-            results[i] = fns[i]()
-        except BaseException as e:  # noqa: BLE001 - reported to the test below
-            errors[i] = e
-
-    threads = [threading.Thread(target=body, args=(i,), daemon=True) for i in range(len(fns))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout)
-        if t.is_alive():
-            raise TimeoutError(f"rank thread still running after {timeout}s")
-    return results, errors
-
-
-def run_ranks(fns: list[Callable[[], object]], timeout: float = 60.0) -> list[object]:
-    """Run one callable per rank in threads; return results by rank, re-raising the first error."""
-    results, errors = rank_outcomes(fns, timeout)
-    for e in errors:
-        if e is not None:
-            raise e
-    return results
 
 
 PY = sys.executable

@@ -21,7 +21,7 @@ import logging
 import threading
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
@@ -593,3 +593,38 @@ class LoopbackComm(BlockingCollectives):
         self._group._remove(
             self.peer_id, PeerLost(f"peer {self.peer_id} left", peers=(self.peer_id,)), closed=True
         )
+
+
+# ---- running the ranks of a group in threads ------------------------------------------------
+def rank_outcomes(
+    fns: list[Callable[[], Any]], timeout: float = 60.0
+) -> tuple[list[Any], list[BaseException | None]]:
+    """Run one callable per rank in threads; return ``(results, errors)`` by rank, an error in
+    place of a result where the callable raised. A thread still running after ``timeout``
+    raises :class:`TimeoutError`."""
+    results: list[Any] = [None] * len(fns)
+    errors: list[BaseException | None] = [None] * len(fns)
+
+    def body(i: int) -> None:
+        try:
+            results[i] = fns[i]()
+        except BaseException as e:  # noqa: BLE001 - reported to the caller
+            errors[i] = e
+
+    threads = [threading.Thread(target=body, args=(i,), daemon=True) for i in range(len(fns))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout)
+        if t.is_alive():
+            raise TimeoutError(f"rank thread still running after {timeout}s")
+    return results, errors
+
+
+def run_ranks(fns: list[Callable[[], Any]], timeout: float = 60.0) -> list[Any]:
+    """Run one callable per rank in threads; return results by rank, re-raising the first error."""
+    results, errors = rank_outcomes(fns, timeout)
+    for e in errors:
+        if e is not None:
+            raise e
+    return results
