@@ -86,6 +86,9 @@ def test_a_lost_stage_link_gives_the_client_a_clear_error(tmp_path):
     cfg = Bench(model=_tiny_model(tmp_path / "m"), tokens=8, startup_s=180)
     with TunTestbed(TunConfig(path=PathConfig(delay_ms=1.0))) as bed:
         arm = Arm("pipeline", bed, cfg, tmp_path)
+        # a step's deadline of 8 s, not the default 30: the request after the cut fails when
+        # it passes, and the test need not wait the default out
+        arm.master += ["--op-timeout", "8"]
         try:
             arm.start()
 
