@@ -304,7 +304,7 @@ def test_a_peer_that_contributed_then_left_does_not_fail_the_others(kind):
 def test_ranks_that_finish_may_close_at_once_while_a_slow_rank_still_receives():
     """Rank 2 handles its messages late (a slow link or a busy core): the others finish first
     and close on return, with their last pieces for rank 2 still unread, which then takes
-    0.3 s each (a 1 MB segment in 16 KiB chunks: longer than the 2 s a departed peer's BYEs
+    0.1 s each (a 1 MB segment in 16 KiB chunks: longer than the 2 s a departed peer's BYEs
     get). The ring is the case: a rank there needs only its predecessor, and gets everything
     the others send through it (scatter's ``needs`` has always looked at the owners).
     Their last sends were with the kernel before they completed, their BYEs follow them, and
@@ -315,7 +315,7 @@ def test_ranks_that_finish_may_close_at_once_while_a_slow_rank_still_receives():
         closed = threading.Event()
 
         def late(*args, **kw):
-            time.sleep(0.3 if closed.is_set() else 0.02)
+            time.sleep(0.1 if closed.is_set() else 0.02)
             return route(*args, **kw)
 
         slow.route = late  # type: ignore[method-assign]
