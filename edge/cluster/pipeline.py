@@ -58,6 +58,7 @@ from edge.cluster.protocol import (
     Msg,
     Ping,
     Ready,
+    Regroup,
     Reset,
     Shutdown,
     StageAssign,
@@ -67,6 +68,7 @@ from edge.cluster.protocol import (
     master_rank,
 )
 from edge.cluster.shard import append_problem, embed_in_scratch
+from edge.cluster.ship import ShipServer, offer
 from edge.cluster.stage import LayerRange, Stage
 from edge.embeddings import embed_ragged
 from edge.engine import ClusterUnavailable, Work, split_logits, wanted_rows
@@ -98,6 +100,7 @@ class Flight:
     groups: tuple[tuple[Work, ...], ...]
     msgs: tuple[StageStep, ...]
     k: int
+    era: int = 0  # the pipeline's re-formations before it was sent (its answers die with one)
 
 
 @dataclass
@@ -167,10 +170,15 @@ class PipelineRunner:
         self._healthy, self._status = False, "starting"
         self._fid = self._ping_n = 0
         self._plan = plan  # what the planner chose and why (shown in /health)
+        self._reformer: threading.Thread | None = None  # re-forming after a failure
+        self._reforming = False
+        self._failure = ""  # the last failure, for /health
+        self._era = 0  # times the pipeline re-formed
+        self._regrouping = False  # a re-forming attempt is in its quorum
         m = comm.quorum(min_world=cfg.devices, timeout=cfg.join_timeout)
         if master_rank(m.peers) != comm.rank:
             raise ConfigError("master", f"another peer ({m.peers[master_rank(m.peers)]}) leads")
-        self.workers = [r for r in range(comm.world_size) if r != comm.rank][: cfg.devices - 1]
+        self.workers = self._others()[: cfg.devices - 1]
         # Steps and answers travel on the star link (the compute threads, no I/O thread hop:
         # see transport.starlink); control messages on the communicator. _on_link: stages
         # polling their link for the next step (told to "yield" before any control message).
@@ -255,9 +263,13 @@ class PipelineRunner:
                 repack=self.repack,
                 head_lo=self.head_lo if s == len(self.ranges) - 1 else 0,
                 mapped=self.mapped,
+                ship=cfg.ship,
             )
             self.comm.send(r, [], msg.encode(), tag=CTL)
         for s, r in enumerate(self.workers, start=1):
+            if cfg.ship:  # the worker fetches what its cache lacks, then loads and answers
+                served = offer(self.comm, r, self._shipment(), timeout=cfg.join_timeout)
+                logger.info("stage %d (rank %d): model shipped (%d chunks)", s, r, served)
             ready = Ready.decode(self.comm.recv(r, tag=READY, timeout=cfg.join_timeout)[1])
             if not ready.ok:
                 raise ConfigError(
@@ -266,6 +278,15 @@ class PipelineRunner:
             if self.hub is not None:  # the worker dialled the link before saying ready
                 self.hub.accept(s, timeout=cfg.op_timeout)
         logger.info("pipeline stages: %s", self.describe())
+
+    def _others(self) -> list[int]:
+        return [r for r in range(self.comm.world_size) if r != self.comm.rank]
+
+    def _shipment(self) -> ShipServer:
+        """The model's manifest and file for workers without a copy (hashed once)."""
+        if getattr(self, "_ship", None) is None:
+            self._ship = ShipServer.of(self.model_dir)
+        return self._ship
 
     def describe(self) -> str:
         return ", ".join(f"stage {i}: layers {r.lo}..{r.hi - 1}" for i, r in enumerate(self.ranges))
@@ -289,12 +310,99 @@ class PipelineRunner:
         self._on_link.clear()
         self._flights.clear()
         self._healthy = False
-        self._status = f"failed: {where}: {exc}"
-        logger.warning("pipeline failed at %s: %s", where, exc)
+        self._status = self._failure = f"failed: {where}: {exc}"
+        logger.warning("pipeline failed at %s: %s; re-forming", where, exc)
+        if not self._closed.is_set() and not self._reforming:
+            self._reforming = True  # (cleared by that thread, under the lock, when done)
+            self._reformer = threading.Thread(target=self._reform, name="edge-reform", daemon=True)
+            self._reformer.start()
         return ClusterUnavailable(
-            f"a pipeline stage failed ({where}: {exc}); the request was aborted. The pipeline "
-            "layout does not re-form after a loss: restart the cluster (see /health)"
+            f"a pipeline stage failed ({where}: {exc}); the request was aborted. The master "
+            "re-forms the pipeline when its workers are back (see /health)"
         )
+
+    def _quorum_s(self) -> float:
+        return min(2.0, max(0.5, 5 * self.cfg.heartbeat_s))
+
+    def _reform(self) -> None:
+        try:
+            self._reform_until_whole()
+        except Exception as exc:  # (a bug: said in /health, and the next failure tries again)
+            logger.exception("re-forming the pipeline crashed")
+            with self._lock:
+                self._status, self._reforming = f"failed: re-forming crashed: {exc!r}", False
+
+    def _reform_until_whole(self) -> None:
+        """After a failure (module docstring): every cache dropped, the workers regrouped and
+        assigned their stages again, the links accepted anew; retried until it succeeds or
+        the runner closes, the status saying how long the workers have been awaited."""
+        since = told = time.monotonic()
+        announce = True
+        with self._lock:  # (the failed step has returned)
+            self._kv = {}
+            self._status = f"re-forming: regrouping the stage workers ({self._failure})"
+        while not self._closed.is_set():
+            # A worker told to regroup joins quorum rounds until its join_timeout: tell it
+            # again only after an attempt that got past its quorum, or that long after.
+            announce = announce or time.monotonic() - told > self.cfg.join_timeout
+            try:
+                if announce:
+                    told = time.monotonic()
+                self._regrouping = False
+                self._regroup(announce)
+                announce = True
+                self._assign()
+            except CommClosed:
+                break
+            except LowbandError as exc:
+                waited = time.monotonic() - since
+                self._status = (
+                    f"failed: the stage workers did not come back within "
+                    f"{self.cfg.join_timeout:.0f}s ({exc}); still waiting for them"
+                    if waited > self.cfg.join_timeout
+                    else f"re-forming: waiting {waited:.0f}s for the stage workers ({exc})"
+                )
+                if self._regrouping:  # (the quorum failed: the workers told wait in it)
+                    announce = False
+                self._closed.wait(0.2)
+                continue
+            with self._lock:
+                self._kv, self._era = {}, self._era + 1
+                self._healthy, self._status, self._reforming = True, "ok", False
+                logger.warning(
+                    "pipeline re-formed (epoch %d) after %.1fs",
+                    self.comm.membership.epoch,
+                    time.monotonic() - since,
+                )
+                return
+        with self._lock:
+            self._reforming = False
+
+    def _regroup(self, announce: bool) -> None:
+        """Tell every other peer to join the next quorum (``announce``) and join it. Each stage
+        stays with its worker where that one is still in the group; a newcomer takes the stage
+        of one that is gone."""
+        if self.hub is not None:
+            for s in self.hub.slots():
+                self.hub.drop(s)  # the workers dial again when assigned
+        self._on_link.clear()
+        held = [self.comm.membership.peers[r] for r in self.workers]
+        if announce:
+            regroup = Regroup(epoch=self.comm.membership.epoch).encode()
+            for r in self._others():
+                try:
+                    self.comm.send(r, [], regroup, tag=CTL)
+                except (PeerLost, TransportTimeout):
+                    pass  # that one is gone; the quorum goes on without it
+        self._regrouping = True
+        m = self.comm.quorum(min_world=self.cfg.devices, timeout=self._quorum_s())
+        self._regrouping = False
+        if master_rank(m.peers) != self.comm.rank:
+            raise ConfigError("master", f"another peer ({m.peers[master_rank(m.peers)]}) leads")
+        rank = {m.peers[r]: r for r in self._others()}
+        free = [r for r in self._others() if m.peers[r] not in held]
+        self.workers = [rank[p] if p in rank else free.pop(0) for p in held]
+        self._status = f"re-forming: assigning the stages again (epoch {m.epoch})"
 
     def _beat(self) -> None:
         """Idle health check, so workers do not take a quiet master for a dead one."""
@@ -363,6 +471,8 @@ class PipelineRunner:
         with self._lock:
             if not self._healthy:  # (a failure forgot every step in flight)
                 raise ClusterUnavailable(f"the pipeline is not ready ({self._status})")
+            if flight.era != self._era:
+                raise ClusterUnavailable("the pipeline re-formed since this step was sent")
             if not self._flights or self._flights[0] is not flight:
                 raise RuntimeError("steps in flight are collected in the order submitted")
             return self._collect(flight)
@@ -403,7 +513,7 @@ class PipelineRunner:
                 ts.rows += int(ids.shape[1])
         except _NET_ERRORS as exc:
             raise self._fail(exc, "a stage step") from exc
-        flight = Flight(tuple(work), tuple(tuple(g) for g in groups), tuple(msgs), k)
+        flight = Flight(tuple(work), tuple(tuple(g) for g in groups), tuple(msgs), k, self._era)
         self._flights.append(flight)
         return flight
 
@@ -498,13 +608,18 @@ class PipelineRunner:
     def _answer(self, s: int, fid: int, n: int = 1) -> list[torch.Tensor]:
         """Stage ``s``'s answer to step ``fid``: ``n`` tensors (the hidden state, then the
         best logits and their ids where it holds head rows)."""
-        if self.hub is not None:
-            tensors, meta = self.hub.reply_from(s, timeout=self.cfg.op_timeout)
-        else:
-            tensors, meta = self.comm.recv(
-                self.workers[s - 1], tag=STAGE, timeout=self.cfg.op_timeout
-            )
-        got = Staged.decode(meta)
+        while True:
+            if self.hub is not None:
+                tensors, meta = self.hub.reply_from(s, timeout=self.cfg.op_timeout)
+            else:
+                tensors, meta = self.comm.recv(
+                    self.workers[s - 1], tag=STAGE, timeout=self.cfg.op_timeout
+                )
+            got = Staged.decode(meta)
+            if got.fid >= fid:
+                break
+            # (over the communicator: a late answer to a step failed before a re-forming)
+            logger.info("stage %d: dropping its answer to step %d, sent before", s, got.fid)
         if got.fid != fid or len(tensors) != n:
             raise ProtocolError(
                 f"stage {s} answered step {got.fid} with {len(tensors)} tensors, "
@@ -583,7 +698,11 @@ class PipelineRunner:
             else [[0, self.config.vocab_size]],
             "micro_batches": self.cfg.micro_batches,
             "cycle": self.times.report(),
+            "epoch": self.comm.membership.epoch,
+            "reformed": self._era,
         }
+        if self._failure:
+            out["last_failure"] = self._failure
         if self._plan is not None:
             out["plan"] = self._plan
         return out
@@ -593,6 +712,8 @@ class PipelineRunner:
 
     def close(self) -> None:
         self._closed.set()
+        if self._reformer is not None:  # (one in its quorum ends within a round)
+            self._reformer.join(self._quorum_s() + 1.0)
         with self._lock:
             told = []
             for s, r in enumerate(self.workers, start=1):

@@ -44,7 +44,7 @@ generated from the dataclasses below by :func:`describe` (a test keeps the two i
     stage_assign stage: int, lo: int, hi: int, layers: int, model_dir: str, dtype: str | None,
               op_timeout: float, silence_s: float, link_port: int | None = None,
               link_secret: str | None = None, link_spin_us: float = 0.0, repack: str = 'off',
-              head_lo: int = 0, mapped: bool = False
+              head_lo: int = 0, mapped: bool = False, ship: bool = False
     stage     fid: int, epoch: int, caches: list[int], starts: list[int], lengths: list[int],
               link: bool = False, top: int = 0, rows: list[int] | None = None
               + tensors: the hidden state entering this stage (1, N, H), N = sum(lengths)
@@ -399,6 +399,9 @@ class StageAssign(Msg):
     # the embedding rows it does not hold given back (the master's memory budget sized the
     # range: edge.cluster.layout.budget_ranges); False: the model loaded whole, then cut
     mapped: bool = False
+    # as assign's: the master streams the model (edge.cluster.ship) right after this message;
+    # the worker fetches it into its cache directory and loads its stage from there
+    ship: bool = False
 
     def __post_init__(self) -> None:
         if self.link_port is not None and not 1 <= self.link_port <= 65535:

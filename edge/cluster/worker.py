@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable
 
@@ -106,6 +106,7 @@ class WorkerState:
     forwards: int = 0
     on_link: bool = False  # the next command comes on the star link (see MasterRunner.forward)
     stage: Stage | None = None  # pipeline layout: this worker's layers (edge.cluster.pipeline)
+    stage_key: tuple[str, StageAssign] | None = None  # what ``stage`` holds (_stage_key)
 
     def cache(self, i: int) -> KVCache:
         c = self.caches.get(i)
@@ -210,7 +211,7 @@ def run_worker(comm: Communicator, cfg: WorkerConfig) -> int:
                 if msg is not None and not isinstance(msg, Shutdown):
                     _dispatch(comm, cfg, st, msg, tensors)
             except (PeerLost, TransportTimeout, ProtocolError) as exc:
-                _regroup_after(comm, cfg, st, exc)
+                _failed_step(comm, cfg, st, exc)
                 continue
             if isinstance(msg, Shutdown):  # (outside the try: a master gone meanwhile ends us)
                 _dispatch(comm, cfg, st, msg, tensors)
@@ -261,7 +262,7 @@ def _next_on_link(comm: Communicator, cfg: WorkerConfig, st: WorkerState, wait: 
         raise PeerLost(f"no word from the master for {wait:.0f}s: it is gone or stuck") from None
     except (PeerLost, ProtocolError) as exc:
         # like a failed receive from the communicator: this worker may be the one declared lost
-        _regroup_after(comm, cfg, st, exc, rejoining=True)
+        _failed_step(comm, cfg, st, exc, rejoining=True)
         return
     try:
         msg = decode(meta)
@@ -274,7 +275,31 @@ def _next_on_link(comm: Communicator, cfg: WorkerConfig, st: WorkerState, wait: 
     try:
         _dispatch(comm, cfg, st, msg, tensors)
     except (PeerLost, TransportTimeout, ProtocolError) as exc:
-        _regroup_after(comm, cfg, st, exc)
+        _failed_step(comm, cfg, st, exc)
+
+
+def _failed_step(
+    comm: Communicator,
+    cfg: WorkerConfig,
+    st: WorkerState,
+    exc: Exception,
+    *,
+    rejoining: bool = False,
+) -> None:
+    """A step failed or the link broke. A tensor-parallel slot regroups at once (its master
+    does too, :func:`_regroup_after`). A pipeline stage drops its link and caches, keeps its
+    layers and goes back to the communicator, where the master that re-forms the pipeline
+    says ``regroup`` and assigns the stage again (``edge.cluster.pipeline``); a master that is
+    gone shows there as a lost peer (then :func:`run_worker` regroups and waits for it)."""
+    if st.stage is None:
+        _regroup_after(comm, cfg, st, exc, rejoining=rejoining)
+        return
+    logger.warning("worker: stage step failed (%s); waiting for the master to re-form", exc)
+    st.on_link = False
+    if st.link is not None:
+        st.link.close()
+    st.link = None
+    st.caches.clear()
 
 
 def _regroup_after(
@@ -508,19 +533,39 @@ def _spoke(cfg: WorkerConfig, msg: Assign | StageAssign, slot: int) -> StarSpoke
     )
 
 
+def _stage_key(msg: StageAssign, model_dir: str) -> tuple[str, StageAssign]:
+    """What a loaded stage is (its file and assignment, the link's port and secret aside):
+    an assignment with the same key, as a re-formed pipeline sends, keeps the stage."""
+    return model_dir, replace(msg, link_port=None, link_secret=None)
+
+
+def _kept_stage(st: WorkerState, msg: StageAssign, model_dir: str) -> Stage | None:
+    """Close the link, drop the caches and return the loaded stage where ``msg`` assigns it
+    again (:func:`_stage_key`); else close it too (the new one is loaded after: the peak
+    memory of one stage) and return None."""
+    if st.link is not None:
+        st.link.close()
+    st.link = None
+    st.caches.clear()
+    if st.stage is not None and st.stage_key == _stage_key(msg, model_dir):
+        logger.info("worker: stage %d assigned again: keeping its layers", msg.stage)
+        return st.stage
+    for held in (st.stage, st.shard):
+        if held is not None:
+            held.close()
+    st.stage = st.shard = st.stage_key = None
+    return None
+
+
 def _stage_assign(
     comm: Communicator, cfg: WorkerConfig, st: WorkerState, msg: StageAssign, _: Tensors
 ) -> None:
     """Pipeline layout: load the assigned layers and answer ``ready`` (as ``_assign``)."""
     master = master_rank(comm.membership.peers)
     try:
-        model_dir = served_path(msg.model_dir, cfg.model_dir)
-        for held in (st.stage, st.shard, st.link):
-            if held is not None:
-                held.close()
-        st.stage = st.shard = st.link = None
-        st.caches.clear()
-        st.stage = load_stage(
+        model_dir = assigned_model(comm, cfg, msg.model_dir, msg.ship)
+        kept = _kept_stage(st, msg, model_dir)
+        st.stage = kept or load_stage(
             model_dir,
             LayerRange(msg.lo, msg.hi, msg.layers),
             msg.dtype,
@@ -528,6 +573,7 @@ def _stage_assign(
             head_lo=msg.head_lo,
             window=WindowConfig(window=msg.hi - msg.lo) if msg.mapped else None,
         )
+        st.stage_key = _stage_key(msg, model_dir)
         st.link = _spoke(cfg, msg, msg.stage)
     except (TransportTimeout, ProtocolError, CommClosed):
         raise  # the network, not the stage: regroup (run_worker) or end
