@@ -68,3 +68,60 @@ def test_a_worker_without_a_cache_directory_is_refused_with_the_reason(ckpt, tmp
     with pytest.raises(ConfigError, match="--cache-dir"):
         start()
     w.join(30)
+
+
+def _pipeline(ckpt, worker: WorkerConfig):
+    from edge.cluster.pipeline import PipelineRunner
+
+    master, wcomm = LoopbackGroup(2, timeout=20).comms()
+    w = _Thread(lambda: run_worker(wcomm, worker))
+    w.start()
+    cfg = ClusterConfig(
+        devices=2, op_timeout=5.0, join_timeout=20, heartbeat_s=0.3, ship=True, layout="pipeline"
+    )
+    return w, wcomm, lambda: PipelineRunner(master, str(ckpt), cfg)
+
+
+def test_a_pipeline_stage_without_the_model_gets_it_shipped_once(
+    ckpt, tmp_path, monkeypatch
+) -> None:
+    """The stage worker has no model path, only a cache directory: the first start ships the
+    checkpoint, the second finds it there (no chunk asked for), and both give one device's
+    greedy text."""
+    import edge.cluster.pipeline as pipeline
+
+    served: list[int] = []
+
+    def counted(*a, **kw):
+        served.append(offer(*a, **kw))
+        return served[-1]
+
+    offer = pipeline.offer
+    monkeypatch.setattr(pipeline, "offer", counted)
+    params = SamplingParams(max_tokens=12)
+    local = _local_engine(ckpt)
+    want = local.complete("Once upon", params)[0]
+    local.close()
+    cache = tmp_path / "cache"
+    for _ in range(2):
+        w, _, start = _pipeline(ckpt, WorkerConfig(cache_dir=str(cache), join_timeout=20))
+        runner = start()
+        try:
+            eng = Engine(runner, ByteTokenizer(), model_name="m")
+            assert eng.complete("Once upon", params)[0] == want
+        finally:
+            runner.close()
+            w.join(10)
+        assert w.error is None
+    assert served[0] > 0 and served[1] == 0  # the second start: a cache hit
+    shipped = {p.relative_to(next(cache.iterdir())) for p in cache.rglob("*") if p.is_file()}
+    assert shipped == {p.relative_to(ckpt) for p in ckpt.rglob("*") if p.is_file()}
+
+
+def test_a_pipeline_stage_without_a_cache_directory_is_refused(ckpt) -> None:
+    w, wcomm, start = _pipeline(ckpt, WorkerConfig(model_dir=str(ckpt), join_timeout=20))
+    with pytest.raises(ConfigError, match="--cache-dir"):
+        start()
+    wcomm.close()  # (the refused worker would wait join_timeout for its next assignment)
+    w.join(10)
+    assert not w.is_alive()

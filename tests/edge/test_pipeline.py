@@ -4,6 +4,8 @@ flight, engine texts equal to one device's, and a lost stage failing the request
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -257,9 +259,10 @@ def test_lost_stage_fails_the_request_clearly(ckpt) -> None:
     comms = group.comms()
     worker = _Thread(lambda: run_worker(comms[1], WorkerConfig(join_timeout=20)))
     worker.start()
-    # (over the communicator: closing it is the whole device going away for a thread rank)
+    # (over the communicator: closing it is the whole device going away for a thread rank);
+    # join_timeout bounds the wait for it to come back, after which the status says so
     cfg = ClusterConfig(
-        devices=2, op_timeout=2.0, join_timeout=20, heartbeat_s=30, layout="pipeline", link="comm"
+        devices=2, op_timeout=2.0, join_timeout=3, heartbeat_s=30, layout="pipeline", link="comm"
     )
     runner = PipelineRunner(comms[0], str(ckpt), cfg)
     try:
@@ -271,8 +274,112 @@ def test_lost_stage_fails_the_request_clearly(ckpt) -> None:
         assert not runner.health()["healthy"]
         with pytest.raises(ClusterUnavailable, match="not ready"):
             runner.forward([4], 3)
+        status = _await(runner, lambda h: h["status"].startswith("failed: the stage workers"))
+        assert "did not come back within 3s" in status["status"] and not status["healthy"]
+        assert status["last_failure"].startswith("failed: a stage step")
+        with pytest.raises(ClusterUnavailable, match="did not come back"):
+            runner.forward([4], 3)
     finally:
         runner.close()
+
+
+def _await(runner, done, timeout: float = 15.0) -> dict:
+    """The runner's /health once ``done(health)`` (polled; the last one seen after
+    ``timeout``)."""
+    deadline = time.monotonic() + timeout
+    h = runner.health()
+    while not done(h) and time.monotonic() < deadline:
+        time.sleep(0.02)
+        h = runner.health()
+    return h
+
+
+def _greedy(ckpt, prompts, params) -> list[str]:
+    local = Engine(LocalRunner(load_shard(ckpt).model), ByteTokenizer(), model_name="m")
+    try:
+        return [local.complete(p, params)[0] for p in prompts]
+    finally:
+        local.close()
+
+
+def test_a_broken_link_fails_the_request_then_the_pipeline_reforms(ckpt, monkeypatch) -> None:
+    """The star link breaks mid-generation: that request fails with a clear error, the master
+    re-forms the pipeline with the same worker (which keeps its loaded stage: no second load)
+    and the next request gives one device's greedy text."""
+    import edge.cluster.worker as worker_mod
+
+    loads: list[tuple[int, int]] = []
+
+    def counted(path, rng, *a, **kw):
+        loads.append((rng.lo, rng.hi))
+        return load_stage(path, rng, *a, **kw)
+
+    load_stage = worker_mod.load_stage
+    monkeypatch.setattr(worker_mod, "load_stage", counted)
+    params = SamplingParams(max_tokens=16)
+    want = _greedy(ckpt, ["Once upon", "Hello"], params)
+    runner, workers = _start(ckpt, 2, micro_batches=2)
+    try:
+        eng = Engine(runner, ByteTokenizer(), model_name="m")
+        assert eng.complete("Once upon", params)[0] == want[0]
+        relay, sent = runner._relay, [0]
+
+        def cut(s, msg, h):  # the link breaks under the 6th step of the next request
+            sent[0] += 1
+            if sent[0] == 6:
+                runner.hub.drop(1)
+            relay(s, msg, h)
+
+        runner._relay = cut
+        with pytest.raises(ClusterUnavailable, match="pipeline stage failed"):
+            eng.complete("Hello", params)
+        h = _await(runner, lambda h: h["healthy"])
+        assert h["healthy"] and h["status"] == "ok" and h["reformed"] == 1, h
+        assert "a stage step" in h["last_failure"]
+        assert eng.complete("Hello", params)[0] == want[1]
+        assert eng.complete("Once upon", params)[0] == want[0]
+        assert loads == [(runner.ranges[1].lo, runner.ranges[1].hi)]  # loaded once, kept
+    finally:
+        _stop(runner, workers)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_a_lost_stage_worker_is_replaced_and_the_pipeline_reforms(ckpt, world) -> None:
+    """The last stage's device dies (its communicator and its link): the request fails, later
+    ones fail fast while it is missing, and a newcomer takes its stage (the other stages keep
+    theirs); the next request gives one device's greedy text."""
+    params = SamplingParams(max_tokens=10)
+    want = _greedy(ckpt, ["Once upon"], params)[0]
+    group = LoopbackGroup(world, timeout=20)
+    comms = group.comms()
+    workers = [_Thread(lambda c=c: run_worker(c, WorkerConfig(join_timeout=20))) for c in comms[1:]]
+    for w in workers:
+        w.start()
+    cfg = ClusterConfig(
+        devices=world, op_timeout=5.0, join_timeout=20, heartbeat_s=0.3, layout="pipeline"
+    )
+    runner = PipelineRunner(comms[0], str(ckpt), cfg)
+    eng = Engine(runner, ByteTokenizer(), model_name="m")
+    try:
+        assert eng.complete("Once upon", params)[0] == want
+        group.kill(world - 1)
+        runner.hub.drop(world - 1)  # (a dead process's TCP connections close)
+        with pytest.raises(ClusterUnavailable, match="pipeline stage failed"):
+            eng.complete("Once upon", params)
+        workers[-1].join(10)
+        assert workers[-1].error is not None  # the dead worker's thread ended
+        with pytest.raises(ClusterUnavailable, match="not ready"):
+            eng.complete("Once upon", params)
+        assert runner.health()["status"].startswith(("failed", "re-forming"))
+        newcomer = group.join()
+        back = _Thread(lambda: run_worker(newcomer, WorkerConfig(join_timeout=20)))
+        back.start()
+        workers[-1] = back
+        h = _await(runner, lambda h: h["healthy"])
+        assert h["healthy"] and h["epoch"] >= 1 and h["reformed"] == 1, h
+        assert eng.complete("Once upon", params)[0] == want
+    finally:
+        _stop(runner, workers)
 
 
 def test_layer_range_refuses_nonsense() -> None:
