@@ -128,7 +128,8 @@ class ClusterConfig:
     plan_streams: int = 1
     # Stream the model to every worker as it is assigned (edge.cluster.ship: hashed, cached on
     # the worker, resumed after a broken transfer): workers need no copy of their own and are
-    # started with a cache directory instead of --model-dir. Tensor-parallel layout.
+    # started with a cache directory instead of --model-dir. Both layouts (a pipeline stage
+    # is sent the whole file too).
     ship: bool = False
 
     def __post_init__(self) -> None:

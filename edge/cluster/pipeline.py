@@ -28,10 +28,23 @@ as one group's stage-0 work outlasts the link (a step no longer drains the pipel
 Control messages may be sent while groups are in flight: a stage serves its messages in
 order, so a copy or drop comes after the steps sent before it, as on the master.
 
-Failure: a stage that does not answer in ``op_timeout``, or a lost peer, fails the step with
-:class:`ClusterUnavailable` naming the stage; the runner then stays unhealthy (``/health``)
-and every later request fails the same way until the cluster is restarted (re-forming a
-pipeline after a loss is future work; the tensor-parallel master recovers, see master.py).
+Failure: a stage that does not answer in ``op_timeout``, or a lost peer or link, fails the
+step with :class:`ClusterUnavailable` naming the stage (the engine fails the requests of the
+step) and the master re-forms the pipeline in the background: it forgets every KV cache
+(``slot_length`` 0: the engine recomputes), drops the links, tells every worker to regroup
+(``regroup``) and joins the quorum of its ``devices``, assigns each stage again (to the worker
+that held it where it is still in the group, else to a newcomer) and accepts the links anew.
+A stage worker whose step or link failed keeps its layers and waits on the communicator for
+that ``regroup`` (``edge.cluster.worker``), and an assignment equal to the one it holds keeps
+them loaded. While re-forming, every request fails at once with the status (``/health``:
+``re-forming: ...``, then ``ok`` with ``reformed`` counted and the ``epoch``); past
+``join_timeout`` without the workers it says ``failed: ... still waiting`` and keeps trying.
+Steps sent before a re-forming are never collected (``Flight.era``); a late answer to one on
+the communicator is dropped by its step number.
+
+Shipping (``cfg.ship``): each stage worker is sent the whole model file (``edge.cluster.ship``:
+hashed, cached, resumed) right after its assignment, also when the pipeline re-forms (then a
+cache hit: nothing is transferred), and loads its stage from its cache.
 """
 
 from __future__ import annotations

@@ -291,7 +291,7 @@ def _failed_step(
     layers and goes back to the communicator, where the master that re-forms the pipeline
     says ``regroup`` and assigns the stage again (``edge.cluster.pipeline``); a master that is
     gone shows there as a lost peer (then :func:`run_worker` regroups and waits for it)."""
-    if st.stage is None:
+    if st.stage is None or st.shard is not None:  # (a slot assigned since a stage)
         _regroup_after(comm, cfg, st, exc, rejoining=rejoining)
         return
     logger.warning("worker: stage step failed (%s); waiting for the master to re-form", exc)

@@ -75,9 +75,11 @@ _POST = (
 @needs_tun
 def test_a_lost_stage_link_gives_the_client_a_clear_error(tmp_path):
     """Chaos: the link to the pipeline's second stage goes down mid-service; the next request
-    fails with a JSON error naming the failed stage (no hang), and /health says unhealthy."""
+    fails with a JSON error naming the failed stage (no hang), and /health says unhealthy; once
+    the link is back the master re-forms the pipeline and the next request succeeds."""
     import json
     import sys
+    import time
 
     from benchmarks.edge_wan import Arm, Bench, _tiny_model
     from transport.links.tun.shape import PathConfig
@@ -107,6 +109,18 @@ def test_a_lost_stage_link_gives_the_client_a_clear_error(tmp_path):
             assert "pipeline stage failed" in json.dumps(body)
             health = arm.health()
             assert health is None or health.get("healthy") is False
+            bed.up()
+            back = time.monotonic()
+            while time.monotonic() - back < 120:
+                health = arm.health()
+                if health is not None and health.get("healthy"):
+                    break
+                time.sleep(0.2)
+            assert health is not None and health["healthy"], health
+            assert health["reformed"] == 1 and "failed" in health["last_failure"]
+            code, body = post()
+            assert code == 200, body
+            print(f"re-formed: first request served {time.monotonic() - back:.1f}s after up")
         finally:
             bed.up()
             arm.stop()
