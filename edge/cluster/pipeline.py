@@ -340,7 +340,7 @@ class PipelineRunner:
     def _reform(self) -> None:
         try:
             self._reform_until_whole()
-        except Exception as exc:  # (a bug: said in /health, and the next failure tries again)
+        except Exception as exc:  # (a bug: said in /health; the runner stays unhealthy)
             logger.exception("re-forming the pipeline crashed")
             with self._lock:
                 self._status, self._reforming = f"failed: re-forming crashed: {exc!r}", False
