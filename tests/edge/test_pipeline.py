@@ -5,6 +5,7 @@ flight, engine texts equal to one device's, and a lost stage failing the request
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 
 import pytest
 import torch
@@ -339,6 +340,43 @@ def test_a_broken_link_fails_the_request_then_the_pipeline_reforms(ckpt, monkeyp
         assert eng.complete("Hello", params)[0] == want[1]
         assert eng.complete("Once upon", params)[0] == want[0]
         assert loads == [(runner.ranges[1].lo, runner.ranges[1].hi)]  # loaded once, kept
+    finally:
+        _stop(runner, workers)
+
+
+@pytest.mark.parametrize("link", ["direct", "comm"])
+def test_a_stage_past_its_deadline_fails_the_request_then_the_pipeline_reforms(
+    ckpt, monkeypatch, link
+) -> None:
+    """A stage answers one step after the master's deadline: the request fails, the pipeline
+    re-forms with the same worker, and its late answer (on the communicator, or on the link
+    the master dropped) never reaches a later step: the next request gives one device's
+    text."""
+    import edge.cluster.worker as worker_mod
+    from edge.cluster.protocol import StageStep
+
+    params = SamplingParams(max_tokens=8)
+    want = _greedy(ckpt, ["Once upon"], params)[0]
+    step, calls = worker_mod.HANDLERS[StageStep.OP], [0]
+
+    def slow(comm, cfg, st, msg, tensors):
+        calls[0] += 1
+        if calls[0] == 12:
+            time.sleep(1.5)  # past the master's op_timeout of 1 s
+        step(comm, cfg, st, msg, tensors)
+
+    monkeypatch.setitem(worker_mod.HANDLERS, StageStep.OP, slow)
+    runner, workers = _start(ckpt, 2, micro_batches=1, link=link)
+    runner.cfg = replace(runner.cfg, op_timeout=1.0)  # (started with the usual 5 s)
+    try:
+        eng = Engine(runner, ByteTokenizer(), model_name="m")
+        assert eng.complete("Once upon", params)[0] == want
+        with pytest.raises(ClusterUnavailable, match="pipeline stage failed"):
+            eng.complete("Once upon", params)
+        h = _await(runner, lambda h: h["healthy"])
+        assert h["healthy"] and h["reformed"] == 1, h
+        assert eng.complete("Once upon", params)[0] == want
+        assert eng.complete("Once upon", params)[0] == want
     finally:
         _stop(runner, workers)
 
