@@ -341,6 +341,8 @@ class PipelineRunner:
         try:
             self._reform_until_whole()
         except Exception as exc:  # (a bug: said in /health; the runner stays unhealthy)
+            if self._closed.is_set():
+                return  # (close() shut the links under it)
             logger.exception("re-forming the pipeline crashed")
             with self._lock:
                 self._status, self._reforming = f"failed: re-forming crashed: {exc!r}", False
