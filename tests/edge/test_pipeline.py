@@ -303,20 +303,26 @@ def _greedy(ckpt, prompts, params) -> list[str]:
         local.close()
 
 
-def test_a_broken_link_fails_the_request_then_the_pipeline_reforms(ckpt, monkeypatch) -> None:
-    """The star link breaks mid-generation: that request fails with a clear error, the master
-    re-forms the pipeline with the same worker (which keeps its loaded stage: no second load)
-    and the next request gives one device's greedy text."""
+def _count_loads(monkeypatch) -> list[tuple[int, int]]:
+    """The layer ranges the workers load a stage of (edge.cluster.worker.load_stage), in order."""
     import edge.cluster.worker as worker_mod
 
     loads: list[tuple[int, int]] = []
+    load_stage = worker_mod.load_stage
 
     def counted(path, rng, *a, **kw):
         loads.append((rng.lo, rng.hi))
         return load_stage(path, rng, *a, **kw)
 
-    load_stage = worker_mod.load_stage
     monkeypatch.setattr(worker_mod, "load_stage", counted)
+    return loads
+
+
+def test_a_broken_link_fails_the_request_then_the_pipeline_reforms(ckpt, monkeypatch) -> None:
+    """The star link breaks mid-generation: that request fails with a clear error, the master
+    re-forms the pipeline with the same worker (which keeps its loaded stage: no second load)
+    and the next request gives one device's greedy text."""
+    loads = _count_loads(monkeypatch)
     params = SamplingParams(max_tokens=16)
     want = _greedy(ckpt, ["Once upon", "Hello"], params)
     runner, workers = _start(ckpt, 2, micro_batches=2)
@@ -382,10 +388,11 @@ def test_a_stage_past_its_deadline_fails_the_request_then_the_pipeline_reforms(
 
 
 @pytest.mark.parametrize("world", [2, 3])
-def test_a_lost_stage_worker_is_replaced_and_the_pipeline_reforms(ckpt, world) -> None:
+def test_a_lost_stage_worker_is_replaced_and_the_pipeline_reforms(ckpt, world, monkeypatch) -> None:
     """The last stage's device dies (its communicator and its link): the request fails, later
     ones fail fast while it is missing, and a newcomer takes its stage (the other stages keep
-    theirs); the next request gives one device's greedy text."""
+    theirs loaded); the next request gives one device's greedy text."""
+    loads = _count_loads(monkeypatch)
     params = SamplingParams(max_tokens=10)
     want = _greedy(ckpt, ["Once upon"], params)[0]
     group = LoopbackGroup(world, timeout=20)
@@ -416,6 +423,9 @@ def test_a_lost_stage_worker_is_replaced_and_the_pipeline_reforms(ckpt, world) -
         h = _await(runner, lambda h: h["healthy"])
         assert h["healthy"] and h["epoch"] >= 1 and h["reformed"] == 1, h
         assert eng.complete("Once upon", params)[0] == want
+        # each stage loaded once, the lost one again by the newcomer
+        stages = [(r.lo, r.hi) for r in runner.ranges[1:]]
+        assert sorted(loads) == sorted(stages + stages[-1:])
     finally:
         _stop(runner, workers)
 
