@@ -94,6 +94,7 @@ class Group:
     device: int
     items: tuple[Work, ...]
     msg: StageStep | None
+    sent: float = 0.0  # perf_counter when it left for its worker
 
 
 @dataclass
@@ -116,12 +117,15 @@ class ReplicaTimes:
     its own groups (``local_s``: embedding, layers, head), handing groups to the links
     (``send_s``), blocked on a worker's answer (``wait_s``: the master idle), turning the
     answers into logits (``head_s``). ``rows``: rows each device ran; ``moved``: positions
-    recomputed on another device."""
+    recomputed on another device; ``remote_groups`` and their ``round_s``: from a group's
+    send to its answer (the round trip, the worker's queue and compute)."""
 
     devices: int
     steps: int = 0
     rows: list[int] = field(default_factory=list)
     moved: int = 0
+    remote_groups: int = 0
+    round_s: float = 0.0
     local_s: float = 0.0
     send_s: float = 0.0
     wait_s: float = 0.0
@@ -134,8 +138,8 @@ class ReplicaTimes:
     def report(self) -> dict[str, Any]:
         wall = time.perf_counter() - self.since
         out: dict[str, Any] = {"steps": self.steps, "rows": list(self.rows), "moved": self.moved}
-        out["wall_s"] = round(wall, 3)
-        for k in ("local_s", "send_s", "wait_s", "head_s"):
+        out["wall_s"], out["remote_groups"] = round(wall, 3), self.remote_groups
+        for k in ("local_s", "send_s", "wait_s", "head_s", "round_s"):
             out[k] = round(getattr(self, k), 6)
         return out
 
