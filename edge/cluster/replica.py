@@ -427,7 +427,7 @@ class ReplicaRunner:
                 ids = torch.tensor([[t for w in g for t in w.ids]], dtype=torch.float32)
                 self._send_step(d, msg, ids)  # (token ids as float32: exact below 2^24)
                 ts.send_s += time.perf_counter() - t0
-                groups.append(Group(d, tuple(g), msg))
+                groups.append(Group(d, tuple(g), msg, t0))
         except _NET_ERRORS as exc:
             raise self._fail(exc, "a replica step") from exc
         flight = ReplicaFlight(tuple(work), tuple(groups), k)
@@ -459,6 +459,8 @@ class ReplicaRunner:
                 tensors, answer = self._answer(g.device, g.msg.fid, n)
                 t1 = time.perf_counter()
                 ts.wait_s += t1 - t0
+                ts.round_s += t1 - g.sent
+                ts.remote_groups += 1
                 for c, fl in zip(g.msg.caches, answer.floors or [0] * len(g.msg.caches)):
                     self._floor[c] = fl
                 logits = self._logits(tensors, len(rows), flight.k, V) if rows else None
