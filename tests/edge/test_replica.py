@@ -238,3 +238,29 @@ def test_replica_layout_configuration() -> None:
     assert ClusterConfig(devices=2, layout="replica").layout == "replica"
     with pytest.raises(ConfigError, match="whole model"):
         check_model("unused", ClusterConfig(devices=2, layout="replica", memory_budget_mb=10.0))
+
+
+def test_a_worker_without_the_model_gets_it_shipped(ckpt, tmp_path) -> None:
+    """--ship: the worker's own path does not exist, the master streams the whole model into
+    its cache directory and the worker's group gives one device's logits."""
+    ref = _Ref(ckpt)
+    master, wcomm = LoopbackGroup(2, timeout=20).comms()
+    wcfg = WorkerConfig(
+        model_dir=str(tmp_path / "nothing"), cache_dir=str(tmp_path / "cache"), join_timeout=20
+    )
+    w = _Thread(lambda: run_worker(wcomm, wcfg))
+    w.start()
+    cfg = ClusterConfig(
+        devices=2, op_timeout=5.0, join_timeout=20, heartbeat_s=0.3, layout="replica", ship=True
+    )
+    runner = ReplicaRunner(master, str(ckpt), cfg)
+    try:
+        a = runner.submit([Work(0, [1, 2], 0)])
+        b = runner.submit([Work(1, [3, 4], 0)])  # the master busy: on the worker
+        runner.collect(a)
+        assert torch.equal(runner.collect(b)[0], ref.step([Work(1, [3, 4], 0)])[0])
+        assert runner.health()["slots"] == [1, 1]
+    finally:
+        runner.close()
+        w.join(10)
+    assert w.error is None
