@@ -6,6 +6,8 @@ choosing it where it fits and several streams are planned for."""
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 
@@ -125,9 +127,15 @@ def test_engine_texts_match_one_device(ckpt) -> None:
     try:
         eng = Engine(runner, ByteTokenizer(), model_name="m", parallel=4)
         assert eng.lanes == 2
+        # the scheduler held in a call until all four requests wait: admitted together
+        gate = threading.Event()
+        eng.call(lambda: gate.wait(20))
         threads = [_Thread(lambda p=p: eng.complete(p, params)) for p in prompts]
         for t in threads:
             t.start()
+        with eng._cv:
+            assert eng._cv.wait_for(lambda: len(eng._waiting) == len(prompts), timeout=20)
+        gate.set()
         for t in threads:
             t.join(30)
         assert [t.result[0] for t in threads] == want
