@@ -17,9 +17,17 @@ plain request of as many tokens on the same prompt run right after it (``matched
 the median of the per-repeat ratios of wall-time tokens/s, prefill included on both sides; an
 arm as long as the plain one on its prompt is paired with that repeat's plain arm).
 
+``prefill_tokens_per_request``: the prompt tokens our engine computed per request of the arm
+(the rest came from its prefix cache: the tools arm's prompt, 207 tokens on the Gemma 3 file,
+is reused by the requests after the first that computed it, as a client with a fixed tool list
+sees it; requests admitted together before any of them holds it each compute it).
+
 ``--llama-server [BINARY]``: the same arms on llama.cpp's ``llama-server`` (same file, its
 own fields over HTTP, ``--jinja``), run before ours in every repeat, each relative to its own
 plain arm, with the fraction of its outputs that validate (:class:`LlamaServerPeer`).
+``--llama-server-chat-template FILE``: its ``--chat-template-file`` (the Gemma 3 270M file
+carries no template; with its default, llama-server neither renders the tools nor constrains
+``required``; Llama 3.1's published template, ``tests/edge/data/templates``, makes it do both).
 
     python -m benchmarks.edge_api --json                        # the Gemma 3 270M Q4_K_M file
     python -m benchmarks.edge_api --gguf FILE --streams 1 4 --repeats 5 --json
@@ -239,13 +247,17 @@ class LlamaServerPeer:
     (``json_schema``, ``grammar``, penalties, ``ignore_eos``), ``/v1/chat/completions`` with
     ``tools`` and ``tool_choice: "required"`` (its template: the file's, else its default)."""
 
-    def __init__(self, path: Path, binary: str | None, slots: int, threads: int) -> None:
+    def __init__(
+        self, path: Path, binary: str | None, slots: int, threads: int, template: str | None
+    ) -> None:
         from benchmarks.edge_serving import Arm, ServerProcess, build_llama_server
 
         exe = Path(binary) if binary else build_llama_server(Path("~/.cache/lowband/bench"))
         argv = [str(exe), "-m", str(path), "-t", str(threads), "-tb", str(threads)]
         argv += ["-np", str(slots), "-c", str(slots * 512), "--jinja", "--host", "127.0.0.1"]
         argv += ["--port", "{port}", "--no-webui"]
+        if template:
+            argv += ["--chat-template-file", template]
         self.log = Path(tempfile.mkdtemp(prefix="edge-api-peer-")) / "llama-server.log"
         cores = tuple(sorted(os.sched_getaffinity(0)))[:threads]
         self.server = ServerProcess(Arm("llama-server", argv, cores, threads), self.log, 600.0)
@@ -337,6 +349,11 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="also run the arms on llama-server (a binary, or built once when none is given)",
     )
+    p.add_argument(
+        "--llama-server-chat-template",
+        default=None,
+        help="llama-server's --chat-template-file (its tools arm's template)",
+    )
     p.add_argument("--threads", type=int, default=2, help="llama-server's threads")
     p.add_argument("--json", action="store_true", help="print one JSON line last")
     a = p.parse_args(argv)
@@ -361,7 +378,9 @@ def main(argv: list[str] | None = None) -> int:
     result["tool_format"] = tools[2]
     peer = None
     if a.llama_server is not None:
-        peer = LlamaServerPeer(path, a.llama_server or None, max(a.streams), a.threads)
+        peer = LlamaServerPeer(
+            path, a.llama_server or None, max(a.streams), a.threads, a.llama_server_chat_template
+        )
         result["llama_server_argv"] = [x.replace(str(Path.home()), "~") for x in peer.argv]
     try:
         for arm in arms:  # warm up: every arm once (a grammar's lexer is built on first use)
@@ -372,6 +391,7 @@ def main(argv: list[str] | None = None) -> int:
             rates: dict[str, list[float]] = {arm: [] for arm in arms}
             decode: dict[str, list[float]] = {arm: [] for arm in arms}
             lengths: dict[str, list[float]] = {arm: [] for arm in arms}
+            prefill: dict[str, list[float]] = {arm: [] for arm in arms}
             matched: dict[str, list[float]] = {arm: [] for arm in CONSTRAINED}
             valid = {"json": [0, 0], "tools": [0, 0], "grammar": [0, 0]}
             example: dict[str, str] = {}
@@ -392,7 +412,10 @@ def main(argv: list[str] | None = None) -> int:
                         )
                 for arm in arms:
                     params = _params(arm, a.max_tokens, grammars, tools)
+                    computed = engine.metrics.prompt_tokens_computed
                     dt, n, dec, texts = _run(engine, prompts[arm], params, streams)
+                    computed = engine.metrics.prompt_tokens_computed - computed
+                    prefill[arm].append(computed / streams)
                     rates[arm].append(n / dt)
                     decode[arm].append(dec)
                     lengths[arm].append(n / streams)
@@ -427,6 +450,7 @@ def main(argv: list[str] | None = None) -> int:
                     "decode_max": round(max(decode[arm]), 2),
                     "decode_relative": round(dec / plain_decode, 3),
                     "tokens_per_stream": round(statistics.median(lengths[arm]), 1),
+                    "prefill_tokens_per_request": round(statistics.median(prefill[arm]), 1),
                 }
                 if arm in CONSTRAINED:
                     row[arm]["matched_relative"] = round(statistics.median(matched[arm]), 3)

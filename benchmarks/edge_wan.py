@@ -1,6 +1,7 @@
-"""Distributed decode over the links phones and Pis have: one device vs TP-2 vs pipeline-2 vs the
-planner's default (``--layout auto``) vs the planner told to plan for the benchmark's concurrent
-streams (``auto-busy``: ``--plan-streams``), on the TUN emulator (root).
+"""Distributed decode over the links phones and Pis have: one device vs TP-2 vs pipeline-2 vs
+replica-2 (the whole model on both devices, the streams spread over them) vs the planner's
+default (``--layout auto``) vs the planner told to plan for the benchmark's concurrent streams
+(``auto-busy``: ``--plan-streams``), on the TUN emulator (root).
 
     python -m benchmarks.edge_wan --json                       # the real Gemma 3 270M Q4_K_M
     python -m benchmarks.edge_wan --tiny --json                # smoke run (a tiny random model)
@@ -23,7 +24,8 @@ measured (TCP handshakes) and recorded per profile.
 
 The emulator shares the machine's two cores with the devices it joins: every record carries the
 forwarder's CPU (seconds per second) during each arm's streams, and the master's time per step
-(``master_cycle``: its stage, the head, the link, waiting for the other stage; see
+(``master_cycle``: its stage, the head, the link, waiting for the other stage; the replica's
+rows per device and its own groups' time, ``edge.cluster.replica.ReplicaTimes``; see
 ``edge.cluster.pipeline.CycleTimes``). The forwarder spins before a packet's due time only on
 paths under 2 ms RTT (``--spin-us``): there the scheduler's wake-up latency would show in the
 round trip; on Wi-Fi paths it is lost in the jitter, and the spin (0.19 s of CPU per second at
@@ -59,7 +61,7 @@ PROFILES: dict[str, dict[str, float]] = {
 # auto-busy: the planner told to plan for the benchmark's concurrent streams (--plan-streams);
 # window: one device within the memory budget (--budget-frac), the sliding window streaming
 # its layers from storage paced at --paced-mbps
-ARMS = ("single", "tp", "pipeline", "auto", "auto-busy", "window")
+ARMS = ("single", "tp", "pipeline", "replica", "auto", "auto-busy", "window")
 BUDGET_ARMS = ("single", "window", "pipeline")  # the default arms of a --budget-frac run
 PROMPT = "The history of the bicycle begins in"
 
@@ -237,7 +239,7 @@ class Arm:
             self.worker = None
         else:
             bind = f"tcp://{bed.addr(0)}:{cport}"
-            layout = {"tp": "tp", "pipeline": "pipeline"}.get(name, "auto")
+            layout = {"tp": "tp", "pipeline": "pipeline", "replica": "replica"}.get(name, "auto")
             self.master = _lowband(
                 "serve", cfg.model, *common, "--cores", "0", "--workers", "1", "--bind", bind,
                 "--layout", layout, "--micro-batches", str(cfg.micro_batches), "--insecure",

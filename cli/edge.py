@@ -154,9 +154,10 @@ def _add_serve(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--layout",
-        choices=["auto", "tp", "pipeline", "single"],
+        choices=["auto", "tp", "pipeline", "replica", "single"],
         help="how the model spreads over the devices: tp (every layer split, two round trips "
-        "per layer), pipeline (each device a range of layers, one hop per device), single "
+        "per layer), pipeline (each device a range of layers, one hop per device), replica "
+        "(the whole model on every device, the streams spread over them), single "
         "(the master alone) or auto (chosen from the measured round trips and device "
         "speed; shown in /health). Default: auto for serve, tp for run",
     )

@@ -763,17 +763,24 @@ class Engine:
             p = _common_prefix(s.tokens, r.ids, limit)
             if 0 < p < b.slot_floor(i):
                 p = 0  # a sliding-window cache dropped keys that restarting at p needs
-            if p > best_p:
+            # on a tie, a finished slot (reused in place) over a running one (copied from)
+            if p > best_p or (p and p == best_p and s.owner is None and self._slots[best].owner):
                 best, best_p = i, p
         self.metrics.prefix_lookups += 1
         free = [i for i, s in enumerate(self._slots) if s.owner is None]
         if not free:
             return False
-        if best >= 0 and self._slots[best].owner is None:
+        # reusing a finished slot in place drops what it holds past the shared prefix: when
+        # that is most of it (another prompt sharing little more than BOS) and a slot is
+        # empty, the prefix goes there instead and the slot keeps its prompt for its repeats
+        reuse = best >= 0 and self._slots[best].owner is None
+        if reuse and 2 * best_p < len(self._slots[best].tokens):
+            reuse = all(self._slots[i].tokens for i in free)
+        if reuse:
             target = best
         else:  # an empty slot, else the least recently used finished one
             target = min(free, key=lambda i: (bool(self._slots[i].tokens), self._slots[i].used))
-            if best >= 0:  # the prefix is held by a running sequence: copy it
+            if best >= 0:  # the prefix is held by a running sequence or a kept slot: copy it
                 try:
                     b.copy_prefix(best, target, best_p)
                 except RuntimeError:

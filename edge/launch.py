@@ -360,6 +360,12 @@ def check_model(model_dir: str, cc: ClusterConfig) -> None:
             "--memory-budget-mb (each device's stage then fits it, held in memory) or use "
             "--layout tp (or auto) with --window",
         )
+    if cc.layout == "replica" and cc.devices > 1 and cc.window_config() is not None:
+        raise ConfigError(
+            "layout",
+            "the replica layout holds the whole model on every device: --window and "
+            "--memory-budget-mb do not apply (a model that fits no device: --layout pipeline)",
+        )
     # cc.experts is not None when the directory is nested: check_experts refuses that
     if check_experts(model_dir, cc.experts) and cc.experts is not None:
         if cc.window_config() is not None and cc.devices > 1:

@@ -370,7 +370,7 @@ class LayoutDevice:
 class LayoutPlan:
     """The layout planner's choice, its predictions (ms per token, one stream) and why."""
 
-    layout: str  # single / tp / pipeline
+    layout: str  # single / tp / pipeline / replica
     devices: int
     stages: tuple[int, ...]  # layers per device (pipeline), () otherwise
     predicted_ms: dict[str, float]  # per layout considered
@@ -403,22 +403,28 @@ def aggregate_tok_s(
     hop_ms: float = 2.0,
 ) -> float:
     """Predicted aggregate tokens/s with ``streams`` streams decoding at once (one token each
-    per step), from each device's batched step cost (:meth:`LayoutDevice.step_ms`)::
+        per step), from each device's batched step cost (:meth:`LayoutDevice.step_ms`)::
 
-        single    N / (L * t_0(N))
-        pipeline  N / max(G * (max_i n_i * t_i(g) + hop), sum_i n_i * t_i(g) + links)
-                  links = sum_{i>0} (rtt_i + hop)
-        tp        N / (L * max_i t_i(N) / S + 2 * L * max_i rtt_i)
+            single    N / (L * t_0(N))
+            pipeline  N / max(G * (max_i n_i * t_i(g) + hop), sum_i n_i * t_i(g) + links)
+                      links = sum_{i>0} (rtt_i + hop)
+            tp        N / (L * max_i t_i(N) / S + 2 * L * max_i rtt_i)
+            replica   N / max(L * t_0(r) + (S - 1) * hop, max_{i>0} L * t_i(r) + rtt_i + hop)
+                      r = ceil(N / S)
 
-    Pipeline: the streams in G groups of g = ceil(N / G) rows (``edge.cluster.pipeline``'s
-    steps in flight); in steady state the busiest stage runs every group once per cycle, unless
-    one group's round through every stage and link takes longer (too few groups to hide the
-    links). Each group's hop also costs the busiest stage ``hop`` of its own time per cycle
-    (serialising, the sockets, waking up, the master's merge of the split head): without it
-    the model was 35 % above the measured 8-stream rate over Wi-Fi (295 predicted, 219
-    measured tok/s, ``benchmarks/results/edge_wan-gemma3-270m-plan-streams.json``); with it,
-    19 % above (287 for 241.6, ``edge_wan-gemma3-270m-wifi-final.json``). A device's t_i(B)
-    is the master's curve scaled by its one-row speed."""
+    Replica (``edge.cluster.replica``): every device runs r of the streams through the whole
+    model; the master also hands each worker its group and takes its answer (a hop of its own
+    time each), a worker's group waits a round trip and a hop beside its compute.
+
+        Pipeline: the streams in G groups of g = ceil(N / G) rows (``edge.cluster.pipeline``'s
+        steps in flight); in steady state the busiest stage runs every group once per cycle, unless
+        one group's round through every stage and link takes longer (too few groups to hide the
+        links). Each group's hop also costs the busiest stage ``hop`` of its own time per cycle
+        (serialising, the sockets, waking up, the master's merge of the split head): without it
+        the model was 35 % above the measured 8-stream rate over Wi-Fi (295 predicted, 219
+        measured tok/s, ``benchmarks/results/edge_wan-gemma3-270m-plan-streams.json``); with it,
+        19 % above (287 for 241.6, ``edge_wan-gemma3-270m-wifi-final.json``). A device's t_i(B)
+        is the master's curve scaled by its one-row speed."""
     N, L = streams, sum(stages) if stages else 0
     t0 = devices[0]
 
@@ -428,6 +434,13 @@ def aggregate_tok_s(
 
     if layout == "single":
         return 1e3 * N / max(1e-9, L * t0.step_ms(N))
+    if layout == "replica":
+        S = len(devices)
+        r = -(-N // S)
+        cycle = L * t(0, r) + (S - 1) * hop_ms
+        for i in range(1, S):
+            cycle = max(cycle, L * t(i, r) + devices[i].rtt_ms + hop_ms)
+        return 1e3 * N / max(1e-9, cycle)
     if layout == "tp":
         S = len(devices)
         rtt = max(d.rtt_ms for d in devices[1:])
@@ -470,6 +483,9 @@ def plan_layout(
     streams (:func:`aggregate_tok_s`, ``groups`` micro-batches in the pipeline) instead: a
     server that is mostly busy gains from the stages even where one stream loses to one device
     by a round trip per token (the single-stream predictions stay in the plan beside them).
+    Where the whole model fits every device, the replica layout is a candidate too (the
+    streams spread over the devices, each running the whole model; one stream runs on the
+    master alone, so its ms per token is one device's).
     """
     from edge.cluster.layout import stage_ranges  # (a pure schedule beside the stages)
 
@@ -500,9 +516,11 @@ def plan_layout(
             f"the model's {L * layer_mb:.0f} MB of layers fit neither one device nor the "
             f"{S} devices together",
         )
-    order = [k for k in ("single", "pipeline", "tp") if k in pred]
     if streams < 1:
         raise ConfigError("streams", f"must be >= 1, got {streams}")
+    if streams > 1 and S > 1 and all(L * layer_mb <= d.memory_mb for d in devices):
+        pred["replica"] = L * t[0]  # (one stream: the master alone)
+    order = [k for k in ("single", "pipeline", "replica", "tp") if k in pred]
     rate: dict[str, float] = {}
     if streams > 1:  # ranked by aggregate tokens/s (higher is better): as ms per token
         for k in order:
@@ -527,7 +545,7 @@ def plan_layout(
         reason += "; the model does not fit the master alone"
     return LayoutPlan(
         layout=best,
-        devices=1 if best == "single" else S,
+        devices=1 if best == "single" else S,  # (replica, pipeline, tp: every device)
         stages=stages if best == "pipeline" else (),
         predicted_ms=pred,
         reason=reason,

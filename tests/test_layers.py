@@ -36,6 +36,7 @@ NETWORK_EXCEPTIONS: dict[str, tuple[str, ...]] = {
     "transport.starlink": (
         "edge.cluster.master",
         "edge.cluster.pipeline",
+        "edge.cluster.replica",
         "edge.cluster.shard",
         "edge.cluster.worker",
         "edge.fastpath",

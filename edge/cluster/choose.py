@@ -23,6 +23,7 @@ from edge.cluster.layout import LayerRange
 from edge.cluster.master import ClusterConfig, MasterRunner
 from edge.cluster.pipeline import PipelineRunner
 from edge.cluster.protocol import CTL, READY, Bye, Echo, Regroup, Shutdown, master_rank
+from edge.cluster.replica import ReplicaRunner
 from edge.engine import LocalRunner, Runner, Work
 from edge.planner import LayoutDevice, LayoutPlan, plan_layout
 from edge.profile import memory_available_mb
@@ -111,6 +112,8 @@ def start_runner(comm: Communicator, model_dir: str, cc: ClusterConfig) -> Runne
         return MasterRunner(comm, model_dir, cc)
     if cc.layout == "pipeline":
         return PlannedRunner(PipelineRunner(comm, model_dir, cc), None, "pipeline")
+    if cc.layout == "replica":
+        return PlannedRunner(ReplicaRunner(comm, model_dir, cc), None, "replica")
     m = comm.quorum(min_world=cc.devices, timeout=cc.join_timeout)
     if master_rank(m.peers) != comm.rank:
         raise ConfigError("master", f"another peer ({m.peers[master_rank(m.peers)]}) leads")
@@ -119,19 +122,23 @@ def start_runner(comm: Communicator, model_dir: str, cc: ClusterConfig) -> Runne
     layout = cc.layout
     local: LocalRunner | None = None
     if layout == "auto":
+        # the runner plain ``edge serve`` keeps on one device (its batch GEMMs' repacked
+        # weights too): what the single layout then serves, and what is measured
         shard = load_shard(model_dir, dtype=cc.dtype)
-        local = LocalRunner(shard.model, shard.close)
-        N, G = cc.plan_streams, cc.micro_batches
+        local = LocalRunner(shard.model, shard.close, report=shard.store_report)
+        layer_bytes = sum(
+            p.numel() * p.element_size() for p in shard.model.model.layers.parameters()
+        )  # (before the repacked copy)
+        shard.repack(cc.repack)
+        N, G, D = cc.plan_streams, cc.micro_batches, cc.devices
         with torch.inference_mode():
             layer_ms = measure_layer_ms(local)
             # several streams planned for: the batched step's cost at the pipeline's group
-            # size and at all N rows (one device's step)
-            batch = tuple((b, measure_step_ms(local, b)) for b in sorted({-(-N // G), N}) if b > 1)
+            # size, at a replica's share and at all N rows (one device's step)
+            rows = sorted({-(-N // G), -(-N // D), N})
+            batch = tuple((b, measure_step_ms(local, b)) for b in rows if b > 1)
         rtts = measure_rtts(comm, workers, cc.op_timeout)
         cfg = shard.model.config
-        layer_bytes = sum(
-            p.numel() * p.element_size() for p in shard.model.model.layers.parameters()
-        )
         layer_mb = layer_bytes / 2**20 / cfg.num_hidden_layers
         mem = memory_available_mb() * 0.8
         kw: dict[str, Any] = dict(layer_ms=layer_ms, memory_mb=mem, batch_layer_ms=batch)
@@ -151,6 +158,7 @@ def start_runner(comm: Communicator, model_dir: str, cc: ClusterConfig) -> Runne
         if local is None:
             shard = load_shard(model_dir, dtype=cc.dtype, window=cc.window_config())
             local = LocalRunner(shard.model, shard.close, report=shard.store_report)
+            shard.repack(cc.repack)  # (as plain serve: a window's streamed weights stay)
         return PlannedRunner(local, plan, "single")
     if layout == "pipeline":
         ranges = None
@@ -161,6 +169,10 @@ def start_runner(comm: Communicator, model_dir: str, cc: ClusterConfig) -> Runne
                 lo += n
         runner = PipelineRunner(comm, model_dir, cc, ranges, plan.to_dict() if plan else None)
         return PlannedRunner(runner, plan, "pipeline")
+    if layout == "replica":
+        return PlannedRunner(
+            ReplicaRunner(comm, model_dir, cc, plan.to_dict() if plan else None), plan, "replica"
+        )
     return PlannedRunner(MasterRunner(comm, model_dir, cc), plan, "tp")
 
 

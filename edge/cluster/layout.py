@@ -22,7 +22,7 @@ from typing import Sequence, TypeVar
 from edge.cluster.stage import LayerRange
 from lowband.errors import ConfigError
 
-LAYOUTS = ("auto", "single", "tp", "pipeline")
+LAYOUTS = ("auto", "single", "tp", "pipeline", "replica")
 T = TypeVar("T")
 
 

@@ -111,8 +111,10 @@ class ClusterConfig:
     repack: str = "off"
     # How the model is spread over the devices (edge.cluster.layout.LAYOUTS): "tp" (every
     # layer split, two all-reduces per layer), "pipeline" (each device a range of layers,
-    # edge.cluster.pipeline), "single" (the master alone) or "auto" (edge.planner.plan_layout
-    # from the measured round trips and device profiles). The launcher resolves "auto".
+    # edge.cluster.pipeline), "replica" (the whole model on every device, each running its
+    # own streams: edge.cluster.replica), "single" (the master alone) or "auto"
+    # (edge.planner.plan_layout from the measured round trips and device profiles). The
+    # launcher resolves "auto".
     layout: str = "tp"
     # G: groups of streams whose pipeline steps are in flight at once (the engine's lanes,
     # edge.cluster.pipeline). 3 measured best for two stages over Wi-Fi (benchmarks.edge_wan:
@@ -133,9 +135,9 @@ class ClusterConfig:
     ship: bool = False
 
     def __post_init__(self) -> None:
-        if self.layout not in ("auto", "single", "tp", "pipeline"):
+        if self.layout not in ("auto", "single", "tp", "pipeline", "replica"):
             raise ConfigError(
-                "layout", f"must be auto, single, tp or pipeline, got {self.layout!r}"
+                "layout", f"must be auto, single, tp, pipeline or replica, got {self.layout!r}"
             )
         if not 1 <= self.plan_streams <= 256:
             raise ConfigError("plan_streams", f"must be in [1, 256], got {self.plan_streams}")

@@ -44,15 +44,17 @@ generated from the dataclasses below by :func:`describe` (a test keeps the two i
     stage_assign stage: int, lo: int, hi: int, layers: int, model_dir: str, dtype: str | None,
               op_timeout: float, silence_s: float, link_port: int | None = None,
               link_secret: str | None = None, link_spin_us: float = 0.0, repack: str = 'off',
-              head_lo: int = 0, mapped: bool = False, ship: bool = False
+              head_lo: int = 0, mapped: bool = False, whole_head: bool = False,
+              ship: bool = False
     stage     fid: int, epoch: int, caches: list[int], starts: list[int], lengths: list[int],
-              link: bool = False, top: int = 0, rows: list[int] | None = None
-              + tensors: the hidden state entering this stage (1, N, H), N = sum(lengths)
+              link: bool = False, top: int = 0, rows: list[int] | None = None,
+              embed: bool = False
+              + tensors: the hidden state in (1, N, H), N = sum(lengths); embed: ids (1, N)
     ready     ok: bool, slot: int | None = None, error: str | None = None
     bye
     report    report: dict | None
-    staged    fid: int
-              + tensors: the hidden state leaving this stage (1, N, H) [, values, ids (R, top)]
+    staged    fid: int, floors: list[int] | None = None
+              + tensors: hidden (1, N, H) [, values, ids (R, top)]; embed: values, ids | rows (R, H)
 """
 
 from __future__ import annotations
@@ -399,13 +401,20 @@ class StageAssign(Msg):
     # the embedding rows it does not hold given back (the master's memory budget sized the
     # range: edge.cluster.layout.budget_ranges); False: the model loaded whole, then cut
     mapped: bool = False
-    # as assign's: the master streams the model (edge.cluster.ship) right after this message;
-    # the worker fetches it into its cache directory and loads its stage from there
+    # True (the replica layout, edge.cluster.replica): this stage holds every layer, the
+    # embedding and the WHOLE LM head (head_lo 0 then names no rows) and answers steps sent
+    # with ``embed`` (token ids in, the best logits or final hidden rows out)
+    whole_head: bool = False
+    # as assign's: the master streams the model (edge.cluster.ship) right after this message
     ship: bool = False
 
     def __post_init__(self) -> None:
         if self.link_port is not None and not 1 <= self.link_port <= 65535:
             raise ProtocolError("'stage_assign' message: link_port must be a TCP port")
+        if self.whole_head and (self.lo != 0 or self.hi != self.layers or self.head_lo):
+            raise ProtocolError(
+                "'stage_assign' message: whole_head needs every layer [0, layers) and head_lo 0"
+            )
         if not 0 <= self.head_lo < 1 << 24:
             raise ProtocolError("'stage_assign' message: head_lo must be in [0, 2^24)")
         if self.repack not in ("auto", "on", "off"):
@@ -435,7 +444,7 @@ class StageStep(Msg):
     state back on :data:`STAGE` with a ``staged`` message of the same ``fid``."""
 
     OP: ClassVar[str] = "stage"
-    TENSORS: ClassVar[str] = "the hidden state entering this stage (1, N, H), N = sum(lengths)"
+    TENSORS: ClassVar[str] = "the hidden state in (1, N, H), N = sum(lengths); embed: ids (1, N)"
     fid: int  # step id, echoed by staged
     epoch: int  # membership epoch it was sent in (a stale one is dropped)
     caches: list[int]
@@ -446,6 +455,11 @@ class StageStep(Msg):
     # these hidden rows go back too (top 0 or no rows: none)
     top: int = 0
     rows: list[int] | None = None
+    # True (replica layout, a stage of whole_head): the tensor is the token ids (1, N) float32,
+    # embedded there; the answer carries no hidden state of every token, only for each of
+    # ``rows`` the best ``top`` logits (values, ids (R, top)), or with top 0 its final hidden
+    # row (R, H) for the master's own head; nothing when no row is asked
+    embed: bool = False
 
     def __post_init__(self) -> None:
         n = len(self.caches)
@@ -501,9 +515,12 @@ class Staged(Msg):
     # with a step's top > 0 on a stage holding head rows: then the values and token ids
     # (float32) of each asked row's best logits there
     TENSORS: ClassVar[str] = (
-        "the hidden state leaving this stage (1, N, H) [, values, ids (R, top)]"
+        "hidden (1, N, H) [, values, ids (R, top)]; embed: values, ids | rows (R, H)"
     )
     fid: int
+    # an ``embed`` step (replica layout): each cache's restart floor after it
+    # (KVCache.restart_floor), so the master refuses what the stage would
+    floors: list[int] | None = None
 
 
 # ---- decoding ------------------------------------------------------------------------------------

@@ -95,6 +95,7 @@ class Stage:
         self.model = shard.model
         self.range = rng
         self.head: fastpath.HeadRows | None = None  # its rows of a split LM head
+        self.whole_head = False  # the replica layout: the model's own whole head (keep_head)
         self.repacked = 0  # bytes :meth:`repack` added
 
     def repack(self, mode: str) -> None:
@@ -107,6 +108,13 @@ class Stage:
         self.head = fastpath.HeadRows(self.model, a, b)
         if self.repacked:
             self.head.repack()
+
+    def keep_head(self) -> None:
+        """Hold the whole LM head (a stage over every layer: the replica layout); its logits
+        are the model's own head's, the very kernels one device runs."""
+        if not (self.range.first and self.range.last):
+            raise ConfigError("layers", "only a stage over every layer holds the whole head")
+        self.whole_head = True
 
     def release_embedding(self) -> int:
         """A stage after the first never embeds: give back the pages of its token embedding
@@ -132,12 +140,18 @@ class Stage:
     def top_logits(self, h: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The ``k`` largest logits of this stage's head rows for each row of ``h`` (R, H):
         values (R, k) and absolute token ids (R, k) as float32 (exact below 2^24)."""
-        if self.head is None:
+        if self.whole_head:
+            with torch.inference_mode():
+                logits = self.model.head(h).float()
+            lo = 0
+        elif self.head is not None:
+            with torch.inference_mode():
+                logits = self.head(h).float()
+            lo = self.head.rows[0]
+        else:
             raise RuntimeError("this stage holds no rows of the LM head")
-        with torch.inference_mode():
-            logits = self.head(h).float()
         v, i = torch.topk(logits, k, dim=-1)
-        return v.contiguous(), (i + self.head.rows[0]).to(torch.float32).contiguous()
+        return v.contiguous(), (i + lo).to(torch.float32).contiguous()
 
     def new_cache(self) -> KVCache:
         return KVCache(self.range.hi - self.range.lo, window=self.model.config.cache_window)
@@ -158,13 +172,15 @@ def load_stage(
     fast: bool = True,
     head_lo: int = 0,
     window: WindowConfig | None = None,
+    whole_head: bool = False,
 ) -> Stage:
     """Stage ``rng`` of the model at ``model_dir``; ``repack``: its K-quant weights also in the
     batch GEMM's layout (:meth:`Stage.repack`); ``head_lo`` > 0: it also holds the LM head's
     rows ``head_lo..V-1`` (:meth:`Stage.cut_head`); ``window``: its layers streamed through
     the sliding window from a GGUF file (eager where the window really streams; a stage after
     the first then also gives back the embedding rows it does not hold,
-    :meth:`Stage.release_embedding`)."""
+    :meth:`Stage.release_embedding`); ``whole_head``: a stage over every layer that also
+    keeps the whole LM head (:meth:`Stage.keep_head`, the replica layout)."""
     rows = (rng.lo, rng.hi) if window is not None else None
     shard = load_shard(model_dir, dtype=dtype, fast=False, window=window, layers=rows)
     sched = shard.scheduler
@@ -173,6 +189,8 @@ def load_stage(
         stage.repack(repack)
         if head_lo > 0:
             stage.cut_head(head_lo, shard.model.config.vocab_size)
+        if whole_head:
+            stage.keep_head()
         if window is not None and not rng.first:  # (a memory budget: edge.cluster.pipeline)
             freed = stage.release_embedding()
             logger.info(

@@ -560,7 +560,8 @@ def _kept_stage(st: WorkerState, msg: StageAssign, model_dir: str) -> Stage | No
 def _stage_assign(
     comm: Communicator, cfg: WorkerConfig, st: WorkerState, msg: StageAssign, _: Tensors
 ) -> None:
-    """Pipeline layout: load the assigned layers and answer ``ready`` (as ``_assign``)."""
+    """Pipeline and replica layouts: load the assigned layers (a shipped model first, when
+    the master ships it) and answer ``ready`` (as ``_assign``)."""
     master = master_rank(comm.membership.peers)
     try:
         model_dir = assigned_model(comm, cfg, msg.model_dir, msg.ship)
@@ -572,6 +573,7 @@ def _stage_assign(
             msg.repack,
             head_lo=msg.head_lo,
             window=WindowConfig(window=msg.hi - msg.lo) if msg.mapped else None,
+            whole_head=msg.whole_head,
         )
         st.stage_key = _stage_key(msg, model_dir)
         st.link = _spoke(cfg, msg, msg.stage)
@@ -593,12 +595,57 @@ def _stage_step(
         return  # sent before a regroup this worker already went through: stale
     if st.stage is None:
         raise ProtocolError("a stage step before stage_assign")
+    if msg.embed:
+        _replica_step(comm, st, st.stage, msg, tensors)
+        return
     spans = _ragged_spans(st, msg, tensors, st.stage.model.config.hidden_size, "stage step")
     h = st.stage.run(tensors[0], spans)
     out = [h]
     if msg.top > 0 and msg.rows and st.stage.head is not None:  # its rows of a split head
         out.extend(st.stage.top_logits(h[0, msg.rows], msg.top))
     answer = Staged(fid=msg.fid).encode()
+    if msg.link and st.link is not None:
+        st.link.reply(answer, out, timeout=st.silence_s)
+    else:
+        comm.send(master_rank(comm.membership.peers), out, answer, tag=STAGE)
+    st.forwards += 1
+
+
+def _replica_step(
+    comm: Communicator, st: WorkerState, stage: Stage, msg: StageStep, tensors: Tensors
+) -> None:
+    """Replica layout: the token ids through the embedding, every layer and the whole head;
+    the answer: the best ``top`` logits of each asked row (or its final hidden state when
+    every logit is wanted: the master's head), and every cache's restart floor."""
+    N = sum(msg.lengths)
+    if not stage.whole_head:
+        raise ProtocolError("a replica step to a stage without the whole head")
+    if len(tensors) != 1 or tuple(tensors[0].shape) != (1, N):
+        shapes = [tuple(t.shape) for t in tensors]
+        raise ProtocolError(f"a replica step of {N} tokens carries tensors {shapes}")
+    ids = tensors[0].long()  # (float32 on the link: exact below 2^24)
+    V = stage.model.config.vocab_size
+    if (
+        not torch.equal(ids.to(tensors[0].dtype), tensors[0])
+        or not (0 <= ids).all()
+        or (ids >= V).any()
+    ):
+        raise ProtocolError(f"a replica step names token ids outside [0, {V})")
+    for c, start in zip(msg.caches, msg.starts):
+        why = append_problem(st.caches.get(c), start)
+        if why is not None:  # the master checked its record of the cache: out of step
+            raise ProtocolError(f"replica item on cache {c} {why}")
+    spans = [Span(st.cache(c), s, n) for c, s, n in zip(msg.caches, msg.starts, msg.lengths)]
+    with torch.inference_mode():
+        h = stage.run(stage.model.embed(ids), spans)
+    rows = msg.rows or []
+    out: Tensors = []
+    if rows and msg.top > 0:
+        out.extend(stage.top_logits(h[0, rows], msg.top))
+    elif rows:
+        out.append(h[0, rows].contiguous())
+    floors = [st.caches[c].restart_floor() for c in msg.caches]
+    answer = Staged(fid=msg.fid, floors=floors).encode()
     if msg.link and st.link is not None:
         st.link.reply(answer, out, timeout=st.silence_s)
     else:

@@ -63,11 +63,12 @@ def _layer_shapes(arch: str, shapes: dict[str, tuple[int, ...]]) -> dict[str, tu
     return out
 
 
-def open_gguf(path: str | Path) -> Any:
+def open_gguf(path: str | Path, *, tokenizer: bool = True) -> Any:
     """``open_reader(path)`` with its header checked (:func:`check_gguf`); a file the
-    reader cannot parse is a ConfigError too, not whatever the parser tripped on."""
+    reader cannot parse is a ConfigError too, not whatever the parser tripped on.
+    ``tokenizer=False``: the reader steps over the ``tokenizer.*`` arrays (loading weights)."""
     try:
-        reader = open_reader(str(path))
+        reader = open_reader(str(path), tokenizer=tokenizer)
         # The reader decodes strings lazily: a metadata string that is not UTF-8 fails inside
         # the check (UnicodeDecodeError, a ValueError), so the check is inside the try too.
         check_gguf(reader, os.path.getsize(path))

@@ -428,7 +428,8 @@ def load_gguf(
     ``view``: decoder-layer weights usable as stored are views of the file's bytes (the
     sliding window, ``edge.formats.gguf_window``), not copies."""
     _import_gguf()  # a ConfigError naming the extra when gguf is not installed
-    reader = open_gguf(path)  # header bounded by the file before anything is built
+    # header bounded by the file before anything is built; the tokenizer's arrays not parsed
+    reader = open_gguf(path, tokenizer=False)
     cfg = read_config(reader)
     dt = dtype or torch.float32
     tensors = _read_tensors(reader, cfg, view)

@@ -113,7 +113,7 @@ def stage_sizes(path: str | Path) -> tuple[list[int], int, int, bool]:
     head (the embedding's bytes where the head is tied) and whether it is tied."""
     from edge.formats.bounds import open_gguf
 
-    reader = open_gguf(path)
+    reader = open_gguf(path, tokenizer=False)
     layers: dict[int, int] = {}
     embed = head = 0
     tied = True

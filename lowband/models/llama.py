@@ -305,8 +305,12 @@ class KVCache:
                 cap = max(n, 64, k.shape[2])
                 self.k[layer] = k.new_zeros(k.shape[0], k.shape[1], cap, k.shape[3])
                 self.v[layer] = v.new_zeros(v.shape[0], v.shape[1], cap, v.shape[3])
-            self.k[layer][:, :, :n] = k[:, :, :n]  # type: ignore[index]
-            self.v[layer][:, :, :n] = v[:, :, :n]  # type: ignore[index]
+            # a cache the runners filled (under inference mode) holds inference tensors, which
+            # take in-place writes only inside it (outside it the copy raised, and the engine
+            # recomputed the whole prompt instead)
+            with torch.inference_mode(self.k[layer].is_inference()):  # type: ignore[union-attr]
+                self.k[layer][:, :, :n] = k[:, :, :n]  # type: ignore[index]
+                self.v[layer][:, :, :n] = v[:, :, :n]  # type: ignore[index]
         self.length = n
 
 

@@ -42,3 +42,7 @@ def test_bench_tiny(spawn, tmp_path) -> None:
         assert 0.0 <= row["json_valid_fraction"] <= 1.0  # 12 tokens may cut the object
         assert 0.0 <= row["tools_valid_fraction"] <= 1.0
         assert "llama_server" not in row
+        assert all(row[arm]["prefill_tokens_per_request"] >= 1 for arm in ARMS)
+    # one stream: the tools prompt the warm-up computed stays cached (only its last token,
+    # whose logits start the reply, is computed again)
+    assert res["streams_1"]["tools"]["prefill_tokens_per_request"] == 1.0

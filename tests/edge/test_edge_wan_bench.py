@@ -20,7 +20,7 @@ def test_every_arm_decodes_over_the_emulated_link():
     out = run_json_module("benchmarks.edge_wan", *args, "--streams", "2", "--json", timeout=390)
     (p,) = out["profiles"]
     assert p["errors"] == {}
-    for arm in ("single", "tp", "pipeline", "auto"):
+    for arm in ("single", "tp", "pipeline", "replica", "auto"):
         assert p["ms_per_token"][arm]["median"] > 0
         assert p["aggregate_tokens_per_s"][arm]["median"] > 0
     plan = p["auto_health"]["plan"]
@@ -28,11 +28,13 @@ def test_every_arm_decodes_over_the_emulated_link():
     assert p["measured_rtt"]["median_ms"] > 0
     # the master's time per step (pipeline) and the emulator's own CPU are recorded
     assert p["master_cycle"]["pipeline"]["steps"] > 0
+    assert sum(p["master_cycle"]["replica"]["rows"]) > 0
     assert p["forwarder_spin_us"] == 300.0  # a sub-2 ms path: the forwarder spins
     assert p["forwarder_cpu_during_streams"]["single"]["median"] >= 0
     # the planner told the benchmark's concurrency plans for it and says so
     busy = p["auto_busy_health"]["plan"]
-    assert busy["streams"] == 2 and set(busy["predicted_tok_s"]) >= {"single", "pipeline"}
+    assert busy["streams"] == 2
+    assert set(busy["predicted_tok_s"]) >= {"single", "pipeline", "replica"}
     assert p["aggregate_tokens_per_s"]["auto-busy"]["median"] > 0
 
 

@@ -178,6 +178,41 @@ def test_prefix_copied_from_a_running_sequence() -> None:
     assert second == fresh.complete(prefix + "second", SamplingParams(max_tokens=6))[0]
 
 
+def test_prefix_copied_into_a_slot_an_earlier_request_filled() -> None:
+    """The copy goes into a cache the runner filled before (under inference mode): it is
+    made, not refused (it raised, and the engine recomputed the whole prompt)."""
+    model = _model()
+    eng = Engine(LocalRunner(model), ByteTokenizer(), model_name="m", parallel=2, prefix_cache=0)
+    prefix = "shared context " * 8
+    # 1st round: the other slot computes a prompt of its own; 2nd: a copy goes into it
+    for second in ("z" * len(prefix + "one"), prefix + "one more"):  # (caches of one size)
+        it = eng.generate(prefix + "one", SamplingParams(max_tokens=30, ignore_eos=True))
+        next(it)  # decoding: its slot holds its whole prompt
+        before = eng.metrics.snapshot()
+        text = eng.complete(second, SamplingParams(max_tokens=6))[0]
+        after = eng.metrics.snapshot()
+        it.close()
+    reused = after["prefix_cache_tokens_reused_total"] - before["prefix_cache_tokens_reused_total"]
+    assert reused >= len(prefix + "one")
+    fresh = Engine(LocalRunner(model), ByteTokenizer(), model_name="m")
+    assert text == fresh.complete(second, SamplingParams(max_tokens=6))[0]
+
+
+def test_a_prompt_sharing_little_takes_an_empty_slot_not_a_cached_prompt() -> None:
+    """One sequence at a time, one cache slot kept: a request that shares only its first
+    character with the cached prompt goes to the empty slot, so the cached prompt (a tool
+    list sent with every request) is still there for its next repeat."""
+    eng = Engine(LocalRunner(_model()), ByteTokenizer(), model_name="m", parallel=1)
+    tools = "x tools: add_person(name, age), weather(city). " * 3
+    params = SamplingParams(max_tokens=4)
+    for prompt in (tools + "Q1", "x short one", tools + "Q2"):
+        before = eng.metrics.snapshot()
+        eng.complete(prompt, params)
+    after = eng.metrics.snapshot()
+    reused = after["prefix_cache_tokens_reused_total"] - before["prefix_cache_tokens_reused_total"]
+    assert reused >= len(tools)
+
+
 def test_cancelled_request_leaves_and_frees_its_slot() -> None:
     eng = Engine(LocalRunner(_model()), ByteTokenizer(), model_name="m", parallel=1)
     it = eng.generate("cancel me", SamplingParams(max_tokens=200, ignore_eos=True))

@@ -95,6 +95,38 @@ def test_a_later_stage_gives_back_the_embedding_rows_it_does_not_hold(gguf) -> N
         stage.close()
 
 
+@pytest.mark.parametrize("mapped", [True, False])
+def test_a_stage_loads_without_parsing_the_tokenizer(gguf, monkeypatch, mapped) -> None:
+    """A worker's stage never tokenizes: its load builds no tokenizer and its GGUF reader steps
+    over the vocabulary's arrays (a Llama-3 vocabulary parsed is ~100 MB of a stage's RSS)."""
+    import gguf as gguf_py
+
+    import edge.formats.bounds as bounds
+    import edge.formats.gguf_tokenizer as gguf_tokenizer
+
+    real = bounds.open_reader
+    assert "tokenizer.ggml.tokens" in real(gguf).fields  # the file has a vocabulary
+    readers = []
+
+    def spy(path, **kw):
+        readers.append(real(path, **kw))
+        return readers[-1]
+
+    def refuse(*a, **kw):
+        raise AssertionError("a stage's load built a tokenizer")
+
+    monkeypatch.setattr(bounds, "open_reader", spy)
+    monkeypatch.setattr(gguf_tokenizer, "tokenizer_from_gguf", refuse)
+    window = WindowConfig(window=3) if mapped else None
+    stage = load_stage(str(gguf), LayerRange(2, 5, 5), None, head_lo=100, window=window)
+    stage.close()
+    assert readers
+    array = gguf_py.GGUFValueType.ARRAY
+    for r in readers:
+        parsed = [n for n, f in r.fields.items() if n.startswith("tokenizer.") and array in f.types]
+        assert parsed == []
+
+
 def test_budgeted_pipeline_logits_bit_identical_to_one_device(gguf) -> None:
     layers, embed, head, tied = stage_sizes(gguf)
     # a budget that holds layers 0..1 beside the embedding, 2..4 beside the head's rows: the

@@ -15,6 +15,7 @@ from edge.sampling import (
     SamplingParams,
     apply_logit_bias,
     apply_penalties,
+    argmax,
     min_p_mask,
     typical_mask,
 )
@@ -24,18 +25,44 @@ from lowband.models.tokenizer import ByteTokenizer
 from tests.conftest import tiny_llama
 
 
-def test_penalties_as_llama_cpp_defines_them() -> None:
-    x = torch.tensor([2.0, -1.0, 0.5, 3.0])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_penalties_as_llama_cpp_defines_them(dtype) -> None:
+    # float32/64 through the NumPy view of the logits, bfloat16 (no view) through torch
+    x = torch.tensor([2.0, -1.0, 0.5, 3.0], dtype=dtype)
+    tol = 1e-2 if dtype == torch.bfloat16 else 1e-6
     # window of the last 4: token 1 once, token 3 three times (token 0 is outside it)
     out = apply_penalties(
-        x.clone(), [0, 1, 3, 3, 3], last_n=4, repeat=2.0, frequency=0.1, presence=0.5
+        x.clone(), [0, 1, 3, 3, 3, 9, -1], last_n=6, repeat=2.0, frequency=0.1, presence=0.5
     )
     want = [2.0, -1.0 * 2.0 - 0.1 - 0.5, 0.5, 3.0 / 2.0 - 3 * 0.1 - 0.5]
-    assert out.tolist() == pytest.approx(want)
+    assert out.tolist() == pytest.approx(want, abs=tol)
     every = apply_penalties(x.clone(), [0, 0], last_n=-1, repeat=1.0, frequency=1.0, presence=0.0)
-    assert every.tolist() == pytest.approx([0.0, -1.0, 0.5, 3.0])
+    assert every.tolist() == pytest.approx([0.0, -1.0, 0.5, 3.0], abs=tol)
     off = apply_penalties(x.clone(), [0, 1], last_n=0, repeat=2.0, frequency=1.0, presence=1.0)
     assert torch.equal(off, x)
+
+
+def test_argmax_takes_the_first_largest_as_torch_does() -> None:
+    nan = float("nan")
+    for row in ([2.0, 5.0, 5.0], [1.0, nan, 3.0, nan], [float("-inf")] * 3, [0.5]):
+        x = torch.tensor(row)
+        assert argmax(x) == int(torch.argmax(x)), row
+    big = torch.randn(262144, generator=torch.Generator().manual_seed(3))
+    assert argmax(big) == int(torch.argmax(big))
+    assert argmax(big.to(torch.bfloat16)) == int(torch.argmax(big.to(torch.bfloat16)))
+
+
+def test_min_p_in_the_samplers_buffer_as_the_pure_mask() -> None:
+    # sampled: min-p applied in place on the sampler's copy keeps exactly min_p_mask's tokens
+    logits = torch.tensor([0.5, 0.3, 0.15, 0.05]).log()
+    s = Sampler(SamplingParams(max_tokens=4, temperature=1.0, min_p=0.2, logit_bias=((3, 0.0),)))
+    got = s.process(logits.clone())
+    assert torch.equal(torch.isfinite(got), torch.isfinite(min_p_mask(logits, 0.2)))
+    assert {s(logits) for _ in range(200)} <= {0, 1, 2}
+    assert torch.equal(logits, torch.tensor([0.5, 0.3, 0.15, 0.05]).log())  # not touched
+    # greedy: min-p never drops the largest logit, so the draw skips it and agrees
+    g = Sampler(SamplingParams(max_tokens=4, min_p=0.9, repeat_penalty=2.0), prompt=[0])
+    assert g(logits) == 1  # 0.5 penalised: log 0.5 * 2 < log 0.3
 
 
 def test_logit_bias_adds_and_bans() -> None:

@@ -76,20 +76,62 @@ def test_same_fields_as_the_stock_reader_for_every_value_type(tmp_path: Path) ->
     assert_same(_every_type(tmp_path / "all.gguf"))
 
 
-def _kv_file(path: Path, items: int, payload: bytes) -> Path:
+def _tokenizer_file(path: Path) -> Path:
+    """Arrays under ``tokenizer.`` of every kind beside scalars there and an array elsewhere."""
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_array("t.strs", ["kept", "too"])
+    w.add_array("tokenizer.ggml.tokens", ["a", "", "ßü", "x" * 300])
+    w.add_array("tokenizer.ggml.scores", [0.5, -1.5, 0.0, 2.0])
+    w.add_array("tokenizer.ggml.token_type", [1, 1, 3, 1])
+    w.add_array("tokenizer.ggml.merges", ["a b", "ß ü"])
+    w.add_array("tokenizer.nested", [[1, 2], [3]])
+    w.add_uint32("tokenizer.ggml.bos_token_id", 1)
+    w.add_string("tokenizer.chat_template", "{{ messages }}")
+    w.add_uint32("t.after", 9)
+    w.add_tensor("w", np.arange(12, dtype=np.float32).reshape(3, 4))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def test_without_the_tokenizer_the_same_fields_less_its_arrays(tmp_path: Path) -> None:
+    path = _tokenizer_file(tmp_path / "tok.gguf")
+    full, lean = open_reader(path), open_reader(path, tokenizer=False)
+    arrays = {"tokens", "scores", "token_type", "merges"}
+    dropped = {f"tokenizer.ggml.{n}" for n in arrays} | {"tokenizer.nested"}
+    assert dropped <= set(full.fields)
+    assert list(lean.fields) == [n for n in full.fields if n not in dropped]
+    for name, a in lean.fields.items():  # the scalars under tokenizer. stay
+        b = full.fields[name]
+        assert (a.offset, a.data, a.types) == (b.offset, b.data, b.types), name
+        assert [x.tobytes() for x in a.parts] == [y.tobytes() for y in b.parts], name
+    assert lean.fields["tokenizer.chat_template"].contents() == "{{ messages }}"
+    assert lean.data_offset == full.data_offset
+    assert [(t.name, t.data_offset) for t in lean.tensors] == [
+        (t.name, t.data_offset) for t in full.tensors
+    ]
+    assert np.array_equal(lean.tensors[0].data, full.tensors[0].data)
+
+
+def _kv_file(path: Path, items: int, payload: bytes, key: bytes = b"t.strs") -> Path:
     """A header with one key whose string array claims ``items`` items over ``payload``."""
-    key = b"t.strs"
     head = struct.pack("<IIQQ", gguf.GGUF_MAGIC, 3, 0, 1)
     kv = struct.pack("<Q", len(key)) + key + struct.pack("<IIQ", 9, 8, items)  # ARRAY of STRING
     path.write_bytes(head + kv + payload)
     return path
 
 
-def test_a_string_array_past_the_end_is_refused(tmp_path: Path) -> None:
+@pytest.mark.parametrize("tokenizer", [True, False])
+def test_a_string_array_past_the_end_is_refused(tmp_path: Path, tokenizer: bool) -> None:
+    # tokenizer=False: an array under tokenizer. is stepped over, and bounded as it goes
+    key = b"t.strs" if tokenizer else b"tokenizer.ggml.tokens"
     with pytest.raises(ValueError, match="past"):  # 2^60 items: refused before any allocation
-        open_reader(_kv_file(tmp_path / "huge.gguf", 1 << 60, b""))
+        open_reader(_kv_file(tmp_path / "huge.gguf", 1 << 60, b"", key), tokenizer=tokenizer)
     one = struct.pack("<Q", 1 << 40) + b"abc"  # one string claiming a terabyte
     with pytest.raises(ValueError, match="past"):
-        open_reader(_kv_file(tmp_path / "long.gguf", 1, one))
-    with pytest.raises(ValueError, match="past"):  # the second item's length is cut off
-        open_reader(_kv_file(tmp_path / "cut.gguf", 2, struct.pack("<Q", 1) + b"a" + b"\0\0"))
+        open_reader(_kv_file(tmp_path / "long.gguf", 1, one, key), tokenizer=tokenizer)
+    cut = struct.pack("<Q", 1) + b"a" + b"\0\0"  # the second item's length is cut off
+    with pytest.raises(ValueError, match="past"):
+        open_reader(_kv_file(tmp_path / "cut.gguf", 2, cut, key), tokenizer=tokenizer)
