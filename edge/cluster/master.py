@@ -495,7 +495,10 @@ class MasterRunner:
 
     def _check_ready(self) -> None:
         if not self._healthy:
-            raise ClusterUnavailable(f"the cluster is not ready ({self._status}); retry later")
+            why = f"the cluster is not ready ({self._status})"
+            if self._recovery is not None and self._recovery.is_alive():
+                why += "; the master recovers when the worker reconnects (see /health)"
+            raise ClusterUnavailable(f"{why}; retry later")
 
     def _send_step(self, meta: dict, x: torch.Tensor) -> None:
         """Start a forward or batch on every worker. A decode step reaches a worker that
