@@ -60,9 +60,11 @@ PROFILES: dict[str, dict[str, float]] = {
 }
 # auto-busy: the planner told to plan for the benchmark's concurrent streams (--plan-streams);
 # window: one device within the memory budget (--budget-frac), the sliding window streaming
-# its layers from storage paced at --paced-mbps; replica-1: the replica layout with one lane
-# per device (--replica-lanes 1; the default keeps 2 groups per device in flight)
-ARMS = ("single", "tp", "pipeline", "replica", "replica-1", "auto", "auto-busy", "window")
+# its layers from storage paced at --paced-mbps; replica-1 / replica-2: the replica layout
+# with 1 / 2 groups per device in flight (--replica-lanes; replica: chosen at start)
+ARMS = (
+    "single", "tp", "pipeline", "replica", "replica-1", "replica-2", "auto", "auto-busy", "window"
+)  # fmt: skip
 DEFAULT_ARMS = ("single", "tp", "pipeline", "replica", "auto", "auto-busy")
 BUDGET_ARMS = ("single", "window", "pipeline")  # the default arms of a --budget-frac run
 PROMPT = "The history of the bicycle begins in"
@@ -242,7 +244,7 @@ class Arm:
         else:
             bind = f"tcp://{bed.addr(0)}:{cport}"
             layout = {"tp": "tp", "pipeline": "pipeline", "replica": "replica"}.get(name, "auto")
-            layout = "replica" if name == "replica-1" else layout
+            layout = "replica" if name.startswith("replica") else layout
             self.master = _lowband(
                 "serve", cfg.model, *common, "--cores", "0", "--workers", "1", "--bind", bind,
                 "--layout", layout, "--micro-batches", str(cfg.micro_batches), "--insecure",
@@ -251,8 +253,8 @@ class Arm:
                 self.master += ["--weights", cfg.weights]
             if name == "auto-busy":
                 self.master += ["--plan-streams", str(cfg.streams)]
-            if name == "replica-1":
-                self.master += ["--replica-lanes", "1"]
+            if name in ("replica-1", "replica-2"):
+                self.master += ["--replica-lanes", name[-1]]
             self.worker = _lowband(
                 "worker", "--master", bind, "--model-dir", cfg.model, "--threads", "1",
                 "--cores", "1", "--insecure",

@@ -401,7 +401,7 @@ def aggregate_tok_s(
     *,
     groups: int = 3,
     hop_ms: float = 2.0,
-    lanes: int = 2,
+    lanes: int = 1,
 ) -> float:
     """Predicted aggregate tokens/s with ``streams`` streams decoding at once (one token each
         per step), from each device's batched step cost (:meth:`LayoutDevice.step_ms`)::
@@ -460,10 +460,24 @@ def aggregate_tok_s(
     return 1e3 * N / max(1e-9, G * (max(work) + hop_ms), sum(work) + links)
 
 
-def busy_streams(devices: int, lanes: int = 2) -> int:
-    """The streams at which a one-stream plan checks what the replica layout gains: two rows
-    per lane on every device."""
-    return 2 * max(1, lanes) * devices
+def busy_streams(devices: int) -> int:
+    """The streams at which a one-stream plan checks what the replica layout gains (and
+    :func:`replica_lanes` compares one lane per device with two): 4 per device."""
+    return 4 * devices
+
+
+def replica_lanes(layers: int, devices: Sequence[LayoutDevice], *, hop_ms: float = 2.0) -> int:
+    """Lanes per device for the replica layout: 2 where :func:`aggregate_tok_s` predicts them
+    10 % above 1 at ``busy_streams``, else 1. A second lane hides
+    a worker's round trip behind its next group but halves each step's rows: on a far link
+    it gains, where a batched step costs much less per row than one row (Gemma 3 270M over
+    Wi-Fi, 4 ms: 282 tok/s with one lane, 257 with two) it loses."""
+    n = busy_streams(len(devices))
+
+    def rate(lanes: int) -> float:
+        return aggregate_tok_s("replica", n, (layers,), devices, hop_ms=hop_ms, lanes=lanes)
+
+    return 2 if len(devices) > 1 and rate(2) > 1.1 * rate(1) else 1
 
 
 def _replica_spare(
@@ -472,7 +486,7 @@ def _replica_spare(
     """Why replica beats one device for a one-stream plan ("" where it does not): one
     stream runs on the master alone (one device's ms per token) and ``busy_streams`` streams
     spread over the devices gain by ``min_gain`` (predicted)."""
-    n = busy_streams(len(devices), lanes)
+    n = busy_streams(len(devices))
 
     def rates(k: int) -> tuple[float, float]:
         rep = aggregate_tok_s("replica", k, (L,), devices, hop_ms=hop_ms, lanes=lanes)
@@ -498,7 +512,7 @@ def plan_layout(
     min_gain: float = 0.1,
     streams: int = 1,
     groups: int = 3,
-    lanes: int = 2,
+    lanes: int = 1,
 ) -> LayoutPlan:
     """Choose how to serve ``streams`` concurrent streams (default one) from measured round
     trips and device speeds.
@@ -526,7 +540,7 @@ def plan_layout(
     streams spread over the devices, each running the whole model in ``lanes`` groups per
     device; one stream runs on the master alone, so its ms per token is one device's). For
     one stream it ties the single device, so it is chosen over it where it gains by
-    ``min_gain`` at ``busy_streams`` streams (two rows per lane; a server that is sometimes
+    ``min_gain`` at ``busy_streams`` streams (4 per device; a server that is sometimes
     busy). The reason also names its worst predicted ratio to one device between 2 and that
     many streams: a few streams cut into lanes of one row each run smaller batches than one
     device's, and the worker's streams pay a round trip per token.
