@@ -60,11 +60,9 @@ PROFILES: dict[str, dict[str, float]] = {
 }
 # auto-busy: the planner told to plan for the benchmark's concurrent streams (--plan-streams);
 # window: one device within the memory budget (--budget-frac), the sliding window streaming
-# its layers from storage paced at --paced-mbps; replica-1 / replica-2: the replica layout
-# with 1 / 2 groups per device in flight (--replica-lanes; replica: chosen at start)
-ARMS = (
-    "single", "tp", "pipeline", "replica", "replica-1", "replica-2", "auto", "auto-busy", "window"
-)  # fmt: skip
+# its layers from storage paced at --paced-mbps; replica-2: the replica layout with 2 groups
+# per device in flight (--replica-lanes 2; replica: the default, 1)
+ARMS = ("single", "tp", "pipeline", "replica", "replica-2", "auto", "auto-busy", "window")
 DEFAULT_ARMS = ("single", "tp", "pipeline", "replica", "auto", "auto-busy")
 BUDGET_ARMS = ("single", "window", "pipeline")  # the default arms of a --budget-frac run
 PROMPT = "The history of the bicycle begins in"
@@ -253,8 +251,8 @@ class Arm:
                 self.master += ["--weights", cfg.weights]
             if name == "auto-busy":
                 self.master += ["--plan-streams", str(cfg.streams)]
-            if name in ("replica-1", "replica-2"):
-                self.master += ["--replica-lanes", name[-1]]
+            if name == "replica-2":
+                self.master += ["--replica-lanes", "2"]
             self.worker = _lowband(
                 "worker", "--master", bind, "--model-dir", cfg.model, "--threads", "1",
                 "--cores", "1", "--insecure",

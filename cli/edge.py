@@ -170,9 +170,9 @@ def _add_serve(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--replica-lanes",
         type=int,
-        help="replica layout: groups of streams in flight per device (2: a worker computes "
-        "its next group while its answer travels, each step has half the rows; default: "
-        "chosen from the measured round trip and step costs, shown in /health)",
+        default=1,
+        help="replica layout: groups of streams in flight per device (default 1; 2: a worker "
+        "computes its next group while its answer travels, each step has half the rows)",
     )
     p.add_argument(
         "--head-share",

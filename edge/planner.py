@@ -461,23 +461,9 @@ def aggregate_tok_s(
 
 
 def busy_streams(devices: int) -> int:
-    """The streams at which a one-stream plan checks what the replica layout gains (and
-    :func:`replica_lanes` compares one lane per device with two): 4 per device."""
+    """The streams at which a one-stream plan checks what the replica layout gains: 4 per
+    device."""
     return 4 * devices
-
-
-def replica_lanes(layers: int, devices: Sequence[LayoutDevice], *, hop_ms: float = 2.0) -> int:
-    """Lanes per device for the replica layout: 2 where :func:`aggregate_tok_s` predicts them
-    10 % above 1 at ``busy_streams``, else 1. A second lane hides
-    a worker's round trip behind its next group but halves each step's rows: on a far link
-    it gains, where a batched step costs much less per row than one row (Gemma 3 270M over
-    Wi-Fi, 4 ms: 282 tok/s with one lane, 257 with two) it loses."""
-    n = busy_streams(len(devices))
-
-    def rate(lanes: int) -> float:
-        return aggregate_tok_s("replica", n, (layers,), devices, hop_ms=hop_ms, lanes=lanes)
-
-    return 2 if len(devices) > 1 and rate(2) > 1.1 * rate(1) else 1
 
 
 def _replica_spare(

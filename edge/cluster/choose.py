@@ -14,7 +14,6 @@ tensor-parallel split).
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import statistics
 import time
@@ -28,7 +27,7 @@ from edge.cluster.pipeline import PipelineRunner
 from edge.cluster.protocol import CTL, READY, Bye, Echo, Regroup, Shutdown, master_rank
 from edge.cluster.replica import ReplicaRunner
 from edge.engine import LocalRunner, Runner, Work
-from edge.planner import LayoutDevice, LayoutPlan, busy_streams, plan_layout, replica_lanes
+from edge.planner import LayoutDevice, LayoutPlan, busy_streams, plan_layout
 from edge.profile import memory_available_mb
 from edge.shardio import is_split_dir, load_shard
 from lowband.comm import Communicator
@@ -124,7 +123,6 @@ def start_runner(comm: Communicator, model_dir: str, cc: ClusterConfig) -> Runne
     plan: LayoutPlan | None = None
     layout = cc.layout
     local: LocalRunner | None = None
-    lanes = 1
     if layout == "auto":
         # the runner plain ``edge serve`` keeps on one device (its batch GEMMs' repacked
         # weights too): what the single layout then serves, and what is measured
@@ -138,11 +136,12 @@ def start_runner(comm: Communicator, model_dir: str, cc: ClusterConfig) -> Runne
         with torch.inference_mode():
             layer_ms = measure_layer_ms(local)
             # several streams planned for: the batched step's cost at the pipeline's group
-            # size, at a replica's lane (of one or two per device) and device share and at
-            # all N rows (one device's step); one stream: at the streams replica is checked
-            # at (busy_streams)
-            n = N if N > 1 else busy_streams(D)
-            rows = sorted({-(-n // (2 * D)), -(-n // D), n} | ({-(-N // G)} if N > 1 else set()))
+            # size, at a replica's lane and device share and at all N rows (one device's
+            # step); one stream: at the streams replica is checked at (busy_streams)
+            n, lanes = (N if N > 1 else busy_streams(D)), cc.replica_lanes
+            rows = sorted(
+                {-(-n // (lanes * D)), -(-n // D), n} | ({-(-N // G)} if N > 1 else set())
+            )
             batch = tuple((b, measure_step_ms(local, b)) for b in rows if b > 1)
         rtts = measure_rtts(comm, workers, cc.op_timeout)
         cfg = shard.model.config
@@ -152,7 +151,6 @@ def start_runner(comm: Communicator, model_dir: str, cc: ClusterConfig) -> Runne
         devs = [LayoutDevice(name=m.peers[comm.rank], **kw)]
         devs += [LayoutDevice(name=m.peers[r], rtt_ms=rtt, **kw) for r, rtt in zip(workers, rtts)]
         L = cfg.num_hidden_layers
-        lanes = cc.replica_lanes or replica_lanes(L, devs)
         plan = plan_layout(L, layer_mb, devs, streams=N, groups=G, lanes=lanes)
         layout = plan.layout
         print(f"lowband edge: layout {layout}: {plan.reason}", flush=True)
@@ -179,8 +177,6 @@ def start_runner(comm: Communicator, model_dir: str, cc: ClusterConfig) -> Runne
         runner = PipelineRunner(comm, model_dir, cc, ranges, plan.to_dict() if plan else None)
         return PlannedRunner(runner, plan, "pipeline")
     if layout == "replica":
-        if plan is not None:  # (the lanes planned with: no second measurement)
-            cc = dataclasses.replace(cc, replica_lanes=lanes)
         return PlannedRunner(
             ReplicaRunner(comm, model_dir, cc, plan.to_dict() if plan else None), plan, "replica"
         )

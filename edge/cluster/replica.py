@@ -10,17 +10,16 @@ hop, so a device runs its share of the streams at the batched step's cost. On on
 of 4 rows costs about half of 8 rows' (Gemma 3 270M Q4_K_M: 17.6 vs 37-40 ms), which is what
 two devices gain.
 
-Lanes (``edge.engine``): the engine keeps ``lanes`` = lanes per device (``replica_lanes``,
-else :func:`edge.planner.replica_lanes` from the measured round trip and step costs) x devices
+Lanes (``edge.engine``): the engine keeps ``lanes`` = ``replica_lanes`` (default 1) x devices
 steps in flight and takes ceil(active / lanes) streams per step. :meth:`submit` places the
 step, sends its remote groups first (the workers compute meanwhile), then computes its local
 group; :meth:`collect` takes the remote answers (in the order submitted; a worker serves its
 messages in order). With two lanes per device a worker has its next group queued while the
 answer to the last one travels and the master samples it, so the round trip leaves no gap in
 the worker's compute (with one lane it idles a round trip per step), and the master computes
-its own two groups in turn; but every step has half the rows, and a batched step costs much
-less per row than a small one: over Wi-Fi (4 ms) one lane measured faster, on a far link two
-are predicted faster.
+its own two groups in turn; but every step has half the rows (a batched step costs much less
+per row than a small one) and the engine runs twice the steps: one lane measured faster over
+Wi-Fi (4 ms) and at 10 ms (``ClusterConfig.replica_lanes``).
 
 Placement (:meth:`_place`), per step: an item continuing a cache (``start`` > 0) stays on the
 device holding it when it holds more than ``MIGRATE_TOKENS`` positions (pinned), unless the
@@ -75,7 +74,6 @@ from edge.cluster.protocol import (
 from edge.cluster.ship import ShipServer, offer
 from edge.embeddings import embed_ragged
 from edge.engine import ClusterUnavailable, LocalRunner, Work, split_logits, wanted_rows
-from edge.planner import LayoutDevice, replica_lanes
 from edge.shardio import load_shard
 from lowband.comm import Communicator
 from lowband.errors import (
@@ -226,8 +224,7 @@ class ReplicaRunner:
         self.times = ReplicaTimes(devices=len(self.workers) + 1)
         self._assign()
         self.rtt_ms = [self._echo(d) for d in range(1, len(self.workers) + 1)]
-        self.lane_plan: dict[str, Any] = {}
-        self.per_device = cfg.replica_lanes or self._choose_lanes()
+        self.per_device = cfg.replica_lanes
         self._healthy, self._status = True, "ok"
         self._heartbeat = threading.Thread(target=self._beat, name="edge-beat", daemon=True)
         self._heartbeat.start()
@@ -278,37 +275,6 @@ class ReplicaRunner:
             self.comm.recv(self.workers[d - 1], tag=f"edge.echo{k}", timeout=self.cfg.op_timeout)
             times.append(1e3 * (time.perf_counter() - t))
         return sorted(times)[n // 2]
-
-    def _step_ms(self, rows: int, steps: int = 6) -> float:
-        """Median ms of the master's decode step of ``rows`` streams (greedy, fresh caches)."""
-        toks, times = [1] * rows, []
-        with torch.inference_mode():
-            for pos in range(steps):
-                work = [Work(slot=s, ids=[t], start=pos) for s, t in enumerate(toks)]
-                t0 = time.perf_counter()
-                out = self.local.forward_batch(work, top=1)
-                times.append(1e3 * (time.perf_counter() - t0))
-                toks = [int(lg.argmax()) if lg is not None else 1 for lg in out]
-        for s in range(rows):
-            self.local.drop(s)
-        return sorted(times[2:])[(steps - 2) // 2]
-
-    def _choose_lanes(self) -> int:
-        """Lanes per device from the measured round trips and the master's step costs at 1,
-        2 and 4 rows (:func:`edge.planner.replica_lanes`; workers taken as fast)."""
-        L = self.config.num_hidden_layers
-        ms = {b: self._step_ms(b) for b in (1, 2, 4)}
-        kw: dict[str, Any] = dict(
-            layer_ms=ms[1] / L, memory_mb=0.0, batch_layer_ms=((2, ms[2] / L), (4, ms[4] / L))
-        )
-        devs = [LayoutDevice(name="master", **kw)]
-        devs += [
-            LayoutDevice(name=f"worker{d}", rtt_ms=r, **kw) for d, r in enumerate(self.rtt_ms, 1)
-        ]
-        lanes = replica_lanes(L, devs)
-        self.lane_plan = {"step_ms": {str(b): round(v, 3) for b, v in ms.items()}, "lanes": lanes}
-        logger.info("replica layout: %d lanes per device (steps of 1, 2, 4 rows: %s ms)", lanes, ms)
-        return lanes
 
     def _ctl(self, d: int, msg: Msg) -> None:
         """A control message to worker device ``d`` (1..): one polling its link is first told
@@ -717,7 +683,6 @@ class ReplicaRunner:
             "status": self._status,
             "devices": self.devices,
             "lanes": self.lanes,
-            "lanes_chosen": self.lane_plan or None,  # (None: --replica-lanes)
             "connected": self.comm.membership.world_size,
             "layout": "replica",
             "slots": slots,  # caches each device holds now (the master first)

@@ -83,9 +83,9 @@ def test_groups_in_flight_on_both_devices_bit_identical(ckpt, top, link) -> None
     one device's pass over the same group bit for bit (top 0: the worker's hidden rows
     through the master's head; top k: its k best logits)."""
     ref = _Ref(ckpt)
-    runner, workers, _ = _start(ckpt, link=link, replica_lanes=2)
+    runner, workers, _ = _start(ckpt, link=link)
     try:
-        assert runner.lanes == 4  # two per device (ClusterConfig.replica_lanes)
+        assert runner.lanes == 2  # one per device (ClusterConfig.replica_lanes)
         prompts = {0: [5, 9, 200, 3], 1: [7], 2: [1, 2, 3], 3: [4, 4]}
         lanes = {"A": [0, 1], "B": [2, 3]}
         work = {k: [Work(s, prompts[s], 0) for s in v] for k, v in lanes.items()}
@@ -123,10 +123,10 @@ def test_engine_texts_match_one_device(ckpt) -> None:
     local = Engine(LocalRunner(load_shard(ckpt).model), ByteTokenizer(), model_name="m")
     want = [local.complete(p, params)[0] for p in prompts]
     local.close()
-    runner, workers, _ = _start(ckpt, replica_lanes=2)
+    runner, workers, _ = _start(ckpt)
     try:
         eng = Engine(runner, ByteTokenizer(), model_name="m", parallel=4)
-        assert eng.lanes == 4
+        assert eng.lanes == 2
         # the scheduler held in a call until all four requests wait: admitted together
         gate = threading.Event()
         eng.call(lambda: gate.wait(20))
@@ -293,7 +293,7 @@ def _dev(name, rtt=0.0, mem=1e6):
 
 
 def test_planner_chooses_replica_where_the_model_fits_and_streams_are_many() -> None:
-    from edge.planner import aggregate_tok_s, plan_layout, replica_lanes
+    from edge.planner import aggregate_tok_s, plan_layout
 
     devs = [_dev("m"), _dev("w", rtt=4.0)]
     busy = plan_layout(18, 10.0, devs, streams=8, groups=3)
@@ -304,14 +304,10 @@ def test_planner_chooses_replica_where_the_model_fits_and_streams_are_many() -> 
     # trip; two lanes of 2 rows: the master runs both (a hop per worker group), the worker's
     # second group hides the first one's round trip
     want = 8e3 / max(18 * devs[0].step_ms(4) + 2.0, 18 * devs[1].step_ms(4) + 4.0 + 2.0)
-    assert aggregate_tok_s("replica", 8, (18,), devs, lanes=1) == pytest.approx(want)
+    assert aggregate_tok_s("replica", 8, (18,), devs) == pytest.approx(want)
     two = 2 * 18 * devs[0].step_ms(2)
     want = 8e3 / max(two + 2 * 2.0, two, two / 2 + 4.0 + 2.0)
     assert aggregate_tok_s("replica", 8, (18,), devs, lanes=2) == pytest.approx(want)
-    # two lanes halve each step's rows: over Wi-Fi one lane is faster, on a far link two
-    assert replica_lanes(18, devs) == 1
-    assert replica_lanes(18, [_dev("m"), _dev("w", rtt=10.0)]) == 2
-    assert replica_lanes(18, [_dev("m")]) == 1
     assert busy.predicted_ms["replica"] == busy.predicted_ms["single"]  # one stream: the master
     # one stream planned for: replicas tie one device there and gain when busy
     one = plan_layout(18, 10.0, devs)
@@ -326,30 +322,6 @@ def test_planner_chooses_replica_where_the_model_fits_and_streams_are_many() -> 
     assert p.layout == "pipeline" and "replica" not in p.predicted_ms
 
 
-def test_lanes_per_device_chosen_at_start_from_the_measured_costs(ckpt) -> None:
-    from edge.planner import LayoutDevice, replica_lanes
-
-    runner, workers, _ = _start(ckpt)
-    try:
-        h = runner.health()
-        chosen = h["lanes_chosen"]
-        assert chosen["lanes"] == runner.per_device and h["lanes"] == 2 * runner.per_device
-        ms = {int(k): v for k, v in chosen["step_ms"].items()}
-        assert set(ms) == {1, 2, 4} and all(v > 0 for v in ms.values())
-        kw = dict(
-            layer_ms=ms[1] / 3, memory_mb=0.0, batch_layer_ms=((2, ms[2] / 3), (4, ms[4] / 3))
-        )
-        devs = [LayoutDevice(name="m", **kw), LayoutDevice(name="w", rtt_ms=h["rtt_ms"][0], **kw)]
-        assert replica_lanes(3, devs) == runner.per_device  # (3 layers: the test checkpoint)
-    finally:
-        _stop(runner, workers)
-    runner, workers, _ = _start(ckpt, replica_lanes=1)
-    try:
-        assert runner.lanes == 2 and runner.health()["lanes_chosen"] is None
-    finally:
-        _stop(runner, workers)
-
-
 def test_replica_layout_configuration() -> None:
     from edge.cluster.layout import LAYOUTS
     from edge.launch import check_model
@@ -357,6 +329,9 @@ def test_replica_layout_configuration() -> None:
 
     assert "replica" in LAYOUTS
     assert ClusterConfig(devices=2, layout="replica").layout == "replica"
+    assert ClusterConfig(devices=2).replica_lanes == 1
+    with pytest.raises(ConfigError, match="replica_lanes"):
+        ClusterConfig(devices=2, replica_lanes=0)
     with pytest.raises(ConfigError, match="whole model"):
         check_model("unused", ClusterConfig(devices=2, layout="replica", memory_budget_mb=10.0))
 
