@@ -60,8 +60,10 @@ PROFILES: dict[str, dict[str, float]] = {
 }
 # auto-busy: the planner told to plan for the benchmark's concurrent streams (--plan-streams);
 # window: one device within the memory budget (--budget-frac), the sliding window streaming
-# its layers from storage paced at --paced-mbps
-ARMS = ("single", "tp", "pipeline", "replica", "auto", "auto-busy", "window")
+# its layers from storage paced at --paced-mbps; replica-2: the replica layout with 2 groups
+# per device in flight (--replica-lanes 2; replica: the default, 1)
+ARMS = ("single", "tp", "pipeline", "replica", "replica-2", "auto", "auto-busy", "window")
+DEFAULT_ARMS = ("single", "tp", "pipeline", "replica", "auto", "auto-busy")
 BUDGET_ARMS = ("single", "window", "pipeline")  # the default arms of a --budget-frac run
 PROMPT = "The history of the bicycle begins in"
 
@@ -79,7 +81,7 @@ class Bench:
     # the pipeline arm's --weights (relative speeds of the master and the worker: the master
     # also embeds, samples and serves HTTP, so it may be given fewer layers); None: even split
     weights: str | None = None
-    arms: tuple[str, ...] = ARMS[:-1]  # which arms run (``single``, the baseline, always does)
+    arms: tuple[str, ...] = DEFAULT_ARMS  # which arms run (``single``, the baseline, always does)
     # the forwarder's spin before each packet's due time (µs; transport.links.tun.timer), or
     # None: 300 on sub-2 ms paths, where the scheduler's wake-up latency would show in the
     # round trip, 0 on the others, where it is lost in the jitter and the spin would take CPU
@@ -240,6 +242,7 @@ class Arm:
         else:
             bind = f"tcp://{bed.addr(0)}:{cport}"
             layout = {"tp": "tp", "pipeline": "pipeline", "replica": "replica"}.get(name, "auto")
+            layout = "replica" if name.startswith("replica") else layout
             self.master = _lowband(
                 "serve", cfg.model, *common, "--cores", "0", "--workers", "1", "--bind", bind,
                 "--layout", layout, "--micro-batches", str(cfg.micro_batches), "--insecure",
@@ -248,6 +251,8 @@ class Arm:
                 self.master += ["--weights", cfg.weights]
             if name == "auto-busy":
                 self.master += ["--plan-streams", str(cfg.streams)]
+            if name == "replica-2":
+                self.master += ["--replica-lanes", "2"]
             self.worker = _lowband(
                 "worker", "--master", bind, "--model-dir", cfg.model, "--threads", "1",
                 "--cores", "1", "--insecure",
@@ -531,7 +536,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         streams=a.streams,
         micro_batches=a.micro_batches,
         weights=a.weights,
-        arms=tuple(a.arms or (BUDGET_ARMS if a.budget_frac else ARMS[:-1])),
+        arms=tuple(a.arms or (BUDGET_ARMS if a.budget_frac else DEFAULT_ARMS)),
         spin_us=a.spin_us,
         budget_frac=a.budget_frac,
         paced_mbps=a.paced_mbps,

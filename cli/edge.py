@@ -168,6 +168,13 @@ def _add_serve(p: argparse.ArgumentParser) -> None:
         help="pipeline layout: groups of streams in flight through the stages (default 3)",
     )
     p.add_argument(
+        "--replica-lanes",
+        type=int,
+        default=1,
+        help="replica layout: groups of streams in flight per device (default 1; 2: a worker "
+        "computes its next group while its answer travels, each step has half the rows)",
+    )
+    p.add_argument(
         "--head-share",
         type=float,
         help="pipeline layout: the master's share of the LM head's vocabulary rows, the "
@@ -564,6 +571,7 @@ def _serve_config(args, devices: int, layout: str = "tp"):
             auto_split=args.auto_split,
             layout=args.layout or layout,
             micro_batches=args.micro_batches,
+            replica_lanes=args.replica_lanes,
             head_share=args.head_share,
             plan_streams=args.plan_streams,
         ),

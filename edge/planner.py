@@ -401,6 +401,7 @@ def aggregate_tok_s(
     *,
     groups: int = 3,
     hop_ms: float = 2.0,
+    lanes: int = 1,
 ) -> float:
     """Predicted aggregate tokens/s with ``streams`` streams decoding at once (one token each
         per step), from each device's batched step cost (:meth:`LayoutDevice.step_ms`)::
@@ -409,12 +410,16 @@ def aggregate_tok_s(
             pipeline  N / max(G * (max_i n_i * t_i(g) + hop), sum_i n_i * t_i(g) + links)
                       links = sum_{i>0} (rtt_i + hop)
             tp        N / (L * max_i t_i(N) / S + 2 * L * max_i rtt_i)
-            replica   N / max(L * t_0(r) + (S - 1) * hop, max_{i>0} L * t_i(r) + rtt_i + hop)
-                      r = ceil(N / S)
+            replica   N / max(l * L * t_0(g) + (S - 1) * l * hop,
+                              max_{i>0} max(l * L * t_i(g), L * t_i(g) + rtt_i + hop))
+                      r = ceil(N / S), l = min(lanes, r), g = ceil(r / l)
 
     Replica (``edge.cluster.replica``): every device runs r of the streams through the whole
-    model; the master also hands each worker its group and takes its answer (a hop of its own
-    time each), a worker's group waits a round trip and a hop beside its compute.
+    model in l groups of g rows (``lanes`` per device); the master also hands each worker its
+    groups and takes their answers (a hop of its own time each). A worker computes its groups
+    back to back unless one group's round (its compute, the round trip and a hop) is longer
+    than the cycle: with one lane it idles a round trip per step, with two its next group is
+    queued while the answer travels.
 
         Pipeline: the streams in G groups of g = ceil(N / G) rows (``edge.cluster.pipeline``'s
         steps in flight); in steady state the busiest stage runs every group once per cycle, unless
@@ -437,9 +442,12 @@ def aggregate_tok_s(
     if layout == "replica":
         S = len(devices)
         r = -(-N // S)
-        cycle = L * t(0, r) + (S - 1) * hop_ms
+        lanes = max(1, min(lanes, r))
+        g = -(-r // lanes)
+        cycle = lanes * (L * t(0, g) + (S - 1) * hop_ms)
         for i in range(1, S):
-            cycle = max(cycle, L * t(i, r) + devices[i].rtt_ms + hop_ms)
+            step = L * t(i, g)
+            cycle = max(cycle, lanes * step, step + devices[i].rtt_ms + hop_ms)
         return 1e3 * N / max(1e-9, cycle)
     if layout == "tp":
         S = len(devices)
@@ -452,6 +460,35 @@ def aggregate_tok_s(
     return 1e3 * N / max(1e-9, G * (max(work) + hop_ms), sum(work) + links)
 
 
+def busy_streams(devices: int) -> int:
+    """The streams at which a one-stream plan checks what the replica layout gains: 4 per
+    device."""
+    return 4 * devices
+
+
+def _replica_spare(
+    L: int, devices: Sequence[LayoutDevice], *, hop_ms: float, min_gain: float, lanes: int
+) -> str:
+    """Why replica beats one device for a one-stream plan ("" where it does not): one
+    stream runs on the master alone (one device's ms per token) and ``busy_streams`` streams
+    spread over the devices gain by ``min_gain`` (predicted)."""
+    n = busy_streams(len(devices))
+
+    def rates(k: int) -> tuple[float, float]:
+        rep = aggregate_tok_s("replica", k, (L,), devices, hop_ms=hop_ms, lanes=lanes)
+        return rep, aggregate_tok_s("single", k, (L,), devices, hop_ms=hop_ms)
+
+    rep, one = rates(n)
+    if rep < one * (1 + min_gain):
+        return ""
+    worst, at = min((rates(k)[0] / rates(k)[1], k) for k in range(2, n + 1))
+    return (
+        f"one stream runs on the master alone (one device's ms per token), {n} streams are "
+        f"predicted {rep:.0f} tok/s against one device's {one:.0f} (the worst between 2 and "
+        f"{n} streams: {worst:.2f}x at {at})"
+    )
+
+
 def plan_layout(
     layers: int,
     layer_mb: float,
@@ -461,6 +498,7 @@ def plan_layout(
     min_gain: float = 0.1,
     streams: int = 1,
     groups: int = 3,
+    lanes: int = 1,
 ) -> LayoutPlan:
     """Choose how to serve ``streams`` concurrent streams (default one) from measured round
     trips and device speeds.
@@ -476,7 +514,8 @@ def plan_layout(
     waking the peer, the relay; 1.9-2.2 ms measured by ``benchmarks.edge_wan`` on Gemma 3 270M,
     see ``benchmarks/results/edge_wan-gemma3-270m-split-head.json``.) A layout with more
     devices must beat the best smaller one by ``min_gain`` (the model is a measurement, not an
-    oracle); the single device wins ties. Where the model fits no single device, the pipeline
+    oracle; in the order single, replica, pipeline, tp), so the single device wins ties and
+    the pipeline must beat replicas by as much. Where the model fits no single device, the pipeline
     is the layout that spreads memory.
 
     ``streams`` > 1: the layouts are ranked by their predicted aggregate tokens/s at that many
@@ -484,8 +523,13 @@ def plan_layout(
     server that is mostly busy gains from the stages even where one stream loses to one device
     by a round trip per token (the single-stream predictions stay in the plan beside them).
     Where the whole model fits every device, the replica layout is a candidate too (the
-    streams spread over the devices, each running the whole model; one stream runs on the
-    master alone, so its ms per token is one device's).
+    streams spread over the devices, each running the whole model in ``lanes`` groups per
+    device; one stream runs on the master alone, so its ms per token is one device's). For
+    one stream it ties the single device, so it is chosen over it where it gains by
+    ``min_gain`` at ``busy_streams`` streams (4 per device; a server that is sometimes
+    busy). The reason also names its worst predicted ratio to one device between 2 and that
+    many streams: a few streams cut into lanes of one row each run smaller batches than one
+    device's, and the worker's streams pay a round trip per token.
     """
     from edge.cluster.layout import stage_ranges  # (a pure schedule beside the stages)
 
@@ -518,15 +562,16 @@ def plan_layout(
         )
     if streams < 1:
         raise ConfigError("streams", f"must be >= 1, got {streams}")
-    if streams > 1 and S > 1 and all(L * layer_mb <= d.memory_mb for d in devices):
+    if S > 1 and all(L * layer_mb <= d.memory_mb for d in devices):
         pred["replica"] = L * t[0]  # (one stream: the master alone)
-    order = [k for k in ("single", "pipeline", "replica", "tp") if k in pred]
+    # (replica before pipeline: the same devices, and one stream never pays a link there)
+    order = [k for k in ("single", "replica", "pipeline", "tp") if k in pred]
     rate: dict[str, float] = {}
     if streams > 1:  # ranked by aggregate tokens/s (higher is better): as ms per token
         for k in order:
             rate[k] = aggregate_tok_s(
                 k, streams, stages if k == "pipeline" else (L,), devices,
-                groups=groups, hop_ms=hop_ms,
+                groups=groups, hop_ms=hop_ms, lanes=lanes,
             )  # fmt: skip
     score = {k: 1e3 / rate[k] for k in order} if rate else pred
     best = order[0]
@@ -537,7 +582,13 @@ def plan_layout(
     if rate:
         why = f"{streams} streams: " + ", ".join(f"{k} {rate[k]:.0f} tok/s" for k in order)
         why += f"; one stream: {', '.join(f'{k} {pred[k]:.1f} ms' for k in order)}"
-    if best == "single":
+    spare = ""
+    if not rate and best == "single" and "replica" in pred:
+        spare = _replica_spare(L, devices, hop_ms=hop_ms, min_gain=min_gain, lanes=lanes)
+        best = "replica" if spare else best
+    if spare:
+        reason = f"replica: {why}; {spare}"
+    elif best == "single":
         reason = f"one device is predicted fastest ({why}): the links cost more than they save"
     else:
         reason = f"{best} predicted fastest ({why})"

@@ -3,9 +3,11 @@
 ``auto`` measures before it plans: the round trip to every worker (``echo``, median of a few)
 and this device's own decode speed on the loaded model (a few greedy steps of one stream:
 the kernels it will really run; with ``plan_streams`` N > 1 also batched steps of N rows and
-of a pipeline group's rows, for the aggregate tokens/s the plan then ranks by). Workers are
-taken to be as fast as the master and to hold as much memory (a worker profile on a GGUF file
-is future work; ``edge.profile`` profiles model directories for the tensor-parallel split).
+of a pipeline group's rows, for the aggregate tokens/s the plan then ranks by; with one
+stream, batched steps at ``busy_streams``, where the replica layout must gain to be
+chosen). Workers are taken to be as fast as the master and to hold as much memory (a worker
+profile on a GGUF file is future work; ``edge.profile`` profiles model directories for the
+tensor-parallel split).
 :func:`edge.planner.plan_layout` then chooses; the plan and its reason go to the log and to
 ``/health``. A worker left out (the single-device choice) is told why and leaves.
 """
@@ -25,7 +27,7 @@ from edge.cluster.pipeline import PipelineRunner
 from edge.cluster.protocol import CTL, READY, Bye, Echo, Regroup, Shutdown, master_rank
 from edge.cluster.replica import ReplicaRunner
 from edge.engine import LocalRunner, Runner, Work
-from edge.planner import LayoutDevice, LayoutPlan, plan_layout
+from edge.planner import LayoutDevice, LayoutPlan, busy_streams, plan_layout
 from edge.profile import memory_available_mb
 from edge.shardio import is_split_dir, load_shard
 from lowband.comm import Communicator
@@ -134,8 +136,12 @@ def start_runner(comm: Communicator, model_dir: str, cc: ClusterConfig) -> Runne
         with torch.inference_mode():
             layer_ms = measure_layer_ms(local)
             # several streams planned for: the batched step's cost at the pipeline's group
-            # size, at a replica's share and at all N rows (one device's step)
-            rows = sorted({-(-N // G), -(-N // D), N})
+            # size, at a replica's lane and device share and at all N rows (one device's
+            # step); one stream: at the streams replica is checked at (busy_streams)
+            n, lanes = (N if N > 1 else busy_streams(D)), cc.replica_lanes
+            rows = sorted(
+                {-(-n // (lanes * D)), -(-n // D), n} | ({-(-N // G)} if N > 1 else set())
+            )
             batch = tuple((b, measure_step_ms(local, b)) for b in rows if b > 1)
         rtts = measure_rtts(comm, workers, cc.op_timeout)
         cfg = shard.model.config
@@ -144,7 +150,8 @@ def start_runner(comm: Communicator, model_dir: str, cc: ClusterConfig) -> Runne
         kw: dict[str, Any] = dict(layer_ms=layer_ms, memory_mb=mem, batch_layer_ms=batch)
         devs = [LayoutDevice(name=m.peers[comm.rank], **kw)]
         devs += [LayoutDevice(name=m.peers[r], rtt_ms=rtt, **kw) for r, rtt in zip(workers, rtts)]
-        plan = plan_layout(cfg.num_hidden_layers, layer_mb, devs, streams=N, groups=G)
+        L = cfg.num_hidden_layers
+        plan = plan_layout(L, layer_mb, devs, streams=N, groups=G, lanes=lanes)
         layout = plan.layout
         print(f"lowband edge: layout {layout}: {plan.reason}", flush=True)
         if layout != "single":

@@ -120,6 +120,12 @@ class ClusterConfig:
     # edge.cluster.pipeline). 3 measured best for two stages over Wi-Fi (benchmarks.edge_wan:
     # 2 leaves the master waiting a round trip per group, 4 pays too many small passes).
     micro_batches: int = 3
+    # Steps in flight per device in the replica layout (edge.cluster.replica: the engine's
+    # lanes are this times the devices). 2 keeps a worker's next group queued while its
+    # answer travels, but halves each step's rows and doubles the engine's steps: measured
+    # slower over Wi-Fi (8 streams, 4 ms: 257 against 283 tok/s) and at 10 ms (223 against
+    # 235; benchmarks/results/edge_wan-gemma3-270m-replica-lanes.json).
+    replica_lanes: int = 1
     # The master's share of the LM head's vocabulary rows in a pipeline (the rest: the last
     # stage); None: in proportion to the two stages' layers. Below that proportion moves head
     # work off the master, which also embeds, merges, samples and serves HTTP.
@@ -145,6 +151,8 @@ class ClusterConfig:
             raise ConfigError("head_share", f"must be in [0, 1), got {self.head_share}")
         if not 1 <= self.micro_batches <= 64:
             raise ConfigError("micro_batches", f"must be in [1, 64], got {self.micro_batches}")
+        if not 1 <= self.replica_lanes <= 8:
+            raise ConfigError("replica_lanes", f"must be in [1, 8], got {self.replica_lanes}")
         if self.auto_split and self.weights is not None:
             raise ConfigError("auto_split", "give either --weights or --auto-split, not both")
         if self.devices < 1:

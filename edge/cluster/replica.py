@@ -10,21 +10,29 @@ hop, so a device runs its share of the streams at the batched step's cost. On on
 of 4 rows costs about half of 8 rows' (Gemma 3 270M Q4_K_M: 17.6 vs 37-40 ms), which is what
 two devices gain.
 
-Lanes (``edge.engine``): the engine keeps ``lanes`` = devices steps in flight and takes
-ceil(active / lanes) streams per step. :meth:`submit` places the step, sends its remote groups
-first (the workers compute meanwhile), then computes its local group; :meth:`collect` takes
-the remote answers (in the order submitted; a worker serves its messages in order).
+Lanes (``edge.engine``): the engine keeps ``lanes`` = ``replica_lanes`` (default 1) x devices
+steps in flight and takes ceil(active / lanes) streams per step. :meth:`submit` places the
+step, sends its remote groups first (the workers compute meanwhile), then computes its local
+group; :meth:`collect` takes the remote answers (in the order submitted; a worker serves its
+messages in order). With two lanes per device a worker has its next group queued while the
+answer to the last one travels and the master samples it, so the round trip leaves no gap in
+the worker's compute (with one lane it idles a round trip per step), and the master computes
+its own two groups in turn; but every step has half the rows (a batched step costs much less
+per row than a small one) and the engine runs twice the steps: one lane measured faster over
+Wi-Fi (4 ms) and at 10 ms (``ClusterConfig.replica_lanes``).
 
 Placement (:meth:`_place`), per step: an item continuing a cache (``start`` > 0) stays on the
-device holding it when it holds more than ``MIGRATE_TOKENS`` positions (pinned); the step's
-device is the majority of its pinned items, else (nothing pinned) the master when nothing is
-in flight (a lone stream never pays a round trip), else a device with no group in flight
-(the master first), else the one with the fewest rows in flight. Other items go to that
-device: new ones (``start`` 0) directly, short caches elsewhere by recomputing the positions
-they held there (the runner keeps every slot's tokens; the compiled step computes each row as
-its token alone, so the recomputed keys are the same bits) and dropping them there. A step
-whose pinned items sit on several devices is split into a group per device. A copied prefix
-goes to the source's device (the copy replaces what the destination held).
+device holding it when it holds more than ``MIGRATE_TOKENS`` positions (pinned), unless the
+step is alone in flight and the cache is on a worker and :func:`move_home` says recomputing
+it on the master costs less than the round trips it would pay; the step's device is the
+majority of its pinned items, else (nothing pinned) the master when nothing is in flight (a
+lone stream never pays a round trip), else the device with the fewest groups in flight (a
+worker first on a tie). Other items go to that device: new ones (``start`` 0) directly,
+short caches elsewhere by recomputing the positions they held there (the runner keeps every
+slot's tokens; the compiled step computes each row as its token alone, so the recomputed keys
+are the same bits) and dropping them there. A step whose pinned items sit on several devices
+is split into a group per device. A copied prefix goes to the source's device (the copy
+replaces what the destination held).
 
 Failure: a worker that does not answer in ``op_timeout`` or is lost fails the step with
 :class:`ClusterUnavailable`; the runner stays unhealthy (``/health``) until restarted, as the
@@ -51,6 +59,7 @@ from edge.cluster.protocol import (
     Bye,
     Copy,
     Drop,
+    Echo,
     Msg,
     Ping,
     Ready,
@@ -84,6 +93,20 @@ _NET_ERRORS = (PeerLost, TransportTimeout, ProtocolError)
 # (recomputed there: a prompt's reused prefix, a stream's first tokens); a longer one stays
 # where it is and its step is split. Recomputing 32 positions costs about one batched step.
 MIGRATE_TOKENS = 32
+# local groups of at least this many rows time the master's prompt-like passes: what a
+# recomputed cache costs per position (``ReplicaTimes.position_ms``)
+PREFILL_ROWS = 8
+
+
+def move_home(held: int, decoded: int, rtt_ms: float, position_ms: float) -> bool:
+    """Whether a lone stream whose cache of ``held`` positions sits on a worker moves to the
+    master (its positions recomputed there at ``position_ms`` each) rather than pay a round
+    trip of ``rtt_ms`` per token there. The runner does not know how many tokens the stream
+    has left; it takes the tokens it decoded so far (``decoded``) as the estimate (a stream
+    of unknown length is as likely to be in its first half as in its second: the median of
+    what is left is what has passed), so a long prompt with a few tokens decoded stays and a
+    stream that has decoded for a while comes home."""
+    return decoded * rtt_ms > held * position_ms
 
 
 @dataclass(frozen=True)
@@ -117,27 +140,41 @@ class ReplicaTimes:
     its own groups (``local_s``: embedding, layers, head), handing groups to the links
     (``send_s``), blocked on a worker's answer (``wait_s``: the master idle), turning the
     answers into logits (``head_s``). ``rows``: rows each device ran; ``moved``: positions
-    recomputed on another device; ``remote_groups`` and their ``round_s``: from a group's
-    send to its answer (the round trip, the worker's queue and compute)."""
+    recomputed on another device (``home``: lone streams brought to the master, see
+    :func:`move_home`); ``remote_groups`` and their ``round_s``: from a group's send to its
+    answer (the round trip, the worker's queue and compute); ``prefill_rows`` and
+    ``prefill_s``: the master's groups of at least ``PREFILL_ROWS`` rows."""
 
     devices: int
     steps: int = 0
     rows: list[int] = field(default_factory=list)
     moved: int = 0
+    home: int = 0
     remote_groups: int = 0
     round_s: float = 0.0
     local_s: float = 0.0
     send_s: float = 0.0
     wait_s: float = 0.0
     head_s: float = 0.0
+    prefill_rows: int = 0
+    prefill_s: float = 0.0
     since: float = field(default_factory=time.perf_counter)
 
     def __post_init__(self) -> None:
         self.rows = [0] * self.devices
 
+    def position_ms(self) -> float | None:
+        """ms the master spends per position of a recomputed cache: its prompt-like groups'
+        rate, else (none ran yet) its mean per row (decode steps: dearer per row, so a cache
+        moves later rather than sooner); None before it ran a group."""
+        if self.prefill_rows:
+            return 1e3 * self.prefill_s / self.prefill_rows
+        return 1e3 * self.local_s / self.rows[0] if self.rows[0] else None
+
     def report(self) -> dict[str, Any]:
         wall = time.perf_counter() - self.since
         out: dict[str, Any] = {"steps": self.steps, "rows": list(self.rows), "moved": self.moved}
+        out["home"] = self.home
         out["wall_s"], out["remote_groups"] = round(wall, 3), self.remote_groups
         for k in ("local_s", "send_s", "wait_s", "head_s", "round_s"):
             out[k] = round(getattr(self, k), 6)
@@ -182,9 +219,12 @@ class ReplicaRunner:
         self._dev: dict[int, int] = {}  # slot -> the device holding its cache
         self._hist: dict[int, list[int]] = {}  # slot -> the tokens its cache holds
         self._floor: dict[int, int] = {}  # slot on a worker -> its cache's restart floor
+        self._decoded: dict[int, int] = {}  # slot -> single-token steps since its cache began
         self._flights: deque[ReplicaFlight] = deque()
         self.times = ReplicaTimes(devices=len(self.workers) + 1)
         self._assign()
+        self.rtt_ms = [self._echo(d) for d in range(1, len(self.workers) + 1)]
+        self.per_device = cfg.replica_lanes
         self._healthy, self._status = True, "ok"
         self._heartbeat = threading.Thread(target=self._beat, name="edge-beat", daemon=True)
         self._heartbeat.start()
@@ -223,6 +263,18 @@ class ReplicaRunner:
             if self.hub is not None:  # the worker dialled the link before saying ready
                 self.hub.accept(d, timeout=cfg.op_timeout)
         logger.info("replica layout: the whole model on %d devices", len(self.workers) + 1)
+
+    def _echo(self, d: int, n: int = 5) -> float:
+        """Median ms of ``n`` round trips to worker device ``d`` (what a token of a stream
+        whose cache sits there pays beside its compute; :func:`move_home`)."""
+        times = []
+        for i in range(n):
+            k = 800_000 + d * 100 + i  # (the planner's echoes use 900_000..)
+            t = time.perf_counter()
+            self._ctl(d, Echo(n=k))
+            self.comm.recv(self.workers[d - 1], tag=f"edge.echo{k}", timeout=self.cfg.op_timeout)
+            times.append(1e3 * (time.perf_counter() - t))
+        return sorted(times)[n // 2]
 
     def _ctl(self, d: int, msg: Msg) -> None:
         """A control message to worker device ``d`` (1..): one polling its link is first told
@@ -299,9 +351,13 @@ class ReplicaRunner:
 
     # ---- placement --------------------------------------------------------------------------
     @property
-    def lanes(self) -> int:
-        """Steps the engine keeps in flight: one per device."""
+    def devices(self) -> int:
         return len(self.workers) + 1
+
+    @property
+    def lanes(self) -> int:
+        """Steps the engine keeps in flight: ``per_device`` per device."""
+        return self.per_device * self.devices
 
     def _check(self, work: Sequence[Work]) -> None:
         if not self._healthy:
@@ -332,11 +388,13 @@ class ReplicaRunner:
             return min(d for d, n in counts if n == counts[0][1])
         if not self._flights:
             return 0
-        load = [0] * self.lanes
+        groups = [0] * self.devices
         for f in self._flights:
             for g in f.groups:
-                load[g.device] += 1 + sum(len(w.ids) for w in g.items)
-        return min(range(self.lanes), key=lambda d: (load[d] > 0, load[d], d))
+                groups[g.device] += 1
+        # the fewest groups in flight, a worker first on a tie: a worker then gets its
+        # second lane while the master computes its first, so it has a group queued
+        return min(range(self.devices), key=lambda d: (groups[d], d == 0, d))
 
     def _place(self, work: Sequence[Work]) -> list[tuple[int, Work]]:
         """Each item's device and the item as that device computes it."""
@@ -346,6 +404,8 @@ class ReplicaRunner:
             for w in work
             if held[w.slot] is not None and (w.start > MIGRATE_TOKENS or w.logits == "all")
         }
+        if not self._flights:  # a lone step: a long cache on a worker may come home
+            pin -= {w.slot for w in work if w.slot in pin and self._home(w, held[w.slot])}
         f = self._target([held[s] for s in pin])  # type: ignore[misc]
         out = []
         for w in work:
@@ -362,6 +422,23 @@ class ReplicaRunner:
                 w = Work(slot=w.slot, ids=ids, start=0, logits=w.logits)
             out.append((f, w))
         return out
+
+    def _home(self, w: Work, d: int | None) -> bool:
+        """Whether ``w``'s cache on worker device ``d`` moves to the master (:func:`move_home`
+        with the measured round trip and recompute rate)."""
+        pos_ms = self.times.position_ms()
+        if not d or w.logits == "all" or pos_ms is None:
+            return False
+        decoded = self._decoded.get(w.slot, 0)
+        if not move_home(w.start, decoded, self.rtt_ms[d - 1], pos_ms):
+            return False
+        logger.info(
+            "cache %d (%d positions) moves to the master: %d tokens decoded x %.1f ms round "
+            "trip > %.1f ms to recompute it",
+            w.slot, w.start, decoded, self.rtt_ms[d - 1], w.start * pos_ms,
+        )  # fmt: skip
+        self.times.home += 1
+        return True
 
     def _forget(self, slot: int, d: int) -> None:
         """Free ``slot``'s cache on device ``d`` (it moves, or is dropped)."""
@@ -401,6 +478,9 @@ class ReplicaRunner:
             by_dev.setdefault(d, []).append(w)
             self._dev[w.slot] = d
             self._hist[w.slot] = [*self._hist.get(w.slot, ())][: w.start] + list(w.ids)
+        for w in work:  # (the engine's items: a moved cache's recomputed positions aside)
+            n = self._decoded.get(w.slot, 0) if w.start > 0 else 0
+            self._decoded[w.slot] = n + 1 if len(w.ids) == 1 and w.start > 0 else n
         ts = self.times
         groups = []
         epoch = self.comm.membership.epoch
@@ -440,7 +520,10 @@ class ReplicaRunner:
             except BaseException:
                 self._abandon(flight)
                 raise
-            ts.local_s += time.perf_counter() - t0
+            dt = time.perf_counter() - t0
+            ts.local_s += dt
+            if (n := sum(len(w.ids) for w in g)) >= PREFILL_ROWS:
+                ts.prefill_rows, ts.prefill_s = ts.prefill_rows + n, ts.prefill_s + dt
         ts.steps += 1
         return flight
 
@@ -558,10 +641,12 @@ class ReplicaRunner:
                 self._tell(d, msg, "copying a prefix")
                 self._floor[dst] = 0
             self._dev[dst], self._hist[dst] = d, self._hist[src][:n]
+            self._decoded[dst] = 0
 
     def drop(self, slot: int) -> None:
         with self._lock:
             self._hist.pop(slot, None)
+            self._decoded.pop(slot, None)
             d = self._dev.pop(slot, None)
             if d is not None and 0 <= slot < MAX_SEQS:
                 self._forget(slot, d)
@@ -574,7 +659,7 @@ class ReplicaRunner:
             except ClusterUnavailable:
                 pass
             self.local.reset()
-            self._dev, self._hist, self._floor = {}, {}, {}
+            self._dev, self._hist, self._floor, self._decoded = {}, {}, {}, {}
             if self._healthy:
                 for d in range(1, len(self.workers) + 1):
                     self._tell(d, Reset(), "reset")
@@ -590,16 +675,18 @@ class ReplicaRunner:
         return s.bytes_sent + s.bytes_received
 
     def health(self) -> dict:
-        slots = [0] * self.lanes
+        slots = [0] * self.devices
         for d in self._dev.values():
             slots[d] += 1
         out: dict[str, Any] = {
             "healthy": self._healthy,
             "status": self._status,
-            "devices": self.lanes,
+            "devices": self.devices,
+            "lanes": self.lanes,
             "connected": self.comm.membership.world_size,
             "layout": "replica",
             "slots": slots,  # caches each device holds now (the master first)
+            "rtt_ms": [round(x, 3) for x in self.rtt_ms],  # to each worker, measured at start
             "cycle": self.times.report(),
         }
         if self._plan is not None:

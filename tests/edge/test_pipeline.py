@@ -455,9 +455,14 @@ def _dev(name, layer_ms, rtt=0.0, mem=1e6):
 def test_plan_layout_by_round_trip_speed_and_memory() -> None:
     from edge.planner import plan_layout
 
-    # Wi-Fi (4 ms): tensor parallelism pays 2 * 18 round trips; one device wins
+    # Wi-Fi (4 ms): tensor parallelism pays 2 * 18 round trips; the model fits the worker
+    # too: replicas (one stream on the master alone: one device's cost), not the links
     p = plan_layout(18, 10.0, [_dev("m", 1.0), _dev("w", 1.0, rtt=4.0)])
-    assert p.layout == "single" and p.predicted_ms["tp"] > 140 and p.devices == 1
+    assert p.layout == "replica" and p.predicted_ms["tp"] > 140 and p.devices == 2
+    assert p.predicted_ms["replica"] == p.predicted_ms["single"]
+    # the model fits the master, not the worker: one device wins
+    p = plan_layout(18, 10.0, [_dev("m", 1.0), _dev("w", 1.0, rtt=4.0, mem=100)])
+    assert p.layout == "single" and p.devices == 1 and "replica" not in p.predicted_ms
     # a fast switch and slow devices: tensor parallelism halves the compute
     p = plan_layout(18, 10.0, [_dev("m", 10.0), _dev("w", 10.0, rtt=0.05)])
     assert p.layout == "tp" and p.devices == 2
@@ -490,19 +495,23 @@ def _busy(name, rtt=0.0):
 
 def test_plan_layout_for_several_streams_ranks_by_aggregate_tokens() -> None:
     """Over Wi-Fi one stream is fastest on one device, while 8 streams in 3 groups keep both
-    stages busy: planning for 8 picks the pipeline, for 1 the master alone (the default)."""
+    stages busy: planning for 8 ranks the pipeline above one device (the replicas, where the
+    model fits every device, above both); for 1 (the default) the replicas too, one stream
+    running on the master alone."""
     from edge.planner import aggregate_tok_s, plan_layout
 
     devs = [_busy("m"), _busy("w", rtt=4.0)]
     one = plan_layout(18, 10.0, devs)
-    assert one.layout == "single" and one.streams == 1 and "streams" not in one.to_dict()
+    assert one.layout == "replica" and one.streams == 1 and "streams" not in one.to_dict()
+    assert "one stream runs on the master alone" in one.reason
     busy = plan_layout(18, 10.0, devs, streams=8, groups=3)
     # (the model fits each device: replicas beat the stages there, tests/edge/test_replica.py)
     assert busy.layout == "replica"
     d = busy.to_dict()
     assert d["streams"] == 8 and d["predicted_tok_s"]["pipeline"] > d["predicted_tok_s"]["single"]
     # one stream's figures stay in the plan (a lone stream on the replicas: the master's)
-    assert busy.predicted_ms == {**one.predicted_ms, "replica": one.predicted_ms["single"]}
+    assert busy.predicted_ms == one.predicted_ms
+    assert one.predicted_ms["replica"] == one.predicted_ms["single"]
     # single: 8 rows per step of 18 layers at 2.67 ms; pipeline: 3 groups of 3 rows, the
     # busiest stage's 3 groups (3 * (9 * 1.11 ms + a 2 ms hop each)) outlast one group's round
     # (2 * 10 ms + 6 ms)

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from edge.cluster import ClusterConfig, WorkerConfig, run_worker
-from edge.cluster.replica import MIGRATE_TOKENS, ReplicaRunner
+from edge.cluster.replica import MIGRATE_TOKENS, ReplicaRunner, move_home
 from edge.engine import ClusterUnavailable, Engine, LocalRunner, Work
 from edge.sampling import SamplingParams
 from edge.shardio import load_shard
@@ -85,7 +85,7 @@ def test_groups_in_flight_on_both_devices_bit_identical(ckpt, top, link) -> None
     ref = _Ref(ckpt)
     runner, workers, _ = _start(ckpt, link=link)
     try:
-        assert runner.lanes == 2
+        assert runner.lanes == 2  # one per device (ClusterConfig.replica_lanes)
         prompts = {0: [5, 9, 200, 3], 1: [7], 2: [1, 2, 3], 3: [4, 4]}
         lanes = {"A": [0, 1], "B": [2, 3]}
         work = {k: [Work(s, prompts[s], 0) for s in v] for k, v in lanes.items()}
@@ -145,6 +145,82 @@ def test_engine_texts_match_one_device(ckpt) -> None:
         assert eng.complete("Hello", params)[0] == want[0]
         assert eng.complete("The cat", params)[0] == want[2]
         eng.close()
+    finally:
+        _stop(runner, workers)
+
+
+def test_eight_streams_in_four_lanes_two_per_device_match_one_device(ckpt) -> None:
+    """8 streams, 4 lanes (2 per device) of 2 streams: each device holds 2 lanes' caches
+    (4 each) and the greedy texts are one device's."""
+    params = SamplingParams(max_tokens=8)
+    prompts = ["Hello", "Once upon", "The cat", "A long time ago", "Zebra", "x", "Hi all", "So"]
+    local = Engine(LocalRunner(load_shard(ckpt).model), ByteTokenizer(), model_name="m")
+    want = [local.complete(p, params)[0] for p in prompts]
+    local.close()
+    runner, workers, _ = _start(ckpt, replica_lanes=2)
+    try:
+        eng = Engine(runner, ByteTokenizer(), model_name="m", parallel=8)
+        assert eng.lanes == 4
+        gate = threading.Event()
+        eng.call(lambda: gate.wait(20))
+        threads = [_Thread(lambda p=p: eng.complete(p, params)) for p in prompts]
+        for t in threads:
+            t.start()
+        with eng._cv:
+            assert eng._cv.wait_for(lambda: len(eng._waiting) == len(prompts), timeout=20)
+        gate.set()
+        for t in threads:
+            t.join(30)
+        assert [t.result[0] for t in threads] == want
+        h = runner.health()
+        assert h["slots"] == [4, 4] and h["lanes"] == 4 and h["devices"] == 2
+        assert h["cycle"]["moved"] == 0  # each lane's streams stayed on their device
+        eng.close()
+    finally:
+        _stop(runner, workers)
+
+
+def test_a_lone_stream_comes_home_when_its_round_trips_outweigh_recomputing() -> None:
+    assert not move_home(100, 10, 4.0, 2.0)  # 10 tokens x 4 ms < 100 positions x 2 ms
+    assert move_home(100, 60, 4.0, 2.0)
+    assert not move_home(100, 0, 1e3, 0.1)  # nothing decoded yet: nothing to go by
+
+
+def test_a_long_cache_on_the_worker_moves_home_by_the_estimate(ckpt) -> None:
+    ref = _Ref(ckpt)
+    runner, workers, _ = _start(ckpt)
+    try:
+        assert len(runner.rtt_ms) == 1 and runner.rtt_ms[0] > 0  # measured at start
+        long = list(range(1, MIGRATE_TOKENS + 9))
+        a = runner.submit([Work(0, [1, 2], 0)])  # the master
+        b = runner.submit([Work(1, long, 0)])  # the master busy: the worker
+        ref.step([Work(0, [1, 2], 0)])
+        ref.step([Work(1, long, 0)])
+        runner.collect(a)
+        runner.collect(b)
+        pos, tok = len(long), 7
+        runner.rtt_ms = [1e-6]  # a round trip that costs nothing: it stays (pinned)
+        for _ in range(3):
+            got = runner.forward_batch([Work(1, [tok], pos)])[0]
+            assert torch.equal(got, ref.step([Work(1, [tok], pos)])[0])
+            pos, tok = pos + 1, int(got.argmax())
+        assert runner.health()["slots"] == [1, 1] and runner.health()["cycle"]["home"] == 0
+        # with another step in flight it stays whatever the round trip costs
+        runner.rtt_ms = [1e6]
+        busy = runner.submit([Work(0, [3], 2)])
+        other = runner.submit([Work(1, [tok], pos)])
+        ref.step([Work(0, [3], 2)])
+        want = ref.step([Work(1, [tok], pos)])[0]
+        runner.collect(busy)
+        got = runner.collect(other)[0]
+        assert torch.equal(got, want) and runner.health()["cycle"]["home"] == 0
+        pos, tok = pos + 1, int(got.argmax())
+        # alone, 4 tokens decoded x 1000 s > recomputing: recomputed on the master, same bits
+        got = runner.forward_batch([Work(1, [tok], pos)])[0]
+        assert torch.equal(got, ref.step([Work(1, [tok], pos)])[0])
+        h = runner.health()
+        assert h["cycle"]["home"] == 1 and h["cycle"]["moved"] == pos
+        assert h["slots"] == [2, 0] and runner.slot_length(1) == pos + 1
     finally:
         _stop(runner, workers)
 
@@ -224,13 +300,22 @@ def test_planner_chooses_replica_where_the_model_fits_and_streams_are_many() -> 
     assert busy.layout == "replica" and busy.devices == 2 and busy.stages == ()
     rate = busy.to_dict()["predicted_tok_s"]
     assert rate["replica"] > 1.4 * rate["single"] and rate["replica"] > rate["pipeline"]
-    # each device runs 4 of the 8 streams; the worker's group also waits its round trip
+    # each device runs 4 of the 8 streams; one lane: the worker's group also waits its round
+    # trip; two lanes of 2 rows: the master runs both (a hop per worker group), the worker's
+    # second group hides the first one's round trip
     want = 8e3 / max(18 * devs[0].step_ms(4) + 2.0, 18 * devs[1].step_ms(4) + 4.0 + 2.0)
     assert aggregate_tok_s("replica", 8, (18,), devs) == pytest.approx(want)
+    two = 2 * 18 * devs[0].step_ms(2)
+    want = 8e3 / max(two + 2 * 2.0, two, two / 2 + 4.0 + 2.0)
+    assert aggregate_tok_s("replica", 8, (18,), devs, lanes=2) == pytest.approx(want)
     assert busy.predicted_ms["replica"] == busy.predicted_ms["single"]  # one stream: the master
-    # one stream: one device (replica is no candidate)
+    # one stream planned for: replicas tie one device there and gain when busy
     one = plan_layout(18, 10.0, devs)
-    assert one.layout == "single" and "replica" not in one.predicted_ms
+    assert one.layout == "replica" and one.predicted_ms["replica"] == one.predicted_ms["single"]
+    assert "one stream runs on the master alone" in one.reason and "8 streams" in one.reason
+    # a worker so far away that its streams lose more than the master's gain: one device
+    far = plan_layout(18, 10.0, [_dev("m"), _dev("w", rtt=400.0)])
+    assert far.layout == "single" and "replica" in far.predicted_ms
     # the model fits neither device alone: pipeline stages, never replicas
     small = [_dev("m", mem=120), _dev("w", rtt=4.0, mem=120)]
     p = plan_layout(18, 10.0, small, streams=8)
@@ -244,6 +329,9 @@ def test_replica_layout_configuration() -> None:
 
     assert "replica" in LAYOUTS
     assert ClusterConfig(devices=2, layout="replica").layout == "replica"
+    assert ClusterConfig(devices=2).replica_lanes == 1
+    with pytest.raises(ConfigError, match="replica_lanes"):
+        ClusterConfig(devices=2, replica_lanes=0)
     with pytest.raises(ConfigError, match="whole model"):
         check_model("unused", ClusterConfig(devices=2, layout="replica", memory_budget_mb=10.0))
 
