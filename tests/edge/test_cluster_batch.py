@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import threading
 import time
+from contextlib import contextmanager
+from typing import Iterator
 
 import pytest
 
@@ -68,19 +70,36 @@ def _stop(runner, workers) -> None:
         w.join(10)
 
 
-def _queued(eng: Engine) -> int:
-    m = eng.metrics.snapshot()
-    return m["requests_waiting"] + m["requests_running"]
+@contextmanager
+def _admitted_together(eng: Engine, n: int) -> Iterator[None]:
+    """The scheduler held in a call (``Engine.call``) until ``n`` requests wait, so the engine
+    admits and batches them together. (Holding the runner's lock instead also held the
+    scheduler's admission, which may copy a cached prefix through the runner.)"""
+    running, gate = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        running.set()
+        gate.wait(30)
+
+    eng.call(hold)
+    try:
+        # (the scheduler admits what waits before it runs a call: start nothing until then)
+        assert running.wait(20)
+        yield
+        with eng._cv:
+            if not eng._cv.wait_for(lambda: len(eng._waiting) == n, timeout=20):
+                raise AssertionError("timed out waiting for queueing")
+    finally:
+        gate.set()
 
 
 def _complete_all(eng: Engine, runner, prompts, params=GREEDY) -> list[_Thread]:
-    """Every prompt from its own thread, all queued before the first step runs (the runner's
-    lock holds the engine's first forward), so the engine really batches them."""
-    with runner._lock:
-        threads = [_Thread(lambda p=p: eng.complete(p, params)) for p in prompts]
+    """Every prompt from its own thread, all queued before the first step runs, so the engine
+    really batches them."""
+    threads = [_Thread(lambda p=p: eng.complete(p, params)) for p in prompts]
+    with _admitted_together(eng, len(prompts)):
         for t in threads:
             t.start()
-        _wait(lambda: _queued(eng) == len(prompts), "queueing")
     for t in threads:
         t.join(60)
     return threads
@@ -106,15 +125,14 @@ def test_concurrent_requests_match_one_device(ckpt, reference) -> None:
         want_e = list(local.generate("The quick", echo))
         local.close()
         got: dict[str, list[Event]] = {}
-        with runner._lock:
-            ts = [
-                _Thread(lambda: eng.complete("Once upon", sampled)),
-                _Thread(lambda: got.setdefault("e", list(eng.generate("The quick", echo)))),
-                _Thread(lambda: eng.complete("Hello", GREEDY)),
-            ]
+        ts = [
+            _Thread(lambda: eng.complete("Once upon", sampled)),
+            _Thread(lambda: got.setdefault("e", list(eng.generate("The quick", echo)))),
+            _Thread(lambda: eng.complete("Hello", GREEDY)),
+        ]
+        with _admitted_together(eng, 3):
             for t in ts:
                 t.start()
-            _wait(lambda: _queued(eng) == 3, "queueing")
         for t in ts:
             t.join(60)
         assert [t.error for t in ts] == [None] * 3
