@@ -449,6 +449,7 @@ class Request:
         self.drafter: Drafter | None = None  # set at admission when speculation applies
         self.draft_len: DraftLength | None = None
         self.draft: Draft | None = None  # the tokens the step in flight verifies
+        self.shadow: int | None = None  # a free drafter's guess at the plain step's token
         self.flying = False  # in a step submitted and not yet collected (lanes)
 
     def cancel(self) -> None:
@@ -820,11 +821,16 @@ class Engine:
         # with lanes, the sequences of the steps still in flight share the devices' cycle
         # with this one: a draft's rows cost what they add to that cycle (see _land)
         batch = sum(r.decoding for r, _ in work) + self._flying_decodes()[0]
+        added = 0  # draft rows of the sequences decided so far: the next ones' rows cost more
         for r, w in work:
             if r.drafter is not None and r.draft_len is not None and r.decoding:
                 room = min(r.params.max_tokens - len(r.out) - 1, self.max_context - r.pos - 1)
-                k = min(r.draft_len.choose(self.pass_cost, batch), room)
-                r.draft = None
+                k = min(r.draft_len.choose(self.pass_cost, batch, added), room)
+                r.draft = r.shadow = None
+                if k == 0 and room > 0 and getattr(r.drafter, "free", False):
+                    # not verified: compared with the plain step's token (_emit_next)
+                    guess = r.drafter.propose(r.ids + r.out, 1, r.sampler).tokens
+                    r.shadow = guess[0] if guess else None
                 if k > 0:
                     t0 = time.perf_counter()
                     r.draft = r.drafter.propose(r.ids + r.out, k, r.sampler)
@@ -832,6 +838,7 @@ class Engine:
                     r.draft_len.observe_drafting(fed, time.perf_counter() - t0)
                 if r.draft is not None and r.draft.tokens:
                     w = Work(w.slot, (r.next_in, *r.draft.tokens), w.start, "all")
+                    added += len(r.draft.tokens)
                 else:
                     r.draft = None
             out.append((r, w))
@@ -980,7 +987,11 @@ class Engine:
         if r.params.max_tokens == 0:  # prompt logprobs only (echo)
             self._finish(r, Event("", None, "length", prompt_logprobs=r.prompt_lp))
             return
-        self._emit(r, r.sampler(logits), logits)
+        tok = r.sampler(logits)
+        if r.shadow is not None and r.draft_len is not None:
+            r.draft_len.observe_shadow(tok == r.shadow)
+            r.shadow = None
+        self._emit(r, tok, logits)
 
     def _emit(self, r: Request, tok: int, logits: torch.Tensor) -> bool:
         """Emit ``tok`` (drawn from ``logits``); False when it ended the request."""

@@ -148,31 +148,55 @@ class PassCost:
         self._by_rows[rows] = seconds if old is None else 0.8 * old + 0.2 * seconds
 
     def seconds(self, rows: int) -> float | None:
-        """Expected seconds of a pass of ``rows`` rows (None before any pass)."""
-        t = self._by_rows.get(rows)
-        if t is not None:
-            return t
-        if self._fit is not None:
-            return self._fit[0] + self._fit[1] * rows
-        w, sx, _, sy, _ = self._s
-        return sy / sx * rows if w > 0 and sx > 0 else None
+        """Expected seconds of a pass of ``rows`` rows (None before any pass): the running
+        means of the row counts seen, made non-decreasing in R (a pass of more rows never
+        costs less: a lower mean is noise) and interpolated linearly between them; past the
+        largest (or below the smallest) the fit's per-row slope continues from the nearest
+        one (without a fit, ``PRIOR`` of that count's mean per row, per row). Never the fit's
+        own value beside a measured mean: the two disagree by more than a row's cost, and a
+        difference of the two would make a row look free or dear by that much."""
+        pts = sorted(self._by_rows.items())
+        if not pts:
+            if self._fit is not None:
+                return self._fit[0] + self._fit[1] * rows
+            w, sx, _, sy, _ = self._s
+            return sy / sx * rows if w > 0 and sx > 0 else None
+        xs, ys, top = [], [], 0.0
+        for r, t in pts:
+            top = max(top, t)
+            xs.append(r)
+            ys.append(top)
+        if rows >= xs[-1] or rows <= xs[0]:
+            i = -1 if rows >= xs[-1] else 0
+            slope = self._fit[1] if self._fit is not None else self.PRIOR * ys[i] / xs[i]
+            return max(ys[i] + slope * (rows - xs[i]), ys[i] * min(rows / xs[i], 1.0))
+        j = next(j for j, r in enumerate(xs) if r >= rows)
+        if xs[j] == rows:
+            return ys[j]
+        f = (rows - xs[j - 1]) / (xs[j] - xs[j - 1])
+        return ys[j - 1] + f * (ys[j] - ys[j - 1])
 
     def share_s(self, batch: int = 1) -> float | None:
         """Seconds of one sequence's one-row share of a pass of ``batch`` sequences."""
         t = self.seconds(max(batch, 1))
         return None if t is None else t / max(batch, 1)
 
-    def relative(self, rows: int, batch: int = 1) -> float:
+    def relative(self, rows: int, batch: int = 1, added: int = 0) -> float:
         """Cost of one sequence's share of a pass when it contributes ``rows`` rows instead
-        of one beside ``batch - 1`` one-row sequences: 1 + (T(batch + rows - 1) - T(batch))
-        / (T(batch) / batch), the pass's fixed cost split over its sequences."""
+        of one beside ``batch - 1`` one-row sequences and ``added`` draft rows that others
+        already put in this pass: 1 + (T(batch + added + rows - 1) - T(batch + added)) /
+        (T(batch) / batch), the marginal cost of its extra rows in the pass as it stands, in
+        units of a sequence's share of a plain pass (the pass's fixed cost split over its
+        sequences). Once the batch is compute-bound a row costs about a share, and no
+        acceptance below 1 makes a draft pay."""
         batch = max(batch, 1)
         if self._fit is None and len(self._by_rows) < 2:
             return 1.0 + (rows - 1) * self.PRIOR
-        base, more = self.seconds(batch), self.seconds(batch + rows - 1)
-        if base is None or more is None or base <= 0:
+        share = self.seconds(batch)
+        base, more = self.seconds(batch + added), self.seconds(batch + added + rows - 1)
+        if share is None or base is None or more is None or share <= 0:
             return 1.0 + (rows - 1) * self.PRIOR
-        return 1.0 + max(more - base, 0.0) / (base / batch)
+        return 1.0 + max(more - base, 0.0) / (share / batch)
 
 
 @dataclass
@@ -183,9 +207,14 @@ class DraftLength:
     and the costs in plain one-row passes (:class:`PassCost`); k = 0, a plain pass (value 1),
     when no k in [k_min, k_max] is expected to beat it by ``gain``. α is estimated from the
     draft tokens actually put to the test (every accepted one, plus the first rejected one:
-    the rest of a rejected draft says nothing), with exponential forgetting. While k = 0, a
-    k_min draft is tried every ``probe`` passes, so a stream whose text turns repetitive
-    starts drafting again."""
+    the rest of a rejected draft says nothing), with exponential forgetting. The cost of a
+    draft's rows is their marginal cost in the pass as it stands (:meth:`PassCost.relative`),
+    so in a batch that is compute-bound (a row costs about a sequence's share of the pass)
+    no draft is made. While k = 0, a free drafter (prompt lookup) is still asked for one
+    token, which is compared with the token the plain pass then emits
+    (:meth:`observe_shadow`): the acceptance stays known at no cost to the target; a drafter
+    that costs time (a draft model) instead gets a k_min draft every ``probe`` passes, so a
+    stream whose text turns repetitive starts drafting again."""
 
     config: SpecConfig
     alpha: float = 0.6  # prior before any pass
@@ -215,8 +244,18 @@ class DraftLength:
         keep = (1.0 - self.weight) ** trials
         self.alpha = keep * self.alpha + (1.0 - keep) * (accepted / trials)
 
-    def choose(self, cost: PassCost, batch: int = 1) -> int:
-        """k for the next pass of a sequence decoding in a pass of ``batch`` sequences."""
+    def observe_shadow(self, accepted: bool) -> None:
+        """A one-token proposal not sent for verification, compared with the token the
+        target emitted instead (a one-hot draft d is kept with probability p(d), the chance
+        the target's own draw is d: greedy or sampled, the same test); a probe is not needed
+        while these come."""
+        self._idle = 0
+        keep = 1.0 - self.weight
+        self.alpha = keep * self.alpha + (1.0 - keep) * float(accepted)
+
+    def choose(self, cost: PassCost, batch: int = 1, added: int = 0) -> int:
+        """k for the next pass of a sequence decoding in a pass of ``batch`` sequences, to
+        which the sequences decided before it added ``added`` draft rows."""
         c = self.config
         if not c.adaptive:
             return c.draft_max
@@ -225,7 +264,8 @@ class DraftLength:
         drafting = self.draft_s / share if share else 0.0  # per draft token, in plain passes
         best, best_v = 0, self.gain
         for k in range(c.draft_min, c.draft_max + 1):
-            v = (1.0 - a ** (k + 1)) / (1.0 - a) / (cost.relative(k + 1, batch) + k * drafting)
+            rel = cost.relative(k + 1, batch, added)
+            v = (1.0 - a ** (k + 1)) / (1.0 - a) / (rel + k * drafting)
             if v > best_v + 1e-9:
                 best, best_v = k, v
         if best == 0:
