@@ -18,6 +18,7 @@ the running acceptance rate and the measured cost of a pass (:class:`PassCost`).
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass, field
 from typing import Callable, Protocol, Sequence
 
@@ -132,6 +133,7 @@ class PassCost:
         self._s = [0.0] * 5  # decayed sums of w, w r, w r^2, w y, w r y
         self._fit: tuple[float, float] | None = None  # (base, per_row) seconds
         self._by_rows: dict[int, float] = {}  # R -> running mean seconds
+        self._table: tuple[list[int], list[float]] | None = None  # seconds()'s, per observe
 
     def observe(self, rows: int, seconds: float) -> None:
         x, keep = float(rows), 1.0 - self.weight
@@ -146,6 +148,7 @@ class PassCost:
                 self._fit = (base, per_row)
         old = self._by_rows.get(rows)
         self._by_rows[rows] = seconds if old is None else 0.8 * old + 0.2 * seconds
+        self._table = None
 
     def seconds(self, rows: int) -> float | None:
         """Expected seconds of a pass of ``rows`` rows (None before any pass): the running
@@ -155,22 +158,21 @@ class PassCost:
         one (without a fit, ``PRIOR`` of that count's mean per row, per row). Never the fit's
         own value beside a measured mean: the two disagree by more than a row's cost, and a
         difference of the two would make a row look free or dear by that much."""
-        pts = sorted(self._by_rows.items())
-        if not pts:
-            if self._fit is not None:
-                return self._fit[0] + self._fit[1] * rows
-            w, sx, _, sy, _ = self._s
-            return sy / sx * rows if w > 0 and sx > 0 else None
-        xs, ys, top = [], [], 0.0
-        for r, t in pts:
-            top = max(top, t)
-            xs.append(r)
-            ys.append(top)
+        if not self._by_rows:
+            return None
+        if self._table is None:  # (a draft length's choice asks for dozens of these)
+            xs, ys, top = [], [], 0.0
+            for r, t in sorted(self._by_rows.items()):
+                top = max(top, t)
+                xs.append(r)
+                ys.append(top)
+            self._table = xs, ys
+        xs, ys = self._table
         if rows >= xs[-1] or rows <= xs[0]:
             i = -1 if rows >= xs[-1] else 0
             slope = self._fit[1] if self._fit is not None else self.PRIOR * ys[i] / xs[i]
             return max(ys[i] + slope * (rows - xs[i]), ys[i] * min(rows / xs[i], 1.0))
-        j = next(j for j, r in enumerate(xs) if r >= rows)
+        j = bisect.bisect_left(xs, rows)
         if xs[j] == rows:
             return ys[j]
         f = (rows - xs[j - 1]) / (xs[j] - xs[j - 1])
