@@ -581,6 +581,10 @@ class Engine:
         self.pace = Pace(decode_stall)
         self.speculation = speculation
         self.pass_cost = PassCost()
+        # the drafter's seconds per proposed token, as the last request measured it: a new
+        # request starts from it (a draft model's cost does not depend on the request, and a
+        # request that assumed it free would draft, and read its prompt, beside a busy batch)
+        self.draft_s = 0.0
         self.metrics = Metrics()
         self._slots = [_Slot() for _ in range(parallel + n_cached)]
         self._last_slot = 0
@@ -743,7 +747,8 @@ class Engine:
             self._active.append(r)
             spec = self.speculation
             if spec is not None and drafting_allowed(r.params):
-                r.drafter, r.draft_len = spec.new_drafter(), DraftLength(spec.config)
+                r.drafter = spec.new_drafter()
+                r.draft_len = DraftLength(spec.config, draft_s=self.draft_s)
             m = self.metrics
             m.requests += 1
             m.prompt_tokens += len(r.ids)
@@ -836,6 +841,7 @@ class Engine:
                     r.draft = r.drafter.propose(r.ids + r.out, k, r.sampler)
                     fed = r.draft.fed if r.draft.fed is not None else len(r.draft.tokens)
                     r.draft_len.observe_drafting(fed, time.perf_counter() - t0)
+                    self.draft_s = r.draft_len.draft_s or self.draft_s
                 if r.draft is not None and r.draft.tokens:
                     w = Work(w.slot, (r.next_in, *r.draft.tokens), w.start, "all")
                     added += len(r.draft.tokens)

@@ -153,7 +153,8 @@ class PassCost:
     def seconds(self, rows: int) -> float | None:
         """Expected seconds of a pass of ``rows`` rows (None before any pass): the running
         means of the row counts seen, made non-decreasing in R (a pass of more rows never
-        costs less: a lower mean is noise) and interpolated linearly between them; past the
+        costs less: the least-squares non-decreasing fit, adjacent means out of order
+        pooled) and interpolated linearly between them; past the
         largest (or below the smallest) the fit's per-row slope continues from the nearest
         one (without a fit, ``PRIOR`` of that count's mean per row, per row). Never the fit's
         own value beside a measured mean: the two disagree by more than a row's cost, and a
@@ -161,12 +162,8 @@ class PassCost:
         if not self._by_rows:
             return None
         if self._table is None:  # (a draft length's choice asks for dozens of these)
-            xs, ys, top = [], [], 0.0
-            for r, t in sorted(self._by_rows.items()):
-                top = max(top, t)
-                xs.append(r)
-                ys.append(top)
-            self._table = xs, ys
+            pts = sorted(self._by_rows.items())
+            self._table = [r for r, _ in pts], _non_decreasing([t for _, t in pts])
         xs, ys = self._table
         if rows >= xs[-1] or rows <= xs[0]:
             i = -1 if rows >= xs[-1] else 0
@@ -201,6 +198,22 @@ class PassCost:
         return 1.0 + max(more - base, 0.0) / (share / batch)
 
 
+def _non_decreasing(ys: list[float]) -> list[float]:
+    """The non-decreasing sequence nearest ``ys`` in least squares (pool adjacent
+    violators: a run of values out of order is replaced by its mean)."""
+    blocks: list[list[float]] = []  # [sum, count]
+    for y in ys:
+        blocks.append([y, 1.0])
+        while len(blocks) > 1 and blocks[-2][0] / blocks[-2][1] > blocks[-1][0] / blocks[-1][1]:
+            s, n = blocks.pop()
+            blocks[-1][0] += s
+            blocks[-1][1] += n
+    out: list[float] = []
+    for s, n in blocks:
+        out += [s / n] * int(n)
+    return out
+
+
 @dataclass
 class DraftLength:
     """Picks k for the next pass: the k maximising expected tokens per unit cost,
@@ -216,7 +229,8 @@ class DraftLength:
     token, which is compared with the token the plain pass then emits
     (:meth:`observe_shadow`): the acceptance stays known at no cost to the target; a drafter
     that costs time (a draft model) instead gets a k_min draft every ``probe`` passes, so a
-    stream whose text turns repetitive starts drafting again."""
+    stream whose text turns repetitive starts drafting again, but only where a draft could
+    pay at all (at ``ALPHA_MAX``): beside a busy batch a probe would learn nothing."""
 
     config: SpecConfig
     alpha: float = 0.6  # prior before any pass
@@ -261,22 +275,35 @@ class DraftLength:
         c = self.config
         if not c.adaptive:
             return c.draft_max
-        a = min(max(self.alpha, 0.0), 0.99)
         share = cost.share_s(batch)
         drafting = self.draft_s / share if share else 0.0  # per draft token, in plain passes
-        best, best_v = 0, self.gain
-        for k in range(c.draft_min, c.draft_max + 1):
-            rel = cost.relative(k + 1, batch, added)
-            v = (1.0 - a ** (k + 1)) / (1.0 - a) / (rel + k * drafting)
-            if v > best_v + 1e-9:
-                best, best_v = k, v
+        costs = [cost.relative(k + 1, batch, added) + k * drafting for k in range(c.draft_max + 1)]
+        best = self._best(min(max(self.alpha, 0.0), self.ALPHA_MAX), costs)
         if best == 0:
+            # a probe only where some acceptance would make a draft pay: else what it would
+            # learn cannot change the choice (e.g. a draft model beside a busy batch)
+            if self._best(self.ALPHA_MAX, costs) == 0:
+                self._idle = 0
+                return 0
             self._idle += 1
             if self._idle >= self.probe:
                 self._idle = 0
                 return c.draft_min
         else:
             self._idle = 0
+        return best
+
+    ALPHA_MAX = 0.99
+    """The highest acceptance rate the choice assumes (a draft is never sure)."""
+
+    def _best(self, a: float, costs: list[float]) -> int:
+        """The k in [k_min, k_max] of the most expected tokens per cost (``costs[k]``, in
+        plain passes), 0 when none beats a plain pass by ``gain``."""
+        best, best_v = 0, self.gain
+        for k in range(self.config.draft_min, self.config.draft_max + 1):
+            v = (1.0 - a ** (k + 1)) / (1.0 - a) / costs[k]
+            if v > best_v + 1e-9:
+                best, best_v = k, v
         return best
 
 

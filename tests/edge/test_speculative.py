@@ -512,3 +512,16 @@ def test_free_drafter_shadows_keep_greedy_text_and_count_acceptance(monkeypatch)
     # one guess per plain decode step (the first token comes from the prompt's pass; the
     # last step has no room for a draft), each scored against the token that step emitted
     assert seen == [t == _Guess.TOKEN for t in got[1:-1]]
+
+
+def test_no_probe_where_no_acceptance_would_pay() -> None:
+    """A drafter whose tokens cost a sequence's share each, beside a busy batch: not even a
+    sure draft pays, so no probe is spent; alone, the same drafter probes while k = 0."""
+    cfg = SpecConfig(draft_max=8, draft_min=1)
+    cost = _saturated_cost()
+    slow = DraftLength(cfg, alpha=0.1)
+    slow.observe_drafting(1, 1.0)  # the first proposal is not counted
+    slow.observe_drafting(1, cost.share_s(8))
+    assert [slow.choose(cost, batch=8) for _ in range(3 * slow.probe)] == [0] * 3 * slow.probe
+    alone = [slow.choose(cost, batch=1) for _ in range(2 * slow.probe)]
+    assert alone.count(cfg.draft_min) == 2 and alone.count(0) == 2 * slow.probe - 2
