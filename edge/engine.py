@@ -840,7 +840,8 @@ class Engine:
                     t0 = time.perf_counter()
                     r.draft = r.drafter.propose(r.ids + r.out, k, r.sampler)
                     fed = r.draft.fed if r.draft.fed is not None else len(r.draft.tokens)
-                    r.draft_len.observe_drafting(fed, time.perf_counter() - t0)
+                    took = time.perf_counter() - t0
+                    r.draft_len.observe_drafting(fed, took, len(r.draft.tokens))
                     self.draft_s = r.draft_len.draft_s or self.draft_s
                 if r.draft is not None and r.draft.tokens:
                     w = Work(w.slot, (r.next_in, *r.draft.tokens), w.start, "all")

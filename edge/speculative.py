@@ -241,16 +241,21 @@ class DraftLength:
     _idle: int = field(default=0, repr=False)  # plain passes since the last draft
     _proposed: bool = field(default=False, repr=False)
 
-    def observe_drafting(self, tokens: int, seconds: float) -> None:
-        """What a proposal cost that ran a draft model over ``tokens`` positions
-        (``Draft.fed``; a lookup's dictionary probes are next to free). A request's first
-        proposal is not counted: it also reads the whole prompt into a draft model's cache,
-        a one-off."""
+    def observe_drafting(self, tokens: int, seconds: float, proposed: int | None = None) -> None:
+        """What a proposal of ``proposed`` tokens (None: ``tokens``) cost that ran a draft
+        model over ``tokens`` positions (``Draft.fed``; a lookup's dictionary probes are next
+        to free): seconds per proposed token, one draft forward each. Counted only while the
+        drafter keeps up (it caught up on at most two tokens: the target's own and an
+        accepted draft's last): a request's first proposal reads the whole prompt, and one
+        after plain passes the tokens it missed, in one forward whose cost says nothing of a
+        draft token's (spread over its positions, it made drafting look many times cheaper
+        than it is)."""
         if not self._proposed:
             self._proposed = True
             return
-        if tokens > 0:
-            per = seconds / tokens
+        k = tokens if proposed is None else proposed
+        if k > 0 and tokens <= k + 1:
+            per = seconds / k
             self.draft_s = per if self.draft_s == 0.0 else 0.8 * self.draft_s + 0.2 * per
 
     def observe(self, drafted: int, accepted: int) -> None:

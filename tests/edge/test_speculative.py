@@ -525,3 +525,12 @@ def test_no_probe_where_no_acceptance_would_pay() -> None:
     assert [slow.choose(cost, batch=8) for _ in range(3 * slow.probe)] == [0] * 3 * slow.probe
     alone = [slow.choose(cost, batch=1) for _ in range(2 * slow.probe)]
     assert alone.count(cfg.draft_min) == 2 and alone.count(0) == 2 * slow.probe - 2
+
+
+def test_drafting_time_is_per_proposed_token_while_the_drafter_keeps_up() -> None:
+    d = DraftLength(SpecConfig(draft_max=8))
+    d.observe_drafting(180, 5.0, proposed=4)  # the first proposal reads the prompt
+    d.observe_drafting(17, 0.002, proposed=1)  # caught up on 16 missed tokens in one forward
+    assert d.draft_s == 0.0
+    d.observe_drafting(5, 0.004, proposed=4)  # steady: one forward per proposed token
+    assert d.draft_s == pytest.approx(0.001)
