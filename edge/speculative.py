@@ -126,6 +126,10 @@ class PassCost:
     only)."""
 
     PRIOR = 0.05
+    HORIZON = 48
+    """Passes after which a row count's mean no longer describes the machine: left out, the
+    costs there come from the counts seen since (a plain pass of a batch where every step
+    drafts is never measured again, and its first, slow mean would stay)."""
     """Per-row cost over a one-row pass assumed until passes of two sizes were seen."""
 
     def __init__(self, weight: float = 0.1) -> None:
@@ -134,6 +138,8 @@ class PassCost:
         self._fit: tuple[float, float] | None = None  # (base, per_row) seconds
         self._by_rows: dict[int, float] = {}  # R -> running mean seconds
         self._table: tuple[list[int], list[float]] | None = None  # seconds()'s, per observe
+        self._passes = 0
+        self._seen: dict[int, int] = {}  # R -> the pass that last had R rows
 
     def observe(self, rows: int, seconds: float) -> None:
         x, keep = float(rows), 1.0 - self.weight
@@ -148,13 +154,15 @@ class PassCost:
                 self._fit = (base, per_row)
         old = self._by_rows.get(rows)
         self._by_rows[rows] = seconds if old is None else 0.8 * old + 0.2 * seconds
+        self._passes += 1
+        self._seen[rows] = self._passes
         self._table = None
 
     def seconds(self, rows: int) -> float | None:
         """Expected seconds of a pass of ``rows`` rows (None before any pass): the running
-        means of the row counts seen, made non-decreasing in R (a pass of more rows never
-        costs less: the least-squares non-decreasing fit, adjacent means out of order
-        pooled) and interpolated linearly between them; past the
+        means of the row counts seen in the last ``HORIZON`` passes, made non-decreasing in
+        R (a pass of more rows never costs less: the least-squares non-decreasing fit,
+        adjacent means out of order pooled) and interpolated linearly between them; past the
         largest (or below the smallest) the fit's per-row slope continues from the nearest
         one (without a fit, ``PRIOR`` of that count's mean per row, per row). Never the fit's
         own value beside a measured mean: the two disagree by more than a row's cost, and a
@@ -162,7 +170,8 @@ class PassCost:
         if not self._by_rows:
             return None
         if self._table is None:  # (a draft length's choice asks for dozens of these)
-            pts = sorted(self._by_rows.items())
+            recent = self._passes - self.HORIZON
+            pts = sorted((r, t) for r, t in self._by_rows.items() if self._seen[r] > recent)
             self._table = [r for r, _ in pts], _non_decreasing([t for _, t in pts])
         xs, ys = self._table
         if rows >= xs[-1] or rows <= xs[0]:
