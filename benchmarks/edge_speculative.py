@@ -28,7 +28,9 @@ and a 0.98 M byte-level Llama trained by lowband's trainer on the same Shakespea
 once under ``~/.cache/lowband/bench``): the target's ``--pair-widths`` files (F32 and/or
 Q4_K_M) with the F32 draft, ours and llama-server ``-md`` on the same files
 (``lowband-pair-<width>/off|draft``, ``llama-server-pair-<width>/off|md``); ``--pair-only``
-runs those arms alone. ``--pair tiny`` is the seconds-long recipe (the smoke test).
+runs those arms alone; with ``--streams N`` each target also runs N streams (the two workloads
+in turn) without and with the draft. ``--pair tiny`` is the seconds-long recipe (the smoke
+test).
 
 ``python -m benchmarks.edge_speculative --json`` (the last line is the JSON);
 ``--tiny`` runs a random two-layer model, ours only, k fixed at ``--draft-max`` (the smoke
@@ -231,12 +233,16 @@ class LlamaServer:
         }
 
 
+Arms = dict[str, Callable[[Any, int], dict]]
+
+
 def _pair_arms(
     a: argparse.Namespace, cfg: SpecConfig, servers: list[LlamaServer]
-) -> tuple[dict[str, Callable[[Any, int], dict]], dict[str, str], dict]:
+) -> tuple[Arms, dict[str, str], dict, Arms]:
     """The trained target/draft pair's arms (``--pair``): per ``--pair-widths`` target file,
     ours without and with the F32 draft, and llama-server without and with ``-md`` on the same
-    files. Returns the arms, the files, and the pair's recipe and training figures."""
+    files. Returns the arms, the files, the pair's recipe and training figures, and (with
+    ``--streams N``) ours without and with the draft at N streams."""
     from benchmarks.spec_pair import build_pair, recipe_key
     from edge.shardio import load_shard
     from lowband.models.tokenizer import ByteTokenizer
@@ -247,7 +253,8 @@ def _pair_arms(
         cfg = SpecConfig(draft_max=a.draft_max, adaptive=False)
     tok = ByteTokenizer()
     draft = load_shard(pair["draft"]["f32"]).model
-    arms: dict[str, Callable[[Any, int], dict]] = {}
+    arms: Arms = {}
+    stream_arms: Arms = {}
     files = {"pair-draft-f32": pair["draft"]["f32"]}
     log = Path("/tmp/edge_speculative-llama-server.log")
     ls = [str(LLAMA_SERVER), "-t", str(a.threads), "-tb", str(a.threads), "-c", "2048"]
@@ -265,6 +272,11 @@ def _pair_arms(
         dr = _engine(target, tok, Speculation(cfg, dm.drafter))
         arms[f"lowband-pair-{width}/off"] = lambda ids, n, e=off: _ours(e, ids, n)
         arms[f"lowband-pair-{width}/draft"] = lambda ids, n, e=dr: _ours(e, ids, n)
+        if a.streams > 0:
+            s_off = _engine(target, tok, None, parallel=a.streams)
+            s_dr = _engine(target, tok, Speculation(cfg, dm.drafter), parallel=a.streams)
+            stream_arms[f"lowband-pair-{width}/off"] = lambda p, n, e=s_off: _streams(e, p, n)
+            stream_arms[f"lowband-pair-{width}/draft"] = lambda p, n, e=s_dr: _streams(e, p, n)
         if not a.no_llama_server:
             s_off = LlamaServer([*ls, "-m", path], log).__enter__()
             servers.append(s_off)
@@ -272,7 +284,7 @@ def _pair_arms(
             servers.append(s_md.__enter__())
             arms[f"llama-server-pair-{width}/off"] = s_off.complete
             arms[f"llama-server-pair-{width}/md"] = s_md.complete
-    return arms, files, {"recipe": recipe_key(name), **pair["info"]}
+    return arms, files, {"recipe": recipe_key(name), **pair["info"]}, stream_arms
 
 
 def _pair_prompts() -> dict[str, list[int]]:
@@ -722,7 +734,7 @@ def main(argv: list[str] | None = None) -> int:
         prompts = {w: tok.encode(t) for w, t in WORKLOADS.items()}
         engines = [(mq, "lowband-q4")]
     stream_prompts: dict[str, Any] = {}
-    if a.streams > 0:  # code edits and free text in turn, all decoding together
+    if a.streams > 0 and prompts:  # code edits and free text in turn, all decoding together
         mixed = [prompts[list(prompts)[i % len(prompts)]] for i in range(a.streams)]
         stream_prompts[f"{a.streams}-streams"] = mixed
         for model, name in engines:
@@ -734,13 +746,19 @@ def main(argv: list[str] | None = None) -> int:
     try:
         result = run(arms, prompts, a.tokens, a.repeats) if arms else {}
         if a.pair != "none":
-            pair_arms, pair_files, pair_info = _pair_arms(a, cfg, servers)
+            pair_arms, pair_files, pair_info, pair_streams = _pair_arms(a, cfg, servers)
             files.update(pair_files)
             pair_prompts = _pair_prompts()
             pair_info["prompt_tokens"] = {w: len(i) for w, i in pair_prompts.items()}
             _merge(result, run(pair_arms, pair_prompts, a.tokens, a.repeats))
+            if pair_streams:
+                mixed = [
+                    list(pair_prompts.values())[i % len(pair_prompts)] for i in range(a.streams)
+                ]
+                got = run(pair_streams, {f"{a.streams}-streams": mixed}, a.stream_tokens, a.repeats)
+                _merge(result, got)
         if stream_arms:
-            result.update(run(stream_arms, stream_prompts, a.stream_tokens, a.repeats))
+            _merge(result, run(stream_arms, stream_prompts, a.stream_tokens, a.repeats))
     finally:
         for s in servers:
             s.__exit__()

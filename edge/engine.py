@@ -449,6 +449,7 @@ class Request:
         self.drafter: Drafter | None = None  # set at admission when speculation applies
         self.draft_len: DraftLength | None = None
         self.draft: Draft | None = None  # the tokens the step in flight verifies
+        self.shadow: int | None = None  # a free drafter's guess at the plain step's token
         self.flying = False  # in a step submitted and not yet collected (lanes)
 
     def cancel(self) -> None:
@@ -580,6 +581,10 @@ class Engine:
         self.pace = Pace(decode_stall)
         self.speculation = speculation
         self.pass_cost = PassCost()
+        # the drafter's seconds per proposed token, as the last request measured it: a new
+        # request starts from it (a draft model's cost does not depend on the request, and a
+        # request that assumed it free would draft, and read its prompt, beside a busy batch)
+        self.draft_s = 0.0
         self.metrics = Metrics()
         self._slots = [_Slot() for _ in range(parallel + n_cached)]
         self._last_slot = 0
@@ -742,7 +747,8 @@ class Engine:
             self._active.append(r)
             spec = self.speculation
             if spec is not None and drafting_allowed(r.params):
-                r.drafter, r.draft_len = spec.new_drafter(), DraftLength(spec.config)
+                r.drafter = spec.new_drafter()
+                r.draft_len = DraftLength(spec.config, draft_s=self.draft_s)
             m = self.metrics
             m.requests += 1
             m.prompt_tokens += len(r.ids)
@@ -827,18 +833,26 @@ class Engine:
         # with lanes, the sequences of the steps still in flight share the devices' cycle
         # with this one: a draft's rows cost what they add to that cycle (see _land)
         batch = sum(r.decoding for r, _ in work) + self._flying_decodes()[0]
+        added = 0  # draft rows of the sequences decided so far: the next ones' rows cost more
         for r, w in work:
             if r.drafter is not None and r.draft_len is not None and r.decoding:
                 room = min(r.params.max_tokens - len(r.out) - 1, self.max_context - r.pos - 1)
-                k = min(r.draft_len.choose(self.pass_cost, batch), room)
-                r.draft = None
+                k = min(r.draft_len.choose(self.pass_cost, batch, added), room)
+                r.draft = r.shadow = None
+                if k == 0 and room > 0 and getattr(r.drafter, "free", False):
+                    # not verified: compared with the plain step's token (_emit_next)
+                    guess = r.drafter.propose(r.ids + r.out, 1, r.sampler).tokens
+                    r.shadow = guess[0] if guess else None
                 if k > 0:
                     t0 = time.perf_counter()
                     r.draft = r.drafter.propose(r.ids + r.out, k, r.sampler)
                     fed = r.draft.fed if r.draft.fed is not None else len(r.draft.tokens)
-                    r.draft_len.observe_drafting(fed, time.perf_counter() - t0)
+                    took = time.perf_counter() - t0
+                    r.draft_len.observe_drafting(fed, took, len(r.draft.tokens))
+                    self.draft_s = r.draft_len.draft_s or self.draft_s
                 if r.draft is not None and r.draft.tokens:
                     w = Work(w.slot, (r.next_in, *r.draft.tokens), w.start, "all")
+                    added += len(r.draft.tokens)
                 else:
                     r.draft = None
             out.append((r, w))
@@ -987,7 +1001,11 @@ class Engine:
         if r.params.max_tokens == 0:  # prompt logprobs only (echo)
             self._finish(r, Event("", None, "length", prompt_logprobs=r.prompt_lp))
             return
-        self._emit(r, r.sampler(logits), logits)
+        tok = r.sampler(logits)
+        if r.shadow is not None and r.draft_len is not None:
+            r.draft_len.observe_shadow(tok == r.shadow)
+            r.shadow = None
+        self._emit(r, tok, logits)
 
     def _emit(self, r: Request, tok: int, logits: torch.Tensor) -> bool:
         """Emit ``tok`` (drawn from ``logits``); False when it ended the request."""

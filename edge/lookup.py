@@ -36,6 +36,10 @@ class LookupConfig:
 class LookupDrafter:
     """One sequence's n-gram index (a :class:`edge.speculative.Drafter`)."""
 
+    free = True
+    """A proposal costs next to nothing: the engine asks for one while not drafting, to keep
+    the acceptance known (``DraftLength.observe_shadow``)."""
+
     def __init__(self, config: LookupConfig | None = None) -> None:
         self.config = config or LookupConfig()
         self._tokens: list[int] = []

@@ -18,6 +18,7 @@ the running acceptance rate and the measured cost of a pass (:class:`PassCost`).
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass, field
 from typing import Callable, Protocol, Sequence
 
@@ -125,6 +126,10 @@ class PassCost:
     only)."""
 
     PRIOR = 0.05
+    HORIZON = 48
+    """Passes after which a row count's mean no longer describes the machine: left out, the
+    costs there come from the counts seen since (a plain pass of a batch where every step
+    drafts is never measured again, and its first, slow mean would stay)."""
     """Per-row cost over a one-row pass assumed until passes of two sizes were seen."""
 
     def __init__(self, weight: float = 0.1) -> None:
@@ -132,6 +137,9 @@ class PassCost:
         self._s = [0.0] * 5  # decayed sums of w, w r, w r^2, w y, w r y
         self._fit: tuple[float, float] | None = None  # (base, per_row) seconds
         self._by_rows: dict[int, float] = {}  # R -> running mean seconds
+        self._table: tuple[list[int], list[float]] | None = None  # seconds()'s, per observe
+        self._passes = 0
+        self._seen: dict[int, int] = {}  # R -> the pass that last had R rows
 
     def observe(self, rows: int, seconds: float) -> None:
         x, keep = float(rows), 1.0 - self.weight
@@ -146,33 +154,73 @@ class PassCost:
                 self._fit = (base, per_row)
         old = self._by_rows.get(rows)
         self._by_rows[rows] = seconds if old is None else 0.8 * old + 0.2 * seconds
+        self._passes += 1
+        self._seen[rows] = self._passes
+        self._table = None
 
     def seconds(self, rows: int) -> float | None:
-        """Expected seconds of a pass of ``rows`` rows (None before any pass)."""
-        t = self._by_rows.get(rows)
-        if t is not None:
-            return t
-        if self._fit is not None:
-            return self._fit[0] + self._fit[1] * rows
-        w, sx, _, sy, _ = self._s
-        return sy / sx * rows if w > 0 and sx > 0 else None
+        """Expected seconds of a pass of ``rows`` rows (None before any pass): the running
+        means of the row counts seen in the last ``HORIZON`` passes, made non-decreasing in
+        R (a pass of more rows never costs less: the least-squares non-decreasing fit,
+        adjacent means out of order pooled) and interpolated linearly between them; past the
+        largest (or below the smallest) the fit's per-row slope continues from the nearest
+        one (without a fit, ``PRIOR`` of that count's mean per row, per row). Never the fit's
+        own value beside a measured mean: the two disagree by more than a row's cost, and a
+        difference of the two would make a row look free or dear by that much."""
+        if not self._by_rows:
+            return None
+        if self._table is None:  # (a draft length's choice asks for dozens of these)
+            recent = self._passes - self.HORIZON
+            pts = sorted((r, t) for r, t in self._by_rows.items() if self._seen[r] > recent)
+            self._table = [r for r, _ in pts], _non_decreasing([t for _, t in pts])
+        xs, ys = self._table
+        if rows >= xs[-1] or rows <= xs[0]:
+            i = -1 if rows >= xs[-1] else 0
+            slope = self._fit[1] if self._fit is not None else self.PRIOR * ys[i] / xs[i]
+            return max(ys[i] + slope * (rows - xs[i]), ys[i] * min(rows / xs[i], 1.0))
+        j = bisect.bisect_left(xs, rows)
+        if xs[j] == rows:
+            return ys[j]
+        f = (rows - xs[j - 1]) / (xs[j] - xs[j - 1])
+        return ys[j - 1] + f * (ys[j] - ys[j - 1])
 
     def share_s(self, batch: int = 1) -> float | None:
         """Seconds of one sequence's one-row share of a pass of ``batch`` sequences."""
         t = self.seconds(max(batch, 1))
         return None if t is None else t / max(batch, 1)
 
-    def relative(self, rows: int, batch: int = 1) -> float:
+    def relative(self, rows: int, batch: int = 1, added: int = 0) -> float:
         """Cost of one sequence's share of a pass when it contributes ``rows`` rows instead
-        of one beside ``batch - 1`` one-row sequences: 1 + (T(batch + rows - 1) - T(batch))
-        / (T(batch) / batch), the pass's fixed cost split over its sequences."""
+        of one beside ``batch - 1`` one-row sequences and ``added`` draft rows that others
+        already put in this pass: 1 + (T(batch + added + rows - 1) - T(batch + added)) /
+        (T(batch) / batch), the marginal cost of its extra rows in the pass as it stands, in
+        units of a sequence's share of a plain pass (the pass's fixed cost split over its
+        sequences). Once the batch is compute-bound a row costs about a share, and no
+        acceptance below 1 makes a draft pay."""
         batch = max(batch, 1)
         if self._fit is None and len(self._by_rows) < 2:
             return 1.0 + (rows - 1) * self.PRIOR
-        base, more = self.seconds(batch), self.seconds(batch + rows - 1)
-        if base is None or more is None or base <= 0:
+        share = self.seconds(batch)
+        base, more = self.seconds(batch + added), self.seconds(batch + added + rows - 1)
+        if share is None or base is None or more is None or share <= 0:
             return 1.0 + (rows - 1) * self.PRIOR
-        return 1.0 + max(more - base, 0.0) / (base / batch)
+        return 1.0 + max(more - base, 0.0) / (share / batch)
+
+
+def _non_decreasing(ys: list[float]) -> list[float]:
+    """The non-decreasing sequence nearest ``ys`` in least squares (pool adjacent
+    violators: a run of values out of order is replaced by its mean)."""
+    blocks: list[list[float]] = []  # [sum, count]
+    for y in ys:
+        blocks.append([y, 1.0])
+        while len(blocks) > 1 and blocks[-2][0] / blocks[-2][1] > blocks[-1][0] / blocks[-1][1]:
+            s, n = blocks.pop()
+            blocks[-1][0] += s
+            blocks[-1][1] += n
+    out: list[float] = []
+    for s, n in blocks:
+        out += [s / n] * int(n)
+    return out
 
 
 @dataclass
@@ -183,9 +231,15 @@ class DraftLength:
     and the costs in plain one-row passes (:class:`PassCost`); k = 0, a plain pass (value 1),
     when no k in [k_min, k_max] is expected to beat it by ``gain``. α is estimated from the
     draft tokens actually put to the test (every accepted one, plus the first rejected one:
-    the rest of a rejected draft says nothing), with exponential forgetting. While k = 0, a
-    k_min draft is tried every ``probe`` passes, so a stream whose text turns repetitive
-    starts drafting again."""
+    the rest of a rejected draft says nothing), with exponential forgetting. The cost of a
+    draft's rows is their marginal cost in the pass as it stands (:meth:`PassCost.relative`),
+    so in a batch that is compute-bound (a row costs about a sequence's share of the pass)
+    no draft is made. While k = 0, a free drafter (prompt lookup) is still asked for one
+    token, which is compared with the token the plain pass then emits
+    (:meth:`observe_shadow`): the acceptance stays known at no cost to the target; a drafter
+    that costs time (a draft model) instead gets a k_min draft every ``probe`` passes, so a
+    stream whose text turns repetitive starts drafting again, but only where a draft could
+    pay at all (at ``ALPHA_MAX``): beside a busy batch a probe would learn nothing."""
 
     config: SpecConfig
     alpha: float = 0.6  # prior before any pass
@@ -196,16 +250,21 @@ class DraftLength:
     _idle: int = field(default=0, repr=False)  # plain passes since the last draft
     _proposed: bool = field(default=False, repr=False)
 
-    def observe_drafting(self, tokens: int, seconds: float) -> None:
-        """What a proposal cost that ran a draft model over ``tokens`` positions
-        (``Draft.fed``; a lookup's dictionary probes are next to free). A request's first
-        proposal is not counted: it also reads the whole prompt into a draft model's cache,
-        a one-off."""
+    def observe_drafting(self, tokens: int, seconds: float, proposed: int | None = None) -> None:
+        """What a proposal of ``proposed`` tokens (None: ``tokens``) cost that ran a draft
+        model over ``tokens`` positions (``Draft.fed``; a lookup's dictionary probes are next
+        to free): seconds per proposed token, one draft forward each. Counted only while the
+        drafter keeps up (it caught up on at most two tokens: the target's own and an
+        accepted draft's last): a request's first proposal reads the whole prompt, and one
+        after plain passes the tokens it missed, in one forward whose cost says nothing of a
+        draft token's (spread over its positions, it made drafting look many times cheaper
+        than it is)."""
         if not self._proposed:
             self._proposed = True
             return
-        if tokens > 0:
-            per = seconds / tokens
+        k = tokens if proposed is None else proposed
+        if k > 0 and tokens <= k + 1:
+            per = seconds / k
             self.draft_s = per if self.draft_s == 0.0 else 0.8 * self.draft_s + 0.2 * per
 
     def observe(self, drafted: int, accepted: int) -> None:
@@ -215,26 +274,50 @@ class DraftLength:
         keep = (1.0 - self.weight) ** trials
         self.alpha = keep * self.alpha + (1.0 - keep) * (accepted / trials)
 
-    def choose(self, cost: PassCost, batch: int = 1) -> int:
-        """k for the next pass of a sequence decoding in a pass of ``batch`` sequences."""
+    def observe_shadow(self, accepted: bool) -> None:
+        """A one-token proposal not sent for verification, compared with the token the
+        target emitted instead (a one-hot draft d is kept with probability p(d), the chance
+        the target's own draw is d: greedy or sampled, the same test); a probe is not needed
+        while these come."""
+        self._idle = 0
+        keep = 1.0 - self.weight
+        self.alpha = keep * self.alpha + (1.0 - keep) * float(accepted)
+
+    def choose(self, cost: PassCost, batch: int = 1, added: int = 0) -> int:
+        """k for the next pass of a sequence decoding in a pass of ``batch`` sequences, to
+        which the sequences decided before it added ``added`` draft rows."""
         c = self.config
         if not c.adaptive:
             return c.draft_max
-        a = min(max(self.alpha, 0.0), 0.99)
         share = cost.share_s(batch)
         drafting = self.draft_s / share if share else 0.0  # per draft token, in plain passes
-        best, best_v = 0, self.gain
-        for k in range(c.draft_min, c.draft_max + 1):
-            v = (1.0 - a ** (k + 1)) / (1.0 - a) / (cost.relative(k + 1, batch) + k * drafting)
-            if v > best_v + 1e-9:
-                best, best_v = k, v
+        costs = [cost.relative(k + 1, batch, added) + k * drafting for k in range(c.draft_max + 1)]
+        best = self._best(min(max(self.alpha, 0.0), self.ALPHA_MAX), costs)
         if best == 0:
+            # a probe only where some acceptance would make a draft pay: else what it would
+            # learn cannot change the choice (e.g. a draft model beside a busy batch)
+            if self._best(self.ALPHA_MAX, costs) == 0:
+                self._idle = 0
+                return 0
             self._idle += 1
             if self._idle >= self.probe:
                 self._idle = 0
                 return c.draft_min
         else:
             self._idle = 0
+        return best
+
+    ALPHA_MAX = 0.99
+    """The highest acceptance rate the choice assumes (a draft is never sure)."""
+
+    def _best(self, a: float, costs: list[float]) -> int:
+        """The k in [k_min, k_max] of the most expected tokens per cost (``costs[k]``, in
+        plain passes), 0 when none beats a plain pass by ``gain``."""
+        best, best_v = 0, self.gain
+        for k in range(self.config.draft_min, self.config.draft_max + 1):
+            v = (1.0 - a ** (k + 1)) / (1.0 - a) / costs[k]
+            if v > best_v + 1e-9:
+                best, best_v = k, v
         return best
 
 

@@ -22,7 +22,7 @@ def test_recipe_key_names_the_recipe(monkeypatch: pytest.MonkeyPatch) -> None:
 @pytest.mark.timeout(600)
 def test_edge_speculative_trained_pair(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     argv = ["--pair", "tiny", "--pair-only", "--pair-cache", str(tmp_path), "--no-llama-server"]
-    argv += ["--streams", "0", "--tokens", "10", "--repeats", "1", "--json"]
+    argv += ["--streams", "2", "--stream-tokens", "8", "--tokens", "10", "--repeats", "1", "--json"]
     assert edge_speculative.main(argv) == 0
     rec = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     pair = rec["result"]["pair"]
@@ -34,6 +34,9 @@ def test_edge_speculative_trained_pair(tmp_path: Path, capsys: pytest.CaptureFix
         assert set(res) == {"lowband-pair-f32/off", "lowband-pair-f32/draft", "identical"}
         assert res["identical"] == {"lowband-pair-f32/off": True, "lowband-pair-f32/draft": True}
         assert 0 <= res["lowband-pair-f32/draft"]["acceptance"] <= 1  # k fixed: drafts verified
+    both = rec["result"]["workloads"]["2-streams"]  # the pair at 2 streams, off and drafting
+    assert set(both) == {"lowband-pair-f32/off", "lowband-pair-f32/draft", "identical"}
+    assert 0 <= both["lowband-pair-f32/draft"]["acceptance"] <= 1
     # built once: a second build finds the files by the recipe's key and trains nothing
     root = tmp_path / spec_pair.recipe_key("tiny-pair")
     mtime = (root / "target-f32.gguf").stat().st_mtime_ns

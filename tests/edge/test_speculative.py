@@ -401,3 +401,136 @@ def test_incompatible_draft_is_refused_with_a_clear_error() -> None:
     with pytest.raises(IncompatibleDraft, match="different string"):
         check_compatible(256, tok, 256, _OtherTokenizer())
     assert issubclass(IncompatibleDraft, ConfigError)
+
+
+def _saturated_cost() -> PassCost:
+    """Pass times measured at 2 threads (Gemma 3 270M Q4_K_M, ms): one to four one-row
+    sequences, eight, and eight with one sequence's verification group of 5 or 9 rows, and
+    16 and 24 one-row sequences. A sequence's share of the eight-row pass is 2.9; a row past
+    eight costs about 1.8. The least-squares line through them lies under the eight-row
+    mean (its T(9) is less than the measured T(8)): a row is not free."""
+    cost = PassCost()
+    for _ in range(10):
+        for rows, ms in ((1, 7.0), (2, 7.9), (4, 10.6), (8, 23.0), (12, 30.2), (16, 36.9)):
+            cost.observe(rows, ms / 1000)
+        cost.observe(24, 48.1 / 1000)
+    return cost
+
+
+def test_draft_rows_cost_their_margin_in_a_busy_batch() -> None:
+    cost = _saturated_cost()
+    # a row beside the eight costs what the measured means say, never a fit-vs-mean difference
+    assert cost.seconds(9) >= cost.seconds(8)
+    assert cost.relative(2, batch=8) == pytest.approx(1 + (30.2 - 23.0) / 4 / (23.0 / 8))
+    cfg = SpecConfig(draft_max=8)
+    # mediocre acceptance at 8 streams: a row costs more than the tokens it is expected to add
+    assert DraftLength(cfg, alpha=0.5).choose(cost, batch=8) == 0
+    # good acceptance pays even there
+    assert DraftLength(cfg, alpha=0.9).choose(cost, batch=8) > 0
+    # the same stream alone (its share is a whole pass; extra rows are cheap beside it) drafts
+    assert DraftLength(cfg, alpha=0.5).choose(cost, batch=1) > 0
+    assert DraftLength(cfg, alpha=0.85).choose(cost, batch=1) >= 2
+    dear = PassCost()  # past 8 rows every row costs a whole share (compute-bound)
+    for _ in range(10):
+        for rows in (8, 16, 24):
+            dear.observe(rows, rows / 8 * 0.024)
+    assert DraftLength(cfg, alpha=0.9).choose(dear, batch=8) == 0
+    # rows already added by other sequences in this pass: the next draft pays the margin there
+    steep = PassCost()  # cheap rows up to 12, then a share each
+    for _ in range(10):
+        for rows, ms in ((8, 24.0), (12, 25.0), (16, 37.0), (24, 61.0)):
+            steep.observe(rows, ms / 1000)
+    assert DraftLength(cfg, alpha=0.7).choose(steep, batch=8, added=0) > 0
+    assert DraftLength(cfg, alpha=0.7).choose(steep, batch=8, added=4) == 0
+
+
+def test_shadow_proposals_track_acceptance_without_probes() -> None:
+    cfg = SpecConfig(draft_max=4, draft_min=1)
+    cost = _saturated_cost()
+    d = DraftLength(cfg, alpha=0.5)
+    ks = []
+    for i in range(3 * d.probe):
+        ks.append(d.choose(cost, batch=8))
+        d.observe_shadow(i % 10 < 3)  # 30 % of the guesses were the emitted token
+    assert 0.2 < d.alpha < 0.45
+    assert ks == [0] * len(ks)  # no draft, not even a probe, while the shadows come
+    ks = [d.choose(cost, batch=8) for _ in range(d.probe)]
+    assert ks.count(cfg.draft_min) == 1  # without them, a probe draft
+    for _ in range(40):
+        d.observe_shadow(True)
+    assert d.alpha > 0.9
+    assert d.choose(cost, batch=8) > 0
+    for _ in range(40):
+        d.observe_shadow(False)
+    assert d.alpha < 0.1
+
+
+class _Guess:
+    """A free drafter that always proposes the same token."""
+
+    TOKEN = ByteTokenizer().encode("c")[-1]
+    free = True
+
+    def propose(self, tokens, k: int, sampler=None) -> Draft:
+        return Draft((self.TOKEN,) * k)
+
+    def close(self) -> None:
+        pass
+
+
+def test_free_drafter_shadows_keep_greedy_text_and_count_acceptance(monkeypatch) -> None:
+    """At a cost that makes every draft lose (each extra row costs a whole pass: no
+    acceptance below 1 pays), the engine drafts nothing, still asks prompt lookup for a
+    one-token guess each step to keep the acceptance known, and the text is the plain
+    engine's."""
+    model = _model()
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    prompt = "abcabcabcabcabcabc"
+    plain = Engine(LocalRunner(model), ByteTokenizer(), model_name="m")
+    want = [ev.token for ev in plain.generate(prompt, params) if ev.token is not None]
+    plain.close()
+    eng = Engine(
+        LocalRunner(model),
+        ByteTokenizer(),
+        model_name="m",
+        speculation=Speculation(SpecConfig(draft_max=4), _Guess),
+    )
+    seen: list[bool] = []
+    shadow = DraftLength.observe_shadow
+    monkeypatch.setattr(
+        DraftLength, "observe_shadow", lambda self, ok: (seen.append(ok), shadow(self, ok))[1]
+    )
+    for _ in range(20):
+        eng.pass_cost.observe(1, 1.0)
+        eng.pass_cost.observe(5, 5.0)
+    try:
+        got = [ev.token for ev in eng.generate(prompt, params) if ev.token is not None]
+    finally:
+        eng.close()
+    assert got == want
+    assert eng.metrics.spec_passes == 0
+    # one guess per plain decode step (the first token comes from the prompt's pass; the
+    # last step has no room for a draft), each scored against the token that step emitted
+    assert seen == [t == _Guess.TOKEN for t in got[1:-1]]
+
+
+def test_no_probe_where_no_acceptance_would_pay() -> None:
+    """A drafter whose tokens cost a sequence's share each, beside a busy batch: not even a
+    sure draft pays, so no probe is spent; alone, the same drafter probes while k = 0."""
+    cfg = SpecConfig(draft_max=8, draft_min=1)
+    cost = _saturated_cost()
+    slow = DraftLength(cfg, alpha=0.1)
+    slow.observe_drafting(1, 1.0)  # the first proposal is not counted
+    slow.observe_drafting(1, cost.share_s(8))
+    assert [slow.choose(cost, batch=8) for _ in range(3 * slow.probe)] == [0] * 3 * slow.probe
+    alone = [slow.choose(cost, batch=1) for _ in range(2 * slow.probe)]
+    assert alone.count(cfg.draft_min) == 2 and alone.count(0) == 2 * slow.probe - 2
+
+
+def test_drafting_time_is_per_proposed_token_while_the_drafter_keeps_up() -> None:
+    d = DraftLength(SpecConfig(draft_max=8))
+    d.observe_drafting(180, 5.0, proposed=4)  # the first proposal reads the prompt
+    d.observe_drafting(17, 0.002, proposed=1)  # caught up on 16 missed tokens in one forward
+    assert d.draft_s == 0.0
+    d.observe_drafting(5, 0.004, proposed=4)  # steady: one forward per proposed token
+    assert d.draft_s == pytest.approx(0.001)

@@ -80,9 +80,9 @@ def test_lanes_weigh_a_draft_against_the_whole_cycle(monkeypatch) -> None:
     seen: list[int] = []
     choose = DraftLength.choose
 
-    def spy(self, cost, batch: int = 1) -> int:
+    def spy(self, cost, batch: int = 1, added: int = 0) -> int:
         seen.append(batch)
-        return choose(self, cost, batch)
+        return choose(self, cost, batch, added)
 
     monkeypatch.setattr(DraftLength, "choose", spy)
     model = _model()
