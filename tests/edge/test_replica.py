@@ -299,6 +299,10 @@ def _dev(name, rtt=0.0, mem=1e6):
     return LayoutDevice(name=name, layer_ms=7.8 / 18, memory_mb=mem, rtt_ms=rtt, batch_layer_ms=b)
 
 
+def _costs(dev):
+    return ((1, dev.layer_ms), *dev.batch_layer_ms)
+
+
 def test_planner_chooses_replica_where_the_model_fits_and_streams_are_many() -> None:
     from edge.planner import aggregate_tok_s, plan_layout
 
@@ -320,6 +324,9 @@ def test_planner_chooses_replica_where_the_model_fits_and_streams_are_many() -> 
     one = plan_layout(18, 10.0, devs)
     assert one.layout == "replica" and one.predicted_ms["replica"] == one.predicted_ms["single"]
     assert "one stream runs on the master alone" in one.reason and "8 streams" in one.reason
+    # where splitting loses (split_pays, which the runner's lanes_for asks), one step of them
+    kept = [k for k in range(2, 9) if not split_pays(k, 18, _costs(devs[0]), [4.0])]
+    assert kept and f"{', '.join(map(str, kept))} streams run as one step" in one.reason
     # a worker so far away that its streams lose more than the master's gain: one device
     far = plan_layout(18, 10.0, [_dev("m"), _dev("w", rtt=400.0)])
     assert far.layout == "single" and "replica" in far.predicted_ms
@@ -442,5 +449,47 @@ def test_step_costs_measured_at_start_without_the_planners(ckpt) -> None:
         assert [b for b, _ in costs] == [1, 4] and all(ms > 0 for _, ms in costs)
         assert runner.lanes_for(1) == 1 and runner.lanes_for(64) in (1, 2)
         assert runner.local.slot_length(1) == 0  # the measuring steps' caches are gone
+    finally:
+        _stop(runner, workers)
+
+
+def test_lanes_shrinking_with_steps_in_flight_lose_none(ckpt) -> None:
+    """lanes_for drops from 2 to 1 when half the streams finish while a step is in flight:
+    that step lands first, then the rest run as one step; every text is one device's."""
+    prompts = ["Hello", "Once upon", "The cat", "A long time ago", "Zebra", "x", "Hi all", "So"]
+    lens = [2, 9] * 4
+    local = Engine(LocalRunner(load_shard(ckpt).model), ByteTokenizer(), model_name="m")
+    want = [local.complete(p, SamplingParams(max_tokens=k))[0] for p, k in zip(prompts, lens)]
+    local.close()
+    runner, workers, _ = _start(ckpt)
+    flying = []
+    submit = runner.submit
+
+    def recording(work, top=0):
+        flight = submit(work, top)
+        flying.append(len(runner._flights))
+        return flight
+
+    runner.submit = recording
+    runner.lanes_for = lambda active: 2 if active > 4 else 1
+    try:
+        eng = Engine(runner, ByteTokenizer(), model_name="m", parallel=8)
+        gate = threading.Event()
+        eng.call(lambda: gate.wait(20))
+        threads = [
+            _Thread(lambda p=p, k=k: eng.complete(p, SamplingParams(max_tokens=k)))
+            for p, k in zip(prompts, lens)
+        ]
+        for t in threads:
+            t.start()
+        with eng._cv:
+            assert eng._cv.wait_for(lambda: len(eng._waiting) == len(prompts), timeout=20)
+        gate.set()
+        for t in threads:
+            t.join(30)
+        assert [t.result[0] for t in threads] == want
+        # two steps in flight while eight ran, then one at a time (the last steps: four)
+        assert 2 in flying and flying[-3:] == [1, 1, 1], flying
+        eng.close()
     finally:
         _stop(runner, workers)
