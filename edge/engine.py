@@ -23,7 +23,9 @@ that group's tokens and submits its next step while the devices still work on th
 groups, so a pipeline's stages never drain between steps (GPipe micro-batches across steps,
 Flover's temporal fusion). A sequence is in at most one step in flight; results are
 collected in the order submitted; anything else that touches the runner (a queued call)
-waits until nothing is in flight.
+waits until nothing is in flight. A runner with ``lanes_for(running)`` says, each time the
+engine plans, how many of its lanes pay for that many running sequences (e.g. the replica
+layout: 1 while one device's batched step is faster than splitting them).
 """
 
 from __future__ import annotations
@@ -711,7 +713,7 @@ class Engine:
                 # (a queued call runs when nothing is in flight: it may use the runner)
                 call = self._calls.popleft() if self._calls and not self._flights else None
                 self._admit()
-                room = len(self._flights) < self.lanes and not self._calls
+                room = len(self._flights) < self._lanes_now() and not self._calls
                 work = self._plan() if room else []
             if call is not None:
                 _run_call(*call)
@@ -802,13 +804,21 @@ class Engine:
             self.metrics.prefix_tokens_reused += best_p
         return True
 
+    def _lanes_now(self) -> int:
+        """Lanes that pay for the running sequences: the runner's ``lanes_for`` where it has
+        one (at most ``lanes``; fewer lanes than steps in flight: those land first), else
+        ``lanes`` (called with the lock held)."""
+        ask = getattr(self.batch, "lanes_for", None) if self.lanes > 1 else None
+        return self.lanes if ask is None else max(1, min(self.lanes, int(ask(len(self._active)))))
+
     def _plan(self) -> list[tuple[Request, Work]]:
         """This step's batch: every decoding sequence's next token, then prompt chunks up to
         ``prefill_chunk`` tokens, oldest request first (called with the lock held)."""
         work: list[tuple[Request, Work]] = []
         active = [r for r in self._active if not r.flying]
-        if self.lanes > 1:  # a lane's share of the running sequences (module docstring)
-            active = active[: -(-len(self._active) // self.lanes)]
+        lanes = self._lanes_now()
+        if lanes > 1:  # a lane's share of the running sequences (module docstring)
+            active = active[: -(-len(self._active) // lanes)]
         for r in active:
             if r.decoding:
                 work.append((r, Work(r.slot, (r.next_in,), r.pos, "last")))

@@ -481,12 +481,17 @@ def _replica_spare(
     rep, one = rates(n)
     if rep < one * (1 + min_gain):
         return ""
-    worst, at = min((rates(k)[0] / rates(k)[1], k) for k in range(2, n + 1))
-    return (
+    # where splitting is predicted slower, the runner runs the streams as one step on the
+    # master (``ReplicaRunner.lanes_for``, the same comparison): one device's rate there
+    kept = [k for k in range(2, n + 1) if rates(k)[0] <= rates(k)[1]]
+    why = (
         f"one stream runs on the master alone (one device's ms per token), {n} streams are "
-        f"predicted {rep:.0f} tok/s against one device's {one:.0f} (the worst between 2 and "
-        f"{n} streams: {worst:.2f}x at {at})"
+        f"predicted {rep:.0f} tok/s against one device's {one:.0f}"
     )
+    if not kept:
+        return why
+    at = ", ".join(map(str, kept))
+    return f"{why}; {at} streams run as one step on the master (splitting is predicted slower)"
 
 
 def plan_layout(

@@ -123,6 +123,7 @@ def start_runner(comm: Communicator, model_dir: str, cc: ClusterConfig) -> Runne
     plan: LayoutPlan | None = None
     layout = cc.layout
     local: LocalRunner | None = None
+    steps: tuple[tuple[int, float], ...] | None = None  # (the replica runner's lanes_for)
     if layout == "auto":
         # the runner plain ``edge serve`` keeps on one device (its batch GEMMs' repacked
         # weights too): what the single layout then serves, and what is measured
@@ -143,6 +144,7 @@ def start_runner(comm: Communicator, model_dir: str, cc: ClusterConfig) -> Runne
                 {-(-n // (lanes * D)), -(-n // D), n} | ({-(-N // G)} if N > 1 else set())
             )
             batch = tuple((b, measure_step_ms(local, b)) for b in rows if b > 1)
+            steps = ((1, layer_ms), *batch)
         rtts = measure_rtts(comm, workers, cc.op_timeout)
         cfg = shard.model.config
         layer_mb = layer_bytes / 2**20 / cfg.num_hidden_layers
@@ -178,7 +180,9 @@ def start_runner(comm: Communicator, model_dir: str, cc: ClusterConfig) -> Runne
         return PlannedRunner(runner, plan, "pipeline")
     if layout == "replica":
         return PlannedRunner(
-            ReplicaRunner(comm, model_dir, cc, plan.to_dict() if plan else None), plan, "replica"
+            ReplicaRunner(comm, model_dir, cc, plan.to_dict() if plan else None, steps),
+            plan,
+            "replica",
         )
     return PlannedRunner(MasterRunner(comm, model_dir, cc), plan, "tp")
 

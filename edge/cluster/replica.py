@@ -19,7 +19,11 @@ answer to the last one travels and the master samples it, so the round trip leav
 the worker's compute (with one lane it idles a round trip per step), and the master computes
 its own two groups in turn; but every step has half the rows (a batched step costs much less
 per row than a small one) and the engine runs twice the steps: one lane measured faster over
-Wi-Fi (4 ms) and at 10 ms (``ClusterConfig.replica_lanes``).
+Wi-Fi (4 ms) and at 10 ms (``ClusterConfig.replica_lanes``). The engine asks
+:meth:`ReplicaRunner.lanes_for` how many lanes pay for the streams running now: 1 (one step
+of them all, on the master) while one device's batched step of them is predicted at least as
+fast as splitting them over the devices (:func:`split_pays`, from the step costs measured at
+start), else every lane.
 
 Placement (:meth:`_place`), per step: an item continuing a cache (``start`` > 0) stays on the
 device holding it when it holds more than ``MIGRATE_TOKENS`` positions (pinned), unless the
@@ -42,6 +46,7 @@ pipeline's does.
 from __future__ import annotations
 
 import logging
+import statistics
 import threading
 import time
 from collections import Counter, deque
@@ -74,6 +79,7 @@ from edge.cluster.protocol import (
 from edge.cluster.ship import ShipServer, offer
 from edge.embeddings import embed_ragged
 from edge.engine import ClusterUnavailable, LocalRunner, Work, split_logits, wanted_rows
+from edge.planner import LayoutDevice, aggregate_tok_s
 from edge.shardio import load_shard
 from lowband.comm import Communicator
 from lowband.errors import (
@@ -107,6 +113,52 @@ def move_home(held: int, decoded: int, rtt_ms: float, position_ms: float) -> boo
     what is left is what has passed), so a long prompt with a few tokens decoded stays and a
     stream that has decoded for a while comes home."""
     return decoded * rtt_ms > held * position_ms
+
+
+def split_pays(
+    active: int,
+    layers: int,
+    step_ms: Sequence[tuple[int, float]],
+    rtt_ms: Sequence[float],
+    per_device: int = 1,
+) -> bool:
+    """Whether splitting ``active`` streams over the devices (``per_device`` lanes each) is
+    predicted faster than one device's batched step of them all: the planner's aggregate
+    rates (:func:`edge.planner.aggregate_tok_s`, replica against single) from ``step_ms``,
+    the ms of one decoder layer for a step of that many rows (rows 1 among them; linear
+    between), and the round trip to each worker. A tie keeps the one step."""
+    if active < 2 or not rtt_ms:
+        return False
+    table = dict(step_ms)
+    if 1 not in table:
+        raise ConfigError("step_ms", "the step costs need the one-row step (rows 1)")
+    batch = tuple((b, ms) for b, ms in sorted(table.items()) if b > 1)
+    one = LayoutDevice(name="master", layer_ms=table[1], memory_mb=0.0, batch_layer_ms=batch)
+    devs = [one] + [
+        LayoutDevice(name=f"worker{d}", layer_ms=table[1], memory_mb=0.0, rtt_ms=r,
+                     batch_layer_ms=batch)
+        for d, r in enumerate(rtt_ms, start=1)
+    ]  # fmt: skip
+    rep = aggregate_tok_s("replica", active, (layers,), devs, lanes=per_device)
+    return rep > aggregate_tok_s("single", active, (layers,), devs[:1])
+
+
+def measure_step_ms(runner: LocalRunner, rows: int, steps: int = 5) -> float:
+    """ms of one decoder layer for a decode step of ``rows`` streams at once on ``runner``
+    (greedy; the median of the steps after the first two)."""
+    L = runner.model.config.num_hidden_layers
+    slots = list(range(1, rows + 1))
+    toks, times = [1] * rows, []
+    with torch.inference_mode():
+        for pos in range(steps):
+            work = [Work(slot=s, ids=(t,), start=pos) for s, t in zip(slots, toks)]
+            t0 = time.perf_counter()
+            out = runner.forward_batch(work, top=1)
+            times.append(time.perf_counter() - t0)
+            toks = [int(lg.argmax()) if lg is not None else 1 for lg in out]
+    for s in slots:
+        runner.drop(s)
+    return 1e3 * statistics.median(times[2:]) / L
 
 
 @dataclass(frozen=True)
@@ -190,7 +242,11 @@ class ReplicaRunner:
         model_dir: str,
         cfg: ClusterConfig,
         plan: dict[str, Any] | None = None,
+        step_ms: Sequence[tuple[int, float]] | None = None,
     ) -> None:
+        """``step_ms``: ms of one decoder layer for a step of that many rows on a device
+        (rows 1 among them; :func:`split_pays`), as the planner measured them; without it
+        the runner measures steps of 1 and 2 x devices rows at start."""
         self.comm, self.cfg, self.model_dir = comm, cfg, str(model_dir)
         self._lock = threading.RLock()  # one step / ping at a time
         self._closed = threading.Event()
@@ -225,6 +281,12 @@ class ReplicaRunner:
         self._assign()
         self.rtt_ms = [self._echo(d) for d in range(1, len(self.workers) + 1)]
         self.per_device = cfg.replica_lanes
+        if step_ms is None:
+            step_ms = [(b, measure_step_ms(self.local, b)) for b in sorted({1, 2 * self.devices})]
+        self.step_ms = tuple(sorted(dict(step_ms).items()))
+        if not self.step_ms or self.step_ms[0][0] != 1:
+            raise ConfigError("step_ms", "the step costs need the one-row step (rows 1)")
+        self._lanes_for: dict[int, int] = {}  # running streams -> lanes that pay (cached)
         self._healthy, self._status = True, "ok"
         self._heartbeat = threading.Thread(target=self._beat, name="edge-beat", daemon=True)
         self._heartbeat.start()
@@ -358,6 +420,17 @@ class ReplicaRunner:
     def lanes(self) -> int:
         """Steps the engine keeps in flight: ``per_device`` per device."""
         return self.per_device * self.devices
+
+    def lanes_for(self, active: int) -> int:
+        """Lanes that pay for ``active`` running streams (asked by the engine as it plans):
+        1 while one device's batched step of them is predicted at least as fast as splitting
+        them (:func:`split_pays`), else :attr:`lanes`."""
+        n = self._lanes_for.get(active)
+        if n is None:
+            L = self.config.num_hidden_layers
+            pays = split_pays(active, L, self.step_ms, self.rtt_ms, self.per_device)
+            n = self._lanes_for[active] = self.lanes if pays else 1
+        return n
 
     def _check(self, work: Sequence[Work]) -> None:
         if not self._healthy:
@@ -687,6 +760,8 @@ class ReplicaRunner:
             "layout": "replica",
             "slots": slots,  # caches each device holds now (the master first)
             "rtt_ms": [round(x, 3) for x in self.rtt_ms],  # to each worker, measured at start
+            # ms of one decoder layer per step of that many rows (lanes_for), from the start
+            "step_ms": [[b, round(ms, 4)] for b, ms in self.step_ms],
             "cycle": self.times.report(),
         }
         if self._plan is not None:

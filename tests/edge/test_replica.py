@@ -12,10 +12,11 @@ import pytest
 import torch
 
 from edge.cluster import ClusterConfig, WorkerConfig, run_worker
-from edge.cluster.replica import MIGRATE_TOKENS, ReplicaRunner, move_home
+from edge.cluster.replica import MIGRATE_TOKENS, ReplicaRunner, move_home, split_pays
 from edge.engine import ClusterUnavailable, Engine, LocalRunner, Work
 from edge.sampling import SamplingParams
 from edge.shardio import load_shard
+from lowband.errors import ConfigError
 from lowband.models.llama import Span
 from lowband.models.tokenizer import ByteTokenizer
 from tests.edge.test_edge_cluster import _Thread
@@ -30,7 +31,13 @@ def ckpt(tmp_path_factory):
     return write_ckpt(tmp_path_factory.mktemp("replica"), 3, 7)
 
 
-def _start(path, world=2, **kw):
+# ms of one decoder layer per step of that many rows: no gain from batching (splitting the
+# streams over the devices pays from 2 streams on), and batching for free (it never pays)
+LINEAR = ((1, 10.0), (8, 80.0))
+FLAT = ((1, 10.0), (8, 10.0))
+
+
+def _start(path, world=2, step_ms=LINEAR, **kw):
     group = LoopbackGroup(world, timeout=20)
     comms = group.comms()
     workers = [_Thread(lambda c=c: run_worker(c, WorkerConfig(join_timeout=20))) for c in comms[1:]]
@@ -39,7 +46,7 @@ def _start(path, world=2, **kw):
     cfg = ClusterConfig(
         devices=world, op_timeout=5.0, join_timeout=20, heartbeat_s=0.3, layout="replica", **kw
     )
-    return ReplicaRunner(comms[0], str(path), cfg), workers, comms
+    return ReplicaRunner(comms[0], str(path), cfg, step_ms=step_ms), workers, comms
 
 
 def _stop(runner, workers) -> None:
@@ -292,6 +299,10 @@ def _dev(name, rtt=0.0, mem=1e6):
     return LayoutDevice(name=name, layer_ms=7.8 / 18, memory_mb=mem, rtt_ms=rtt, batch_layer_ms=b)
 
 
+def _costs(dev):
+    return ((1, dev.layer_ms), *dev.batch_layer_ms)
+
+
 def test_planner_chooses_replica_where_the_model_fits_and_streams_are_many() -> None:
     from edge.planner import aggregate_tok_s, plan_layout
 
@@ -313,6 +324,9 @@ def test_planner_chooses_replica_where_the_model_fits_and_streams_are_many() -> 
     one = plan_layout(18, 10.0, devs)
     assert one.layout == "replica" and one.predicted_ms["replica"] == one.predicted_ms["single"]
     assert "one stream runs on the master alone" in one.reason and "8 streams" in one.reason
+    # where splitting loses (split_pays, which the runner's lanes_for asks), one step of them
+    kept = [k for k in range(2, 9) if not split_pays(k, 18, _costs(devs[0]), [4.0])]
+    assert kept and f"{', '.join(map(str, kept))} streams run as one step" in one.reason
     # a worker so far away that its streams lose more than the master's gain: one device
     far = plan_layout(18, 10.0, [_dev("m"), _dev("w", rtt=400.0)])
     assert far.layout == "single" and "replica" in far.predicted_ms
@@ -360,3 +374,122 @@ def test_a_worker_without_the_model_gets_it_shipped(ckpt, tmp_path) -> None:
         runner.close()
         w.join(10)
     assert w.error is None
+
+
+def test_split_pays_by_the_step_costs() -> None:
+    """One device's batched step against splitting the streams (the planner's rates): Gemma 3
+    270M's step costs on one core (1 row 7.8 ms, 2: 11.1, 3: 14.7, 4: 17.6, 8: 38; 18
+    layers) over a 4 ms round trip keep 2-3 streams on one device and split 4 or more."""
+    gemma = [(b, ms / 18) for b, ms in ((1, 7.8), (2, 11.1), (3, 14.7), (4, 17.6), (8, 38.0))]
+    assert [split_pays(n, 18, gemma, [4.0]) for n in range(1, 9)] == [False] * 3 + [True] * 5
+    assert split_pays(2, 18, gemma, [0.5])  # a fast link splits two already
+    assert not split_pays(8, 18, gemma, [80.0])  # a slow one never
+    assert [split_pays(n, 3, LINEAR, [0.1]) for n in (1, 2, 8)] == [False, True, True]
+    assert not any(split_pays(n, 3, FLAT, [0.1]) for n in range(1, 9))
+    assert not split_pays(4, 18, gemma, [])  # no worker
+    with pytest.raises(ConfigError, match="one-row"):
+        split_pays(4, 18, [(4, 1.0)], [1.0])
+
+
+def _run_streams(eng, prompts, params):
+    gate = threading.Event()
+    eng.call(lambda: gate.wait(20))
+    threads = [_Thread(lambda p=p: eng.complete(p, params)) for p in prompts]
+    for t in threads:
+        t.start()
+    with eng._cv:
+        assert eng._cv.wait_for(lambda: len(eng._waiting) == len(prompts), timeout=20)
+    gate.set()
+    for t in threads:
+        t.join(30)
+    return [t.result[0] for t in threads]
+
+
+@pytest.mark.parametrize("costs,n,lanes", [(FLAT, 2, 1), (LINEAR, 8, 2)])
+def test_the_engine_runs_the_lanes_that_pay(ckpt, costs, n, lanes) -> None:
+    """lanes_for 1 (batching is free): two streams run as one step of both rows on the master;
+    2 (splitting pays): eight streams as two steps of four in flight at once, one per device.
+    The greedy texts are one device's either way."""
+    params = SamplingParams(max_tokens=6)
+    prompts = ["Hello", "Once upon", "The cat", "A long time ago", "Zebra", "x", "Hi all", "So"]
+    prompts = prompts[:n]
+    local = Engine(LocalRunner(load_shard(ckpt).model), ByteTokenizer(), model_name="m")
+    want = [local.complete(p, params)[0] for p in prompts]
+    local.close()
+    runner, workers, _ = _start(ckpt, step_ms=costs)
+    sizes, flying = [], []
+    submit = runner.submit
+
+    def recording(work, top=0):
+        flight = submit(work, top)
+        sizes.append(len(work))
+        flying.append(len(runner._flights))
+        return flight
+
+    runner.submit = recording
+    try:
+        eng = Engine(runner, ByteTokenizer(), model_name="m", parallel=8)
+        assert eng.lanes == 2 and runner.lanes_for(n) == lanes
+        assert _run_streams(eng, prompts, params) == want
+        assert sizes[0] == n // lanes and max(flying) == lanes
+        rows = runner.health()["cycle"]["rows"]
+        if lanes == 1:
+            assert rows[1] == 0, rows  # all on the master
+        else:
+            assert rows[0] > 0 and rows[1] > 0, rows
+        eng.close()
+    finally:
+        _stop(runner, workers)
+
+
+def test_step_costs_measured_at_start_without_the_planners(ckpt) -> None:
+    runner, workers, _ = _start(ckpt, step_ms=None)
+    try:
+        costs = runner.health()["step_ms"]
+        assert [b for b, _ in costs] == [1, 4] and all(ms > 0 for _, ms in costs)
+        assert runner.lanes_for(1) == 1 and runner.lanes_for(64) in (1, 2)
+        assert runner.local.slot_length(1) == 0  # the measuring steps' caches are gone
+    finally:
+        _stop(runner, workers)
+
+
+def test_lanes_shrinking_with_steps_in_flight_lose_none(ckpt) -> None:
+    """lanes_for drops from 2 to 1 when half the streams finish while a step is in flight:
+    that step lands first, then the rest run as one step; every text is one device's."""
+    prompts = ["Hello", "Once upon", "The cat", "A long time ago", "Zebra", "x", "Hi all", "So"]
+    lens = [2, 9] * 4
+    local = Engine(LocalRunner(load_shard(ckpt).model), ByteTokenizer(), model_name="m")
+    want = [local.complete(p, SamplingParams(max_tokens=k))[0] for p, k in zip(prompts, lens)]
+    local.close()
+    runner, workers, _ = _start(ckpt)
+    flying = []
+    submit = runner.submit
+
+    def recording(work, top=0):
+        flight = submit(work, top)
+        flying.append(len(runner._flights))
+        return flight
+
+    runner.submit = recording
+    runner.lanes_for = lambda active: 2 if active > 4 else 1
+    try:
+        eng = Engine(runner, ByteTokenizer(), model_name="m", parallel=8)
+        gate = threading.Event()
+        eng.call(lambda: gate.wait(20))
+        threads = [
+            _Thread(lambda p=p, k=k: eng.complete(p, SamplingParams(max_tokens=k)))
+            for p, k in zip(prompts, lens)
+        ]
+        for t in threads:
+            t.start()
+        with eng._cv:
+            assert eng._cv.wait_for(lambda: len(eng._waiting) == len(prompts), timeout=20)
+        gate.set()
+        for t in threads:
+            t.join(30)
+        assert [t.result[0] for t in threads] == want
+        # two steps in flight while eight ran, then one at a time (the last steps: four)
+        assert 2 in flying and flying[-3:] == [1, 1, 1], flying
+        eng.close()
+    finally:
+        _stop(runner, workers)
