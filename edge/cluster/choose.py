@@ -25,8 +25,8 @@ from edge.cluster.layout import LayerRange
 from edge.cluster.master import ClusterConfig, MasterRunner
 from edge.cluster.pipeline import PipelineRunner
 from edge.cluster.protocol import CTL, READY, Bye, Echo, Regroup, Shutdown, master_rank
-from edge.cluster.replica import ReplicaRunner
-from edge.engine import LocalRunner, Runner, Work
+from edge.cluster.replica import ReplicaRunner, measure_step_ms
+from edge.engine import LocalRunner, Runner
 from edge.planner import LayoutDevice, LayoutPlan, busy_streams, plan_layout
 from edge.profile import memory_available_mb
 from edge.shardio import is_split_dir, load_shard
@@ -80,23 +80,6 @@ def measure_layer_ms(runner: LocalRunner, steps: int = 12) -> float:
     return 1e3 * statistics.median(times[2:]) / L
 
 
-def measure_step_ms(runner: LocalRunner, rows: int, steps: int = 6) -> float:
-    """ms of one decoder layer for a decode step of ``rows`` streams at once (greedy, the
-    batched step the engine runs; ``measure_layer_ms`` is rows = 1)."""
-    L = runner.model.config.num_hidden_layers
-    slots = list(range(1, rows + 1))
-    toks, times = [1] * rows, []
-    for pos in range(steps):
-        work = [Work(slot=s, ids=[t], start=pos) for s, t in zip(slots, toks)]
-        t0 = time.perf_counter()
-        out = runner.forward_batch(work, top=1)
-        times.append(time.perf_counter() - t0)
-        toks = [int(lg.argmax()) if lg is not None else 1 for lg in out]
-    for s in slots:
-        runner.drop(s)
-    return 1e3 * statistics.median(times[2:]) / L
-
-
 def tp_only(model_dir: str, cc: ClusterConfig) -> str | None:
     """Why only the tensor-parallel layout serves this (None: any layout can): a directory
     split for N devices, or an option only tensor parallelism has."""
@@ -143,7 +126,7 @@ def start_runner(comm: Communicator, model_dir: str, cc: ClusterConfig) -> Runne
             rows = sorted(
                 {-(-n // (lanes * D)), -(-n // D), n} | ({-(-N // G)} if N > 1 else set())
             )
-            batch = tuple((b, measure_step_ms(local, b)) for b in rows if b > 1)
+            batch = tuple((b, measure_step_ms(local, b, steps=6)) for b in rows if b > 1)
             steps = ((1, layer_ms), *batch)
         rtts = measure_rtts(comm, workers, cc.op_timeout)
         cfg = shard.model.config
