@@ -135,8 +135,10 @@ def test_engine_texts_match_one_device(ckpt) -> None:
         eng = Engine(runner, ByteTokenizer(), model_name="m", parallel=4)
         assert eng.lanes == 2
         # the scheduler held in a call until all four requests wait: admitted together
-        gate = threading.Event()
-        eng.call(lambda: gate.wait(20))
+        gate, running = threading.Event(), threading.Event()
+        eng.call(lambda: (running.set(), gate.wait(20)))
+        # (the scheduler admits what waits before it runs a call: start nothing until then)
+        assert running.wait(20)
         threads = [_Thread(lambda p=p: eng.complete(p, params)) for p in prompts]
         for t in threads:
             t.start()
@@ -168,8 +170,10 @@ def test_eight_streams_in_four_lanes_two_per_device_match_one_device(ckpt) -> No
     try:
         eng = Engine(runner, ByteTokenizer(), model_name="m", parallel=8)
         assert eng.lanes == 4
-        gate = threading.Event()
-        eng.call(lambda: gate.wait(20))
+        gate, running = threading.Event(), threading.Event()
+        eng.call(lambda: (running.set(), gate.wait(20)))
+        # (the scheduler admits what waits before it runs a call: start nothing until then)
+        assert running.wait(20)
         threads = [_Thread(lambda p=p: eng.complete(p, params)) for p in prompts]
         for t in threads:
             t.start()
@@ -392,8 +396,9 @@ def test_split_pays_by_the_step_costs() -> None:
 
 
 def _run_streams(eng, prompts, params):
-    gate = threading.Event()
-    eng.call(lambda: gate.wait(20))
+    gate, running = threading.Event(), threading.Event()
+    eng.call(lambda: (running.set(), gate.wait(20)))
+    assert running.wait(20)  # (the scheduler admits what waits before it runs a call)
     threads = [_Thread(lambda p=p: eng.complete(p, params)) for p in prompts]
     for t in threads:
         t.start()
@@ -474,8 +479,10 @@ def test_lanes_shrinking_with_steps_in_flight_lose_none(ckpt) -> None:
     runner.lanes_for = lambda active: 2 if active > 4 else 1
     try:
         eng = Engine(runner, ByteTokenizer(), model_name="m", parallel=8)
-        gate = threading.Event()
-        eng.call(lambda: gate.wait(20))
+        gate, running = threading.Event(), threading.Event()
+        eng.call(lambda: (running.set(), gate.wait(20)))
+        # (the scheduler admits what waits before it runs a call: start nothing until then)
+        assert running.wait(20)
         threads = [
             _Thread(lambda p=p, k=k: eng.complete(p, SamplingParams(max_tokens=k)))
             for p, k in zip(prompts, lens)
