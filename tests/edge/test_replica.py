@@ -134,20 +134,8 @@ def test_engine_texts_match_one_device(ckpt) -> None:
     try:
         eng = Engine(runner, ByteTokenizer(), model_name="m", parallel=4)
         assert eng.lanes == 2
-        # the scheduler held in a call until all four requests wait: admitted together
-        gate, running = threading.Event(), threading.Event()
-        eng.call(lambda: (running.set(), gate.wait(20)))
-        # (the scheduler admits what waits before it runs a call: start nothing until then)
-        assert running.wait(20)
-        threads = [_Thread(lambda p=p: eng.complete(p, params)) for p in prompts]
-        for t in threads:
-            t.start()
-        with eng._cv:
-            assert eng._cv.wait_for(lambda: len(eng._waiting) == len(prompts), timeout=20)
-        gate.set()
-        for t in threads:
-            t.join(30)
-        assert [t.result[0] for t in threads] == want
+        # the four requests admitted together (the scheduler held until they all wait)
+        assert _run_streams(eng, prompts, params) == want
         rows = runner.health()["cycle"]["rows"]
         assert rows[0] > 0 and rows[1] > 0, rows  # both devices ran streams
         # a lone stream whose prefix is cached (on either device): the same text
@@ -170,19 +158,7 @@ def test_eight_streams_in_four_lanes_two_per_device_match_one_device(ckpt) -> No
     try:
         eng = Engine(runner, ByteTokenizer(), model_name="m", parallel=8)
         assert eng.lanes == 4
-        gate, running = threading.Event(), threading.Event()
-        eng.call(lambda: (running.set(), gate.wait(20)))
-        # (the scheduler admits what waits before it runs a call: start nothing until then)
-        assert running.wait(20)
-        threads = [_Thread(lambda p=p: eng.complete(p, params)) for p in prompts]
-        for t in threads:
-            t.start()
-        with eng._cv:
-            assert eng._cv.wait_for(lambda: len(eng._waiting) == len(prompts), timeout=20)
-        gate.set()
-        for t in threads:
-            t.join(30)
-        assert [t.result[0] for t in threads] == want
+        assert _run_streams(eng, prompts, params) == want
         h = runner.health()
         assert h["slots"] == [4, 4] and h["lanes"] == 4 and h["devices"] == 2
         assert h["cycle"]["moved"] == 0  # each lane's streams stayed on their device
@@ -396,6 +372,8 @@ def test_split_pays_by_the_step_costs() -> None:
 
 
 def _run_streams(eng, prompts, params):
+    """Each prompt from its own thread, all admitted together (the scheduler held in a call
+    until they wait); their texts."""
     gate, running = threading.Event(), threading.Event()
     eng.call(lambda: (running.set(), gate.wait(20)))
     assert running.wait(20)  # (the scheduler admits what waits before it runs a call)
