@@ -106,7 +106,10 @@ def _parse_table(payload: bytearray, who: str) -> tuple[dict, list[tuple[str, in
         raise ProtocolError(f"a frame table from {who} carries no metadata table")
     frames, off = [], start + tlen
     for entry in table["f"]:
-        if not (isinstance(entry, list) and len(entry) == 2 and entry[0] in _DTYPES):
+        if (
+            not (isinstance(entry, list) and len(entry) == 2 and isinstance(entry[0], str))
+            or entry[0] not in _DTYPES
+        ):
             raise ProtocolError(f"bad frame table from {who}")
         nbytes = entry[1]
         if not isinstance(nbytes, int) or not 0 <= nbytes <= n - off:

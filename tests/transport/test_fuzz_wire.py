@@ -13,7 +13,7 @@ import msgpack
 import pytest
 import torch
 import zmq
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 
 from lowband.errors import PeerLost, ProtocolError, VersionMismatch
@@ -344,6 +344,11 @@ def hellos(draw) -> bytes:
 @pytest.mark.timeout(60)
 @FUZZ
 @given(hellos())
+# a frame table whose dtype is a list (unhashable): was a TypeError, found by this test in CI
+@example(
+    data=b"LBSL\x01\x01\x00\x00\x00\x00\x00\x00\x0e\x00\x00\x00\x00\x00\x00\x00\n\x00\x00\x00"
+    b"\x82\xa1m\x80\xa1f\x91\x92\x90\xc0"
+)
 def test_starlink_hello_raises_only_typed_errors(data) -> None:
     a, b = socket.socketpair()
     try:
