@@ -23,14 +23,15 @@ cli`` (the default) runs every arm with what ``lowband edge`` sets (``cli.OPENMP
 variable (libgomp's own default); where the environment this process started with differs,
 the benchmark runs again in a child process that has it (``omp_wait`` in the JSON says which).
 
-``--pair trained`` adds the draft pair trained here (:mod:`benchmarks.spec_pair`: a 10.8 M
-and a 0.98 M byte-level Llama trained by lowband's trainer on the same Shakespeare text, built
-once under ``~/.cache/lowband/bench``): the target's ``--pair-widths`` files (F32 and/or
-Q4_K_M) with the F32 draft, ours and llama-server ``-md`` on the same files
-(``lowband-pair-<width>/off|draft``, ``llama-server-pair-<width>/off|md``); ``--pair-only``
-runs those arms alone; with ``--streams N`` each target also runs N streams (the two workloads
-in turn) without and with the draft. ``--pair tiny`` is the seconds-long recipe (the smoke
-test).
+``--pair trained`` adds the draft pair trained here (:mod:`benchmarks.spec_pair`: an 18.9 M
+and a 1.3 M byte-level Llama trained by lowband's trainer on the same Shakespeare text, built
+once under ``~/.cache/lowband/bench``; ``--pair small``: the first pair, 10.8 M and 0.46 M):
+the target's ``--pair-widths`` files (F32 and/or Q4_K_M) with the F32 draft, ours and
+llama-server ``-md`` on the same files (``lowband-pair-<width>/off|draft``,
+``llama-server-pair-<width>/off|md``); ``--pair-only`` runs those arms alone; with ``--streams
+N`` each target also runs N streams (the two workloads in turn) without and with the draft.
+``--pair tiny`` is the seconds-long recipe (the smoke test). ``--wan PROFILE --pair trained``:
+the across-devices arms on the pair's F32 target, its draft model in place of prompt lookup.
 
 ``python -m benchmarks.edge_speculative --json`` (the last line is the JSON);
 ``--tiny`` runs a random two-layer model, ours only, k fixed at ``--draft-max`` (the smoke
@@ -247,7 +248,7 @@ def _pair_arms(
     from edge.shardio import load_shard
     from lowband.models.tokenizer import ByteTokenizer
 
-    name = "tiny-pair" if a.pair == "tiny" else "shakespeare-pair"
+    name = {"tiny": "tiny-pair", "small": "shakespeare-pair-small"}.get(a.pair, "shakespeare-pair")
     pair = build_pair(name, a.pair_cache)
     if a.pair == "tiny":  # k fixed, as --tiny: the smoke test sees drafts verified
         cfg = SpecConfig(draft_max=a.draft_max, adaptive=False)
@@ -368,6 +369,13 @@ def _base(arm: str) -> str:
 WAN_ARMS = ("single/off", "single/lookup", "pipeline/off", "pipeline/lookup")
 
 
+def _wan_arms(a: argparse.Namespace) -> tuple[str, ...]:
+    """The arms of a ``--wan`` run: with ``--pair`` the draft model replaces prompt lookup."""
+    if a.pair == "none":
+        return WAN_ARMS
+    return tuple(n.replace("/lookup", "/draft") for n in WAN_ARMS)
+
+
 def _get_json(port: int, path: str) -> dict:
     with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=60) as r:
         return json.loads(r.read())
@@ -382,7 +390,9 @@ def _spec_counts(port: int) -> tuple[int, int, int]:
     )
 
 
-def wan_client(port: int, prompts: dict[str, str], tokens: int, streams: int) -> dict:
+def wan_client(
+    port: int, prompts: dict[str, str] | dict[str, list[int]], tokens: int, streams: int
+) -> dict:
     """One round of an arm (runs inside site 0): per workload one streamed greedy completion
     (decode tok/s from the first to the last chunk, the text, this request's acceptance and
     tokens per verification pass), then ``streams`` completions at once (the workloads in
@@ -429,14 +439,19 @@ def wan_client(port: int, prompts: dict[str, str], tokens: int, streams: int) ->
     return out
 
 
-def _wan_prompts(tiny: bool) -> dict[str, str]:
+def _wan_prompts(tiny: bool, pair: str = "none") -> dict[str, str] | dict[str, list[int]]:
+    if pair != "none":  # the pair's GGUF files carry placeholder token names: send byte ids
+        ids = _pair_prompts()
+        return {w: t[:120] for w, t in ids.items()} if pair == "tiny" else ids
     # the tiny model's byte vocabulary and 512 positions: the workloads' first 120 characters
     return {w: t[:120] for w, t in WORKLOADS.items()} if tiny else dict(WORKLOADS)
 
 
-def run_wan(profile: str, model: str, a: argparse.Namespace) -> dict:
-    """Every arm of :data:`WAN_ARMS` started on one testbed, then ``a.repeats`` rounds, the
-    arms' order rotated each round (each round: every workload, then the streams)."""
+def run_wan(profile: str, model: str, a: argparse.Namespace, draft: str | None = None) -> dict:
+    """Every arm of :func:`_wan_arms` started on one testbed, then ``a.repeats`` rounds, the
+    arms' order rotated each round (each round: every workload, then the streams). ``draft``:
+    the draft model file of the ``/draft`` arms (``--pair``)."""
+    names = _wan_arms(a)
     from benchmarks.edge_wan import PROFILES, Arm, Bench
     from transport.links.tun.calibrate import measure_rtt
     from transport.links.tun.shape import PathConfig
@@ -458,12 +473,15 @@ def run_wan(profile: str, model: str, a: argparse.Namespace) -> dict:
         rtt = measure_rtt(bed, count=10)
         arms: dict[str, Arm] = {}
         try:
-            for name in WAN_ARMS:
+            for name in names:
                 layout, mode = name.split("/")
                 arm = Arm(layout, bed, cfg, log_dir)
                 arm.log = log_dir / f"{layout}-{mode}.log"
                 if mode == "lookup":
                     arm.master += ["--lookup", "--draft-max", str(a.draft_max)]
+                elif mode == "draft":
+                    assert draft is not None
+                    arm.master += ["--draft", draft, "--draft-max", str(a.draft_max)]
                 arms[name] = arm
                 arm.start()
 
@@ -471,18 +489,19 @@ def run_wan(profile: str, model: str, a: argparse.Namespace) -> dict:
                 args = [sys.executable, "-m", "benchmarks.edge_speculative", "--wan-client"]
                 args += ["--port", str(arms[name].port), "--tokens", str(tokens)]
                 args += ["--streams", str(streams)] + (["--tiny"] if a.tiny else [])
+                args += ["--pair", a.pair]
                 r = bed.run_in(0, args, capture_output=True, text=True, timeout=900)
                 if r.returncode != 0:
                     raise RuntimeError(f"{name}: {(r.stderr or r.stdout)[-600:]}")
                 return json.loads(r.stdout.strip().splitlines()[-1])
 
-            for name in WAN_ARMS:  # warm-up: first requests pay for allocation, tables
+            for name in names:  # warm-up: first requests pay for allocation, tables
                 client(name, min(a.tokens, 8), 0)
             for rep in range(a.repeats):
-                order = list(WAN_ARMS[rep % 4 :] + WAN_ARMS[: rep % 4])
+                order = list(names[rep % 4 :] + names[: rep % 4])
                 for name in order:
                     for w, r in client(name, a.tokens, a.streams).items():
-                        raw.setdefault(w, {n: [] for n in WAN_ARMS})[name].append(r)
+                        raw.setdefault(w, {n: [] for n in names})[name].append(r)
                         print(
                             f"# {rep} {w} {name}: {r['tok_s']:.1f} tok/s, acc {r['acceptance']}",
                             file=sys.stderr,
@@ -511,11 +530,11 @@ def run_wan(profile: str, model: str, a: argparse.Namespace) -> dict:
                 res[name]["tokens_per_pass"] = round(statistics.median(tpp), 3)
         base = statistics.median(r["tok_s"] for r in per["single/off"])
         res["vs_one_device_off"] = {
-            n: round(statistics.median(r["tok_s"] for r in per[n]) / base, 3) for n in WAN_ARMS
+            n: round(statistics.median(r["tok_s"] for r in per[n]) / base, 3) for n in names
         }
         if "text" in per["single/off"][0]:  # greedy text identical in every arm and round
             want = per["single/off"][0]["text"]
-            res["identical"] = {n: all(r["text"] == want for r in per[n]) for n in WAN_ARMS}
+            res["identical"] = {n: all(r["text"] == want for r in per[n]) for n in names}
         out[w] = res
     return {
         "profile": profile,
@@ -558,21 +577,32 @@ def _rerun_with(policy: str, argv: list[str]) -> int | None:
 
 def _wan_main(a: argparse.Namespace, args: list[str]) -> int:
     """``--wan PROFILE``: :func:`run_wan` on the real Gemma 3 270M Q4_K_M file (``--tiny``: a
-    random four-layer model, the smoke test), its record printed last."""
+    random four-layer model, the smoke test; ``--pair``: the trained pair's F32 target, its
+    draft model instead of prompt lookup), its record printed last."""
     from benchmarks.edge_wan import _tiny_model
 
-    if a.tiny:
+    draft = None
+    if a.pair != "none":
+        from benchmarks.spec_pair import build_pair
+
+        name = {"tiny": "tiny-pair", "small": "shakespeare-pair-small"}.get(
+            a.pair, "shakespeare-pair"
+        )
+        pair = build_pair(name, a.pair_cache)
+        model, draft = pair["target"]["f32"], pair["draft"]["f32"]
+    elif a.tiny:
         model = _tiny_model(Path(tempfile.mkdtemp(prefix="edge_speculative_tiny_")))
     else:
         from benchmarks.real_models import gemma3_270m
 
         model = str(gemma3_270m())
     t = time.time()
-    wan = run_wan(a.wan, model, a)
+    wan = run_wan(a.wan, model, a, draft)
+    spec = "prompt lookup" if draft is None else "the trained draft model"
     record = {
         "benchmark": "edge_speculative",
         "title": f"speculative decoding across devices: one device vs pipeline-2 on `{a.wan}`, "
-        "speculation off / prompt lookup",
+        f"speculation off / {spec}",
         "command": "python -m benchmarks.edge_speculative " + " ".join(args),
         "commit": _commit(),
         "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
@@ -582,6 +612,7 @@ def _wan_main(a: argparse.Namespace, args: list[str]) -> int:
         "result": {
             "wan": wan,
             "model": model,
+            "draft": draft,
             "tokens": a.tokens,
             "repeats": a.repeats,
             "draft_max": a.draft_max,
@@ -591,7 +622,8 @@ def _wan_main(a: argparse.Namespace, args: list[str]) -> int:
         "notes": "greedy, ignore_eos, one streamed completion per workload and arm per round "
         "(decode tok/s from the first to the last chunk), then N completions at once "
         "(aggregate tok/s over the run); lookup = `edge serve --lookup`, k adaptive in "
-        "[0, draft_max]; a verification pass carries its k + 1 rows through both stages in "
+        "[0, draft_max]; draft = `edge serve --draft FILE` (--pair); a verification pass "
+        "carries its k + 1 rows through both stages in "
         "one traversal; vs_one_device_off: tok/s over one device without speculation",
     }
     if not a.json:
@@ -618,7 +650,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument(
         "--pair",
-        choices=("none", "trained", "tiny"),
+        choices=("none", "trained", "small", "tiny"),
         default="none",
         help="add the target/draft pair trained here (benchmarks.spec_pair; tiny: smoke recipe)",
     )
@@ -647,7 +679,8 @@ def main(argv: list[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     a = p.parse_args(args)
     if a.wan_client:  # inside site 0, for run_wan
-        print(json.dumps(wan_client(a.port, _wan_prompts(a.tiny), a.tokens, a.streams)))
+        prompts = _wan_prompts(a.tiny, a.pair)
+        print(json.dumps(wan_client(a.port, prompts, a.tokens, a.streams)))
         return 0
     if a.wan:
         return _wan_main(a, args)

@@ -28,11 +28,24 @@ CACHE = Path.home() / ".cache/lowband/bench"
 
 # shapes (hidden, layers, heads) and training (steps, batch, seq, lr, warmup) of each model
 RECIPES: dict[str, dict] = {
-    # target 10.8 M parameters (hidden 384, 6 layers), draft 0.46 M (hidden 128, 2 layers):
-    # about 23x fewer FLOPs per token. Both see the same 160 batches (seq 128, batch 16: 2048
-    # tokens a step, 0.33 M tokens, a third of the sample's training split) at the same lr;
-    # sized to train in minutes on 2 CPU cores.
+    # target 18.9 M parameters (hidden 512, 6 layers: 76 MB as F32, more than this machine's
+    # 32 MB L3, so a decode pass is bound by memory as a real model's is), trained by
+    # lowband's trainer on 512 batches (seq 128, batch 16: 2048 tokens a step, 1.05 M tokens,
+    # about 1.2 passes over the sample's training split), about 17 minutes on 2 CPU cores; the
+    # draft 1.4 M (hidden 192, 3 layers, about 13x fewer FLOPs per token) distilled from it on
+    # the same training split (``distill``: the target's next-byte distribution as the label,
+    # the way draft models are usually made to agree with their target), a few minutes.
     "shakespeare-pair": dict(
+        target=dict(hidden=512, layers=6, heads=8, steps=512, batch=16, seq=128, lr=3e-3),
+        draft=dict(
+            hidden=192, layers=3, heads=4, steps=512, batch=16, seq=128, lr=4e-3, distill=True
+        ),
+        max_positions=2048,
+        seed=0,
+    ),
+    # the first pair (10.8 M / 0.46 M, 160 batches): its target fits the L3 cache nearly whole,
+    # so verifying k tokens costs their arithmetic (``--pair small``)
+    "shakespeare-pair-small": dict(
         target=dict(hidden=384, layers=6, heads=6, steps=160, batch=16, seq=128, lr=4e-3),
         draft=dict(hidden=128, layers=2, heads=4, steps=160, batch=16, seq=128, lr=4e-3),
         max_positions=2048,
@@ -40,7 +53,7 @@ RECIPES: dict[str, dict] = {
     ),
     "tiny-pair": dict(
         target=dict(hidden=64, layers=2, heads=4, steps=20, batch=4, seq=64, lr=3e-3),
-        draft=dict(hidden=32, layers=1, heads=2, steps=20, batch=4, seq=64, lr=3e-3),
+        draft=dict(hidden=32, layers=1, heads=2, steps=20, batch=4, seq=64, lr=3e-3, distill=True),
         max_positions=1024,
         seed=0,
     ),
@@ -104,9 +117,87 @@ def _q4_k_m(src: Path, dst: Path) -> bool:
     return True
 
 
+def _distill_one(spec: dict, teacher_dir: Path, max_positions: int, seed: int, out: Path) -> dict:
+    """Train a draft to agree with its target: on windows of the training split (the batches
+    the trainer draws, ``diloco.data.train_batch``), minimise KL(target || draft) over the
+    next-byte distributions of every position, AdamW with the trainer's warmup and cosine
+    schedule. Writes the HF checkpoint to out/model."""
+    import torch
+    import torch.nn.functional as F
+
+    from diloco.config import DataConfig, LrSchedule, byte_llama
+    from diloco.data import load_corpus, train_batch
+    from lowband.models.llama import LlamaForCausalLM, init_weights
+    from lowband.models.weights import load_pretrained, save_pretrained
+
+    teacher = load_pretrained(teacher_dir).float().eval()
+    cfg = byte_llama(spec["hidden"], spec["layers"], spec["heads"], seq_len=max_positions)
+    torch.manual_seed(seed)
+    student = LlamaForCausalLM(cfg)
+    init_weights(student, seed=seed)
+    corpus = load_corpus(DataConfig(seq_len=spec["seq"], batch_size=spec["batch"]), 256)
+    opt = torch.optim.AdamW(
+        student.parameters(), lr=spec["lr"], weight_decay=0.1, betas=(0.9, 0.95)
+    )
+    sched = LrSchedule(warmup_steps=max(1, spec["steps"] // 10))
+    t0 = time.perf_counter()
+    for step in range(spec["steps"]):
+        x = train_batch(corpus.train, spec["seq"], spec["batch"], seed=seed, slot=0, step=step)
+        x = x[:, :-1]
+        with torch.no_grad():
+            p = F.log_softmax(teacher(x).float(), dim=-1)
+        q = F.log_softmax(student(x).float(), dim=-1)
+        loss = F.kl_div(q.flatten(0, 1), p.flatten(0, 1), log_target=True, reduction="batchmean")
+        for g in opt.param_groups:
+            g["lr"] = spec["lr"] * sched.factor(step, spec["steps"])
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        if step % 64 == 0:
+            print(f"# distill step {step}: KL {loss.item():.4f}", file=sys.stderr, flush=True)
+    save_pretrained(student.eval(), out / "model")
+    return {
+        "params": sum(p.numel() for p in student.parameters()),
+        "train_s": round(time.perf_counter() - t0, 1),
+        "steps": spec["steps"],
+        "distilled_from": "target",
+    }
+
+
+def _heldout(model_dir: Path, other_dir: Path | None, seq: int) -> dict:
+    """Held-out figures of one model (the sample's evaluation split, 8 batches of 16 windows):
+    its loss in nats per byte and, beside ``other_dir``'s model, how often their most likely
+    next bytes agree (what greedy draft acceptance estimates)."""
+    import torch
+    import torch.nn.functional as F
+
+    from diloco.config import DataConfig
+    from diloco.data import eval_batches, load_corpus
+    from lowband.models.weights import load_pretrained
+
+    corpus = load_corpus(DataConfig(seq_len=seq, batch_size=16), 256)
+    m = load_pretrained(model_dir).float().eval()
+    o = None if other_dir is None else load_pretrained(other_dir).float().eval()
+    loss = agree = n = 0.0
+    with torch.no_grad():
+        for b in eval_batches(corpus.eval, seq, 16, 8):
+            x, y = b[:, :-1], b[:, 1:]
+            lg = m(x).float()
+            loss += float(F.cross_entropy(lg.flatten(0, 1), y.flatten(), reduction="sum"))
+            if o is not None:
+                agree += float((lg.argmax(-1) == o(x).float().argmax(-1)).sum())
+            n += y.numel()
+    out = {"heldout_loss": round(loss / n, 4)}
+    if o is not None:
+        out["top1_agreement"] = round(agree / n, 4)
+    return out
+
+
 def build_pair(name: str = "shakespeare-pair", cache: Path = CACHE) -> dict:
     """The pair's files (built if missing): ``{role: {"f32": path, "q4_k_m": path | None}}``
-    for role ``target`` and ``draft``, and ``info`` (parameters, training time, held-out loss)."""
+    for role ``target`` and ``draft``, and ``info`` (parameters, training time, held-out loss,
+    the draft's top-1 agreement with the target). Each role is built once (its ``.ok`` marker
+    written last), the target first."""
     import torch
 
     from edge.formats.gguf import export_gguf
@@ -116,15 +207,27 @@ def build_pair(name: str = "shakespeare-pair", cache: Path = CACHE) -> dict:
     ok = root / ".ok"
     if not ok.exists():
         root.mkdir(parents=True, exist_ok=True)
-        info = {}
-        threads = torch.get_num_threads()
+        info_file = root / "info.json"
+        info = json.loads(info_file.read_text()) if info_file.exists() else {}
         for role in ("target", "draft"):
+            if (root / f"{role}.ok").exists():
+                continue
+            spec = r[role]
             print(f"# training the {role} of {name}", file=sys.stderr, flush=True)
-            info[role] = _train_one(r[role], r["max_positions"], r["seed"], root / role)
+            if spec.get("distill"):
+                got = _distill_one(
+                    spec, root / "target" / "model", r["max_positions"], r["seed"], root / role
+                )
+            else:
+                got = _train_one(spec, r["max_positions"], r["seed"], root / role)
+            other = root / "target" / "model" if role == "draft" else None
+            got.update(_heldout(root / role / "model", other, spec["seq"]))
+            info[role] = got
             f32 = export_gguf(root / role / "model", root / f"{role}-f32.gguf")
             _q4_k_m(f32, root / f"{role}-q4_k_m.gguf")
-        info["threads"] = threads
-        (root / "info.json").write_text(json.dumps(info, indent=1))
+            info["threads"] = torch.get_num_threads()
+            info_file.write_text(json.dumps(info, indent=1))
+            (root / f"{role}.ok").write_text("")
         ok.write_text("")
     out: dict = {"info": json.loads((root / "info.json").read_text()), "dir": str(root)}
     for role in ("target", "draft"):

@@ -7,6 +7,7 @@ every draft would simply be rejected).
 
 from __future__ import annotations
 
+import threading
 from typing import Sequence
 
 import torch
@@ -51,44 +52,88 @@ def check_compatible(
 
 
 class DraftModel:
-    """A loaded draft model; :meth:`drafter` makes one request's :class:`ModelDrafter`."""
+    """A loaded draft model; :meth:`drafter` makes one request's :class:`ModelDrafter`.
 
-    def __init__(self, model: LlamaForCausalLM, tokenizer: Tokenizer) -> None:
+    It keeps the KV caches of the last ``keep`` finished requests (their tokens beside them):
+    a new request whose tokens begin the same way (the same system prompt, a retried or
+    continued conversation, a benchmark's repeated prompt) starts from the cache that shares
+    the longest prefix with it instead of reading its whole prompt into the draft model again,
+    as the target's own prefix cache does."""
+
+    def __init__(self, model: LlamaForCausalLM, tokenizer: Tokenizer, keep: int = 4) -> None:
+        if keep < 0:
+            raise ConfigError("draft.keep", f"must be >= 0, got {keep}")
         self.model = model
         self.tokenizer = tokenizer
+        self.keep = keep
+        self._pool: list[tuple[list[int], KVCache]] = []  # oldest first
+        self._lock = threading.Lock()
 
     def check(self, target_vocab: int, target_tok: Tokenizer) -> None:
         check_compatible(target_vocab, target_tok, self.model.config.vocab_size, self.tokenizer)
 
     def drafter(self) -> "ModelDrafter":
-        return ModelDrafter(self.model)
+        return ModelDrafter(self.model, self)
+
+    def take(self, tokens: Sequence[int]) -> tuple[list[int], KVCache] | None:
+        """The kept cache sharing the longest prefix with ``tokens`` (removed from the pool:
+        its new owner writes into it), or None where none shares a token."""
+        with self._lock:
+            best, best_n = -1, 0
+            for i, (held, _) in enumerate(self._pool):
+                n = _common(held, tokens)
+                if n > best_n:
+                    best, best_n = i, n
+            return self._pool.pop(best) if best >= 0 else None
+
+    def give(self, held: list[int], cache: KVCache) -> None:
+        """Keep a finished request's cache (the oldest kept one leaves beyond ``keep``)."""
+        if self.keep == 0 or not held:
+            return
+        with self._lock:
+            self._pool.append((held, cache))
+            del self._pool[: max(0, len(self._pool) - self.keep)]
+
+
+def _common(a: Sequence[int], b: Sequence[int]) -> int:
+    n, m = 0, min(len(a), len(b))
+    while n < m and a[n] == b[n]:
+        n += 1
+    return n
 
 
 class ModelDrafter:
     """Proposes k tokens by decoding the draft model k times from the sequence so far. Its
     cache keeps what it computed: the next proposal recomputes only the tokens after the
-    longest common prefix (the target's own token after a rejection, usually one)."""
+    longest common prefix (the target's own token after a rejection, usually one). The first
+    proposal starts from the :class:`DraftModel`'s kept cache that shares the most of the
+    request's tokens, if any; :meth:`close` hands the cache back to be kept."""
 
-    def __init__(self, model: LlamaForCausalLM) -> None:
+    def __init__(self, model: LlamaForCausalLM, owner: DraftModel | None = None) -> None:
         self.model = model
-        self.cache: KVCache | None = model.new_cache()
+        self.owner = owner
+        self.cache: KVCache | None = None
         self._held: list[int] = []  # tokens whose K/V the cache holds
+        self._closed = False
+        self._sound = True  # False while a forward runs: a failed one leaves the cache unknown
 
     def _forward(self, ids: Sequence[int], start: int) -> torch.Tensor:
         assert self.cache is not None
         m = self.model
+        self._sound = False
         x = m.embed(torch.tensor([list(ids)], dtype=torch.long))
         h = m.forward_ragged(x, [Span(self.cache, start, len(ids))])
         self._held = self._held[:start] + list(ids)
+        self._sound = True
         return m.head(h[0, -1:]).float()[0]
 
     def propose(self, tokens: Sequence[int], k: int, sampler: Sampler) -> Draft:
-        if self.cache is None:
+        if self._closed:
             raise RuntimeError("this drafter is closed")
-        n = 0
-        m = min(len(self._held), len(tokens) - 1)  # at least the last token is fed
-        while n < m and self._held[n] == tokens[n]:
-            n += 1
+        if self.cache is None:
+            kept = self.owner.take(tokens) if self.owner is not None else None
+            self._held, self.cache = kept if kept is not None else ([], self.model.new_cache())
+        n = _common(self._held, tokens[: len(tokens) - 1])  # at least the last token is fed
         if 0 < n < self.cache.restart_floor():
             n = 0  # a sliding-window draft cache dropped what restarting at n needs
         out: list[int] = []
@@ -114,4 +159,7 @@ class ModelDrafter:
         return Draft(tuple(out), None if greedy or not qs else torch.stack(qs), fed)
 
     def close(self) -> None:
-        self.cache, self._held = None, []
+        cache, held = self.cache, self._held
+        self.cache, self._held, self._closed = None, [], True
+        if self.owner is not None and cache is not None and self._sound:
+            self.owner.give(held[: cache.length] if cache.length < len(held) else held, cache)

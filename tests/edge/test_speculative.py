@@ -188,6 +188,52 @@ def test_greedy_draft_model_is_identical() -> None:
     assert m["spec_accepted_tokens_total"] == m["spec_draft_tokens_total"] > 0
 
 
+def test_draft_model_keeps_finished_caches_for_shared_prefixes() -> None:
+    """A finished request's draft cache is kept: the next request with the same prompt reads
+    only its last token into the draft model, and proposes exactly what a fresh drafter does;
+    at most ``keep`` caches are kept, none with keep=0, and a cache a failed forward left
+    half-written is dropped."""
+    draft = _model(seed=2, num_hidden_layers=1)
+    greedy = Sampler(SamplingParams(max_tokens=8))
+    ids = list(PROMPTS[1].encode())
+    dm = DraftModel(draft, ByteTokenizer(), keep=2)
+    first = dm.drafter()
+    a = first.propose(ids, 4, greedy)
+    assert a.fed == len(ids) + 3  # the whole prompt, then one position per proposal but the last
+    first.close()
+    second = dm.drafter()
+    b = second.propose(ids, 4, greedy)
+    assert b.tokens == a.tokens and b.fed == 1 + 3  # the kept cache: only the last token again
+    fresh = DraftModel(draft, ByteTokenizer(), keep=0).drafter()
+    assert fresh.propose(ids, 4, greedy).tokens == a.tokens
+    second.close()
+    # a longer prompt sharing the first one reads only what it adds
+    longer = dm.drafter()
+    assert longer.propose(ids + [65, 66], 2, greedy).fed == 2 + 1
+    longer.close()
+    other = [dm.drafter() for _ in range(3)]
+    for i, d in enumerate(other):
+        d.propose([70 + i, 71], 1, greedy)
+        d.close()
+    assert len(dm._pool) == 2  # the oldest left: keep=2
+    off = DraftModel(draft, ByteTokenizer(), keep=0)
+    d = off.drafter()
+    d.propose(ids, 1, greedy)
+    d.close()
+    assert off._pool == []
+    with pytest.raises(ConfigError):
+        DraftModel(draft, ByteTokenizer(), keep=-1)
+    broken = DraftModel(draft, ByteTokenizer(), keep=2)
+    d = broken.drafter()
+    d.propose(ids, 1, greedy)
+    with pytest.raises(IndexError):
+        d.propose(ids + [10**6], 1, greedy)  # an id outside the vocabulary: the forward fails
+    d.close()
+    assert broken._pool == []
+    with pytest.raises(RuntimeError, match="closed"):
+        d.propose(ids, 1, greedy)
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_rollback_keeps_cache_consistent_across_requests() -> None:
