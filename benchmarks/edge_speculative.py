@@ -289,10 +289,18 @@ def _pair_arms(
 
 
 def _pair_prompts() -> dict[str, list[int]]:
-    """The workloads as the pair's byte tokens."""
+    """The workloads as the pair's byte tokens, and ``held-out-text``: the pair's own kind of
+    text, 12 lines of the Shakespeare sample's evaluation split (its last tenth, which neither
+    model was trained on) from the first line break after 95 % of the sample."""
+    from lowband import SAMPLE_TEXT
     from lowband.models.tokenizer import ByteTokenizer
 
-    return {w: ByteTokenizer().encode(t) for w, t in WORKLOADS.items()}
+    out = {w: ByteTokenizer().encode(t) for w, t in WORKLOADS.items()}
+    text = SAMPLE_TEXT.read_bytes()
+    start = text.index(b"\n", int(len(text) * 0.95)) + 1
+    lines = text[start:].split(b"\n", 12)[:12]
+    out["held-out-text"] = list(b"\n".join(lines) + b"\n")
+    return out
 
 
 def _merge(into: dict, more: dict) -> None:
