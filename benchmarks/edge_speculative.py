@@ -290,16 +290,19 @@ def _pair_arms(
 
 def _pair_prompts() -> dict[str, list[int]]:
     """The workloads as the pair's byte tokens, and ``held-out-text``: the pair's own kind of
-    text, 12 lines of the Shakespeare sample's evaluation split (its last tenth, which neither
-    model was trained on) from the first line break after 95 % of the sample."""
+    text, the whole lines of the Shakespeare sample's evaluation split (its last tenth, which
+    neither model was trained on) that fit 64 bytes from the first line break after 95 % of
+    the sample. The pair learned from 128-byte windows: this prompt and 64 generated tokens
+    stay within what they learned, as free text does (107 positions); code edits do not (676
+    positions, a language the pair never saw)."""
     from lowband import SAMPLE_TEXT
     from lowband.models.tokenizer import ByteTokenizer
 
     out = {w: ByteTokenizer().encode(t) for w, t in WORKLOADS.items()}
     text = SAMPLE_TEXT.read_bytes()
     start = text.index(b"\n", int(len(text) * 0.95)) + 1
-    lines = text[start:].split(b"\n", 12)[:12]
-    out["held-out-text"] = list(b"\n".join(lines) + b"\n")
+    end = text.rindex(b"\n", start, start + 64) + 1
+    out["held-out-text"] = list(text[start:end])
     return out
 
 

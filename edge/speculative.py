@@ -244,10 +244,16 @@ class DraftLength:
     config: SpecConfig
     alpha: float = 0.6  # prior before any pass
     weight: float = 0.1  # forgetting per tested draft token
+    prior: float = 2.0
+    """The prior's weight, in tested tokens: the t-th token a request tests moves α by
+    max(weight, 1 / (prior + t)), so a new request's first drafts tell it its acceptance
+    (a mean over what it has seen) instead of leaving it near the prior for dozens of tokens;
+    past ``1 / weight - prior`` tokens α forgets at ``weight`` per token."""
     gain: float = 1.03  # a draft must promise this many tokens per plain pass's cost
     probe: int = 16
     draft_s: float = 0.0  # seconds the drafter takes per proposed token (running average)
     _idle: int = field(default=0, repr=False)  # plain passes since the last draft
+    _tested: int = field(default=0, repr=False)  # draft tokens put to the test so far
     _proposed: bool = field(default=False, repr=False)
 
     def observe_drafting(self, tokens: int, seconds: float, proposed: int | None = None) -> None:
@@ -271,8 +277,15 @@ class DraftLength:
         if drafted <= 0:
             return
         trials = accepted + (accepted < drafted)
-        keep = (1.0 - self.weight) ** trials
+        keep = 1.0
+        for _ in range(trials):
+            keep *= 1.0 - self._step()
         self.alpha = keep * self.alpha + (1.0 - keep) * (accepted / trials)
+
+    def _step(self) -> float:
+        """The weight of the next tested token (see ``prior``)."""
+        self._tested += 1
+        return max(self.weight, 1.0 / (self.prior + self._tested))
 
     def observe_shadow(self, accepted: bool) -> None:
         """A one-token proposal not sent for verification, compared with the token the
@@ -280,8 +293,8 @@ class DraftLength:
         the target's own draw is d: greedy or sampled, the same test); a probe is not needed
         while these come."""
         self._idle = 0
-        keep = 1.0 - self.weight
-        self.alpha = keep * self.alpha + (1.0 - keep) * float(accepted)
+        w = self._step()
+        self.alpha = (1.0 - w) * self.alpha + w * float(accepted)
 
     def choose(self, cost: PassCost, batch: int = 1, added: int = 0) -> int:
         """k for the next pass of a sequence decoding in a pass of ``batch`` sequences, to

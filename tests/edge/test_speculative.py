@@ -392,6 +392,20 @@ def test_draft_length_follows_acceptance() -> None:
     est.observe(8, 2)
     assert est.alpha == pytest.approx(0.5 * 0.125 + (2 / 3) * 0.875)
     assert DraftLength(SpecConfig(draft_max=6, adaptive=False), alpha=0.0).choose(cost) == 6
+    # a request's first tested tokens weigh like a mean over what it has seen (prior 2):
+    # two kept tokens take α from 0.6 to 0.8 (by weight 0.1 alone: 0.676), later ones forget
+    # at the weight
+    new = DraftLength(cfg, alpha=0.6)
+    new.observe(2, 2)
+    assert new.alpha == pytest.approx(0.5 * 0.6 + 0.5 * 1.0)
+    for _ in range(40):
+        new.observe(1, 1)
+    before = new.alpha
+    new.observe(1, 0)
+    assert new.alpha == pytest.approx(0.9 * before)
+    shadow = DraftLength(cfg, alpha=0.6)
+    shadow.observe_shadow(False)
+    assert shadow.alpha == pytest.approx(0.6 * (1 - 1 / 3))
     with pytest.raises(ConfigError):
         SpecConfig(draft_max=ROWWISE_ROWS)
     with pytest.raises(ConfigError):
@@ -497,7 +511,7 @@ def test_shadow_proposals_track_acceptance_without_probes() -> None:
     ks = []
     for i in range(3 * d.probe):
         ks.append(d.choose(cost, batch=8))
-        d.observe_shadow(i % 10 < 3)  # 30 % of the guesses were the emitted token
+        d.observe_shadow(i % 10 >= 7)  # 30 % of the guesses were the emitted token
     assert 0.2 < d.alpha < 0.45
     assert ks == [0] * len(ks)  # no draft, not even a probe, while the shadows come
     ks = [d.choose(cost, batch=8) for _ in range(d.probe)]
