@@ -44,6 +44,7 @@ import argparse
 import json
 import os
 import platform
+import random
 import statistics
 import subprocess
 import sys
@@ -52,7 +53,7 @@ import threading
 import time
 import urllib.request
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -324,17 +325,20 @@ def run(
     prompts: dict[str, Any],
     n: int,
     repeats: int,
+    settle: float = 0.0,
 ) -> dict:
-    """Every arm on every workload, ``repeats`` rounds, arm order rotated each round."""
+    """Every arm on every workload, ``repeats`` rounds, the arms in a new order each round
+    (:func:`_order`), each measured call after ``settle`` seconds of quiet (:func:`_settle`)."""
     names = list(arms)
     raw: dict[str, dict[str, list[dict]]] = {w: {a: [] for a in names} for w in prompts}
     for w, ids in prompts.items():  # warm-up: first calls pay for allocation, tables
         for a in names:
             arms[a](ids, min(n, 8))
     for rep in range(repeats):
-        order = names[rep % len(names) :] + names[: rep % len(names)]
+        order = _order(names, rep)
         for w, ids in prompts.items():
             for a in order:
+                _settle(settle)
                 r = arms[a](ids, n)
                 raw[w][a].append(r)
                 print(
@@ -362,6 +366,22 @@ def run(
                 res[a]["speedup"] = round(res[a]["tok_s"]["median"] / res[b]["tok_s"]["median"], 3)
         out[w] = res
     return out
+
+
+def _order(names: Sequence[str], rep: int) -> list[str]:
+    """Round ``rep``'s order of the arms: shuffled by a generator seeded with ``rep`` (a
+    rotation keeps each arm behind the same neighbour in every round, and an arm that runs
+    just after another process's arm inherits its threads' spinning: llama-server's workers
+    poll for a while after a request)."""
+    out = list(names)
+    random.Random(rep).shuffle(out)
+    return out
+
+
+def _settle(seconds: float) -> None:
+    """Let the arm that ran last go quiet (its threads stop polling) before the next one."""
+    if seconds > 0:
+        time.sleep(seconds)
 
 
 def _base(arm: str) -> str:
@@ -460,8 +480,8 @@ def _wan_prompts(tiny: bool, pair: str = "none") -> dict[str, str] | dict[str, l
 
 def run_wan(profile: str, model: str, a: argparse.Namespace, draft: str | None = None) -> dict:
     """Every arm of :func:`_wan_arms` started on one testbed, then ``a.repeats`` rounds, the
-    arms' order rotated each round (each round: every workload, then the streams). ``draft``:
-    the draft model file of the ``/draft`` arms (``--pair``)."""
+    arms in a new order each round (:func:`_order`; each round: every workload, then the
+    streams). ``draft``: the draft model file of the ``/draft`` arms (``--pair``)."""
     names = _wan_arms(a)
     from benchmarks.edge_wan import PROFILES, Arm, Bench
     from transport.links.tun.calibrate import measure_rtt
@@ -509,8 +529,8 @@ def run_wan(profile: str, model: str, a: argparse.Namespace, draft: str | None =
             for name in names:  # warm-up: first requests pay for allocation, tables
                 client(name, min(a.tokens, 8), 0)
             for rep in range(a.repeats):
-                order = list(names[rep % 4 :] + names[: rep % 4])
-                for name in order:
+                for name in _order(names, rep):
+                    _settle(a.settle)
                     for w, r in client(name, a.tokens, a.streams).items():
                         raw.setdefault(w, {n: [] for n in names})[name].append(r)
                         print(
@@ -628,6 +648,7 @@ def _wan_main(a: argparse.Namespace, args: list[str]) -> int:
             "repeats": a.repeats,
             "draft_max": a.draft_max,
             "streams": a.streams,
+            "settle_s": a.settle,
             "seconds": round(time.time() - t, 1),
         },
         "notes": "greedy, ignore_eos, one streamed completion per workload and arm per round "
@@ -672,6 +693,12 @@ def main(argv: list[str] | None = None) -> int:
         "--streams", type=int, default=8, help="concurrent streams of the aggregate arm (0: none)"
     )
     p.add_argument("--stream-tokens", type=int, default=64)
+    p.add_argument(
+        "--settle",
+        type=float,
+        default=0.5,
+        help="seconds of quiet before each measured call (another arm's threads stop polling)",
+    )
     p.add_argument(
         "--omp-wait",
         choices=("cli", "libgomp"),
@@ -788,21 +815,27 @@ def main(argv: list[str] | None = None) -> int:
             stream_arms[f"{name}/lookup"] = lambda p, n, e=on: _streams(e, p, n)
     pair_info = None
     try:
-        result = run(arms, prompts, a.tokens, a.repeats) if arms else {}
+        result = run(arms, prompts, a.tokens, a.repeats, a.settle) if arms else {}
         if a.pair != "none":
             pair_arms, pair_files, pair_info, pair_streams = _pair_arms(a, cfg, servers)
             files.update(pair_files)
             pair_prompts = _pair_prompts()
             pair_info["prompt_tokens"] = {w: len(i) for w, i in pair_prompts.items()}
-            _merge(result, run(pair_arms, pair_prompts, a.tokens, a.repeats))
+            _merge(result, run(pair_arms, pair_prompts, a.tokens, a.repeats, a.settle))
             if pair_streams:
                 mixed = [
                     list(pair_prompts.values())[i % len(pair_prompts)] for i in range(a.streams)
                 ]
-                got = run(pair_streams, {f"{a.streams}-streams": mixed}, a.stream_tokens, a.repeats)
+                got = run(
+                    pair_streams,
+                    {f"{a.streams}-streams": mixed},
+                    a.stream_tokens,
+                    a.repeats,
+                    a.settle,
+                )
                 _merge(result, got)
         if stream_arms:
-            _merge(result, run(stream_arms, stream_prompts, a.stream_tokens, a.repeats))
+            _merge(result, run(stream_arms, stream_prompts, a.stream_tokens, a.repeats, a.settle))
     finally:
         for s in servers:
             s.__exit__()
@@ -835,6 +868,7 @@ def main(argv: list[str] | None = None) -> int:
             **({"pair": pair_info} if pair_info else {}),
             "streams": a.streams,
             "stream_tokens": a.stream_tokens,
+            "settle_s": a.settle,
         },
         "notes": "greedy, ignore_eos; llama-server lookup = --spec-type ngram-simple, draft = "
         "-md with the same --spec-draft-n-max; ours adapts k in [0, draft_max] (0: a plain "

@@ -12,7 +12,12 @@ from benchmarks import edge_speculative
 
 @pytest.mark.timeout(300)
 def test_edge_speculative_tiny(capsys: pytest.CaptureFixture[str]) -> None:
-    assert edge_speculative.main(["--tiny", "--tokens", "12", "--repeats", "1", "--json"]) == 0
+    assert (
+        edge_speculative.main(
+            ["--tiny", "--tokens", "12", "--repeats", "1", "--settle", "0", "--json"]
+        )
+        == 0
+    )
     rec = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert rec["benchmark"] == "edge_speculative"
     # the arms ran under the command line's OpenMP wait (in a child where this process lacked it)

@@ -21,6 +21,7 @@ needs_tun = pytest.mark.skipif(available() is not None, reason=f"tun: {available
 @needs_tun
 def test_speculation_across_devices_over_the_emulated_link() -> None:
     args = ["--wan", "ethernet", "--tiny", "--repeats", "1", "--tokens", "8", "--streams", "2"]
+    args += ["--settle", "0"]
     rec = run_json_module("benchmarks.edge_speculative", *args, "--json", timeout=390)
     wan = rec["result"]["wan"]
     assert wan["measured_rtt"]["median_ms"] > 0
@@ -40,7 +41,7 @@ def test_speculation_across_devices_over_the_emulated_link() -> None:
 @needs_tun
 def test_draft_model_across_devices_over_the_emulated_link(tmp_path: Path) -> None:
     args = ["--wan", "ethernet", "--pair", "tiny", "--pair-cache", str(tmp_path)]
-    args += ["--repeats", "1", "--tokens", "8", "--streams", "0"]
+    args += ["--repeats", "1", "--tokens", "8", "--streams", "0", "--settle", "0"]
     rec = run_json_module("benchmarks.edge_speculative", *args, "--json", timeout=390)
     result = rec["result"]
     assert result["model"].endswith("target-f32.gguf")

@@ -22,7 +22,8 @@ def test_recipe_key_names_the_recipe(monkeypatch: pytest.MonkeyPatch) -> None:
 @pytest.mark.timeout(600)
 def test_edge_speculative_trained_pair(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     argv = ["--pair", "tiny", "--pair-only", "--pair-cache", str(tmp_path), "--no-llama-server"]
-    argv += ["--streams", "2", "--stream-tokens", "8", "--tokens", "10", "--repeats", "1", "--json"]
+    argv += ["--streams", "2", "--stream-tokens", "8", "--tokens", "10", "--repeats", "1"]
+    argv += ["--settle", "0", "--json"]
     assert edge_speculative.main(argv) == 0
     rec = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     pair = rec["result"]["pair"]
