@@ -291,6 +291,22 @@ def load() -> Any:
         return _module
 
 
+@contextlib.contextmanager
+def serial() -> Iterator[None]:
+    """Within the block this thread's kernel calls run on it alone, not on the pool (the same
+    bits): for a model so small that a parallel section's wake-up costs more than the work it
+    splits, e.g. a speculative draft model. Nothing changes where the extension is missing."""
+    mod = load()
+    if mod is None:
+        yield
+        return
+    was = mod.set_serial(True)
+    try:
+        yield
+    finally:
+        mod.set_serial(was)
+
+
 def available() -> bool:
     """Whether the C++ kernel is usable (builds/loads it on first call)."""
     return load() is not None

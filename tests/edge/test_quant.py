@@ -22,6 +22,7 @@ import platform
 import shutil
 import subprocess
 import sys
+import threading
 from dataclasses import asdict
 from pathlib import Path
 
@@ -299,6 +300,20 @@ def test_kernel_pool_runs_on_the_torch_thread_count(threads: int) -> None:
         assert mod.pool_threads(1) == 1  # one item: no worker is woken
         for _ in range(200):  # back-to-back jobs (workers spinning) and a job after a nap
             assert mod.pool_threads(8) == threads
+        with kernel.serial():  # this thread's jobs on it alone (a small draft model's)
+            assert mod.pool_threads(64) == 1
+            seen: list[int] = []  # another thread meanwhile still uses the pool
+
+            def other() -> None:
+                torch.set_num_threads(2)
+                seen.append(mod.pool_threads(64))
+
+            t = threading.Thread(target=other)
+            t.start()
+            t.join(timeout=30)
+            assert seen == [2]
+            torch.set_num_threads(threads)
+        assert mod.pool_threads(64) == threads  # restored on leaving the block
     finally:
         torch.set_num_threads(before)
 

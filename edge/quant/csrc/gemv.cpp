@@ -263,5 +263,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("isa", &isa, "SIMD path compiled in");
   m.def("pool_threads", &pool_threads, "test hook: distinct threads that ran an n-item job on the kernels' pool",
         py::arg("n"));
+  m.def(
+      "set_serial",
+      [](bool on) {
+        const bool was = lbq::serial();
+        lbq::serial() = on;
+        return was;
+      },
+      "this thread's kernels run on it alone (True) or on the pool; returns the previous setting", py::arg("on"));
   init_decode(m);
 }

@@ -175,6 +175,14 @@ class Pool {
   std::exception_ptr error_;
 };
 
+// Per calling thread: run every range on the caller alone. For a model so small that waking
+// the other threads costs more than they save (a speculative draft model beside its target);
+// set from Python around such calls (set_serial). The outputs are the same bits either way.
+inline bool& serial() {
+  static thread_local bool on = false;
+  return on;
+}
+
 // The kernels' thread count: torch's intra-op threads (torch.set_num_threads / --threads).
 inline int num_threads() {
   return std::max(1, at::get_num_threads());
@@ -184,6 +192,10 @@ inline int num_threads() {
 // items (at::parallel_for's split), on the persistent pool.
 template <class F>
 inline void parallel_for(int64_t begin, int64_t end, int64_t grain, const F& f) {
+  if (serial()) {
+    if (begin < end) f(begin, end);
+    return;
+  }
 #if defined(_OPENMP)
   at::parallel_for(begin, end, grain, f);
 #else
