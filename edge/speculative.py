@@ -153,7 +153,7 @@ class PassCost:
             if per_row > 0 and base > 0:
                 self._fit = (base, per_row)
         old = self._by_rows.get(rows)
-        self._by_rows[rows] = seconds if old is None else 0.8 * old + 0.2 * seconds
+        self._by_rows[rows] = seconds if old is None else _toward(old, seconds)
         self._passes += 1
         self._seen[rows] = self._passes
         self._table = None
@@ -205,6 +205,15 @@ class PassCost:
         if share is None or base is None or more is None or share <= 0:
             return 1.0 + (rows - 1) * self.PRIOR
         return 1.0 + max(more - base, 0.0) / (share / batch)
+
+
+def _toward(mean: float, seconds: float) -> float:
+    """A running mean of timings moved toward a new one: by half when it is faster, by a tenth
+    when slower. Noise on a shared machine only ever adds time (another process's turn on
+    the core, a page fault), so one slow pass must not make a row count, which may not be
+    measured again for a while, look dear (a draft length that is never chosen keeps its
+    cost), while a machine that got faster is believed at once."""
+    return mean + (0.5 if seconds < mean else 0.1) * (seconds - mean)
 
 
 def _non_decreasing(ys: list[float]) -> list[float]:
@@ -271,7 +280,7 @@ class DraftLength:
         k = tokens if proposed is None else proposed
         if k > 0 and tokens <= k + 1:
             per = seconds / k
-            self.draft_s = per if self.draft_s == 0.0 else 0.8 * self.draft_s + 0.2 * per
+            self.draft_s = per if self.draft_s == 0.0 else _toward(self.draft_s, per)
 
     def observe(self, drafted: int, accepted: int) -> None:
         if drafted <= 0:

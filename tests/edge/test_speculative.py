@@ -412,6 +412,25 @@ def test_draft_length_follows_acceptance() -> None:
         SpecConfig(draft_max=3, draft_min=4)
 
 
+def test_timings_believe_a_faster_pass_sooner_than_a_slower_one() -> None:
+    """A shared machine's noise only adds time: one slow pass moves a row count's cost by a
+    tenth of the difference, a faster one by half (so a draft length seldom chosen does not
+    keep a hiccup's cost)."""
+    cost = PassCost()
+    cost.observe(3, 1.0)
+    cost.observe(3, 3.0)  # a hiccup
+    assert cost.seconds(3) == pytest.approx(1.2)
+    cost.observe(3, 0.6)
+    assert cost.seconds(3) == pytest.approx(0.9)
+    d = DraftLength(SpecConfig(draft_max=4))
+    d.observe_drafting(9, 1.0, 4)  # the first proposal read the prompt: not counted
+    d.observe_drafting(4, 0.4, 4)
+    d.observe_drafting(4, 4.0, 4)
+    assert d.draft_s == pytest.approx(0.1 + 0.1 * 0.9)
+    d.observe_drafting(4, 0.2, 4)
+    assert d.draft_s == pytest.approx(0.19 + 0.5 * (0.05 - 0.19))
+
+
 def test_penalised_requests_are_not_drafted() -> None:
     assert drafting_allowed(SamplingParams())
     assert drafting_allowed(SamplingParams(temperature=0.7, top_k=40, top_p=0.9))
