@@ -140,6 +140,7 @@ class PassCost:
         self._table: tuple[list[int], list[float]] | None = None  # seconds()'s, per observe
         self._passes = 0
         self._seen: dict[int, int] = {}  # R -> the pass that last had R rows
+        self._memo: dict[tuple[int, int, int], list[float]] = {}  # relatives(), per observe
 
     def observe(self, rows: int, seconds: float) -> None:
         x, keep = float(rows), 1.0 - self.weight
@@ -157,6 +158,7 @@ class PassCost:
         self._passes += 1
         self._seen[rows] = self._passes
         self._table = None
+        self._memo = {}
 
     def seconds(self, rows: int) -> float | None:
         """Expected seconds of a pass of ``rows`` rows (None before any pass): the running
@@ -183,6 +185,26 @@ class PassCost:
             return ys[j]
         f = (rows - xs[j - 1]) / (xs[j] - xs[j - 1])
         return ys[j - 1] + f * (ys[j] - ys[j - 1])
+
+    def relatives(self, most: int, batch: int = 1, added: int = 0) -> list[float]:
+        """``[relative(k + 1, batch, added) for k in range(most + 1)]``, computed once per
+        measurement: a step asks it for every sequence, and beside a batch of eight the
+        same list dozens of times (a Python loop over the table that would cost the step
+        more than a tenth of a millisecond each time)."""
+        key = (most, batch, added)
+        memo = self._memo
+        got = memo.get(key)
+        if got is None:
+            got = [self.relative(k + 1, batch, added) for k in range(most + 1)]
+            memo[key] = got
+        return got
+
+    def largest(self) -> int | None:
+        """The most rows of a pass measured lately (in the last ``HORIZON`` passes)."""
+        if not self._by_rows:
+            return None
+        recent = self._passes - self.HORIZON
+        return max(r for r in self._by_rows if self._seen[r] > recent)
 
     def share_s(self, batch: int = 1) -> float | None:
         """Seconds of one sequence's one-row share of a pass of ``batch`` sequences."""
@@ -313,7 +335,14 @@ class DraftLength:
             return c.draft_max
         share = cost.share_s(batch)
         drafting = self.draft_s / share if share else 0.0  # per draft token, in plain passes
-        costs = [cost.relative(k + 1, batch, added) + k * drafting for k in range(c.draft_max + 1)]
+        rel = cost.relatives(c.draft_max, batch, added)
+        costs = [r + k * drafting for k, r in enumerate(rel)]
+        # a pass at most EXPLORE rows larger than any measured lately: past them the cost is
+        # extrapolated, and a batch's rows can cost far more than the line through smaller
+        # passes says (the kernels' row tiles), so k grows as the passes it needs are timed
+        largest = cost.largest()
+        room = (batch if largest is None else largest) + self.EXPLORE - batch - added
+        costs = costs[: max(room, 0) + 1]
         best = self._best(min(max(self.alpha, 0.0), self.ALPHA_MAX), costs)
         if best == 0:
             # a probe only where some acceptance would make a draft pay: else what it would
@@ -331,12 +360,14 @@ class DraftLength:
 
     ALPHA_MAX = 0.99
     """The highest acceptance rate the choice assumes (a draft is never sure)."""
+    EXPLORE = 2
+    """Rows a pass may have beyond the largest measured lately (see :meth:`choose`)."""
 
     def _best(self, a: float, costs: list[float]) -> int:
         """The k in [k_min, k_max] of the most expected tokens per cost (``costs[k]``, in
         plain passes), 0 when none beats a plain pass by ``gain``."""
         best, best_v = 0, self.gain
-        for k in range(self.config.draft_min, self.config.draft_max + 1):
+        for k in range(self.config.draft_min, min(self.config.draft_max, len(costs) - 1) + 1):
             v = (1.0 - a ** (k + 1)) / (1.0 - a) / costs[k]
             if v > best_v + 1e-9:
                 best, best_v = k, v

@@ -357,7 +357,11 @@ def test_draft_length_follows_acceptance() -> None:
     for _ in range(60):
         hi.observe(8, 8)
         lo.observe(8, 0)
+    assert hi.choose(cost) == 2  # nothing timed yet: a pass of at most EXPLORE rows more
+    cost.observe(1, 1.0)
+    cost.observe(11, 1.05)
     assert hi.choose(cost) == 10
+    cost = PassCost()
     # drafts that are all rejected: plain one-token passes, a k_min probe every `probe` passes
     assert [lo.choose(cost) for _ in range(2 * lo.probe)].count(2) == 2
     assert lo.choose(cost) == 0
@@ -410,6 +414,28 @@ def test_draft_length_follows_acceptance() -> None:
         SpecConfig(draft_max=ROWWISE_ROWS)
     with pytest.raises(ConfigError):
         SpecConfig(draft_max=3, draft_min=4)
+
+
+def test_draft_length_grows_as_larger_passes_are_timed() -> None:
+    """k keeps a pass within EXPLORE rows of the largest measured: a single stream starts at
+    k = 2 and grows as its verification passes are timed; beside a batch of 8 plain rows a
+    sequence may add 2, and once another added them, none."""
+    cfg = SpecConfig(draft_max=8)
+    cost = PassCost()
+    cost.observe(1, 1.0)
+    sure = DraftLength(cfg, alpha=0.95)
+    assert sure.choose(cost) == 2
+    cost.observe(3, 1.05)
+    assert sure.choose(cost) == 4
+    for rows in (5, 7, 9):
+        cost.observe(rows, 1.0 + 0.02 * rows)
+    assert sure.choose(cost) == 8
+    assert cost.relatives(8) == [cost.relative(k + 1) for k in range(9)]
+    batch = PassCost()
+    for _ in range(3):
+        batch.observe(8, 1.0)
+    assert DraftLength(cfg, alpha=0.95).choose(batch, batch=8) <= 2
+    assert DraftLength(cfg, alpha=0.95).choose(batch, batch=8, added=2) == 0
 
 
 def test_timings_believe_a_faster_pass_sooner_than_a_slower_one() -> None:
