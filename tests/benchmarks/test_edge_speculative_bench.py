@@ -30,3 +30,23 @@ def test_edge_speculative_tiny(capsys: pytest.CaptureFixture[str]) -> None:
     streams = rec["result"]["workloads"]["8-streams"]  # 8 requests decoding together
     assert streams["lowband-tiny/off"]["tok_s"]["median"] > 0
     assert streams["lowband-tiny/lookup"]["speedup"] > 0
+
+
+def test_wan_pair_arms_use_the_draft_model_on_byte_prompts() -> None:
+    """``--wan PROFILE --pair``: the draft model's arms replace prompt lookup, and the
+    prompts go as the pair's byte ids (its GGUF files carry placeholder token names); the
+    held-out prompt fits the 128 positions the pair learned."""
+    import argparse
+
+    arms = edge_speculative._wan_arms(argparse.Namespace(pair="trained"))
+    assert arms == ("single/off", "single/draft", "pipeline/off", "pipeline/draft")
+    assert edge_speculative._wan_arms(argparse.Namespace(pair="none")) == edge_speculative.WAN_ARMS
+    ids = edge_speculative._wan_prompts(False, "trained")
+    assert set(ids) == {"code-edit", "free-text", "held-out-text"}
+    assert all(isinstance(t, int) and 0 <= t < 256 for p in ids.values() for t in p)
+    assert len(ids["held-out-text"]) + 64 <= 128
+    tiny = edge_speculative._wan_prompts(False, "tiny")
+    assert all(len(p) <= 120 for p in tiny.values())
+    assert edge_speculative._wan_prompts(True) == {
+        w: t[:120] for w, t in edge_speculative.WORKLOADS.items()
+    }

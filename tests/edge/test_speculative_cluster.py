@@ -6,8 +6,10 @@ rolled back on every stage; with lanes, a draft's cost is weighed against the wh
 from __future__ import annotations
 
 import pytest
+import torch
 
 from edge.cluster.master import MasterRunner
+from edge.draft import DraftModel
 from edge.engine import Engine, LocalRunner
 from edge.lookup import LookupDrafter
 from edge.sampling import SamplingParams
@@ -36,12 +38,25 @@ def _lookup() -> Speculation:
     return Speculation(SpecConfig(draft_max=6, adaptive=False), LookupDrafter)
 
 
+def _draft_model() -> Speculation:
+    """A draft model on the master (``--draft``): the target's weights with its head moved
+    by noise, so its drafts are partly kept and partly rejected."""
+    draft = _model()
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        w = draft.lm_head.weight
+        w.add_(torch.randn(w.shape, generator=g) * 0.3)
+    dm = DraftModel(draft, ByteTokenizer())
+    return Speculation(SpecConfig(draft_max=6, adaptive=False), dm.drafter)
+
+
 def _texts(engine: Engine, params: SamplingParams) -> list[str]:
     return [engine.complete(p, params)[0] for p in PROMPTS]
 
 
+@pytest.mark.parametrize("drafter", ["lookup", "draft-model"])
 @pytest.mark.parametrize("layout", ["pipeline", "tp"])
-def test_greedy_lookup_across_devices_equals_one_device(tmp_path, layout) -> None:
+def test_greedy_speculation_across_devices_equals_one_device(tmp_path, layout, drafter) -> None:
     d = _ckpt(tmp_path)
     params = SamplingParams(max_tokens=48, ignore_eos=True)
     local = Engine(LocalRunner(load_shard(d).model), ByteTokenizer(), model_name="m")
@@ -52,7 +67,8 @@ def test_greedy_lookup_across_devices_equals_one_device(tmp_path, layout) -> Non
     else:
         runner, workers = _start_cluster(str(d), 2, LoopbackGroup(2, timeout=20))
         assert isinstance(runner, MasterRunner)
-    eng = Engine(runner, ByteTokenizer(), model_name="m", speculation=_lookup())
+    spec = _lookup() if drafter == "lookup" else _draft_model()
+    eng = Engine(runner, ByteTokenizer(), model_name="m", speculation=spec)
     try:
         steps0 = runner.times.steps if layout == "pipeline" else 0
         assert _texts(eng, params) == want
