@@ -238,6 +238,11 @@ class LlamaServer:
 Arms = dict[str, Callable[[Any, int], dict]]
 
 
+def _pair_recipe(pair: str) -> str:
+    """The :data:`benchmarks.spec_pair.RECIPES` entry ``--pair`` names."""
+    return {"tiny": "tiny-pair", "small": "shakespeare-pair-small"}.get(pair, "shakespeare-pair")
+
+
 def _pair_arms(
     a: argparse.Namespace, cfg: SpecConfig, servers: list[LlamaServer]
 ) -> tuple[Arms, dict[str, str], dict, Arms]:
@@ -249,7 +254,7 @@ def _pair_arms(
     from edge.shardio import load_shard
     from lowband.models.tokenizer import ByteTokenizer
 
-    name = {"tiny": "tiny-pair", "small": "shakespeare-pair-small"}.get(a.pair, "shakespeare-pair")
+    name = _pair_recipe(a.pair)
     pair = build_pair(name, a.pair_cache)
     if a.pair == "tiny":  # k fixed, as --tiny: the smoke test sees drafts verified
         cfg = SpecConfig(draft_max=a.draft_max, adaptive=False)
@@ -616,9 +621,7 @@ def _wan_main(a: argparse.Namespace, args: list[str]) -> int:
     if a.pair != "none":
         from benchmarks.spec_pair import build_pair
 
-        name = {"tiny": "tiny-pair", "small": "shakespeare-pair-small"}.get(
-            a.pair, "shakespeare-pair"
-        )
+        name = _pair_recipe(a.pair)
         pair = build_pair(name, a.pair_cache)
         model, draft = pair["target"]["f32"], pair["draft"]["f32"]
     elif a.tiny:

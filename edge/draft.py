@@ -15,7 +15,7 @@ import torch
 
 from edge.quant import kernel as qkernel
 from edge.sampling import Sampler
-from edge.speculative import Draft
+from edge.speculative import Draft, common_prefix
 from lowband.errors import ConfigError
 from lowband.models.llama import KVCache, LlamaForCausalLM, Span
 from lowband.models.tokenizer import Tokenizer
@@ -98,7 +98,7 @@ class DraftModel:
         with self._lock:
             best, best_n = -1, 0
             for i, (held, _) in enumerate(self._pool):
-                n = _common(held, tokens)
+                n = common_prefix(held, tokens)
                 if n > best_n:
                     best, best_n = i, n
             return self._pool.pop(best) if best >= 0 else None
@@ -120,13 +120,6 @@ def weight_bytes(model: torch.nn.Module) -> int:
         if id(t) not in seen and not t.is_meta:
             seen.add(id(t))
             n += t.numel() * t.element_size()
-    return n
-
-
-def _common(a: Sequence[int], b: Sequence[int]) -> int:
-    n, m = 0, min(len(a), len(b))
-    while n < m and a[n] == b[n]:
-        n += 1
     return n
 
 
@@ -161,7 +154,7 @@ class ModelDrafter:
         if self.cache is None:
             kept = self.owner.take(tokens) if self.owner is not None else None
             self._held, self.cache = kept if kept is not None else ([], self.model.new_cache())
-        n = _common(self._held, tokens[: len(tokens) - 1])  # at least the last token is fed
+        n = common_prefix(self._held, tokens, len(tokens) - 1)  # at least the last token is fed
         if 0 < n < self.cache.restart_floor():
             n = 0  # a sliding-window draft cache dropped what restarting at n needs
         out: list[int] = []
@@ -191,4 +184,4 @@ class ModelDrafter:
         cache, held = self.cache, self._held
         self.cache, self._held, self._closed = None, [], True
         if self.owner is not None and cache is not None and self._sound:
-            self.owner.give(held[: cache.length] if cache.length < len(held) else held, cache)
+            self.owner.give(held[: cache.length], cache)

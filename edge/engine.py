@@ -50,6 +50,7 @@ from edge.speculative import (
     DraftLength,
     PassCost,
     Speculation,
+    common_prefix,
     drafting_allowed,
     verify,
 )
@@ -527,13 +528,6 @@ class _Slot:
     used: float = 0.0  # last release time (LRU)
 
 
-def _common_prefix(a: Sequence[int], b: Sequence[int], limit: int) -> int:
-    n, m = 0, min(len(a), len(b), limit)
-    while n < m and a[n] == b[n]:
-        n += 1
-    return n
-
-
 class Engine:
     """Tokenise, schedule, batch, sample, detokenise, stop. Thread-safe."""
 
@@ -768,7 +762,7 @@ class Engine:
             held = b.slot_length(i)
             if held < len(s.tokens):  # the runner dropped it (a cluster regrouped)
                 s.tokens = s.tokens[:held] if held else []
-            p = _common_prefix(s.tokens, r.ids, limit)
+            p = common_prefix(s.tokens, r.ids, limit)
             if 0 < p < b.slot_floor(i):
                 p = 0  # a sliding-window cache dropped keys that restarting at p needs
             # on a tie, a finished slot (reused in place) over a running one (copied from)

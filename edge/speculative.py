@@ -75,6 +75,15 @@ class Drafter(Protocol):
     def close(self) -> None: ...
 
 
+def common_prefix(a: Sequence[int], b: Sequence[int], limit: int | None = None) -> int:
+    """How many leading tokens ``a`` and ``b`` share (at most ``limit``): what a kept KV cache
+    of ``a`` can serve a sequence ``b`` (the engine's slots, a draft model's caches)."""
+    n, m = 0, min(len(a), len(b), len(a) if limit is None else limit)
+    while n < m and a[n] == b[n]:
+        n += 1
+    return n
+
+
 def drafting_allowed(params: SamplingParams) -> bool:
     """Whether a request may be drafted for. Requests whose logits go through a processor
     (repetition penalties, logit_bias, min_p, typical_p, a grammar: ``params.processed``) are
