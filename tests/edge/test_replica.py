@@ -373,11 +373,12 @@ def test_split_pays_by_the_step_costs() -> None:
 
 def _run_streams(eng, prompts, params):
     """Each prompt from its own thread, all admitted together (the scheduler held in a call
-    until they wait); their texts."""
+    until they wait); their texts. ``params``: one SamplingParams for all, or one per prompt."""
+    each = params if isinstance(params, list) else [params] * len(prompts)
     gate, running = threading.Event(), threading.Event()
     eng.call(lambda: (running.set(), gate.wait(20)))
     assert running.wait(20)  # (the scheduler admits what waits before it runs a call)
-    threads = [_Thread(lambda p=p: eng.complete(p, params)) for p in prompts]
+    threads = [_Thread(lambda p=p, q=q: eng.complete(p, q)) for p, q in zip(prompts, each)]
     for t in threads:
         t.start()
     with eng._cv:
@@ -457,22 +458,8 @@ def test_lanes_shrinking_with_steps_in_flight_lose_none(ckpt) -> None:
     runner.lanes_for = lambda active: 2 if active > 4 else 1
     try:
         eng = Engine(runner, ByteTokenizer(), model_name="m", parallel=8)
-        gate, running = threading.Event(), threading.Event()
-        eng.call(lambda: (running.set(), gate.wait(20)))
-        # (the scheduler admits what waits before it runs a call: start nothing until then)
-        assert running.wait(20)
-        threads = [
-            _Thread(lambda p=p, k=k: eng.complete(p, SamplingParams(max_tokens=k)))
-            for p, k in zip(prompts, lens)
-        ]
-        for t in threads:
-            t.start()
-        with eng._cv:
-            assert eng._cv.wait_for(lambda: len(eng._waiting) == len(prompts), timeout=20)
-        gate.set()
-        for t in threads:
-            t.join(30)
-        assert [t.result[0] for t in threads] == want
+        each = [SamplingParams(max_tokens=k) for k in lens]
+        assert _run_streams(eng, prompts, each) == want
         # two steps in flight while eight ran, then one at a time (the last steps: four)
         assert 2 in flying and flying[-3:] == [1, 1, 1], flying
         eng.close()
