@@ -67,8 +67,10 @@ def test_micro_batches_are_contiguous_and_balanced() -> None:
     assert [x for grp in g for x in grp] == list("abc") and all(g)
 
 
-def _start(path, world, **kw):
-    group = LoopbackGroup(world, timeout=20)
+def _start(path, world, group=None, **kw):
+    """A pipeline master over ``world`` devices on ``group`` (a new LoopbackGroup by default),
+    its workers on threads."""
+    group = LoopbackGroup(world, timeout=20) if group is None else group
     comms = group.comms()
     workers = [_Thread(lambda c=c: run_worker(c, WorkerConfig(join_timeout=20))) for c in comms[1:]]
     for w in workers:
@@ -401,14 +403,7 @@ def test_a_lost_stage_worker_is_replaced_and_the_pipeline_reforms(ckpt, world, m
     params = SamplingParams(max_tokens=10)
     want = _greedy(ckpt, ["Once upon"], params)[0]
     group = LoopbackGroup(world, timeout=20)
-    comms = group.comms()
-    workers = [_Thread(lambda c=c: run_worker(c, WorkerConfig(join_timeout=20))) for c in comms[1:]]
-    for w in workers:
-        w.start()
-    cfg = ClusterConfig(
-        devices=world, op_timeout=5.0, join_timeout=20, heartbeat_s=0.3, layout="pipeline"
-    )
-    runner = PipelineRunner(comms[0], str(ckpt), cfg)
+    runner, workers = _start(ckpt, world, group=group)
     eng = Engine(runner, ByteTokenizer(), model_name="m")
     try:
         assert eng.complete("Once upon", params)[0] == want

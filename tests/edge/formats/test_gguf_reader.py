@@ -64,6 +64,11 @@ def _every_type(path: Path) -> Path:
     w.add_array("t.bools", [True, False, True])
     w.add_array("t.none", [])
     w.add_array("t.nested", [[1, 2], [3]])
+    return _with_a_tensor(w, path)
+
+
+def _with_a_tensor(w: gguf.GGUFWriter, path: Path) -> Path:
+    """Add one small tensor after the fields and write the file."""
     w.add_tensor("w", np.arange(12, dtype=np.float32).reshape(3, 4))
     w.write_header_to_file()
     w.write_kv_data_to_file()
@@ -88,12 +93,7 @@ def _tokenizer_file(path: Path) -> Path:
     w.add_uint32("tokenizer.ggml.bos_token_id", 1)
     w.add_string("tokenizer.chat_template", "{{ messages }}")
     w.add_uint32("t.after", 9)
-    w.add_tensor("w", np.arange(12, dtype=np.float32).reshape(3, 4))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return path
+    return _with_a_tensor(w, path)
 
 
 def test_without_the_tokenizer_the_same_fields_less_its_arrays(tmp_path: Path) -> None:
